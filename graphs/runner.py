@@ -1,0 +1,230 @@
+"""Replay one captured step per batch-size bucket (DESIGN.md invariants 1, 4, 5, 6).
+
+`GraphRunner` knows nothing about TTS. It is given `step_fn(b)`, a function that does one step for
+rows `[:b]` of persistent buffers and returns nothing, and it decides for each call with `n` live rows:
+
+* the bucket: the smallest configured bucket >= n (rows n..b-1 are pad rows the caller keeps inert);
+* eager or replay: a bucket is captured only after it has run eagerly once (the warm-up), either on its
+  second use (`capture="lazy"`, the default) or all buckets at start-up, largest first
+  (`capture="startup"`, via `capture_all()`); all buckets share one memory pool;
+* fallback: graphs disabled, n above the largest bucket, or a bucket whose capture failed run eagerly,
+  and each such step is counted. A capture that raises is ended, its graph and pool dropped, logged and
+  counted; the bucket stays eager and the runner keeps serving.
+
+On CUDA the graph is a `torch.cuda.CUDAGraph`. Elsewhere a `StandInGraph` "captures" by remembering the
+call and "replays" by calling `step_fn(b)` again on the same buffers, so the bucket logic, padding,
+buffer discipline, fallback and statistics run (and are tested) on CPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+class StandInGraph:
+    """CPU stand-in for `torch.cuda.CUDAGraph`: replay re-runs the captured call."""
+
+    def __init__(self) -> None:
+        self._fn: Callable[[], None] | None = None
+
+    def capture(self, fn: Callable[[], None]) -> None:
+        self._fn = fn
+
+    def replay(self) -> None:
+        assert self._fn is not None, "replay before capture"
+        self._fn()
+
+
+@dataclass
+class GraphStats:
+    """Counters a benchmark or the metrics endpoint reports."""
+
+    capture_seconds: dict[int, float] = field(default_factory=dict)
+    failed_captures: dict[int, str] = field(default_factory=dict)
+    replays: int = 0
+    eager_steps: int = 0  # every eager step, whatever the reason
+    eager_over_max: int = 0  # batch larger than the largest bucket
+    eager_warmup: int = 0  # first use of a bucket
+    pool_bytes: int = 0  # device memory reserved by captures (CUDA only)
+    replays_by_bucket: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def capture_seconds_total(self) -> float:
+        return sum(self.capture_seconds.values())
+
+    @property
+    def replay_share(self) -> float:
+        total = self.replays + self.eager_steps
+        return self.replays / total if total else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "capture_seconds": dict(self.capture_seconds),
+            "capture_seconds_total": self.capture_seconds_total,
+            "failed_captures": dict(self.failed_captures),
+            "replays": self.replays,
+            "eager_steps": self.eager_steps,
+            "eager_over_max": self.eager_over_max,
+            "eager_warmup": self.eager_warmup,
+            "replay_share": self.replay_share,
+            "pool_bytes": self.pool_bytes,
+        }
+
+
+class GraphRunner:
+    """Pick a bucket per step, capture lazily or at start-up, replay, fall back to eager.
+
+    step_fn: `step_fn(b)` runs one step on rows `[:b]` of persistent buffers, returns None.
+    buckets: batch sizes to capture (sorted, de-duplicated; those above max_batch are dropped).
+    enabled: False runs every step eagerly with b = n (no padding).
+    device: where the buffers live; CUDA graphs on a CUDA device, stand-ins elsewhere.
+    buffer_ptrs: optional callable returning `{name: data_ptr}` of the persistent buffers; checked after
+    every capture and replay so that a reallocated buffer fails loudly instead of replaying stale memory.
+    """
+
+    def __init__(
+        self, step_fn: Callable[[int], None], *, max_batch: int, buckets: Sequence[int] = DEFAULT_BUCKETS,
+        enabled: bool = True, device: torch.device | str = "cpu",
+        buffer_ptrs: Callable[[], dict[str, int]] | None = None,
+    ):  # fmt: skip
+        self.step_fn = step_fn
+        self.device = torch.device(device)
+        self.enabled = enabled
+        self.buckets = sorted({b for b in buckets if 1 <= b <= max_batch})
+        if enabled and not self.buckets:
+            raise ValueError(f"no bucket in {list(buckets)} fits max_batch={max_batch}")
+        self.stats = GraphStats()
+        self.graphs: dict[int, torch.cuda.CUDAGraph | StandInGraph] = {}
+        self._warmed: set[int] = set()
+        self._pool = None
+        self._buffer_ptrs = buffer_ptrs
+        self._ptrs_at_capture: dict[str, int] | None = None
+        self.capturing = False  # True while a capture is being recorded (for fault injection / checks)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def bucket_for(self, n: int) -> int | None:
+        """Smallest bucket >= n, or None when n is above the largest bucket."""
+        i = bisect.bisect_left(self.buckets, n)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def rows_for(self, n: int) -> int:
+        """How many rows a step with n live rows will compute (the bucket, or n when eager)."""
+        if not self.enabled:
+            return n
+        b = self.bucket_for(n)
+        return n if b is None or b in self.stats.failed_captures else b
+
+    # ---- the per-step entry point -------------------------------------------------------------------
+
+    def run(self, n: int) -> int:
+        """Run one step for n live rows; returns the number of rows computed (bucket or n)."""
+        if n <= 0:
+            return 0
+        if not self.enabled:
+            return self._eager(n)
+        b = self.bucket_for(n)
+        if b is None:
+            self.stats.eager_over_max += 1
+            return self._eager(n)
+        if b in self.stats.failed_captures:
+            return self._eager(n)
+        if b not in self.graphs:
+            if b not in self._warmed:
+                self._warmed.add(b)
+                self.stats.eager_warmup += 1
+                return self._eager(b)
+            self._capture(b)
+            if b not in self.graphs:  # capture failed: this step still has to run
+                return self._eager(b)
+        self.graphs[b].replay()
+        self.stats.replays += 1
+        self.stats.replays_by_bucket[b] = self.stats.replays_by_bucket.get(b, 0) + 1
+        self._check_ptrs()
+        return b
+
+    def capture_all(self) -> None:
+        """Warm up and capture every bucket now, largest first (start-up capture).
+
+        The caller must leave every row inert (pad rows): warm-up runs the real step on them.
+        """
+        if not self.enabled:
+            return
+        for b in sorted(self.buckets, reverse=True):
+            if b in self.graphs or b in self.stats.failed_captures:
+                continue
+            if b not in self._warmed:
+                self._warmed.add(b)
+                self._eager(b, counted=False)
+            self._capture(b)
+
+    # ---- internals -----------------------------------------------------------------------------------
+
+    def _eager(self, b: int, counted: bool = True) -> int:
+        if self.is_cuda:
+            with torch.cuda.device(self.device):
+                self.step_fn(b)
+        else:
+            self.step_fn(b)
+        if counted:
+            self.stats.eager_steps += 1
+        return b
+
+    def _capture(self, b: int) -> None:
+        t0 = time.perf_counter()
+        self.capturing = True
+        try:
+            graph = self._capture_cuda(b) if self.is_cuda else self._capture_standin(b)
+        except Exception as exc:  # noqa: BLE001 - any capture failure leaves the bucket eager
+            self.stats.failed_captures[b] = f"{type(exc).__name__}: {exc}"
+            log.warning("CUDA graph capture of bucket %d failed; it stays eager: %s", b, exc)
+            if self.is_cuda:
+                self._pool = None  # a failed capture may have poisoned the shared pool; start a new one
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+            return
+        finally:
+            self.capturing = False
+        self.graphs[b] = graph
+        self.stats.capture_seconds[b] = time.perf_counter() - t0
+        if self._buffer_ptrs is not None:
+            ptrs = self._buffer_ptrs()
+            if self._ptrs_at_capture is None:
+                self._ptrs_at_capture = ptrs
+            elif ptrs != self._ptrs_at_capture:
+                raise RuntimeError("persistent buffers moved between captures")
+
+    def _capture_standin(self, b: int) -> StandInGraph:
+        graph = StandInGraph()
+        graph.capture(lambda: self.step_fn(b))
+        return graph
+
+    def _capture_cuda(self, b: int) -> torch.cuda.CUDAGraph:
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize()
+            reserved_before = torch.cuda.memory_reserved()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self.step_fn(b)
+            torch.cuda.synchronize()
+            self.stats.pool_bytes += max(0, torch.cuda.memory_reserved() - reserved_before)
+        return graph
+
+    def _check_ptrs(self) -> None:
+        if self._buffer_ptrs is not None and self._ptrs_at_capture is not None:
+            if self._buffer_ptrs() != self._ptrs_at_capture:
+                raise RuntimeError("a persistent buffer was reallocated after capture; replay would be stale")

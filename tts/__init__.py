@@ -1,0 +1,24 @@
+"""Inference runtime for dual-autoregressive TTS models (Fish Audio family and our own).
+
+Start with `tts.api.TTS`; the map of the code is in README.md ("Reading the code").
+"""
+
+from .api import TTS, AudioChunk, Synthesis, VoiceNotFound
+from .bundle import ModelBundle, load_bundle
+from .engine import EngineConfig, FinishReason, InvalidRequest, SamplingParams
+from .prompt import VoiceReference
+
+__all__ = [
+    "TTS",
+    "AudioChunk",
+    "EngineConfig",
+    "FinishReason",
+    "InvalidRequest",
+    "ModelBundle",
+    "SamplingParams",
+    "Synthesis",
+    "VoiceNotFound",
+    "VoiceReference",
+    "load_bundle",
+]
+__version__ = "0.1.0"

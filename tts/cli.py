@@ -1,0 +1,242 @@
+"""The `tts` command line: synthesize, voices, info, and the subcommands other modules register
+(bench, serve, client, write-checkpoint).
+
+Every failure a user can cause ends with one line `tts: error: <reason>` on stderr and a non-zero exit
+(2 for bad input, 1 for a failure while running), and never leaves a partial output file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import time
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+
+# Modules that add subcommands: each has `add_parser(subparsers)` setting `func` on its parser.
+_SUBCOMMAND_MODULES = ("tts.bench", "service.cli", "tts.fish.cli")
+
+
+class UserError(Exception):
+    """A problem with the user's input: printed as one line, exit code 2."""
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", default="default",
+        help="'default' (the embedded model), 'tiny' (random weights, for tests) or a checkpoint directory",
+    )  # fmt: skip
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+        help="weights and activations dtype (default: float32 on CPU, bfloat16 on CUDA)",
+    )  # fmt: skip
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (defaults come from the model)")
+    g.add_argument("--seed", type=int, default=None, help="seed for reproducible output (default: random)")
+    g.add_argument("--temperature", type=float, default=None, help=">= 0; 0 is greedy")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
+    g.add_argument("--top-k", type=int, default=None, help=">= 0; 0 = no limit")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="frame budget per text chunk, > 0")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "seed": args.seed, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+        "max_new_tokens": args.max_new_tokens,
+    }  # fmt: skip
+
+
+def torch_dtype(name: str | None):
+    import torch
+
+    return None if name is None else getattr(torch, name)
+
+
+def check_device(device: str) -> None:
+    import torch
+
+    try:
+        d = torch.device(device)
+    except RuntimeError as exc:
+        raise UserError(f"bad --device {device!r}: {exc}") from exc
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA device is available here")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise UserError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) exist")
+
+
+# ---- synthesize --------------------------------------------------------------------------------------
+
+
+def _read_text(args) -> str:
+    if args.text is not None and args.text_file is not None:
+        raise UserError("give TEXT or --text-file, not both")
+    if args.text_file is not None:
+        try:
+            return Path(args.text_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"cannot read --text-file: {exc}") from exc
+    if args.text is None:
+        raise UserError("nothing to synthesize: give TEXT or --text-file")
+    return args.text
+
+
+def cmd_synthesize(args: argparse.Namespace) -> int:
+    from .api import TTS
+    from .audio import read_audio, write_wav_atomic
+    from .bundle import load_bundle
+    from .engine import EngineConfig, SamplingParams
+    from .text import normalize_text
+
+    # Check everything that does not need the model before loading it.
+    text = _read_text(args)
+    normalize_text(text)
+    out = Path(args.output)
+    if not (out.parent if str(out.parent) else Path(".")).is_dir():
+        raise UserError(f"output directory {out.parent} does not exist")
+    if out.is_dir():
+        raise UserError(f"output path {out} is a directory")
+    if (args.reference_audio is None) != (args.reference_text is None):
+        raise UserError("--reference-audio and --reference-text go together")
+    reference_audio = read_audio(Path(args.reference_audio)) if args.reference_audio else None
+    check_device(args.device)
+    SamplingParams(**{k: v for k, v in sampling_kwargs(args).items() if v is not None}).validate()
+
+    t_load = time.perf_counter()
+    bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype))
+    tts = TTS(bundle, EngineConfig(max_batch=1, graphs=args.graphs == "on"))
+    tts.sampling_params(**sampling_kwargs(args))  # validate before any work
+    voice = args.voice
+    if reference_audio is not None:
+        audio, sr = reference_audio
+        voice = tts.reference_from_audio(audio, sr, args.reference_text)
+    load_seconds = time.perf_counter() - t_load
+    if not args.quiet:
+        print(f"model: {bundle.describe()} (loaded in {load_seconds:.2f} s)", file=sys.stderr)
+
+    chunks = tts.plan(text)
+    progress_bar = None
+    if not args.quiet and (len(chunks) > 1 or sys.stderr.isatty()):
+        from tqdm import tqdm
+
+        progress_bar = tqdm(total=len(chunks), unit="chunk", desc="synthesizing", file=sys.stderr)
+
+    def progress(frames: int, chunk: int, n_chunks: int) -> None:
+        if progress_bar is not None:
+            progress_bar.n = chunk
+            progress_bar.set_postfix(frames=frames, refresh=False)
+            progress_bar.refresh()
+
+    result = tts.synthesize(text, voice=voice, progress=progress, **sampling_kwargs(args))
+    if progress_bar is not None:
+        progress_bar.n = len(chunks)
+        progress_bar.close()
+    write_wav_atomic(out, result.audio, result.sample_rate)
+    reasons = ",".join(r.value for r in result.finish_reasons)
+    print(
+        f"wrote {out}: {result.frames} frames, {result.audio_seconds:.2f} s audio at {result.sample_rate} Hz, "
+        f"{result.wall_seconds:.2f} s wall, RTF {result.rtf:.3f}, finish {reasons}"
+    )
+    return 0
+
+
+def cmd_voices(args: argparse.Namespace) -> int:
+    from .bundle import load_bundle
+
+    bundle = load_bundle(args.model, device="cpu")
+    for name, voice in sorted(bundle.voices.items()):
+        seconds = voice.codes.shape[1] / bundle.codec.frame_rate
+        print(f"{name}\t{seconds:.1f} s\t{voice.text}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .bundle import load_bundle
+
+    check_device(args.device)
+    bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype))
+    print(bundle.describe())
+    c = bundle.model.config
+    print(
+        f"slow AR: {c.n_layer} layers, dim {c.dim}, heads {c.n_head}/{c.n_local_heads}, max_seq_len {c.max_seq_len}; "
+        f"fast AR: {c.n_fast_layer} layers, dim {c.fast_dim}; codebooks {c.num_codebooks} x {c.codebook_size}"
+    )
+    return 0
+
+
+# ---- parser and entry point --------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tts", description="Dual-AR text-to-speech runtime: synthesize, serve, benchmark."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser(
+        "synthesize", help="synthesize text to a WAV file", description="Synthesize text to a mono WAV file."
+    )
+    p.add_argument("text", nargs="?", help="text to speak (or use --text-file)")
+    p.add_argument("-o", "--output", required=True, help="output WAV path (written atomically)")
+    p.add_argument("--text-file", help="read the text from this UTF-8 file")
+    p.add_argument("--voice", help="preset voice name (see `tts voices`)")
+    p.add_argument("--reference-audio", help="WAV/FLAC clip of the voice to clone (with --reference-text)")
+    p.add_argument("--reference-text", help="transcript of --reference-audio")
+    p.add_argument("--graphs", choices=["on", "off"], default="on", help="CUDA graphs (ignored on CPU)")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_synthesize)
+
+    p = sub.add_parser("voices", help="list the model's preset voices")
+    p.add_argument("--model", default="default")
+    p.set_defaults(func=cmd_voices)
+
+    p = sub.add_parser("info", help="describe a model")
+    add_model_args(p)
+    p.set_defaults(func=cmd_info)
+
+    for name in _SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    from .errors import BAD_INPUT_ERRORS
+
+    try:
+        return args.func(args)
+    except (UserError, *BAD_INPUT_ERRORS) as exc:
+        print(f"tts: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("tts: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line for the user; -v shows the traceback
+        logging.getLogger("tts").debug("failure", exc_info=True)
+        print(f"tts: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

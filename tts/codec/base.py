@@ -1,0 +1,112 @@
+"""The codec interface: audio <-> frame codes, with incremental (streaming) decode.
+
+A codec turns mono float32 PCM at `sample_rate` into codes `[num_codebooks, T]` (one column per
+frame of `frame_length` samples) and back. Streaming decode relies on one property every codec here
+has: the samples of frame t depend only on codes `t - context_frames .. t` (a causal decoder with a
+bounded receptive field). `StreamingDecoder` keeps that many frames of left context, decodes the
+window, and emits only the new frames' samples, so the concatenated stream equals `decode()` of all
+codes up to float rounding.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+import torch
+import torchaudio
+from torch import Tensor
+
+
+class AudioError(ValueError):
+    """Audio that cannot be used (empty, silent, non-finite, unreadable)."""
+
+
+def prepare_audio(audio, sample_rate: int, target_rate: int) -> Tensor:
+    """Mix to mono and resample (torchaudio) to `target_rate`.
+
+    audio: `[samples]` or `[channels, samples]` float (numpy or torch). Returns `[samples']` float32.
+    Raises AudioError for empty or non-finite audio or a non-positive rate.
+    """
+    x = torch.as_tensor(np.asarray(audio) if not isinstance(audio, Tensor) else audio).to(torch.float32)
+    if x.dim() == 2:
+        x = x.mean(dim=0)
+    elif x.dim() != 1:
+        raise AudioError(f"audio must be [samples] or [channels, samples], got shape {tuple(x.shape)}")
+    if sample_rate <= 0:
+        raise AudioError(f"sample rate must be positive, got {sample_rate}")
+    if x.numel() == 0:
+        raise AudioError("audio is empty")
+    if not torch.isfinite(x).all():
+        raise AudioError("audio contains NaN or infinite samples")
+    if sample_rate != target_rate:
+        x = torchaudio.functional.resample(x, sample_rate, target_rate)
+    return x
+
+
+class Codec(ABC):
+    """Frame codec. Subclasses set `sample_rate` (Hz), `frame_length` (samples per frame),
+    `num_codebooks`, `codebook_size` and `context_frames`, and implement `encode_audio` / `decode`."""
+
+    sample_rate: int
+    frame_length: int
+    num_codebooks: int
+    codebook_size: int
+    context_frames: int = 0
+
+    @property
+    def frame_rate(self) -> float:
+        """Frames per second of audio."""
+        return self.sample_rate / self.frame_length
+
+    def encode(self, audio, sample_rate: int) -> Tensor:
+        """Codes `[num_codebooks, T]` int64 for audio at any rate and channel count (mixed to mono and
+        resampled first); T = ceil(samples / frame_length) after resampling."""
+        return self.encode_audio(prepare_audio(audio, sample_rate, self.sample_rate))
+
+    @abstractmethod
+    def encode_audio(self, audio: Tensor) -> Tensor:
+        """Codes `[num_codebooks, T]` int64 for mono float32 audio `[samples]` at `sample_rate`."""
+
+    @abstractmethod
+    def decode(self, codes: Tensor) -> Tensor:
+        """Float32 PCM `[T * frame_length]` in [-1, 1] for codes `[num_codebooks, T]`."""
+
+    def stream(self) -> StreamingDecoder:
+        """A fresh incremental decoder for one stream of frames."""
+        return StreamingDecoder(self)
+
+    def check_codes(self, codes: Tensor) -> Tensor:
+        codes = torch.as_tensor(codes, dtype=torch.int64)
+        if codes.dim() != 2 or codes.shape[0] != self.num_codebooks:
+            raise ValueError(f"codes must be [{self.num_codebooks}, T], got {tuple(codes.shape)}")
+        return codes.clamp(0, self.codebook_size - 1)
+
+
+class StreamingDecoder:
+    """Incremental decode: `push(codes [N, t])` returns the `t * frame_length` new samples.
+
+    Keeps the last `codec.context_frames` frames as left context (bounded memory, whatever the
+    stream's length).
+    """
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+        self._context = torch.zeros(codec.num_codebooks, 0, dtype=torch.int64)
+        self.frames_decoded = 0
+
+    def push(self, codes: Tensor) -> Tensor:
+        codes = self.codec.check_codes(codes)
+        t = codes.shape[1]
+        if t == 0:
+            return torch.zeros(0, dtype=torch.float32)
+        window = torch.cat([self._context, codes], dim=1)
+        audio = self.codec.decode(window)[-t * self.codec.frame_length :]
+        keep = self.codec.context_frames
+        self._context = window[:, window.shape[1] - keep :] if keep else window[:, :0]
+        self.frames_decoded += t
+        return audio
+
+    def flush(self) -> Tensor:
+        """Samples still held back at the end of the stream (none for the causal codecs here)."""
+        return torch.zeros(0, dtype=torch.float32)

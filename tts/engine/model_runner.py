@@ -1,0 +1,302 @@
+"""The model runner: persistent step buffers, prefill, and the one frame step (`decode_step`).
+
+`decode_step(b)` is the function a CUDA graph captures, once per batch bucket b (DESIGN.md invariants
+1-4). Everything it reads or writes lives in `StepBuffers`, allocated once for the largest batch; the
+host only writes rows between steps (`load_row`, `move_row`, `clear_row`, `set_active`) and reads the
+`out` buffer after a step. The step has no host sync, no data-dependent Python branch and no tensor
+created from host data, so replaying a captured step is the same as calling it.
+
+One call = one frame for rows `[:b]`:
+slow AR step over the paged KV -> main-token sampling (semantic ids + end token, RAS) -> fast AR
+position 0 on the slow hidden state -> c_0 derived from the main token -> for k = 1..N-1 one fast
+position and one sampled code -> the frame column written to `out` -> per-row state advanced in place
+(next input column, position, step counter, RAS window, done flags). Rows `[b:]` and inactive rows are
+inert: their K/V writes go to the scratch block and their state does not move.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..kv_cache import SCRATCH_BLOCK, PagedKVCache, paged_decode_attention
+from ..model import DualARTransformer, dense_causal_attend
+from ..sampling import RAS_WINDOW, sample, sample_main_token
+
+
+@dataclass
+class StepBuffers:
+    """Persistent per-row state of the frame step, `B = max_batch` rows (DESIGN.md invariant 2).
+
+    Inputs: `frames [B, 1+N]` int64 (the previous frame column, fed at `positions`), `positions [B]`,
+    `block_tables [B, max_blocks]` int32, `active [B]` bool, `temperature, top_p [B]` float32,
+    `top_k [B]`, `seeds [B]`, `steps [B]` (frames generated so far), `budgets [B]` (max_new_tokens),
+    `ras_window [B, 10]` (last main-token indices, -1 = empty), `ras_len [B]` int64.
+    Output: `out [B, N+3]` int64 = frame column `[token, c_0..c_{N-1}]`, emitted flag, done flag.
+    Fast AR static KV: `fast_k, fast_v [n_fast_layer, B, Hkv, N, D]`, rewritten every frame.
+    """
+
+    frames: Tensor
+    positions: Tensor
+    block_tables: Tensor
+    active: Tensor
+    temperature: Tensor
+    top_p: Tensor
+    top_k: Tensor
+    seeds: Tensor
+    steps: Tensor
+    budgets: Tensor
+    ras_window: Tensor
+    ras_len: Tensor
+    out: Tensor
+    fast_k: Tensor
+    fast_v: Tensor
+
+    @classmethod
+    def allocate(cls, model: DualARTransformer, max_batch: int, max_blocks: int, device) -> StepBuffers:
+        c = model.config
+        B, N = max_batch, c.num_codebooks
+        i64 = dict(dtype=torch.int64, device=device)
+        dtype = model.embeddings.weight.dtype
+        fast_kv = (c.n_fast_layer, B, c.fast_n_local_heads, N, c.fast_head_dim)
+        bufs = cls(
+            frames=torch.zeros(B, 1 + N, **i64),
+            positions=torch.zeros(B, **i64),
+            block_tables=torch.full((B, max_blocks), SCRATCH_BLOCK, dtype=torch.int32, device=device),
+            active=torch.zeros(B, dtype=torch.bool, device=device),
+            temperature=torch.zeros(B, dtype=torch.float32, device=device),
+            top_p=torch.ones(B, dtype=torch.float32, device=device),
+            top_k=torch.zeros(B, **i64),
+            seeds=torch.zeros(B, **i64),
+            steps=torch.zeros(B, **i64),
+            budgets=torch.ones(B, **i64),
+            ras_window=torch.full((B, RAS_WINDOW), -1, **i64),
+            ras_len=torch.zeros(B, **i64),
+            out=torch.zeros(B, N + 3, **i64),
+            fast_k=torch.zeros(fast_kv, dtype=dtype, device=device),
+            fast_v=torch.zeros(fast_kv, dtype=dtype, device=device),
+        )
+        return bufs
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def data_ptrs(self) -> dict[str, int]:
+        """Storage address of every buffer: must never change once a graph has captured them."""
+        return {name: t.data_ptr() for name, t in self.tensors().items()}
+
+
+@dataclass
+class RowInit:
+    """Host-side values that start a request's row (written by `ModelRunner.load_row`)."""
+
+    last_column: Tensor  # [1 + N] int64: the prompt's last column, the first step's input
+    position: int  # its position (prompt length - 1)
+    block_table: list[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    budget: int
+    ras_len: int
+
+
+class ModelRunner:
+    """Owns the model, the paged KV cache and the step buffers; runs prefill and the frame step."""
+
+    def __init__(
+        self, model: DualARTransformer, kv_cache: PagedKVCache, max_batch: int, max_blocks_per_seq: int,
+        attention_backend=None,
+    ):  # fmt: skip
+        c = model.config
+        if c.eos_token_id is None:
+            raise ValueError("the model config has no eos_token_id (<|im_end|>); cannot serve it")
+        self.model = model
+        self.config = c
+        self.kv = kv_cache
+        self.device = model.embeddings.weight.device
+        self.max_batch = max_batch
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.buffers = StepBuffers.allocate(model, max_batch, max_blocks_per_seq, self.device)
+        self.paged_attention = attention_backend or paged_decode_attention
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+        self.fast_scale = 1.0 / math.sqrt(c.fast_head_dim)
+        # The main token may only be a semantic token or the end token (spec 1.4 step 2). Instead of a
+        # -inf bias over the whole vocabulary we slice the head to those rows: same logits for the
+        # allowed ids, a 40x smaller matmul for S2. Index i < n_sem is semantic id begin + i; the last
+        # index is the end token.
+        head = model.lm_head_weight()
+        self.semantic_head = torch.cat(
+            [head[c.semantic_begin_id : c.semantic_end_id + 1], head[c.eos_token_id : c.eos_token_id + 1]]
+        ).detach()
+        self.n_sem = c.num_semantic_tokens
+        self.is_semantic_index = torch.arange(self.n_sem + 1, device=self.device) < self.n_sem
+
+    # ---- host-side row management (between steps only) ---------------------------------------------
+
+    def load_row(self, row: int, init: RowInit) -> None:
+        """Start a request in `row`: write its first input and parameters into the buffers."""
+        b, dev = self.buffers, self.device
+        b.frames[row].copy_(init.last_column.to(dev))
+        b.positions[row] = init.position
+        table = torch.full((self.max_blocks_per_seq,), SCRATCH_BLOCK, dtype=torch.int32)
+        table[: len(init.block_table)] = torch.tensor(init.block_table, dtype=torch.int32)
+        b.block_tables[row].copy_(table.to(dev))
+        b.temperature[row] = init.temperature
+        b.top_p[row] = init.top_p
+        b.top_k[row] = init.top_k
+        b.seeds[row] = init.seed
+        b.steps[row] = 0
+        b.budgets[row] = init.budget
+        b.ras_window[row] = -1
+        b.ras_len[row] = init.ras_len
+        b.active[row] = True
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy every per-row buffer of `src` into `dst` (batch compaction)."""
+        for name, t in self.buffers.tensors().items():
+            if name in ("fast_k", "fast_v"):  # rewritten every frame; nothing to keep
+                continue
+            t[dst].copy_(t[src])
+
+    def clear_row(self, row: int) -> None:
+        """Make `row` an inert pad row: scratch block table, position 0 (context 1), inactive."""
+        b = self.buffers
+        b.active[row] = False
+        b.positions[row] = 0
+        b.block_tables[row].fill_(SCRATCH_BLOCK)
+        b.frames[row].zero_()
+        b.steps[row] = 0
+
+    def set_active(self, row: int, active: bool) -> None:
+        self.buffers.active[row] = active
+
+    # ---- prefill (eager, variable length, one request) ----------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, prompt: Tensor, block_table: list[int]) -> None:
+        """Write the K/V of every prompt column except the last into the request's blocks.
+
+        The last column is the first decode step's input, so the first frame comes out of the same
+        `decode_step` as every later one (same math as sampling from the prefill's last position).
+        prompt: `[T, 1 + N]` int64.
+        """
+        T = prompt.shape[0] - 1
+        if T <= 0:
+            return
+        m = self.model
+        frames = prompt[:T].to(self.device).unsqueeze(0)
+        table = torch.tensor(block_table, dtype=torch.int64, device=self.device)
+        slots = self.kv.slots_for_positions(table, torch.arange(T, device=self.device))
+
+        def attend_layer(i):
+            def attend(q, k, v):
+                self.kv.write(i, slots, k[0], v[0])
+                return dense_causal_attend(q, k, v)
+
+            return attend
+
+        m.slow_layers(m.embed(frames), m.freqs_cis[:T], attend_layer)
+
+    # ---- the frame step ------------------------------------------------------------------------------
+
+    def slow_step(self, b: int) -> tuple[Tensor, Tensor]:
+        """Slow AR at each row's position: write K/V (inactive rows -> scratch), attend over the paged
+        context. Returns hidden states `(pre_norm, post_norm)`, each `[b, dim]`."""
+        m, bufs, kv = self.model, self.buffers, self.kv
+        pos = bufs.positions[:b]
+        active = bufs.active[:b]
+        tables = bufs.block_tables[:b]
+        bs = kv.block_size
+        block = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).long()
+        slots = torch.where(active, block * bs + pos % bs, SCRATCH_BLOCK * bs)
+        context_lens = pos + 1
+
+        def attend_layer(i):
+            def attend(q, k, v):
+                kv.write(i, slots, k[:, 0], v[:, 0])
+                o = self.paged_attention(q[:, 0], kv.k[i], kv.v[i], tables, context_lens, self.scale)
+                return o.unsqueeze(1)
+
+            return attend
+
+        x = m.embed(bufs.frames[:b].unsqueeze(1))
+        h_pre = m.slow_layers(x, m.freqs_cis[pos].unsqueeze(1), attend_layer)[:, 0]
+        return h_pre, m.norm(h_pre)
+
+    def _fast_attend(self, b: int, k_pos: int):
+        """attend() for fast position k_pos: write slot k_pos, attend to slots 0..k_pos of this frame.
+        Slots above k_pos still hold the previous frame's values and are never read."""
+        bufs = self.buffers
+
+        def attend_layer(i):
+            def attend(q, k, v):
+                bufs.fast_k[i, :b, :, k_pos].copy_(k[:, 0])
+                bufs.fast_v[i, :b, :, k_pos].copy_(v[:, 0])
+                o = F.scaled_dot_product_attention(
+                    q.transpose(1, 2),
+                    bufs.fast_k[i, :b, :, : k_pos + 1],
+                    bufs.fast_v[i, :b, :, : k_pos + 1],
+                    scale=self.fast_scale,
+                    enable_gqa=True,
+                )
+                return o.transpose(1, 2)
+
+            return attend
+
+        return attend_layer
+
+    def decode_step(self, b: int) -> None:
+        """One frame for rows `[:b]` (see the module docstring). Graph-capturable."""
+        m, c, bufs = self.model, self.config, self.buffers
+        with torch.inference_mode():
+            h_pre, h_post = self.slow_step(b)
+            temperature, top_p, top_k = bufs.temperature[:b], bufs.top_p[:b], bufs.top_k[:b]
+            seeds, steps = bufs.seeds[:b], bufs.steps[:b]
+            # Main token over [semantic ids..., end token]; RAS window holds indices in that space.
+            sem_logits = F.linear(h_post, self.semantic_head)
+            idx = sample_main_token(
+                sem_logits, temperature, top_p, top_k, seeds, steps, bufs.ras_window[:b],
+                bufs.ras_len[:b], self.is_semantic_index, high_stream=c.num_codebooks + 1,
+            )  # fmt: skip
+            token = torch.where(idx == self.n_sem, c.eos_token_id, idx + c.semantic_begin_id)
+            # Fast AR: position 0 on the slow hidden state (its logits are never used), c_0 derived from
+            # the main token, then one position per remaining codebook (spec 1.4 steps 4-6).
+            codes = [torch.clamp(token - c.semantic_begin_id, 0, c.codebook_size - 1)]
+            if c.num_codebooks > 1:
+                x = m.fast_input(h_pre, h_post).unsqueeze(1)
+                m.fast_layers_forward(x, m.fast_freqs_cis[0:1], self._fast_attend(b, 0))
+                for k in range(1, c.num_codebooks):
+                    x = m.fast_embeddings(codes[k - 1]).unsqueeze(1)
+                    y = m.fast_layers_forward(x, m.fast_freqs_cis[k : k + 1], self._fast_attend(b, k))
+                    logits = m.fast_logits(y[:, 0])
+                    codes.append(sample(logits, temperature, top_p, top_k, seeds, steps, stream=k))
+            frame = torch.stack([token, *codes], dim=1)
+            self._advance(b, frame, idx)
+
+    def _advance(self, b: int, frame: Tensor, idx: Tensor) -> None:
+        """Write the frame to `out` and move every active row's state one frame forward, in place."""
+        c, bufs = self.config, self.buffers
+        active = bufs.active[:b]
+        steps = bufs.steps[:b]
+        done = active & (
+            (frame[:, 0] == c.eos_token_id)
+            | (steps + 1 >= bufs.budgets[:b])
+            | (bufs.positions[:b] + 2 > self.max_blocks_per_seq * self.kv.block_size)
+        )
+        # The RAS window takes every main token except the first frame's (spec 4.1).
+        push = (active & (steps > 0)).unsqueeze(1)
+        window = bufs.ras_window[:b]
+        window.copy_(torch.where(push, torch.cat([window[:, 1:], idx.unsqueeze(1)], dim=1), window))
+        out = bufs.out[:b]
+        out[:, : c.num_codebooks + 1].copy_(frame)
+        out[:, c.num_codebooks + 1].copy_(active)
+        out[:, c.num_codebooks + 2].copy_(done)
+        bufs.frames[:b].copy_(torch.where(active.unsqueeze(1), frame, bufs.frames[:b]))
+        bufs.positions[:b].add_(active.long())
+        steps.add_(active.long())
+        active.logical_and_(~done)

@@ -1,0 +1,123 @@
+"""Continuous-batching scheduler: waiting -> running -> finished, admission by free KV blocks.
+
+The scheduler owns the block allocator and the batch rows. A running request occupies one row
+`0 .. num_running - 1` of the step buffers; rows above are pad rows. When a request leaves, the last
+running request moves into its row so the running rows stay contiguous (the bucket then only has to
+cover `num_running`). Admission is first come, first served: the head of the queue waits until a row
+and all the blocks it can ever need (prompt + max_new_tokens, reserved up front so a running request
+never has to be preempted) are free.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..kv_cache import BlockAllocator, blocks_needed
+from .request import FinishReason, InvalidRequest, Request, RequestState
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound. Maps to RESOURCE_EXHAUSTED."""
+
+
+@dataclass
+class RowMove:
+    """The request in row `src` moved to row `dst` (row `src` became a pad row)."""
+
+    src: int
+    dst: int
+
+
+class Scheduler:
+    def __init__(
+        self, allocator: BlockAllocator, block_size: int, max_batch: int, max_context: int,
+        max_waiting: int = 1024,
+    ):  # fmt: skip
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_batch = max_batch
+        self.max_context = max_context
+        self.max_waiting = max_waiting
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # index = batch row
+
+    # ---- submission ---------------------------------------------------------------------------------
+
+    def check(self, request: Request) -> None:
+        """Raise InvalidRequest if the request can never run here (before any work is queued)."""
+        request.params.validate()
+        if request.prompt.dim() != 2 or request.prompt_len < 1:
+            raise InvalidRequest("prompt must be a non-empty [T, 1 + N] frame matrix")
+        if request.max_tokens > self.max_context:
+            raise InvalidRequest(
+                f"prompt ({request.prompt_len} tokens) + max_new_tokens ({request.params.max_new_tokens}) "
+                f"= {request.max_tokens} exceeds the context size {self.max_context}"
+            )
+        if self._blocks_for(request) > self.allocator.num_usable:
+            raise InvalidRequest(
+                f"request needs {self._blocks_for(request)} KV blocks; the pool has {self.allocator.num_usable}"
+            )
+
+    def add(self, request: Request) -> None:
+        self.check(request)
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFull(f"waiting queue is full ({self.max_waiting} requests)")
+        request.state = RequestState.WAITING
+        self.waiting.append(request)
+
+    def _blocks_for(self, request: Request) -> int:
+        # Slots used: every prompt column and every generated frame except the last (never fed back).
+        return blocks_needed(request.max_tokens - 1, self.block_size)
+
+    # ---- admission and removal ----------------------------------------------------------------------
+
+    def admit(self) -> list[tuple[int, Request]]:
+        """Move waiting requests to running while a row and their blocks are free (FCFS).
+
+        Returns `(row, request)` for each admitted request, its blocks allocated.
+        """
+        admitted = []
+        while self.waiting and len(self.running) < self.max_batch:
+            request = self.waiting[0]
+            need = self._blocks_for(request)
+            if need > self.allocator.num_free:
+                break
+            self.waiting.popleft()
+            request.blocks = self.allocator.allocate(need)
+            request.state = RequestState.RUNNING
+            self.running.append(request)
+            admitted.append((len(self.running) - 1, request))
+        return admitted
+
+    def finish(self, request: Request, reason: FinishReason, error: str | None = None) -> RowMove | None:
+        """End a waiting or running request and free its blocks.
+
+        Returns the row move that keeps running rows contiguous, if one is needed; the caller applies
+        it to the step buffers and clears the vacated row.
+        """
+        move = None
+        if request.state == RequestState.WAITING:
+            self.waiting.remove(request)
+        elif request.state == RequestState.RUNNING:
+            row = self.running.index(request)
+            last = len(self.running) - 1
+            if row != last:
+                self.running[row] = self.running[last]
+                move = RowMove(src=last, dst=row)
+            self.running.pop()
+            move = move or RowMove(src=last, dst=last)
+        if request.blocks:
+            self.allocator.free(request.blocks)
+            request.blocks = []
+        request.state = RequestState.FINISHED
+        request.finish_reason = reason
+        request.error = error
+        return move
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)

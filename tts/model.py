@@ -1,0 +1,283 @@
+"""The dual-AR transformer: a slow AR over frames and a fast AR over the codebooks of one frame.
+
+Follows `shared/reference/fish_dual_ar.md` sections 1-2. Module and parameter names are fish-speech's
+flat names (`embeddings`, `codebook_embeddings`, `layers.{i}.attention.wqkv`, `fast_layers.{j}...`,
+`fast_output`, ...), so a Fish state dict loads by key mapping alone.
+
+The layers know nothing about caches: every attention call goes through an `attend(q, k, v)` callable
+that the caller supplies (dense causal SDPA for training and reference forwards, the paged KV cache for
+serving, the static fast-AR cache for the codebook loop). One set of layer code serves them all.
+
+Shapes use B = batch rows, T = positions, N = num_codebooks, H / Hkv = query / KV heads, D = head_dim.
+A *frame column* is `[token, c_0, ..., c_{N-1}]` (1 + N integers, spec 1.1); sequences of them are
+`[B, T, 1 + N]` int64 (fish-speech stores the transpose, `(N + 1, T)`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelArgs
+
+# attend(q [B, T, H, D], k [B, T, Hkv, D], v [B, T, Hkv, D]) -> [B, T, H, D]
+AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+class RMSNorm(nn.Module):
+    """fish-speech's RMSNorm: normalize in fp32, cast back, then scale (spec 1.2)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def precompute_freqs_cis(seq_len: int, n_elem: int, base: float = 10000.0) -> Tensor:
+    """RoPE table `[seq_len, n_elem // 2, 2]` (cos, sin), built in fp32 and stored as bf16 (spec 1.2).
+
+    The bf16 rounding is deliberate: Fish models were trained with it, and an fp32 table garbles long
+    outputs (sglang-omni's finding, spec 1.2 / 7.1).
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, n_elem, 2)[: n_elem // 2].float() / n_elem))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1).to(torch.bfloat16)
+
+
+def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:
+    """Rotate adjacent pairs `(x[2i], x[2i+1])` (GPT-J / interleaved convention, not NeoX; spec 1.2).
+
+    x: `[B, T, H, D]`; freqs_cis: `[T, D/2, 2]` or per-row `[B, T, D/2, 2]` (bf16 table). The rotation
+    is computed in fp32 and cast back to x's dtype.
+    """
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    if freqs_cis.dim() == 3:
+        freqs_cis = freqs_cis.unsqueeze(0)
+    f = freqs_cis.float().unsqueeze(2)  # [B|1, T, 1, D/2, 2]
+    out = torch.stack(
+        [xs[..., 0] * f[..., 0] - xs[..., 1] * f[..., 1], xs[..., 1] * f[..., 0] + xs[..., 0] * f[..., 1]],
+        dim=-1,
+    )
+    return out.flatten(3).type_as(x)
+
+
+class Attention(nn.Module):
+    """GQA attention with a fused `wqkv` split `[q | k | v]`, optional qk-norm before RoPE (spec 1.2)."""
+
+    def __init__(
+        self, dim: int, n_head: int, n_local_heads: int, head_dim: int, qkv_bias: bool, o_bias: bool,
+        qk_norm: bool, eps: float,
+    ):  # fmt: skip
+        super().__init__()
+        self.n_head, self.n_local_heads, self.head_dim = n_head, n_local_heads, head_dim
+        self.wqkv = nn.Linear(dim, (n_head + 2 * n_local_heads) * head_dim, bias=qkv_bias)
+        self.wo = nn.Linear(n_head * head_dim, dim, bias=o_bias)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = nn.RMSNorm(head_dim, eps=eps)
+            self.k_norm = nn.RMSNorm(head_dim, eps=eps)
+
+    def forward(self, x: Tensor, freqs_cis: Tensor, attend: AttendFn) -> Tensor:
+        B, T, _ = x.shape
+        q_size = self.n_head * self.head_dim
+        kv_size = self.n_local_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(B, T, self.n_head, self.head_dim)
+        k = k.view(B, T, self.n_local_heads, self.head_dim)
+        v = v.view(B, T, self.n_local_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
+        y = attend(q, k, v)
+        return self.wo(y.reshape(B, T, q_size))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: `w2(silu(w1 x) * w3 x)`, no biases."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: `h = x + attn(norm(x))`, `out = h + ffn(norm(h))`."""
+
+    def __init__(self, dim, n_head, n_local_heads, head_dim, hidden, qkv_bias, o_bias, qk_norm, eps):
+        super().__init__()
+        self.attention = Attention(dim, n_head, n_local_heads, head_dim, qkv_bias, o_bias, qk_norm, eps)
+        self.feed_forward = FeedForward(dim, hidden)
+        self.attention_norm = RMSNorm(dim, eps)
+        self.ffn_norm = RMSNorm(dim, eps)
+
+    def forward(self, x: Tensor, freqs_cis: Tensor, attend: AttendFn) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, attend)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def dense_causal_attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal SDPA over one contiguous sequence per row (prefill, training, references)."""
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    )
+    return o.transpose(1, 2)
+
+
+class DualARTransformer(nn.Module):
+    """Slow AR (one semantic token per frame) plus fast AR (the remaining codebooks of the frame)."""
+
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        c = self.config = config
+        self.embeddings = nn.Embedding(c.vocab_size, c.dim)
+        self.codebook_embeddings = nn.Embedding(c.codebook_size * c.num_codebooks, c.dim)
+        self.layers = nn.ModuleList(
+            TransformerBlock(
+                c.dim,
+                c.n_head,
+                c.n_local_heads,
+                c.head_dim,
+                c.intermediate_size,
+                c.attention_qkv_bias,
+                c.attention_o_bias,
+                c.attention_qk_norm,
+                c.norm_eps,
+            )  # fmt: skip
+            for _ in range(c.n_layer)
+        )
+        self.norm = RMSNorm(c.dim, c.norm_eps)
+        if not c.tie_word_embeddings:
+            self.output = nn.Linear(c.dim, c.vocab_size, bias=False)
+        # Identity for every known checkpoint (spec 1.2); a Linear with bias only when the widths differ.
+        self.fast_project_in = nn.Linear(c.dim, c.fast_dim) if c.fast_dim != c.dim else nn.Identity()
+        self.fast_embeddings = nn.Embedding(c.codebook_size, c.fast_dim)
+        self.fast_layers = nn.ModuleList(
+            TransformerBlock(
+                c.fast_dim,
+                c.fast_n_head,
+                c.fast_n_local_heads,
+                c.fast_head_dim,
+                c.fast_intermediate_size,
+                c.fast_attention_qkv_bias,
+                c.fast_attention_o_bias,
+                c.fast_attention_qk_norm,
+                c.norm_eps,
+            )  # fmt: skip
+            for _ in range(c.n_fast_layer)
+        )
+        self.fast_norm = RMSNorm(c.fast_dim, c.norm_eps)
+        self.fast_output = nn.Linear(c.fast_dim, c.codebook_size, bias=False)
+
+        self.init_buffers()
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """(Re)create the derived, non-persistent buffers: RoPE tables and codebook offsets. Call after
+        loading weights into a model built on the meta device."""
+        c = self.config
+        device = device or self.embeddings.weight.device
+        if torch.device(device).type == "meta":
+            device = "cpu"
+        self.register_buffer(
+            "freqs_cis",
+            precompute_freqs_cis(c.max_seq_len, c.head_dim, c.rope_base).to(device),
+            persistent=False,
+        )
+        # The fast AR uses the slow config's rope_base (spec 1.3).
+        self.register_buffer(
+            "fast_freqs_cis",
+            precompute_freqs_cis(c.num_codebooks, c.fast_head_dim, c.rope_base).to(device),
+            persistent=False,
+        )
+        self.register_buffer(
+            "codebook_offsets",
+            torch.arange(c.num_codebooks, device=device) * c.codebook_size,
+            persistent=False,
+        )
+
+    # ---- slow AR -------------------------------------------------------------------------------------
+
+    def embed(self, frames: Tensor) -> Tensor:
+        """Input embedding of frame columns (spec 1.1).
+
+        frames: `[B, T, 1 + N]` int64. Returns `[B, T, dim]`: the token embedding, plus at semantic
+        positions the sum of the N codebook embeddings, the sum scaled by `1/sqrt(N + 1)` when
+        `scale_codebook_embeddings` is set. Text positions are neither summed nor scaled.
+        """
+        c = self.config
+        tokens = frames[..., 0]
+        x = self.embeddings(tokens)
+        codebook_sum = self.codebook_embeddings(frames[..., 1:] + self.codebook_offsets).sum(dim=-2)
+        is_semantic = ((tokens >= c.semantic_begin_id) & (tokens <= c.semantic_end_id)).unsqueeze(-1)
+        audio = x + codebook_sum
+        if c.scale_codebook_embeddings:
+            audio = audio * (1.0 / math.sqrt(c.num_codebooks + 1))
+        return torch.where(is_semantic, audio, x)
+
+    def slow_layers(self, x: Tensor, freqs_cis: Tensor, attend_layer: Callable[[int], AttendFn]) -> Tensor:
+        """Run the slow transformer layers; returns the pre-final-norm hidden state `[B, T, dim]`."""
+        for i, layer in enumerate(self.layers):
+            x = layer(x, freqs_cis, attend_layer(i))
+        return x
+
+    def lm_head_weight(self) -> Tensor:
+        """`[vocab, dim]`: the tied token embedding, or the untied `output` weight (spec 1.2)."""
+        return self.embeddings.weight if self.config.tie_word_embeddings else self.output.weight
+
+    def fast_input(self, hidden_pre_norm: Tensor, hidden_post_norm: Tensor) -> Tensor:
+        """The slow hidden state handed to the fast AR: post-norm for S2, pre-norm otherwise (spec 1.2)."""
+        h = hidden_post_norm if self.config.norm_fastlayer_input else hidden_pre_norm
+        return self.fast_project_in(h)
+
+    # ---- fast AR -------------------------------------------------------------------------------------
+
+    def fast_layers_forward(self, x: Tensor, freqs_cis: Tensor, attend_layer: Callable[[int], AttendFn]):
+        """Run the fast layers on `x [B, T, fast_dim]`; returns the pre-`fast_norm` hidden state."""
+        for i, layer in enumerate(self.fast_layers):
+            x = layer(x, freqs_cis, attend_layer(i))
+        return x
+
+    def fast_logits(self, x: Tensor) -> Tensor:
+        """`[..., codebook_size]` logits from a fast hidden state."""
+        return self.fast_output(self.fast_norm(x))
+
+    # ---- whole-sequence forward (training and the reference for the serving path) -------------------
+
+    def forward(self, frames: Tensor) -> tuple[Tensor, Tensor]:
+        """Teacher-forced forward over whole sequences, dense causal attention (spec 1.3 layout).
+
+        frames: `[B, T, 1 + N]` int64. Returns
+        * slow logits `[B, T, vocab]`: position t predicts the token of position t + 1;
+        * fast logits `[B, T, N, codebook_size]`: at position t, fast position k (k >= 1) predicts code
+          c_k of the frame at t + 1 from the slow hidden state at t and that frame's codes c_0..c_{k-1};
+          fast position 0 is the (unused) prediction of c_0. The last position has no next frame, so its
+          fast logits are computed from the frame's own codes shifted by one and are only meaningful as
+          a layout check.
+        """
+        B, T, _ = frames.shape
+        x = self.embed(frames)
+        h_pre = self.slow_layers(x, self.freqs_cis[:T], lambda i: dense_causal_attend)
+        h_post = self.norm(h_pre)
+        logits = F.linear(h_post, self.lm_head_weight())
+        # Fast AR: for every position t, a length-N sequence [h_t, E(c_0), ..., E(c_{N-2})] of frame t+1.
+        next_codes = torch.cat([frames[:, 1:, 1:], frames[:, -1:, 1:]], dim=1)  # [B, T, N]
+        fast_in = torch.cat(
+            [self.fast_input(h_pre, h_post).unsqueeze(2), self.fast_embeddings(next_codes[..., :-1])], dim=2
+        )  # [B, T, N, fast_dim]
+        n = self.config.num_codebooks
+        y = self.fast_layers_forward(
+            fast_in.reshape(B * T, n, -1), self.fast_freqs_cis[:n], lambda i: dense_causal_attend
+        )
+        return logits, self.fast_logits(y).reshape(B, T, n, -1)

@@ -1,0 +1,96 @@
+"""Prompt building: text parts and reference codes -> the `[T, 1 + N]` frame matrix (Fish spec 3.2).
+
+A prompt is a list of parts. Each text part is tokenized on its own, so BPE merges never cross a part
+boundary; a VQ part contributes one column per frame (`row0 = semantic_begin + c_0`, rows 1..N the
+codes, spec 1.1). `S2PromptFormat` follows fish-speech main for S2-Pro; our own models use it too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .tokenizer import TextTokenizer
+
+
+@dataclass
+class VoiceReference:
+    """Reference audio as codes `[N, T]` int64, with its transcript."""
+
+    codes: Tensor
+    text: str
+
+
+@dataclass
+class Turn:
+    """An earlier chunk of the same request: its text and the codes generated for it `[N, T]`."""
+
+    text: str
+    codes: Tensor
+
+
+class PromptAssembler:
+    """Concatenates text and VQ parts into frame columns."""
+
+    def __init__(self, tokenizer: TextTokenizer, num_codebooks: int):
+        self.tokenizer = tokenizer
+        self.num_codebooks = num_codebooks
+        self.columns: list[Tensor] = []
+
+    def text(self, s: str) -> PromptAssembler:
+        ids = self.tokenizer.encode(s)
+        if ids:
+            col = torch.zeros(len(ids), 1 + self.num_codebooks, dtype=torch.int64)
+            col[:, 0] = torch.tensor(ids)
+            self.columns.append(col)
+        return self
+
+    def codes(self, codes: Tensor) -> PromptAssembler:
+        codes = torch.as_tensor(codes, dtype=torch.int64)
+        if codes.dim() != 2 or codes.shape[0] != self.num_codebooks:
+            raise ValueError(f"reference codes must be [{self.num_codebooks}, T], got {tuple(codes.shape)}")
+        col = torch.empty(codes.shape[1], 1 + self.num_codebooks, dtype=torch.int64)
+        col[:, 0] = codes[0] + self.tokenizer.semantic_begin_id
+        col[:, 1:] = codes.T
+        self.columns.append(col)
+        return self
+
+    def build(self) -> Tensor:
+        return torch.cat(self.columns, dim=0)
+
+
+class S2PromptFormat:
+    """fish-speech main's S2-Pro prompt (spec 3.2): system message (with references if any), then one
+    user / assistant exchange per earlier chunk, then the target text and `assistant\\n<|voice|>`."""
+
+    name = "s2"
+    SYSTEM = "convert the provided text to speech"
+    SYSTEM_WITH_REFERENCE = "convert the provided text to speech reference to the following:\n\nText:\n"
+
+    def __init__(self, tokenizer: TextTokenizer, num_codebooks: int):
+        self.tokenizer = tokenizer
+        self.num_codebooks = num_codebooks
+
+    def build(self, text: str, references: list[VoiceReference] = (), history: list[Turn] = ()) -> Tensor:
+        p = PromptAssembler(self.tokenizer, self.num_codebooks)
+        p.text("<|im_start|>system\n")
+        if references:
+            p.text(self.SYSTEM_WITH_REFERENCE)
+            p.text("\n".join(_with_speaker(r.text, i) for i, r in enumerate(references)))
+            p.text("\n\nSpeech:\n")
+            p.codes(torch.cat([torch.as_tensor(r.codes) for r in references], dim=1))
+        else:
+            p.text(self.SYSTEM)
+        p.text("<|im_end|>\n")
+        for turn in history:
+            p.text("<|im_start|>user\n").text(turn.text).text("<|im_end|>\n")
+            p.text("<|im_start|>assistant\n<|voice|>").codes(turn.codes).text("<|im_end|>\n")
+        p.text("<|im_start|>user\n").text(text).text("<|im_end|>\n")
+        p.text("<|im_start|>assistant\n<|voice|>")
+        return p.build()
+
+
+def _with_speaker(text: str, i: int) -> str:
+    return text if text.lstrip().startswith("<|speaker:") else f"<|speaker:{i}|>{text}"

@@ -1,0 +1,123 @@
+"""Sampling that runs inside a CUDA graph: per-row parameters, counter-based randomness, no host sync.
+
+Algorithm (Fish spec section 4.1, `logits_to_probs` of fish-speech main):
+1. sort the logits descending; `cum = cumsum(softmax(sorted))` on the *un-tempered* logits;
+2. drop a sorted position when `cum > top_p` or its rank >= top_k (the rank-0 token is always kept;
+   note the token whose cumulative probability crosses top_p is dropped, unlike Hugging Face);
+3. divide by `max(temperature, 1e-5)`, softmax;
+4. draw with the exponential race `argmax(p / E)`, `E = -log(U)`: equivalent to a multinomial draw,
+   without the host sync of `torch.multinomial`.
+
+Temperature 0 means greedy: the argmax of the logits (and no repetition-aware fallback).
+
+Randomness: U comes from a counter-based hash keyed by (request seed, step, stream, token id), where
+*step* is the index of the frame being generated and *stream* identifies the draw within the frame
+(0 = main token, k = codebook k, N + 1 = the RAS fallback draw). A row's draws therefore depend only on
+its own logits and keys, never on batch neighbours, global RNG state, eager vs replay, or batch size.
+
+Repetition-aware sampling (RAS, spec 4.1) for the main token: draw `normal` with the request's
+temperature/top-p and `high` with temperature 1.0, top-p 0.9 (same top-k); if `normal` is a semantic
+token already present among the row's last `ras_window` main tokens, take `high`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+RAS_WINDOW = 10
+RAS_HIGH_TEMPERATURE = 1.0
+RAS_HIGH_TOP_P = 0.9
+MIN_TEMPERATURE = 1e-5
+
+_MASK32 = 0xFFFFFFFF
+
+
+def hash32(x: Tensor) -> Tensor:
+    """A 32-bit integer mix (Wellons' low-bias "lowbias32" shape, multipliers below 2**31).
+
+    x: int64 with values in [0, 2**32). Every product stays below 2**63, so int64 arithmetic never
+    overflows on any backend; returns int64 in [0, 2**32).
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)
+
+
+def row_keys(seeds: Tensor, steps: Tensor, stream: int) -> Tensor:
+    """`[B]` int64 32-bit keys from per-row seeds (any int64), steps (>= 0) and a stream id."""
+    k = hash32(seeds & _MASK32)
+    k = hash32(k ^ ((seeds >> 32) & _MASK32))
+    k = hash32(k ^ (steps & _MASK32))
+    return hash32(k ^ stream)
+
+
+def uniform(keys: Tensor, n: int) -> Tensor:
+    """`[B, n]` float32 uniforms in (0, 1), element (b, i) a function of (keys[b], i) only."""
+    idx = torch.arange(n, device=keys.device, dtype=torch.int64)
+    h = hash32((keys.unsqueeze(1) + idx * 0x61C88647) & _MASK32)
+    h = hash32(h ^ 0x5BD1E995)
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+class SortedLogits:
+    """Logits sorted once per step, shared by every draw from them (the RAS pair shares one sort)."""
+
+    def __init__(self, logits: Tensor):
+        self.raw = logits.float()
+        self.values, self.indices = torch.sort(self.raw, dim=-1, descending=True)
+        self.cum = torch.cumsum(torch.softmax(self.values, dim=-1), dim=-1)
+        self.ranks = torch.arange(self.raw.shape[-1], device=logits.device)
+
+    def draw(self, temperature: Tensor, top_p: Tensor, top_k: Tensor, keys: Tensor) -> Tensor:
+        """One draw per row; returns `[B]` int64 indices into the logits' last dimension."""
+        V = self.raw.shape[-1]
+        k_eff = torch.where(top_k > 0, top_k, V)
+        remove = (self.cum > top_p.unsqueeze(1)) | (self.ranks.unsqueeze(0) >= k_eff.unsqueeze(1))
+        remove = remove & (self.ranks.unsqueeze(0) > 0)
+        t = torch.clamp(temperature, min=MIN_TEMPERATURE).unsqueeze(1)
+        probs = torch.softmax(self.values.masked_fill(remove, float("-inf")) / t, dim=-1)
+        exp_noise = -torch.log(uniform(keys, V)).gather(1, self.indices)  # noise follows the token id
+        rank = torch.argmax(probs / exp_noise, dim=-1, keepdim=True)
+        sampled = self.indices.gather(1, rank).squeeze(1)
+        return torch.where(temperature > 0, sampled, self.indices[:, 0])
+
+
+def sample(
+    logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor, steps: Tensor,
+    stream: int,
+) -> Tensor:  # fmt: skip
+    """Sample one index per row.
+
+    logits: `[B, V]` (any float dtype; math in fp32); temperature, top_p: `[B]` float32 (temperature 0
+    = greedy, top_p in (0, 1]); top_k: `[B]` int64 (0 = no limit); seeds, steps: `[B]` int64.
+    Returns `[B]` int64.
+    """
+    return SortedLogits(logits).draw(temperature, top_p, top_k, row_keys(seeds, steps, stream))
+
+
+def sample_main_token(
+    logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor, steps: Tensor,
+    window: Tensor, window_len: Tensor, is_semantic_index: Tensor, high_stream: int,
+) -> Tensor:  # fmt: skip
+    """Main-token draw with the RAS fallback (spec 4.1).
+
+    window: `[B, W]` int64 indices of the row's last W main tokens in the same index space as logits,
+    newest last, -1 where empty; window_len: `[B]` how many of the newest entries count (0 disables
+    RAS); is_semantic_index: `[V]` bool, which indices are semantic tokens. Returns `[B]` int64.
+    """
+    sorted_logits = SortedLogits(logits)
+    normal = sorted_logits.draw(temperature, top_p, top_k, row_keys(seeds, steps, 0))
+    high = sorted_logits.draw(
+        torch.full_like(temperature, RAS_HIGH_TEMPERATURE),
+        torch.full_like(top_p, RAS_HIGH_TOP_P),
+        top_k,
+        row_keys(seeds, steps, high_stream),
+    )
+    W = window.shape[1]
+    counted = torch.arange(W, device=window.device).unsqueeze(0) >= (W - window_len).unsqueeze(1)
+    repeated = ((window == normal.unsqueeze(1)) & counted).any(dim=1)
+    use_high = repeated & is_semantic_index[normal] & (temperature > 0)
+    return torch.where(use_high, high, normal)
