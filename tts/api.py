@@ -81,6 +81,15 @@ class Synthesis:
         return self.wall_seconds / self.audio_seconds if self.audio_seconds else float("inf")
 
 
+@dataclass
+class Plan:
+    """A validated synthesis: normalized text chunks, voice references and sampling parameters."""
+
+    chunks: list[str]
+    references: list[VoiceReference]
+    params: SamplingParams
+
+
 ProgressFn = Callable[[int, int, int], None]  # (frames so far, chunk index, number of chunks)
 
 
@@ -150,17 +159,35 @@ class TTS:
 
     # ---- synthesis -----------------------------------------------------------------------------------
 
+    def prepare(
+        self, text: str, *, voice: str | VoiceReference | None = None, chunk_length: int | None = None,
+        **sampling,
+    ) -> Plan:  # fmt: skip
+        """Validate everything about a synthesis before any work: text, sampling values, voice, and
+        that every chunk's prompt plus its budget fits the context. Raises TextError, InvalidRequest,
+        VoiceNotFound."""
+        params = self.sampling_params(**sampling)
+        references = self.voice(voice)
+        chunks = self.plan(text, chunk_length)
+        for chunk_text in chunks:
+            self.engine.check(self.bundle.prompt_format.build(chunk_text, references, []), params)
+        return Plan(chunks, references, params)
+
     def stream(
-        self, text: str, *, voice: str | VoiceReference | None = None, first_chunk_frames: int = 4,
+        self, text: str | Plan, *, voice: str | VoiceReference | None = None, first_chunk_frames: int = 4,
         chunk_frames: int = 16, chunk_length: int | None = None, progress: ProgressFn | None = None,
         **sampling,
     ) -> Iterator[AudioChunk]:  # fmt: skip
         """Yield audio chunks as frames are generated: the first after `first_chunk_frames` frames,
         then every `chunk_frames`. `sampling`: temperature, top_p, top_k, max_new_tokens (per text
-        chunk), seed, ras_window. Raises TextError, InvalidRequest, VoiceNotFound before any work."""
-        params = self.sampling_params(**sampling)
-        references = self.voice(voice)
-        chunks = self.plan(text, chunk_length)
+        chunk), seed, ras_window. `text` may be a Plan from `prepare`. Raises TextError,
+        InvalidRequest, VoiceNotFound before any work."""
+        plan = (
+            text
+            if isinstance(text, Plan)
+            else self.prepare(text, voice=voice, chunk_length=chunk_length, **sampling)
+        )
+        chunks, references, params = plan.chunks, plan.references, plan.params
         self.last_finish_reasons: list[FinishReason] = []
         decoder = self.bundle.codec.stream()
         history: list[Turn] = []
@@ -184,8 +211,8 @@ class TTS:
         if pending:
             yield self._decode(decoder, pending, emitted)
 
-    def synthesize(self, text: str, **options) -> Synthesis:
-        """Synthesize all of `text`; options as for `stream`."""
+    def synthesize(self, text: str | Plan, **options) -> Synthesis:
+        """Synthesize all of `text` (or a Plan); options as for `stream`."""
         t0 = time.perf_counter()
         first = None
         chunks = []
@@ -240,4 +267,13 @@ class TTS:
         return AudioChunk(samples, self.sample_rate, start, start + codes.shape[1], codes)
 
 
-__all__ = ["TTS", "AudioChunk", "Synthesis", "VoiceNotFound", "TextError", "AudioError", "InvalidRequest"]
+__all__ = [
+    "TTS",
+    "Plan",
+    "AudioChunk",
+    "Synthesis",
+    "VoiceNotFound",
+    "TextError",
+    "AudioError",
+    "InvalidRequest",
+]

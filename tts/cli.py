@@ -112,21 +112,20 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     t_load = time.perf_counter()
     bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype))
     tts = TTS(bundle, EngineConfig(max_batch=1, graphs=args.graphs == "on"))
-    tts.sampling_params(**sampling_kwargs(args))  # validate before any work
     voice = args.voice
     if reference_audio is not None:
         audio, sr = reference_audio
         voice = tts.reference_from_audio(audio, sr, args.reference_text)
+    plan = tts.prepare(text, voice=voice, **sampling_kwargs(args))  # every check before any work
     load_seconds = time.perf_counter() - t_load
     if not args.quiet:
         print(f"model: {bundle.describe()} (loaded in {load_seconds:.2f} s)", file=sys.stderr)
 
-    chunks = tts.plan(text)
     progress_bar = None
-    if not args.quiet and (len(chunks) > 1 or sys.stderr.isatty()):
+    if not args.quiet and (len(plan.chunks) > 1 or sys.stderr.isatty()):
         from tqdm import tqdm
 
-        progress_bar = tqdm(total=len(chunks), unit="chunk", desc="synthesizing", file=sys.stderr)
+        progress_bar = tqdm(total=len(plan.chunks), unit="chunk", desc="synthesizing", file=sys.stderr)
 
     def progress(frames: int, chunk: int, n_chunks: int) -> None:
         if progress_bar is not None:
@@ -134,9 +133,9 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
             progress_bar.set_postfix(frames=frames, refresh=False)
             progress_bar.refresh()
 
-    result = tts.synthesize(text, voice=voice, progress=progress, **sampling_kwargs(args))
+    result = tts.synthesize(plan, progress=progress)
     if progress_bar is not None:
-        progress_bar.n = len(chunks)
+        progress_bar.n = len(plan.chunks)
         progress_bar.close()
     write_wav_atomic(out, result.audio, result.sample_rate)
     reasons = ",".join(r.value for r in result.finish_reasons)

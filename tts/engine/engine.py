@@ -17,7 +17,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -138,6 +138,10 @@ class Engine:
             self._requests[request.request_id] = request
         return request
 
+    def check(self, prompt: torch.Tensor, params: SamplingParams) -> None:
+        """Raise InvalidRequest if this prompt and parameters could never run here (no side effects)."""
+        self.scheduler.check(Request("check", prompt, replace(params, seed=params.seed or 0)))
+
     def cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """End a request at the next iteration (no-op if it already finished)."""
         with self._lock:
@@ -188,7 +192,8 @@ class Engine:
         if n == 0:
             return outputs
         self.graphs.run(n)
-        out = self.runner.buffers.out[:n].cpu()
+        # Copy out before the next step overwrites the buffer (on a CPU device .cpu() would alias it).
+        out = self.runner.buffers.out[:n].to("cpu", copy=True)
         N = self.model.config.num_codebooks
         # Iterate over a snapshot: finishing a request moves the last row into its place.
         for request, row in zip(list(self.scheduler.running), out, strict=True):

@@ -1,0 +1,24 @@
+import pytest
+import torch
+
+from tts.bundle import build_tiny_bundle
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle():
+    """The tiny random-weight model in fp32 on CPU (shared; tests must not modify it)."""
+    return build_tiny_bundle()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_bundle):
+    return tiny_bundle.model

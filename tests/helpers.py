@@ -1,0 +1,40 @@
+"""Shared test helpers: prompts for the tiny model and a synchronous engine driver."""
+
+import torch
+
+from tts.engine import Engine, SamplingParams
+
+
+def random_prompt(model, length: int, seed: int, semantic_every: int = 3) -> torch.Tensor:
+    """A `[length, 1+N]` prompt mixing text tokens and semantic (audio) columns."""
+    c = model.config
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.zeros(length, 1 + c.num_codebooks, dtype=torch.int64)
+    prompt[:, 0] = torch.randint(0, 256, (length,), generator=g)
+    for t in range(0, length, semantic_every):
+        codes = torch.randint(0, c.codebook_size, (c.num_codebooks,), generator=g)
+        prompt[t, 0] = c.semantic_begin_id + codes[0]
+        prompt[t, 1:] = codes
+    return prompt
+
+
+def run_to_completion(engine: Engine, max_iters: int = 10_000):
+    """Step until idle; returns ({request_id: codes [T, N]}, {request_id: finish_reason})."""
+    codes, reasons = {}, {}
+    for _ in range(max_iters):
+        if not engine.has_work():
+            break
+        for out in engine.step():
+            codes.setdefault(out.request_id, []).append(out.codes)
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    else:
+        raise AssertionError("engine did not finish")
+    N = engine.model.config.num_codebooks
+    return {k: torch.cat(v) if v else torch.zeros(0, N) for k, v in codes.items()}, reasons
+
+
+def params(**kw) -> SamplingParams:
+    base = dict(temperature=0.9, top_p=0.9, top_k=20, max_new_tokens=12, seed=7)
+    base.update(kw)
+    return SamplingParams(**base)

@@ -1,0 +1,74 @@
+import subprocess
+import sys
+
+import pytest
+import soundfile as sf
+
+from tts.cli import main
+
+
+def test_cli_writes_wav_whose_duration_is_frames_times_frame_length(tmp_path, capsys):
+    out = tmp_path / "out.wav"
+    rc = main(["synthesize", "Hello there, world.", "-o", str(out), "--model", "tiny", "--seed", "1",
+               "--max-new-tokens", "30", "-q"])  # fmt: skip
+    assert rc == 0
+    line = capsys.readouterr().out
+    frames = int(line.split(": ")[1].split(" frames")[0])
+    info = sf.info(str(out))
+    assert info.channels == 1 and info.samplerate == 16000 and info.subtype == "PCM_16"
+    assert info.frames == frames * 640
+    assert "RTF" in line and "wall" in line
+    assert [p.name for p in tmp_path.iterdir()] == ["out.wav"]  # no temp file left behind
+
+
+def test_cli_text_file_and_voice(tmp_path):
+    text = tmp_path / "in.txt"
+    text.write_text("Read from a file. " * 5)
+    out = tmp_path / "f.wav"
+    assert main(["synthesize", "--text-file", str(text), "-o", str(out), "--model", "tiny", "--voice", "beta",
+                 "--max-new-tokens", "8", "-q"]) == 0  # fmt: skip
+    assert sf.info(str(out)).frames > 0
+
+
+BAD = [
+    (["synthesize", "", "-o", "{d}/a.wav"], "nothing to speak"),
+    (["synthesize", "   ", "-o", "{d}/a.wav"], "nothing to speak"),
+    (["synthesize", "?!...", "-o", "{d}/a.wav"], "nothing to speak"),
+    (["synthesize", "word " * 3000, "-o", "{d}/a.wav", "--max-new-tokens", "900"], "context"),
+    (["synthesize", "hi", "-o", "{d}/a.wav", "--temperature", "-0.1"], "temperature"),
+    (["synthesize", "hi", "-o", "{d}/a.wav", "--top-p", "0"], "top_p"),
+    (["synthesize", "hi", "-o", "{d}/a.wav", "--top-p", "1.01"], "top_p"),
+    (["synthesize", "hi", "-o", "{d}/a.wav", "--top-k", "-1"], "top_k"),
+    (["synthesize", "hi", "-o", "{d}/a.wav", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["synthesize", "hi", "-o", "{d}/missing/a.wav"], "does not exist"),
+    (["synthesize", "hi", "-o", "{d}/a.wav", "--reference-audio", "{d}/empty.wav", "--reference-text", "x"], "empty"),
+    (["synthesize", "hi", "-o", "{d}/a.wav", "--reference-audio", "{d}/junk.wav", "--reference-text", "x"], "cannot read"),
+    (["synthesize", "hi", "-o", "{d}/a.wav", "--reference-audio", "{d}/nofile.wav", "--reference-text", "x"], "cannot read"),
+    (["synthesize", "hi", "-o", "{d}/a.wav", "--voice", "nobody"], "unknown voice"),
+    (["synthesize", "hi", "-o", "{d}/a.wav", "--model", "{d}"], "config.json"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv, message", BAD, ids=[m + str(i) for i, (_, m) in enumerate(BAD)])
+def test_bad_input_one_line_error_nonzero_exit_no_file(tmp_path, capsys, argv, message):
+    sf.write(str(tmp_path / "empty.wav"), [], 16000)
+    (tmp_path / "junk.wav").write_bytes(b"RIFF not really a wav file")
+    argv = [a.replace("{d}", str(tmp_path)) for a in argv]
+    if "--model" not in argv:
+        argv += ["--model", "tiny"]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert message in err and err.startswith("tts: error:") and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+
+
+def test_console_script_help_and_exit_code():
+    r = subprocess.run(
+        [sys.executable, "-m", "tts.cli", "synthesize", "--help"], capture_output=True, text=True
+    )
+    assert r.returncode == 0 and "--max-new-tokens" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "tts.cli", "synthesize", "", "-o", "x.wav", "--model", "tiny"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 2 and "nothing to speak" in r.stderr

@@ -1,0 +1,150 @@
+import pytest
+import torch
+from helpers import params, random_prompt, run_to_completion
+
+from tts.engine import Engine, EngineConfig, FinishReason, InvalidRequest, QueueFull
+
+
+def make_engine(model, **kw):
+    cfg = dict(max_batch=4, graphs=False, block_size=8)
+    cfg.update(kw)
+    return Engine(model, EngineConfig(**cfg))
+
+
+def test_batched_request_gives_same_codes_as_alone(tiny_model):
+    """fp32 CPU: a request batched with two others of different lengths (one joining late) gives the
+    same codes as when it runs alone."""
+    prompts = {"a": random_prompt(tiny_model, 11, 1), "b": random_prompt(tiny_model, 40, 2),
+               "c": random_prompt(tiny_model, 3, 3)}  # fmt: skip
+    budgets = {"a": 20, "b": 9, "c": 15}
+    solo = {}
+    for rid, p in prompts.items():
+        engine = make_engine(tiny_model)
+        engine.submit(p, params(max_new_tokens=budgets[rid], seed=len(rid) + ord(rid)), rid)
+        solo[rid] = run_to_completion(engine)[0][rid]
+    engine = make_engine(tiny_model)
+    for rid in ("a", "b"):
+        engine.submit(prompts[rid], params(max_new_tokens=budgets[rid], seed=len(rid) + ord(rid)), rid)
+    collected = {"a": [], "b": [], "c": []}
+    for i in range(100):
+        if i == 4:
+            engine.submit(prompts["c"], params(max_new_tokens=budgets["c"], seed=1 + ord("c")), "c")
+        for out in engine.step():
+            collected[out.request_id].append(out.codes)
+        if not engine.has_work():
+            break
+    for rid in prompts:
+        batched = torch.cat(collected[rid])
+        assert batched.shape[0] > 0
+        assert torch.equal(batched, solo[rid]), rid
+
+
+def test_finish_reasons_and_every_block_returns(tiny_model):
+    engine = make_engine(tiny_model, max_batch=2)
+    usable = engine.scheduler.allocator.num_usable
+    for i in range(5):
+        engine.submit(random_prompt(tiny_model, 5 + 7 * i, i), params(max_new_tokens=3 + i, seed=i), f"r{i}")
+    codes, reasons = run_to_completion(engine)
+    assert set(reasons) == {f"r{i}" for i in range(5)}
+    for i in range(5):
+        r = reasons[f"r{i}"]
+        assert r in (FinishReason.LENGTH, FinishReason.STOP)
+        if r == FinishReason.LENGTH:
+            assert codes[f"r{i}"].shape[0] == 3 + i  # never past the budget
+        else:
+            assert codes[f"r{i}"].shape[0] < 3 + i
+    assert engine.scheduler.allocator.num_free == usable
+    assert engine.num_running == 0 and engine.num_waiting == 0
+    assert not engine.runner.buffers.active.any()
+
+
+def test_stop_on_end_token_drops_that_frame(tiny_model):
+    """Force the end token by pointing its head row at the row's hidden state: finish STOP, no frame."""
+    engine = make_engine(tiny_model, max_batch=1)
+    engine.submit(random_prompt(tiny_model, 6, 0), params(temperature=0.0, max_new_tokens=10), "s")
+    engine.step()  # admit + one frame
+    _, h = engine.runner.slow_step(1)
+    engine.runner.semantic_head[-1] = 1e3 * h[0] / h[0].pow(2).sum()
+    outs = engine.step()
+    assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == FinishReason.STOP
+    assert outs[0].codes.shape == (0, tiny_model.config.num_codebooks)
+    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_usable
+
+
+def test_admission_waits_for_blocks(tiny_model):
+    # 8-token blocks; each request needs ceil((prompt + budget - 1) / 8) = 3 blocks; pool holds 4.
+    engine = make_engine(tiny_model, num_blocks=5)
+    engine.submit(random_prompt(tiny_model, 10, 0), params(max_new_tokens=10), "first")
+    engine.submit(random_prompt(tiny_model, 10, 1), params(max_new_tokens=10), "second")
+    engine.step()
+    assert engine.num_running == 1 and engine.num_waiting == 1
+    codes, reasons = run_to_completion(engine)
+    assert set(reasons) == {"first", "second"}
+    assert engine.scheduler.allocator.num_free == 4
+
+
+def test_cancel_running_and_waiting_requests_frees_blocks(tiny_model):
+    engine = make_engine(tiny_model, max_batch=1)
+    engine.submit(random_prompt(tiny_model, 8, 0), params(max_new_tokens=50), "run")
+    engine.submit(random_prompt(tiny_model, 8, 1), params(max_new_tokens=50), "wait")
+    engine.step()
+    engine.step()
+    engine.cancel("run")
+    engine.cancel("wait")
+    outs = engine.step()
+    assert {o.request_id: o.finish_reason for o in outs} == {
+        "run": FinishReason.CANCELLED, "wait": FinishReason.CANCELLED,
+    }  # fmt: skip
+    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_usable
+    assert not engine.has_work()
+
+
+def test_paused_request_resumes_with_the_same_codes(tiny_model):
+    ref_engine = make_engine(tiny_model)
+    ref_engine.submit(random_prompt(tiny_model, 8, 0), params(max_new_tokens=10), "p")
+    ref = run_to_completion(ref_engine)[0]["p"]
+    engine = make_engine(tiny_model)
+    engine.submit(random_prompt(tiny_model, 8, 0), params(max_new_tokens=10), "p")
+    engine.submit(random_prompt(tiny_model, 12, 5), params(max_new_tokens=20, seed=3), "other")
+    got = []
+    for i in range(60):
+        if i == 3:
+            engine.set_paused("p", True)
+        if i == 8:
+            engine.set_paused("p", False)
+        for out in engine.step():
+            if out.request_id == "p":
+                got.append(out.codes)
+                if 3 < i < 8:
+                    assert out.codes.numel() == 0 and not out.finished
+        if not engine.has_work():
+            break
+    assert torch.equal(torch.cat(got), ref)
+
+
+def test_too_long_and_bad_params_rejected_before_work(tiny_model):
+    engine = make_engine(tiny_model)
+    with pytest.raises(InvalidRequest, match="exceeds the context size"):
+        engine.submit(random_prompt(tiny_model, 1000, 0), params(max_new_tokens=100))
+    with pytest.raises(InvalidRequest, match="top_p"):
+        engine.submit(random_prompt(tiny_model, 10, 0), params(top_p=0.0))
+    with pytest.raises(InvalidRequest, match="temperature"):
+        engine.submit(random_prompt(tiny_model, 10, 0), params(temperature=-1.0))
+    with pytest.raises(InvalidRequest, match="max_new_tokens"):
+        engine.submit(random_prompt(tiny_model, 10, 0), params(max_new_tokens=0))
+    assert not engine.has_work()
+
+
+def test_waiting_queue_is_bounded(tiny_model):
+    engine = make_engine(tiny_model, max_waiting=2)
+    engine.submit(random_prompt(tiny_model, 5, 0), params())
+    engine.submit(random_prompt(tiny_model, 5, 0), params())
+    with pytest.raises(QueueFull):
+        engine.submit(random_prompt(tiny_model, 5, 0), params())
+
+
+def test_unseeded_requests_get_distinct_random_seeds(tiny_model):
+    engine = make_engine(tiny_model)
+    a = engine.submit(random_prompt(tiny_model, 5, 0), params(seed=None))
+    b = engine.submit(random_prompt(tiny_model, 5, 0), params(seed=None))
+    assert a.seed != b.seed

@@ -1,0 +1,87 @@
+import pytest
+import torch
+from helpers import params, random_prompt, run_to_completion
+
+from graphs import GraphRunner
+from tts.engine import Engine, EngineConfig
+
+
+def test_bucket_choice():
+    r = GraphRunner(lambda b: None, max_batch=40, buckets=(1, 2, 4, 8, 16, 24, 32, 48, 64))
+    assert r.buckets == [1, 2, 4, 8, 16, 24, 32]
+    assert [r.bucket_for(n) for n in (1, 2, 3, 5, 17, 32, 33)] == [1, 2, 4, 8, 24, 32, None]
+
+
+def test_lazy_capture_after_warmup_and_counts():
+    calls = []
+    r = GraphRunner(calls.append, max_batch=8, buckets=(1, 2, 4))
+    assert [r.run(n) for n in (3, 3, 3, 1, 5)] == [4, 4, 4, 1, 5]
+    # bucket 4: warm-up eager, capture + replay, replay; bucket 1: warm-up; 5 > largest: eager
+    assert calls == [4, 4, 4, 1, 5]  # the stand-in capture records without running
+    s = r.stats
+    assert (s.replays, s.eager_steps, s.eager_warmup, s.eager_over_max) == (2, 3, 2, 1)
+    assert set(s.capture_seconds) == {4}
+    assert s.replay_share == pytest.approx(2 / 5)
+
+
+def test_startup_capture_largest_first():
+    order = []
+    r = GraphRunner(order.append, max_batch=4, buckets=(1, 2, 4))
+    r.capture_all()
+    assert order == [4, 2, 1]  # warm-up runs only; stand-in captures record
+    assert list(r.stats.capture_seconds) == [4, 2, 1]
+    r.run(2)
+    assert r.stats.replays == 1 and r.stats.eager_steps == 0
+
+
+def test_failed_capture_leaves_bucket_eager_and_keeps_serving():
+    r = GraphRunner(lambda b: None, max_batch=4, buckets=(4,))
+
+    def failing_capture(b):
+        raise RuntimeError("injected capture failure")
+
+    r._capture_standin = failing_capture  # the CUDA variant of this test lives in test_cuda_graphs.py
+    assert [r.run(3) for _ in range(4)] == [4, 4, 3, 3]
+    assert 4 in r.stats.failed_captures and "injected" in r.stats.failed_captures[4]
+    assert r.stats.replays == 0 and r.stats.eager_steps == 4
+
+
+def _engine(model, **kw):
+    return Engine(model, EngineConfig(max_batch=4, block_size=8, **kw))
+
+
+def _run_batch(engine, n=3):
+    for i in range(n):
+        engine.submit(
+            random_prompt(engine.model, 6 + 5 * i, i), params(max_new_tokens=8 + 3 * i, seed=i), f"r{i}"
+        )
+    return run_to_completion(engine)
+
+
+def test_standin_graph_replay_equals_eager_with_pad_rows(tiny_model):
+    eager_codes, eager_reasons = _run_batch(_engine(tiny_model, graphs=False))
+    engine = _engine(tiny_model, graphs=True, standin_graphs=True, buckets=(1, 2, 4))
+    ptrs = engine.runner.buffers.data_ptrs()
+    codes, reasons = _run_batch(engine)
+    assert reasons == eager_reasons
+    for k in eager_codes:
+        assert torch.equal(codes[k], eager_codes[k])
+    assert engine.graphs.stats.replays > 0
+    assert engine.runner.buffers.data_ptrs() == ptrs
+    # every row went back to the pad state
+    assert not engine.runner.buffers.active.any()
+    assert (engine.runner.buffers.block_tables == 0).all()
+
+
+def test_pad_rows_never_touch_real_kv_blocks(tiny_model):
+    """A batch of 3 on the bucket-4 step: the pad row writes only the scratch block."""
+    engine = _engine(tiny_model, graphs=True, standin_graphs=True, buckets=(4,))
+    for i in range(3):
+        engine.submit(random_prompt(tiny_model, 7, i), params(max_new_tokens=30, seed=i), f"r{i}")
+    engine.step()  # admit + warm-up step at bucket 4
+    kv_before = engine.kv.k[:, 1:].clone()
+    owned = {b for r in engine.scheduler.running for b in r.blocks}
+    engine.runner.buffers.active[:3] = False  # freeze the real rows: only pads could write now
+    engine.graphs.run(3)
+    assert torch.equal(engine.kv.k[:, 1:], kv_before)
+    assert owned and 0 not in owned

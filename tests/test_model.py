@@ -1,0 +1,71 @@
+import math
+
+import torch
+import torch.nn.functional as F
+from helpers import random_prompt
+
+from tts.engine import Engine, EngineConfig
+from tts.engine.model_runner import RowInit
+
+
+def _load(engine, row, prompt):
+    blocks = engine.scheduler.allocator.allocate(8)
+    engine.runner.prefill(prompt, blocks)
+    engine.runner.load_row(
+        row,
+        RowInit(prompt[-1], prompt.shape[0] - 1, blocks, temperature=0.0, top_p=1.0, top_k=0, seed=0,
+                budget=100, ras_len=0),
+    )  # fmt: skip
+
+
+@torch.inference_mode()
+def test_decode_step_logits_match_full_sequence_forward(tiny_model):
+    """Paged prefill + one paged decode step == the dense full-sequence forward at the last position."""
+    engine = Engine(tiny_model, EngineConfig(max_batch=4, graphs=False, block_size=4))
+    prompts = [random_prompt(tiny_model, n, seed=n) for n in (5, 17, 33)]
+    for row, p in enumerate(prompts):
+        _load(engine, row, p)
+    _, h_post = engine.runner.slow_step(3)
+    logits = F.linear(h_post, tiny_model.lm_head_weight())
+    for row, p in enumerate(prompts):
+        ref_logits, _ = tiny_model(p.unsqueeze(0))
+        torch.testing.assert_close(logits[row], ref_logits[0, -1], rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_greedy_frame_codes_are_the_argmax_of_the_teacher_forced_fast_ar(tiny_model):
+    """The fast AR loop in the frame step predicts codebook k from codes 0..k-1 exactly as the
+    teacher-forced training forward does (spec 1.3 layout), and c_0 = token - semantic_begin."""
+    c = tiny_model.config
+    engine = Engine(tiny_model, EngineConfig(max_batch=2, graphs=False))
+    for seed in range(20):  # find a prompt whose greedy frame is audio, not the end token
+        prompt = random_prompt(tiny_model, 9, seed=seed)
+        _load(engine, 0, prompt)
+        engine.runner.decode_step(1)
+        frame = engine.runner.buffers.out[0, : c.num_codebooks + 1].clone()
+        if frame[0] != c.eos_token_id:
+            break
+    assert frame[0] != c.eos_token_id
+    assert frame[1] == frame[0] - c.semantic_begin_id
+    slow_logits, fast_logits = tiny_model(torch.cat([prompt, frame.unsqueeze(0)]).unsqueeze(0))
+    allowed = list(range(c.semantic_begin_id, c.semantic_end_id + 1)) + [c.eos_token_id]
+    assert int(frame[0]) == allowed[int(slow_logits[0, -2, allowed].argmax())]
+    for k in range(1, c.num_codebooks):
+        assert int(frame[1 + k]) == int(fast_logits[0, -2, k].argmax())
+
+
+def test_embedding_scales_only_semantic_positions(tiny_model):
+    c = tiny_model.config
+    frames = torch.zeros(1, 2, 1 + c.num_codebooks, dtype=torch.int64)
+    frames[0, 0, 0] = 65  # a text token: codes ignored even if non-zero
+    frames[0, 0, 1:] = 3
+    frames[0, 1, 0] = c.semantic_begin_id + 5
+    frames[0, 1, 1:] = torch.tensor([5, 1, 2, 3])
+    x = tiny_model.embed(frames)
+    torch.testing.assert_close(x[0, 0], tiny_model.embeddings.weight[65])
+    cb = sum(
+        tiny_model.codebook_embeddings.weight[int(frames[0, 1, 1 + i]) + i * c.codebook_size]
+        for i in range(4)
+    )
+    expected = (tiny_model.embeddings.weight[c.semantic_begin_id + 5] + cb) / math.sqrt(c.num_codebooks + 1)
+    torch.testing.assert_close(x[0, 1], expected)
