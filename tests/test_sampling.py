@@ -88,7 +88,7 @@ def test_ras_switches_to_high_draw_only_for_repeated_semantic_tokens():
     logits = torch.zeros(1, V)
     logits[0, 7] = 8.0  # normal draw at low temperature: almost surely 7
     t, p, k = _p(1, temperature=0.05, top_p=1.0)
-    is_sem = torch.ones(V, dtype=torch.bool)
+    is_sem = V
     seed, step = torch.tensor([3]), torch.tensor([5])
     window = torch.full((1, 10), -1)
     base = sample_main_token(logits, t, p, k, seed, step, window, torch.tensor([10]), is_sem, high_stream=9)
@@ -116,7 +116,7 @@ def test_ras_switches_to_high_draw_only_for_repeated_semantic_tokens():
         for s in range(50)
     }
     assert outs0 == {7}
-    not_sem = torch.zeros(V, dtype=torch.bool)
+    not_sem = 0
     outs_ns = {
         int(sample_main_token(flat, t, p, k, torch.tensor([s]), step, window, torch.tensor([10]), not_sem, 9))
         for s in range(50)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelArgs
+from .kernels import fused_kernels_enabled, fused_ops
 
 # attend(q [B, T, H, D], k [B, T, Hkv, D], v [B, T, Hkv, D]) -> [B, T, H, D]
 AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -37,8 +38,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if fused_kernels_enabled(x):
+            return fused_ops().rmsnorm(x, self.weight, self.eps)
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+    def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """`h = x + residual`, then `(norm(h), h)`; one kernel on CUDA."""
+        if fused_kernels_enabled(x):
+            return fused_ops().add_rmsnorm(x, residual, self.weight, self.eps)
+        h = x + residual
+        return self.forward(h), h
 
 
 def precompute_freqs_cis(seq_len: int, n_elem: int, base: float = 10000.0) -> Tensor:
@@ -89,7 +99,15 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q_size = self.n_head * self.head_dim
         kv_size = self.n_local_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.wqkv(x)
+        if T == 1 and fused_kernels_enabled(x):  # decode: split, qk-norm and RoPE in one kernel
+            q, k, v = fused_ops().qk_norm_rope(
+                qkv, self.n_head, self.n_local_heads, self.head_dim, freqs_cis,
+                self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
+                self.q_norm.eps if self.qk_norm else 0.0,
+            )  # fmt: skip
+            return self.wo(attend(q, k, v).reshape(B, T, q_size))
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim)
         k = k.view(B, T, self.n_local_heads, self.head_dim)
         v = v.view(B, T, self.n_local_heads, self.head_dim)
@@ -109,7 +127,18 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
+    def fuse_weights(self) -> None:
+        """Store w1 and w3 as one `[2 * hidden, dim]` matrix (w1, w3 become views of it) so the CUDA
+        path runs one GEMM for both. The state dict keeps its keys and values."""
+        w13 = torch.cat([self.w1.weight.data, self.w3.weight.data])
+        hidden = self.w1.weight.shape[0]
+        self.w1.weight.data, self.w3.weight.data = w13[:hidden], w13[hidden:]
+        self.w13 = w13
+
     def forward(self, x: Tensor) -> Tensor:
+        w13 = getattr(self, "w13", None)
+        if w13 is not None and fused_kernels_enabled(x):
+            return self.w2(fused_ops().silu_mul(F.linear(x, w13)))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -126,6 +155,29 @@ class TransformerBlock(nn.Module):
     def forward(self, x: Tensor, freqs_cis: Tensor, attend: AttendFn) -> Tensor:
         h = x + self.attention(self.attention_norm(x), freqs_cis, attend)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+def run_layers(
+    layers: nn.ModuleList,
+    final_norm: RMSNorm,
+    x: Tensor,
+    freqs_cis: Tensor,
+    attend_layer: Callable[[int], AttendFn],
+) -> tuple[Tensor, Tensor]:
+    """Run pre-norm blocks, fusing each residual add into the next norm (the last into `final_norm`).
+
+    Same math as calling `TransformerBlock.forward` layer by layer and then `final_norm`: the residual
+    stream is rounded to the activation dtype after every add, exactly where the unfused block rounds.
+    Returns `(hidden before final_norm, hidden after final_norm)`.
+    """
+    normed, residual = layers[0].attention_norm(x), x
+    for i, layer in enumerate(layers):
+        a = layer.attention(normed, freqs_cis, attend_layer(i))
+        normed, residual = layer.ffn_norm.add_forward(a, residual)
+        f = layer.feed_forward(normed)
+        next_norm = layers[i + 1].attention_norm if i + 1 < len(layers) else final_norm
+        normed, residual = next_norm.add_forward(f, residual)
+    return residual, normed
 
 
 def dense_causal_attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -226,11 +278,12 @@ class DualARTransformer(nn.Module):
             audio = audio * (1.0 / math.sqrt(c.num_codebooks + 1))
         return torch.where(is_semantic, audio, x)
 
-    def slow_layers(self, x: Tensor, freqs_cis: Tensor, attend_layer: Callable[[int], AttendFn]) -> Tensor:
-        """Run the slow transformer layers; returns the pre-final-norm hidden state `[B, T, dim]`."""
-        for i, layer in enumerate(self.layers):
-            x = layer(x, freqs_cis, attend_layer(i))
-        return x
+    def slow_layers(
+        self, x: Tensor, freqs_cis: Tensor, attend_layer: Callable[[int], AttendFn]
+    ) -> tuple[Tensor, Tensor]:
+        """Run the slow transformer layers and the final norm on `x [B, T, dim]`; returns the hidden
+        state before and after the final norm, each `[B, T, dim]`."""
+        return run_layers(self.layers, self.norm, x, freqs_cis, attend_layer)
 
     def lm_head_weight(self) -> Tensor:
         """`[vocab, dim]`: the tied token embedding, or the untied `output` weight (spec 1.2)."""
@@ -243,15 +296,20 @@ class DualARTransformer(nn.Module):
 
     # ---- fast AR -------------------------------------------------------------------------------------
 
-    def fast_layers_forward(self, x: Tensor, freqs_cis: Tensor, attend_layer: Callable[[int], AttendFn]):
-        """Run the fast layers on `x [B, T, fast_dim]`; returns the pre-`fast_norm` hidden state."""
-        for i, layer in enumerate(self.fast_layers):
-            x = layer(x, freqs_cis, attend_layer(i))
-        return x
+    def fast_layers_forward(
+        self, x: Tensor, freqs_cis: Tensor, attend_layer: Callable[[int], AttendFn]
+    ) -> Tensor:
+        """Run the fast layers and `fast_norm` on `x [B, T, fast_dim]`; returns the normed hidden state."""
+        return run_layers(self.fast_layers, self.fast_norm, x, freqs_cis, attend_layer)[1]
 
-    def fast_logits(self, x: Tensor) -> Tensor:
-        """`[..., codebook_size]` logits from a fast hidden state."""
-        return self.fast_output(self.fast_norm(x))
+    def fast_logits(self, x_normed: Tensor) -> Tensor:
+        """`[..., codebook_size]` logits from a `fast_norm`-ed fast hidden state."""
+        return self.fast_output(x_normed)
+
+    def fuse_weights(self) -> None:
+        """Prepare for serving on CUDA: fuse each SwiGLU's w1/w3 into one matrix (state dict unchanged)."""
+        for layer in [*self.layers, *self.fast_layers]:
+            layer.feed_forward.fuse_weights()
 
     # ---- whole-sequence forward (training and the reference for the serving path) -------------------
 
@@ -268,8 +326,7 @@ class DualARTransformer(nn.Module):
         """
         B, T, _ = frames.shape
         x = self.embed(frames)
-        h_pre = self.slow_layers(x, self.freqs_cis[:T], lambda i: dense_causal_attend)
-        h_post = self.norm(h_pre)
+        h_pre, h_post = self.slow_layers(x, self.freqs_cis[:T], lambda i: dense_causal_attend)
         logits = F.linear(h_post, self.lm_head_weight())
         # Fast AR: for every position t, a length-N sequence [h_t, E(c_0), ..., E(c_{N-2})] of frame t+1.
         next_codes = torch.cat([frames[:, 1:, 1:], frames[:, -1:, 1:]], dim=1)  # [B, T, N]

@@ -6,7 +6,8 @@ Algorithm (Fish spec section 4.1, `logits_to_probs` of fish-speech main):
    note the token whose cumulative probability crosses top_p is dropped, unlike Hugging Face);
 3. divide by `max(temperature, 1e-5)`, softmax;
 4. draw with the exponential race `argmax(p / E)`, `E = -log(U)`: equivalent to a multinomial draw,
-   without the host sync of `torch.multinomial`.
+   without the host sync of `torch.multinomial`. We evaluate it in log space, `argmax(logit / T -
+   log E)` (the softmax normalizer does not change the argmax), as the CUDA kernel does.
 
 Temperature 0 means greedy: the argmax of the logits (and no repetition-aware fallback).
 
@@ -31,6 +32,12 @@ RAS_HIGH_TOP_P = 0.9
 MIN_TEMPERATURE = 1e-5
 
 _MASK32 = 0xFFFFFFFF
+
+
+def _use_triton(t: Tensor) -> bool:
+    from .kernels import fused_kernels_enabled
+
+    return fused_kernels_enabled(t)
 
 
 def hash32(x: Tensor) -> Tensor:
@@ -67,7 +74,9 @@ class SortedLogits:
 
     def __init__(self, logits: Tensor):
         self.raw = logits.float()
-        self.values, self.indices = torch.sort(self.raw, dim=-1, descending=True)
+        self.values, self.indices = torch.sort(
+            self.raw, dim=-1, descending=True, stable=True
+        )  # ties: lower id first
         self.cum = torch.cumsum(torch.softmax(self.values, dim=-1), dim=-1)
         self.ranks = torch.arange(self.raw.shape[-1], device=logits.device)
 
@@ -78,9 +87,9 @@ class SortedLogits:
         remove = (self.cum > top_p.unsqueeze(1)) | (self.ranks.unsqueeze(0) >= k_eff.unsqueeze(1))
         remove = remove & (self.ranks.unsqueeze(0) > 0)
         t = torch.clamp(temperature, min=MIN_TEMPERATURE).unsqueeze(1)
-        probs = torch.softmax(self.values.masked_fill(remove, float("-inf")) / t, dim=-1)
-        exp_noise = -torch.log(uniform(keys, V)).gather(1, self.indices)  # noise follows the token id
-        rank = torch.argmax(probs / exp_noise, dim=-1, keepdim=True)
+        log_e = torch.log(-torch.log(uniform(keys, V))).gather(1, self.indices)  # noise follows the token id
+        score = (self.values / t - log_e).masked_fill(remove, float("-inf"))
+        rank = torch.argmax(score, dim=-1, keepdim=True)
         sampled = self.indices.gather(1, rank).squeeze(1)
         return torch.where(temperature > 0, sampled, self.indices[:, 0])
 
@@ -93,21 +102,31 @@ def sample(
 
     logits: `[B, V]` (any float dtype; math in fp32); temperature, top_p: `[B]` float32 (temperature 0
     = greedy, top_p in (0, 1]); top_k: `[B]` int64 (0 = no limit); seeds, steps: `[B]` int64.
-    Returns `[B]` int64.
+    Returns `[B]` int64. On CUDA the Triton kernel of tts/kernels/sampling.py does the same in one launch.
     """
+    if _use_triton(logits):
+        from .kernels.sampling import triton_sample
+
+        return triton_sample(logits, temperature, top_p, top_k, seeds, steps, stream)
     return SortedLogits(logits).draw(temperature, top_p, top_k, row_keys(seeds, steps, stream))
 
 
 def sample_main_token(
     logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor, steps: Tensor,
-    window: Tensor, window_len: Tensor, is_semantic_index: Tensor, high_stream: int,
+    window: Tensor, window_len: Tensor, n_semantic: int, high_stream: int,
 ) -> Tensor:  # fmt: skip
     """Main-token draw with the RAS fallback (spec 4.1).
 
     window: `[B, W]` int64 indices of the row's last W main tokens in the same index space as logits,
     newest last, -1 where empty; window_len: `[B]` how many of the newest entries count (0 disables
-    RAS); is_semantic_index: `[V]` bool, which indices are semantic tokens. Returns `[B]` int64.
+    RAS); indices `[0, n_semantic)` are semantic tokens. Returns `[B]` int64.
     """
+    if _use_triton(logits):
+        from .kernels.sampling import triton_sample_main_token
+
+        return triton_sample_main_token(
+            logits, temperature, top_p, top_k, seeds, steps, window, window_len, n_semantic, high_stream
+        )
     sorted_logits = SortedLogits(logits)
     normal = sorted_logits.draw(temperature, top_p, top_k, row_keys(seeds, steps, 0))
     high = sorted_logits.draw(
@@ -119,5 +138,5 @@ def sample_main_token(
     W = window.shape[1]
     counted = torch.arange(W, device=window.device).unsqueeze(0) >= (W - window_len).unsqueeze(1)
     repeated = ((window == normal.unsqueeze(1)) & counted).any(dim=1)
-    use_high = repeated & is_semantic_index[normal] & (temperature > 0)
+    use_high = repeated & (normal < n_semantic) & (temperature > 0)
     return torch.where(use_high, high, normal)

@@ -134,7 +134,6 @@ class ModelRunner:
             [head[c.semantic_begin_id : c.semantic_end_id + 1], head[c.eos_token_id : c.eos_token_id + 1]]
         ).detach()
         self.n_sem = c.num_semantic_tokens
-        self.is_semantic_index = torch.arange(self.n_sem + 1, device=self.device) < self.n_sem
 
     # ---- host-side row management (between steps only) ---------------------------------------------
 
@@ -225,8 +224,8 @@ class ModelRunner:
             return attend
 
         x = m.embed(bufs.frames[:b].unsqueeze(1))
-        h_pre = m.slow_layers(x, m.freqs_cis[pos].unsqueeze(1), attend_layer)[:, 0]
-        return h_pre, m.norm(h_pre)
+        h_pre, h_post = m.slow_layers(x, m.freqs_cis[pos].unsqueeze(1), attend_layer)
+        return h_pre[:, 0], h_post[:, 0]
 
     def _fast_attend(self, b: int, k_pos: int):
         """attend() for fast position k_pos: write slot k_pos, attend to slots 0..k_pos of this frame.
@@ -261,7 +260,7 @@ class ModelRunner:
             sem_logits = F.linear(h_post, self.semantic_head)
             idx = sample_main_token(
                 sem_logits, temperature, top_p, top_k, seeds, steps, bufs.ras_window[:b],
-                bufs.ras_len[:b], self.is_semantic_index, high_stream=c.num_codebooks + 1,
+                bufs.ras_len[:b], self.n_sem, high_stream=c.num_codebooks + 1,
             )  # fmt: skip
             token = torch.where(idx == self.n_sem, c.eos_token_id, idx + c.semantic_begin_id)
             # Fast AR: position 0 on the slow hidden state (its logits are never used), c_0 derived from

@@ -1,0 +1,109 @@
+"""Checks of the Triton kernels against their torch references, run on CPU through Triton's
+interpreter. Executed by tests/test_kernels.py in a subprocess with TRITON_INTERPRET=1 and
+TTS_FUSED_KERNELS=interpret (both must be set before Triton is imported). The same kernels are
+checked on the GPU by tests/test_cuda_graphs.py."""
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1"
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+
+import tts.kernels as K  # noqa: E402
+from tts.kernels.fused import add_rmsnorm, qk_norm_rope, rmsnorm, silu_mul  # noqa: E402
+from tts.kernels.paged_attention import triton_paged_decode_attention  # noqa: E402
+from tts.kernels.sampling import triton_sample, triton_sample_main_token  # noqa: E402
+from tts.kv_cache import paged_decode_attention  # noqa: E402
+from tts.model import RMSNorm, apply_rotary_emb, precompute_freqs_cis  # noqa: E402
+from tts.sampling import sample, sample_main_token  # noqa: E402
+
+
+def check_paged_attention():
+    torch.manual_seed(0)
+    H, Hkv, D, bs, NB = 8, 2, 16, 4, 30
+    kc, vc = torch.randn(NB, bs, Hkv, D), torch.randn(NB, bs, Hkv, D)
+    tables = torch.randint(1, NB, (3, 6), dtype=torch.int32)
+    lens = torch.tensor([1, 7, 24])  # one token, inside a block, the full table
+    q = torch.randn(3, H, D)
+    ref = paged_decode_attention(q, kc, vc, tables, lens, D**-0.5)
+    for split in (512, 8):  # one split, and flash-decoding splits with a combine
+        out = triton_paged_decode_attention(q, kc, vc, tables, lens, D**-0.5, split_tokens=split)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def check_norms_rope_silu():
+    torch.manual_seed(1)
+    x, r, w = torch.randn(3, 40), torch.randn(3, 40), torch.randn(40)
+    m = RMSNorm(40, 1e-6)
+    m.weight.data = w
+    torch.testing.assert_close(rmsnorm(x, w, 1e-6), m(x))
+    normed, h = add_rmsnorm(x, r, w, 1e-6)
+    torch.testing.assert_close(h, x + r)
+    torch.testing.assert_close(normed, m(x + r))
+    qkv = torch.randn(2, (4 + 2 * 2) * 16)
+    freqs = precompute_freqs_cis(32, 16, 1e4)[torch.tensor([3, 17])]
+    qw, kw = torch.randn(16), torch.randn(16)
+    q, k, v = qk_norm_rope(qkv, 4, 2, 16, freqs, qw, kw, 1e-6)
+    qr, kr, vr = qkv.view(2, 1, -1).split([64, 32, 32], -1)
+    qn, kn = torch.nn.RMSNorm(16, eps=1e-6), torch.nn.RMSNorm(16, eps=1e-6)
+    qn.weight.data, kn.weight.data = qw, kw
+    f = freqs.unsqueeze(1)
+    torch.testing.assert_close(q, apply_rotary_emb(qn(qr.view(2, 1, 4, 16)), f))
+    torch.testing.assert_close(k, apply_rotary_emb(kn(kr.view(2, 1, 2, 16)), f))
+    torch.testing.assert_close(v, vr.view(2, 1, 2, 16))
+    a = torch.randn(3, 100)
+    torch.testing.assert_close(silu_mul(a), torch.nn.functional.silu(a[:, :50]) * a[:, 50:])
+
+
+def check_sampler():
+    torch.manual_seed(2)
+    B, V = 6, 37
+    logits = torch.randn(B, V) * 3
+    logits[5] = 0.0
+    logits[5, 4] = 1.0  # ties: order by token id
+    t = torch.tensor([0.0, 0.5, 1.0, 0.8, 1.2, 1.0])
+    p = torch.tensor([1.0, 0.9, 0.5, 0.8, 1.0, 0.5])
+    k = torch.tensor([0, 5, 0, 30, 1, 0])
+    window = torch.randint(0, V, (B, 10))
+    wl = torch.tensor([10, 0, 5, 10, 10, 3])
+    for s in range(3):
+        seeds, steps = torch.arange(B) * 1000 + s, torch.full((B,), s)
+        assert torch.equal(
+            sample(logits, t, p, k, seeds, steps, 3), triton_sample(logits, t, p, k, seeds, steps, 3)
+        )
+        a = sample_main_token(logits, t, p, k, seeds, steps, window, wl, V - 1, 11)
+        b = triton_sample_main_token(logits, t, p, k, seeds, steps, window, wl, V - 1, 11)
+        assert torch.equal(a, b)
+
+
+def check_engine_end_to_end():
+    """The whole frame step with every kernel on gives the torch path's codes (fp32)."""
+    from helpers import params, random_prompt, run_to_completion
+
+    from tts.bundle import build_tiny_bundle
+    from tts.engine import Engine, EngineConfig
+
+    results = []
+    for fused in (False, True):
+        K.set_fused_kernels(fused)
+        model = build_tiny_bundle().model
+        if fused:
+            model.fuse_weights()
+        engine = Engine(
+            model, EngineConfig(max_batch=2, graphs=False, attention_backend="triton" if fused else "torch")
+        )
+        for i in range(2):
+            engine.submit(random_prompt(model, 6 + 9 * i, i + 1), params(max_new_tokens=3, seed=i), f"r{i}")
+        results.append(run_to_completion(engine)[0])
+    for rid in results[0]:
+        assert torch.equal(results[0][rid], results[1][rid]), rid
+
+
+if __name__ == "__main__":
+    check_paged_attention()
+    check_norms_rope_silu()
+    check_sampler()
+    check_engine_end_to_end()
+    print("kernel checks passed")

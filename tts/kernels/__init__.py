@@ -1,0 +1,38 @@
+"""Triton kernels for the CUDA decode step. Each has a torch counterpart that is the CPU path and its
+test reference. `TTS_FUSED_KERNELS=0` turns them off (the step then runs plain torch on CUDA too)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_ENABLED = os.environ.get("TTS_FUSED_KERNELS", "1") != "0"
+# Tests only: run the kernels on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1).
+_ON_CPU = os.environ.get("TTS_FUSED_KERNELS") == "interpret"
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fused_kernels_enabled(t: torch.Tensor) -> bool:
+    """True when `t` lives on CUDA, Triton is importable and the kernels are not switched off."""
+    return _ENABLED and (t.is_cuda or _ON_CPU) and triton_available()
+
+
+def set_fused_kernels(enabled: bool) -> None:
+    """Switch the fused kernels on or off for this process (benchmarks compare both)."""
+    global _ENABLED
+    _ENABLED = enabled
+
+
+def fused_ops():
+    """The Triton fused-op module (imported on first use, so CPU-only installs never need Triton)."""
+    from . import fused
+
+    return fused
