@@ -90,12 +90,14 @@ class GraphRunner:
     device: where the buffers live; CUDA graphs on a CUDA device, stand-ins elsewhere.
     buffer_ptrs: optional callable returning `{name: data_ptr}` of the persistent buffers; checked after
     every capture and replay so that a reallocated buffer fails loudly instead of replaying stale memory.
+    capture: False pads to buckets exactly as replay would but always runs eagerly (the reference that
+    tests compare replays with).
     """
 
     def __init__(
         self, step_fn: Callable[[int], None], *, max_batch: int, buckets: Sequence[int] = DEFAULT_BUCKETS,
         enabled: bool = True, device: torch.device | str = "cpu",
-        buffer_ptrs: Callable[[], dict[str, int]] | None = None,
+        buffer_ptrs: Callable[[], dict[str, int]] | None = None, capture: bool = True,
     ):  # fmt: skip
         self.step_fn = step_fn
         self.device = torch.device(device)
@@ -110,6 +112,7 @@ class GraphRunner:
         self._buffer_ptrs = buffer_ptrs
         self._ptrs_at_capture: dict[str, int] | None = None
         self.capturing = False  # True while a capture is being recorded (for fault injection / checks)
+        self.capture_enabled = capture
 
     @property
     def is_cuda(self) -> bool:
@@ -141,6 +144,8 @@ class GraphRunner:
             return self._eager(n)
         if b in self.stats.failed_captures:
             return self._eager(n)
+        if not self.capture_enabled:
+            return self._eager(b)
         if b not in self.graphs:
             if b not in self._warmed:
                 self._warmed.add(b)
@@ -160,7 +165,7 @@ class GraphRunner:
 
         The caller must leave every row inert (pad rows): warm-up runs the real step on them.
         """
-        if not self.enabled:
+        if not self.enabled or not self.capture_enabled:
             return
         for b in sorted(self.buckets, reverse=True):
             if b in self.graphs or b in self.stats.failed_captures:

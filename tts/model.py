@@ -237,27 +237,21 @@ class DualARTransformer(nn.Module):
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """(Re)create the derived, non-persistent buffers: RoPE tables and codebook offsets. Call after
-        loading weights into a model built on the meta device."""
+        loading weights into a model built on the meta device. Tables are computed on the CPU and
+        moved, so every device gets bit-identical bf16 tables."""
         c = self.config
-        device = device or self.embeddings.weight.device
-        if torch.device(device).type == "meta":
-            device = "cpu"
-        self.register_buffer(
-            "freqs_cis",
-            precompute_freqs_cis(c.max_seq_len, c.head_dim, c.rope_base).to(device),
-            persistent=False,
-        )
-        # The fast AR uses the slow config's rope_base (spec 1.3).
-        self.register_buffer(
-            "fast_freqs_cis",
-            precompute_freqs_cis(c.num_codebooks, c.fast_head_dim, c.rope_base).to(device),
-            persistent=False,
-        )
-        self.register_buffer(
-            "codebook_offsets",
-            torch.arange(c.num_codebooks, device=device) * c.codebook_size,
-            persistent=False,
-        )
+        device = torch.device(device) if device is not None else self.embeddings.weight.device
+        tables = {
+            "freqs_cis": lambda: precompute_freqs_cis(c.max_seq_len, c.head_dim, c.rope_base),
+            # The fast AR uses the slow config's rope_base (spec 1.3).
+            "fast_freqs_cis": lambda: precompute_freqs_cis(c.num_codebooks, c.fast_head_dim, c.rope_base),
+            "codebook_offsets": lambda: torch.arange(c.num_codebooks) * c.codebook_size,
+        }
+        for name, make in tables.items():
+            with torch.device("cpu"):
+                value = make()
+            value = torch.empty_like(value, device="meta") if device.type == "meta" else value.to(device)
+            self.register_buffer(name, value, persistent=False)
 
     # ---- slow AR -------------------------------------------------------------------------------------
 

@@ -56,6 +56,9 @@ class EngineConfig:
     max_waiting: int = 1024
     standin_graphs: bool = False
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    # Testing and benchmarking only:
+    graph_capture: bool = True  # False: pad to buckets but run eagerly (the reference for replay tests)
+    ignore_eos: bool = False  # never sample the end token (fixed-length benchmark runs)
 
     def validate(self) -> None:
         if self.max_batch < 1:
@@ -83,13 +86,16 @@ class Engine:
         self.scheduler = Scheduler(
             BlockAllocator(num_blocks), cfg.block_size, cfg.max_batch, self.max_context, cfg.max_waiting
         )
+        if self.device.type == "cuda" and not hasattr(model.layers[0].feed_forward, "w13"):
+            model.fuse_weights()  # one GEMM for w1 and w3 on the CUDA path
         self.runner = ModelRunner(
-            model, self.kv, cfg.max_batch, max_blocks_per_seq, self._attention_backend(cfg.attention_backend)
-        )
+            model, self.kv, cfg.max_batch, max_blocks_per_seq, self._attention_backend(cfg.attention_backend),
+            ignore_eos=cfg.ignore_eos,
+        )  # fmt: skip
         use_graphs = cfg.graphs and (self.device.type == "cuda" or cfg.standin_graphs)
         self.graphs = GraphRunner(
             self.runner.decode_step, max_batch=cfg.max_batch, buckets=cfg.buckets, enabled=use_graphs,
-            device=self.device, buffer_ptrs=self.runner.buffers.data_ptrs,
+            device=self.device, buffer_ptrs=self.runner.buffers.data_ptrs, capture=cfg.graph_capture,
         )  # fmt: skip
         self._lock = threading.Lock()
         self._pending_cancel: dict[str, FinishReason] = {}

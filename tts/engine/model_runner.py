@@ -110,7 +110,7 @@ class ModelRunner:
 
     def __init__(
         self, model: DualARTransformer, kv_cache: PagedKVCache, max_batch: int, max_blocks_per_seq: int,
-        attention_backend=None,
+        attention_backend=None, ignore_eos: bool = False,
     ):  # fmt: skip
         c = model.config
         if c.eos_token_id is None:
@@ -128,11 +128,12 @@ class ModelRunner:
         # The main token may only be a semantic token or the end token (spec 1.4 step 2). Instead of a
         # -inf bias over the whole vocabulary we slice the head to those rows: same logits for the
         # allowed ids, a 40x smaller matmul for S2. Index i < n_sem is semantic id begin + i; the last
-        # index is the end token.
+        # index is the end token (left out with ignore_eos, for fixed-length benchmarks).
         head = model.lm_head_weight()
-        self.semantic_head = torch.cat(
-            [head[c.semantic_begin_id : c.semantic_end_id + 1], head[c.eos_token_id : c.eos_token_id + 1]]
-        ).detach()
+        rows = [head[c.semantic_begin_id : c.semantic_end_id + 1]]
+        if not ignore_eos:
+            rows.append(head[c.eos_token_id : c.eos_token_id + 1])
+        self.semantic_head = torch.cat(rows).detach()
         self.n_sem = c.num_semantic_tokens
 
     # ---- host-side row management (between steps only) ---------------------------------------------

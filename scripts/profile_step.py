@@ -1,0 +1,69 @@
+"""Profile one frame step of a model on CUDA: kernel count and time by kernel, eager and replayed.
+
+    python scripts/profile_step.py --model s2-pro-shape --batch 1 --out profile.txt
+
+Writes a table of the top kernels by total CUDA time for one eager step and for one graph replay
+(averaged over --steps), with the kernel count per frame.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tts.bench import _prompt, load_bench_model  # noqa: E402
+from tts.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+
+
+def profile_engine(engine, steps, label, out):
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    events = [
+        e
+        for e in prof.key_averages()
+        if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0
+    ]
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    total_us = sum(e.self_device_time_total for e in events)
+    lines = [
+        f"== {label}: {len(kernels) / steps:.0f} device ops per frame, {total_us / steps / 1e3:.3f} ms device time per frame"
+    ]
+    table = prof.key_averages().table(
+        sort_by="self_device_time_total", row_limit=40, max_name_column_width=90
+    )
+    lines.append(table)
+    text = "\n".join(lines)
+    print(text[:6000])
+    out.write(text + "\n\n")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="s2-pro-shape")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", default="profile.txt")
+    args = ap.parse_args()
+    model = load_bench_model(args.model, "cuda", torch.bfloat16)
+    with open(args.out, "w") as out:
+        for mode in ("graph", "eager"):
+            engine = Engine(model, EngineConfig(max_batch=args.batch, graphs=mode == "graph", capture="startup",
+                                                buckets=[args.batch], max_context=512, ignore_eos=True))  # fmt: skip
+            params = SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_tokens=200, seed=0)
+            for i in range(args.batch):
+                engine.submit(_prompt(model, 200, i), params)
+            profile_engine(engine, args.steps, f"{mode} batch {args.batch}", out)
+            del engine
+
+
+if __name__ == "__main__":
+    main()

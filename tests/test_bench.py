@@ -1,0 +1,24 @@
+import json
+
+from tts.cli import main
+
+
+def test_bench_runs_the_real_engine_and_writes_json_and_plot(tmp_path, capsys):
+    rc = main(["bench", "--model", "tiny", "--batch-sizes", "1,3", "--frames", "6", "--warmup-frames", "2",
+               "--prompt-tokens", "20", "--out", str(tmp_path)])  # fmt: skip
+    assert rc == 0
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+    assert [(r["mode"], r["batch"]) for r in data["results"]] == [("eager", 1), ("eager", 3)]
+    for r in data["results"]:
+        assert r["frames_per_s_per_stream"] > 0
+        assert abs(r["frames_per_s_aggregate"] - r["batch"] * r["frames_per_s_per_stream"]) < 1e-6
+        assert r["step_ms_p99"] >= r["step_ms_p50"] > 0
+    m = data["method"]
+    assert m["prompt_tokens"] == 20 and m["timed_frames"] == 6 and m["torch"]
+    assert "fps/stream" in capsys.readouterr().out
+
+
+def test_bench_rejects_bad_modes(capsys):
+    assert main(["bench", "--model", "tiny", "--modes", "fast"]) == 2
+    assert "--modes" in capsys.readouterr().err

@@ -1,0 +1,237 @@
+"""CUDA-graph correctness on the GPU (issue 3). Skipped where no CUDA device exists.
+
+Model: the small S2-like shape (every S2 feature, bf16, random weights) so capture takes seconds.
+Set TTS_TEST_REPORT to a file path to get the measured figures (batched-vs-solo match length) as JSON.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from tts.engine import Engine, EngineConfig, SamplingParams
+from tts.engine.model_runner import RowInit
+from tts.kv_cache import PagedKVCache, paged_decode_attention
+from tts.shapes import build_random_model, shape_config
+
+pytestmark = pytest.mark.cuda
+
+BUCKETS = (1, 2, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_random_model(shape_config("small-s2-shape"), "cuda", torch.bfloat16, seed=0)
+
+
+def prompt(model, n, seed):
+    c = model.config
+    g = torch.Generator().manual_seed(seed)
+    p = torch.zeros(n, 1 + c.num_codebooks, dtype=torch.int64)
+    p[:, 0] = torch.randint(0, 50_000, (n,), generator=g)
+    for t in range(0, n, 3):
+        codes = torch.randint(0, c.codebook_size, (c.num_codebooks,), generator=g)
+        p[t, 0], p[t, 1:] = c.semantic_begin_id + codes[0], codes
+    return p
+
+
+def make_engine(model, **kw):
+    cfg = dict(max_batch=8, block_size=16, buckets=BUCKETS, ignore_eos=True)
+    cfg.update(kw)
+    return Engine(model, EngineConfig(**cfg))
+
+
+def run_schedule(engine, schedule, params=None):
+    """schedule: [(arrival_iteration, request_id, prompt_len, max_new_tokens, seed)]. Returns codes."""
+    codes = {rid: [] for _, rid, *_ in schedule}
+    pending = sorted(schedule)
+    for it in range(10_000):
+        while pending and pending[0][0] <= it:
+            _, rid, n, budget, seed = pending.pop(0)
+            p = params or SamplingParams(
+                temperature=0.8, top_p=0.8, top_k=30, max_new_tokens=budget, seed=seed
+            )
+            if params is not None:
+                p = SamplingParams(**{**params.__dict__, "max_new_tokens": budget, "seed": seed})
+            engine.submit(prompt(engine.model, n, seed), p, rid)
+        for out in engine.step():
+            codes[out.request_id].append(out.codes)
+        if not pending and not engine.has_work():
+            break
+    return {k: torch.cat(v) for k, v in codes.items()}
+
+
+def report(key, value):
+    path = os.environ.get("TTS_TEST_REPORT")
+    if path:
+        data = json.loads(open(path).read()) if os.path.exists(path) else {}
+        data[key] = value
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
+    print(f"{key}: {value}")
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_replay_is_bit_identical_to_eager_at_the_same_bucket(model, batch):
+    schedule = [(0, f"r{i}", 20 + 37 * i, 60, i) for i in range(batch)]
+    eager = run_schedule(make_engine(model, graph_capture=False), schedule)
+    engine = make_engine(model)
+    replayed = run_schedule(engine, schedule)
+    for rid in eager:
+        assert replayed[rid].shape[0] == 60
+        assert torch.equal(eager[rid], replayed[rid]), rid
+    assert engine.graphs.stats.replays >= 58 and not engine.graphs.stats.failed_captures
+
+
+def test_bucket_switching_mid_generation_matches_eager_schedule(model):
+    """Requests join and finish at different iterations, so the bucket changes 1 -> 2 -> 4 -> 8 -> 4 ..."""
+    schedule = [(0, "a", 30, 70, 1), (3, "b", 90, 20, 2), (5, "c", 17, 50, 3), (9, "d", 64, 40, 4),
+                (10, "e", 5, 45, 5), (12, "f", 33, 30, 6), (30, "g", 48, 25, 7)]  # fmt: skip
+    eager = run_schedule(make_engine(model, graph_capture=False), schedule)
+    engine = make_engine(model)
+    replayed = run_schedule(engine, schedule)
+    for rid in eager:
+        assert torch.equal(eager[rid], replayed[rid]), rid
+    assert len(engine.graphs.stats.replays_by_bucket) >= 3
+
+
+def test_seeds_under_replay(model):
+    engine = make_engine(model, capture="startup")
+    a = run_schedule(engine, [(0, "x", 40, 30, 11)])["x"]
+    b = run_schedule(engine, [(0, "y", 40, 30, 11)])["y"]
+    c = run_schedule(engine, [(0, "z", 40, 30, 12)])["z"]
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    assert engine.graphs.stats.replays > 0
+
+
+def test_pad_rows_leave_real_kv_blocks_unchanged(model):
+    engine = make_engine(model, capture="startup")
+    for i in range(3):
+        engine.submit(prompt(model, 25 + i, i), SamplingParams(max_new_tokens=50, seed=i), f"r{i}")
+    engine.step()
+    engine.step()
+    assert engine.graphs.stats.replays >= 1  # bucket 4 with one pad row
+    engine.runner.buffers.active[:3] = False  # only pad (and frozen) rows could write now
+    k_before, v_before = engine.kv.k[:, 1:].clone(), engine.kv.v[:, 1:].clone()
+    engine.graphs.run(3)
+    torch.cuda.synchronize()
+    assert torch.equal(engine.kv.k[:, 1:], k_before) and torch.equal(engine.kv.v[:, 1:], v_before)
+
+
+def test_eager_step_has_no_host_sync_and_buffers_never_move(model):
+    engine = make_engine(model, capture="startup")
+    ptrs = engine.runner.buffers.data_ptrs()
+    for i in range(3):
+        engine.submit(prompt(model, 30, i), SamplingParams(max_new_tokens=20, seed=i), f"r{i}")
+    engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.runner.decode_step(4)  # the very function the graphs captured, run eagerly
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for _ in range(5):
+        engine.step()
+    assert engine.runner.buffers.data_ptrs() == ptrs
+
+
+def test_injected_capture_failure_leaves_the_engine_serving(model):
+    schedule = [(0, f"r{i}", 20 + 9 * i, 25, i) for i in range(3)]
+    reference = run_schedule(make_engine(model, graph_capture=False), schedule)
+    engine = make_engine(model)
+    real_step = engine.graphs.step_fn
+
+    def failing_step(b):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("injected failure during capture")
+        return real_step(b)
+
+    engine.graphs.step_fn = failing_step
+    codes = run_schedule(engine, schedule)
+    assert 4 in engine.graphs.stats.failed_captures
+    for rid in reference:
+        assert torch.equal(codes[rid], reference[rid])
+    # the engine keeps serving afterwards
+    assert run_schedule(engine, [(0, "after", 12, 5, 9)])["after"].shape[0] == 5
+
+
+def test_batched_vs_solo_match_length_is_measured(model):
+    """bf16 kernels differ by batch size, so a request batched with others matches its solo run only
+    for a while; this test measures how long (reported, not asserted beyond the first frame)."""
+    solo = run_schedule(make_engine(model), [(0, "q", 50, 100, 3)])["q"]
+    schedule = [(0, "q", 50, 100, 3)] + [(0, f"o{i}", 20 + 11 * i, 100, 100 + i) for i in range(7)]
+    batched = run_schedule(make_engine(model), schedule)["q"]
+    same = (batched == solo).all(dim=1).int()
+    prefix = int(same.cumprod(0).sum())
+    report("batched_vs_solo_matching_prefix_frames", prefix)
+    report("batched_vs_solo_matching_frames_total", int(same.sum()))
+    assert prefix >= 1
+
+
+def test_paged_kernel_matches_torch_reference_bf16():
+    from tts.kernels.paged_attention import triton_paged_decode_attention
+
+    torch.manual_seed(0)
+    H, Hkv, D, bs, NB = 32, 8, 128, 16, 300
+    kc = torch.randn(NB, bs, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    lens = torch.tensor([1, 15, 16, 17, 200, 1023, 2048, 4095], device="cuda")
+    tables = torch.randint(1, NB, (8, 256), device="cuda", dtype=torch.int32)
+    q = torch.randn(8, H, D, device="cuda", dtype=torch.bfloat16)
+    ref = paged_decode_attention(q.float(), kc.float(), vc.float(), tables, lens, D**-0.5)
+    for split in (512, 4096):
+        out = triton_paged_decode_attention(q, kc, vc, tables, lens, D**-0.5, split_tokens=split)
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_fused_step_matches_torch_step_in_bf16(model):
+    """The whole step with Triton kernels against the plain torch step on the GPU: same first frames'
+    main tokens under greedy decoding (bf16 rounding may differ later)."""
+    import tts.kernels as K
+
+    results = []
+    for fused in (True, False):
+        K.set_fused_kernels(fused)
+        try:
+            engine = make_engine(model, graphs=False, attention_backend="triton" if fused else "torch")
+            greedy = SamplingParams(temperature=0.0, top_p=1.0, top_k=0)
+            results.append(run_schedule(engine, [(0, "g", 64, 3, 0)], params=greedy)["g"])
+        finally:
+            K.set_fused_kernels(True)
+    assert torch.equal(results[0][0], results[1][0])
+
+
+def test_sampler_kernel_matches_torch_sampler_on_gpu():
+    from tts.kernels.sampling import triton_sample
+    from tts.sampling import SortedLogits, row_keys
+
+    torch.manual_seed(0)
+    B, V = 64, 4096
+    logits = (torch.randn(B, V, device="cuda") * 4).to(torch.bfloat16)
+    t = torch.rand(B, device="cuda") + 0.2
+    p = torch.rand(B, device="cuda") * 0.5 + 0.5
+    k = torch.randint(0, 60, (B,), device="cuda")
+    seeds, steps = torch.arange(B, device="cuda"), torch.full((B,), 5, device="cuda")
+    a = triton_sample(logits, t, p, k, seeds, steps, 2)
+    b = SortedLogits(logits).draw(t, p, k, row_keys(seeds, steps, 2))
+    assert (a == b).float().mean() >= 0.95
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_graphs_on_a_second_device():
+    m = build_random_model(shape_config("small-s2-shape"), "cuda:1", torch.bfloat16, seed=0)
+    engine = make_engine(m, capture="startup")
+    codes = run_schedule(engine, [(0, "a", 20, 10, 1)])["a"]
+    assert codes.shape[0] == 10 and engine.graphs.stats.replays > 0
+
+
+def test_row_init_buffers_are_written_without_reallocation(model):
+    kv = PagedKVCache(1, 4, 16, 2, 64, torch.bfloat16, "cuda")
+    assert kv.nbytes == 2 * 4 * 16 * 2 * 64 * 2
+    engine = make_engine(model)
+    before = engine.runner.buffers.data_ptrs()
+    blocks = engine.scheduler.allocator.allocate(2)
+    engine.runner.load_row(0, RowInit(prompt(model, 5, 0)[-1], 4, blocks, 0.5, 0.9, 10, 1, 10, 10))
+    assert engine.runner.buffers.data_ptrs() == before

@@ -1,0 +1,246 @@
+"""`tts bench`: the TPS benchmark (frames per second) of the engine's decode loop.
+
+For each mode (eager, graph) and batch size, the benchmark builds an engine, captures its graphs at
+start-up (graph mode), submits `batch` requests whose prompts hold `--prompt-tokens` tokens (text
+tokens with a semantic column every 4th position, like a voice-conditioned prompt), runs warm-up
+frames (admission and prefill happen there), then times `--frames` engine iterations. The end token
+is never sampled (`ignore_eos`), so every request produces exactly the frames asked for.
+
+Reported per (mode, batch): per-stream frames/s, aggregate frames/s, decode-step latency p50/p99 (one
+`Engine.step()`: the frame step plus reading its outputs back to the host), replay share, capture
+seconds, graph pool and KV memory, peak GPU memory, and time per frame against the weight-bandwidth
+floor. The run fails if a capture happens inside a timed window. Method and versions go into the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_BANDWIDTH = 4.3e12  # bytes/s: device-to-device copy measured on an H200 here (read + write)
+
+
+def _prompt(model, tokens: int, seed: int) -> torch.Tensor:
+    c = model.config
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.zeros(tokens, 1 + c.num_codebooks, dtype=torch.int64)
+    prompt[:, 0] = torch.randint(0, min(c.semantic_begin_id, 50_000), (tokens,), generator=g)
+    for t in range(0, tokens, 4):
+        codes = torch.randint(0, c.codebook_size, (c.num_codebooks,), generator=g)
+        prompt[t, 0], prompt[t, 1:] = c.semantic_begin_id + codes[0], codes
+    return prompt
+
+
+def load_bench_model(name: str, device: str, dtype):
+    """A model for benchmarking: a random-weight shape (`s2-pro-shape`, ...), a preset, or a directory."""
+    from .bundle import load_bundle
+    from .shapes import SHAPES, build_random_model, shape_config
+
+    if name in SHAPES:
+        return build_random_model(shape_config(name), device, dtype or torch.bfloat16)
+    return load_bundle(name, device=device, dtype=dtype).model
+
+
+def bench_one(model, mode: str, batch: int, args) -> dict:
+    """Run one (mode, batch) point; returns its measurements."""
+    from .engine import Engine, EngineConfig, SamplingParams
+
+    device = model.embeddings.weight.device
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    budget = args.warmup_frames + args.frames + 1
+    engine = Engine(
+        model,
+        EngineConfig(
+            max_batch=batch, graphs=mode == "graph", capture="startup", buckets=args.buckets,
+            max_context=args.prompt_tokens + budget + 16, ignore_eos=True,
+        ),
+    )  # fmt: skip
+    capture_seconds = engine.graphs.stats.capture_seconds_total
+    params = SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_tokens=budget, seed=0)
+    for i in range(batch):
+        engine.submit(_prompt(model, args.prompt_tokens, seed=i), params)
+    for _ in range(args.warmup_frames):
+        engine.step()
+    assert engine.num_running == batch, "every request must be running before the timed window"
+    captured_before = dict(engine.graphs.stats.capture_seconds)
+    replays0, eager0 = engine.graphs.stats.replays, engine.graphs.stats.eager_steps
+    step_ms = []
+    t0 = time.perf_counter()
+    for _ in range(args.frames):
+        s = time.perf_counter()
+        engine.step()  # ends with a device-to-host copy of the frame: synchronous
+        step_ms.append((time.perf_counter() - s) * 1e3)
+    wall = time.perf_counter() - t0
+    stats = engine.graphs.stats
+    if stats.capture_seconds != captured_before:
+        raise RuntimeError("a graph was captured inside the timed window")
+    replays, eager = stats.replays - replays0, stats.eager_steps - eager0
+    fps = args.frames / wall
+    step_ms.sort()
+    result = {
+        "mode": mode,
+        "batch": batch,
+        "frames_per_s_per_stream": fps,
+        "frames_per_s_aggregate": fps * batch,
+        "step_ms_p50": statistics.median(step_ms),
+        "step_ms_p99": step_ms[min(len(step_ms) - 1, int(0.99 * len(step_ms)))],
+        "replay_share": replays / max(1, replays + eager),
+        "capture_seconds": capture_seconds,
+        "graph_pool_bytes": stats.pool_bytes,
+        "kv_bytes": engine.kv.nbytes,
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if cuda else 0,
+        "failed_captures": dict(stats.failed_captures),
+    }
+    del engine
+    return result
+
+
+def environment(model, args) -> dict:
+    from .shapes import weight_bytes_per_frame
+
+    c = model.config
+    device = model.embeddings.weight.device
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": args.model,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": str(model.embeddings.weight.dtype).removeprefix("torch."),
+        "shape": {
+            "slow": [c.n_layer, c.dim, c.n_head, c.n_local_heads, c.head_dim],
+            "fast": [c.n_fast_layer, c.fast_dim],
+            "codebooks": c.num_codebooks,
+        },  # fmt: skip
+        "prompt_tokens": args.prompt_tokens,
+        "warmup_frames": args.warmup_frames,
+        "timed_frames": args.frames,
+        "buckets": list(args.buckets),
+        "sampling": "temperature 0.8, top-p 0.8, top-k 30, RAS on, end token never sampled",
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "weight_bytes_per_frame": weight_bytes_per_frame(model),
+        "bandwidth_bytes_per_s": args.bandwidth,
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    env["floor_ms_per_frame_batch1"] = env["weight_bytes_per_frame"] / args.bandwidth * 1e3
+    return env
+
+
+def print_table(results: list[dict], env: dict) -> None:
+    floor = env["floor_ms_per_frame_batch1"]
+    print(f"{env['model']} on {env['device']}, {env['dtype']}, prompt {env['prompt_tokens']} tokens, "
+          f"{env['timed_frames']} timed frames; weight floor {floor:.2f} ms/frame at batch 1")  # fmt: skip
+    head = f"{'mode':<6} {'batch':>5} {'fps/stream':>10} {'fps total':>10} {'p50 ms':>7} {'p99 ms':>7} "
+    head += f"{'x floor':>7} {'replay':>6} {'capture s':>9} {'pool MiB':>8} {'KV MiB':>8} {'peak GiB':>8}"
+    print(head)
+    for r in results:
+        print(
+            f"{r['mode']:<6} {r['batch']:>5} {r['frames_per_s_per_stream']:>10.1f} {r['frames_per_s_aggregate']:>10.1f} "
+            f"{r['step_ms_p50']:>7.2f} {r['step_ms_p99']:>7.2f} {r['step_ms_p50'] / floor:>7.2f} "
+            f"{r['replay_share']:>6.2f} {r['capture_seconds']:>9.2f} {r['graph_pool_bytes'] / 2**20:>8.0f} "
+            f"{r['kv_bytes'] / 2**20:>8.0f} {r['peak_gpu_bytes'] / 2**30:>8.1f}"
+        )
+
+
+def plot(results: list[dict], path: Path, env: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode in sorted({r["mode"] for r in results}):
+        rs = [r for r in results if r["mode"] == mode]
+        a.plot([r["batch"] for r in rs], [r["frames_per_s_aggregate"] for r in rs], "o-", label=mode)
+        b.plot([r["batch"] for r in rs], [r["frames_per_s_per_stream"] for r in rs], "o-", label=mode)
+    b.axhline(1e3 / env["floor_ms_per_frame_batch1"], ls="--", c="gray", label="bandwidth floor (batch 1)")
+    b.axhline(21.53, ls=":", c="red", label="real time (21.5 frames/s)")
+    for ax, title in ((a, "aggregate frames/s"), (b, "frames/s per stream")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{env['model']} on {env['device']} ({env['dtype']}, {env['prompt_tokens']}-token prompts)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .cli import UserError, check_device, torch_dtype
+
+    check_device(args.device)
+    modes = [m.strip() for m in args.modes.split(",")]
+    if not set(modes) <= {"eager", "graph"}:
+        raise UserError(f"--modes takes eager and/or graph, got {args.modes!r}")
+    if "graph" in modes and not args.device.startswith("cuda"):
+        print("note: graph mode needs CUDA; running eager only on this device", file=sys.stderr)
+        modes = [m for m in modes if m != "graph"] or ["eager"]
+    if args.frames < 2 or args.warmup_frames < 1 or args.prompt_tokens < 1:
+        raise UserError("--frames must be >= 2, --warmup-frames >= 1, --prompt-tokens >= 1")
+    model = load_bench_model(args.model, args.device, torch_dtype(args.dtype))
+    env = environment(model, args)
+    results = []
+    for mode in modes:
+        for batch in args.batch_sizes:
+            r = bench_one(model, mode, batch, args)
+            results.append(r)
+            print(f"  {mode} batch {batch}: {r['frames_per_s_per_stream']:.1f} frames/s per stream, "
+                  f"{r['frames_per_s_aggregate']:.1f} total", file=sys.stderr, flush=True)  # fmt: skip
+    print_table(results, env)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps({"method": env, "results": results}, indent=2))
+    plot(results, out / "bench.png", env)
+    print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+    return 0
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        values = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("values must be positive integers")
+    return values
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench", help="TPS benchmark of the decode loop",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    p.add_argument(
+        "--model", default="default", help="s2-pro-shape (random weights, GPU), a preset or a directory"
+    )
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--modes", default="eager,graph", help="comma list of eager, graph (graph needs CUDA)")
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 4, 16, 64], help="comma list (default 1,4,16,64)")
+    p.add_argument("--buckets", type=_ints, default=[1, 2, 4, 8, 16, 24, 32, 48, 64], help="graph buckets")
+    p.add_argument("--prompt-tokens", type=int, default=200)
+    p.add_argument("--frames", type=int, default=128, help="timed frames per point")
+    p.add_argument("--warmup-frames", type=int, default=8)
+    p.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH, help="bytes/s for the floor")
+    p.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
+    p.set_defaults(func=cmd_bench)
