@@ -1,7 +1,9 @@
 """Replay one captured step per batch-size bucket (DESIGN.md invariants 1, 4, 5, 6).
 
-`GraphRunner` knows nothing about TTS. It is given `step_fn(b)`, a function that does one step for
-rows `[:b]` of persistent buffers and returns nothing, and it decides for each call with `n` live rows:
+`GraphRunner` knows nothing about TTS. It is given `step_fn(b, variant)`, a function that does one step
+for rows `[:b]` of persistent buffers and returns nothing (`variant` is an opaque, hashable choice of
+code path that the caller makes per step, e.g. which sampler; each (bucket, variant) pair gets its own
+graph), and it decides for each call with `n` live rows:
 
 * the bucket: the smallest configured bucket >= n (rows n..b-1 are pad rows the caller keeps inert);
 * eager or replay: a bucket is captured only after it has run eagerly once (the warm-up), either on its
@@ -49,8 +51,8 @@ class StandInGraph:
 class GraphStats:
     """Counters a benchmark or the metrics endpoint reports."""
 
-    capture_seconds: dict[int, float] = field(default_factory=dict)
-    failed_captures: dict[int, str] = field(default_factory=dict)
+    capture_seconds: dict[tuple, float] = field(default_factory=dict)  # (bucket, variant) -> seconds
+    failed_captures: dict[tuple, str] = field(default_factory=dict)  # (bucket, variant) -> error
     replays: int = 0
     eager_steps: int = 0  # every eager step, whatever the reason
     eager_over_max: int = 0  # batch larger than the largest bucket
@@ -62,16 +64,23 @@ class GraphStats:
     def capture_seconds_total(self) -> float:
         return sum(self.capture_seconds.values())
 
+    def failed_buckets(self) -> set[int]:
+        return {b for b, _ in self.failed_captures}
+
     @property
     def replay_share(self) -> float:
         total = self.replays + self.eager_steps
         return self.replays / total if total else 0.0
 
     def as_dict(self) -> dict:
+        def name(key):
+            b, variant = key
+            return str(b) if variant is None else f"{b}/{variant}"
+
         return {
-            "capture_seconds": dict(self.capture_seconds),
+            "capture_seconds": {name(k): v for k, v in self.capture_seconds.items()},
             "capture_seconds_total": self.capture_seconds_total,
-            "failed_captures": dict(self.failed_captures),
+            "failed_captures": {name(k): v for k, v in self.failed_captures.items()},
             "replays": self.replays,
             "eager_steps": self.eager_steps,
             "eager_over_max": self.eager_over_max,
@@ -84,7 +93,7 @@ class GraphStats:
 class GraphRunner:
     """Pick a bucket per step, capture lazily or at start-up, replay, fall back to eager.
 
-    step_fn: `step_fn(b)` runs one step on rows `[:b]` of persistent buffers, returns None.
+    step_fn: `step_fn(b, variant)` runs one step on rows `[:b]` of persistent buffers, returns None.
     buckets: batch sizes to capture (sorted, de-duplicated; those above max_batch are dropped).
     enabled: False runs every step eagerly with b = n (no padding).
     device: where the buffers live; CUDA graphs on a CUDA device, stand-ins elsewhere.
@@ -106,8 +115,8 @@ class GraphRunner:
         if enabled and not self.buckets:
             raise ValueError(f"no bucket in {list(buckets)} fits max_batch={max_batch}")
         self.stats = GraphStats()
-        self.graphs: dict[int, torch.cuda.CUDAGraph | StandInGraph] = {}
-        self._warmed: set[int] = set()
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph | StandInGraph] = {}
+        self._warmed: set[tuple] = set()
         self._pool = None
         self._buffer_ptrs = buffer_ptrs
         self._ptrs_at_capture: dict[str, int] | None = None
@@ -123,78 +132,74 @@ class GraphRunner:
         i = bisect.bisect_left(self.buckets, n)
         return self.buckets[i] if i < len(self.buckets) else None
 
-    def rows_for(self, n: int) -> int:
-        """How many rows a step with n live rows will compute (the bucket, or n when eager)."""
-        if not self.enabled:
-            return n
-        b = self.bucket_for(n)
-        return n if b is None or b in self.stats.failed_captures else b
-
     # ---- the per-step entry point -------------------------------------------------------------------
 
-    def run(self, n: int) -> int:
+    def run(self, n: int, variant=None) -> int:
         """Run one step for n live rows; returns the number of rows computed (bucket or n)."""
         if n <= 0:
             return 0
         if not self.enabled:
-            return self._eager(n)
+            return self._eager(n, variant)
         b = self.bucket_for(n)
         if b is None:
             self.stats.eager_over_max += 1
-            return self._eager(n)
-        if b in self.stats.failed_captures:
-            return self._eager(n)
+            return self._eager(n, variant)
+        key = (b, variant)
+        if key in self.stats.failed_captures:
+            return self._eager(n, variant)
         if not self.capture_enabled:
-            return self._eager(b)
-        if b not in self.graphs:
-            if b not in self._warmed:
-                self._warmed.add(b)
+            return self._eager(b, variant)
+        if key not in self.graphs:
+            if key not in self._warmed:
+                self._warmed.add(key)
                 self.stats.eager_warmup += 1
-                return self._eager(b)
-            self._capture(b)
-            if b not in self.graphs:  # capture failed: this step still has to run
-                return self._eager(b)
-        self.graphs[b].replay()
+                return self._eager(b, variant)
+            self._capture(key)
+            if key not in self.graphs:  # capture failed: this step still has to run
+                return self._eager(b, variant)
+        self.graphs[key].replay()
         self.stats.replays += 1
         self.stats.replays_by_bucket[b] = self.stats.replays_by_bucket.get(b, 0) + 1
         self._check_ptrs()
         return b
 
-    def capture_all(self) -> None:
-        """Warm up and capture every bucket now, largest first (start-up capture).
+    def capture_all(self, variants=(None,)) -> None:
+        """Warm up and capture every bucket (for each variant) now, largest first (start-up capture).
 
         The caller must leave every row inert (pad rows): warm-up runs the real step on them.
         """
         if not self.enabled or not self.capture_enabled:
             return
         for b in sorted(self.buckets, reverse=True):
-            if b in self.graphs or b in self.stats.failed_captures:
-                continue
-            if b not in self._warmed:
-                self._warmed.add(b)
-                self._eager(b, counted=False)
-            self._capture(b)
+            for variant in variants:
+                key = (b, variant)
+                if key in self.graphs or key in self.stats.failed_captures:
+                    continue
+                if key not in self._warmed:
+                    self._warmed.add(key)
+                    self._eager(b, variant, counted=False)
+                self._capture(key)
 
     # ---- internals -----------------------------------------------------------------------------------
 
-    def _eager(self, b: int, counted: bool = True) -> int:
+    def _eager(self, b: int, variant=None, counted: bool = True) -> int:
         if self.is_cuda:
             with torch.cuda.device(self.device):
-                self.step_fn(b)
+                self.step_fn(b, variant)
         else:
-            self.step_fn(b)
+            self.step_fn(b, variant)
         if counted:
             self.stats.eager_steps += 1
         return b
 
-    def _capture(self, b: int) -> None:
+    def _capture(self, key: tuple) -> None:
         t0 = time.perf_counter()
         self.capturing = True
         try:
-            graph = self._capture_cuda(b) if self.is_cuda else self._capture_standin(b)
+            graph = self._capture_cuda(key) if self.is_cuda else self._capture_standin(key)
         except Exception as exc:  # noqa: BLE001 - any capture failure leaves the bucket eager
-            self.stats.failed_captures[b] = f"{type(exc).__name__}: {exc}"
-            log.warning("CUDA graph capture of bucket %d failed; it stays eager: %s", b, exc)
+            self.stats.failed_captures[key] = f"{type(exc).__name__}: {exc}"
+            log.warning("CUDA graph capture of bucket %s failed; it stays eager: %s", key, exc)
             if self.is_cuda:
                 self._pool = None  # a failed capture may have poisoned the shared pool; start a new one
                 torch.cuda.synchronize(self.device)
@@ -202,8 +207,8 @@ class GraphRunner:
             return
         finally:
             self.capturing = False
-        self.graphs[b] = graph
-        self.stats.capture_seconds[b] = time.perf_counter() - t0
+        self.graphs[key] = graph
+        self.stats.capture_seconds[key] = time.perf_counter() - t0
         if self._buffer_ptrs is not None:
             ptrs = self._buffer_ptrs()
             if self._ptrs_at_capture is None:
@@ -211,12 +216,12 @@ class GraphRunner:
             elif ptrs != self._ptrs_at_capture:
                 raise RuntimeError("persistent buffers moved between captures")
 
-    def _capture_standin(self, b: int) -> StandInGraph:
+    def _capture_standin(self, key: tuple) -> StandInGraph:
         graph = StandInGraph()
-        graph.capture(lambda: self.step_fn(b))
+        graph.capture(lambda: self.step_fn(*key))
         return graph
 
-    def _capture_cuda(self, b: int) -> torch.cuda.CUDAGraph:
+    def _capture_cuda(self, key: tuple) -> torch.cuda.CUDAGraph:
         with torch.cuda.device(self.device):
             torch.cuda.synchronize()
             reserved_before = torch.cuda.memory_reserved()
@@ -224,7 +229,7 @@ class GraphRunner:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self.step_fn(b)
+                self.step_fn(*key)
             torch.cuda.synchronize()
             self.stats.pool_bytes += max(0, torch.cuda.memory_reserved() - reserved_before)
         return graph

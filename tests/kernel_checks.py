@@ -76,6 +76,15 @@ def check_sampler():
         a = sample_main_token(logits, t, p, k, seeds, steps, window, wl, V - 1, 11)
         b = triton_sample_main_token(logits, t, p, k, seeds, steps, window, wl, V - 1, 11)
         assert torch.equal(a, b)
+        # the top-k fast path (bf16 logits, every row 0 < top_k <= cap) gives the full sort's draws,
+        # ties included (row 5 is all ties but one)
+        kk = torch.tensor([3, 5, 8, 30, 1, 16])
+        lb = logits.to(torch.bfloat16)
+        full = sample(lb, t, p, kk, seeds, steps, 4)
+        assert torch.equal(full, triton_sample(lb, t, p, kk, seeds, steps, 4, top_k_cap=30))
+        a = sample_main_token(lb, t, p, kk, seeds, steps, window, wl, V - 1, 11)
+        b = triton_sample_main_token(lb, t, p, kk, seeds, steps, window, wl, V - 1, 11, top_k_cap=30)
+        assert torch.equal(a, b)
 
 
 def check_engine_end_to_end():

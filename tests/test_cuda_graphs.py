@@ -143,14 +143,14 @@ def test_injected_capture_failure_leaves_the_engine_serving(model):
     engine = make_engine(model)
     real_step = engine.graphs.step_fn
 
-    def failing_step(b):
+    def failing_step(b, variant):
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("injected failure during capture")
-        return real_step(b)
+        return real_step(b, variant)
 
     engine.graphs.step_fn = failing_step
     codes = run_schedule(engine, schedule)
-    assert 4 in engine.graphs.stats.failed_captures
+    assert 4 in engine.graphs.stats.failed_buckets()
     for rid in reference:
         assert torch.equal(codes[rid], reference[rid])
     # the engine keeps serving afterwards
@@ -217,6 +217,31 @@ def test_sampler_kernel_matches_torch_sampler_on_gpu():
     a = triton_sample(logits, t, p, k, seeds, steps, 2)
     b = SortedLogits(logits).draw(t, p, k, row_keys(seeds, steps, 2))
     assert (a == b).float().mean() >= 0.95
+
+
+def test_topk_sampler_path_equals_full_sort_and_keeps_batch_independence(model):
+    from tts.kernels.sampling import triton_sample
+
+    torch.manual_seed(1)
+    B, V = 32, 4096
+    logits = (torch.randn(B, V, device="cuda") * 3).to(torch.bfloat16)  # bf16: many exact ties
+    t = torch.rand(B, device="cuda") + 0.2
+    p = torch.rand(B, device="cuda") * 0.5 + 0.5
+    k = torch.randint(1, 65, (B,), device="cuda")
+    seeds, steps = torch.arange(B, device="cuda"), torch.full((B,), 3, device="cuda")
+    full = triton_sample(logits, t, p, k, seeds, steps, 1)
+    fast = triton_sample(logits, t, p, k, seeds, steps, 1, top_k_cap=64)
+    assert torch.equal(full, fast)
+    # A neighbour with top_k = 0 switches the whole batch to the full-sort graph: same codes for "a".
+    alone = run_schedule(make_engine(model), [(0, "a", 40, 40, 5)])["a"]
+    engine = make_engine(model)
+    engine.submit(prompt(model, 40, 5), SamplingParams(max_new_tokens=40, seed=5), "a")
+    engine.submit(prompt(model, 25, 6), SamplingParams(max_new_tokens=40, seed=6, top_k=0), "b")
+    got = []
+    while engine.has_work():
+        got += [o.codes for o in engine.step() if o.request_id == "a"]
+    assert torch.equal(torch.cat(got), alone)
+    assert any(v == "sort" for _, v in engine.graphs.graphs) or engine.graphs.stats.eager_warmup
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

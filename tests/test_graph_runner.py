@@ -7,42 +7,43 @@ from tts.engine import Engine, EngineConfig
 
 
 def test_bucket_choice():
-    r = GraphRunner(lambda b: None, max_batch=40, buckets=(1, 2, 4, 8, 16, 24, 32, 48, 64))
+    r = GraphRunner(lambda b, v: None, max_batch=40, buckets=(1, 2, 4, 8, 16, 24, 32, 48, 64))
     assert r.buckets == [1, 2, 4, 8, 16, 24, 32]
     assert [r.bucket_for(n) for n in (1, 2, 3, 5, 17, 32, 33)] == [1, 2, 4, 8, 24, 32, None]
 
 
 def test_lazy_capture_after_warmup_and_counts():
     calls = []
-    r = GraphRunner(calls.append, max_batch=8, buckets=(1, 2, 4))
+    r = GraphRunner(lambda b, v: calls.append(b), max_batch=8, buckets=(1, 2, 4))
     assert [r.run(n) for n in (3, 3, 3, 1, 5)] == [4, 4, 4, 1, 5]
     # bucket 4: warm-up eager, capture + replay, replay; bucket 1: warm-up; 5 > largest: eager
     assert calls == [4, 4, 4, 1, 5]  # the stand-in capture records without running
     s = r.stats
     assert (s.replays, s.eager_steps, s.eager_warmup, s.eager_over_max) == (2, 3, 2, 1)
-    assert set(s.capture_seconds) == {4}
+    assert set(s.capture_seconds) == {(4, None)}
     assert s.replay_share == pytest.approx(2 / 5)
 
 
 def test_startup_capture_largest_first():
     order = []
-    r = GraphRunner(order.append, max_batch=4, buckets=(1, 2, 4))
-    r.capture_all()
-    assert order == [4, 2, 1]  # warm-up runs only; stand-in captures record
-    assert list(r.stats.capture_seconds) == [4, 2, 1]
-    r.run(2)
+    r = GraphRunner(lambda b, v: order.append((b, v)), max_batch=4, buckets=(1, 2, 4))
+    r.capture_all(variants=("x", "y"))
+    assert [b for b, _ in order] == [4, 4, 2, 2, 1, 1]  # warm-up runs only; stand-in captures record
+    assert list(r.stats.capture_seconds)[:2] == [(4, "x"), (4, "y")]
+    r.run(2, "y")
+    assert order[-1] == (2, "y")  # the stand-in replays the captured variant
     assert r.stats.replays == 1 and r.stats.eager_steps == 0
 
 
 def test_failed_capture_leaves_bucket_eager_and_keeps_serving():
-    r = GraphRunner(lambda b: None, max_batch=4, buckets=(4,))
+    r = GraphRunner(lambda b, v: None, max_batch=4, buckets=(4,))
 
-    def failing_capture(b):
+    def failing_capture(key):
         raise RuntimeError("injected capture failure")
 
     r._capture_standin = failing_capture  # the CUDA variant of this test lives in test_cuda_graphs.py
     assert [r.run(3) for _ in range(4)] == [4, 4, 3, 3]
-    assert 4 in r.stats.failed_captures and "injected" in r.stats.failed_captures[4]
+    assert r.stats.failed_buckets() == {4} and "injected" in r.stats.failed_captures[(4, None)]
     assert r.stats.replays == 0 and r.stats.eager_steps == 4
 
 

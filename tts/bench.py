@@ -100,7 +100,7 @@ def bench_one(model, mode: str, batch: int, args) -> dict:
         "graph_pool_bytes": stats.pool_bytes,
         "kv_bytes": engine.kv.nbytes,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if cuda else 0,
-        "failed_captures": dict(stats.failed_captures),
+        "failed_captures": stats.as_dict()["failed_captures"],
     }
     del engine
     return result

@@ -27,6 +27,8 @@ import torch
 from torch import Tensor
 
 RAS_WINDOW = 10
+# A batch whose rows all have 0 < top_k <= this may sample from the top candidates only (CUDA fast path).
+SAMPLER_TOPK_CAP = 64
 RAS_HIGH_TEMPERATURE = 1.0
 RAS_HIGH_TOP_P = 0.9
 MIN_TEMPERATURE = 1e-5
@@ -96,24 +98,26 @@ class SortedLogits:
 
 def sample(
     logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor, steps: Tensor,
-    stream: int,
+    stream: int, top_k_cap: int | None = None,
 ) -> Tensor:  # fmt: skip
     """Sample one index per row.
 
     logits: `[B, V]` (any float dtype; math in fp32); temperature, top_p: `[B]` float32 (temperature 0
     = greedy, top_p in (0, 1]); top_k: `[B]` int64 (0 = no limit); seeds, steps: `[B]` int64.
-    Returns `[B]` int64. On CUDA the Triton kernel of tts/kernels/sampling.py does the same in one launch.
+    Returns `[B]` int64. On CUDA the Triton kernel of tts/kernels/sampling.py does the same in one launch;
+    `top_k_cap` (a promise that every row has 0 < top_k <= top_k_cap) lets it sort only that many
+    candidates.
     """
     if _use_triton(logits):
         from .kernels.sampling import triton_sample
 
-        return triton_sample(logits, temperature, top_p, top_k, seeds, steps, stream)
+        return triton_sample(logits, temperature, top_p, top_k, seeds, steps, stream, top_k_cap)
     return SortedLogits(logits).draw(temperature, top_p, top_k, row_keys(seeds, steps, stream))
 
 
 def sample_main_token(
     logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor, steps: Tensor,
-    window: Tensor, window_len: Tensor, n_semantic: int, high_stream: int,
+    window: Tensor, window_len: Tensor, n_semantic: int, high_stream: int, top_k_cap: int | None = None,
 ) -> Tensor:  # fmt: skip
     """Main-token draw with the RAS fallback (spec 4.1).
 
@@ -125,7 +129,17 @@ def sample_main_token(
         from .kernels.sampling import triton_sample_main_token
 
         return triton_sample_main_token(
-            logits, temperature, top_p, top_k, seeds, steps, window, window_len, n_semantic, high_stream
+            logits,
+            temperature,
+            top_p,
+            top_k,
+            seeds,
+            steps,
+            window,
+            window_len,
+            n_semantic,
+            high_stream,
+            top_k_cap,
         )
     sorted_logits = SortedLogits(logits)
     normal = sorted_logits.draw(temperature, top_p, top_k, row_keys(seeds, steps, 0))

@@ -25,6 +25,7 @@ from graphs.runner import DEFAULT_BUCKETS, GraphRunner
 
 from ..kv_cache import BlockAllocator, PagedKVCache, blocks_needed
 from ..model import DualARTransformer
+from ..sampling import SAMPLER_TOPK_CAP
 from .model_runner import ModelRunner, RowInit
 from .request import FinishReason, Request, RequestState, SamplingParams, StepOutput
 from .scheduler import RowMove, Scheduler
@@ -104,7 +105,20 @@ class Engine:
         self._ids = itertools.count()
         self.frames_generated = 0
         if use_graphs and cfg.capture == "startup":
-            self.graphs.capture_all()
+            self.graphs.capture_all(variants=self._variants())
+
+    def _variants(self) -> tuple:
+        """Step variants (one graph each per bucket): on CUDA, the sampler has a fast top-k path."""
+        return ("topk", "sort") if self.device.type == "cuda" else (None,)
+
+    def _sampler_variant(self):
+        """ "topk" when every running row has 0 < top_k <= SAMPLER_TOPK_CAP: the sampler then only sorts
+        the top SAMPLER_TOPK_CAP candidates (same draws); otherwise "sort" (full sort)."""
+        if self.device.type != "cuda":
+            return None
+        if all(0 < r.params.top_k <= SAMPLER_TOPK_CAP for r in self.scheduler.running):
+            return "topk"
+        return "sort"
 
     def _default_num_blocks(self, max_blocks_per_seq: int, dtype) -> int:
         mc, cfg = self.model.config, self.config
@@ -197,7 +211,7 @@ class Engine:
         n = self.scheduler.num_running
         if n == 0:
             return outputs
-        self.graphs.run(n)
+        self.graphs.run(n, self._sampler_variant())
         # Copy out before the next step overwrites the buffer (on a CPU device .cpu() would alias it).
         out = self.runner.buffers.out[:n].to("cpu", copy=True)
         N = self.model.config.num_codebooks

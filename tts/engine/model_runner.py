@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..kv_cache import SCRATCH_BLOCK, PagedKVCache, paged_decode_attention
 from ..model import DualARTransformer, dense_causal_attend
-from ..sampling import RAS_WINDOW, sample, sample_main_token
+from ..sampling import RAS_WINDOW, SAMPLER_TOPK_CAP, sample, sample_main_token
 
 
 @dataclass
@@ -250,9 +250,13 @@ class ModelRunner:
 
         return attend_layer
 
-    def decode_step(self, b: int) -> None:
-        """One frame for rows `[:b]` (see the module docstring). Graph-capturable."""
+    def decode_step(self, b: int, variant: str | None = None) -> None:
+        """One frame for rows `[:b]` (see the module docstring). Graph-capturable.
+
+        variant "topk": every row's top_k is in [1, SAMPLER_TOPK_CAP], so the CUDA sampler may select
+        that many candidates before sorting (identical draws, far fewer sorted elements)."""
         m, c, bufs = self.model, self.config, self.buffers
+        cap = SAMPLER_TOPK_CAP if variant == "topk" else None
         with torch.inference_mode():
             h_pre, h_post = self.slow_step(b)
             temperature, top_p, top_k = bufs.temperature[:b], bufs.top_p[:b], bufs.top_k[:b]
@@ -261,7 +265,7 @@ class ModelRunner:
             sem_logits = F.linear(h_post, self.semantic_head)
             idx = sample_main_token(
                 sem_logits, temperature, top_p, top_k, seeds, steps, bufs.ras_window[:b],
-                bufs.ras_len[:b], self.n_sem, high_stream=c.num_codebooks + 1,
+                bufs.ras_len[:b], self.n_sem, high_stream=c.num_codebooks + 1, top_k_cap=cap,
             )  # fmt: skip
             token = torch.where(idx == self.n_sem, c.eos_token_id, idx + c.semantic_begin_id)
             # Fast AR: position 0 on the slow hidden state (its logits are never used), c_0 derived from
@@ -274,7 +278,9 @@ class ModelRunner:
                     x = m.fast_embeddings(codes[k - 1]).unsqueeze(1)
                     y = m.fast_layers_forward(x, m.fast_freqs_cis[k : k + 1], self._fast_attend(b, k))
                     logits = m.fast_logits(y[:, 0])
-                    codes.append(sample(logits, temperature, top_p, top_k, seeds, steps, stream=k))
+                    codes.append(
+                        sample(logits, temperature, top_p, top_k, seeds, steps, stream=k, top_k_cap=cap)
+                    )
             frame = torch.stack([token, *codes], dim=1)
             self._advance(b, frame, idx)
 

@@ -99,7 +99,7 @@ def _combine_kernel(
 
 def triton_paged_decode_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float,
-    split_tokens: int = 512,
+    split_tokens: int = 128,
 ) -> Tensor:  # fmt: skip
     """Same contract as `tts.kv_cache.paged_decode_attention`: q `[B, H, D]`, one layer's pool
     `[num_blocks, block_size, Hkv, D]`, block_tables `[B, max_blocks]`, context_lens `[B]` (>= 1).
