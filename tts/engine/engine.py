@@ -188,7 +188,8 @@ class Engine:
         if n == 0:
             return outputs
         self.graphs.run(n)
-        out = self.runner.buffers.out[:n].cpu()
+        # A copy: on CPU `.cpu()` would alias the persistent buffer that the next step overwrites.
+        out = self.runner.buffers.out[:n].to("cpu", copy=True)
         N = self.model.config.num_codebooks
         # Iterate over a snapshot: finishing a request moves the last row into its place.
         for request, row in zip(list(self.scheduler.running), out, strict=True):
