@@ -201,9 +201,10 @@ def parse_levels(text: str) -> list[int]:
     return levels
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The load benchmark's options (shared by `tts bench-server` and `tts bench --server`)."""
-    p.add_argument("--server", required=True, help="HOST:PORT of a running `tts serve`")
+def add_arguments(p: argparse.ArgumentParser, server_required: bool = True) -> None:
+    """The load benchmark's options (shared by `tts bench-server` and `tts bench --server`, which passes
+    server_required=False and calls `run_from_args` when --server is given)."""
+    p.add_argument("--server", required=server_required, help="HOST:PORT of a running `tts serve`")
     p.add_argument(
         "--concurrency", type=parse_levels, default=[1, 4, 16, 64], help="levels (default 1,4,16,64)"
     )

@@ -298,8 +298,9 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
 
     async def Synthesize(self, request, context):
         t_received = time.monotonic()
-        prepared, stream, started = await self._open(request, context)
+        stream = None
         try:
+            prepared, stream, started = await self._open(request, context)
             yield pb.SynthesizeResponse(header=self._header(started, prepared))
             samples = chunks = 0
             t_first = None
@@ -326,12 +327,14 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
             self._ended_by_client(context)
             raise
         finally:
-            stream.cancel()  # no-op once the job ended; otherwise frees its blocks and row
+            if stream is not None:
+                stream.cancel()  # no-op once the job ended; otherwise frees its blocks and row
 
     async def SynthesizeUnary(self, request, context):
         t_received = time.monotonic()
-        prepared, stream, started = await self._open(request, context)
+        stream = None
         try:
+            prepared, stream, started = await self._open(request, context)
             parts: list[bytes] = []
             codes: list[torch.Tensor] = []
             size = samples = chunks = 0
@@ -373,7 +376,8 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
             self._ended_by_client(context)
             raise
         finally:
-            stream.cancel()
+            if stream is not None:
+                stream.cancel()
 
     async def ListVoices(self, request, context):
         codec = self.bundle.codec

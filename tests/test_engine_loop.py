@@ -137,13 +137,32 @@ def test_back_pressure_pauses_only_the_slow_request(make_loop, bundle, offline):
     wait_until(lambda: idle(loop), what="idle")
 
 
+def test_pause_at_a_text_chunk_boundary_defers_the_next_chunk(make_loop, offline):
+    """The chunk that fills the queue ends text chunk 1: text chunk 2 starts only when the consumer reads."""
+    loop = make_loop(max_queued_chunks=1)
+    text = " ".join(f"This is sentence number {i} of a text long enough to be split." for i in range(4))
+    chunks = loop.frontend.plan(text)
+    assert len(chunks) == 2
+    stream = loop.submit(job(loop, text, 2, seed=9, temperature=0.0, first_chunk_frames=2, chunk_frames=2))
+    assert isinstance(stream.get(timeout=60), Started)
+    wait_until(lambda: stream.paused and loop.engine.num_running == 0, what="pause between text chunks")
+    state = next(iter(loop._jobs.values()))
+    assert state.next_deferred and state.engine_id is None and loop.engine.num_waiting == 0
+    events = drain(stream)
+    audio = np.concatenate([e.samples for e in events if isinstance(e, Audio)])
+    ref = offline.synthesize(text, seed=9, max_new_tokens=2, temperature=0.0)
+    assert events[-1].frames == ref.frames == 4 and len(events[-1].finish_reasons) == 2
+    np.testing.assert_allclose(audio, ref.audio, atol=1e-6, rtol=0)
+    wait_until(lambda: idle(loop), what="idle")
+
+
 def test_cancel_running_paused_and_queued_jobs_frees_everything(make_loop):
     loop = make_loop(max_batch=1, max_waiting=2, max_queued_chunks=1)
     running = loop.submit(job(loop, "First.", 200, temperature=0.0, chunk_frames=1, first_chunk_frames=1))
     queued = loop.submit(job(loop, "Second.", 200, temperature=0.0))
     assert isinstance(running.get(timeout=60), Started)
     wait_until(lambda: running.paused, what="pause")  # one unread chunk: paused
-    assert loop.stats.waiting == 1
+    wait_until(lambda: loop.stats.waiting == 1, what="second job queued")  # no free row for it
     running.cancel()
     queued.cancel()
     for stream in (running, queued):

@@ -266,20 +266,21 @@ def test_deadline_exceeded_frees_resources(server, stub):
 
 
 def test_slow_reader_pauses_its_request_only(server, bundle, offline):
-    """A client that does not read: its request pauses once max_queued_chunks (2) chunks wait, while
-    another request completes; after reading on, the audio equals the offline result."""
+    """A client that does not read: once the HTTP/2 windows are full (about 160 KB here, BDP probing
+    off) and max_queued_chunks (2) chunks wait in the server, its request pauses while another request
+    completes; after reading on, the audio equals the offline result."""
     wait_idle(server.loop)
     loop = server.loop
     text = "Back pressure test."
     req = build_request(
-        text, max_new_tokens=96, encoding="float32", first_chunk_frames=8, chunk_frames=8, **LONG
+        text, max_new_tokens=200, encoding="float32", first_chunk_frames=8, chunk_frames=8, **LONG
     )  # fmt: skip
     with server.channel(**{"grpc.http2.bdp_probe": 0}) as channel:
         slow = pb_grpc.TextToSpeechStub(channel).Synthesize(req)
         assert next(slow).WhichOneof("message") == "header"
         deadline = time.monotonic() + 60
         while loop.stats.paused == 0:
-            assert time.monotonic() < deadline, f"never paused: {loop.stats}"
+            assert time.monotonic() < deadline and loop.in_flight == 1, f"never paused: {loop.stats}"
             time.sleep(0.02)
         frames = loop.engine.frames_generated
         time.sleep(0.3)
@@ -298,8 +299,8 @@ def test_slow_reader_pauses_its_request_only(server, bundle, offline):
     audio = np.concatenate(
         [decode_audio(m.chunk.audio, pb.AUDIO_ENCODING_FLOAT32) for m in rest if m.HasField("chunk")]
     )
-    ref = offline.synthesize(text, max_new_tokens=96, **LONG)
-    assert rest[-1].end.frames == ref.frames == 96
+    ref = offline.synthesize(text, max_new_tokens=200, **LONG)
+    assert rest[-1].end.frames == ref.frames == 200
     np.testing.assert_allclose(audio, ref.audio, atol=1e-6, rtol=0)
     wait_idle(loop)
 
