@@ -246,6 +246,8 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         """Validate, admit, and wait for the engine thread's acceptance; aborts with the right status."""
         if not self.loop.ready:
             await self._abort(context, LoopClosed("the server is warming up; not accepting requests"))
+        if not self.loop.alive:
+            await self._abort(context, LoopClosed("the engine has stopped; not accepting requests"))
         try:
             prepared = await asyncio.to_thread(build_job, self.loop.frontend, self.loop, request, self.limits)
             stream = self.loop.submit(prepared.job, asyncio.get_running_loop())
@@ -478,6 +480,9 @@ class TTSServer:
         self.loop.on_ready = lambda: aio_loop.call_soon_threadsafe(
             lambda: asyncio.ensure_future(self._mark_ready())
         )
+        self.loop.on_stopped = lambda: aio_loop.call_soon_threadsafe(
+            lambda: asyncio.ensure_future(self._mark_not_serving())
+        )
         self.loop.start()
         return self.port
 
@@ -489,6 +494,13 @@ class TTSServer:
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._ready.set()
+
+    async def _mark_not_serving(self) -> None:
+        """The engine thread ended (shutdown, or a crash of the loop itself): report NOT_SERVING."""
+        from grpc_health.v1 import health_pb2
+
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until warm-up is done (health SERVING); re-raises an engine start-up failure."""

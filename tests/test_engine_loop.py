@@ -205,6 +205,28 @@ def test_step_failure_fails_every_job_and_the_loop_keeps_serving(make_loop, monk
     assert isinstance(drain(loop.submit(job(loop, "Still here.", 4)))[-1], Finished)
 
 
+def test_a_codec_failure_fails_only_its_job(make_loop, monkeypatch):
+    from tts.codec.base import StreamingDecoder
+
+    real_push = StreamingDecoder.push
+
+    def push(self, codes):
+        if codes.shape[1] == 3:  # only the job whose chunks are 3 frames long
+            raise RuntimeError("decoder exploded")
+        return real_push(self, codes)
+
+    monkeypatch.setattr(StreamingDecoder, "push", push)
+    loop = make_loop()
+    bad = loop.submit(job(loop, "Bad.", 30, temperature=0.0, first_chunk_frames=3, chunk_frames=3))
+    good = loop.submit(job(loop, "Good.", 30, seed=3, temperature=0.0))
+    events = drain(bad)
+    assert isinstance(events[-1], Failed) and "decoder exploded" in str(events[-1].error)
+    assert isinstance(events[-1].error, EngineFailed)
+    assert isinstance(drain(good)[-1], Finished)
+    wait_until(lambda: idle(loop), what="idle")
+    assert loop.alive
+
+
 def test_bad_reference_found_on_the_engine_thread_fails_the_job(make_loop):
     loop = make_loop()
     prepared = loop.frontend.prepare_reference(np.ones(16000, np.float32) * 0.1, 16000, "x")

@@ -315,7 +315,9 @@ class EngineLoop:
         self._fps_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=8192)
         self._fps_lock = threading.Lock()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        # Called on the engine thread once warm-up is done / once the thread is about to exit.
         self.on_ready: Callable[[], None] | None = None
+        self.on_stopped: Callable[[], None] | None = None
 
     # ---- lifecycle (any thread) ----------------------------------------------------------------------
 
@@ -412,7 +414,7 @@ class EngineLoop:
                     f"server is at capacity: {self._admitted} requests in flight "
                     f"({self.engine_config.max_batch} decoding + {self.max_waiting} queued); retry later"
                 )
-            job_id = job.request_id or f"job-{next(self._ids)}"
+            job_id = f"{job.request_id or 'job'}-{next(self._ids)}"  # unique, whatever the caller's id
             stream = RequestStream(self, job_id, aio_loop)
             self._admitted += 1
             self._inbox.append(("submit", _JobState(job_id, job, stream, time.monotonic())))
@@ -455,6 +457,11 @@ class EngineLoop:
                 pass
         finally:
             self._shutdown()
+            if self.on_stopped is not None:
+                try:
+                    self.on_stopped()
+                except Exception:  # noqa: BLE001 - e.g. the consumer's event loop is already closed
+                    log.debug("on_stopped callback failed", exc_info=True)
 
     def _run_warmup(self) -> None:
         t0 = time.perf_counter()
@@ -483,7 +490,11 @@ class EngineLoop:
             commands, self._inbox = self._inbox, []
             closing = self._closing
         for command in commands:
-            self._apply(command)
+            try:
+                self._apply(command)
+            except Exception as exc:  # noqa: BLE001 - a bug in one job must not stop the engine thread
+                log.exception("engine loop: %s command failed", command[0])
+                self._fail_job(command[1] if isinstance(command[1], str) else command[1].job_id, exc)
         if closing:
             return False
         if engine.has_work():
@@ -497,7 +508,11 @@ class EngineLoop:
             self.stats.steps += 1
             progressed = bool(outputs)
             for out in outputs:
-                self._route(out)
+                try:
+                    self._route(out)  # includes the codec decode of this job's pending frames
+                except Exception as exc:  # noqa: BLE001 - fail this job only
+                    log.exception("engine loop: handling the output of %s failed", out.request_id)
+                    self._fail_job(out.request_id.rpartition("/")[0], exc)  # engine id = job id/chunk
             with self._cv:
                 if not progressed and not self._inbox:
                     self._stalled = True  # every running request is paused: wait for a command
@@ -649,6 +664,11 @@ class EngineLoop:
         with self._cv:
             self._admitted -= 1
 
+    def _fail_job(self, job_id: str | None, exc: Exception) -> None:
+        state = self._jobs.get(job_id) if job_id is not None else None
+        if state is not None:
+            self._end(state, Failed(EngineFailed(f"{type(exc).__name__}: {exc}")))
+
     def _fail_jobs_without_request(self, error: Exception) -> None:
         for state in list(self._jobs.values()):
             if state.engine_id is None:
@@ -670,6 +690,9 @@ class EngineLoop:
 
     def _shutdown(self) -> None:
         """(engine thread, closing) End every job: free the engine's requests, tell the consumers."""
+        with self._cv:  # also reached if the loop itself crashed: refuse work from now on
+            self._accepting = False
+            self._closing = True
         for state in list(self._jobs.values()):
             if state.engine_id is not None:
                 self.engine.cancel(state.engine_id)
