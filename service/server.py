@@ -253,6 +253,9 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
             stream = self.loop.submit(prepared.job, asyncio.get_running_loop())
         except (TextError, InvalidRequest, AudioError, VoiceNotFound, Overloaded, LoopClosed) as exc:
             await self._abort(context, exc)
+        except Exception as exc:  # noqa: BLE001 - a bug: INTERNAL with its message, not a bare UNKNOWN
+            log.exception("preparing a request failed")
+            await self._abort(context, exc)
         try:
             event = await stream.next()
         except BaseException:

@@ -479,6 +479,7 @@ class EngineLoop:
                 pass
         log.info("engine warm-up done in %.2f s", time.perf_counter() - t0)
 
+    @torch.inference_mode()
     def _iterate(self, block: bool) -> bool:
         """One pass: apply commands, then one engine step if there is work. False once closing."""
         engine = self.engine
