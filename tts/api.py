@@ -90,20 +90,28 @@ class Plan:
     params: SamplingParams
 
 
+@dataclass
+class PreparedReference:
+    """A checked reference clip before codec encoding: mono float32 `samples [S]` at the codec's rate
+    (at most 30 s) and its normalized transcript."""
+
+    samples: Tensor
+    text: str
+
+
 ProgressFn = Callable[[int, int, int], None]  # (frames so far, chunk index, number of chunks)
 
 
-class TTS:
-    """Text to speech with one model bundle and its own engine (driven synchronously)."""
+class Frontend:
+    """The input side of synthesis for one bundle: sampling defaults, voices, reference clips, text
+    planning and prompts. `TTS` and the gRPC service share it; it never touches the engine.
 
-    def __init__(self, bundle: ModelBundle, engine_config: EngineConfig | None = None):
+    max_context: the engine's context size (tokens), used to decide whether a prompt fits.
+    """
+
+    def __init__(self, bundle: ModelBundle, max_context: int):
         self.bundle = bundle
-        self.engine = Engine(bundle.model, engine_config or EngineConfig(max_batch=4))
-
-    @classmethod
-    def load(cls, model: str = "default", device: str = "cpu", dtype=None, **engine_options) -> TTS:
-        """Load a preset or checkpoint directory; `engine_options` are EngineConfig fields."""
-        return cls(load_bundle(model, device=device, dtype=dtype), EngineConfig(**engine_options))
+        self.max_context = max_context
 
     @property
     def sample_rate(self) -> int:
@@ -134,6 +142,11 @@ class TTS:
         Raises AudioError for silent or too-short audio, InvalidRequest for an empty transcript; audio
         longer than 30 s is trimmed with a warning.
         """
+        return self.encode_reference(self.prepare_reference(audio, sample_rate, text))
+
+    def prepare_reference(self, audio, sample_rate: int, text: str) -> PreparedReference:
+        """The host-side half of `reference_from_audio`: checks, mono, resampling, trimming (no codec
+        work). Raises as `reference_from_audio` does."""
         if not text or not text.strip():
             raise InvalidRequest("a reference clip needs its transcript")
         x = prepare_audio(audio, sample_rate, self.sample_rate)
@@ -149,13 +162,39 @@ class TTS:
                 "reference audio is %.1f s long; using its first %.0f s", seconds, MAX_REFERENCE_SECONDS
             )
             x = x[: int(MAX_REFERENCE_SECONDS * self.sample_rate)]
-        return VoiceReference(codes=self.bundle.codec.encode_audio(x), text=normalize_text(text))
+        return PreparedReference(x, normalize_text(text))
+
+    def encode_reference(self, prepared: PreparedReference) -> VoiceReference:
+        """The codec half of `reference_from_audio` (device work: the engine thread runs it)."""
+        return VoiceReference(codes=self.bundle.codec.encode_audio(prepared.samples), text=prepared.text)
 
     def plan(self, text: str, chunk_length: int | None = None) -> list[str]:
         """Normalize and split text into generation chunks (chunk_length 0 = one chunk)."""
         normalized = normalize_text(text)
         limit = self.bundle.chunk_length if chunk_length is None else chunk_length
         return split_text(normalized, limit) if limit > 0 else [normalized]
+
+    def prompt(self, text: str, references, history, params: SamplingParams) -> Tensor:
+        """The chunk's prompt `[T, 1 + N]`; drops the previous-chunk context if it would not fit the
+        context size."""
+        fmt = self.bundle.prompt_format
+        prompt = fmt.build(text, references, history)
+        if history and prompt.shape[0] + params.max_new_tokens > self.max_context:
+            prompt = fmt.build(text, references, [])
+        return prompt
+
+
+class TTS(Frontend):
+    """Text to speech with one model bundle and its own engine (driven synchronously)."""
+
+    def __init__(self, bundle: ModelBundle, engine_config: EngineConfig | None = None):
+        self.engine = Engine(bundle.model, engine_config or EngineConfig(max_batch=4))
+        super().__init__(bundle, self.engine.max_context)
+
+    @classmethod
+    def load(cls, model: str = "default", device: str = "cpu", dtype=None, **engine_options) -> TTS:
+        """Load a preset or checkpoint directory; `engine_options` are EngineConfig fields."""
+        return cls(load_bundle(model, device=device, dtype=dtype), EngineConfig(**engine_options))
 
     # ---- synthesis -----------------------------------------------------------------------------------
 
@@ -195,7 +234,7 @@ class TTS:
         pending: list[Tensor] = []
         for i, chunk_text in enumerate(chunks):
             chunk_params = replace(params, seed=None if params.seed is None else params.seed + i)
-            prompt = self._prompt(chunk_text, references, history, chunk_params)
+            prompt = self.prompt(chunk_text, references, history, chunk_params)
             generated: list[Tensor] = []
             for codes in self._generate(prompt, chunk_params):
                 generated.append(codes)
@@ -232,14 +271,6 @@ class TTS:
 
     # ---- internals -----------------------------------------------------------------------------------
 
-    def _prompt(self, text: str, references, history, params: SamplingParams) -> Tensor:
-        """The chunk's prompt; drops the previous-chunk context if it would not fit the context size."""
-        fmt = self.bundle.prompt_format
-        prompt = fmt.build(text, references, history)
-        if history and prompt.shape[0] + params.max_new_tokens > self.engine.max_context:
-            prompt = fmt.build(text, references, [])
-        return prompt
-
     def _generate(self, prompt: Tensor, params: SamplingParams) -> Iterator[Tensor]:
         """Run one request to its end on this object's engine; yields `[1, N]` codes per frame."""
         request = self.engine.submit(prompt, params)
@@ -270,6 +301,8 @@ class TTS:
 __all__ = [
     "TTS",
     "Plan",
+    "Frontend",
+    "PreparedReference",
     "AudioChunk",
     "Synthesis",
     "VoiceNotFound",

@@ -1,0 +1,250 @@
+"""`tts serve`, `tts client` and `tts bench-server`: registered into the `tts` command by tts/cli.py.
+
+Imports of grpc, the generated API and the server happen inside the commands, so `tts --help` and the
+engine-only commands never need grpcio-health-checking or grpcio-reflection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from tts.cli import UserError, add_model_args, add_sampling_args, check_device, sampling_kwargs, torch_dtype
+
+log = logging.getLogger("tts.serve")
+
+DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 9464
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="run the gRPC streaming synthesis server",
+        description="Serve tts.v1.TextToSpeech over gRPC with continuous batching. Health reports NOT_SERVING "
+        "until the engine has warmed up. SIGTERM or Ctrl-C shut down gracefully.",
+    )  # fmt: skip
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)"
+    )
+    p.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"gRPC port (default {DEFAULT_PORT}; 0 = any free)"
+    )
+    add_model_args(p)
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    p.add_argument(
+        "--max-waiting", type=int, default=16, help="requests queued beyond --max-batch (default 16)"
+    )
+    p.add_argument("--graphs", choices=["on", "off"], default="on", help="CUDA graphs (ignored on CPU)")
+    p.add_argument("--capture", choices=["lazy", "startup"], default="lazy", help="when to capture graphs")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the Prometheus endpoint")
+    p.add_argument(
+        "--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+        help=f"Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0 = any free; -1 = off)",
+    )  # fmt: skip
+    p.add_argument(
+        "--grace", type=float, default=10.0, help="seconds open streams get at shutdown (default 10)"
+    )
+    p.add_argument(
+        "--max-reference-mb", type=float, default=10.0, help="reference clip size limit (default 10)"
+    )
+    p.add_argument("--max-queued-chunks", type=int, default=8, help="unread chunks before a stream pauses")
+    p.set_defaults(func=cmd_serve)
+
+    p = subparsers.add_parser(
+        "client", help="synthesize through a running server to a WAV file",
+        description="Stream a synthesis from `tts serve`, write the WAV when done (atomically), print TTFA and RTF.",
+    )  # fmt: skip
+    p.add_argument("text", nargs="?", help="text to speak (or use --text-file)")
+    p.add_argument("-o", "--output", required=True, help="output WAV path (written atomically)")
+    p.add_argument("--server", default=f"127.0.0.1:{DEFAULT_PORT}", help="HOST:PORT of the server")
+    p.add_argument("--text-file", help="read the text from this UTF-8 file")
+    p.add_argument("--voice", help="preset voice name (see `tts voices`)")
+    p.add_argument("--reference-audio", help="WAV/FLAC clip of the voice to clone (with --reference-text)")
+    p.add_argument("--reference-text", help="transcript of --reference-audio")
+    p.add_argument(
+        "--encoding", choices=["pcm16", "float32"], default="pcm16", help="wire and WAV sample format"
+    )
+    p.add_argument(
+        "--first-chunk-frames", type=int, default=0, help="frames in the first chunk (0 = server default)"
+    )
+    p.add_argument("--chunk-frames", type=int, default=0, help="frames in later chunks (0 = server default)")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default none)")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_client)
+
+    from .loadtest import add_arguments
+
+    p = subparsers.add_parser(
+        "bench-server", help="closed-loop load benchmark of a running server",
+        description="Closed-loop load benchmark: req/s, audio s/s, TTFA p50/p95/p99, RTF p50/p95 and the "
+        "longest gap between chunks at each concurrency level; prints a table and writes JSON.",
+    )  # fmt: skip
+    add_arguments(p)
+    p.set_defaults(func=cmd_bench_server)
+
+
+# ---- serve ---------------------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tts.bundle import load_bundle
+    from tts.engine import EngineConfig
+
+    from .server import MiB, ServiceLimits
+
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_batch < 1 or args.max_waiting < 0 or args.max_queued_chunks < 1:
+        raise UserError("--max-batch and --max-queued-chunks must be >= 1, --max-waiting >= 0")
+    if args.grace < 0 or args.max_reference_mb <= 0:
+        raise UserError("--grace must be >= 0 and --max-reference-mb > 0")
+    check_device(args.device)
+    t0 = time.perf_counter()
+    bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype))
+    print(
+        f"model: {bundle.describe()} (loaded in {time.perf_counter() - t0:.2f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    engine_config = EngineConfig(max_batch=args.max_batch, graphs=args.graphs == "on", capture=args.capture)
+    limits = ServiceLimits(
+        max_waiting=args.max_waiting, max_queued_chunks=args.max_queued_chunks,
+        max_reference_bytes=int(args.max_reference_mb * MiB),
+    )  # fmt: skip
+    return asyncio.run(_serve(args, bundle, engine_config, limits))
+
+
+async def _serve(args, bundle, engine_config, limits) -> int:
+    from .server import SERVICE_NAME, TTSServer
+
+    metrics_port = None if args.metrics_port < 0 else args.metrics_port
+    server = TTSServer(
+        bundle, engine_config, limits, metrics_host=args.metrics_host, metrics_port=metrics_port
+    )
+    try:
+        port = await server.start(args.host, args.port)
+    except (RuntimeError, OSError) as exc:
+        await server.stop(0)
+        raise UserError(str(exc)) from exc
+    stop = asyncio.Event()
+    aio_loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aio_loop.add_signal_handler(sig, stop.set)
+    ready = asyncio.ensure_future(server.wait_ready())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
+    if ready.done():
+        if ready.exception() is not None:
+            await server.stop(0)
+            raise RuntimeError(str(ready.exception()))
+        metrics = (
+            f"; metrics on http://{args.metrics_host}:{server.metrics_port}/metrics"
+            if metrics_port is not None
+            else ""
+        )
+        graphs = server.loop.engine.graphs.enabled
+        print(
+            f"serving {SERVICE_NAME} on {args.host}:{port} (max batch {engine_config.max_batch}, "
+            f"graphs {'on' if graphs else 'off'}){metrics}",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+    else:
+        ready.cancel()
+    await stopped
+    print(f"shutting down (grace {args.grace:g} s)", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    await server.stop(args.grace)
+    print(f"stopped in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+    return 0
+
+
+# ---- client --------------------------------------------------------------------------------------------
+
+
+def _read_text(args) -> str:
+    if args.text is not None and args.text_file is not None:
+        raise UserError("give TEXT or --text-file, not both")
+    if args.text_file is not None:
+        try:
+            return Path(args.text_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"cannot read --text-file: {exc}") from exc
+    if args.text is None:
+        raise UserError("nothing to synthesize: give TEXT or --text-file")
+    return args.text
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    import grpc
+
+    from tts.audio import write_wav_atomic
+
+    from .client import build_request
+
+    text = _read_text(args)
+    out = Path(args.output)
+    if not (out.parent if str(out.parent) else Path(".")).is_dir():
+        raise UserError(f"output directory {out.parent} does not exist")
+    if out.is_dir():
+        raise UserError(f"output path {out} is a directory")
+    if (args.reference_audio is None) != (args.reference_text is None):
+        raise UserError("--reference-audio and --reference-text go together")
+    if args.voice is not None and args.reference_audio is not None:
+        raise UserError("give --voice or --reference-audio, not both")
+    reference = None
+    if args.reference_audio is not None:
+        try:
+            reference = Path(args.reference_audio).read_bytes()
+        except OSError as exc:
+            raise UserError(f"cannot read --reference-audio: {exc}") from exc
+    if args.first_chunk_frames < 0 or args.chunk_frames < 0:
+        raise UserError("chunk sizes must be >= 0 (0 = server default)")
+    request = build_request(
+        text, voice=args.voice, reference_audio=reference, reference_text=args.reference_text,
+        encoding=args.encoding, first_chunk_frames=args.first_chunk_frames, chunk_frames=args.chunk_frames,
+        **sampling_kwargs(args),
+    )  # fmt: skip
+    try:
+        result = asyncio.run(_client(args.server, request, args.timeout))
+    except grpc.aio.AioRpcError as exc:
+        code = exc.code()
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+            raise UserError(exc.details()) from exc
+        print(f"tts: error: {args.server}: {code.name}: {exc.details()}", file=sys.stderr)
+        return 1
+    subtype = "FLOAT" if args.encoding == "float32" else "PCM_16"
+    write_wav_atomic(out, result.audio, result.sample_rate, subtype=subtype)
+    end = result.end
+    reasons = {1: "stop", 2: "length"}
+    ttfa = f"{result.ttfa * 1000:.0f} ms" if result.ttfa is not None else "-"
+    print(
+        f"wrote {out}: {end.frames} frames, {result.audio_seconds:.2f} s audio at {result.sample_rate} Hz in "
+        f"{len(result.chunks)} chunks; TTFA {ttfa}, RTF {result.rtf:.3f} "
+        f"(server: TTFA {end.time_to_first_audio_seconds * 1000:.0f} ms, RTF {end.rtf:.3f}), "
+        f"finish {reasons.get(end.finish_reason, '?')}, seed {result.header.seed}"
+    )
+    return 0
+
+
+async def _client(server: str, request, timeout: float | None):
+    from proto.tts.v1 import tts_pb2_grpc as pb_grpc
+
+    from .client import aio_channel, synthesize_stream
+
+    async with aio_channel(server) as channel:
+        return await synthesize_stream(pb_grpc.TextToSpeechStub(channel), request, timeout=timeout)
+
+
+# ---- bench-server ----------------------------------------------------------------------------------------
+
+
+def cmd_bench_server(args: argparse.Namespace) -> int:
+    from .loadtest import run_from_args
+
+    return run_from_args(args)

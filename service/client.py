@@ -1,0 +1,167 @@
+"""Client side of the synthesis service: request building, one streamed synthesis with client-side
+timings, and audio decoding. Used by `tts client`, `tts bench-server` and the tests.
+
+Client-side timings (seconds, `time.perf_counter`): `ttfa` from just before the call is sent to the
+first response that holds PCM; `wall` to the end message; `rtf` = wall / audio seconds; `gaps` the
+intervals between consecutive audio chunks (the first gap is measured from the first chunk).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from proto.tts.v1 import tts_pb2 as pb
+from proto.tts.v1 import tts_pb2_grpc as pb_grpc
+
+MiB = 1024 * 1024
+DEFAULT_MAX_RECEIVE_BYTES = 64 * MiB  # a unary reply holds a whole clip
+DEFAULT_MAX_SEND_BYTES = 16 * MiB  # room for a reference clip
+
+
+def channel_options(
+    max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES, max_send_bytes: int = DEFAULT_MAX_SEND_BYTES
+):
+    """Explicit message size limits for a client channel."""
+    return [
+        ("grpc.max_receive_message_length", max_receive_bytes),
+        ("grpc.max_send_message_length", max_send_bytes),
+    ]
+
+
+def aio_channel(server: str, **limits) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(server, options=channel_options(**limits))
+
+
+ENCODINGS = {"pcm16": pb.AUDIO_ENCODING_PCM16, "float32": pb.AUDIO_ENCODING_FLOAT32}
+
+
+def build_request(
+    text: str, *, voice: str | None = None, reference_audio: bytes | None = None,
+    reference_text: str | None = None, temperature: float | None = None, top_p: float | None = None,
+    top_k: int | None = None, seed: int | None = None, max_new_tokens: int | None = None,
+    encoding: str = "pcm16", include_codes: bool = False, first_chunk_frames: int = 0, chunk_frames: int = 0,
+) -> pb.SynthesizeRequest:  # fmt: skip
+    """A SynthesizeRequest; None leaves a sampling field to the server's model default.
+    max_new_tokens is the frame budget per text chunk (`max_new_frames` on the wire)."""
+    req = pb.SynthesizeRequest(text=text)
+    if voice is not None and reference_audio is not None:
+        raise ValueError("give a preset voice or a reference clip, not both")
+    if voice is not None:
+        req.voice.preset = voice
+    if reference_audio is not None:
+        req.voice.reference.audio = reference_audio
+        req.voice.reference.text = reference_text or ""
+    s = req.sampling
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+        if value is not None:
+            setattr(s, name, value)
+    if max_new_tokens is not None:
+        s.max_new_frames = max_new_tokens
+    req.output.encoding = ENCODINGS[encoding]
+    req.output.include_codes = include_codes
+    req.output.first_chunk_frames = first_chunk_frames
+    req.output.chunk_frames = chunk_frames
+    return req
+
+
+def decode_audio(data: bytes, encoding: int) -> np.ndarray:
+    """Wire bytes -> float32 samples in [-1, 1]."""
+    if encoding == pb.AUDIO_ENCODING_FLOAT32:
+        return np.frombuffer(data, dtype="<f4").astype(np.float32)
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32767.0
+
+
+def decode_codes(codes: pb.Codes) -> np.ndarray:
+    """Codes message -> `[num_codebooks, num_frames]` int64."""
+    return np.asarray(codes.values, dtype=np.int64).reshape(codes.num_codebooks, codes.num_frames)
+
+
+class StreamError(RuntimeError):
+    """The stream broke the protocol (sequence gap, missing header or end)."""
+
+
+@dataclass
+class StreamResult:
+    """One streamed synthesis as a client saw it."""
+
+    header: pb.StreamHeader
+    end: pb.StreamEnd
+    audio: np.ndarray  # float32 [samples]
+    raw: bytes  # the concatenated wire audio
+    chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (sequence, frame_start, frame_end)
+    codes: np.ndarray | None = None  # [N, frames] when include_codes
+    ttfa: float | None = None
+    wall: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+
+    @property
+    def sample_rate(self) -> int:
+        return self.header.sample_rate
+
+    @property
+    def audio_seconds(self) -> float:
+        return len(self.audio) / self.header.sample_rate if self.header.sample_rate else 0.0
+
+    @property
+    def rtf(self) -> float:
+        return self.wall / self.audio_seconds if self.audio_seconds else float("inf")
+
+    @property
+    def max_gap(self) -> float:
+        return max(self.gaps, default=0.0)
+
+
+async def synthesize_stream(
+    stub: pb_grpc.TextToSpeechStub, request: pb.SynthesizeRequest, timeout: float | None = None
+) -> StreamResult:
+    """Run one streaming Synthesize call and check the protocol (header first, sequence numbers and frame
+    ranges without gaps, end last). Raises grpc.aio.AioRpcError with the server's status, StreamError."""
+    t0 = time.perf_counter()
+    call = stub.Synthesize(request, timeout=timeout)
+    header = end = None
+    parts: list[bytes] = []
+    chunks: list[tuple[int, int, int]] = []
+    codes: list[np.ndarray] = []
+    ttfa = None
+    last = None
+    gaps: list[float] = []
+    async for response in call:
+        kind = response.WhichOneof("message")
+        now = time.perf_counter()
+        if kind == "header":
+            if header is not None:
+                raise StreamError("two headers")
+            header = response.header
+        elif kind == "chunk":
+            c = response.chunk
+            if header is None or end is not None:
+                raise StreamError("audio chunk outside header .. end")
+            if c.sequence != len(chunks):
+                raise StreamError(f"sequence gap: expected {len(chunks)}, got {c.sequence}")
+            if chunks and c.frame_start != chunks[-1][2]:
+                raise StreamError(
+                    f"frame gap: chunk {c.sequence} starts at {c.frame_start}, not {chunks[-1][2]}"
+                )
+            if c.audio and ttfa is None:
+                ttfa = now - t0
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+            parts.append(c.audio)
+            chunks.append((c.sequence, c.frame_start, c.frame_end))
+            if c.HasField("codes"):
+                codes.append(decode_codes(c.codes))
+        elif kind == "end":
+            end = response.end
+    wall = time.perf_counter() - t0
+    if header is None or end is None:
+        raise StreamError("the stream ended without a header and an end message")
+    raw = b"".join(parts)
+    return StreamResult(
+        header=header, end=end, audio=decode_audio(raw, header.encoding), raw=raw, chunks=chunks,
+        codes=np.concatenate(codes, axis=1) if codes else None, ttfa=ttfa, wall=wall, gaps=gaps,
+    )  # fmt: skip

@@ -1,0 +1,251 @@
+"""EngineLoop: the engine thread, per-request streaming decode, back-pressure, cancel, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from tts.api import TTS
+from tts.bundle import load_bundle
+from tts.engine import EngineConfig
+from tts.engine.loop import (
+    Audio,
+    Cancelled,
+    EngineFailed,
+    EngineLoop,
+    Failed,
+    Finished,
+    LoopClosed,
+    Overloaded,
+    Started,
+    SynthesisJob,
+)
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return load_bundle("tiny")
+
+
+@pytest.fixture(scope="module")
+def offline(bundle):
+    return TTS(bundle)
+
+
+@pytest.fixture
+def make_loop(bundle):
+    loops = []
+
+    def make(**options):
+        engine_config = EngineConfig(max_batch=options.pop("max_batch", 4))
+        loop = EngineLoop(bundle, engine_config, **options).start()
+        loop.wait_ready(60)
+        loops.append(loop)
+        return loop
+
+    yield make
+    for loop in loops:
+        loop.stop()
+
+
+def job(loop, text, max_new_tokens=20, seed=1, temperature=None, **kw):
+    params = replace(loop.bundle.sampling, seed=seed, max_new_tokens=max_new_tokens)
+    if temperature is not None:
+        params = replace(params, temperature=temperature)
+    return SynthesisJob(loop.frontend.plan(text), params, **kw)
+
+
+def drain(stream, timeout=60.0):
+    events = []
+    while True:
+        event = stream.get(timeout=timeout)
+        events.append(event)
+        if isinstance(event, Finished | Failed):
+            return events
+
+
+def wait_until(predicate, timeout=30.0, what=""):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def idle(loop) -> bool:
+    e = loop.engine
+    return loop.in_flight == 0 and e.kv_usage()[0] == 0 and e.num_running == 0 and e.num_waiting == 0
+
+
+def test_events_and_streamed_audio_equal_offline(make_loop, bundle, offline):
+    loop = make_loop()
+    events = drain(loop.submit(job(loop, "Hello there.", 30, seed=7, first_chunk_frames=3, chunk_frames=8)))
+    assert isinstance(events[0], Started) and events[0].seed == 7 and events[0].text_chunks == 1
+    audio = [e for e in events if isinstance(e, Audio)]
+    assert [a.sequence for a in audio] == list(range(len(audio)))
+    assert [a.frame_end - a.frame_start for a in audio[:2]] == [3, 8]
+    fin = events[-1]
+    assert isinstance(fin, Finished) and fin.frames == audio[-1].frame_end
+    pcm = np.concatenate([a.samples for a in audio])
+    codes = torch.cat([a.codes for a in audio], dim=1)
+    ref = offline.synthesize("Hello there.", seed=7, max_new_tokens=30)
+    assert torch.equal(codes, ref.codes)
+    np.testing.assert_allclose(pcm, bundle.codec.decode(codes).numpy(), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(pcm, ref.audio, atol=1e-6, rtol=0)
+    wait_until(lambda: idle(loop), what="idle")
+
+
+def test_asyncio_consumer(make_loop):
+    loop = make_loop()
+
+    async def consume():
+        stream = loop.submit(job(loop, "Hello.", 8, seed=2), asyncio.get_running_loop())
+        events = []
+        while not stream.done:
+            events.append(await stream.next())
+        return events
+
+    events = asyncio.run(consume())
+    assert isinstance(events[0], Started) and isinstance(events[-1], Finished)
+
+
+def test_back_pressure_pauses_only_the_slow_request(make_loop, bundle, offline):
+    loop = make_loop(max_queued_chunks=2)
+    slow = loop.submit(
+        job(loop, "Back pressure test.", 40, seed=4, temperature=0.0, chunk_frames=2, first_chunk_frames=2)
+    )
+    assert isinstance(slow.get(timeout=60), Started)
+    wait_until(lambda: slow.paused and loop.stats.paused == 1, what="pause")
+    frames = loop.engine.frames_generated
+    other = drain(loop.submit(job(loop, "Meanwhile.", 10, seed=1)))  # the batch keeps running
+    assert isinstance(other[-1], Finished) and other[-1].frames > 0
+    assert slow.queued_chunks == 2  # the cap: memory stays bounded
+    assert loop.engine.frames_generated - frames == other[-1].frames  # nothing more for the slow one
+    wait_until(lambda: loop.stats.running == 1 and loop.stats.jobs == 1, what="other request gone")
+    assert loop.engine.num_running == 1  # the slow one keeps its row while paused
+    events = drain(slow)  # reading resumes it
+    audio = [e for e in events if isinstance(e, Audio)]
+    assert [a.sequence for a in audio] == list(range(len(audio)))
+    ref = offline.synthesize("Back pressure test.", seed=4, max_new_tokens=40, temperature=0.0)
+    np.testing.assert_allclose(np.concatenate([a.samples for a in audio]), ref.audio, atol=1e-6, rtol=0)
+    assert events[-1].frames == ref.frames == 40
+    wait_until(lambda: idle(loop), what="idle")
+
+
+def test_pause_at_a_text_chunk_boundary_defers_the_next_chunk(make_loop, offline):
+    """The chunk that fills the queue ends text chunk 1: text chunk 2 starts only when the consumer reads."""
+    loop = make_loop(max_queued_chunks=1)
+    text = " ".join(f"This is sentence number {i} of a text long enough to be split." for i in range(4))
+    chunks = loop.frontend.plan(text)
+    assert len(chunks) == 2
+    stream = loop.submit(job(loop, text, 2, seed=9, temperature=0.0, first_chunk_frames=2, chunk_frames=2))
+    assert isinstance(stream.get(timeout=60), Started)
+    wait_until(lambda: stream.paused and loop.engine.num_running == 0, what="pause between text chunks")
+    state = next(iter(loop._jobs.values()))
+    assert state.next_deferred and state.engine_id is None and loop.engine.num_waiting == 0
+    events = drain(stream)
+    audio = np.concatenate([e.samples for e in events if isinstance(e, Audio)])
+    ref = offline.synthesize(text, seed=9, max_new_tokens=2, temperature=0.0)
+    assert events[-1].frames == ref.frames == 4 and len(events[-1].finish_reasons) == 2
+    np.testing.assert_allclose(audio, ref.audio, atol=1e-6, rtol=0)
+    wait_until(lambda: idle(loop), what="idle")
+
+
+def test_cancel_running_paused_and_queued_jobs_frees_everything(make_loop):
+    loop = make_loop(max_batch=1, max_waiting=2, max_queued_chunks=1)
+    running = loop.submit(job(loop, "First.", 200, temperature=0.0, chunk_frames=1, first_chunk_frames=1))
+    queued = loop.submit(job(loop, "Second.", 200, temperature=0.0))
+    assert isinstance(running.get(timeout=60), Started)
+    wait_until(lambda: running.paused, what="pause")  # one unread chunk: paused
+    wait_until(lambda: loop.stats.waiting == 1, what="second job queued")  # no free row for it
+    running.cancel()
+    queued.cancel()
+    for stream in (running, queued):
+        events = []
+        while not events or not isinstance(events[-1], Failed):
+            events.append(stream.get(timeout=60))
+        assert isinstance(events[-1].error, Cancelled)
+    wait_until(lambda: idle(loop), what="idle")
+
+
+def test_admission_is_bounded(make_loop):
+    loop = make_loop(max_batch=1, max_waiting=1)
+    streams = [loop.submit(job(loop, "Long.", 200, temperature=0.0)) for _ in range(2)]
+    with pytest.raises(Overloaded, match="2 requests in flight"):
+        loop.submit(job(loop, "Too many."))
+    for s in streams:
+        s.cancel()
+    wait_until(lambda: idle(loop), what="idle")
+    drain(loop.submit(job(loop, "Room again.", 4)))
+
+
+def test_step_failure_fails_every_job_and_the_loop_keeps_serving(make_loop, monkeypatch):
+    loop = make_loop()
+    streams = [loop.submit(job(loop, f"Request {i}.", 200, temperature=0.0)) for i in range(3)]
+    for s in streams:
+        assert isinstance(s.get(timeout=60), Started)
+    real_step = loop.engine.step
+
+    def broken_step():
+        monkeypatch.setattr(loop.engine, "step", real_step)
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(loop.engine, "step", broken_step)
+    for s in streams:
+        events = drain(s)
+        assert isinstance(events[-1], Failed) and isinstance(events[-1].error, EngineFailed)
+        assert "device lost" in str(events[-1].error)
+    wait_until(lambda: idle(loop), what="idle")
+    assert loop.stats.step_failures == 1
+    assert isinstance(drain(loop.submit(job(loop, "Still here.", 4)))[-1], Finished)
+
+
+def test_a_codec_failure_fails_only_its_job(make_loop, monkeypatch):
+    from tts.codec.base import StreamingDecoder
+
+    real_push = StreamingDecoder.push
+
+    def push(self, codes):
+        if codes.shape[1] == 3:  # only the job whose chunks are 3 frames long
+            raise RuntimeError("decoder exploded")
+        return real_push(self, codes)
+
+    monkeypatch.setattr(StreamingDecoder, "push", push)
+    loop = make_loop()
+    bad = loop.submit(job(loop, "Bad.", 30, temperature=0.0, first_chunk_frames=3, chunk_frames=3))
+    good = loop.submit(job(loop, "Good.", 30, seed=3, temperature=0.0))
+    events = drain(bad)
+    assert isinstance(events[-1], Failed) and "decoder exploded" in str(events[-1].error)
+    assert isinstance(events[-1].error, EngineFailed)
+    assert isinstance(drain(good)[-1], Finished)
+    wait_until(lambda: idle(loop), what="idle")
+    assert loop.alive
+
+
+def test_bad_reference_found_on_the_engine_thread_fails_the_job(make_loop):
+    loop = make_loop()
+    prepared = loop.frontend.prepare_reference(np.ones(16000, np.float32) * 0.1, 16000, "x")
+    bad = replace(prepared, samples=torch.zeros(2, 3, 5))  # not [samples]: the codec raises
+    events = drain(loop.submit(job(loop, "Hi.", 4, reference=bad)))
+    assert len(events) == 1 and isinstance(events[0], Failed)
+    wait_until(lambda: idle(loop), what="idle")
+
+
+def test_stop_ends_open_jobs_and_refuses_new_ones(make_loop):
+    loop = make_loop()
+    stream = loop.submit(job(loop, "Long.", 300, temperature=0.0))
+    assert isinstance(stream.get(timeout=60), Started)
+    loop.stop()
+    assert not loop.alive
+    events = drain(stream)
+    assert isinstance(events[-1], Failed) and isinstance(events[-1].error, LoopClosed)
+    assert loop.engine.kv_usage()[0] == 0
+    with pytest.raises(LoopClosed):
+        loop.submit(job(loop, "After."))
+    with pytest.raises(queue.Empty):
+        stream.get(timeout=0.01)

@@ -1,0 +1,518 @@
+"""The gRPC synthesis service end to end: a real server on 127.0.0.1 (ephemeral port, tiny model), real
+clients. Timing-independent assertions only (CI has 2 busy cores)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from proto.tts.v1 import tts_pb2 as pb
+from proto.tts.v1 import tts_pb2_grpc as pb_grpc
+from service.client import build_request, channel_options, decode_audio, decode_codes
+from service.server import ServiceLimits, TTSServer
+from tts.api import TTS
+from tts.bundle import load_bundle
+from tts.engine import EngineConfig
+from tts.engine.loop import EngineLoop
+
+pytest.importorskip("grpc_health")
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
+SERVICE = "tts.v1.TextToSpeech"
+LONG = dict(temperature=0.0, seed=4)  # greedy: the tiny model does not stop early on these texts
+
+
+class ServerThread:
+    """A TTSServer on its own asyncio loop in a background thread."""
+
+    def __init__(self, bundle, engine_config=None, limits=None, metrics_port=None, wait_ready=True):
+        self.server = TTSServer(
+            bundle, engine_config or EngineConfig(max_batch=8), limits, metrics_port=metrics_port
+        )
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self._thread.start()
+        assert self._started.wait(60), "server did not start"
+        if self._error:
+            raise self._error
+        self.address = f"127.0.0.1:{self.server.port}"
+        if wait_ready:
+            self.call(self.server.wait_ready(120))
+
+    async def _main(self):
+        self.aio_loop = asyncio.get_running_loop()
+        try:
+            await self.server.start("127.0.0.1", 0)
+        except BaseException as exc:  # noqa: BLE001
+            self._error = exc
+            self._started.set()
+            return
+        self._started.set()
+        await self.server.wait_for_termination()
+
+    def call(self, coro, timeout=120):
+        return asyncio.run_coroutine_threadsafe(coro, self.aio_loop).result(timeout)
+
+    def stop(self, grace=0.0):
+        if self._thread.is_alive():
+            self.call(self.server.stop(grace))
+            self._thread.join(30)
+
+    @property
+    def loop(self) -> EngineLoop:
+        return self.server.loop
+
+    def channel(self, **options):
+        extra = [(k, v) for k, v in options.items()]
+        return grpc.insecure_channel(self.address, options=channel_options() + extra)
+
+
+def collect(call) -> dict:
+    """Read a Synthesize stream into header, chunks and end, checking sequence numbers and frame ranges."""
+    header, end, chunks = None, None, []
+    for response in call:
+        kind = response.WhichOneof("message")
+        if kind == "header":
+            assert header is None and not chunks
+            header = response.header
+        elif kind == "chunk":
+            assert header is not None and end is None
+            assert response.chunk.sequence == len(chunks), "sequence gap"
+            if chunks:
+                assert response.chunk.frame_start == chunks[-1].frame_end, "frame gap"
+            chunks.append(response.chunk)
+        else:
+            end = response.end
+    assert header is not None and end is not None
+    raw = b"".join(c.audio for c in chunks)
+    codes = [decode_codes(c.codes) for c in chunks if c.HasField("codes")]
+    return {
+        "header": header, "end": end, "chunks": chunks, "raw": raw,
+        "audio": decode_audio(raw, header.encoding),
+        "codes": np.concatenate(codes, axis=1) if codes else None,
+    }  # fmt: skip
+
+
+def wait_idle(loop: EngineLoop, timeout: float = 30.0) -> None:
+    """Wait until no job, engine request, KV block or active row is left (the baseline)."""
+    deadline = time.monotonic() + timeout
+    engine = loop.engine
+    while time.monotonic() < deadline:
+        if (
+            loop.in_flight == 0 and engine.kv_usage()[0] == 0 and engine.num_running == 0 and engine.num_waiting == 0
+            and not bool(engine.runner.buffers.active.any()) and not loop._jobs and not loop._by_engine_id
+        ):  # fmt: skip
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"resources not freed: {loop.stats}, kv {engine.kv_usage()}")
+
+
+def rpc_error(fn) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return load_bundle("tiny")
+
+
+@pytest.fixture(scope="module")
+def server(bundle):
+    limits = ServiceLimits(max_waiting=4, max_queued_chunks=2, max_reference_bytes=64 * 1024)
+    srv = ServerThread(bundle, EngineConfig(max_batch=8), limits, metrics_port=0)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with server.channel() as channel:
+        yield pb_grpc.TextToSpeechStub(channel)
+
+
+@pytest.fixture(scope="module")
+def offline(bundle):
+    return TTS(bundle)
+
+
+def wav_bytes(samples: np.ndarray, rate: int) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, samples, rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+# ---- streaming correctness ----------------------------------------------------------------------------
+
+
+def test_stream_equals_offline_decode_and_unary(server, stub, bundle, offline):
+    req = build_request(
+        "Hello there, this is a streaming test.", seed=11, max_new_tokens=40, temperature=0.0,
+        encoding="float32", include_codes=True, first_chunk_frames=4, chunk_frames=16,
+    )  # fmt: skip
+    r = collect(stub.Synthesize(req))
+    h, end, chunks = r["header"], r["end"], r["chunks"]
+    assert (h.sample_rate, h.channels, h.num_codebooks, h.seed) == (16000, 1, 4, 11)
+    assert h.encoding == pb.AUDIO_ENCODING_FLOAT32 and h.frame_rate == pytest.approx(25.0)
+    assert end.frames == 40 and end.finish_reason == pb.FINISH_REASON_LENGTH
+    # First chunk small, later chunks 16 frames, the rest in the last one.
+    sizes = [c.frame_end - c.frame_start for c in chunks]
+    assert sizes == [4, 16, 16, 4] and chunks[-1].frame_end == 40
+    assert len(r["audio"]) == 40 * bundle.codec.frame_length
+    assert end.audio_seconds == pytest.approx(40 / 25.0)
+    # Streamed PCM == offline decode of the same codes. Tolerance 1e-6 absolute (float32): the
+    # streaming decoder keeps the codec's whole receptive field as left context; the wave-table codec
+    # gives bit-identical samples.
+    full = bundle.codec.decode(torch.as_tensor(r["codes"])).numpy()
+    np.testing.assert_allclose(r["audio"], full, atol=1e-6, rtol=0)
+    # The unary call returns the concatenated stream, sample-count-exact (and here byte-identical).
+    u = stub.SynthesizeUnary(req)
+    assert len(u.audio) == len(r["raw"]) and u.audio == r["raw"]
+    assert np.array_equal(decode_codes(u.codes), r["codes"])
+    assert u.end.frames == 40 and u.header.seed == 11
+    # ... and the offline API (TTS.synthesize) with the same seed gives the same codes and audio.
+    ref = offline.synthesize(
+        "Hello there, this is a streaming test.", seed=11, max_new_tokens=40, temperature=0.0
+    )
+    assert np.array_equal(ref.codes.numpy(), r["codes"])
+    np.testing.assert_allclose(ref.audio, r["audio"], atol=1e-6, rtol=0)
+    # PCM16: same sample count, samples within one LSB of the float stream.
+    r16 = collect(
+        stub.Synthesize(
+            build_request(
+                "Hello there, this is a streaming test.", seed=11, max_new_tokens=40, temperature=0.0
+            )
+        )
+    )
+    assert r16["header"].encoding == pb.AUDIO_ENCODING_PCM16
+    assert len(r16["raw"]) == 2 * len(r["audio"])
+    assert np.abs(r16["audio"] - r["audio"]).max() <= 1.5 / 32767
+
+
+def test_long_text_streams_across_text_chunks(stub, bundle, offline):
+    text = " ".join(f"This is sentence number {i} of a text long enough to be split." for i in range(5))
+    req = build_request(text, seed=5, max_new_tokens=6, encoding="float32", include_codes=True)
+    r = collect(stub.Synthesize(req))
+    assert r["header"].text_chunks == len(offline.plan(text)) >= 2
+    assert len(r["end"].text_chunk_finish_reasons) == r["header"].text_chunks
+    ref = offline.synthesize(text, seed=5, max_new_tokens=6)
+    assert np.array_equal(ref.codes.numpy(), r["codes"])
+    np.testing.assert_allclose(ref.audio, r["audio"], atol=1e-6, rtol=0)
+
+
+def test_concurrent_streams_equal_solo_runs(server, stub):
+    reqs = [
+        build_request(f"Concurrent request number {i}.", seed=100 + i, max_new_tokens=16, include_codes=True)
+        for i in range(8)
+    ]
+    solo = [collect(stub.Synthesize(r)) for r in reqs]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda r: collect(stub.Synthesize(r)), reqs))
+    for a, b in zip(solo, together, strict=True):
+        assert a["end"].frames == b["end"].frames
+        assert a["raw"] == b["raw"]
+        assert np.array_equal(a["codes"], b["codes"])
+    assert sum(r["end"].frames for r in together) > 16  # they did generate audio
+    wait_idle(server.loop)
+
+
+# ---- cancellation, deadlines, back-pressure ------------------------------------------------------------
+
+
+def test_cancel_after_first_chunk_frees_everything(server, stub):
+    wait_idle(server.loop)
+    registry = server.server.metrics.registry
+
+    def cancelled() -> float:
+        return registry.get_sample_value("tts_requests_total", {"outcome": "cancelled"}) or 0.0
+
+    before = cancelled()
+    for _ in range(50):
+        call = stub.Synthesize(
+            build_request("Cancel me.", max_new_tokens=200, first_chunk_frames=1, chunk_frames=1, **LONG)
+        )
+        assert next(call).WhichOneof("message") == "header"
+        assert next(call).WhichOneof("message") == "chunk"
+        call.cancel()
+        assert rpc_error(lambda call=call: next(call)).code() == grpc.StatusCode.CANCELLED
+        wait_idle(server.loop)
+    deadline = time.monotonic() + 10
+    while cancelled() < before + 50 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cancelled() == before + 50  # every handler saw the cancellation
+
+
+def test_deadline_exceeded_frees_resources(server, stub):
+    wait_idle(server.loop)
+    req = build_request("Deadline test.", max_new_tokens=300, **LONG)
+    err = rpc_error(lambda: collect(stub.Synthesize(req, timeout=0.05)))
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_idle(server.loop)
+    err = rpc_error(lambda: stub.SynthesizeUnary(req, timeout=0.05))
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_idle(server.loop)
+
+
+def test_slow_reader_pauses_its_request_only(server, bundle, offline):
+    """A client that does not read: once the HTTP/2 windows are full (about 160 KB here, BDP probing
+    off) and max_queued_chunks (2) chunks wait in the server, its request pauses while another request
+    completes; after reading on, the audio equals the offline result."""
+    wait_idle(server.loop)
+    loop = server.loop
+    text = "Back pressure test."
+    req = build_request(
+        text, max_new_tokens=200, encoding="float32", first_chunk_frames=8, chunk_frames=8, **LONG
+    )  # fmt: skip
+    with server.channel(**{"grpc.http2.bdp_probe": 0}) as channel:
+        slow = pb_grpc.TextToSpeechStub(channel).Synthesize(req)
+        assert next(slow).WhichOneof("message") == "header"
+        deadline = time.monotonic() + 60
+        while loop.stats.paused == 0:
+            assert time.monotonic() < deadline and loop.in_flight == 1, f"never paused: {loop.stats}"
+            time.sleep(0.02)
+        frames = loop.engine.frames_generated
+        time.sleep(0.3)
+        assert loop.engine.frames_generated == frames  # paused: no frames for it
+        assert loop.stats.running == 1  # its row stays reserved
+        # Another request runs to completion meanwhile (the batch is not paused).
+        with server.channel() as other:
+            r = collect(
+                pb_grpc.TextToSpeechStub(other).Synthesize(
+                    build_request("Meanwhile.", seed=1, max_new_tokens=8)
+                )
+            )
+        assert r["end"].frames > 0
+        rest = [next(slow)]  # the first audio chunk
+        rest += list(slow)
+    audio = np.concatenate(
+        [decode_audio(m.chunk.audio, pb.AUDIO_ENCODING_FLOAT32) for m in rest if m.HasField("chunk")]
+    )
+    ref = offline.synthesize(text, max_new_tokens=200, **LONG)
+    assert rest[-1].end.frames == ref.frames == 200
+    np.testing.assert_allclose(audio, ref.audio, atol=1e-6, rtol=0)
+    wait_idle(loop)
+
+
+# ---- bad input -----------------------------------------------------------------------------------------
+
+
+def test_bad_input_statuses_before_any_work(server, stub, bundle):
+    wait_idle(server.loop)
+    steps = server.loop.stats.steps
+
+    def status(req):
+        err = rpc_error(lambda: collect(stub.Synthesize(req)))
+        return err.code(), err.details()
+
+    assert status(build_request("")) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "text has nothing to speak (empty, whitespace or punctuation only)",
+    )  # fmt: skip
+    assert status(build_request(" ?! "))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert status(build_request("Hi.", top_p=1.5)) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "top_p must be in (0, 1], got 1.5",
+    )
+    assert status(build_request("Hi.", temperature=-1.0)) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0, got -1.0",
+    )  # fmt: skip
+    assert status(build_request("Hi.", top_k=-3)) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "top_k must be >= 0 (0 = no limit), got -3",
+    )  # fmt: skip
+    assert status(build_request("Hi.", max_new_tokens=0)) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "max_new_frames must be > 0, got 0",
+    )  # fmt: skip
+    code, details = status(build_request("Hi.", max_new_tokens=5000))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "exceeds the context size 1024" in details
+    assert status(build_request("Hi.", voice="nobody")) == (
+        grpc.StatusCode.NOT_FOUND, "unknown voice 'nobody' (available: alpha, beta)",
+    )  # fmt: skip
+    code, details = status(
+        build_request("Hi.", reference_audio=b"RIFF\x00\x01garbage" * 10, reference_text="Hello.")
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        details.startswith("cannot read reference audio (voice.reference.audio, WAV or FLAC)")
+        and "<_io" not in details
+    )
+    tone = 0.3 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000).astype(np.float32)
+    code, details = status(
+        build_request("Hi.", reference_audio=wav_bytes(tone[:1600], 16000), reference_text="Hi.")
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "at least 0.5 s needed" in details
+    code, details = status(build_request("Hi.", reference_audio=wav_bytes(tone, 16000), reference_text=" "))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "transcript" in details
+    code, details = status(build_request("Hi.", reference_audio=b"\x00" * 70_000, reference_text="Hi."))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "the limit is 64.0 KiB" in details
+    code, details = status(build_request("Hi.", first_chunk_frames=100_000))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "first_chunk_frames must be at most" in details
+    assert server.loop.stats.steps == steps  # nothing reached the engine
+    # Over the gRPC receive limit (reference limit + 1 MiB): refused by gRPC itself.
+    err = rpc_error(
+        lambda: collect(
+            stub.Synthesize(build_request("Hi.", reference_audio=b"\x00" * (2 << 20), reference_text="x"))
+        )
+    )
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    wait_idle(server.loop)
+
+
+def test_reference_voice_and_preset_voice(stub, offline):
+    tone = 0.3 * np.sin(2 * np.pi * 220 * np.arange(8000) / 8000).astype(np.float32)
+    stereo = np.stack([tone, tone], axis=1)
+    r = collect(
+        stub.Synthesize(
+            build_request(
+                "Hello.",
+                reference_audio=wav_bytes(stereo, 8000),
+                reference_text="A tone.",
+                seed=3,
+                max_new_tokens=8,
+            )
+        )
+    )
+    assert r["end"].frames > 0
+    r = collect(
+        stub.Synthesize(build_request("Hello.", voice="alpha", seed=3, max_new_tokens=8, include_codes=True))
+    )
+    ref = offline.synthesize("Hello.", voice="alpha", seed=3, max_new_tokens=8)
+    assert np.array_equal(ref.codes.numpy(), r["codes"])
+
+
+def test_info_voices_and_metrics(server, stub):
+    info = stub.GetInfo(pb.GetInfoRequest())
+    assert (info.model, info.sample_rate, info.num_codebooks, info.max_batch) == ("tiny", 16000, 4, 8)
+    assert info.max_context == 1024 and info.graphs is False and info.max_reference_bytes == 64 * 1024
+    voices = stub.ListVoices(pb.ListVoicesRequest()).voices
+    assert [v.name for v in voices] == ["alpha", "beta"] and voices[0].seconds > 0
+    text = (
+        urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10)
+        .read()
+        .decode()
+    )
+    for name in (
+        "tts_frames_generated_total", "tts_frames_per_second", "tts_requests_running", "tts_requests_waiting",
+        "tts_kv_blocks_used", "tts_graph_replay_share", "tts_time_to_first_audio_seconds_bucket",
+        "tts_real_time_factor_bucket", 'tts_requests_total{outcome="ok"}',
+    ):  # fmt: skip
+        assert name in text, name
+
+
+# ---- admission, health, shutdown -----------------------------------------------------------------------
+
+
+def test_overload_gives_resource_exhausted(bundle):
+    srv = ServerThread(bundle, EngineConfig(max_batch=1), ServiceLimits(max_waiting=1))
+    try:
+        with srv.channel() as channel:
+            stub = pb_grpc.TextToSpeechStub(channel)
+            calls = [
+                stub.Synthesize(build_request("Overload.", max_new_tokens=300, **LONG)) for _ in range(2)
+            ]
+            for call in calls:
+                assert next(call).WhichOneof("message") == "header"  # admitted: one decoding, one queued
+            err = rpc_error(lambda: collect(stub.Synthesize(build_request("One too many."))))
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "server is at capacity: 2 requests in flight (1 decoding + 1 queued)" in err.details()
+            for call in calls:
+                call.cancel()
+            wait_idle(srv.loop)
+            assert collect(stub.Synthesize(build_request("Now there is room.", seed=1, max_new_tokens=4)))[
+                "end"
+            ]
+    finally:
+        srv.stop()
+
+
+def test_health_serving_only_after_warmup(bundle, monkeypatch):
+    release = threading.Event()
+    original = EngineLoop._run_warmup
+
+    def slow_warmup(self):
+        assert release.wait(60)
+        original(self)
+
+    monkeypatch.setattr(EngineLoop, "_run_warmup", slow_warmup)
+    srv = ServerThread(bundle, EngineConfig(max_batch=2), wait_ready=False)
+    try:
+        with srv.channel() as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            stub = pb_grpc.TextToSpeechStub(channel)
+            for name in ("", SERVICE):
+                status = health.Check(health_pb2.HealthCheckRequest(service=name)).status
+                assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            err = rpc_error(lambda: collect(stub.Synthesize(build_request("Too early."))))
+            assert err.code() == grpc.StatusCode.UNAVAILABLE and "warming up" in err.details()
+            release.set()
+            srv.call(srv.server.wait_ready(60))
+            for name in ("", SERVICE):
+                status = health.Check(health_pb2.HealthCheckRequest(service=name)).status
+                assert status == health_pb2.HealthCheckResponse.SERVING
+            assert collect(stub.Synthesize(build_request("Now.", seed=1, max_new_tokens=4)))["end"]
+    finally:
+        release.set()
+        srv.stop()
+
+
+def test_reflection_lists_the_service(server):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with server.channel() as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        )
+        names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {SERVICE, "grpc.health.v1.Health"} <= names
+
+
+def test_shutdown_with_open_streams_ends_within_grace(bundle):
+    srv = ServerThread(bundle, EngineConfig(max_batch=4))
+    channel = srv.channel()
+    stub = pb_grpc.TextToSpeechStub(channel)
+    results: dict[str, object] = {}
+
+    def read(name, req):
+        try:
+            results[name] = collect(stub.Synthesize(req))
+        except grpc.RpcError as exc:
+            results[name] = exc.code()
+
+    long_req = build_request("Shut down slowly.", max_new_tokens=900, first_chunk_frames=1, **LONG)
+    short_req = build_request("Short.", seed=2, max_new_tokens=3, temperature=0.0)
+    threads = [threading.Thread(target=read, args=(f"long{i}", long_req)) for i in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while srv.loop.stats.running < 2:
+        assert time.monotonic() < deadline and not results, results
+        time.sleep(0.01)
+    short = threading.Thread(target=read, args=("short", short_req))
+    short.start()
+    while srv.loop.stats.jobs < 3:  # the short request is in flight
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    grace = 3.0
+    t0 = time.monotonic()
+    srv.stop(grace=grace)
+    elapsed = time.monotonic() - t0
+    for t in (*threads, short):
+        t.join(30)
+    channel.close()
+    assert elapsed < grace + 5.0, elapsed
+    assert not srv.loop.alive
+    # The short stream finished within the grace period; the long ones were cancelled with a status.
+    assert isinstance(results["short"], dict) and results["short"]["end"].frames > 0
+    assert results["long0"] == results["long1"] == grpc.StatusCode.UNAVAILABLE
+    assert srv.loop.engine.kv_usage()[0] == 0
