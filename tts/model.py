@@ -45,11 +45,15 @@ def precompute_freqs_cis(seq_len: int, n_elem: int, base: float = 10000.0) -> Te
     """RoPE table `[seq_len, n_elem // 2, 2]` (cos, sin), built in fp32 and stored as bf16 (spec 1.2).
 
     The bf16 rounding is deliberate: Fish models were trained with it, and an fp32 table garbles long
-    outputs (sglang-omni's finding, spec 1.2 / 7.1).
+    outputs (sglang-omni's finding, spec 1.2 / 7.1). The fp32 values come from `torch.polar`, as in
+    fish-speech: separately computed cos/sin differ from it in the last bit often enough that a few
+    entries round to a different bf16 value (2 of 4.2 M for S2's table), which breaks bit-exact parity.
+    Row p depends only on p, so a slice of a longer table equals the shorter table.
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, n_elem, 2)[: n_elem // 2].float() / n_elem))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-    return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1).to(torch.bfloat16)
+    angles = torch.outer(torch.arange(seq_len), inv_freq)
+    rotation = torch.polar(torch.ones_like(angles), angles)
+    return torch.stack([rotation.real, rotation.imag], dim=-1).to(torch.bfloat16)
 
 
 def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:
@@ -201,9 +205,12 @@ class DualARTransformer(nn.Module):
             precompute_freqs_cis(c.num_codebooks, c.fast_head_dim, c.rope_base).to(device),
             persistent=False,
         )
+        # Codebook i of a frame indexes rows i * codebook_size + code of `codebook_embeddings`, unless the
+        # checkpoint says `share_codebook_embeddings: false` (a fish-speech 1.5 option): then no offset.
+        stride = c.codebook_size if c.share_codebook_embeddings else 0
         self.register_buffer(
             "codebook_offsets",
-            torch.arange(c.num_codebooks, device=device) * c.codebook_size,
+            torch.arange(c.num_codebooks, device=device) * stride,
             persistent=False,
         )
 
@@ -214,7 +221,8 @@ class DualARTransformer(nn.Module):
 
         frames: `[B, T, 1 + N]` int64. Returns `[B, T, dim]`: the token embedding, plus at semantic
         positions the sum of the N codebook embeddings, the sum scaled by `1/sqrt(N + 1)` when
-        `scale_codebook_embeddings` is set. Text positions are neither summed nor scaled.
+        `scale_codebook_embeddings` is set. Text positions are neither summed nor scaled. The scale is a
+        division, as in fish-speech (a multiplication by the reciprocal rounds differently).
         """
         c = self.config
         tokens = frames[..., 0]
@@ -223,7 +231,7 @@ class DualARTransformer(nn.Module):
         is_semantic = ((tokens >= c.semantic_begin_id) & (tokens <= c.semantic_end_id)).unsqueeze(-1)
         audio = x + codebook_sum
         if c.scale_codebook_embeddings:
-            audio = audio * (1.0 / math.sqrt(c.num_codebooks + 1))
+            audio = audio / math.sqrt(c.num_codebooks + 1)
         return torch.where(is_semantic, audio, x)
 
     def slow_layers(self, x: Tensor, freqs_cis: Tensor, attend_layer: Callable[[int], AttendFn]) -> Tensor:

@@ -134,6 +134,8 @@ class ModelRunner:
             [head[c.semantic_begin_id : c.semantic_end_id + 1], head[c.eos_token_id : c.eos_token_id + 1]]
         ).detach()
         self.n_sem = c.num_semantic_tokens
+        # Residual codebooks are sampled from the first n_residual fast logits (a static slice).
+        self.n_residual = c.residual_codebook_size or c.codebook_size
         self.is_semantic_index = torch.arange(self.n_sem + 1, device=self.device) < self.n_sem
 
     # ---- host-side row management (between steps only) ---------------------------------------------
@@ -273,7 +275,7 @@ class ModelRunner:
                 for k in range(1, c.num_codebooks):
                     x = m.fast_embeddings(codes[k - 1]).unsqueeze(1)
                     y = m.fast_layers_forward(x, m.fast_freqs_cis[k : k + 1], self._fast_attend(b, k))
-                    logits = m.fast_logits(y[:, 0])
+                    logits = m.fast_logits(y[:, 0])[:, : self.n_residual]
                     codes.append(sample(logits, temperature, top_p, top_k, seeds, steps, stream=k))
             frame = torch.stack([token, *codes], dim=1)
             self._advance(b, frame, idx)
