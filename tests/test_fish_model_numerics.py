@@ -59,3 +59,13 @@ def test_unshared_codebook_embeddings_use_no_offsets():
     E, C = m.embeddings.weight, m.codebook_embeddings.weight
     expected = E[41] + torch.stack([C[1], C[5], C[7], C[2]]).sum(0)
     assert torch.equal(m.embed(frames)[0, 0], expected)
+
+
+def test_model_builds_on_the_meta_device():
+    # Loaders build the model under torch.device("meta") and assign weights afterwards.
+    args = ModelArgs(vocab_size=64, n_layer=1, n_head=2, dim=16, semantic_begin_id=40, semantic_end_id=47)
+    with torch.device("meta"):
+        m = DualARTransformer(args)
+    assert m.embeddings.weight.is_meta and m.freqs_cis.device.type == "cpu"
+    m.init_buffers("cpu")
+    assert torch.equal(m.freqs_cis, precompute_freqs_cis(args.max_seq_len, args.head_dim, args.rope_base))

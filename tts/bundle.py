@@ -29,8 +29,8 @@ from .codec import Codec, WaveTableCodec
 from .config import ConfigError, ModelArgs
 from .engine.request import SamplingParams
 from .model import DualARTransformer
-from .prompt import S2PromptFormat, VoiceReference
-from .tokenizer import TextTokenizer, build_byte_tokenizer
+from .prompt import PromptFormat, S2PromptFormat, VoiceReference
+from .tokenizer import TextTokenizer, TokenizerLike, build_byte_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,8 @@ class ModelBundle:
     family: str
     model: DualARTransformer
     codec: Codec
-    tokenizer: TextTokenizer
-    prompt_format: S2PromptFormat
+    tokenizer: TokenizerLike
+    prompt_format: PromptFormat
     voices: dict[str, VoiceReference] = field(default_factory=dict)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     chunk_length: int = 200  # UTF-8 bytes of text per generation chunk (Fish API default)

@@ -140,14 +140,22 @@ def dense_causal_attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return o.transpose(1, 2)
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding, except that under a `torch.device("meta")` context (how loaders build models) its
+    N(0, 1) init is skipped: PyTorch runs it through a slow reference path there (about 5 s for S2-Pro's
+    vocabulary table), and meta weights are replaced by the checkpoint anyway."""
+    weight = torch.empty(num, dim)
+    return nn.Embedding(num, dim, _weight=weight) if weight.is_meta else nn.Embedding(num, dim)
+
+
 class DualARTransformer(nn.Module):
     """Slow AR (one semantic token per frame) plus fast AR (the remaining codebooks of the frame)."""
 
     def __init__(self, config: ModelArgs):
         super().__init__()
         c = self.config = config
-        self.embeddings = nn.Embedding(c.vocab_size, c.dim)
-        self.codebook_embeddings = nn.Embedding(c.codebook_size * c.num_codebooks, c.dim)
+        self.embeddings = _embedding(c.vocab_size, c.dim)
+        self.codebook_embeddings = _embedding(c.codebook_size * c.num_codebooks, c.dim)
         self.layers = nn.ModuleList(
             TransformerBlock(
                 c.dim,
@@ -167,7 +175,7 @@ class DualARTransformer(nn.Module):
             self.output = nn.Linear(c.dim, c.vocab_size, bias=False)
         # Identity for every known checkpoint (spec 1.2); a Linear with bias only when the widths differ.
         self.fast_project_in = nn.Linear(c.dim, c.fast_dim) if c.fast_dim != c.dim else nn.Identity()
-        self.fast_embeddings = nn.Embedding(c.codebook_size, c.fast_dim)
+        self.fast_embeddings = _embedding(c.codebook_size, c.fast_dim)
         self.fast_layers = nn.ModuleList(
             TransformerBlock(
                 c.fast_dim,
@@ -194,25 +202,20 @@ class DualARTransformer(nn.Module):
         device = device or self.embeddings.weight.device
         if torch.device(device).type == "meta":
             device = "cpu"
-        self.register_buffer(
-            "freqs_cis",
-            precompute_freqs_cis(c.max_seq_len, c.head_dim, c.rope_base).to(device),
-            persistent=False,
-        )
-        # The fast AR uses the slow config's rope_base (spec 1.3).
-        self.register_buffer(
-            "fast_freqs_cis",
-            precompute_freqs_cis(c.num_codebooks, c.fast_head_dim, c.rope_base).to(device),
-            persistent=False,
-        )
+        # Computed on the CPU explicitly: under a `torch.device("meta")` context (how loaders build the
+        # model) new tensors would otherwise be meta tensors, which cannot be copied to a device.
+        with torch.device("cpu"):
+            freqs = precompute_freqs_cis(c.max_seq_len, c.head_dim, c.rope_base)
+            # The fast AR uses the slow config's rope_base (spec 1.3).
+            fast_freqs = precompute_freqs_cis(c.num_codebooks, c.fast_head_dim, c.rope_base)
+        self.register_buffer("freqs_cis", freqs.to(device), persistent=False)
+        self.register_buffer("fast_freqs_cis", fast_freqs.to(device), persistent=False)
         # Codebook i of a frame indexes rows i * codebook_size + code of `codebook_embeddings`, unless the
         # checkpoint says `share_codebook_embeddings: false` (a fish-speech 1.5 option): then no offset.
         stride = c.codebook_size if c.share_codebook_embeddings else 0
-        self.register_buffer(
-            "codebook_offsets",
-            torch.arange(c.num_codebooks, device=device) * stride,
-            persistent=False,
-        )
+        with torch.device("cpu"):
+            offsets = torch.arange(c.num_codebooks) * stride
+        self.register_buffer("codebook_offsets", offsets.to(device), persistent=False)
 
     # ---- slow AR -------------------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..model import apply_rotary_emb, precompute_freqs_cis
+from ..model import _embedding, apply_rotary_emb, precompute_freqs_cis
 from .base import Codec
 
 # Stale buffers some fish-speech codec checkpoints carry; recomputed here, never loaded.
@@ -390,7 +390,7 @@ class VectorQuantize(nn.Module):
         super().__init__()
         self.in_proj = nn.Conv1d(dim, codebook_dim, 1)
         self.out_proj = nn.Conv1d(codebook_dim, dim, 1)
-        self.codebook = nn.Embedding(size, codebook_dim)
+        self.codebook = _embedding(size, codebook_dim)
         self.in_proj.weight_norm = self.out_proj.weight_norm = "old"
 
     def decode(self, codes: Tensor) -> Tensor:
@@ -507,14 +507,18 @@ class ModdedDAC(nn.Module):
             dim=1,
         )
 
-    def decode(self, codes: Tensor, start: int = 0, state: StreamState | None = None) -> Tensor:
-        """codes `[B, 1 + n, T]` int64 -> audio `[B, 1, T * frame_length]` float. With `state`, the call
-        continues a stream whose first frame here has absolute index `start`."""
+    def decode_latents(self, codes: Tensor, start: int = 0, state: StreamState | None = None) -> Tensor:
+        """codes `[B, 1 + n, T]` -> the post-transformer latents `[B, latent_dim, T]` (frame rate)."""
         q = self.quantizer
         codes = self.clamp_codes(codes)
         z = q.semantic_quantizer.decode(codes[:, :1]) + q.quantizer.decode(codes[:, 1:])
-        z = q.post_module(z, start, state)
-        for stage in q.upsample:
+        return q.post_module(z, start, state)
+
+    def decode(self, codes: Tensor, start: int = 0, state: StreamState | None = None) -> Tensor:
+        """codes `[B, 1 + n, T]` int64 -> audio `[B, 1, T * frame_length]` float. With `state`, the call
+        continues a stream whose first frame here has absolute index `start`."""
+        z = self.decode_latents(codes, start, state)
+        for stage in self.quantizer.upsample:
             z = stage(z, state)
         return self.decoder(z, state)
 
@@ -535,7 +539,11 @@ class ModdedDAC(nn.Module):
     @property
     def context_frames(self) -> int:
         """Frames of left context that bound the decoder's receptive field: the stacked attention
-        windows plus the causal convolutions' context (computed, rounded up, plus one frame)."""
+        windows plus the causal convolutions' context (computed, rounded up, plus one frame).
+
+        Re-decoding that many frames of context (the `Codec` base's StreamingDecoder) is exact only if the
+        window is decoded at its absolute RoPE positions (`decode(..., start=...)`): the bf16 RoPE table
+        makes attention depend slightly on absolute position. `DACCodec.stream()` keeps state instead."""
         c = self.cfg
         frames = c.post_transformer_layers * (c.transformer_window - 1)
         rate = 1.0  # samples per frame at the current stage

@@ -188,7 +188,9 @@ class Engine:
         if n == 0:
             return outputs
         self.graphs.run(n)
-        out = self.runner.buffers.out[:n].cpu()
+        # A copy: on a CPU device .cpu() would return a view of the persistent buffer, which the next
+        # step overwrites (every emitted frame would then read as the latest one).
+        out = self.runner.buffers.out[:n].to("cpu", copy=True)
         N = self.model.config.num_codebooks
         # Iterate over a snapshot: finishing a request moves the last row into its place.
         for request, row in zip(list(self.scheduler.running), out, strict=True):
