@@ -136,3 +136,10 @@ def test_cli_reports_bad_checkpoints_in_one_line(tmp_path, capsys):
     assert main(["info", "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "tts: error: unsupported model_type 'something' (expected 'dual_ar' or 'fish_qwen3_omni')"
+
+
+def test_cli_lists_every_checkpoint_shape():
+    from tts.fish.checkpoint import SHAPES
+    from tts.fish.cli import SHAPE_NAMES
+
+    assert set(SHAPE_NAMES) == set(SHAPES)

@@ -40,17 +40,21 @@ def cmd_write_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(subparsers) -> None:
-    from .checkpoint import SHAPES
+# The keys of tts.fish.checkpoint.SHAPES, listed here so that building the parser imports no torch.
+SHAPE_NAMES = ("s2-pro", "tiny-s2", "s1-mini", "tiny-s1", "fish-1.5", "tiny-1.5")
 
+
+def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "write-checkpoint",
         help="write a random-weight Fish checkpoint in the real format",
-        description="Write a Fish checkpoint directory (S2-Pro, S1-mini, 1.5 or a tiny variant) with random "
-        "weights in the real on-disk format: same file names, key names, dtypes and config fields. "
-        + "; ".join(f"{name}: {s.notes or 'small test model'}" for name, s in SHAPES.items()),
+        description="Write a Fish checkpoint directory with random weights in the real on-disk format: same "
+        "file names, key names, dtypes and config fields. s2-pro: Fish Audio S2-Pro's exact sizes "
+        "(4,561,852,416 parameters, sharded safetensors, full codec.pth); s1-mini: approximate OpenAudio "
+        "S1-mini sizes (model.pth, tiktoken); fish-1.5: fish-speech 1.5's sizes (no codec); tiny-*: the "
+        "same formats with small widths, for tests.",
     )
-    p.add_argument("--shape", required=True, choices=list(SHAPES), help="which model to imitate")
+    p.add_argument("--shape", required=True, choices=SHAPE_NAMES, help="which model to imitate")
     p.add_argument("--out", required=True, help="new (or empty) directory to write")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="weight dtype (default: bf16)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
