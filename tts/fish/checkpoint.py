@@ -254,7 +254,8 @@ SHAPES: dict[str, Shape] = {
             fast_attention_qk_norm=False, scale_codebook_embeddings=False,
         ),
         torch.bfloat16, "full", vocab_size=155776,
-        notes="approximate OpenAudio S1-mini sizes (its config.json is not public here)",
+        notes="approximate OpenAudio S1-mini sizes (its config.json is not public here): a Qwen3-0.6B-like "
+        "slow AR, 700,654,592 parameters with the Qwen-sized vocabulary",
     ),
     "tiny-s1": Shape(
         "tiny-s1", "s1",
@@ -277,7 +278,7 @@ SHAPES: dict[str, Shape] = {
             attention_qkv_bias=False, dropout=0.1, use_gradient_checkpointing=True, initializer_range=0.02,
         ),
         torch.bfloat16, "none", vocab_size=102048, num_semantic=1024,
-        notes="fish-speech 1.5's sizes (from a mirror of its config.json)",
+        notes="fish-speech 1.5's sizes (from a mirror of its config.json), 637,921,280 parameters",
     ),
     "tiny-1.5": Shape(
         "tiny-1.5", "fish-1.5",
