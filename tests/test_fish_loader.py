@@ -268,3 +268,15 @@ def test_special_tokens_json_gives_order_not_ids(copy_of, caplog):
     with caplog.at_level(logging.WARNING):
         tok = TiktokenTokenizer.from_dir(d, [])
     assert tok.token_id(first) == len(tok.ranks) and "disagree with their position" in caplog.text
+
+
+def test_modded_dac_is_a_registered_codec_type(fish_checkpoints, tmp_path):
+    from tts.bundle import load_codec
+
+    shutil.copy(fish_checkpoints["s2"] / "codec.pth", tmp_path / "codec.pth")
+    (tmp_path / "codec.json").write_text(json.dumps({"type": "modded_dac", "file": "codec.pth"}))
+    codec = load_codec(tmp_path)
+    assert codec.num_codebooks == 10 and codec.config() == {"type": "modded_dac", "file": "codec.pth"}
+    (tmp_path / "codec.pth").write_bytes(b"broken")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        load_codec(tmp_path)

@@ -88,6 +88,19 @@ CODEC_LOADERS: dict[str, CodecLoader] = {
 }
 
 
+def _load_dac(directory: Path, cfg: dict) -> Codec:
+    """`{"type": "modded_dac", "file": "codec.pth"}`: Fish's modded DAC (tts.codec.dac)."""
+    from .codec.dac import CodecCheckpointError, DACCodec
+
+    try:
+        return DACCodec.from_file(directory / cfg.get("file", "codec.pth"))
+    except CodecCheckpointError as exc:
+        raise CheckpointError(str(exc)) from exc
+
+
+CODEC_LOADERS["modded_dac"] = _load_dac
+
+
 def register_codec(codec_type: str, loader: CodecLoader) -> None:
     """Make `codec.json` files of `codec_type` loadable."""
     CODEC_LOADERS[codec_type] = loader
