@@ -27,7 +27,7 @@ from .bundle import ModelBundle, load_bundle
 from .codec.base import AudioError, prepare_audio
 from .engine import Engine, EngineConfig, FinishReason, InvalidRequest, SamplingParams
 from .prompt import Turn, VoiceReference
-from .text import TextError, normalize_text, split_text
+from .text import TextError, has_speaker_tags, normalize_text, split_speaker_turns, split_text
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +125,17 @@ class Frontend:
         params.validate()
         return params
 
-    def voice(self, voice: str | VoiceReference | None) -> list[VoiceReference]:
-        """Resolve a preset voice name (raises VoiceNotFound) or pass a reference through."""
+    def voice(self, voice: str | VoiceReference | list[VoiceReference] | None) -> list[VoiceReference]:
+        """Resolve a preset voice name (raises VoiceNotFound) or pass one or more references through
+        (several references are all put in the prompt, Fish spec 3.2)."""
         if voice is None:
             return []
         if isinstance(voice, VoiceReference):
             return [voice]
+        if isinstance(voice, list | tuple):
+            if not all(isinstance(v, VoiceReference) for v in voice):
+                raise InvalidRequest("a list of voices must hold VoiceReference objects")
+            return list(voice)
         if voice not in self.bundle.voices:
             names = ", ".join(sorted(self.bundle.voices)) or "none"
             raise VoiceNotFound(f"unknown voice {voice!r} (available: {names})")
@@ -140,7 +145,8 @@ class Frontend:
         """Encode reference audio (any channel count and rate) with its transcript.
 
         Raises AudioError for silent or too-short audio, InvalidRequest for an empty transcript; audio
-        longer than 30 s is trimmed with a warning.
+        longer than `max_reference_seconds` (30 s, or less when a quarter of the model's context holds
+        fewer frames) is trimmed with a warning.
         """
         return self.encode_reference(self.prepare_reference(audio, sample_rate, text))
 
@@ -157,22 +163,33 @@ class Frontend:
             )
         if float(x.abs().max()) < SILENCE_PEAK:
             raise AudioError("reference audio is silent")
-        if seconds > MAX_REFERENCE_SECONDS:
-            log.warning(
-                "reference audio is %.1f s long; using its first %.0f s", seconds, MAX_REFERENCE_SECONDS
-            )
-            x = x[: int(MAX_REFERENCE_SECONDS * self.sample_rate)]
+        limit = self.max_reference_seconds
+        if seconds > limit:
+            log.warning("reference audio is %.1f s long; using its first %.1f s", seconds, limit)
+            x = x[: int(limit * self.sample_rate)]
         return PreparedReference(x, normalize_text(text))
 
     def encode_reference(self, prepared: PreparedReference) -> VoiceReference:
         """The codec half of `reference_from_audio` (device work: the engine thread runs it)."""
         return VoiceReference(codes=self.bundle.codec.encode_audio(prepared.samples), text=prepared.text)
 
+    @property
+    def max_reference_seconds(self) -> float:
+        """Longest reference clip used: 30 s, or the audio that fills a quarter of the context."""
+        budget = (self.max_context // 4) / self.bundle.codec.frame_rate
+        return min(MAX_REFERENCE_SECONDS, budget)
+
     def plan(self, text: str, chunk_length: int | None = None) -> list[str]:
-        """Normalize and split text into generation chunks (chunk_length 0 = one chunk)."""
+        """Normalize and split text into generation chunks (chunk_length 0 = one chunk). Text with
+        `<|speaker:N|>` tags is split into speaker turns, grouped up to 5 turns and chunk_length bytes
+        per chunk (Fish spec 3.2)."""
         normalized = normalize_text(text)
         limit = self.bundle.chunk_length if chunk_length is None else chunk_length
-        return split_text(normalized, limit) if limit > 0 else [normalized]
+        if limit <= 0:
+            return [normalized]
+        if has_speaker_tags(normalized):
+            return split_speaker_turns(normalized, limit)
+        return split_text(normalized, limit)
 
     def prompt(self, text: str, references, history, params: SamplingParams) -> Tensor:
         """The chunk's prompt `[T, 1 + N]`; drops the previous-chunk context if it would not fit the
@@ -199,7 +216,7 @@ class TTS(Frontend):
     # ---- synthesis -----------------------------------------------------------------------------------
 
     def prepare(
-        self, text: str, *, voice: str | VoiceReference | None = None, chunk_length: int | None = None,
+        self, text: str, *, voice: str | VoiceReference | list[VoiceReference] | None = None, chunk_length: int | None = None,
         **sampling,
     ) -> Plan:  # fmt: skip
         """Validate everything about a synthesis before any work: text, sampling values, voice, and
@@ -213,9 +230,9 @@ class TTS(Frontend):
         return Plan(chunks, references, params)
 
     def stream(
-        self, text: str | Plan, *, voice: str | VoiceReference | None = None, first_chunk_frames: int = 4,
-        chunk_frames: int = 16, chunk_length: int | None = None, progress: ProgressFn | None = None,
-        **sampling,
+        self, text: str | Plan, *, voice: str | VoiceReference | list[VoiceReference] | None = None,
+        first_chunk_frames: int = 4, chunk_frames: int = 16, chunk_length: int | None = None,
+        progress: ProgressFn | None = None, **sampling,
     ) -> Iterator[AudioChunk]:  # fmt: skip
         """Yield audio chunks as frames are generated: the first after `first_chunk_frames` frames,
         then every `chunk_frames`. `sampling`: temperature, top_p, top_k, max_new_tokens (per text

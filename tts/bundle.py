@@ -29,8 +29,8 @@ from .codec import Codec, WaveTableCodec
 from .config import ConfigError, ModelArgs
 from .engine.request import SamplingParams
 from .model import DualARTransformer
-from .prompt import S2PromptFormat, VoiceReference
-from .tokenizer import TextTokenizer, build_byte_tokenizer
+from .prompt import PromptFormat, S2PromptFormat, VoiceReference
+from .tokenizer import TextTokenizer, TokenizerLike, build_byte_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,8 @@ class ModelBundle:
     family: str
     model: DualARTransformer
     codec: Codec
-    tokenizer: TextTokenizer
-    prompt_format: S2PromptFormat
+    tokenizer: TokenizerLike
+    prompt_format: PromptFormat
     voices: dict[str, VoiceReference] = field(default_factory=dict)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     chunk_length: int = 200  # UTF-8 bytes of text per generation chunk (Fish API default)
@@ -86,6 +86,19 @@ CodecLoader = Callable[[Path, dict], Codec]
 CODEC_LOADERS: dict[str, CodecLoader] = {
     "wavetable": lambda directory, cfg: WaveTableCodec(**{k: v for k, v in cfg.items() if k != "type"}),
 }
+
+
+def _load_dac(directory: Path, cfg: dict) -> Codec:
+    """`{"type": "modded_dac", "file": "codec.pth"}`: Fish's modded DAC (tts.codec.dac)."""
+    from .codec.dac import CodecCheckpointError, DACCodec
+
+    try:
+        return DACCodec.from_file(directory / cfg.get("file", "codec.pth"))
+    except CodecCheckpointError as exc:
+        raise CheckpointError(str(exc)) from exc
+
+
+CODEC_LOADERS["modded_dac"] = _load_dac
 
 
 def register_codec(codec_type: str, loader: CodecLoader) -> None:

@@ -53,6 +53,8 @@ class ModelArgs:
     semantic_begin_id: int = 0
     semantic_end_id: int = 0
     scale_codebook_embeddings: bool = False
+    # fish-speech 1.5: when false, every codebook indexes `codebook_embeddings` without an offset.
+    share_codebook_embeddings: bool = True
     norm_fastlayer_input: bool = False
     # Fast AR ("audio decoder").
     n_fast_layer: int = 4
@@ -67,6 +69,10 @@ class ModelArgs:
     # Not a fish-speech field: the id of `<|im_end|>`, which ends a request. Fish checkpoints get it from
     # the tokenizer (S2's config.json has it as `eos_token_id`); our own checkpoints store it here.
     eos_token_id: int | None = None
+    # Not a fish-speech field: sample residual codebooks c_1.. from the first `residual_codebook_size`
+    # fast logits only (S1-era fish-speech slices them to the codec's 1024 residual codes; S2 code does
+    # not, spec 4.1). None = all `codebook_size` logits.
+    residual_codebook_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +109,13 @@ class ModelArgs:
             raise ConfigError("head_dim and fast_head_dim must be even for RoPE")
         if self.num_codebooks < 1 or self.codebook_size < 2:
             raise ConfigError("num_codebooks must be >= 1 and codebook_size >= 2")
+        if (
+            self.residual_codebook_size is not None
+            and not 1 <= self.residual_codebook_size <= self.codebook_size
+        ):
+            raise ConfigError(
+                f"residual_codebook_size={self.residual_codebook_size} must be in [1, {self.codebook_size}]"
+            )
         n_sem = self.semantic_end_id - self.semantic_begin_id + 1
         if n_sem < 1 or self.semantic_end_id >= self.vocab_size:
             raise ConfigError(

@@ -55,11 +55,15 @@ def precompute_freqs_cis(seq_len: int, n_elem: int, base: float = 10000.0) -> Te
     """RoPE table `[seq_len, n_elem // 2, 2]` (cos, sin), built in fp32 and stored as bf16 (spec 1.2).
 
     The bf16 rounding is deliberate: Fish models were trained with it, and an fp32 table garbles long
-    outputs (sglang-omni's finding, spec 1.2 / 7.1).
+    outputs (sglang-omni's finding, spec 1.2 / 7.1). The fp32 values come from `torch.polar`, as in
+    fish-speech: separately computed cos/sin differ from it in the last bit often enough that a few
+    entries round to a different bf16 value (2 of 4.2 M for S2's table), which breaks bit-exact parity.
+    Row p depends only on p, so a slice of a longer table equals the shorter table.
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, n_elem, 2)[: n_elem // 2].float() / n_elem))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-    return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1).to(torch.bfloat16)
+    angles = torch.outer(torch.arange(seq_len), inv_freq)
+    rotation = torch.polar(torch.ones_like(angles), angles)
+    return torch.stack([rotation.real, rotation.imag], dim=-1).to(torch.bfloat16)
 
 
 def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:
@@ -188,14 +192,22 @@ def dense_causal_attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return o.transpose(1, 2)
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding, except that under a `torch.device("meta")` context (how loaders build models) its
+    N(0, 1) init is skipped: PyTorch runs it through a slow reference path there (about 5 s for S2-Pro's
+    vocabulary table), and meta weights are replaced by the checkpoint anyway."""
+    weight = torch.empty(num, dim)
+    return nn.Embedding(num, dim, _weight=weight) if weight.is_meta else nn.Embedding(num, dim)
+
+
 class DualARTransformer(nn.Module):
     """Slow AR (one semantic token per frame) plus fast AR (the remaining codebooks of the frame)."""
 
     def __init__(self, config: ModelArgs):
         super().__init__()
         c = self.config = config
-        self.embeddings = nn.Embedding(c.vocab_size, c.dim)
-        self.codebook_embeddings = nn.Embedding(c.codebook_size * c.num_codebooks, c.dim)
+        self.embeddings = _embedding(c.vocab_size, c.dim)
+        self.codebook_embeddings = _embedding(c.codebook_size * c.num_codebooks, c.dim)
         self.layers = nn.ModuleList(
             TransformerBlock(
                 c.dim,
@@ -215,7 +227,7 @@ class DualARTransformer(nn.Module):
             self.output = nn.Linear(c.dim, c.vocab_size, bias=False)
         # Identity for every known checkpoint (spec 1.2); a Linear with bias only when the widths differ.
         self.fast_project_in = nn.Linear(c.dim, c.fast_dim) if c.fast_dim != c.dim else nn.Identity()
-        self.fast_embeddings = nn.Embedding(c.codebook_size, c.fast_dim)
+        self.fast_embeddings = _embedding(c.codebook_size, c.fast_dim)
         self.fast_layers = nn.ModuleList(
             TransformerBlock(
                 c.fast_dim,
@@ -241,13 +253,18 @@ class DualARTransformer(nn.Module):
         moved, so every device gets bit-identical bf16 tables."""
         c = self.config
         device = torch.device(device) if device is not None else self.embeddings.weight.device
+        # Codebook i of a frame indexes rows i * codebook_size + code of `codebook_embeddings`, unless the
+        # checkpoint says `share_codebook_embeddings: false` (a fish-speech 1.5 option): then no offset.
+        stride = c.codebook_size if c.share_codebook_embeddings else 0
         tables = {
             "freqs_cis": lambda: precompute_freqs_cis(c.max_seq_len, c.head_dim, c.rope_base),
             # The fast AR uses the slow config's rope_base (spec 1.3).
             "fast_freqs_cis": lambda: precompute_freqs_cis(c.num_codebooks, c.fast_head_dim, c.rope_base),
-            "codebook_offsets": lambda: torch.arange(c.num_codebooks) * c.codebook_size,
+            "codebook_offsets": lambda: torch.arange(c.num_codebooks) * stride,
         }
         for name, make in tables.items():
+            # Computed on the CPU explicitly: under a `torch.device("meta")` context (how loaders build
+            # the model) new tensors would otherwise be meta tensors.
             with torch.device("cpu"):
                 value = make()
             value = torch.empty_like(value, device="meta") if device.type == "meta" else value.to(device)
@@ -260,7 +277,8 @@ class DualARTransformer(nn.Module):
 
         frames: `[B, T, 1 + N]` int64. Returns `[B, T, dim]`: the token embedding, plus at semantic
         positions the sum of the N codebook embeddings, the sum scaled by `1/sqrt(N + 1)` when
-        `scale_codebook_embeddings` is set. Text positions are neither summed nor scaled.
+        `scale_codebook_embeddings` is set. Text positions are neither summed nor scaled. The scale is a
+        division, as in fish-speech (a multiplication by the reciprocal rounds differently).
         """
         c = self.config
         tokens = frames[..., 0]
@@ -269,7 +287,7 @@ class DualARTransformer(nn.Module):
         is_semantic = ((tokens >= c.semantic_begin_id) & (tokens <= c.semantic_end_id)).unsqueeze(-1)
         audio = x + codebook_sum
         if c.scale_codebook_embeddings:
-            audio = audio * (1.0 / math.sqrt(c.num_codebooks + 1))
+            audio = audio / math.sqrt(c.num_codebooks + 1)
         return torch.where(is_semantic, audio, x)
 
     def slow_layers(

@@ -7,12 +7,15 @@ codes, spec 1.1). `S2PromptFormat` follows fish-speech main for S2-Pro; our own 
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from .tokenizer import TextTokenizer
+from .tokenizer import TokenizerLike
 
 
 @dataclass
@@ -31,10 +34,21 @@ class Turn:
     codes: Tensor
 
 
+class PromptFormat(Protocol):
+    """A model family's prompt layout: `build` returns the `[T, 1 + N]` int64 frame matrix for a target
+    text, its voice references and the earlier chunks of the same request; `name` identifies it."""
+
+    name: str
+
+    def build(
+        self, text: str, references: Sequence[VoiceReference] = (), history: Sequence[Turn] = ()
+    ) -> Tensor: ...
+
+
 class PromptAssembler:
     """Concatenates text and VQ parts into frame columns."""
 
-    def __init__(self, tokenizer: TextTokenizer, num_codebooks: int):
+    def __init__(self, tokenizer: TokenizerLike, num_codebooks: int):
         self.tokenizer = tokenizer
         self.num_codebooks = num_codebooks
         self.columns: list[Tensor] = []
@@ -69,7 +83,7 @@ class S2PromptFormat:
     SYSTEM = "convert the provided text to speech"
     SYSTEM_WITH_REFERENCE = "convert the provided text to speech reference to the following:\n\nText:\n"
 
-    def __init__(self, tokenizer: TextTokenizer, num_codebooks: int):
+    def __init__(self, tokenizer: TokenizerLike, num_codebooks: int):
         self.tokenizer = tokenizer
         self.num_codebooks = num_codebooks
 
@@ -92,5 +106,9 @@ class S2PromptFormat:
         return p.build()
 
 
+_SPEAKER_TAG = re.compile(r"<\|speaker:\d+\|>")
+
+
 def _with_speaker(text: str, i: int) -> str:
-    return text if text.lstrip().startswith("<|speaker:") else f"<|speaker:{i}|>{text}"
+    """fish-speech main tags the i-th reference text `<|speaker:i|>` unless it has a tag anywhere."""
+    return text if _SPEAKER_TAG.search(text) else f"<|speaker:{i}|>{text}"

@@ -122,8 +122,58 @@ def _plural_number(s: str) -> str:
     return words + ("es" if words.endswith("x") else "s")
 
 
+# Inline control tags (`<|speaker:0|>` and the like) pass through normalization untouched.
+_TAG = re.compile(r"<\|[^|<>\s]{1,64}\|>")
+_SPEAKER_TAG = re.compile(r"(<\|speaker:\d+\|>)")
+
+
 def normalize_text(text: str) -> str:
-    """Spoken form of `text` (see the module docstring). Raises TextError if nothing speakable remains."""
+    """Spoken form of `text` (see the module docstring); inline tags such as `<|speaker:1|>` are kept
+    as they are. Raises TextError if nothing speakable remains."""
+    tags = _TAG.findall(text)
+    if not tags:
+        return _normalize_plain(text)
+    pieces = [_normalize_plain(p, allow_empty=True) for p in _TAG.split(text)]
+    out = pieces[0]
+    for tag, piece in zip(tags, pieces[1:], strict=True):
+        out = f"{out} {tag}{piece}" if out else f"{tag}{piece}"
+    if not any(ch.isalnum() for p in pieces for ch in p):
+        raise TextError("text has nothing to speak (empty, whitespace or punctuation only)")
+    return out
+
+
+def split_speaker_turns(text: str, max_bytes: int, max_speakers: int = 5) -> list[str]:
+    """Split text with `<|speaker:N|>` tags into turns and group consecutive turns into chunks of at most
+    `max_speakers` turns and `max_bytes` UTF-8 bytes, joined by newlines (fish-speech main's
+    `split_text_by_speaker` / `group_turns_into_batches`, Fish spec 3.2). Text before the first tag is
+    kept as a turn of its own (fish-speech drops it); a turn longer than `max_bytes` is split like plain
+    text, each piece keeping its tag."""
+    parts = _SPEAKER_TAG.split(text)
+    turns = [parts[0].strip()] if parts[0].strip() else []
+    for tag, body in zip(parts[1::2], parts[2::2], strict=True):
+        body = body.strip()
+        if len(f"{tag}{body}".encode()) <= max_bytes or not body:
+            turns.append(f"{tag}{body}")
+        else:
+            turns += [f"{tag}{piece}" for piece in split_text(body, max(1, max_bytes - len(tag)))]
+    chunks: list[list[str]] = []
+    size = 0
+    for turn in turns:
+        n = len(turn.encode())
+        if chunks and len(chunks[-1]) < max_speakers and size + n <= max_bytes:
+            chunks[-1].append(turn)
+            size += n
+        else:
+            chunks.append([turn])
+            size = n
+    return ["\n".join(c) for c in chunks]
+
+
+def has_speaker_tags(text: str) -> bool:
+    return bool(_SPEAKER_TAG.search(text))
+
+
+def _normalize_plain(text: str, allow_empty: bool = False) -> str:
     text = unicodedata.normalize("NFKC", text).translate(_TRANSLATE)
     for abbr, full in _ABBREVIATIONS.items():
         text = re.sub(rf"(?<!\w){re.escape(abbr)}", full, text)
@@ -133,7 +183,7 @@ def normalize_text(text: str) -> str:
         text = text.replace(sym, word)
     text = re.sub(r"\s+", " ", text).strip()
     text = re.sub(r"\s+([,.!?;:])", r"\1", text)
-    if not any(ch.isalnum() for ch in text):
+    if not allow_empty and not any(ch.isalnum() for ch in text):
         raise TextError("text has nothing to speak (empty, whitespace or punctuation only)")
     return text
 

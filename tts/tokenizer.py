@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -24,6 +25,27 @@ _SEMANTIC = re.compile(r"^<\|semantic:(\d+)\|>$")
 
 class TokenizerError(ValueError):
     """A tokenizer file that lacks what a dual-AR model needs."""
+
+
+@runtime_checkable
+class TokenizerLike(Protocol):
+    """What prompts, bundles and the engine need from a tokenizer: `encode` text without adding any
+    special tokens (inline special tokens such as `<|im_start|>` encode as single ids), the contiguous
+    `<|semantic:i|>` id range and the `<|im_end|>` id. `TextTokenizer` (Hugging Face tokenizer.json) and
+    `tts.fish.tokenizer.TiktokenTokenizer` (fish-speech's tiktoken files) implement it."""
+
+    semantic_begin_id: int
+    semantic_end_id: int
+    eos_id: int
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def token_id(self, token: str) -> int: ...
 
 
 class TextTokenizer:

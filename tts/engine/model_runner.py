@@ -135,6 +135,8 @@ class ModelRunner:
             rows.append(head[c.eos_token_id : c.eos_token_id + 1])
         self.semantic_head = torch.cat(rows).detach()
         self.n_sem = c.num_semantic_tokens
+        # Residual codebooks are sampled from the first n_residual fast logits (a static slice).
+        self.n_residual = c.residual_codebook_size or c.codebook_size
 
     # ---- host-side row management (between steps only) ---------------------------------------------
 
@@ -277,7 +279,7 @@ class ModelRunner:
                 for k in range(1, c.num_codebooks):
                     x = m.fast_embeddings(codes[k - 1]).unsqueeze(1)
                     y = m.fast_layers_forward(x, m.fast_freqs_cis[k : k + 1], self._fast_attend(b, k))
-                    logits = m.fast_logits(y[:, 0])
+                    logits = m.fast_logits(y[:, 0])[:, : self.n_residual]
                     codes.append(
                         sample(logits, temperature, top_p, top_k, seeds, steps, stream=k, top_k_cap=cap)
                     )

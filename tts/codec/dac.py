@@ -1,0 +1,846 @@
+"""The "modded DAC" codec of OpenAudio S1 and Fish Audio S2-Pro (Fish spec section 5.1).
+
+44.1 kHz mono; a causal convolutional encoder (strides 2, 4, 8, 8: 512 samples per latent) with a
+windowed transformer after its last block; a quantizer that downsamples the latents x2 x2 (one token
+frame = 2048 samples, 21.53 Hz), runs an 8-layer causal transformer with a 128-frame attention window,
+and quantizes with one semantic codebook (4096 entries) plus 9 residual codebooks (1024 entries); and a
+decoder that mirrors it: codebook lookups -> windowed transformer -> two transposed-conv + ConvNeXt
+upsampling stages -> Snake/transposed-conv decoder blocks (strides 8, 8, 4, 2) -> tanh.
+
+Module and parameter names follow fish-speech's `modded_dac.py` / `rvq.py` / descript-audio-codec
+(`encoder.block.{i}...`, `quantizer.semantic_quantizer.quantizers.0.codebook.weight`,
+`quantizer.post_module.layers.{i}.attention.wqkv.weight`, `decoder.model.{i}...`), so a `codec.pth`
+loads by name. Weight-normalized convolutions are stored in a checkpoint as
+`conv.parametrizations.weight.original0/1` (PyTorch parametrizations, encoder and decoder), as
+`weight_g/weight_v` (old-style, the quantizer projections), or already fused as `weight`; all three load
+(fused with `torch._weight_norm`, the function both weight-norm forms evaluate), and this module holds
+plain fused weights.
+
+Streaming: every stage is causal, so `DACStreamingDecoder` keeps state between pushes (the left
+context of each convolution, the last input frame of each transposed convolution, the last 127 keys and
+values of each transformer layer at their absolute RoPE positions) and the concatenated stream equals an
+offline `decode` of all codes up to float rounding. Re-decoding a left-context window instead would need
+8 x 127 + 10 frames of context per push: the eight stacked 128-frame windows reach back 1016 frames.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..model import _embedding, apply_rotary_emb, precompute_freqs_cis
+from .base import Codec
+
+# Stale buffers some fish-speech codec checkpoints carry; recomputed here, never loaded.
+IGNORED_BUFFERS = ("freqs_cis", "causal_mask")
+
+StreamState = dict  # module -> its carried state (tensors), one per stream
+
+
+class CodecCheckpointError(ValueError):
+    """A codec file that cannot be loaded (unreadable, missing or unexpected keys, wrong shapes)."""
+
+
+# ---- configuration -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DACConfig:
+    """Sizes of a modded DAC. Defaults are fish-speech's `modded_dac_vq.yaml` (S1-mini and S2-Pro).
+
+    Transformers use head_dim 64 (so `dim // 64` heads), SwiGLU width `3 * dim`, RMSNorm eps 1e-5 and
+    RoPE base 1e4, as the yaml says; `encoder_window` is the encoder transformer's attention window (512
+    latents: the yaml's partial config has no `window_size`, so the code default applies) and
+    `transformer_window` that of the quantizer's pre/post transformers (128 frames).
+    """
+
+    sample_rate: int = 44100
+    encoder_dim: int = 64
+    encoder_rates: tuple[int, ...] = (2, 4, 8, 8)
+    encoder_transformer_layers: tuple[int, ...] = (0, 0, 0, 4)
+    encoder_window: int = 512
+    latent_dim: int = 1024
+    decoder_dim: int = 1536
+    decoder_rates: tuple[int, ...] = (8, 8, 4, 2)
+    semantic_codebook_size: int = 4096
+    codebook_size: int = 1024
+    n_codebooks: int = 9
+    codebook_dim: int = 8
+    downsample_factor: tuple[int, ...] = (2, 2)
+    pre_transformer_layers: int = 8
+    post_transformer_layers: int = 8
+    transformer_window: int = 128
+    head_dim: int = 64
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def hop_length(self) -> int:
+        """Audio samples per encoder latent (product of the encoder strides)."""
+        return math.prod(self.encoder_rates)
+
+    @property
+    def frame_length(self) -> int:
+        """Audio samples per token frame (hop length times the quantizer's downsampling)."""
+        return self.hop_length * math.prod(self.downsample_factor)
+
+    @property
+    def num_codebooks(self) -> int:
+        return 1 + self.n_codebooks
+
+    def check(self) -> None:
+        """Raise CodecCheckpointError if the sizes cannot form a codec."""
+        if math.prod(self.decoder_rates) * math.prod(self.downsample_factor) != self.frame_length:
+            raise CodecCheckpointError(
+                f"decoder strides {self.decoder_rates} x downsampling {self.downsample_factor} do not give "
+                f"the encoder's {self.frame_length} samples per frame"
+            )
+        for name, dim in (("latent_dim", self.latent_dim),) + tuple(
+            (f"encoder block {i}", self.encoder_dim * 2 ** (i + 1))
+            for i, n in enumerate(self.encoder_transformer_layers)
+            if n
+        ):
+            if dim % self.head_dim:
+                raise CodecCheckpointError(f"{name} = {dim} is not a multiple of head_dim {self.head_dim}")
+
+
+# ---- building blocks ---------------------------------------------------------------------------------
+
+
+class WNConv:
+    """Marks a conv module whose fish-speech counterpart is weight-normalized, and how it is stored:
+    `parametrization` (`conv.parametrizations.weight.original0/1`) or `old` (`weight_g/weight_v`)."""
+
+    weight_norm: str | None = None
+
+
+class CausalConv1d(nn.Module, WNConv):
+    """Conv1d padded with `receptive - stride` zeros on the left (causal) and, offline, just enough on
+    the right to complete the last stride (fish-speech `CausalConvNet`). x: `[B, C, T]`."""
+
+    def __init__(self, cin, cout, kernel_size, stride=1, dilation=1, groups=1, weight_norm=None):
+        super().__init__()
+        self.conv = nn.Conv1d(cin, cout, kernel_size, stride=stride, dilation=dilation, groups=groups)
+        self.stride = stride
+        self.receptive = (kernel_size - 1) * dilation + 1
+        self.padding = self.receptive - stride
+        self.weight_norm = weight_norm
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        if state is None:
+            extra = (-(x.shape[-1] - self.receptive + self.padding)) % self.stride
+            return self.conv(F.pad(x, (self.padding, extra)))
+        if self.stride != 1:
+            raise NotImplementedError("streaming is only defined for stride-1 convolutions")
+        prev = state.get(self)
+        if prev is None:
+            prev = x.new_zeros(x.shape[0], x.shape[1], self.padding)
+        x = torch.cat([prev, x], dim=-1)
+        state[self] = x[..., x.shape[-1] - self.padding :]
+        return self.conv(x)
+
+
+class CausalConvTranspose1d(nn.Module, WNConv):
+    """ConvTranspose1d with the last `kernel - stride` samples trimmed (fish-speech `CausalTransConvNet`):
+    T input frames give exactly `T * stride` samples, each depending on its own and earlier frames."""
+
+    def __init__(self, cin, cout, kernel_size, stride, weight_norm=None):
+        super().__init__()
+        self.conv = nn.ConvTranspose1d(cin, cout, kernel_size, stride=stride)
+        self.stride = stride
+        self.overlap = kernel_size - stride
+        self.context = -(-self.overlap // stride)  # input frames of left context a chunk needs
+        self.weight_norm = weight_norm
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        T = x.shape[-1]
+        if state is None or self.context == 0:
+            y = self.conv(x)
+            return y[..., : y.shape[-1] - self.overlap]
+        prev = state.get(self)
+        xx = x if prev is None else torch.cat([prev, x], dim=-1)
+        state[self] = xx[..., max(0, xx.shape[-1] - self.context) :]
+        skip = 0 if prev is None else prev.shape[-1] * self.stride
+        return self.conv(xx)[..., skip : skip + T * self.stride]
+
+
+class Snake1d(nn.Module):
+    """Snake activation `x + sin^2(alpha x) / (alpha + 1e-9)`, alpha per channel `[1, C, 1]`."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        # Same operation order as descript-audio-codec's `snake`, for bit-level agreement.
+        return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
+
+
+class Tanh(nn.Module):
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        return torch.tanh(x)
+
+
+class Identity(nn.Module):
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        return x
+
+
+class StreamSequential(nn.Sequential):
+    """nn.Sequential whose children take the stream state too (names stay `0`, `1`, ...)."""
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        for module in self:
+            x = module(x, state)
+        return x
+
+
+class ResidualUnit(nn.Module):
+    """Snake -> dilated causal conv k7 -> Snake -> conv k1, plus the input (keys `block.0..3`)."""
+
+    def __init__(self, dim: int, dilation: int):
+        super().__init__()
+        self.block = StreamSequential(
+            Snake1d(dim),
+            CausalConv1d(dim, dim, 7, dilation=dilation, weight_norm="parametrization"),
+            Snake1d(dim),
+            CausalConv1d(dim, dim, 1, weight_norm="parametrization"),
+        )
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        return x + self.block(x, state)
+
+
+class ConvNeXtBlock(nn.Module):
+    """Causal depthwise conv k7 -> LayerNorm (eps 1e-6) -> Linear(d, 4d) -> GELU -> Linear(4d, d) ->
+    x gamma, plus the input. x: `[B, C, T]`."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dwconv = CausalConv1d(dim, dim, 7, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        y = self.dwconv(x, state).permute(0, 2, 1)
+        y = self.pwconv2(F.gelu(self.pwconv1(self.norm(y))))
+        return x + (self.gamma * y).permute(0, 2, 1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + self.eps)).type_as(
+            x
+        ) * self.weight
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gamma
+
+
+class _Attention(nn.Module):
+    def __init__(self, dim: int, n_head: int, head_dim: int):
+        super().__init__()
+        self.n_head, self.head_dim = n_head, head_dim
+        self.wqkv = nn.Linear(dim, 3 * n_head * head_dim, bias=False)
+        self.wo = nn.Linear(n_head * head_dim, dim, bias=False)
+
+
+class _FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _TransformerLayer(nn.Module):
+    def __init__(self, dim: int, head_dim: int, eps: float):
+        super().__init__()
+        self.attention = _Attention(dim, dim // head_dim, head_dim)
+        self.feed_forward = _FeedForward(dim, 3 * dim)
+        self.attention_norm = RMSNorm(dim, eps)
+        self.ffn_norm = RMSNorm(dim, eps)
+        self.attention_layer_scale = LayerScale(dim)
+        self.ffn_layer_scale = LayerScale(dim)
+
+
+class WindowTransformer(nn.Module):
+    """fish-speech's `WindowLimitedTransformer`: pre-norm blocks with LayerScale on both branches, RoPE
+    (adjacent pairs, bf16 table, base 1e4) at absolute positions, causal attention limited to the last
+    `window` positions (query i sees keys i - window + 1 .. i), then a final RMSNorm.
+
+    x: `[B, dim, T]` (channels first). `start` is the absolute position of x's first frame; `state`
+    carries each layer's last `window - 1` keys and values between calls when streaming.
+    """
+
+    def __init__(self, dim: int, n_layer: int, window: int, head_dim: int, rope_base: float, eps: float):
+        super().__init__()
+        self.window, self.head_dim, self.rope_base = window, head_dim, rope_base
+        self.layers = nn.ModuleList(_TransformerLayer(dim, head_dim, eps) for _ in range(n_layer))
+        self.norm = RMSNorm(dim, eps)
+        self._rope = torch.zeros(0, head_dim // 2, 2, dtype=torch.bfloat16)
+
+    def _freqs(self, start: int, n: int, device) -> Tensor:
+        if self._rope.shape[0] < start + n:
+            self._rope = precompute_freqs_cis(max(2 * (start + n), 4096), self.head_dim, self.rope_base)
+        if self._rope.device != torch.device(device):
+            self._rope = self._rope.to(device)
+        return self._rope[start : start + n]
+
+    def forward(self, x: Tensor, start: int = 0, state: StreamState | None = None) -> Tensor:
+        x = x.transpose(1, 2)
+        B, T, _ = x.shape
+        freqs = self._freqs(start, T, x.device)
+        for layer in self.layers:
+            a = layer.attention
+            q, k, v = a.wqkv(layer.attention_norm(x)).split(a.n_head * a.head_dim, dim=-1)
+            q = apply_rotary_emb(q.view(B, T, a.n_head, a.head_dim), freqs).transpose(1, 2)
+            k = apply_rotary_emb(k.view(B, T, a.n_head, a.head_dim), freqs).transpose(1, 2)
+            v = v.view(B, T, a.n_head, a.head_dim).transpose(1, 2)
+            past = 0
+            if state is not None:
+                prev = state.get(layer)
+                if prev is not None:
+                    k, v = torch.cat([prev[0], k], dim=2), torch.cat([prev[1], v], dim=2)
+                    past = prev[0].shape[2]
+                keep = min(self.window - 1, k.shape[2])
+                state[layer] = (k[:, :, k.shape[2] - keep :], v[:, :, v.shape[2] - keep :])
+            qi = torch.arange(T, device=x.device).unsqueeze(1) + past
+            kj = torch.arange(past + T, device=x.device).unsqueeze(0)
+            mask = (kj <= qi) & (kj > qi - self.window)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
+            y = a.wo(y.transpose(1, 2).reshape(B, T, a.n_head * a.head_dim))
+            h = x + layer.attention_layer_scale(y)
+            x = h + layer.ffn_layer_scale(layer.feed_forward(layer.ffn_norm(h)))
+        return self.norm(x).transpose(1, 2)
+
+
+# ---- encoder, quantizer, decoder ---------------------------------------------------------------------
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, dim: int, stride: int, n_t_layer: int, cfg: DACConfig):
+        super().__init__()
+        transformer = (
+            WindowTransformer(dim, n_t_layer, cfg.encoder_window, cfg.head_dim, cfg.rope_base, cfg.norm_eps)
+            if n_t_layer
+            else None
+        )
+        self.block = nn.Sequential(
+            ResidualUnit(dim // 2, 1),
+            ResidualUnit(dim // 2, 3),
+            ResidualUnit(dim // 2, 9),
+            Snake1d(dim // 2),
+            CausalConv1d(dim // 2, dim, 2 * stride, stride=stride, weight_norm="parametrization"),
+            *([transformer] if transformer is not None else []),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        for module in self.block:
+            x = module(x)
+        return x
+
+
+class Encoder(nn.Module):
+    """Causal conv 1 -> d -> EncoderBlocks (channels x2 per block) -> Snake -> conv k3 to the latent."""
+
+    def __init__(self, cfg: DACConfig):
+        super().__init__()
+        d = cfg.encoder_dim
+        blocks: list[nn.Module] = [CausalConv1d(1, d, 7, weight_norm="parametrization")]
+        for stride, n_t in zip(cfg.encoder_rates, cfg.encoder_transformer_layers, strict=True):
+            d *= 2
+            blocks.append(EncoderBlock(d, stride, n_t, cfg))
+        blocks += [Snake1d(d), CausalConv1d(d, cfg.latent_dim, 3, weight_norm="parametrization")]
+        self.block = nn.Sequential(*blocks)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for module in self.block:
+            x = module(x)
+        return x
+
+
+class VectorQuantize(nn.Module):
+    """One VQ stage (descript-audio-codec): 1x1 projections around an `[entries, codebook_dim]` table,
+    nearest entry by cosine similarity."""
+
+    def __init__(self, dim: int, size: int, codebook_dim: int):
+        super().__init__()
+        self.in_proj = nn.Conv1d(dim, codebook_dim, 1)
+        self.out_proj = nn.Conv1d(codebook_dim, dim, 1)
+        self.codebook = _embedding(size, codebook_dim)
+        self.in_proj.weight_norm = self.out_proj.weight_norm = "old"
+
+    def decode(self, codes: Tensor) -> Tensor:
+        """codes `[B, T]` -> `[B, dim, T]`."""
+        return self.out_proj(F.embedding(codes, self.codebook.weight).transpose(1, 2))
+
+    def encode(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        """z `[B, dim, T]` -> (quantized `[B, dim, T]`, codes `[B, T]`), descript's arithmetic exactly."""
+        z_e = self.in_proj(z)
+        enc = F.normalize(z_e.transpose(1, 2).reshape(-1, z_e.shape[1]))
+        book = F.normalize(self.codebook.weight)
+        dist = enc.pow(2).sum(1, keepdim=True) - 2 * enc @ book.t() + book.pow(2).sum(1, keepdim=True).t()
+        codes = (-dist).max(1)[1].view(z.shape[0], -1)
+        z_q = F.embedding(codes, self.codebook.weight).transpose(1, 2)
+        z_q = z_e + (z_q - z_e)  # the straight-through form, kept for identical rounding
+        return self.out_proj(z_q), codes
+
+
+class ResidualVQ(nn.Module):
+    def __init__(self, dim: int, n: int, size: int, codebook_dim: int):
+        super().__init__()
+        self.quantizers = nn.ModuleList(VectorQuantize(dim, size, codebook_dim) for _ in range(n))
+
+    def decode(self, codes: Tensor) -> Tensor:
+        """codes `[B, n, T]` -> sum of the stages' outputs `[B, dim, T]`."""
+        z = 0.0
+        for i, q in enumerate(self.quantizers):
+            z = z + q.decode(codes[:, i])
+        return z
+
+    def encode(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        """z `[B, dim, T]` -> (quantized sum, codes `[B, n, T]`), each stage quantizing the residual."""
+        z_q, residual, codes = 0.0, z, []
+        for q in self.quantizers:
+            z_i, c = q.encode(residual)
+            z_q = z_q + z_i
+            residual = residual - z_i
+            codes.append(c)
+        return z_q, torch.stack(codes, dim=1)
+
+
+class DownsampleRVQ(nn.Module):
+    """fish-speech's `DownsampleResidualVectorQuantize`: downsample x2 x2 -> pre transformer -> semantic
+    VQ, residual VQ on what it leaves; decode is lookups -> post transformer -> upsample x2 x2."""
+
+    def __init__(self, cfg: DACConfig):
+        super().__init__()
+        d = cfg.latent_dim
+        self.semantic_quantizer = ResidualVQ(d, 1, cfg.semantic_codebook_size, cfg.codebook_dim)
+        self.quantizer = ResidualVQ(d, cfg.n_codebooks, cfg.codebook_size, cfg.codebook_dim)
+        self.downsample = nn.Sequential(
+            *(nn.Sequential(CausalConv1d(d, d, f, stride=f), ConvNeXtBlock(d)) for f in cfg.downsample_factor)
+        )
+        self.upsample = nn.Sequential(
+            *(
+                StreamSequential(CausalConvTranspose1d(d, d, f, stride=f), ConvNeXtBlock(d))
+                for f in reversed(cfg.downsample_factor)
+            )
+        )
+        w = dict(head_dim=cfg.head_dim, rope_base=cfg.rope_base, eps=cfg.norm_eps)
+        self.pre_module = WindowTransformer(d, cfg.pre_transformer_layers, cfg.transformer_window, **w)
+        self.post_module = WindowTransformer(d, cfg.post_transformer_layers, cfg.transformer_window, **w)
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.block = StreamSequential(
+            Snake1d(cin),
+            CausalConvTranspose1d(cin, cout, 2 * stride, stride, weight_norm="parametrization"),
+            ResidualUnit(cout, 1),
+            ResidualUnit(cout, 3),
+            ResidualUnit(cout, 9),
+        )
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        return self.block(x, state)
+
+
+class Decoder(nn.Module):
+    """Causal conv k7 -> DecoderBlocks (channels /2 per block) -> Snake -> conv k7 to 1 channel -> tanh."""
+
+    def __init__(self, cfg: DACConfig):
+        super().__init__()
+        c = cfg.decoder_dim
+        layers: list[nn.Module] = [CausalConv1d(cfg.latent_dim, c, 7, weight_norm="parametrization")]
+        for i, stride in enumerate(cfg.decoder_rates):
+            layers.append(DecoderBlock(c // 2**i, c // 2 ** (i + 1), stride))
+        out = c // 2 ** len(cfg.decoder_rates)
+        layers += [Snake1d(out), CausalConv1d(out, 1, 7, weight_norm="parametrization"), Tanh()]
+        self.model = StreamSequential(*layers)
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        return self.model(x, state)
+
+
+class ModdedDAC(nn.Module):
+    """The codec network. `decode(codes [B, 1 + n, T])` -> audio `[B, 1, T * frame_length]`;
+    `encode(audio [B, 1, L])` -> codes `[B, 1 + n, ceil(L / frame_length)]` (Fish spec 5.1)."""
+
+    def __init__(self, cfg: DACConfig):
+        super().__init__()
+        cfg.check()
+        self.cfg = cfg
+        self.encoder = Encoder(cfg)
+        self.quantizer = DownsampleRVQ(cfg)
+        self.decoder = Decoder(cfg)
+
+    def clamp_codes(self, codes: Tensor) -> Tensor:
+        """Row 0 into the semantic codebook, the other rows into the residual codebooks (spec 5.1)."""
+        c = self.cfg
+        return torch.cat(
+            [codes[:, :1].clamp(0, c.semantic_codebook_size - 1), codes[:, 1:].clamp(0, c.codebook_size - 1)],
+            dim=1,
+        )
+
+    def decode_latents(self, codes: Tensor, start: int = 0, state: StreamState | None = None) -> Tensor:
+        """codes `[B, 1 + n, T]` -> the post-transformer latents `[B, latent_dim, T]` (frame rate)."""
+        q = self.quantizer
+        codes = self.clamp_codes(codes)
+        z = q.semantic_quantizer.decode(codes[:, :1]) + q.quantizer.decode(codes[:, 1:])
+        return q.post_module(z, start, state)
+
+    def decode(self, codes: Tensor, start: int = 0, state: StreamState | None = None) -> Tensor:
+        """codes `[B, 1 + n, T]` int64 -> audio `[B, 1, T * frame_length]` float. With `state`, the call
+        continues a stream whose first frame here has absolute index `start`."""
+        z = self.decode_latents(codes, start, state)
+        for stage in self.quantizer.upsample:
+            z = stage(z, state)
+        return self.decoder(z, state)
+
+    def encode(self, audio: Tensor) -> Tensor:
+        """audio `[B, 1, L]` float -> codes `[B, 1 + n, ceil(L / frame_length)]` int64 (right-padded with
+        zeros to whole frames first)."""
+        q = self.quantizer
+        L = audio.shape[-1]
+        audio = F.pad(audio, (0, -L % self.cfg.frame_length))
+        z = self.encoder(audio)
+        for stage in q.downsample:
+            z = stage[1](stage[0](z))
+        z = q.pre_module(z)
+        semantic_z, semantic_codes = q.semantic_quantizer.encode(z)
+        _, codes = q.quantizer.encode(z - semantic_z)
+        return torch.cat([semantic_codes, codes], dim=1)
+
+    @property
+    def context_frames(self) -> int:
+        """Frames of left context that bound the decoder's receptive field: the stacked attention
+        windows plus the causal convolutions' context (computed, rounded up, plus one frame).
+
+        Re-decoding that many frames of context (the `Codec` base's StreamingDecoder) is exact only if the
+        window is decoded at its absolute RoPE positions (`decode(..., start=...)`): the bf16 RoPE table
+        makes attention depend slightly on absolute position. `DACCodec.stream()` keeps state instead."""
+        c = self.cfg
+        frames = c.post_transformer_layers * (c.transformer_window - 1)
+        rate = 1.0  # samples per frame at the current stage
+        conv_context = 0.0
+        for f in reversed(c.downsample_factor):
+            rate *= f
+            conv_context += 6 / rate  # ConvNeXt depthwise k7
+        conv_context += 6 / rate  # decoder's first conv, k7
+        for s in c.decoder_rates:
+            conv_context += 1 / rate  # transposed conv k = 2s: one input sample of context
+            rate *= s
+            conv_context += 6 * (1 + 3 + 9) / rate  # residual units, k7 at dilations 1, 3, 9
+        conv_context += 6 / rate  # final conv, k7
+        return frames + math.ceil(conv_context) + 1
+
+
+# ---- checkpoints -------------------------------------------------------------------------------------
+
+
+def _indices(keys, prefix: str) -> list[int]:
+    found = {int(k[len(prefix) :].split(".", 1)[0]) for k in keys if k.startswith(prefix)}
+    return sorted(found)
+
+
+def infer_config(shapes: dict[str, tuple[int, ...]]) -> DACConfig:
+    """Read a DACConfig off the (fused-weight) key names and shapes of a codec state dict.
+
+    Strides come from kernel sizes (`2 * stride` in encoder and decoder blocks, `factor` in the
+    quantizer's resampling convs), widths from weight shapes, layer counts from key indices. Raises
+    CodecCheckpointError naming the first key it needs and cannot find.
+    """
+
+    def shape(key: str) -> tuple[int, ...]:
+        if key not in shapes:
+            raise CodecCheckpointError(f"not a modded-DAC codec: missing key {key!r}")
+        return shapes[key]
+
+    enc_blocks = _indices(shapes, "encoder.block.")
+    if len(enc_blocks) < 4:
+        raise CodecCheckpointError("not a modded-DAC codec: no encoder.block.* keys")
+    n_enc = len(enc_blocks) - 3  # first conv, the blocks, Snake, last conv
+    encoder_dim = shape("encoder.block.0.conv.weight")[0]
+    enc_rates, enc_layers = [], []
+    for i in range(1, n_enc + 1):
+        enc_rates.append(shape(f"encoder.block.{i}.block.4.conv.weight")[2] // 2)
+        enc_layers.append(len(_indices(shapes, f"encoder.block.{i}.block.5.layers.")))
+    latent_dim = shape(f"encoder.block.{n_enc + 2}.conv.weight")[0]
+    dec = _indices(shapes, "decoder.model.")
+    n_dec = len(dec) - 3  # first conv, the blocks, Snake, last conv (tanh has no weights)
+    decoder_dim = shape("decoder.model.0.conv.weight")[0]
+    dec_rates = [shape(f"decoder.model.{i}.block.1.conv.weight")[2] // 2 for i in range(1, n_dec + 1)]
+    sem = shape("quantizer.semantic_quantizer.quantizers.0.codebook.weight")
+    n_res = len(_indices(shapes, "quantizer.quantizer.quantizers."))
+    res = shape("quantizer.quantizer.quantizers.0.codebook.weight")
+    down = [
+        shape(f"quantizer.downsample.{i}.0.conv.weight")[2] for i in _indices(shapes, "quantizer.downsample.")
+    ]
+    enc_window = DACConfig.encoder_window
+    return DACConfig(
+        encoder_dim=encoder_dim, encoder_rates=tuple(enc_rates), encoder_transformer_layers=tuple(enc_layers),
+        encoder_window=enc_window, latent_dim=latent_dim, decoder_dim=decoder_dim, decoder_rates=tuple(dec_rates),
+        semantic_codebook_size=sem[0], codebook_size=res[0], n_codebooks=n_res, codebook_dim=sem[1],
+        downsample_factor=tuple(down),
+        pre_transformer_layers=len(_indices(shapes, "quantizer.pre_module.layers.")),
+        post_transformer_layers=len(_indices(shapes, "quantizer.post_module.layers.")),
+    )  # fmt: skip
+
+
+def _weight_norm_dim(g: Tensor) -> int:
+    dims = [d for d, n in enumerate(g.shape) if n != 1]
+    return dims[0] if len(dims) == 1 else 0
+
+
+def fuse_weight_norm(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Replace each weight-norm pair by the fused weight `g * v / ||v||` (torch._weight_norm, the function
+    both of PyTorch's weight-norm forms evaluate): `X.parametrizations.weight.original0/1` and
+    `X.weight_g/X.weight_v` become `X.weight`. Other keys pass through; stale buffers are dropped.
+    Raises CodecCheckpointError for half a pair."""
+    out: dict[str, Tensor] = {}
+    pairs: dict[str, dict[str, Tensor]] = {}
+    for key, t in state.items():
+        if key.rsplit(".", 1)[-1] in IGNORED_BUFFERS:
+            continue
+        for g_suffix, v_suffix in ((".parametrizations.weight.original0", ".parametrizations.weight.original1"),
+                                   (".weight_g", ".weight_v")):  # fmt: skip
+            if key.endswith(g_suffix):
+                pairs.setdefault(key[: -len(g_suffix)], {})["g"] = t
+                break
+            if key.endswith(v_suffix):
+                pairs.setdefault(key[: -len(v_suffix)], {})["v"] = t
+                break
+        else:
+            out[key] = t
+    for base, pair in pairs.items():
+        if set(pair) != {"g", "v"}:
+            raise CodecCheckpointError(
+                f"weight-norm pair of {base!r} is incomplete (has only {sorted(pair)})"
+            )
+        g, v = pair["g"].float(), pair["v"].float()
+        out[f"{base}.weight"] = torch._weight_norm(v, g, _weight_norm_dim(g))
+    return out
+
+
+def read_codec_state(path: str | Path) -> dict[str, Tensor]:
+    """Load a `codec.pth` (plain state dict, a `state_dict` wrapper, or `generator.`-prefixed keys as
+    in training checkpoints) with `torch.load(weights_only=True)`, memory-mapped where the file allows.
+    Raises CodecCheckpointError for a missing or unreadable file."""
+    path = Path(path)
+    if not path.is_file():
+        raise CodecCheckpointError(f"no codec file at {path}")
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except RuntimeError as exc:  # legacy (non-zip) files cannot be memory-mapped
+            if "mmap" not in str(exc):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CodecCheckpointError(f"cannot read {path}: {exc}") from exc
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise CodecCheckpointError(f"{path} does not hold a state dict of tensors")
+    if any(k.startswith("generator.") for k in state):
+        state = {k[len("generator.") :]: v for k, v in state.items() if k.startswith("generator.")}
+    return state
+
+
+def load_state_strict(model: nn.Module, state: dict[str, Tensor], source: str) -> None:
+    """Copy `state` into `model` (built on the meta device) as fp32 on the CPU, naming the first
+    missing or unexpected key or shape mismatch in a CodecCheckpointError."""
+    expected = model.state_dict()
+    for key in sorted(state):
+        if key not in expected:
+            raise CodecCheckpointError(f"unexpected key {key!r} in {source}")
+        if tuple(state[key].shape) != tuple(expected[key].shape):
+            raise CodecCheckpointError(
+                f"shape mismatch for {key!r} in {source}: file {tuple(state[key].shape)}, "
+                f"codec {tuple(expected[key].shape)}"
+            )
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CodecCheckpointError(f"missing key {missing[0]!r} in {source} ({len(missing)} missing in all)")
+    model.load_state_dict({k: v.float() for k, v in state.items()}, assign=True)
+
+
+# ---- the Codec --------------------------------------------------------------------------------------
+
+
+class DACCodec(Codec):
+    """The modded DAC behind the `Codec` interface: 44.1 kHz mono, 2048 samples per frame, 10 codebooks
+    (row 0 semantic, 4096 entries; rows 1-9 residual, 1024 entries; out-of-range codes are clamped).
+    Runs in float32 on `device`; `decode` and streaming return CPU float32 samples."""
+
+    def __init__(self, model: ModdedDAC, device: str | torch.device = "cpu"):
+        self.model = model.to(device=device, dtype=torch.float32).eval()
+        c = model.cfg
+        self.cfg = c
+        self.device = torch.device(device)
+        self.sample_rate = c.sample_rate
+        self.frame_length = c.frame_length
+        self.num_codebooks = c.num_codebooks
+        self.codebook_size = c.semantic_codebook_size
+        self.residual_codebook_size = c.codebook_size
+        self.context_frames = model.context_frames
+
+    @classmethod
+    def from_file(cls, path: str | Path, device: str | torch.device = "cpu") -> DACCodec:
+        """Load a fish-speech `codec.pth` (any weight-norm storage form; sizes read off the shapes).
+        Raises CodecCheckpointError naming the problem."""
+        state = fuse_weight_norm(read_codec_state(path))
+        cfg = infer_config({k: tuple(v.shape) for k, v in state.items()})
+        try:
+            cfg.check()
+            with torch.device("meta"):
+                model = ModdedDAC(cfg)
+        except CodecCheckpointError as exc:
+            raise CodecCheckpointError(f"{path}: {exc}") from exc
+        load_state_strict(model, state, Path(path).name)
+        return cls(model, device)
+
+    def config(self) -> dict:
+        return {"type": "modded_dac", "file": "codec.pth"}
+
+    def check_codes(self, codes: Tensor) -> Tensor:
+        codes = torch.as_tensor(codes, dtype=torch.int64)
+        if codes.dim() != 2 or codes.shape[0] != self.num_codebooks:
+            raise ValueError(f"codes must be [{self.num_codebooks}, T], got {tuple(codes.shape)}")
+        return self.model.clamp_codes(codes.unsqueeze(0))[0]
+
+    @torch.inference_mode()
+    def decode(self, codes: Tensor) -> Tensor:
+        codes = self.check_codes(codes)
+        if codes.shape[1] == 0:
+            return torch.zeros(0, dtype=torch.float32)
+        return self.model.decode(codes.unsqueeze(0).to(self.device))[0, 0].float().cpu()
+
+    @torch.inference_mode()
+    def encode_audio(self, audio: Tensor) -> Tensor:
+        x = torch.as_tensor(audio, dtype=torch.float32).reshape(1, 1, -1).to(self.device)
+        return self.model.encode(x)[0].cpu()
+
+    def stream(self) -> DACStreamingDecoder:
+        return DACStreamingDecoder(self)
+
+
+@dataclass
+class DACStreamingDecoder:
+    """Stateful incremental decode: `push(codes [N, t])` returns the `t * 2048` new samples; the
+    concatenation of all pushes equals `decode` of all codes (float rounding aside)."""
+
+    codec: DACCodec
+    frames_decoded: int = 0
+    state: StreamState = field(default_factory=dict)
+
+    @torch.inference_mode()
+    def push(self, codes: Tensor) -> Tensor:
+        codes = self.codec.check_codes(codes)
+        t = codes.shape[1]
+        if t == 0:
+            return torch.zeros(0, dtype=torch.float32)
+        audio = self.codec.model.decode(
+            codes.unsqueeze(0).to(self.codec.device), self.frames_decoded, self.state
+        )
+        self.frames_decoded += t
+        return audio[0, 0].float().cpu()
+
+    def flush(self) -> Tensor:
+        """Nothing is held back: every pushed frame's samples were returned."""
+        return torch.zeros(0, dtype=torch.float32)
+
+
+def tiny_dac_config(**overrides) -> DACConfig:
+    """A small modded DAC with the real sample rate, strides, frame length and codebook sizes but narrow
+    layers (tests and tiny checkpoints)."""
+    cfg = DACConfig(
+        encoder_dim=8, latent_dim=128, decoder_dim=64, encoder_transformer_layers=(0, 0, 0, 1),
+        pre_transformer_layers=2, post_transformer_layers=2,
+    )  # fmt: skip
+    return replace(cfg, **overrides)
+
+
+def _weight_norm_modules(model: ModdedDAC) -> dict[str, tuple[str, nn.Module]]:
+    """conv path -> (storage form, conv module) for every conv that fish-speech weight-normalizes."""
+    out = {}
+    for name, module in model.named_modules():
+        form = getattr(module, "weight_norm", None)
+        if form is None:
+            continue
+        conv = module.conv if isinstance(module, CausalConv1d | CausalConvTranspose1d) else module
+        out[f"{name}.conv" if conv is not module else name] = (form, conv)
+    return out
+
+
+def random_codec_state(cfg: DACConfig, seed: int = 0, form: str = "fish") -> dict[str, Tensor]:
+    """Random float32 codec weights in a checkpoint's storage form, deterministic in `seed`.
+
+    form: "fish" (as fish-speech's modules store them: encoder and decoder convs as
+    `parametrizations.weight.original0/1`, quantizer projections as `weight_g/weight_v`), "old" (every
+    weight-normed conv as `weight_g/weight_v`) or "fused" (plain `weight`). Weight-norm magnitudes keep
+    each output channel's weight norm near 1 and residual branches small, so random codecs produce
+    finite, non-saturated audio.
+    """
+    from ..randinit import random_like_init
+
+    if form not in ("fish", "old", "fused"):
+        raise ValueError(f"unknown codec storage form {form!r}")
+    with torch.device("meta"):
+        model = ModdedDAC(cfg)
+    wn = _weight_norm_modules(model)
+    state: dict[str, Tensor] = {}
+    for key, p in model.state_dict().items():
+        base, _, leaf = key.rpartition(".")
+        shape = tuple(p.shape)
+        if base in wn and leaf == "weight":
+            storage, _ = wn[base]
+            v = random_like_init(shape, seed, key + ".v", std=1.0)
+            g = random_like_init((shape[0], 1, 1), seed, key + ".g", std=0.15, mean=0.8)
+            if form == "fused":
+                state[key] = torch._weight_norm(v, g, 0)
+            elif storage == "parametrization" and form == "fish":
+                state[f"{base}.parametrizations.weight.original0"] = g
+                state[f"{base}.parametrizations.weight.original1"] = v
+            else:
+                state[f"{base}.weight_g"] = g
+                state[f"{base}.weight_v"] = v
+        elif leaf == "alpha":
+            state[key] = random_like_init(shape, seed, key, std=0.25, mean=1.0)
+        elif leaf == "gamma":
+            state[key] = random_like_init(shape, seed, key, std=0.02, mean=0.1)
+        elif leaf == "bias":
+            state[key] = random_like_init(shape, seed, key, std=0.02)
+        elif key.endswith("norm.weight"):
+            state[key] = random_like_init(shape, seed, key, std=0.05, mean=1.0)
+        elif key.endswith("codebook.weight"):
+            state[key] = random_like_init(shape, seed, key, std=1.0)
+        else:  # plain Linear / conv weights: unit-variance outputs
+            fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1
+            state[key] = random_like_init(shape, seed, key, std=1.0 / math.sqrt(fan_in))
+    return state

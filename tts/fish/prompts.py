@@ -1,0 +1,84 @@
+"""Prompt layouts of the Fish model families (Fish spec section 3.2).
+
+Every format returns the `[T, 1 + N]` frame matrix of `tts.prompt.PromptAssembler`: each text part is
+tokenized on its own (BPE merges never cross a part boundary) and a reference's codes contribute one
+column per frame. `|` below marks a part boundary and `[VQ]` a span of reference (or earlier) codes.
+
+* S2-Pro (fish-speech main): `tts.prompt.S2PromptFormat`, re-exported here.
+* OpenAudio S1 (fish-speech d3df505, `ContentSequence(modality="interleave")`), no chat framing:
+  `<|interleave|>` then per reference `<|speaker:0|> | TEXT | [VQ] | <|im_end|>`, then
+  `<|speaker:0|> | TARGET`. fish-speech generates S1 text in one piece; when this runtime splits long
+  text, earlier chunks are added like references, after them.
+* fish-speech 1.5 (v1.5.1, `Conversation`): a system message `Speak out the provided text.`, per
+  reference a user message with its (cleaned) text and an assistant message `<|voice|> | [VQ]`, then the
+  target user message and `<|im_start|>assistant\\n | <|voice|>`. Messages are framed by a part
+  `<|im_start|>ROLE\\n` and a part `<|im_end|>` (no newline in 1.5). Earlier chunks become user /
+  assistant pairs after the references, as fish-speech 1.5 keeps earlier segments.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from ..prompt import PromptAssembler, S2PromptFormat, Turn, VoiceReference
+from ..tokenizer import TokenizerLike
+
+__all__ = ["S2PromptFormat", "S1PromptFormat", "Fish15PromptFormat", "clean_text_15"]
+
+
+class S1PromptFormat:
+    """OpenAudio S1's interleaved prompt (see the module docstring)."""
+
+    name = "s1-interleave"
+
+    def __init__(self, tokenizer: TokenizerLike, num_codebooks: int):
+        self.tokenizer = tokenizer
+        self.num_codebooks = num_codebooks
+
+    def build(
+        self, text: str, references: Sequence[VoiceReference] = (), history: Sequence[Turn] = ()
+    ) -> Tensor:
+        p = PromptAssembler(self.tokenizer, self.num_codebooks)
+        p.text("<|interleave|>")
+        for item in [*references, *history]:
+            p.text("<|speaker:0|>").text(item.text).codes(item.codes).text("<|im_end|>")
+        p.text("<|speaker:0|>").text(text)
+        return p.build()
+
+
+# fish-speech 1.5's `clean_text`: strip, curly single quotes to ASCII, drop emoji, collapse ",,," to ",".
+_CURLY_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'"})
+_EMOJI = re.compile("[\U0001f600-\U0001f64f\U0001f300-\U0001f5ff\U0001f680-\U0001f6ff\U0001f1e0-\U0001f1ff]+")
+_COMMAS = re.compile(r",{2,}")
+
+
+def clean_text_15(text: str) -> str:
+    """The text cleaning fish-speech 1.5 applies to target and reference texts before tokenizing."""
+    text = text.strip().translate(_CURLY_QUOTES)
+    return _COMMAS.sub(",", _EMOJI.sub("", text))
+
+
+class Fish15PromptFormat:
+    """fish-speech 1.5's conversation prompt (see the module docstring)."""
+
+    name = "fish-1.5"
+    SYSTEM = "Speak out the provided text."
+
+    def __init__(self, tokenizer: TokenizerLike, num_codebooks: int):
+        self.tokenizer = tokenizer
+        self.num_codebooks = num_codebooks
+
+    def build(
+        self, text: str, references: Sequence[VoiceReference] = (), history: Sequence[Turn] = ()
+    ) -> Tensor:
+        p = PromptAssembler(self.tokenizer, self.num_codebooks)
+        p.text("<|im_start|>system\n").text(self.SYSTEM).text("<|im_end|>")
+        for item in [*references, *history]:
+            p.text("<|im_start|>user\n").text(clean_text_15(item.text)).text("<|im_end|>")
+            p.text("<|im_start|>assistant\n").text("<|voice|>").codes(item.codes).text("<|im_end|>")
+        p.text("<|im_start|>user\n").text(clean_text_15(text)).text("<|im_end|>")
+        p.text("<|im_start|>assistant\n").text("<|voice|>")
+        return p.build()
