@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,20 @@ from .kernels import fused_kernels_enabled, fused_ops
 
 # attend(q [B, T, H, D], k [B, T, Hkv, D], v [B, T, Hkv, D]) -> [B, T, H, D]
 AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+class KVDest(NamedTuple):
+    """Where a decode step's K and V rows go, for the fused CUDA kernel to write them directly.
+
+    An `attend` function may carry one as its `kv_dest` attribute; the fused path then writes K/V of
+    row r, head h to `k[row_offset[r] + h * head_stride : ... + head_dim]` (flat element offsets) and
+    calls `attend(q, None, None)`. Without it (or on the torch path) attend receives K and V as usual.
+    """
+
+    k: Tensor  # flat view of the K destination storage
+    v: Tensor
+    row_offset: Tensor  # [B] int64 element offset of each row's slot
+    head_stride: int
 
 
 class RMSNorm(nn.Module):
@@ -105,10 +120,11 @@ class Attention(nn.Module):
         kv_size = self.n_local_heads * self.head_dim
         qkv = self.wqkv(x)
         if T == 1 and fused_kernels_enabled(x):  # decode: split, qk-norm and RoPE in one kernel
+            dest = getattr(attend, "kv_dest", None)
             q, k, v = fused_ops().qk_norm_rope(
                 qkv, self.n_head, self.n_local_heads, self.head_dim, freqs_cis,
                 self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
-                self.q_norm.eps if self.qk_norm else 0.0,
+                self.q_norm.eps if self.qk_norm else 0.0, kv_dest=dest,
             )  # fmt: skip
             return self.wo(attend(q, k, v).reshape(B, T, q_size))
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)

@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels import fused_kernels_enabled
 from ..kv_cache import SCRATCH_BLOCK, PagedKVCache, paged_decode_attention
-from ..model import DualARTransformer, dense_causal_attend
+from ..model import DualARTransformer, KVDest, dense_causal_attend
 from ..sampling import RAS_WINDOW, SAMPLER_TOPK_CAP, sample, sample_main_token
 
 
@@ -135,6 +136,11 @@ class ModelRunner:
             rows.append(head[c.eos_token_id : c.eos_token_id + 1])
         self.semantic_head = torch.cat(rows).detach()
         self.n_sem = c.num_semantic_tokens
+        # Element offset of (row, fast position k) in a fast KV layer `[B, Hkv, N, D]`, for the fused
+        # kernel that writes K/V straight into it: row * Hkv * N * D + k * D.
+        fk = self.buffers.fast_k
+        rows = torch.arange(max_batch, device=self.device) * fk.stride(1)
+        self.fast_row_offset = torch.stack([rows + k * fk.stride(3) for k in range(c.num_codebooks)])
         # Residual codebooks are sampled from the first n_residual fast logits (a static slice).
         self.n_residual = c.residual_codebook_size or c.codebook_size
 
@@ -217,13 +223,18 @@ class ModelRunner:
         block = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).long()
         slots = torch.where(active, block * bs + pos % bs, SCRATCH_BLOCK * bs)
         context_lens = pos + 1
+        fused = fused_kernels_enabled(bufs.frames)
+        slot_offset = slots * (kv.k.shape[-2] * kv.k.shape[-1]) if fused else None
 
         def attend_layer(i):
             def attend(q, k, v):
-                kv.write(i, slots, k[:, 0], v[:, 0])
+                if k is not None:  # (the fused kernel already wrote them through kv_dest)
+                    kv.write(i, slots, k[:, 0], v[:, 0])
                 o = self.paged_attention(q[:, 0], kv.k[i], kv.v[i], tables, context_lens, self.scale)
                 return o.unsqueeze(1)
 
+            if fused:
+                attend.kv_dest = KVDest(kv.k[i].view(-1), kv.v[i].view(-1), slot_offset, kv.k.shape[-1])
             return attend
 
         x = m.embed(bufs.frames[:b].unsqueeze(1))
@@ -234,11 +245,13 @@ class ModelRunner:
         """attend() for fast position k_pos: write slot k_pos, attend to slots 0..k_pos of this frame.
         Slots above k_pos still hold the previous frame's values and are never read."""
         bufs = self.buffers
+        fused = fused_kernels_enabled(bufs.frames)
 
         def attend_layer(i):
             def attend(q, k, v):
-                bufs.fast_k[i, :b, :, k_pos].copy_(k[:, 0])
-                bufs.fast_v[i, :b, :, k_pos].copy_(v[:, 0])
+                if k is not None:  # (the fused kernel already wrote them through kv_dest)
+                    bufs.fast_k[i, :b, :, k_pos].copy_(k[:, 0])
+                    bufs.fast_v[i, :b, :, k_pos].copy_(v[:, 0])
                 o = F.scaled_dot_product_attention(
                     q.transpose(1, 2),
                     bufs.fast_k[i, :b, :, : k_pos + 1],
@@ -248,6 +261,14 @@ class ModelRunner:
                 )
                 return o.transpose(1, 2)
 
+            if fused:
+                head_stride = bufs.fast_k.shape[-2] * bufs.fast_k.shape[-1]
+                attend.kv_dest = KVDest(
+                    bufs.fast_k[i].view(-1),
+                    bufs.fast_v[i].view(-1),
+                    self.fast_row_offset[k_pos, :b],
+                    head_stride,
+                )
             return attend
 
         return attend_layer

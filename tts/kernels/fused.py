@@ -71,8 +71,9 @@ def add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tupl
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    qkv_ptr, qw_ptr, kw_ptr, freqs_ptr, q_out, k_out, v_out, stride_qkv, stride_f, eps,
-    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
+    qkv_ptr, qw_ptr, kw_ptr, freqs_ptr, q_out, k_out, v_out, row_off_ptr, stride_qkv, stride_f, eps,
+    head_stride, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
+    TO_CACHE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     head = tl.program_id(1)  # 0..H-1 query heads, H..H+HKV-1 key heads, then value heads
@@ -95,34 +96,48 @@ def _qk_norm_rope_kernel(
         y1 = (x1 * cos + x0 * sin).to(dt)
         if head < H:
             dst = q_out + (row * H + head) * D
+        elif TO_CACHE:
+            dst = k_out + tl.load(row_off_ptr + row) + (head - H) * head_stride
         else:
             dst = k_out + (row * HKV + head - H) * D
         tl.store(dst + 2 * half, y0)
         tl.store(dst + 2 * half + 1, y1)
     else:
         d = tl.arange(0, D)
-        tl.store(v_out + (row * HKV + head - H - HKV) * D + d, tl.load(base + d))
+        if TO_CACHE:
+            dst = v_out + tl.load(row_off_ptr + row) + (head - H - HKV) * head_stride
+        else:
+            dst = v_out + (row * HKV + head - H - HKV) * D
+        tl.store(dst + d, tl.load(base + d))
 
 
 def qk_norm_rope(
     qkv: Tensor, n_head: int, n_kv: int, head_dim: int, freqs: Tensor, q_weight: Tensor | None,
-    k_weight: Tensor | None, eps: float,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    k_weight: Tensor | None, eps: float, kv_dest=None,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
     """Split `qkv [B, (H + 2 Hkv) * D]` (one token per row), qk-norm q and k when weights are given,
     rotate with `freqs [B, D/2, 2]` (bf16 table rows for each row's position). Returns q `[B, 1, H, D]`,
-    k and v `[B, 1, Hkv, D]`, matching `Attention.forward`'s layout."""
+    k and v `[B, 1, Hkv, D]`, matching `Attention.forward`'s layout; with `kv_dest` (a
+    `tts.model.KVDest`) K and V go straight into the cache instead and None is returned for them."""
     B = qkv.shape[0]
     qkv = qkv.reshape(B, -1)
     q = torch.empty(B, 1, n_head, head_dim, dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty(B, 1, n_kv, head_dim, dtype=qkv.dtype, device=qkv.device)
-    v = torch.empty_like(k)
+    if kv_dest is not None:
+        k, v, row_off, head_stride = kv_dest.k, kv_dest.v, kv_dest.row_offset, kv_dest.head_stride
+    else:
+        k = torch.empty(B, 1, n_kv, head_dim, dtype=qkv.dtype, device=qkv.device)
+        v = torch.empty_like(k)
+        row_off, head_stride = q, 0
     freqs = freqs.reshape(-1, head_dim)  # [B or 1, D]: one row per batch row, or shared by all rows
     stride_f = 0 if freqs.shape[0] == 1 else freqs.stride(0)
     qk_norm = q_weight is not None
     _qk_norm_rope_kernel[(B, n_head + 2 * n_kv)](
-        qkv, q_weight if qk_norm else qkv, k_weight if qk_norm else qkv, freqs, q, k, v, qkv.stride(0),
-        stride_f, eps, H=n_head, HKV=n_kv, D=head_dim, QK_NORM=qk_norm, num_warps=1,
+        qkv, q_weight if qk_norm else qkv, k_weight if qk_norm else qkv, freqs, q, k, v, row_off, qkv.stride(0),
+        stride_f, eps, head_stride, H=n_head, HKV=n_kv, D=head_dim, QK_NORM=qk_norm,
+        TO_CACHE=kv_dest is not None, num_warps=1,
     )  # fmt: skip
+    if kv_dest is not None:
+        return q, None, None
     return q, k, v
 
 
