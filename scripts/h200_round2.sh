@@ -19,6 +19,19 @@ else
   timeout 60 python3 -m tts.cli info --model /tmp/s2 --device cuda 2>&1 | tail -3
   timeout 120 python3 -m tts.cli bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1,64 --frames 32 --out $OUT/ckpt 2>&1 | tail -5
   python3 -m tts.cli serve --model /tmp/s2 --device cuda --max-batch 64 --max-waiting 256 --capture startup --port 50061 --metrics-port -1 > $OUT/serve.log 2>&1 &
+  python3 - <<'PY'
+import time, grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+t0 = time.time()
+while time.time() - t0 < 240:
+    try:
+        stub = health_pb2_grpc.HealthStub(grpc.insecure_channel("127.0.0.1:50061"))
+        if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+            print(f"server SERVING after {time.time() - t0:.1f} s"); break
+    except grpc.RpcError:
+        pass
+    time.sleep(1)
+PY
   timeout 300 python3 -m tts.cli bench-server --server 127.0.0.1:50061 --concurrency 1,4,16,64 --max-new-tokens 128 --timeout 120 --json $OUT/bench_server.json 2>&1 | tail -15
   kill %1; wait; tail -5 $OUT/serve.log
 fi
