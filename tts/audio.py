@@ -13,6 +13,12 @@ import soundfile as sf
 from .codec.base import AudioError
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def to_pcm16(audio: np.ndarray) -> np.ndarray:
     """float32 [-1, 1] -> int16, clipping first (NaN becomes 0)."""
     x = np.nan_to_num(np.asarray(audio, dtype=np.float32), nan=0.0, posinf=1.0, neginf=-1.0)
@@ -31,6 +37,7 @@ def write_wav_atomic(path: str | Path, audio: np.ndarray, sample_rate: int, subt
     try:
         with os.fdopen(fd, "wb") as f:
             sf.write(f, data, sample_rate, format="WAV", subtype=subtype)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file normal permissions
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -186,8 +186,13 @@ def plot(results: list[dict], path: Path, env: dict) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .cli import UserError, check_device, torch_dtype
+    from .cli import check_device, torch_dtype
+    from .errors import UserError
 
+    if args.server:  # the service load benchmark (service/loadtest.py)
+        from service.loadtest import run_from_args
+
+        return run_from_args(args)
     check_device(args.device)
     modes = [m.strip() for m in args.modes.split(",")]
     if not set(modes) <= {"eager", "graph"}:
@@ -243,4 +248,15 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup-frames", type=int, default=8)
     p.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH, help="bytes/s for the floor")
     p.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
+    try:
+        from service.loadtest import add_arguments
+    except ImportError:  # the service package is not installed
+        p.set_defaults(server=None)
+    else:
+        add_arguments(
+            p.add_argument_group(
+                "service load benchmark (with --server HOST:PORT; same as tts bench-server)"
+            ),
+            server_required=False,
+        )
     p.set_defaults(func=cmd_bench)

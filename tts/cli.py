@@ -14,15 +14,13 @@ import sys
 import time
 from pathlib import Path
 
+from .errors import UserError  # noqa: E402,F401 - defined there so `python -m tts.cli` raises the same class
+
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 
 # Modules that add subcommands: each has `add_parser(subparsers)` setting `func` on its parser.
 _SUBCOMMAND_MODULES = ("tts.bench", "service.cli", "tts.fish.cli")
-
-
-class UserError(Exception):
-    """A problem with the user's input: printed as one line, exit code 2."""
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -147,12 +145,20 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
 
 
 def cmd_voices(args: argparse.Namespace) -> int:
-    from .bundle import load_bundle
+    """List preset voices: name, length in frames, transcript (read from the files; no model load for
+    a checkpoint directory)."""
+    from .bundle import PRESETS, load_bundle, load_voices
 
-    bundle = load_bundle(args.model, device="cpu")
-    for name, voice in sorted(bundle.voices.items()):
-        seconds = voice.codes.shape[1] / bundle.codec.frame_rate
-        print(f"{name}\t{seconds:.1f} s\t{voice.text}")
+    if args.model in PRESETS:
+        voices = load_bundle(args.model, device="cpu").voices
+    else:
+        if not Path(args.model).is_dir():
+            raise UserError(f"{args.model} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+        voices = load_voices(Path(args.model) / "voices")
+    if not voices:
+        print("no preset voices (use --reference-audio and --reference-text to clone a voice)")
+    for name, voice in sorted(voices.items()):
+        print(f"{name}\t{voice.codes.shape[1]} frames\t{voice.text}")
     return 0
 
 
@@ -225,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (UserError, *BAD_INPUT_ERRORS) as exc:
+    except BAD_INPUT_ERRORS as exc:
         print(f"tts: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

@@ -9,7 +9,12 @@ from .engine.request import InvalidRequest
 from .text import TextError
 from .tokenizer import TokenizerError
 
+
+class UserError(Exception):
+    """A problem with the user's command-line input: printed as one line, exit code 2."""
+
+
 BAD_INPUT_ERRORS: tuple[type[Exception], ...] = (
-    TextError, InvalidRequest, AudioError, VoiceNotFound, CheckpointError, ConfigError, TokenizerError,
+    UserError, TextError, InvalidRequest, AudioError, VoiceNotFound, CheckpointError, ConfigError, TokenizerError,
 )  # fmt: skip
 NOT_FOUND_ERRORS: tuple[type[Exception], ...] = (VoiceNotFound,)
