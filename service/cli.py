@@ -14,7 +14,16 @@ import sys
 import time
 from pathlib import Path
 
-from tts.cli import UserError, add_model_args, add_sampling_args, check_device, sampling_kwargs, torch_dtype
+from tts.cli import (
+    UserError,
+    add_engine_args,
+    add_model_args,
+    add_sampling_args,
+    check_device,
+    engine_kwargs,
+    sampling_kwargs,
+    torch_dtype,
+)  # fmt: skip
 
 log = logging.getLogger("tts.serve")
 
@@ -39,8 +48,7 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--max-waiting", type=int, default=16, help="requests queued beyond --max-batch (default 16)"
     )
-    p.add_argument("--graphs", choices=["on", "off"], default="on", help="CUDA graphs (ignored on CPU)")
-    p.add_argument("--capture", choices=["lazy", "startup"], default="lazy", help="when to capture graphs")
+    add_engine_args(p)
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the Prometheus endpoint")
     p.add_argument(
         "--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
@@ -112,7 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    engine_config = EngineConfig(max_batch=args.max_batch, graphs=args.graphs == "on", capture=args.capture)
+    engine_config = EngineConfig(max_batch=args.max_batch, **engine_kwargs(args))
     limits = ServiceLimits(
         max_waiting=args.max_waiting, max_queued_chunks=args.max_queued_chunks,
         max_reference_bytes=int(args.max_reference_mb * MiB),

@@ -220,17 +220,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ints(s: str) -> list[int]:
-    try:
-        values = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from exc
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError("values must be positive integers")
-    return values
-
-
 def add_parser(sub) -> None:
+    from .cli import int_list as _ints
+
     p = sub.add_parser(
         "bench", help="TPS benchmark of the decode loop",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,

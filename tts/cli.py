@@ -35,6 +35,38 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def int_list(s: str) -> list[int]:
+    """argparse type: comma-separated positive integers."""
+    try:
+        values = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("values must be positive integers")
+    return values
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from graphs.runner import DEFAULT_BUCKETS
+
+    g = p.add_argument_group("engine (CUDA graphs; ignored on CPU)")
+    g.add_argument(
+        "--graphs", choices=["on", "off"], default="on", help="replay one CUDA graph per batch bucket"
+    )
+    g.add_argument(
+        "--capture", choices=["lazy", "startup"], default="lazy",
+        help="capture a bucket on its second use (lazy) or every bucket at start-up, largest first",
+    )  # fmt: skip
+    g.add_argument(
+        "--buckets", type=int_list, default=list(DEFAULT_BUCKETS),
+        help="batch sizes to capture (default 1,2,4,8,16,24,32,48,64); larger batches run eagerly",
+    )  # fmt: skip
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {"graphs": args.graphs == "on", "capture": args.capture, "buckets": args.buckets}
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (defaults come from the model)")
     g.add_argument("--seed", type=int, default=None, help="seed for reproducible output (default: random)")
@@ -109,7 +141,7 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
 
     t_load = time.perf_counter()
     bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype))
-    tts = TTS(bundle, EngineConfig(max_batch=1, graphs=args.graphs == "on"))
+    tts = TTS(bundle, EngineConfig(max_batch=1, **engine_kwargs(args)))
     voice = args.voice
     if reference_audio is not None:
         audio, sr = reference_audio
@@ -195,9 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--voice", help="preset voice name (see `tts voices`)")
     p.add_argument("--reference-audio", help="WAV/FLAC clip of the voice to clone (with --reference-text)")
     p.add_argument("--reference-text", help="transcript of --reference-audio")
-    p.add_argument("--graphs", choices=["on", "off"], default="on", help="CUDA graphs (ignored on CPU)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
     add_model_args(p)
+    add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_synthesize)
 
