@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # H200 runs after the first optimization round: STEP=a (GPU tests, TPS bench, profile) or STEP=b (a real-format
 # S2-Pro checkpoint: write, load, bench; then serve it and run the service load benchmark).
-# Run from the repo root through the device tool with `carry: [".whl"]`.
+# STEP=c: only the checkpoint and the service load benchmark. Run from the repo root through the device tool with `carry: [".whl"]`.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 python3 -c "import torch, triton, grpc; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'grpc', grpc.__version__)" | tee -a $OUT/gpu.txt
@@ -16,8 +16,10 @@ else
   t0=$(date +%s)
   timeout 240 python3 -m tts.cli write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -2
   echo "write-checkpoint: $(( $(date +%s) - t0 )) s"; ls -la /tmp/s2
+  if [[ ${STEP} == b ]]; then
   timeout 60 python3 -m tts.cli info --model /tmp/s2 --device cuda 2>&1 | tail -3
   timeout 120 python3 -m tts.cli bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1,64 --frames 32 --out $OUT/ckpt 2>&1 | tail -5
+  fi
   python3 -m tts.cli serve --model /tmp/s2 --device cuda --max-batch 64 --max-waiting 256 --capture startup --port 50061 --metrics-port -1 > $OUT/serve.log 2>&1 &
   python3 - <<'PY'
 import time, grpc

@@ -409,6 +409,20 @@ def test_info_voices_and_metrics(server, stub):
         assert name in text, name
 
 
+def test_info_reports_captured_buckets_with_graphs_on(bundle):
+    """GetInfo with graphs enabled (CPU stand-in graphs): captured buckets are plain batch sizes."""
+    srv = ServerThread(bundle, EngineConfig(max_batch=4, standin_graphs=True, buckets=(1, 2, 4)))
+    try:
+        stub = pb_grpc.TextToSpeechStub(srv.channel())
+        for _ in range(3):  # warm-up, then capture + replay of bucket 1
+            collect(stub.Synthesize(build_request("Graphs.", seed=1, max_new_tokens=3, temperature=0.0)))
+        info = stub.GetInfo(pb.GetInfoRequest())
+        assert info.graphs is True and list(info.buckets) == [1, 2, 4]
+        assert list(info.captured_buckets) == [1] and info.replay_share > 0
+    finally:
+        srv.stop()
+
+
 # ---- admission, health, shutdown -----------------------------------------------------------------------
 
 
