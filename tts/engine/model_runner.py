@@ -223,6 +223,13 @@ class ModelRunner:
         block = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).long()
         slots = torch.where(active, block * bs + pos % bs, SCRATCH_BLOCK * bs)
         context_lens = pos + 1
+        if self.device.type == "cpu":
+            # No graphs on a CPU, so the block-table width may follow the longest context in the batch
+            # (a power of two of blocks, so few distinct shapes): the torch attention then gathers and
+            # multiplies only that much instead of max_context. Masked slots contribute exact zeros,
+            # so a row's result does not depend on the width (tested: batched == solo codes).
+            width = min(self.max_blocks_per_seq, 1 << (int(pos.max()) // bs).bit_length())
+            tables = tables[:, :width]
         fused = fused_kernels_enabled(bufs.frames)
         slot_offset = slots * (kv.k.shape[-2] * kv.k.shape[-1]) if fused else None
 
