@@ -94,7 +94,7 @@ class GraphRunner:
     """Pick a bucket per step, capture lazily or at start-up, replay, fall back to eager.
 
     step_fn: `step_fn(b, variant)` runs one step on rows `[:b]` of persistent buffers, returns None.
-    buckets: batch sizes to capture (sorted, de-duplicated; those above max_batch are dropped).
+    buckets: batch sizes to capture (sorted, de-duplicated; those above max_batch become max_batch).
     enabled: False runs every step eagerly with b = n (no padding).
     device: where the buffers live; CUDA graphs on a CUDA device, stand-ins elsewhere.
     buffer_ptrs: optional callable returning `{name: data_ptr}` of the persistent buffers; checked after
@@ -111,7 +111,8 @@ class GraphRunner:
         self.step_fn = step_fn
         self.device = torch.device(device)
         self.enabled = enabled
-        self.buckets = sorted({b for b in buckets if 1 <= b <= max_batch})
+        # A bucket above max_batch becomes max_batch, so every batch size up to max_batch has a graph.
+        self.buckets = sorted({min(b, max_batch) for b in buckets if b >= 1})
         if enabled and not self.buckets:
             raise ValueError(f"no bucket in {list(buckets)} fits max_batch={max_batch}")
         self.stats = GraphStats()

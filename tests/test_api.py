@@ -84,3 +84,8 @@ def test_abandoned_stream_frees_its_request(tts):
     gen.close()
     assert tts.engine.num_running == 0
     assert tts.engine.scheduler.allocator.num_free == tts.engine.scheduler.allocator.num_usable
+
+
+def test_seed_of_every_text_chunk_is_checked_before_work(tts):
+    with pytest.raises(InvalidRequest, match="seed"):
+        tts.prepare("One sentence here. Another sentence there.", seed=2**63 - 1, chunk_length=25)

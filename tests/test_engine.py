@@ -148,3 +148,87 @@ def test_unseeded_requests_get_distinct_random_seeds(tiny_model):
     a = engine.submit(random_prompt(tiny_model, 5, 0), params(seed=None))
     b = engine.submit(random_prompt(tiny_model, 5, 0), params(seed=None))
     assert a.seed != b.seed
+
+
+# ---- regressions found in review ------------------------------------------------------------------------
+
+
+def test_failed_prefill_does_not_strand_a_request_admitted_with_it(tiny_model):
+    engine = make_engine(tiny_model)
+    engine.runner.prefill_orig = engine.runner.prefill
+
+    def prefill(prompt, blocks):
+        if int(prompt[0, 0]) == 7:  # the "bad" request: prefill raises (e.g. CUDA OOM)
+            raise RuntimeError("injected prefill failure")
+        return engine.runner.prefill_orig(prompt, blocks)
+
+    engine.runner.prefill = prefill
+    bad = random_prompt(tiny_model, 6, 0)
+    bad[0, 0] = 7
+    good = random_prompt(tiny_model, 6, 1)
+    good[0, 0] = 8
+    engine.submit(bad, params(max_new_tokens=5), "bad")
+    engine.submit(good, params(max_new_tokens=5, temperature=0.0), "good")
+    codes, reasons = run_to_completion(engine, max_iters=50)
+    assert reasons["bad"] == FinishReason.ERROR
+    assert reasons["good"] in (FinishReason.LENGTH, FinishReason.STOP) and codes["good"].shape[0] >= 1
+    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_usable
+
+
+def test_outputs_produced_before_a_failing_step_are_not_lost(tiny_model):
+    engine = make_engine(tiny_model)
+    engine.submit(random_prompt(tiny_model, 6, 0), params(max_new_tokens=50), "a")
+    engine.submit(random_prompt(tiny_model, 6, 1), params(max_new_tokens=50), "b")
+    engine.step()
+    engine.cancel("a")
+    real_run = engine.graphs.run
+    engine.graphs.run = lambda n, v=None: (_ for _ in ()).throw(RuntimeError("injected step failure"))
+    with pytest.raises(RuntimeError):
+        engine.step()
+    engine.graphs.run = real_run
+    ended = {o.request_id: o.finish_reason for o in engine.fail_all("step failed")}
+    assert ended == {"a": FinishReason.CANCELLED, "b": FinishReason.ERROR}
+    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_usable
+
+
+def test_buckets_above_max_batch_are_clamped_to_it(tiny_model):
+    engine = make_engine(tiny_model, max_batch=12, standin_graphs=True, graphs=True)
+    assert engine.graphs.buckets == [1, 2, 4, 8, 12]
+    assert engine.graphs.bucket_for(10) == 12
+
+
+def test_pause_in_the_iteration_of_admission_and_while_waiting_is_kept(tiny_model):
+    engine = make_engine(tiny_model, max_batch=1)
+    engine.submit(random_prompt(tiny_model, 6, 0), params(max_new_tokens=30), "first")
+    engine.submit(random_prompt(tiny_model, 6, 1), params(max_new_tokens=30), "second")
+    engine.set_paused("first", True)  # applied in the same iteration that admits it
+    engine.set_paused("second", True)  # still waiting
+    for _ in range(5):
+        for out in engine.step():
+            assert out.codes.numel() == 0 and not out.finished, out
+    engine.set_paused("first", False)
+    frames = sum(o.codes.shape[0] for _ in range(3) for o in engine.step() if o.request_id == "first")
+    assert frames == 3
+    engine.cancel("first")
+    engine.step()  # "second" is admitted now, still paused
+    assert all(o.codes.numel() == 0 for _ in range(3) for o in engine.step())
+
+
+def test_malformed_prompts_are_rejected_at_submit(tiny_model):
+    c = tiny_model.config
+    engine = make_engine(tiny_model)
+    narrow = torch.zeros(5, c.num_codebooks, dtype=torch.int64)
+    with pytest.raises(InvalidRequest, match="columns"):
+        engine.submit(narrow, params())
+    bad_token = random_prompt(tiny_model, 5, 0)
+    bad_token[-1, 0] = c.vocab_size
+    with pytest.raises(InvalidRequest, match="token id"):
+        engine.submit(bad_token, params())
+    bad_code = random_prompt(tiny_model, 5, 0)
+    bad_code[0, 0] = c.semantic_begin_id
+    bad_code[0, 2] = c.codebook_size
+    with pytest.raises(InvalidRequest, match="code"):
+        engine.submit(bad_code, params())
+    with pytest.raises(InvalidRequest, match="top_k"):
+        engine.submit(random_prompt(tiny_model, 5, 0), params(top_k=2**63 - 1))
+    assert not engine.has_work()

@@ -8,8 +8,8 @@ from tts.engine import Engine, EngineConfig
 
 def test_bucket_choice():
     r = GraphRunner(lambda b, v: None, max_batch=40, buckets=(1, 2, 4, 8, 16, 24, 32, 48, 64))
-    assert r.buckets == [1, 2, 4, 8, 16, 24, 32]
-    assert [r.bucket_for(n) for n in (1, 2, 3, 5, 17, 32, 33)] == [1, 2, 4, 8, 24, 32, None]
+    assert r.buckets == [1, 2, 4, 8, 16, 24, 32, 40]  # 48 and 64 become max_batch
+    assert [r.bucket_for(n) for n in (1, 2, 3, 5, 17, 32, 33, 40, 41)] == [1, 2, 4, 8, 24, 32, 40, 40, None]
 
 
 def test_lazy_capture_after_warmup_and_counts():

@@ -328,7 +328,7 @@ def test_bad_input_statuses_before_any_work(server, stub, bundle):
         grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0, got -1.0",
     )  # fmt: skip
     assert status(build_request("Hi.", top_k=-3)) == (
-        grpc.StatusCode.INVALID_ARGUMENT, "top_k must be >= 0 (0 = no limit), got -3",
+        grpc.StatusCode.INVALID_ARGUMENT, "top_k must be in [0, 2**31) (0 = no limit), got -3",
     )  # fmt: skip
     assert status(build_request("Hi.", max_new_tokens=0)) == (
         grpc.StatusCode.INVALID_ARGUMENT, "max_new_frames must be > 0, got 0",

@@ -34,3 +34,8 @@ def test_split_text_respects_limit_and_keeps_words():
     assert all(len(c.encode()) <= 60 for c in chunks)
     assert "".join(chunks).replace(" ", "") == text.replace(" ", "")
     assert split_text("short", 60) == ["short"]
+
+
+def test_split_text_terminates_when_the_limit_is_below_one_character():
+    chunks = split_text("\u4f60\u597d\u4e16\u754c", 2)  # 3 bytes per character
+    assert "".join(chunks) == "\u4f60\u597d\u4e16\u754c" and len(chunks) == 4

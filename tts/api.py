@@ -225,6 +225,10 @@ class TTS(Frontend):
         params = self.sampling_params(**sampling)
         references = self.voice(voice)
         chunks = self.plan(text, chunk_length)
+        if params.seed is not None and not -(2**63) <= params.seed + len(chunks) - 1 < 2**63:
+            raise InvalidRequest(
+                f"seed {params.seed} leaves no room for the {len(chunks)} text chunks (seed + i)"
+            )
         for chunk_text in chunks:
             self.engine.check(self.bundle.prompt_format.build(chunk_text, references, []), params)
         return Plan(chunks, references, params)

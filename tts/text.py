@@ -204,7 +204,8 @@ def split_text(text: str, max_bytes: int) -> list[str]:
     final: list[str] = []
     for c in out:
         while len(c.encode()) > max_bytes:
-            cut = c.encode()[:max_bytes].decode(errors="ignore")
+            # at least one character, even when one character is longer than the limit
+            cut = c.encode()[:max_bytes].decode(errors="ignore") or c[0]
             final.append(cut)
             c = c[len(cut) :]
         if c:

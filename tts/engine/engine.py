@@ -27,7 +27,7 @@ from ..kv_cache import BlockAllocator, PagedKVCache, blocks_needed
 from ..model import DualARTransformer
 from ..sampling import SAMPLER_TOPK_CAP
 from .model_runner import ModelRunner, RowInit
-from .request import FinishReason, Request, RequestState, SamplingParams, StepOutput
+from .request import FinishReason, InvalidRequest, Request, RequestState, SamplingParams, StepOutput
 from .scheduler import RowMove, Scheduler
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,7 @@ class Engine:
         self._lock = threading.Lock()
         self._pending_cancel: dict[str, FinishReason] = {}
         self._pending_pause: dict[str, bool] = {}
+        self._carried: list[StepOutput] = []
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.frames_generated = 0
@@ -149,7 +150,8 @@ class Engine:
         return f"req-{next(self._ids)}"
 
     def submit(self, prompt: torch.Tensor, params: SamplingParams, request_id: str | None = None) -> Request:
-        """Queue a request. Raises InvalidRequest (bad parameters, too long) or QueueFull."""
+        """Queue a request. Raises InvalidRequest (bad parameters or prompt, too long) or QueueFull."""
+        self.check_prompt(prompt)
         request = Request(request_id or self.new_request_id(), prompt, params)
         with self._lock:
             if request.request_id in self._requests:
@@ -160,7 +162,26 @@ class Engine:
 
     def check(self, prompt: torch.Tensor, params: SamplingParams) -> None:
         """Raise InvalidRequest if this prompt and parameters could never run here (no side effects)."""
+        self.check_prompt(prompt)
         self.scheduler.check(Request("check", prompt, replace(params, seed=params.seed or 0)))
+
+    def check_prompt(self, prompt: torch.Tensor) -> None:
+        """Raise InvalidRequest unless `prompt` is `[T >= 1, 1 + N]` with token ids in the vocabulary
+        and, at semantic positions, codes in `[0, codebook_size)` (an out-of-range id would otherwise
+        fail inside the step and take the whole batch with it)."""
+        c = self.model.config
+        prompt = torch.as_tensor(prompt)
+        if prompt.dim() != 2 or prompt.shape[0] < 1 or prompt.shape[1] != 1 + c.num_codebooks:
+            raise InvalidRequest(
+                f"prompt must be [T, {1 + c.num_codebooks}] frame columns, got {tuple(prompt.shape)}"
+            )
+        tokens = prompt[:, 0]
+        if int(tokens.min()) < 0 or int(tokens.max()) >= c.vocab_size:
+            raise InvalidRequest(f"prompt has a token id outside [0, {c.vocab_size})")
+        semantic = (tokens >= c.semantic_begin_id) & (tokens <= c.semantic_end_id)
+        codes = prompt[semantic, 1:]
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= c.codebook_size):
+            raise InvalidRequest(f"prompt has an audio code outside [0, {c.codebook_size})")
 
     def cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """End a request at the next iteration (no-op if it already finished)."""
@@ -195,7 +216,15 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        outputs: list[StepOutput] = []
+        # Outputs of an iteration that raised (cancels already applied) come out first: never lost.
+        outputs, self._carried = self._carried, []
+        try:
+            return self._step(outputs)
+        except BaseException:
+            self._carried = outputs
+            raise
+
+    def _step(self, outputs: list[StepOutput]) -> list[StepOutput]:
         with self._lock:
             cancels, self._pending_cancel = self._pending_cancel, {}
             pauses, self._pending_pause = self._pending_pause, {}
@@ -203,11 +232,14 @@ class Engine:
                 request = self._requests.get(request_id)
                 if request is not None:
                     outputs.append(self._finish(request, reason))
+            for request_id, paused in pauses.items():
+                request = self._requests.get(request_id)
+                if request is not None:
+                    request.paused = paused  # a waiting request starts paused (load_row honours it)
+                    if request.state == RequestState.RUNNING:
+                        self.runner.set_active(self.scheduler.running.index(request), not paused)
             admitted = self.scheduler.admit()
-        for request_id, paused in pauses.items():
-            self._apply_pause(request_id, paused)
-        for row, request in admitted:
-            self._start(row, request, outputs)
+        self._start(admitted, outputs)
         n = self.scheduler.num_running
         if n == 0:
             return outputs
@@ -234,37 +266,39 @@ class Engine:
         return outputs
 
     def fail_all(self, error: str) -> list[StepOutput]:
-        """End every request with an error (the step raised); frees all their blocks."""
+        """End every request with an error (the step raised); frees all their blocks. Also returns the
+        outputs that the failed iteration had produced before it raised (e.g. cancellations)."""
+        outputs, self._carried = self._carried, []
         with self._lock:
-            return [
+            return outputs + [
                 self._finish(r, FinishReason.ERROR, error)
                 for r in list(self.scheduler.running) + list(self.scheduler.waiting)
             ]
 
-    def _start(self, row: int, request: Request, outputs: list[StepOutput]) -> None:
-        p = request.params
-        try:
-            self.runner.prefill(request.prompt, request.blocks)
-        except Exception as exc:  # a bad prompt must not take the batch down
-            log.exception("prefill failed for %s", request.request_id)
-            with self._lock:
-                outputs.append(self._finish(request, FinishReason.ERROR, f"prefill failed: {exc}"))
-            return
-        self.runner.load_row(
-            row,
-            RowInit(
-                last_column=request.prompt[-1], position=request.prompt_len - 1, block_table=request.blocks,
-                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=request.seed,
-                budget=p.max_new_tokens, ras_len=p.ras_window,
-            ),
-        )  # fmt: skip
-
-    def _apply_pause(self, request_id: str, paused: bool) -> None:
-        request = self._requests.get(request_id)
-        if request is None or request.state != RequestState.RUNNING or request.paused == paused:
-            return
-        request.paused = paused
-        self.runner.set_active(self.scheduler.running.index(request), not paused)
+    def _start(self, admitted: list[tuple[int, Request]], outputs: list[StepOutput]) -> None:
+        """Prefill the newly admitted requests and load their rows. A request whose prefill fails ends
+        with an error; it is finished only after the others are loaded, because finishing compacts
+        the rows (the last running row moves into the freed one)."""
+        failed = []
+        for _, request in admitted:
+            try:
+                self.runner.prefill(request.prompt, request.blocks)
+            except Exception as exc:  # a bad prompt must not take the batch down
+                log.exception("prefill failed for %s", request.request_id)
+                failed.append((request, f"prefill failed: {exc}"))
+                continue
+            p = request.params
+            self.runner.load_row(
+                self.scheduler.running.index(request),
+                RowInit(
+                    last_column=request.prompt[-1], position=request.prompt_len - 1, block_table=request.blocks,
+                    temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=request.seed,
+                    budget=p.max_new_tokens, ras_len=p.ras_window, paused=request.paused,
+                ),
+            )  # fmt: skip
+        with self._lock:
+            for request, error in failed:
+                outputs.append(self._finish(request, FinishReason.ERROR, error))
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> StepOutput:
         """(lock held) End a request, free its blocks, keep the running rows contiguous."""

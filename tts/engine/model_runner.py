@@ -104,6 +104,7 @@ class RowInit:
     seed: int
     budget: int
     ras_len: int
+    paused: bool = False
 
 
 class ModelRunner:
@@ -162,7 +163,7 @@ class ModelRunner:
         b.budgets[row] = init.budget
         b.ras_window[row] = -1
         b.ras_len[row] = init.ras_len
-        b.active[row] = True
+        b.active[row] = not init.paused
 
     def move_row(self, src: int, dst: int) -> None:
         """Copy every per-row buffer of `src` into `dst` (batch compaction)."""

@@ -51,8 +51,8 @@ class SamplingParams:
             raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidRequest(f"top_k must be >= 0 (0 = no limit), got {self.top_k}")
+        if not 0 <= self.top_k < 2**31:
+            raise InvalidRequest(f"top_k must be in [0, 2**31) (0 = no limit), got {self.top_k}")
         if self.max_new_tokens <= 0:
             raise InvalidRequest(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if not 0 <= self.ras_window <= 10:
