@@ -10,6 +10,9 @@ directory format is a Fish-style directory with one extra config key:
     codec.json (+ codec.safetensors)
     voices/NAME.safetensors        reference codes [N, T] with the transcript in the metadata
 
+"tts_runtime" may also name a text `frontend` (tts/frontend.py; absent = the normalized text itself):
+the default model reads espeak-ng IPA phonemes ("espeak-ipa:en-us").
+
 Directories without "tts_runtime" are Fish checkpoints, handed to `tts.fish` (separate issue).
 """
 
@@ -26,8 +29,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .codec import Codec, WaveTableCodec
+from .codec.melrvq import MelRVQCodec
 from .config import ConfigError, ModelArgs
 from .engine.request import SamplingParams
+from .frontend import get_frontend
 from .model import DualARTransformer
 from .prompt import PromptFormat, S2PromptFormat, VoiceReference
 from .tokenizer import TextTokenizer, TokenizerLike, build_byte_tokenizer
@@ -104,6 +109,9 @@ CODEC_LOADERS["modded_dac"] = _load_dac
 def register_codec(codec_type: str, loader: CodecLoader) -> None:
     """Make `codec.json` files of `codec_type` loadable."""
     CODEC_LOADERS[codec_type] = loader
+
+
+register_codec("mel_rvq", lambda directory, cfg: MelRVQCodec.load(directory, cfg))
 
 
 def load_codec(directory: Path) -> Codec:
@@ -240,6 +248,7 @@ def save_bundle(bundle: ModelBundle, directory: str | Path, codec_config: dict |
         "name": bundle.name,
         "family": bundle.family,
         "prompt_format": bundle.prompt_format.name,
+        "frontend": getattr(bundle.prompt_format.frontend, "spec", "text"),
         "chunk_length": bundle.chunk_length,
         "sampling": {
             "temperature": s.temperature,
@@ -311,10 +320,14 @@ def _load_own_bundle(directory: Path, raw: dict, device, dtype) -> ModelBundle:
     load_weights_into(model, weight_files(directory), device, dtype)
     model.init_buffers(device)
     sampling = SamplingParams(**runtime.get("sampling", {}))
+    try:
+        frontend = get_frontend(runtime.get("frontend"))
+    except ValueError as exc:
+        raise ConfigError(f"{directory / 'config.json'}: {exc}") from exc
     return ModelBundle(
         name=runtime.get("name", directory.name), family=runtime.get("family", "dual_ar"),
         model=model.eval(), codec=load_codec(directory), tokenizer=tokenizer,
-        prompt_format=S2PromptFormat(tokenizer, args.num_codebooks),
+        prompt_format=S2PromptFormat(tokenizer, args.num_codebooks, frontend),
         voices=load_voices(directory / "voices"), sampling=sampling,
         chunk_length=runtime.get("chunk_length", 200), path=directory,
     )  # fmt: skip
