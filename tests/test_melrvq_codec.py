@@ -71,7 +71,9 @@ def test_streaming_equals_offline(codec):
     codes = codec.encode_audio(_voice_like(1.5, 140, 4))
     offline = codec.decode(codes)
     stream = codec.stream()
-    pieces = [stream.push(codes[:, i : i + n]) for i, n in zip((0, 1, 4, 11, 20), (1, 3, 7, 9, 100), strict=True)]
+    pieces = [
+        stream.push(codes[:, i : i + n]) for i, n in zip((0, 1, 4, 11, 20), (1, 3, 7, 9, 100), strict=True)
+    ]
     streamed = torch.cat(pieces)
     assert streamed.shape == offline.shape
     assert torch.allclose(streamed, offline, atol=1e-4)

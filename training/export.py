@@ -34,7 +34,8 @@ from tts.model import DualARTransformer  # noqa: E402
 from tts.prompt import S2PromptFormat, VoiceReference  # noqa: E402
 from tts.tokenizer import TextTokenizer  # noqa: E402
 
-SAMPLING = SamplingParams(temperature=0.7, top_p=0.8, top_k=30, max_new_tokens=600)
+SAMPLING = SamplingParams(temperature=0.3, top_p=0.8, top_k=30, max_new_tokens=600)
+GL_CONTEXT, GL_ITERS = 2, 16  # decoder settings (no effect on the codes): RESULTS.md has the trade-off
 
 
 def pick_voices(work: Path, num_codebooks: int) -> dict[str, VoiceReference]:
@@ -63,9 +64,7 @@ def main() -> None:
     args = ModelArgs.from_dict(raw)
     tokenizer = TextTokenizer.from_file(a.work / "codes" / "tokenizer.json")
     codec = MelRVQCodec.load(a.work / "codec")
-    codec = MelRVQCodec(
-        codec.codebooks, codec.mean, codec.std, codec.gl_context, codec.gl_iters, args.num_codebooks
-    )
+    codec = MelRVQCodec(codec.codebooks, codec.mean, codec.std, GL_CONTEXT, GL_ITERS, args.num_codebooks)
     with torch.device("meta"):
         model = DualARTransformer(args)
     load_weights_into(model, weight_files(a.trained), "cpu", torch.bfloat16)
@@ -74,6 +73,7 @@ def main() -> None:
         name="default", family="dual_ar (default voice, trained on espeak-ng speech)", model=model, codec=codec,
         tokenizer=tokenizer, prompt_format=S2PromptFormat(tokenizer, args.num_codebooks, PhonemeFrontend("en-us")),
         voices=pick_voices(a.work, args.num_codebooks), sampling=SAMPLING, chunk_length=200,
+        default_voice="ava",  # speaker 0 of the corpus: the model reads best with a reference clip
     )  # fmt: skip
     if a.dest.exists():
         shutil.rmtree(a.dest)

@@ -11,7 +11,8 @@ directory format is a Fish-style directory with one extra config key:
     voices/NAME.safetensors        reference codes [N, T] with the transcript in the metadata
 
 "tts_runtime" may also name a text `frontend` (tts/frontend.py; absent = the normalized text itself):
-the default model reads espeak-ng IPA phonemes ("espeak-ipa:en-us").
+the default model reads espeak-ng IPA phonemes ("espeak-ipa:en-us"); and a `default_voice`, the preset
+used when a request names none (absent = no reference, as for Fish models).
 
 Directories without "tts_runtime" are Fish checkpoints, handed to `tts.fish` (separate issue).
 """
@@ -62,6 +63,7 @@ class ModelBundle:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     chunk_length: int = 200  # UTF-8 bytes of text per generation chunk (Fish API default)
     path: Path | None = None
+    default_voice: str | None = None  # preset used when a request names no voice (None: no reference)
 
     @property
     def device(self) -> torch.device:
@@ -249,6 +251,7 @@ def save_bundle(bundle: ModelBundle, directory: str | Path, codec_config: dict |
         "family": bundle.family,
         "prompt_format": bundle.prompt_format.name,
         "frontend": getattr(bundle.prompt_format.frontend, "spec", "text"),
+        "default_voice": bundle.default_voice,
         "chunk_length": bundle.chunk_length,
         "sampling": {
             "temperature": s.temperature,
@@ -324,12 +327,16 @@ def _load_own_bundle(directory: Path, raw: dict, device, dtype) -> ModelBundle:
         frontend = get_frontend(runtime.get("frontend"))
     except ValueError as exc:
         raise ConfigError(f"{directory / 'config.json'}: {exc}") from exc
+    voices = load_voices(directory / "voices")
+    default_voice = runtime.get("default_voice")
+    if default_voice is not None and default_voice not in voices:
+        raise ConfigError(f"{directory / 'config.json'}: default_voice {default_voice!r} is not in voices/")
     return ModelBundle(
         name=runtime.get("name", directory.name), family=runtime.get("family", "dual_ar"),
         model=model.eval(), codec=load_codec(directory), tokenizer=tokenizer,
         prompt_format=S2PromptFormat(tokenizer, args.num_codebooks, frontend),
-        voices=load_voices(directory / "voices"), sampling=sampling,
-        chunk_length=runtime.get("chunk_length", 200), path=directory,
+        voices=voices, sampling=sampling, chunk_length=runtime.get("chunk_length", 200), path=directory,
+        default_voice=default_voice,
     )  # fmt: skip
 
 

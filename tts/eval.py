@@ -80,7 +80,9 @@ class ASR:
         x = torch.as_tensor(audio, dtype=torch.float32)
         if sample_rate != 16000:
             x = torchaudio.functional.resample(x, sample_rate, 16000)
-        segments, _ = self.model.transcribe(x.numpy(), language="en", beam_size=1, condition_on_previous_text=False)
+        segments, _ = self.model.transcribe(
+            x.numpy(), language="en", beam_size=1, condition_on_previous_text=False
+        )
         return " ".join(s.text.strip() for s in segments)
 
 
@@ -159,8 +161,17 @@ def evaluate(args: argparse.Namespace) -> dict:
     samples: list[Sample] = []
     for seed in seeds:
         for i, text in enumerate(sentences):
-            r = tts.synthesize(text, seed=seed * 1000 + i, voice=args.voice, max_new_tokens=budget, **sampling)
-            s = Sample(text, seed, r.audio_seconds, r.wall_seconds, r.frames, ",".join(f.value for f in r.finish_reasons))
+            r = tts.synthesize(
+                text, seed=seed * 1000 + i, voice=args.voice, max_new_tokens=budget, **sampling
+            )
+            s = Sample(
+                text,
+                seed,
+                r.audio_seconds,
+                r.wall_seconds,
+                r.frames,
+                ",".join(f.value for f in r.finish_reasons),
+            )
             s.transcript = asr.transcribe(r.audio, r.sample_rate) if r.audio.size else ""
             samples.append(s)
             log(f"seed {seed} [{i + 1}/{len(sentences)}] RTF {r.rtf:.2f} {s.finish}: {s.transcript}")
@@ -203,7 +214,9 @@ def evaluate(args: argparse.Namespace) -> dict:
         result["espeak"] = None
         result["gates"] = {"runaway": result["runaway"] == 0}
     if args.voices:
-        result["voices"] = voice_similarity(tts, sentences[: args.voice_sentences], args.voices.split(","), log)
+        result["voices"] = voice_similarity(
+            tts, sentences[: args.voice_sentences], args.voices.split(","), log
+        )
         result["gates"]["voices"] = result["voices"]["pass"]
     result["samples"] = [s.__dict__ for s in samples]
     return result
@@ -229,14 +242,16 @@ def voice_similarity(tts, sentences: list[str], names: list[str], log) -> dict:
             best = names[int(np.argmax(sims))]
             correct += best == name
             total += 1
-            log(f"voice {name}: closest {best} ({', '.join(f'{n} {s:.2f}' for n, s in zip(names, sims, strict=True))})")
+            log(
+                f"voice {name}: closest {best} ({', '.join(f'{n} {s:.2f}' for n, s in zip(names, sims, strict=True))})"
+            )
         table[name] = {n: float(np.mean([row[j] for row in rows])) for j, n in enumerate(names)}
     return {"statistic": "cosine of mean log-mel (voiced frames) minus the voices' average", "mean_similarity": table,
             "closest_is_own": correct / total, "pass": correct == total}  # fmt: skip
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .cli import UserError
+    from .errors import UserError
 
     try:
         result = evaluate(args)
@@ -257,7 +272,9 @@ def add_parser(subparsers) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     add_model_args(p)
-    p.add_argument("--sentences", default=str(HELDOUT), help="text file, one sentence a line (default: the held-out set)")
+    p.add_argument(
+        "--sentences", default=str(HELDOUT), help="text file, one sentence a line (default: the held-out set)"
+    )
     p.add_argument("--limit", type=int, default=None, help="use only the first N sentences")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--voice", default=None, help="preset voice for the WER run (default: none)")
