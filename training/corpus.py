@@ -374,7 +374,7 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=ROOT / "training" / "work")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--templates", type=int, default=6000, help="number of templated sentences")
-    p.add_argument("--num-codebooks", type=int, default=6)
+    p.add_argument("--num-codebooks", type=int, default=4)
     p.add_argument("--codebook-size", type=int, default=1024)
     p.add_argument("--sample-frames", type=int, default=60_000, help="frames used to fit the codebooks")
     p.add_argument("--kmeans-iters", type=int, default=12, help="Lloyd iterations per codebook")
