@@ -127,9 +127,11 @@ class Frontend:
 
     def voice(self, voice: str | VoiceReference | list[VoiceReference] | None) -> list[VoiceReference]:
         """Resolve a preset voice name (raises VoiceNotFound) or pass one or more references through
-        (several references are all put in the prompt, Fish spec 3.2)."""
+        (several references are all put in the prompt, Fish spec 3.2). No voice means the bundle's
+        `default_voice` preset when it has one, else no reference."""
         if voice is None:
-            return []
+            name = self.bundle.default_voice
+            return [self.bundle.voices[name]] if name else []
         if isinstance(voice, VoiceReference):
             return [voice]
         if isinstance(voice, list | tuple):

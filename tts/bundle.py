@@ -10,6 +10,10 @@ directory format is a Fish-style directory with one extra config key:
     codec.json (+ codec.safetensors)
     voices/NAME.safetensors        reference codes [N, T] with the transcript in the metadata
 
+"tts_runtime" may also name a text `frontend` (tts/frontend.py; absent = the normalized text itself):
+the default model reads espeak-ng IPA phonemes ("espeak-ipa:en-us"); and a `default_voice`, the preset
+used when a request names none (absent = no reference, as for Fish models).
+
 Directories without "tts_runtime" are Fish checkpoints, handed to `tts.fish` (separate issue).
 """
 
@@ -26,8 +30,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .codec import Codec, WaveTableCodec
+from .codec.melrvq import MelRVQCodec
 from .config import ConfigError, ModelArgs
 from .engine.request import SamplingParams
+from .frontend import get_frontend
 from .model import DualARTransformer
 from .prompt import PromptFormat, S2PromptFormat, VoiceReference
 from .tokenizer import TextTokenizer, TokenizerLike, build_byte_tokenizer
@@ -57,6 +63,7 @@ class ModelBundle:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     chunk_length: int = 200  # UTF-8 bytes of text per generation chunk (Fish API default)
     path: Path | None = None
+    default_voice: str | None = None  # preset used when a request names no voice (None: no reference)
 
     @property
     def device(self) -> torch.device:
@@ -104,6 +111,9 @@ CODEC_LOADERS["modded_dac"] = _load_dac
 def register_codec(codec_type: str, loader: CodecLoader) -> None:
     """Make `codec.json` files of `codec_type` loadable."""
     CODEC_LOADERS[codec_type] = loader
+
+
+register_codec("mel_rvq", lambda directory, cfg: MelRVQCodec.load(directory, cfg))
 
 
 def load_codec(directory: Path) -> Codec:
@@ -240,6 +250,8 @@ def save_bundle(bundle: ModelBundle, directory: str | Path, codec_config: dict |
         "name": bundle.name,
         "family": bundle.family,
         "prompt_format": bundle.prompt_format.name,
+        "frontend": getattr(bundle.prompt_format.frontend, "spec", "text"),
+        "default_voice": bundle.default_voice,
         "chunk_length": bundle.chunk_length,
         "sampling": {
             "temperature": s.temperature,
@@ -311,12 +323,20 @@ def _load_own_bundle(directory: Path, raw: dict, device, dtype) -> ModelBundle:
     load_weights_into(model, weight_files(directory), device, dtype)
     model.init_buffers(device)
     sampling = SamplingParams(**runtime.get("sampling", {}))
+    try:
+        frontend = get_frontend(runtime.get("frontend"))
+    except ValueError as exc:
+        raise ConfigError(f"{directory / 'config.json'}: {exc}") from exc
+    voices = load_voices(directory / "voices")
+    default_voice = runtime.get("default_voice")
+    if default_voice is not None and default_voice not in voices:
+        raise ConfigError(f"{directory / 'config.json'}: default_voice {default_voice!r} is not in voices/")
     return ModelBundle(
         name=runtime.get("name", directory.name), family=runtime.get("family", "dual_ar"),
         model=model.eval(), codec=load_codec(directory), tokenizer=tokenizer,
-        prompt_format=S2PromptFormat(tokenizer, args.num_codebooks),
-        voices=load_voices(directory / "voices"), sampling=sampling,
-        chunk_length=runtime.get("chunk_length", 200), path=directory,
+        prompt_format=S2PromptFormat(tokenizer, args.num_codebooks, frontend),
+        voices=voices, sampling=sampling, chunk_length=runtime.get("chunk_length", 200), path=directory,
+        default_voice=default_voice,
     )  # fmt: skip
 
 

@@ -1,5 +1,5 @@
 """The `tts` command line: synthesize, voices, info, and the subcommands other modules register
-(bench, serve, client, write-checkpoint).
+(bench, serve, client, write-checkpoint, eval).
 
 Every failure a user can cause ends with one line `tts: error: <reason>` on stderr and a non-zero exit
 (2 for bad input, 1 for a failure while running), and never leaves a partial output file.
@@ -20,7 +20,7 @@ EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 
 # Modules that add subcommands: each has `add_parser(subparsers)` setting `func` on its parser.
-_SUBCOMMAND_MODULES = ("tts.bench", "service.cli", "tts.fish.cli")
+_SUBCOMMAND_MODULES = ("tts.bench", "service.cli", "tts.fish.cli", "tts.eval")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

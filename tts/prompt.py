@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from .frontend import Frontend, apply_frontend, identity
 from .tokenizer import TokenizerLike
 
 
@@ -83,12 +84,21 @@ class S2PromptFormat:
     SYSTEM = "convert the provided text to speech"
     SYSTEM_WITH_REFERENCE = "convert the provided text to speech reference to the following:\n\nText:\n"
 
-    def __init__(self, tokenizer: TokenizerLike, num_codebooks: int):
+    def __init__(self, tokenizer: TokenizerLike, num_codebooks: int, frontend: Frontend = identity):
+        """`frontend` maps every text the prompt carries (target, reference transcripts, earlier turns)
+        to what the model reads, e.g. phonemes for the default model (`tts.frontend`); special tokens
+        such as `<|speaker:1|>` pass through untouched."""
         self.tokenizer = tokenizer
         self.num_codebooks = num_codebooks
+        self.frontend = frontend
 
     def build(self, text: str, references: list[VoiceReference] = (), history: list[Turn] = ()) -> Tensor:
         p = PromptAssembler(self.tokenizer, self.num_codebooks)
+        f = self.frontend
+        if f is not identity:
+            text = apply_frontend(f, text)
+            references = [VoiceReference(r.codes, apply_frontend(f, r.text)) for r in references]
+            history = [Turn(apply_frontend(f, t.text), t.codes) for t in history]
         p.text("<|im_start|>system\n")
         if references:
             p.text(self.SYSTEM_WITH_REFERENCE)

@@ -1,0 +1,92 @@
+"""Turn a training output into the shipped default bundle (`tts/assets/default/`, our directory format).
+
+    python training/export.py --trained OUT --work training/work --dest tts/assets/default
+
+Writes config.json (the model's `dual_ar` fields + `tts_runtime`: name, frontend "espeak-ipa:en-us",
+prompt format, sampling defaults), the weights as bf16 safetensors shards under 15 MB (the runtime
+casts them to its dtype), tokenizer.json, codec.json + codec.safetensors, and one preset voice per
+corpus speaker in voices/ (a 2.5-4.5 s training clip of that speaker: its codes and its normalized
+transcript), plus the clips' WAVs decoded by the codec in samples/voices/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "training"))
+
+from corpus import SPEAKERS, read_utterances  # noqa: E402
+
+from tts.bundle import ModelBundle, load_weights_into, save_bundle, weight_files  # noqa: E402
+from tts.codec.melrvq import MelRVQCodec  # noqa: E402
+from tts.config import ModelArgs  # noqa: E402
+from tts.engine.request import SamplingParams  # noqa: E402
+from tts.frontend import PhonemeFrontend  # noqa: E402
+from tts.model import DualARTransformer  # noqa: E402
+from tts.prompt import S2PromptFormat, VoiceReference  # noqa: E402
+from tts.tokenizer import TextTokenizer  # noqa: E402
+
+SAMPLING = SamplingParams(temperature=0.3, top_p=0.8, top_k=30, max_new_tokens=600)
+GL_CONTEXT, GL_ITERS = 2, 16  # decoder settings (no effect on the codes): RESULTS.md has the trade-off
+
+
+def pick_voices(work: Path, num_codebooks: int) -> dict[str, VoiceReference]:
+    """One reference per speaker: the first training clip of 2.5-4.5 s (deterministic)."""
+    utts = {u["id"]: u for u in read_utterances(work)}
+    voices: dict[str, VoiceReference] = {}
+    for path in sorted((work / "codes").glob("codes-*.pt")):
+        for item in torch.load(path):
+            spk = SPEAKERS[item["speaker"]]["name"]
+            if spk in voices or item["split"] != "train" or not 2.5 <= item["seconds"] <= 4.5:
+                continue
+            voices[spk] = VoiceReference(item["codes"][:num_codebooks].long(), utts[item["id"]]["text"])
+        if len(voices) == len(SPEAKERS):
+            break
+    return dict(sorted(voices.items()))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trained", type=Path, required=True, help="train.py output folder")
+    p.add_argument("--work", type=Path, default=ROOT / "training" / "work")
+    p.add_argument("--dest", type=Path, default=ROOT / "tts" / "assets" / "default")
+    p.add_argument("--samples", type=Path, default=ROOT / "samples" / "voices")
+    a = p.parse_args()
+    raw = json.loads((a.trained / "config.json").read_text())
+    args = ModelArgs.from_dict(raw)
+    tokenizer = TextTokenizer.from_file(a.work / "codes" / "tokenizer.json")
+    codec = MelRVQCodec.load(a.work / "codec")
+    codec = MelRVQCodec(codec.codebooks, codec.mean, codec.std, GL_CONTEXT, GL_ITERS, args.num_codebooks)
+    with torch.device("meta"):
+        model = DualARTransformer(args)
+    load_weights_into(model, weight_files(a.trained), "cpu", torch.bfloat16)
+    model.init_buffers("cpu")
+    bundle = ModelBundle(
+        name="default", family="dual_ar (default voice, trained on espeak-ng speech)", model=model, codec=codec,
+        tokenizer=tokenizer, prompt_format=S2PromptFormat(tokenizer, args.num_codebooks, PhonemeFrontend("en-us")),
+        voices=pick_voices(a.work, args.num_codebooks), sampling=SAMPLING, chunk_length=200,
+        default_voice="ava",  # speaker 0 of the corpus: the model reads best with a reference clip
+    )  # fmt: skip
+    if a.dest.exists():
+        shutil.rmtree(a.dest)
+    save_bundle(bundle, a.dest)
+    codec.save(a.dest)
+    shutil.copy(a.trained / "train_state.json", a.dest / "train_state.json")
+    a.samples.mkdir(parents=True, exist_ok=True)
+    from tts.audio import write_wav_atomic
+
+    for name, voice in bundle.voices.items():
+        write_wav_atomic(a.samples / f"{name}.wav", codec.decode(voice.codes).numpy(), codec.sample_rate)
+    print(f"wrote {a.dest}: {bundle.describe()}; voices {', '.join(bundle.voices)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+"""Train the default voice: a small `tts.model.DualARTransformer` on the corpus codes (training/corpus.py).
+
+Inputs (`--data`, the `codes/` folder of the corpus work directory, plus `codec/codec.json`):
+`codes-XXXX.pt` shards (per utterance: phoneme token ids, codec codes `[N, T]`, speaker, split) and
+`tokenizer.json`. Needs only torch, safetensors and tokenizers (no espeak-ng, phonemizer or soundfile),
+so it runs on a bare GPU machine.
+
+Every training example is a real inference prompt built by `tts.prompt.S2PromptFormat` (Fish S2
+layout, spec 3.2) followed by the target frames and `<|im_end|>`:
+* speaker 0 (the default voice), half the time: no reference (what `tts synthesize` without a voice
+  sends);
+* otherwise: a reference clip of the same speaker (its phonemes + codes) in the system message, as in
+  Fish voice cloning; 15% of examples also carry an earlier turn of the same speaker (the history
+  the API sends for long texts).
+Loss: cross-entropy of the slow head over [semantic tokens + <|im_end|>] (what the runtime samples
+from) at every target position, plus the fast head's cross-entropy over codebooks 1..N-1 at every
+target frame (codebook 0 is derived from the main token, spec 1.4).
+
+Resumable: `--resume DIR` starts from a weights directory written by an earlier run (model shards +
+`train_state.json`: step and schedule; the optimizer moments restart, with a short warm-up) or from
+a full `checkpoint.pt` when one is there. Stops by itself after `--max-seconds` of wall time and then
+writes, into `--out`: the model weights as bf16 safetensors shards under 15 MB each, `config.json`,
+`train_state.json`, `loss.csv`; with `--full-checkpoint PATH` also a full fp32 + optimizer checkpoint.
+
+    python training/train.py --data training/work/codes --codec training/work/codec --out OUT \
+        --max-seconds 420 --batch-tokens 65536
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tts.bundle import save_weights  # noqa: E402
+from tts.config import ModelArgs  # noqa: E402
+from tts.model import DualARTransformer, dense_causal_attend  # noqa: E402
+from tts.prompt import S2PromptFormat, Turn, VoiceReference  # noqa: E402
+from tts.tokenizer import TextTokenizer  # noqa: E402
+
+MAX_REF_FRAMES = 110  # reference clips up to ~5 s
+MAX_LEN = 1024
+
+
+def model_config(tokenizer: TextTokenizer, num_codebooks: int, codebook_size: int, size: str) -> ModelArgs:
+    """The default model's architecture (Fish S2 features: qk-norm, tied head, scaled codebook sums,
+    post-norm fast input, GQA)."""
+    shapes = {
+        "small": dict(n_layer=6, dim=384, n_head=6, n_local_heads=2, intermediate_size=1152, n_fast_layer=1),
+        "base": dict(n_layer=8, dim=448, n_head=7, n_local_heads=1, intermediate_size=1344, n_fast_layer=1),
+        "test": dict(n_layer=2, dim=128, n_head=2, n_local_heads=1, intermediate_size=256, n_fast_layer=1),
+    }[size]
+    dim, heads = shapes["dim"], shapes["n_head"]
+    return ModelArgs(
+        model_type="dual_ar", vocab_size=tokenizer.vocab_size, head_dim=dim // heads, rope_base=1e4,
+        norm_eps=1e-6, max_seq_len=2048, tie_word_embeddings=True, attention_qk_norm=True,
+        codebook_size=codebook_size, num_codebooks=num_codebooks,
+        semantic_begin_id=tokenizer.semantic_begin_id, semantic_end_id=tokenizer.semantic_end_id,
+        scale_codebook_embeddings=True, norm_fastlayer_input=True, eos_token_id=tokenizer.eos_id, **shapes,
+    )  # fmt: skip
+
+
+# ---- data ------------------------------------------------------------------------------------------
+
+
+class Corpus:
+    """Utterances from the codes shards, and prompt assembly into frame columns `[T, 1 + N]`."""
+
+    def __init__(self, data: Path, num_codebooks: int, limit: int | None = None):
+        self.tokenizer = TextTokenizer.from_file(data / "tokenizer.json")
+        self.fmt = S2PromptFormat(self.tokenizer, num_codebooks)
+        self.N = num_codebooks
+        items = []
+        for path in sorted(data.glob("codes-*.pt")):
+            items.extend(u for u in torch.load(path) if u["split"] == "train")
+            if limit and len(items) >= limit:
+                break
+        self.items = items[:limit] if limit else items
+        for u in self.items:
+            u["codes"] = u["codes"][:num_codebooks].long()
+            u["text"] = self.tokenizer.decode(u["tokens"].long().tolist())
+        self.by_speaker: dict[int, list[int]] = {}
+        for i, u in enumerate(self.items):
+            self.by_speaker.setdefault(u["speaker"], []).append(i)
+        self.short = {
+            s: [i for i in ids if self.items[i]["codes"].shape[1] <= MAX_REF_FRAMES]
+            for s, ids in self.by_speaker.items()
+        }
+        self.seconds = sum(u["seconds"] for u in self.items)
+
+    def example(self, i: int, r: random.Random) -> tuple[torch.Tensor, int]:
+        """Frame columns of one training example and the index where the target frames start."""
+        u = self.items[i]
+        spk = u["speaker"]
+        refs, history = [], []
+        if not (spk == 0 and r.random() < 0.5):
+            j = r.choice(self.short[spk])
+            if j == i:
+                j = r.choice(self.short[spk])
+            refs = [VoiceReference(self.items[j]["codes"], self.items[j]["text"])]
+        if r.random() < 0.15:
+            k = r.choice(self.short[spk])
+            history = [Turn(self.items[k]["text"], self.items[k]["codes"])]
+        prompt = self.fmt.build(u["text"], refs, history)
+        codes = u["codes"]
+        target = torch.empty(codes.shape[1] + 1, 1 + self.N, dtype=torch.int64)
+        target[:-1, 0] = codes[0] + self.tokenizer.semantic_begin_id
+        target[:-1, 1:] = codes.T
+        target[-1] = 0
+        target[-1, 0] = self.tokenizer.eos_id
+        return torch.cat([prompt, target]), prompt.shape[0]
+
+    def batch(self, r: random.Random, batch_tokens: int, device) -> dict:
+        """Random examples packed up to `batch_tokens` (padded) tokens, similar lengths together."""
+        pool = [self.example(r.randrange(len(self.items)), r) for _ in range(max(8, batch_tokens // 300))]
+        pool = [p for p in pool if p[0].shape[0] <= MAX_LEN]
+        pool.sort(key=lambda p: p[0].shape[0])
+        start = r.randrange(len(pool))
+        chosen, longest = [], 0
+        for p in pool[start:] + pool[:start][::-1]:
+            longest2 = max(longest, p[0].shape[0])
+            if chosen and longest2 * (len(chosen) + 1) > batch_tokens:
+                break
+            chosen.append(p)
+            longest = longest2
+        B, T = len(chosen), longest
+        frames = torch.zeros(B, T, 1 + self.N, dtype=torch.int64)
+        target_mask = torch.zeros(B, T, dtype=torch.bool)  # position t predicts the column at t + 1
+        for b, (cols, start) in enumerate(chosen):
+            frames[b, : cols.shape[0]] = cols
+            target_mask[b, start - 1 : cols.shape[0] - 1] = True
+        return {"frames": frames.to(device), "mask": target_mask.to(device)}
+
+
+# ---- loss ------------------------------------------------------------------------------------------
+
+
+def compute_loss(
+    model: DualARTransformer, frames: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, dict]:
+    """Teacher-forced loss of the slow and fast heads (same math as `DualARTransformer.forward`, but the
+    slow head restricted to [semantic ids + <|im_end|>] and the fast AR run only where a frame follows).
+
+    frames `[B, T, 1 + N]`, mask `[B, T]` (True where position t's next column is a target).
+    """
+    c = model.config
+    B, T, _ = frames.shape
+    x = model.embed(frames)
+    h_pre = model.slow_layers(x, model.freqs_cis[:T], lambda i: dense_causal_attend)
+    h_post = model.norm(h_pre)
+    head = model.lm_head_weight()
+    sem_head = torch.cat(
+        [head[c.semantic_begin_id : c.semantic_end_id + 1], head[c.eos_token_id : c.eos_token_id + 1]]
+    )
+    nxt = frames[:, 1:]  # next columns [B, T-1, 1+N]
+    m = mask[:, :-1]
+    tok = nxt[..., 0][m]
+    n_sem = c.semantic_end_id - c.semantic_begin_id + 1
+    tgt = torch.where(tok == c.eos_token_id, n_sem, tok - c.semantic_begin_id)
+    logits = F.linear(h_post[:, :-1][m], sem_head).float()
+    slow_loss = F.cross_entropy(logits, tgt)
+    # Fast AR on positions whose next column is an audio frame.
+    audio = m & (nxt[..., 0] != c.eos_token_id)
+    codes = nxt[..., 1:][audio]  # [M, N]
+    hidden = model.fast_input(h_pre[:, :-1][audio], h_post[:, :-1][audio])
+    n = c.num_codebooks
+    fast_in = torch.cat([hidden.unsqueeze(1), model.fast_embeddings(codes[:, :-1])], dim=1)
+    y = model.fast_layers_forward(fast_in, model.fast_freqs_cis[:n], lambda i: dense_causal_attend)
+    fast_logits = model.fast_logits(y[:, 1:]).float()  # predicts codes 1..N-1
+    fast_loss = F.cross_entropy(fast_logits.reshape(-1, fast_logits.shape[-1]), codes[:, 1:].reshape(-1))
+    with torch.no_grad():
+        acc0 = (logits.argmax(-1) == tgt).float().mean()
+    loss = slow_loss + fast_loss
+    return loss, {
+        "slow": slow_loss.item(),
+        "fast": fast_loss.item(),
+        "acc0": acc0.item(),
+        "frames": int(audio.sum()),
+    }
+
+
+# ---- main ------------------------------------------------------------------------------------------
+
+
+def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to 10% of `peak` as `progress` goes 0 -> 1."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+class Prefetcher:
+    """Builds batches on a background thread (prompt assembly is Python work) while the GPU trains."""
+
+    def __init__(self, corpus: Corpus, r: random.Random, batch_tokens: int, depth: int = 6):
+        import queue
+        import threading
+
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = False
+
+        def work():
+            while not self.stop:
+                self.q.put(corpus.batch(r, batch_tokens, "cpu"))
+
+        self.thread = threading.Thread(target=work, daemon=True)
+        self.thread.start()
+
+    def next(self, device) -> dict:
+        b = self.q.get()
+        return {k: v.to(device, non_blocking=True) for k, v in b.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", type=Path, required=True, help="the corpus codes/ folder")
+    p.add_argument("--codec", type=Path, required=True, help="folder with codec.json (+ codec.safetensors)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--size", default="small", choices=["small", "base", "test"])
+    p.add_argument("--num-codebooks", type=int, default=None, help="default: the codec's")
+    p.add_argument("--steps", type=int, default=100_000, help="stop after this many steps")
+    p.add_argument(
+        "--max-seconds", type=float, default=420,
+        help="stop and save after this wall time; the cosine decay follows max(step/steps, time/max-seconds)",
+    )  # fmt: skip
+    p.add_argument("--batch-tokens", type=int, default=65536)
+    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--warmup", type=int, default=300)
+    p.add_argument("--limit", type=int, default=None, help="use only this many utterances (CPU tests)")
+    p.add_argument("--resume", type=Path, default=None)
+    p.add_argument(
+        "--full-checkpoint", type=Path, default=None, help="also save/resume fp32 + optimizer here"
+    )
+    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = p.parse_args()
+    t_start = time.time()
+    torch.manual_seed(a.seed)
+    codec_cfg = json.loads((a.codec / "codec.json").read_text())
+    N = a.num_codebooks or codec_cfg["num_codebooks"]
+    corpus = Corpus(a.data, N, a.limit)
+    print(f"corpus: {len(corpus.items)} utterances, {corpus.seconds / 3600:.1f} h, {N} codebooks", flush=True)
+    args = model_config(corpus.tokenizer, N, codec_cfg["codebook_size"], a.size)
+    device = torch.device(a.device)
+    model = DualARTransformer(args).to(device)
+    for name, prm in model.named_parameters():
+        if prm.dim() > 1:
+            torch.nn.init.normal_(
+                prm,
+                std=0.02 / (math.sqrt(2 * args.n_layer) if name.endswith(("wo.weight", "w2.weight")) else 1),
+            )
+    step, history = 0, []
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.05, fused=device.type == "cuda"
+    )
+    rewarm = False
+    if a.full_checkpoint and a.full_checkpoint.is_file():
+        ck = torch.load(a.full_checkpoint, map_location=device)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        step, history = ck["step"], ck["history"]
+        print(f"resumed full checkpoint at step {step}", flush=True)
+    elif a.resume:
+        from safetensors.torch import load_file
+
+        from tts.bundle import weight_files
+
+        state = {}
+        for f in weight_files(a.resume):
+            state.update(load_file(str(f)))
+        model.load_state_dict({k: v.float() for k, v in state.items()})
+        st = json.loads((a.resume / "train_state.json").read_text())
+        step, history = st["step"], st.get("history", [])
+        rewarm = True
+        print(f"resumed weights at step {step}", flush=True)
+    n_params = sum(x.numel() for x in model.parameters())
+    print(f"model: {n_params / 1e6:.2f} M parameters; device {device}", flush=True)
+    model.train()
+    r = random.Random(a.seed * 1000 + step)
+    use_amp = device.type == "cuda"
+    t_train = time.time()
+    start_step = step
+    budget = a.max_seconds - (t_train - t_start) - 20  # leave time to save
+    prefetch = Prefetcher(corpus, r, a.batch_tokens)
+    while step < a.steps and time.time() - t_train < budget:
+        progress = max((step - start_step) / max(1, a.steps - start_step), (time.time() - t_train) / budget)
+        lr = lr_at(step, progress, a.lr, a.warmup)
+        if rewarm:  # fresh optimizer moments after resuming from weights: ramp up again
+            lr *= min(1.0, (step - start_step + 1) / 100)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        b = prefetch.next(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
+            loss, info = compute_loss(model, b["frames"], b["mask"])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % a.log_every == 0 or step == 1:
+            rec = {
+                "step": step,
+                "seconds": round(time.time() - t_train, 1),
+                "lr": lr,
+                "loss": loss.item(),
+                **info,
+                "grad_norm": float(gn),
+            }
+            history.append(rec)
+            print(json.dumps(rec), flush=True)
+    prefetch.stop = True
+    train_seconds = time.time() - t_train
+    print(f"trained {step - start_step} steps in {train_seconds:.0f} s (step {step})", flush=True)
+    a.out.mkdir(parents=True, exist_ok=True)
+    args_out = args.to_dict()
+    (a.out / "config.json").write_text(json.dumps(args_out, indent=2))
+    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    save_weights(state, a.out)
+    prev = (
+        json.loads((a.resume / "train_state.json").read_text())
+        if a.resume and (a.resume / "train_state.json").is_file()
+        else {}
+    )
+    (a.out / "train_state.json").write_text(json.dumps({
+        "step": step, "size": a.size, "num_codebooks": N, "batch_tokens": a.batch_tokens, "lr": a.lr,
+        "steps": a.steps, "train_seconds": prev.get("train_seconds", 0) + train_seconds,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "parameters": n_params,
+        "utterances": len(corpus.items), "hours": corpus.seconds / 3600, "history": history,
+    }, indent=1))  # fmt: skip
+    with open(a.out / "loss.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(history[0]))
+        w.writeheader()
+        w.writerows(history)
+    if a.full_checkpoint:
+        torch.save(
+            {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history},
+            a.full_checkpoint,
+        )
+    print(f"wrote {a.out} ({time.time() - t_start:.0f} s total)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

