@@ -19,6 +19,7 @@ from tts.cli import (
     add_engine_args,
     add_model_args,
     add_sampling_args,
+    apply_threads,
     check_device,
     engine_kwargs,
     sampling_kwargs,
@@ -115,6 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_device(args.device)
     t0 = time.perf_counter()
     bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype))
+    apply_threads(args, bundle)
     print(
         f"model: {bundle.describe()} (loaded in {time.perf_counter() - t0:.2f} s)",
         file=sys.stderr,

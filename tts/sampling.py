@@ -71,6 +71,16 @@ def uniform(keys: Tensor, n: int) -> Tensor:
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
+def frame_log_noise(seeds: Tensor, steps: Tensor, streams: int, n: int) -> Tensor:
+    """`log(E)`, `E = -log U`, for every stream `0..streams-1` and token id `0..n-1` of a frame at once:
+    `[B, streams, n]` float32. Slicing `[:, s, :V]` gives exactly the noise `sample(..., stream=s)` draws
+    for a V-way row (U depends only on the keys and the token id), in one batch of ops instead of one
+    per draw (the CPU path is launch-bound)."""
+    keys = row_keys(seeds.unsqueeze(1), steps.unsqueeze(1), torch.arange(streams, device=seeds.device))
+    u = uniform(keys.reshape(-1), n).view(seeds.shape[0], streams, n)
+    return torch.log(-torch.log(u))
+
+
 class SortedLogits:
     """Logits sorted once per step, shared by every draw from them (the RAS pair shares one sort)."""
 
@@ -82,14 +92,24 @@ class SortedLogits:
         self.cum = torch.cumsum(torch.softmax(self.values, dim=-1), dim=-1)
         self.ranks = torch.arange(self.raw.shape[-1], device=logits.device)
 
-    def draw(self, temperature: Tensor, top_p: Tensor, top_k: Tensor, keys: Tensor) -> Tensor:
-        """One draw per row; returns `[B]` int64 indices into the logits' last dimension."""
+    def draw(
+        self,
+        temperature: Tensor,
+        top_p: Tensor,
+        top_k: Tensor,
+        keys: Tensor | None,
+        log_noise: Tensor | None = None,
+    ) -> Tensor:
+        """One draw per row; returns `[B]` int64 indices into the logits' last dimension. The noise
+        comes from `keys` or, precomputed, from `log_noise [B, V]` (`frame_log_noise`)."""
         V = self.raw.shape[-1]
         k_eff = torch.where(top_k > 0, top_k, V)
         remove = (self.cum > top_p.unsqueeze(1)) | (self.ranks.unsqueeze(0) >= k_eff.unsqueeze(1))
         remove = remove & (self.ranks.unsqueeze(0) > 0)
         t = torch.clamp(temperature, min=MIN_TEMPERATURE).unsqueeze(1)
-        log_e = torch.log(-torch.log(uniform(keys, V))).gather(1, self.indices)  # noise follows the token id
+        if log_noise is None:
+            log_noise = torch.log(-torch.log(uniform(keys, V)))
+        log_e = log_noise.gather(1, self.indices)  # the noise follows the token id, not the rank
         score = (self.values / t - log_e).masked_fill(remove, float("-inf"))
         rank = torch.argmax(score, dim=-1, keepdim=True)
         sampled = self.indices.gather(1, rank).squeeze(1)
@@ -98,7 +118,7 @@ class SortedLogits:
 
 def sample(
     logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor, steps: Tensor,
-    stream: int, top_k_cap: int | None = None,
+    stream: int, top_k_cap: int | None = None, log_noise: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """Sample one index per row.
 
@@ -106,24 +126,27 @@ def sample(
     = greedy, top_p in (0, 1]); top_k: `[B]` int64 (0 = no limit); seeds, steps: `[B]` int64.
     Returns `[B]` int64. On CUDA the Triton kernel of tts/kernels/sampling.py does the same in one launch;
     `top_k_cap` (a promise that every row has 0 < top_k <= top_k_cap) lets it sort only that many
-    candidates.
+    candidates. `log_noise [B, V]`: this draw's slice of `frame_log_noise` (torch path only).
     """
     if _use_triton(logits):
         from .kernels.sampling import triton_sample
 
         return triton_sample(logits, temperature, top_p, top_k, seeds, steps, stream, top_k_cap)
-    return SortedLogits(logits).draw(temperature, top_p, top_k, row_keys(seeds, steps, stream))
+    keys = None if log_noise is not None else row_keys(seeds, steps, stream)
+    return SortedLogits(logits).draw(temperature, top_p, top_k, keys, log_noise)
 
 
 def sample_main_token(
     logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor, steps: Tensor,
     window: Tensor, window_len: Tensor, n_semantic: int, high_stream: int, top_k_cap: int | None = None,
+    log_noise: Tensor | None = None, high_log_noise: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """Main-token draw with the RAS fallback (spec 4.1).
 
     window: `[B, W]` int64 indices of the row's last W main tokens in the same index space as logits,
     newest last, -1 where empty; window_len: `[B]` how many of the newest entries count (0 disables
-    RAS); indices `[0, n_semantic)` are semantic tokens. Returns `[B]` int64.
+    RAS); indices `[0, n_semantic)` are semantic tokens; `log_noise` / `high_log_noise`: the two draws'
+    slices of `frame_log_noise` (streams 0 and `high_stream`; torch path only). Returns `[B]` int64.
     """
     if _use_triton(logits):
         from .kernels.sampling import triton_sample_main_token
@@ -142,12 +165,16 @@ def sample_main_token(
             top_k_cap,
         )
     sorted_logits = SortedLogits(logits)
-    normal = sorted_logits.draw(temperature, top_p, top_k, row_keys(seeds, steps, 0))
+    precomputed = log_noise is not None
+    normal = sorted_logits.draw(
+        temperature, top_p, top_k, None if precomputed else row_keys(seeds, steps, 0), log_noise
+    )
     high = sorted_logits.draw(
         torch.full_like(temperature, RAS_HIGH_TEMPERATURE),
         torch.full_like(top_p, RAS_HIGH_TOP_P),
         top_k,
-        row_keys(seeds, steps, high_stream),
+        None if precomputed else row_keys(seeds, steps, high_stream),
+        high_log_noise,
     )
     W = window.shape[1]
     counted = torch.arange(W, device=window.device).unsqueeze(0) >= (W - window_len).unsqueeze(1)

@@ -26,7 +26,7 @@ from torch import Tensor
 from ..kernels import fused_kernels_enabled
 from ..kv_cache import SCRATCH_BLOCK, PagedKVCache, paged_decode_attention
 from ..model import DualARTransformer, KVDest, dense_causal_attend
-from ..sampling import RAS_WINDOW, SAMPLER_TOPK_CAP, sample, sample_main_token
+from ..sampling import RAS_WINDOW, SAMPLER_TOPK_CAP, frame_log_noise, sample, sample_main_token
 
 
 @dataclass
@@ -294,9 +294,19 @@ class ModelRunner:
             seeds, steps = bufs.seeds[:b], bufs.steps[:b]
             # Main token over [semantic ids..., end token]; RAS window holds indices in that space.
             sem_logits = F.linear(h_post, self.semantic_head)
+            V = sem_logits.shape[1]
+            high = c.num_codebooks + 1
+            # The torch sampler takes the frame's noise for every draw from one batched computation
+            # (streams 0 = main token, k = codebook k, N + 1 = RAS fallback); the CUDA kernels hash
+            # their own noise.
+            noise = None
+            if not fused_kernels_enabled(sem_logits):
+                noise = frame_log_noise(seeds, steps, high + 1, max(V, self.n_residual))
             idx = sample_main_token(
                 sem_logits, temperature, top_p, top_k, seeds, steps, bufs.ras_window[:b],
-                bufs.ras_len[:b], self.n_sem, high_stream=c.num_codebooks + 1, top_k_cap=cap,
+                bufs.ras_len[:b], self.n_sem, high_stream=high, top_k_cap=cap,
+                log_noise=None if noise is None else noise[:, 0, :V],
+                high_log_noise=None if noise is None else noise[:, high, :V],
             )  # fmt: skip
             token = torch.where(idx == self.n_sem, c.eos_token_id, idx + c.semantic_begin_id)
             # Fast AR: position 0 on the slow hidden state (its logits are never used), c_0 derived from
@@ -310,7 +320,17 @@ class ModelRunner:
                     y = m.fast_layers_forward(x, m.fast_freqs_cis[k : k + 1], self._fast_attend(b, k))
                     logits = m.fast_logits(y[:, 0])[:, : self.n_residual]
                     codes.append(
-                        sample(logits, temperature, top_p, top_k, seeds, steps, stream=k, top_k_cap=cap)
+                        sample(
+                            logits,
+                            temperature,
+                            top_p,
+                            top_k,
+                            seeds,
+                            steps,
+                            stream=k,
+                            top_k_cap=cap,
+                            log_noise=None if noise is None else noise[:, k, : logits.shape[1]],
+                        )
                     )
             frame = torch.stack([token, *codes], dim=1)
             self._advance(b, frame, idx)
