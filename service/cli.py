@@ -21,7 +21,9 @@ from tts.cli import (
     add_sampling_args,
     apply_threads,
     check_device,
+    check_output_path,
     engine_kwargs,
+    read_text_arg,
     sampling_kwargs,
     torch_dtype,
 )  # fmt: skip
@@ -177,19 +179,6 @@ async def _serve(args, bundle, engine_config, limits) -> int:
 # ---- client --------------------------------------------------------------------------------------------
 
 
-def _read_text(args) -> str:
-    if args.text is not None and args.text_file is not None:
-        raise UserError("give TEXT or --text-file, not both")
-    if args.text_file is not None:
-        try:
-            return Path(args.text_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"cannot read --text-file: {exc}") from exc
-    if args.text is None:
-        raise UserError("nothing to synthesize: give TEXT or --text-file")
-    return args.text
-
-
 def cmd_client(args: argparse.Namespace) -> int:
     import grpc
 
@@ -197,12 +186,8 @@ def cmd_client(args: argparse.Namespace) -> int:
 
     from .client import build_request
 
-    text = _read_text(args)
-    out = Path(args.output)
-    if not (out.parent if str(out.parent) else Path(".")).is_dir():
-        raise UserError(f"output directory {out.parent} does not exist")
-    if out.is_dir():
-        raise UserError(f"output path {out} is a directory")
+    text = read_text_arg(args)
+    out = check_output_path(args.output)
     if (args.reference_audio is None) != (args.reference_text is None):
         raise UserError("--reference-audio and --reference-text go together")
     if args.voice is not None and args.reference_audio is not None:

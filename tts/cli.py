@@ -123,7 +123,8 @@ def check_device(device: str) -> None:
 # ---- synthesize --------------------------------------------------------------------------------------
 
 
-def _read_text(args) -> str:
+def read_text_arg(args) -> str:
+    """The text of TEXT or --text-file (exactly one); raises UserError."""
     if args.text is not None and args.text_file is not None:
         raise UserError("give TEXT or --text-file, not both")
     if args.text_file is not None:
@@ -136,6 +137,16 @@ def _read_text(args) -> str:
     return args.text
 
 
+def check_output_path(path: str) -> Path:
+    """An output file path whose directory exists and that is not a directory; raises UserError."""
+    out = Path(path)
+    if not (out.parent if str(out.parent) else Path(".")).is_dir():
+        raise UserError(f"output directory {out.parent} does not exist")
+    if out.is_dir():
+        raise UserError(f"output path {out} is a directory")
+    return out
+
+
 def cmd_synthesize(args: argparse.Namespace) -> int:
     from .api import TTS
     from .audio import read_audio, write_wav_atomic
@@ -144,13 +155,9 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     from .text import normalize_text
 
     # Check everything that does not need the model before loading it.
-    text = _read_text(args)
+    text = read_text_arg(args)
     normalize_text(text)
-    out = Path(args.output)
-    if not (out.parent if str(out.parent) else Path(".")).is_dir():
-        raise UserError(f"output directory {out.parent} does not exist")
-    if out.is_dir():
-        raise UserError(f"output path {out} is a directory")
+    out = check_output_path(args.output)
     if (args.reference_audio is None) != (args.reference_text is None):
         raise UserError("--reference-audio and --reference-text go together")
     reference_audio = read_audio(Path(args.reference_audio)) if args.reference_audio else None
