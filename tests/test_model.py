@@ -69,3 +69,17 @@ def test_embedding_scales_only_semantic_positions(tiny_model):
     )
     expected = (tiny_model.embeddings.weight[c.semantic_begin_id + 5] + cb) / math.sqrt(c.num_codebooks + 1)
     torch.testing.assert_close(x[0, 1], expected)
+
+
+def test_head_dims_the_triton_kernels_cannot_tile_use_the_torch_path():
+    from tts.config import ModelArgs
+    from tts.kernels import kernel_head_dim_ok
+    from tts.model import DualARTransformer
+
+    assert kernel_head_dim_ok(128) and kernel_head_dim_ok(16)
+    assert not kernel_head_dim_ok(80) and not kernel_head_dim_ok(8)
+    args = ModelArgs(
+        vocab_size=64, n_layer=1, n_head=2, dim=160, head_dim=80, semantic_begin_id=40, semantic_end_id=47
+    )
+    m = DualARTransformer(args)
+    assert not m.layers[0].attention.fusable

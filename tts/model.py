@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelArgs
-from .kernels import fused_kernels_enabled, fused_ops
+from .kernels import fused_kernels_enabled, fused_ops, kernel_head_dim_ok
 
 # attend(q [B, T, H, D], k [B, T, Hkv, D], v [B, T, Hkv, D]) -> [B, T, H, D]
 AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -110,6 +110,7 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(dim, (n_head + 2 * n_local_heads) * head_dim, bias=qkv_bias)
         self.wo = nn.Linear(n_head * head_dim, dim, bias=o_bias)
         self.qk_norm = qk_norm
+        self.fusable = kernel_head_dim_ok(head_dim)  # otherwise the torch path, also on CUDA
         if qk_norm:
             self.q_norm = nn.RMSNorm(head_dim, eps=eps)
             self.k_norm = nn.RMSNorm(head_dim, eps=eps)
@@ -119,7 +120,7 @@ class Attention(nn.Module):
         q_size = self.n_head * self.head_dim
         kv_size = self.n_local_heads * self.head_dim
         qkv = self.wqkv(x)
-        if T == 1 and fused_kernels_enabled(x):  # decode: split, qk-norm and RoPE in one kernel
+        if T == 1 and self.fusable and fused_kernels_enabled(x):  # decode: split, qk-norm, RoPE in one kernel
             dest = getattr(attend, "kv_dest", None)
             q, k, v = fused_ops().qk_norm_rope(
                 qkv, self.n_head, self.n_local_heads, self.head_dim, freqs_cis,

@@ -23,6 +23,7 @@ import torch
 
 from graphs.runner import DEFAULT_BUCKETS, GraphRunner
 
+from ..kernels import kernel_head_dim_ok
 from ..kv_cache import BlockAllocator, PagedKVCache, blocks_needed
 from ..model import DualARTransformer
 from ..sampling import SAMPLER_TOPK_CAP
@@ -134,6 +135,12 @@ class Engine:
 
     def _attention_backend(self, name: str):
         if name == "torch" or (name == "auto" and self.device.type != "cuda"):
+            return None
+        if not kernel_head_dim_ok(self.model.config.head_dim):
+            if name == "triton":
+                raise ValueError(
+                    f"the Triton paged attention needs a power-of-two head_dim >= 16, not {self.model.config.head_dim}"
+                )
             return None
         try:
             from ..kernels.paged_attention import triton_paged_decode_attention

@@ -25,6 +25,11 @@ def fused_kernels_enabled(t: torch.Tensor) -> bool:
     return _ENABLED and (t.is_cuda or _ON_CPU) and triton_available()
 
 
+def kernel_head_dim_ok(head_dim: int) -> bool:
+    """The Triton kernels tile a head as one power-of-two block of at least 16 (tl.arange, tl.dot)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def set_fused_kernels(enabled: bool) -> None:
     """Switch the fused kernels on or off for this process (benchmarks compare both)."""
     global _ENABLED
