@@ -38,6 +38,7 @@ from ..codec.dac import DACConfig, random_codec_state, tiny_dac_config
 from ..config import ModelArgs
 from ..model import DualARTransformer
 from ..randinit import random_like_init
+from ..shapes import S2_PRO_CONFIG
 from .tokenizer import FISH15_SPECIAL_TOKENS, FISH_TIKTOKEN_PATTERN, S1_SPECIAL_TOKENS, write_tiktoken_ranks
 
 # Qwen2/3's pre-tokenization pattern, used in S2's tokenizer.json.
@@ -217,16 +218,16 @@ def _s2_config(text: dict, audio: dict) -> dict:
     }  # fmt: skip
 
 
-S2_TEXT = dict(
-    dim=2560, n_layer=36, n_head=32, n_local_heads=8, head_dim=128, intermediate_size=9728, max_seq_len=32768,
-    rope_base=1000000, norm_eps=1e-6, attention_qk_norm=True, attention_qkv_bias=False, attention_o_bias=False,
-    tie_word_embeddings=True, use_moe=False, num_experts=1, audio_hidden_dim=5120, initializer_range=0.02,
-)  # fmt: skip
-S2_AUDIO = dict(
-    dim=2560, text_dim=2560, n_layer=4, n_head=32, n_local_heads=8, head_dim=128, intermediate_size=9728,
-    num_codebooks=10, vocab_size=4096, max_seq_len=11, attention_qk_norm=False, attention_qkv_bias=False,
-    attention_o_bias=False, rope_base=1000000, norm_eps=1e-6, tie_word_embeddings=False,
-)  # fmt: skip
+# S2-Pro's sizes come from tts/shapes.py (one copy); the released config.json also carries training
+# leftovers, written here for fidelity.
+S2_TEXT = {
+    **{k: v for k, v in S2_PRO_CONFIG["text_config"].items() if k not in ("model_type", "vocab_size")},
+    "use_moe": False, "num_experts": 1, "audio_hidden_dim": 5120, "initializer_range": 0.02,
+}  # fmt: skip
+S2_AUDIO = {
+    **{k: v for k, v in S2_PRO_CONFIG["audio_decoder_config"].items() if k != "model_type"},
+    "attention_qkv_bias": False, "attention_o_bias": False,
+}  # fmt: skip
 TINY_TEXT = dict(
     dim=64, n_layer=2, n_head=4, n_local_heads=2, head_dim=16, intermediate_size=128, max_seq_len=1024,
     rope_base=1000000, norm_eps=1e-6, attention_qk_norm=True, attention_qkv_bias=False, attention_o_bias=False,
