@@ -136,10 +136,7 @@ def build_job(frontend: Frontend, loop: EngineLoop, request: pb.SynthesizeReques
         overrides["max_new_tokens"] = s.max_new_frames
     params = frontend.sampling_params(**overrides)
     seed = params.seed if params.seed is not None else secrets.randbits(62)
-    if seed + len(chunks) - 1 >= 2**63:
-        raise InvalidRequest(
-            f"seed must be below 2**63 - {len(chunks) - 1} ({len(chunks)} text chunks use seed + i)"
-        )
+    frontend.check_chunk_seeds(seed, len(chunks))
     params = replace(params, seed=seed)
 
     references: list[VoiceReference] = []

@@ -193,6 +193,14 @@ class Frontend:
             return split_speaker_turns(normalized, limit)
         return split_text(normalized, limit)
 
+    @staticmethod
+    def check_chunk_seeds(seed: int, n_chunks: int) -> None:
+        """Text chunk i is generated with seed + i: raise InvalidRequest if that leaves int64."""
+        if not -(2**63) <= seed + n_chunks - 1 < 2**63:
+            raise InvalidRequest(
+                f"seed must be below 2**63 - {n_chunks - 1} ({n_chunks} text chunks use seed + i), got {seed}"
+            )
+
     def prompt(self, text: str, references, history, params: SamplingParams) -> Tensor:
         """The chunk's prompt `[T, 1 + N]`; drops the previous-chunk context if it would not fit the
         context size."""
@@ -227,10 +235,8 @@ class TTS(Frontend):
         params = self.sampling_params(**sampling)
         references = self.voice(voice)
         chunks = self.plan(text, chunk_length)
-        if params.seed is not None and not -(2**63) <= params.seed + len(chunks) - 1 < 2**63:
-            raise InvalidRequest(
-                f"seed {params.seed} leaves no room for the {len(chunks)} text chunks (seed + i)"
-            )
+        if params.seed is not None:
+            self.check_chunk_seeds(params.seed, len(chunks))
         for chunk_text in chunks:
             self.engine.check(self.bundle.prompt_format.build(chunk_text, references, []), params)
         return Plan(chunks, references, params)
