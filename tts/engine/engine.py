@@ -254,15 +254,22 @@ class Engine:
         # Copy out before the next step overwrites the buffer (on a CPU device .cpu() would alias it).
         out = self.runner.buffers.out[:n].to("cpu", copy=True)
         N = self.model.config.num_codebooks
+        # Per-row work in plain Python values and one split: this loop runs every frame for every row.
+        flags = out[:, [0, N + 1, N + 2]].tolist()  # token, emitted, done
+        row_codes = out[:, 1 : N + 1].split(1)
+        no_codes = out[:0, 1 : N + 1]
         # Iterate over a snapshot: finishing a request moves the last row into its place.
-        for request, row in zip(list(self.scheduler.running), out, strict=True):
-            if not bool(row[N + 1]):  # paused: nothing emitted this step
+        for request, (token, emitted, done), codes in zip(
+            list(self.scheduler.running), flags, row_codes, strict=True
+        ):
+            if not emitted:  # paused: nothing emitted this step
                 continue
             request.num_generated += 1
             self.frames_generated += 1
-            stop = int(row[0]) == self.model.config.eos_token_id
-            codes = row[1 : N + 1].unsqueeze(0) if not stop else row[1:1].view(0, N)
-            if bool(row[N + 2]):
+            stop = token == self.model.config.eos_token_id
+            if stop:
+                codes = no_codes  # the end-token frame is dropped (spec 1.4 step 8)
+            if done:
                 reason = FinishReason.STOP if stop else FinishReason.LENGTH
                 with self._lock:
                     finished = self._finish(request, reason)
