@@ -90,7 +90,7 @@ def _pack16_kernel(logits_ptr, keys_ptr, stride_l, stride_k, V, BLOCK: tl.conste
 
 @triton.jit
 def _sample_kernel(
-    logits_ptr, stride_l, V, cand_val_ptr, cand_idx_ptr, stride_c, temp_ptr, top_p_ptr, top_k_ptr, seed_ptr,
+    logits_ptr, stride_l, V, cand_keys_ptr, stride_c, temp_ptr, top_p_ptr, top_k_ptr, seed_ptr,
     step_ptr, out_ptr, stream, window_ptr, window_len_ptr, stride_w, n_semantic, high_stream,
     VP2: tl.constexpr, KC: tl.constexpr, RAS: tl.constexpr, W: tl.constexpr, WP2: tl.constexpr,
     HIGH_T: tl.constexpr, HIGH_P: tl.constexpr,
@@ -105,7 +105,7 @@ def _sample_kernel(
         # exactly the candidates (keys are unique, so ties resolve as in the full sort). The cumulative
         # mass of the top ranks equals the full sort's (z covers the whole row).
         c = tl.arange(0, KC)
-        keys = tl.sort(tl.load(cand_val_ptr + row * stride_c + c), descending=True)
+        keys = tl.sort(tl.load(cand_keys_ptr + row * stride_c + c), descending=True)
         sidx = 0xFFFF - (keys & 0xFFFF)
         key16 = keys >> 16
         bf16_bits = (key16 ^ ((key16 >> 15) & 0x7FFF)).to(tl.int16)
@@ -146,16 +146,16 @@ def _launch(
     vp2 = triton.next_power_of_2(V)
     ras = window is not None
     kc = 0
-    cand_val = cand_idx = logits
+    cand_keys = logits  # unused unless kc > 0
     if top_k_cap is not None and top_k_cap < V and logits.dtype == torch.bfloat16 and V <= 65536:
         kc = triton.next_power_of_2(top_k_cap)
         keys = torch.empty(B, V, dtype=torch.int32, device=logits.device)
         _pack16_kernel[(B, triton.cdiv(V, 1024))](
             logits, keys, logits.stride(0), keys.stride(0), V, BLOCK=1024
         )
-        cand_val = torch.topk(keys, kc, dim=-1, sorted=False).values
+        cand_keys = torch.topk(keys, kc, dim=-1, sorted=False).values
     _sample_kernel[(B,)](
-        logits, logits.stride(0), V, cand_val, cand_idx, cand_val.stride(0), temperature, top_p, top_k, seeds,
+        logits, logits.stride(0), V, cand_keys, cand_keys.stride(0), temperature, top_p, top_k, seeds,
         steps, out, stream, window if ras else out, window_len if ras else out, window.stride(0) if ras else 0,
         n_sem, high, VP2=vp2, KC=kc, RAS=ras, W=window.shape[1] if ras else 1,
         WP2=triton.next_power_of_2(window.shape[1]) if ras else 1, HIGH_T=RAS_HIGH_TEMPERATURE,
