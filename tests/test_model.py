@@ -83,3 +83,23 @@ def test_head_dims_the_triton_kernels_cannot_tile_use_the_torch_path():
     )
     m = DualARTransformer(args)
     assert not m.layers[0].attention.fusable
+
+
+def test_joint_qk_norm_and_rope_is_bit_exact_to_separate_heads(monkeypatch):
+    """On the CPU in fp32, q and k heads are normed and rotated as one tensor; the result equals the
+    separate nn.RMSNorm + RoPE calls bit for bit."""
+    from tts.model import Attention, dense_causal_attend, precompute_freqs_cis
+
+    torch.manual_seed(3)
+    attn = Attention(96, 6, 2, 16, qkv_bias=False, o_bias=False, qk_norm=True, eps=1e-6).eval()
+    with torch.no_grad():
+        attn.q_norm.weight.normal_(1, 0.2)
+        attn.k_norm.weight.normal_(1, 0.2)
+    table = precompute_freqs_cis(40, 16)
+    x = torch.randn(2, 40, 96)
+    with torch.inference_mode():
+        assert attn._joint_qk(attn.wqkv(x))
+        joint = attn(x, table, dense_causal_attend)
+        monkeypatch.setattr(Attention, "_joint_qk", lambda self, qkv: False)
+        separate = attn(x, table, dense_causal_attend)
+    assert torch.equal(joint, separate)

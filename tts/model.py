@@ -44,6 +44,12 @@ class KVDest(NamedTuple):
     head_stride: int
 
 
+def _rms_norm_fp32(x: Tensor, eps: float, weight: Tensor) -> Tensor:
+    """`x * rsqrt(mean(x^2) + eps) * weight` over the last dim, fp32: the op sequence of nn.RMSNorm on a
+    CPU and of `RMSNorm` below without its (no-op) casts."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
 class RMSNorm(nn.Module):
     """fish-speech's RMSNorm: normalize in fp32, cast back, then scale (spec 1.2)."""
 
@@ -55,6 +61,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if fused_kernels_enabled(x):
             return fused_ops().rmsnorm(x, self.weight, self.eps)
+        if x.dtype == torch.float32:  # the same ops without the no-op casts (the CPU path is op-bound)
+            return _rms_norm_fp32(x, self.eps, self.weight)
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
@@ -81,21 +89,46 @@ def precompute_freqs_cis(seq_len: int, n_elem: int, base: float = 10000.0) -> Te
     return torch.stack([rotation.real, rotation.imag], dim=-1).to(torch.bfloat16)
 
 
-def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:
+class Rope:
+    """A RoPE table slice (`[T, D/2, 2]` or per-row `[B, T, D/2, 2]`, bf16) with its torch-path factors.
+
+    The factors are built on first use and shared by every layer of a forward: `cos = [c0, c0, c1, c1,
+    ...]` and `sin = [-s0, s0, -s1, s1, ...]` in fp32, `[B|1, T, 1, D]`. The fused CUDA path reads
+    `table` and never builds them.
+    """
+
+    __slots__ = ("table", "_factors")
+
+    def __init__(self, table: Tensor):
+        self.table = table
+        self._factors: tuple[Tensor, Tensor] | None = None
+
+    @staticmethod
+    def of(freqs_cis: Tensor | Rope) -> Rope:
+        return freqs_cis if isinstance(freqs_cis, Rope) else Rope(freqs_cis)
+
+    def factors(self) -> tuple[Tensor, Tensor]:
+        if self._factors is None:
+            f = self.table.float()
+            if f.dim() == 3:
+                f = f.unsqueeze(0)
+            c, s = f.unsqueeze(2).unbind(-1)  # [B|1, T, 1, D/2] each
+            self._factors = torch.stack([c, c], -1).flatten(-2), torch.stack([-s, s], -1).flatten(-2)
+        return self._factors
+
+
+def apply_rotary_emb(x: Tensor, freqs_cis: Tensor | Rope) -> Tensor:
     """Rotate adjacent pairs `(x[2i], x[2i+1])` (GPT-J / interleaved convention, not NeoX; spec 1.2).
 
-    x: `[B, T, H, D]`; freqs_cis: `[T, D/2, 2]` or per-row `[B, T, D/2, 2]` (bf16 table). The rotation
-    is computed in fp32 and cast back to x's dtype.
+    x: `[B, T, H, D]`; freqs_cis: `[T, D/2, 2]` or per-row `[B, T, D/2, 2]` (bf16 table), or a `Rope` of
+    one. The rotation is computed in fp32 and cast back to x's dtype:
+    `(x0 c - x1 s, x1 c + x0 s)`, evaluated as `x * cos + swap(x) * sin` with the sign folded into `sin`
+    (`a - b*s` and `a + b*(-s)` round identically, so this is bit-exact to the pairwise form).
     """
-    xs = x.float().reshape(*x.shape[:-1], -1, 2)
-    if freqs_cis.dim() == 3:
-        freqs_cis = freqs_cis.unsqueeze(0)
-    f = freqs_cis.float().unsqueeze(2)  # [B|1, T, 1, D/2, 2]
-    out = torch.stack(
-        [xs[..., 0] * f[..., 0] - xs[..., 1] * f[..., 1], xs[..., 1] * f[..., 0] + xs[..., 0] * f[..., 1]],
-        dim=-1,
-    )
-    return out.flatten(3).type_as(x)
+    cos, sin = Rope.of(freqs_cis).factors()
+    xf = x.float()
+    swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (xf * cos + swapped * sin).type_as(x)
 
 
 class Attention(nn.Module):
@@ -115,28 +148,64 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(head_dim, eps=eps)
             self.k_norm = nn.RMSNorm(head_dim, eps=eps)
 
-    def forward(self, x: Tensor, freqs_cis: Tensor, attend: AttendFn) -> Tensor:
+    def forward(self, x: Tensor, freqs_cis: Tensor | Rope, attend: AttendFn) -> Tensor:
         B, T, _ = x.shape
         q_size = self.n_head * self.head_dim
         kv_size = self.n_local_heads * self.head_dim
         qkv = self.wqkv(x)
         if T == 1 and self.fusable and fused_kernels_enabled(x):  # decode: split, qk-norm, RoPE in one kernel
             dest = getattr(attend, "kv_dest", None)
+            table = freqs_cis.table if isinstance(freqs_cis, Rope) else freqs_cis
             q, k, v = fused_ops().qk_norm_rope(
-                qkv, self.n_head, self.n_local_heads, self.head_dim, freqs_cis,
+                qkv, self.n_head, self.n_local_heads, self.head_dim, table,
                 self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
                 self.q_norm.eps if self.qk_norm else 0.0, kv_dest=dest,
             )  # fmt: skip
             return self.wo(attend(q, k, v).reshape(B, T, q_size))
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(B, T, self.n_head, self.head_dim)
-        k = k.view(B, T, self.n_local_heads, self.head_dim)
-        v = v.view(B, T, self.n_local_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
+        v = qkv[..., q_size + kv_size :].view(B, T, self.n_local_heads, self.head_dim)
+        if self._joint_qk(qkv):
+            # q and k heads side by side: one norm and one rotation for both (fp32 CPU, op-bound).
+            # nn.RMSNorm's CPU ops, per head: x * rsqrt(mean(x^2) + eps) * weight.
+            qk = qkv[..., : q_size + kv_size].unflatten(-1, (self.n_head + self.n_local_heads, self.head_dim))
+            if self.qk_norm:
+                w = self._qk_norm_weight()
+                qk = _rms_norm_fp32(qk, self.q_norm.eps, w)
+            q, k = apply_rotary_emb(qk, freqs_cis).split([self.n_head, self.n_local_heads], dim=2)
+        else:
+            q = qkv[..., :q_size].view(B, T, self.n_head, self.head_dim)
+            k = qkv[..., q_size : q_size + kv_size].view(B, T, self.n_local_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
         y = attend(q, k, v)
         return self.wo(y.reshape(B, T, q_size))
+
+    def _qk_norm_weight(self) -> Tensor:
+        """`[H + Hkv, D]`: the q-norm weight for each query head, then the k-norm weight for each KV
+        head. Kept between calls without autograd, rebuilt when either weight changes."""
+        qw, kw = self.q_norm.weight, self.k_norm.weight
+        if torch.is_grad_enabled():
+            return torch.cat([qw.expand(self.n_head, -1), kw.expand(self.n_local_heads, -1)])
+        key = (qw.data_ptr(), qw._version, kw.data_ptr(), kw._version)
+        cached = self.__dict__.get("_qk_weight")
+        if cached is None or cached[0] != key:
+            cached = key, torch.cat([qw.expand(self.n_head, -1), kw.expand(self.n_local_heads, -1)])
+            self.__dict__["_qk_weight"] = cached
+        return cached[1]
+
+    def _joint_qk(self, qkv: Tensor) -> bool:
+        """Whether q and k may be normed and rotated as one tensor: on the CPU in fp32 (where
+        nn.RMSNorm is the plain op sequence above; on CUDA it is a fused kernel), same eps for both."""
+        if qkv.device.type != "cpu" or qkv.dtype != torch.float32:
+            return False
+        if not self.qk_norm:
+            return True
+        return (
+            self.q_norm.eps == self.k_norm.eps
+            and self.q_norm.eps is not None
+            and self.q_norm.weight is not None
+            and self.k_norm.weight is not None
+        )
 
 
 class FeedForward(nn.Module):
@@ -173,7 +242,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(dim, eps)
         self.ffn_norm = RMSNorm(dim, eps)
 
-    def forward(self, x: Tensor, freqs_cis: Tensor, attend: AttendFn) -> Tensor:
+    def forward(self, x: Tensor, freqs_cis: Tensor | Rope, attend: AttendFn) -> Tensor:
         h = x + self.attention(self.attention_norm(x), freqs_cis, attend)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -182,7 +251,7 @@ def run_layers(
     layers: nn.ModuleList,
     final_norm: RMSNorm,
     x: Tensor,
-    freqs_cis: Tensor,
+    freqs_cis: Tensor | Rope,
     attend_layer: Callable[[int], AttendFn],
 ) -> tuple[Tensor, Tensor]:
     """Run pre-norm blocks, fusing each residual add into the next norm (the last into `final_norm`).
@@ -191,9 +260,10 @@ def run_layers(
     stream is rounded to the activation dtype after every add, exactly where the unfused block rounds.
     Returns `(hidden before final_norm, hidden after final_norm)`.
     """
+    rope = Rope.of(freqs_cis)  # RoPE factors built once for all layers
     normed, residual = layers[0].attention_norm(x), x
     for i, layer in enumerate(layers):
-        a = layer.attention(normed, freqs_cis, attend_layer(i))
+        a = layer.attention(normed, rope, attend_layer(i))
         normed, residual = layer.ffn_norm.add_forward(a, residual)
         f = layer.feed_forward(normed)
         next_norm = layers[i + 1].attention_norm if i + 1 < len(layers) else final_norm
@@ -308,7 +378,7 @@ class DualARTransformer(nn.Module):
         return torch.where(is_semantic, audio, x)
 
     def slow_layers(
-        self, x: Tensor, freqs_cis: Tensor, attend_layer: Callable[[int], AttendFn]
+        self, x: Tensor, freqs_cis: Tensor | Rope, attend_layer: Callable[[int], AttendFn]
     ) -> tuple[Tensor, Tensor]:
         """Run the slow transformer layers and the final norm on `x [B, T, dim]`; returns the hidden
         state before and after the final norm, each `[B, T, dim]`."""
@@ -326,7 +396,7 @@ class DualARTransformer(nn.Module):
     # ---- fast AR -------------------------------------------------------------------------------------
 
     def fast_layers_forward(
-        self, x: Tensor, freqs_cis: Tensor, attend_layer: Callable[[int], AttendFn]
+        self, x: Tensor, freqs_cis: Tensor | Rope, attend_layer: Callable[[int], AttendFn]
     ) -> Tensor:
         """Run the fast layers and `fast_norm` on `x [B, T, fast_dim]`; returns the normed hidden state."""
         return run_layers(self.fast_layers, self.fast_norm, x, freqs_cis, attend_layer)[1]
