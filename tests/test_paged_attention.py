@@ -65,3 +65,36 @@ def test_allocator_never_hands_out_scratch_and_rejects_double_free():
     with pytest.raises(ValueError):
         alloc.free([SCRATCH_BLOCK])
     assert alloc.num_free == 2
+
+
+def test_step_attention_paths_are_bit_exact_to_the_reference_math():
+    """PagedDecodeAttention (slice of consecutive blocks, or index_select, and bmm on the CPU) gives the
+    same bits as the plain gather + einsum formulation."""
+    from tts.kv_cache import PagedDecodeAttention
+
+    torch.manual_seed(2)
+    H, Hkv, D, bs = 6, 2, 64, 16
+    cache = PagedKVCache(1, 12, bs, Hkv, D, torch.float32, "cpu")
+    cache.k.normal_()
+    cache.v.normal_()
+
+    def reference(q, tables, lens):
+        B = q.shape[0]
+        k = cache.k[0][tables.long()].reshape(B, -1, Hkv, D)
+        v = cache.v[0][tables.long()].reshape(B, -1, Hkv, D)
+        scores = torch.einsum("bkgd,blkd->bkgl", q.view(B, Hkv, H // Hkv, D), k) * D**-0.5
+        visible = torch.arange(k.shape[1]).view(1, 1, 1, -1) < lens.view(B, 1, 1, 1)
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        return torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(B, H, D)
+
+    cases = [
+        (torch.tensor([[3, 4, 5, 6]]), torch.tensor([50])),  # one row, consecutive blocks: a slice
+        (torch.tensor([[3, 7, 5, 0]]), torch.tensor([40])),  # one row, scattered: index_select
+        (torch.tensor([[1, 2, 0, 0], [8, 9, 10, 11]]), torch.tensor([20, 64])),
+    ]
+    for tables, lens in cases:
+        q = torch.randn(tables.shape[0], H, D)
+        attention = PagedDecodeAttention(tables.to(torch.int32), lens, bs)
+        assert (attention.first_block is not None) == (tables.shape[0] == 1 and tables[0, 1] == 4)
+        out = attention(q, cache.k[0], cache.v[0], D**-0.5)
+        assert torch.equal(out, reference(q, tables, lens))

@@ -122,3 +122,19 @@ def test_ras_switches_to_high_draw_only_for_repeated_semantic_tokens():
         for s in range(50)
     }
     assert outs_ns == {7}
+
+
+def test_shared_draw_settings_give_the_same_draws():
+    """One DrawSettings reused for several draws (as the decode step does) changes no draw."""
+    from tts.sampling import DrawSettings
+
+    torch.manual_seed(4)
+    B, V = 4, 300
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.3])
+    top_p, top_k = torch.tensor([1.0, 0.8, 0.5, 0.95]), torch.tensor([0, 20, 1, 300])
+    seeds, steps = torch.arange(B) * 11, torch.arange(B)
+    settings = DrawSettings(temperature, top_p, top_k)
+    for stream in range(3):
+        logits = torch.randn(B, V) * 3
+        shared = sample(logits, temperature, top_p, top_k, seeds, steps, stream, settings=settings)
+        assert torch.equal(shared, sample(logits, temperature, top_p, top_k, seeds, steps, stream))

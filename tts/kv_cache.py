@@ -90,8 +90,8 @@ class PagedKVCache:
         """
         kf = self.k[layer].view(-1, *self.k.shape[-2:])
         vf = self.v[layer].view(-1, *self.v.shape[-2:])
-        kf.index_copy_(0, slots, k.to(kf.dtype))
-        vf.index_copy_(0, slots, v.to(vf.dtype))
+        kf.index_copy_(0, slots, k if k.dtype == kf.dtype else k.to(kf.dtype))
+        vf.index_copy_(0, slots, v if v.dtype == vf.dtype else v.to(vf.dtype))
 
     def slots_for_positions(self, block_table: Tensor, positions: Tensor) -> Tensor:
         """Flat slot of each position: `block_table[pos // bs] * bs + pos % bs` (int64, same shape)."""
@@ -110,16 +110,59 @@ def paged_decode_attention(
     `j*g .. j*g+g-1` (repeat_interleave order, spec 1.2). Softmax in fp32; returns `[B, H, D]` in q's dtype.
     Reads the whole block-table width with a mask, so the shapes do not depend on the lengths.
     """
-    B, H, D = q.shape
-    _, block_size, n_kv, _ = k_cache.shape
-    g = H // n_kv
-    k = k_cache[block_tables.long()].reshape(B, -1, n_kv, D)  # [B, L, Hkv, D]
-    v = v_cache[block_tables.long()].reshape(B, -1, n_kv, D)
-    L = k.shape[1]
-    qf = q.float().view(B, n_kv, g, D)
-    scores = torch.einsum("bkgd,blkd->bkgl", qf, k.float()) * scale
-    visible = torch.arange(L, device=q.device).view(1, 1, 1, L) < context_lens.view(B, 1, 1, 1)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bkgl,blkd->bkgd", probs, v.float())
-    return out.reshape(B, H, D).to(q.dtype)
+    return PagedDecodeAttention(block_tables, context_lens, k_cache.shape[1])(q, k_cache, v_cache, scale)
+
+
+class PagedDecodeAttention:
+    """`paged_decode_attention` for one decode step of every layer: the block-table and mask work that
+    does not depend on the layer is done once here, and each call attends one layer's pool.
+
+    The CPU path is bound by op dispatch, so the layer calls skip the casts that are no-ops in fp32, and
+    on a CPU a single row whose blocks are consecutive reads them as a slice of the pool instead of
+    gathering a copy (same values, same contiguous layout, same alignment, so the same results). Nothing
+    here reads device data on other devices: safe inside a captured CUDA graph.
+    """
+
+    def __init__(self, block_tables: Tensor, context_lens: Tensor, block_size: int):
+        B, W = block_tables.shape
+        L = W * block_size
+        self.rows = B
+        self.index = block_tables.long().view(-1)
+        positions = torch.arange(L, device=context_lens.device).view(1, 1, 1, L)
+        self.hidden = positions >= context_lens.view(B, 1, 1, 1)  # masked: not in the row's context
+        self.first_block: int | None = None
+        if B == 1 and block_tables.device.type == "cpu":
+            ids = self.index.tolist()
+            if ids == list(range(ids[0], ids[0] + W)):
+                self.first_block = ids[0]
+
+    def _gather(self, cache: Tensor) -> Tensor:
+        """The rows' blocks, `[B, L, Hkv, D]` contiguous."""
+        if self.first_block is not None:
+            blocks = cache[self.first_block : self.first_block + self.index.shape[0]]
+            if blocks.data_ptr() % 64 == 0:  # the alignment of a fresh CPU allocation
+                return blocks.view(1, -1, *cache.shape[2:])
+        return cache.index_select(0, self.index).view(self.rows, -1, *cache.shape[2:])
+
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) -> Tensor:
+        B, H, D = q.shape
+        n_kv = k_cache.shape[2]
+        k, v = self._gather(k_cache), self._gather(v_cache)
+        if q.dtype != torch.float32 or k.dtype != torch.float32:
+            q32, k, v = q.float(), k.float(), v.float()
+        else:
+            q32 = q
+        g, L = H // n_kv, k.shape[1]
+        qg = q32.view(B, n_kv, g, D)
+        if q.device.type == "cpu":  # the bmm calls einsum makes, without its per-call planning
+            scores = torch.bmm(qg.reshape(B * n_kv, g, D), k.permute(0, 2, 3, 1).reshape(B * n_kv, D, L))
+            scores = scores.view(B, n_kv, g, L) * scale
+        else:
+            scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale
+        probs = torch.softmax(scores.masked_fill(self.hidden, float("-inf")), dim=-1)
+        if q.device.type == "cpu":
+            out = torch.bmm(probs.view(B * n_kv, g, L), v.permute(0, 2, 1, 3).reshape(B * n_kv, L, D))
+        else:
+            out = torch.einsum("bkgl,blkd->bkgd", probs, v)
+        out = out.reshape(B, H, D)
+        return out if out.dtype == q.dtype else out.to(q.dtype)

@@ -81,44 +81,67 @@ def frame_log_noise(seeds: Tensor, steps: Tensor, streams: int, n: int) -> Tenso
     return torch.log(-torch.log(u))
 
 
+class DrawSettings:
+    """Per-row sampling parameters prepared for the torch sampler: the work that does not depend on the
+    logits, done once and shared by every draw of a step that uses the same parameters.
+
+    temperature, top_p: `[B]` float32; top_k: `[B]` int64 (0 = no limit).
+    """
+
+    def __init__(
+        self, temperature: Tensor, top_p: Tensor, top_k: Tensor, same_top_k: DrawSettings | None = None
+    ):
+        self.top_k = top_k
+        self.top_p = top_p.unsqueeze(1)
+        self.t = torch.clamp(temperature, min=MIN_TEMPERATURE).unsqueeze(1)
+        self.sampled = temperature > 0  # else greedy
+        # The rank masks depend on top_k only: `same_top_k` (settings with this top_k) shares its own.
+        self._rank_masks: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = (
+            same_top_k._rank_masks if same_top_k is not None else {}
+        )
+
+    def rank_masks(self, V: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """For V sorted candidates: `(rank > 0 [1, V], rank >= top_k and rank > 0 [B, V])`."""
+        masks = self._rank_masks.get((V, device))
+        if masks is None:
+            ranks = torch.arange(V, device=device).unsqueeze(0)
+            k_eff = torch.where(self.top_k > 0, self.top_k, V)
+            not_first = ranks > 0
+            masks = not_first, (ranks >= k_eff.unsqueeze(1)) & not_first
+            self._rank_masks[(V, device)] = masks
+        return masks
+
+
 class SortedLogits:
     """Logits sorted once per step, shared by every draw from them (the RAS pair shares one sort)."""
 
     def __init__(self, logits: Tensor):
-        self.raw = logits.float()
+        self.raw = logits if logits.dtype == torch.float32 else logits.float()
         self.values, self.indices = torch.sort(
             self.raw, dim=-1, descending=True, stable=True
         )  # ties: lower id first
         self.cum = torch.cumsum(torch.softmax(self.values, dim=-1), dim=-1)
-        self.ranks = torch.arange(self.raw.shape[-1], device=logits.device)
 
-    def draw(
-        self,
-        temperature: Tensor,
-        top_p: Tensor,
-        top_k: Tensor,
-        keys: Tensor | None,
-        log_noise: Tensor | None = None,
-    ) -> Tensor:
+    def draw(self, settings: DrawSettings, keys: Tensor | None, log_noise: Tensor | None = None) -> Tensor:
         """One draw per row; returns `[B]` int64 indices into the logits' last dimension. The noise
         comes from `keys` or, precomputed, from `log_noise [B, V]` (`frame_log_noise`)."""
         V = self.raw.shape[-1]
-        k_eff = torch.where(top_k > 0, top_k, V)
-        remove = (self.cum > top_p.unsqueeze(1)) | (self.ranks.unsqueeze(0) >= k_eff.unsqueeze(1))
-        remove = remove & (self.ranks.unsqueeze(0) > 0)
-        t = torch.clamp(temperature, min=MIN_TEMPERATURE).unsqueeze(1)
+        not_first, by_rank = settings.rank_masks(V, self.raw.device)
+        # remove = (cum > top_p or rank >= top_k) and rank > 0
+        remove = ((self.cum > settings.top_p) & not_first) | by_rank
         if log_noise is None:
             log_noise = torch.log(-torch.log(uniform(keys, V)))
         log_e = log_noise.gather(1, self.indices)  # the noise follows the token id, not the rank
-        score = (self.values / t - log_e).masked_fill(remove, float("-inf"))
+        score = (self.values / settings.t - log_e).masked_fill(remove, float("-inf"))
         rank = torch.argmax(score, dim=-1, keepdim=True)
         sampled = self.indices.gather(1, rank).squeeze(1)
-        return torch.where(temperature > 0, sampled, self.indices[:, 0])
+        return torch.where(settings.sampled, sampled, self.indices[:, 0])
 
 
 def sample(
     logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor, steps: Tensor,
     stream: int, top_k_cap: int | None = None, log_noise: Tensor | None = None,
+    settings: DrawSettings | None = None,
 ) -> Tensor:  # fmt: skip
     """Sample one index per row.
 
@@ -126,27 +149,31 @@ def sample(
     = greedy, top_p in (0, 1]); top_k: `[B]` int64 (0 = no limit); seeds, steps: `[B]` int64.
     Returns `[B]` int64. On CUDA the Triton kernel of tts/kernels/sampling.py does the same in one launch;
     `top_k_cap` (a promise that every row has 0 < top_k <= top_k_cap) lets it sort only that many
-    candidates. `log_noise [B, V]`: this draw's slice of `frame_log_noise` (torch path only).
+    candidates. `log_noise [B, V]`: this draw's slice of `frame_log_noise`; `settings`: the same
+    temperature / top_p / top_k prepared once for several draws (torch path only).
     """
     if _use_triton(logits):
         from .kernels.sampling import triton_sample
 
         return triton_sample(logits, temperature, top_p, top_k, seeds, steps, stream, top_k_cap)
     keys = None if log_noise is not None else row_keys(seeds, steps, stream)
-    return SortedLogits(logits).draw(temperature, top_p, top_k, keys, log_noise)
+    if settings is None:
+        settings = DrawSettings(temperature, top_p, top_k)
+    return SortedLogits(logits).draw(settings, keys, log_noise)
 
 
 def sample_main_token(
     logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor, steps: Tensor,
     window: Tensor, window_len: Tensor, n_semantic: int, high_stream: int, top_k_cap: int | None = None,
-    log_noise: Tensor | None = None, high_log_noise: Tensor | None = None,
+    log_noise: Tensor | None = None, high_log_noise: Tensor | None = None, settings: DrawSettings | None = None,
 ) -> Tensor:  # fmt: skip
     """Main-token draw with the RAS fallback (spec 4.1).
 
     window: `[B, W]` int64 indices of the row's last W main tokens in the same index space as logits,
     newest last, -1 where empty; window_len: `[B]` how many of the newest entries count (0 disables
     RAS); indices `[0, n_semantic)` are semantic tokens; `log_noise` / `high_log_noise`: the two draws'
-    slices of `frame_log_noise` (streams 0 and `high_stream`; torch path only). Returns `[B]` int64.
+    slices of `frame_log_noise` (streams 0 and `high_stream`; torch path only); `settings`: as for
+    `sample`. Returns `[B]` int64.
     """
     if _use_triton(logits):
         from .kernels.sampling import triton_sample_main_token
@@ -166,15 +193,17 @@ def sample_main_token(
         )
     sorted_logits = SortedLogits(logits)
     precomputed = log_noise is not None
-    normal = sorted_logits.draw(
-        temperature, top_p, top_k, None if precomputed else row_keys(seeds, steps, 0), log_noise
-    )
-    high = sorted_logits.draw(
+    if settings is None:
+        settings = DrawSettings(temperature, top_p, top_k)
+    normal = sorted_logits.draw(settings, None if precomputed else row_keys(seeds, steps, 0), log_noise)
+    high_settings = DrawSettings(
         torch.full_like(temperature, RAS_HIGH_TEMPERATURE),
         torch.full_like(top_p, RAS_HIGH_TOP_P),
         top_k,
-        None if precomputed else row_keys(seeds, steps, high_stream),
-        high_log_noise,
+        settings,
+    )
+    high = sorted_logits.draw(
+        high_settings, None if precomputed else row_keys(seeds, steps, high_stream), high_log_noise
     )
     W = window.shape[1]
     counted = torch.arange(W, device=window.device).unsqueeze(0) >= (W - window_len).unsqueeze(1)

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels import fused_kernels_enabled
-from ..kv_cache import SCRATCH_BLOCK, PagedKVCache, paged_decode_attention
-from ..model import DualARTransformer, KVDest, dense_causal_attend
-from ..sampling import RAS_WINDOW, SAMPLER_TOPK_CAP, frame_log_noise, sample, sample_main_token
+from ..kv_cache import SCRATCH_BLOCK, PagedDecodeAttention, PagedKVCache, paged_decode_attention
+from ..model import DualARTransformer, KVDest, Rope, dense_causal_attend
+from ..sampling import RAS_WINDOW, SAMPLER_TOPK_CAP, DrawSettings, frame_log_noise, sample, sample_main_token
 
 
 @dataclass
@@ -142,6 +142,12 @@ class ModelRunner:
         fk = self.buffers.fast_k
         rows = torch.arange(max_batch, device=self.device) * fk.stride(1)
         self.fast_row_offset = torch.stack([rows + k * fk.stride(3) for k in range(c.num_codebooks)])
+        # On a CPU (no graphs) the fast AR's RoPE factors for each codebook position are built once.
+        self.fast_rope: list[Rope] | None = None
+        if self.device.type == "cpu":
+            self.fast_rope = [Rope(model.fast_freqs_cis[k : k + 1]) for k in range(c.num_codebooks)]
+            for rope in self.fast_rope:
+                rope.factors()
         # Residual codebooks are sampled from the first n_residual fast logits (a static slice).
         self.n_residual = c.residual_codebook_size or c.codebook_size
 
@@ -233,13 +239,21 @@ class ModelRunner:
             tables = tables[:, :width]
         fused = fused_kernels_enabled(bufs.frames)
         slot_offset = slots * (kv.k.shape[-2] * kv.k.shape[-1]) if fused else None
+        if self.paged_attention is paged_decode_attention:  # torch path: table work once for all layers
+            torch_attention = PagedDecodeAttention(tables, context_lens, bs)
+
+            def paged_attention(q, i):
+                return torch_attention(q, kv.k[i], kv.v[i], self.scale)
+        else:
+
+            def paged_attention(q, i):
+                return self.paged_attention(q, kv.k[i], kv.v[i], tables, context_lens, self.scale)
 
         def attend_layer(i):
             def attend(q, k, v):
                 if k is not None:  # (the fused kernel already wrote them through kv_dest)
                     kv.write(i, slots, k[:, 0], v[:, 0])
-                o = self.paged_attention(q[:, 0], kv.k[i], kv.v[i], tables, context_lens, self.scale)
-                return o.unsqueeze(1)
+                return paged_attention(q[:, 0], i).unsqueeze(1)
 
             if fused:
                 attend.kv_dest = KVDest(kv.k[i].view(-1), kv.v[i].view(-1), slot_offset, kv.k.shape[-1])
@@ -248,6 +262,9 @@ class ModelRunner:
         x = m.embed(bufs.frames[:b].unsqueeze(1))
         h_pre, h_post = m.slow_layers(x, m.freqs_cis[pos].unsqueeze(1), attend_layer)
         return h_pre[:, 0], h_post[:, 0]
+
+    def _fast_rope(self, k: int) -> Tensor | Rope:
+        return self.fast_rope[k] if self.fast_rope is not None else self.model.fast_freqs_cis[k : k + 1]
 
     def _fast_attend(self, b: int, k_pos: int):
         """attend() for fast position k_pos: write slot k_pos, attend to slots 0..k_pos of this frame.
@@ -299,14 +316,15 @@ class ModelRunner:
             # The torch sampler takes the frame's noise for every draw from one batched computation
             # (streams 0 = main token, k = codebook k, N + 1 = RAS fallback); the CUDA kernels hash
             # their own noise.
-            noise = None
+            noise = settings = None
             if not fused_kernels_enabled(sem_logits):
                 noise = frame_log_noise(seeds, steps, high + 1, max(V, self.n_residual))
+                settings = DrawSettings(temperature, top_p, top_k)  # shared by all draws of the frame
             idx = sample_main_token(
                 sem_logits, temperature, top_p, top_k, seeds, steps, bufs.ras_window[:b],
                 bufs.ras_len[:b], self.n_sem, high_stream=high, top_k_cap=cap,
                 log_noise=None if noise is None else noise[:, 0, :V],
-                high_log_noise=None if noise is None else noise[:, high, :V],
+                high_log_noise=None if noise is None else noise[:, high, :V], settings=settings,
             )  # fmt: skip
             token = torch.where(idx == self.n_sem, c.eos_token_id, idx + c.semantic_begin_id)
             # Fast AR: position 0 on the slow hidden state (its logits are never used), c_0 derived from
@@ -314,10 +332,10 @@ class ModelRunner:
             codes = [torch.clamp(token - c.semantic_begin_id, 0, c.codebook_size - 1)]
             if c.num_codebooks > 1:
                 x = m.fast_input(h_pre, h_post).unsqueeze(1)
-                m.fast_layers_forward(x, m.fast_freqs_cis[0:1], self._fast_attend(b, 0))
+                m.fast_layers_forward(x, self._fast_rope(0), self._fast_attend(b, 0))
                 for k in range(1, c.num_codebooks):
                     x = m.fast_embeddings(codes[k - 1]).unsqueeze(1)
-                    y = m.fast_layers_forward(x, m.fast_freqs_cis[k : k + 1], self._fast_attend(b, k))
+                    y = m.fast_layers_forward(x, self._fast_rope(k), self._fast_attend(b, k))
                     logits = m.fast_logits(y[:, 0])[:, : self.n_residual]
                     codes.append(
                         sample(
@@ -330,6 +348,7 @@ class ModelRunner:
                             stream=k,
                             top_k_cap=cap,
                             log_noise=None if noise is None else noise[:, k, : logits.shape[1]],
+                            settings=settings,
                         )
                     )
             frame = torch.stack([token, *codes], dim=1)
