@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from .codec import Codec, WaveTableCodec
 from .codec.melrvq import MelRVQCodec
+from .codec.melvq import MelVQCodec
 from .config import ConfigError, ModelArgs
 from .engine.request import SamplingParams
 from .frontend import get_frontend
@@ -114,6 +115,7 @@ def register_codec(codec_type: str, loader: CodecLoader) -> None:
 
 
 register_codec("mel_rvq", lambda directory, cfg: MelRVQCodec.load(directory, cfg))
+register_codec("mel_vqvae", lambda directory, cfg: MelVQCodec.load(directory, cfg))
 
 
 def load_codec(directory: Path) -> Codec:

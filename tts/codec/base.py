@@ -72,6 +72,11 @@ class Codec(ABC):
     def decode(self, codes: Tensor) -> Tensor:
         """Float32 PCM `[T * frame_length]` in [-1, 1] for codes `[num_codebooks, T]`."""
 
+    def decode_tail(self, codes: Tensor, frames: int) -> Tensor:
+        """The samples of the last `frames` frames of `decode(codes)` (`[frames * frame_length]`).
+        Codecs whose decode has per-frame work override this to skip the frames that are only context."""
+        return self.decode(codes)[-frames * self.frame_length :] if frames > 0 else torch.zeros(0)
+
     def stream(self) -> StreamingDecoder:
         """A fresh incremental decoder for one stream of frames."""
         return StreamingDecoder(self)
@@ -101,7 +106,7 @@ class StreamingDecoder:
         if t == 0:
             return torch.zeros(0, dtype=torch.float32)
         window = torch.cat([self._context, codes], dim=1)
-        audio = self.codec.decode(window)[-t * self.codec.frame_length :]
+        audio = self.codec.decode_tail(window, t)
         keep = self.codec.context_frames
         self._context = window[:, window.shape[1] - keep :] if keep else window[:, :0]
         self.frames_decoded += t

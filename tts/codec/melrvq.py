@@ -89,7 +89,7 @@ def _kmeans(x: Tensor, k: int, iters: int, generator: torch.Generator) -> Tensor
     """Lloyd's k-means on `x [n, d]` float32 with k-means++-style seeding on a subsample; empty clusters
     are re-seeded from the points farthest from their centroid. Returns centroids `[k, d]`."""
     n = x.shape[0]
-    idx = torch.randperm(n, generator=generator)[:k]
+    idx = torch.randperm(n, generator=generator)[:k].to(x.device)
     c = x[idx].clone()
     x_sq = x.pow(2).sum(1, keepdim=True)
     for _ in range(iters):
@@ -159,11 +159,7 @@ class MelRVQCodec(Codec):
         self.gl_iters = gl_iters
         self.context_frames = gl_context + 1
         self.logmel = LogMel()
-        fb = self.logmel.filterbank  # [513, 80]
-        self.inverse_fb = torch.linalg.pinv(fb.T)  # [513, 80]: mel -> linear magnitude
-        self.window = torch.hann_window(N_FFT)
-        ramp = torch.arange(CROSSFADE, dtype=torch.float32) + 0.5
-        self.fade_in = 0.5 - 0.5 * torch.cos(math.pi * ramp / CROSSFADE)
+        self.vocoder = WindowedGriffinLim(gl_context, gl_iters)
 
     # ---- files ---------------------------------------------------------------------------------------
 
@@ -214,6 +210,10 @@ class MelRVQCodec(Codec):
             residual = residual - book[idx]
         return torch.stack(codes)
 
+    def encode_logmel(self, logmel: Tensor) -> Tensor:
+        """Codes `[N, T]` int64 of a `LogMel` output `[4T, 80]` (the corpus stores log-mel, not audio)."""
+        return self.quantize((stack_frames(logmel.float()) - self.mean) / self.std)
+
     def encode_audio(self, audio: Tensor) -> Tensor:
         return self.quantize(self.features(audio))
 
@@ -227,28 +227,53 @@ class MelRVQCodec(Codec):
 
     def decode(self, codes: Tensor) -> Tensor:
         codes = self.check_codes(codes)
-        T = codes.shape[1]
-        if T == 0:
+        return self.vocoder(self.dequantize(codes))
+
+    def decode_tail(self, codes: Tensor, frames: int) -> Tensor:
+        """Samples of the last `frames` frames only; runs Griffin-Lim on just their windows."""
+        return self.vocoder(self.dequantize(self.check_codes(codes)), last=frames)
+
+
+class WindowedGriffinLim:
+    """Log-mel `[4T, 80]` -> float32 audio `[T * 1024]` in [-1, 1] by Griffin-Lim on bounded windows.
+
+    The window layout, the 512-sample delay and the cross-fade are described in the module docstring:
+    frame t's samples depend only on mel frames of codec frames t - context - 1 .. t. `last=k` returns
+    the samples of the last k frames only and runs only their k + 1 windows (streaming decode).
+    """
+
+    def __init__(self, context: int, iters: int):
+        self.context = context
+        self.iters = iters
+        self.inverse_fb = torch.linalg.pinv(LogMel().filterbank.T)  # [513, 80]: mel -> linear magnitude
+        self.window = torch.hann_window(N_FFT)
+        ramp = torch.arange(CROSSFADE, dtype=torch.float32) + 0.5
+        self.fade_in = 0.5 - 0.5 * torch.cos(math.pi * ramp / CROSSFADE)
+
+    def __call__(self, logmel: Tensor, last: int | None = None) -> Tensor:
+        T = logmel.shape[0] // SUBFRAMES
+        last = T if last is None else min(last, T)
+        if last <= 0:
             return torch.zeros(0)
-        C = self.gl_context
+        C = self.context
         L = FRAME_LENGTH
-        logmel = self.dequantize(codes)  # [4T, 80]
         # Windows W_{-1}..W_{T-1}: W_t = codec frames t-C..t, left-padded with silence frames.
         silence = math.log(LOG_FLOOR)
-        padded = torch.cat([torch.full(((C + 1) * SUBFRAMES, N_MELS), silence), logmel])  # frames -C-1..T-1
+        padded = torch.cat([torch.full(((C + 1) * SUBFRAMES, N_MELS), silence), logmel.float()])
         win = padded.unfold(0, (C + 1) * SUBFRAMES, SUBFRAMES)  # [T+1, 80, 4(C+1)]: W_{t-1} = row t
-        mag = (self.inverse_fb @ torch.exp(win)).clamp_min(0.0)  # [T+1, 513, 4(C+1)]
+        win = win[T - last :]  # the windows of the last `last` frames and their predecessor
+        mag = (self.inverse_fb @ torch.exp(win)).clamp_min(0.0)  # [last+1, 513, 4(C+1)]
         n_mel_frames = mag.shape[-1]
         # Griffin-Lim on every window at once; centred iSTFT gives 256 * (frames - 1) samples.
         y = torchaudio.functional.griffinlim(
-            mag, self.window, N_FFT, HOP, N_FFT, power=1.0, n_iter=self.gl_iters, momentum=0.99,
+            mag, self.window, N_FFT, HOP, N_FFT, power=1.0, n_iter=self.iters, momentum=0.99,
             length=HOP * (n_mel_frames - 1), rand_init=False,
-        )  # fmt: skip  # [T+1, 256 (4C + 3)]
+        )  # fmt: skip  # [last+1, 256 (4C + 3)]
         # Window W_t starts at signal position L (t - C). Frame t emits [L t - 512, L (t+1) - 512):
         # offset L C - 512 in W_t. The cross-fade's other half comes from W_{t-1} at offset L (C+1) - 512.
         start = L * C - DELAY
-        cur = y[1:, start : start + L]  # [T, L] from W_t
-        prev = y[:-1, start + L : start + L + CROSSFADE]  # [T, 256] from W_{t-1}
+        cur = y[1:, start : start + L]  # [last, L] from W_t
+        prev = y[:-1, start + L : start + L + CROSSFADE]  # [last, 256] from W_{t-1}
         head = prev * (1 - self.fade_in) + cur[:, :CROSSFADE] * self.fade_in
         out = torch.cat([head, cur[:, CROSSFADE:]], dim=1).reshape(-1)
         return out.clamp(-1.0, 1.0)

@@ -1,0 +1,112 @@
+"""The default model's learned codec (tts/codec/melvq.py) and its trainer (training/train_codec.py)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_melrvq_codec import _voice_like
+
+from tts.bundle import load_codec
+from tts.codec.melrvq import FRAME_LENGTH, SAMPLE_RATE, LogMel
+from tts.codec.melvq import MelVQCodec, MelVQNet
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def codec():
+    torch.manual_seed(0)
+    net = MelVQNet(num_codebooks=3, codebook_size=16, channels=32, latent=8)
+    net.codebooks.normal_()
+    return MelVQCodec(net, torch.full((320,), -4.0), torch.full((320,), 2.0), gl_context=2, gl_iters=4)
+
+
+def test_frame_layout_and_context(codec):
+    audio = _voice_like(1.0, 150, 9)
+    codes = codec.encode(audio, SAMPLE_RATE)
+    T = math.ceil(audio.numel() / FRAME_LENGTH)
+    assert codes.shape == (3, T) and codes.dtype == torch.int64
+    assert 0 <= int(codes.min()) and int(codes.max()) < 16
+    out = codec.decode(codes)
+    assert out.shape == (T * FRAME_LENGTH,) and out.dtype == torch.float32
+    # decoder receptive field 2 * (1 + 2 + 1) frames, plus Griffin-Lim's window and cross-fade
+    assert codec.context_frames == 8 + 2 + 1
+
+
+def test_decode_depends_on_bounded_context(codec):
+    codes = torch.randint(0, 16, (3, 30))
+    changed = codes.clone()
+    changed[:, :5] = (changed[:, :5] + 7) % 16
+    a, b = codec.decode(codes), codec.decode(changed)
+    first_free = (5 + codec.context_frames) * FRAME_LENGTH
+    assert torch.allclose(a[first_free:], b[first_free:], atol=1e-5)
+    assert not torch.allclose(a[:first_free], b[:first_free], atol=1e-3)
+
+
+def test_streaming_equals_offline(codec):
+    codes = torch.randint(0, 16, (3, 40))
+    offline = codec.decode(codes)
+    stream = codec.stream()
+    pieces = [
+        stream.push(codes[:, i : i + n]) for i, n in zip((0, 1, 4, 11, 20), (1, 3, 7, 9, 20), strict=True)
+    ]
+    streamed = torch.cat(pieces)
+    assert streamed.shape == offline.shape
+    # The convolutions round differently for different lengths (~1e-6 in log-mel); Griffin-Lim's
+    # momentum iterations amplify that to ~3e-4 in samples at most. A context bug would be ~1e-1.
+    assert torch.allclose(streamed, offline, atol=1e-3)
+
+
+def test_decode_tail_is_the_end_of_decode(codec):
+    codes = torch.randint(0, 16, (3, 25))
+    assert torch.allclose(codec.decode_tail(codes, 4), codec.decode(codes)[-4 * FRAME_LENGTH :], atol=1e-5)
+
+
+def test_save_and_load_through_codec_json(codec, tmp_path):
+    codec.save(tmp_path)
+    cfg = json.loads((tmp_path / "codec.json").read_text())
+    assert cfg["type"] == "mel_vqvae" and cfg["decoder_dilations"] == [1, 2, 1]
+    loaded = load_codec(tmp_path)
+    assert isinstance(loaded, MelVQCodec) and loaded.context_frames == codec.context_frames
+    codes = torch.randint(0, 16, (3, 12))
+    # the convolutions are stored in float16: decoded audio moves by little
+    assert torch.allclose(loaded.decode(codes), codec.decode(codes), atol=2e-2)
+    assert torch.equal(loaded.net.codebooks, codec.net.codebooks)  # codebooks stay float32
+
+
+def _tiny_work(tmp_path: Path) -> Path:
+    """A corpus work folder as corpus.py leaves it after `text` and `synth`: 6 train clips, 2 held out."""
+    work = tmp_path / "work"
+    (work / "shards").mkdir(parents=True)
+    rows, mels, ids = [], [], []
+    for i in range(8):
+        uid = f"u{i}"
+        rows.append({"id": uid, "split": "train" if i < 6 else "heldout"})
+        mels.append(LogMel()(_voice_like(1.2, 110 + 20 * i, i)).to(torch.float16))
+        ids.append(uid)
+    (work / "sentences.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    torch.save({"ids": ids, "seconds": [1.2] * 8, "mels": mels}, work / "shards" / "mel-0000.pt")
+    return work
+
+
+def test_train_codec_learns_and_writes_a_loadable_codec(tmp_path):
+    work = _tiny_work(tmp_path)
+    out = tmp_path / "codec"
+    cmd = [
+        sys.executable, str(ROOT / "training" / "train_codec.py"), "--work", str(work), "--out", str(out),
+        "--device", "cpu", "--steps", "120", "--batch", "8", "--segment", "8", "--channels", "32", "--latent", "8",
+        "--codebook-size", "16", "--num-codebooks", "2", "--warmup", "10", "--lr", "3e-3", "--log-every", "20",
+        "--max-seconds", "200",
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=240)
+    state = json.loads((out / "train_state.json").read_text())
+    recon = [h["recon"] for h in state["history"]]
+    assert state["steps"] == 120 and max(recon[-2:]) < 0.6 * recon[0]
+    codec = load_codec(out)
+    codes = codec.encode_audio(_voice_like(1.0, 150, 3))
+    assert codes.shape[0] == 2 and int(codes.max()) < 16
+    assert codec.decode(codes).shape == (codes.shape[1] * FRAME_LENGTH,)

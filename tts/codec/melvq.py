@@ -1,0 +1,208 @@
+"""The default model's learned codec: a small VQ-VAE on log-mel frames, decoded by windowed Griffin-Lim.
+
+Same features and frame layout as `tts.codec.melrvq` (22050 Hz, 1024 samples = four 256-hop log-mel
+frames of 80 Slaney mels per codec frame, 21.53 frames/s), but the codes come from a learned encoder
+and are turned back into log-mel by a learned causal decoder, both trained with the codebooks by
+`training/train_codec.py`:
+
+* **Encoder** (`MelVQNet.encode`): the standardized `[T, 320]` frame vectors -> 1x1 conv to `channels`
+  -> residual blocks of centred kernel-3 convolutions (non-causal; encoding is offline) -> 1x1 conv to
+  the `latent`-dim vector of each frame.
+* **Quantizer**: residual VQ, `num_codebooks` stages of `codebook_size` vectors (codebooks learned by
+  exponential moving averages of their assigned encoder outputs, as in VQ-VAE-2 / SoundStream, with
+  unused vectors re-seeded from the batch). Stage 0 is the coarse code the slow AR predicts.
+* **Decoder** (`MelVQNet.decode`): the sum of the chosen vectors -> 1x1 conv -> residual blocks of
+  *causal* kernel-3 convolutions -> 1x1 conv to the four log-mel frames. Frame t's mel depends on codes
+  t - R .. t only, with R = 2 * sum(dilations) (`receptive_frames`).
+* **Vocoder**: `melrvq.WindowedGriffinLim` over `gl_context + 1` frames (its own bounded window), so
+  frame t's samples depend on codes t - R - gl_context - 1 .. t: `context_frames`. Streaming decode
+  (`decode_tail`) therefore equals offline decode.
+
+Files: `codec.json` (type `mel_vqvae` and the shape above) and `codec.safetensors` (the net's weights,
+its codebooks, and the feature mean/std).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from .base import Codec
+from .melrvq import FRAME_LENGTH, N_MELS, SAMPLE_RATE, SUBFRAMES, LogMel, WindowedGriffinLim, stack_frames
+
+FEATURE_DIM = SUBFRAMES * N_MELS  # 320
+
+
+class ConvBlock(nn.Module):
+    """Residual block: GELU -> kernel-3 dilated conv -> GELU -> 1x1 conv, added to the input.
+    `causal` pads only on the left (output t sees inputs t - 2d .. t); otherwise both sides."""
+
+    def __init__(self, channels: int, dilation: int, causal: bool):
+        super().__init__()
+        self.conv = nn.Conv1d(channels, channels, 3, dilation=dilation)
+        self.proj = nn.Conv1d(channels, channels, 1)
+        self.pad = (2 * dilation, 0) if causal else (dilation, dilation)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.proj(F.gelu(self.conv(F.pad(F.gelu(x), self.pad))))
+
+
+class MelVQNet(nn.Module):
+    """Encoder, residual-VQ codebooks and causal decoder (see the module docstring).
+
+    Tensors are channel-first: features `[B, 320, T]`, latents `[B, latent, T]`, codes `[B, N, T]` int64.
+    """
+
+    def __init__(
+        self, num_codebooks: int = 4, codebook_size: int = 1024, channels: int = 256, latent: int = 128,
+        encoder_dilations: tuple[int, ...] = (1, 2, 4, 1), decoder_dilations: tuple[int, ...] = (1, 2, 1),
+    ):  # fmt: skip
+        super().__init__()
+        self.num_codebooks, self.codebook_size, self.latent = num_codebooks, codebook_size, latent
+        self.shape = dict(
+            num_codebooks=num_codebooks, codebook_size=codebook_size, channels=channels, latent=latent,
+            encoder_dilations=list(encoder_dilations), decoder_dilations=list(decoder_dilations),
+        )  # fmt: skip
+        self.enc_in = nn.Conv1d(FEATURE_DIM, channels, 1)
+        self.enc_blocks = nn.Sequential(*[ConvBlock(channels, d, causal=False) for d in encoder_dilations])
+        self.enc_out = nn.Conv1d(channels, latent, 1)
+        self.dec_in = nn.Conv1d(latent, channels, 1)
+        self.dec_blocks = nn.Sequential(*[ConvBlock(channels, d, causal=True) for d in decoder_dilations])
+        self.dec_out = nn.Conv1d(channels, FEATURE_DIM, 1)
+        self.register_buffer("codebooks", torch.zeros(num_codebooks, codebook_size, latent))
+        self.receptive_frames = 2 * sum(decoder_dilations)
+
+    def encode(self, features: Tensor) -> Tensor:
+        """Standardized features `[B, 320, T]` -> latents `[B, latent, T]`."""
+        return self.enc_out(F.gelu(self.enc_blocks(self.enc_in(features))))
+
+    def quantize(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        """Residual VQ of latents `[B, latent, T]` -> (codes `[B, N, T]` int64, quantized `[B, latent, T]`)."""
+        B, D, T = z.shape
+        residual = z.transpose(1, 2).reshape(-1, D)
+        total = torch.zeros_like(residual)
+        codes = []
+        for book in self.codebooks:
+            idx = nearest(residual, book)
+            q = book[idx]
+            residual = residual - q
+            total = total + q
+            codes.append(idx)
+        codes_t = torch.stack(codes, 0).reshape(self.num_codebooks, B, T).transpose(0, 1)
+        return codes_t, total.reshape(B, T, D).transpose(1, 2)
+
+    def lookup(self, codes: Tensor) -> Tensor:
+        """Codes `[B, N, T]` -> the sum of their codebook vectors `[B, latent, T]`."""
+        q = sum(self.codebooks[i][codes[:, i]] for i in range(self.num_codebooks))
+        return q.transpose(1, 2)
+
+    def decode(self, q: Tensor) -> Tensor:
+        """Quantized latents `[B, latent, T]` -> standardized features `[B, 320, T]` (causal)."""
+        return self.dec_out(F.gelu(self.dec_blocks(self.dec_in(q))))
+
+
+def nearest(x: Tensor, book: Tensor) -> Tensor:
+    """Index `[M]` of the nearest (squared L2) row of `book [K, D]` for each row of `x [M, D]`."""
+    d = book.pow(2).sum(1) - 2 * x @ book.T
+    return d.argmin(1)
+
+
+class MelVQCodec(Codec):
+    """Learned mel codec (module docstring). `net` holds the weights; `mean`, `std` `[320]` standardize
+    the stacked log-mel features. Runs on the CPU unless `to(device)` moves the net (corpus encoding)."""
+
+    sample_rate = SAMPLE_RATE
+    frame_length = FRAME_LENGTH
+
+    def __init__(self, net: MelVQNet, mean: Tensor, std: Tensor, gl_context: int = 2, gl_iters: int = 16):
+        self.net = net.eval()
+        self.mean = mean.float()
+        self.std = std.float()
+        self.num_codebooks = net.num_codebooks
+        self.codebook_size = net.codebook_size
+        self.gl_context, self.gl_iters = gl_context, gl_iters
+        self.context_frames = net.receptive_frames + gl_context + 1
+        self.logmel = LogMel()
+        self.vocoder = WindowedGriffinLim(gl_context, gl_iters)
+
+    def to(self, device) -> MelVQCodec:
+        self.net.to(device)
+        return self
+
+    # ---- files ---------------------------------------------------------------------------------------
+
+    def config(self) -> dict:
+        return {
+            "type": "mel_vqvae", "sample_rate": self.sample_rate, "frame_length": self.frame_length,
+            **self.net.shape, "gl_context": self.gl_context, "gl_iters": self.gl_iters,
+            "weights": "codec.safetensors",
+        }  # fmt: skip
+
+    def save(self, directory: str | Path) -> None:
+        """Write `codec.json` and `codec.safetensors` into `directory`: the convolution weights in
+        float16 (half the file; loaded back as float32), the codebooks and mean/std in float32."""
+        directory = Path(directory)
+        state = {
+            k: v.detach().cpu().to(torch.float32 if k == "codebooks" else torch.float16).contiguous()
+            for k, v in self.net.state_dict().items()
+        }
+        save_file({**state, "mean": self.mean, "std": self.std}, str(directory / "codec.safetensors"))
+        (directory / "codec.json").write_text(json.dumps(self.config(), indent=2))
+
+    @classmethod
+    def load(cls, directory: str | Path, cfg: dict | None = None) -> MelVQCodec:
+        directory = Path(directory)
+        cfg = cfg if cfg is not None else json.loads((directory / "codec.json").read_text())
+        w = load_file(str(directory / cfg.get("weights", "codec.safetensors")))
+        keys = (
+            "num_codebooks",
+            "codebook_size",
+            "channels",
+            "latent",
+            "encoder_dilations",
+            "decoder_dilations",
+        )
+        net = MelVQNet(**{k: (tuple(cfg[k]) if "dilations" in k else cfg[k]) for k in keys})
+        mean, std = w.pop("mean"), w.pop("std")
+        net.load_state_dict({k: v.float() for k, v in w.items()})
+        return cls(net, mean, std, gl_context=cfg.get("gl_context", 2), gl_iters=cfg.get("gl_iters", 16))
+
+    # ---- encode --------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode_logmel(self, logmel: Tensor) -> Tensor:
+        """Codes `[N, T]` int64 (on the CPU) of a `LogMel` output `[4T, 80]`."""
+        dev = self.net.codebooks.device
+        x = (stack_frames(logmel.float()) - self.mean) / self.std  # [T, 320]
+        codes, _ = self.net.quantize(self.net.encode(x.T.unsqueeze(0).to(dev)))
+        return codes[0].cpu()
+
+    def encode_audio(self, audio: Tensor) -> Tensor:
+        return self.encode_logmel(self.logmel(audio))
+
+    # ---- decode --------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def dequantize(self, codes: Tensor) -> Tensor:
+        """Codes `[N, T]` -> log-mel `[4T, 80]` (CPU float32) through the causal decoder."""
+        dev = self.net.codebooks.device
+        feats = self.net.decode(self.net.lookup(codes.unsqueeze(0).to(dev)))[0].T.float().cpu()  # [T, 320]
+        return (feats * self.std + self.mean).reshape(-1, N_MELS)
+
+    def decode(self, codes: Tensor) -> Tensor:
+        codes = self.check_codes(codes)
+        if codes.shape[1] == 0:
+            return torch.zeros(0)
+        return self.vocoder(self.dequantize(codes))
+
+    def decode_tail(self, codes: Tensor, frames: int) -> Tensor:
+        """Samples of the last `frames` frames; Griffin-Lim runs on their windows only."""
+        codes = self.check_codes(codes)
+        if frames <= 0 or codes.shape[1] == 0:
+            return torch.zeros(0)
+        return self.vocoder(self.dequantize(codes), last=frames)
