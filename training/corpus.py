@@ -309,7 +309,9 @@ def fit_codec(
     iters: int,
     seed: int,
     max_utterances: int | None,
+    device: str = "cpu",
 ) -> None:
+    """The k-means codec (`tts.codec.melrvq`) into work/codec (the learned one: train_codec.py)."""
     import torch
 
     from tts.codec.melrvq import MelRVQCodec, fit_rvq, stack_frames
@@ -325,7 +327,8 @@ def fit_codec(
     sample = allv[torch.randperm(allv.shape[0], generator=g)[:sample_frames]]
     mean, std = sample.mean(0), sample.std(0).clamp_min(1e-3)
     log(f"fitting {num_codebooks} x {codebook_size} RVQ on {sample.shape[0]} of {allv.shape[0]} frames")
-    books = fit_rvq((sample - mean) / std, num_codebooks, codebook_size, iters=iters, seed=seed, log=log)
+    normed = ((sample - mean) / std).to(device)
+    books = fit_rvq(normed, num_codebooks, codebook_size, iters=iters, seed=seed, log=log).cpu()
     out = work / "codec"
     out.mkdir(parents=True, exist_ok=True)
     MelRVQCodec(books, mean, std).save(out)
@@ -335,17 +338,21 @@ def fit_codec(
 # ---- encode ----------------------------------------------------------------------------------------
 
 
-def encode(work: Path, max_utterances: int | None) -> None:
+def encode(
+    work: Path, max_utterances: int | None, codec_dir: Path, out: Path, threads: int = 1, device: str = "cpu"
+) -> None:
+    """Codes of every clip through the codec in `codec_dir` (any type `tts.bundle.load_codec` knows)."""
     import torch
 
-    from tts.codec.melrvq import MelRVQCodec, stack_frames
+    from tts.bundle import load_codec
     from tts.tokenizer import build_byte_tokenizer
 
-    torch.set_num_threads(1)  # several threads crawl on a busy 2-core machine
-    codec = MelRVQCodec.load(work / "codec")
+    torch.set_num_threads(threads)  # several threads crawl on a busy 2-core machine
+    codec = load_codec(codec_dir)
+    if hasattr(codec, "to"):
+        codec.to(device)
     tokenizer = build_byte_tokenizer(codec.codebook_size)
     utts = {u["id"]: u for u in read_utterances(work)}
-    out = work / "codes"
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(out / "tokenizer.json")
     total = 0.0
@@ -356,7 +363,7 @@ def encode(work: Path, max_utterances: int | None) -> None:
         items = []
         for uid, mel, sec in zip(shard["ids"], shard["mels"], shard["seconds"], strict=True):
             u = utts[uid]
-            codes = codec.quantize((stack_frames(mel.float()) - codec.mean) / codec.std)
+            codes = codec.encode_logmel(mel.float())
             items.append({
                 "id": uid, "speaker": u["speaker"], "split": u["split"], "seconds": sec,
                 "tokens": torch.tensor(tokenizer.encode(u["phonemes"]), dtype=torch.int16),
@@ -379,6 +386,10 @@ def main() -> None:
     p.add_argument("--sample-frames", type=int, default=60_000, help="frames used to fit the codebooks")
     p.add_argument("--kmeans-iters", type=int, default=12, help="Lloyd iterations per codebook")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--codec-dir", type=Path, default=None, help="codec to encode with (default: WORK/codec)")
+    p.add_argument("--codes-dir", type=Path, default=None, help="where encode writes (default: WORK/codes)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the codec and encode stages")
+    p.add_argument("--device", default="cpu", help="torch device of the codec and encode stages")
     p.add_argument(
         "--max-utterances", type=int, default=None,
         help="use only the first utterances of sentences.jsonl (whole shards of 1000; default: all)",
@@ -397,9 +408,11 @@ def main() -> None:
             a.kmeans_iters,
             a.seed,
             a.max_utterances,
+            a.device,
         )
     if a.stage in ("encode", "all"):
-        encode(a.work, a.max_utterances)
+        codec_dir = a.codec_dir or a.work / "codec"
+        encode(a.work, a.max_utterances, codec_dir, a.codes_dir or a.work / "codes", a.threads, a.device)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Turn a training output into the shipped default bundle (`tts/assets/default/`, our directory format).
 
-    python training/export.py --trained OUT --work training/work --dest tts/assets/default
+    python training/export.py --trained OUT --work training/work --codec training/work/codec_vq3 \
+        --codes training/work/codes_vq3 --dest tts/assets/default
 
 Writes config.json (the model's `dual_ar` fields + `tts_runtime`: name, frontend "espeak-ipa:en-us",
 prompt format, sampling defaults), the weights as bf16 safetensors shards under 15 MB (the runtime
@@ -25,7 +26,7 @@ sys.path.insert(0, str(ROOT / "training"))
 
 from corpus import SPEAKERS, read_utterances  # noqa: E402
 
-from tts.bundle import ModelBundle, load_weights_into, save_bundle, weight_files  # noqa: E402
+from tts.bundle import ModelBundle, load_codec, load_weights_into, save_bundle, weight_files  # noqa: E402
 from tts.codec.melrvq import MelRVQCodec  # noqa: E402
 from tts.config import ModelArgs  # noqa: E402
 from tts.engine.request import SamplingParams  # noqa: E402
@@ -34,15 +35,15 @@ from tts.model import DualARTransformer  # noqa: E402
 from tts.prompt import S2PromptFormat, VoiceReference  # noqa: E402
 from tts.tokenizer import TextTokenizer  # noqa: E402
 
-SAMPLING = SamplingParams(temperature=0.3, top_p=0.8, top_k=30, max_new_tokens=600)
-GL_CONTEXT, GL_ITERS = 2, 16  # decoder settings (no effect on the codes): RESULTS.md has the trade-off
+SAMPLING = SamplingParams(temperature=0.1, top_p=0.5, top_k=10, max_new_tokens=600)
+GL_CONTEXT, GL_ITERS = 2, 16  # k-means codec's decoder settings (no effect on the codes): see RESULTS.md
 
 
-def pick_voices(work: Path, num_codebooks: int) -> dict[str, VoiceReference]:
+def pick_voices(work: Path, codes_dir: Path, num_codebooks: int) -> dict[str, VoiceReference]:
     """One reference per speaker: the first training clip of 2.5-4.5 s (deterministic)."""
     utts = {u["id"]: u for u in read_utterances(work)}
     voices: dict[str, VoiceReference] = {}
-    for path in sorted((work / "codes").glob("codes-*.pt")):
+    for path in sorted(codes_dir.glob("codes-*.pt")):
         for item in torch.load(path):
             spk = SPEAKERS[item["speaker"]]["name"]
             if spk in voices or item["split"] != "train" or not 2.5 <= item["seconds"] <= 4.5:
@@ -57,14 +58,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trained", type=Path, required=True, help="train.py output folder")
     p.add_argument("--work", type=Path, default=ROOT / "training" / "work")
+    p.add_argument("--codec", type=Path, default=None, help="codec folder (default: WORK/codec)")
+    p.add_argument(
+        "--codes", type=Path, default=None, help="the codes the model trained on (default: WORK/codes)"
+    )
     p.add_argument("--dest", type=Path, default=ROOT / "tts" / "assets" / "default")
     p.add_argument("--samples", type=Path, default=ROOT / "samples" / "voices")
     a = p.parse_args()
     raw = json.loads((a.trained / "config.json").read_text())
     args = ModelArgs.from_dict(raw)
-    tokenizer = TextTokenizer.from_file(a.work / "codes" / "tokenizer.json")
-    codec = MelRVQCodec.load(a.work / "codec")
-    codec = MelRVQCodec(codec.codebooks, codec.mean, codec.std, GL_CONTEXT, GL_ITERS, args.num_codebooks)
+    codes_dir = a.codes or a.work / "codes"
+    tokenizer = TextTokenizer.from_file(codes_dir / "tokenizer.json")
+    codec = load_codec(a.codec or a.work / "codec")
+    if isinstance(codec, MelRVQCodec):
+        codec = MelRVQCodec(codec.codebooks, codec.mean, codec.std, GL_CONTEXT, GL_ITERS, args.num_codebooks)
     with torch.device("meta"):
         model = DualARTransformer(args)
     load_weights_into(model, weight_files(a.trained), "cpu", torch.bfloat16)
@@ -72,7 +79,7 @@ def main() -> None:
     bundle = ModelBundle(
         name="default", family="dual_ar (default voice, trained on espeak-ng speech)", model=model, codec=codec,
         tokenizer=tokenizer, prompt_format=S2PromptFormat(tokenizer, args.num_codebooks, PhonemeFrontend("en-us")),
-        voices=pick_voices(a.work, args.num_codebooks), sampling=SAMPLING, chunk_length=200,
+        voices=pick_voices(a.work, codes_dir, args.num_codebooks), sampling=SAMPLING, chunk_length=200,
         default_voice="ava",  # speaker 0 of the corpus: the model reads best with a reference clip
     )  # fmt: skip
     if a.dest.exists():

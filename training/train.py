@@ -57,6 +57,20 @@ def model_config(tokenizer: TextTokenizer, num_codebooks: int, codebook_size: in
     """The default model's architecture (Fish S2 features: qk-norm, tied head, scaled codebook sums,
     post-norm fast input, GQA)."""
     shapes = {
+        # The shipped default (CPU speed: the fast AR runs once per codebook, so it is kept narrow).
+        "fast": dict(
+            n_layer=4,
+            dim=384,
+            n_head=6,
+            n_local_heads=2,
+            intermediate_size=1024,
+            n_fast_layer=1,
+            fast_dim=256,
+            fast_n_head=4,
+            fast_n_local_heads=2,
+            fast_head_dim=64,
+            fast_intermediate_size=768,
+        ),  # fmt: skip
         "small": dict(n_layer=6, dim=384, n_head=6, n_local_heads=2, intermediate_size=1152, n_fast_layer=1),
         "base": dict(n_layer=8, dim=448, n_head=7, n_local_heads=1, intermediate_size=1344, n_fast_layer=1),
         "test": dict(n_layer=2, dim=128, n_head=2, n_local_heads=1, intermediate_size=256, n_fast_layer=1),
@@ -157,8 +171,7 @@ def compute_loss(
     c = model.config
     B, T, _ = frames.shape
     x = model.embed(frames)
-    h_pre = model.slow_layers(x, model.freqs_cis[:T], lambda i: dense_causal_attend)
-    h_post = model.norm(h_pre)
+    h_pre, h_post = model.slow_layers(x, model.freqs_cis[:T], lambda i: dense_causal_attend)
     head = model.lm_head_weight()
     sem_head = torch.cat(
         [head[c.semantic_begin_id : c.semantic_end_id + 1], head[c.eos_token_id : c.eos_token_id + 1]]
@@ -182,12 +195,8 @@ def compute_loss(
     with torch.no_grad():
         acc0 = (logits.argmax(-1) == tgt).float().mean()
     loss = slow_loss + fast_loss
-    return loss, {
-        "slow": slow_loss.item(),
-        "fast": fast_loss.item(),
-        "acc0": acc0.item(),
-        "frames": int(audio.sum()),
-    }
+    # Detached tensors: reading them (a GPU sync) is left to the logging steps.
+    return loss, {"slow": slow_loss.detach(), "fast": fast_loss.detach(), "acc0": acc0, "frames": audio.sum()}
 
 
 # ---- main ------------------------------------------------------------------------------------------
@@ -200,26 +209,31 @@ def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-class Prefetcher:
-    """Builds batches on a background thread (prompt assembly is Python work) while the GPU trains."""
+class Batches(torch.utils.data.IterableDataset):
+    """Endless training batches. Prompt assembly is Python work, so a `DataLoader` runs this in
+    `--workers` processes (each with its own random stream) while the GPU trains."""
 
-    def __init__(self, corpus: Corpus, r: random.Random, batch_tokens: int, depth: int = 6):
-        import queue
-        import threading
+    def __init__(self, corpus: Corpus, seed: int, batch_tokens: int):
+        self.corpus, self.seed, self.batch_tokens = corpus, seed, batch_tokens
 
-        self.q: queue.Queue = queue.Queue(maxsize=depth)
-        self.stop = False
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        r = random.Random(self.seed * 7919 + (info.id if info else 0))
+        while True:
+            yield self.corpus.batch(r, self.batch_tokens, "cpu")
 
-        def work():
-            while not self.stop:
-                self.q.put(corpus.batch(r, batch_tokens, "cpu"))
 
-        self.thread = threading.Thread(target=work, daemon=True)
-        self.thread.start()
-
-    def next(self, device) -> dict:
-        b = self.q.get()
-        return {k: v.to(device, non_blocking=True) for k, v in b.items()}
+def batch_loader(corpus: Corpus, seed: int, batch_tokens: int, workers: int):
+    """Iterator over batches (dicts of CPU tensors); `workers` = 0 builds them in this process."""
+    ds = Batches(corpus, seed, batch_tokens)
+    if workers == 0:
+        return iter(ds)
+    return iter(
+        torch.utils.data.DataLoader(
+            ds, batch_size=None, num_workers=workers, prefetch_factor=4, pin_memory=torch.cuda.is_available(),
+            persistent_workers=True,
+        )
+    )  # fmt: skip
 
 
 def main() -> None:
@@ -227,7 +241,8 @@ def main() -> None:
     p.add_argument("--data", type=Path, required=True, help="the corpus codes/ folder")
     p.add_argument("--codec", type=Path, required=True, help="folder with codec.json (+ codec.safetensors)")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--size", default="small", choices=["small", "base", "test"])
+    p.add_argument("--size", default="fast", choices=["fast", "small", "base", "test"])
+    p.add_argument("--workers", type=int, default=8, help="batch-building processes (0: in the main process)")
     p.add_argument("--num-codebooks", type=int, default=None, help="default: the codec's")
     p.add_argument("--steps", type=int, default=100_000, help="stop after this many steps")
     p.add_argument(
@@ -288,12 +303,11 @@ def main() -> None:
     n_params = sum(x.numel() for x in model.parameters())
     print(f"model: {n_params / 1e6:.2f} M parameters; device {device}", flush=True)
     model.train()
-    r = random.Random(a.seed * 1000 + step)
     use_amp = device.type == "cuda"
     t_train = time.time()
     start_step = step
     budget = a.max_seconds - (t_train - t_start) - 20  # leave time to save
-    prefetch = Prefetcher(corpus, r, a.batch_tokens)
+    batches = batch_loader(corpus, a.seed * 1000 + step, a.batch_tokens, a.workers)
     while step < a.steps and time.time() - t_train < budget:
         progress = max((step - start_step) / max(1, a.steps - start_step), (time.time() - t_train) / budget)
         lr = lr_at(step, progress, a.lr, a.warmup)
@@ -301,7 +315,7 @@ def main() -> None:
             lr *= min(1.0, (step - start_step + 1) / 100)
         for g in opt.param_groups:
             g["lr"] = lr
-        b = prefetch.next(device)
+        b = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
             loss, info = compute_loss(model, b["frames"], b["mask"])
         opt.zero_grad(set_to_none=True)
@@ -315,12 +329,11 @@ def main() -> None:
                 "seconds": round(time.time() - t_train, 1),
                 "lr": lr,
                 "loss": loss.item(),
-                **info,
+                **{k: (int(v) if k == "frames" else round(float(v), 5)) for k, v in info.items()},
                 "grad_norm": float(gn),
             }
             history.append(rec)
             print(json.dumps(rec), flush=True)
-    prefetch.stop = True
     train_seconds = time.time() - t_train
     print(f"trained {step - start_step} steps in {train_seconds:.0f} s (step {step})", flush=True)
     a.out.mkdir(parents=True, exist_ok=True)

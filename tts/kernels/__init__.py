@@ -21,7 +21,11 @@ def triton_available() -> bool:
 
 
 def fused_kernels_enabled(t: torch.Tensor) -> bool:
-    """True when `t` lives on CUDA, Triton is importable and the kernels are not switched off."""
+    """True when `t` lives on CUDA, Triton is importable, the kernels are not switched off, and autograd
+    is not recording `t`: the kernels are inference-only (no backward), so a training forward must take
+    the torch path or its gradients would silently stop at every norm."""
+    if t.requires_grad and torch.is_grad_enabled():
+        return False
     return _ENABLED and (t.is_cuda or _ON_CPU) and triton_available()
 
 

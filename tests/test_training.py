@@ -1,0 +1,91 @@
+"""The default voice's model trainer (training/train.py): loss, gradients, data loading, one real run."""
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tts.kernels as kernels
+from tts.tokenizer import build_byte_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "training"))
+
+import train  # noqa: E402
+
+
+def _codes_dir(tmp_path: Path, n: int = 24) -> Path:
+    """A corpus `codes/` folder as `corpus.py encode` writes it: 2 speakers, random codes."""
+    out = tmp_path / "codes"
+    out.mkdir()
+    tok = build_byte_tokenizer(64)
+    tok.save(out / "tokenizer.json")
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for i in range(n):
+        T = 10 + i % 7
+        items.append({
+            "id": f"u{i}", "speaker": i % 2, "split": "train", "seconds": T / 21.5,
+            "tokens": torch.tensor(tok.encode(f"sentence {i}"), dtype=torch.int16),
+            "codes": torch.randint(0, 64, (4, T), generator=g).to(torch.int16),
+        })  # fmt: skip
+    torch.save(items, out / "codes-0000.pt")
+    (tmp_path / "codec.json").write_text(json.dumps({"num_codebooks": 4, "codebook_size": 64}))
+    return out
+
+
+def test_every_parameter_gets_a_gradient(tmp_path):
+    """The training forward must run the autograd path everywhere (a kernel without backward would
+    silently stop the gradient at every norm: this happened on CUDA with the fused Triton kernels)."""
+    corpus = train.Corpus(_codes_dir(tmp_path), 4)
+    args = train.model_config(corpus.tokenizer, 4, 64, "test")
+    torch.manual_seed(0)
+    model = train.DualARTransformer(args)
+    b = corpus.batch(random.Random(0), 2048, "cpu")
+    loss, info = train.compute_loss(model, b["frames"], b["mask"])
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert missing == []
+    assert torch.isfinite(loss) and float(info["slow"]) > 0 and int(info["frames"]) > 0
+
+
+def test_fused_kernels_are_never_used_under_autograd(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setattr(kernels, "_ON_CPU", True)  # what TTS_FUSED_KERNELS=interpret does
+    x = torch.ones(4, requires_grad=True)
+    assert not kernels.fused_kernels_enabled(x)
+    assert kernels.fused_kernels_enabled(x.detach())
+    with torch.no_grad():
+        assert kernels.fused_kernels_enabled(x)
+
+
+def test_batches_from_worker_processes_differ_and_are_well_formed(tmp_path):
+    corpus = train.Corpus(_codes_dir(tmp_path), 4)
+    batches = train.batch_loader(corpus, seed=1, batch_tokens=512, workers=2)
+    seen = [next(batches) for _ in range(4)]
+    for b in seen:
+        assert b["frames"].dtype == torch.int64 and b["frames"].shape[:2] == b["mask"].shape
+        assert b["frames"].shape[0] * b["frames"].shape[1] <= 512 and b["mask"].any()
+    assert len({b["frames"].numpy().tobytes() for b in seen}) == 4
+
+
+def test_train_script_writes_a_loadable_model(tmp_path):
+    data = _codes_dir(tmp_path)
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, str(ROOT / "training" / "train.py"), "--data", str(data), "--codec", str(tmp_path),
+        "--out", str(out), "--size", "test", "--steps", "3", "--batch-tokens", "1024", "--workers", "0",
+        "--log-every", "1", "--max-seconds", "120",
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=180)
+    state = json.loads((out / "train_state.json").read_text())
+    assert state["step"] == 3 and len(state["history"]) == 3
+    from tts.bundle import weight_files
+    from tts.config import ModelArgs
+
+    args = ModelArgs.from_dict(json.loads((out / "config.json").read_text()))
+    assert args.num_codebooks == 4 and args.codebook_size == 64 and weight_files(out)
