@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -257,27 +259,36 @@ class TTS(Frontend):
         )
         chunks, references, params = plan.chunks, plan.references, plan.params
         self.last_finish_reasons: list[FinishReason] = []
-        decoder = self.bundle.codec.stream()
-        history: list[Turn] = []
-        emitted = 0
-        pending: list[Tensor] = []
-        for i, chunk_text in enumerate(chunks):
-            chunk_params = replace(params, seed=None if params.seed is None else params.seed + i)
-            prompt = self.prompt(chunk_text, references, history, chunk_params)
-            generated: list[Tensor] = []
-            for codes in self._generate(prompt, chunk_params):
-                generated.append(codes)
-                pending.append(codes)
-                if progress:
-                    progress(emitted + len(pending), i, len(chunks))
-                if len(pending) >= (first_chunk_frames if emitted == 0 else chunk_frames):
-                    yield self._decode(decoder, pending, emitted)
-                    emitted += len(pending)
-                    pending = []
-            if generated:
-                history = [Turn(chunk_text, torch.cat(generated).T)]
-        if pending:
-            yield self._decode(decoder, pending, emitted)
+        # The codec decodes on its own thread, in order, while the engine generates the next frames
+        # (torch releases the GIL inside ops, so on a CPU the two use two cores). Chunks are yielded as
+        # soon as they are decoded, checked after every frame.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="codec-decode") as codec_thread:
+            decoder = self.bundle.codec.stream()
+            decoding: deque[Future[AudioChunk]] = deque()
+            history: list[Turn] = []
+            emitted = 0
+            pending: list[Tensor] = []
+            for i, chunk_text in enumerate(chunks):
+                chunk_params = replace(params, seed=None if params.seed is None else params.seed + i)
+                prompt = self.prompt(chunk_text, references, history, chunk_params)
+                generated: list[Tensor] = []
+                for codes in self._generate(prompt, chunk_params):
+                    generated.append(codes)
+                    pending.append(codes)
+                    if progress:
+                        progress(emitted + len(pending), i, len(chunks))
+                    if len(pending) >= (first_chunk_frames if emitted == 0 else chunk_frames):
+                        decoding.append(codec_thread.submit(self._decode, decoder, pending, emitted))
+                        emitted += len(pending)
+                        pending = []
+                    while decoding and decoding[0].done():
+                        yield decoding.popleft().result()
+                if generated:
+                    history = [Turn(chunk_text, torch.cat(generated).T)]
+            if pending:
+                decoding.append(codec_thread.submit(self._decode, decoder, pending, emitted))
+            while decoding:
+                yield decoding.popleft().result()
 
     def synthesize(self, text: str | Plan, **options) -> Synthesis:
         """Synthesize all of `text` (or a Plan); options as for `stream`."""
