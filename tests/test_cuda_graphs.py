@@ -205,7 +205,7 @@ def test_fused_step_matches_torch_step_in_bf16(model):
 
 def test_sampler_kernel_matches_torch_sampler_on_gpu():
     from tts.kernels.sampling import triton_sample
-    from tts.sampling import SortedLogits, row_keys
+    from tts.sampling import DrawSettings, SortedLogits, row_keys
 
     torch.manual_seed(0)
     B, V = 64, 4096
@@ -215,7 +215,7 @@ def test_sampler_kernel_matches_torch_sampler_on_gpu():
     k = torch.randint(0, 60, (B,), device="cuda")
     seeds, steps = torch.arange(B, device="cuda"), torch.full((B,), 5, device="cuda")
     a = triton_sample(logits, t, p, k, seeds, steps, 2)
-    b = SortedLogits(logits).draw(t, p, k, row_keys(seeds, steps, 2))
+    b = SortedLogits(logits).draw(DrawSettings(t, p, k), row_keys(seeds, steps, 2))
     assert (a == b).float().mean() >= 0.95
 
 
