@@ -3,8 +3,13 @@
 #   STEP=corpus  carry [".whl-voice", ".espeak", "training/work/sentences.jsonl.gz"]: espeak-ng speech -> log-mel
 #                shards (16 processes), the k-means codec and two learned codecs, codes of every clip
 #                through each; the CUDA tests run alongside. Brings back the codecs and codes.
-#   STEP=train   carry [".whl-voice", "training/work/codes", "training/work/codec"]: trains the model
-#                (TRAIN_ARGS extra flags) and brings back its weights.
+#   STEP=codec   no extra carry, on the machine STEP=corpus left warm: trains one learned codec longer,
+#                encodes every clip with it, brings back codec + codes as a split tarball.
+#   STEP=duel    (warm machine) trains the model on the k-means and on the learned codes side by side.
+#   STEP=train_vq3  carry [".whl-voice", "training/work/carry", "training/work/codec_vq3_meta"]: the
+#                shipped run: unpacks carry/codes_vq3.tgz and trains the model (TRAIN_ARGS extra flags)
+#                while the CUDA tests run; brings back the weights.
+#   STEP=train   (default) carry [".whl-voice", "training/work/codes", "training/work/codec"]: trains.
 # `.espeak/` holds the espeak-ng binary, the shared libraries it links and espeak-ng-data, copied from
 # this machine's Debian packages (the GPU machine has none), English data only; `.whl-voice/` the wheels
 # the GPU machine lacks (num2words, docopt, soundfile, cffi, pycparser).
@@ -15,6 +20,7 @@ W=training/work
 N=${NUTT:-28000} DEV=${DEV:-cuda}
 nvidia-smi 2>/dev/null --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a $OUT/gpu.txt
+STEP=${STEP:-train}
 if [[ ${STEP} == corpus ]]; then
   export PATH=$PWD/.espeak/bin:$PATH LD_LIBRARY_PATH=$PWD/.espeak/lib ESPEAK_DATA_PATH=$PWD/.espeak
   espeak-ng --version | tee -a $OUT/gpu.txt

@@ -61,6 +61,16 @@ def test_streaming_equals_offline(codec):
     assert torch.allclose(streamed, offline, atol=1e-3)
 
 
+@pytest.mark.parametrize("sizes", [(6, 10, 14), (8, 22), (1, 12, 17)])
+def test_streaming_keeps_its_whole_context_for_any_push_size(codec, sizes):
+    """First pushes shorter than `context_frames` (11 here) must keep every frame as context."""
+    codes = torch.randint(0, 16, (3, sum(sizes)))
+    stream = codec.stream()
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    streamed = torch.cat([stream.push(codes[:, s : s + n]) for s, n in zip(starts, sizes, strict=True)])
+    assert torch.allclose(streamed, codec.decode(codes), atol=1e-3)
+
+
 def test_decode_tail_is_the_end_of_decode(codec):
     codes = torch.randint(0, 16, (3, 25))
     assert torch.allclose(codec.decode_tail(codes, 4), codec.decode(codes)[-4 * FRAME_LENGTH :], atol=1e-5)
@@ -76,6 +86,25 @@ def test_save_and_load_through_codec_json(codec, tmp_path):
     # the convolutions are stored in float16: decoded audio moves by little
     assert torch.allclose(loaded.decode(codes), codec.decode(codes), atol=2e-2)
     assert torch.equal(loaded.net.codebooks, codec.net.codebooks)  # codebooks stay float32
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_codec_loss_trains_the_encoder_unless_frozen(freeze):
+    sys.path.insert(0, str(ROOT / "training"))
+    from train_codec import EMAQuantizer, codec_loss
+
+    torch.manual_seed(0)
+    net = MelVQNet(num_codebooks=2, codebook_size=16, channels=16, latent=8)
+    if freeze:
+        for p in [*net.enc_in.parameters(), *net.enc_blocks.parameters(), *net.enc_out.parameters()]:
+            p.requires_grad_(False)
+    loss, recon, commit, _ = codec_loss(net, EMAQuantizer(net, 0.99), torch.randn(4, 320, 12), 0.25)
+    loss.backward()
+    assert float(commit) > 0 and net.dec_out.weight.grad.abs().sum() > 0
+    if freeze:
+        assert net.enc_in.weight.grad is None
+    else:  # both the reconstruction (straight through the quantizer) and the commitment reach it
+        assert net.enc_in.weight.grad.abs().sum() > 0 and net.enc_out.weight.grad.abs().sum() > 0
 
 
 def _tiny_work(tmp_path: Path) -> Path:

@@ -61,6 +61,10 @@ def test_fused_kernels_are_never_used_under_autograd(monkeypatch):
     assert kernels.fused_kernels_enabled(x.detach())
     with torch.no_grad():
         assert kernels.fused_kernels_enabled(x)
+    weight = torch.ones(4, requires_grad=True)  # a trainable norm weight over a frozen input
+    assert not kernels.fused_kernels_enabled(x.detach(), weight)
+    with torch.inference_mode():
+        assert kernels.fused_kernels_enabled(torch.ones(4), weight)
 
 
 def test_batches_from_worker_processes_differ_and_are_well_formed(tmp_path):

@@ -72,6 +72,11 @@ def main() -> None:
     codec = load_codec(a.codec or a.work / "codec")
     if isinstance(codec, MelRVQCodec):
         codec = MelRVQCodec(codec.codebooks, codec.mean, codec.std, GL_CONTEXT, GL_ITERS, args.num_codebooks)
+    if (codec.num_codebooks, codec.codebook_size) != (args.num_codebooks, args.codebook_size):
+        raise SystemExit(
+            f"codec has {codec.num_codebooks} x {codec.codebook_size} codes, the model "
+            f"{args.num_codebooks} x {args.codebook_size}: export the codec the model was trained on"
+        )
     with torch.device("meta"):
         model = DualARTransformer(args)
     load_weights_into(model, weight_files(a.trained), "cpu", torch.bfloat16)

@@ -217,6 +217,7 @@ class Batches(torch.utils.data.IterableDataset):
         self.corpus, self.seed, self.batch_tokens = corpus, seed, batch_tokens
 
     def __iter__(self):
+        """Yields dicts of CPU tensors: frames `[B, T, 1 + N]` int64, mask `[B, T]` bool."""
         info = torch.utils.data.get_worker_info()
         r = random.Random(self.seed * 7919 + (info.id if info else 0))
         while True:

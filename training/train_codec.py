@@ -14,6 +14,9 @@ Method (VQ-VAE with residual VQ, as in SoundStream / EnCodec, but on log-mel ins
   `--ema`) of the encoder residuals assigned to it; vectors used less than once per 1,000 frames
   are re-seeded from random residuals of the current batch; every stage starts from random residuals;
 * AdamW, linear warm-up then cosine decay, stops after `--steps` or `--max-seconds`.
+* `--freeze-encoder` keeps the encoder at its (seeded) random initialization and trains only the
+  decoder and the codebooks. The shipped codec (`runs/codec_vq3`) was trained that way, by a bug
+  that detached the encoder's gradient; this flag reproduces it.
 The held-out clips' reconstruction error (standardized L1, quantized and not) is printed at the end
 and stored in `train_state.json`.
 
@@ -64,11 +67,18 @@ class EMAQuantizer:
         self.sum = net.codebooks.detach().clone()
         self.initialized = False
 
-    @torch.no_grad()
     def __call__(self, z: torch.Tensor, train: bool) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
-        """z `[B, D, T]` -> (straight-through quantized `[B, D, T]`, commitment loss, per-stage perplexity)."""
+        """z `[B, D, T]` -> (straight-through quantized `[B, D, T]`, commitment loss, per-stage perplexity).
+        Gradients reach z through both outputs; the codebooks change only by the EMA updates."""
+        with torch.no_grad():
+            q, perplexity = self._quantize(z.detach(), train)
+        commit = F.mse_loss(z, q)
+        return z + (q - z).detach(), commit, perplexity
+
+    @torch.no_grad()
+    def _quantize(self, z: torch.Tensor, train: bool) -> tuple[torch.Tensor, list[float]]:
         B, D, T = z.shape
-        flat = z.detach().transpose(1, 2).reshape(-1, D).float()
+        flat = z.transpose(1, 2).reshape(-1, D).float()
         residual = flat
         total = torch.zeros_like(flat)
         books = self.net.codebooks
@@ -86,7 +96,7 @@ class EMAQuantizer:
                 n = self.count[i].sum()
                 smoothed = (self.count[i] + 1e-5) / (n + books.shape[1] * 1e-5) * n
                 books[i] = self.sum[i] / smoothed.unsqueeze(1)
-                dead = self.count[i] < 1e-3 * residual.shape[0] / books.shape[1]
+                dead = self.count[i] < 1e-3 * residual.shape[0] / books.shape[1]  # 0.1% of a fair share
                 if dead.any():
                     pick = torch.randint(0, residual.shape[0], (int(dead.sum()),), device=z.device)
                     books[i][dead] = residual[pick]
@@ -98,9 +108,17 @@ class EMAQuantizer:
             total = total + q
             residual = residual - q
         self.initialized = True
-        q = total.reshape(B, T, D).transpose(1, 2).to(z.dtype)
-        commit = F.mse_loss(z, q)
-        return z + (q - z).detach(), commit, perplexity
+        return total.reshape(B, T, D).transpose(1, 2).to(z.dtype), perplexity
+
+
+def codec_loss(net: MelVQNet, quant: EMAQuantizer, x: torch.Tensor, commit_weight: float):
+    """Training loss of features `x [B, 320, T]`: (loss, reconstruction, commitment, perplexities);
+    also updates the codebooks (EMA)."""
+    z = net.encode(x)
+    q, commit, perplexity = quant(z, train=True)
+    y = net.decode(q)
+    recon = F.l1_loss(y, x) + F.mse_loss(y, x)
+    return recon + commit_weight * commit, recon, commit, perplexity
 
 
 def batch(frames: torch.Tensor, size: int, segment: int, g: torch.Generator) -> torch.Tensor:
@@ -145,6 +163,7 @@ def main() -> None:
     p.add_argument("--ema", type=float, default=0.99)
     p.add_argument("--commit", type=float, default=0.25)
     p.add_argument("--max-shards", type=int, default=None)
+    p.add_argument("--freeze-encoder", action="store_true", help="train only the decoder and codebooks")
     p.add_argument("--log-every", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -160,6 +179,9 @@ def main() -> None:
           f"loaded in {time.time() - t0:.0f} s", flush=True)  # fmt: skip
     dil = [tuple(int(v) for v in x.split(",")) for x in (a.encoder_dilations, a.decoder_dilations)]
     net = MelVQNet(a.num_codebooks, a.codebook_size, a.channels, a.latent, *dil).to(device)
+    if a.freeze_encoder:
+        for prm in [*net.enc_in.parameters(), *net.enc_blocks.parameters(), *net.enc_out.parameters()]:
+            prm.requires_grad_(False)
     quant = EMAQuantizer(net, a.ema)
     opt = torch.optim.AdamW(net.parameters(), lr=a.lr, betas=(0.9, 0.99), weight_decay=1e-4)
     g = torch.Generator().manual_seed(a.seed)
@@ -171,11 +193,7 @@ def main() -> None:
         for group in opt.param_groups:
             group["lr"] = lr
         x = batch(frames, a.batch, a.segment, g)
-        z = net.encode(x)
-        q, commit, perplexity = quant(z, train=True)
-        y = net.decode(q)
-        recon = F.l1_loss(y, x) + F.mse_loss(y, x)
-        loss = recon + a.commit * commit
+        loss, recon, commit, perplexity = codec_loss(net, quant, x, a.commit)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -183,7 +201,7 @@ def main() -> None:
         step += 1
         if step % a.log_every == 0 or step == 1:
             rec = {"step": step, "seconds": round(time.time() - t_train, 1), "lr": lr, "recon": float(recon.detach()),
-                   "commit": float(commit), "perplexity": [round(v) for v in perplexity]}  # fmt: skip
+                   "commit": float(commit.detach()), "perplexity": [round(v) for v in perplexity]}  # fmt: skip
             history.append(rec)
             print(json.dumps(rec), flush=True)
     result = heldout_error(net, quant, held, mean, std, device)

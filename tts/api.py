@@ -249,7 +249,8 @@ class TTS(Frontend):
         progress: ProgressFn | None = None, **sampling,
     ) -> Iterator[AudioChunk]:  # fmt: skip
         """Yield audio chunks as frames are generated: the first after `first_chunk_frames` frames,
-        then every `chunk_frames`. `sampling`: temperature, top_p, top_k, max_new_tokens (per text
+        then every `chunk_frames` (decoded on a second thread, so a chunk may follow its frames by up
+        to two chunks while the engine runs ahead). `sampling`: temperature, top_p, top_k, max_new_tokens (per text
         chunk), seed, ras_window. `text` may be a Plan from `prepare`. Raises TextError,
         InvalidRequest, VoiceNotFound before any work."""
         plan = (
@@ -260,11 +261,13 @@ class TTS(Frontend):
         chunks, references, params = plan.chunks, plan.references, plan.params
         self.last_finish_reasons: list[FinishReason] = []
         # The codec decodes on its own thread, in order, while the engine generates the next frames
-        # (torch releases the GIL inside ops, so on a CPU the two use two cores). Chunks are yielded as
-        # soon as they are decoded, checked after every frame.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="codec-decode") as codec_thread:
+        # (torch releases the GIL inside ops, so on a CPU the two use two cores). The first chunk is
+        # waited for (it sets the time to first audio); later ones are yielded as soon as they are
+        # decoded (checked after every frame), with at most 2 queued behind the engine.
+        codec_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="codec-decode")
+        decoding: deque[Future[AudioChunk]] = deque()
+        try:
             decoder = self.bundle.codec.stream()
-            decoding: deque[Future[AudioChunk]] = deque()
             history: list[Turn] = []
             emitted = 0
             pending: list[Tensor] = []
@@ -279,6 +282,8 @@ class TTS(Frontend):
                         progress(emitted + len(pending), i, len(chunks))
                     if len(pending) >= (first_chunk_frames if emitted == 0 else chunk_frames):
                         decoding.append(codec_thread.submit(self._decode, decoder, pending, emitted))
+                        if emitted == 0 or len(decoding) > 2:
+                            yield decoding.popleft().result()
                         emitted += len(pending)
                         pending = []
                     while decoding and decoding[0].done():
@@ -289,6 +294,8 @@ class TTS(Frontend):
                 decoding.append(codec_thread.submit(self._decode, decoder, pending, emitted))
             while decoding:
                 yield decoding.popleft().result()
+        finally:  # closed early or failed: drop the queued decodes instead of waiting for them
+            codec_thread.shutdown(wait=False, cancel_futures=True)
 
     def synthesize(self, text: str | Plan, **options) -> Synthesis:
         """Synthesize all of `text` (or a Plan); options as for `stream`."""

@@ -59,7 +59,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        if fused_kernels_enabled(x):
+        if fused_kernels_enabled(x, self.weight):
             return fused_ops().rmsnorm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # the same ops without the no-op casts (the CPU path is op-bound)
             return _rms_norm_fp32(x, self.eps, self.weight)
@@ -68,7 +68,7 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """`h = x + residual`, then `(norm(h), h)`; one kernel on CUDA."""
-        if fused_kernels_enabled(x):
+        if fused_kernels_enabled(x, residual, self.weight):
             return fused_ops().add_rmsnorm(x, residual, self.weight, self.eps)
         h = x + residual
         return self.forward(h), h
@@ -153,7 +153,9 @@ class Attention(nn.Module):
         q_size = self.n_head * self.head_dim
         kv_size = self.n_local_heads * self.head_dim
         qkv = self.wqkv(x)
-        if T == 1 and self.fusable and fused_kernels_enabled(x):  # decode: split, qk-norm, RoPE in one kernel
+        if (
+            T == 1 and self.fusable and fused_kernels_enabled(qkv)
+        ):  # decode: split, qk-norm, RoPE in one kernel
             dest = getattr(attend, "kv_dest", None)
             table = freqs_cis.table if isinstance(freqs_cis, Rope) else freqs_cis
             q, k, v = fused_ops().qk_norm_rope(
@@ -227,7 +229,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         w13 = getattr(self, "w13", None)
-        if w13 is not None and fused_kernels_enabled(x):
+        if w13 is not None and fused_kernels_enabled(x, w13):
             return self.w2(fused_ops().silu_mul(F.linear(x, w13)))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 

@@ -108,7 +108,7 @@ class StreamingDecoder:
         window = torch.cat([self._context, codes], dim=1)
         audio = self.codec.decode_tail(window, t)
         keep = self.codec.context_frames
-        self._context = window[:, window.shape[1] - keep :] if keep else window[:, :0]
+        self._context = window[:, max(0, window.shape[1] - keep) :] if keep else window[:, :0]
         self.frames_decoded += t
         return audio
 

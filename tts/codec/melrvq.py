@@ -230,7 +230,8 @@ class MelRVQCodec(Codec):
         return self.vocoder(self.dequantize(codes))
 
     def decode_tail(self, codes: Tensor, frames: int) -> Tensor:
-        """Samples of the last `frames` frames only; runs Griffin-Lim on just their windows."""
+        """Float32 samples `[frames * 1024]` of the last `frames` frames; Griffin-Lim runs on just their
+        windows."""
         return self.vocoder(self.dequantize(self.check_codes(codes)), last=frames)
 
 

@@ -8,6 +8,9 @@ and are turned back into log-mel by a learned causal decoder, both trained with 
 * **Encoder** (`MelVQNet.encode`): the standardized `[T, 320]` frame vectors -> 1x1 conv to `channels`
   -> residual blocks of centred kernel-3 convolutions (non-causal; encoding is offline) -> 1x1 conv to
   the `latent`-dim vector of each frame.
+  (The shipped default codec's encoder is its seeded random initialization: it was trained with
+  `--freeze-encoder` behaviour, by a bug since fixed; a random convolutional encoder with learned
+  codebooks and decoder still beat the k-means codec. See training/RESULTS.md.)
 * **Quantizer**: residual VQ, `num_codebooks` stages of `codebook_size` vectors (codebooks learned by
   exponential moving averages of their assigned encoder outputs, as in VQ-VAE-2 / SoundStream, with
   unused vectors re-seeded from the batch). Stage 0 is the coarse code the slow AR predicts.
@@ -49,6 +52,7 @@ class ConvBlock(nn.Module):
         self.pad = (2 * dilation, 0) if causal else (dilation, dilation)
 
     def forward(self, x: Tensor) -> Tensor:
+        """`[B, channels, T]` -> `[B, channels, T]`."""
         return x + self.proj(F.gelu(self.conv(F.pad(F.gelu(x), self.pad))))
 
 
@@ -131,12 +135,14 @@ class MelVQCodec(Codec):
         self.vocoder = WindowedGriffinLim(gl_context, gl_iters)
 
     def to(self, device) -> MelVQCodec:
+        """Move the net (encoder, codebooks, decoder) to `device`; inputs and outputs stay on the CPU."""
         self.net.to(device)
         return self
 
     # ---- files ---------------------------------------------------------------------------------------
 
     def config(self) -> dict:
+        """The `codec.json` contents: type, frame layout, net shape and vocoder settings."""
         return {
             "type": "mel_vqvae", "sample_rate": self.sample_rate, "frame_length": self.frame_length,
             **self.net.shape, "gl_context": self.gl_context, "gl_iters": self.gl_iters,
@@ -156,6 +162,8 @@ class MelVQCodec(Codec):
 
     @classmethod
     def load(cls, directory: str | Path, cfg: dict | None = None) -> MelVQCodec:
+        """Read a folder written by `save` (`cfg`: its codec.json, when already parsed). Raises
+        FileNotFoundError, KeyError or RuntimeError (safetensors / state dict) for broken folders."""
         directory = Path(directory)
         cfg = cfg if cfg is not None else json.loads((directory / "codec.json").read_text())
         w = load_file(str(directory / cfg.get("weights", "codec.safetensors")))
@@ -201,7 +209,8 @@ class MelVQCodec(Codec):
         return self.vocoder(self.dequantize(codes))
 
     def decode_tail(self, codes: Tensor, frames: int) -> Tensor:
-        """Samples of the last `frames` frames; Griffin-Lim runs on their windows only."""
+        """Float32 samples `[frames * 1024]` of the last `frames` frames; Griffin-Lim runs on their
+        windows only."""
         codes = self.check_codes(codes)
         if frames <= 0 or codes.shape[1] == 0:
             return torch.zeros(0)

@@ -20,11 +20,13 @@ def triton_available() -> bool:
     return True
 
 
-def fused_kernels_enabled(t: torch.Tensor) -> bool:
+def fused_kernels_enabled(t: torch.Tensor, *weights: torch.Tensor) -> bool:
     """True when `t` lives on CUDA, Triton is importable, the kernels are not switched off, and autograd
-    is not recording `t`: the kernels are inference-only (no backward), so a training forward must take
-    the torch path or its gradients would silently stop at every norm."""
-    if t.requires_grad and torch.is_grad_enabled():
+    is not recording: neither `t` nor any of the op's `weights` requires grad while grad mode is on.
+    The kernels are inference-only (no backward), so a training forward must take the torch path or
+    its gradients would silently stop at every norm. Under `torch.inference_mode()` / `no_grad()`
+    (every engine path) grad mode is off and the kernels run."""
+    if torch.is_grad_enabled() and (t.requires_grad or any(w.requires_grad for w in weights)):
         return False
     return _ENABLED and (t.is_cuda or _ON_CPU) and triton_available()
 
