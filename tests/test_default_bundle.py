@@ -7,7 +7,7 @@ import torch
 
 from tts.api import TTS
 from tts.bundle import DEFAULT_MODEL_DIR, load_bundle, weight_files
-from tts.codec.melrvq import MelRVQCodec
+from tts.codec.melvq import MelVQCodec
 from tts.engine import EngineConfig
 from tts.frontend import PhonemeFrontend
 
@@ -24,7 +24,7 @@ def bundle():
 def test_default_bundle_shape(bundle):
     assert bundle.name == "default"
     assert bundle.num_parameters() <= 30_000_000
-    assert isinstance(bundle.codec, MelRVQCodec)
+    assert isinstance(bundle.codec, MelVQCodec)
     assert bundle.codec.frame_rate == pytest.approx(21.53, abs=0.01)
     assert bundle.model.config.num_codebooks == bundle.codec.num_codebooks
     assert bundle.model.config.codebook_size == bundle.codec.codebook_size
