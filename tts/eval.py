@@ -130,6 +130,7 @@ class Sample:
     frames: int
     finish: str
     transcript: str = ""
+    duration_ratio: float | None = None  # audio_seconds / espeak-ng's seconds for the same sentence
 
 
 def read_sentences(path: Path, limit: int | None) -> list[str]:
@@ -200,6 +201,8 @@ def evaluate(args: argparse.Namespace) -> dict:
             ref_seconds.append(len(audio) / sr)
             ref_hyps.append(words(asr.transcribe(audio, sr)))
         ratios = [s.audio_seconds / ref_seconds[i % len(sentences)] for i, s in enumerate(samples)]
+        for s, r in zip(samples, ratios, strict=True):
+            s.duration_ratio = r
         result["espeak"] = {"voice": f"{voice},{rate},{pitch}", "wer": wer(refs, ref_hyps)}
         result["duration_ratio"] = {
             "min": min(ratios), "mean": float(np.mean(ratios)), "max": max(ratios),
