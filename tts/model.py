@@ -182,6 +182,30 @@ class Attention(nn.Module):
         y = attend(q, k, v)
         return self.wo(y.reshape(B, T, q_size))
 
+    def cpu_kv(self, x: Tensor, freqs_cis: Tensor | Rope) -> tuple[Tensor, Tensor]:
+        """K and V of `x [B, T, dim]` only, exactly as `forward` computes them on the CPU torch path
+        (no attention, no `wo`): for a position whose K/V are read later but whose output is not.
+
+        CPU only (never reached on CUDA). It repeats `forward`'s projection ops on the same shapes, so
+        the values are bit-identical; q is normed and rotated along with k, as there, and dropped.
+        """
+        B, T, _ = x.shape
+        q_size = self.n_head * self.head_dim
+        kv_size = self.n_local_heads * self.head_dim
+        qkv = self.wqkv(x)
+        v = qkv[..., q_size + kv_size :].view(B, T, self.n_local_heads, self.head_dim)
+        if self._joint_qk(qkv):
+            qk = qkv[..., : q_size + kv_size].unflatten(-1, (self.n_head + self.n_local_heads, self.head_dim))
+            if self.qk_norm:
+                qk = _rms_norm_fp32(qk, self.q_norm.eps, self._qk_norm_weight())
+            k = apply_rotary_emb(qk, freqs_cis).split([self.n_head, self.n_local_heads], dim=2)[1]
+        else:
+            k = qkv[..., q_size : q_size + kv_size].view(B, T, self.n_local_heads, self.head_dim)
+            if self.qk_norm:
+                k = self.k_norm(k)
+            k = apply_rotary_emb(k, freqs_cis)
+        return k, v
+
     def _qk_norm_weight(self) -> Tensor:
         """`[H + Hkv, D]`: the q-norm weight for each query head, then the k-norm weight for each KV
         head. Kept between calls without autograd, rebuilt when either weight changes."""
@@ -271,6 +295,31 @@ def run_layers(
         next_norm = layers[i + 1].attention_norm if i + 1 < len(layers) else final_norm
         normed, residual = next_norm.add_forward(f, residual)
     return residual, normed
+
+
+def run_layers_kv_only(
+    layers: nn.ModuleList,
+    x: Tensor,
+    freqs_cis: Tensor | Rope,
+    attend_layer: Callable[[int], AttendFn],
+    write_kv: Callable[[int, Tensor, Tensor], None],
+) -> None:
+    """`run_layers` for a position whose output is never used, only its K/V (CPU torch path only).
+
+    Every layer but the last runs in full (its output feeds the next layer's K/V); the last layer only
+    projects its K/V and hands them to `write_kv(i, k, v)`: its attention, `wo`, feed-forward and the
+    final norm are skipped. The K/V values are the ones `run_layers` would write (same ops, same order).
+    """
+    rope = Rope.of(freqs_cis)
+    normed, residual = layers[0].attention_norm(x), x
+    last = len(layers) - 1
+    for i in range(last):
+        layer = layers[i]
+        a = layer.attention(normed, rope, attend_layer(i))
+        normed, residual = layer.ffn_norm.add_forward(a, residual)
+        f = layer.feed_forward(normed)
+        normed, residual = layers[i + 1].attention_norm.add_forward(f, residual)
+    write_kv(last, *layers[last].attention.cpu_kv(normed, rope))
 
 
 def dense_causal_attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:

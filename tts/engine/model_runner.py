@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..kernels import fused_kernels_enabled
 from ..kv_cache import SCRATCH_BLOCK, PagedDecodeAttention, PagedKVCache, paged_decode_attention
-from ..model import DualARTransformer, KVDest, Rope, dense_causal_attend
+from ..model import DualARTransformer, KVDest, Rope, dense_causal_attend, run_layers_kv_only
 from ..sampling import RAS_WINDOW, SAMPLER_TOPK_CAP, DrawSettings, frame_log_noise, sample, sample_main_token
 
 
@@ -150,6 +150,10 @@ class ModelRunner:
                 rope.factors()
         # Residual codebooks are sampled from the first n_residual fast logits (a static slice).
         self.n_residual = c.residual_codebook_size or c.codebook_size
+        # CPU eager step only (see `_cpu_step`): per-batch-size attend functions over fixed views of the
+        # fast KV buffers, and the sampler settings of the last step with the buffers' versions.
+        self._cpu_fast_attend: dict[tuple[int, int], object] = {}
+        self._cpu_settings: tuple[tuple, tuple[DrawSettings, DrawSettings]] | None = None
 
     # ---- host-side row management (between steps only) ---------------------------------------------
 
@@ -266,10 +270,17 @@ class ModelRunner:
     def _fast_rope(self, k: int) -> Tensor | Rope:
         return self.fast_rope[k] if self.fast_rope is not None else self.model.fast_freqs_cis[k : k + 1]
 
+    def _cpu_step(self) -> bool:
+        """Whether this step is the plain-torch CPU one (no graphs, no fused kernels). Only then are
+        the per-step caches below used; CUDA (and the Triton interpreter in tests) never reach them."""
+        return self.fast_rope is not None and not fused_kernels_enabled(self.buffers.frames)
+
     def _fast_attend(self, b: int, k_pos: int):
         """attend() for fast position k_pos: write slot k_pos, attend to slots 0..k_pos of this frame.
         Slots above k_pos still hold the previous frame's values and are never read."""
         bufs = self.buffers
+        if self._cpu_step():
+            return self._cpu_fast_attend_layer(b, k_pos)
         fused = fused_kernels_enabled(bufs.frames)
 
         def attend_layer(i):
@@ -297,6 +308,41 @@ class ModelRunner:
             return attend
 
         return attend_layer
+
+    def _cpu_fast_attend_layer(self, b: int, k_pos: int):
+        """CPU torch path of `_fast_attend`: the same writes and SDPA, on views of the fast KV buffers
+        made once per (b, k_pos) instead of by indexing every call (the CPU step is op-bound, and each
+        view is an op). The buffers are never reallocated, so the views stay valid."""
+        attend_layer = self._cpu_fast_attend.get((b, k_pos))
+        if attend_layer is None:
+            bufs = self.buffers
+            attends = []
+            for i in range(bufs.fast_k.shape[0]):
+                k_dst, v_dst = bufs.fast_k[i, :b, :, k_pos], bufs.fast_v[i, :b, :, k_pos]
+                k_ctx, v_ctx = bufs.fast_k[i, :b, :, : k_pos + 1], bufs.fast_v[i, :b, :, : k_pos + 1]
+
+                def attend(q, k, v, k_dst=k_dst, v_dst=v_dst, k_ctx=k_ctx, v_ctx=v_ctx):
+                    k_dst.copy_(k[:, 0])
+                    v_dst.copy_(v[:, 0])
+                    o = F.scaled_dot_product_attention(
+                        q.transpose(1, 2), k_ctx, v_ctx, scale=self.fast_scale, enable_gqa=True
+                    )
+                    return o.transpose(1, 2)
+
+                attends.append(attend)
+            attend_layer = attends.__getitem__
+            self._cpu_fast_attend[(b, k_pos)] = attend_layer
+        return attend_layer
+
+    def _cpu_fast_kv_writer(self, b: int):
+        """write_kv(i, k, v) for fast position 0 on the CPU: the slot writes of its attend()."""
+        bufs = self.buffers
+
+        def write_kv(i, k, v):
+            bufs.fast_k[i, :b, :, 0].copy_(k[:, 0])
+            bufs.fast_v[i, :b, :, 0].copy_(v[:, 0])
+
+        return write_kv
 
     def decode_step(self, b: int, variant: str | None = None) -> None:
         """One frame for rows `[:b]` (see the module docstring). Graph-capturable.
@@ -332,7 +378,13 @@ class ModelRunner:
             codes = [torch.clamp(token - c.semantic_begin_id, 0, c.codebook_size - 1)]
             if c.num_codebooks > 1:
                 x = m.fast_input(h_pre, h_post).unsqueeze(1)
-                m.fast_layers_forward(x, self._fast_rope(0), self._fast_attend(b, 0))
+                if self._cpu_step():
+                    # Only position 0's K/V are ever read: skip its last layer's attention, wo,
+                    # feed-forward and the final norm (about a fifth of the fast AR's ops on a CPU).
+                    rope, attend_layer = self._fast_rope(0), self._fast_attend(b, 0)
+                    run_layers_kv_only(m.fast_layers, x, rope, attend_layer, self._cpu_fast_kv_writer(b))
+                else:
+                    m.fast_layers_forward(x, self._fast_rope(0), self._fast_attend(b, 0))
                 for k in range(1, c.num_codebooks):
                     x = m.fast_embeddings(codes[k - 1]).unsqueeze(1)
                     y = m.fast_layers_forward(x, self._fast_rope(k), self._fast_attend(b, k))
