@@ -162,10 +162,31 @@ def sample(
     return SortedLogits(logits).draw(settings, keys, log_noise)
 
 
+def ras_high_settings(
+    temperature: Tensor, top_p: Tensor, top_k: Tensor, settings: DrawSettings
+) -> DrawSettings:
+    """The RAS fallback draw's settings (temperature 1.0, top-p 0.9, the rows' top_k), sharing the rank
+    masks of `settings` (same top_k); what `sample_main_token` builds when not given them."""
+    return DrawSettings(
+        torch.full_like(temperature, RAS_HIGH_TEMPERATURE),
+        torch.full_like(top_p, RAS_HIGH_TOP_P),
+        top_k,
+        settings,
+    )
+
+
+def ras_counted(window: Tensor, window_len: Tensor) -> Tensor:
+    """`[B, W]` bool: which RAS window slots count (the newest `window_len` of each row); what
+    `sample_main_token` builds when not given it."""
+    W = window.shape[1]
+    return torch.arange(W, device=window.device).unsqueeze(0) >= (W - window_len).unsqueeze(1)
+
+
 def sample_main_token(
     logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor, steps: Tensor,
     window: Tensor, window_len: Tensor, n_semantic: int, high_stream: int, top_k_cap: int | None = None,
     log_noise: Tensor | None = None, high_log_noise: Tensor | None = None, settings: DrawSettings | None = None,
+    high_settings: DrawSettings | None = None, counted: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """Main-token draw with the RAS fallback (spec 4.1).
 
@@ -173,7 +194,8 @@ def sample_main_token(
     newest last, -1 where empty; window_len: `[B]` how many of the newest entries count (0 disables
     RAS); indices `[0, n_semantic)` are semantic tokens; `log_noise` / `high_log_noise`: the two draws'
     slices of `frame_log_noise` (streams 0 and `high_stream`; torch path only); `settings`: as for
-    `sample`. Returns `[B]` int64.
+    `sample`; `high_settings`, `counted`: `ras_high_settings(...)` and `ras_counted(window,
+    window_len)` made beforehand (the CPU runner keeps them between frames). Returns `[B]` int64.
     """
     if _use_triton(logits):
         from .kernels.sampling import triton_sample_main_token
@@ -196,17 +218,19 @@ def sample_main_token(
     if settings is None:
         settings = DrawSettings(temperature, top_p, top_k)
     normal = sorted_logits.draw(settings, None if precomputed else row_keys(seeds, steps, 0), log_noise)
-    high_settings = DrawSettings(
-        torch.full_like(temperature, RAS_HIGH_TEMPERATURE),
-        torch.full_like(top_p, RAS_HIGH_TOP_P),
-        top_k,
-        settings,
-    )
+    if high_settings is None:
+        high_settings = DrawSettings(
+            torch.full_like(temperature, RAS_HIGH_TEMPERATURE),
+            torch.full_like(top_p, RAS_HIGH_TOP_P),
+            top_k,
+            settings,
+        )
     high = sorted_logits.draw(
         high_settings, None if precomputed else row_keys(seeds, steps, high_stream), high_log_noise
     )
-    W = window.shape[1]
-    counted = torch.arange(W, device=window.device).unsqueeze(0) >= (W - window_len).unsqueeze(1)
+    if counted is None:
+        W = window.shape[1]
+        counted = torch.arange(W, device=window.device).unsqueeze(0) >= (W - window_len).unsqueeze(1)
     repeated = ((window == normal.unsqueeze(1)) & counted).any(dim=1)
     use_high = repeated & (normal < n_semantic) & (temperature > 0)
     return torch.where(use_high, high, normal)

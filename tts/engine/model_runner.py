@@ -26,7 +26,16 @@ from torch import Tensor
 from ..kernels import fused_kernels_enabled
 from ..kv_cache import SCRATCH_BLOCK, PagedDecodeAttention, PagedKVCache, paged_decode_attention
 from ..model import DualARTransformer, KVDest, Rope, dense_causal_attend, run_layers_kv_only
-from ..sampling import RAS_WINDOW, SAMPLER_TOPK_CAP, DrawSettings, frame_log_noise, sample, sample_main_token
+from ..sampling import (
+    RAS_WINDOW,
+    SAMPLER_TOPK_CAP,
+    DrawSettings,
+    frame_log_noise,
+    ras_counted,
+    ras_high_settings,
+    sample,
+    sample_main_token,
+)
 
 
 @dataclass
@@ -153,7 +162,7 @@ class ModelRunner:
         # CPU eager step only (see `_cpu_step`): per-batch-size attend functions over fixed views of the
         # fast KV buffers, and the sampler settings of the last step with the buffers' versions.
         self._cpu_fast_attend: dict[tuple[int, int], object] = {}
-        self._cpu_settings: tuple[tuple, tuple[DrawSettings, DrawSettings]] | None = None
+        self._cpu_settings: tuple[tuple, DrawSettings, DrawSettings, Tensor] | None = None
 
     # ---- host-side row management (between steps only) ---------------------------------------------
 
@@ -344,6 +353,22 @@ class ModelRunner:
 
         return write_kv
 
+    def _cpu_draw_settings(self, b: int) -> tuple[DrawSettings, DrawSettings, Tensor]:
+        """CPU step: the frame's sampler settings `(settings, RAS high settings, RAS window mask)`,
+        kept while rows `[:b]`'s sampling parameters are unchanged (about 25 ops a frame otherwise).
+
+        The key is the parameters' values (reading them costs no sync on a CPU). Version counters
+        would be cheaper but buffers made under `torch.inference_mode()` have none."""
+        bufs = self.buffers
+        params = (bufs.temperature, bufs.top_p, bufs.top_k, bufs.ras_len)
+        key = (b, *(tuple(t.tolist()[:b]) for t in params))
+        if self._cpu_settings is None or self._cpu_settings[0] != key:
+            temperature, top_p, top_k = bufs.temperature[:b], bufs.top_p[:b], bufs.top_k[:b]
+            settings = DrawSettings(temperature, top_p, top_k)
+            high = ras_high_settings(temperature, top_p, top_k, settings)
+            self._cpu_settings = key, settings, high, ras_counted(bufs.ras_window[:b], bufs.ras_len[:b])
+        return self._cpu_settings[1:]
+
     def decode_step(self, b: int, variant: str | None = None) -> None:
         """One frame for rows `[:b]` (see the module docstring). Graph-capturable.
 
@@ -362,15 +387,19 @@ class ModelRunner:
             # The torch sampler takes the frame's noise for every draw from one batched computation
             # (streams 0 = main token, k = codebook k, N + 1 = RAS fallback); the CUDA kernels hash
             # their own noise.
-            noise = settings = None
+            noise = settings = high_settings = ras_window_mask = None
             if not fused_kernels_enabled(sem_logits):
                 noise = frame_log_noise(seeds, steps, high + 1, max(V, self.n_residual))
-                settings = DrawSettings(temperature, top_p, top_k)  # shared by all draws of the frame
+                if self._cpu_step():  # kept between frames
+                    settings, high_settings, ras_window_mask = self._cpu_draw_settings(b)
+                else:
+                    settings = DrawSettings(temperature, top_p, top_k)  # shared by all draws of the frame
             idx = sample_main_token(
                 sem_logits, temperature, top_p, top_k, seeds, steps, bufs.ras_window[:b],
                 bufs.ras_len[:b], self.n_sem, high_stream=high, top_k_cap=cap,
                 log_noise=None if noise is None else noise[:, 0, :V],
                 high_log_noise=None if noise is None else noise[:, high, :V], settings=settings,
+                high_settings=high_settings, counted=ras_window_mask,
             )  # fmt: skip
             token = torch.where(idx == self.n_sem, c.eos_token_id, idx + c.semantic_begin_id)
             # Fast AR: position 0 on the slow hidden state (its logits are never used), c_0 derived from
