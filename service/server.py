@@ -142,7 +142,9 @@ def build_job(frontend: Frontend, loop: EngineLoop, request: pb.SynthesizeReques
     references: list[VoiceReference] = []
     prepared = None
     source = request.voice.WhichOneof("source")
-    if source == "preset":
+    if source is None:  # no voice: the model's default preset, as in the API and the CLI
+        references = frontend.voice(None)
+    elif source == "preset":
         references = frontend.voice(request.voice.preset)
     elif source == "reference":
         ref = request.voice.reference

@@ -4,6 +4,7 @@ clients. Timing-independent assertions only (CI has 2 busy cores)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import threading
 import time
@@ -388,6 +389,24 @@ def test_reference_voice_and_preset_voice(stub, offline):
     )
     ref = offline.synthesize("Hello.", voice="alpha", seed=3, max_new_tokens=8)
     assert np.array_equal(ref.codes.numpy(), r["codes"])
+
+
+def test_no_voice_means_the_models_default_voice(bundle):
+    """A request without a voice uses the bundle's `default_voice`, exactly as `tts synthesize` does."""
+    with_default = dataclasses.replace(bundle, default_voice="alpha")
+    srv = ServerThread(with_default, EngineConfig(max_batch=2), metrics_port=None)
+    try:
+        with srv.channel() as channel:
+            stub = pb_grpc.TextToSpeechStub(channel)
+            r = collect(
+                stub.Synthesize(build_request("Hello.", seed=3, max_new_tokens=8, include_codes=True))
+            )
+    finally:
+        srv.stop()
+    offline = TTS(with_default).synthesize("Hello.", seed=3, max_new_tokens=8)
+    preset = TTS(bundle).synthesize("Hello.", voice="alpha", seed=3, max_new_tokens=8)
+    assert np.array_equal(offline.codes.numpy(), r["codes"])
+    assert np.array_equal(preset.codes.numpy(), r["codes"])
 
 
 def test_info_voices_and_metrics(server, stub):
