@@ -107,6 +107,14 @@ class Rope:
     def of(freqs_cis: Tensor | Rope) -> Rope:
         return freqs_cis if isinstance(freqs_cis, Rope) else Rope(freqs_cis)
 
+    @staticmethod
+    def with_factors(table: Tensor, cos: Tensor, sin: Tensor) -> Rope:
+        """A Rope whose factors were built beforehand (from a longer table: rows depend only on
+        their own table row, so a slice of them equals what `factors()` would build)."""
+        rope = Rope(table)
+        rope._factors = cos, sin
+        return rope
+
     def factors(self) -> tuple[Tensor, Tensor]:
         if self._factors is None:
             f = self.table.float()
@@ -115,6 +123,19 @@ class Rope:
             c, s = f.unsqueeze(2).unbind(-1)  # [B|1, T, 1, D/2] each
             self._factors = torch.stack([c, c], -1).flatten(-2), torch.stack([-s, s], -1).flatten(-2)
         return self._factors
+
+
+_PAIR_SWAP: dict[int, Tensor] = {}
+
+
+def _pair_swap_index(d: int) -> Tensor:
+    """CPU `[1, 0, 3, 2, ...]` of length d: `x.index_select(-1, it)` swaps adjacent pairs. Made outside
+    inference mode, so that autograd (training) may save it too."""
+    index = _PAIR_SWAP.get(d)
+    if index is None:
+        with torch.inference_mode(False):
+            index = _PAIR_SWAP[d] = torch.arange(d, device="cpu").view(-1, 2).flip(-1).flatten()
+    return index
 
 
 def apply_rotary_emb(x: Tensor, freqs_cis: Tensor | Rope) -> Tensor:
@@ -126,6 +147,9 @@ def apply_rotary_emb(x: Tensor, freqs_cis: Tensor | Rope) -> Tensor:
     (`a - b*s` and `a + b*(-s)` round identically, so this is bit-exact to the pairwise form).
     """
     cos, sin = Rope.of(freqs_cis).factors()
+    if x.dtype == torch.float32 and x.device.type == "cpu":
+        # CPU fp32 (op-bound): the same products without the no-op casts, the pair swap as one gather.
+        return x * cos + x.index_select(-1, _pair_swap_index(x.shape[-1])) * sin
     xf = x.float()
     swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     return (xf * cos + swapped * sin).type_as(x)

@@ -153,10 +153,15 @@ class ModelRunner:
         self.fast_row_offset = torch.stack([rows + k * fk.stride(3) for k in range(c.num_codebooks)])
         # On a CPU (no graphs) the fast AR's RoPE factors for each codebook position are built once.
         self.fast_rope: list[Rope] | None = None
+        self.slow_rope_factors: tuple[Tensor, Tensor] | None = None
         if self.device.type == "cpu":
             self.fast_rope = [Rope(model.fast_freqs_cis[k : k + 1]) for k in range(c.num_codebooks)]
             for rope in self.fast_rope:
                 rope.factors()
+            # ... and the slow AR's for every position, `[max_seq_len, 1, 1, D]` fp32 (1 MB for the
+            # default model): a CPU step picks its rows' instead of building them (about 10 ops).
+            cos, sin = Rope(model.freqs_cis).factors()  # [1, max_seq_len, 1, D]
+            self.slow_rope_factors = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
         # Residual codebooks are sampled from the first n_residual fast logits (a static slice).
         self.n_residual = c.residual_codebook_size or c.codebook_size
         # CPU eager step only (see `_cpu_step`): per-batch-size attend functions over fixed views of the
@@ -273,7 +278,11 @@ class ModelRunner:
             return attend
 
         x = m.embed(bufs.frames[:b].unsqueeze(1))
-        h_pre, h_post = m.slow_layers(x, m.freqs_cis[pos].unsqueeze(1), attend_layer)
+        rope = m.freqs_cis[pos].unsqueeze(1)
+        if self._cpu_step():  # the rows' RoPE factors from the table built at start (see __init__)
+            cos, sin = self.slow_rope_factors
+            rope = Rope.with_factors(rope, cos.index_select(0, pos), sin.index_select(0, pos))
+        h_pre, h_post = m.slow_layers(x, rope, attend_layer)
         return h_pre[:, 0], h_post[:, 0]
 
     def _fast_rope(self, k: int) -> Tensor | Rope:
