@@ -16,9 +16,12 @@ def test_bench_runs_the_real_engine_and_writes_json_and_plot(tmp_path, capsys):
         assert r["step_ms_p99"] >= r["step_ms_p50"] > 0
     m = data["method"]
     assert m["prompt_tokens"] == 20 and m["timed_frames"] == 6 and m["torch"]
+    assert m["cpu_threads"] == 1  # a small model on a CPU: one intra-op thread, as tts synthesize
     assert "fps/stream" in capsys.readouterr().out
 
 
 def test_bench_rejects_bad_modes(capsys):
     assert main(["bench", "--model", "tiny", "--modes", "fast"]) == 2
     assert "--modes" in capsys.readouterr().err
+    assert main(["bench", "--model", "tiny", "--threads", "0"]) == 2
+    assert "--threads" in capsys.readouterr().err

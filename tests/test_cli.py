@@ -45,6 +45,8 @@ BAD = [
     (["synthesize", "hi", "-o", "{d}/a.wav", "--reference-audio", "{d}/junk.wav", "--reference-text", "x"], "cannot read"),
     (["synthesize", "hi", "-o", "{d}/a.wav", "--reference-audio", "{d}/nofile.wav", "--reference-text", "x"], "cannot read"),
     (["synthesize", "hi", "-o", "{d}/a.wav", "--voice", "nobody"], "unknown voice"),
+    (["synthesize", "hi", "-o", "{d}/a.wav", "--voice", "beta", "--reference-audio", "{d}/junk.wav",
+      "--reference-text", "x"], "not both"),
     (["synthesize", "hi", "-o", "{d}/a.wav", "--model", "{d}"], "config.json"),
 ]  # fmt: skip
 

@@ -160,6 +160,8 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     out = check_output_path(args.output)
     if (args.reference_audio is None) != (args.reference_text is None):
         raise UserError("--reference-audio and --reference-text go together")
+    if args.voice is not None and args.reference_audio is not None:
+        raise UserError("give --voice or --reference-audio, not both")
     reference_audio = read_audio(Path(args.reference_audio)) if args.reference_audio else None
     check_device(args.device)
     SamplingParams(**{k: v for k, v in sampling_kwargs(args).items() if v is not None}).validate()
@@ -229,7 +231,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     c = bundle.model.config
     print(
         f"slow AR: {c.n_layer} layers, dim {c.dim}, heads {c.n_head}/{c.n_local_heads}, max_seq_len {c.max_seq_len}; "
-        f"fast AR: {c.n_fast_layer} layers, dim {c.fast_dim}; codebooks {c.num_codebooks} x {c.codebook_size}"
+        f"fast AR: {c.n_fast_layer} layer{'s' if c.n_fast_layer != 1 else ''}, dim {c.fast_dim}; codebooks {c.num_codebooks} x {c.codebook_size}"
     )
     return 0
 
