@@ -1,6 +1,15 @@
 import torch
 
-from tts.sampling import SortedLogits, hash32, row_keys, sample, sample_main_token, uniform
+from tts.sampling import (
+    SortedLogits,
+    frame_log_noise,
+    hash32,
+    row_keys,
+    sample,
+    sample_main_token,
+    seed_keys,
+    uniform,
+)
 
 
 def _p(B, temperature=1.0, top_p=1.0, top_k=0):
@@ -138,3 +147,12 @@ def test_shared_draw_settings_give_the_same_draws():
         logits = torch.randn(B, V) * 3
         shared = sample(logits, temperature, top_p, top_k, seeds, steps, stream, settings=settings)
         assert torch.equal(shared, sample(logits, temperature, top_p, top_k, seeds, steps, stream))
+
+
+def test_frame_noise_from_kept_seed_keys_is_identical():
+    """The CPU runner keeps `seed_keys` between frames; the noise must not change by a bit."""
+    seeds = torch.tensor([0, -5, 2**62, 123456789012])
+    steps = torch.tensor([0, 3, 9, 100])
+    full = frame_log_noise(seeds, steps, 6, 300)
+    kept = frame_log_noise(seeds, steps, 6, 300, seed_key=seed_keys(seeds.unsqueeze(1)))
+    assert torch.equal(full, kept)

@@ -71,12 +71,26 @@ def uniform(keys: Tensor, n: int) -> Tensor:
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def frame_log_noise(seeds: Tensor, steps: Tensor, streams: int, n: int) -> Tensor:
+def seed_keys(seeds: Tensor) -> Tensor:
+    """The part of `row_keys` that depends on the seeds only (the same ops): a caller that draws many
+    frames with the same seeds may keep it (the CPU runner does)."""
+    k = hash32(seeds & _MASK32)
+    return hash32(k ^ ((seeds >> 32) & _MASK32))
+
+
+def frame_log_noise(
+    seeds: Tensor, steps: Tensor, streams: int, n: int, seed_key: Tensor | None = None
+) -> Tensor:
     """`log(E)`, `E = -log U`, for every stream `0..streams-1` and token id `0..n-1` of a frame at once:
     `[B, streams, n]` float32. Slicing `[:, s, :V]` gives exactly the noise `sample(..., stream=s)` draws
     for a V-way row (U depends only on the keys and the token id), in one batch of ops instead of one
-    per draw (the CPU path is launch-bound)."""
-    keys = row_keys(seeds.unsqueeze(1), steps.unsqueeze(1), torch.arange(streams, device=seeds.device))
+    per draw (the CPU path is launch-bound). `seed_key`: `seed_keys(seeds.unsqueeze(1))` if the caller
+    kept it; the keys are then finished from it with `row_keys`'s remaining ops."""
+    if seed_key is None:
+        keys = row_keys(seeds.unsqueeze(1), steps.unsqueeze(1), torch.arange(streams, device=seeds.device))
+    else:
+        stream_ids = torch.arange(streams, device=seeds.device)
+        keys = hash32(hash32(seed_key ^ (steps.unsqueeze(1) & _MASK32)) ^ stream_ids)
     u = uniform(keys.reshape(-1), n).view(seeds.shape[0], streams, n)
     return torch.log(-torch.log(u))
 

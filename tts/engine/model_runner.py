@@ -35,6 +35,7 @@ from ..sampling import (
     ras_high_settings,
     sample,
     sample_main_token,
+    seed_keys,
 )
 
 
@@ -165,9 +166,10 @@ class ModelRunner:
         # Residual codebooks are sampled from the first n_residual fast logits (a static slice).
         self.n_residual = c.residual_codebook_size or c.codebook_size
         # CPU eager step only (see `_cpu_step`): per-batch-size attend functions over fixed views of the
-        # fast KV buffers, and the sampler settings of the last step with the buffers' versions.
+        # fast KV buffers, and the last step's sampler settings and seed keys with the values they came from.
         self._cpu_fast_attend: dict[tuple[int, int], object] = {}
         self._cpu_settings: tuple[tuple, DrawSettings, DrawSettings, Tensor] | None = None
+        self._cpu_seed_keys: tuple[tuple, Tensor] | None = None
 
     # ---- host-side row management (between steps only) ---------------------------------------------
 
@@ -378,6 +380,14 @@ class ModelRunner:
             self._cpu_settings = key, settings, high, ras_counted(bufs.ras_window[:b], bufs.ras_len[:b])
         return self._cpu_settings[1:]
 
+    def _cpu_seed_keys_for(self, b: int) -> Tensor:
+        """CPU step: `seed_keys` of rows `[:b]` (`[b, 1]`), kept while their seeds are unchanged (the
+        seed half of the noise keys, about 24 ops a frame otherwise). Keyed on the seeds' values."""
+        key = (b, tuple(self.buffers.seeds.tolist()[:b]))
+        if self._cpu_seed_keys is None or self._cpu_seed_keys[0] != key:
+            self._cpu_seed_keys = key, seed_keys(self.buffers.seeds[:b].unsqueeze(1))
+        return self._cpu_seed_keys[1]
+
     def decode_step(self, b: int, variant: str | None = None) -> None:
         """One frame for rows `[:b]` (see the module docstring). Graph-capturable.
 
@@ -398,10 +408,13 @@ class ModelRunner:
             # their own noise.
             noise = settings = high_settings = ras_window_mask = None
             if not fused_kernels_enabled(sem_logits):
-                noise = frame_log_noise(seeds, steps, high + 1, max(V, self.n_residual))
-                if self._cpu_step():  # kept between frames
+                if self._cpu_step():  # seed keys and settings kept between frames
+                    noise = frame_log_noise(
+                        seeds, steps, high + 1, max(V, self.n_residual), seed_key=self._cpu_seed_keys_for(b)
+                    )
                     settings, high_settings, ras_window_mask = self._cpu_draw_settings(b)
                 else:
+                    noise = frame_log_noise(seeds, steps, high + 1, max(V, self.n_residual))
                     settings = DrawSettings(temperature, top_p, top_k)  # shared by all draws of the frame
             idx = sample_main_token(
                 sem_logits, temperature, top_p, top_k, seeds, steps, bufs.ras_window[:b],
