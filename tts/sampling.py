@@ -109,6 +109,9 @@ class DrawSettings:
         self.top_p = top_p.unsqueeze(1)
         self.t = torch.clamp(temperature, min=MIN_TEMPERATURE).unsqueeze(1)
         self.sampled = temperature > 0  # else greedy
+        # Set by a caller that knows (from host values) that every row is sampled: `draw` then skips
+        # its greedy select, which would keep the sampled index everywhere (the CPU runner does).
+        self.all_sampled = False
         # The rank masks depend on top_k only: `same_top_k` (settings with this top_k) shares its own.
         self._rank_masks: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = (
             same_top_k._rank_masks if same_top_k is not None else {}
@@ -149,6 +152,8 @@ class SortedLogits:
         score = (self.values / settings.t - log_e).masked_fill(remove, float("-inf"))
         rank = torch.argmax(score, dim=-1, keepdim=True)
         sampled = self.indices.gather(1, rank).squeeze(1)
+        if settings.all_sampled:
+            return sampled
         return torch.where(settings.sampled, sampled, self.indices[:, 0])
 
 

@@ -170,6 +170,7 @@ class ModelRunner:
         self._cpu_fast_attend: dict[tuple[int, int], object] = {}
         self._cpu_settings: tuple[tuple, DrawSettings, DrawSettings, Tensor] | None = None
         self._cpu_seed_keys: tuple[tuple, Tensor] | None = None
+        self._cpu_kv_views: list[tuple[Tensor, Tensor, Tensor, Tensor]] | None = None
 
     # ---- host-side row management (between steps only) ---------------------------------------------
 
@@ -279,6 +280,13 @@ class ModelRunner:
                 attend.kv_dest = KVDest(kv.k[i].view(-1), kv.v[i].view(-1), slot_offset, kv.k.shape[-1])
             return attend
 
+        if (
+            self._cpu_step()
+            and self.paged_attention is paged_decode_attention
+            and torch.is_inference_mode_enabled()
+        ):
+            attend_layer = self._cpu_slow_attend(slots, torch_attention)
+
         x = m.embed(bufs.frames[:b].unsqueeze(1))
         rope = m.freqs_cis[pos].unsqueeze(1)
         if self._cpu_step():  # the rows' RoPE factors from the table built at start (see __init__)
@@ -286,6 +294,30 @@ class ModelRunner:
             rope = Rope.with_factors(rope, cos.index_select(0, pos), sin.index_select(0, pos))
         h_pre, h_post = m.slow_layers(x, rope, attend_layer)
         return h_pre[:, 0], h_post[:, 0]
+
+    def _cpu_slow_attend(self, slots: Tensor, torch_attention: PagedDecodeAttention):
+        """CPU torch path of slow_step's attend_layer: the same `kv.write` and attention, on each
+        layer's pool and flat slot view made once (`kv.k[i]` and its view are ops, 6 a layer). Only
+        under inference mode (every engine step): the views are made and written there."""
+        kv = self.kv
+        if self._cpu_kv_views is None:
+            self._cpu_kv_views = [
+                (kv.k[i], kv.v[i], kv.k[i].view(-1, *kv.k.shape[-2:]), kv.v[i].view(-1, *kv.v.shape[-2:]))
+                for i in range(kv.k.shape[0])
+            ]
+
+        def attend_layer(i):
+            k_pool, v_pool, k_flat, v_flat = self._cpu_kv_views[i]
+
+            def attend(q, k, v):
+                k, v = k[:, 0], v[:, 0]
+                k_flat.index_copy_(0, slots, k if k.dtype == k_flat.dtype else k.to(k_flat.dtype))
+                v_flat.index_copy_(0, slots, v if v.dtype == v_flat.dtype else v.to(v_flat.dtype))
+                return torch_attention(q[:, 0], k_pool, v_pool, self.scale).unsqueeze(1)
+
+            return attend
+
+        return attend_layer
 
     def _fast_rope(self, k: int) -> Tensor | Rope:
         return self.fast_rope[k] if self.fast_rope is not None else self.model.fast_freqs_cis[k : k + 1]
@@ -377,6 +409,8 @@ class ModelRunner:
             temperature, top_p, top_k = bufs.temperature[:b], bufs.top_p[:b], bufs.top_k[:b]
             settings = DrawSettings(temperature, top_p, top_k)
             high = ras_high_settings(temperature, top_p, top_k, settings)
+            settings.all_sampled = all(t > 0 for t in key[1])  # key[1]: the temperatures; no greedy row
+            high.all_sampled = True  # (temperature 1.0 in every row)
             self._cpu_settings = key, settings, high, ras_counted(bufs.ras_window[:b], bufs.ras_len[:b])
         return self._cpu_settings[1:]
 
