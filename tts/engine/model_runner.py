@@ -166,7 +166,8 @@ class ModelRunner:
         # Residual codebooks are sampled from the first n_residual fast logits (a static slice).
         self.n_residual = c.residual_codebook_size or c.codebook_size
         # CPU eager step only (see `_cpu_step`): per-batch-size attend functions over fixed views of the
-        # fast KV buffers, and the last step's sampler settings and seed keys with the values they came from.
+        # fast KV buffers, the last step's sampler settings and seed keys with the values they came
+        # from, and each slow layer's KV pool views.
         self._cpu_fast_attend: dict[tuple[int, int], object] = {}
         self._cpu_settings: tuple[tuple, DrawSettings, DrawSettings, Tensor] | None = None
         self._cpu_seed_keys: tuple[tuple, Tensor] | None = None
