@@ -74,3 +74,14 @@ def test_console_script_help_and_exit_code():
     r = subprocess.run([sys.executable, "-m", "tts.cli", "synthesize", "", "-o", "x.wav", "--model", "tiny"],
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 2 and "nothing to speak" in r.stderr
+
+
+def test_argument_errors_are_one_line_and_version_prints(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["synthesize", "hi", "-o", "x.wav", "--seed", "abc"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("tts synthesize: error: argument --seed")
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("tts ")

@@ -239,11 +239,30 @@ def cmd_info(args: argparse.Namespace) -> int:
 # ---- parser and entry point --------------------------------------------------------------------------
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse with the CLI's error convention: one line on stderr (no usage block), exit code 2.
+    Sub-command parsers inherit the class."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def package_version() -> str:
+    """The installed distribution's version, or "unknown" when run from an uninstalled tree."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dualar-tts")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="tts", description="Dual-AR text-to-speech runtime: synthesize, serve, benchmark."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument("--version", action="version", version=f"tts {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser(
