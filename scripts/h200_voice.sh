@@ -5,7 +5,6 @@
 #                through each; the CUDA tests run alongside. Brings back the codecs and codes.
 #   STEP=codec   no extra carry, on the machine STEP=corpus left warm: trains one learned codec longer,
 #                encodes every clip with it, brings back codec + codes as a split tarball.
-#   STEP=duel    (warm machine) trains the model on the k-means and on the learned codes side by side.
 #   STEP=train_vq3  carry [".whl-voice", "training/work/carry", "training/work/codec_vq3_meta"]: the
 #                shipped run: unpacks carry/codes_vq3.tgz and trains the model (TRAIN_ARGS extra flags)
 #                while the CUDA tests run; brings back the weights.
@@ -53,16 +52,6 @@ elif [[ ${STEP} == codec ]]; then  # one learned codec, longer, on the shards le
     --max-utterances $N > $OUT/encode_vq3.log 2>&1
   tail -n 1 $OUT/encode_vq3.log; echo "encode: $(( $(date +%s) - t0 )) s"
   tar czf /tmp/vq3.tgz -C $W codec_vq3 codes_vq3 && split -b 15M /tmp/vq3.tgz $OUT/vq3.tgz.part- && ls -la $OUT
-elif [[ ${STEP} == duel ]]; then  # the model on the k-means codes and on the learned codes, side by side
-  (TTS_TEST_REPORT=$OUT/cuda_report.json timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py > $OUT/cuda_tests.log 2>&1 &)
-  for c in km vq3; do
-    d=$W/codes_$c; k=$W/codec_$c; [[ $c == km ]] && d=$W/codes k=$W/codec
-    timeout 400 python3 training/train.py --data $d --codec $k --out /tmp/model_$c --workers 7 ${TRAIN_ARGS:-} > $OUT/train_$c.log 2>&1 &
-  done
-  wait
-  cp -r $W/codec /tmp/model_km/codec
-  for c in km vq3; do tail -2 $OUT/train_$c.log; tar czf /tmp/m_$c.tgz -C /tmp model_$c && split -b 15M /tmp/m_$c.tgz $OUT/m_$c.tgz.part-; done
-  sleep 5; tail -3 $OUT/cuda_tests.log; ls -la $OUT
 elif [[ ${STEP} == train_vq3 ]]; then  # carry [".whl-voice", "training/work/carry", "training/work/codec_vq3_meta"]
   (TTS_TEST_REPORT=$OUT/cuda_report.json timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py > $OUT/cuda_tests.log 2>&1 &)
   tar xzf $W/carry/codes_vq3.tgz -C $W

@@ -38,8 +38,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tts.codec.melrvq import stack_frames  # noqa: E402
-from tts.codec.melvq import MelVQCodec, MelVQNet, nearest  # noqa: E402
+from tts.codec.melrvq import nearest_centroid, stack_frames  # noqa: E402
+from tts.codec.melvq import MelVQCodec, MelVQNet  # noqa: E402
 
 
 def load_features(work: Path, max_shards: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -87,7 +87,7 @@ class EMAQuantizer:
             if train and not self.initialized:
                 books[i] = residual[torch.randperm(residual.shape[0], device=z.device)[: books.shape[1]]]
                 self.sum[i] = books[i]
-            idx = nearest(residual, books[i])
+            idx, _ = nearest_centroid(residual, books[i])
             if train:
                 onehot_count = torch.bincount(idx, minlength=books.shape[1]).float()
                 sums = torch.zeros_like(books[i]).index_add_(0, idx, residual)

@@ -189,23 +189,8 @@ def plot(results: list[dict], path: Path, env: dict) -> None:
     fig.savefig(path, dpi=120)
 
 
-def set_cpu_threads(model, args: argparse.Namespace) -> None:
-    """`--threads`, defaulting like the CLI: 1 intra-op thread for models under 100 M parameters on a
-    CPU (their decode step is a chain of small ops; extra threads spin and slow it down)."""
-    from .errors import UserError
-
-    threads = args.threads
-    small = sum(p.numel() for p in model.parameters()) < 100_000_000
-    if threads is None and not args.device.startswith("cuda") and small:
-        threads = 1
-    if threads is not None:
-        if threads < 1:
-            raise UserError("--threads must be >= 1")
-        torch.set_num_threads(threads)
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .cli import check_device, torch_dtype
+    from .cli import check_device, set_cpu_threads, torch_dtype
     from .errors import UserError
 
     if args.server:  # the service load benchmark (service/loadtest.py)
@@ -222,7 +207,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.frames < 2 or args.warmup_frames < 1 or args.prompt_tokens < 1:
         raise UserError("--frames must be >= 2, --warmup-frames >= 1, --prompt-tokens >= 1")
     model = load_bench_model(args.model, args.device, torch_dtype(args.dtype))
-    set_cpu_threads(model, args)
+    set_cpu_threads(
+        args.threads, not args.device.startswith("cuda"), sum(p.numel() for p in model.parameters())
+    )
     env = environment(model, args)
     env["on_gpu"] = args.device.startswith("cuda")
     results = []

@@ -74,10 +74,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 def apply_threads(args: argparse.Namespace, bundle) -> None:
     """Set torch's CPU thread count per `--threads` (see its help) once the model is known."""
+    set_cpu_threads(getattr(args, "threads", None), bundle.device.type == "cpu", bundle.num_parameters())
+
+
+def set_cpu_threads(threads: int | None, on_cpu: bool, num_parameters: int) -> None:
+    """`threads` intra-op threads; None means 1 for models under 100 M parameters on a CPU (their
+    decode step is a chain of small ops that extra threads only slow down), else torch's default.
+    Raises UserError for threads < 1."""
     import torch
 
-    threads = getattr(args, "threads", None)
-    if threads is None and bundle.device.type == "cpu" and bundle.num_parameters() < 100_000_000:
+    if threads is None and on_cpu and num_parameters < 100_000_000:
         threads = 1
     if threads is not None:
         if threads < 1:

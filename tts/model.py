@@ -175,7 +175,6 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, freqs_cis: Tensor | Rope, attend: AttendFn) -> Tensor:
         B, T, _ = x.shape
         q_size = self.n_head * self.head_dim
-        kv_size = self.n_local_heads * self.head_dim
         qkv = self.wqkv(x)
         if (
             T == 1 and self.fusable and fused_kernels_enabled(qkv)
@@ -188,21 +187,7 @@ class Attention(nn.Module):
                 self.q_norm.eps if self.qk_norm else 0.0, kv_dest=dest,
             )  # fmt: skip
             return self.wo(attend(q, k, v).reshape(B, T, q_size))
-        v = qkv[..., q_size + kv_size :].view(B, T, self.n_local_heads, self.head_dim)
-        if self._joint_qk(qkv):
-            # q and k heads side by side: one norm and one rotation for both (fp32 CPU, op-bound).
-            # nn.RMSNorm's CPU ops, per head: x * rsqrt(mean(x^2) + eps) * weight.
-            qk = qkv[..., : q_size + kv_size].unflatten(-1, (self.n_head + self.n_local_heads, self.head_dim))
-            if self.qk_norm:
-                w = self._qk_norm_weight()
-                qk = _rms_norm_fp32(qk, self.q_norm.eps, w)
-            q, k = apply_rotary_emb(qk, freqs_cis).split([self.n_head, self.n_local_heads], dim=2)
-        else:
-            q = qkv[..., :q_size].view(B, T, self.n_head, self.head_dim)
-            k = qkv[..., q_size : q_size + kv_size].view(B, T, self.n_local_heads, self.head_dim)
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
+        q, k, v = self._split_norm_rotate(qkv, freqs_cis)
         y = attend(q, k, v)
         return self.wo(y.reshape(B, T, q_size))
 
@@ -210,25 +195,33 @@ class Attention(nn.Module):
         """K and V of `x [B, T, dim]` only, exactly as `forward` computes them on the CPU torch path
         (no attention, no `wo`): for a position whose K/V are read later but whose output is not.
 
-        CPU only (never reached on CUDA). It repeats `forward`'s projection ops on the same shapes, so
+        CPU only (never reached on CUDA). It runs `forward`'s own torch path (`_split_norm_rotate`), so
         the values are bit-identical; q is normed and rotated along with k, as there, and dropped.
         """
-        B, T, _ = x.shape
+        _, k, v = self._split_norm_rotate(self.wqkv(x), freqs_cis)
+        return k, v
+
+    def _split_norm_rotate(self, qkv: Tensor, freqs_cis: Tensor | Rope) -> tuple[Tensor, Tensor, Tensor]:
+        """The torch path from `wqkv`'s output `[B, T, (H + 2 Hkv) D]` to q `[B, T, H, D]` and k, v
+        `[B, T, Hkv, D]`: split, q/k RMSNorm, RoPE."""
+        B, T, _ = qkv.shape
         q_size = self.n_head * self.head_dim
         kv_size = self.n_local_heads * self.head_dim
-        qkv = self.wqkv(x)
         v = qkv[..., q_size + kv_size :].view(B, T, self.n_local_heads, self.head_dim)
         if self._joint_qk(qkv):
+            # q and k heads side by side: one norm and one rotation for both (fp32 CPU, op-bound).
+            # nn.RMSNorm's CPU ops, per head: x * rsqrt(mean(x^2) + eps) * weight.
             qk = qkv[..., : q_size + kv_size].unflatten(-1, (self.n_head + self.n_local_heads, self.head_dim))
             if self.qk_norm:
                 qk = _rms_norm_fp32(qk, self.q_norm.eps, self._qk_norm_weight())
-            k = apply_rotary_emb(qk, freqs_cis).split([self.n_head, self.n_local_heads], dim=2)[1]
+            q, k = apply_rotary_emb(qk, freqs_cis).split([self.n_head, self.n_local_heads], dim=2)
         else:
+            q = qkv[..., :q_size].view(B, T, self.n_head, self.head_dim)
             k = qkv[..., q_size : q_size + kv_size].view(B, T, self.n_local_heads, self.head_dim)
             if self.qk_norm:
-                k = self.k_norm(k)
-            k = apply_rotary_emb(k, freqs_cis)
-        return k, v
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
+        return q, k, v
 
     def _qk_norm_weight(self) -> Tensor:
         """`[H + Hkv, D]`: the q-norm weight for each query head, then the k-norm weight for each KV

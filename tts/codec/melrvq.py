@@ -93,7 +93,7 @@ def _kmeans(x: Tensor, k: int, iters: int, generator: torch.Generator) -> Tensor
     c = x[idx].clone()
     x_sq = x.pow(2).sum(1, keepdim=True)
     for _ in range(iters):
-        assign, dist = _assign(x, c, x_sq)
+        assign, dist = nearest_centroid(x, c, x_sq)
         counts = torch.bincount(assign, minlength=k).float()
         sums = torch.zeros_like(c).index_add_(0, assign, x)
         empty = counts == 0
@@ -104,8 +104,12 @@ def _kmeans(x: Tensor, k: int, iters: int, generator: torch.Generator) -> Tensor
     return c
 
 
-def _assign(x: Tensor, c: Tensor, x_sq: Tensor | None = None, chunk: int = 65536) -> tuple[Tensor, Tensor]:
-    """Nearest centroid (squared L2) of each row of x, in chunks. Returns (index [n] int64, dist [n])."""
+def nearest_centroid(
+    x: Tensor, c: Tensor, x_sq: Tensor | None = None, chunk: int = 65536
+) -> tuple[Tensor, Tensor]:
+    """Nearest centroid (squared L2) of each row of `x [n, d]` among `c [k, d]`, in chunks of rows.
+    Returns (index `[n]` int64, squared distance `[n]`). Shared by k-means, RVQ encoding and the learned
+    codec's quantizer."""
     c_sq = c.pow(2).sum(1)
     idx, dist = [], []
     for s in range(0, x.shape[0], chunk):
@@ -130,7 +134,7 @@ def fit_rvq(
     books = []
     for i in range(num_codebooks):
         c = _kmeans(residual, codebook_size, iters, g)
-        assign, _ = _assign(residual, c)
+        assign, _ = nearest_centroid(residual, c)
         residual = residual - c[assign]
         books.append(c)
         if log:
@@ -205,7 +209,7 @@ class MelRVQCodec(Codec):
         residual = vectors.float()
         codes = []
         for book in self.codebooks:
-            idx, _ = _assign(residual, book)
+            idx, _ = nearest_centroid(residual, book)
             codes.append(idx)
             residual = residual - book[idx]
         return torch.stack(codes)

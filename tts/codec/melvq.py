@@ -36,7 +36,16 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from .base import Codec
-from .melrvq import FRAME_LENGTH, N_MELS, SAMPLE_RATE, SUBFRAMES, LogMel, WindowedGriffinLim, stack_frames
+from .melrvq import (
+    FRAME_LENGTH,
+    N_MELS,
+    SAMPLE_RATE,
+    SUBFRAMES,
+    LogMel,
+    WindowedGriffinLim,
+    nearest_centroid,
+    stack_frames,
+)  # fmt: skip
 
 FEATURE_DIM = SUBFRAMES * N_MELS  # 320
 
@@ -92,7 +101,7 @@ class MelVQNet(nn.Module):
         total = torch.zeros_like(residual)
         codes = []
         for book in self.codebooks:
-            idx = nearest(residual, book)
+            idx, _ = nearest_centroid(residual, book)
             q = book[idx]
             residual = residual - q
             total = total + q
@@ -108,12 +117,6 @@ class MelVQNet(nn.Module):
     def decode(self, q: Tensor) -> Tensor:
         """Quantized latents `[B, latent, T]` -> standardized features `[B, 320, T]` (causal)."""
         return self.dec_out(F.gelu(self.dec_blocks(self.dec_in(q))))
-
-
-def nearest(x: Tensor, book: Tensor) -> Tensor:
-    """Index `[M]` of the nearest (squared L2) row of `book [K, D]` for each row of `x [M, D]`."""
-    d = book.pow(2).sum(1) - 2 * x @ book.T
-    return d.argmin(1)
 
 
 class MelVQCodec(Codec):
