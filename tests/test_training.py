@@ -18,8 +18,9 @@ sys.path.insert(0, str(ROOT / "training"))
 import train  # noqa: E402
 
 
-def _codes_dir(tmp_path: Path, n: int = 24) -> Path:
-    """A corpus `codes/` folder as `corpus.py encode` writes it: 2 speakers, random codes."""
+def _codes_dir(tmp_path: Path, n: int = 24, heldout: int = 3) -> Path:
+    """A corpus `codes/` folder as `corpus.py encode` writes it: 2 speakers, random codes; the last
+    `heldout` utterances are in the held-out split."""
     out = tmp_path / "codes"
     out.mkdir()
     tok = build_byte_tokenizer(64)
@@ -29,7 +30,7 @@ def _codes_dir(tmp_path: Path, n: int = 24) -> Path:
     for i in range(n):
         T = 10 + i % 7
         items.append({
-            "id": f"u{i}", "speaker": i % 2, "split": "train", "seconds": T / 21.5,
+            "id": f"u{i}", "speaker": i % 2, "split": "train" if i < n - heldout else "heldout", "seconds": T / 21.5,
             "tokens": torch.tensor(tok.encode(f"sentence {i}"), dtype=torch.int16),
             "codes": torch.randint(0, 64, (4, T), generator=g).to(torch.int16),
         })  # fmt: skip
@@ -67,6 +68,21 @@ def test_fused_kernels_are_never_used_under_autograd(monkeypatch):
         assert kernels.fused_kernels_enabled(torch.ones(4), weight)
 
 
+def test_heldout_utterances_are_scored_and_never_trained_on(tmp_path):
+    data = _codes_dir(tmp_path, n=24, heldout=3)
+    corpus, heldout = train.Corpus(data, 4), train.Corpus(data, 4, split="heldout")
+    assert len(corpus.items) == 21 and len(heldout.items) == 3
+    assert {u["id"] for u in corpus.items}.isdisjoint(u["id"] for u in heldout.items)
+    torch.manual_seed(0)
+    model = train.DualARTransformer(train.model_config(corpus.tokenizer, 4, 64, "test"))
+    model.train()
+    val = train.heldout_loss(model, heldout, torch.device("cpu"))
+    assert model.training  # restored after the eval-mode pass
+    assert val["val_slow"] > 0 and val["val_fast"] > 0 and 0 <= val["val_acc0"] <= 1
+    # Deterministic (no sampled reference or history), so runs and steps compare.
+    assert train.heldout_loss(model, heldout, torch.device("cpu")) == val
+
+
 def test_batches_from_worker_processes_differ_and_are_well_formed(tmp_path):
     corpus = train.Corpus(_codes_dir(tmp_path), 4)
     batches = train.batch_loader(corpus, seed=1, batch_tokens=512, workers=2)
@@ -83,11 +99,13 @@ def test_train_script_writes_a_loadable_model(tmp_path):
     cmd = [
         sys.executable, str(ROOT / "training" / "train.py"), "--data", str(data), "--codec", str(tmp_path),
         "--out", str(out), "--size", "test", "--steps", "3", "--batch-tokens", "1024", "--workers", "0",
-        "--log-every", "1", "--max-seconds", "120",
+        "--log-every", "1", "--val-every", "2", "--max-seconds", "120",
     ]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=180)
     state = json.loads((out / "train_state.json").read_text())
     assert state["step"] == 3 and len(state["history"]) == 3
+    assert [("val_slow" in rec) for rec in state["history"]] == [True, True, False]  # steps 1 and 2
+    assert "val_fast" in (out / "loss.csv").read_text().splitlines()[0]
     from tts.bundle import weight_files
     from tts.config import ModelArgs
 
