@@ -1,3 +1,6 @@
+import hashlib
+from pathlib import Path
+
 import pytest
 
 from tts.text import TextError, normalize_text, split_text
@@ -39,3 +42,22 @@ def test_split_text_respects_limit_and_keeps_words():
 def test_split_text_terminates_when_the_limit_is_below_one_character():
     chunks = split_text("\u4f60\u597d\u4e16\u754c", 2)  # 3 bytes per character
     assert "".join(chunks) == "\u4f60\u597d\u4e16\u754c" and len(chunks) == 4
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# normalize_text of every line of samples/eval/heldout.txt, recorded before the normalizer grew phone
+# numbers, fractions, units and month abbreviations. The held-out evaluation (`tts eval` WER references)
+# and the trained default model depend on these exact strings; the hash keeps the file from being
+# regenerated in passing.
+HELDOUT_NORMALIZED = ROOT / "tests" / "heldout_normalized.txt"
+HELDOUT_NORMALIZED_SHA256 = "f1a5f6997bd1ec338adbfcac0b5a6e23401981e505ed6bdb09ab65c535c75e43"
+
+
+def test_heldout_sentences_normalize_byte_identically():
+    pinned = HELDOUT_NORMALIZED.read_bytes()
+    assert hashlib.sha256(pinned).hexdigest() == HELDOUT_NORMALIZED_SHA256
+    lines = (ROOT / "samples" / "eval" / "heldout.txt").read_text(encoding="utf-8").splitlines()
+    expected = pinned.decode("utf-8").splitlines()
+    assert len(lines) == len(expected) == 64
+    for raw, spoken in zip(lines, expected, strict=True):
+        assert normalize_text(raw) == spoken, raw
