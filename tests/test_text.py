@@ -1,4 +1,5 @@
 import hashlib
+import re
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,90 @@ from tts.text import TextError, normalize_text, split_text
 )
 def test_normalize(raw, spoken):
     assert normalize_text(raw) == spoken
+
+
+@pytest.mark.parametrize(
+    "raw, spoken",
+    [
+        # phone numbers and other hyphen-joined digit groups: digit by digit, a pause between groups
+        ("Call 555-0199 now.", "Call five five five, zero one nine nine now."),
+        ("Call 1-800-555-0199.", "Call one, eight zero zero, five five five, zero one nine nine."),
+        ("Dial (555) 123-4567.", "Dial five five five, one two three, four five six seven."),
+        ("SSN 123-45-6789", "SSN one two three, four five, six seven eight nine"),
+        ("1-4-7-10- is a sequence.", "one-four-seven-ten- is a sequence."),
+        # two plain numbers joined by a hyphen are a range (or a score)
+        ("Ages 5-10 only.", "Ages five to ten only."),
+        ("From 1990-1995.", "From nineteen ninety to nineteen ninety-five."),
+        ("Lift 5-10 kg.", "Lift five to ten kilograms."),
+        ("Read 200-1000 words.", "Read two hundred to one thousand words."),
+        ("COVID-19 spread.", "COVID-nineteen spread."),
+        # fractions; dates with slashes stay dates
+        ("Add 1/2 cup.", "Add one half cup."),
+        ("About 3/4 of it.", "About three quarters of it."),
+        ("2/3 and 5/8 and 1/10", "two thirds and five eighths and one tenth"),
+        ("It took 2 1/2 hours.", "It took two and a half hours."),
+        ("It took 1\u00bd hours.", "It took one and a half hours."),
+        ("A 1/2-inch pipe, 1 1/8 in all.", "A one half-inch pipe, one and an eighth in all."),
+        ("On 12/25/2024 we met.", "On December twenty-fifth, twenty twenty-four we met."),
+        ("On 1/2/2024 we met.", "On January second, twenty twenty-four we met."),
+        # units after numbers, singular for exactly one
+        ("It weighs 5 kg.", "It weighs five kilograms."),
+        ("It weighs 1 kg.", "It weighs one kilogram."),
+        ("10 km, 3 cm and 2.5 mm", "ten kilometers, three centimeters and two point five millimeters"),
+        ("at 100 mph or 60 km/h", "at one hundred miles per hour or sixty kilometers per hour"),
+        ("5 lb, 5 lbs, 1 lb, 12 oz", "five pounds, five pounds, one pound, twelve ounces"),
+        ("3 ft and 1 ft", "three feet and one foot"),
+        ("It is 6in long, not 1in.", "It is six inches long, not one inch."),
+        ("Put 6 in the box.", "Put six in the box."),
+        (
+            "500 mg, 2 L and 250 ml",
+            "five hundred milligrams, two liters and two hundred and fifty milliliters",
+        ),
+        (
+            "It is 25 \u00b0C or 77\u00b0F.",
+            "It is twenty-five degrees Celsius or seventy-seven degrees Fahrenheit.",
+        ),
+        ("It is -5 \u00b0C.", "It is minus five degrees Celsius."),
+        ("Turn 90\u00b0 left.", "Turn ninety degrees left."),
+        ("1,500 kg", "one thousand, five hundred kilograms"),
+        ("A bag of 5kg.", "A bag of five kilograms."),
+        (
+            "Add 1/4 lb, 3/4 oz and 1 1/2 kg.",
+            "Add one quarter of a pound, three quarters of an ounce and one and a half kilograms.",
+        ),
+        # month abbreviations before a day
+        ("Due Jan. 5, 2024.", "Due January fifth, twenty twenty-four."),
+        ("On Sept. 3 we left.", "On September third we left."),
+        ("On Dec 25th.", "On December twenty-fifth."),
+        ("Feb. 30 is no date.", "Feb. thirty is no date."),
+        ("Since Oct. 2024.", "Since October twenty twenty-four."),
+        # other abbreviations
+        ("Meet on Main St. near the park.", "Meet on Main Street near the park."),
+        ("I live at 221 Baker St.", "I live at two hundred and twenty-one Baker Street."),
+        ("Visit St. Louis.", "Visit Saint Louis."),
+        (
+            "It is approx. 5 vs. 6, e.g. small, i.e. tiny, etc.",
+            "It is approximately five versus six, for example small, that is tiny, et cetera.",
+        ),
+        ("She said No. Then left.", "She said No. Then left."),
+        ("No. 5 is here.", "number five is here."),
+    ],
+)
+def test_normalize_numbers_units_and_abbreviations(raw, spoken):
+    assert normalize_text(raw) == spoken
+
+
+def test_slashes_that_are_not_simple_fractions_are_not_read_as_fractions():
+    fraction_word = re.compile(r"\b(half|halves|quarters?|thirds?|\w+ths?)\b")
+    for raw in [
+        "It was 9/11.",
+        "Open 24/7.",
+        "On 12/25 we met.",
+        "Score 3/4/24.",
+        "See 1/2/3.",
+        "10/12 players",
+    ]:
+        assert not fraction_word.search(normalize_text(raw)), (raw, normalize_text(raw))
 
 
 @pytest.mark.parametrize("bad", ["", "   \n\t", "...!?", "\u2014 \u2026"])

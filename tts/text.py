@@ -1,7 +1,9 @@
 """English text normalization: the text every model here (and the default model's corpus) sees.
 
-Numbers, dates, times, currency, percentages, ordinals and common abbreviations become words
-(num2words does the number reading); typographic punctuation becomes ASCII; whitespace collapses.
+Numbers, dates, times, currency, percentages, ordinals, ranges, simple fractions, units after numbers and
+common abbreviations become words (num2words does the number reading); phone numbers and other
+hyphen-joined digit groups are read digit by digit; typographic punctuation becomes ASCII; whitespace
+collapses.
 `split_text` cuts long text into chunks at sentence, then clause, then word boundaries.
 """
 
@@ -24,8 +26,59 @@ _MONTHS = [
 _ABBREVIATIONS = {
     "Mr.": "Mister", "Mrs.": "Missus", "Ms.": "Miz", "Dr.": "Doctor", "Prof.": "Professor",
     "St.": "Saint", "Jr.": "Junior", "Sr.": "Senior", "vs.": "versus", "etc.": "et cetera",
-    "e.g.": "for example", "i.e.": "that is", "approx.": "approximately", "No.": "number",
+    "e.g.": "for example", "i.e.": "that is", "approx.": "approximately",
 }  # fmt: skip
+# Context-dependent abbreviations, applied before the plain ones: "St." after a capitalized name or an
+# ordinal and not before another capitalized word is a street ("Main St.", "5th St."), else a saint
+# ("St. Louis"); "No." is "number" only before a digit; "etc." ending a sentence keeps its period.
+_STREET = re.compile(r"\b([A-Z][a-z]*|\d+(?:st|nd|rd|th))\s+St\.(?!\w|\s*[A-Z])")
+_NUMBER_ABBREVIATION = re.compile(r"(?<!\w)No\.(?=\s?\d)")
+_ETC_SENTENCE_END = re.compile(r"(?<!\w)etc\.(?=\s*$|\s+[A-Z])")
+_MONTH_ABBREVIATIONS = {
+    "Jan": 1, "Feb": 2, "Mar": 3, "Apr": 4, "Jun": 6, "Jul": 7, "Aug": 8, "Sep": 9, "Sept": 9, "Oct": 10,
+    "Nov": 11, "Dec": 12,
+}  # fmt: skip
+_DAYS_IN_MONTH = [31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31]
+_DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+# Denominators read as fractions (1/2 "one half", 5/8 "five eighths"); others (9/11, 10/12, 12/25:
+# dates, scores) are left alone, as are improper fractions (24/7).
+_FRACTION_DENOMINATORS = {2, 3, 4, 5, 6, 7, 8, 9, 10, 16, 32, 64}
+# Units read after a number: (regex of the written unit, singular, plural). Longest spellings first.
+# "m" and "g" only with a space before them (5G, 5m as in millions); "in" only glued to the number
+# ("6in"), since "put 6 in the box" is the word.
+_UNITS = [
+    (r"km/h|kph", "kilometer per hour", "kilometers per hour"),
+    (r"mph", "mile per hour", "miles per hour"),
+    (r"°\s?C", "degree Celsius", "degrees Celsius"),
+    (r"°\s?F", "degree Fahrenheit", "degrees Fahrenheit"),
+    (r"°", "degree", "degrees"),
+    (r"kg", "kilogram", "kilograms"),
+    (r"mg", "milligram", "milligrams"),
+    (r"km", "kilometer", "kilometers"),
+    (r"cm", "centimeter", "centimeters"),
+    (r"mm", "millimeter", "millimeters"),
+    (r"mi", "mile", "miles"),
+    (r"ft", "foot", "feet"),
+    (r"lbs?", "pound", "pounds"),
+    (r"oz", "ounce", "ounces"),
+    (r"m[lL]", "milliliter", "milliliters"),
+    (r"L", "liter", "liters"),
+    (r"ms", "millisecond", "milliseconds"),
+    (r"kHz", "kilohertz", "kilohertz"),
+    (r"Hz", "hertz", "hertz"),
+    (r"KB|kB", "kilobyte", "kilobytes"),
+    (r"MB", "megabyte", "megabytes"),
+    (r"GB", "gigabyte", "gigabytes"),
+    (r"TB", "terabyte", "terabytes"),
+    (r"(?<=\s)g", "gram", "grams"),
+    (r"(?<=\s)m", "meter", "meters"),
+    (r"(?<=\d)in", "inch", "inches"),
+]
+_NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+# No digit, letter, point, comma, slash or hyphen right before a number that a rule reads on its own,
+# and none of those (a point, comma or hyphen only when a digit follows) right after it.
+_START = r"(?<![\w.,/-])"
+_END = r"(?![\w/]|[.,-]\d)"
 _SYMBOLS = {"&": " and ", "+": " plus ", "@": " at ", "=": " equals ", "#": " number "}
 _TRANSLATE = str.maketrans(
     {
@@ -37,6 +90,7 @@ _TRANSLATE = str.maketrans(
         "\u2014": ", ",
         "\u2026": "...",
         "\u00a0": " ",
+        "\u2044": "/",
     }  # fmt: skip
 )
 _CURRENCIES = {"$": ("dollar", "dollars", "cent", "cents"), "£": ("pound", "pounds", "penny", "pence"),
@@ -95,10 +149,110 @@ def _time(m: re.Match) -> str:
     return f"{num2words(h)} {minutes}{suffix}"
 
 
+def _month_abbreviation_date(m: re.Match) -> str:
+    month, day = _MONTH_ABBREVIATIONS[m.group(1)], int(m.group(2))
+    if not 1 <= day <= _DAYS_IN_MONTH[month - 1]:
+        return m.group(0)
+    words = f"{_MONTHS[month - 1]} {num2words(day, to='ordinal')}"
+    return f"{words}, {_year_words(int(m.group(3)))}" if m.group(3) else words
+
+
+def _digit_groups(m: re.Match) -> str:
+    """Digit by digit, a comma between groups: 555-0199 -> five five five, zero one nine nine."""
+    return ", ".join(" ".join(_DIGITS[int(d)] for d in g) for g in re.findall(r"\d+", m.group(0)))
+
+
+def _is_year(s: str) -> bool:
+    return len(s) == 4 and 1100 <= int(s) <= 2099
+
+
+def _hyphen_pair(m: re.Match) -> str:
+    """Two numbers joined by a hyphen: a local phone number (555-0199; any group with a leading zero)
+    is read digit by digit, anything else is a range or a score, "A to B". The second number is left
+    in digits for the later rules, so a unit or percent after it is still read."""
+    a, b = m.group(1), m.group(2)
+    plain = a.isdigit() and b.isdigit()
+    round_numbers = plain and int(a) % 100 == 0 and int(b) % 100 == 0  # 200-1000 words
+    leading_zero = any(len(g) > 1 and g[0] == "0" for g in (a, b))
+    if plain and (((len(a), len(b)) == (3, 4) and not round_numbers) or leading_zero):
+        return _digit_groups(m)
+    if _is_year(a) and (_is_year(b) or (len(b) == 2 and b.isdigit())):
+        return f"{_year_words(int(a))} to {_year_words(int(b)) if len(b) == 4 else num2words(int(b))}"
+    return f"{_number_words(a)} to {b}"
+
+
+def _fraction_name(numerator: int, denominator: int) -> str:
+    if denominator == 2:
+        return "half" if numerator == 1 else "halves"
+    if denominator == 4:
+        return "quarter" if numerator == 1 else "quarters"
+    ordinal = num2words(denominator, to="ordinal")
+    return ordinal if numerator == 1 else ordinal + "s"
+
+
+def _fraction_words(numerator: str, denominator: str) -> str | None:
+    """3/4 -> "three quarters"; None unless a simple proper fraction (1 <= n < d, d a common denominator)."""
+    n, d = int(numerator), int(denominator)
+    if d not in _FRACTION_DENOMINATORS or not 1 <= n < d:
+        return None
+    return f"{num2words(n)} {_fraction_name(n, d)}"
+
+
+def _mixed_words(whole: str, numerator: str, denominator: str) -> str | None:
+    """2 1/2 -> "two and a half"; None unless the fraction is simple (see `_fraction_words`)."""
+    if _fraction_words(numerator, denominator) is None:
+        return None
+    name = _fraction_name(int(numerator), int(denominator))
+    count = ("an" if name[0] in "aeiou" else "a") if int(numerator) == 1 else num2words(int(numerator))
+    return f"{num2words(int(whole))} and {count} {name}"
+
+
+def _unit(m: re.Match) -> str:
+    sign, number = m.group(1), m.group(2)
+    _, one, many = _UNITS[m.lastindex - 3]  # groups 3.. are the units, one of them matched
+    if "/" in number:  # 1/4 lb -> one quarter of a pound; 1 1/2 lb -> one and a half pounds
+        whole, _, fraction = number.rpartition(" ")
+        words = _mixed_words(whole, *fraction.split("/")) if whole else _fraction_words(*fraction.split("/"))
+        if words is None or sign:
+            return m.group(0)
+        return f"{words} {many}" if whole else f"{words} of {'an' if one[0] in 'aeiou' else 'a'} {one}"
+    words = f"{_number_words(number)} {one if number == '1' else many}"
+    if sign:
+        return f"minus {words}" if one.startswith("degree") else f"{sign}{words}"
+    return words
+
+
 _RULES: list[tuple[re.Pattern, object]] = [
+    (
+        re.compile(
+            rf"\b({'|'.join(sorted(_MONTH_ABBREVIATIONS, key=len, reverse=True))})\.?\s+(\d{{1,2}})"
+            r"(?:st|nd|rd|th)?\b(?:,\s*(\d{4})\b)?"
+        ),
+        _month_abbreviation_date,
+    ),  # fmt: skip
+    (
+        re.compile(rf"\b({'|'.join(sorted(_MONTH_ABBREVIATIONS, key=len, reverse=True))})\.?\s+(\d{{4}})\b"),
+        lambda m: f"{_MONTHS[_MONTH_ABBREVIATIONS[m.group(1)] - 1]} {_year_words(int(m.group(2)))}",
+    ),  # fmt: skip
     (re.compile(r"\b(\d{4})-(\d{1,2})-(\d{1,2})\b"), _date_iso),
     (re.compile(r"\b(\d{1,2})/(\d{1,2})/(\d{4})\b"), _date_us),
     (re.compile(r"\b(\d{1,2}):(\d{2})\s*([AaPp]\.?[Mm]\.?)?"), _time),
+    (re.compile(r"\(\d{3}\)\s?\d{3}-\d{4}" + _END), _digit_groups),  # (555) 123-4567
+    # 1-800-555-0199, 123-45-6789; not a sequence with a trailing hyphen ("1-4-7-10-13- is ...")
+    (re.compile(_START + r"\d+(?:-\d+){2,}(?!-)" + _END), _digit_groups),
+    (re.compile(r"(?<![\w.,/$£€-])" + rf"({_NUMBER})-({_NUMBER})" + _END), _hyphen_pair),
+    (
+        re.compile(
+            rf"(?<![\w.,/-])(-?)(\d+\s\d+/\d+|\d+/\d+|{_NUMBER})\s?"
+            rf"(?:{'|'.join(f'({u})' for u, _, _ in _UNITS)})(?![\w/]|[.,]\d)"
+        ),
+        _unit,
+    ),  # fmt: skip
+    (
+        re.compile(_START + r"(\d+)\s(\d+)/(\d+)" + _END),
+        lambda m: _mixed_words(*m.groups()) or m.group(0),
+    ),  # fmt: skip
+    (re.compile(_START + r"(\d+)/(\d+)" + _END), lambda m: _fraction_words(*m.groups()) or m.group(0)),
     (re.compile(r"([$£€])\s?(\d[\d,]*(?:\.\d+)?)"), _currency),
     (re.compile(r"(\d[\d,]*(?:\.\d+)?)\s?%"), lambda m: f"{_number_words(m.group(1))} percent"),
     (re.compile(r"\b(\d+)(st|nd|rd|th)\b", re.I), lambda m: num2words(int(m.group(1)), to="ordinal")),
@@ -120,6 +274,15 @@ def _plural_number(s: str) -> str:
     if words.endswith("y"):
         return words[:-1] + "ies"
     return words + ("es" if words.endswith("x") else "s")
+
+
+_VULGAR_FRACTION = re.compile(r"(\d?)([\u00bc-\u00be\u2150-\u215e])")
+
+
+def _vulgar_fraction(m: re.Match) -> str:
+    """1½ -> "1 1/2" (NFKC alone would glue it into "11/2")."""
+    fraction = unicodedata.normalize("NFKC", m.group(2)).replace("\u2044", "/")
+    return f"{m.group(1)} {fraction}" if m.group(1) else fraction
 
 
 # Inline control tags (`<|speaker:0|>` and the like) pass through normalization untouched.
@@ -174,7 +337,13 @@ def has_speaker_tags(text: str) -> bool:
 
 
 def _normalize_plain(text: str, allow_empty: bool = False) -> str:
+    text = _VULGAR_FRACTION.sub(_vulgar_fraction, text)
     text = unicodedata.normalize("NFKC", text).translate(_TRANSLATE)
+    text = _STREET.sub(
+        lambda m: f"{m.group(1)} Street" + ("." if not m.string[m.end() :].strip() else ""), text
+    )
+    text = _NUMBER_ABBREVIATION.sub("number", text)
+    text = _ETC_SENTENCE_END.sub("et cetera.", text)
     for abbr, full in _ABBREVIATIONS.items():
         text = re.sub(rf"(?<!\w){re.escape(abbr)}", full, text)
     for pattern, repl in _RULES:
