@@ -4,7 +4,7 @@ import sys
 import pytest
 import soundfile as sf
 
-from tts.cli import main
+from tts.cli import main, summarize_finish_reasons
 
 
 def test_cli_writes_wav_whose_duration_is_frames_times_frame_length(tmp_path, capsys):
@@ -85,3 +85,45 @@ def test_argument_errors_are_one_line_and_version_prints(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0 and capsys.readouterr().out.startswith("tts ")
+
+
+LONG_TEXT = " ".join(f"This is sentence number {i} of a long text read in chunks." for i in range(1, 25))
+
+
+def test_progress_on_a_non_terminal_stderr_is_a_few_plain_lines(tmp_path, capsys):
+    out = tmp_path / "long.wav"
+    rc = main(["synthesize", LONG_TEXT, "-o", str(out), "--model", "tiny", "--seed", "1",
+               "--max-new-tokens", "3"])  # fmt: skip
+    assert rc == 0
+    captured = capsys.readouterr()  # capsys's stderr is not a TTY, like a CI log or a pipe
+    assert "\r" not in captured.err and "\x1b" not in captured.err
+    lines = captured.err.splitlines()
+    assert lines[0].startswith("model: ")
+    progress = lines[1:]
+    assert 1 <= len(progress) <= 3 and all(line.startswith("synthesizing: ") for line in progress), lines
+    assert len(captured.out.splitlines()) == 1
+
+
+def test_summary_line_counts_finish_reasons_instead_of_listing_each_chunk(tmp_path, capsys):
+    out = tmp_path / "long.wav"
+    assert main(["synthesize", LONG_TEXT, "-o", str(out), "--model", "tiny", "--seed", "1",
+                 "--max-new-tokens", "2", "-q"]) == 0  # fmt: skip
+    line = capsys.readouterr().out.strip()
+    assert line.endswith("finish length"), line  # every chunk hit its 2-frame budget
+
+
+@pytest.mark.parametrize(
+    "reasons, summary",
+    [
+        (["stop"], "stop"),
+        (["stop"] * 7, "stop"),
+        (["stop"] * 5 + ["length"], "stop x5, length x1"),
+        (["length", "stop", "length"], "length x2, stop x1"),
+        ([], "none"),
+    ],
+)
+def test_summarize_finish_reasons(reasons, summary):
+    from tts.engine import FinishReason
+
+    assert summarize_finish_reasons(reasons) == summary
+    assert summarize_finish_reasons([FinishReason(r) for r in reasons]) == summary

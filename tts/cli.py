@@ -12,6 +12,7 @@ import importlib
 import logging
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from .errors import UserError  # noqa: E402,F401 - defined there so `python -m tts.cli` raises the same class
@@ -185,29 +186,69 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"model: {bundle.describe()} (loaded in {load_seconds:.2f} s)", file=sys.stderr)
 
-    progress_bar = None
-    if not args.quiet and (len(plan.chunks) > 1 or sys.stderr.isatty()):
+    progress_bar = plain_progress = None
+    if not args.quiet and sys.stderr.isatty():
         from tqdm import tqdm
 
         progress_bar = tqdm(total=len(plan.chunks), unit="chunk", desc="synthesizing", file=sys.stderr)
+    elif not args.quiet and len(plan.chunks) > 1:  # a CI log or a pipe: a few plain lines, no redraws
+        plain_progress = PlainProgress(sys.stderr)
 
     def progress(frames: int, chunk: int, n_chunks: int) -> None:
         if progress_bar is not None:
             progress_bar.n = chunk
             progress_bar.set_postfix(frames=frames, refresh=False)
             progress_bar.refresh()
+        elif plain_progress is not None:
+            plain_progress(frames, chunk, n_chunks)
 
     result = tts.synthesize(plan, progress=progress)
     if progress_bar is not None:
         progress_bar.n = len(plan.chunks)
         progress_bar.close()
     write_wav_atomic(out, result.audio, result.sample_rate)
-    reasons = ",".join(r.value for r in result.finish_reasons)
     print(
         f"wrote {out}: {result.frames} frames, {result.audio_seconds:.2f} s audio at {result.sample_rate} Hz, "
-        f"{result.wall_seconds:.2f} s wall, RTF {result.rtf:.3f}, finish {reasons}"
+        f"{result.wall_seconds:.2f} s wall, RTF {result.rtf:.3f}, "
+        f"finish {summarize_finish_reasons(result.finish_reasons)}"
     )
     return 0
+
+
+class PlainProgress:
+    """Progress for a stderr that is not a terminal (a CI log, a pipe), where a redrawn bar would
+    leave one line per redraw: one plain line when the finished text chunks first reach each of
+    `marks` (shares of all chunks; at most one line per chunk boundary), then nothing more."""
+
+    def __init__(self, stream, marks: tuple[float, ...] = (0.25, 0.5, 0.75)):
+        self.stream, self.marks, self.next_mark = stream, marks, 0
+        self.t0 = time.perf_counter()
+
+    def __call__(self, frames: int, chunk: int, n_chunks: int) -> None:
+        """A `tts.api.ProgressFn`: `chunk` is the index of the chunk being generated, so `chunk`
+        chunks are done."""
+        reached = self.next_mark
+        while reached < len(self.marks) and chunk >= self.marks[reached] * n_chunks:
+            reached += 1
+        if reached > self.next_mark:
+            self.next_mark = reached
+            elapsed = time.perf_counter() - self.t0
+            print(
+                f"synthesizing: {chunk}/{n_chunks} chunks, {frames} frames, {elapsed:.1f} s",
+                file=self.stream, flush=True,
+            )  # fmt: skip
+
+
+def summarize_finish_reasons(reasons) -> str:
+    """The finish reasons of a synthesis's text chunks in a few words: the reason alone when every
+    chunk ended the same way ("stop"), otherwise each reason with its count, most frequent first
+    ("stop x5, length x1"); "none" for no chunks. Takes FinishReason members or their values."""
+    counts = Counter(getattr(r, "value", r) for r in reasons)
+    if not counts:
+        return "none"
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ", ".join(f"{reason} x{n}" for reason, n in counts.most_common())
 
 
 def cmd_voices(args: argparse.Namespace) -> int:
