@@ -18,9 +18,12 @@ Reported (and written to `--out` as JSON):
 * RTF: synthesis wall time / audio seconds, over all sentences (model already loaded);
 * with `--voices`: speaker similarity of preset voices. Statistic: the mean log-mel vector (80 Slaney
   mels, 22050 Hz) over frames within 40 dB of the clip's loudest frame, after removing the average
-  over all voices' references; similarity = cosine between an output's vector and each voice's
-  reference vector (the preset's own codes decoded by the codec). Pass = every output is closest to
-  its own voice.
+  over the references; similarity = cosine between an output's vector and each voice's reference
+  vector. Two references: the preset's own clip decoded by the codec ("preset"; its text differs
+  from the output's), and, for the default model's voices when espeak-ng is installed, espeak-ng
+  speaking the same sentence with each voice's corpus speaker ("espeak": same text, so only the
+  speaker differs). Pass = every output is closest to its own voice, by the espeak reference when
+  it ran, else by the preset one; both are reported.
 
 Gates (issue 5): WER <= espeak WER + 0.10, no runaway, duration ratio within 0.7-1.4.
 """
@@ -42,7 +45,14 @@ import numpy as np
 import torch
 
 HELDOUT = Path(__file__).resolve().parents[1] / "samples" / "eval" / "heldout.txt"
-ESPEAK_DEFAULT = ("en-us+f3", 165, 55)  # the default model's default speaker (training/corpus.py)
+# The espeak-ng speakers (voice, rate in words/min, pitch 0-99) of the default model's corpus, one per
+# preset voice (training/corpus.py SPEAKERS; a test keeps the two equal). ava is the default speaker.
+ESPEAK_SPEAKERS = {
+    "ava": ("en-us+f3", 165, 55), "ben": ("en-us+m3", 170, 40), "cora": ("en-us+f1", 160, 68),
+    "dave": ("en-us+m1", 175, 32), "emma": ("en-us+f4", 180, 50), "finn": ("en-us+m7", 160, 48),
+    "gwen": ("en-us+f2", 170, 60), "hank": ("en-us+klatt2", 165, 42),
+}  # fmt: skip
+ESPEAK_DEFAULT = ESPEAK_SPEAKERS["ava"]
 
 
 class EvalError(RuntimeError):
@@ -218,39 +228,75 @@ def evaluate(args: argparse.Namespace) -> dict:
         result["gates"] = {"runaway": result["runaway"] == 0}
     if args.voices:
         result["voices"] = voice_similarity(
-            tts, sentences[: args.voice_sentences], args.voices.split(","), log
+            tts, sentences[: args.voice_sentences], args.voices.split(","), log, espeak=not args.no_espeak
         )
         result["gates"]["voices"] = result["voices"]["pass"]
     result["samples"] = [s.__dict__ for s in samples]
     return result
 
 
-def voice_similarity(tts, sentences: list[str], names: list[str], log) -> dict:
-    """Speaker similarity of preset voices (statistic in the module docstring)."""
+def voice_similarity(tts, sentences: list[str], names: list[str], log, espeak: bool = True) -> dict:
+    """Speaker similarity of preset voices: each voice speaks `sentences` (seeds 7000 + i) and every
+    output's statistic (`mel_statistic`) is compared by cosine with one reference per voice.
+
+    Two references (module docstring):
+    * "preset": the preset's own clip decoded by the codec, minus the average over the voices'
+      clips. Its text differs from the output's, so phonetic content moves the statistic too.
+    * "espeak" (when `espeak` is true, the espeak-ng binary exists and every name is in
+      `ESPEAK_SPEAKERS`): espeak-ng speaking the *same* sentence with each voice's corpus speaker,
+      minus those renditions' average, so the text cancels and only the speaker differs.
+    The result's `pass` (the gate) uses the espeak reference when it ran, else the preset one.
+    """
+    from .text import normalize_text
+
     codec = tts.bundle.codec
-    refs = {}
-    for name in names:
-        v = tts.voice(name)[0]
-        refs[name] = mel_statistic(codec.decode(v.codes).numpy(), codec.sample_rate)
-    center = torch.stack(list(refs.values())).mean(0)
-    ref_mat = torch.nn.functional.normalize(torch.stack([refs[n] - center for n in names]), dim=1)
-    table, correct, total = {}, 0, 0
+    use_espeak = espeak and shutil.which("espeak-ng") is not None and all(n in ESPEAK_SPEAKERS for n in names)
+    refs = torch.stack(
+        [mel_statistic(codec.decode(tts.voice(n)[0].codes).numpy(), codec.sample_rate) for n in names]
+    )
+    preset = _centred(refs)
+    matched = [] if not use_espeak else [
+        _centred(torch.stack([mel_statistic(*espeak_audio(normalize_text(t), *ESPEAK_SPEAKERS[n])) for n in names]))
+        for t in sentences
+    ]  # fmt: skip
+    table, correct, correct_matched, total = {}, 0, 0, 0
     for name in names:
         rows = []
         for i, text in enumerate(sentences):
             r = tts.synthesize(text, voice=name, seed=7000 + i)
-            vec = torch.nn.functional.normalize(mel_statistic(r.audio, r.sample_rate) - center, dim=0)
-            sims = (ref_mat @ vec).tolist()
+            vec = mel_statistic(r.audio, r.sample_rate)
+            sims = (preset[1] @ torch.nn.functional.normalize(vec - preset[0], dim=0)).tolist()
             rows.append(sims)
             best = names[int(np.argmax(sims))]
             correct += best == name
             total += 1
-            log(
-                f"voice {name}: closest {best} ({', '.join(f'{n} {s:.2f}' for n, s in zip(names, sims, strict=True))})"
-            )
+            line = f"voice {name}: closest {best} ({', '.join(f'{n} {s:.2f}' for n, s in zip(names, sims, strict=True))})"
+            if use_espeak:
+                centre, ref_mat = matched[i]
+                msims = (ref_mat @ torch.nn.functional.normalize(vec - centre, dim=0)).tolist()
+                mbest = names[int(np.argmax(msims))]
+                correct_matched += mbest == name
+                line += f"; same-text espeak: closest {mbest} (own {msims[names.index(name)]:.2f})"
+            log(line)
         table[name] = {n: float(np.mean([row[j] for row in rows])) for j, n in enumerate(names)}
-    return {"statistic": "cosine of mean log-mel (voiced frames) minus the voices' average", "mean_similarity": table,
-            "closest_is_own": correct / total, "pass": correct == total}  # fmt: skip
+    result = {
+        "statistic": "cosine of mean log-mel (voiced frames) minus the voices' average",
+        "mean_similarity": table, "closest_is_own": correct / total,
+    }  # fmt: skip
+    if use_espeak:
+        result["closest_is_own_same_text_espeak"] = correct_matched / total
+        result["pass"] = correct_matched == total
+        result["gate_reference"] = "espeak"
+    else:
+        result["pass"] = correct == total
+        result["gate_reference"] = "preset"
+    return result
+
+
+def _centred(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`stats [V, 80]` -> (their mean `[80]`, the rows minus that mean, L2-normalized `[V, 80]`)."""
+    centre = stats.mean(0)
+    return centre, torch.nn.functional.normalize(stats - centre, dim=1)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
