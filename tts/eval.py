@@ -154,6 +154,7 @@ def read_sentences(path: Path, limit: int | None) -> list[str]:
 def evaluate(args: argparse.Namespace) -> dict:
     from .api import TTS
     from .bundle import load_bundle
+    from .cli import apply_threads
     from .engine import EngineConfig
 
     sentences = read_sentences(Path(args.sentences), args.limit)
@@ -161,6 +162,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     asr = ASR(threads=args.asr_threads)
     t0 = time.perf_counter()
     bundle = load_bundle(args.model, device=args.device)
+    apply_threads(args, bundle)  # as `tts synthesize` runs it, so the RTF below is the CLI's
     tts = TTS(bundle, EngineConfig(max_batch=1))
     load_seconds = time.perf_counter() - t0
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
@@ -336,6 +338,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None, help="frame budget (default: the model's)")
     p.add_argument("--asr-threads", type=int, default=2)
+    p.add_argument(
+        "--threads", type=int, default=None,
+        help="the model's CPU intra-op threads (default: as tts synthesize, 1 for models under 100 M parameters)",
+    )  # fmt: skip
     p.add_argument("--out", default=None, help="write the full result (every sample) as JSON here")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_eval)
