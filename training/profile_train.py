@@ -1,10 +1,11 @@
 """Where does a training step of `train.py` spend its time? Batch building vs. the GPU step.
 
-Prints three numbers and a profiler table:
+Prints (CUDA only):
 * batches/s that the `--workers` DataLoader processes deliver alone (no training);
-* steps/s of forward + backward + AdamW on one pre-built batch held on the device (no loader);
-* steps/s of the two together (what `train.py` runs);
-* `torch.profiler` top ops of the pre-built-batch step, by device time.
+* steps/s of forward + backward + AdamW on one pre-built batch held on the device (no loader), and
+  of the two together (what `train.py` runs), with cuDNN attention on and then off;
+* `torch.profiler` top ops of the pre-built-batch step, by device time;
+* with `--compile`: the compile time and the compiled step's steps/s, both ways.
 
     python training/profile_train.py --data training/work/codes --codec training/work/codec --limit 4000
 """
