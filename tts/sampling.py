@@ -55,10 +55,17 @@ def hash32(x: Tensor) -> Tensor:
     return x ^ (x >> 15)
 
 
-def row_keys(seeds: Tensor, steps: Tensor, stream: int) -> Tensor:
-    """`[B]` int64 32-bit keys from per-row seeds (any int64), steps (>= 0) and a stream id."""
+def seed_keys(seeds: Tensor) -> Tensor:
+    """The part of `row_keys` that depends on the seeds only (the same ops): a caller that draws many
+    frames with the same seeds may keep it (the CPU runner does)."""
     k = hash32(seeds & _MASK32)
-    k = hash32(k ^ ((seeds >> 32) & _MASK32))
+    return hash32(k ^ ((seeds >> 32) & _MASK32))
+
+
+def row_keys(seeds: Tensor, steps: Tensor, stream: int | Tensor, seed_key: Tensor | None = None) -> Tensor:
+    """`[B]` int64 32-bit keys from per-row seeds (any int64), steps (>= 0) and a stream id (broadcast).
+    `seed_key`: `seed_keys(seeds)` when the caller kept it (the seeds' half of the hashing)."""
+    k = seed_keys(seeds) if seed_key is None else seed_key
     k = hash32(k ^ (steps & _MASK32))
     return hash32(k ^ stream)
 
@@ -71,13 +78,6 @@ def uniform(keys: Tensor, n: int) -> Tensor:
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def seed_keys(seeds: Tensor) -> Tensor:
-    """The part of `row_keys` that depends on the seeds only (the same ops): a caller that draws many
-    frames with the same seeds may keep it (the CPU runner does)."""
-    k = hash32(seeds & _MASK32)
-    return hash32(k ^ ((seeds >> 32) & _MASK32))
-
-
 def frame_log_noise(
     seeds: Tensor, steps: Tensor, streams: int, n: int, seed_key: Tensor | None = None
 ) -> Tensor:
@@ -85,12 +85,9 @@ def frame_log_noise(
     `[B, streams, n]` float32. Slicing `[:, s, :V]` gives exactly the noise `sample(..., stream=s)` draws
     for a V-way row (U depends only on the keys and the token id), in one batch of ops instead of one
     per draw (the CPU path is launch-bound). `seed_key`: `seed_keys(seeds.unsqueeze(1))` if the caller
-    kept it; the keys are then finished from it with `row_keys`'s remaining ops."""
-    if seed_key is None:
-        keys = row_keys(seeds.unsqueeze(1), steps.unsqueeze(1), torch.arange(streams, device=seeds.device))
-    else:
-        stream_ids = torch.arange(streams, device=seeds.device)
-        keys = hash32(hash32(seed_key ^ (steps.unsqueeze(1) & _MASK32)) ^ stream_ids)
+    kept it (see `row_keys`)."""
+    stream_ids = torch.arange(streams, device=seeds.device)
+    keys = row_keys(seeds.unsqueeze(1), steps.unsqueeze(1), stream_ids, seed_key)
     u = uniform(keys.reshape(-1), n).view(seeds.shape[0], streams, n)
     return torch.log(-torch.log(u))
 
@@ -238,18 +235,12 @@ def sample_main_token(
         settings = DrawSettings(temperature, top_p, top_k)
     normal = sorted_logits.draw(settings, None if precomputed else row_keys(seeds, steps, 0), log_noise)
     if high_settings is None:
-        high_settings = DrawSettings(
-            torch.full_like(temperature, RAS_HIGH_TEMPERATURE),
-            torch.full_like(top_p, RAS_HIGH_TOP_P),
-            top_k,
-            settings,
-        )
+        high_settings = ras_high_settings(temperature, top_p, top_k, settings)
     high = sorted_logits.draw(
         high_settings, None if precomputed else row_keys(seeds, steps, high_stream), high_log_noise
     )
     if counted is None:
-        W = window.shape[1]
-        counted = torch.arange(W, device=window.device).unsqueeze(0) >= (W - window_len).unsqueeze(1)
+        counted = ras_counted(window, window_len)
     repeated = ((window == normal.unsqueeze(1)) & counted).any(dim=1)
     use_high = repeated & (normal < n_semantic) & (temperature > 0)
     return torch.where(use_high, high, normal)
