@@ -122,6 +122,20 @@ def nearest_centroid(
     return torch.cat(idx), torch.cat(dist)
 
 
+def residual_quantize(x: Tensor, books) -> tuple[Tensor, Tensor]:
+    """Residual VQ of `x [n, d]` through `books` (a sequence of `[k, d]` codebooks): each stage codes
+    what the previous ones left. Returns (codes `[N, n]` int64, their summed vectors `[n, d]`).
+    Shared by the k-means codec and the learned codec's quantizer."""
+    residual, total, codes = x, torch.zeros_like(x), []
+    for book in books:
+        idx, _ = nearest_centroid(residual, book)
+        q = book[idx]
+        residual = residual - q
+        total = total + q
+        codes.append(idx)
+    return torch.stack(codes), total
+
+
 def fit_rvq(
     vectors: Tensor, num_codebooks: int, codebook_size: int, iters: int = 20, seed: int = 0, log=None
 ) -> Tensor:
@@ -202,21 +216,19 @@ class MelRVQCodec(Codec):
 
     def features(self, audio: Tensor) -> Tensor:
         """Standardized frame vectors `[T, 320]` of mono 22050 Hz audio."""
-        return (stack_frames(self.logmel(audio)) - self.mean) / self.std
+        return self.standardize(self.logmel(audio))
+
+    def standardize(self, logmel: Tensor) -> Tensor:
+        """A `LogMel` output `[4T, 80]` -> standardized frame vectors `[T, 320]`."""
+        return (stack_frames(logmel.float()) - self.mean) / self.std
 
     def quantize(self, vectors: Tensor) -> Tensor:
         """Residual VQ of `[T, 320]` standardized vectors -> codes `[N, T]` int64."""
-        residual = vectors.float()
-        codes = []
-        for book in self.codebooks:
-            idx, _ = nearest_centroid(residual, book)
-            codes.append(idx)
-            residual = residual - book[idx]
-        return torch.stack(codes)
+        return residual_quantize(vectors.float(), self.codebooks)[0]
 
     def encode_logmel(self, logmel: Tensor) -> Tensor:
         """Codes `[N, T]` int64 of a `LogMel` output `[4T, 80]` (the corpus stores log-mel, not audio)."""
-        return self.quantize((stack_frames(logmel.float()) - self.mean) / self.std)
+        return self.quantize(self.standardize(logmel))
 
     def encode_audio(self, audio: Tensor) -> Tensor:
         return self.quantize(self.features(audio))

@@ -43,8 +43,9 @@ from .melrvq import (
     SUBFRAMES,
     LogMel,
     WindowedGriffinLim,
-    nearest_centroid,
+    residual_quantize,
     stack_frames,
+    unstack_frames,
 )  # fmt: skip
 
 FEATURE_DIM = SUBFRAMES * N_MELS  # 320
@@ -97,16 +98,8 @@ class MelVQNet(nn.Module):
     def quantize(self, z: Tensor) -> tuple[Tensor, Tensor]:
         """Residual VQ of latents `[B, latent, T]` -> (codes `[B, N, T]` int64, quantized `[B, latent, T]`)."""
         B, D, T = z.shape
-        residual = z.transpose(1, 2).reshape(-1, D)
-        total = torch.zeros_like(residual)
-        codes = []
-        for book in self.codebooks:
-            idx, _ = nearest_centroid(residual, book)
-            q = book[idx]
-            residual = residual - q
-            total = total + q
-            codes.append(idx)
-        codes_t = torch.stack(codes, 0).reshape(self.num_codebooks, B, T).transpose(0, 1)
+        codes, total = residual_quantize(z.transpose(1, 2).reshape(-1, D), self.codebooks)
+        codes_t = codes.reshape(self.num_codebooks, B, T).transpose(0, 1)
         return codes_t, total.reshape(B, T, D).transpose(1, 2)
 
     def lookup(self, codes: Tensor) -> Tensor:
@@ -203,7 +196,7 @@ class MelVQCodec(Codec):
         """Codes `[N, T]` -> log-mel `[4T, 80]` (CPU float32) through the causal decoder."""
         dev = self.net.codebooks.device
         feats = self.net.decode(self.net.lookup(codes.unsqueeze(0).to(dev)))[0].T.float().cpu()  # [T, 320]
-        return (feats * self.std + self.mean).reshape(-1, N_MELS)
+        return unstack_frames(feats * self.std + self.mean)
 
     def decode(self, codes: Tensor) -> Tensor:
         codes = self.check_codes(codes)
