@@ -1,4 +1,4 @@
-"""Shared test helpers: prompts for the tiny model and a synchronous engine driver."""
+"""Shared test helpers: prompts for the tiny model, a synchronous engine driver, streamed codec decode."""
 
 import torch
 
@@ -38,3 +38,13 @@ def params(**kw) -> SamplingParams:
     base = dict(temperature=0.9, top_p=0.9, top_k=20, max_new_tokens=12, seed=7)
     base.update(kw)
     return SamplingParams(**base)
+
+
+def decode_in_pushes(codec, codes: torch.Tensor, sizes) -> torch.Tensor:
+    """`codes [N, T]` pushed through `codec.stream()` in consecutive pieces of `sizes` frames (the last
+    piece may run past the end); the concatenated audio."""
+    stream, start, pieces = codec.stream(), 0, []
+    for n in sizes:
+        pieces.append(stream.push(codes[:, start : start + n]))
+        start += n
+    return torch.cat(pieces)

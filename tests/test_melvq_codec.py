@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import decode_in_pushes
 from test_melrvq_codec import _voice_like
 
 from tts.bundle import load_codec
@@ -50,11 +51,7 @@ def test_decode_depends_on_bounded_context(codec):
 def test_streaming_equals_offline(codec):
     codes = torch.randint(0, 16, (3, 40))
     offline = codec.decode(codes)
-    stream = codec.stream()
-    pieces = [
-        stream.push(codes[:, i : i + n]) for i, n in zip((0, 1, 4, 11, 20), (1, 3, 7, 9, 20), strict=True)
-    ]
-    streamed = torch.cat(pieces)
+    streamed = decode_in_pushes(codec, codes, (1, 3, 7, 9, 20))
     assert streamed.shape == offline.shape
     # The convolutions round differently for different lengths (~1e-6 in log-mel); Griffin-Lim's
     # momentum iterations amplify that to ~3e-4 in samples at most. A context bug would be ~1e-1.
@@ -65,9 +62,7 @@ def test_streaming_equals_offline(codec):
 def test_streaming_keeps_its_whole_context_for_any_push_size(codec, sizes):
     """First pushes shorter than `context_frames` (11 here) must keep every frame as context."""
     codes = torch.randint(0, 16, (3, sum(sizes)))
-    stream = codec.stream()
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    streamed = torch.cat([stream.push(codes[:, s : s + n]) for s, n in zip(starts, sizes, strict=True)])
+    streamed = decode_in_pushes(codec, codes, sizes)
     assert torch.allclose(streamed, codec.decode(codes), atol=1e-3)
 
 
