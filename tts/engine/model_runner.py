@@ -168,7 +168,7 @@ class ModelRunner:
         # CPU eager step only (see `_cpu_step`): per-batch-size attend functions over fixed views of the
         # fast KV buffers, the last step's sampler settings and seed keys with the values they came
         # from, and each slow layer's KV pool views.
-        self._cpu_fast_attend: dict[tuple[int, int], object] = {}
+        self._cpu_fast_attend: dict[tuple[int, int], tuple] = {}
         self._cpu_settings: tuple[tuple, DrawSettings, DrawSettings, Tensor] | None = None
         self._cpu_seed_keys: tuple[tuple, Tensor] | None = None
         self._cpu_kv_views: list[tuple[Tensor, Tensor, Tensor, Tensor]] | None = None
@@ -363,39 +363,44 @@ class ModelRunner:
         return attend_layer
 
     def _cpu_fast_attend_layer(self, b: int, k_pos: int):
-        """CPU torch path of `_fast_attend`: the same writes and SDPA, on views of the fast KV buffers
-        made once per (b, k_pos) instead of by indexing every call (the CPU step is op-bound, and each
-        view is an op). The buffers are never reallocated, so the views stay valid."""
-        attend_layer = self._cpu_fast_attend.get((b, k_pos))
-        if attend_layer is None:
-            bufs = self.buffers
-            attends = []
-            for i in range(bufs.fast_k.shape[0]):
-                k_dst, v_dst = bufs.fast_k[i, :b, :, k_pos], bufs.fast_v[i, :b, :, k_pos]
-                k_ctx, v_ctx = bufs.fast_k[i, :b, :, : k_pos + 1], bufs.fast_v[i, :b, :, : k_pos + 1]
-
-                def attend(q, k, v, k_dst=k_dst, v_dst=v_dst, k_ctx=k_ctx, v_ctx=v_ctx):
-                    k_dst.copy_(k[:, 0])
-                    v_dst.copy_(v[:, 0])
-                    o = F.scaled_dot_product_attention(
-                        q.transpose(1, 2), k_ctx, v_ctx, scale=self.fast_scale, enable_gqa=True
-                    )
-                    return o.transpose(1, 2)
-
-                attends.append(attend)
-            attend_layer = attends.__getitem__
-            self._cpu_fast_attend[(b, k_pos)] = attend_layer
-        return attend_layer
+        """CPU torch path of `_fast_attend` (attend_layer for fast position k_pos of rows `[:b]`)."""
+        return self._cpu_fast_slot(b, k_pos)[0]
 
     def _cpu_fast_kv_writer(self, b: int):
         """write_kv(i, k, v) for fast position 0 on the CPU: the slot writes of its attend()."""
-        bufs = self.buffers
+        return self._cpu_fast_slot(b, 0)[1]
 
-        def write_kv(i, k, v):
-            bufs.fast_k[i, :b, :, 0].copy_(k[:, 0])
-            bufs.fast_v[i, :b, :, 0].copy_(v[:, 0])
+    def _cpu_fast_slot(self, b: int, k_pos: int):
+        """`(attend_layer, write_kv)` for fast position k_pos: the same writes and SDPA as
+        `_fast_attend`, on views of the fast KV buffers made once per (b, k_pos) instead of by
+        indexing every call (the CPU step is op-bound, and each view is an op). The buffers are never
+        reallocated, so the views stay valid."""
+        slot = self._cpu_fast_attend.get((b, k_pos))
+        if slot is None:
+            bufs = self.buffers
+            views = [
+                (bufs.fast_k[i, :b, :, k_pos], bufs.fast_v[i, :b, :, k_pos],
+                 bufs.fast_k[i, :b, :, : k_pos + 1], bufs.fast_v[i, :b, :, : k_pos + 1])
+                for i in range(bufs.fast_k.shape[0])
+            ]  # fmt: skip
 
-        return write_kv
+            def write_kv(i, k, v):
+                views[i][0].copy_(k[:, 0])
+                views[i][1].copy_(v[:, 0])
+
+            def attend_for(i):
+                def attend(q, k, v):
+                    write_kv(i, k, v)
+                    o = F.scaled_dot_product_attention(
+                        q.transpose(1, 2), views[i][2], views[i][3], scale=self.fast_scale, enable_gqa=True
+                    )
+                    return o.transpose(1, 2)
+
+                return attend
+
+            attends = [attend_for(i) for i in range(len(views))]  # built once, reused every frame
+            slot = self._cpu_fast_attend[(b, k_pos)] = attends.__getitem__, write_kv
+        return slot
 
     def _cpu_draw_settings(self, b: int) -> tuple[DrawSettings, DrawSettings, Tensor]:
         """CPU step: the frame's sampler settings `(settings, RAS high settings, RAS window mask)`,
