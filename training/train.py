@@ -88,19 +88,38 @@ def model_config(tokenizer: TextTokenizer, num_codebooks: int, codebook_size: in
 # ---- data ------------------------------------------------------------------------------------------
 
 
+def shard_paths(data: Path) -> list[Path]:
+    """The `codes-XXXX.pt` shards of a codes folder, in order."""
+    return sorted(data.glob("codes-*.pt"))
+
+
+def read_shards(data: Path) -> list[dict]:
+    """Every utterance of every shard (all splits), for building several `Corpus` from one read."""
+    return [u for path in shard_paths(data) for u in torch.load(path)]
+
+
 class Corpus:
     """Utterances from the codes shards, and prompt assembly into frame columns `[T, 1 + N]`."""
 
-    def __init__(self, data: Path, num_codebooks: int, limit: int | None = None, split: str = "train"):
+    def __init__(
+        self, data: Path, num_codebooks: int, limit: int | None = None, split: str = "train",
+        utterances: list[dict] | None = None,
+    ):  # fmt: skip
+        """The first `limit` utterances of `split` in the shards of `data` (read lazily, up to the limit),
+        or in `utterances` when the caller read the shards already (`read_shards`)."""
         self.tokenizer = TextTokenizer.from_file(data / "tokenizer.json")
         self.fmt = S2PromptFormat(self.tokenizer, num_codebooks)
         self.N = num_codebooks
+        source = (
+            utterances if utterances is not None else (u for p in shard_paths(data) for u in torch.load(p))
+        )
         items = []
-        for path in sorted(data.glob("codes-*.pt")):
-            items.extend(u for u in torch.load(path) if u["split"] == split)
-            if limit and len(items) >= limit:
-                break
-        self.items = items[:limit] if limit else items
+        for u in source:
+            if u["split"] == split:
+                items.append(u)
+                if limit and len(items) >= limit:
+                    break
+        self.items = items
         for u in self.items:
             u["codes"] = u["codes"][:num_codebooks].long()
             u["text"] = self.tokenizer.decode(u["tokens"].long().tolist())
@@ -294,8 +313,9 @@ def main() -> None:
     torch.manual_seed(a.seed)
     codec_cfg = json.loads((a.codec / "codec.json").read_text())
     N = a.num_codebooks or codec_cfg["num_codebooks"]
-    corpus = Corpus(a.data, N, a.limit)
-    heldout = Corpus(a.data, N, split="heldout")
+    utterances = read_shards(a.data)  # one read for the training and the held-out utterances
+    corpus = Corpus(a.data, N, a.limit, utterances=utterances)
+    heldout = Corpus(a.data, N, split="heldout", utterances=utterances)
     print(f"corpus: {len(corpus.items)} utterances, {corpus.seconds / 3600:.1f} h, {N} codebooks", flush=True)
     args = model_config(corpus.tokenizer, N, codec_cfg["codebook_size"], a.size)
     device = torch.device(a.device)
