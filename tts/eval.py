@@ -256,7 +256,7 @@ def voice_similarity(tts, sentences: list[str], names: list[str], log, espeak: b
     refs = torch.stack(
         [mel_statistic(codec.decode(tts.voice(n)[0].codes).numpy(), codec.sample_rate) for n in names]
     )
-    preset = _centred(refs)
+    preset_centre, preset_refs = _centred(refs)
     matched = [] if not use_espeak else [
         _centred(torch.stack([mel_statistic(*espeak_audio(normalize_text(t), *ESPEAK_SPEAKERS[n])) for n in names]))
         for t in sentences
@@ -267,7 +267,7 @@ def voice_similarity(tts, sentences: list[str], names: list[str], log, espeak: b
         for i, text in enumerate(sentences):
             r = tts.synthesize(text, voice=name, seed=7000 + i)
             vec = mel_statistic(r.audio, r.sample_rate)
-            sims = (preset[1] @ torch.nn.functional.normalize(vec - preset[0], dim=0)).tolist()
+            sims = (preset_refs @ torch.nn.functional.normalize(vec - preset_centre, dim=0)).tolist()
             rows.append(sims)
             best = names[int(np.argmax(sims))]
             correct += best == name
