@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from helpers import random_prompt
 
+from tts.bundle import build_tiny_bundle
 from tts.engine import Engine, EngineConfig
 from tts.engine.model_runner import RowInit
 
@@ -103,3 +104,36 @@ def test_joint_qk_norm_and_rope_is_bit_exact_to_separate_heads(monkeypatch):
         monkeypatch.setattr(Attention, "_joint_qk", lambda self, qkv: False)
         separate = attn(x, table, dense_causal_attend)
     assert torch.equal(joint, separate)
+
+
+def test_cpu_decode_layout_keeps_every_value_and_the_logits():
+    """The CPU decode layout (fused w1/w3, column-major wide projections) changes strides only: the
+    state dict keeps its keys and values, and the teacher-forced logits stay within fp32 rounding."""
+    model = build_tiny_bundle().model  # not the shared fixture: earlier engines already laid it out
+    prompt = random_prompt(model, 12, seed=3).unsqueeze(0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.inference_mode():
+        ref_slow, ref_fast = model(prompt)
+    model.use_cpu_decode_layout()
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    wqkv = model.layers[0].attention.wqkv.weight
+    assert wqkv.stride() == (1, wqkv.shape[0])  # [out, in] stored as a contiguous [in, out]
+    ff = model.layers[0].feed_forward
+    assert ff.w1.weight.data_ptr() == ff.w13.data_ptr()  # w1 and w3 are views of the fused matrix
+    with torch.inference_mode():
+        slow, fast = model(prompt)
+    torch.testing.assert_close(slow, ref_slow, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast, ref_fast, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cpu_engine_made_under_inference_mode_leaves_the_model_trainable():
+    """The layout is built outside inference mode (weights made inside it could not be trained), and
+    with autograd on, the feed-forward uses w1 and w3 themselves, so their gradients arrive."""
+    model = build_tiny_bundle().model
+    with torch.inference_mode():
+        Engine(model, EngineConfig(max_batch=1, graphs=False))
+    slow, _ = model(random_prompt(model, 6, seed=1).unsqueeze(0))
+    slow.sum().backward()
+    assert model.layers[0].feed_forward.w1.weight.grad is not None

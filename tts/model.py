@@ -191,12 +191,13 @@ class Attention(nn.Module):
         y = attend(q, k, v)
         return self.wo(y.reshape(B, T, q_size))
 
-    def cpu_kv(self, x: Tensor, freqs_cis: Tensor | Rope) -> tuple[Tensor, Tensor]:
-        """K and V of `x [B, T, dim]` only, exactly as `forward` computes them on the CPU torch path
-        (no attention, no `wo`): for a position whose K/V are read later but whose output is not.
+    def kv_only(self, x: Tensor, freqs_cis: Tensor | Rope) -> tuple[Tensor, Tensor]:
+        """K and V of `x [B, T, dim]` only, exactly as `forward`'s torch path computes them (no
+        attention, no `wo`): for positions whose K/V are read later but whose output is not.
 
-        CPU only (never reached on CUDA). It runs `forward`'s own torch path (`_split_norm_rotate`), so
-        the values are bit-identical; q is normed and rotated along with k, as there, and dropped.
+        It runs `forward`'s own torch path (`_split_norm_rotate`), so the values are bit-identical
+        wherever `forward` takes that path: always for T > 1 (prefill), and for T == 1 unless the fused
+        CUDA decode kernel is on. q is normed and rotated along with k, as there, and dropped.
         """
         _, k, v = self._split_norm_rotate(self.wqkv(x), freqs_cis)
         return k, v
@@ -260,19 +261,27 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
-    def fuse_weights(self) -> None:
-        """Store w1 and w3 as one `[2 * hidden, dim]` matrix (w1, w3 become views of it) so the CUDA
-        path runs one GEMM for both. The state dict keeps its keys and values."""
-        w13 = torch.cat([self.w1.weight.data, self.w3.weight.data])
+    def fuse_weights(self, column_major: bool = False) -> None:
+        """Store w1 and w3 as one `[2 * hidden, dim]` matrix (w1, w3 become views of it) so serving
+        runs one GEMM for both. With `column_major` the matrix is the transpose of a contiguous
+        `[dim, 2 * hidden]` one (see `DualARTransformer.use_cpu_decode_layout`). The state dict keeps
+        its keys and values."""
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors, even if called under it
+            w13 = torch.cat([self.w1.weight.data, self.w3.weight.data])
+            if column_major:
+                w13 = w13.t().contiguous().t()
         hidden = self.w1.weight.shape[0]
         self.w1.weight.data, self.w3.weight.data = w13[:hidden], w13[hidden:]
         self.w13 = w13
 
     def forward(self, x: Tensor) -> Tensor:
         w13 = getattr(self, "w13", None)
-        if w13 is not None and fused_kernels_enabled(x, w13):
+        if w13 is None or torch.is_grad_enabled():  # (with autograd, the gradients go to w1 and w3)
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if fused_kernels_enabled(x, w13):
             return self.w2(fused_ops().silu_mul(F.linear(x, w13)))
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = F.linear(x, w13).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -321,7 +330,9 @@ def run_layers_kv_only(
     attend_layer: Callable[[int], AttendFn],
     write_kv: Callable[[int, Tensor, Tensor], None],
 ) -> None:
-    """`run_layers` for a position whose output is never used, only its K/V (CPU torch path only).
+    """`run_layers` for positions whose output is never used, only their K/V: prefill on any device,
+    and the fast AR's position 0 on the CPU torch path (see `Attention.kv_only` for where the values
+    are bit-identical).
 
     Every layer but the last runs in full (its output feeds the next layer's K/V); the last layer only
     projects its K/V and hands them to `write_kv(i, k, v)`: its attention, `wo`, feed-forward and the
@@ -336,7 +347,7 @@ def run_layers_kv_only(
         normed, residual = layer.ffn_norm.add_forward(a, residual)
         f = layer.feed_forward(normed)
         normed, residual = layers[i + 1].attention_norm.add_forward(f, residual)
-    write_kv(last, *layers[last].attention.cpu_kv(normed, rope))
+    write_kv(last, *layers[last].attention.kv_only(normed, rope))
 
 
 def dense_causal_attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -473,10 +484,31 @@ class DualARTransformer(nn.Module):
         """`[..., codebook_size]` logits from a `fast_norm`-ed fast hidden state."""
         return self.fast_output(x_normed)
 
-    def fuse_weights(self) -> None:
-        """Prepare for serving on CUDA: fuse each SwiGLU's w1/w3 into one matrix (state dict unchanged)."""
+    def fuse_weights(self, column_major: bool = False) -> None:
+        """Prepare for serving: fuse each SwiGLU's w1/w3 into one matrix (state dict unchanged)."""
         for layer in [*self.layers, *self.fast_layers]:
-            layer.feed_forward.fuse_weights()
+            layer.feed_forward.fuse_weights(column_major)
+
+    def use_cpu_decode_layout(self) -> None:
+        """Prepare for serving on a CPU: fuse w1/w3, and store every projection wider than its input
+        (wqkv, w13, fast_output, an untied output) as the transpose of a contiguous `[in, out]` matrix.
+
+        Why: a decode step multiplies one row by each weight (`x @ W.T`, a matrix-vector product).
+        MKL's single-thread kernel for a contiguous `[out, in]` W reaches about 4 GB/s on the 2-core
+        CI machine when out > in, and about 10 GB/s (the DRAM rate) from an `[in, out]` layout; narrow
+        projections (w2, a square wo) are as fast or faster as they are. Measured in
+        `benchmarks/cpu_layout.md`. Values, shapes and state-dict keys do not change, only strides;
+        results differ from the row-major layout in the last bits (another summation order).
+        Call once, before serving; the layout does not suit saving (safetensors wants contiguous
+        tensors) but `state_dict()` values are `.contiguous()`-able as usual.
+        """
+        if not hasattr(self.layers[0].feed_forward, "w13"):
+            self.fuse_weights(column_major=True)
+        wide = [m for m in self.modules() if isinstance(m, nn.Linear) and m.out_features > m.in_features]
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors, even if called under it
+            for linear in wide:
+                if linear.weight.is_contiguous():  # (w1 and w3 are already views of w13)
+                    linear.weight.data = linear.weight.data.t().contiguous().t()
 
     # ---- whole-sequence forward (training and the reference for the serving path) -------------------
 

@@ -90,6 +90,8 @@ class Engine:
         )
         if self.device.type == "cuda" and not hasattr(model.layers[0].feed_forward, "w13"):
             model.fuse_weights()  # one GEMM for w1 and w3 on the CUDA path
+        elif self.device.type == "cpu":
+            model.use_cpu_decode_layout()  # fused w1/w3 and matrix-vector friendly strides
         self.runner = ModelRunner(
             model, self.kv, cfg.max_batch, max_blocks_per_seq, self._attention_backend(cfg.attention_backend),
             ignore_eos=cfg.ignore_eos,

@@ -146,6 +146,8 @@ class ModelRunner:
         if not ignore_eos:
             rows.append(head[c.eos_token_id : c.eos_token_id + 1])
         self.semantic_head = torch.cat(rows).detach()
+        if self.device.type == "cpu":  # the CPU decode layout (see `use_cpu_decode_layout`)
+            self.semantic_head = self.semantic_head.t().contiguous().t()
         self.n_sem = c.num_semantic_tokens
         # Element offset of (row, fast position k) in a fast KV layer `[B, Hkv, N, D]`, for the fused
         # kernel that writes K/V straight into it: row * Hkv * N * D + k * D.
