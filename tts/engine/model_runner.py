@@ -232,14 +232,19 @@ class ModelRunner:
         table = torch.tensor(block_table, dtype=torch.int64, device=self.device)
         slots = self.kv.slots_for_positions(table, torch.arange(T, device=self.device))
 
+        def write_kv(i, k, v):
+            self.kv.write(i, slots, k[0], v[0])
+
         def attend_layer(i):
             def attend(q, k, v):
-                self.kv.write(i, slots, k[0], v[0])
+                write_kv(i, k, v)
                 return dense_causal_attend(q, k, v)
 
             return attend
 
-        m.slow_layers(m.embed(frames), m.freqs_cis[:T], attend_layer)
+        # Only the K/V are kept, so the last layer stops after projecting them (its attention,
+        # feed-forward and the final norm would be a sixth of a 4-layer prefill's work, unused).
+        run_layers_kv_only(m.layers, m.embed(frames), m.freqs_cis[:T], attend_layer, write_kv)
 
     # ---- the frame step ------------------------------------------------------------------------------
 
