@@ -111,3 +111,20 @@ def test_train_script_writes_a_loadable_model(tmp_path):
 
     args = ModelArgs.from_dict(json.loads((out / "config.json").read_text()))
     assert args.num_codebooks == 4 and args.codebook_size == 64 and weight_files(out)
+
+
+def test_init_from_a_deeper_model_keeps_its_first_layers_and_drops_the_rest(tmp_path):
+    """`--init-from`: a 1-layer model started from a 2-layer one gets every tensor whose name and
+    shape match (layer 0, embeddings, fast AR, norms) and none of layer 1."""
+    tok = build_byte_tokenizer(64)
+    deep_args = train.model_config(tok, 4, 64, "test")  # 2 slow layers
+    torch.manual_seed(1)
+    deep = train.DualARTransformer(deep_args)
+    train.save_weights(deep.state_dict(), tmp_path)
+    shallow_args = train.ModelArgs.from_dict({**deep_args.to_dict(), "n_layer": 1})
+    torch.manual_seed(2)
+    shallow = train.DualARTransformer(shallow_args)
+    train.init_from(shallow, tmp_path)
+    got, src = shallow.state_dict(), deep.state_dict()
+    assert all(torch.equal(got[k], src[k]) for k in got)
+    assert not any(k.startswith("layers.1.") for k in got)

@@ -71,6 +71,21 @@ def model_config(tokenizer: TextTokenizer, num_codebooks: int, codebook_size: in
             fast_head_dim=64,
             fast_intermediate_size=768,
         ),  # fmt: skip
+        # "fast" with 3 slow layers: a quarter less slow-AR work per frame for CPU speed (issue 5's RTF
+        # gate); trained from "fast" with `--init-from` (its first 3 layers, all other weights).
+        "fast3": dict(
+            n_layer=3,
+            dim=384,
+            n_head=6,
+            n_local_heads=2,
+            intermediate_size=1024,
+            n_fast_layer=1,
+            fast_dim=256,
+            fast_n_head=4,
+            fast_n_local_heads=2,
+            fast_head_dim=64,
+            fast_intermediate_size=768,
+        ),  # fmt: skip
         "small": dict(n_layer=6, dim=384, n_head=6, n_local_heads=2, intermediate_size=1152, n_fast_layer=1),
         "base": dict(n_layer=8, dim=448, n_head=7, n_local_heads=1, intermediate_size=1344, n_fast_layer=1),
         "test": dict(n_layer=2, dim=128, n_head=2, n_local_heads=1, intermediate_size=256, n_fast_layer=1),
@@ -279,12 +294,33 @@ def batch_loader(corpus: Corpus, seed: int, batch_tokens: int, workers: int):
     )  # fmt: skip
 
 
+def init_from(model: DualARTransformer, folder: Path) -> None:
+    """Copy the weights of the model in `folder` (safetensors shards) into `model` wherever a name and
+    shape match; prints what was dropped (names `model` lacks) and what keeps its random init."""
+    from safetensors.torch import load_file
+
+    from tts.bundle import weight_files
+
+    source = {}
+    for f in weight_files(folder):
+        source.update(load_file(str(f)))
+    own = model.state_dict()
+    matched = {k: v.float() for k, v in source.items() if k in own and own[k].shape == v.shape}
+    model.load_state_dict(matched, strict=False)
+    dropped = sorted(set(source) - set(matched))
+    fresh = sorted(set(own) - set(matched))
+    print(
+        f"init from {folder}: {len(matched)} tensors; dropped {dropped or 'none'}; fresh {fresh or 'none'}",
+        flush=True,
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, required=True, help="the corpus codes/ folder")
     p.add_argument("--codec", type=Path, required=True, help="folder with codec.json (+ codec.safetensors)")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--size", default="fast", choices=["fast", "small", "base", "test"])
+    p.add_argument("--size", default="fast", choices=["fast", "fast3", "small", "base", "test"])
     p.add_argument("--workers", type=int, default=8, help="batch-building processes (0: in the main process)")
     p.add_argument("--num-codebooks", type=int, default=None, help="default: the codec's")
     p.add_argument("--steps", type=int, default=100_000, help="stop after this many steps")
@@ -297,6 +333,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--limit", type=int, default=None, help="use only this many utterances (CPU tests)")
     p.add_argument("--resume", type=Path, default=None)
+    p.add_argument(
+        "--init-from", type=Path, default=None,
+        help="start from this model folder's weights wherever name and shape match (e.g. a deeper model "
+        "whose extra layers are dropped); a fresh run otherwise (step 0, warm-up, new optimizer)",
+    )  # fmt: skip
     p.add_argument(
         "--full-checkpoint", type=Path, default=None, help="also save/resume fp32 + optimizer here"
     )
@@ -350,6 +391,8 @@ def main() -> None:
         step, history = st["step"], st.get("history", [])
         rewarm = True
         print(f"resumed weights at step {step}", flush=True)
+    elif a.init_from:
+        init_from(model, a.init_from)
     n_params = sum(x.numel() for x in model.parameters())
     print(f"model: {n_params / 1e6:.2f} M parameters; device {device}", flush=True)
     model.train()
