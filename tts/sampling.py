@@ -55,17 +55,10 @@ def hash32(x: Tensor) -> Tensor:
     return x ^ (x >> 15)
 
 
-def seed_keys(seeds: Tensor) -> Tensor:
-    """The part of `row_keys` that depends on the seeds only (the same ops): a caller that draws many
-    frames with the same seeds may keep it (the CPU runner does)."""
+def row_keys(seeds: Tensor, steps: Tensor, stream: int | Tensor) -> Tensor:
+    """`[B]` int64 32-bit keys from per-row seeds (any int64), steps (>= 0) and a stream id (broadcast)."""
     k = hash32(seeds & _MASK32)
-    return hash32(k ^ ((seeds >> 32) & _MASK32))
-
-
-def row_keys(seeds: Tensor, steps: Tensor, stream: int | Tensor, seed_key: Tensor | None = None) -> Tensor:
-    """`[B]` int64 32-bit keys from per-row seeds (any int64), steps (>= 0) and a stream id (broadcast).
-    `seed_key`: `seed_keys(seeds)` when the caller kept it (the seeds' half of the hashing)."""
-    k = seed_keys(seeds) if seed_key is None else seed_key
+    k = hash32(k ^ ((seeds >> 32) & _MASK32))
     k = hash32(k ^ (steps & _MASK32))
     return hash32(k ^ stream)
 
@@ -78,16 +71,14 @@ def uniform(keys: Tensor, n: int) -> Tensor:
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def frame_log_noise(
-    seeds: Tensor, steps: Tensor, streams: int, n: int, seed_key: Tensor | None = None
-) -> Tensor:
+def frame_log_noise(seeds: Tensor, steps: Tensor, streams: int, n: int) -> Tensor:
     """`log(E)`, `E = -log U`, for every stream `0..streams-1` and token id `0..n-1` of a frame at once:
     `[B, streams, n]` float32. Slicing `[:, s, :V]` gives exactly the noise `sample(..., stream=s)` draws
     for a V-way row (U depends only on the keys and the token id), in one batch of ops instead of one
-    per draw (the CPU path is launch-bound). `seed_key`: `seed_keys(seeds.unsqueeze(1))` if the caller
-    kept it (see `row_keys`)."""
+    per draw (the CPU path is launch-bound; its runner also makes the next frames' noise in the same
+    batch, rows `(seed, step + j)`)."""
     stream_ids = torch.arange(streams, device=seeds.device)
-    keys = row_keys(seeds.unsqueeze(1), steps.unsqueeze(1), stream_ids, seed_key)
+    keys = row_keys(seeds.unsqueeze(1), steps.unsqueeze(1), stream_ids)
     u = uniform(keys.reshape(-1), n).view(seeds.shape[0], streams, n)
     return torch.log(-torch.log(u))
 

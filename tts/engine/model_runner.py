@@ -35,8 +35,11 @@ from ..sampling import (
     ras_high_settings,
     sample,
     sample_main_token,
-    seed_keys,
 )
+
+# CPU step: frames of sampler noise made in one batch, and the most rows x frames of one batch.
+NOISE_FRAMES_AHEAD = 16
+NOISE_ROWS = 64
 
 
 @dataclass
@@ -168,11 +171,11 @@ class ModelRunner:
         # Residual codebooks are sampled from the first n_residual fast logits (a static slice).
         self.n_residual = c.residual_codebook_size or c.codebook_size
         # CPU eager step only (see `_cpu_step`): per-batch-size attend functions over fixed views of the
-        # fast KV buffers, the last step's sampler settings and seed keys with the values they came
-        # from, and each slow layer's KV pool views.
+        # fast KV buffers, the last step's sampler settings with the values they came from, the
+        # sampler noise of the coming frames, and each slow layer's KV pool views.
         self._cpu_fast_attend: dict[tuple[int, int], tuple] = {}
         self._cpu_settings: tuple[tuple, DrawSettings, DrawSettings, Tensor] | None = None
-        self._cpu_seed_keys: tuple[tuple, Tensor] | None = None
+        self._cpu_noise: tuple[tuple, list[int], Tensor] | None = None
         self._cpu_kv_views: list[tuple[Tensor, Tensor, Tensor, Tensor]] | None = None
 
     # ---- host-side row management (between steps only) ---------------------------------------------
@@ -427,13 +430,29 @@ class ModelRunner:
             self._cpu_settings = key, settings, high, ras_counted(bufs.ras_window[:b], bufs.ras_len[:b])
         return self._cpu_settings[1:]
 
-    def _cpu_seed_keys_for(self, b: int) -> Tensor:
-        """CPU step: `seed_keys` of rows `[:b]` (`[b, 1]`), kept while their seeds are unchanged (the
-        seed half of the noise keys, about 24 ops a frame otherwise). Keyed on the seeds' values."""
-        key = (b, tuple(self.buffers.seeds.tolist()[:b]))
-        if self._cpu_seed_keys is None or self._cpu_seed_keys[0] != key:
-            self._cpu_seed_keys = key, seed_keys(self.buffers.seeds[:b].unsqueeze(1))
-        return self._cpu_seed_keys[1]
+    def _cpu_frame_noise(self, b: int, streams: int, n: int) -> Tensor:
+        """CPU step: `frame_log_noise` of rows `[:b]` for this frame, `[b, streams, n]`.
+
+        The noise depends only on (seed, step, stream, token id), so the next frames' noise is made
+        in the same batch (`NOISE_FRAMES_AHEAD` frames while every row is active, at most
+        `NOISE_ROWS` rows in all) and used while each row's step advances by one a frame: about 60
+        small ops once per 16 frames instead of every frame, the same values. Any other change (a
+        row joins, leaves or stops, other seeds) makes it again."""
+        bufs = self.buffers
+        seeds, steps = bufs.seeds.tolist()[:b], bufs.steps.tolist()[:b]
+        key = (b, tuple(seeds), streams, n)
+        if self._cpu_noise is not None and self._cpu_noise[0] == key:
+            first_steps, noise = self._cpu_noise[1:]
+            j = steps[0] - first_steps[0]
+            if 0 <= j < noise.shape[1] and all(s - f == j for s, f in zip(steps, first_steps, strict=True)):
+                return noise[:, j]
+        ahead = max(1, min(NOISE_FRAMES_AHEAD, NOISE_ROWS // b)) if all(bufs.active.tolist()[:b]) else 1
+        step_grid = bufs.steps[:b].unsqueeze(1) + torch.arange(ahead, device=self.device)  # [b, ahead]
+        seed_grid = bufs.seeds[:b].unsqueeze(1).expand(b, ahead)
+        noise = frame_log_noise(seed_grid.reshape(-1), step_grid.reshape(-1), streams, n)
+        noise = noise.view(b, ahead, streams, n)
+        self._cpu_noise = key, steps, noise
+        return noise[:, 0]
 
     def decode_step(self, b: int, variant: str | None = None) -> None:
         """One frame for rows `[:b]` (see the module docstring). Graph-capturable.
@@ -455,10 +474,8 @@ class ModelRunner:
             # their own noise.
             noise = settings = high_settings = ras_window_mask = None
             if not fused_kernels_enabled(sem_logits):
-                if self._cpu_step():  # seed keys and settings kept between frames
-                    noise = frame_log_noise(
-                        seeds, steps, high + 1, max(V, self.n_residual), seed_key=self._cpu_seed_keys_for(b)
-                    )
+                if self._cpu_step():  # noise made frames ahead, settings kept between frames
+                    noise = self._cpu_frame_noise(b, high + 1, max(V, self.n_residual))
                     settings, high_settings, ras_window_mask = self._cpu_draw_settings(b)
                 else:
                     noise = frame_log_noise(seeds, steps, high + 1, max(V, self.n_residual))
