@@ -36,6 +36,7 @@ from ..sampling import (
     sample,
     sample_main_token,
 )
+from .cpu_decode import block_weights, decode_layers, decode_layers_kv_only
 
 # CPU step: frames of sampler noise made in one batch, and the most rows x frames of one batch.
 NOISE_FRAMES_AHEAD = 16
@@ -157,22 +158,25 @@ class ModelRunner:
         fk = self.buffers.fast_k
         rows = torch.arange(max_batch, device=self.device) * fk.stride(1)
         self.fast_row_offset = torch.stack([rows + k * fk.stride(3) for k in range(c.num_codebooks)])
-        # On a CPU (no graphs) the fast AR's RoPE factors for each codebook position are built once.
-        self.fast_rope: list[Rope] | None = None
-        self.slow_rope_factors: tuple[Tensor, Tensor] | None = None
+        # On a CPU (no graphs) the layers run through cpu_decode (see there), with RoPE factors built
+        # once: the fast AR's for each codebook position, `[1, 1, D]`, and the slow AR's for every
+        # position, `[max_seq_len, 1, D]` fp32 (1 MB for the default model), of which a step picks its
+        # rows'. `_cpu_layers` is None where cpu_decode does not apply (then the modules run).
+        self._cpu_rope: tuple[list[tuple[Tensor, Tensor]], tuple[Tensor, Tensor]] | None = None
+        self._cpu_layers = None
         if self.device.type == "cpu":
-            self.fast_rope = [Rope(model.fast_freqs_cis[k : k + 1]) for k in range(c.num_codebooks)]
-            for rope in self.fast_rope:
-                rope.factors()
-            # ... and the slow AR's for every position, `[max_seq_len, 1, 1, D]` fp32 (1 MB for the
-            # default model): a CPU step picks its rows' instead of building them (about 10 ops).
+            fast = [Rope(model.fast_freqs_cis[k : k + 1]).factors() for k in range(c.num_codebooks)]
             cos, sin = Rope(model.freqs_cis).factors()  # [1, max_seq_len, 1, D]
-            self.slow_rope_factors = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+            self._cpu_rope = [(fc[0], fs[0]) for fc, fs in fast], (cos[0], sin[0])
+            slow_layers = block_weights(model.layers, model.norm)
+            fast_layers = block_weights(model.fast_layers, model.fast_norm)
+            if slow_layers is not None and fast_layers is not None:
+                self._cpu_layers = slow_layers, fast_layers
         # Residual codebooks are sampled from the first n_residual fast logits (a static slice).
         self.n_residual = c.residual_codebook_size or c.codebook_size
-        # CPU eager step only (see `_cpu_step`): per-batch-size attend functions over fixed views of the
-        # fast KV buffers, the last step's sampler settings with the values they came from, the
-        # sampler noise of the coming frames, and each slow layer's KV pool views.
+        # CPU eager step only (see `_cpu_step`): per-(batch size, position) attend functions over fixed
+        # views of the fast KV buffers, the last step's sampler settings with the values they came
+        # from, the sampler noise of the coming frames, and each slow layer's KV pool views.
         self._cpu_fast_attend: dict[tuple[int, int], tuple] = {}
         self._cpu_settings: tuple[tuple, DrawSettings, DrawSettings, Tensor] | None = None
         self._cpu_noise: tuple[tuple, list[int], Tensor] | None = None
@@ -273,6 +277,8 @@ class ModelRunner:
         slot_offset = slots * (kv.k.shape[-2] * kv.k.shape[-1]) if fused else None
         if self.paged_attention is paged_decode_attention:  # torch path: table work once for all layers
             torch_attention = PagedDecodeAttention(tables, context_lens, bs)
+            if self._cpu_layers is not None and self._cpu_step() and torch.is_inference_mode_enabled():
+                return self._cpu_slow_step(b, pos, slots, torch_attention)
 
             def paged_attention(q, i):
                 return torch_attention(q, kv.k[i], kv.v[i], self.scale)
@@ -291,59 +297,47 @@ class ModelRunner:
                 attend.kv_dest = KVDest(kv.k[i].view(-1), kv.v[i].view(-1), slot_offset, kv.k.shape[-1])
             return attend
 
-        if (
-            self._cpu_step()
-            and self.paged_attention is paged_decode_attention
-            and torch.is_inference_mode_enabled()
-        ):
-            attend_layer = self._cpu_slow_attend(slots, torch_attention)
-
         x = m.embed(bufs.frames[:b].unsqueeze(1))
-        rope = m.freqs_cis[pos].unsqueeze(1)
-        if self._cpu_step():  # the rows' RoPE factors from the table built at start (see __init__)
-            cos, sin = self.slow_rope_factors
-            rope = Rope.with_factors(rope, cos.index_select(0, pos), sin.index_select(0, pos))
-        h_pre, h_post = m.slow_layers(x, rope, attend_layer)
+        h_pre, h_post = m.slow_layers(x, m.freqs_cis[pos].unsqueeze(1), attend_layer)
         return h_pre[:, 0], h_post[:, 0]
 
-    def _cpu_slow_attend(self, slots: Tensor, torch_attention: PagedDecodeAttention):
-        """CPU torch path of slow_step's attend_layer: the same `kv.write` and attention, on each
-        layer's pool and flat slot view made once (`kv.k[i]` and its view are ops, 6 a layer). Only
-        under inference mode (every engine step): the views are made and written there."""
+    def _cpu_slow_step(
+        self, b: int, pos: Tensor, slots: Tensor, torch_attention: PagedDecodeAttention
+    ) -> tuple[Tensor, Tensor]:
+        """slow_step on the CPU through cpu_decode: the same K/V writes (`kv.write`'s index_copy_) and
+        paged attention, on each layer's pool and flat slot view made once (`kv.k[i]` and its view
+        are ops, 6 a layer). Only under inference mode (every engine step): the views are made and
+        written there."""
         kv = self.kv
         if self._cpu_kv_views is None:
             self._cpu_kv_views = [
                 (kv.k[i], kv.v[i], kv.k[i].view(-1, *kv.k.shape[-2:]), kv.v[i].view(-1, *kv.v.shape[-2:]))
                 for i in range(kv.k.shape[0])
             ]
+        views = self._cpu_kv_views
 
-        def attend_layer(i):
-            k_pool, v_pool, k_flat, v_flat = self._cpu_kv_views[i]
+        def attend(i, q, k, v):
+            k_pool, v_pool, k_flat, v_flat = views[i]
+            k_flat.index_copy_(0, slots, k)
+            v_flat.index_copy_(0, slots, v)
+            return torch_attention(q, k_pool, v_pool, self.scale)
 
-            def attend(q, k, v):
-                k, v = k[:, 0], v[:, 0]
-                k_flat.index_copy_(0, slots, k if k.dtype == k_flat.dtype else k.to(k_flat.dtype))
-                v_flat.index_copy_(0, slots, v if v.dtype == v_flat.dtype else v.to(v_flat.dtype))
-                return torch_attention(q[:, 0], k_pool, v_pool, self.scale).unsqueeze(1)
-
-            return attend
-
-        return attend_layer
-
-    def _fast_rope(self, k: int) -> Tensor | Rope:
-        return self.fast_rope[k] if self.fast_rope is not None else self.model.fast_freqs_cis[k : k + 1]
+        (blocks, final_norm), _ = self._cpu_layers
+        cos, sin = self._cpu_rope[1]
+        x = self.model.embed(self.buffers.frames[:b])
+        return decode_layers(
+            blocks, final_norm, x, cos.index_select(0, pos), sin.index_select(0, pos), attend
+        )
 
     def _cpu_step(self) -> bool:
         """Whether this step is the plain-torch CPU one (no graphs, no fused kernels). Only then are
         the per-step caches below used; CUDA (and the Triton interpreter in tests) never reach them."""
-        return self.fast_rope is not None and not fused_kernels_enabled(self.buffers.frames)
+        return self._cpu_rope is not None and not fused_kernels_enabled(self.buffers.frames)
 
     def _fast_attend(self, b: int, k_pos: int):
         """attend() for fast position k_pos: write slot k_pos, attend to slots 0..k_pos of this frame.
         Slots above k_pos still hold the previous frame's values and are never read."""
         bufs = self.buffers
-        if self._cpu_step():
-            return self._cpu_fast_attend_layer(b, k_pos)
         fused = fused_kernels_enabled(bufs.frames)
 
         def attend_layer(i):
@@ -372,19 +366,24 @@ class ModelRunner:
 
         return attend_layer
 
-    def _cpu_fast_attend_layer(self, b: int, k_pos: int):
-        """CPU torch path of `_fast_attend` (attend_layer for fast position k_pos of rows `[:b]`)."""
-        return self._cpu_fast_slot(b, k_pos)[0]
-
-    def _cpu_fast_kv_writer(self, b: int):
-        """write_kv(i, k, v) for fast position 0 on the CPU: the slot writes of its attend()."""
-        return self._cpu_fast_slot(b, 0)[1]
+    def _cpu_fast_ar(self, b: int, x: Tensor, codes: list[Tensor], draw) -> None:
+        """The fast AR on the CPU through cpu_decode: position 0 on `x [b, fast_dim]` (only its K/V
+        are ever read, so its last layer stops there), then one position per remaining codebook,
+        appending `draw(logits, k)` to `codes`."""
+        m = self.model
+        _, (blocks, final_norm) = self._cpu_layers
+        rope = self._cpu_rope[0]
+        decode_layers_kv_only(blocks, x, *rope[0], *self._cpu_fast_slot(b, 0))
+        for k in range(1, self.config.num_codebooks):
+            attend = self._cpu_fast_slot(b, k)[0]
+            _, y = decode_layers(blocks, final_norm, m.fast_embeddings(codes[k - 1]), *rope[k], attend)
+            codes.append(draw(m.fast_logits(y)[:, : self.n_residual], k))
 
     def _cpu_fast_slot(self, b: int, k_pos: int):
-        """`(attend_layer, write_kv)` for fast position k_pos: the same writes and SDPA as
-        `_fast_attend`, on views of the fast KV buffers made once per (b, k_pos) instead of by
-        indexing every call (the CPU step is op-bound, and each view is an op). The buffers are never
-        reallocated, so the views stay valid."""
+        """`(attend, write_kv)` in cpu_decode's form for fast position k_pos of rows `[:b]`: the same
+        writes and SDPA as `_fast_attend`, on views of the fast KV buffers made once per (b, k_pos)
+        instead of by indexing every call (each view is an op). The buffers are never reallocated,
+        so the views stay valid."""
         slot = self._cpu_fast_attend.get((b, k_pos))
         if slot is None:
             bufs = self.buffers
@@ -395,21 +394,17 @@ class ModelRunner:
             ]  # fmt: skip
 
             def write_kv(i, k, v):
-                views[i][0].copy_(k[:, 0])
-                views[i][1].copy_(v[:, 0])
+                views[i][0].copy_(k)
+                views[i][1].copy_(v)
 
-            def attend_for(i):
-                def attend(q, k, v):
-                    write_kv(i, k, v)
-                    o = F.scaled_dot_product_attention(
-                        q.transpose(1, 2), views[i][2], views[i][3], scale=self.fast_scale, enable_gqa=True
-                    )
-                    return o.transpose(1, 2)
+            def attend(i, q, k, v):
+                write_kv(i, k, v)
+                o = F.scaled_dot_product_attention(
+                    q.unsqueeze(2), views[i][2], views[i][3], scale=self.fast_scale, enable_gqa=True
+                )
+                return o.squeeze(2)
 
-                return attend
-
-            attends = [attend_for(i) for i in range(len(views))]  # built once, reused every frame
-            slot = self._cpu_fast_attend[(b, k_pos)] = attends.__getitem__, write_kv
+            slot = self._cpu_fast_attend[(b, k_pos)] = attend, write_kv
         return slot
 
     def _cpu_draw_settings(self, b: int) -> tuple[DrawSettings, DrawSettings, Tensor]:
@@ -491,33 +486,22 @@ class ModelRunner:
             # Fast AR: position 0 on the slow hidden state (its logits are never used), c_0 derived from
             # the main token, then one position per remaining codebook (spec 1.4 steps 4-6).
             codes = [torch.clamp(token - c.semantic_begin_id, 0, c.codebook_size - 1)]
-            if c.num_codebooks > 1:
+
+            def draw(logits: Tensor, k: int) -> Tensor:  # codebook k from its fast logits
+                return sample(
+                    logits, temperature, top_p, top_k, seeds, steps, stream=k, top_k_cap=cap,
+                    log_noise=None if noise is None else noise[:, k, : logits.shape[1]], settings=settings,
+                )  # fmt: skip
+
+            if c.num_codebooks > 1 and self._cpu_layers is not None and self._cpu_step():
+                self._cpu_fast_ar(b, m.fast_input(h_pre, h_post), codes, draw)
+            elif c.num_codebooks > 1:
                 x = m.fast_input(h_pre, h_post).unsqueeze(1)
-                if self._cpu_step():
-                    # Only position 0's K/V are ever read: skip its last layer's attention, wo,
-                    # feed-forward and the final norm (about a fifth of the fast AR's ops on a CPU).
-                    rope, attend_layer = self._fast_rope(0), self._fast_attend(b, 0)
-                    run_layers_kv_only(m.fast_layers, x, rope, attend_layer, self._cpu_fast_kv_writer(b))
-                else:
-                    m.fast_layers_forward(x, self._fast_rope(0), self._fast_attend(b, 0))
+                m.fast_layers_forward(x, m.fast_freqs_cis[0:1], self._fast_attend(b, 0))
                 for k in range(1, c.num_codebooks):
                     x = m.fast_embeddings(codes[k - 1]).unsqueeze(1)
-                    y = m.fast_layers_forward(x, self._fast_rope(k), self._fast_attend(b, k))
-                    logits = m.fast_logits(y[:, 0])[:, : self.n_residual]
-                    codes.append(
-                        sample(
-                            logits,
-                            temperature,
-                            top_p,
-                            top_k,
-                            seeds,
-                            steps,
-                            stream=k,
-                            top_k_cap=cap,
-                            log_noise=None if noise is None else noise[:, k, : logits.shape[1]],
-                            settings=settings,
-                        )
-                    )
+                    y = m.fast_layers_forward(x, m.fast_freqs_cis[k : k + 1], self._fast_attend(b, k))
+                    codes.append(draw(m.fast_logits(y[:, 0])[:, : self.n_residual], k))
             frame = torch.stack([token, *codes], dim=1)
             self._advance(b, frame, idx)
 

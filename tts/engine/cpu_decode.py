@@ -1,0 +1,123 @@
+"""The frame step's transformer layers on a CPU, with as little Python per op as the math allows.
+
+A CPU has no CUDA graphs, so every op *and every line of Python* of the frame step is paid again each
+frame. Through the modules (`model.run_layers`) a fast-AR position of the default model costs about
+twice its ops' own time: module calls, kernel and dtype checks, RoPE objects, attend closures. Here
+each block's weights are gathered once into a `BlockWeights` (views of the modules' own tensors) and a
+decode position (one token per row) runs as plain torch calls: 2.1-2.5 ms a frame for the default
+model's fast AR against 4.4-4.5 ms through the modules (benchmarks/cpu_layout.md).
+
+The ops, their order and their operands are those of `model.run_layers` on the CPU fp32 path (norms
+as `_rms_norm_fp32`, q and k normed and rotated together, w1/w3 fused, each residual add where the
+modules round it), so the results are bit-identical to it; tests/test_cpu_decode.py checks that.
+Shapes: x `[B, dim]` (the modules' `[B, 1, dim]` without the position axis), q `[B, H, D]`, k and v
+`[B, Hkv, D]`, RoPE factors `cos, sin` `[B|1, 1, D]` fp32 (`model.Rope.factors` without its T axis).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..model import RMSNorm, _pair_swap_index, _rms_norm_fp32
+
+# attend(i, q [B, H, D], k [B, Hkv, D], v [B, Hkv, D]) -> [B, H, D]: write layer i's K/V of this
+# position wherever the caller keeps them, and attend over the row's context.
+Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+class BlockWeights(NamedTuple):
+    """One `TransformerBlock`'s tensors and sizes for `decode_layers`."""
+
+    attention_norm: Tensor  # [dim]
+    wqkv: Tensor  # [(H + 2 Hkv) D, dim]
+    wqkv_bias: Tensor | None
+    qk_norm: Tensor | None  # [H + Hkv, D]: the q-norm weight per query head, then k-norm per KV head
+    wo: Tensor  # [dim, H D]
+    wo_bias: Tensor | None
+    ffn_norm: Tensor  # [dim]
+    w13: Tensor  # [2 hidden, dim]: w1 rows, then w3 rows
+    w2: Tensor  # [dim, hidden]
+    n_head: int
+    n_kv: int
+    head_dim: int
+    eps: float  # of every norm in the block (checked equal)
+
+
+def block_weights(layers: nn.ModuleList, final_norm: RMSNorm) -> tuple[list[BlockWeights], Tensor] | None:
+    """The blocks' weights and `final_norm`'s weight, or None where this module does not apply (not
+    fp32 on a CPU, norms with different eps, w1/w3 not fused): the caller then uses the modules."""
+    norms = [final_norm] + [n for layer in layers for n in (layer.attention_norm, layer.ffn_norm)]
+    eps = final_norm.eps
+    blocks = []
+    for layer in layers:
+        att, ff = layer.attention, layer.feed_forward
+        if att.qk_norm:
+            norms += [att.q_norm, att.k_norm]
+        w13 = getattr(ff, "w13", None)
+        if w13 is None or any(n.eps != eps or n.weight is None for n in norms):
+            return None
+        if final_norm.weight.dtype != torch.float32 or final_norm.weight.device.type != "cpu":
+            return None
+        blocks.append(BlockWeights(
+            layer.attention_norm.weight, att.wqkv.weight, att.wqkv.bias,
+            att._qk_norm_weight() if att.qk_norm else None, att.wo.weight, att.wo.bias,
+            layer.ffn_norm.weight, w13, ff.w2.weight, att.n_head, att.n_local_heads, att.head_dim, eps,
+        ))  # fmt: skip
+    return blocks, final_norm.weight
+
+
+def _attention(i: int, w: BlockWeights, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+    """Block i's attention on normed `x [B, dim]`: `Attention.forward`'s CPU path; returns `[B, dim]`."""
+    B = x.shape[0]
+    qk_size = (w.n_head + w.n_kv) * w.head_dim
+    qkv = F.linear(x, w.wqkv, w.wqkv_bias)
+    qk = qkv[:, :qk_size].view(B, w.n_head + w.n_kv, w.head_dim)
+    v = qkv[:, qk_size:].view(B, w.n_kv, w.head_dim)
+    if w.qk_norm is not None:
+        qk = _rms_norm_fp32(qk, w.eps, w.qk_norm)
+    qk = qk * cos + qk.index_select(-1, _pair_swap_index(w.head_dim)) * sin
+    q, k = qk.split([w.n_head, w.n_kv], dim=1)
+    return F.linear(attend(i, q, k, v).reshape(B, -1), w.wo, w.wo_bias)
+
+
+def decode_layers(
+    blocks: list[BlockWeights], final_norm: Tensor, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend
+) -> tuple[Tensor, Tensor]:
+    """`model.run_layers` for one position per row: x `[B, dim]` -> (hidden before the final norm,
+    after it), each `[B, dim]`."""
+    eps = blocks[0].eps
+    normed, residual = _rms_norm_fp32(x, eps, blocks[0].attention_norm), x
+    for i, w in enumerate(blocks):
+        residual = _attention(i, w, normed, cos, sin, attend) + residual
+        normed = _rms_norm_fp32(residual, eps, w.ffn_norm)
+        gate, up = F.linear(normed, w.w13).chunk(2, dim=-1)
+        residual = F.linear(F.silu(gate) * up, w.w2) + residual
+        next_norm = blocks[i + 1].attention_norm if i + 1 < len(blocks) else final_norm
+        normed = _rms_norm_fp32(residual, eps, next_norm)
+    return residual, normed
+
+
+def decode_layers_kv_only(
+    blocks: list[BlockWeights], x: Tensor, cos: Tensor, sin: Tensor, attend: Attend,
+    write_kv: Callable[[int, Tensor, Tensor], None],
+) -> None:  # fmt: skip
+    """`model.run_layers_kv_only` for one position per row: every block but the last in full, the
+    last only projects its K/V and hands them to `write_kv(i, k [B, Hkv, D], v)`."""
+    last = len(blocks) - 1
+    w = blocks[last]
+    if last:
+        residual, normed = decode_layers(blocks[:last], w.attention_norm, x, cos, sin, attend)
+    else:
+        normed = _rms_norm_fp32(x, w.eps, w.attention_norm)
+    B, qk_size = x.shape[0], (w.n_head + w.n_kv) * w.head_dim
+    qkv = F.linear(normed, w.wqkv, w.wqkv_bias)
+    qk = qkv[:, :qk_size].view(B, w.n_head + w.n_kv, w.head_dim)
+    if w.qk_norm is not None:
+        qk = _rms_norm_fp32(qk, w.eps, w.qk_norm)
+    qk = qk * cos + qk.index_select(-1, _pair_swap_index(w.head_dim)) * sin
+    write_kv(last, qk[:, w.n_head :], qkv[:, qk_size:].view(B, w.n_kv, w.head_dim))
