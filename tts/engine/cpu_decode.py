@@ -51,6 +51,8 @@ class BlockWeights(NamedTuple):
 def block_weights(layers: nn.ModuleList, final_norm: RMSNorm) -> tuple[list[BlockWeights], Tensor] | None:
     """The blocks' weights and `final_norm`'s weight, or None where this module does not apply (not
     fp32 on a CPU, norms with different eps, w1/w3 not fused): the caller then uses the modules."""
+    if not len(layers):
+        return None
     norms = [final_norm] + [n for layer in layers for n in (layer.attention_norm, layer.ffn_norm)]
     eps = final_norm.eps
     blocks = []
@@ -71,18 +73,18 @@ def block_weights(layers: nn.ModuleList, final_norm: RMSNorm) -> tuple[list[Bloc
     return blocks, final_norm.weight
 
 
-def _attention(i: int, w: BlockWeights, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
-    """Block i's attention on normed `x [B, dim]`: `Attention.forward`'s CPU path; returns `[B, dim]`."""
+def _qkv(w: BlockWeights, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q `[B, H, D]`, k and v `[B, Hkv, D]` of normed `x [B, dim]`: `Attention._split_norm_rotate`'s CPU
+    path (q and k normed and rotated as one tensor)."""
     B = x.shape[0]
     qk_size = (w.n_head + w.n_kv) * w.head_dim
     qkv = F.linear(x, w.wqkv, w.wqkv_bias)
     qk = qkv[:, :qk_size].view(B, w.n_head + w.n_kv, w.head_dim)
-    v = qkv[:, qk_size:].view(B, w.n_kv, w.head_dim)
     if w.qk_norm is not None:
         qk = _rms_norm_fp32(qk, w.eps, w.qk_norm)
     qk = qk * cos + qk.index_select(-1, _pair_swap_index(w.head_dim)) * sin
     q, k = qk.split([w.n_head, w.n_kv], dim=1)
-    return F.linear(attend(i, q, k, v).reshape(B, -1), w.wo, w.wo_bias)
+    return q, k, qkv[:, qk_size:].view(B, w.n_kv, w.head_dim)
 
 
 def decode_layers(
@@ -93,7 +95,8 @@ def decode_layers(
     eps = blocks[0].eps
     normed, residual = _rms_norm_fp32(x, eps, blocks[0].attention_norm), x
     for i, w in enumerate(blocks):
-        residual = _attention(i, w, normed, cos, sin, attend) + residual
+        attended = attend(i, *_qkv(w, normed, cos, sin)).reshape(x.shape[0], -1)
+        residual = F.linear(attended, w.wo, w.wo_bias) + residual
         normed = _rms_norm_fp32(residual, eps, w.ffn_norm)
         gate, up = F.linear(normed, w.w13).chunk(2, dim=-1)
         residual = F.linear(F.silu(gate) * up, w.w2) + residual
@@ -111,13 +114,8 @@ def decode_layers_kv_only(
     last = len(blocks) - 1
     w = blocks[last]
     if last:
-        residual, normed = decode_layers(blocks[:last], w.attention_norm, x, cos, sin, attend)
+        _, normed = decode_layers(blocks[:last], w.attention_norm, x, cos, sin, attend)
     else:
         normed = _rms_norm_fp32(x, w.eps, w.attention_norm)
-    B, qk_size = x.shape[0], (w.n_head + w.n_kv) * w.head_dim
-    qkv = F.linear(normed, w.wqkv, w.wqkv_bias)
-    qk = qkv[:, :qk_size].view(B, w.n_head + w.n_kv, w.head_dim)
-    if w.qk_norm is not None:
-        qk = _rms_norm_fp32(qk, w.eps, w.qk_norm)
-    qk = qk * cos + qk.index_select(-1, _pair_swap_index(w.head_dim)) * sin
-    write_kv(last, qk[:, w.n_head :], qkv[:, qk_size:].view(B, w.n_kv, w.head_dim))
+    _, k, v = _qkv(w, normed, cos, sin)
+    write_kv(last, k, v)
