@@ -107,3 +107,20 @@ def test_models_it_does_not_support_use_the_modules():
     model = _model()
     model.layers[0].ffn_norm.eps = 1e-3  # norms with different eps
     assert block_weights(model.layers, model.norm) is None
+
+
+@torch.inference_mode()
+def test_a_qk_norm_weight_changed_in_place_is_seen(model):
+    """BlockWeights asks the attention for its q/k-norm weight each call (the module path rebuilds it
+    when either weight changes), so an in-place change after the engine was built takes effect."""
+    blocks, final = block_weights(model.layers, model.norm)
+    model.layers[0].attention.q_norm.weight.mul_(3.0)
+    x = torch.randn(1, model.config.dim)
+    rope = Rope(model.freqs_cis[2:3])
+    cos, sin = rope.factors()
+    ref_pre, _ = run_layers(
+        model.layers, model.norm, x.unsqueeze(1), rope,
+        lambda i: lambda q, k, v: _core(q[:, 0], k[:, 0], v[:, 0]).unsqueeze(1),
+    )  # fmt: skip
+    pre, _ = decode_layers(blocks, final, x, cos[0], sin[0], lambda i, q, k, v: _core(q, k, v))
+    assert torch.equal(pre, ref_pre[:, 0])

@@ -137,3 +137,28 @@ def test_a_cpu_engine_made_under_inference_mode_leaves_the_model_trainable():
     slow, _ = model(random_prompt(model, 6, seed=1).unsqueeze(0))
     slow.sum().backward()
     assert model.layers[0].feed_forward.w1.weight.grad is not None
+
+
+def test_cpu_layout_of_a_model_fused_row_major_refuses_column_major():
+    """`fuse_weights()` (CUDA's row-major w13) first, then the CPU layout: w1 and w3 stay views of one
+    column-major w13 (not re-laid separately, which would leave a stale w13 behind)."""
+    model = build_tiny_bundle().model
+    model.fuse_weights()
+    model.use_cpu_decode_layout()
+    ff = model.layers[0].feed_forward
+    assert not ff.w13.is_contiguous() and ff._fused() is ff.w13
+    assert ff.w1.weight.data_ptr() == ff.w13.data_ptr()
+
+
+def test_a_laid_out_model_converted_or_reloaded_uses_its_new_weights():
+    """`.to()` and `load_state_dict(assign=True)` give w1/w3 new storage: the stale fused copy must not
+    be used any more (it raised a dtype error, or silently kept the old weights)."""
+    model = build_tiny_bundle().model
+    prompt = random_prompt(model, 8, seed=2).unsqueeze(0)
+    model.use_cpu_decode_layout()
+    other = build_tiny_bundle(seed=1).model
+    model.load_state_dict(other.state_dict(), assign=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model(prompt)[0], other(prompt)[0], rtol=1e-5, atol=1e-5)
+        half = model.to(torch.bfloat16)
+        assert half(prompt)[0].dtype == torch.bfloat16

@@ -107,14 +107,6 @@ class Rope:
     def of(freqs_cis: Tensor | Rope) -> Rope:
         return freqs_cis if isinstance(freqs_cis, Rope) else Rope(freqs_cis)
 
-    @staticmethod
-    def with_factors(table: Tensor, cos: Tensor, sin: Tensor) -> Rope:
-        """A Rope whose factors were built beforehand (from a longer table: rows depend only on
-        their own table row, so a slice of them equals what `factors()` would build)."""
-        rope = Rope(table)
-        rope._factors = cos, sin
-        return rope
-
     def factors(self) -> tuple[Tensor, Tensor]:
         if self._factors is None:
             f = self.table.float()
@@ -196,8 +188,8 @@ class Attention(nn.Module):
         attention, no `wo`): for positions whose K/V are read later but whose output is not.
 
         It runs `forward`'s own torch path (`_split_norm_rotate`), so the values are bit-identical
-        wherever `forward` takes that path: always for T > 1 (prefill), and for T == 1 unless the fused
-        CUDA decode kernel is on. q is normed and rotated along with k, as there, and dropped.
+        wherever `forward` takes that path: always for T > 1 (prefill; at T == 1 the fused CUDA decode
+        kernel may round differently). q is normed and rotated along with k, as there, and dropped.
         """
         _, k, v = self._split_norm_rotate(self.wqkv(x), freqs_cis)
         return k, v
@@ -273,15 +265,24 @@ class FeedForward(nn.Module):
         hidden = self.w1.weight.shape[0]
         self.w1.weight.data, self.w3.weight.data = w13[:hidden], w13[hidden:]
         self.w13 = w13
+        self._w13_views = self.w1.weight.data_ptr(), self.w3.weight.data_ptr()
+
+    def _fused(self) -> Tensor | None:
+        """`w13` while w1 and w3 are still its views (`.to()` or `load_state_dict(assign=True)` give
+        them new storage, and the fused copy is then stale), else None."""
+        w13 = getattr(self, "w13", None)
+        if w13 is None or self._w13_views != (self.w1.weight.data_ptr(), self.w3.weight.data_ptr()):
+            return None
+        return w13
 
     def forward(self, x: Tensor) -> Tensor:
-        w13 = getattr(self, "w13", None)
-        if w13 is None or torch.is_grad_enabled():  # (with autograd, the gradients go to w1 and w3)
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        if fused_kernels_enabled(x, w13):
+        w13 = None if torch.is_grad_enabled() else self._fused()  # (autograd: gradients go to w1, w3)
+        if w13 is not None and fused_kernels_enabled(x, w13):
             return self.w2(fused_ops().silu_mul(F.linear(x, w13)))
-        gate, up = F.linear(x, w13).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        if w13 is not None and x.device.type == "cpu":  # (on CUDA the torch path keeps w1 and w3)
+            gate, up = F.linear(x, w13).chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
@@ -330,9 +331,8 @@ def run_layers_kv_only(
     attend_layer: Callable[[int], AttendFn],
     write_kv: Callable[[int, Tensor, Tensor], None],
 ) -> None:
-    """`run_layers` for positions whose output is never used, only their K/V: prefill on any device,
-    and the fast AR's position 0 on the CPU torch path (see `Attention.kv_only` for where the values
-    are bit-identical).
+    """`run_layers` for positions whose output is never used, only their K/V: the prefill of prompts of
+    2 or more positions (see `Attention.kv_only` for where the values are bit-identical).
 
     Every layer but the last runs in full (its output feeds the next layer's K/V); the last layer only
     projects its K/V and hands them to `write_kv(i, k, v)`: its attention, `wo`, feed-forward and the
@@ -502,8 +502,10 @@ class DualARTransformer(nn.Module):
         Call once, before serving; the layout does not suit saving (safetensors wants contiguous
         tensors) but `state_dict()` values are `.contiguous()`-able as usual.
         """
-        if not hasattr(self.layers[0].feed_forward, "w13"):
-            self.fuse_weights(column_major=True)
+        for layer in [*self.layers, *self.fast_layers]:
+            fused = layer.feed_forward._fused()
+            if fused is None or fused.is_contiguous():  # not fused yet, or fused row-major (CUDA's)
+                layer.feed_forward.fuse_weights(column_major=True)
         wide = [m for m in self.modules() if isinstance(m, nn.Linear) and m.out_features > m.in_features]
         with torch.inference_mode(False), torch.no_grad():  # plain tensors, even if called under it
             for linear in wide:

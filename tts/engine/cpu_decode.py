@@ -36,7 +36,9 @@ class BlockWeights(NamedTuple):
     attention_norm: Tensor  # [dim]
     wqkv: Tensor  # [(H + 2 Hkv) D, dim]
     wqkv_bias: Tensor | None
-    qk_norm: Tensor | None  # [H + Hkv, D]: the q-norm weight per query head, then k-norm per KV head
+    # () -> [H + Hkv, D]: the q-norm weight per query head, then the k-norm weight per KV head
+    # (`Attention._qk_norm_weight`, which rebuilds it when either weight changes); None: no qk-norm
+    qk_norm: Callable[[], Tensor] | None
     wo: Tensor  # [dim, H D]
     wo_bias: Tensor | None
     ffn_norm: Tensor  # [dim]
@@ -60,14 +62,14 @@ def block_weights(layers: nn.ModuleList, final_norm: RMSNorm) -> tuple[list[Bloc
         att, ff = layer.attention, layer.feed_forward
         if att.qk_norm:
             norms += [att.q_norm, att.k_norm]
-        w13 = getattr(ff, "w13", None)
+        w13 = ff._fused()
         if w13 is None or any(n.eps != eps or n.weight is None for n in norms):
             return None
         if final_norm.weight.dtype != torch.float32 or final_norm.weight.device.type != "cpu":
             return None
         blocks.append(BlockWeights(
             layer.attention_norm.weight, att.wqkv.weight, att.wqkv.bias,
-            att._qk_norm_weight() if att.qk_norm else None, att.wo.weight, att.wo.bias,
+            att._qk_norm_weight if att.qk_norm else None, att.wo.weight, att.wo.bias,
             layer.ffn_norm.weight, w13, ff.w2.weight, att.n_head, att.n_local_heads, att.head_dim, eps,
         ))  # fmt: skip
     return blocks, final_norm.weight
@@ -81,7 +83,7 @@ def _qkv(w: BlockWeights, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, 
     qkv = F.linear(x, w.wqkv, w.wqkv_bias)
     qk = qkv[:, :qk_size].view(B, w.n_head + w.n_kv, w.head_dim)
     if w.qk_norm is not None:
-        qk = _rms_norm_fp32(qk, w.eps, w.qk_norm)
+        qk = _rms_norm_fp32(qk, w.eps, w.qk_norm())
     qk = qk * cos + qk.index_select(-1, _pair_swap_index(w.head_dim)) * sin
     q, k = qk.split([w.n_head, w.n_kv], dim=1)
     return q, k, qkv[:, qk_size:].view(B, w.n_kv, w.head_dim)

@@ -250,8 +250,12 @@ class ModelRunner:
             return attend
 
         # Only the K/V are kept, so the last layer stops after projecting them (its attention,
-        # feed-forward and the final norm would be a sixth of a 4-layer prefill's work, unused).
-        run_layers_kv_only(m.layers, m.embed(frames), m.freqs_cis[:T], attend_layer, write_kv)
+        # feed-forward and the final norm would be a sixth of a 4-layer prefill's work, unused). One
+        # position goes the full way: at T == 1 the CUDA decode kernel, not the torch path, makes K.
+        if T > 1:
+            run_layers_kv_only(m.layers, m.embed(frames), m.freqs_cis[:T], attend_layer, write_kv)
+        else:
+            m.slow_layers(m.embed(frames), m.freqs_cis[:T], attend_layer)
 
     # ---- the frame step ------------------------------------------------------------------------------
 
