@@ -494,13 +494,12 @@ class DualARTransformer(nn.Module):
         (wqkv, w13, fast_output, an untied output) as the transpose of a contiguous `[in, out]` matrix.
 
         Why: a decode step multiplies one row by each weight (`x @ W.T`, a matrix-vector product).
-        MKL's single-thread kernel for a contiguous `[out, in]` W reaches about 4 GB/s on the 2-core
-        CI machine when out > in, and about 10 GB/s (the DRAM rate) from an `[in, out]` layout; narrow
-        projections (w2, a square wo) are as fast or faster as they are. Measured in
+        On the 2-core CI machine MKL's single-thread kernel reads a contiguous `[out, in]` W at 4-5
+        GB/s when out > in, and the same matrix stored `[in, out]` at 7-9 GB/s (DRAM: about 10 GB/s);
+        narrow projections (w2, a square wo) are as fast or faster as they are. Measured in
         `benchmarks/cpu_layout.md`. Values, shapes and state-dict keys do not change, only strides;
         results differ from the row-major layout in the last bits (another summation order).
-        Call once, before serving; the layout does not suit saving (safetensors wants contiguous
-        tensors) but `state_dict()` values are `.contiguous()`-able as usual.
+        Idempotent. Saving needs `.contiguous()` tensors (safetensors), as `save_weights` makes.
         """
         for layer in [*self.layers, *self.fast_layers]:
             fused = layer.feed_forward._fused()
