@@ -146,7 +146,7 @@ def test_cpu_layout_of_a_model_fused_row_major_refuses_column_major():
     model.fuse_weights()
     model.use_cpu_decode_layout()
     ff = model.layers[0].feed_forward
-    assert not ff.w13.is_contiguous() and ff._fused() is ff.w13
+    assert not ff.w13.is_contiguous() and ff.fused_w13() is ff.w13
     assert ff.w1.weight.data_ptr() == ff.w13.data_ptr()
 
 

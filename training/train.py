@@ -71,32 +71,21 @@ def model_config(tokenizer: TextTokenizer, num_codebooks: int, codebook_size: in
             fast_head_dim=64,
             fast_intermediate_size=768,
         ),  # fmt: skip
-        # "fast" with 3 slow layers: a quarter less slow-AR work per frame for CPU speed (issue 5's RTF
-        # gate); trained from "fast" with `--init-from` (its first 3 layers, all other weights).
-        "fast3": dict(
-            n_layer=3,
-            dim=384,
-            n_head=6,
-            n_local_heads=2,
-            intermediate_size=1024,
-            n_fast_layer=1,
-            fast_dim=256,
-            fast_n_head=4,
-            fast_n_local_heads=2,
-            fast_head_dim=64,
-            fast_intermediate_size=768,
-        ),  # fmt: skip
         "small": dict(n_layer=6, dim=384, n_head=6, n_local_heads=2, intermediate_size=1152, n_fast_layer=1),
         "base": dict(n_layer=8, dim=448, n_head=7, n_local_heads=1, intermediate_size=1344, n_fast_layer=1),
         "test": dict(n_layer=2, dim=128, n_head=2, n_local_heads=1, intermediate_size=256, n_fast_layer=1),
-    }[size]
-    dim, heads = shapes["dim"], shapes["n_head"]
+    }
+    # "fast" with 3 slow layers: a quarter less slow-AR work per frame for CPU speed (issue 5's RTF
+    # gate); trained from "fast" with `--init-from` (its first 3 layers, all other weights).
+    shapes["fast3"] = {**shapes["fast"], "n_layer": 3}
+    shape = shapes[size]
+    dim, heads = shape["dim"], shape["n_head"]
     return ModelArgs(
         model_type="dual_ar", vocab_size=tokenizer.vocab_size, head_dim=dim // heads, rope_base=1e4,
         norm_eps=1e-6, max_seq_len=2048, tie_word_embeddings=True, attention_qk_norm=True,
         codebook_size=codebook_size, num_codebooks=num_codebooks,
         semantic_begin_id=tokenizer.semantic_begin_id, semantic_end_id=tokenizer.semantic_end_id,
-        scale_codebook_embeddings=True, norm_fastlayer_input=True, eos_token_id=tokenizer.eos_id, **shapes,
+        scale_codebook_embeddings=True, norm_fastlayer_input=True, eos_token_id=tokenizer.eos_id, **shape,
     )  # fmt: skip
 
 
@@ -108,9 +97,10 @@ def shard_paths(data: Path) -> list[Path]:
     return sorted(data.glob("codes-*.pt"))
 
 
-def read_shards(data: Path) -> list[dict]:
-    """Every utterance of every shard (all splits), for building several `Corpus` from one read."""
-    return [u for path in shard_paths(data) for u in torch.load(path)]
+def iter_shards(data: Path):
+    """Every utterance of every shard (all splits), shard by shard; `list()` of it builds several
+    `Corpus` from one read."""
+    return (u for path in shard_paths(data) for u in torch.load(path))
 
 
 class Corpus:
@@ -121,13 +111,11 @@ class Corpus:
         utterances: list[dict] | None = None,
     ):  # fmt: skip
         """The first `limit` utterances of `split` in the shards of `data` (read lazily, up to the limit),
-        or in `utterances` when the caller read the shards already (`read_shards`)."""
+        or in `utterances` when the caller read the shards already (`iter_shards`)."""
         self.tokenizer = TextTokenizer.from_file(data / "tokenizer.json")
         self.fmt = S2PromptFormat(self.tokenizer, num_codebooks)
         self.N = num_codebooks
-        source = (
-            utterances if utterances is not None else (u for p in shard_paths(data) for u in torch.load(p))
-        )
+        source = utterances if utterances is not None else iter_shards(data)
         items = []
         for u in source:
             if u["split"] == split:
@@ -354,7 +342,7 @@ def main() -> None:
     torch.manual_seed(a.seed)
     codec_cfg = json.loads((a.codec / "codec.json").read_text())
     N = a.num_codebooks or codec_cfg["num_codebooks"]
-    utterances = read_shards(a.data)  # one read for the training and the held-out utterances
+    utterances = list(iter_shards(a.data))  # one read for the training and the held-out utterances
     corpus = Corpus(a.data, N, a.limit, utterances=utterances)
     heldout = Corpus(a.data, N, split="heldout", utterances=utterances)
     print(f"corpus: {len(corpus.items)} utterances, {corpus.seconds / 3600:.1f} h, {N} codebooks", flush=True)

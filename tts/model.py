@@ -44,7 +44,7 @@ class KVDest(NamedTuple):
     head_stride: int
 
 
-def _rms_norm_fp32(x: Tensor, eps: float, weight: Tensor) -> Tensor:
+def rms_norm_fp32(x: Tensor, eps: float, weight: Tensor) -> Tensor:
     """`x * rsqrt(mean(x^2) + eps) * weight` over the last dim, fp32: the op sequence of nn.RMSNorm on a
     CPU and of `RMSNorm` below without its (no-op) casts."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
@@ -62,7 +62,7 @@ class RMSNorm(nn.Module):
         if fused_kernels_enabled(x, self.weight):
             return fused_ops().rmsnorm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # the same ops without the no-op casts (the CPU path is op-bound)
-            return _rms_norm_fp32(x, self.eps, self.weight)
+            return rms_norm_fp32(x, self.eps, self.weight)
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
@@ -120,7 +120,7 @@ class Rope:
 _PAIR_SWAP: dict[int, Tensor] = {}
 
 
-def _pair_swap_index(d: int) -> Tensor:
+def pair_swap_index(d: int) -> Tensor:
     """CPU `[1, 0, 3, 2, ...]` of length d: `x.index_select(-1, it)` swaps adjacent pairs. Made outside
     inference mode, so that autograd (training) may save it too."""
     index = _PAIR_SWAP.get(d)
@@ -141,7 +141,7 @@ def apply_rotary_emb(x: Tensor, freqs_cis: Tensor | Rope) -> Tensor:
     cos, sin = Rope.of(freqs_cis).factors()
     if x.dtype == torch.float32 and x.device.type == "cpu":
         # CPU fp32 (op-bound): the same products without the no-op casts, the pair swap as one gather.
-        return x * cos + x.index_select(-1, _pair_swap_index(x.shape[-1])) * sin
+        return x * cos + x.index_select(-1, pair_swap_index(x.shape[-1])) * sin
     xf = x.float()
     swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     return (xf * cos + swapped * sin).type_as(x)
@@ -206,7 +206,7 @@ class Attention(nn.Module):
             # nn.RMSNorm's CPU ops, per head: x * rsqrt(mean(x^2) + eps) * weight.
             qk = qkv[..., : q_size + kv_size].unflatten(-1, (self.n_head + self.n_local_heads, self.head_dim))
             if self.qk_norm:
-                qk = _rms_norm_fp32(qk, self.q_norm.eps, self._qk_norm_weight())
+                qk = rms_norm_fp32(qk, self.q_norm.eps, self.qk_norm_weight())
             q, k = apply_rotary_emb(qk, freqs_cis).split([self.n_head, self.n_local_heads], dim=2)
         else:
             q = qkv[..., :q_size].view(B, T, self.n_head, self.head_dim)
@@ -216,7 +216,7 @@ class Attention(nn.Module):
             q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
         return q, k, v
 
-    def _qk_norm_weight(self) -> Tensor:
+    def qk_norm_weight(self) -> Tensor:
         """`[H + Hkv, D]`: the q-norm weight for each query head, then the k-norm weight for each KV
         head. Kept between calls without autograd, rebuilt when either weight changes."""
         qw, kw = self.q_norm.weight, self.k_norm.weight
@@ -267,7 +267,7 @@ class FeedForward(nn.Module):
         self.w13 = w13
         self._w13_views = self.w1.weight.data_ptr(), self.w3.weight.data_ptr()
 
-    def _fused(self) -> Tensor | None:
+    def fused_w13(self) -> Tensor | None:
         """`w13` while w1 and w3 are still its views (`.to()` or `load_state_dict(assign=True)` give
         them new storage, and the fused copy is then stale), else None."""
         w13 = getattr(self, "w13", None)
@@ -276,7 +276,7 @@ class FeedForward(nn.Module):
         return w13
 
     def forward(self, x: Tensor) -> Tensor:
-        w13 = None if torch.is_grad_enabled() else self._fused()  # (autograd: gradients go to w1, w3)
+        w13 = None if torch.is_grad_enabled() else self.fused_w13()  # (autograd: gradients go to w1, w3)
         if w13 is not None and fused_kernels_enabled(x, w13):
             return self.w2(fused_ops().silu_mul(F.linear(x, w13)))
         if w13 is not None and x.device.type == "cpu":  # (on CUDA the torch path keeps w1 and w3)
@@ -502,7 +502,7 @@ class DualARTransformer(nn.Module):
         Idempotent. Saving needs `.contiguous()` tensors (safetensors), as `save_weights` makes.
         """
         for layer in [*self.layers, *self.fast_layers]:
-            fused = layer.feed_forward._fused()
+            fused = layer.feed_forward.fused_w13()
             if fused is None or fused.is_contiguous():  # not fused yet, or fused row-major (CUDA's)
                 layer.feed_forward.fuse_weights(column_major=True)
         wide = [m for m in self.modules() if isinstance(m, nn.Linear) and m.out_features > m.in_features]

@@ -8,7 +8,7 @@ decode position (one token per row) runs as plain torch calls: 2.1-2.5 ms a fram
 model's fast AR against 4.4-4.5 ms through the modules (benchmarks/cpu_layout.md).
 
 The ops, their order and their operands are those of `model.run_layers` on the CPU fp32 path (norms
-as `_rms_norm_fp32`, q and k normed and rotated together, w1/w3 fused, each residual add where the
+as `rms_norm_fp32`, q and k normed and rotated together, w1/w3 fused, each residual add where the
 modules round it), so the results are bit-identical to it; tests/test_cpu_decode.py checks that.
 Shapes: x `[B, dim]` (the modules' `[B, 1, dim]` without the position axis), q `[B, H, D]`, k and v
 `[B, Hkv, D]`, RoPE factors `cos, sin` `[B|1, 1, D]` fp32 (`model.Rope.factors` without its T axis).
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..model import RMSNorm, _pair_swap_index, _rms_norm_fp32
+from ..model import RMSNorm, pair_swap_index, rms_norm_fp32
 
 # attend(i, q [B, H, D], k [B, Hkv, D], v [B, Hkv, D]) -> [B, H, D]: write layer i's K/V of this
 # position wherever the caller keeps them, and attend over the row's context.
@@ -37,7 +37,7 @@ class BlockWeights(NamedTuple):
     wqkv: Tensor  # [(H + 2 Hkv) D, dim]
     wqkv_bias: Tensor | None
     # () -> [H + Hkv, D]: the q-norm weight per query head, then the k-norm weight per KV head
-    # (`Attention._qk_norm_weight`, which rebuilds it when either weight changes); None: no qk-norm
+    # (`Attention.qk_norm_weight`, which rebuilds it when either weight changes); None: no qk-norm
     qk_norm: Callable[[], Tensor] | None
     wo: Tensor  # [dim, H D]
     wo_bias: Tensor | None
@@ -53,7 +53,7 @@ class BlockWeights(NamedTuple):
 def block_weights(layers: nn.ModuleList, final_norm: RMSNorm) -> tuple[list[BlockWeights], Tensor] | None:
     """The blocks' weights and `final_norm`'s weight, or None where this module does not apply (not
     fp32 on a CPU, norms with different eps, w1/w3 not fused): the caller then uses the modules."""
-    if not len(layers):
+    if not len(layers) or final_norm.weight.dtype != torch.float32 or final_norm.weight.device.type != "cpu":
         return None
     norms = [final_norm] + [n for layer in layers for n in (layer.attention_norm, layer.ffn_norm)]
     eps = final_norm.eps
@@ -62,14 +62,12 @@ def block_weights(layers: nn.ModuleList, final_norm: RMSNorm) -> tuple[list[Bloc
         att, ff = layer.attention, layer.feed_forward
         if att.qk_norm:
             norms += [att.q_norm, att.k_norm]
-        w13 = ff._fused()
+        w13 = ff.fused_w13()
         if w13 is None or any(n.eps != eps or n.weight is None for n in norms):
-            return None
-        if final_norm.weight.dtype != torch.float32 or final_norm.weight.device.type != "cpu":
             return None
         blocks.append(BlockWeights(
             layer.attention_norm.weight, att.wqkv.weight, att.wqkv.bias,
-            att._qk_norm_weight if att.qk_norm else None, att.wo.weight, att.wo.bias,
+            att.qk_norm_weight if att.qk_norm else None, att.wo.weight, att.wo.bias,
             layer.ffn_norm.weight, w13, ff.w2.weight, att.n_head, att.n_local_heads, att.head_dim, eps,
         ))  # fmt: skip
     return blocks, final_norm.weight
@@ -83,8 +81,8 @@ def _qkv(w: BlockWeights, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, 
     qkv = F.linear(x, w.wqkv, w.wqkv_bias)
     qk = qkv[:, :qk_size].view(B, w.n_head + w.n_kv, w.head_dim)
     if w.qk_norm is not None:
-        qk = _rms_norm_fp32(qk, w.eps, w.qk_norm())
-    qk = qk * cos + qk.index_select(-1, _pair_swap_index(w.head_dim)) * sin
+        qk = rms_norm_fp32(qk, w.eps, w.qk_norm())
+    qk = qk * cos + qk.index_select(-1, pair_swap_index(w.head_dim)) * sin
     q, k = qk.split([w.n_head, w.n_kv], dim=1)
     return q, k, qkv[:, qk_size:].view(B, w.n_kv, w.head_dim)
 
@@ -95,15 +93,15 @@ def decode_layers(
     """`model.run_layers` for one position per row: x `[B, dim]` -> (hidden before the final norm,
     after it), each `[B, dim]`."""
     eps = blocks[0].eps
-    normed, residual = _rms_norm_fp32(x, eps, blocks[0].attention_norm), x
+    normed, residual = rms_norm_fp32(x, eps, blocks[0].attention_norm), x
     for i, w in enumerate(blocks):
         attended = attend(i, *_qkv(w, normed, cos, sin)).reshape(x.shape[0], -1)
         residual = F.linear(attended, w.wo, w.wo_bias) + residual
-        normed = _rms_norm_fp32(residual, eps, w.ffn_norm)
+        normed = rms_norm_fp32(residual, eps, w.ffn_norm)
         gate, up = F.linear(normed, w.w13).chunk(2, dim=-1)
         residual = F.linear(F.silu(gate) * up, w.w2) + residual
         next_norm = blocks[i + 1].attention_norm if i + 1 < len(blocks) else final_norm
-        normed = _rms_norm_fp32(residual, eps, next_norm)
+        normed = rms_norm_fp32(residual, eps, next_norm)
     return residual, normed
 
 
@@ -118,6 +116,6 @@ def decode_layers_kv_only(
     if last:
         _, normed = decode_layers(blocks[:last], w.attention_norm, x, cos, sin, attend)
     else:
-        normed = _rms_norm_fp32(x, w.eps, w.attention_norm)
+        normed = rms_norm_fp32(x, w.eps, w.attention_norm)
     _, k, v = _qkv(w, normed, cos, sin)
     write_kv(last, k, v)

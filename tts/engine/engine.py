@@ -88,7 +88,7 @@ class Engine:
         self.scheduler = Scheduler(
             BlockAllocator(num_blocks), cfg.block_size, cfg.max_batch, self.max_context, cfg.max_waiting
         )
-        if self.device.type == "cuda" and model.layers[0].feed_forward._fused() is None:
+        if self.device.type == "cuda" and model.layers[0].feed_forward.fused_w13() is None:
             model.fuse_weights()  # one GEMM for w1 and w3 on the CUDA path
         elif self.device.type == "cpu":
             model.use_cpu_decode_layout()  # fused w1/w3 and matrix-vector friendly strides
