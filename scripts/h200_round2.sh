@@ -34,6 +34,6 @@ while time.time() - t0 < 240:
         pass
     time.sleep(1)
 PY
-  timeout 300 python3 -m tts.cli bench-server --server 127.0.0.1:50061 --concurrency 1,4,16,64 --max-new-tokens 128 --timeout 120 --json $OUT/bench_server.json 2>&1 | tail -15
+  timeout 300 python3 -m tts.cli bench-server --server 127.0.0.1:50061 --concurrency 1,4,16,64 --max-new-frames 128 --timeout 120 --json $OUT/bench_server.json 2>&1 | tail -15
   kill %1; wait; tail -5 $OUT/serve.log
 fi

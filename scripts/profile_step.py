@@ -58,7 +58,7 @@ def main():
         for mode in ("graph", "eager"):
             engine = Engine(model, EngineConfig(max_batch=args.batch, graphs=mode == "graph", capture="startup",
                                                 buckets=[args.batch], max_context=512, ignore_eos=True))  # fmt: skip
-            params = SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_tokens=200, seed=0)
+            params = SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_frames=200, seed=0)
             for i in range(args.batch):
                 engine.submit(_prompt(model, 200, i), params)
             profile_engine(engine, args.steps, f"{mode} batch {args.batch}", out)

@@ -42,16 +42,16 @@ ENCODINGS = {"pcm16": pb.AUDIO_ENCODING_PCM16, "float32": pb.AUDIO_ENCODING_FLOA
 def build_request(
     text: str, *, voice: str | None = None, reference_audio: bytes | None = None,
     reference_text: str | None = None, temperature: float | None = None, top_p: float | None = None,
-    top_k: int | None = None, seed: int | None = None, max_new_tokens: int | None = None,
+    top_k: int | None = None, seed: int | None = None, max_new_frames: int | None = None,
     encoding: str = "pcm16", include_codes: bool = False, first_chunk_frames: int = 0, chunk_frames: int = 0,
 ) -> pb.SynthesizeRequest:  # fmt: skip
     """A SynthesizeRequest; None leaves a sampling field to the server's model default.
-    max_new_tokens is the frame budget per text chunk (`max_new_frames` on the wire)."""
+    max_new_frames is the frame budget per text chunk (`max_new_frames` on the wire)."""
     req = pb.SynthesizeRequest(text=text)
     if voice is not None and reference_audio is not None:
-        raise ValueError("give a preset voice or a reference clip, not both")
+        raise ValueError("give a voice name or a reference clip, not both")
     if voice is not None:
-        req.voice.preset = voice
+        req.voice.name = voice
     if reference_audio is not None:
         req.voice.reference.audio = reference_audio
         req.voice.reference.text = reference_text or ""
@@ -59,8 +59,8 @@ def build_request(
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
         if value is not None:
             setattr(s, name, value)
-    if max_new_tokens is not None:
-        s.max_new_frames = max_new_tokens
+    if max_new_frames is not None:
+        s.max_new_frames = max_new_frames
     req.output.encoding = ENCODINGS[encoding]
     req.output.include_codes = include_codes
     req.output.first_chunk_frames = first_chunk_frames

@@ -128,7 +128,7 @@ async def run_loadtest(
 ) -> dict:  # fmt: skip
     """Run the benchmark; returns the report dict (see `format_table`). `requests`: per level (default
     max(8, 4 * concurrency)); `request_options`: build_request keywords (voice, temperature, top_p,
-    top_k, max_new_tokens, encoding, first_chunk_frames, chunk_frames)."""
+    top_k, max_new_frames, encoding, first_chunk_frames, chunk_frames)."""
     from google.protobuf.json_format import MessageToDict
 
     from proto.tts.v1 import tts_pb2 as pb
@@ -218,7 +218,7 @@ def add_arguments(p: argparse.ArgumentParser, server_required: bool = True) -> N
     p.add_argument("--timeout", type=float, default=None, help="deadline per request in seconds")
     p.add_argument("--seed", type=int, default=1000, help="request i uses seed + i (default 1000)")
     p.add_argument("--voice", default=None, help="preset voice for every request")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="frame budget per request")
+    p.add_argument("--max-new-frames", type=int, default=None, help="frame budget per request")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
@@ -239,7 +239,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         print("tts: error: --requests must be >= 1", file=sys.stderr)
         return 2
     request_options = {
-        "voice": args.voice, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        "voice": args.voice, "max_new_frames": args.max_new_frames, "temperature": args.temperature,
         "top_p": args.top_p, "top_k": args.top_k, "first_chunk_frames": args.first_chunk_frames,
         "chunk_frames": args.chunk_frames, "encoding": args.encoding,
     }  # fmt: skip

@@ -133,7 +133,7 @@ def build_job(frontend: Frontend, loop: EngineLoop, request: pb.SynthesizeReques
     if s.HasField("max_new_frames"):
         if s.max_new_frames <= 0:
             raise InvalidRequest(f"max_new_frames must be > 0, got {s.max_new_frames}")
-        overrides["max_new_tokens"] = s.max_new_frames
+        overrides["max_new_frames"] = s.max_new_frames
     params = frontend.sampling_params(**overrides)
     seed = params.seed if params.seed is not None else secrets.randbits(62)
     frontend.check_chunk_seeds(seed, len(chunks))
@@ -144,8 +144,8 @@ def build_job(frontend: Frontend, loop: EngineLoop, request: pb.SynthesizeReques
     source = request.voice.WhichOneof("source")
     if source is None:  # no voice: the model's default preset, as in the API and the CLI
         references = frontend.voice(None)
-    elif source == "preset":
-        references = frontend.voice(request.voice.preset)
+    elif source == "name":
+        references = frontend.voice(request.voice.name)
     elif source == "reference":
         ref = request.voice.reference
         if len(ref.audio) > limits.max_reference_bytes:

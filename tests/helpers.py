@@ -35,7 +35,7 @@ def run_to_completion(engine: Engine, max_iters: int = 10_000):
 
 
 def params(**kw) -> SamplingParams:
-    base = dict(temperature=0.9, top_p=0.9, top_k=20, max_new_tokens=12, seed=7)
+    base = dict(temperature=0.9, top_p=0.9, top_k=20, max_new_frames=12, seed=7)
     base.update(kw)
     return SamplingParams(**base)
 

@@ -104,7 +104,7 @@ def check_engine_end_to_end():
             model, EngineConfig(max_batch=2, graphs=False, attention_backend="triton" if fused else "torch")
         )
         for i in range(2):
-            engine.submit(random_prompt(model, 6 + 9 * i, i + 1), params(max_new_tokens=3, seed=i), f"r{i}")
+            engine.submit(random_prompt(model, 6 + 9 * i, i + 1), params(max_new_frames=3, seed=i), f"r{i}")
         results.append(run_to_completion(engine)[0])
     for rid in results[0]:
         assert torch.equal(results[0][rid], results[1][rid]), rid

@@ -13,7 +13,7 @@ def tts(tiny_bundle):
 
 
 def test_synthesize_returns_audio_of_frames_times_frame_length(tts):
-    r = tts.synthesize("Hello there.", seed=3, max_new_tokens=20)
+    r = tts.synthesize("Hello there.", seed=3, max_new_frames=20)
     assert r.audio.dtype == np.float32
     assert len(r.audio) == r.frames * tts.bundle.codec.frame_length
     assert 0 < r.frames <= 20
@@ -22,9 +22,9 @@ def test_synthesize_returns_audio_of_frames_times_frame_length(tts):
 
 def test_stream_chunks_concatenate_to_synthesize_and_to_offline_decode(tts):
     chunks = list(
-        tts.stream("Streaming works.", seed=5, max_new_tokens=30, first_chunk_frames=2, chunk_frames=5)
+        tts.stream("Streaming works.", seed=5, max_new_frames=30, first_chunk_frames=2, chunk_frames=5)
     )
-    whole = tts.synthesize("Streaming works.", seed=5, max_new_tokens=30)
+    whole = tts.synthesize("Streaming works.", seed=5, max_new_frames=30)
     assert chunks[0].frame_end - chunks[0].frame_start == 2 or len(chunks) == 1
     assert [c.frame_start for c in chunks[1:]] == [c.frame_end for c in chunks[:-1]]
     audio = np.concatenate([c.samples for c in chunks])
@@ -35,10 +35,10 @@ def test_stream_chunks_concatenate_to_synthesize_and_to_offline_decode(tts):
 
 
 def test_same_seed_same_audio_and_voices_change_output(tts):
-    a = tts.synthesize("Same seed.", seed=11, max_new_tokens=15)
-    b = tts.synthesize("Same seed.", seed=11, max_new_tokens=15)
+    a = tts.synthesize("Same seed.", seed=11, max_new_frames=15)
+    b = tts.synthesize("Same seed.", seed=11, max_new_frames=15)
     assert torch.equal(a.codes, b.codes)
-    c = tts.synthesize("Same seed.", seed=11, max_new_tokens=15, voice="alpha")
+    c = tts.synthesize("Same seed.", seed=11, max_new_frames=15, voice="alpha")
     assert not torch.equal(a.codes, c.codes)
 
 
@@ -46,7 +46,7 @@ def test_long_text_is_chunked_with_context(tts):
     text = "One sentence here. " * 30
     chunks = tts.plan(text)
     assert len(chunks) > 1
-    r = tts.synthesize(text, seed=1, max_new_tokens=5)
+    r = tts.synthesize(text, seed=1, max_new_frames=5)
     assert len(r.finish_reasons) == len(chunks)
     assert tts.engine.scheduler.allocator.num_free == tts.engine.scheduler.allocator.num_usable
 
@@ -79,7 +79,7 @@ def test_reference_audio_checks(tts):
 
 
 def test_abandoned_stream_frees_its_request(tts):
-    gen = tts.stream("Stop early please.", seed=2, max_new_tokens=50, first_chunk_frames=1)
+    gen = tts.stream("Stop early please.", seed=2, max_new_frames=50, first_chunk_frames=1)
     next(gen)
     gen.close()
     assert tts.engine.num_running == 0

@@ -10,7 +10,7 @@ from tts.cli import main, summarize_finish_reasons
 def test_cli_writes_wav_whose_duration_is_frames_times_frame_length(tmp_path, capsys):
     out = tmp_path / "out.wav"
     rc = main(["synthesize", "Hello there, world.", "-o", str(out), "--model", "tiny", "--seed", "1",
-               "--max-new-tokens", "30", "-q"])  # fmt: skip
+               "--max-new-frames", "30", "-q"])  # fmt: skip
     assert rc == 0
     line = capsys.readouterr().out
     frames = int(line.split(": ")[1].split(" frames")[0])
@@ -26,7 +26,7 @@ def test_cli_text_file_and_voice(tmp_path):
     text.write_text("Read from a file. " * 5)
     out = tmp_path / "f.wav"
     assert main(["synthesize", "--text-file", str(text), "-o", str(out), "--model", "tiny", "--voice", "beta",
-                 "--max-new-tokens", "8", "--seed", "5", "-q"]) == 0  # fmt: skip
+                 "--max-new-frames", "8", "--seed", "5", "-q"]) == 0  # fmt: skip
     assert sf.info(str(out)).frames > 0
 
 
@@ -34,12 +34,12 @@ BAD = [
     (["synthesize", "", "-o", "{d}/a.wav"], "nothing to speak"),
     (["synthesize", "   ", "-o", "{d}/a.wav"], "nothing to speak"),
     (["synthesize", "?!...", "-o", "{d}/a.wav"], "nothing to speak"),
-    (["synthesize", "word " * 3000, "-o", "{d}/a.wav", "--max-new-tokens", "900"], "context"),
+    (["synthesize", "word " * 3000, "-o", "{d}/a.wav", "--max-new-frames", "900"], "context"),
     (["synthesize", "hi", "-o", "{d}/a.wav", "--temperature", "-0.1"], "temperature"),
     (["synthesize", "hi", "-o", "{d}/a.wav", "--top-p", "0"], "top_p"),
     (["synthesize", "hi", "-o", "{d}/a.wav", "--top-p", "1.01"], "top_p"),
     (["synthesize", "hi", "-o", "{d}/a.wav", "--top-k", "-1"], "top_k"),
-    (["synthesize", "hi", "-o", "{d}/a.wav", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["synthesize", "hi", "-o", "{d}/a.wav", "--max-new-frames", "0"], "max_new_frames"),
     (["synthesize", "hi", "-o", "{d}/missing/a.wav"], "does not exist"),
     (["synthesize", "hi", "-o", "{d}/a.wav", "--reference-audio", "{d}/empty.wav", "--reference-text", "x"], "empty"),
     (["synthesize", "hi", "-o", "{d}/a.wav", "--reference-audio", "{d}/junk.wav", "--reference-text", "x"], "cannot read"),
@@ -70,7 +70,7 @@ def test_console_script_help_and_exit_code():
     r = subprocess.run(
         [sys.executable, "-m", "tts.cli", "synthesize", "--help"], capture_output=True, text=True
     )
-    assert r.returncode == 0 and "--max-new-tokens" in r.stdout
+    assert r.returncode == 0 and "--max-new-frames" in r.stdout
     r = subprocess.run([sys.executable, "-m", "tts.cli", "synthesize", "", "-o", "x.wav", "--model", "tiny"],
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 2 and "nothing to speak" in r.stderr
@@ -93,7 +93,7 @@ LONG_TEXT = " ".join(f"This is sentence number {i} of a long text read in chunks
 def test_progress_on_a_non_terminal_stderr_is_a_few_plain_lines(tmp_path, capsys):
     out = tmp_path / "long.wav"
     rc = main(["synthesize", LONG_TEXT, "-o", str(out), "--model", "tiny", "--seed", "1",
-               "--max-new-tokens", "3"])  # fmt: skip
+               "--max-new-frames", "3"])  # fmt: skip
     assert rc == 0
     captured = capsys.readouterr()  # capsys's stderr is not a TTY, like a CI log or a pipe
     assert "\r" not in captured.err and "\x1b" not in captured.err
@@ -107,7 +107,7 @@ def test_progress_on_a_non_terminal_stderr_is_a_few_plain_lines(tmp_path, capsys
 def test_summary_line_counts_finish_reasons_instead_of_listing_each_chunk(tmp_path, capsys):
     out = tmp_path / "long.wav"
     assert main(["synthesize", LONG_TEXT, "-o", str(out), "--model", "tiny", "--seed", "1",
-                 "--max-new-tokens", "2", "-q"]) == 0  # fmt: skip
+                 "--max-new-frames", "2", "-q"]) == 0  # fmt: skip
     line = capsys.readouterr().out.strip()
     assert line.endswith("finish length"), line  # every chunk hit its 2-frame budget
 

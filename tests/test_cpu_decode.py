@@ -94,7 +94,7 @@ def test_the_cpu_engine_gives_the_modules_codes():
         if not lean:
             engine.runner._cpu_layers = None  # what a model cpu_decode does not support gets
         for i, p in enumerate(prompts):
-            engine.submit(p, params(max_new_tokens=12, seed=i), f"r{i}")
+            engine.submit(p, params(max_new_frames=12, seed=i), f"r{i}")
         codes[lean] = run_to_completion(engine)[0]
     assert codes[True].keys() == codes[False].keys()
     for rid, got in codes[True].items():

@@ -43,17 +43,17 @@ def make_engine(model, **kw):
 
 
 def run_schedule(engine, schedule, params=None):
-    """schedule: [(arrival_iteration, request_id, prompt_len, max_new_tokens, seed)]. Returns codes."""
+    """schedule: [(arrival_iteration, request_id, prompt_len, max_new_frames, seed)]. Returns codes."""
     codes = {rid: [] for _, rid, *_ in schedule}
     pending = sorted(schedule)
     for it in range(10_000):
         while pending and pending[0][0] <= it:
             _, rid, n, budget, seed = pending.pop(0)
             p = params or SamplingParams(
-                temperature=0.8, top_p=0.8, top_k=30, max_new_tokens=budget, seed=seed
+                temperature=0.8, top_p=0.8, top_k=30, max_new_frames=budget, seed=seed
             )
             if params is not None:
-                p = SamplingParams(**{**params.__dict__, "max_new_tokens": budget, "seed": seed})
+                p = SamplingParams(**{**params.__dict__, "max_new_frames": budget, "seed": seed})
             engine.submit(prompt(engine.model, n, seed), p, rid)
         for out in engine.step():
             codes[out.request_id].append(out.codes)
@@ -109,7 +109,7 @@ def test_seeds_under_replay(model):
 def test_pad_rows_leave_real_kv_blocks_unchanged(model):
     engine = make_engine(model, capture="startup")
     for i in range(3):
-        engine.submit(prompt(model, 25 + i, i), SamplingParams(max_new_tokens=50, seed=i), f"r{i}")
+        engine.submit(prompt(model, 25 + i, i), SamplingParams(max_new_frames=50, seed=i), f"r{i}")
     engine.step()
     engine.step()
     assert engine.graphs.stats.replays >= 1  # bucket 4 with one pad row
@@ -124,7 +124,7 @@ def test_eager_step_has_no_host_sync_and_buffers_never_move(model):
     engine = make_engine(model, capture="startup")
     ptrs = engine.runner.buffers.data_ptrs()
     for i in range(3):
-        engine.submit(prompt(model, 30, i), SamplingParams(max_new_tokens=20, seed=i), f"r{i}")
+        engine.submit(prompt(model, 30, i), SamplingParams(max_new_frames=20, seed=i), f"r{i}")
     engine.step()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -235,8 +235,8 @@ def test_topk_sampler_path_equals_full_sort_and_keeps_batch_independence(model):
     # A neighbour with top_k = 0 switches the whole batch to the full-sort graph: same codes for "a".
     alone = run_schedule(make_engine(model), [(0, "a", 40, 40, 5)])["a"]
     engine = make_engine(model)
-    engine.submit(prompt(model, 40, 5), SamplingParams(max_new_tokens=40, seed=5), "a")
-    engine.submit(prompt(model, 25, 6), SamplingParams(max_new_tokens=40, seed=6, top_k=0), "b")
+    engine.submit(prompt(model, 40, 5), SamplingParams(max_new_frames=40, seed=5), "a")
+    engine.submit(prompt(model, 25, 6), SamplingParams(max_new_frames=40, seed=6, top_k=0), "b")
     got = []
     while engine.has_work():
         got += [o.codes for o in engine.step() if o.request_id == "a"]

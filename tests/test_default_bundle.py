@@ -50,7 +50,7 @@ def test_preset_voices(bundle):
 def test_generates_frames_with_a_voice(bundle):
     tts = TTS(bundle, EngineConfig(max_batch=1))
     name = sorted(bundle.voices)[0]
-    result = tts.synthesize("Hello.", voice=name, seed=1, max_new_tokens=6)
+    result = tts.synthesize("Hello.", voice=name, seed=1, max_new_frames=6)
     assert 1 <= result.frames <= 6
     assert result.audio.shape == (result.frames * bundle.codec.frame_length,)
     assert result.sample_rate == 22050

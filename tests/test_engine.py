@@ -20,15 +20,15 @@ def test_batched_request_gives_same_codes_as_alone(tiny_model):
     solo = {}
     for rid, p in prompts.items():
         engine = make_engine(tiny_model)
-        engine.submit(p, params(max_new_tokens=budgets[rid], seed=len(rid) + ord(rid)), rid)
+        engine.submit(p, params(max_new_frames=budgets[rid], seed=len(rid) + ord(rid)), rid)
         solo[rid] = run_to_completion(engine)[0][rid]
     engine = make_engine(tiny_model)
     for rid in ("a", "b"):
-        engine.submit(prompts[rid], params(max_new_tokens=budgets[rid], seed=len(rid) + ord(rid)), rid)
+        engine.submit(prompts[rid], params(max_new_frames=budgets[rid], seed=len(rid) + ord(rid)), rid)
     collected = {"a": [], "b": [], "c": []}
     for i in range(100):
         if i == 4:
-            engine.submit(prompts["c"], params(max_new_tokens=budgets["c"], seed=1 + ord("c")), "c")
+            engine.submit(prompts["c"], params(max_new_frames=budgets["c"], seed=1 + ord("c")), "c")
         for out in engine.step():
             collected[out.request_id].append(out.codes)
         if not engine.has_work():
@@ -43,7 +43,7 @@ def test_finish_reasons_and_every_block_returns(tiny_model):
     engine = make_engine(tiny_model, max_batch=2)
     usable = engine.scheduler.allocator.num_usable
     for i in range(5):
-        engine.submit(random_prompt(tiny_model, 5 + 7 * i, i), params(max_new_tokens=3 + i, seed=i), f"r{i}")
+        engine.submit(random_prompt(tiny_model, 5 + 7 * i, i), params(max_new_frames=3 + i, seed=i), f"r{i}")
     codes, reasons = run_to_completion(engine)
     assert set(reasons) == {f"r{i}" for i in range(5)}
     for i in range(5):
@@ -61,7 +61,7 @@ def test_finish_reasons_and_every_block_returns(tiny_model):
 def test_stop_on_end_token_drops_that_frame(tiny_model):
     """Force the end token by pointing its head row at the row's hidden state: finish STOP, no frame."""
     engine = make_engine(tiny_model, max_batch=1)
-    engine.submit(random_prompt(tiny_model, 6, 0), params(temperature=0.0, max_new_tokens=10), "s")
+    engine.submit(random_prompt(tiny_model, 6, 0), params(temperature=0.0, max_new_frames=10), "s")
     engine.step()  # admit + one frame
     _, h = engine.runner.slow_step(1)
     engine.runner.semantic_head[-1] = 1e3 * h[0] / h[0].pow(2).sum()
@@ -74,8 +74,8 @@ def test_stop_on_end_token_drops_that_frame(tiny_model):
 def test_admission_waits_for_blocks(tiny_model):
     # 8-token blocks; each request needs ceil((prompt + budget - 1) / 8) = 3 blocks; pool holds 4.
     engine = make_engine(tiny_model, num_blocks=5)
-    engine.submit(random_prompt(tiny_model, 10, 0), params(max_new_tokens=10), "first")
-    engine.submit(random_prompt(tiny_model, 10, 1), params(max_new_tokens=10), "second")
+    engine.submit(random_prompt(tiny_model, 10, 0), params(max_new_frames=10), "first")
+    engine.submit(random_prompt(tiny_model, 10, 1), params(max_new_frames=10), "second")
     engine.step()
     assert engine.num_running == 1 and engine.num_waiting == 1
     codes, reasons = run_to_completion(engine)
@@ -85,8 +85,8 @@ def test_admission_waits_for_blocks(tiny_model):
 
 def test_cancel_running_and_waiting_requests_frees_blocks(tiny_model):
     engine = make_engine(tiny_model, max_batch=1)
-    engine.submit(random_prompt(tiny_model, 8, 0), params(max_new_tokens=50), "run")
-    engine.submit(random_prompt(tiny_model, 8, 1), params(max_new_tokens=50), "wait")
+    engine.submit(random_prompt(tiny_model, 8, 0), params(max_new_frames=50), "run")
+    engine.submit(random_prompt(tiny_model, 8, 1), params(max_new_frames=50), "wait")
     engine.step()
     engine.step()
     engine.cancel("run")
@@ -101,11 +101,11 @@ def test_cancel_running_and_waiting_requests_frees_blocks(tiny_model):
 
 def test_paused_request_resumes_with_the_same_codes(tiny_model):
     ref_engine = make_engine(tiny_model)
-    ref_engine.submit(random_prompt(tiny_model, 8, 0), params(max_new_tokens=10), "p")
+    ref_engine.submit(random_prompt(tiny_model, 8, 0), params(max_new_frames=10), "p")
     ref = run_to_completion(ref_engine)[0]["p"]
     engine = make_engine(tiny_model)
-    engine.submit(random_prompt(tiny_model, 8, 0), params(max_new_tokens=10), "p")
-    engine.submit(random_prompt(tiny_model, 12, 5), params(max_new_tokens=20, seed=3), "other")
+    engine.submit(random_prompt(tiny_model, 8, 0), params(max_new_frames=10), "p")
+    engine.submit(random_prompt(tiny_model, 12, 5), params(max_new_frames=20, seed=3), "other")
     got = []
     for i in range(60):
         if i == 3:
@@ -125,13 +125,13 @@ def test_paused_request_resumes_with_the_same_codes(tiny_model):
 def test_too_long_and_bad_params_rejected_before_work(tiny_model):
     engine = make_engine(tiny_model)
     with pytest.raises(InvalidRequest, match="exceeds the context size"):
-        engine.submit(random_prompt(tiny_model, 1000, 0), params(max_new_tokens=100))
+        engine.submit(random_prompt(tiny_model, 1000, 0), params(max_new_frames=100))
     with pytest.raises(InvalidRequest, match="top_p"):
         engine.submit(random_prompt(tiny_model, 10, 0), params(top_p=0.0))
     with pytest.raises(InvalidRequest, match="temperature"):
         engine.submit(random_prompt(tiny_model, 10, 0), params(temperature=-1.0))
-    with pytest.raises(InvalidRequest, match="max_new_tokens"):
-        engine.submit(random_prompt(tiny_model, 10, 0), params(max_new_tokens=0))
+    with pytest.raises(InvalidRequest, match="max_new_frames"):
+        engine.submit(random_prompt(tiny_model, 10, 0), params(max_new_frames=0))
     assert not engine.has_work()
 
 
@@ -167,8 +167,8 @@ def test_failed_prefill_does_not_strand_a_request_admitted_with_it(tiny_model):
     bad[0, 0] = 7
     good = random_prompt(tiny_model, 6, 1)
     good[0, 0] = 8
-    engine.submit(bad, params(max_new_tokens=5), "bad")
-    engine.submit(good, params(max_new_tokens=5, temperature=0.0), "good")
+    engine.submit(bad, params(max_new_frames=5), "bad")
+    engine.submit(good, params(max_new_frames=5, temperature=0.0), "good")
     codes, reasons = run_to_completion(engine, max_iters=50)
     assert reasons["bad"] == FinishReason.ERROR
     assert reasons["good"] in (FinishReason.LENGTH, FinishReason.STOP) and codes["good"].shape[0] >= 1
@@ -177,8 +177,8 @@ def test_failed_prefill_does_not_strand_a_request_admitted_with_it(tiny_model):
 
 def test_outputs_produced_before_a_failing_step_are_not_lost(tiny_model):
     engine = make_engine(tiny_model)
-    engine.submit(random_prompt(tiny_model, 6, 0), params(max_new_tokens=50), "a")
-    engine.submit(random_prompt(tiny_model, 6, 1), params(max_new_tokens=50), "b")
+    engine.submit(random_prompt(tiny_model, 6, 0), params(max_new_frames=50), "a")
+    engine.submit(random_prompt(tiny_model, 6, 1), params(max_new_frames=50), "b")
     engine.step()
     engine.cancel("a")
     real_run = engine.graphs.run
@@ -199,8 +199,8 @@ def test_buckets_above_max_batch_are_clamped_to_it(tiny_model):
 
 def test_pause_in_the_iteration_of_admission_and_while_waiting_is_kept(tiny_model):
     engine = make_engine(tiny_model, max_batch=1)
-    engine.submit(random_prompt(tiny_model, 6, 0), params(max_new_tokens=30), "first")
-    engine.submit(random_prompt(tiny_model, 6, 1), params(max_new_tokens=30), "second")
+    engine.submit(random_prompt(tiny_model, 6, 0), params(max_new_frames=30), "first")
+    engine.submit(random_prompt(tiny_model, 6, 1), params(max_new_frames=30), "second")
     engine.set_paused("first", True)  # applied in the same iteration that admits it
     engine.set_paused("second", True)  # still waiting
     for _ in range(5):

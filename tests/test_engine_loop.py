@@ -54,8 +54,8 @@ def make_loop(bundle):
         loop.stop()
 
 
-def job(loop, text, max_new_tokens=20, seed=1, temperature=None, **kw):
-    params = replace(loop.bundle.sampling, seed=seed, max_new_tokens=max_new_tokens)
+def job(loop, text, max_new_frames=20, seed=1, temperature=None, **kw):
+    params = replace(loop.bundle.sampling, seed=seed, max_new_frames=max_new_frames)
     if temperature is not None:
         params = replace(params, temperature=temperature)
     return SynthesisJob(loop.frontend.plan(text), params, **kw)
@@ -93,7 +93,7 @@ def test_events_and_streamed_audio_equal_offline(make_loop, bundle, offline):
     assert isinstance(fin, Finished) and fin.frames == audio[-1].frame_end
     pcm = np.concatenate([a.samples for a in audio])
     codes = torch.cat([a.codes for a in audio], dim=1)
-    ref = offline.synthesize("Hello there.", seed=7, max_new_tokens=30)
+    ref = offline.synthesize("Hello there.", seed=7, max_new_frames=30)
     assert torch.equal(codes, ref.codes)
     np.testing.assert_allclose(pcm, bundle.codec.decode(codes).numpy(), atol=1e-6, rtol=0)
     np.testing.assert_allclose(pcm, ref.audio, atol=1e-6, rtol=0)
@@ -131,7 +131,7 @@ def test_back_pressure_pauses_only_the_slow_request(make_loop, bundle, offline):
     events = drain(slow)  # reading resumes it
     audio = [e for e in events if isinstance(e, Audio)]
     assert [a.sequence for a in audio] == list(range(len(audio)))
-    ref = offline.synthesize("Back pressure test.", seed=4, max_new_tokens=40, temperature=0.0)
+    ref = offline.synthesize("Back pressure test.", seed=4, max_new_frames=40, temperature=0.0)
     np.testing.assert_allclose(np.concatenate([a.samples for a in audio]), ref.audio, atol=1e-6, rtol=0)
     assert events[-1].frames == ref.frames == 40
     wait_until(lambda: idle(loop), what="idle")
@@ -150,7 +150,7 @@ def test_pause_at_a_text_chunk_boundary_defers_the_next_chunk(make_loop, offline
     assert state.next_deferred and state.engine_id is None and loop.engine.num_waiting == 0
     events = drain(stream)
     audio = np.concatenate([e.samples for e in events if isinstance(e, Audio)])
-    ref = offline.synthesize(text, seed=9, max_new_tokens=2, temperature=0.0)
+    ref = offline.synthesize(text, seed=9, max_new_frames=2, temperature=0.0)
     assert events[-1].frames == ref.frames == 4 and len(events[-1].finish_reasons) == 2
     np.testing.assert_allclose(audio, ref.audio, atol=1e-6, rtol=0)
     wait_until(lambda: idle(loop), what="idle")

@@ -28,7 +28,7 @@ def _tone(seconds: float, rate: int, channels: int = 1) -> np.ndarray:
 
 
 def test_synthesize_streams_the_same_audio_as_decoding_the_codes(s2_tts):
-    result = s2_tts.synthesize("Hello there.", max_new_tokens=12, seed=3, temperature=0.8)
+    result = s2_tts.synthesize("Hello there.", max_new_frames=12, seed=3, temperature=0.8)
     assert result.frames == 12 and result.sample_rate == 44100
     assert result.audio.shape == (12 * 2048,) and np.isfinite(result.audio).all()
     offline = s2_tts.bundle.codec.decode(result.codes).numpy()
@@ -38,7 +38,7 @@ def test_synthesize_streams_the_same_audio_as_decoding_the_codes(s2_tts):
 def test_stereo_8khz_reference_is_downmixed_and_resampled(s2_tts):
     ref = s2_tts.reference_from_audio(_tone(1.0, 8000, channels=2), 8000, "A reference clip.")
     assert ref.codes.shape == (10, math.ceil(44100 / 2048)) and ref.text == "A reference clip."
-    result = s2_tts.synthesize("Hi.", voice=ref, max_new_tokens=4, seed=1)
+    result = s2_tts.synthesize("Hi.", voice=ref, max_new_frames=4, seed=1)
     assert result.frames == 4
 
 
@@ -71,7 +71,7 @@ def test_several_references_all_enter_the_prompt(s2_tts):
     prompt = s2_tts.bundle.prompt_format.build("Target.", [a, b])
     begin = s2_tts.bundle.model.config.semantic_begin_id
     assert int((prompt[:, 0] >= begin).sum()) == a.codes.shape[1] + b.codes.shape[1]
-    assert s2_tts.synthesize("Target.", voice=[a, b], max_new_tokens=3, seed=2).frames == 3
+    assert s2_tts.synthesize("Target.", voice=[a, b], max_new_frames=3, seed=2).frames == 3
 
 
 def test_speaker_tags_survive_normalization_and_split_into_turns(s2_tts):
@@ -90,7 +90,7 @@ def test_engine_outputs_are_not_overwritten_by_later_steps():
     bundle = build_tiny_bundle()
     engine = Engine(bundle.model, EngineConfig(max_batch=1, graphs=False))
     engine.submit(
-        bundle.prompt_format.build("Hello."), SamplingParams(temperature=1.0, max_new_tokens=6, seed=5)
+        bundle.prompt_format.build("Hello."), SamplingParams(temperature=1.0, max_new_frames=6, seed=5)
     )
     seen = []
     for _ in range(6):
@@ -115,7 +115,7 @@ def test_cli_write_checkpoint_info_and_synthesize(tmp_path, capsys):
     assert "Fish Audio S2-Pro (fish_qwen3_omni)" in info and "float32" in info and "MiB" in info
     assert "codebooks 10 x 4096" in info
     wav = tmp_path / "out.wav"
-    rc = main(["synthesize", "Hi there.", "--model", str(out), "-o", str(wav), "--max-new-tokens", "5", "-q"])
+    rc = main(["synthesize", "Hi there.", "--model", str(out), "-o", str(wav), "--max-new-frames", "5", "-q"])
     assert rc == 0
     audio, rate = sf.read(wav)
     assert rate == 44100 and audio.shape == (5 * 2048,)

@@ -67,7 +67,7 @@ def test_prefill_logits_match_reference_fp32(fam, name, loaded):
 def greedy_frames(model: DualARTransformer, prompt: torch.Tensor, n: int) -> torch.Tensor:
     """Generate with our engine (eager, greedy, no RAS); returns `[n, N]` codes."""
     engine = Engine(model, EngineConfig(max_batch=1, graphs=False, num_blocks=1 + prompt.shape[0] // 16 + 4))
-    request = engine.submit(prompt, SamplingParams(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=n,
+    request = engine.submit(prompt, SamplingParams(temperature=0.0, top_p=1.0, top_k=0, max_new_frames=n,
                                                    ras_window=0, seed=0))  # fmt: skip
     codes, finished = [], False
     while not finished:

@@ -54,7 +54,7 @@ def _engine(model, **kw):
 def _run_batch(engine, n=3):
     for i in range(n):
         engine.submit(
-            random_prompt(engine.model, 6 + 5 * i, i), params(max_new_tokens=8 + 3 * i, seed=i), f"r{i}"
+            random_prompt(engine.model, 6 + 5 * i, i), params(max_new_frames=8 + 3 * i, seed=i), f"r{i}"
         )
     return run_to_completion(engine)
 
@@ -78,7 +78,7 @@ def test_pad_rows_never_touch_real_kv_blocks(tiny_model):
     """A batch of 3 on the bucket-4 step: the pad row writes only the scratch block."""
     engine = _engine(tiny_model, graphs=True, standin_graphs=True, buckets=(4,))
     for i in range(3):
-        engine.submit(random_prompt(tiny_model, 7, i), params(max_new_tokens=30, seed=i), f"r{i}")
+        engine.submit(random_prompt(tiny_model, 7, i), params(max_new_frames=30, seed=i), f"r{i}")
     engine.step()  # admit + warm-up step at bucket 4
     kv_before = engine.kv.k[:, 1:].clone()
     owned = {b for r in engine.scheduler.running for b in r.blocks}

@@ -51,6 +51,13 @@ def test_generated_modules_describe_the_api():
     service = pb.DESCRIPTOR.services_by_name["TextToSpeech"]
     assert service.full_name == "tts.v1.TextToSpeech"
     methods = {m.name: m for m in service.methods}
-    assert set(methods) == {"Synthesize", "SynthesizeUnary", "ListVoices", "GetInfo"}
+    assert set(methods) == {
+        "Synthesize",
+        "SynthesizeUnary",
+        "ListVoices",
+        "GetInfo",
+        "AddVoice",
+        "DeleteVoice",
+    }
     assert methods["Synthesize"].server_streaming and not methods["SynthesizeUnary"].server_streaming
     assert pb.SynthesizeRequest().sampling.HasField("seed") is False  # optional fields keep presence

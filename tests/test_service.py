@@ -160,7 +160,7 @@ def wav_bytes(samples: np.ndarray, rate: int) -> bytes:
 
 def test_stream_equals_offline_decode_and_unary(server, stub, bundle, offline):
     req = build_request(
-        "Hello there, this is a streaming test.", seed=11, max_new_tokens=40, temperature=0.0,
+        "Hello there, this is a streaming test.", seed=11, max_new_frames=40, temperature=0.0,
         encoding="float32", include_codes=True, first_chunk_frames=4, chunk_frames=16,
     )  # fmt: skip
     r = collect(stub.Synthesize(req))
@@ -185,7 +185,7 @@ def test_stream_equals_offline_decode_and_unary(server, stub, bundle, offline):
     assert u.end.frames == 40 and u.header.seed == 11
     # ... and the offline API (TTS.synthesize) with the same seed gives the same codes and audio.
     ref = offline.synthesize(
-        "Hello there, this is a streaming test.", seed=11, max_new_tokens=40, temperature=0.0
+        "Hello there, this is a streaming test.", seed=11, max_new_frames=40, temperature=0.0
     )
     assert np.array_equal(ref.codes.numpy(), r["codes"])
     np.testing.assert_allclose(ref.audio, r["audio"], atol=1e-6, rtol=0)
@@ -193,7 +193,7 @@ def test_stream_equals_offline_decode_and_unary(server, stub, bundle, offline):
     r16 = collect(
         stub.Synthesize(
             build_request(
-                "Hello there, this is a streaming test.", seed=11, max_new_tokens=40, temperature=0.0
+                "Hello there, this is a streaming test.", seed=11, max_new_frames=40, temperature=0.0
             )
         )
     )
@@ -204,18 +204,18 @@ def test_stream_equals_offline_decode_and_unary(server, stub, bundle, offline):
 
 def test_long_text_streams_across_text_chunks(stub, bundle, offline):
     text = " ".join(f"This is sentence number {i} of a text long enough to be split." for i in range(5))
-    req = build_request(text, seed=5, max_new_tokens=6, encoding="float32", include_codes=True)
+    req = build_request(text, seed=5, max_new_frames=6, encoding="float32", include_codes=True)
     r = collect(stub.Synthesize(req))
     assert r["header"].text_chunks == len(offline.plan(text)) >= 2
     assert len(r["end"].text_chunk_finish_reasons) == r["header"].text_chunks
-    ref = offline.synthesize(text, seed=5, max_new_tokens=6)
+    ref = offline.synthesize(text, seed=5, max_new_frames=6)
     assert np.array_equal(ref.codes.numpy(), r["codes"])
     np.testing.assert_allclose(ref.audio, r["audio"], atol=1e-6, rtol=0)
 
 
 def test_concurrent_streams_equal_solo_runs(server, stub):
     reqs = [
-        build_request(f"Concurrent request number {i}.", seed=100 + i, max_new_tokens=16, include_codes=True)
+        build_request(f"Concurrent request number {i}.", seed=100 + i, max_new_frames=16, include_codes=True)
         for i in range(8)
     ]
     solo = [collect(stub.Synthesize(r)) for r in reqs]
@@ -242,7 +242,7 @@ def test_cancel_after_first_chunk_frees_everything(server, stub):
     before = cancelled()
     for _ in range(50):
         call = stub.Synthesize(
-            build_request("Cancel me.", max_new_tokens=200, first_chunk_frames=1, chunk_frames=1, **LONG)
+            build_request("Cancel me.", max_new_frames=200, first_chunk_frames=1, chunk_frames=1, **LONG)
         )
         assert next(call).WhichOneof("message") == "header"
         assert next(call).WhichOneof("message") == "chunk"
@@ -257,7 +257,7 @@ def test_cancel_after_first_chunk_frees_everything(server, stub):
 
 def test_deadline_exceeded_frees_resources(server, stub):
     wait_idle(server.loop)
-    req = build_request("Deadline test.", max_new_tokens=300, **LONG)
+    req = build_request("Deadline test.", max_new_frames=300, **LONG)
     err = rpc_error(lambda: collect(stub.Synthesize(req, timeout=0.05)))
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_idle(server.loop)
@@ -274,7 +274,7 @@ def test_slow_reader_pauses_its_request_only(server, bundle, offline):
     loop = server.loop
     text = "Back pressure test."
     req = build_request(
-        text, max_new_tokens=200, encoding="float32", first_chunk_frames=8, chunk_frames=8, **LONG
+        text, max_new_frames=200, encoding="float32", first_chunk_frames=8, chunk_frames=8, **LONG
     )  # fmt: skip
     with server.channel(**{"grpc.http2.bdp_probe": 0}) as channel:
         slow = pb_grpc.TextToSpeechStub(channel).Synthesize(req)
@@ -291,7 +291,7 @@ def test_slow_reader_pauses_its_request_only(server, bundle, offline):
         with server.channel() as other:
             r = collect(
                 pb_grpc.TextToSpeechStub(other).Synthesize(
-                    build_request("Meanwhile.", seed=1, max_new_tokens=8)
+                    build_request("Meanwhile.", seed=1, max_new_frames=8)
                 )
             )
         assert r["end"].frames > 0
@@ -300,7 +300,7 @@ def test_slow_reader_pauses_its_request_only(server, bundle, offline):
     audio = np.concatenate(
         [decode_audio(m.chunk.audio, pb.AUDIO_ENCODING_FLOAT32) for m in rest if m.HasField("chunk")]
     )
-    ref = offline.synthesize(text, max_new_tokens=200, **LONG)
+    ref = offline.synthesize(text, max_new_frames=200, **LONG)
     assert rest[-1].end.frames == ref.frames == 200
     np.testing.assert_allclose(audio, ref.audio, atol=1e-6, rtol=0)
     wait_idle(loop)
@@ -331,10 +331,10 @@ def test_bad_input_statuses_before_any_work(server, stub, bundle):
     assert status(build_request("Hi.", top_k=-3)) == (
         grpc.StatusCode.INVALID_ARGUMENT, "top_k must be in [0, 2**31) (0 = no limit), got -3",
     )  # fmt: skip
-    assert status(build_request("Hi.", max_new_tokens=0)) == (
+    assert status(build_request("Hi.", max_new_frames=0)) == (
         grpc.StatusCode.INVALID_ARGUMENT, "max_new_frames must be > 0, got 0",
     )  # fmt: skip
-    code, details = status(build_request("Hi.", max_new_tokens=5000))
+    code, details = status(build_request("Hi.", max_new_frames=5000))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "exceeds the context size 1024" in details
     assert status(build_request("Hi.", voice="nobody")) == (
         grpc.StatusCode.NOT_FOUND, "unknown voice 'nobody' (available: alpha, beta)",
@@ -379,15 +379,15 @@ def test_reference_voice_and_preset_voice(stub, offline):
                 reference_audio=wav_bytes(stereo, 8000),
                 reference_text="A tone.",
                 seed=3,
-                max_new_tokens=8,
+                max_new_frames=8,
             )
         )
     )
     assert r["end"].frames > 0
     r = collect(
-        stub.Synthesize(build_request("Hello.", voice="alpha", seed=3, max_new_tokens=8, include_codes=True))
+        stub.Synthesize(build_request("Hello.", voice="alpha", seed=3, max_new_frames=8, include_codes=True))
     )
-    ref = offline.synthesize("Hello.", voice="alpha", seed=3, max_new_tokens=8)
+    ref = offline.synthesize("Hello.", voice="alpha", seed=3, max_new_frames=8)
     assert np.array_equal(ref.codes.numpy(), r["codes"])
 
 
@@ -399,12 +399,12 @@ def test_no_voice_means_the_models_default_voice(bundle):
         with srv.channel() as channel:
             stub = pb_grpc.TextToSpeechStub(channel)
             r = collect(
-                stub.Synthesize(build_request("Hello.", seed=3, max_new_tokens=8, include_codes=True))
+                stub.Synthesize(build_request("Hello.", seed=3, max_new_frames=8, include_codes=True))
             )
     finally:
         srv.stop()
-    offline = TTS(with_default).synthesize("Hello.", seed=3, max_new_tokens=8)
-    preset = TTS(bundle).synthesize("Hello.", voice="alpha", seed=3, max_new_tokens=8)
+    offline = TTS(with_default).synthesize("Hello.", seed=3, max_new_frames=8)
+    preset = TTS(bundle).synthesize("Hello.", voice="alpha", seed=3, max_new_frames=8)
     assert np.array_equal(offline.codes.numpy(), r["codes"])
     assert np.array_equal(preset.codes.numpy(), r["codes"])
 
@@ -434,7 +434,7 @@ def test_info_reports_captured_buckets_with_graphs_on(bundle):
     try:
         stub = pb_grpc.TextToSpeechStub(srv.channel())
         for _ in range(3):  # warm-up, then capture + replay of bucket 1
-            collect(stub.Synthesize(build_request("Graphs.", seed=1, max_new_tokens=3, temperature=0.0)))
+            collect(stub.Synthesize(build_request("Graphs.", seed=1, max_new_frames=3, temperature=0.0)))
         info = stub.GetInfo(pb.GetInfoRequest())
         assert info.graphs is True and list(info.buckets) == [1, 2, 4]
         assert list(info.captured_buckets) == [1] and info.replay_share > 0
@@ -451,7 +451,7 @@ def test_overload_gives_resource_exhausted(bundle):
         with srv.channel() as channel:
             stub = pb_grpc.TextToSpeechStub(channel)
             calls = [
-                stub.Synthesize(build_request("Overload.", max_new_tokens=300, **LONG)) for _ in range(2)
+                stub.Synthesize(build_request("Overload.", max_new_frames=300, **LONG)) for _ in range(2)
             ]
             for call in calls:
                 assert next(call).WhichOneof("message") == "header"  # admitted: one decoding, one queued
@@ -461,7 +461,7 @@ def test_overload_gives_resource_exhausted(bundle):
             for call in calls:
                 call.cancel()
             wait_idle(srv.loop)
-            assert collect(stub.Synthesize(build_request("Now there is room.", seed=1, max_new_tokens=4)))[
+            assert collect(stub.Synthesize(build_request("Now there is room.", seed=1, max_new_frames=4)))[
                 "end"
             ]
     finally:
@@ -492,7 +492,7 @@ def test_health_serving_only_after_warmup(bundle, monkeypatch):
             for name in ("", SERVICE):
                 status = health.Check(health_pb2.HealthCheckRequest(service=name)).status
                 assert status == health_pb2.HealthCheckResponse.SERVING
-            assert collect(stub.Synthesize(build_request("Now.", seed=1, max_new_tokens=4)))["end"]
+            assert collect(stub.Synthesize(build_request("Now.", seed=1, max_new_frames=4)))["end"]
     finally:
         release.set()
         srv.stop()
@@ -522,8 +522,8 @@ def test_shutdown_with_open_streams_ends_within_grace(bundle):
         except grpc.RpcError as exc:
             results[name] = exc.code()
 
-    long_req = build_request("Shut down slowly.", max_new_tokens=900, first_chunk_frames=1, **LONG)
-    short_req = build_request("Short.", seed=2, max_new_tokens=3, temperature=0.0)
+    long_req = build_request("Shut down slowly.", max_new_frames=900, first_chunk_frames=1, **LONG)
+    short_req = build_request("Short.", seed=2, max_new_frames=3, temperature=0.0)
     threads = [threading.Thread(target=read, args=(f"long{i}", long_req)) for i in range(2)]
     for t in threads:
         t.start()

@@ -71,7 +71,7 @@ def test_serve_client_bench_and_sigterm(tmp_path):
                     str(out),
                     "--seed",
                     "1",
-                    "--max-new-tokens",
+                    "--max-new-frames",
                     "20",
                 ]
             )
@@ -93,7 +93,7 @@ def test_serve_client_bench_and_sigterm(tmp_path):
             "1,2",
             "--requests",
             "2",
-            "--max-new-tokens",
+            "--max-new-frames",
             "6",
         ]
         assert main([*args, "--json", str(report)]) == 0
@@ -106,7 +106,7 @@ def test_serve_client_bench_and_sigterm(tmp_path):
         # with UNAVAILABLE.
         channel = grpc.insecure_channel(address, options=channel_options())
         call = pb_grpc.TextToSpeechStub(channel).Synthesize(
-            build_request("Long.", temperature=0.0, max_new_tokens=900, first_chunk_frames=1)
+            build_request("Long.", temperature=0.0, max_new_frames=900, first_chunk_frames=1)
         )
         assert next(call).WhichOneof("message") == "header"
         t0 = time.monotonic()

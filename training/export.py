@@ -35,7 +35,7 @@ from tts.model import DualARTransformer  # noqa: E402
 from tts.prompt import S2PromptFormat, VoiceReference  # noqa: E402
 from tts.tokenizer import TextTokenizer  # noqa: E402
 
-SAMPLING = SamplingParams(temperature=0.1, top_p=0.5, top_k=10, max_new_tokens=600)
+SAMPLING = SamplingParams(temperature=0.1, top_p=0.5, top_k=10, max_new_frames=600)
 GL_CONTEXT, GL_ITERS = 2, 16  # k-means codec's decoder settings (no effect on the codes): see RESULTS.md
 
 

@@ -208,7 +208,7 @@ class Frontend:
         context size."""
         fmt = self.bundle.prompt_format
         prompt = fmt.build(text, references, history)
-        if history and prompt.shape[0] + params.max_new_tokens > self.max_context:
+        if history and prompt.shape[0] + params.max_new_frames > self.max_context:
             prompt = fmt.build(text, references, [])
         return prompt
 
@@ -250,7 +250,7 @@ class TTS(Frontend):
     ) -> Iterator[AudioChunk]:  # fmt: skip
         """Yield audio chunks as frames are generated: the first after `first_chunk_frames` frames,
         then every `chunk_frames` (decoded on a second thread, so a chunk may follow its frames by up
-        to two chunks while the engine runs ahead). `sampling`: temperature, top_p, top_k, max_new_tokens (per text
+        to two chunks while the engine runs ahead). `sampling`: temperature, top_p, top_k, max_new_frames (per text
         chunk), seed, ras_window. `text` may be a Plan from `prepare`. Raises TextError,
         InvalidRequest, VoiceNotFound before any work."""
         plan = (

@@ -67,7 +67,7 @@ def bench_one(model, mode: str, batch: int, args) -> dict:
         ),
     )  # fmt: skip
     capture_seconds = engine.graphs.stats.capture_seconds_total
-    params = SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_tokens=budget, seed=0)
+    params = SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_frames=budget, seed=0)
     for i in range(batch):
         engine.submit(_prompt(model, args.prompt_tokens, seed=i), params)
     for _ in range(args.warmup_frames):

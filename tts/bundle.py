@@ -259,7 +259,7 @@ def save_bundle(bundle: ModelBundle, directory: str | Path, codec_config: dict |
             "temperature": s.temperature,
             "top_p": s.top_p,
             "top_k": s.top_k,
-            "max_new_tokens": s.max_new_tokens,
+            "max_new_frames": s.max_new_frames,
         },  # fmt: skip
     }
     (directory / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -324,7 +324,10 @@ def _load_own_bundle(directory: Path, raw: dict, device, dtype) -> ModelBundle:
         model = DualARTransformer(args)
     load_weights_into(model, weight_files(directory), device, dtype)
     model.init_buffers(device)
-    sampling = SamplingParams(**runtime.get("sampling", {}))
+    sampling_cfg = dict(runtime.get("sampling", {}))
+    if "max_new_tokens" in sampling_cfg:  # the key's name before 2026-12
+        sampling_cfg.setdefault("max_new_frames", sampling_cfg.pop("max_new_tokens"))
+    sampling = SamplingParams(**sampling_cfg)
     try:
         frontend = get_frontend(runtime.get("frontend"))
     except ValueError as exc:
@@ -382,5 +385,5 @@ def build_tiny_bundle(device="cpu", dtype=torch.float32, seed: int = 0) -> Model
     return ModelBundle(
         name="tiny", family="tiny (random weights)", model=model, codec=codec, tokenizer=tokenizer,
         prompt_format=S2PromptFormat(tokenizer, args.num_codebooks), voices=voices,
-        sampling=SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_tokens=100),
+        sampling=SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_frames=100),
     )  # fmt: skip

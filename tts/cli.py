@@ -98,13 +98,13 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=None, help=">= 0; 0 is greedy")
     g.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
     g.add_argument("--top-k", type=int, default=None, help=">= 0; 0 = no limit")
-    g.add_argument("--max-new-tokens", type=int, default=None, help="frame budget per text chunk, > 0")
+    g.add_argument("--max-new-frames", type=int, default=None, help="frame budget per text chunk, > 0")
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     return {
         "seed": args.seed, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-        "max_new_tokens": args.max_new_tokens,
+        "max_new_frames": args.max_new_frames,
     }  # fmt: skip
 
 

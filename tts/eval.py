@@ -168,14 +168,14 @@ def evaluate(args: argparse.Namespace) -> dict:
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     log(f"model: {bundle.describe()} (loaded in {load_seconds:.2f} s)")
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
-    budget = args.max_new_tokens or bundle.sampling.max_new_tokens
-    tts.synthesize("Warm up.", seed=0, max_new_tokens=8)
+    budget = args.max_new_frames or bundle.sampling.max_new_frames
+    tts.synthesize("Warm up.", seed=0, max_new_frames=8)
     refs = [words(s) for s in sentences]
     samples: list[Sample] = []
     for seed in seeds:
         for i, text in enumerate(sentences):
             r = tts.synthesize(
-                text, seed=seed * 1000 + i, voice=args.voice, max_new_tokens=budget, **sampling
+                text, seed=seed * 1000 + i, voice=args.voice, max_new_frames=budget, **sampling
             )
             s = Sample(
                 text,
@@ -190,7 +190,7 @@ def evaluate(args: argparse.Namespace) -> dict:
             log(f"seed {seed} [{i + 1}/{len(sentences)}] RTF {r.rtf:.2f} {s.finish}: {s.transcript}")
     result: dict = {
         "model": str(args.model), "describe": bundle.describe(), "sentences": len(sentences), "seeds": seeds,
-        "voice": args.voice, "sampling": {**{k: v for k, v in sampling.items() if v is not None}, "max_new_tokens": budget},
+        "voice": args.voice, "sampling": {**{k: v for k, v in sampling.items() if v is not None}, "max_new_frames": budget},
         "load_seconds": round(load_seconds, 3),
     }  # fmt: skip
     per_seed = {}
@@ -336,7 +336,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=None, help="frame budget (default: the model's)")
+    p.add_argument("--max-new-frames", type=int, default=None, help="frame budget (default: the model's)")
     p.add_argument("--asr-threads", type=int, default=2)
     p.add_argument(
         "--threads", type=int, default=None,

@@ -309,7 +309,7 @@ class Engine:
                 RowInit(
                     last_column=request.prompt[-1], position=request.prompt_len - 1, block_table=request.blocks,
                     temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=request.seed,
-                    budget=p.max_new_tokens, ras_len=p.ras_window, paused=request.paused,
+                    budget=p.max_new_frames, ras_len=p.ras_window, paused=request.paused,
                 ),
             )  # fmt: skip
         with self._lock:

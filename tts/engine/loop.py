@@ -77,7 +77,7 @@ class SynthesisJob:
 
     chunks: normalized text chunks (`Frontend.plan`), generated in order, each with the previous one as
     context. params: sampling parameters with a resolved `seed` (text chunk i uses `seed + i`, as
-    `TTS.stream` does); `max_new_tokens` is the frame budget per text chunk. references: resolved voice
+    `TTS.stream` does); `max_new_frames` is the frame budget per text chunk. references: resolved voice
     references (preset voices); reference: a prepared clip still to be encoded (on the engine thread).
     first_chunk_frames / chunk_frames: audio chunk sizes in frames (>= 1).
     """
@@ -465,7 +465,7 @@ class EngineLoop:
 
     def _run_warmup(self) -> None:
         t0 = time.perf_counter()
-        params = replace(self.bundle.sampling, temperature=0.0, max_new_tokens=4, seed=0)
+        params = replace(self.bundle.sampling, temperature=0.0, max_new_frames=4, seed=0)
         job = SynthesisJob(["Warm up."], params, first_chunk_frames=2, chunk_frames=2, request_id="warmup")
         stream = self._admit(job, None, internal=True)
         while not stream.done:

@@ -49,7 +49,7 @@ class StepBuffers:
 
     Inputs: `frames [B, 1+N]` int64 (the previous frame column, fed at `positions`), `positions [B]`,
     `block_tables [B, max_blocks]` int32, `active [B]` bool, `temperature, top_p [B]` float32,
-    `top_k [B]`, `seeds [B]`, `steps [B]` (frames generated so far), `budgets [B]` (max_new_tokens),
+    `top_k [B]`, `seeds [B]`, `steps [B]` (frames generated so far), `budgets [B]` (max_new_frames),
     `ras_window [B, 10]` (last main-token indices, -1 = empty), `ras_len [B]` int64.
     Output: `out [B, N+3]` int64 = frame column `[token, c_0..c_{N-1}]`, emitted flag, done flag.
     Fast AR static KV: `fast_k, fast_v [n_fast_layer, B, Hkv, N, D]`, rewritten every frame.

@@ -18,7 +18,7 @@ class InvalidRequest(ValueError):
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # the model emitted the end token (<|im_end|>)
-    LENGTH = "length"  # the request hit max_new_tokens
+    LENGTH = "length"  # the request hit max_new_frames
     CANCELLED = "cancelled"
     ERROR = "error"
 
@@ -33,7 +33,7 @@ class RequestState(str, enum.Enum):
 class SamplingParams:
     """Per-request sampling settings (Fish spec section 4).
 
-    temperature >= 0 (0 = greedy); top_p in (0, 1]; top_k >= 0 (0 = no limit); max_new_tokens > 0
+    temperature >= 0 (0 = greedy); top_p in (0, 1]; top_k >= 0 (0 = no limit); max_new_frames > 0
     frames; seed: any int, or None for a random one chosen at submission; ras_window in [0, 10]
     main tokens (0 disables repetition-aware sampling).
     """
@@ -41,7 +41,7 @@ class SamplingParams:
     temperature: float = 0.8
     top_p: float = 0.8
     top_k: int = 30
-    max_new_tokens: int = 1024
+    max_new_frames: int = 1024
     seed: int | None = None
     ras_window: int = 10
 
@@ -53,8 +53,8 @@ class SamplingParams:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.top_k < 2**31:
             raise InvalidRequest(f"top_k must be in [0, 2**31) (0 = no limit), got {self.top_k}")
-        if self.max_new_tokens <= 0:
-            raise InvalidRequest(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if self.max_new_frames <= 0:
+            raise InvalidRequest(f"max_new_frames must be > 0, got {self.max_new_frames}")
         if not 0 <= self.ras_window <= 10:
             raise InvalidRequest(f"ras_window must be in [0, 10], got {self.ras_window}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
@@ -95,7 +95,7 @@ class Request:
     @property
     def max_tokens(self) -> int:
         """Context slots this request may ever use: prompt + every frame it may generate."""
-        return self.prompt_len + self.params.max_new_tokens
+        return self.prompt_len + self.params.max_new_frames
 
 
 @dataclass

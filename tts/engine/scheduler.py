@@ -4,7 +4,7 @@ The scheduler owns the block allocator and the batch rows. A running request occ
 `0 .. num_running - 1` of the step buffers; rows above are pad rows. When a request leaves, the last
 running request moves into its row so the running rows stay contiguous (the bucket then only has to
 cover `num_running`). Admission is first come, first served: the head of the queue waits until a row
-and all the blocks it can ever need (prompt + max_new_tokens, reserved up front so a running request
+and all the blocks it can ever need (prompt + max_new_frames, reserved up front so a running request
 never has to be preempted) are free.
 """
 
@@ -51,7 +51,7 @@ class Scheduler:
             raise InvalidRequest("prompt must be a non-empty [T, 1 + N] frame matrix")
         if request.max_tokens > self.max_context:
             raise InvalidRequest(
-                f"prompt ({request.prompt_len} tokens) + max_new_tokens ({request.params.max_new_tokens}) "
+                f"prompt ({request.prompt_len} tokens) + max_new_frames ({request.params.max_new_frames}) "
                 f"= {request.max_tokens} exceeds the context size {self.max_context}"
             )
         if self._blocks_for(request) > self.allocator.num_usable:

@@ -62,22 +62,22 @@ class FamilySpec:
 
 FAMILIES = {
     # fish-speech main's HTTP API defaults: temperature 0.8, top_p 0.8, top_k 30, RAS window 10,
-    # max_new_tokens 1024, chunk_length 200 (its repetition_penalty is accepted and ignored).
+    # max_new_tokens (frames) 1024, chunk_length 200 (its repetition_penalty is accepted and ignored).
     S2: FamilySpec(
         S2, "Fish Audio S2-Pro", S2PromptFormat,
-        SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_tokens=1024, ras_window=10), 200,
+        SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_frames=1024, ras_window=10), 200,
     ),
     # S1-era defaults: temperature 0.8, top_p 0.8, no top-k, no RAS (its repetition penalty 1.1 over 16
     # frames is not implemented here); the whole text is generated in one piece.
     S1: FamilySpec(
         S1, "OpenAudio S1", S1PromptFormat,
-        SamplingParams(temperature=0.8, top_p=0.8, top_k=0, max_new_tokens=1024, ras_window=0), 0,
+        SamplingParams(temperature=0.8, top_p=0.8, top_k=0, max_new_frames=1024, ras_window=0), 0,
     ),
     # fish-speech 1.5 CLI defaults: temperature 0.7, top_p 0.7, chunk_length 100 (repetition penalty 1.2
     # not implemented), no top-k, no RAS.
     FISH15: FamilySpec(
         FISH15, "fish-speech 1.5", Fish15PromptFormat,
-        SamplingParams(temperature=0.7, top_p=0.7, top_k=0, max_new_tokens=1024, ras_window=0), 100,
+        SamplingParams(temperature=0.7, top_p=0.7, top_k=0, max_new_frames=1024, ras_window=0), 100,
     ),
 }  # fmt: skip
 

@@ -18,12 +18,14 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_SHORT: _ClassVar[FinishReason]
 AUDIO_ENCODING_UNSPECIFIED: AudioEncoding
 AUDIO_ENCODING_PCM16: AudioEncoding
 AUDIO_ENCODING_FLOAT32: AudioEncoding
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_SHORT: FinishReason
 
 class SynthesizeRequest(_message.Message):
     __slots__ = ("text", "voice", "sampling", "output")
@@ -38,12 +40,12 @@ class SynthesizeRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., voice: _Optional[_Union[Voice, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ...) -> None: ...
 
 class Voice(_message.Message):
-    __slots__ = ("preset", "reference")
-    PRESET_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("name", "reference")
+    NAME_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
-    preset: str
+    name: str
     reference: ReferenceAudio
-    def __init__(self, preset: _Optional[str] = ..., reference: _Optional[_Union[ReferenceAudio, _Mapping]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., reference: _Optional[_Union[ReferenceAudio, _Mapping]] = ...) -> None: ...
 
 class ReferenceAudio(_message.Message):
     __slots__ = ("audio", "text")
@@ -54,18 +56,20 @@ class ReferenceAudio(_message.Message):
     def __init__(self, audio: _Optional[bytes] = ..., text: _Optional[str] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_new_frames")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_new_frames", "min_new_frames")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MIN_NEW_FRAMES_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
     max_new_frames: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_frames: _Optional[int] = ...) -> None: ...
+    min_new_frames: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_frames: _Optional[int] = ..., min_new_frames: _Optional[int] = ...) -> None: ...
 
 class OutputOptions(_message.Message):
     __slots__ = ("encoding", "include_codes", "first_chunk_frames", "chunk_frames")
@@ -90,7 +94,7 @@ class SynthesizeResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[StreamHeader, _Mapping]] = ..., chunk: _Optional[_Union[AudioChunk, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
 
 class StreamHeader(_message.Message):
-    __slots__ = ("request_id", "sample_rate", "channels", "encoding", "frame_rate", "num_codebooks", "model", "seed", "text_chunks")
+    __slots__ = ("request_id", "sample_rate", "channels", "encoding", "frame_rate", "num_codebooks", "model", "seed", "text_chunks", "warnings")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     CHANNELS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +104,7 @@ class StreamHeader(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TEXT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sample_rate: int
     channels: int
@@ -109,7 +114,8 @@ class StreamHeader(_message.Message):
     model: str
     seed: int
     text_chunks: int
-    def __init__(self, request_id: _Optional[str] = ..., sample_rate: _Optional[int] = ..., channels: _Optional[int] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., frame_rate: _Optional[float] = ..., num_codebooks: _Optional[int] = ..., model: _Optional[str] = ..., seed: _Optional[int] = ..., text_chunks: _Optional[int] = ...) -> None: ...
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., sample_rate: _Optional[int] = ..., channels: _Optional[int] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., frame_rate: _Optional[float] = ..., num_codebooks: _Optional[int] = ..., model: _Optional[str] = ..., seed: _Optional[int] = ..., text_chunks: _Optional[int] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Codes(_message.Message):
     __slots__ = ("num_codebooks", "num_frames", "values")
@@ -136,7 +142,7 @@ class AudioChunk(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., audio: _Optional[bytes] = ..., frame_start: _Optional[int] = ..., frame_end: _Optional[int] = ..., codes: _Optional[_Union[Codes, _Mapping]] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
-    __slots__ = ("finish_reason", "frames", "audio_seconds", "time_to_first_audio_seconds", "rtf", "chunks", "text_chunk_finish_reasons")
+    __slots__ = ("finish_reason", "frames", "audio_seconds", "time_to_first_audio_seconds", "rtf", "chunks", "text_chunk_finish_reasons", "warnings")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     AUDIO_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +150,7 @@ class StreamEnd(_message.Message):
     RTF_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TEXT_CHUNK_FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     frames: int
     audio_seconds: float
@@ -151,7 +158,8 @@ class StreamEnd(_message.Message):
     rtf: float
     chunks: int
     text_chunk_finish_reasons: _containers.RepeatedScalarFieldContainer[FinishReason]
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., frames: _Optional[int] = ..., audio_seconds: _Optional[float] = ..., time_to_first_audio_seconds: _Optional[float] = ..., rtf: _Optional[float] = ..., chunks: _Optional[int] = ..., text_chunk_finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ...) -> None: ...
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., frames: _Optional[int] = ..., audio_seconds: _Optional[float] = ..., time_to_first_audio_seconds: _Optional[float] = ..., rtf: _Optional[float] = ..., chunks: _Optional[int] = ..., text_chunk_finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SynthesizeUnaryResponse(_message.Message):
     __slots__ = ("header", "audio", "codes", "end")
@@ -170,14 +178,36 @@ class ListVoicesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VoiceInfo(_message.Message):
-    __slots__ = ("name", "transcript", "seconds")
+    __slots__ = ("name", "transcript", "seconds", "kind")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     name: str
     transcript: str
     seconds: float
-    def __init__(self, name: _Optional[str] = ..., transcript: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+    kind: str
+    def __init__(self, name: _Optional[str] = ..., transcript: _Optional[str] = ..., seconds: _Optional[float] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class AddVoiceRequest(_message.Message):
+    __slots__ = ("name", "reference", "replace")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    reference: ReferenceAudio
+    replace: bool
+    def __init__(self, name: _Optional[str] = ..., reference: _Optional[_Union[ReferenceAudio, _Mapping]] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class DeleteVoiceRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteVoiceResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ListVoicesResponse(_message.Message):
     __slots__ = ("voices",)
@@ -190,7 +220,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "family", "parameters", "device", "dtype", "sample_rate", "frame_rate", "num_codebooks", "codebook_size", "max_context", "max_batch", "buckets", "graphs", "capture", "captured_buckets", "replay_share", "max_waiting", "max_reference_bytes", "max_message_bytes", "max_text_bytes", "max_chunk_frames", "text_chunk_bytes")
+    __slots__ = ("model", "family", "parameters", "device", "dtype", "sample_rate", "frame_rate", "num_codebooks", "codebook_size", "max_context", "max_batch", "buckets", "graphs", "capture", "captured_buckets", "replay_share", "max_waiting", "max_reference_bytes", "max_message_bytes", "max_text_bytes", "max_chunk_frames", "text_chunk_bytes", "max_reference_seconds", "max_audio_seconds", "pause_timeout_seconds", "reference_cache_bytes", "codec_dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +243,11 @@ class GetInfoResponse(_message.Message):
     MAX_TEXT_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
     TEXT_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_REFERENCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_AUDIO_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CODEC_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     family: str
     parameters: int
@@ -235,4 +270,9 @@ class GetInfoResponse(_message.Message):
     max_text_bytes: int
     max_chunk_frames: int
     text_chunk_bytes: int
-    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., sample_rate: _Optional[int] = ..., frame_rate: _Optional[float] = ..., num_codebooks: _Optional[int] = ..., codebook_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_batch: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., graphs: _Optional[bool] = ..., capture: _Optional[str] = ..., captured_buckets: _Optional[_Iterable[int]] = ..., replay_share: _Optional[float] = ..., max_waiting: _Optional[int] = ..., max_reference_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_text_bytes: _Optional[int] = ..., max_chunk_frames: _Optional[int] = ..., text_chunk_bytes: _Optional[int] = ...) -> None: ...
+    max_reference_seconds: float
+    max_audio_seconds: float
+    pause_timeout_seconds: float
+    reference_cache_bytes: int
+    codec_dtype: str
+    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., sample_rate: _Optional[int] = ..., frame_rate: _Optional[float] = ..., num_codebooks: _Optional[int] = ..., codebook_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_batch: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., graphs: _Optional[bool] = ..., capture: _Optional[str] = ..., captured_buckets: _Optional[_Iterable[int]] = ..., replay_share: _Optional[float] = ..., max_waiting: _Optional[int] = ..., max_reference_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_text_bytes: _Optional[int] = ..., max_chunk_frames: _Optional[int] = ..., text_chunk_bytes: _Optional[int] = ..., max_reference_seconds: _Optional[float] = ..., max_audio_seconds: _Optional[float] = ..., pause_timeout_seconds: _Optional[float] = ..., reference_cache_bytes: _Optional[int] = ..., codec_dtype: _Optional[str] = ...) -> None: ...

@@ -50,6 +50,16 @@ class TextToSpeechStub:
                 request_serializer=proto_dot_tts_dot_v1_dot_tts__pb2.ListVoicesRequest.SerializeToString,
                 response_deserializer=proto_dot_tts_dot_v1_dot_tts__pb2.ListVoicesResponse.FromString,
                 _registered_method=True)
+        self.AddVoice = channel.unary_unary(
+                '/tts.v1.TextToSpeech/AddVoice',
+                request_serializer=proto_dot_tts_dot_v1_dot_tts__pb2.AddVoiceRequest.SerializeToString,
+                response_deserializer=proto_dot_tts_dot_v1_dot_tts__pb2.VoiceInfo.FromString,
+                _registered_method=True)
+        self.DeleteVoice = channel.unary_unary(
+                '/tts.v1.TextToSpeech/DeleteVoice',
+                request_serializer=proto_dot_tts_dot_v1_dot_tts__pb2.DeleteVoiceRequest.SerializeToString,
+                response_deserializer=proto_dot_tts_dot_v1_dot_tts__pb2.DeleteVoiceResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/tts.v1.TextToSpeech/GetInfo',
                 request_serializer=proto_dot_tts_dot_v1_dot_tts__pb2.GetInfoRequest.SerializeToString,
@@ -81,7 +91,24 @@ class TextToSpeechServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListVoices(self, request, context):
-        """The model's preset voices.
+        """The voices a request may name: the model's presets and the voices registered with AddVoice.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddVoice(self, request, context):
+        """Register a named voice from a clip and its transcript: the clip is encoded once and kept as codes
+        (persisted under the server's voices directory when it has one). INVALID_ARGUMENT for a bad name
+        or clip; ALREADY_EXISTS if the name is taken and `replace` is false (a preset is never replaced).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteVoice(self, request, context):
+        """Remove a registered voice (NOT_FOUND if there is none by that name; presets cannot be deleted).
+        Streams already using it finish with it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -111,6 +138,16 @@ def add_TextToSpeechServicer_to_server(servicer, server):
                     servicer.ListVoices,
                     request_deserializer=proto_dot_tts_dot_v1_dot_tts__pb2.ListVoicesRequest.FromString,
                     response_serializer=proto_dot_tts_dot_v1_dot_tts__pb2.ListVoicesResponse.SerializeToString,
+            ),
+            'AddVoice': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddVoice,
+                    request_deserializer=proto_dot_tts_dot_v1_dot_tts__pb2.AddVoiceRequest.FromString,
+                    response_serializer=proto_dot_tts_dot_v1_dot_tts__pb2.VoiceInfo.SerializeToString,
+            ),
+            'DeleteVoice': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteVoice,
+                    request_deserializer=proto_dot_tts_dot_v1_dot_tts__pb2.DeleteVoiceRequest.FromString,
+                    response_serializer=proto_dot_tts_dot_v1_dot_tts__pb2.DeleteVoiceResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -200,6 +237,60 @@ class TextToSpeech:
             '/tts.v1.TextToSpeech/ListVoices',
             proto_dot_tts_dot_v1_dot_tts__pb2.ListVoicesRequest.SerializeToString,
             proto_dot_tts_dot_v1_dot_tts__pb2.ListVoicesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddVoice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tts.v1.TextToSpeech/AddVoice',
+            proto_dot_tts_dot_v1_dot_tts__pb2.AddVoiceRequest.SerializeToString,
+            proto_dot_tts_dot_v1_dot_tts__pb2.VoiceInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteVoice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tts.v1.TextToSpeech/DeleteVoice',
+            proto_dot_tts_dot_v1_dot_tts__pb2.DeleteVoiceRequest.SerializeToString,
+            proto_dot_tts_dot_v1_dot_tts__pb2.DeleteVoiceResponse.FromString,
             options,
             channel_credentials,
             insecure,
