@@ -81,6 +81,12 @@ class Codec(ABC):
         """A fresh incremental decoder for one stream of frames."""
         return StreamingDecoder(self)
 
+    def batched_stream(self, max_streams: int) -> BatchedStreamDecoder:
+        """A decoder that continues up to `max_streams` streams in one call (the codec stage's).
+        Codecs with a batched implementation override this; the default loops over per-stream
+        decoders on the CPU."""
+        return LoopedStreamDecoder(self, max_streams)
+
     def check_codes(self, codes: Tensor) -> Tensor:
         codes = torch.as_tensor(codes, dtype=torch.int64)
         if codes.dim() != 2 or codes.shape[0] != self.num_codebooks:
@@ -115,3 +121,67 @@ class StreamingDecoder:
     def flush(self) -> Tensor:
         """Samples still held back at the end of the stream (none for the causal codecs here)."""
         return torch.zeros(0, dtype=torch.float32)
+
+
+class BatchedStreamDecoder(ABC):
+    """Streaming decode of many independent streams in one call: the codec stage's batched decode.
+
+    Each stream lives in a state slot `0 .. max_streams - 1`; slot `max_streams` is a scratch slot for
+    pad rows. `reset(slots)` starts fresh streams in those slots (position 0, empty history).
+    `decode(slots, codes, lengths)` continues every listed stream by `lengths[i]` frames:
+
+    * slots: `[B]` int64, distinct except for the scratch slot (pad rows);
+    * codes: `[B, num_codebooks, T]` int64; frames at `lengths[i]` and beyond are padding (any valid
+      code; they influence nothing);
+    * lengths: `[B]` int64 in `[0, T]`; a row of length 0 leaves its slot unchanged;
+    * returns `[B, T * frame_length]` float32: row i's first `lengths[i] * frame_length` samples
+      continue stream `slots[i]`; the rest is undefined.
+
+    All three inputs and the output live on `device`. For each stream, the concatenation of its
+    outputs equals `codec.decode(all of its codes)` within the codec's stated tolerance, whatever the
+    batch composition, the mix of lengths and the streams' positions. Implementations that set
+    `graph_safe = True` have no host sync and no data-dependent Python branch in `decode` for a fixed
+    (B, T), so a CUDA graph may capture it (their state lives in buffers allocated once).
+    """
+
+    max_streams: int
+    device: torch.device = torch.device("cpu")
+    graph_safe: bool = False
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.max_streams
+
+    @abstractmethod
+    def reset(self, slots: Tensor) -> None:
+        """Start fresh streams in `slots` (`[k]` int64 on `device`)."""
+
+    @abstractmethod
+    def decode(self, slots: Tensor, codes: Tensor, lengths: Tensor) -> Tensor:
+        """See the class docstring."""
+
+
+class LoopedStreamDecoder(BatchedStreamDecoder):
+    """The generic `BatchedStreamDecoder`: one `codec.stream()` decoder per slot, called row by row on
+    the CPU (for small codecs whose per-call cost is negligible, e.g. the test codec)."""
+
+    def __init__(self, codec: Codec, max_streams: int):
+        self.codec = codec
+        self.max_streams = max_streams
+        self._streams: list[StreamingDecoder | None] = [None] * (max_streams + 1)
+
+    def reset(self, slots: Tensor) -> None:
+        for s in slots.tolist():
+            self._streams[s] = self.codec.stream()
+
+    def decode(self, slots: Tensor, codes: Tensor, lengths: Tensor) -> Tensor:
+        B, _, T = codes.shape
+        out = torch.zeros(B, T * self.codec.frame_length)
+        for i, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist(), strict=True)):
+            if n == 0 or s == self.scratch_slot:
+                continue
+            stream = self._streams[s]
+            if stream is None:
+                raise RuntimeError(f"slot {s} was never reset")
+            out[i, : n * self.codec.frame_length] = stream.push(codes[i, :, :n].cpu())
+        return out
