@@ -259,3 +259,59 @@ def test_cpu_noise_made_frames_ahead_equals_each_frames_own(tiny_model):
     check()
     bufs.active[1] = False
     check()
+
+
+class _EndTokenFavoured:
+    """`torch.nn.functional` for model_runner, except that the main-token logits' last column (the end
+    token) gets +1e4: a model that wants to stop at once, whatever its weights."""
+
+    def __getattr__(self, name):
+        return getattr(torch.nn.functional, name)
+
+    @staticmethod
+    def linear(x, weight, bias=None):
+        out = torch.nn.functional.linear(x, weight, bias)
+        out[:, -1] += 1e4
+        return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_min_new_frames_holds_off_the_end_token(tiny_model, monkeypatch, temperature):
+    from tts.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "F", _EndTokenFavoured())
+    engine = make_engine(tiny_model)
+    p = random_prompt(tiny_model, 12, 5)
+    engine.submit(p, params(temperature=temperature, max_new_frames=20), "free")
+    engine.submit(p, params(temperature=temperature, max_new_frames=20, min_new_frames=7), "held")
+    engine.submit(p, params(temperature=temperature, max_new_frames=9, min_new_frames=9), "full")
+    codes, reasons = run_to_completion(engine)
+    # Without it the end token comes first (no frame); with it, exactly min_new_frames frames, then the
+    # end token (its frame dropped); min == max runs to the budget.
+    assert (codes["free"].shape[0], reasons["free"]) == (0, FinishReason.STOP)
+    assert (codes["held"].shape[0], reasons["held"]) == (7, FinishReason.STOP)
+    assert (codes["full"].shape[0], reasons["full"]) == (9, FinishReason.LENGTH)
+
+
+def test_min_new_frames_is_validated(tiny_model):
+    engine = make_engine(tiny_model)
+    with pytest.raises(InvalidRequest, match="min_new_frames must be in \\[0, max_new_frames = 5\\]"):
+        engine.submit(random_prompt(tiny_model, 4, 1), params(max_new_frames=5, min_new_frames=6))
+
+
+def test_admission_prefills_at_most_max_prefill_tokens_per_iteration(tiny_model):
+    """Five waiting requests of 30-token prompts with a budget of 64 tokens: two are admitted (and
+    prefilled) per iteration, so the first iteration's frame step is not delayed by all five prefills."""
+    engine = make_engine(tiny_model, max_batch=8, max_prefill_tokens=64)
+    for i in range(5):
+        engine.submit(random_prompt(tiny_model, 30, i), params(max_new_frames=50), f"r{i}")
+    running = []
+    for _ in range(3):
+        engine.step()
+        running.append(engine.num_running)
+    assert running == [2, 4, 5]
+    # A prompt longer than the budget is still admitted (alone).
+    engine = make_engine(tiny_model, max_batch=8, max_prefill_tokens=16)
+    engine.submit(random_prompt(tiny_model, 30, 9), params(max_new_frames=5), "long")
+    engine.step()
+    assert engine.num_running == 1

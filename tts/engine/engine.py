@@ -45,6 +45,8 @@ class EngineConfig:
     graphs: capture CUDA graphs (forced off on CPU unless standin_graphs, which tests use).
     capture: "lazy" (a bucket on its second use) or "startup" (all buckets at construction).
     max_waiting: bound of the waiting queue (QueueFull beyond it).
+    max_prefill_tokens: prompt tokens prefilled per iteration at most (at least one request), so that
+    new requests cannot freeze the running streams for long (None: no bound).
     """
 
     max_batch: int = 8
@@ -56,6 +58,7 @@ class EngineConfig:
     capture: str = "lazy"
     buckets: Sequence[int] = DEFAULT_BUCKETS
     max_waiting: int = 1024
+    max_prefill_tokens: int | None = 2048
     standin_graphs: bool = False
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     # Testing and benchmarking only:
@@ -86,7 +89,12 @@ class Engine:
             mc.n_layer, num_blocks, cfg.block_size, mc.n_local_heads, mc.head_dim, dtype, self.device
         )
         self.scheduler = Scheduler(
-            BlockAllocator(num_blocks), cfg.block_size, cfg.max_batch, self.max_context, cfg.max_waiting
+            BlockAllocator(num_blocks),
+            cfg.block_size,
+            cfg.max_batch,
+            self.max_context,
+            cfg.max_waiting,
+            cfg.max_prefill_tokens,
         )
         if self.device.type == "cuda" and model.layers[0].feed_forward.fused_w13() is None:
             model.fuse_weights()  # one GEMM for w1 and w3 on the CUDA path
@@ -310,6 +318,7 @@ class Engine:
                     last_column=request.prompt[-1], position=request.prompt_len - 1, block_table=request.blocks,
                     temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=request.seed,
                     budget=p.max_new_frames, ras_len=p.ras_window, paused=request.paused,
+                    min_frames=p.min_new_frames,
                 ),
             )  # fmt: skip
         with self._lock:

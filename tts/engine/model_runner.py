@@ -50,6 +50,7 @@ class StepBuffers:
     Inputs: `frames [B, 1+N]` int64 (the previous frame column, fed at `positions`), `positions [B]`,
     `block_tables [B, max_blocks]` int32, `active [B]` bool, `temperature, top_p [B]` float32,
     `top_k [B]`, `seeds [B]`, `steps [B]` (frames generated so far), `budgets [B]` (max_new_frames),
+    `min_frames [B]` (min_new_frames: the end token is masked while steps < min_frames),
     `ras_window [B, 10]` (last main-token indices, -1 = empty), `ras_len [B]` int64.
     Output: `out [B, N+3]` int64 = frame column `[token, c_0..c_{N-1}]`, emitted flag, done flag.
     Fast AR static KV: `fast_k, fast_v [n_fast_layer, B, Hkv, N, D]`, rewritten every frame.
@@ -65,6 +66,7 @@ class StepBuffers:
     seeds: Tensor
     steps: Tensor
     budgets: Tensor
+    min_frames: Tensor
     ras_window: Tensor
     ras_len: Tensor
     out: Tensor
@@ -89,6 +91,7 @@ class StepBuffers:
             seeds=torch.zeros(B, **i64),
             steps=torch.zeros(B, **i64),
             budgets=torch.ones(B, **i64),
+            min_frames=torch.zeros(B, **i64),
             ras_window=torch.full((B, RAS_WINDOW), -1, **i64),
             ras_len=torch.zeros(B, **i64),
             out=torch.zeros(B, N + 3, **i64),
@@ -119,6 +122,7 @@ class RowInit:
     budget: int
     ras_len: int
     paused: bool = False
+    min_frames: int = 0
 
 
 class ModelRunner:
@@ -150,6 +154,7 @@ class ModelRunner:
         if not ignore_eos:
             rows.append(head[c.eos_token_id : c.eos_token_id + 1])
         self.semantic_head = torch.cat(rows).detach()
+        self.has_eos_column = not ignore_eos
         if self.device.type == "cpu":  # the CPU decode layout (see `use_cpu_decode_layout`)
             self.semantic_head = self.semantic_head.t().contiguous().t()
         self.n_sem = c.num_semantic_tokens
@@ -198,6 +203,7 @@ class ModelRunner:
         b.seeds[row] = init.seed
         b.steps[row] = 0
         b.budgets[row] = init.budget
+        b.min_frames[row] = init.min_frames
         b.ras_window[row] = -1
         b.ras_len[row] = init.ras_len
         b.active[row] = not init.paused
@@ -217,6 +223,7 @@ class ModelRunner:
         b.block_tables[row].fill_(SCRATCH_BLOCK)
         b.frames[row].zero_()
         b.steps[row] = 0
+        b.min_frames[row] = 0
 
     def set_active(self, row: int, active: bool) -> None:
         self.buffers.active[row] = active
@@ -466,6 +473,8 @@ class ModelRunner:
             seeds, steps = bufs.seeds[:b], bufs.steps[:b]
             # Main token over [semantic ids..., end token]; RAS window holds indices in that space.
             sem_logits = F.linear(h_post, self.semantic_head)
+            if self.has_eos_column:  # min_new_frames: no end token before that many frames
+                sem_logits[:, -1].masked_fill_(steps < bufs.min_frames[:b], float("-inf"))
             V = sem_logits.shape[1]
             high = c.num_codebooks + 1
             # The torch sampler takes the frame's noise for every draw from one batched computation

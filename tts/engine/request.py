@@ -34,8 +34,10 @@ class SamplingParams:
     """Per-request sampling settings (Fish spec section 4).
 
     temperature >= 0 (0 = greedy); top_p in (0, 1]; top_k >= 0 (0 = no limit); max_new_frames > 0
-    frames; seed: any int, or None for a random one chosen at submission; ras_window in [0, 10]
-    main tokens (0 disables repetition-aware sampling).
+    frames; min_new_frames in [0, max_new_frames]: the end token is not sampled before that many frames
+    (vLLM's `min_tokens`; a stream of known length for tests and benchmarks); seed: any int, or None for
+    a random one chosen at submission; ras_window in [0, 10] main tokens (0 disables repetition-aware
+    sampling).
     """
 
     temperature: float = 0.8
@@ -44,6 +46,7 @@ class SamplingParams:
     max_new_frames: int = 1024
     seed: int | None = None
     ras_window: int = 10
+    min_new_frames: int = 0
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the first bad field."""
@@ -55,6 +58,10 @@ class SamplingParams:
             raise InvalidRequest(f"top_k must be in [0, 2**31) (0 = no limit), got {self.top_k}")
         if self.max_new_frames <= 0:
             raise InvalidRequest(f"max_new_frames must be > 0, got {self.max_new_frames}")
+        if not 0 <= self.min_new_frames <= self.max_new_frames:
+            raise InvalidRequest(
+                f"min_new_frames must be in [0, max_new_frames = {self.max_new_frames}], got {self.min_new_frames}"
+            )
         if not 0 <= self.ras_window <= 10:
             raise InvalidRequest(f"ras_window must be in [0, 10], got {self.ras_window}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:

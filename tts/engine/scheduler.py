@@ -5,7 +5,10 @@ The scheduler owns the block allocator and the batch rows. A running request occ
 running request moves into its row so the running rows stay contiguous (the bucket then only has to
 cover `num_running`). Admission is first come, first served: the head of the queue waits until a row
 and all the blocks it can ever need (prompt + max_new_frames, reserved up front so a running request
-never has to be preempted) are free.
+never has to be preempted) are free. Each admitted request is prefilled before the next frame step, so
+one iteration admits prompts of at most `max_prefill_tokens` tokens in all (at least one request):
+a burst of new requests then delays the running streams' next frame by a bounded amount instead of
+by every queued prefill at once.
 """
 
 from __future__ import annotations
@@ -32,13 +35,14 @@ class RowMove:
 class Scheduler:
     def __init__(
         self, allocator: BlockAllocator, block_size: int, max_batch: int, max_context: int,
-        max_waiting: int = 1024,
+        max_waiting: int = 1024, max_prefill_tokens: int | None = None,
     ):  # fmt: skip
         self.allocator = allocator
         self.block_size = block_size
         self.max_batch = max_batch
         self.max_context = max_context
         self.max_waiting = max_waiting
+        self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # index = batch row
 
@@ -73,15 +77,20 @@ class Scheduler:
     # ---- admission and removal ----------------------------------------------------------------------
 
     def admit(self) -> list[tuple[int, Request]]:
-        """Move waiting requests to running while a row and their blocks are free (FCFS).
+        """Move waiting requests to running while a row and their blocks are free (FCFS), up to
+        `max_prefill_tokens` prompt tokens in all (the first request is admitted whatever its length).
 
         Returns `(row, request)` for each admitted request, its blocks allocated.
         """
         admitted = []
+        tokens = 0
         while self.waiting and len(self.running) < self.max_batch:
             request = self.waiting[0]
             need = self._blocks_for(request)
             if need > self.allocator.num_free:
+                break
+            tokens += request.prompt_len
+            if admitted and self.max_prefill_tokens is not None and tokens > self.max_prefill_tokens:
                 break
             self.waiting.popleft()
             request.blocks = self.allocator.allocate(need)
