@@ -101,12 +101,16 @@ class GraphRunner:
     every capture and replay so that a reallocated buffer fails loudly instead of replaying stale memory.
     capture: False pads to buckets exactly as replay would but always runs eagerly (the reference that
     tests compare replays with).
+    capture_stream: the CUDA stream captures record on (default: one of this runner's own). Captures
+    use CUDA's thread-local capture mode, so another thread may keep launching work (e.g. a second
+    GraphRunner's replays) while this one captures.
     """
 
     def __init__(
         self, step_fn: Callable[[int], None], *, max_batch: int, buckets: Sequence[int] = DEFAULT_BUCKETS,
         enabled: bool = True, device: torch.device | str = "cpu",
         buffer_ptrs: Callable[[], dict[str, int]] | None = None, capture: bool = True,
+        capture_stream: torch.cuda.Stream | None = None,
     ):  # fmt: skip
         self.step_fn = step_fn
         self.device = torch.device(device)
@@ -123,6 +127,7 @@ class GraphRunner:
         self._ptrs_at_capture: dict[str, int] | None = None
         self.capturing = False  # True while a capture is being recorded (for fault injection / checks)
         self.capture_enabled = capture
+        self._capture_stream = capture_stream
 
     @property
     def is_cuda(self) -> bool:
@@ -229,7 +234,11 @@ class GraphRunner:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            if self._capture_stream is None:  # not torch's class-wide default: threads must not share one
+                self._capture_stream = torch.cuda.Stream(self.device)
+            with torch.cuda.graph(
+                graph, pool=self._pool, stream=self._capture_stream, capture_error_mode="thread_local"
+            ):
                 self.step_fn(*key)
             torch.cuda.synchronize()
             self.stats.pool_bytes += max(0, torch.cuda.memory_reserved() - reserved_before)

@@ -64,6 +64,34 @@ def add_parser(subparsers) -> None:
         "--max-reference-mb", type=float, default=10.0, help="reference clip size limit (default 10)"
     )
     p.add_argument("--max-queued-chunks", type=int, default=8, help="unread chunks before a stream pauses")
+    p.add_argument(
+        "--pause-timeout", type=float, default=10.0,
+        help="seconds a stream whose client does not read may keep its batch row while other requests "
+        "wait; then it ends with RESOURCE_EXHAUSTED (default 10; 0 = never)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-text-bytes",
+        type=int,
+        default=20_000,
+        help="longest text per request in UTF-8 bytes (default 20000)",
+    )
+    p.add_argument(
+        "--max-audio-seconds", type=float, default=1800.0,
+        help="audio per request before it ends with finish reason length (default 1800; 0 = no limit)",
+    )  # fmt: skip
+    p.add_argument(
+        "--voices-dir", default=None,
+        help="where registered voices (AddVoice, `tts voices add`) are kept (default: the per-user "
+        "directory `tts voices` shows for this model; 'none' = in memory only)",
+    )  # fmt: skip
+    p.add_argument(
+        "--reference-cache-mb", type=float, default=64.0,
+        help="memory for encoded reference clips, reused when the same clip comes again (default 64; 0 = off)",
+    )  # fmt: skip
+    p.add_argument(
+        "--codec-graphs", choices=["on", "off"], default="on",
+        help="capture the codec stage's batched decode in CUDA graphs (CUDA only; default on)",
+    )  # fmt: skip
     p.set_defaults(func=cmd_serve)
 
     p = subparsers.add_parser(
@@ -115,6 +143,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError("--max-batch and --max-queued-chunks must be >= 1, --max-waiting >= 0")
     if args.grace < 0 or args.max_reference_mb <= 0:
         raise UserError("--grace must be >= 0 and --max-reference-mb > 0")
+    if not args.pause_timeout >= 0 or not args.max_audio_seconds >= 0 or not args.reference_cache_mb >= 0:
+        raise UserError("--pause-timeout, --max-audio-seconds and --reference-cache-mb must be >= 0")
+    if args.max_text_bytes < 1:
+        raise UserError("--max-text-bytes must be >= 1")
     check_device(args.device)
     t0 = time.perf_counter()
     bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype))
@@ -125,9 +157,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     engine_config = EngineConfig(max_batch=args.max_batch, **engine_kwargs(args))
+    voices_dir = None if (args.voices_dir or "").lower() == "none" else args.voices_dir
+    if args.voices_dir is None:
+        from tts.voices import codec_fingerprint, default_voices_dir
+
+        voices_dir = default_voices_dir(bundle.name, codec_fingerprint(bundle.codec))
     limits = ServiceLimits(
         max_waiting=args.max_waiting, max_queued_chunks=args.max_queued_chunks,
-        max_reference_bytes=int(args.max_reference_mb * MiB),
+        max_reference_bytes=int(args.max_reference_mb * MiB), pause_timeout=args.pause_timeout or None,
+        max_audio_seconds=args.max_audio_seconds or None, max_text_bytes=args.max_text_bytes,
+        reference_cache_bytes=int(args.reference_cache_mb * MiB), voices_dir=voices_dir,
     )  # fmt: skip
     return asyncio.run(_serve(args, bundle, engine_config, limits))
 
@@ -137,7 +176,12 @@ async def _serve(args, bundle, engine_config, limits) -> int:
 
     metrics_port = None if args.metrics_port < 0 else args.metrics_port
     server = TTSServer(
-        bundle, engine_config, limits, metrics_host=args.metrics_host, metrics_port=metrics_port
+        bundle,
+        engine_config,
+        limits,
+        metrics_host=args.metrics_host,
+        metrics_port=metrics_port,
+        codec_graphs=args.codec_graphs == "on",
     )
     try:
         port = await server.start(args.host, args.port)
@@ -216,7 +260,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     subtype = "FLOAT" if args.encoding == "float32" else "PCM_16"
     write_wav_atomic(out, result.audio, result.sample_rate, subtype=subtype)
     end = result.end
-    reasons = {1: "stop", 2: "length"}
+    reasons = {1: "stop", 2: "length", 3: "short"}
     ttfa = f"{result.ttfa * 1000:.0f} ms" if result.ttfa is not None else "-"
     print(
         f"wrote {out}: {end.frames} frames, {result.audio_seconds:.2f} s audio at {result.sample_rate} Hz in "
@@ -224,6 +268,8 @@ def cmd_client(args: argparse.Namespace) -> int:
         f"(server: TTFA {end.time_to_first_audio_seconds * 1000:.0f} ms, RTF {end.rtf:.3f}), "
         f"finish {reasons.get(end.finish_reason, '?')}, seed {result.header.seed}"
     )
+    for warning in end.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 

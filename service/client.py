@@ -43,10 +43,11 @@ def build_request(
     text: str, *, voice: str | None = None, reference_audio: bytes | None = None,
     reference_text: str | None = None, temperature: float | None = None, top_p: float | None = None,
     top_k: int | None = None, seed: int | None = None, max_new_frames: int | None = None,
-    encoding: str = "pcm16", include_codes: bool = False, first_chunk_frames: int = 0, chunk_frames: int = 0,
+    min_new_frames: int | None = None, encoding: str = "pcm16", include_codes: bool = False, first_chunk_frames: int = 0, chunk_frames: int = 0,
 ) -> pb.SynthesizeRequest:  # fmt: skip
     """A SynthesizeRequest; None leaves a sampling field to the server's model default.
-    max_new_frames is the frame budget per text chunk (`max_new_frames` on the wire)."""
+    max_new_frames is the frame budget per text chunk; min_new_frames holds off the end token for that
+    many frames per text chunk."""
     req = pb.SynthesizeRequest(text=text)
     if voice is not None and reference_audio is not None:
         raise ValueError("give a voice name or a reference clip, not both")
@@ -61,6 +62,8 @@ def build_request(
             setattr(s, name, value)
     if max_new_frames is not None:
         s.max_new_frames = max_new_frames
+    if min_new_frames is not None:
+        s.min_new_frames = min_new_frames
     req.output.encoding = ENCODINGS[encoding]
     req.output.include_codes = include_codes
     req.output.first_chunk_frames = first_chunk_frames

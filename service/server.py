@@ -1,32 +1,34 @@
 """The gRPC synthesis server (grpc.aio): validation, admission, streaming, health, reflection, metrics.
 
-Handlers only validate, enqueue and stream (DESIGN.md invariant 7): every device operation (engine
-steps, prefill, reference encoding, codec decode) happens on the engine thread of `EngineLoop`.
-A `Synthesize` call:
+Handlers only validate, enqueue and stream: every device operation (engine steps, prefill, reference
+encoding, codec decode) happens in `EngineLoop`'s engine thread or its codec stage. A `Synthesize` call:
 
-1. validates its input on a worker thread (`build_job`): text (normalized, split into chunks), sampling
-   values, voice name, reference clip (size limit, decodable WAV/FLAC, length, transcript), chunk sizes,
-   and that every text chunk's prompt plus its frame budget fits the context; each failure is
-   INVALID_ARGUMENT (NOT_FOUND for an unknown voice) before any generation work;
+1. validates its input on a worker thread (`build_job` -> `Planner.job`): text (normalized, split into
+   chunks, reserved tags refused), sampling values, voice name (a preset or a registered voice),
+   reference clip (size limit, decodable WAV/FLAC, length, transcript), chunk sizes, and that every
+   text chunk's prompt plus its frame budget fits the context; each failure is INVALID_ARGUMENT
+   (NOT_FOUND for an unknown voice) before any generation work;
 2. is admitted by the engine loop or refused with RESOURCE_EXHAUSTED (bounded queue) / UNAVAILABLE
    (warming up, shutting down);
-3. streams a header, audio chunks and an end message; a client cancel or deadline cancels the
-   handler task, whose `finally` cancels the job (blocks and row freed at the next engine step) and
-   lets the cancellation propagate.
+3. streams a header, audio chunks and an end message (finish reason, warnings); a client cancel or
+   deadline cancels the handler task, whose `finally` cancels the job (blocks, row and codec slot freed
+   at the next engine step). A stream whose client stops reading pauses; paused longer than
+   `pause_timeout` while others wait, it ends with RESOURCE_EXHAUSTED.
 
-`TTSServer.stop(grace)` (the CLI calls it on SIGTERM/SIGINT) flips health to NOT_SERVING, refuses new
-calls, lets open streams finish within `grace` seconds, then cancels the rest and stops the engine.
+Every finished call logs one line (`request id=... outcome=...`) at INFO; client cancels are INFO too.
+
+`TTSServer.stop(grace)` (the CLI calls it on SIGTERM/SIGINT) drains: health turns NOT_SERVING at once
+and new calls are answered UNAVAILABLE while open streams get `grace` seconds to finish; then the rest
+end with UNAVAILABLE, the engine stops and the port closes (within `grace` + about a second).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import re
-import secrets
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -34,7 +36,6 @@ import torch
 
 from proto.tts.v1 import tts_pb2 as pb
 from proto.tts.v1 import tts_pb2_grpc as pb_grpc
-from tts.api import Frontend, VoiceNotFound
 from tts.audio import read_audio, to_pcm16
 from tts.bundle import ModelBundle
 from tts.codec.base import AudioError
@@ -51,12 +52,14 @@ from tts.engine.loop import (
     Finished,
     LoopClosed,
     Overloaded,
+    Preempted,
     RequestStream,
     Started,
     SynthesisJob,
 )
-from tts.prompt import VoiceReference
+from tts.planner import Planner
 from tts.text import TextError
+from tts.voices import VoiceExists, VoiceNotFound, reference_key, short
 
 from .metrics import ServiceMetrics
 
@@ -71,12 +74,18 @@ class ServiceLimits:
     """What one server accepts. Sizes in bytes, chunk sizes in frames.
 
     max_receive_bytes: the gRPC receive limit (a request); defaults to room for the largest reference
-    clip plus 1 MiB. max_send_bytes: the gRPC send limit (a unary reply carries the whole clip; stream
+    clip plus 1 MiB. pause_timeout: seconds a stream that is not read may hold its batch row while
+    others wait (None: forever). max_audio_seconds: audio per request before it ends with `length`.
+    reference_cache_bytes: the encoded-reference cache. voices_dir: registered voices (None: in memory). max_send_bytes: the gRPC send limit (a unary reply carries the whole clip; stream
     chunks stay far below it: `max_chunk_frames` is capped so that one chunk uses at most a quarter).
     """
 
     max_waiting: int = 16
     max_queued_chunks: int = DEFAULT_MAX_QUEUED_CHUNKS
+    pause_timeout: float | None = 10.0
+    max_audio_seconds: float | None = 1800.0
+    reference_cache_bytes: int = 64 * MiB
+    voices_dir: str | None = None
     max_text_bytes: int = 20_000
     max_reference_bytes: int = 10 * MiB
     max_receive_bytes: int | None = None
@@ -115,8 +124,8 @@ class PreparedRequest:
     include_codes: bool
 
 
-def build_job(frontend: Frontend, loop: EngineLoop, request: pb.SynthesizeRequest, limits: ServiceLimits):
-    """Validate a SynthesizeRequest and turn it into a SynthesisJob (host work only; any thread).
+def build_job(planner: Planner, loop: EngineLoop, request: pb.SynthesizeRequest, limits: ServiceLimits):
+    """Validate a SynthesizeRequest and plan its SynthesisJob (host work only; any thread).
 
     Raises TextError / InvalidRequest / AudioError (INVALID_ARGUMENT) or VoiceNotFound (NOT_FOUND),
     each with a one-line reason naming the field.
@@ -125,45 +134,26 @@ def build_job(frontend: Frontend, loop: EngineLoop, request: pb.SynthesizeReques
     nbytes = len(text.encode("utf-8"))
     if nbytes > limits.max_text_bytes:
         raise InvalidRequest(f"text is {nbytes} bytes; the limit is {limits.max_text_bytes}")
-    chunks = frontend.plan(text)
 
     s = request.sampling
     fields = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
-    overrides = {name: getattr(s, f) for name, f in fields.items() if s.HasField(f)}
+    sampling = {name: getattr(s, f) for name, f in fields.items() if s.HasField(f)}
     if s.HasField("max_new_frames"):
         if s.max_new_frames <= 0:
             raise InvalidRequest(f"max_new_frames must be > 0, got {s.max_new_frames}")
-        overrides["max_new_frames"] = s.max_new_frames
-    params = frontend.sampling_params(**overrides)
-    seed = params.seed if params.seed is not None else secrets.randbits(62)
-    frontend.check_chunk_seeds(seed, len(chunks))
-    params = replace(params, seed=seed)
+        sampling["max_new_frames"] = s.max_new_frames
+    if s.HasField("min_new_frames"):
+        if s.min_new_frames < 0:
+            raise InvalidRequest(f"min_new_frames must be >= 0, got {s.min_new_frames}")
+        sampling["min_new_frames"] = s.min_new_frames
 
-    references: list[VoiceReference] = []
-    prepared = None
+    voice = None
+    reference = None
     source = request.voice.WhichOneof("source")
-    if source is None:  # no voice: the model's default preset, as in the API and the CLI
-        references = frontend.voice(None)
-    elif source == "name":
-        references = frontend.voice(request.voice.name)
+    if source == "name":
+        voice = request.voice.name
     elif source == "reference":
-        ref = request.voice.reference
-        if len(ref.audio) > limits.max_reference_bytes:
-            raise InvalidRequest(
-                f"reference audio is {format_size(len(ref.audio))}; the limit is {format_size(limits.max_reference_bytes)}"
-            )
-        if not ref.audio:
-            raise AudioError("reference audio is empty")
-        if not ref.text.strip():
-            raise InvalidRequest("reference audio needs its transcript (voice.reference.text)")
-        try:
-            audio, sample_rate = read_audio(bytes(ref.audio))
-        except AudioError as exc:  # soundfile's message names an in-memory file object: drop it
-            reason = re.sub(r"^cannot read reference audio: (Error opening <[^>]*>: )?", "", str(exc)).strip()
-            raise AudioError(
-                f"cannot read reference audio (voice.reference.audio, WAV or FLAC): {reason}"
-            ) from exc
-        prepared = frontend.prepare_reference(audio, sample_rate, ref.text)
+        reference = prepare_reference(planner, request.voice.reference, limits, "voice.reference")
 
     out = request.output
     first = out.first_chunk_frames or limits.first_chunk_frames
@@ -174,35 +164,59 @@ def build_job(frontend: Frontend, loop: EngineLoop, request: pb.SynthesizeReques
     encoding = out.encoding or pb.AUDIO_ENCODING_PCM16
     if encoding not in (pb.AUDIO_ENCODING_PCM16, pb.AUDIO_ENCODING_FLOAT32):
         raise InvalidRequest(f"unknown output.encoding {encoding}")
-
-    # Prompt + budget must fit the context, for every text chunk, before any device work. A reference
-    # clip is not encoded yet: its frame count is known (ceil(samples / frame_length), Codec.encode).
-    check_refs = list(references)
-    if prepared is not None:
-        codec = frontend.bundle.codec
-        frames = max(1, math.ceil(prepared.samples.numel() / codec.frame_length))
-        check_refs.append(
-            VoiceReference(torch.zeros(codec.num_codebooks, frames, dtype=torch.int64), prepared.text)
-        )
-    for i, chunk_text in enumerate(chunks):
-        prompt = frontend.bundle.prompt_format.build(chunk_text, check_refs, [])
-        try:
-            loop.check_request(prompt, replace(params, seed=seed + i))
-        except InvalidRequest as exc:
-            prefix = f"text chunk {i + 1} of {len(chunks)}: " if len(chunks) > 1 else ""
-            raise InvalidRequest(f"{prefix}{exc}") from exc
-    job = SynthesisJob(chunks, params, references, prepared, first, chunk)
+    job = planner.job(
+        text, voice=voice, reference=reference, first_chunk_frames=first, chunk_frames=chunk,
+        max_audio_seconds=limits.max_audio_seconds, **sampling,
+    )  # fmt: skip
     return PreparedRequest(job, encoding, out.include_codes)
+
+
+def prepare_reference(planner: Planner, ref: pb.ReferenceAudio, limits: ServiceLimits, field: str):
+    """Check a ReferenceAudio message (size, decodable WAV/FLAC, length, transcript) and key it for the
+    reference cache. Raises AudioError / InvalidRequest naming `field`."""
+    if len(ref.audio) > limits.max_reference_bytes:
+        raise InvalidRequest(
+            f"reference audio is {format_size(len(ref.audio))}; the limit is {format_size(limits.max_reference_bytes)}"
+        )
+    if not ref.audio:
+        raise AudioError("reference audio is empty")
+    if not ref.text.strip():
+        raise InvalidRequest(f"reference audio needs its transcript ({field}.text)")
+    try:
+        audio, sample_rate = read_audio(bytes(ref.audio))
+    except AudioError as exc:  # soundfile's message names an in-memory file object: drop it
+        reason = re.sub(r"^cannot read reference audio: (Error opening <[^>]*>: )?", "", str(exc)).strip()
+        raise AudioError(f"cannot read reference audio ({field}.audio, WAV or FLAC): {reason}") from exc
+    key = reference_key(bytes(ref.audio), ref.text, planner.voices.fingerprint)
+    return planner.prepare_reference(audio, sample_rate, ref.text, key=key)
+
+
+MAX_DETAILS = 300
+
+
+def bounded(details: str, limit: int = MAX_DETAILS) -> str:
+    """A status message cut to `limit` characters (gRPC carries it in a header: a long echo of user input
+    would turn any status into RESOURCE_EXHAUSTED)."""
+    return short(details, limit)
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
     """(status, details, metrics outcome) for an error a request can end with."""
+    code, details, outcome = _status_for(exc)
+    return code, bounded(details), outcome
+
+
+def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
     if isinstance(exc, VoiceNotFound):
         return grpc.StatusCode.NOT_FOUND, str(exc), "not_found"
+    if isinstance(exc, VoiceExists):
+        return grpc.StatusCode.ALREADY_EXISTS, str(exc), "already_exists"
     if isinstance(exc, TextError | InvalidRequest | AudioError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid_argument"
     if isinstance(exc, Overloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "resource_exhausted"
+    if isinstance(exc, Preempted):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "preempted"
     if isinstance(exc, LoopClosed):
         return grpc.StatusCode.UNAVAILABLE, str(exc), "unavailable"
     if isinstance(exc, Cancelled):
@@ -228,10 +242,39 @@ def encode_codes(codes: torch.Tensor) -> pb.Codes:
     return pb.Codes(num_codebooks=n, num_frames=f, values=codes.reshape(-1).tolist())
 
 
-_FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
+_FINISH = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.SHORT: pb.FINISH_REASON_SHORT,
+}
+
+
+def overall_finish_reason(reasons: list[int]) -> int:
+    """The stream's finish reason: SHORT if any text chunk was short, else LENGTH if any hit its budget,
+    else STOP."""
+    for reason in (pb.FINISH_REASON_SHORT, pb.FINISH_REASON_LENGTH):
+        if reason in reasons:
+            return reason
+    return pb.FINISH_REASON_STOP
 
 
 # ---- the servicer -------------------------------------------------------------------------------------
+
+
+@dataclass
+class CallLog:
+    """What the one log line of a finished call says (see `TextToSpeechServicer._log`)."""
+
+    rpc: str
+    received: float
+    request_id: str = "-"
+    text_bytes: int = 0
+    voice: str = "-"
+    frames: int = 0
+    audio_seconds: float = 0.0
+    first_audio: float | None = None
+    outcome: str = "ok"
+    detail: str = ""
 
 
 class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
@@ -241,34 +284,56 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         self.metrics = metrics
         self.bundle: ModelBundle = loop.bundle
 
-    async def _open(self, request, context) -> tuple[PreparedRequest, RequestStream, Started]:
+    async def _open(self, request, context, call: CallLog) -> tuple[PreparedRequest, RequestStream, Started]:
         """Validate, admit, and wait for the engine thread's acceptance; aborts with the right status."""
+        call.text_bytes = len(request.text.encode("utf-8", "replace"))
         if not self.loop.ready:
-            await self._abort(context, LoopClosed("the server is warming up; not accepting requests"))
+            await self._abort(context, LoopClosed("the server is warming up; not accepting requests"), call)
         if not self.loop.alive:
-            await self._abort(context, LoopClosed("the engine has stopped; not accepting requests"))
+            await self._abort(context, LoopClosed("the engine has stopped; not accepting requests"), call)
+        if not self.loop.accepting:
+            await self._abort(
+                context, LoopClosed("the server is shutting down; not accepting requests"), call
+            )
         try:
-            prepared = await asyncio.to_thread(build_job, self.loop.frontend, self.loop, request, self.limits)
+            prepared = await asyncio.to_thread(build_job, self.loop.planner, self.loop, request, self.limits)
+            call.voice = prepared.job.voice_kind
             stream = self.loop.submit(prepared.job, asyncio.get_running_loop())
         except (TextError, InvalidRequest, AudioError, VoiceNotFound, Overloaded, LoopClosed) as exc:
-            await self._abort(context, exc)
+            await self._abort(context, exc, call)
         except Exception as exc:  # noqa: BLE001 - a bug: INTERNAL with its message, not a bare UNKNOWN
             log.exception("preparing a request failed")
-            await self._abort(context, exc)
+            await self._abort(context, exc, call)
+        call.request_id = stream.request_id
         try:
             event = await stream.next()
         except BaseException:
             stream.cancel()
             raise
         if isinstance(event, Failed):
-            await self._abort(context, event.error)
+            await self._abort(context, event.error, call)
         assert isinstance(event, Started), event
         return prepared, stream, event
 
-    async def _abort(self, context, exc: BaseException):
+    async def _abort(self, context, exc: BaseException, call: CallLog | None = None):
         code, details, outcome = status_for(exc)
         self.metrics.requests.labels(outcome).inc()
+        if call is not None:
+            call.outcome, call.detail = outcome, details
+            self._log(call)
         await context.abort(code, details)
+
+    def _log(self, call: CallLog) -> None:
+        """One line per finished call (INFO): id, text bytes, voice kind, frames, TTFA, RTF, outcome."""
+        wall = time.monotonic() - call.received
+        ttfa = f"{(call.first_audio - call.received) * 1000:.0f}" if call.first_audio is not None else "-"
+        rtf = f"{wall / call.audio_seconds:.3f}" if call.audio_seconds > 0 else "-"
+        detail = f" detail={call.detail!r}" if call.detail and call.outcome != "ok" else ""
+        log.info(
+            "request id=%s rpc=%s text_bytes=%d voice=%s frames=%d audio_s=%.2f ttfa_ms=%s rtf=%s outcome=%s%s",
+            call.request_id, call.rpc, call.text_bytes, call.voice, call.frames, call.audio_seconds, ttfa, rtf,
+            call.outcome, detail,
+        )  # fmt: skip
 
     def _header(self, started: Started, prepared: PreparedRequest) -> pb.StreamHeader:
         codec = self.bundle.codec
@@ -278,10 +343,10 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
             model=self.bundle.name, seed=started.seed, text_chunks=started.text_chunks,
         )  # fmt: skip
 
-    def _end(self, finished: Finished, samples: int, chunks: int, t_received: float, t_first: float | None):
+    def _end(self, finished: Finished, samples: int, chunks: int, call: CallLog) -> pb.StreamEnd:
         audio_seconds = samples / self.bundle.codec.sample_rate
-        wall = time.monotonic() - t_received
-        ttfa = (t_first - t_received) if t_first is not None else 0.0
+        wall = time.monotonic() - call.received
+        ttfa = (call.first_audio - call.received) if call.first_audio is not None else 0.0
         rtf = wall / audio_seconds if audio_seconds > 0 else 0.0
         reasons = [_FINISH[r] for r in finished.finish_reasons]
         self.metrics.requests.labels("ok").inc()
@@ -289,25 +354,32 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         if audio_seconds > 0:
             self.metrics.ttfa.observe(ttfa)
             self.metrics.rtf.observe(rtf)
+        call.frames, call.audio_seconds = finished.frames, audio_seconds
+        call.outcome = "ok" if pb.FINISH_REASON_SHORT not in reasons else "ok_short"
+        self._log(call)
         return pb.StreamEnd(
-            finish_reason=pb.FINISH_REASON_LENGTH if pb.FINISH_REASON_LENGTH in reasons else pb.FINISH_REASON_STOP,
-            frames=finished.frames, audio_seconds=audio_seconds, time_to_first_audio_seconds=ttfa, rtf=rtf,
-            chunks=chunks, text_chunk_finish_reasons=reasons,
+            finish_reason=overall_finish_reason(reasons), frames=finished.frames, audio_seconds=audio_seconds,
+            time_to_first_audio_seconds=ttfa, rtf=rtf, chunks=chunks, text_chunk_finish_reasons=reasons,
+            warnings=[bounded(w) for w in finished.warnings],
         )  # fmt: skip
 
-    def _ended_by_client(self, context) -> None:
+    def _ended_by_client(self, context, call: CallLog) -> None:
         remaining = context.time_remaining()
         outcome = "deadline_exceeded" if remaining is not None and remaining <= 0 else "cancelled"
         self.metrics.requests.labels(outcome).inc()
+        call.outcome = outcome
+        self._log(call)
 
     async def Synthesize(self, request, context):
-        t_received = time.monotonic()
+        # Messages go out with `await context.write()` rather than by yielding: a client that cancels
+        # then surfaces here as CancelledError (counted and logged as a cancel), whereas a failed write
+        # of a yielded message is logged by grpc as an ERROR traceback and the generator closed late.
+        call = CallLog("Synthesize", time.monotonic())
         stream = None
         try:
-            prepared, stream, started = await self._open(request, context)
-            yield pb.SynthesizeResponse(header=self._header(started, prepared))
+            prepared, stream, started = await self._open(request, context, call)
+            await context.write(pb.SynthesizeResponse(header=self._header(started, prepared)))
             samples = chunks = 0
-            t_first = None
             while True:
                 event = await stream.next()
                 if isinstance(event, Audio):
@@ -317,32 +389,32 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
                     )  # fmt: skip
                     if prepared.include_codes:
                         chunk.codes.CopyFrom(encode_codes(event.codes))
-                    if t_first is None:
-                        t_first = time.monotonic()
+                    if call.first_audio is None:
+                        call.first_audio = time.monotonic()
                     samples += len(event.samples)
                     chunks += 1
-                    yield pb.SynthesizeResponse(chunk=chunk)
+                    call.frames = event.frame_end
+                    await context.write(pb.SynthesizeResponse(chunk=chunk))
                 elif isinstance(event, Finished):
-                    yield pb.SynthesizeResponse(end=self._end(event, samples, chunks, t_received, t_first))
+                    await context.write(pb.SynthesizeResponse(end=self._end(event, samples, chunks, call)))
                     return
                 else:
-                    await self._abort(context, event.error)
+                    await self._abort(context, event.error, call)
         except asyncio.CancelledError:
-            self._ended_by_client(context)
+            self._ended_by_client(context, call)
             raise
         finally:
             if stream is not None:
                 stream.cancel()  # no-op once the job ended; otherwise frees its blocks and row
 
     async def SynthesizeUnary(self, request, context):
-        t_received = time.monotonic()
+        call = CallLog("SynthesizeUnary", time.monotonic())
         stream = None
         try:
-            prepared, stream, started = await self._open(request, context)
+            prepared, stream, started = await self._open(request, context, call)
             parts: list[bytes] = []
             codes: list[torch.Tensor] = []
             size = samples = chunks = 0
-            t_first = None
             while True:
                 event = await stream.next()
                 if isinstance(event, Audio):
@@ -355,8 +427,10 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
                                 f"the audio exceeds the maximum message size ({self.limits.max_send_bytes} bytes); "
                                 "use the streaming Synthesize call"
                             ),
+                            call,
                         )
-                    t_first = t_first if t_first is not None else time.monotonic()
+                    if call.first_audio is None:
+                        call.first_audio = time.monotonic()
                     parts.append(data)
                     codes.append(event.codes)
                     samples += len(event.samples)
@@ -364,7 +438,7 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
                 elif isinstance(event, Finished):
                     reply = pb.SynthesizeUnaryResponse(
                         header=self._header(started, prepared), audio=b"".join(parts),
-                        end=self._end(event, samples, chunks, t_received, t_first),
+                        end=self._end(event, samples, chunks, call),
                     )  # fmt: skip
                     if prepared.include_codes:
                         n = self.bundle.codec.num_codebooks
@@ -375,21 +449,48 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
                         )
                     return reply
                 else:
-                    await self._abort(context, event.error)
+                    await self._abort(context, event.error, call)
         except asyncio.CancelledError:
-            self._ended_by_client(context)
+            self._ended_by_client(context, call)
             raise
         finally:
             if stream is not None:
                 stream.cancel()
 
+    def _voice_info(self, entry) -> pb.VoiceInfo:
+        return pb.VoiceInfo(
+            name=entry.name, transcript=entry.voice.text, seconds=entry.seconds(self.bundle.codec.frame_rate),
+            kind=entry.kind,
+        )  # fmt: skip
+
     async def ListVoices(self, request, context):
-        codec = self.bundle.codec
-        voices = [
-            pb.VoiceInfo(name=name, transcript=v.text, seconds=v.codes.shape[1] / codec.frame_rate)
-            for name, v in sorted(self.bundle.voices.items())
-        ]
-        return pb.ListVoicesResponse(voices=voices)
+        return pb.ListVoicesResponse(voices=[self._voice_info(e) for e in self.loop.list_voices()])
+
+    async def AddVoice(self, request, context):
+        """Register a voice: checked here, encoded on the codec stage, persisted under the voices dir."""
+        if not self.loop.ready or not self.loop.alive:
+            await self._abort(context, LoopClosed("the server is not ready; try again"))
+        try:
+            self.loop.voices.check_new(request.name, request.replace)
+            ref = await asyncio.to_thread(
+                prepare_reference, self.loop.planner, request.reference, self.limits, "reference"
+            )
+            entry = await asyncio.wrap_future(self.loop.add_voice(request.name, ref, request.replace))
+        except (InvalidRequest, AudioError, VoiceExists) as exc:
+            await self._abort(context, exc)
+        except Exception as exc:  # noqa: BLE001 - encoding or the voice file failed: INTERNAL, said once
+            log.exception("adding voice %r failed", short(request.name))
+            await self._abort(context, EngineFailed(f"cannot add the voice: {exc}"))
+        log.info("voice added name=%s seconds=%.2f", entry.name, entry.seconds(self.bundle.codec.frame_rate))
+        return self._voice_info(entry)
+
+    async def DeleteVoice(self, request, context):
+        try:
+            self.loop.delete_voice(request.name)
+        except (VoiceNotFound, InvalidRequest) as exc:
+            await self._abort(context, exc)
+        log.info("voice deleted name=%s", request.name)
+        return pb.DeleteVoiceResponse()
 
     async def GetInfo(self, request, context):
         if not self.loop.ready:
@@ -405,7 +506,15 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
             max_waiting=lim.max_waiting, max_reference_bytes=lim.max_reference_bytes,
             max_message_bytes=lim.receive_bytes, max_text_bytes=lim.max_text_bytes,
             max_chunk_frames=lim.max_chunk_frames, text_chunk_bytes=b.chunk_length,
+            max_reference_seconds=self.loop.planner.max_reference_seconds,
+            max_audio_seconds=lim.max_audio_seconds or 0.0, pause_timeout_seconds=lim.pause_timeout or 0.0,
+            reference_cache_bytes=lim.reference_cache_bytes, codec_dtype=_codec_dtype(c),
         )  # fmt: skip
+
+
+def _codec_dtype(codec) -> str:
+    dtype = getattr(codec, "dtype", torch.float32)
+    return str(dtype).removeprefix("torch.")
 
 
 # ---- the server ---------------------------------------------------------------------------------------
@@ -421,11 +530,13 @@ class TTSServer:
         await server.stop(grace=10.0)
 
     metrics_port: None = no metrics endpoint, 0 = a free port (see `metrics_port` after start).
+    codec_graphs: let the codec stage capture CUDA graphs of its decode.
     """
 
     def __init__(
         self, bundle: ModelBundle, engine_config: EngineConfig | None = None,
         limits: ServiceLimits | None = None, *, metrics_host: str = "127.0.0.1", metrics_port: int | None = None,
+        codec_graphs: bool = True,
     ):  # fmt: skip
         self.limits = limits = limits or ServiceLimits()
         cap = max(
@@ -435,8 +546,10 @@ class TTSServer:
         if limits.max_chunk_frames > cap:
             limits.max_chunk_frames = cap
         self.loop = EngineLoop(
-            bundle, engine_config, max_waiting=limits.max_waiting, max_queued_chunks=limits.max_queued_chunks
-        )
+            bundle, engine_config, max_waiting=limits.max_waiting, max_queued_chunks=limits.max_queued_chunks,
+            pause_timeout=limits.pause_timeout, voices_dir=limits.voices_dir,
+            reference_cache_bytes=limits.reference_cache_bytes, codec_graphs=codec_graphs,
+        )  # fmt: skip
         self.metrics = ServiceMetrics(self.loop)
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
         self.port: int | None = None
@@ -518,26 +631,29 @@ class TTSServer:
                 pass
 
     async def stop(self, grace: float | None = 10.0) -> None:
-        """Graceful shutdown: NOT_SERVING, refuse new calls, let open streams finish for `grace` seconds,
-        end the rest with UNAVAILABLE, stop the engine thread. Idempotent."""
+        """Graceful shutdown (drain): health NOT_SERVING at once, new calls answered UNAVAILABLE by the
+        handlers (the port stays open, so a balancer's health checks see NOT_SERVING, not a refused
+        connection), open streams get `grace` seconds to finish; then the rest end with UNAVAILABLE, the
+        engine thread stops and the port closes. Returns within `grace` plus about a second. Idempotent."""
         if self._stopping:
             await self._stopped.wait()
             return
         self._stopping = True
         try:
             if self._health is not None:
-                await self._health.enter_graceful_shutdown()
+                from grpc_health.v1 import health_pb2
+
+                for name in ("", SERVICE_NAME):
+                    await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
             self.loop.close_admission()
             grace = 0.0 if grace is None else grace
-            # gRPC refuses new calls from now on; open calls get `grace` (+ a moment to send their status).
-            stopping = asyncio.ensure_future(self._server.stop(grace + 2.0)) if self._server else None
             deadline = time.monotonic() + grace
-            while self.loop.stats.jobs > 0 and self.loop.alive and time.monotonic() < deadline:
+            while self.loop.in_flight > 0 and self.loop.alive and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            # Jobs still open end with UNAVAILABLE ("not finished within the grace period").
+            # Jobs still open end with UNAVAILABLE ("the server shut down before the request finished").
             await asyncio.to_thread(self.loop.stop, 30.0)
-            if stopping is not None:
-                await stopping
+            if self._server is not None:
+                await self._server.stop(0.5)  # the handlers have their final events: let them send them
             self.metrics.close()
         finally:
             self._stopped.set()

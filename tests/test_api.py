@@ -74,8 +74,14 @@ def test_reference_audio_checks(tts):
         tts.reference_from_audio(stereo[:, :1000], sr, "x")
     with pytest.raises(InvalidRequest, match="transcript"):
         tts.reference_from_audio(stereo, sr, " ")
-    long_clip = np.tile(stereo, 20)  # 40 s: trimmed to a quarter of the tiny model's 1024-token context
-    assert tts.reference_from_audio(long_clip, sr, "long").codes.shape[1] == 256
+    # 40 s: over a quarter of the tiny model's 1024-token context (256 frames = 10.24 s). Refused with a
+    # message naming the limit: cutting the audio would separate it from its transcript.
+    long_clip = np.tile(stereo, 20)
+    with pytest.raises(
+        AudioError, match=r"reference audio is 40\.0 s long; this model takes at most 10\.2 s"
+    ):
+        tts.reference_from_audio(long_clip, sr, "long")
+    assert tts.reference_from_audio(long_clip[:, : int(10.2 * sr)], sr, "long").codes.shape[1] == 255
 
 
 def test_abandoned_stream_frees_its_request(tts):

@@ -1,4 +1,5 @@
-"""EngineLoop: the engine thread, per-request streaming decode, back-pressure, cancel, failures."""
+"""EngineLoop: the engine thread driving the job pipeline: streamed audio, back-pressure, preemption of
+paused streams, cancel, failures."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from tts.engine.loop import (
     Finished,
     LoopClosed,
     Overloaded,
+    Preempted,
     Started,
-    SynthesisJob,
 )
 
 
@@ -54,11 +55,16 @@ def make_loop(bundle):
         loop.stop()
 
 
-def job(loop, text, max_new_frames=20, seed=1, temperature=None, **kw):
-    params = replace(loop.bundle.sampling, seed=seed, max_new_frames=max_new_frames)
-    if temperature is not None:
-        params = replace(params, temperature=temperature)
-    return SynthesisJob(loop.frontend.plan(text), params, **kw)
+def job(loop, text, max_new_frames=20, seed=1, temperature=None, hold=False, **kw):
+    """A planned job; `hold`: exactly max_new_frames frames per text chunk (the end token held off), so
+    a test does not depend on when the random model would stop."""
+    sampling = dict(seed=seed, max_new_frames=max_new_frames, temperature=temperature)
+    if hold:
+        sampling["min_new_frames"] = max_new_frames
+    return loop.planner.job(text, **sampling, **kw)
+
+
+LONG_TEXT = "A text long enough for the runaway guard to allow every frame these tests ask for."
 
 
 def drain(stream, timeout=60.0):
@@ -117,7 +123,16 @@ def test_asyncio_consumer(make_loop):
 def test_back_pressure_pauses_only_the_slow_request(make_loop, bundle, offline):
     loop = make_loop(max_queued_chunks=2)
     slow = loop.submit(
-        job(loop, "Back pressure test.", 40, seed=4, temperature=0.0, chunk_frames=2, first_chunk_frames=2)
+        job(
+            loop,
+            "Back pressure test.",
+            40,
+            seed=4,
+            temperature=0.0,
+            chunk_frames=2,
+            first_chunk_frames=2,
+            hold=True,
+        )
     )
     assert isinstance(slow.get(timeout=60), Started)
     wait_until(lambda: slow.paused and loop.stats.paused == 1, what="pause")
@@ -131,26 +146,40 @@ def test_back_pressure_pauses_only_the_slow_request(make_loop, bundle, offline):
     events = drain(slow)  # reading resumes it
     audio = [e for e in events if isinstance(e, Audio)]
     assert [a.sequence for a in audio] == list(range(len(audio)))
-    ref = offline.synthesize("Back pressure test.", seed=4, max_new_frames=40, temperature=0.0)
+    ref = offline.synthesize(
+        "Back pressure test.", seed=4, max_new_frames=40, min_new_frames=40, temperature=0.0
+    )
     np.testing.assert_allclose(np.concatenate([a.samples for a in audio]), ref.audio, atol=1e-6, rtol=0)
     assert events[-1].frames == ref.frames == 40
     wait_until(lambda: idle(loop), what="idle")
 
 
-def test_pause_at_a_text_chunk_boundary_defers_the_next_chunk(make_loop, offline):
-    """The chunk that fills the queue ends text chunk 1: text chunk 2 starts only when the consumer reads."""
+def test_pause_across_text_chunks_stops_generation_until_read(make_loop, offline):
+    """A two-chunk text whose reader does not read: the job pauses (its next text chunk deferred, or its
+    engine request paused, depending on when the audio came back) and generates nothing more until the
+    consumer reads; then the whole audio equals the offline synthesis."""
     loop = make_loop(max_queued_chunks=1)
     text = " ".join(f"This is sentence number {i} of a text long enough to be split." for i in range(4))
-    chunks = loop.frontend.plan(text)
-    assert len(chunks) == 2
-    stream = loop.submit(job(loop, text, 2, seed=9, temperature=0.0, first_chunk_frames=2, chunk_frames=2))
+    assert len(loop.planner.plan(text)) == 2
+    stream = loop.submit(
+        job(loop, text, 2, seed=9, temperature=0.0, first_chunk_frames=2, chunk_frames=2, hold=True)
+    )
     assert isinstance(stream.get(timeout=60), Started)
-    wait_until(lambda: stream.paused and loop.engine.num_running == 0, what="pause between text chunks")
-    state = next(iter(loop._jobs.values()))
-    assert state.next_deferred and state.engine_id is None and loop.engine.num_waiting == 0
+
+    def stopped() -> bool:
+        state = next(iter(loop.runner.jobs.values()), None)
+        return (
+            stream.paused and state is not None and not state.inflight
+            and (state.deferred or not loop.engine.runner.buffers.active.any())
+        )  # fmt: skip
+
+    wait_until(stopped, what="paused generation")
+    frames = loop.engine.frames_generated
+    time.sleep(0.2)
+    assert loop.engine.frames_generated == frames
     events = drain(stream)
     audio = np.concatenate([e.samples for e in events if isinstance(e, Audio)])
-    ref = offline.synthesize(text, seed=9, max_new_frames=2, temperature=0.0)
+    ref = offline.synthesize(text, seed=9, max_new_frames=2, min_new_frames=2, temperature=0.0)
     assert events[-1].frames == ref.frames == 4 and len(events[-1].finish_reasons) == 2
     np.testing.assert_allclose(audio, ref.audio, atol=1e-6, rtol=0)
     wait_until(lambda: idle(loop), what="idle")
@@ -158,8 +187,8 @@ def test_pause_at_a_text_chunk_boundary_defers_the_next_chunk(make_loop, offline
 
 def test_cancel_running_paused_and_queued_jobs_frees_everything(make_loop):
     loop = make_loop(max_batch=1, max_waiting=2, max_queued_chunks=1)
-    running = loop.submit(job(loop, "First.", 200, temperature=0.0, chunk_frames=1, first_chunk_frames=1))
-    queued = loop.submit(job(loop, "Second.", 200, temperature=0.0))
+    running = loop.submit(job(loop, LONG_TEXT, 200, hold=True, chunk_frames=1, first_chunk_frames=1))
+    queued = loop.submit(job(loop, LONG_TEXT, 200, hold=True))
     assert isinstance(running.get(timeout=60), Started)
     wait_until(lambda: running.paused, what="pause")  # one unread chunk: paused
     wait_until(lambda: loop.stats.waiting == 1, what="second job queued")  # no free row for it
@@ -175,7 +204,7 @@ def test_cancel_running_paused_and_queued_jobs_frees_everything(make_loop):
 
 def test_admission_is_bounded(make_loop):
     loop = make_loop(max_batch=1, max_waiting=1)
-    streams = [loop.submit(job(loop, "Long.", 200, temperature=0.0)) for _ in range(2)]
+    streams = [loop.submit(job(loop, LONG_TEXT, 200, hold=True)) for _ in range(2)]
     with pytest.raises(Overloaded, match="2 requests in flight"):
         loop.submit(job(loop, "Too many."))
     for s in streams:
@@ -186,7 +215,7 @@ def test_admission_is_bounded(make_loop):
 
 def test_step_failure_fails_every_job_and_the_loop_keeps_serving(make_loop, monkeypatch):
     loop = make_loop()
-    streams = [loop.submit(job(loop, f"Request {i}.", 200, temperature=0.0)) for i in range(3)]
+    streams = [loop.submit(job(loop, LONG_TEXT, 200, seed=i, hold=True)) for i in range(3)]
     for s in streams:
         assert isinstance(s.get(timeout=60), Started)
     real_step = loop.engine.step
@@ -205,7 +234,9 @@ def test_step_failure_fails_every_job_and_the_loop_keeps_serving(make_loop, monk
     assert isinstance(drain(loop.submit(job(loop, "Still here.", 4)))[-1], Finished)
 
 
-def test_a_codec_failure_fails_only_its_job(make_loop, monkeypatch):
+def test_a_codec_failure_fails_only_the_jobs_of_that_call(make_loop, monkeypatch):
+    """A decode call that raises fails the jobs whose audio it held, with INTERNAL's EngineFailed; the
+    stage and the loop keep serving."""
     from tts.codec.base import StreamingDecoder
 
     real_push = StreamingDecoder.push
@@ -217,19 +248,18 @@ def test_a_codec_failure_fails_only_its_job(make_loop, monkeypatch):
 
     monkeypatch.setattr(StreamingDecoder, "push", push)
     loop = make_loop()
-    bad = loop.submit(job(loop, "Bad.", 30, temperature=0.0, first_chunk_frames=3, chunk_frames=3))
-    good = loop.submit(job(loop, "Good.", 30, seed=3, temperature=0.0))
+    bad = loop.submit(job(loop, "Bad.", 30, temperature=0.0, first_chunk_frames=3, chunk_frames=3, hold=True))
     events = drain(bad)
     assert isinstance(events[-1], Failed) and "decoder exploded" in str(events[-1].error)
     assert isinstance(events[-1].error, EngineFailed)
-    assert isinstance(drain(good)[-1], Finished)
+    assert isinstance(drain(loop.submit(job(loop, "Good.", 30, seed=3, hold=True)))[-1], Finished)
     wait_until(lambda: idle(loop), what="idle")
-    assert loop.alive
+    assert loop.alive and loop.runner.stage.stats.failures >= 1
 
 
 def test_bad_reference_found_on_the_engine_thread_fails_the_job(make_loop):
     loop = make_loop()
-    prepared = loop.frontend.prepare_reference(np.ones(16000, np.float32) * 0.1, 16000, "x")
+    prepared = loop.planner.prepare_reference(np.ones(16000, np.float32) * 0.1, 16000, "x")
     bad = replace(prepared, samples=torch.zeros(2, 3, 5))  # not [samples]: the codec raises
     events = drain(loop.submit(job(loop, "Hi.", 4, reference=bad)))
     assert len(events) == 1 and isinstance(events[0], Failed)
@@ -238,7 +268,7 @@ def test_bad_reference_found_on_the_engine_thread_fails_the_job(make_loop):
 
 def test_stop_ends_open_jobs_and_refuses_new_ones(make_loop):
     loop = make_loop()
-    stream = loop.submit(job(loop, "Long.", 300, temperature=0.0))
+    stream = loop.submit(job(loop, LONG_TEXT, 300, hold=True))
     assert isinstance(stream.get(timeout=60), Started)
     loop.stop()
     assert not loop.alive
@@ -249,3 +279,22 @@ def test_stop_ends_open_jobs_and_refuses_new_ones(make_loop):
         loop.submit(job(loop, "After."))
     with pytest.raises(queue.Empty):
         stream.get(timeout=0.01)
+
+
+def test_a_paused_stream_is_preempted_only_while_others_wait(make_loop):
+    """Back-pressure pauses a job that nobody reads; it keeps its row while nobody else needs one, and is
+    ended with Preempted (RESOURCE_EXHAUSTED) once another job waits for a row longer than the pause
+    timeout; the waiting job then runs."""
+    loop = make_loop(max_batch=1, max_waiting=2, max_queued_chunks=1, pause_timeout=0.2)
+    hog = loop.submit(job(loop, LONG_TEXT, 200, hold=True, chunk_frames=1, first_chunk_frames=1))
+    assert isinstance(hog.get(timeout=60), Started)
+    wait_until(lambda: hog.paused and loop.stats.paused == 1, what="pause")
+    time.sleep(0.5)  # past the timeout, but nobody waits: it keeps its row
+    assert loop.engine.num_running == 1 and loop.in_flight == 1
+    other = loop.submit(job(loop, "Hello.", 5, seed=2, hold=True))
+    events = drain(other)  # runs once the hog is preempted
+    assert isinstance(events[-1], Finished) and events[-1].frames == 5
+    hog_events = drain(hog)
+    assert isinstance(hog_events[-1], Failed) and isinstance(hog_events[-1].error, Preempted)
+    assert "not read for 0.2 s" in str(hog_events[-1].error)
+    wait_until(lambda: idle(loop), what="idle")

@@ -1,6 +1,5 @@
 """Serving a Fish checkpoint through the API and CLI: synthesis, references, speaker turns, commands."""
 
-import logging
 import math
 
 import numpy as np
@@ -53,16 +52,21 @@ def test_silent_reference_is_an_error(s2_tts):
         s2_tts.reference_from_audio(np.zeros(44100, np.float32), 44100, "Nothing.")
 
 
-def test_two_minute_reference_is_trimmed_to_the_context_budget(s2_tts, caplog):
-    # A quarter of the context is kept for reference audio: with a 256-token context that is 64 frames
-    # (2.97 s); with S2-Pro's 32768 it is the 30 s cap.
+def test_reference_over_the_context_budget_is_refused(s2_tts):
+    # A quarter of the context is for reference audio: with a 256-token context that is 64 frames
+    # (2.97 s); with S2-Pro's 32768 it is the 30 s cap. A longer clip is refused with the limit named
+    # (cutting it would separate the audio from its transcript); one at the limit is taken whole.
     tts = TTS(s2_tts.bundle, EngineConfig(max_batch=1, graphs=False, max_context=256))
-    limit = tts.max_reference_seconds
-    assert abs(limit - 64 / (44100 / 2048)) < 1e-6 and s2_tts.max_reference_seconds == 256 / (44100 / 2048)
-    with caplog.at_level(logging.WARNING):
-        ref = tts.reference_from_audio(_tone(120.0, 8000), 8000, "Long.")
-    assert "reference audio is 120.0 s long; using its first 3.0 s" in caplog.text
-    assert ref.codes.shape[1] == math.ceil(int(limit * 44100) / 2048) == 64
+    limit = tts.planner.max_reference_seconds
+    assert abs(limit - 64 / (44100 / 2048)) < 1e-6 and s2_tts.planner.max_reference_seconds == 256 / (
+        44100 / 2048
+    )
+    with pytest.raises(
+        AudioError, match=r"reference audio is 120\.0 s long; this model takes at most 3\.0 s"
+    ):
+        tts.reference_from_audio(_tone(120.0, 8000), 8000, "Long.")
+    ref = tts.reference_from_audio(_tone(2.9, 8000), 8000, "Short enough.")
+    assert ref.codes.shape[1] == math.ceil(round(2.9 * 44100) / 2048)
 
 
 def test_several_references_all_enter_the_prompt(s2_tts):

@@ -30,7 +30,14 @@ pytest.importorskip("grpc_health")
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 SERVICE = "tts.v1.TextToSpeech"
-LONG = dict(temperature=0.0, seed=4)  # greedy: the tiny model does not stop early on these texts
+# A stream of exactly HOLD_FRAMES frames whatever the random weights do (the end token is held off),
+# for a text long enough that the runaway guard allows it. Sent as float32 one frame per chunk, its
+# 1.5 MB of audio cannot finish through HTTP/2's windows (BDP probing off: about 160 KB) unless the
+# client reads: a client that stops reading holds the stream open for as long as it likes.
+HOLD_FRAMES = 600
+HOLD_TEXT = "Hold this stream open for as long as the test needs it, whatever the random weights say."
+HOLD = dict(temperature=0.0, seed=4, max_new_frames=HOLD_FRAMES, min_new_frames=HOLD_FRAMES)
+NO_BDP = {"grpc.http2.bdp_probe": 0}
 
 
 class ServerThread:
@@ -112,7 +119,7 @@ def wait_idle(loop: EngineLoop, timeout: float = 30.0) -> None:
     while time.monotonic() < deadline:
         if (
             loop.in_flight == 0 and engine.kv_usage()[0] == 0 and engine.num_running == 0 and engine.num_waiting == 0
-            and not bool(engine.runner.buffers.active.any()) and not loop._jobs and not loop._by_engine_id
+            and not bool(engine.runner.buffers.active.any()) and loop.runner.idle()
         ):  # fmt: skip
             return
         time.sleep(0.01)
@@ -232,7 +239,7 @@ def test_concurrent_streams_equal_solo_runs(server, stub):
 # ---- cancellation, deadlines, back-pressure ------------------------------------------------------------
 
 
-def test_cancel_after_first_chunk_frees_everything(server, stub):
+def test_cancel_after_first_chunk_frees_everything(server):
     wait_idle(server.loop)
     registry = server.server.metrics.registry
 
@@ -240,9 +247,11 @@ def test_cancel_after_first_chunk_frees_everything(server, stub):
         return registry.get_sample_value("tts_requests_total", {"outcome": "cancelled"}) or 0.0
 
     before = cancelled()
+    channel = server.channel(**NO_BDP)
+    stub = pb_grpc.TextToSpeechStub(channel)
     for _ in range(50):
         call = stub.Synthesize(
-            build_request("Cancel me.", max_new_frames=200, first_chunk_frames=1, chunk_frames=1, **LONG)
+            build_request(HOLD_TEXT, first_chunk_frames=1, chunk_frames=1, encoding="float32", **HOLD)
         )
         assert next(call).WhichOneof("message") == "header"
         assert next(call).WhichOneof("message") == "chunk"
@@ -253,15 +262,21 @@ def test_cancel_after_first_chunk_frees_everything(server, stub):
     while cancelled() < before + 50 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert cancelled() == before + 50  # every handler saw the cancellation
+    channel.close()
 
 
-def test_deadline_exceeded_frees_resources(server, stub):
+def test_deadline_exceeded_frees_resources(server):
     wait_idle(server.loop)
-    req = build_request("Deadline test.", max_new_frames=300, **LONG)
-    err = rpc_error(lambda: collect(stub.Synthesize(req, timeout=0.05)))
+    stub = pb_grpc.TextToSpeechStub(server.channel(**NO_BDP))
+    req = build_request(HOLD_TEXT, encoding="float32", first_chunk_frames=1, chunk_frames=1, **HOLD)
+    # The deadline passes while the client is not reading: the stream cannot have ended by then.
+    call = stub.Synthesize(req, timeout=1.0)
+    assert next(call).WhichOneof("message") == "header"
+    time.sleep(1.0)
+    err = rpc_error(lambda: list(call))
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_idle(server.loop)
-    err = rpc_error(lambda: stub.SynthesizeUnary(req, timeout=0.05))
+    err = rpc_error(lambda: stub.SynthesizeUnary(req, timeout=0.05))  # 600 frames cannot come in 50 ms
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_idle(server.loop)
 
@@ -272,11 +287,8 @@ def test_slow_reader_pauses_its_request_only(server, bundle, offline):
     completes; after reading on, the audio equals the offline result."""
     wait_idle(server.loop)
     loop = server.loop
-    text = "Back pressure test."
-    req = build_request(
-        text, max_new_frames=200, encoding="float32", first_chunk_frames=8, chunk_frames=8, **LONG
-    )  # fmt: skip
-    with server.channel(**{"grpc.http2.bdp_probe": 0}) as channel:
+    req = build_request(HOLD_TEXT, encoding="float32", first_chunk_frames=8, chunk_frames=8, **HOLD)
+    with server.channel(**NO_BDP) as channel:
         slow = pb_grpc.TextToSpeechStub(channel).Synthesize(req)
         assert next(slow).WhichOneof("message") == "header"
         deadline = time.monotonic() + 60
@@ -300,8 +312,8 @@ def test_slow_reader_pauses_its_request_only(server, bundle, offline):
     audio = np.concatenate(
         [decode_audio(m.chunk.audio, pb.AUDIO_ENCODING_FLOAT32) for m in rest if m.HasField("chunk")]
     )
-    ref = offline.synthesize(text, max_new_frames=200, **LONG)
-    assert rest[-1].end.frames == ref.frames == 200
+    ref = offline.synthesize(HOLD_TEXT, **HOLD)
+    assert rest[-1].end.frames == ref.frames == HOLD_FRAMES
     np.testing.assert_allclose(audio, ref.audio, atol=1e-6, rtol=0)
     wait_idle(loop)
 
@@ -446,13 +458,12 @@ def test_info_reports_captured_buckets_with_graphs_on(bundle):
 
 
 def test_overload_gives_resource_exhausted(bundle):
-    srv = ServerThread(bundle, EngineConfig(max_batch=1), ServiceLimits(max_waiting=1))
+    srv = ServerThread(bundle, EngineConfig(max_batch=1), ServiceLimits(max_waiting=1, pause_timeout=None))
     try:
-        with srv.channel() as channel:
+        with srv.channel(**NO_BDP) as channel:
             stub = pb_grpc.TextToSpeechStub(channel)
-            calls = [
-                stub.Synthesize(build_request("Overload.", max_new_frames=300, **LONG)) for _ in range(2)
-            ]
+            req = build_request(HOLD_TEXT, encoding="float32", first_chunk_frames=1, chunk_frames=1, **HOLD)
+            calls = [stub.Synthesize(req) for _ in range(2)]  # not read: they cannot end by themselves
             for call in calls:
                 assert next(call).WhichOneof("message") == "header"  # admitted: one decoding, one queued
             err = rpc_error(lambda: collect(stub.Synthesize(build_request("One too many."))))
@@ -510,42 +521,52 @@ def test_reflection_lists_the_service(server):
     assert {SERVICE, "grpc.health.v1.Health"} <= names
 
 
-def test_shutdown_with_open_streams_ends_within_grace(bundle):
-    srv = ServerThread(bundle, EngineConfig(max_batch=4))
-    channel = srv.channel()
+def test_shutdown_drains_within_grace(bundle):
+    """stop(grace) with three streams in flight: A and B hold both batch rows and are not read (so they
+    cannot end by themselves), S waits for a row. During the grace period health answers NOT_SERVING,
+    new calls get UNAVAILABLE from the still-open port, and S finishes once A's client cancels; at the
+    end of the grace period B ends UNAVAILABLE, everything is freed, and stop returns within grace plus
+    a stated margin."""
+    srv = ServerThread(
+        bundle, EngineConfig(max_batch=2), ServiceLimits(pause_timeout=None, max_queued_chunks=2)
+    )
+    channel = srv.channel(**NO_BDP)
     stub = pb_grpc.TextToSpeechStub(channel)
-    results: dict[str, object] = {}
+    health = health_pb2_grpc.HealthStub(channel)
+    held = build_request(HOLD_TEXT, encoding="float32", first_chunk_frames=1, chunk_frames=1, **HOLD)
+    a, b = stub.Synthesize(held), stub.Synthesize(held)
+    for call in (a, b):
+        assert next(call).WhichOneof("message") == "header"
+    short_call = stub.Synthesize(
+        build_request(HOLD_TEXT, temperature=0.0, max_new_frames=5, min_new_frames=5)
+    )
+    assert next(short_call).WhichOneof("message") == "header"  # queued: both rows are held
+    assert srv.loop.stats.running == 2 and srv.loop.in_flight == 3
+    grace, margin = 5.0, 2.0
+    elapsed: list[float] = []
 
-    def read(name, req):
-        try:
-            results[name] = collect(stub.Synthesize(req))
-        except grpc.RpcError as exc:
-            results[name] = exc.code()
+    def stop():
+        t0 = time.monotonic()
+        srv.stop(grace=grace)
+        elapsed.append(time.monotonic() - t0)
 
-    long_req = build_request("Shut down slowly.", max_new_frames=900, first_chunk_frames=1, **LONG)
-    short_req = build_request("Short.", seed=2, max_new_frames=3, temperature=0.0)
-    threads = [threading.Thread(target=read, args=(f"long{i}", long_req)) for i in range(2)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while srv.loop.stats.running < 2:
-        assert time.monotonic() < deadline and not results, results
-        time.sleep(0.01)
-    short = threading.Thread(target=read, args=("short", short_req))
-    short.start()
-    while srv.loop.stats.jobs < 3:  # the short request is in flight
+    stopper = threading.Thread(target=stop)
+    stopper.start()
+    deadline = time.monotonic() + 30
+    while (
+        health.Check(health_pb2.HealthCheckRequest(service=SERVICE)).status
+        != health_pb2.HealthCheckResponse.NOT_SERVING
+    ):
         assert time.monotonic() < deadline
-        time.sleep(0.005)
-    grace = 1.0  # the long streams need several seconds more (900 frames), the short one far less
-    t0 = time.monotonic()
-    srv.stop(grace=grace)
-    elapsed = time.monotonic() - t0
-    for t in (*threads, short):
-        t.join(30)
+        time.sleep(0.01)
+    err = rpc_error(lambda: collect(stub.Synthesize(build_request("Too late."))))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.details()
+    a.cancel()
+    rest = list(short_call)  # gets A's row, runs its 5 frames, ends normally within the grace period
+    assert rest[-1].WhichOneof("message") == "end" and rest[-1].end.frames == 5
+    stopper.join(60)
+    assert rpc_error(lambda: list(b)).code() == grpc.StatusCode.UNAVAILABLE
     channel.close()
-    assert elapsed < grace + 5.0, elapsed
+    assert elapsed and elapsed[0] < grace + margin, elapsed
     assert not srv.loop.alive
-    # The short stream finished within the grace period; the long ones were cancelled with a status.
-    assert isinstance(results["short"], dict) and results["short"]["end"].frames > 0
-    assert results["long0"] == results["long1"] == grpc.StatusCode.UNAVAILABLE
-    assert srv.loop.engine.kv_usage()[0] == 0
+    assert srv.loop.engine.kv_usage()[0] == 0 and srv.loop.runner.jobs == {}

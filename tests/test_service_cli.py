@@ -26,8 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class ServeProcess:
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, data_home: Path | None = None):
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        if data_home is not None:  # registered voices go under $XDG_DATA_HOME, not the user's home
+            env["XDG_DATA_HOME"] = str(data_home)
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from tts.cli import main; sys.exit(main())", "serve", *args],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -55,8 +57,9 @@ class ServeProcess:
 
 def test_serve_client_bench_and_sigterm(tmp_path):
     server = ServeProcess(
-        "--model", "tiny", "--port", "0", "--metrics-port", "0", "--max-batch", "4", "--grace", "1"
-    )
+        "--model", "tiny", "--port", "0", "--metrics-port", "0", "--max-batch", "4", "--grace", "1",
+        data_home=tmp_path,
+    )  # fmt: skip
     try:
         address, metrics_url = server.wait_serving()
         out = tmp_path / "hello.wav"
@@ -102,12 +105,17 @@ def test_serve_client_bench_and_sigterm(tmp_path):
         assert set(levels[0]["ttfa_ms"]) == {"p50", "p95", "p99"} and set(levels[0]["rtf"]) == {"p50", "p95"}
         text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
         assert 'tts_requests_total{outcome="ok"}' in text
-        # SIGTERM with an open stream: the process exits 0 within the grace period; the stream ends
-        # with UNAVAILABLE.
-        channel = grpc.insecure_channel(address, options=channel_options())
+        # SIGTERM with an open stream that cannot end (its client does not read 600 frames of float32
+        # audio through HTTP/2 windows kept small): the process exits 0 within the grace period plus a
+        # margin; the stream ends with UNAVAILABLE.
+        channel = grpc.insecure_channel(address, options=channel_options() + [("grpc.http2.bdp_probe", 0)])
+        text = "Hold this stream open for as long as the test needs it, whatever the random weights say."
         call = pb_grpc.TextToSpeechStub(channel).Synthesize(
-            build_request("Long.", temperature=0.0, max_new_frames=900, first_chunk_frames=1)
-        )
+            build_request(
+                text, temperature=0.0, max_new_frames=600, min_new_frames=600, first_chunk_frames=1,
+                chunk_frames=1, encoding="float32",
+            )
+        )  # fmt: skip
         assert next(call).WhichOneof("message") == "header"
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)

@@ -33,9 +33,9 @@ from .codec import Codec, WaveTableCodec
 from .codec.melrvq import MelRVQCodec
 from .codec.melvq import MelVQCodec
 from .config import ConfigError, ModelArgs
-from .engine.request import SamplingParams
 from .frontend import get_frontend
 from .model import DualARTransformer
+from .params import SamplingParams
 from .prompt import PromptFormat, S2PromptFormat, VoiceReference
 from .tokenizer import TextTokenizer, TokenizerLike, build_byte_tokenizer
 

@@ -212,6 +212,12 @@ class Engine:
             if request_id in self._requests:
                 self._pending_pause[request_id] = paused
 
+    def is_running(self, request_id: str) -> bool:
+        """Whether the request holds a batch row now (admitted, not finished)."""
+        with self._lock:
+            request = self._requests.get(request_id)
+            return request is not None and request.state == RequestState.RUNNING
+
     def has_work(self) -> bool:
         with self._lock:
             return self.scheduler.has_work() or bool(self._pending_cancel)
