@@ -159,9 +159,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_config = EngineConfig(max_batch=args.max_batch, **engine_kwargs(args))
     voices_dir = None if (args.voices_dir or "").lower() == "none" else args.voices_dir
     if args.voices_dir is None:
-        from tts.voices import codec_fingerprint, default_voices_dir
+        from tts.voices import default_voices_dir
 
-        voices_dir = default_voices_dir(bundle.name, codec_fingerprint(bundle.codec))
+        voices_dir = default_voices_dir(bundle.name)
     limits = ServiceLimits(
         max_waiting=args.max_waiting, max_queued_chunks=args.max_queued_chunks,
         max_reference_bytes=int(args.max_reference_mb * MiB), pause_timeout=args.pause_timeout or None,

@@ -14,6 +14,11 @@ every iteration by the engine thread); per-request figures are observed by the g
 | `tts_kv_blocks_used`, `tts_kv_blocks_total` | gauge | paged KV cache blocks |
 | `tts_graph_replay_share` | gauge | share of decode steps replayed from a CUDA graph |
 | `tts_engine_step_failures_total` | counter | engine steps that raised |
+| `tts_frame_step_seconds_total` | counter | time in engine steps (on CUDA: until the frame is on the host) |
+| `tts_codec_decode_seconds_total`, `tts_codec_encode_seconds_total` | counter | codec stage time (device time on CUDA, events around each call; wall time on a CPU) |
+| `tts_codec_decode_calls_total`, `tts_codec_decode_frames_total` | counter | batched decode calls and the frames they decoded (frames / calls = batch) |
+| `tts_reference_cache_hits_total`, `tts_reference_cache_misses_total` | counter | reference clips found encoded / encoded anew |
+| `process_resident_memory_bytes`, ... | gauge | the process collector's memory and CPU figures |
 | `tts_requests_total{outcome}` | counter | finished requests by outcome (ok, invalid_argument, ...) |
 | `tts_time_to_first_audio_seconds` | histogram | request received -> first audio chunk sent (server side) |
 | `tts_real_time_factor` | histogram | (end - request received) / audio seconds |
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tts.engine.loop import EngineLoop
@@ -58,9 +63,18 @@ class _EngineCollector:
         }  # fmt: skip
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
-        yield CounterMetricFamily(
-            "tts_engine_step_failures", "Engine steps that raised", value=s.step_failures
-        )
+        counters = {
+            "tts_engine_step_failures": ("Engine steps that raised", s.step_failures),
+            "tts_frame_step_seconds": ("Time in engine steps (seconds)", s.frame_step_seconds),
+            "tts_codec_decode_seconds": ("Codec stage decode time (seconds)", s.codec_decode_seconds),
+            "tts_codec_encode_seconds": ("Codec stage encode time (seconds)", s.codec_encode_seconds),
+            "tts_codec_decode_calls": ("Batched codec decode calls", s.codec_decode_calls),
+            "tts_codec_decode_frames": ("Frames decoded by the codec stage", s.codec_decode_frames),
+            "tts_reference_cache_hits": ("Reference clips found in the cache", s.cache_hits),
+            "tts_reference_cache_misses": ("Reference clips encoded anew", s.cache_misses),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
 
 
 class ServiceMetrics:
@@ -69,6 +83,7 @@ class ServiceMetrics:
     def __init__(self, loop: EngineLoop):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(loop))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends (Linux)
         self.requests = Counter(
             "tts_requests", "Finished synthesis requests by outcome", ["outcome"], registry=self.registry
         )

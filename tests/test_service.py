@@ -570,3 +570,242 @@ def test_shutdown_drains_within_grace(bundle):
     assert elapsed and elapsed[0] < grace + margin, elapsed
     assert not srv.loop.alive
     assert srv.loop.engine.kv_usage()[0] == 0 and srv.loop.runner.jobs == {}
+
+
+# ---- registered voices, the reference cache ------------------------------------------------------------
+
+
+def tone_wav(seconds: float = 1.0, freq: float = 220.0, rate: int = 16000) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    return wav_bytes((0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32), rate)
+
+
+def test_registered_voice_survives_a_restart_and_equals_the_clip_inline(bundle, tmp_path):
+    clip = tone_wav()
+    req = dict(seed=3, max_new_frames=8, min_new_frames=8, include_codes=True)
+    srv = ServerThread(bundle, EngineConfig(max_batch=2), ServiceLimits(voices_dir=str(tmp_path)))
+    try:
+        with srv.channel() as channel:
+            stub = pb_grpc.TextToSpeechStub(channel)
+            info = stub.AddVoice(
+                pb.AddVoiceRequest(name="tone", reference=pb.ReferenceAudio(audio=clip, text="A tone."))
+            )
+            assert (info.name, info.kind, info.transcript) == ("tone", "registered", "A tone.")
+            assert info.seconds == pytest.approx(1.0)
+            listed = [(v.name, v.kind) for v in stub.ListVoices(pb.ListVoicesRequest()).voices]
+            assert listed == [("alpha", "preset"), ("beta", "preset"), ("tone", "registered")]
+            err = rpc_error(
+                lambda: stub.AddVoice(
+                    pb.AddVoiceRequest(name="tone", reference=pb.ReferenceAudio(audio=clip, text="x"))
+                )
+            )
+            assert err.code() == grpc.StatusCode.ALREADY_EXISTS
+            err = rpc_error(
+                lambda: stub.AddVoice(
+                    pb.AddVoiceRequest(name="alpha", reference=pb.ReferenceAudio(audio=clip, text="x"))
+                )
+            )
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "preset" in err.details()
+            named = collect(stub.Synthesize(build_request("Hello.", voice="tone", **req)))
+            inline = collect(
+                stub.Synthesize(
+                    build_request("Hello.", reference_audio=clip, reference_text="A tone.", **req)
+                )
+            )
+            assert np.array_equal(named["codes"], inline["codes"]) and named["raw"] == inline["raw"]
+    finally:
+        srv.stop()
+    srv = ServerThread(bundle, EngineConfig(max_batch=2), ServiceLimits(voices_dir=str(tmp_path)))
+    try:
+        with srv.channel() as channel:
+            stub = pb_grpc.TextToSpeechStub(channel)
+            again = collect(stub.Synthesize(build_request("Hello.", voice="tone", **req)))
+            assert np.array_equal(again["codes"], named["codes"]) and again["raw"] == named["raw"]
+            stub.DeleteVoice(pb.DeleteVoiceRequest(name="tone"))
+            assert rpc_error(lambda: collect(stub.Synthesize(build_request("Hi.", voice="tone")))).code() == (
+                grpc.StatusCode.NOT_FOUND
+            )
+            err = rpc_error(lambda: stub.DeleteVoice(pb.DeleteVoiceRequest(name="tone")))
+            assert err.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        srv.stop()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_repeated_reference_is_encoded_once_and_gives_the_same_codes(server, stub):
+    """The second request with the same clip and transcript hits the cache: no encode, same codes and
+    audio as the first (which encoded it)."""
+    loop = server.loop
+    clip = tone_wav(0.8, 330.0)
+    req = build_request(
+        "Hello.", reference_audio=clip, reference_text="Cached.", seed=5, max_new_frames=6, min_new_frames=6,
+        include_codes=True,
+    )  # fmt: skip
+    hits, misses, encodes = (
+        loop.reference_cache.hits,
+        loop.reference_cache.misses,
+        loop.runner.stage.stats.encode_calls,
+    )
+    first = collect(stub.Synthesize(req))
+    second = collect(stub.Synthesize(req))
+    assert (loop.reference_cache.hits, loop.reference_cache.misses) == (hits + 1, misses + 1)
+    assert loop.runner.stage.stats.encode_calls == encodes + 1
+    assert np.array_equal(first["codes"], second["codes"]) and first["raw"] == second["raw"]
+    # Another transcript is another key: encoded again.
+    collect(
+        stub.Synthesize(
+            build_request("Hello.", reference_audio=clip, reference_text="Other.", max_new_frames=2)
+        )
+    )
+    assert loop.reference_cache.misses == misses + 2
+
+
+def test_deleting_a_voice_in_use_does_not_break_its_stream(bundle):
+    srv = ServerThread(bundle, EngineConfig(max_batch=2), ServiceLimits(pause_timeout=None))
+    try:
+        with srv.channel(**NO_BDP) as channel:
+            stub = pb_grpc.TextToSpeechStub(channel)
+            stub.AddVoice(
+                pb.AddVoiceRequest(name="temp", reference=pb.ReferenceAudio(audio=tone_wav(), text="A tone."))
+            )
+            call = stub.Synthesize(
+                build_request(
+                    HOLD_TEXT, voice="temp", encoding="float32", first_chunk_frames=1, chunk_frames=1, **HOLD
+                )
+            )
+            assert next(call).WhichOneof("message") == "header"
+            stub.DeleteVoice(pb.DeleteVoiceRequest(name="temp"))
+            rest = list(call)
+            assert rest[-1].WhichOneof("message") == "end" and rest[-1].end.frames == HOLD_FRAMES
+    finally:
+        srv.stop()
+
+
+def test_over_long_reference_is_refused_naming_the_limit(server, stub):
+    info = stub.GetInfo(pb.GetInfoRequest())
+    assert info.max_reference_seconds == pytest.approx(256 / 25.0)
+    clip = tone_wav(1.5, rate=4000)
+    # 11 s at 2 kHz: under the fixture's 64 KiB size limit, over the tiny model's 10.24 s.
+    long_clip = wav_bytes(np.tile(0.3 * np.sin(np.arange(2000) / 3), 11).astype(np.float32), 2000)
+    err = rpc_error(
+        lambda: collect(stub.Synthesize(build_request("Hi.", reference_audio=long_clip, reference_text="x")))
+    )
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == (
+        "reference audio is 11.0 s long; this model takes at most 10.2 s: give a shorter clip and the "
+        "transcript of just that part"
+    )
+    assert collect(
+        stub.Synthesize(build_request("Hi.", reference_audio=clip, reference_text="x", max_new_frames=2))
+    )
+
+
+# ---- cost bounds, starvation, silent bad results --------------------------------------------------------
+
+
+def test_streams_that_are_not_read_are_preempted_when_others_wait(bundle):
+    """Two clients that read only the header fill both batch rows; a third request waits. After the
+    pause timeout the one paused longest is ended (RESOURCE_EXHAUSTED naming the reason: one row is all
+    the third needs) and the third completes; the other keeps its stream and finishes once read."""
+    limits = ServiceLimits(pause_timeout=0.5, max_queued_chunks=2)
+    srv = ServerThread(bundle, EngineConfig(max_batch=2), limits)
+    try:
+        with srv.channel(**NO_BDP) as channel:
+            stub = pb_grpc.TextToSpeechStub(channel)
+            hold = build_request(HOLD_TEXT, encoding="float32", first_chunk_frames=1, chunk_frames=1, **HOLD)
+            hogs = [stub.Synthesize(hold) for _ in range(2)]
+            for call in hogs:
+                assert next(call).WhichOneof("message") == "header"
+            r = collect(
+                stub.Synthesize(build_request("Meanwhile.", seed=1, max_new_frames=5, min_new_frames=5))
+            )
+            assert r["end"].frames == 5
+            outcomes = []
+            for call in hogs:
+                try:
+                    rest = list(call)
+                    outcomes.append(rest[-1].end.frames)
+                except grpc.RpcError as err:
+                    assert "not read for 0.5 s while other requests waited" in err.details()
+                    outcomes.append(err.code())
+            assert sorted(outcomes, key=str) == sorted(
+                [HOLD_FRAMES, grpc.StatusCode.RESOURCE_EXHAUSTED], key=str
+            )
+            wait_idle(srv.loop)
+    finally:
+        srv.stop()
+
+
+def test_runaway_guard_audio_limit_and_warnings(bundle):
+    """A chunk's budget is capped by the runaway guard (finish reason length, a warning); the request's
+    audio limit ends a long text early (length, a warning naming the limit)."""
+    srv = ServerThread(bundle, EngineConfig(max_batch=2), ServiceLimits(max_audio_seconds=6.0))
+    try:
+        with srv.channel() as channel:
+            stub = pb_grpc.TextToSpeechStub(channel)
+            r = collect(stub.Synthesize(build_request("Hi.", max_new_frames=500, min_new_frames=500, seed=1)))
+            guard = srv.loop.planner.guard_frames("Hi.")
+            assert r["end"].frames == guard < 150 and r["end"].finish_reason == pb.FINISH_REASON_LENGTH
+            assert list(r["end"].warnings) == [
+                f"the text reached the runaway guard of {guard} frames (3.8 s) for 3 bytes of text"
+            ]
+            text = " ".join(
+                f"This is sentence number {i} of a text long enough to be split." for i in range(5)
+            )
+            r = collect(stub.Synthesize(build_request(text, max_new_frames=100, min_new_frames=100, seed=2)))
+            assert r["end"].frames == 150  # 6 s at 25 frames/s: chunk 1 whole, chunk 2 cut at 50 frames
+            assert r["end"].finish_reason == pb.FINISH_REASON_LENGTH
+            assert any("audio limit of 50 frames" in w for w in r["end"].warnings), r["end"].warnings
+    finally:
+        srv.stop()
+
+
+class _EndTokenFavoured:
+    """model_runner's `F` with +1e4 on the main-token logits' last column (the end token): a model that
+    stops at once, whatever its weights."""
+
+    def __getattr__(self, name):
+        return getattr(torch.nn.functional, name)
+
+    @staticmethod
+    def linear(x, weight, bias=None):
+        out = torch.nn.functional.linear(x, weight, bias)
+        out[:, -1] += 1e4
+        return out
+
+
+def test_a_stream_with_implausibly_little_audio_says_so(server, stub, monkeypatch):
+    from tts.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "F", _EndTokenFavoured())
+    r = collect(stub.Synthesize(build_request("Hello there, how are you today?", seed=1)))
+    assert r["end"].frames == 0 and r["end"].finish_reason == pb.FINISH_REASON_SHORT
+    assert list(r["end"].text_chunk_finish_reasons) == [pb.FINISH_REASON_SHORT]
+    assert list(r["end"].warnings) == [
+        "the text ended after 0 frames (0.00 s) for 31 bytes of text: words may be missing"
+    ]
+
+
+def test_one_log_line_per_request_and_cancels_are_info(server, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="service.server"):
+        with server.channel(**NO_BDP) as channel:
+            stub = pb_grpc.TextToSpeechStub(channel)
+            collect(stub.Synthesize(build_request("Hello.", seed=1, max_new_frames=4, min_new_frames=4)))
+            call = stub.Synthesize(
+                build_request(HOLD_TEXT, encoding="float32", first_chunk_frames=1, chunk_frames=1, **HOLD)
+            )
+            assert next(call).WhichOneof("message") == "header"
+            call.cancel()
+            rpc_error(lambda: collect(stub.Synthesize(build_request(""))))
+        wait_idle(server.loop)
+        deadline = time.monotonic() + 10
+        while sum("outcome=" in r.message for r in caplog.records) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    lines = [r for r in caplog.records if r.name == "service.server" and r.message.startswith("request ")]
+    outcomes = [r.message.split("outcome=")[1].split()[0] for r in lines]
+    assert outcomes == ["ok", "cancelled", "invalid_argument"], [r.message for r in lines]
+    assert all(r.levelname == "INFO" for r in lines)
+    assert "text_bytes=6 voice=none frames=4" in lines[0].message and "ttfa_ms=" in lines[0].message
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

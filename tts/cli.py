@@ -176,7 +176,7 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     t_load = time.perf_counter()
     bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype))
     apply_threads(args, bundle)
-    tts = TTS(bundle, EngineConfig(max_batch=1, **engine_kwargs(args)))
+    tts = TTS(bundle, EngineConfig(max_batch=1, **engine_kwargs(args)), voices_dir=voices_dir_arg(args))
     voice = args.voice
     if reference_audio is not None:
         audio, sr = reference_audio
@@ -207,6 +207,8 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
         progress_bar.n = len(plan.chunks)
         progress_bar.close()
     write_wav_atomic(out, result.audio, result.sample_rate)
+    for warning in result.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     print(
         f"wrote {out}: {result.frames} frames, {result.audio_seconds:.2f} s audio at {result.sample_rate} Hz, "
         f"{result.wall_seconds:.2f} s wall, RTF {result.rtf:.3f}, "
@@ -251,21 +253,79 @@ def summarize_finish_reasons(reasons) -> str:
     return ", ".join(f"{reason} x{n}" for reason, n in counts.most_common())
 
 
-def cmd_voices(args: argparse.Namespace) -> int:
-    """List preset voices: name, length in frames, transcript (read from the files; no model load for
-    a checkpoint directory)."""
-    from .bundle import PRESETS, load_bundle, load_voices
+def model_name(spec: str) -> str:
+    """The name a model goes by (its registered voices live under it): a preset's name, or a checkpoint
+    directory's `tts_runtime.name` or directory name (as `load_bundle` names it). Raises UserError."""
+    import json
 
+    from .bundle import PRESETS, RUNTIME_KEY
+
+    if spec in PRESETS:
+        return spec
+    directory = Path(spec)
+    if not directory.is_dir():
+        raise UserError(f"{spec} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+    try:
+        runtime = json.loads((directory / "config.json").read_text()).get(RUNTIME_KEY) or {}
+    except (OSError, ValueError):
+        runtime = {}
+    return runtime.get("name") or directory.resolve().name
+
+
+def voices_dir_arg(args: argparse.Namespace) -> Path | None:
+    """--voices-dir, or the model's default directory; None for 'none'."""
+    from .voices import default_voices_dir
+
+    if args.voices_dir is not None:
+        return None if args.voices_dir.lower() == "none" else Path(args.voices_dir)
+    return default_voices_dir(model_name(args.model))
+
+
+def cmd_voices(args: argparse.Namespace) -> int:
+    """`tts voices [list]`: presets (read from the model's files) and registered voices (read from the
+    voices directory; no model load). `tts voices add NAME CLIP --text T`: encode the clip with the
+    model's codec and register it. `tts voices delete NAME`."""
+    from .bundle import PRESETS, load_bundle, load_voices
+    from .voices import VoiceRegistry
+
+    action = getattr(args, "action", None) or "list"
+    directory = voices_dir_arg(args)
+    if action == "add":
+        from .api import TTS
+        from .audio import read_audio
+        from .voices import VOICE_NAME, VOICE_NAME_RULE
+
+        if not VOICE_NAME.fullmatch(args.name):
+            raise UserError(f"voice name {args.name!r} is not valid: {VOICE_NAME_RULE}")
+        audio, rate = read_audio(Path(args.clip))
+        check_device(args.device)
+        bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype))
+        tts = TTS(bundle, voices_dir=directory)
+        try:
+            entry = tts.add_voice(args.name, audio, rate, args.text, replace=args.replace)
+        finally:
+            tts.close()
+        where = f"in {directory}" if directory is not None else "in memory only (--voices-dir none)"
+        print(f"added voice {entry.name}: {entry.seconds(bundle.codec.frame_rate):.2f} s, kept {where}")
+        return 0
+    if action == "delete":
+        if directory is None:
+            raise UserError("--voices-dir none holds no registered voices")
+        VoiceRegistry({}, directory, None).delete(args.name)
+        print(f"deleted voice {args.name} from {directory}")
+        return 0
     if args.model in PRESETS:
-        voices = load_bundle(args.model, device="cpu").voices
+        presets = load_bundle(args.model, device="cpu").voices
     else:
-        if not Path(args.model).is_dir():
-            raise UserError(f"{args.model} is neither a preset ({', '.join(PRESETS)}) nor a directory")
-        voices = load_voices(Path(args.model) / "voices")
-    if not voices:
-        print("no preset voices (use --reference-audio and --reference-text to clone a voice)")
-    for name, voice in sorted(voices.items()):
-        print(f"{name}\t{voice.codes.shape[1]} frames\t{voice.text}")
+        presets = load_voices(Path(args.model) / "voices") if (Path(args.model) / "voices").is_dir() else {}
+    registry = VoiceRegistry(presets, directory, None)
+    entries = registry.list()
+    if not entries:
+        print("no voices (use --reference-audio and --reference-text to clone one, or `tts voices add`)")
+    for e in entries:
+        print(f"{e.name}\t{e.kind}\t{e.voice.codes.shape[1]} frames\t{e.voice.text}")
+    if directory is not None and not args.quiet:
+        print(f"(registered voices are kept in {directory})", file=sys.stderr)
     return 0
 
 
@@ -318,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("text", nargs="?", help="text to speak (or use --text-file)")
     p.add_argument("-o", "--output", required=True, help="output WAV path (written atomically)")
     p.add_argument("--text-file", help="read the text from this UTF-8 file")
-    p.add_argument("--voice", help="preset voice name (see `tts voices`)")
+    p.add_argument("--voice", help="a preset or registered voice (see `tts voices`)")
+    p.add_argument("--voices-dir", help=argparse.SUPPRESS)
     p.add_argument("--reference-audio", help="WAV/FLAC clip of the voice to clone (with --reference-text)")
     p.add_argument("--reference-text", help="transcript of --reference-audio")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
@@ -327,8 +388,33 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p)
     p.set_defaults(func=cmd_synthesize)
 
-    p = sub.add_parser("voices", help="list the model's preset voices")
-    p.add_argument("--model", default="default")
+    voices_dir_help = (
+        "directory of registered voices (default: a per-user directory for the model, shown by "
+        "`tts voices`; 'none' = presets only)"
+    )
+    p = sub.add_parser(
+        "voices", help="list, add or delete voices",
+        description="Voices a request can name: the model's presets and registered voices (a clip and its "
+        "transcript encoded once and kept as codes). `tts voices` lists them; `tts voices add NAME CLIP "
+        "--text T` registers one; `tts voices delete NAME` removes one. `tts synthesize --voice NAME` and "
+        "`tts serve` find registered voices in the same directory.",
+    )  # fmt: skip
+    p.add_argument("--model", default="default", help="'default', 'tiny' or a checkpoint directory")
+    p.add_argument("--voices-dir", help=voices_dir_help)
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the voices")
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    actions.add_parser("list", help="list preset and registered voices (the default)")
+    a = actions.add_parser("add", help="register a voice from a WAV/FLAC clip and its transcript")
+    a.add_argument("name", help="1-64 letters, digits, '.', '_' or '-'")
+    a.add_argument("clip", help="WAV or FLAC clip (any rate, mono or stereo)")
+    a.add_argument("--text", required=True, help="what the clip says")
+    a.add_argument("--replace", action="store_true", help="replace a registered voice of that name")
+    a.add_argument("--device", default="cpu", help="device that runs the codec (default cpu)")
+    a.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help=argparse.SUPPRESS
+    )
+    d = actions.add_parser("delete", help="remove a registered voice")
+    d.add_argument("name")
     p.set_defaults(func=cmd_voices)
 
     p = sub.add_parser("info", help="describe a model")

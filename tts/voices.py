@@ -99,10 +99,13 @@ class VoiceRegistry:
     """Preset voices plus registered ones (see the module docstring).
 
     presets: the bundle's voices (never replaced or deleted). directory: where registered voices are
-    persisted (None: in memory only). fingerprint: `codec_fingerprint(codec)`.
+    persisted (None: in memory only). fingerprint: `codec_fingerprint(codec)`; None reads every file
+    without checking (for listing and deleting without loading the codec; `add` then refuses).
     """
 
-    def __init__(self, presets: dict[str, VoiceReference], directory: str | Path | None, fingerprint: str):
+    def __init__(
+        self, presets: dict[str, VoiceReference], directory: str | Path | None, fingerprint: str | None
+    ):
         self.presets = dict(presets)
         self.directory = Path(directory) if directory is not None else None
         self.fingerprint = fingerprint
@@ -117,7 +120,7 @@ class VoiceRegistry:
             try:
                 with safe_open(str(f), "pt") as h:
                     meta = h.metadata() or {}
-                    if meta.get("codec") != self.fingerprint:
+                    if self.fingerprint is not None and meta.get("codec") != self.fingerprint:
                         log.warning("skipping voice file %s: made for another codec", f)
                         continue
                     voices[f.stem] = VoiceReference(codes=h.get_tensor("codes"), text=meta.get("text", ""))
@@ -155,11 +158,13 @@ class VoiceRegistry:
             if name in self.presets:
                 raise InvalidRequest(f"{name!r} is a preset voice of the model; choose another name")
             if name in self._registered and not replace:
-                raise VoiceExists(f"a voice named {name!r} exists (replace it with replace=true)")
+                raise VoiceExists(f"a voice named {name!r} exists (replace it: --replace, or replace=true)")
 
     def add(self, name: str, voice: VoiceReference, replace: bool = False) -> VoiceEntry:
         """Register (and persist) `voice` as `name`. Raises as `check_new`, OSError if the file
         cannot be written (nothing is registered then)."""
+        if self.fingerprint is None:
+            raise RuntimeError("this registry was opened without the codec's fingerprint; it cannot add")
         self.check_new(name, replace)
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -176,7 +181,7 @@ class VoiceRegistry:
                 raise
         with self._lock:
             if name in self._registered and not replace:  # added meanwhile by another request
-                raise VoiceExists(f"a voice named {name!r} exists (replace it with replace=true)")
+                raise VoiceExists(f"a voice named {name!r} exists (replace it: --replace, or replace=true)")
             self._registered[name] = voice
         return VoiceEntry(name, "registered", voice)
 
@@ -192,12 +197,13 @@ class VoiceRegistry:
             (self.directory / f"{name}.safetensors").unlink(missing_ok=True)
 
 
-def default_voices_dir(model_name: str, fingerprint: str) -> Path:
-    """Where `tts voices add` and `tts serve` keep registered voices by default:
-    `$XDG_DATA_HOME/dualar-tts/voices/<model>-<codec fingerprint>` (~/.local/share when unset)."""
+def default_voices_dir(model_name: str) -> Path:
+    """Where `tts voices add`, `tts synthesize` and `tts serve` keep registered voices by default:
+    `$XDG_DATA_HOME/dualar-tts/voices/<model name>` (~/.local/share when XDG_DATA_HOME is unset). Files
+    made with another codec under the same model name are skipped (their codec fingerprint differs)."""
     base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", model_name)[:64] or "model"
-    return base / "dualar-tts" / "voices" / f"{safe}-{fingerprint}"
+    return base / "dualar-tts" / "voices" / safe
 
 
 # ---- the reference cache ------------------------------------------------------------------------------

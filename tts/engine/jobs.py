@@ -474,30 +474,42 @@ class JobRunner:
             event = Finished(job.frames, job.reasons, job.submitted_at, job.first_audio_at, job.warnings)
             self._end(job, event)
 
+    def _contention(self, now: float) -> bool:
+        """Someone waits for a row (or was just refused admission)."""
+        return self.engine.num_waiting > 0 or now - self._refused_at < (self.pause_timeout or 0.0)
+
+    def _preemptible(self) -> list[_Job]:
+        """Paused jobs that hold a batch row, longest paused first."""
+        jobs = [
+            j for j in self.jobs.values()
+            if j.paused_at is not None and j.engine_id is not None and self.engine.is_running(j.engine_id)
+        ]  # fmt: skip
+        return sorted(jobs, key=lambda j: j.paused_at)
+
+    def preempt_due(self) -> float | None:
+        """Seconds until a paused job may be preempted (<= 0: now), or None while nothing can be (no
+        timeout, nothing paused, or nobody waiting: a submission or refusal wakes the driver anyway)."""
+        if self.pause_timeout is None or not self._contention(time.monotonic()):
+            return None
+        jobs = self._preemptible()
+        return jobs[0].paused_at + self.pause_timeout - time.monotonic() if jobs else None
+
     def _preempt_paused(self) -> None:
+        """End paused jobs past the timeout, longest paused first, as many as requests wait for a row
+        (at least one while admission was just refused): only those in someone's way."""
         if self.pause_timeout is None:
             return
         now = time.monotonic()
-        contention = self.engine.num_waiting > 0 or now - self._refused_at < self.pause_timeout
-        if not contention:
+        if not self._contention(now):
             return
-        for job in list(self.jobs.values()):
-            if (
-                job.paused_at is not None and now - job.paused_at > self.pause_timeout
-                and job.engine_id is not None and self.engine.is_running(job.engine_id)
-            ):  # fmt: skip
-                log.info(
-                    "preempting %s: not read for %.1f s while others wait", job.job_id, now - job.paused_at
-                )
-                self._end(
-                    job,
-                    Failed(
-                        Preempted(
-                            f"the stream was not read for {self.pause_timeout:g} s while other requests "
-                            "waited; it was ended to free its batch row (the server's --pause-timeout)"
-                        )
-                    ),
-                )
+        due = [j for j in self._preemptible() if now - j.paused_at > self.pause_timeout]
+        for job in due[: max(1, self.engine.num_waiting)]:
+            log.info("preempting %s: not read for %.1f s while others wait", job.job_id, now - job.paused_at)
+            message = (
+                f"the stream was not read for {self.pause_timeout:g} s while other requests waited; it was "
+                "ended to free its batch row (the server's --pause-timeout)"
+            )
+            self._end(job, Failed(Preempted(message)))
 
     def _deliver(self, job: _Job, event: Event) -> bool:
         if job.sink.deliver(event):

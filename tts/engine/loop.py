@@ -459,7 +459,10 @@ class EngineLoop:
                 block and not self._inbox and not self._closing and not self._woken
                 and (self._stalled or not runner.has_work())
             ):  # fmt: skip
-                self._cv.wait(timeout=1.0)
+                due = runner.preempt_due()  # a paused stream's timeout must be acted on while asleep
+                if due is not None and due <= 0:
+                    break
+                self._cv.wait(timeout=1.0 if due is None else min(1.0, due))
             commands, self._inbox = self._inbox, []
             self._woken = False
             closing = self._closing
@@ -473,8 +476,9 @@ class EngineLoop:
         progressed = runner.step()
         self.stats.steps += 1
         with self._cv:
-            if not progressed and not self._inbox and not self._woken:
-                self._stalled = True  # everything running is paused or waits for the codec stage
+            # No progress: everything running is paused or waits for the codec stage; sleep until a
+            # command, a codec result or a paused stream's timeout.
+            self._stalled = not progressed and not self._inbox and not self._woken
         self._refresh_stats()
         return True
 

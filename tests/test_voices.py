@@ -1,0 +1,158 @@
+"""Registered voices and the reference cache (tts/voices.py), and the planner's runaway guard."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+import torch
+
+from tts.api import TTS
+from tts.bundle import load_bundle
+from tts.params import InvalidRequest
+from tts.prompt import VoiceReference
+from tts.voices import (
+    ReferenceCache,
+    VoiceExists,
+    VoiceNotFound,
+    VoiceRegistry,
+    codec_fingerprint,
+    reference_key,
+)
+
+
+def voice(n: int, text: str = "words") -> VoiceReference:
+    return VoiceReference(codes=torch.arange(4 * n).view(4, n), text=text)
+
+
+def test_registry_persists_registered_voices_and_guards_presets(tmp_path):
+    presets = {"alpha": voice(3)}
+    reg = VoiceRegistry(presets, tmp_path / "voices", "fp1")
+    reg.add("mine", voice(5, "my words"))
+    with pytest.raises(VoiceExists):
+        reg.add("mine", voice(6))
+    reg.add("mine", voice(6, "new words"), replace=True)
+    with pytest.raises(InvalidRequest, match="preset"):
+        reg.add("alpha", voice(2))
+    with pytest.raises(InvalidRequest, match="not valid"):
+        reg.check_new("../escape")
+    with pytest.raises(InvalidRequest, match="cannot be deleted"):
+        reg.delete("alpha")
+    # A new registry on the same directory (a restart) sees the voice, codes and transcript intact.
+    again = VoiceRegistry(presets, tmp_path / "voices", "fp1")
+    assert [(e.name, e.kind) for e in again.list()] == [("alpha", "preset"), ("mine", "registered")]
+    assert torch.equal(again.get("mine").codes, voice(6).codes) and again.get("mine").text == "new words"
+    # Files made with another codec are skipped.
+    assert [e.name for e in VoiceRegistry(presets, tmp_path / "voices", "fp2").list()] == ["alpha"]
+    again.delete("mine")
+    with pytest.raises(VoiceNotFound):
+        again.delete("mine")
+    assert list((tmp_path / "voices").iterdir()) == []
+
+
+def test_unknown_voice_message_is_bounded():
+    reg = VoiceRegistry({"alpha": voice(3)}, None, "fp")
+    with pytest.raises(VoiceNotFound) as info:
+        reg.get("x" * 20_000)
+    assert len(str(info.value)) < 200 and "available: alpha" in str(info.value)
+
+
+def test_cache_hits_misses_single_flight_and_eviction():
+    cache = ReferenceCache(capacity_bytes=2 * (4 * 10 * 8 + 64 + 5))
+    started = []
+
+    def encoder(n):
+        def encode():
+            future: Future = Future()
+            started.append((n, future))
+            return future
+
+        return encode
+
+    a1 = cache.get_or_encode("a", encoder(10))
+    a2 = cache.get_or_encode("a", encoder(10))  # in flight: the same future, no second encode
+    assert a1 is a2 and len(started) == 1 and (cache.hits, cache.misses) == (1, 1)
+    started[0][1].set_result(voice(10))
+    assert cache.get_or_encode("a", encoder(10)).result().codes.shape == (4, 10) and cache.hits == 2
+    cache.get_or_encode("b", encoder(10))
+    started[1][1].set_result(voice(10))
+    cache.get_or_encode("c", encoder(10))
+    started[2][1].set_result(voice(10))  # over capacity: the least recently used ("a") goes
+    assert len(cache) == 2
+    cache.get_or_encode("a", encoder(10))
+    assert len(started) == 4 and cache.misses == 4
+    # A failed encode is not cached: the next request encodes again.
+    started[3][1].set_exception(RuntimeError("boom"))
+    cache.get_or_encode("a", encoder(10))
+    assert len(started) == 5
+
+
+def test_reference_key_depends_on_audio_text_and_codec():
+    k = reference_key(b"abc", "hello", "fp")
+    assert k == reference_key(b"abc", "hello", "fp")
+    assert len({k, reference_key(b"abd", "hello", "fp"), reference_key(b"abc", "hallo", "fp"),
+                reference_key(b"abc", "hello", "fq"), reference_key(b"ab", "chello", "fp")}) == 5  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_tts():
+    tts = TTS(load_bundle("tiny"))
+    yield tts
+    tts.close()
+
+
+def test_api_registered_voice_equals_the_same_clip_inline(tiny_tts, tmp_path):
+    tone = 0.3 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000).astype(np.float32)
+    tts = TTS(tiny_tts.bundle, voices_dir=tmp_path)
+    try:
+        entry = tts.add_voice("tone", tone, 16000, "A tone.")
+        assert entry.kind == "registered" and [e.name for e in tts.voices()][-1] == "tone"
+        inline = tts.reference_from_audio(tone, 16000, "A tone.")
+        a = tts.synthesize("Hello.", voice="tone", seed=3, max_new_frames=8, min_new_frames=8)
+        b = tts.synthesize("Hello.", voice=inline, seed=3, max_new_frames=8, min_new_frames=8)
+        assert torch.equal(a.codes, b.codes) and np.array_equal(a.audio, b.audio)
+    finally:
+        tts.close()
+    again = TTS(tiny_tts.bundle, voices_dir=tmp_path)  # a new process on the same directory
+    try:
+        c = again.synthesize("Hello.", voice="tone", seed=3, max_new_frames=8, min_new_frames=8)
+        assert torch.equal(a.codes, c.codes)
+    finally:
+        again.close()
+
+
+def test_runaway_guard_caps_each_chunks_budget(tiny_tts):
+    planner = tiny_tts.planner
+    job = planner.job("Hi.", max_new_frames=500, min_new_frames=500, seed=1)
+    guard = planner.guard_frames("Hi.")
+    assert job.budgets == [guard] and guard == int(np.ceil(25 * (3.0 + 0.25 * 3)))
+    result = tiny_tts.synthesize(job)
+    assert result.frames == guard and [r.value for r in result.finish_reasons] == ["length"]
+    assert result.warnings == [
+        f"the text reached the runaway guard of {guard} frames (3.8 s) for 3 bytes of text"
+    ]
+
+
+def test_fingerprint_differs_between_codecs():
+    assert codec_fingerprint(load_bundle("tiny").codec) != codec_fingerprint(load_bundle("default").codec)
+
+
+def test_registry_is_safe_to_read_while_adding(tmp_path):
+    reg = VoiceRegistry({}, tmp_path, "fp")
+    errors = []
+
+    def reader():
+        for _ in range(200):
+            try:
+                reg.list()
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for i in range(20):
+        reg.add(f"v{i}", voice(3))
+    t.join()
+    assert not errors and len(reg.list()) == 20
