@@ -5,6 +5,7 @@ on CUDA, a captured graph replays what eager computes, without host syncs."""
 import pytest
 import torch
 from helpers import decode_in_pushes
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tts.codec.dac import DACCodec, ModdedDAC, fuse_weight_norm, random_codec_state, tiny_dac_config
 from tts.codec.dac_batched import BatchedDACDecoder
@@ -182,6 +183,45 @@ def test_bad_inputs_raise_value_errors(codec):
         codec.batched_stream(0)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         _codec(dtype=torch.float16)
+
+
+class _HostReads(TorchDispatchMode):
+    """Records every op that reads a tensor's value on the host (`.item()`, `int(t)`, `bool(t)`,
+    `nonzero`, ...) or makes a tensor from Python data (`torch.tensor([...])`). (`.tolist()` reads memory
+    without an op, so only the CUDA sync test sees it.) Under inference mode `.item()` shows as
+    `item`, outside it as `_local_scalar_dense`."""
+
+    FORBIDDEN = {
+        "item",
+        "_local_scalar_dense",
+        "lift_fresh",
+        "nonzero",
+        "masked_select",
+        "equal",
+        "is_nonzero",
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.FORBIDDEN:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_decode_and_reset_read_nothing_back_to_the_host(codec):
+    # The CPU stand-in for graph safety (the CUDA tests check the real thing): no op in decode or reset
+    # reads a value on the host or builds a tensor from Python data.
+    dec = codec.batched_stream(3)
+    slots, lengths = torch.tensor([0, 3, 2]), torch.tensor([3, 4, 0])
+    codes = torch.stack([_codes(4, "h0"), _codes(4, "h1"), _codes(4, "h2")])
+    dec.decode(slots, codes, lengths)  # first call outside: lazily built constants are fine
+    with _HostReads() as mode:
+        dec.reset(slots[:1])
+        dec.decode(slots, codes, lengths)
+    assert mode.seen == []
 
 
 # ---- CUDA (run on the GPU machine; skipped here) -----------------------------------------------------
