@@ -284,8 +284,11 @@ def test_cuda_graph_replay_equals_eager(exact_fp32_cuda, dtype):
     assert max(worst) <= (1e-5 if dtype == torch.float32 else BF16_MAX_ABS)
     assert torch.equal(dec.positions, ref.positions)
     if dtype == torch.float32:  # TF32 off: the float32 streaming contract holds on the GPU too
-        for s, n in STREAMS.items():
-            torch.testing.assert_close(audio[s], codec.decode(_codes(n, s)), rtol=0, atol=1e-4)
+        # cuDNN may pick other algorithms for the offline decode's longer convs than for the chunks, so
+        # the bound is looser than on the CPU; the measured value is printed (pytest -s).
+        err = max(float((audio[s] - codec.decode(_codes(n, s))).abs().max()) for s, n in STREAMS.items())
+        print(f"float32 CUDA: max |stream - offline| = {err:.3g}")
+        assert err <= 5e-4
 
 
 @pytest.mark.cuda
