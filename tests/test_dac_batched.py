@@ -145,6 +145,18 @@ def test_reset_starts_a_slot_over(codec):
     assert torch.equal(first, again)
 
 
+def test_a_stream_past_max_frames_goes_on_without_an_error(codec):
+    # The documented overrun: frames past the RoPE table are rotated as at its last row (wrong audio, no
+    # device-side index error); frames before the limit are exact.
+    dec = codec.batched_stream(1, max_frames=16)
+    codes = _codes(20, "m")
+    dec.reset(torch.tensor([0]))
+    first = dec.decode(torch.tensor([0]), codes[None, :, :12], torch.tensor([12]))
+    torch.testing.assert_close(first[0], codec.decode(codes[:, :12]), rtol=0, atol=ATOL_OFFLINE)
+    over = dec.decode(torch.tensor([0]), codes[None, :, 12:], torch.tensor([8]))
+    assert dec.positions.tolist() == [20, 0] and torch.isfinite(over).all()
+
+
 def test_bfloat16_decode_path_within_stated_tolerance_of_float32():
     fp32, bf16 = _codec(), _codec(dtype=torch.bfloat16)
     assert bf16.model.decode_dtype == torch.bfloat16

@@ -95,7 +95,8 @@ class BatchedDACDecoder(BatchedStreamDecoder):
     wrong audio, no crash. The scratch slot's position is reset to 0 after every call, so pad rows of any
     length never overrun.
 
-    Raises ValueError (host-side shape checks only) for inputs of the wrong rank, size or device.
+    Raises ValueError for `max_streams` or `max_frames` below 1, and in `decode` / `reset` (host-side
+    checks only) for inputs of the wrong rank, size, dtype or device.
     """
 
     graph_safe = True
