@@ -21,6 +21,8 @@ context of each convolution, the last input frame of each transposed convolution
 values of each transformer layer at their absolute RoPE positions) and the concatenated stream equals an
 offline `decode` of all codes up to float rounding. Re-decoding a left-context window instead would need
 8 x 127 + 10 frames of context per push: the eight stacked 128-frame windows reach back 1016 frames.
+`DACCodec.batched_stream` (tts/codec/dac_batched.py) keeps the same state for many streams in buffers
+and continues them all in one call (the codec stage's batched decode, CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -28,13 +30,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..model import _embedding, apply_rotary_emb, precompute_freqs_cis
+from ..model import Rope, _embedding, apply_rotary_emb, precompute_freqs_cis
 from .base import Codec
+
+if TYPE_CHECKING:
+    from .dac_batched import BatchedDACDecoder
 
 # Stale buffers some fish-speech codec checkpoints carry; recomputed here, never loaded.
 IGNORED_BUFFERS = ("freqs_cis", "causal_mask")
@@ -229,7 +235,12 @@ class ConvNeXtBlock(nn.Module):
         self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
 
     def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
-        y = self.dwconv(x, state).permute(0, 2, 1)
+        return self.mix(x, self.dwconv(x, state))
+
+    def mix(self, x: Tensor, y: Tensor) -> Tensor:
+        """Everything after the depthwise conv: x the block's input, y the conv's output, both `[B, C, T]`
+        (split out so that the batched streaming decoder runs the same arithmetic)."""
+        y = y.permute(0, 2, 1)
         y = self.pwconv2(F.gelu(self.pwconv1(self.norm(y))))
         return x + (self.gamma * y).permute(0, 2, 1)
 
@@ -285,6 +296,25 @@ class _TransformerLayer(nn.Module):
         self.attention_layer_scale = LayerScale(dim)
         self.ffn_layer_scale = LayerScale(dim)
 
+    def qkv(self, x: Tensor, freqs: Tensor | Rope) -> tuple[Tensor, Tensor, Tensor]:
+        """x `[B, T, dim]` -> q, k, v `[B, heads, T, head_dim]`, q and k rotated by `freqs` (`[T, D/2, 2]`
+        or per-row `[B, T, D/2, 2]` bf16 RoPE rows, or a `Rope` of them)."""
+        a = self.attention
+        B, T, _ = x.shape
+        q, k, v = a.wqkv(self.attention_norm(x)).split(a.n_head * a.head_dim, dim=-1)
+        q = apply_rotary_emb(q.view(B, T, a.n_head, a.head_dim), freqs).transpose(1, 2)
+        k = apply_rotary_emb(k.view(B, T, a.n_head, a.head_dim), freqs).transpose(1, 2)
+        return q, k, v.view(B, T, a.n_head, a.head_dim).transpose(1, 2)
+
+    def finish(self, x: Tensor, y: Tensor) -> Tensor:
+        """The rest of the block after attention: x the block's input `[B, T, dim]`, y the attention
+        output `[B, heads, T, head_dim]`; returns the block's output `[B, T, dim]`."""
+        a = self.attention
+        B, T, _ = x.shape
+        y = a.wo(y.transpose(1, 2).reshape(B, T, a.n_head * a.head_dim))
+        h = x + self.attention_layer_scale(y)
+        return h + self.ffn_layer_scale(self.feed_forward(self.ffn_norm(h)))
+
 
 class WindowTransformer(nn.Module):
     """fish-speech's `WindowLimitedTransformer`: pre-norm blocks with LayerScale on both branches, RoPE
@@ -311,14 +341,10 @@ class WindowTransformer(nn.Module):
 
     def forward(self, x: Tensor, start: int = 0, state: StreamState | None = None) -> Tensor:
         x = x.transpose(1, 2)
-        B, T, _ = x.shape
-        freqs = self._freqs(start, T, x.device)
+        T = x.shape[1]
+        freqs = Rope(self._freqs(start, T, x.device))  # one Rope: its fp32 factors are built once per call
         for layer in self.layers:
-            a = layer.attention
-            q, k, v = a.wqkv(layer.attention_norm(x)).split(a.n_head * a.head_dim, dim=-1)
-            q = apply_rotary_emb(q.view(B, T, a.n_head, a.head_dim), freqs).transpose(1, 2)
-            k = apply_rotary_emb(k.view(B, T, a.n_head, a.head_dim), freqs).transpose(1, 2)
-            v = v.view(B, T, a.n_head, a.head_dim).transpose(1, 2)
+            q, k, v = layer.qkv(x, freqs)
             past = 0
             if state is not None:
                 prev = state.get(layer)
@@ -331,9 +357,7 @@ class WindowTransformer(nn.Module):
             kj = torch.arange(past + T, device=x.device).unsqueeze(0)
             mask = (kj <= qi) & (kj > qi - self.window)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
-            y = a.wo(y.transpose(1, 2).reshape(B, T, a.n_head * a.head_dim))
-            h = x + layer.attention_layer_scale(y)
-            x = h + layer.ffn_layer_scale(layer.feed_forward(layer.ffn_norm(h)))
+            x = layer.finish(x, y)
         return self.norm(x).transpose(1, 2)
 
 
@@ -507,12 +531,28 @@ class ModdedDAC(nn.Module):
             dim=1,
         )
 
-    def decode_latents(self, codes: Tensor, start: int = 0, state: StreamState | None = None) -> Tensor:
-        """codes `[B, 1 + n, T]` -> the post-transformer latents `[B, latent_dim, T]` (frame rate)."""
+    def decode_path(self) -> tuple[nn.Module, ...]:
+        """The modules that run only when decoding, after the codebook lookups: post transformer,
+        upsampling stages, decoder (`DACCodec` runs these in its `dtype`; the lookups stay float32 because
+        encode shares them)."""
+        return self.quantizer.post_module, self.quantizer.upsample, self.decoder
+
+    @property
+    def decode_dtype(self) -> torch.dtype:
+        """The dtype the decode path's weights are in (float32 unless `DACCodec` was given another)."""
+        return self.quantizer.post_module.norm.weight.dtype
+
+    def lookup(self, codes: Tensor) -> Tensor:
+        """codes `[B, 1 + n, T]` int64 (clamped here) -> the summed codebook vectors `[B, latent_dim, T]`,
+        computed in float32 and cast to `decode_dtype`."""
         q = self.quantizer
         codes = self.clamp_codes(codes)
         z = q.semantic_quantizer.decode(codes[:, :1]) + q.quantizer.decode(codes[:, 1:])
-        return q.post_module(z, start, state)
+        return z.to(self.decode_dtype)
+
+    def decode_latents(self, codes: Tensor, start: int = 0, state: StreamState | None = None) -> Tensor:
+        """codes `[B, 1 + n, T]` -> the post-transformer latents `[B, latent_dim, T]` (frame rate)."""
+        return self.quantizer.post_module(self.lookup(codes), start, state)
 
     def decode(self, codes: Tensor, start: int = 0, state: StreamState | None = None) -> Tensor:
         """codes `[B, 1 + n, T]` int64 -> audio `[B, 1, T * frame_length]` float. With `state`, the call
@@ -696,10 +736,25 @@ def load_state_strict(model: nn.Module, state: dict[str, Tensor], source: str) -
 class DACCodec(Codec):
     """The modded DAC behind the `Codec` interface: 44.1 kHz mono, 2048 samples per frame, 10 codebooks
     (row 0 semantic, 4096 entries; rows 1-9 residual, 1024 entries; out-of-range codes are clamped).
-    Runs in float32 on `device`; `decode` and streaming return CPU float32 samples."""
 
-    def __init__(self, model: ModdedDAC, device: str | torch.device = "cpu"):
+    Runs on `device`: the encoder, quantizer and codebook lookups in float32, the decode path (post
+    transformer, upsampling, decoder; `ModdedDAC.decode_path`) in `dtype` (float32 or bfloat16; the
+    weights are cast once, here, and `model` is modified in place). `decode` and `stream()` return CPU
+    float32 samples; `batched_stream` float32 samples on `device`. bfloat16 is not bit-compatible: on the
+    tiny random-weight codec its audio is about 30 dB SNR from float32 (relative RMS error 0.033, peaks
+    0.19; tests/test_dac_batched.py), and streamed bf16 audio differs from an offline bf16 decode by as
+    much. Raises ValueError for another dtype.
+    """
+
+    def __init__(
+        self, model: ModdedDAC, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ):
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the DAC decode path runs in float32 or bfloat16, not {dtype}")
         self.model = model.to(device=device, dtype=torch.float32).eval()
+        for module in self.model.decode_path():
+            module.to(dtype)
+        self.dtype = dtype
         c = model.cfg
         self.cfg = c
         self.device = torch.device(device)
@@ -711,9 +766,12 @@ class DACCodec(Codec):
         self.context_frames = model.context_frames
 
     @classmethod
-    def from_file(cls, path: str | Path, device: str | torch.device = "cpu") -> DACCodec:
-        """Load a fish-speech `codec.pth` (any weight-norm storage form; sizes read off the shapes).
-        Raises CodecCheckpointError naming the problem."""
+    def from_file(
+        cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> DACCodec:
+        """Load a fish-speech `codec.pth` (any weight-norm storage form; sizes read off the shapes) to run
+        on `device`, its decode path in `dtype` (see the class). Raises CodecCheckpointError naming the
+        problem."""
         state = fuse_weight_norm(read_codec_state(path))
         cfg = infer_config({k: tuple(v.shape) for k, v in state.items()})
         try:
@@ -723,7 +781,7 @@ class DACCodec(Codec):
         except CodecCheckpointError as exc:
             raise CodecCheckpointError(f"{path}: {exc}") from exc
         load_state_strict(model, state, Path(path).name)
-        return cls(model, device)
+        return cls(model, device, dtype)
 
     def config(self) -> dict:
         return {"type": "modded_dac", "file": "codec.pth"}
@@ -748,6 +806,13 @@ class DACCodec(Codec):
 
     def stream(self) -> DACStreamingDecoder:
         return DACStreamingDecoder(self)
+
+    def batched_stream(self, max_streams: int, max_frames: int = 2**16) -> BatchedDACDecoder:
+        """A `BatchedDACDecoder` for up to `max_streams` streams of up to `max_frames` frames each (the
+        RoPE table's length; 2**16 frames is 50.7 minutes of audio). Allocates its state on `device`."""
+        from .dac_batched import BatchedDACDecoder
+
+        return BatchedDACDecoder(self, max_streams, max_frames)
 
 
 @dataclass
