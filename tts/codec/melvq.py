@@ -21,6 +21,17 @@ and are turned back into log-mel by a learned causal decoder, both trained with 
   frame t's samples depend on codes t - R - gl_context - 1 .. t: `context_frames`. Streaming decode
   (`decode_tail`) therefore equals offline decode.
 
+Inference runs the decoder through `MelVQNet.decode_frames` (the same function as `decode`, frame-major,
+as row products with a multiple of 4 rows, continuable from each block's last inputs), so a frame's
+log-mel does not depend on how many frames or streams are decoded with it. That makes `stream()` and
+`batched_stream()` (`MelVQStreamDecoder`: per-slot decoder history plus the Griffin-Lim state of
+`melrvq.MelStreamDecoder`) equal `decode()` bit for bit on the CPU, and within ~1e-2 (Griffin-Lim's
+chaotic amplification of rounding, see `tts.codec.melrvq`) on CUDA.
+
+Devices: `MelVQCodec.to(device)` moves the net, codebooks, mean/std and the vocoder's constants;
+`encode`/`decode` keep CPU inputs and outputs and compute on that device, and `batched_stream(n)` builds
+its decoder there (or on the `device` it is given, with its own copy of the net).
+
 Files: `codec.json` (type `mel_vqvae` and the shape above) and `codec.safetensors` (the net's weights,
 its codebooks, and the feature mean/std).
 """
@@ -165,7 +176,8 @@ class MelVQNet(nn.Module):
 
 class MelVQCodec(Codec):
     """Learned mel codec (module docstring). `net` holds the weights; `mean`, `std` `[320]` standardize
-    the stacked log-mel features. Runs on the CPU unless `to(device)` moves the net (corpus encoding)."""
+    the stacked log-mel features. Runs on the CPU unless `to(device)` moves it (corpus encoding, GPU
+    decoding); inputs and outputs of encode/decode stay on the CPU either way."""
 
     sample_rate = SAMPLE_RATE
     frame_length = FRAME_LENGTH
