@@ -145,6 +145,64 @@ def bench_point(codec, device, B: int, T: int, args, codes_pool: torch.Tensor) -
     return out
 
 
+def _diff(a: torch.Tensor, b: torch.Tensor) -> dict:
+    a, b = a.detach().cpu(), b.detach().cpu()
+    d = a - b
+    return {
+        "max_abs": float(d.abs().max()) if d.numel() else 0.0,
+        "rel_rms": float(d.pow(2).mean().sqrt() / b.pow(2).mean().sqrt()) if d.numel() else 0.0,
+    }
+
+
+def accuracy(codec, cpu_codec, device, seed: int = 0) -> dict:
+    """How far the device's decodes are from the CPU's offline `decode` (and, on CUDA, a graph replay
+    from eager): max |difference| in samples and RMS of the difference over the signal's RMS, for one
+    60-frame stream decoded in chunks of 4 alone (B=1) and in chunks of 16 among 3 other streams."""
+    g = torch.Generator().manual_seed(seed)
+    K, N = codec.codebook_size, codec.num_codebooks
+    codes = torch.randint(0, K, (N, 60), generator=g)
+    ref = cpu_codec.decode(codes)
+    out: dict = {"offline_on_device": _diff(codec.decode(codes), ref)}
+    for B, T in ((1, 4), (4, 16)):
+        dec = codec.batched_stream(B)
+        slots = torch.arange(B, device=device)
+        dec.reset(slots)
+        pieces = []
+        for start in range(0, 60, T):
+            n = min(T, 60 - start)
+            batch = torch.randint(0, K, (B, N, T), generator=g)
+            batch[0, :, :n] = codes[:, start : start + n]
+            lengths = torch.full((B,), T, dtype=torch.int64)
+            lengths[0] = n
+            pieces.append(
+                dec.decode(slots, batch.to(device), lengths.to(device))[0, : n * codec.frame_length]
+            )
+        out[f"batched_B{B}_T{T}"] = _diff(torch.cat(pieces), ref)
+    if device.type == "cuda":
+        B, T = 4, 4
+        graphed, eager = codec.batched_stream(B), codec.batched_stream(B)
+        slots = torch.arange(B, device=device)
+        static_codes = torch.zeros(B, N, T, dtype=torch.int64, device=device)
+        static_lengths = torch.full((B,), T, dtype=torch.int64, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            graphed.decode(slots, static_codes, torch.zeros_like(static_lengths))  # length 0: no state change
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = graphed.decode(slots, static_codes, static_lengths)
+        worst = {"max_abs": 0.0, "rel_rms": 0.0}
+        for _ in range(10):
+            c = torch.randint(0, K, (B, N, T), generator=g).to(device)
+            static_codes.copy_(c)
+            graph.replay()
+            d = _diff(static_out, eager.decode(slots, c, static_lengths))
+            worst = {k: max(worst[k], d[k]) for k in worst}
+        out["graph_vs_eager_B4_T4_10_calls"] = worst
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
@@ -156,6 +214,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="at least this many timed rounds")
     p.add_argument("--seconds", type=float, default=2.0, help="and at least this long per variant")
     p.add_argument("--skip-stream", action="store_true", help="time only the batched decoder")
+    p.add_argument("--no-check", action="store_true", help="skip the accuracy check against the CPU")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args()
 
@@ -177,6 +236,13 @@ def main() -> None:
     if device.type == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(device)
     print(json.dumps(meta))
+    checks = None
+    if not args.no_check:
+        try:
+            checks = accuracy(codec, load_bundle(args.model).codec, device)
+        except Exception as exc:  # noqa: BLE001
+            checks = {"error": repr(exc), "trace": traceback.format_exc(limit=3)}
+        print(json.dumps({"accuracy": checks}))
     g = torch.Generator().manual_seed(0)
     results = []
     for B in [int(x) for x in args.batch.split(",")]:
@@ -197,7 +263,7 @@ def main() -> None:
             print("  ".join(cells), flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        args.out.write_text(json.dumps({"meta": meta, "accuracy": checks, "results": results}, indent=2))
 
 
 if __name__ == "__main__":
