@@ -209,7 +209,7 @@ class MelRVQCodec(Codec):
         """Write `codec.json` and `codec.safetensors` into `directory`."""
         directory = Path(directory)
         save_file(
-            {"codebooks": self.codebooks.contiguous(), "mean": self.mean, "std": self.std},
+            {"codebooks": self.codebooks.cpu().contiguous(), "mean": self.mean.cpu(), "std": self.std.cpu()},
             str(directory / "codec.safetensors"),
         )
         (directory / "codec.json").write_text(json.dumps(self.config(), indent=2))
@@ -351,15 +351,17 @@ class GriffinLim:
         return self._run(mag)
 
     def _run(self, mag: Tensor) -> Tensor:
-        angles = torch.ones(mag.shape, dtype=torch.complex64, device=mag.device)  # zero phase
-        tprev = None
+        # torchaudio's `mag * angles` promotes mag to complex inside every product; promoting it once
+        # gives the same values. The zero-phase start (angles = 1) makes the first spectrum mag itself.
+        mag_c = mag.to(torch.complex64)
+        spec, tprev = mag_c, None
         for _ in range(self.iters):
-            rebuilt = self.stft(self.istft(mag * angles))
+            rebuilt = self.stft(self.istft(spec))
             # torchaudio subtracts momentum * 0 on the first pass: the same values
             angles = rebuilt if tprev is None else rebuilt - tprev * self.momentum
-            angles = angles.div(angles.abs().add(1e-16))
+            spec = mag_c * angles.div(angles.abs().add(1e-16))
             tprev = rebuilt
-        return self.istft(mag * angles)
+        return self.istft(spec)
 
 
 class WindowedGriffinLim:
