@@ -10,17 +10,29 @@ Frame layout (22050 Hz, 1024 samples per frame = 21.53 frames/s, the Fish frame 
   "semantic" code the slow AR predicts; the later stages refine it. Any prefix of the stages is a valid
   coarser codec.
 * **Decoder**: codes -> mel (sum of centroids) -> linear magnitude (pseudo-inverse of the mel
-  filterbank) -> Griffin-Lim (torchaudio, momentum 0.99, zero-phase start). Griffin-Lim is not causal,
-  so it runs on a bounded window: for frame t, window W_t spans codec frames t-C..t (C =
+  filterbank) -> Griffin-Lim (`GriffinLim`: torchaudio's algorithm, momentum 0.99, zero-phase start,
+  written with torch.fft so that it has no host sync; bit-identical to torchaudio on the CPU). Griffin-Lim
+  is not causal, so it runs on a bounded window: for frame t, window W_t spans codec frames t-C..t (C =
   `gl_context`). The samples emitted for frame t are positions `[1024 t - 512, 1024 (t+1) - 512)` of
   the signal (the codec has a fixed 512-sample, 23 ms delay, so every emitted sample has full STFT
   overlap), taken from W_t, with the first 256 of them cross-faded (raised cosine) from the end of
   W_{t-1}. Frame t's samples are therefore a deterministic function of codes t-C-1..t only
-  (`context_frames = C + 1`), and the base `StreamingDecoder` (decode a window of left context,
-  keep the new frames' samples) reproduces `decode()` of all codes up to float rounding (< 1e-4).
+  (`context_frames = C + 1`).
 
-All windows of one `decode` call run as one batch, so decoding T frames costs about C + 1 times a
-single Griffin-Lim pass over the utterance.
+Streaming. The base `StreamingDecoder` (decode a window of left context, keep the new frames' samples)
+and `MelStreamDecoder` (`batched_stream`: many streams per call, each continuing from per-slot state:
+the last C frames' magnitudes and the previous window's cross-fade tail) both equal `decode()` of all
+codes **bit for bit on the CPU**: every window is computed by the same operations whatever the batch
+around it (FFTs and element-wise ops are per row; the one matrix product has a multiple of 4 rows, see
+`melvq.rows_linear`). Measured with 1, 2 and 8 torch threads on the development machine (MKL, AVX-512);
+this rests on the BLAS computing a row independently of the other rows, which it does not promise. That exactness matters because Griffin-Lim's 16-32 momentum iterations are
+chaotic: a 1-ulp change of one magnitude moves samples by up to ~1e-2 (~1% of the signal's RMS). So
+on CUDA (cuFFT and cuBLAS round differently from the CPU, and cuBLAS by batch shape) streamed,
+batched and offline audio agree to that level, not bit for bit.
+
+Devices: `to(device)` moves the codebooks, mean/std and the vocoder's constants; `decode` still takes
+and returns CPU tensors. All windows of one `decode` call run as one batch (on a CPU in chunks of 24
+windows, which stay in cache), so decoding T frames costs T + 1 Griffin-Lim windows.
 """
 
 from __future__ import annotations
@@ -35,7 +47,7 @@ import torchaudio
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from .base import Codec
+from .base import BatchedStreamDecoder, Codec
 
 SAMPLE_RATE = 22050
 FRAME_LENGTH = 1024
@@ -197,7 +209,7 @@ class MelRVQCodec(Codec):
         """Write `codec.json` and `codec.safetensors` into `directory`."""
         directory = Path(directory)
         save_file(
-            {"codebooks": self.codebooks.contiguous(), "mean": self.mean, "std": self.std},
+            {"codebooks": self.codebooks.cpu().contiguous(), "mean": self.mean.cpu(), "std": self.std.cpu()},
             str(directory / "codec.safetensors"),
         )
         (directory / "codec.json").write_text(json.dumps(self.config(), indent=2))
@@ -219,12 +231,12 @@ class MelRVQCodec(Codec):
         return self.standardize(self.logmel(audio))
 
     def standardize(self, logmel: Tensor) -> Tensor:
-        """A `LogMel` output `[4T, 80]` -> standardized frame vectors `[T, 320]`."""
-        return (stack_frames(logmel.float()) - self.mean) / self.std
+        """A `LogMel` output `[4T, 80]` -> standardized frame vectors `[T, 320]` (on the codec's device)."""
+        return (stack_frames(logmel.float()).to(self.device) - self.mean) / self.std
 
     def quantize(self, vectors: Tensor) -> Tensor:
-        """Residual VQ of `[T, 320]` standardized vectors -> codes `[N, T]` int64."""
-        return residual_quantize(vectors.float(), self.codebooks)[0]
+        """Residual VQ of `[T, 320]` standardized vectors -> codes `[N, T]` int64 (on the CPU)."""
+        return residual_quantize(vectors.float().to(self.device), self.codebooks)[0].cpu()
 
     def encode_logmel(self, logmel: Tensor) -> Tensor:
         """Codes `[N, T]` int64 of a `LogMel` output `[4T, 80]` (the corpus stores log-mel, not audio)."""
@@ -236,19 +248,120 @@ class MelRVQCodec(Codec):
     # ---- decode --------------------------------------------------------------------------------------
 
     def dequantize(self, codes: Tensor) -> Tensor:
-        """Codes `[N, T]` -> log-mel `[4T, 80]`."""
-        codes = self.check_codes(codes)
+        """Codes `[N, T]` -> log-mel `[4T, 80]` (on the codec's device)."""
+        codes = self.check_codes(codes).to(self.device)
         vec = sum(self.codebooks[i][codes[i]] for i in range(self.num_codebooks))
         return unstack_frames(vec * self.std + self.mean)
 
     def decode(self, codes: Tensor) -> Tensor:
         codes = self.check_codes(codes)
-        return self.vocoder(self.dequantize(codes))
+        return self.vocoder(self.dequantize(codes)).cpu()
 
     def decode_tail(self, codes: Tensor, frames: int) -> Tensor:
         """Float32 samples `[frames * 1024]` of the last `frames` frames; Griffin-Lim runs on just their
         windows."""
-        return self.vocoder(self.dequantize(self.check_codes(codes)), last=frames)
+        return self.vocoder(self.dequantize(self.check_codes(codes)), last=frames).cpu()
+
+    # ---- device and batched streaming ----------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.codebooks.device
+
+    def to(self, device) -> MelRVQCodec:
+        """Move the codebooks, mean/std and the vocoder's constants to `device`; returns self. `encode`,
+        `decode` and `decode_tail` still take and return CPU tensors; their work runs on `device`."""
+        self.codebooks, self.mean, self.std = (t.to(device) for t in (self.codebooks, self.mean, self.std))
+        self.vocoder.to(device)
+        return self
+
+    def batched_stream(self, max_streams: int, device=None) -> MelRVQStreamDecoder:
+        """A `MelRVQStreamDecoder` for up to `max_streams` streams on `device` (default: the codec's,
+        see `to`)."""
+        return MelRVQStreamDecoder(self, max_streams, self.device if device is None else device)
+
+
+class GriffinLim:
+    """Griffin-Lim phase recovery for spectrograms of a fixed number of STFT frames, written with
+    `torch.fft.rfft` / `irfft` so that it runs on any device without a host sync.
+
+    The math is `torchaudio.functional.griffinlim(mag, hann_window(1024), 1024, 256, 1024, power=1.0,
+    n_iter=iters, momentum=momentum, length=256 * (frames - 1), rand_init=False)`: zero-phase start,
+    fast Griffin-Lim momentum, centred STFT with reflect padding. It is bit-identical to torchaudio on
+    the CPU (the same operations in the same order), without torch.istft's NOLA check (a `.item()` on
+    the device, so torchaudio's version cannot be captured in a CUDA graph) and without recomputing the
+    window envelope, a constant for a fixed frame count. Every window is processed independently:
+    a window's result does not depend on the other windows in the batch.
+
+    `__call__(mag)`: mag `[N, frames, 513]` float32 (frame-major: the transpose of torchaudio's
+    `[..., freq, frames]`), on `window.device` -> `[N, 256 * (frames - 1)]` float32.
+    """
+
+    # On a CPU the ~17 passes per iteration over the batch's spectra run from cache while a chunk of
+    # windows fits in L2 (24 windows: ~1.3 ms each on the development machine, 2x that at 128); on a
+    # GPU the whole batch is one launch per op.
+    CPU_CHUNK = 24
+
+    def __init__(self, frames: int, iters: int, momentum: float = 0.99, device=None):
+        if frames < 2:
+            raise ValueError(f"Griffin-Lim needs at least 2 STFT frames, got {frames}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        self.frames, self.iters = frames, iters
+        self.momentum = momentum / (1 + momentum)  # torchaudio's form of the fast-GL coefficient
+        self.length = HOP * (frames - 1)
+        self.window = torch.hann_window(N_FFT, device=device)
+        # The iSTFT divides by the overlap-added squared window. Summed in the same order as the
+        # signal (see `istft`) so that the division matches torch.istft bit for bit.
+        self.envelope = self._overlap_add(self.window.pow(2).expand(1, frames, N_FFT))[0]
+
+    def to(self, device) -> GriffinLim:
+        """Move the window and envelope to `device`; returns self."""
+        self.window, self.envelope = self.window.to(device), self.envelope.to(device)
+        return self
+
+    def _overlap_add(self, frames: Tensor) -> Tensor:
+        """`[N, F, 1024]` windowed frames -> the centred, trimmed overlap-add `[N, 256 (F - 1)]`."""
+        N, F_ = frames.shape[0], self.frames
+        quarters = frames.reshape(N, F_, N_FFT // HOP, HOP)
+        blocks = frames.new_zeros(N, F_ + N_FFT // HOP - 1, HOP)
+        # Output block b sums quarter j of frame b - j. Adding j = 3, 2, 1, 0 sums the frames in
+        # increasing order, as torch.istft's fold does (other orders round differently).
+        for j in reversed(range(N_FFT // HOP)):
+            blocks[:, j : j + F_] += quarters[:, :, j]
+        start = (N_FFT // 2) // HOP  # centred: drop the first and last 512 samples
+        return blocks[:, start : start + F_ - 1].reshape(N, self.length)
+
+    def istft(self, spec: Tensor) -> Tensor:
+        """Complex `[N, F, 513]` -> `[N, 256 (F - 1)]`, as torch.istft(center=True, length=...)."""
+        frames = torch.fft.irfft(spec, n=N_FFT, dim=-1) * self.window
+        return self._overlap_add(frames) / self.envelope
+
+    def stft(self, y: Tensor) -> Tensor:
+        """`[N, L]` -> complex `[N, F, 513]`, as torch.stft(center=True, pad_mode="reflect")."""
+        padded = F.pad(y.unsqueeze(1), (N_FFT // 2, N_FFT // 2), mode="reflect").squeeze(1)
+        return torch.fft.rfft(padded.unfold(-1, N_FFT, HOP) * self.window, dim=-1)
+
+    def __call__(self, mag: Tensor) -> Tensor:
+        if mag.dim() != 3 or mag.shape[1:] != (self.frames, N_FFT // 2 + 1):
+            raise ValueError(f"mag must be [N, {self.frames}, {N_FFT // 2 + 1}], got {tuple(mag.shape)}")
+        N = mag.shape[0]
+        if mag.device.type == "cpu" and N > self.CPU_CHUNK:
+            return torch.cat([self._run(mag[i : i + self.CPU_CHUNK]) for i in range(0, N, self.CPU_CHUNK)])
+        return self._run(mag)
+
+    def _run(self, mag: Tensor) -> Tensor:
+        # torchaudio's `mag * angles` promotes mag to complex inside every product; promoting it once
+        # gives the same values. The zero-phase start (angles = 1) makes the first spectrum mag itself.
+        mag_c = mag.to(torch.complex64)
+        spec, tprev = mag_c, None
+        for _ in range(self.iters):
+            rebuilt = self.stft(self.istft(spec))
+            # torchaudio subtracts momentum * 0 on the first pass: the same values
+            angles = rebuilt if tprev is None else rebuilt - tprev * self.momentum
+            spec = mag_c * angles.div(angles.abs().add(1e-16))
+            tprev = rebuilt
+        return self.istft(spec)
 
 
 class WindowedGriffinLim:
@@ -257,40 +370,181 @@ class WindowedGriffinLim:
     The window layout, the 512-sample delay and the cross-fade are described in the module docstring:
     frame t's samples depend only on mel frames of codec frames t - context - 1 .. t. `last=k` returns
     the samples of the last k frames only and runs only their k + 1 windows (streaming decode).
+    Runs where its constants are (`to(device)`; CPU by default); `__call__` takes its input there.
+
+    The pieces (`magnitudes`, `gl`, `emit`) are shared with `MelStreamDecoder`, which keeps the last
+    `context` frames' magnitudes and the previous window's cross-fade tail per stream instead of
+    recomputing them; both paths do the same per-window arithmetic.
     """
 
     def __init__(self, context: int, iters: int):
         self.context = context
         self.iters = iters
+        self.window_frames = (context + 1) * SUBFRAMES  # mel frames per Griffin-Lim window
+        self.gl = GriffinLim(self.window_frames, iters)
         self.inverse_fb = torch.linalg.pinv(LogMel().filterbank.T)  # [513, 80]: mel -> linear magnitude
-        self.window = torch.hann_window(N_FFT)
         ramp = torch.arange(CROSSFADE, dtype=torch.float32) + 0.5
         self.fade_in = 0.5 - 0.5 * torch.cos(math.pi * ramp / CROSSFADE)
+        # Window W_t starts at signal position L (t - C). Frame t emits [L t - 512, L (t+1) - 512):
+        # offset L C - 512 in W_t. The cross-fade's other half comes from W_{t-1} at offset L (C+1) - 512.
+        self.start = FRAME_LENGTH * context - DELAY
+
+    @property
+    def device(self) -> torch.device:
+        return self.inverse_fb.device
+
+    def to(self, device) -> WindowedGriffinLim:
+        """Move the filterbank inverse, fade ramp and Griffin-Lim window to `device`; returns self."""
+        self.inverse_fb, self.fade_in = self.inverse_fb.to(device), self.fade_in.to(device)
+        self.gl.to(device)
+        return self
+
+    def magnitudes(self, logmel: Tensor) -> Tensor:
+        """Log-mel `[..., M, 80]` -> linear STFT magnitudes `[..., M, 513]` (pseudo-inverse of the
+        filterbank, clamped at 0). One matrix row per mel frame: M is a multiple of 4 here, which keeps
+        each row's rounding independent of how many rows there are (see `MelVQNet.decode_frames`)."""
+        return F.linear(torch.exp(logmel), self.inverse_fb).clamp_min(0.0)
+
+    def silence(self, frames: int) -> Tensor:
+        """Log-mel `[frames, 80]` of silence (the floor), the padding before a stream's first frame."""
+        return torch.full((frames, N_MELS), math.log(LOG_FLOOR), device=self.device)
+
+    def windows(self, mag: Tensor) -> Tensor:
+        """Magnitudes `[..., 4 (C + k), 513]` -> the k Griffin-Lim windows `[..., k, 4 (C + 1), 513]`."""
+        win = mag.unfold(-2, self.window_frames, SUBFRAMES)  # [..., k, 513, 4 (C + 1)]
+        return win.transpose(-1, -2)
+
+    def emit(self, y: Tensor, prev_tail: Tensor) -> tuple[Tensor, Tensor]:
+        """Griffin-Lim outputs `[..., 256 (4C + 3)]` of windows W_t and the tails `[..., 256]` of their
+        predecessors W_{t-1} -> (frame t's samples `[..., 1024]` clamped to [-1, 1], W_t's own tail
+        `[..., 256]` for frame t + 1)."""
+        cur = y[..., self.start : self.start + FRAME_LENGTH]
+        tail = y[..., self.start + FRAME_LENGTH : self.start + FRAME_LENGTH + CROSSFADE]
+        head = prev_tail * (1 - self.fade_in) + cur[..., :CROSSFADE] * self.fade_in
+        return torch.cat([head, cur[..., CROSSFADE:]], dim=-1).clamp(-1.0, 1.0), tail
 
     def __call__(self, logmel: Tensor, last: int | None = None) -> Tensor:
         T = logmel.shape[0] // SUBFRAMES
         last = T if last is None else min(last, T)
         if last <= 0:
-            return torch.zeros(0)
-        C = self.context
-        L = FRAME_LENGTH
+            return torch.zeros(0, device=self.device)
         # Windows W_{-1}..W_{T-1}: W_t = codec frames t-C..t, left-padded with silence frames.
-        silence = math.log(LOG_FLOOR)
-        padded = torch.cat([torch.full(((C + 1) * SUBFRAMES, N_MELS), silence), logmel.float()])
-        win = padded.unfold(0, (C + 1) * SUBFRAMES, SUBFRAMES)  # [T+1, 80, 4(C+1)]: W_{t-1} = row t
+        padded = torch.cat([self.silence((self.context + 1) * SUBFRAMES), logmel.float()])
+        win = self.windows(self.magnitudes(padded))  # [T+1, 4(C+1), 513]: W_{t-1} = row t
         win = win[T - last :]  # the windows of the last `last` frames and their predecessor
-        mag = (self.inverse_fb @ torch.exp(win)).clamp_min(0.0)  # [last+1, 513, 4(C+1)]
-        n_mel_frames = mag.shape[-1]
-        # Griffin-Lim on every window at once; centred iSTFT gives 256 * (frames - 1) samples.
-        y = torchaudio.functional.griffinlim(
-            mag, self.window, N_FFT, HOP, N_FFT, power=1.0, n_iter=self.iters, momentum=0.99,
-            length=HOP * (n_mel_frames - 1), rand_init=False,
-        )  # fmt: skip  # [last+1, 256 (4C + 3)]
-        # Window W_t starts at signal position L (t - C). Frame t emits [L t - 512, L (t+1) - 512):
-        # offset L C - 512 in W_t. The cross-fade's other half comes from W_{t-1} at offset L (C+1) - 512.
-        start = L * C - DELAY
-        cur = y[1:, start : start + L]  # [last, L] from W_t
-        prev = y[:-1, start + L : start + L + CROSSFADE]  # [last, 256] from W_{t-1}
-        head = prev * (1 - self.fade_in) + cur[:, :CROSSFADE] * self.fade_in
-        out = torch.cat([head, cur[:, CROSSFADE:]], dim=1).reshape(-1)
-        return out.clamp(-1.0, 1.0)
+        y = self.gl(win.contiguous())  # [last+1, 256 (4C + 3)]
+        tails = y[:-1, self.start + FRAME_LENGTH : self.start + FRAME_LENGTH + CROSSFADE]
+        out, _ = self.emit(y[1:], tails)
+        return out.reshape(-1)
+
+
+class MelStreamDecoder(BatchedStreamDecoder):
+    """Batched streaming decode for the mel codecs: codes -> log-mel (the subclass's `_logmel`) ->
+    Griffin-Lim windows, continuing every stream from per-slot state instead of re-decoding context.
+
+    Per slot (`max_streams + 1` rows, allocated once on `device`): the STFT magnitudes of the stream's
+    last `context` codec frames (`[4 C, 513]`: what the next frames' Griffin-Lim windows reach back to)
+    and the cross-fade tail of its last window (`[256]`: the half of the next frame's cross-fade that
+    comes from the previous window). A fresh slot holds what `decode` pads a stream with: silence
+    magnitudes and the tail of the all-silence window. So a `decode` of T frames runs exactly the T
+    Griffin-Lim windows of those frames, the same windows with the same inputs as
+    `WindowedGriffinLim.__call__`, and nothing twice.
+
+    `decode` has no host sync and no data-dependent Python branch (`graph_safe`): ragged lengths are
+    handled by computing every row's T frames and gathering each row's new state at its own valid end,
+    and `reset` is index writes. Inputs on another device are moved to `device` (a copy; capture-safe
+    only when they already live there). See `BatchedStreamDecoder` for the slot, length and padding
+    contract, and the codec modules for the tolerance against `decode`.
+    """
+
+    graph_safe = True
+
+    def __init__(self, vocoder: WindowedGriffinLim, num_codebooks: int, codebook_size: int,
+                 max_streams: int, device):  # fmt: skip
+        if max_streams < 1:
+            raise ValueError(f"max_streams must be at least 1, got {max_streams}")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" means the current device
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.max_streams, self.device = max_streams, device
+        self.num_codebooks, self.codebook_size = num_codebooks, codebook_size
+        voc = WindowedGriffinLim(vocoder.context, vocoder.iters).to(self.device)  # this decoder's own
+        self.vocoder = voc
+        keep = voc.context * SUBFRAMES
+        with torch.no_grad():
+            # What a fresh stream continues from: C codec frames of silence before frame 0, and the
+            # tail of window W_{-1} (all silence), exactly as the offline decode pads.
+            self._silence_mag = voc.magnitudes(voc.silence(keep))  # [4C, 513]
+            w_prev = voc.windows(voc.magnitudes(voc.silence(voc.window_frames)))  # [1, 4(C+1), 513]
+            self._silence_tail = voc.emit(
+                voc.gl(w_prev.contiguous()), torch.zeros(1, CROSSFADE, device=device)
+            )[1]
+        slots = max_streams + 1
+        self._mag = torch.empty(slots, keep, N_FFT // 2 + 1, device=self.device)
+        self._tail = torch.empty(slots, CROSSFADE, device=self.device)
+        self._mag_offsets = torch.arange(keep, device=self.device).view(1, keep, 1)
+
+    def _init_slots(self) -> None:
+        """Reset every slot, the scratch slot included (subclasses call this once their state exists)."""
+        self.reset(torch.arange(self.max_streams + 1, device=self.device))
+
+    @torch.no_grad()
+    def reset(self, slots: Tensor) -> None:
+        slots = slots.to(self.device)
+        k = slots.shape[0]
+        self._mag.index_copy_(0, slots, self._silence_mag.expand(k, -1, -1))
+        self._tail.index_copy_(0, slots, self._silence_tail.expand(k, -1))
+        self._reset(slots)
+
+    def _reset(self, slots: Tensor) -> None:
+        """Reset the subclass's own per-slot state."""
+
+    def _logmel(self, slots: Tensor, codes: Tensor, lengths: Tensor) -> Tensor:
+        """Log-mel `[B, 4T, 80]` of codes `[B, N, T]` (clamped) continuing each slot's stream; the
+        subclass also moves its own state to each row's valid end here."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def decode(self, slots: Tensor, codes: Tensor, lengths: Tensor) -> Tensor:
+        slots, codes, lengths = (t.to(self.device) for t in (slots, codes, lengths))
+        if codes.dim() != 3 or codes.shape[1] != self.num_codebooks:
+            raise ValueError(f"codes must be [B, {self.num_codebooks}, T], got {tuple(codes.shape)}")
+        B, _, T = codes.shape
+        if slots.shape != (B,) or lengths.shape != (B,):
+            raise ValueError(
+                f"slots and lengths must be [{B}], got {tuple(slots.shape)}, {tuple(lengths.shape)}"
+            )
+        if T == 0:
+            return torch.zeros(B, 0, device=self.device)
+        voc = self.vocoder
+        logmel = self._logmel(slots, codes.clamp(0, self.codebook_size - 1), lengths)  # [B, 4T, 80]
+        mag = torch.cat([self._mag.index_select(0, slots), voc.magnitudes(logmel)], dim=1)  # [B, 4(C+T), 513]
+        y = voc.gl(voc.windows(mag).reshape(B * T, voc.window_frames, -1)).view(B, T, -1)
+        end = voc.start + FRAME_LENGTH
+        # tails[:, t] is the tail of the window before frame t (t = 0: the slot's stored tail)
+        tails = torch.cat(
+            [self._tail.index_select(0, slots).unsqueeze(1), y[..., end : end + CROSSFADE]], dim=1
+        )
+        audio, _ = voc.emit(y, tails[:, :T])
+        # New state at each row's valid end: a row of length 0 writes back what it read.
+        mag_idx = (lengths.view(B, 1, 1) * SUBFRAMES + self._mag_offsets).expand(-1, -1, mag.shape[-1])
+        self._mag.index_copy_(0, slots, mag.gather(1, mag_idx))
+        tail_idx = lengths.view(B, 1, 1).expand(-1, 1, CROSSFADE)
+        self._tail.index_copy_(0, slots, tails.gather(1, tail_idx).squeeze(1))
+        return audio.reshape(B, T * FRAME_LENGTH)
+
+
+class MelRVQStreamDecoder(MelStreamDecoder):
+    """`MelStreamDecoder` for `MelRVQCodec`: the log-mel of a frame is its summed centroids, which
+    needs no state of its own. Holds copies of the codebooks and mean/std on `device`."""
+
+    def __init__(self, codec: MelRVQCodec, max_streams: int, device):
+        super().__init__(codec.vocoder, codec.num_codebooks, codec.codebook_size, max_streams, device)
+        self.codebooks, self.mean, self.std = (
+            t.to(self.device) for t in (codec.codebooks, codec.mean, codec.std)
+        )
+        self._init_slots()
+
+    def _logmel(self, slots: Tensor, codes: Tensor, lengths: Tensor) -> Tensor:
+        vec = sum(self.codebooks[i][codes[:, i]] for i in range(self.num_codebooks))  # [B, T, 320]
+        return unstack_frames(vec * self.std + self.mean)

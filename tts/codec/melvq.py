@@ -21,12 +21,24 @@ and are turned back into log-mel by a learned causal decoder, both trained with 
   frame t's samples depend on codes t - R - gl_context - 1 .. t: `context_frames`. Streaming decode
   (`decode_tail`) therefore equals offline decode.
 
+Inference runs the decoder through `MelVQNet.decode_frames` (the same function as `decode`, frame-major,
+as row products with a multiple of 4 rows, continuable from each block's last inputs), so a frame's
+log-mel does not depend on how many frames or streams are decoded with it. That makes `stream()` and
+`batched_stream()` (`MelVQStreamDecoder`: per-slot decoder history plus the Griffin-Lim state of
+`melrvq.MelStreamDecoder`) equal `decode()` bit for bit on the CPU, and within ~1e-2 (Griffin-Lim's
+chaotic amplification of rounding, see `tts.codec.melrvq`) on CUDA.
+
+Devices: `MelVQCodec.to(device)` moves the net, codebooks, mean/std and the vocoder's constants;
+`encode`/`decode` keep CPU inputs and outputs and compute on that device, and `batched_stream(n)` builds
+its decoder there (or on the `device` it is given, with its own copy of the net).
+
 Files: `codec.json` (type `mel_vqvae` and the shape above) and `codec.safetensors` (the net's weights,
 its codebooks, and the feature mean/std).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -42,6 +54,7 @@ from .melrvq import (
     SAMPLE_RATE,
     SUBFRAMES,
     LogMel,
+    MelStreamDecoder,
     WindowedGriffinLim,
     residual_quantize,
     stack_frames,
@@ -49,6 +62,26 @@ from .melrvq import (
 )  # fmt: skip
 
 FEATURE_DIM = SUBFRAMES * N_MELS  # 320
+
+
+def rows_linear(x: Tensor, conv: nn.Conv1d) -> Tensor:
+    """A convolution applied as a matrix product to rows that already hold its taps: `x [..., in * k]`
+    (each input channel's k taps next to each other, `conv.weight`'s own layout) -> `[..., out]`.
+
+    The row count is padded to a multiple of 4 because MKL's SGEMM computes a trailing group of fewer
+    than 4 rows (and, with several threads, some row counts under 12) with a kernel that rounds
+    differently; with whole groups every row's result is the same whatever the row count, so a frame
+    decodes to the same bits alone, in a chunk or in a batch. Griffin-Lim turns a 1-ulp change of its
+    input into audible-scale sample differences (~1e-2), so this is what lets streamed audio equal the
+    offline decode on the CPU.
+    """
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    pad = -rows.shape[0] % 4
+    if pad:  # depends on the shape only, not on values (graph-safe)
+        rows = F.pad(rows, (0, 0, 0, pad))
+    y = F.linear(rows, conv.weight.flatten(1), conv.bias)
+    return (y[: y.shape[0] - pad] if pad else y).reshape(*lead, -1)
 
 
 class ConvBlock(nn.Module):
@@ -111,10 +144,40 @@ class MelVQNet(nn.Module):
         """Quantized latents `[B, latent, T]` -> standardized features `[B, 320, T]` (causal)."""
         return self.dec_out(F.gelu(self.dec_blocks(self.dec_in(q))))
 
+    def lookup_frames(self, codes: Tensor) -> Tensor:
+        """Codes `[B, N, T]` -> the sum of their codebook vectors, frame-major `[B, T, latent]`."""
+        return sum(self.codebooks[i][codes[:, i]] for i in range(self.num_codebooks))
+
+    def decode_frames(self, q: Tensor, history: list[Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:
+        """`decode` frame-major and continuable: the inference path of the codec and its stream decoder.
+
+        q: `[B, T, latent]`; history: per decoder block `[B, 2 * dilation, channels]`, the block's GELU'd
+        inputs of the frames before these (what its causal zero padding stands for; None = zeros, a
+        stream's start). Returns (standardized features `[B, T, 320]`, per block the GELU'd input
+        sequence `[B, 2 * dilation + T, channels]` that the next call's history is cut from).
+        Same function as `decode`; it runs the convolutions as row products (`rows_linear`) so that a
+        frame's result does not depend on T or B.
+        """
+        B, T, _ = q.shape
+        x = rows_linear(q, self.dec_in)
+        inputs = []
+        for i, block in enumerate(self.dec_blocks):
+            d = block.conv.dilation[0]
+            g = F.gelu(x)
+            h = g.new_zeros(B, 2 * d, g.shape[-1]) if history is None else history[i]
+            seq = torch.cat([h, g], dim=1)
+            taps = torch.stack(
+                [seq[:, :T], seq[:, d : d + T], seq[:, 2 * d : 2 * d + T]], dim=-1
+            )  # t-2d, t-d, t
+            x = x + rows_linear(F.gelu(rows_linear(taps.reshape(B, T, -1), block.conv)), block.proj)
+            inputs.append(seq)
+        return rows_linear(F.gelu(x), self.dec_out), inputs
+
 
 class MelVQCodec(Codec):
     """Learned mel codec (module docstring). `net` holds the weights; `mean`, `std` `[320]` standardize
-    the stacked log-mel features. Runs on the CPU unless `to(device)` moves the net (corpus encoding)."""
+    the stacked log-mel features. Runs on the CPU unless `to(device)` moves it (corpus encoding, GPU
+    decoding); inputs and outputs of encode/decode stay on the CPU either way."""
 
     sample_rate = SAMPLE_RATE
     frame_length = FRAME_LENGTH
@@ -130,9 +193,17 @@ class MelVQCodec(Codec):
         self.logmel = LogMel()
         self.vocoder = WindowedGriffinLim(gl_context, gl_iters)
 
+    @property
+    def device(self) -> torch.device:
+        return self.net.codebooks.device
+
     def to(self, device) -> MelVQCodec:
-        """Move the net (encoder, codebooks, decoder) to `device`; inputs and outputs stay on the CPU."""
+        """Move the net (encoder, codebooks, decoder), mean/std and the vocoder's constants to `device`;
+        returns self. `encode`, `decode`, `decode_tail` and `dequantize` still take and return CPU
+        tensors; their work runs on `device`. `batched_stream` decoders are made on this device."""
         self.net.to(device)
+        self.mean, self.std = self.mean.to(device), self.std.to(device)
+        self.vocoder.to(device)
         return self
 
     # ---- files ---------------------------------------------------------------------------------------
@@ -153,7 +224,8 @@ class MelVQCodec(Codec):
             k: v.detach().cpu().to(torch.float32 if k == "codebooks" else torch.float16).contiguous()
             for k, v in self.net.state_dict().items()
         }
-        save_file({**state, "mean": self.mean, "std": self.std}, str(directory / "codec.safetensors"))
+        mean_std = {"mean": self.mean.cpu(), "std": self.std.cpu()}
+        save_file({**state, **mean_std}, str(directory / "codec.safetensors"))
         (directory / "codec.json").write_text(json.dumps(self.config(), indent=2))
 
     @classmethod
@@ -181,9 +253,8 @@ class MelVQCodec(Codec):
     @torch.no_grad()
     def encode_logmel(self, logmel: Tensor) -> Tensor:
         """Codes `[N, T]` int64 (on the CPU) of a `LogMel` output `[4T, 80]`."""
-        dev = self.net.codebooks.device
-        x = (stack_frames(logmel.float()) - self.mean) / self.std  # [T, 320]
-        codes, _ = self.net.quantize(self.net.encode(x.T.unsqueeze(0).to(dev)))
+        x = (stack_frames(logmel.float()).to(self.device) - self.mean) / self.std  # [T, 320]
+        codes, _ = self.net.quantize(self.net.encode(x.T.unsqueeze(0)))
         return codes[0].cpu()
 
     def encode_audio(self, audio: Tensor) -> Tensor:
@@ -192,17 +263,21 @@ class MelVQCodec(Codec):
     # ---- decode --------------------------------------------------------------------------------------
 
     @torch.no_grad()
+    def decode_logmel(self, codes: Tensor) -> Tensor:
+        """Codes `[N, T]` (clamped) -> log-mel `[4T, 80]` float32 on the codec's device (causal decoder)."""
+        q = self.net.lookup_frames(codes.to(self.device).unsqueeze(0))
+        feats, _ = self.net.decode_frames(q)
+        return unstack_frames(feats[0] * self.std + self.mean)
+
     def dequantize(self, codes: Tensor) -> Tensor:
         """Codes `[N, T]` -> log-mel `[4T, 80]` (CPU float32) through the causal decoder."""
-        dev = self.net.codebooks.device
-        feats = self.net.decode(self.net.lookup(codes.unsqueeze(0).to(dev)))[0].T.float().cpu()  # [T, 320]
-        return unstack_frames(feats * self.std + self.mean)
+        return self.decode_logmel(self.check_codes(codes)).cpu()
 
     def decode(self, codes: Tensor) -> Tensor:
         codes = self.check_codes(codes)
         if codes.shape[1] == 0:
             return torch.zeros(0)
-        return self.vocoder(self.dequantize(codes))
+        return self.vocoder(self.decode_logmel(codes)).cpu()
 
     def decode_tail(self, codes: Tensor, frames: int) -> Tensor:
         """Float32 samples `[frames * 1024]` of the last `frames` frames; Griffin-Lim runs on their
@@ -210,4 +285,46 @@ class MelVQCodec(Codec):
         codes = self.check_codes(codes)
         if frames <= 0 or codes.shape[1] == 0:
             return torch.zeros(0)
-        return self.vocoder(self.dequantize(codes), last=frames)
+        return self.vocoder(self.decode_logmel(codes), last=frames).cpu()
+
+    def batched_stream(self, max_streams: int, device=None) -> MelVQStreamDecoder:
+        """A `MelVQStreamDecoder` for up to `max_streams` streams on `device` (default: the codec's, i.e.
+        where `to` put the net)."""
+        return MelVQStreamDecoder(self, max_streams, self.device if device is None else device)
+
+
+class MelVQStreamDecoder(MelStreamDecoder):
+    """The default codec's `BatchedStreamDecoder`: `MelStreamDecoder`'s Griffin-Lim state plus, per
+    slot, each causal decoder block's last `2 * dilation` GELU'd inputs (`[2 d, channels]`, zeros for a
+    fresh stream: the block's causal zero padding), so a call decodes only its new frames.
+
+    Uses the codec's net when it already lives on `device`, else a copy moved there (either way it
+    reads the net's weights at every call: do not train the net while decoding). Per-slot state for the
+    default codec (C = 2, 384 channels, dilations 1, 2, 4, 1): 16 x 384 + 8 x 513 + 256 floats, about
+    42 KB.
+    """
+
+    def __init__(self, codec: MelVQCodec, max_streams: int, device):
+        super().__init__(codec.vocoder, codec.num_codebooks, codec.codebook_size, max_streams, device)
+        net = codec.net
+        self.net = net if codec.device == self.device else copy.deepcopy(net).to(self.device)
+        self.mean, self.std = codec.mean.to(self.device), codec.std.to(self.device)
+        channels = net.dec_in.out_channels
+        dilations = [block.conv.dilation[0] for block in net.dec_blocks]
+        self._history = [torch.zeros(max_streams + 1, 2 * d, channels, device=self.device) for d in dilations]
+        self._history_offsets = [torch.arange(2 * d, device=self.device).view(1, 2 * d, 1) for d in dilations]
+        self._init_slots()
+
+    def _reset(self, slots: Tensor) -> None:
+        for h in self._history:
+            h.index_fill_(0, slots, 0.0)
+
+    def _logmel(self, slots: Tensor, codes: Tensor, lengths: Tensor) -> Tensor:
+        B = codes.shape[0]
+        feats, inputs = self.net.decode_frames(
+            self.net.lookup_frames(codes), [h.index_select(0, slots) for h in self._history]
+        )
+        for h, seq, offsets in zip(self._history, inputs, self._history_offsets, strict=True):
+            idx = (lengths.view(B, 1, 1) + offsets).expand(-1, -1, seq.shape[-1])  # the 2d before the end
+            h.index_copy_(0, slots, seq.gather(1, idx))
+        return unstack_frames(feats * self.std + self.mean)
