@@ -44,9 +44,11 @@ def build_request(
     reference_text: str | None = None, temperature: float | None = None, top_p: float | None = None,
     top_k: int | None = None, seed: int | None = None, max_new_frames: int | None = None,
     encoding: str = "pcm16", include_codes: bool = False, first_chunk_frames: int = 0, chunk_frames: int = 0,
+    min_new_frames: int | None = None,
 ) -> pb.SynthesizeRequest:  # fmt: skip
     """A SynthesizeRequest; None leaves a sampling field to the server's model default.
-    max_new_frames is the frame budget per text chunk (`max_new_frames` on the wire)."""
+    max_new_frames is the frame budget per text chunk (`max_new_frames` on the wire); min_new_frames the
+    frames per text chunk before the end token may be sampled (a stream of a known length)."""
     req = pb.SynthesizeRequest(text=text)
     if voice is not None and reference_audio is not None:
         raise ValueError("give a voice name or a reference clip, not both")
@@ -61,6 +63,8 @@ def build_request(
             setattr(s, name, value)
     if max_new_frames is not None:
         s.max_new_frames = max_new_frames
+    if min_new_frames is not None:
+        s.min_new_frames = min_new_frames
     req.output.encoding = ENCODINGS[encoding]
     req.output.include_codes = include_codes
     req.output.first_chunk_frames = first_chunk_frames
@@ -97,6 +101,8 @@ class StreamResult:
     ttfa: float | None = None
     wall: float = 0.0
     gaps: list[float] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)  # per audio chunk: seconds from the send
+    chunk_samples: list[int] = field(default_factory=list)  # per audio chunk: samples it holds
 
     @property
     def sample_rate(self) -> int:
@@ -129,6 +135,7 @@ async def synthesize_stream(
     ttfa = None
     last = None
     gaps: list[float] = []
+    arrivals: list[float] = []
     async for response in call:
         kind = response.WhichOneof("message")
         now = time.perf_counter()
@@ -151,6 +158,7 @@ async def synthesize_stream(
             if last is not None:
                 gaps.append(now - last)
             last = now
+            arrivals.append(now - t0)
             parts.append(c.audio)
             chunks.append((c.sequence, c.frame_start, c.frame_end))
             if c.HasField("codes"):
@@ -161,7 +169,9 @@ async def synthesize_stream(
     if header is None or end is None:
         raise StreamError("the stream ended without a header and an end message")
     raw = b"".join(parts)
+    width = 4 if header.encoding == pb.AUDIO_ENCODING_FLOAT32 else 2
     return StreamResult(
         header=header, end=end, audio=decode_audio(raw, header.encoding), raw=raw, chunks=chunks,
         codes=np.concatenate(codes, axis=1) if codes else None, ttfa=ttfa, wall=wall, gaps=gaps,
+        arrivals=arrivals, chunk_samples=[len(p) // width for p in parts],
     )  # fmt: skip
