@@ -18,13 +18,14 @@ every iteration by the engine thread); per-request figures are observed by the g
 | `tts_time_to_first_audio_seconds` | histogram | request received -> first audio chunk sent (server side) |
 | `tts_real_time_factor` | histogram | (end - request received) / audio seconds |
 | `tts_audio_seconds_total` | counter | audio produced |
+| `process_resident_memory_bytes`, ... | gauge | the server process (prometheus-client's process collector; Linux) |
 """
 
 from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tts.engine.loop import EngineLoop
@@ -69,6 +70,7 @@ class ServiceMetrics:
     def __init__(self, loop: EngineLoop):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(loop))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes etc. (read by the soak)
         self.requests = Counter(
             "tts_requests", "Finished synthesis requests by outcome", ["outcome"], registry=self.registry
         )
