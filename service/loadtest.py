@@ -527,7 +527,9 @@ def parse_levels(text: str) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser, server_required: bool = True) -> None:
     """The load benchmark's options (shared by `tts bench-server` and `tts bench --server`, which passes
-    server_required=False and calls `run_from_args` when --server is given)."""
+    server_required=False and calls `run_from_args` when --server is given), the soak's included."""
+    from .soak import add_soak_arguments
+
     p.add_argument("--server", required=server_required, help="HOST:PORT of a running `tts serve`")
     p.add_argument(
         "--concurrency", type=parse_levels, default=None,
@@ -569,6 +571,7 @@ def add_arguments(p: argparse.ArgumentParser, server_required: bool = True) -> N
         help="the server's Prometheus endpoint (http://HOST:PORT/metrics): the server-side time split per "
         "level (default: none); with --soak default http://<--server host>:9464/metrics, 'off' = none",
     )  # fmt: skip
+    add_soak_arguments(p)
 
 
 def request_options(args: argparse.Namespace) -> dict:
@@ -622,6 +625,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     table, writes the JSON. Exit codes: 0 done, 1 server-side failure, 2 bad options or input."""
     import grpc
 
+    if getattr(args, "soak", False):
+        from .soak import run_soak_from_args
+
+        return run_soak_from_args(args)
     args.json = args.json or "bench_server.json"
     args.concurrency = args.concurrency or [1, 4, 16, 64]
     try:
