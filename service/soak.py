@@ -619,7 +619,7 @@ def summarize(plan: list[Spec], outcomes: list[Outcome]) -> dict:
 def rss_report(sampler: Sampler | None, baseline: float | None, final: float | None, cfg: SoakConfig) -> dict:
     """RSS after warm-up (baseline), after the settle (final), the peak, the bound and the samples."""
     if sampler is None or baseline is None or final is None:
-        reason = "no --metrics-url" if sampler is None else f"the server does not export {RSS}"
+        reason = "no metrics (--metrics-url off)" if sampler is None else f"the server does not export {RSS}"
         return {"checked": False, "reason": reason}
     bound = baseline * (1 + cfg.rss_growth_pct / 100) + cfg.rss_growth_mb * MiB
     return {

@@ -181,7 +181,7 @@ def test_verdict_rules():
     # Without metrics (--metrics-url off) the leak and RSS checks are skipped, not failed.
     report = report_of([Outcome(s.index, s.kind, good[s.kind]) for s in plan], plan)
     report["gauges"] = {"skipped": True, "checked": False, "idle": False, "after": {}}
-    report["rss"] = {"checked": False, "reason": "no --metrics-url"}
+    report["rss"] = {"checked": False, "reason": "no metrics (--metrics-url off)"}
     assert failures(report) == []
 
 
