@@ -100,6 +100,8 @@ class StreamResult:
     ttfa: float | None = None
     wall: float = 0.0
     gaps: list[float] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)  # per audio chunk: seconds from the send
+    chunk_samples: list[int] = field(default_factory=list)  # per audio chunk: samples it holds
 
     @property
     def sample_rate(self) -> int:
@@ -132,6 +134,7 @@ async def synthesize_stream(
     ttfa = None
     last = None
     gaps: list[float] = []
+    arrivals: list[float] = []
     async for response in call:
         kind = response.WhichOneof("message")
         now = time.perf_counter()
@@ -154,6 +157,7 @@ async def synthesize_stream(
             if last is not None:
                 gaps.append(now - last)
             last = now
+            arrivals.append(now - t0)
             parts.append(c.audio)
             chunks.append((c.sequence, c.frame_start, c.frame_end))
             if c.HasField("codes"):
@@ -164,7 +168,9 @@ async def synthesize_stream(
     if header is None or end is None:
         raise StreamError("the stream ended without a header and an end message")
     raw = b"".join(parts)
+    width = 4 if header.encoding == pb.AUDIO_ENCODING_FLOAT32 else 2
     return StreamResult(
         header=header, end=end, audio=decode_audio(raw, header.encoding), raw=raw, chunks=chunks,
         codes=np.concatenate(codes, axis=1) if codes else None, ttfa=ttfa, wall=wall, gaps=gaps,
+        arrivals=arrivals, chunk_samples=[len(p) // width for p in parts],
     )  # fmt: skip

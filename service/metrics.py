@@ -23,6 +23,7 @@ every iteration by the engine thread); per-request figures are observed by the g
 | `tts_time_to_first_audio_seconds` | histogram | request received -> first audio chunk sent (server side) |
 | `tts_real_time_factor` | histogram | (end - request received) / audio seconds |
 | `tts_audio_seconds_total` | counter | audio produced |
+| `process_resident_memory_bytes`, ... | gauge | the server process (prometheus-client's process collector; Linux) |
 """
 
 from __future__ import annotations

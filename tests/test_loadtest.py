@@ -1,0 +1,236 @@
+"""The load benchmark's computations (underruns, the server-side time split, reference clips) on
+hand-made inputs, and `tts bench-server` end to end against a tiny-model server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import numpy as np
+import pytest
+
+from proto.tts.v1 import tts_pb2 as pb
+from proto.tts.v1 import tts_pb2_grpc as pb_grpc
+from service.client import build_request
+from service.loadtest import (
+    BENCH_VOICE,
+    SERVER_COUNTERS,
+    SYNTHETIC_TEXT,
+    ReferenceClip,
+    parse_metrics,
+    playback_underruns,
+    server_time_split,
+    synthetic_speech,
+    voice_source,
+)
+from tts.audio import read_audio
+
+pytest.importorskip("grpc_health")
+
+# ---- underruns -----------------------------------------------------------------------------------------
+
+
+def test_no_underrun_when_chunks_arrive_in_time():
+    # Three chunks of 0.1 s (1600 samples at 16 kHz); each arrives exactly when the previous ones end.
+    assert playback_underruns([0.0, 0.1, 0.2], [1600, 1600, 1600], 16000) == (0, 0.0)
+    # Arriving early is fine too (a big first chunk buys time).
+    assert playback_underruns([5.0, 5.01, 5.02, 5.9], [16000, 800, 800, 800], 16000) == (0, 0.0)
+
+
+def test_underruns_are_counted_from_the_first_chunk_without_rebuffering():
+    # Playback starts at 1.0; chunk 1 is due at 1.1 (on time), chunk 2 at 1.2 (arrives 1.35: 0.15 s
+    # late), chunk 3 at 1.3 (arrives 1.36: late again, 0.06 s, because the schedule never moves).
+    count, worst = playback_underruns([1.0, 1.1, 1.35, 1.36], [1600, 1600, 1600, 1600], 16000)
+    assert count == 2 and worst == pytest.approx(0.15)
+    # A single chunk cannot underrun; the worst lateness is the largest, not the last.
+    assert playback_underruns([0.0], [640], 16000) == (0, 0.0)
+    count, worst = playback_underruns([0.0, 0.5, 0.6], [1600, 1600, 16000], 16000)
+    assert count == 2 and worst == pytest.approx(0.4)
+
+
+def test_underruns_start_at_the_first_chunk_with_audio():
+    # An empty leading chunk (codes only) does not start playback.
+    assert playback_underruns([0.0, 0.5, 0.6], [0, 1600, 1600], 16000) == (0, 0.0)
+    assert playback_underruns([0.0, 0.1], [0, 0], 16000) == (0, 0.0)
+    assert playback_underruns([], [], 16000) == (0, 0.0)
+    with pytest.raises(ValueError):
+        playback_underruns([0.0, 0.1], [1600], 16000)
+
+
+# ---- server-side time split -----------------------------------------------------------------------------
+
+METRICS_TEXT = """# TYPE tts_frame_step_seconds counter
+tts_frame_step_seconds_total 12.5
+tts_frame_step_seconds_created 1.7e9
+# TYPE tts_requests counter
+tts_requests_total{outcome="ok"} 3.0
+tts_requests_total{outcome="cancelled"} 2.0
+process_resident_memory_bytes 1.5e8
+"""
+
+
+def test_parse_metrics_sums_label_sets_and_drops_created():
+    values = parse_metrics(METRICS_TEXT)
+    assert values == {
+        "tts_frame_step_seconds_total": 12.5,
+        "tts_requests_total": 5.0,
+        "process_resident_memory_bytes": 1.5e8,
+    }
+
+
+def test_codec_share_and_cache_counts_per_level():
+    before = {
+        "tts_frame_step_seconds_total": 10.0, "tts_codec_decode_seconds_total": 4.0,
+        "tts_codec_encode_seconds_total": 1.0, "tts_reference_cache_hits_total": 5.0,
+        "tts_reference_cache_misses_total": 2.0,
+    }  # fmt: skip
+    after = {
+        "tts_frame_step_seconds_total": 16.0, "tts_codec_decode_seconds_total": 7.0,
+        "tts_codec_encode_seconds_total": 2.0, "tts_reference_cache_hits_total": 12.0,
+        "tts_reference_cache_misses_total": 3.0,
+    }  # fmt: skip
+    split = server_time_split(before, after)
+    assert split["frame_step_s"] == 6.0 and split["codec_decode_s"] == 3.0 and split["codec_encode_s"] == 1.0
+    assert split["codec_share"] == pytest.approx(4.0 / 10.0)
+    assert (split["reference_cache_hits"], split["reference_cache_misses"]) == (7.0, 1.0)
+    # Without an encode counter the share is decode / (steps + decode); without the step counter none.
+    no_encode = {k: v for k, v in after.items() if "encode" not in k}
+    split = server_time_split({k: v for k, v in before.items() if "encode" not in k}, no_encode)
+    assert split["codec_encode_s"] is None and split["codec_share"] == pytest.approx(3.0 / 9.0)
+    split = server_time_split({}, {"tts_codec_decode_seconds_total": 1.0})
+    assert split == {**dict.fromkeys(SERVER_COUNTERS), "codec_share": None}
+    assert server_time_split(None, after) == {**dict.fromkeys(SERVER_COUNTERS), "codec_share": None}
+    # No time spent at all: no share rather than a division by zero.
+    assert server_time_split(before, before)["codec_share"] is None
+
+
+# ---- reference clips ------------------------------------------------------------------------------------
+
+
+def test_synthetic_clip_is_deterministic_speech_like_audio():
+    a = synthetic_speech()
+    assert a.dtype == np.float32 and a.shape == (160_000,)
+    assert np.array_equal(a, synthetic_speech())
+    assert np.abs(a).max() == pytest.approx(0.5)
+    frames = a[: len(a) // 1600 * 1600].reshape(-1, 1600)  # 0.1 s frames
+    rms = np.sqrt((frames**2).mean(axis=1))
+    assert (rms > 0.02).mean() > 0.5 and (rms < 0.01).any()  # mostly voiced, with pauses
+    clip = ReferenceClip.synthetic()
+    samples, rate = read_audio(clip.raw)
+    assert rate == 16000 and samples.shape == (1, 160_000) and clip.text == SYNTHETIC_TEXT
+
+
+def test_distinct_clips_differ_repeated_and_registered_do_not():
+    clip = ReferenceClip.synthetic(2.0)
+    distinct = voice_source("distinct", clip)
+    sent = [distinct(i)["reference_audio"] for i in range(40)]
+    assert len(set(sent)) == 40
+    assert all(len(b) == len(clip.raw) for b in sent)  # same length and format, other content
+    assert distinct(3) == distinct(3)  # reproducible
+    samples, rate = read_audio(sent[5])
+    assert rate == clip.rate and samples.shape == clip.samples.shape
+    repeated = voice_source("repeated", clip)
+    assert repeated(0) == repeated(7) == {"reference_audio": clip.raw, "reference_text": clip.text}
+    assert voice_source("registered", clip)(9) == {"voice": BENCH_VOICE}
+    assert voice_source("none", None)(1) == {}
+
+
+def test_a_given_clip_keeps_its_rate_and_channels_when_made_distinct():
+    from service.loadtest import wav_bytes
+
+    stereo = np.stack([synthetic_speech(1.0), 0.5 * synthetic_speech(1.0)])
+    clip = ReferenceClip.from_bytes(wav_bytes(stereo, 16000), "its transcript")
+    assert clip.samples.shape == (2, 16000) and clip.text == "its transcript"
+    samples, rate = read_audio(clip.distinct(1))
+    assert rate == 16000 and samples.shape == (2, 16000)
+    assert clip.distinct(1) != clip.distinct(2) != clip.raw
+
+
+def test_min_new_frames_goes_on_the_wire():
+    request = build_request("Hi.", min_new_frames=12, max_new_frames=40)
+    assert request.sampling.HasField("min_new_frames") and request.sampling.min_new_frames == 12
+    assert not build_request("Hi.").sampling.HasField("min_new_frames")
+
+
+# ---- end to end ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server():
+    from test_service import ServerThread
+
+    from tts.bundle import load_bundle
+    from tts.engine import EngineConfig
+
+    srv = ServerThread(load_bundle("tiny"), EngineConfig(max_batch=4), metrics_port=0)
+    yield srv
+    srv.stop()
+
+
+def bench(server, tmp_path, *extra: str) -> tuple[int, dict | None]:
+    from tts.cli import main
+
+    out = tmp_path / "bench.json"
+    metrics = f"http://127.0.0.1:{server.server.metrics_port}/metrics"
+    args = ["bench-server", "--server", server.address, "--concurrency", "1,2", "--requests", "3"]
+    args += ["--max-new-frames", "8", "--metrics-url", metrics, "--json", str(out), *extra]
+    rc = main(args)
+    return rc, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_bench_server_repeated_reference_reports_the_new_fields(server, tmp_path):
+    rc, report = bench(server, tmp_path, "--reference", "repeated", "--min-new-frames", "2")
+    assert rc == 0
+    settings = report["settings"]
+    assert settings["reference"] == "repeated" and settings["min_new_frames"] == 2
+    assert settings["reference_bytes"] == len(ReferenceClip.synthetic().raw)
+    assert settings["reference_seconds"] == 10.0
+    levels = report["levels"]
+    assert [(lv["concurrency"], lv["requests"], lv["ok"], lv["errors"]) for lv in levels] == [
+        (1, 3, 3, {}), (2, 3, 3, {}),
+    ]  # fmt: skip
+    for lv in levels:
+        assert isinstance(lv["underruns"], int) and lv["underruns"] >= 0
+        assert 0.0 <= lv["underrun_share"] <= 1.0
+        assert (lv["underrun_worst_ms"] is None) == (lv["underruns"] == 0)
+        assert set(lv["server"]) == {*SERVER_COUNTERS, "codec_share"}
+        # Counters the server does not export stay None; those it does are non-negative.
+        assert all(v is None or v >= 0 for v in lv["server"].values())
+        share = lv["server"]["codec_share"]
+        assert share is None or 0.0 <= share <= 1.0
+        assert lv["register_s"] is None
+
+
+def test_bench_server_registered_reference_needs_add_voice(server, tmp_path, capsys):
+    """`--reference registered` registers the clip (and deletes it at the end), or, on a server without
+    AddVoice, stops with a one-line error naming the missing RPC."""
+    with server.channel() as channel:
+        stub = pb_grpc.TextToSpeechStub(channel)
+        try:
+            stub.DeleteVoice(pb.DeleteVoiceRequest(name="no-such-voice"))
+            implemented = True
+        except grpc.RpcError as exc:
+            implemented = exc.code() != grpc.StatusCode.UNIMPLEMENTED
+        rc, report = bench(server, tmp_path, "--reference", "registered")
+        if not implemented:
+            assert rc == 1 and report is None
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and "AddVoice" in err[0] and "UNIMPLEMENTED" in err[0]
+            return
+        assert rc == 0
+        assert [lv["ok"] for lv in report["levels"]] == [3, 3]
+        assert all(lv["register_s"] > 0 for lv in report["levels"])
+        names = [v.name for v in stub.ListVoices(pb.ListVoicesRequest()).voices]
+        assert BENCH_VOICE not in names
+
+
+def test_bench_server_refuses_conflicting_reference_options(server, tmp_path, capsys):
+    assert bench(server, tmp_path, "--reference", "repeated", "--voice", "alpha")[0] == 2
+    assert "--voice or --reference" in capsys.readouterr().err
+    assert bench(server, tmp_path, "--reference-text", "x")[0] == 2
+    assert "need --reference" in capsys.readouterr().err
+    garbage = tmp_path / "garbage.wav"
+    garbage.write_bytes(b"RIFF\x00\x01garbage" * 10)
+    args = ("--reference", "distinct", "--reference-audio", str(garbage), "--reference-text", "x")
+    assert bench(server, tmp_path, *args)[0] == 2
+    assert f"cannot read --reference-audio {garbage}" in capsys.readouterr().err
