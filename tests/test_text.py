@@ -116,6 +116,37 @@ def test_nothing_to_speak(bad):
         normalize_text(bad)
 
 
+@pytest.mark.parametrize(
+    "raw, spoken",
+    [
+        # C0/C1 control characters separate words (a NUL used to end the text for espeak-ng)
+        ("Hello\x00world", "Hello world"),
+        ("Hello\x00", "Hello"),
+        ("One\x07two\x1bthree\x7ffour\x85five\x9fsix.", "One two three four five six."),
+        ("Tab\tnew\nline\r\nend.", "Tab new line end."),
+        # invisible format characters (zero-width, BOM, soft hyphen, direction marks) are dropped
+        ("zero\u200bwidth\u200cnon\u200djoiner", "zerowidthnonjoiner"),
+        ("\ufeffHello wo\u2060rld", "Hello world"),
+        ("soft\u00adware \u200eleft\u200f \u202eright\u202c", "software left right"),
+        ("It costs $1\u200b2.", "It costs twelve dollars."),
+    ],
+)
+def test_control_and_invisible_characters_are_removed_before_normalization(raw, spoken):
+    assert normalize_text(raw) == spoken
+
+
+@pytest.mark.parametrize("bad", ["\x00\x01", "\u200b\ufeff", "\x00 \u200d ."])
+def test_only_control_or_invisible_characters_is_nothing_to_speak(bad):
+    with pytest.raises(TextError, match="nothing to speak"):
+        normalize_text(bad)
+
+
+def test_a_lone_surrogate_is_a_text_error_not_a_crash():
+    # What Python makes of bytes that are not UTF-8 on a command line ("\xff" -> "\udcff").
+    with pytest.raises(TextError, match=r"not valid UTF-8 .*U\+DCFF"):
+        normalize_text("Hello \udcff world")
+
+
 def test_split_text_respects_limit_and_keeps_words():
     text = normalize_text("This is a sentence, with a clause. " * 20 + "Supercalifragilistic" * 3)
     chunks = split_text(text, 60)

@@ -2,8 +2,8 @@
 
 Numbers, dates, times, currency, percentages, ordinals, ranges, simple fractions, units after numbers and
 common abbreviations become words (num2words does the number reading); phone numbers and other
-hyphen-joined digit groups are read digit by digit; typographic punctuation becomes ASCII; whitespace
-collapses.
+hyphen-joined digit groups are read digit by digit; typographic punctuation becomes ASCII; control and
+invisible characters are removed; whitespace collapses.
 `split_text` cuts long text into chunks at sentence, then clause, then word boundaries.
 """
 
@@ -285,14 +285,38 @@ def _vulgar_fraction(m: re.Match) -> str:
     return f"{m.group(1)} {fraction}" if m.group(1) else fraction
 
 
+# C0 and C1 control characters (and DEL) other than tab, newline and carriage return: each becomes a space,
+# so the words on either side stay apart ("Hello\x00world" is two words; espeak-ng would stop at the NUL).
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def remove_control_characters(text: str) -> str:
+    """`text` without what is never spoken: C0/C1 control characters become spaces (tab, newline and
+    carriage return stay; normalization turns them into spaces), format characters (Unicode category
+    Cf: zero-width space and joiners, word joiner, byte order mark, soft hyphen, direction marks) are
+    dropped. Raises TextError for a lone surrogate (what Python makes of bytes that are not UTF-8)."""
+    if (bad := _SURROGATE.search(text)) is not None:
+        raise TextError(
+            f"text is not valid UTF-8 (it holds the lone surrogate U+{ord(bad.group()):04X} at character "
+            f"{bad.start()})"
+        )
+    text = _CONTROL.sub(" ", text)
+    if text.isascii():
+        return text
+    return "".join(ch for ch in text if unicodedata.category(ch) != "Cf")
+
+
 # Inline control tags (`<|speaker:0|>` and the like) pass through normalization untouched.
 _TAG = re.compile(r"<\|[^|<>\s]{1,64}\|>")
 _SPEAKER_TAG = re.compile(r"(<\|speaker:\d+\|>)")
 
 
 def normalize_text(text: str) -> str:
-    """Spoken form of `text` (see the module docstring); inline tags such as `<|speaker:1|>` are kept
-    as they are. Raises TextError if nothing speakable remains."""
+    """Spoken form of `text` (see the module docstring); control and invisible characters are removed
+    first (`remove_control_characters`), inline tags such as `<|speaker:1|>` are kept as they are.
+    Raises TextError if nothing speakable remains or the text holds a lone surrogate."""
+    text = remove_control_characters(text)
     tags = _TAG.findall(text)
     if not tags:
         return _normalize_plain(text)
