@@ -29,7 +29,7 @@ from .bundle import ModelBundle, load_bundle
 from .codec.base import AudioError, prepare_audio
 from .engine import Engine, EngineConfig, FinishReason, InvalidRequest, SamplingParams
 from .prompt import Turn, VoiceReference
-from .text import TextError, has_speaker_tags, normalize_text, split_speaker_turns, split_text
+from .text import TextError, has_speaker_tags, normalize_user_text, split_speaker_turns, split_text
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class Frontend:
         if seconds > limit:
             log.warning("reference audio is %.1f s long; using its first %.1f s", seconds, limit)
             x = x[: int(limit * self.sample_rate)]
-        return PreparedReference(x, normalize_text(text))
+        return PreparedReference(x, normalize_user_text(text, self.bundle.prompt_format.user_tags))
 
     def encode_reference(self, prepared: PreparedReference) -> VoiceReference:
         """The codec half of `reference_from_audio` (device work: the engine thread runs it)."""
@@ -187,7 +187,7 @@ class Frontend:
         """Normalize and split text into generation chunks (chunk_length 0 = one chunk). Text with
         `<|speaker:N|>` tags is split into speaker turns, grouped up to 5 turns and chunk_length bytes
         per chunk (Fish spec 3.2)."""
-        normalized = normalize_text(text)
+        normalized = normalize_user_text(text, self.bundle.prompt_format.user_tags)
         limit = self.bundle.chunk_length if chunk_length is None else chunk_length
         if limit <= 0:
             return [normalized]

@@ -14,6 +14,8 @@ import unicodedata
 
 from num2words import num2words
 
+from .engine.request import InvalidRequest
+
 
 class TextError(ValueError):
     """Text with nothing to speak (empty, whitespace or punctuation only)."""
@@ -310,6 +312,55 @@ def remove_control_characters(text: str) -> str:
 # Inline control tags (`<|speaker:0|>` and the like) pass through normalization untouched.
 _TAG = re.compile(r"<\|[^|<>\s]{1,64}\|>")
 _SPEAKER_TAG = re.compile(r"(<\|speaker:\d+\|>)")
+
+# ---- tags in user text --------------------------------------------------------------------------------
+# `<|...|>` tags are the prompt formats' control tokens (`<|im_end|>`, `<|voice|>`, `<|semantic:N|>`) and
+# the tokenizers recognize them inline, so user text may hold only the tags its prompt format documents
+# for users (a format's `user_tags`; S2's `<|speaker:N|>`). A tag is `<|`, then anything without `<|` or
+# `|>`, then `|>`; a lone `<|` or `|>` is plain text.
+SPEAKER_TAG = re.compile(r"<\|speaker:[0-9]+\|>")
+_ANY_TAG = re.compile(r"<\|(?:(?!<\||\|>).)*\|>", re.DOTALL)
+MAX_TAG_CHARS = 40  # a longer tag is cut in the middle in error messages
+
+
+def shorten(s: str, limit: int) -> str:
+    """`s` if it has at most `limit` characters, else its start and end around "..." (`limit` in all)."""
+    if len(s) <= limit:
+        return s
+    tail = max(1, (limit - 3) // 3)
+    return f"{s[: max(1, limit - 3 - tail)]}...{s[-tail:]}"
+
+
+def reserved_tag_error(tag: str, allowed: re.Pattern | None) -> InvalidRequest:
+    """The error for a tag (or special token) in user text that its prompt format does not allow."""
+    if allowed is None:
+        accepted = "no <|...|> tags"
+    elif allowed.pattern == SPEAKER_TAG.pattern:
+        accepted = "only <|speaker:N|> tags"
+    else:
+        accepted = f"only tags matching {allowed.pattern}"
+    return InvalidRequest(
+        f"text contains the reserved tag {shorten(tag, MAX_TAG_CHARS)!r} (this model accepts {accepted} in text)"
+    )
+
+
+def check_user_tags(text: str, allowed: re.Pattern | None) -> None:
+    """Raise InvalidRequest naming the first `<|...|>` tag in `text` that `allowed` does not fully match
+    (None: no tag is allowed)."""
+    for m in _ANY_TAG.finditer(text):
+        if allowed is None or not allowed.fullmatch(m.group()):
+            raise reserved_tag_error(m.group(), allowed)
+
+
+def normalize_user_text(text: str, allowed_tags: re.Pattern | None) -> str:
+    """`normalize_text` for text a user sent, whose prompt format accepts the tags `allowed_tags` matches
+    (None: none). Tags are checked after control and invisible characters are removed and again after
+    normalization (NFKC turns fullwidth `＜｜` into `<|`). Raises InvalidRequest naming a reserved tag,
+    TextError as `normalize_text` does."""
+    check_user_tags(remove_control_characters(text), allowed_tags)
+    normalized = normalize_text(text)
+    check_user_tags(normalized, allowed_tags)
+    return normalized
 
 
 def normalize_text(text: str) -> str:
