@@ -21,6 +21,7 @@ calls, lets open streams finish within `grace` seconds, then cancels the rest an
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import re
@@ -210,6 +211,135 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
     if isinstance(exc, EngineFailed):
         return grpc.StatusCode.INTERNAL, str(exc), "error"
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}", "error"
+
+
+# ---- malformed request bytes ---------------------------------------------------------------------------
+# grpc's own deserializer failure is UNKNOWN "Unexpected <class 'DecodeError'>" plus a logged traceback
+# per request; `add_servicer` registers deserializers that hand the handler a `MalformedRequest` instead,
+# which it answers with INVALID_ARGUMENT and one log line.
+
+
+@dataclass
+class MalformedRequest:
+    """Bytes that are not a valid request message; `message` says why (the status details)."""
+
+    message: str
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]  # IndexError past the end
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise IndexError("varint too long")
+
+
+def invalid_utf8_field(data: bytes, descriptor, prefix: str = "") -> str | None:
+    """The dotted name of the first string field (nested messages included) whose value in the protobuf
+    wire bytes `data` of a `descriptor` message is not UTF-8; None if there is none or `data` is too
+    broken to walk."""
+    pos = 0
+    try:
+        while pos < len(data):
+            key, pos = _varint(data, pos)
+            number, wire_type = key >> 3, key & 7
+            if wire_type == 0:
+                _, pos = _varint(data, pos)
+            elif wire_type in (1, 5):
+                pos += 8 if wire_type == 1 else 4
+            elif wire_type == 2:
+                length, pos = _varint(data, pos)
+                value, pos = data[pos : pos + length], pos + length
+                field = descriptor.fields_by_number.get(number)
+                if pos > len(data) or field is None:
+                    continue
+                if field.type == field.TYPE_STRING:
+                    try:
+                        value.decode("utf-8")
+                    except UnicodeDecodeError:
+                        return prefix + field.name
+                elif field.type == field.TYPE_MESSAGE:
+                    found = invalid_utf8_field(value, field.message_type, f"{prefix}{field.name}.")
+                    if found:
+                        return found
+            else:
+                return None  # groups: not in this API
+    except IndexError:
+        return None
+    return None
+
+
+def _tolerant_deserializer(message_class):
+    from google.protobuf.message import DecodeError
+
+    descriptor = message_class.DESCRIPTOR
+
+    def deserialize(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError as exc:
+            field = invalid_utf8_field(data, descriptor)
+            hint = f" ({field} must be UTF-8)" if field else ""
+            reason = str(exc).removeprefix(f"Error parsing message with type '{descriptor.full_name}': ")
+            return MalformedRequest(f"the request is not a valid {descriptor.full_name}: {reason}{hint}")
+
+    return deserialize
+
+
+def _guarded(servicer, method_name: str, streaming: bool):
+    """`servicer`'s handler for `method_name`, answering a MalformedRequest with INVALID_ARGUMENT."""
+    behavior = getattr(servicer, method_name)
+
+    async def reject(request: MalformedRequest, context) -> None:
+        log.warning("%s from %s: %s", method_name, context.peer(), request.message)
+        await servicer._abort(context, InvalidRequest(request.message))
+
+    if not streaming:
+
+        async def unary(request, context):
+            if isinstance(request, MalformedRequest):
+                await reject(request, context)
+            response = behavior(request, context)
+            return await response if inspect.isawaitable(response) else response
+
+        return unary
+    if not inspect.isasyncgenfunction(behavior):
+        return behavior  # not implemented (the generated base class) or synchronous: left as it is
+
+    async def stream(request, context):
+        if isinstance(request, MalformedRequest):
+            await reject(request, context)
+        responses = behavior(request, context)
+        try:
+            async for response in responses:
+                yield response
+        finally:
+            await responses.aclose()  # closed early: the handler's own cleanup runs now
+
+    return stream
+
+
+def add_servicer(servicer: TextToSpeechServicer, server) -> None:
+    """Register `servicer` for every method of tts.v1.TextToSpeech, as the generated
+    `add_TextToSpeechServicer_to_server` does, but with request deserializers that turn bytes which are
+    not a valid request (invalid UTF-8 in a string field, a truncated message) into INVALID_ARGUMENT."""
+    kinds = {False: grpc.unary_unary_rpc_method_handler, True: grpc.unary_stream_rpc_method_handler}
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["TextToSpeech"].methods:
+        if method.client_streaming:
+            raise NotImplementedError(f"{method.name}: client-streaming methods are not handled here")
+        handlers[method.name] = kinds[method.server_streaming](
+            _guarded(servicer, method.name, method.server_streaming),
+            request_deserializer=_tolerant_deserializer(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 # ---- encoding -----------------------------------------------------------------------------------------
@@ -453,9 +583,7 @@ class TTSServer:
         from grpc_reflection.v1alpha import reflection
 
         self._server = grpc.aio.server(options=grpc_options(self.limits))
-        pb_grpc.add_TextToSpeechServicer_to_server(
-            TextToSpeechServicer(self.loop, self.limits, self.metrics), self._server
-        )
+        add_servicer(TextToSpeechServicer(self.loop, self.limits, self.metrics), self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         for name in ("", SERVICE_NAME):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import logging
 import threading
 import time
 import urllib.request
@@ -389,6 +390,51 @@ def test_reserved_tags_are_invalid_argument_before_any_work(server, stub):
     # The documented speaker tags are fine.
     r = collect(stub.Synthesize(build_request("<|speaker:0|>Hi. <|speaker:1|>Yo.", seed=1, max_new_frames=3)))
     assert r["end"].frames > 0
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (wire type 2) with a one-byte length."""
+    assert len(payload) < 128
+    return bytes([number << 3 | 2, len(payload)]) + payload
+
+
+@pytest.mark.parametrize(
+    "raw, field",
+    [
+        (_field(1, b"Hello \xff\xfe world"), "text"),  # invalid UTF-8 in SynthesizeRequest.text
+        (_field(1, b"Hi.") + _field(2, _field(1, b"ava\xc3")), "voice.name"),
+        (_field(1, b"Hi.") + _field(2, _field(2, _field(1, b"RIFF") + _field(2, b"\xed\xa0\x80"))), "voice.reference.text"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("method", ["Synthesize", "SynthesizeUnary"])
+def test_invalid_utf8_is_invalid_argument_with_one_log_line(server, caplog, raw, field, method):
+    wait_idle(server.loop)
+    steps = server.loop.stats.steps
+    with server.channel() as channel:
+        path = f"/{SERVICE}/{method}"
+        rpc = channel.unary_stream(path) if method == "Synthesize" else channel.unary_unary(path)
+        with caplog.at_level(logging.INFO):
+            caplog.clear()
+            err = rpc_error(lambda: list(rpc(raw)) if method == "Synthesize" else rpc(raw))
+            deadline = time.monotonic() + 10
+            while not caplog.records and time.monotonic() < deadline:  # the server thread logs
+                time.sleep(0.01)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+    assert err.details().startswith("the request is not a valid tts.v1.SynthesizeRequest: ")
+    assert err.details().endswith(f"({field} must be UTF-8)"), err.details()
+    records = [r for r in caplog.records if r.levelno >= logging.INFO]
+    assert len(records) == 1, [r.getMessage() for r in records]
+    assert records[0].exc_info is None and method in records[0].getMessage()
+    assert "\n" not in records[0].getMessage()
+    assert server.loop.stats.steps == steps
+
+
+def test_malformed_request_bytes_are_invalid_argument(server):
+    with server.channel() as channel:
+        rpc = channel.unary_unary(f"/{SERVICE}/SynthesizeUnary")
+        err = rpc_error(lambda: rpc(b"\x0a\x7f\x00"))  # a length past the end
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith("the request is not a valid tts.v1.SynthesizeRequest")
 
 
 def test_reference_voice_and_preset_voice(stub, offline):
