@@ -57,7 +57,7 @@ from tts.engine.loop import (
     SynthesisJob,
 )
 from tts.prompt import VoiceReference
-from tts.text import TextError
+from tts.text import TextError, shorten
 
 from .metrics import ServiceMetrics
 
@@ -196,8 +196,18 @@ def build_job(frontend: Frontend, loop: EngineLoop, request: pb.SynthesizeReques
     return PreparedRequest(job, encoding, out.include_codes)
 
 
+# Status details are cut to this many characters (gRPC refuses metadata over 16 KiB with another status).
+MAX_STATUS_CHARS = 300
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
-    """(status, details, metrics outcome) for an error a request can end with."""
+    """(status, details, metrics outcome) for an error a request can end with; the details are one line
+    of at most MAX_STATUS_CHARS characters, cut in the middle when longer."""
+    code, details, outcome = _status_and_details(exc)
+    return code, shorten(re.sub(r"\s*\n\s*", " ", details), MAX_STATUS_CHARS), outcome
+
+
+def _status_and_details(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
     if isinstance(exc, VoiceNotFound):
         return grpc.StatusCode.NOT_FOUND, str(exc), "not_found"
     if isinstance(exc, TextError | InvalidRequest | AudioError):

@@ -21,10 +21,10 @@ import torch
 from proto.tts.v1 import tts_pb2 as pb
 from proto.tts.v1 import tts_pb2_grpc as pb_grpc
 from service.client import build_request, channel_options, decode_audio, decode_codes
-from service.server import ServiceLimits, TTSServer
-from tts.api import TTS
+from service.server import MAX_STATUS_CHARS, ServiceLimits, TTSServer, status_for
+from tts.api import TTS, VoiceNotFound
 from tts.bundle import load_bundle
-from tts.engine import EngineConfig
+from tts.engine import EngineConfig, InvalidRequest
 from tts.engine.loop import EngineLoop
 
 pytest.importorskip("grpc_health")
@@ -390,6 +390,28 @@ def test_reserved_tags_are_invalid_argument_before_any_work(server, stub):
     # The documented speaker tags are fine.
     r = collect(stub.Synthesize(build_request("<|speaker:0|>Hi. <|speaker:1|>Yo.", seed=1, max_new_frames=3)))
     assert r["end"].frames > 0
+
+
+def test_a_huge_voice_name_is_not_found_with_a_short_message(server, stub):
+    name = "v" * 20_000
+    for call in (lambda: collect(stub.Synthesize(build_request("Hi.", voice=name))),
+                 lambda: stub.SynthesizeUnary(build_request("Hi.", voice=name))):  # fmt: skip
+        err = rpc_error(call)
+        assert err.code() == grpc.StatusCode.NOT_FOUND, err
+        details = err.details()
+        assert details.startswith("unknown voice 'vvvv") and "...vvv" in details, details
+        assert details.endswith("(available: alpha, beta)") and len(details) <= MAX_STATUS_CHARS
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [InvalidRequest("bad " + "x" * 50_000 + " end"), VoiceNotFound("y" * 9000), RuntimeError("z" * 9000)],
+)
+def test_every_status_message_is_bounded(exc):
+    code, details, _ = status_for(exc)
+    assert len(details) <= MAX_STATUS_CHARS and "..." in details
+    assert details[:4] == (str(exc) if code != grpc.StatusCode.INTERNAL else f"RuntimeError: {exc}")[:4]
+    assert "\n" not in details
 
 
 def _field(number: int, payload: bytes) -> bytes:

@@ -29,7 +29,7 @@ from .bundle import ModelBundle, load_bundle
 from .codec.base import AudioError, prepare_audio
 from .engine import Engine, EngineConfig, FinishReason, InvalidRequest, SamplingParams
 from .prompt import Turn, VoiceReference
-from .text import TextError, has_speaker_tags, normalize_user_text, split_speaker_turns, split_text
+from .text import TextError, has_speaker_tags, normalize_user_text, shorten, split_speaker_turns, split_text
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class Frontend:
             return list(voice)
         if voice not in self.bundle.voices:
             names = ", ".join(sorted(self.bundle.voices)) or "none"
-            raise VoiceNotFound(f"unknown voice {voice!r} (available: {names})")
+            raise VoiceNotFound(f"unknown voice {shorten(voice, 60)!r} (available: {shorten(names, 160)})")
         return [self.bundle.voices[voice]]
 
     def reference_from_audio(self, audio, sample_rate: int, text: str) -> VoiceReference:
