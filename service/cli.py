@@ -250,6 +250,7 @@ async def _serve(args, bundle, engine_config, limits) -> int:
 
 
 def check_chunk_options(args: argparse.Namespace) -> None:
+    """--first-chunk-frames and --chunk-frames are >= 0 (0 = the server's default); raises UserError."""
     for option in ("--first-chunk-frames", "--chunk-frames"):
         value = getattr(args, option[2:].replace("-", "_"))
         require(value >= 0, f"{option} must be >= 0 (0 = server default), got {value}")

@@ -285,6 +285,7 @@ def invalid_utf8_field(data: bytes, descriptor, prefix: str = "") -> str | None:
 
 
 def _tolerant_deserializer(message_class):
+    """`message_class.FromString` that returns a MalformedRequest instead of raising DecodeError."""
     from google.protobuf.message import DecodeError
 
     descriptor = message_class.DESCRIPTOR
@@ -337,7 +338,8 @@ def _guarded(servicer, method_name: str, streaming: bool):
 def add_servicer(servicer: TextToSpeechServicer, server) -> None:
     """Register `servicer` for every method of tts.v1.TextToSpeech, as the generated
     `add_TextToSpeechServicer_to_server` does, but with request deserializers that turn bytes which are
-    not a valid request (invalid UTF-8 in a string field, a truncated message) into INVALID_ARGUMENT."""
+    not a valid request (invalid UTF-8 in a string field, a truncated message) into INVALID_ARGUMENT.
+    Raises NotImplementedError if the service has a client-streaming method (it has none)."""
     kinds = {False: grpc.unary_unary_rpc_method_handler, True: grpc.unary_stream_rpc_method_handler}
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["TextToSpeech"].methods:
