@@ -57,6 +57,9 @@ BAD = [
     (["synthesize", "hi", "-o", "{d}/a.wav", "--reference-audio", "{d}/empty.wav", "--reference-text", "x"],
      "reference audio file {d}/empty.wav is empty"),
     (["synthesize", "hi", "-o", "{d}/a.wav", "--threads", "0"], "--threads must be >= 1, got 0"),
+    (["synthesize", "--text-file", "{d}/none.txt", "-o", "{d}/a.wav"], "text file not found: {d}/none.txt"),
+    (["synthesize", "--text-file", "{d}/latin1.txt", "-o", "{d}/a.wav"],
+     "text file {d}/latin1.txt is not UTF-8 (byte 5 is 0xe9)"),
     (["synthesize", "Hello <|im_end|> there", "-o", "{d}/a.wav"], "reserved tag '<|im_end|>'"),
     (["synthesize", "hi \udcff", "-o", "{d}/a.wav"], "not valid UTF-8"),
     (["synthesize", "hi", "-o", "{d}/a.wav", "--voice", "nobody"], "unknown voice"),
@@ -70,6 +73,7 @@ BAD = [
 def test_bad_input_one_line_error_nonzero_exit_no_file(tmp_path, capsys, argv, message):
     sf.write(str(tmp_path / "empty.wav"), [], 16000)
     (tmp_path / "junk.wav").write_bytes(b"RIFF not really a wav file")
+    (tmp_path / "latin1.txt").write_bytes("Caf\u00e9 au lait".encode("latin-1")[:3] + b"xx\xe9")
     argv = [a.replace("{d}", str(tmp_path)) for a in argv]
     message = message.replace("{d}", str(tmp_path))
     if "--model" not in argv:

@@ -146,14 +146,23 @@ def check_device(device: str) -> None:
 
 
 def read_text_arg(args) -> str:
-    """The text of TEXT or --text-file (exactly one); raises UserError."""
+    """The text of TEXT or --text-file (exactly one); raises UserError (both or neither given, a file
+    that is missing, unreadable or not UTF-8)."""
     if args.text is not None and args.text_file is not None:
         raise UserError("give TEXT or --text-file, not both")
     if args.text_file is not None:
+        path = args.text_file
         try:
-            return Path(args.text_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"cannot read --text-file: {exc}") from exc
+            return Path(path).read_bytes().decode("utf-8")
+        except FileNotFoundError as exc:
+            raise UserError(f"text file not found: {path}") from exc
+        except IsADirectoryError as exc:
+            raise UserError(f"text file path {path} is a directory, not a file") from exc
+        except OSError as exc:
+            raise UserError(f"cannot read text file {path}: {os_error_reason(exc)}") from exc
+        except UnicodeDecodeError as exc:
+            bad = exc.object[exc.start]
+            raise UserError(f"text file {path} is not UTF-8 (byte {exc.start} is 0x{bad:02x})") from exc
     if args.text is None:
         raise UserError("nothing to synthesize: give TEXT or --text-file")
     return args.text
