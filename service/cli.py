@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
+import re
 import signal
+import socket
 import sys
 import time
-from pathlib import Path
 
 from tts.cli import (
     UserError,
@@ -22,11 +24,16 @@ from tts.cli import (
     apply_threads,
     check_device,
     check_output_path,
+    check_threads,
     engine_kwargs,
+    read_reference_file,
     read_text_arg,
+    require,
     sampling_kwargs,
     torch_dtype,
+    write_output_wav,
 )  # fmt: skip
+from tts.errors import os_error_reason
 
 log = logging.getLogger("tts.serve")
 
@@ -131,6 +138,59 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=cmd_bench_server)
 
 
+# ---- option checks ---------------------------------------------------------------------------------------
+
+# gRPC message sizes are int32: the receive limit (reference clip + 1 MiB) must stay below 2 GiB.
+MAX_REFERENCE_MB = 2046
+
+
+def check_seconds(option: str, value: float | None, *, zero_ok: bool) -> None:
+    """`value` (None: unset) is a finite number of seconds, > 0 or >= 0; raises UserError."""
+    if value is not None and not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+        raise UserError(f"{option} must be a number of seconds {'>=' if zero_ok else '>'} 0, got {value:g}")
+
+
+def check_sampling_options(args: argparse.Namespace) -> None:
+    """The sampling values given on the command line are valid (the server's defaults fill the rest);
+    raises InvalidRequest naming the field, as the server would."""
+    from tts.engine import SamplingParams
+
+    given = {k: v for k, v in sampling_kwargs(args).items() if v is not None}
+    SamplingParams(**given).validate()
+
+
+def check_server_address(server: str) -> None:
+    """A HOST:PORT (or [V6]:PORT) `--server` has a port in 1..65535 (gRPC would silently take it modulo
+    65536); other target forms (dns:///..., unix:...) pass as they are. Raises UserError."""
+    m = re.fullmatch(r"(\[[^\]]*\]|[^:/\[\]]*):(\d+)", server)
+    if m and not 1 <= int(m.group(2)) <= 65535:
+        raise UserError(f"--server {server}: the port must be in 1..65535")
+
+
+def check_listen(host: str, port: int, port_option: str, host_option: str, purpose: str = "") -> None:
+    """Raise UserError unless a socket can listen on host:port now (a trial bind, SO_REUSEADDR as gRPC
+    and the metrics server use): `cannot listen on 127.0.0.1:9464 for metrics: address already in use
+    (--metrics-port)`."""
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as trial:
+            trial.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            trial.bind(sockaddr)
+    except OSError as exc:
+        option = host_option if isinstance(exc, socket.gaierror) else port_option
+        raise UserError(f"cannot listen on {address}{purpose}: {os_error_reason(exc)} ({option})") from exc
+
+
+def check_serve_ports(args: argparse.Namespace) -> None:
+    """The gRPC and (unless off) the metrics address can be listened on; raises UserError naming them."""
+    check_listen(args.host, args.port, "--port", "--host")
+    if args.metrics_port >= 0:
+        check_listen(args.metrics_host, args.metrics_port, "--metrics-port", "--metrics-host", " for metrics")
+
+
 # ---- serve ---------------------------------------------------------------------------------------------
 
 
@@ -140,17 +200,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .server import MiB, ServiceLimits
 
-    if not 0 <= args.port <= 65535:
-        raise UserError(f"--port must be in 0..65535, got {args.port}")
-    if args.max_batch < 1 or args.max_waiting < 0 or args.max_queued_chunks < 1:
-        raise UserError("--max-batch and --max-queued-chunks must be >= 1, --max-waiting >= 0")
-    if args.grace < 0 or args.max_reference_mb <= 0:
-        raise UserError("--grace must be >= 0 and --max-reference-mb > 0")
-    if not args.pause_timeout >= 0 or not args.max_audio_seconds >= 0 or not args.reference_cache_mb >= 0:
-        raise UserError("--pause-timeout, --max-audio-seconds and --reference-cache-mb must be >= 0")
-    if args.max_text_bytes < 1:
-        raise UserError("--max-text-bytes must be >= 1")
+    require(0 <= args.port <= 65535, f"--port must be in 0..65535 (0 = any free port), got {args.port}")
+    require(
+        args.metrics_port == -1 or 0 <= args.metrics_port <= 65535,
+        f"--metrics-port must be -1 (off) or in 0..65535 (0 = any free port), got {args.metrics_port}",
+    )
+    require(args.max_batch >= 1, f"--max-batch must be >= 1, got {args.max_batch}")
+    require(args.max_waiting >= 0, f"--max-waiting must be >= 0, got {args.max_waiting}")
+    require(args.max_queued_chunks >= 1, f"--max-queued-chunks must be >= 1, got {args.max_queued_chunks}")
+    check_seconds("--grace", args.grace, zero_ok=True)
+    require(
+        math.isfinite(args.max_reference_mb) and 0 < args.max_reference_mb <= MAX_REFERENCE_MB,
+        f"--max-reference-mb must be in (0, {MAX_REFERENCE_MB}], got {args.max_reference_mb:g}",
+    )
+    check_threads(args)
+    check_seconds("--pause-timeout", args.pause_timeout, zero_ok=True)
+    check_seconds("--max-audio-seconds", args.max_audio_seconds, zero_ok=True)
+    require(
+        math.isfinite(args.reference_cache_mb) and args.reference_cache_mb >= 0,
+        f"--reference-cache-mb must be >= 0, got {args.reference_cache_mb:g}",
+    )
+    require(args.max_text_bytes >= 1, f"--max-text-bytes must be >= 1, got {args.max_text_bytes}")
     check_device(args.device)
+    check_serve_ports(args)  # before the model loads: a busy port is found in a moment
     t0 = time.perf_counter()
     bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype))
     apply_threads(args, bundle)
@@ -190,6 +262,7 @@ async def _serve(args, bundle, engine_config, limits) -> int:
         port = await server.start(args.host, args.port)
     except (RuntimeError, OSError) as exc:
         await server.stop(0)
+        check_serve_ports(args)  # taken since the check before loading: name the port and the option
         raise UserError(str(exc)) from exc
     stop = asyncio.Event()
     aio_loop = asyncio.get_running_loop()
@@ -226,27 +299,31 @@ async def _serve(args, bundle, engine_config, limits) -> int:
 # ---- client --------------------------------------------------------------------------------------------
 
 
+def check_chunk_options(args: argparse.Namespace) -> None:
+    """--first-chunk-frames and --chunk-frames are >= 0 (0 = the server's default); raises UserError."""
+    for option in ("--first-chunk-frames", "--chunk-frames"):
+        value = getattr(args, option[2:].replace("-", "_"))
+        require(value >= 0, f"{option} must be >= 0 (0 = server default), got {value}")
+
+
 def cmd_client(args: argparse.Namespace) -> int:
     import grpc
-
-    from tts.audio import write_wav_atomic
 
     from .client import build_request
 
     text = read_text_arg(args)
+    check_server_address(args.server)
+    check_seconds("--timeout", args.timeout, zero_ok=False)
+    check_chunk_options(args)
+    check_sampling_options(args)
     out = check_output_path(args.output)
     if (args.reference_audio is None) != (args.reference_text is None):
         raise UserError("--reference-audio and --reference-text go together")
     if args.voice is not None and args.reference_audio is not None:
         raise UserError("give --voice or --reference-audio, not both")
     reference = None
-    if args.reference_audio is not None:
-        try:
-            reference = Path(args.reference_audio).read_bytes()
-        except OSError as exc:
-            raise UserError(f"cannot read --reference-audio: {exc}") from exc
-    if args.first_chunk_frames < 0 or args.chunk_frames < 0:
-        raise UserError("chunk sizes must be >= 0 (0 = server default)")
+    if args.reference_audio is not None:  # read and decoded here, so a bad file is named
+        reference = read_reference_file(args.reference_audio)[0]
     request = build_request(
         text, voice=args.voice, reference_audio=reference, reference_text=args.reference_text,
         encoding=args.encoding, first_chunk_frames=args.first_chunk_frames, chunk_frames=args.chunk_frames,
@@ -261,7 +338,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         print(f"tts: error: {args.server}: {code.name}: {exc.details()}", file=sys.stderr)
         return 1
     subtype = "FLOAT" if args.encoding == "float32" else "PCM_16"
-    write_wav_atomic(out, result.audio, result.sample_rate, subtype=subtype)
+    write_output_wav(out, result.audio, result.sample_rate, subtype=subtype)
     end = result.end
     reasons = {1: "stop", 2: "length", 3: "short"}
     ttfa = f"{result.ttfa * 1000:.0f} ms" if result.ttfa is not None else "-"
@@ -291,4 +368,10 @@ async def _client(server: str, request, timeout: float | None):
 def cmd_bench_server(args: argparse.Namespace) -> int:
     from .loadtest import run_from_args
 
+    check_server_address(args.server)
+    check_seconds("--timeout", args.timeout, zero_ok=False)
+    require(args.requests is None or args.requests >= 1, f"--requests must be >= 1, got {args.requests}")
+    require(args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}")
+    check_chunk_options(args)
+    check_sampling_options(args)
     return run_from_args(args)

@@ -439,7 +439,7 @@ async def run_loadtest(
         voice = voice_source(reference, clip)
 
         def make_request(i: int):
-            return build_request(request_text(i), seed=seed + i, **voice(i), **request_options)
+            return build_request(request_text(i), seed=seed + i, **{**request_options, **voice(i)})
 
         registered = False
         try:

@@ -25,6 +25,7 @@ end with UNAVAILABLE, the engine stops and the port closes (within `grace` + abo
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import re
 import time
@@ -58,8 +59,8 @@ from tts.engine.loop import (
     SynthesisJob,
 )
 from tts.planner import Planner
-from tts.text import TextError
-from tts.voices import VoiceExists, VoiceNotFound, reference_key, short
+from tts.text import TextError, shorten
+from tts.voices import VoiceExists, VoiceNotFound, reference_key
 
 from .metrics import ServiceMetrics
 
@@ -191,22 +192,18 @@ def prepare_reference(planner: Planner, ref: pb.ReferenceAudio, limits: ServiceL
     return planner.prepare_reference(audio, sample_rate, ref.text, key=key)
 
 
-MAX_DETAILS = 300
-
-
-def bounded(details: str, limit: int = MAX_DETAILS) -> str:
-    """A status message cut to `limit` characters (gRPC carries it in a header: a long echo of user input
-    would turn any status into RESOURCE_EXHAUSTED)."""
-    return short(details, limit)
+# Status details are cut to this many characters (gRPC refuses metadata over 16 KiB with another status).
+MAX_STATUS_CHARS = 300
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
-    """(status, details, metrics outcome) for an error a request can end with."""
-    code, details, outcome = _status_for(exc)
-    return code, bounded(details), outcome
+    """(status, details, metrics outcome) for an error a request can end with; the details are one line
+    of at most MAX_STATUS_CHARS characters, cut in the middle when longer."""
+    code, details, outcome = _status_and_details(exc)
+    return code, shorten(re.sub(r"\s*\n\s*", " ", details), MAX_STATUS_CHARS), outcome
 
 
-def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
+def _status_and_details(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
     if isinstance(exc, VoiceNotFound):
         return grpc.StatusCode.NOT_FOUND, str(exc), "not_found"
     if isinstance(exc, VoiceExists):
@@ -224,6 +221,137 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
     if isinstance(exc, EngineFailed):
         return grpc.StatusCode.INTERNAL, str(exc), "error"
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}", "error"
+
+
+# ---- malformed request bytes ---------------------------------------------------------------------------
+# grpc's own deserializer failure is UNKNOWN "Unexpected <class 'DecodeError'>" plus a logged traceback
+# per request; `add_servicer` registers deserializers that hand the handler a `MalformedRequest` instead,
+# which it answers with INVALID_ARGUMENT and one log line.
+
+
+@dataclass
+class MalformedRequest:
+    """Bytes that are not a valid request message; `message` says why (the status details)."""
+
+    message: str
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]  # IndexError past the end
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise IndexError("varint too long")
+
+
+def invalid_utf8_field(data: bytes, descriptor, prefix: str = "") -> str | None:
+    """The dotted name of the first string field (nested messages included) whose value in the protobuf
+    wire bytes `data` of a `descriptor` message is not UTF-8; None if there is none or `data` is too
+    broken to walk."""
+    pos = 0
+    try:
+        while pos < len(data):
+            key, pos = _varint(data, pos)
+            number, wire_type = key >> 3, key & 7
+            if wire_type == 0:
+                _, pos = _varint(data, pos)
+            elif wire_type in (1, 5):
+                pos += 8 if wire_type == 1 else 4
+            elif wire_type == 2:
+                length, pos = _varint(data, pos)
+                value, pos = data[pos : pos + length], pos + length
+                field = descriptor.fields_by_number.get(number)
+                if pos > len(data) or field is None:
+                    continue
+                if field.type == field.TYPE_STRING:
+                    try:
+                        value.decode("utf-8")
+                    except UnicodeDecodeError:
+                        return prefix + field.name
+                elif field.type == field.TYPE_MESSAGE:
+                    found = invalid_utf8_field(value, field.message_type, f"{prefix}{field.name}.")
+                    if found:
+                        return found
+            else:
+                return None  # groups: not in this API
+    except IndexError:
+        return None
+    return None
+
+
+def _tolerant_deserializer(message_class):
+    """`message_class.FromString` that returns a MalformedRequest instead of raising DecodeError."""
+    from google.protobuf.message import DecodeError
+
+    descriptor = message_class.DESCRIPTOR
+
+    def deserialize(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError as exc:
+            field = invalid_utf8_field(data, descriptor)
+            hint = f" ({field} must be UTF-8)" if field else ""
+            reason = str(exc).removeprefix(f"Error parsing message with type '{descriptor.full_name}': ")
+            return MalformedRequest(f"the request is not a valid {descriptor.full_name}: {reason}{hint}")
+
+    return deserialize
+
+
+def _guarded(servicer, method_name: str, streaming: bool):
+    """`servicer`'s handler for `method_name`, answering a MalformedRequest with INVALID_ARGUMENT."""
+    behavior = getattr(servicer, method_name)
+
+    async def reject(request: MalformedRequest, context) -> None:
+        log.warning("%s from %s: %s", method_name, context.peer(), request.message)
+        await servicer._abort(context, InvalidRequest(request.message))
+
+    if streaming and inspect.isasyncgenfunction(behavior):
+
+        async def stream(request, context):
+            if isinstance(request, MalformedRequest):
+                await reject(request, context)
+            responses = behavior(request, context)
+            try:
+                async for response in responses:
+                    yield response
+            finally:
+                await responses.aclose()  # closed early: the handler's own cleanup runs now
+
+        return stream
+    if not streaming or inspect.iscoroutinefunction(behavior):  # (streaming ones write with context.write)
+
+        async def call(request, context):
+            if isinstance(request, MalformedRequest):
+                await reject(request, context)
+            response = behavior(request, context)
+            return await response if inspect.isawaitable(response) else response
+
+        return call
+    return behavior  # not implemented (the generated base class) or synchronous: left as it is
+
+
+def add_servicer(servicer: TextToSpeechServicer, server) -> None:
+    """Register `servicer` for every method of tts.v1.TextToSpeech, as the generated
+    `add_TextToSpeechServicer_to_server` does, but with request deserializers that turn bytes which are
+    not a valid request (invalid UTF-8 in a string field, a truncated message) into INVALID_ARGUMENT.
+    Raises NotImplementedError if the service has a client-streaming method (it has none)."""
+    kinds = {False: grpc.unary_unary_rpc_method_handler, True: grpc.unary_stream_rpc_method_handler}
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["TextToSpeech"].methods:
+        if method.client_streaming:
+            raise NotImplementedError(f"{method.name}: client-streaming methods are not handled here")
+        handlers[method.name] = kinds[method.server_streaming](
+            _guarded(servicer, method.name, method.server_streaming),
+            request_deserializer=_tolerant_deserializer(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 # ---- encoding -----------------------------------------------------------------------------------------
@@ -360,7 +488,7 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         return pb.StreamEnd(
             finish_reason=overall_finish_reason(reasons), frames=finished.frames, audio_seconds=audio_seconds,
             time_to_first_audio_seconds=ttfa, rtf=rtf, chunks=chunks, text_chunk_finish_reasons=reasons,
-            warnings=[bounded(w) for w in finished.warnings],
+            warnings=[shorten(w, MAX_STATUS_CHARS) for w in finished.warnings],
         )  # fmt: skip
 
     def _ended_by_client(self, context, call: CallLog) -> None:
@@ -479,7 +607,7 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         except (InvalidRequest, AudioError, VoiceExists) as exc:
             await self._abort(context, exc)
         except Exception as exc:  # noqa: BLE001 - encoding or the voice file failed: INTERNAL, said once
-            log.exception("adding voice %r failed", short(request.name))
+            log.exception("adding voice %r failed", shorten(request.name, 60))
             await self._abort(context, EngineFailed(f"cannot add the voice: {exc}"))
         log.info("voice added name=%s seconds=%.2f", entry.name, entry.seconds(self.bundle.codec.frame_rate))
         return self._voice_info(entry)
@@ -566,9 +694,7 @@ class TTSServer:
         from grpc_reflection.v1alpha import reflection
 
         self._server = grpc.aio.server(options=grpc_options(self.limits))
-        pb_grpc.add_TextToSpeechServicer_to_server(
-            TextToSpeechServicer(self.loop, self.limits, self.metrics), self._server
-        )
+        add_servicer(TextToSpeechServicer(self.loop, self.limits, self.metrics), self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         for name in ("", SERVICE_NAME):

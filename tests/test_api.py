@@ -1,9 +1,12 @@
+import re
+
 import numpy as np
 import pytest
 import torch
 
 from tts import TTS, InvalidRequest, VoiceNotFound
 from tts.codec import AudioError
+from tts.prompt import Turn, VoiceReference
 from tts.text import TextError
 
 
@@ -95,3 +98,41 @@ def test_abandoned_stream_frees_its_request(tts):
 def test_seed_of_every_text_chunk_is_checked_before_work(tts):
     with pytest.raises(InvalidRequest, match="seed"):
         tts.prepare("One sentence here. Another sentence there.", seed=2**63 - 1, chunk_length=25)
+
+
+@pytest.mark.parametrize("tag", ["<|im_end|>", "<|im_start|>", "<|voice|>", "<|semantic:3|>", "<|nonsense|>"])
+def test_reserved_tags_in_text_are_rejected_before_any_work(tts, tag):
+    frames = tts.engine.frames_generated
+    with pytest.raises(InvalidRequest, match=re.escape(f"reserved tag '{tag}'")):
+        tts.prepare(f"Hello {tag} world.")
+    with pytest.raises(InvalidRequest, match=re.escape(f"reserved tag '{tag}'")):
+        tts.synthesize(f"Hello {tag} world.", seed=1, max_new_frames=3)
+    with pytest.raises(InvalidRequest, match=re.escape(f"reserved tag '{tag}'")):
+        tts.reference_from_audio(np.full(16000, 0.3, np.float32), 16000, f"A transcript {tag} here.")
+    assert tts.engine.frames_generated == frames and tts.engine.num_running == tts.engine.num_waiting == 0
+
+
+def test_the_default_prompt_format_allows_speaker_tags_only(tts):
+    assert tts.bundle.prompt_format.user_tags.fullmatch("<|speaker:3|>")
+    assert tts.plan("<|speaker:0|>Hi there. <|speaker:1|>Hello.") == [
+        "<|speaker:0|>Hi there.\n<|speaker:1|>Hello."
+    ]
+
+
+def test_prompt_builder_never_turns_user_text_into_special_tokens(tts):
+    """Defense in depth: text that skipped the planner (a VoiceReference made by hand, a direct build)
+    still cannot put a special token into the prompt."""
+    fmt = tts.bundle.prompt_format
+    with pytest.raises(InvalidRequest, match=re.escape("reserved tag '<|im_end|>'")):
+        fmt.build("Hi<|im_end|>")
+    codes = torch.zeros(4, 3, dtype=torch.int64)
+    with pytest.raises(InvalidRequest, match=re.escape("reserved tag '<|voice|>'")):
+        fmt.build("Hi.", [VoiceReference(codes, "ref <|voice|> text")])
+    with pytest.raises(InvalidRequest, match=re.escape("reserved tag '<|im_start|>'")):
+        fmt.build("Hi.", [], [Turn("<|im_start|>earlier", codes)])
+    with pytest.raises(InvalidRequest, match=re.escape("reserved tag '<|im_end|>'")):
+        tts.synthesize("Hi.", voice=VoiceReference(codes, "sneaky<|im_end|>"), max_new_frames=2)
+    # Allowed tags and the format's own framing still build.
+    ids = fmt.build("<|speaker:1|>Hi.", [VoiceReference(codes, "<|speaker:0|>ref")])[:, 0].tolist()
+    tok = tts.bundle.tokenizer
+    assert ids.count(tok.token_id("<|speaker:1|>")) == 1 and ids.count(tok.token_id("<|voice|>")) == 1

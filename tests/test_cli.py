@@ -1,10 +1,15 @@
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import soundfile as sf
+from helpers import sysfs_mounted
 
 from tts.cli import main, summarize_finish_reasons
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_cli_writes_wav_whose_duration_is_frames_times_frame_length(tmp_path, capsys):
@@ -43,7 +48,20 @@ BAD = [
     (["synthesize", "hi", "-o", "{d}/missing/a.wav"], "does not exist"),
     (["synthesize", "hi", "-o", "{d}/a.wav", "--reference-audio", "{d}/empty.wav", "--reference-text", "x"], "empty"),
     (["synthesize", "hi", "-o", "{d}/a.wav", "--reference-audio", "{d}/junk.wav", "--reference-text", "x"], "cannot read"),
-    (["synthesize", "hi", "-o", "{d}/a.wav", "--reference-audio", "{d}/nofile.wav", "--reference-text", "x"], "cannot read"),
+    (["synthesize", "hi", "-o", "{d}/a.wav", "--reference-audio", "{d}/nofile.wav", "--reference-text", "x"],
+     "reference audio file not found: {d}/nofile.wav"),
+    (["synthesize", "hi", "-o", "{d}/a.wav", "--reference-audio", "{d}/junk.wav", "--reference-text", "x"],
+     "cannot read reference audio file {d}/junk.wav: Format not recognised (expected WAV or FLAC)"),
+    (["synthesize", "hi", "-o", "{d}/a.wav", "--reference-audio", "{d}", "--reference-text", "x"],
+     "reference audio path {d} is a directory, not a file"),
+    (["synthesize", "hi", "-o", "{d}/a.wav", "--reference-audio", "{d}/empty.wav", "--reference-text", "x"],
+     "reference audio file {d}/empty.wav is empty"),
+    (["synthesize", "hi", "-o", "{d}/a.wav", "--threads", "0"], "--threads must be >= 1, got 0"),
+    (["synthesize", "--text-file", "{d}/none.txt", "-o", "{d}/a.wav"], "text file not found: {d}/none.txt"),
+    (["synthesize", "--text-file", "{d}/latin1.txt", "-o", "{d}/a.wav"],
+     "text file {d}/latin1.txt is not UTF-8 (byte 5 is 0xe9)"),
+    (["synthesize", "Hello <|im_end|> there", "-o", "{d}/a.wav"], "reserved tag '<|im_end|>'"),
+    (["synthesize", "hi \udcff", "-o", "{d}/a.wav"], "not valid UTF-8"),
     (["synthesize", "hi", "-o", "{d}/a.wav", "--voice", "nobody"], "unknown voice"),
     (["synthesize", "hi", "-o", "{d}/a.wav", "--voice", "beta", "--reference-audio", "{d}/junk.wav",
       "--reference-text", "x"], "not both"),
@@ -55,7 +73,9 @@ BAD = [
 def test_bad_input_one_line_error_nonzero_exit_no_file(tmp_path, capsys, argv, message):
     sf.write(str(tmp_path / "empty.wav"), [], 16000)
     (tmp_path / "junk.wav").write_bytes(b"RIFF not really a wav file")
+    (tmp_path / "latin1.txt").write_bytes("Caf\u00e9 au lait".encode("latin-1")[:3] + b"xx\xe9")
     argv = [a.replace("{d}", str(tmp_path)) for a in argv]
+    message = message.replace("{d}", str(tmp_path))
     if "--model" not in argv:
         argv += ["--model", "tiny"]
     before = sorted(p.name for p in tmp_path.iterdir())
@@ -64,6 +84,70 @@ def test_bad_input_one_line_error_nonzero_exit_no_file(tmp_path, capsys, argv, m
     assert rc == 2
     assert message in err and err.startswith("tts: error:") and len(err.splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+
+
+def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    """`python -m tts.cli ARGS` as a user runs it (this checkout first on the path)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-m", "tts.cli", *args], capture_output=True, text=True, env=env, cwd=cwd or ROOT
+    )
+
+
+def one_error_line(stderr: str) -> str:
+    """The single `tts: error: ...` line of stderr (asserting there is exactly one and no traceback)."""
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("tts: error: "), stderr
+    return errors[0]
+
+
+def _unwritable_dirs():
+    cases = []
+    if os.geteuid() != 0:  # root ignores permission bits
+        cases.append(pytest.param("chmod", id="directory-without-write-permission"))
+    if sysfs_mounted():  # refuses new files even for root
+        cases.append(pytest.param("/sys", id="sysfs"))
+    return cases
+
+
+@pytest.mark.parametrize("where", _unwritable_dirs())
+def test_unwritable_output_directory_is_one_line_naming_the_path_and_reason(tmp_path, where):
+    directory = tmp_path / "ro" if where == "chmod" else Path(where)
+    if where == "chmod":
+        directory.mkdir()
+        directory.chmod(0o555)
+    before = sorted(p.name for p in directory.iterdir())
+    try:
+        out = directory / "x.wav"
+        r = run_cli("synthesize", "Hello there.", "-o", str(out), "--model", "tiny", "--max-new-frames", "3")
+        assert r.returncode == 2, r.stderr
+        assert one_error_line(r.stderr) == f"tts: error: cannot write {out}: permission denied"
+        assert ".tmp" not in r.stderr and "model:" not in r.stderr  # found before the model was loaded
+        assert sorted(p.name for p in directory.iterdir()) == before  # nothing left behind
+    finally:
+        if where == "chmod":
+            directory.chmod(0o755)
+
+
+def test_a_write_that_fails_at_the_end_names_the_output_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """The directory was writable when checked but the final rename fails (the file system went
+    read-only): one line naming the output, not the temporary file, and no file left."""
+    import errno
+
+    import tts.audio
+
+    def read_only(src, dst):
+        raise OSError(errno.EROFS, "Read-only file system", str(src))
+
+    monkeypatch.setattr(tts.audio.os, "replace", read_only)
+    out = tmp_path / "x.wav"
+    rc = main(
+        ["synthesize", "Hello there.", "-o", str(out), "--model", "tiny", "--max-new-frames", "3", "-q"]
+    )
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == f"tts: error: cannot write {out}: read-only file system"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_console_script_help_and_exit_code():

@@ -18,11 +18,12 @@ def test_decode_length_and_range(codec):
 
 
 def test_encode_decode_round_trip_recovers_codes(codec):
-    codes = torch.randint(0, 32, (3, 10))
-    # Frames overlap-add into their neighbours; re-encoding the first-stage code is exact enough to test
+    # Fixed codes (a seeded generator): 200 frames recover 194 first-stage codes (97%). Frames
+    # overlap-add into their neighbours, so a few are re-encoded as another entry; 90% is the bound.
+    codes = torch.randint(0, 32, (3, 200), generator=torch.Generator().manual_seed(0))
     again = codec.encode(codec.decode(codes), codec.sample_rate)
-    assert again.shape == (3, 10)
-    assert (again[0] == codes[0]).float().mean() > 0.8
+    assert again.shape == (3, 200)
+    assert (again[0] == codes[0]).float().mean() > 0.9
 
 
 @pytest.mark.parametrize("pieces", [[1] * 12, [4, 8], [5, 1, 6], [12]])

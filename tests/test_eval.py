@@ -1,5 +1,6 @@
 """`tts eval` pieces that need no ASR: the speaker-similarity check and its espeak-ng speakers."""
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -7,8 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import sysfs_mounted
 
 from tts import eval as tts_eval
+from tts.cli import main
 from tts.text import normalize_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,3 +60,50 @@ def test_voice_similarity_passes_a_model_that_speaks_each_voice_and_fails_one_th
         _FakeTTS(lambda v: v), sentences, names, lambda _: None, espeak=False
     )
     assert preset_only["gate_reference"] == "preset" and "closest_is_own_same_text_espeak" not in preset_only
+
+
+@pytest.mark.parametrize(
+    "gates, code, line",
+    [
+        ({"wer": True, "runaway": True, "duration": True}, 0, ""),
+        ({"wer": False, "runaway": True, "duration": False}, 3, "tts eval: gates failed: wer, duration (exit code 3)"),
+        ({"runaway": False}, 3, "tts eval: gates failed: runaway (exit code 3)"),
+    ],
+)  # fmt: skip
+def test_eval_exits_3_when_a_gate_fails_and_0_only_when_all_pass(
+    tmp_path, capsys, monkeypatch, gates, code, line
+):
+    monkeypatch.setattr(tts_eval, "evaluate", lambda args: {"wer": 0.4, "gates": gates, "samples": []})
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--out", str(out)]) == code
+    assert capsys.readouterr().err.strip() == line
+    assert json.loads(out.read_text())["gates"] == gates  # the report is written either way
+
+
+def test_eval_help_documents_the_exit_codes(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["eval", "--help"])
+    assert info.value.code == 0
+    assert "Exit codes: 0 when every gate passes; 3 when a gate fails" in " ".join(
+        capsys.readouterr().out.split()
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seeds", "0,x"], "--seeds must be comma-separated integers, got '0,x'"),
+        (["--limit", "0"], "--limit must be >= 1, got 0"),
+        pytest.param(
+            ["--out", "/sys/eval.json"], "cannot write /sys/eval.json: permission denied",
+            marks=pytest.mark.skipif(not sysfs_mounted(), reason="needs /sys (sysfs): nobody can write there"),
+        ),
+    ],
+)  # fmt: skip
+def test_eval_bad_options_fail_before_the_evaluation(capsys, monkeypatch, argv, message):
+    def never(args):
+        raise AssertionError("evaluated before the options were checked")
+
+    monkeypatch.setattr(tts_eval, "evaluate", never)
+    assert main(["eval", *argv]) == 2
+    assert capsys.readouterr().err.strip() == f"tts: error: {message}"

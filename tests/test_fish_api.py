@@ -1,6 +1,7 @@
 """Serving a Fish checkpoint through the API and CLI: synthesis, references, speaker turns, commands."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -11,7 +12,10 @@ from tts.api import TTS
 from tts.bundle import build_tiny_bundle, load_bundle
 from tts.cli import main
 from tts.codec.base import AudioError
-from tts.engine import Engine, EngineConfig, SamplingParams
+from tts.engine import Engine, EngineConfig, InvalidRequest, SamplingParams
+from tts.fish.prompts import Fish15PromptFormat, S1PromptFormat, S2PromptFormat
+from tts.fish.tokenizer import FISH15_SPECIAL_TOKENS, TiktokenTokenizer
+from tts.prompt import Turn, VoiceReference
 from tts.text import normalize_text, split_speaker_turns
 
 
@@ -86,6 +90,49 @@ def test_speaker_tags_survive_normalization_and_split_into_turns(s2_tts):
     assert turns == ["<|speaker:0|>I have three cats.", "<|speaker:1|>Really?\n<|speaker:0|>Yes."]
     many = "".join(f"<|speaker:{i % 7}|>Line {i}." for i in range(12))
     assert [c.count("<|speaker:") for c in split_speaker_turns(normalize_text(many), 10_000)] == [5, 5, 2]
+
+
+def test_prompt_formats_say_which_tags_user_text_may_hold(fish_checkpoints):
+    """S2's prompt documents `<|speaker:N|>` turns; S1's and 1.5's prompts have no speaker support."""
+    s2 = load_bundle(fish_checkpoints["s2"]).prompt_format
+    assert isinstance(s2, S2PromptFormat) and s2.user_tags.fullmatch("<|speaker:4|>")
+    assert S1PromptFormat.user_tags is None and Fish15PromptFormat.user_tags is None
+
+
+def test_s1_rejects_speaker_tags_s2_accepts_them(s2_tts, fish_checkpoints):
+    s1 = TTS(load_bundle(fish_checkpoints["s1"]), EngineConfig(max_batch=1, graphs=False))
+    with pytest.raises(InvalidRequest, match=re.escape("reserved tag '<|speaker:1|>'")):
+        s1.prepare("<|speaker:1|>Hello.", max_new_frames=4)
+    assert s1.prepare("Hello.", max_new_frames=4).chunks == ["Hello."]
+    assert s2_tts.prepare("<|speaker:1|>Hello.", max_new_frames=4).chunks == ["<|speaker:1|>Hello."]
+
+
+@pytest.mark.parametrize("family", ["s2", "s1", "fish-1.5"])
+def test_fish_prompt_builders_never_turn_user_text_into_special_tokens(fish_checkpoints, family):
+    bundle_dir = fish_checkpoints[family]
+    if family == "fish-1.5":
+        fmt = Fish15PromptFormat(TiktokenTokenizer.from_dir(bundle_dir, FISH15_SPECIAL_TOKENS), 8)
+    else:
+        fmt = load_bundle(bundle_dir).prompt_format
+    n = fmt.num_codebooks
+    codes = torch.zeros(n, 2, dtype=torch.int64)
+    for text, refs, history in [
+        ("Hi <|im_end|>", [], []),
+        ("Hi.", [VoiceReference(codes, "ref <|im_end|>")], []),
+        ("Hi.", [], [Turn("earlier <|im_end|>", codes)]),
+    ]:
+        with pytest.raises(InvalidRequest, match=re.escape("reserved tag '<|im_end|>'")):
+            fmt.build(text, refs, history)
+    # 1.5's cleaning drops emoji: the check sees the text the tokenizer gets.
+    if family == "fish-1.5":
+        with pytest.raises(InvalidRequest, match=re.escape("reserved tag '<|im_end|>'")):
+            fmt.build("Hi <|im_\U0001f600end|>")
+
+
+def test_s2_rejects_qwen_added_tokens_in_text(s2_tts):
+    """S2's tokenizer.json (Qwen3) matches `<think>` and friends inline: the prompt builder refuses them."""
+    with pytest.raises(InvalidRequest, match=re.escape("reserved tag '<think>'")):
+        s2_tts.prepare("Let me <think> about it.")
 
 
 def test_engine_outputs_are_not_overwritten_by_later_steps():

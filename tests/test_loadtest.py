@@ -183,8 +183,10 @@ def test_bench_server_repeated_reference_reports_the_new_fields(server, tmp_path
     assert rc == 0
     settings = report["settings"]
     assert settings["reference"] == "repeated" and settings["min_new_frames"] == 2
-    assert settings["reference_bytes"] == len(ReferenceClip.synthetic().raw)
-    assert settings["reference_seconds"] == 10.0
+    # 10 s, or 90% of the server's longest reference (the tiny model takes 10.24 s: 9.216 s).
+    seconds = min(10.0, 0.9 * server.loop.planner.max_reference_seconds)
+    assert settings["reference_bytes"] == len(ReferenceClip.synthetic(seconds).raw)
+    assert settings["reference_seconds"] == pytest.approx(seconds)
     levels = report["levels"]
     assert [(lv["concurrency"], lv["requests"], lv["ok"], lv["errors"]) for lv in levels] == [
         (1, 3, 3, {}), (2, 3, 3, {}),

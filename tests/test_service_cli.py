@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +17,9 @@ from pathlib import Path
 import grpc
 import pytest
 import soundfile as sf
+from helpers import sysfs_mounted
 
+import tts.bundle
 from proto.tts.v1 import tts_pb2_grpc as pb_grpc
 from service.client import build_request, channel_options
 from tts.cli import main
@@ -131,3 +134,94 @@ def test_serve_client_bench_and_sigterm(tmp_path):
         if server.proc.poll() is None:
             server.proc.kill()
             server.proc.wait()
+
+
+BAD_OPTIONS = [
+    (["client", "Hi.", "-o", "{d}/a.wav", "--timeout", "-1"], "--timeout must be a number of seconds > 0, got -1"),
+    (["client", "Hi.", "-o", "{d}/a.wav", "--timeout", "0"], "--timeout must be a number of seconds > 0, got 0"),
+    (["client", "Hi.", "-o", "{d}/a.wav", "--timeout", "nan"], "--timeout must be a number of seconds > 0, got nan"),
+    (["client", "Hi.", "-o", "{d}/a.wav", "--timeout", "inf"], "--timeout must be a number of seconds > 0, got inf"),
+    (["client", "Hi.", "-o", "{d}/a.wav", "--temperature", "-1"], "temperature must be >= 0, got -1.0"),
+    (["client", "Hi.", "-o", "{d}/a.wav", "--top-p", "nan"], "top_p must be in (0, 1], got nan"),
+    (["client", "Hi.", "-o", "{d}/a.wav", "--max-new-frames", "0"], "max_new_frames must be > 0, got 0"),
+    (["client", "Hi.", "-o", "{d}/a.wav", "--server", "127.0.0.1:70000"],
+     "--server 127.0.0.1:70000: the port must be in 1..65535"),
+    (["client", "Hi.", "-o", "{d}/a.wav", "--reference-audio", "{d}/missing.wav", "--reference-text", "x"],
+     "reference audio file not found: {d}/missing.wav"),
+    (["serve", "--port", "70000"], "--port must be in 0..65535 (0 = any free port), got 70000"),
+    (["serve", "--port", "-1"], "--port must be in 0..65535 (0 = any free port), got -1"),
+    (["serve", "--metrics-port", "-2"], "--metrics-port must be -1 (off) or in 0..65535 (0 = any free port), got -2"),
+    (["serve", "--metrics-port", "65536"], "--metrics-port must be -1 (off) or in 0..65535 (0 = any free port), got 65536"),
+    (["serve", "--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+    (["serve", "--max-waiting", "-1"], "--max-waiting must be >= 0, got -1"),
+    (["serve", "--max-queued-chunks", "0"], "--max-queued-chunks must be >= 1, got 0"),
+    (["serve", "--grace", "-1"], "--grace must be a number of seconds >= 0, got -1"),
+    (["serve", "--grace", "nan"], "--grace must be a number of seconds >= 0, got nan"),
+    (["serve", "--max-reference-mb", "0"], "--max-reference-mb must be in (0, 2046], got 0"),
+    (["serve", "--max-reference-mb", "inf"], "--max-reference-mb must be in (0, 2046], got inf"),
+    (["serve", "--max-reference-mb", "5000"], "--max-reference-mb must be in (0, 2046], got 5000"),
+    (["serve", "--threads", "0"], "--threads must be >= 1, got 0"),
+    (["bench-server", "--server", "127.0.0.1:1", "--timeout", "0"], "--timeout must be a number of seconds > 0, got 0"),
+    (["bench-server", "--server", "127.0.0.1:1", "--warmup", "-1"], "--warmup must be >= 0, got -1"),
+    (["bench-server", "--server", "127.0.0.1:1", "--requests", "0"], "--requests must be >= 1, got 0"),
+    (["bench-server", "--server", "127.0.0.1:1", "--max-new-frames", "-5"], "max_new_frames must be > 0, got -5"),
+    (["bench-server", "--server", "127.0.0.1:1", "--chunk-frames", "-1"], "--chunk-frames must be >= 0 (0 = server default), got -1"),
+    (["bench-server", "--server", "127.0.0.1:1", "--top-k", "-1"], "top_k must be in [0, 2**31) (0 = no limit), got -1"),
+    (["bench-server", "--server", "127.0.0.1:99999"], "--server 127.0.0.1:99999: the port must be in 1..65535"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv, message", BAD_OPTIONS, ids=[" ".join(a[:1] + a[-2:]) for a, _ in BAD_OPTIONS])
+def test_bad_numeric_options_are_one_line_exit_2(tmp_path, capsys, monkeypatch, argv, message):
+    def no_model(*args, **kwargs):  # a bad option must be found before the model is loaded (or served)
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(tts.bundle, "load_bundle", no_model)
+    argv = [a.replace("{d}", str(tmp_path)) for a in argv]
+    if argv[0] == "serve":
+        argv += ["--model", "tiny"]
+    if argv[0] == "client" and "--server" not in argv:
+        argv += ["--server", "127.0.0.1:1"]  # nothing listens there
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == "tts: error: " + message.replace("{d}", str(tmp_path)), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def _listening_socket() -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+@pytest.mark.parametrize("which", ["--port", "--metrics-port"])
+def test_a_busy_port_is_named_in_one_line(which):
+    with _listening_socket() as busy:
+        port = busy.getsockname()[1]
+        args = (
+            ["--port", str(port), "--metrics-port", "0"]
+            if which == "--port"
+            else ["--port", "0", "--metrics-port", str(port)]
+        )
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        r = subprocess.run(
+            [sys.executable, "-m", "tts.cli", "serve", "--model", "tiny", *args],
+            capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+        )  # fmt: skip
+    purpose = " for metrics" if which == "--metrics-port" else ""
+    assert r.returncode == 2, r.stderr
+    assert (
+        r.stderr.strip()
+        == f"tts: error: cannot listen on 127.0.0.1:{port}{purpose}: address already in use ({which})"
+    )
+
+
+@pytest.mark.skipif(not sysfs_mounted(), reason="needs /sys (sysfs) as a directory nobody can write to")
+def test_client_unwritable_output_fails_before_connecting(capsys):
+    rc = main(["client", "Hi.", "--server", "127.0.0.1:1", "-o", "/sys/x.wav"])
+    assert (
+        rc == 2
+        and capsys.readouterr().err.strip() == "tts: error: cannot write /sys/x.wav: permission denied"
+    )

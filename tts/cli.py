@@ -10,12 +10,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
+import re
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-from .errors import UserError  # noqa: E402,F401 - defined there so `python -m tts.cli` raises the same class
+from .errors import UserError, os_error_reason  # noqa: E402,F401 - `python -m tts.cli` raises the same class
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -87,9 +90,21 @@ def set_cpu_threads(threads: int | None, on_cpu: bool, num_parameters: int) -> N
     if threads is None and on_cpu and num_parameters < 100_000_000:
         threads = 1
     if threads is not None:
-        if threads < 1:
-            raise UserError("--threads must be >= 1")
+        require(threads >= 1, f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise UserError(message) (one line, exit code 2) unless `ok`."""
+    if not ok:
+        raise UserError(message)
+
+
+def check_threads(args: argparse.Namespace) -> None:
+    """`--threads` (where the command has it) is None or >= 1; raises UserError. Checked before the
+    model is loaded; `apply_threads` applies it after."""
+    threads = getattr(args, "threads", None)
+    require(threads is None or threads >= 1, f"--threads must be >= 1, got {threads}")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -131,32 +146,104 @@ def check_device(device: str) -> None:
 
 
 def read_text_arg(args) -> str:
-    """The text of TEXT or --text-file (exactly one); raises UserError."""
+    """The text of TEXT or --text-file (exactly one); raises UserError (both or neither given, a file
+    that is missing, unreadable or not UTF-8)."""
     if args.text is not None and args.text_file is not None:
         raise UserError("give TEXT or --text-file, not both")
     if args.text_file is not None:
+        path = args.text_file
         try:
-            return Path(args.text_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"cannot read --text-file: {exc}") from exc
+            return Path(path).read_bytes().decode("utf-8")
+        except FileNotFoundError as exc:
+            raise UserError(f"text file not found: {path}") from exc
+        except IsADirectoryError as exc:
+            raise UserError(f"text file path {path} is a directory, not a file") from exc
+        except OSError as exc:
+            raise UserError(f"cannot read text file {path}: {os_error_reason(exc)}") from exc
+        except UnicodeDecodeError as exc:
+            bad = exc.object[exc.start]
+            raise UserError(f"text file {path} is not UTF-8 (byte {exc.start} is 0x{bad:02x})") from exc
     if args.text is None:
         raise UserError("nothing to synthesize: give TEXT or --text-file")
     return args.text
 
 
 def check_output_path(path: str) -> Path:
-    """An output file path whose directory exists and that is not a directory; raises UserError."""
+    """An output file path whose directory exists and takes new files (a file is created there and
+    removed) and that is not a directory; raises UserError naming the path and the reason."""
     out = Path(path)
-    if not (out.parent if str(out.parent) else Path(".")).is_dir():
+    directory = out.parent if str(out.parent) else Path(".")
+    if not directory.is_dir():
         raise UserError(f"output directory {out.parent} does not exist")
     if out.is_dir():
         raise UserError(f"output path {out} is a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tts-write-check.", dir=directory)
+    except OSError as exc:
+        raise UserError(f"cannot write {out}: {os_error_reason(exc)}") from exc
+    os.close(fd)
+    os.unlink(probe)
     return out
+
+
+def write_output_wav(out: Path, audio, sample_rate: int, subtype: str = "PCM_16") -> None:
+    """`tts.audio.write_wav_atomic`, with a failure (permission, read-only or full file system) as a
+    UserError naming `out` and the reason; the output path holds a complete file or nothing."""
+    from .audio import write_wav_atomic
+
+    try:
+        write_wav_atomic(out, audio, sample_rate, subtype=subtype)
+    except OSError as exc:
+        raise UserError(f"cannot write {out}: {os_error_reason(exc)}") from exc
+
+
+def write_text_output(path: str | Path, text: str) -> None:
+    """Write `text` (UTF-8) to `path` through a temporary file in the same directory and a rename, so the
+    path holds a complete file or nothing; a failure is a UserError naming `path` and the reason."""
+    path = Path(path)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise UserError(f"cannot write {path}: {os_error_reason(exc)}") from exc
+
+
+def read_reference_file(path: str):
+    """The bytes of the WAV/FLAC file `path` (--reference-audio) and its decoded audio:
+    `(data, [channels, samples] float32, sample_rate)`. Raises UserError naming the file and the
+    reason: not found, a directory, unreadable, not decodable, empty."""
+    from .audio import read_audio
+    from .codec.base import AudioError
+
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError as exc:
+        raise UserError(f"reference audio file not found: {path}") from exc
+    except IsADirectoryError as exc:
+        raise UserError(f"reference audio path {path} is a directory, not a file") from exc
+    except OSError as exc:
+        raise UserError(f"cannot read reference audio file {path}: {os_error_reason(exc)}") from exc
+    try:
+        audio, sample_rate = read_audio(data)
+    except AudioError as exc:
+        message = str(exc)
+        if message.startswith("cannot read reference audio: "):  # soundfile's reason, minus its file object
+            reason = re.sub(r"^cannot read reference audio: (Error opening <[^>]*>: )?", "", message)
+            reason = reason.strip().rstrip(".")
+            message = f"cannot read reference audio file {path}: {reason} (expected WAV or FLAC)"
+        else:  # "reference audio is empty", "... contains NaN or infinite samples"
+            message = message.replace("reference audio", f"reference audio file {path}", 1)
+        raise UserError(message) from exc
+    return data, audio, sample_rate
 
 
 def cmd_synthesize(args: argparse.Namespace) -> int:
     from .api import TTS
-    from .audio import read_audio, write_wav_atomic
     from .bundle import load_bundle
     from .engine import EngineConfig, SamplingParams
     from .text import normalize_text
@@ -169,8 +256,9 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
         raise UserError("--reference-audio and --reference-text go together")
     if args.voice is not None and args.reference_audio is not None:
         raise UserError("give --voice or --reference-audio, not both")
-    reference_audio = read_audio(Path(args.reference_audio)) if args.reference_audio else None
+    reference_audio = read_reference_file(args.reference_audio)[1:] if args.reference_audio else None
     check_device(args.device)
+    check_threads(args)
     SamplingParams(**{k: v for k, v in sampling_kwargs(args).items() if v is not None}).validate()
 
     t_load = time.perf_counter()
@@ -206,7 +294,7 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     if progress_bar is not None:
         progress_bar.n = len(plan.chunks)
         progress_bar.close()
-    write_wav_atomic(out, result.audio, result.sample_rate)
+    write_output_wav(out, result.audio, result.sample_rate)
     for warning in result.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(

@@ -25,7 +25,11 @@ Reported (and written to `--out` as JSON):
   speaker differs). Pass = every output is closest to its own voice, by the espeak reference when
   it ran, else by the preset one; both are reported.
 
-Gates (issue 5): WER <= espeak WER + 0.10, no runaway, duration ratio within 0.7-1.4.
+Gates (issue 5): WER <= espeak WER + 0.10, no runaway, duration ratio within 0.7-1.4 (and, with
+`--voices`, every output closest to its own voice).
+
+Exit codes: 0 when every gate passes; 3 when a gate fails (the report is printed and written all the
+same, and one line on stderr names the failed gates); 2 for bad input; 1 for a failure while running.
 """
 
 from __future__ import annotations
@@ -301,9 +305,30 @@ def _centred(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return centre, torch.nn.functional.normalize(stats - centre, dim=1)
 
 
+EXIT_GATES_FAILED = 3  # the evaluation ran and at least one gate failed (see the module docstring)
+
+
+def check_eval_args(args: argparse.Namespace) -> None:
+    """Options that would otherwise fail after minutes of evaluation; raises UserError."""
+    from .cli import check_output_path, check_threads, require
+
+    require(
+        re.fullmatch(r"\s*-?\d+(\s*,\s*-?\d+)*\s*", args.seeds) is not None,
+        f"--seeds must be comma-separated integers, got {args.seeds!r}",
+    )
+    for option in ("limit", "voice_sentences", "asr_threads"):
+        value = getattr(args, option)
+        require(value is None or value >= 1, f"--{option.replace('_', '-')} must be >= 1, got {value}")
+    check_threads(args)
+    if args.out:
+        check_output_path(args.out)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
+    from .cli import write_text_output
     from .errors import UserError
 
+    check_eval_args(args)
     try:
         result = evaluate(args)
     except EvalError as exc:
@@ -311,7 +336,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     summary = {k: v for k, v in result.items() if k != "samples"}
     print(json.dumps(summary, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_text_output(args.out, json.dumps(result, indent=1))
+    failed = [name for name, passed in result["gates"].items() if not passed]
+    if failed:
+        print(f"tts eval: gates failed: {', '.join(failed)} (exit code {EXIT_GATES_FAILED})", file=sys.stderr)
+        return EXIT_GATES_FAILED
     return 0
 
 

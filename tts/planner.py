@@ -28,7 +28,7 @@ from .bundle import ModelBundle
 from .codec.base import AudioError, prepare_audio
 from .params import InvalidRequest, SamplingParams
 from .prompt import Turn, VoiceReference
-from .text import TextError, has_speaker_tags, normalize_text, split_speaker_turns, split_text
+from .text import TextError, has_speaker_tags, normalize_user_text, split_speaker_turns, split_text
 from .voices import VoiceNotFound, VoiceRegistry, codec_fingerprint
 
 log = logging.getLogger(__name__)
@@ -173,13 +173,14 @@ class Planner:
             )
         if float(x.abs().max()) < SILENCE_PEAK:
             raise AudioError("reference audio is silent")
-        return PreparedReference(x, normalize_text(text), key)
+        return PreparedReference(x, normalize_user_text(text, self.bundle.prompt_format.user_tags), key)
 
     def plan(self, text: str, chunk_length: int | None = None) -> list[str]:
         """Normalize and split text into generation chunks (chunk_length 0 = one chunk). Text with
         `<|speaker:N|>` tags is split into speaker turns, grouped up to 5 turns and chunk_length bytes
-        per chunk (Fish spec 3.2). Raises TextError when nothing is left to speak."""
-        normalized = normalize_text(text)
+        per chunk (Fish spec 3.2). Raises TextError when nothing is left to speak, InvalidRequest for a
+        `<|...|>` tag the model's prompt format does not take from users (`tts.text.check_user_tags`)."""
+        normalized = normalize_user_text(text, self.bundle.prompt_format.user_tags)
         limit = self.bundle.chunk_length if chunk_length is None else chunk_length
         if limit <= 0:
             return [normalized]
@@ -239,7 +240,9 @@ class Planner:
         if first_chunk_frames < 1 or chunk_frames < 1:
             raise InvalidRequest("chunk sizes must be >= 1 frame")
         params = self.sampling_params(**sampling)
-        if params.max_new_frames >= self.max_context:
+        # An explicit budget that no prompt could fit is an error; the model's default budget is only a
+        # ceiling (the runaway guard and the fit check below cut it to what the chunk and context allow).
+        if sampling.get("max_new_frames") is not None and params.max_new_frames >= self.max_context:
             raise InvalidRequest(
                 f"max_new_frames ({params.max_new_frames}) exceeds the context size {self.max_context}"
             )

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .frontend import Frontend, apply_frontend, identity
+from .text import SPEAKER_TAG, reserved_tag_error
 from .tokenizer import TokenizerLike
 
 
@@ -37,9 +38,12 @@ class Turn:
 
 class PromptFormat(Protocol):
     """A model family's prompt layout: `build` returns the `[T, 1 + N]` int64 frame matrix for a target
-    text, its voice references and the earlier chunks of the same request; `name` identifies it."""
+    text, its voice references and the earlier chunks of the same request; `name` identifies it;
+    `user_tags` matches the `<|...|>` tags the format documents for user text (None: no tag), and `build`
+    raises InvalidRequest when user text would tokenize to any other special token."""
 
     name: str
+    user_tags: re.Pattern | None
 
     def build(
         self, text: str, references: Sequence[VoiceReference] = (), history: Sequence[Turn] = ()
@@ -55,7 +59,25 @@ class PromptAssembler:
         self.columns: list[Tensor] = []
 
     def text(self, s: str) -> PromptAssembler:
+        """A text part of the format's own (its special tokens are meant)."""
+        return self._ids(self.tokenizer.encode(s))
+
+    def user_text(self, s: str, allowed: re.Pattern | None) -> PromptAssembler:
+        """A text part that came from a user. Raises InvalidRequest if it tokenizes to a special token
+        (`<|im_end|>`, `<|semantic:N|>`, ...) that `allowed` does not match (None: any special token)."""
+        return self._ids(self.check_user_text(s, allowed))
+
+    def check_user_text(self, s: str, allowed: re.Pattern | None) -> list[int]:
+        """The ids of user text `s`; raises InvalidRequest as `user_text` does."""
         ids = self.tokenizer.encode(s)
+        special = self.tokenizer.special_tokens
+        for i in ids:
+            token = special.get(i)
+            if token is not None and (allowed is None or not allowed.fullmatch(token)):
+                raise reserved_tag_error(token, allowed)
+        return ids
+
+    def _ids(self, ids: list[int]) -> PromptAssembler:
         if ids:
             col = torch.zeros(len(ids), 1 + self.num_codebooks, dtype=torch.int64)
             col[:, 0] = torch.tensor(ids)
@@ -81,6 +103,7 @@ class S2PromptFormat:
     user / assistant exchange per earlier chunk, then the target text and `assistant\\n<|voice|>`."""
 
     name = "s2"
+    user_tags = SPEAKER_TAG  # speaker turns, `<|speaker:0|>Hi. <|speaker:1|>Hello.` (spec 3.2)
     SYSTEM = "convert the provided text to speech"
     SYSTEM_WITH_REFERENCE = "convert the provided text to speech reference to the following:\n\nText:\n"
 
@@ -102,6 +125,8 @@ class S2PromptFormat:
         p.text("<|im_start|>system\n")
         if references:
             p.text(self.SYSTEM_WITH_REFERENCE)
+            for r in references:
+                p.check_user_text(r.text, self.user_tags)
             p.text("\n".join(_with_speaker(r.text, i) for i, r in enumerate(references)))
             p.text("\n\nSpeech:\n")
             p.codes(torch.cat([torch.as_tensor(r.codes) for r in references], dim=1))
@@ -109,9 +134,9 @@ class S2PromptFormat:
             p.text(self.SYSTEM)
         p.text("<|im_end|>\n")
         for turn in history:
-            p.text("<|im_start|>user\n").text(turn.text).text("<|im_end|>\n")
+            p.text("<|im_start|>user\n").user_text(turn.text, self.user_tags).text("<|im_end|>\n")
             p.text("<|im_start|>assistant\n<|voice|>").codes(turn.codes).text("<|im_end|>\n")
-        p.text("<|im_start|>user\n").text(text).text("<|im_end|>\n")
+        p.text("<|im_start|>user\n").user_text(text, self.user_tags).text("<|im_end|>\n")
         p.text("<|im_start|>assistant\n<|voice|>")
         return p.build()
 

@@ -2,8 +2,8 @@
 
 Numbers, dates, times, currency, percentages, ordinals, ranges, simple fractions, units after numbers and
 common abbreviations become words (num2words does the number reading); phone numbers and other
-hyphen-joined digit groups are read digit by digit; typographic punctuation becomes ASCII; whitespace
-collapses.
+hyphen-joined digit groups are read digit by digit; typographic punctuation becomes ASCII; control and
+invisible characters are removed; whitespace collapses.
 `split_text` cuts long text into chunks at sentence, then clause, then word boundaries.
 """
 
@@ -13,6 +13,8 @@ import re
 import unicodedata
 
 from num2words import num2words
+
+from .params import InvalidRequest
 
 
 class TextError(ValueError):
@@ -285,14 +287,87 @@ def _vulgar_fraction(m: re.Match) -> str:
     return f"{m.group(1)} {fraction}" if m.group(1) else fraction
 
 
+# C0 and C1 control characters (and DEL) other than tab, newline and carriage return: each becomes a space,
+# so the words on either side stay apart ("Hello\x00world" is two words; espeak-ng would stop at the NUL).
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def remove_control_characters(text: str) -> str:
+    """`text` without what is never spoken: C0/C1 control characters become spaces (tab, newline and
+    carriage return stay; normalization turns them into spaces), format characters (Unicode category
+    Cf: zero-width space and joiners, word joiner, byte order mark, soft hyphen, direction marks) are
+    dropped. Raises TextError for a lone surrogate (what Python makes of bytes that are not UTF-8)."""
+    if (bad := _SURROGATE.search(text)) is not None:
+        raise TextError(
+            f"text is not valid UTF-8 (it holds the lone surrogate U+{ord(bad.group()):04X} at character "
+            f"{bad.start()})"
+        )
+    text = _CONTROL.sub(" ", text)
+    if text.isascii():
+        return text
+    return "".join(ch for ch in text if unicodedata.category(ch) != "Cf")
+
+
 # Inline control tags (`<|speaker:0|>` and the like) pass through normalization untouched.
 _TAG = re.compile(r"<\|[^|<>\s]{1,64}\|>")
 _SPEAKER_TAG = re.compile(r"(<\|speaker:\d+\|>)")
 
+# ---- tags in user text --------------------------------------------------------------------------------
+# `<|...|>` tags are the prompt formats' control tokens (`<|im_end|>`, `<|voice|>`, `<|semantic:N|>`) and
+# the tokenizers recognize them inline, so user text may hold only the tags its prompt format documents
+# for users (a format's `user_tags`; S2's `<|speaker:N|>`). A tag is `<|`, then anything without `<|` or
+# `|>`, then `|>`; a lone `<|` or `|>` is plain text.
+SPEAKER_TAG = re.compile(r"<\|speaker:[0-9]+\|>")
+_ANY_TAG = re.compile(r"<\|(?:(?!<\||\|>).)*\|>", re.DOTALL)
+MAX_TAG_CHARS = 40  # a longer tag is cut in the middle in error messages
+
+
+def shorten(s: str, limit: int) -> str:
+    """`s` if it has at most `limit` characters, else its start and end around "..." (`limit` in all)."""
+    if len(s) <= limit:
+        return s
+    tail = max(1, (limit - 3) // 3)
+    return f"{s[: max(1, limit - 3 - tail)]}...{s[-tail:]}"
+
+
+def reserved_tag_error(tag: str, allowed: re.Pattern | None) -> InvalidRequest:
+    """The error for a tag (or special token) in user text that its prompt format does not allow."""
+    if allowed is None:
+        accepted = "no <|...|> tags"
+    elif allowed.pattern == SPEAKER_TAG.pattern:
+        accepted = "only <|speaker:N|> tags"
+    else:
+        accepted = f"only tags matching {allowed.pattern}"
+    return InvalidRequest(
+        f"text contains the reserved tag {shorten(tag, MAX_TAG_CHARS)!r} (this model accepts {accepted} in text)"
+    )
+
+
+def check_user_tags(text: str, allowed: re.Pattern | None) -> None:
+    """Raise InvalidRequest naming the first `<|...|>` tag in `text` that `allowed` does not fully match
+    (None: no tag is allowed)."""
+    for m in _ANY_TAG.finditer(text):
+        if allowed is None or not allowed.fullmatch(m.group()):
+            raise reserved_tag_error(m.group(), allowed)
+
+
+def normalize_user_text(text: str, allowed_tags: re.Pattern | None) -> str:
+    """`normalize_text` for text a user sent, whose prompt format accepts the tags `allowed_tags` matches
+    (None: none). Tags are checked after control and invisible characters are removed and again after
+    normalization (NFKC turns fullwidth `＜｜` into `<|`). Raises InvalidRequest naming a reserved tag,
+    TextError as `normalize_text` does."""
+    check_user_tags(remove_control_characters(text), allowed_tags)
+    normalized = normalize_text(text)
+    check_user_tags(normalized, allowed_tags)
+    return normalized
+
 
 def normalize_text(text: str) -> str:
-    """Spoken form of `text` (see the module docstring); inline tags such as `<|speaker:1|>` are kept
-    as they are. Raises TextError if nothing speakable remains."""
+    """Spoken form of `text` (see the module docstring); control and invisible characters are removed
+    first (`remove_control_characters`), inline tags such as `<|speaker:1|>` are kept as they are.
+    Raises TextError if nothing speakable remains or the text holds a lone surrogate."""
+    text = remove_control_characters(text)
     tags = _TAG.findall(text)
     if not tags:
         return _normalize_plain(text)

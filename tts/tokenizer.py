@@ -31,12 +31,15 @@ class TokenizerError(ValueError):
 class TokenizerLike(Protocol):
     """What prompts, bundles and the engine need from a tokenizer: `encode` text without adding any
     special tokens (inline special tokens such as `<|im_start|>` encode as single ids), the contiguous
-    `<|semantic:i|>` id range and the `<|im_end|>` id. `TextTokenizer` (Hugging Face tokenizer.json) and
-    `tts.fish.tokenizer.TiktokenTokenizer` (fish-speech's tiktoken files) implement it."""
+    `<|semantic:i|>` id range, the `<|im_end|>` id, and `special_tokens`: every id that `encode` makes of
+    such an inline token (prompts use it to keep user text from producing them). `TextTokenizer` (Hugging
+    Face tokenizer.json) and `tts.fish.tokenizer.TiktokenTokenizer` (fish-speech's tiktoken files)
+    implement it."""
 
     semantic_begin_id: int
     semantic_end_id: int
     eos_id: int
+    special_tokens: dict[int, str]  # id -> text of every token `encode` recognizes inline
 
     @property
     def vocab_size(self) -> int: ...
@@ -60,6 +63,8 @@ class TextTokenizer:
             raise TokenizerError("<|semantic:i|> tokens must have contiguous ids in code order")
         self.semantic_begin_id, self.semantic_end_id = ids[0], ids[-1]
         self.eos_id = self.token_id(END_TOKEN)
+        # Added tokens, special or not (Qwen's `<think>` is not special), all match inline.
+        self.special_tokens = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
 
     @classmethod
     def from_file(cls, path: str | Path) -> TextTokenizer:

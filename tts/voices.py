@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from .codec import Codec
 from .params import InvalidRequest
 from .prompt import VoiceReference
+from .text import shorten
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +51,6 @@ class VoiceNotFound(KeyError):
 
 class VoiceExists(ValueError):
     """A registered voice of that name exists and replacing was not asked for. Maps to ALREADY_EXISTS."""
-
-
-def short(text: str, limit: int = 60) -> str:
-    """`text` cut to at most `limit` characters with an ellipsis in the middle (for error messages that
-    echo user input: a status message must stay small)."""
-    if len(text) <= limit:
-        return text
-    half = (limit - 3) // 2
-    return f"{text[:half]}...{text[-half:]}"
 
 
 def codec_fingerprint(codec: Codec) -> str:
@@ -136,7 +128,7 @@ class VoiceRegistry:
                 return voice
             names = sorted(self.presets) + sorted(self._registered)
         listed = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
-        raise VoiceNotFound(f"unknown voice {short(name)!r} (available: {listed or 'none'})")
+        raise VoiceNotFound(f"unknown voice {shorten(name, 60)!r} (available: {listed or 'none'})")
 
     def kind(self, name: str) -> str:
         with self._lock:
@@ -153,7 +145,7 @@ class VoiceRegistry:
         """Raise InvalidRequest for a bad name or a preset's name, VoiceExists for a registered name
         without `replace` (before any encoding work)."""
         if not VOICE_NAME.fullmatch(name):
-            raise InvalidRequest(f"voice name {short(name)!r} is not valid: {VOICE_NAME_RULE}")
+            raise InvalidRequest(f"voice name {shorten(name, 60)!r} is not valid: {VOICE_NAME_RULE}")
         with self._lock:
             if name in self.presets:
                 raise InvalidRequest(f"{name!r} is a preset voice of the model; choose another name")
@@ -192,7 +184,7 @@ class VoiceRegistry:
             if name in self.presets:
                 raise InvalidRequest(f"{name!r} is a preset voice of the model and cannot be deleted")
             if self._registered.pop(name, None) is None:
-                raise VoiceNotFound(f"no registered voice named {short(name)!r}")
+                raise VoiceNotFound(f"no registered voice named {shorten(name, 60)!r}")
         if self.directory is not None:
             (self.directory / f"{name}.safetensors").unlink(missing_ok=True)
 

@@ -33,6 +33,7 @@ class S1PromptFormat:
     """OpenAudio S1's interleaved prompt (see the module docstring)."""
 
     name = "s1-interleave"
+    user_tags = None  # no speaker turns: the format puts `<|speaker:0|>` before every text itself
 
     def __init__(self, tokenizer: TokenizerLike, num_codebooks: int):
         self.tokenizer = tokenizer
@@ -44,8 +45,8 @@ class S1PromptFormat:
         p = PromptAssembler(self.tokenizer, self.num_codebooks)
         p.text("<|interleave|>")
         for item in [*references, *history]:
-            p.text("<|speaker:0|>").text(item.text).codes(item.codes).text("<|im_end|>")
-        p.text("<|speaker:0|>").text(text)
+            p.text("<|speaker:0|>").user_text(item.text, None).codes(item.codes).text("<|im_end|>")
+        p.text("<|speaker:0|>").user_text(text, None)
         return p.build()
 
 
@@ -65,6 +66,7 @@ class Fish15PromptFormat:
     """fish-speech 1.5's conversation prompt (see the module docstring)."""
 
     name = "fish-1.5"
+    user_tags = None
     SYSTEM = "Speak out the provided text."
 
     def __init__(self, tokenizer: TokenizerLike, num_codebooks: int):
@@ -77,8 +79,8 @@ class Fish15PromptFormat:
         p = PromptAssembler(self.tokenizer, self.num_codebooks)
         p.text("<|im_start|>system\n").text(self.SYSTEM).text("<|im_end|>")
         for item in [*references, *history]:
-            p.text("<|im_start|>user\n").text(clean_text_15(item.text)).text("<|im_end|>")
+            p.text("<|im_start|>user\n").user_text(clean_text_15(item.text), None).text("<|im_end|>")
             p.text("<|im_start|>assistant\n").text("<|voice|>").codes(item.codes).text("<|im_end|>")
-        p.text("<|im_start|>user\n").text(clean_text_15(text)).text("<|im_end|>")
+        p.text("<|im_start|>user\n").user_text(clean_text_15(text), None).text("<|im_end|>")
         p.text("<|im_start|>assistant\n").text("<|voice|>")
         return p.build()

@@ -122,7 +122,7 @@ class TiktokenTokenizer:
             )
         except Exception as exc:  # tiktoken rejects inconsistent ranks
             raise TokenizerError(f"invalid tiktoken ranks: {exc}") from exc
-        self._id_to_special = {i: tok for tok, i in self.special_ids.items()}
+        self.special_tokens = {i: tok for tok, i in self.special_ids.items()}  # id -> token, all inline
 
     @classmethod
     def from_dir(cls, directory: str | Path, default_special_tokens: list[str]) -> TiktokenTokenizer:
