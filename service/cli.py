@@ -32,6 +32,7 @@ log = logging.getLogger("tts.serve")
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9464
+DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible HTTP front (service/http.py)
 
 
 def add_parser(subparsers) -> None:
@@ -46,6 +47,11 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"gRPC port (default {DEFAULT_PORT}; 0 = any free)"
     )
+    p.add_argument(
+        "--http-port", type=int, default=DEFAULT_HTTP_PORT,
+        help=f"HTTP port of the OpenAI-compatible API, /health, /metrics and the playground on the same host "
+        f"(default {DEFAULT_HTTP_PORT}; 0 = any free; -1 = off)",
+    )  # fmt: skip
     add_model_args(p)
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
     p.add_argument(
@@ -111,6 +117,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
+    if not -1 <= args.http_port <= 65535:
+        raise UserError(f"--http-port must be in 0..65535 or -1 (off), got {args.http_port}")
     if args.max_batch < 1 or args.max_waiting < 0 or args.max_queued_chunks < 1:
         raise UserError("--max-batch and --max-queued-chunks must be >= 1, --max-waiting >= 0")
     if args.grace < 0 or args.max_reference_mb <= 0:
@@ -136,9 +144,11 @@ async def _serve(args, bundle, engine_config, limits) -> int:
     from .server import SERVICE_NAME, TTSServer
 
     metrics_port = None if args.metrics_port < 0 else args.metrics_port
+    http_port = None if args.http_port < 0 else args.http_port
     server = TTSServer(
-        bundle, engine_config, limits, metrics_host=args.metrics_host, metrics_port=metrics_port
-    )
+        bundle, engine_config, limits, metrics_host=args.metrics_host, metrics_port=metrics_port,
+        http_port=http_port,
+    )  # fmt: skip
     try:
         port = await server.start(args.host, args.port)
     except (RuntimeError, OSError) as exc:
@@ -161,9 +171,10 @@ async def _serve(args, bundle, engine_config, limits) -> int:
             else ""
         )
         graphs = server.loop.engine.graphs.enabled
+        http = f"; HTTP on http://{args.host}:{server.http_port}/" if http_port is not None else ""
         print(
             f"serving {SERVICE_NAME} on {args.host}:{port} (max batch {engine_config.max_batch}, "
-            f"graphs {'on' if graphs else 'off'}){metrics}",
+            f"graphs {'on' if graphs else 'off'}){http}{metrics}",
             file=sys.stderr, flush=True,
         )  # fmt: skip
     else:
