@@ -18,13 +18,16 @@ from tts.cli import (
     UserError,
     add_engine_args,
     add_model_args,
+    add_output_args,
     add_sampling_args,
     apply_threads,
     check_device,
     check_output_path,
     engine_kwargs,
+    output_format,
     read_text_arg,
     sampling_kwargs,
+    summary_stream,
     torch_dtype,
 )  # fmt: skip
 
@@ -73,18 +76,22 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=cmd_serve)
 
     p = subparsers.add_parser(
-        "client", help="synthesize through a running server to a WAV file",
-        description="Stream a synthesis from `tts serve`, write the WAV when done (atomically), print TTFA and RTF.",
+        "client", help="synthesize through a running server to an audio file",
+        description="Stream a synthesis from `tts serve`, write the audio file when done (atomically), print "
+        "TTFA and RTF.",
     )  # fmt: skip
     p.add_argument("text", nargs="?", help="text to speak (or use --text-file)")
-    p.add_argument("-o", "--output", required=True, help="output WAV path (written atomically)")
+    add_output_args(p)
     p.add_argument("--server", default=f"127.0.0.1:{DEFAULT_PORT}", help="HOST:PORT of the server")
-    p.add_argument("--text-file", help="read the text from this UTF-8 file")
+    p.add_argument("--text-file", help="read the text from this UTF-8 file (- = stdin)")
     p.add_argument("--voice", help="preset voice name (see `tts voices`)")
     p.add_argument("--reference-audio", help="WAV/FLAC clip of the voice to clone (with --reference-text)")
     p.add_argument("--reference-text", help="transcript of --reference-audio")
     p.add_argument(
-        "--encoding", choices=["pcm16", "float32"], default="pcm16", help="wire and WAV sample format"
+        "--encoding",
+        choices=["pcm16", "float32"],
+        default="pcm16",
+        help="wire (and WAV / PCM file) sample format",
     )
     p.add_argument(
         "--first-chunk-frames", type=int, default=0, help="frames in the first chunk (0 = server default)"
@@ -193,12 +200,13 @@ async def _serve(args, bundle, engine_config, limits) -> int:
 def cmd_client(args: argparse.Namespace) -> int:
     import grpc
 
-    from tts.audio import write_wav_atomic
+    from tts.audio_formats import write_audio_file
 
     from .client import build_request
 
     text = read_text_arg(args)
     out = check_output_path(args.output)
+    fmt = output_format(args)
     if (args.reference_audio is None) != (args.reference_text is None):
         raise UserError("--reference-audio and --reference-text go together")
     if args.voice is not None and args.reference_audio is not None:
@@ -224,16 +232,17 @@ def cmd_client(args: argparse.Namespace) -> int:
             raise UserError(exc.details()) from exc
         print(f"tts: error: {args.server}: {code.name}: {exc.details()}", file=sys.stderr)
         return 1
-    subtype = "FLOAT" if args.encoding == "float32" else "PCM_16"
-    write_wav_atomic(out, result.audio, result.sample_rate, subtype=subtype)
+    write_audio_file(out, result.audio, result.sample_rate, fmt, pcm_float=args.encoding == "float32")
     end = result.end
     reasons = {1: "stop", 2: "length"}
     ttfa = f"{result.ttfa * 1000:.0f} ms" if result.ttfa is not None else "-"
     print(
-        f"wrote {out}: {end.frames} frames, {result.audio_seconds:.2f} s audio at {result.sample_rate} Hz in "
+        f"wrote {'stdout' if args.output == '-' else out} ({fmt.name}): {end.frames} frames, "
+        f"{result.audio_seconds:.2f} s audio at {result.sample_rate} Hz in "
         f"{len(result.chunks)} chunks; TTFA {ttfa}, RTF {result.rtf:.3f} "
         f"(server: TTFA {end.time_to_first_audio_seconds * 1000:.0f} ms, RTF {end.rtf:.3f}), "
-        f"finish {reasons.get(end.finish_reason, '?')}, seed {result.header.seed}"
+        f"finish {reasons.get(end.finish_reason, '?')}, seed {result.header.seed}",
+        file=summary_stream(args),
     )
     return 0
 
