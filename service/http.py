@@ -254,7 +254,6 @@ class _Synthesis:
             yield f"data: {json.dumps(event)}\n\n".encode()
 
     def _done_event(self, finished: Finished) -> dict:
-        rate = self.front.bundle.codec.sample_rate
         length = FinishReason.LENGTH in finished.finish_reasons
         return {
             "type": "speech.audio.done",
@@ -263,7 +262,7 @@ class _Synthesis:
                 "total_tokens": self.input_tokens + finished.frames,
             },
             "frames": finished.frames,
-            "audio_seconds": self.samples / rate / self.encoder.speed,
+            "audio_seconds": self.encoder.samples_out / self.encoder.output_rate,  # after tempo, before codec padding
             "finish_reason": "length" if length else "stop",
             "seed": self.started.seed,
             "request_id": self.started.request_id,
@@ -349,6 +348,7 @@ class HTTPFront:
         self.active: set[_SynthesisResponse] = set()  # responses being sent
 
     def count(self, outcome: str) -> None:
+        """Count one finished speech request in `tts_requests_total{outcome}` (shared with gRPC)."""
         self.metrics.requests.labels(outcome).inc()
 
     def drop_connection(self, scope) -> bool:
@@ -585,6 +585,9 @@ class HTTPFront:
         return prepared, tokens
 
     async def speech(self, request: Request) -> Response:
+        """`POST /v1/audio/speech`: read (size-limited), parse and validate the body, admit the job and wait
+        for the engine thread to accept it; then a streaming response, or an OpenAI-style error (see the
+        module docstring for the statuses)."""
         t_received = time.monotonic()
         stream = None
         try:
@@ -596,6 +599,7 @@ class HTTPFront:
             if not self.loop.alive:
                 raise LoopClosed("the engine has stopped; not accepting requests")
             prepared, input_tokens = await asyncio.to_thread(self._prepare, req, r.stream_format == "sse")
+            prepared.job.request_id = "http"  # request ids: http-N here, job-N from gRPC
             stream = self.loop.submit(prepared.job, asyncio.get_running_loop())
             event = await stream.next()
             if isinstance(event, Failed):
