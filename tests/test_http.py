@@ -512,6 +512,27 @@ def test_health_is_503_while_warming_up_and_while_draining(bundle, monkeypatch, 
         srv.stop()
 
 
+def test_shutdown_past_the_grace_cuts_an_open_stream(bundle):
+    """A stream still open when the grace period ends: its job ends, the server stops at once, and the
+    client gets an incomplete chunked body (an error), never what looks like a complete short file."""
+    srv = HTTPServerThread(bundle, EngineConfig(max_batch=2), ServiceLimits(max_queued_chunks=2))
+    try:
+        conn, resp = srv.open_speech(
+            rcvbuf=4096, input="Cut me.", max_new_frames=900, response_format="wav", **LONG
+        )
+        assert resp.status == 200
+        wait_for(lambda: srv.loop.stats.paused == 1, "the request to pause")
+        before = requests_total(srv, "unavailable")
+        srv.stop(grace=0.0)  # returns once the engine thread and both fronts have stopped
+        assert not srv.loop.alive and srv.loop.engine.kv_usage()[0] == 0
+        assert requests_total(srv, "unavailable") == before + 1
+        with pytest.raises((http.client.IncompleteRead, ConnectionError)):
+            resp.read()
+        conn.close()
+    finally:
+        srv.stop()
+
+
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the playground's script")
 def test_playground_script_lists_voices_and_plays_a_stream(server, offline, tmp_path):
     """The page's own JavaScript, run by node against the server with a stub DOM and Web Audio: it fills
