@@ -40,9 +40,10 @@ DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible HTTP front (service/http.py)
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "serve", help="run the gRPC streaming synthesis server",
-        description="Serve tts.v1.TextToSpeech over gRPC with continuous batching. Health reports NOT_SERVING "
-        "until the engine has warmed up. SIGTERM or Ctrl-C shut down gracefully.",
+        "serve", help="run the synthesis server (gRPC and OpenAI-compatible HTTP)",
+        description="Serve tts.v1.TextToSpeech over gRPC and the OpenAI-compatible HTTP API (--http-port) from "
+        "one engine with continuous batching. Health reports NOT_SERVING (HTTP /health: 503) until the engine "
+        "has warmed up. SIGTERM or Ctrl-C shut down gracefully.",
     )  # fmt: skip
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)"
