@@ -20,18 +20,21 @@ from tts.cli import (
     UserError,
     add_engine_args,
     add_model_args,
+    add_output_args,
     add_sampling_args,
     apply_threads,
     check_device,
     check_output_path,
     check_threads,
     engine_kwargs,
+    output_format,
     read_reference_file,
     read_text_arg,
     require,
     sampling_kwargs,
+    summary_stream,
     torch_dtype,
-    write_output_wav,
+    write_output,
 )  # fmt: skip
 from tts.errors import os_error_reason
 
@@ -39,13 +42,15 @@ log = logging.getLogger("tts.serve")
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9464
+DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible HTTP front (service/http.py)
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "serve", help="run the gRPC streaming synthesis server",
-        description="Serve tts.v1.TextToSpeech over gRPC with continuous batching. Health reports NOT_SERVING "
-        "until the engine has warmed up. SIGTERM or Ctrl-C shut down gracefully.",
+        "serve", help="run the synthesis server (gRPC and OpenAI-compatible HTTP)",
+        description="Serve tts.v1.TextToSpeech over gRPC and the OpenAI-compatible HTTP API (--http-port) from "
+        "one engine with continuous batching. Health reports NOT_SERVING (HTTP /health: 503) until the engine "
+        "has warmed up. SIGTERM or Ctrl-C shut down gracefully.",
     )  # fmt: skip
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)"
@@ -53,6 +58,11 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"gRPC port (default {DEFAULT_PORT}; 0 = any free)"
     )
+    p.add_argument(
+        "--http-port", type=int, default=DEFAULT_HTTP_PORT,
+        help=f"HTTP port of the OpenAI-compatible API, /health, /metrics and the playground on the same host "
+        f"(default {DEFAULT_HTTP_PORT}; 0 = any free; -1 = off)",
+    )  # fmt: skip
     add_model_args(p)
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
     p.add_argument(
@@ -102,18 +112,22 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=cmd_serve)
 
     p = subparsers.add_parser(
-        "client", help="synthesize through a running server to a WAV file",
-        description="Stream a synthesis from `tts serve`, write the WAV when done (atomically), print TTFA and RTF.",
+        "client", help="synthesize through a running server to an audio file",
+        description="Stream a synthesis from `tts serve`, write the audio file when done (atomically), print "
+        "TTFA and RTF.",
     )  # fmt: skip
     p.add_argument("text", nargs="?", help="text to speak (or use --text-file)")
-    p.add_argument("-o", "--output", required=True, help="output WAV path (written atomically)")
+    add_output_args(p)
     p.add_argument("--server", default=f"127.0.0.1:{DEFAULT_PORT}", help="HOST:PORT of the server")
-    p.add_argument("--text-file", help="read the text from this UTF-8 file")
+    p.add_argument("--text-file", help="read the text from this UTF-8 file (- = stdin)")
     p.add_argument("--voice", help="preset voice name (see `tts voices`)")
     p.add_argument("--reference-audio", help="WAV/FLAC clip of the voice to clone (with --reference-text)")
     p.add_argument("--reference-text", help="transcript of --reference-audio")
     p.add_argument(
-        "--encoding", choices=["pcm16", "float32"], default="pcm16", help="wire and WAV sample format"
+        "--encoding",
+        choices=["pcm16", "float32"],
+        default="pcm16",
+        help="wire (and WAV / PCM file) sample format",
     )
     p.add_argument(
         "--first-chunk-frames", type=int, default=0, help="frames in the first chunk (0 = server default)"
@@ -221,6 +235,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"--reference-cache-mb must be >= 0, got {args.reference_cache_mb:g}",
     )
     require(args.max_text_bytes >= 1, f"--max-text-bytes must be >= 1, got {args.max_text_bytes}")
+    require(
+        args.http_port == -1 or 0 <= args.http_port <= 65535,
+        f"--http-port must be -1 (off) or in 0..65535 (0 = any free port), got {args.http_port}",
+    )
     check_device(args.device)
     check_serve_ports(args)  # before the model loads: a busy port is found in a moment
     t0 = time.perf_counter()
@@ -250,14 +268,11 @@ async def _serve(args, bundle, engine_config, limits) -> int:
     from .server import SERVICE_NAME, TTSServer
 
     metrics_port = None if args.metrics_port < 0 else args.metrics_port
+    http_port = None if args.http_port < 0 else args.http_port
     server = TTSServer(
-        bundle,
-        engine_config,
-        limits,
-        metrics_host=args.metrics_host,
-        metrics_port=metrics_port,
-        codec_graphs=args.codec_graphs == "on",
-    )
+        bundle, engine_config, limits, metrics_host=args.metrics_host, metrics_port=metrics_port,
+        http_port=http_port, codec_graphs=args.codec_graphs == "on",
+    )  # fmt: skip
     try:
         port = await server.start(args.host, args.port)
     except (RuntimeError, OSError) as exc:
@@ -281,9 +296,10 @@ async def _serve(args, bundle, engine_config, limits) -> int:
             else ""
         )
         graphs = server.loop.engine.graphs.enabled
+        http = f"; HTTP on http://{args.host}:{server.http_port}/" if http_port is not None else ""
         print(
             f"serving {SERVICE_NAME} on {args.host}:{port} (max batch {engine_config.max_batch}, "
-            f"graphs {'on' if graphs else 'off'}){metrics}",
+            f"graphs {'on' if graphs else 'off'}){http}{metrics}",
             file=sys.stderr, flush=True,
         )  # fmt: skip
     else:
@@ -317,6 +333,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     check_chunk_options(args)
     check_sampling_options(args)
     out = check_output_path(args.output)
+    fmt = output_format(args)
     if (args.reference_audio is None) != (args.reference_text is None):
         raise UserError("--reference-audio and --reference-text go together")
     if args.voice is not None and args.reference_audio is not None:
@@ -337,16 +354,17 @@ def cmd_client(args: argparse.Namespace) -> int:
             raise UserError(exc.details()) from exc
         print(f"tts: error: {args.server}: {code.name}: {exc.details()}", file=sys.stderr)
         return 1
-    subtype = "FLOAT" if args.encoding == "float32" else "PCM_16"
-    write_output_wav(out, result.audio, result.sample_rate, subtype=subtype)
+    write_output(out, result.audio, result.sample_rate, fmt, pcm_float=args.encoding == "float32")
     end = result.end
     reasons = {1: "stop", 2: "length", 3: "short"}
     ttfa = f"{result.ttfa * 1000:.0f} ms" if result.ttfa is not None else "-"
     print(
-        f"wrote {out}: {end.frames} frames, {result.audio_seconds:.2f} s audio at {result.sample_rate} Hz in "
+        f"wrote {'stdout' if args.output == '-' else out} ({fmt.name}): {end.frames} frames, "
+        f"{result.audio_seconds:.2f} s audio at {result.sample_rate} Hz in "
         f"{len(result.chunks)} chunks; TTFA {ttfa}, RTF {result.rtf:.3f} "
         f"(server: TTFA {end.time_to_first_audio_seconds * 1000:.0f} ms, RTF {end.rtf:.3f}), "
-        f"finish {reasons.get(end.finish_reason, '?')}, seed {result.header.seed}"
+        f"finish {reasons.get(end.finish_reason, '?')}, seed {result.header.seed}",
+        file=summary_stream(args),
     )
     for warning in end.warnings:
         print(f"warning: {warning}", file=sys.stderr)

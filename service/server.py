@@ -659,12 +659,16 @@ class TTSServer:
 
     metrics_port: None = no metrics endpoint, 0 = a free port (see `metrics_port` after start).
     codec_graphs: let the codec stage capture CUDA graphs of its decode.
+    http_port: None = no HTTP front, 0 = a free port (see `http_port` after start); the HTTP front
+    (service/http.py: OpenAI-style /v1/audio/speech, /health, /metrics, the playground) listens on the
+    gRPC host and submits to the same engine loop.
     """
 
     def __init__(
         self, bundle: ModelBundle, engine_config: EngineConfig | None = None,
         limits: ServiceLimits | None = None, *, metrics_host: str = "127.0.0.1", metrics_port: int | None = None,
         codec_graphs: bool = True,
+        http_port: int | None = None,
     ):  # fmt: skip
         self.limits = limits = limits or ServiceLimits()
         cap = max(
@@ -680,6 +684,9 @@ class TTSServer:
         )  # fmt: skip
         self.metrics = ServiceMetrics(self.loop)
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
+        self.http_port = http_port  # ---- HTTP front (service/http.py)
+        self.servicer: TextToSpeechServicer | None = None
+        self._http = None  # ---- end HTTP front
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._health = None
@@ -694,7 +701,8 @@ class TTSServer:
         from grpc_reflection.v1alpha import reflection
 
         self._server = grpc.aio.server(options=grpc_options(self.limits))
-        add_servicer(TextToSpeechServicer(self.loop, self.limits, self.metrics), self._server)
+        self.servicer = TextToSpeechServicer(self.loop, self.limits, self.metrics)
+        add_servicer(self.servicer, self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         for name in ("", SERVICE_NAME):
@@ -717,6 +725,11 @@ class TTSServer:
         await self._server.start()
         if self.metrics_port is not None:
             self.metrics_port = self.metrics.serve_http(self.metrics_host, self.metrics_port)
+        if self.http_port is not None:  # ---- HTTP front (service/http.py)
+            from .http import HTTPFront
+
+            self._http = HTTPFront(self)
+            self.http_port = await self._http.start(host, self.http_port)  # ---- end HTTP front
         aio_loop = asyncio.get_running_loop()
         self.loop.on_ready = lambda: aio_loop.call_soon_threadsafe(
             lambda: asyncio.ensure_future(self._mark_ready())
@@ -742,6 +755,16 @@ class TTSServer:
 
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    @property
+    def state(self) -> str:
+        """The serving state: `warming_up`, `serving`, `draining` (stop() called) or `stopped` (the engine
+        thread ended); the HTTP front's /health answers 200 only for `serving`."""
+        if self._stopping:
+            return "draining" if self.loop.alive else "stopped"
+        if not self._ready.is_set():
+            return "warming_up"
+        return "serving" if self.loop.alive else "stopped"
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until warm-up is done (health SERVING); re-raises an engine start-up failure."""
@@ -780,6 +803,8 @@ class TTSServer:
             await asyncio.to_thread(self.loop.stop, 30.0)
             if self._server is not None:
                 await self._server.stop(0.5)  # the handlers have their final events: let them send them
+            if self._http is not None:  # ---- HTTP front: its jobs have ended; close its connections
+                await self._http.stop()
             self.metrics.close()
         finally:
             self._stopped.set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -60,11 +61,24 @@ class ServeProcess:
 
 def test_serve_client_bench_and_sigterm(tmp_path):
     server = ServeProcess(
-        "--model", "tiny", "--port", "0", "--metrics-port", "0", "--max-batch", "4", "--grace", "1",
-        data_home=tmp_path,
+        "--model", "tiny", "--port", "0", "--metrics-port", "0", "--http-port", "0", "--max-batch", "4",
+        "--grace", "1", data_home=tmp_path,
     )  # fmt: skip
     try:
         address, metrics_url = server.wait_serving()
+        # The HTTP front of the same process: health, and one OpenAI-style request.
+        line = next(x for x in server.lines if x.startswith("serving "))
+        http_url = re.search(r"HTTP on (http://\S+/)", line).group(1)
+        assert json.loads(urllib.request.urlopen(http_url + "health", timeout=10).read()) == {
+            "status": "serving"
+        }
+        body = {"model": "tiny", "input": "Hello.", "response_format": "wav", "seed": 1, "max_new_frames": 5}
+        speech = urllib.request.Request(
+            http_url + "v1/audio/speech", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(speech, timeout=60) as resp:
+            media_type, (audio, rate) = resp.headers["Content-Type"], sf.read(io.BytesIO(resp.read()))
+        assert media_type == "audio/wav" and rate == 16000 and len(audio) > 0
         out = tmp_path / "hello.wav"
         assert (
             main(

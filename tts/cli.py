@@ -146,10 +146,15 @@ def check_device(device: str) -> None:
 
 
 def read_text_arg(args) -> str:
-    """The text of TEXT or --text-file (exactly one); raises UserError (both or neither given, a file
-    that is missing, unreadable or not UTF-8)."""
+    """The text of TEXT or --text-file (exactly one; `--text-file -` reads stdin); raises UserError (both
+    or neither given, a file that is missing, unreadable or not UTF-8)."""
     if args.text is not None and args.text_file is not None:
         raise UserError("give TEXT or --text-file, not both")
+    if args.text_file == "-":  # ---- stdin (audio formats change)
+        try:
+            return sys.stdin.buffer.read().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"cannot read the text from stdin: {exc}") from exc  # ---- end
     if args.text_file is not None:
         path = args.text_file
         try:
@@ -168,9 +173,49 @@ def read_text_arg(args) -> str:
     return args.text
 
 
+# ---- output formats (audio formats change) ----
+
+OUTPUT_HELP = (
+    "output file, written atomically; its extension picks the format (.wav .mp3 .opus/.ogg .aac .flac .pcm/.raw) "
+    "unless --format is given; - writes to stdout (WAV unless --format)"
+)
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    """-o/--output and --format (tts synthesize, tts client)."""
+    from .audio_formats import FORMATS
+
+    p.add_argument("-o", "--output", required=True, help=OUTPUT_HELP)
+    p.add_argument(
+        "--format", choices=list(FORMATS), default=None,
+        help="output format (default: from the extension of --output); pcm = raw 16-bit little-endian mono",
+    )  # fmt: skip
+
+
+def output_format(args: argparse.Namespace):
+    """The AudioFormat to write `args.output` in (tts.audio_formats); raises UserError."""
+    from .audio_formats import AudioFormatError, format_for_path
+
+    try:
+        return format_for_path(args.output, args.format)
+    except AudioFormatError as exc:
+        raise UserError(str(exc)) from exc
+
+
+def summary_stream(args: argparse.Namespace):
+    """Where the summary line goes: stdout, or stderr when the audio goes to stdout (`-o -`)."""
+    return sys.stderr if args.output == "-" else sys.stdout
+
+
+# ---- end output formats
+
+
 def check_output_path(path: str) -> Path:
     """An output file path whose directory exists and takes new files (a file is created there and
-    removed) and that is not a directory; raises UserError naming the path and the reason."""
+    removed) and that is not a directory, or `-` (stdout); raises UserError naming the path and the
+    reason."""
+    if path == "-":
+        return Path("-")
     out = Path(path)
     directory = out.parent if str(out.parent) else Path(".")
     if not directory.is_dir():
@@ -186,13 +231,14 @@ def check_output_path(path: str) -> Path:
     return out
 
 
-def write_output_wav(out: Path, audio, sample_rate: int, subtype: str = "PCM_16") -> None:
-    """`tts.audio.write_wav_atomic`, with a failure (permission, read-only or full file system) as a
-    UserError naming `out` and the reason; the output path holds a complete file or nothing."""
-    from .audio import write_wav_atomic
+def write_output(out: Path, audio, sample_rate: int, fmt: str, pcm_float: bool = False) -> None:
+    """`tts.audio_formats.write_audio_file` (atomic; `-` is stdout), with a failure (permission, read-only
+    or full file system) as a UserError naming `out` and the reason: the output path holds a complete
+    file or nothing."""
+    from .audio_formats import write_audio_file
 
     try:
-        write_wav_atomic(out, audio, sample_rate, subtype=subtype)
+        write_audio_file(out, audio, sample_rate, fmt, pcm_float=pcm_float)
     except OSError as exc:
         raise UserError(f"cannot write {out}: {os_error_reason(exc)}") from exc
 
@@ -252,6 +298,7 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     text = read_text_arg(args)
     normalize_text(text)
     out = check_output_path(args.output)
+    fmt = output_format(args)
     if (args.reference_audio is None) != (args.reference_text is None):
         raise UserError("--reference-audio and --reference-text go together")
     if args.voice is not None and args.reference_audio is not None:
@@ -294,13 +341,15 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     if progress_bar is not None:
         progress_bar.n = len(plan.chunks)
         progress_bar.close()
-    write_output_wav(out, result.audio, result.sample_rate)
+    write_output(out, result.audio, result.sample_rate, fmt)
     for warning in result.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(
-        f"wrote {out}: {result.frames} frames, {result.audio_seconds:.2f} s audio at {result.sample_rate} Hz, "
+        f"wrote {'stdout' if args.output == '-' else out} ({fmt.name}): {result.frames} frames, "
+        f"{result.audio_seconds:.2f} s audio at {result.sample_rate} Hz, "
         f"{result.wall_seconds:.2f} s wall, RTF {result.rtf:.3f}, "
-        f"finish {summarize_finish_reasons(result.finish_reasons)}"
+        f"finish {summarize_finish_reasons(result.finish_reasons)}",
+        file=summary_stream(args),
     )
     return 0
 
@@ -461,11 +510,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser(
-        "synthesize", help="synthesize text to a WAV file", description="Synthesize text to a mono WAV file."
-    )
+        "synthesize", help="synthesize text to an audio file (WAV, MP3, Opus, AAC, FLAC, PCM)",
+        description="Synthesize text to a mono audio file.",
+    )  # fmt: skip
     p.add_argument("text", nargs="?", help="text to speak (or use --text-file)")
-    p.add_argument("-o", "--output", required=True, help="output WAV path (written atomically)")
-    p.add_argument("--text-file", help="read the text from this UTF-8 file")
+    add_output_args(p)
+    p.add_argument("--text-file", help="read the text from this UTF-8 file (- = stdin)")
     p.add_argument("--voice", help="a preset or registered voice (see `tts voices`)")
     p.add_argument("--voices-dir", help=argparse.SUPPRESS)
     p.add_argument("--reference-audio", help="WAV/FLAC clip of the voice to clone (with --reference-text)")

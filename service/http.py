@@ -1,0 +1,654 @@
+"""The HTTP front (FastAPI on uvicorn): an OpenAI-compatible `/v1/audio/speech`, voices, models, health,
+Prometheus metrics and the playground page, served by the same process, asyncio loop and `EngineLoop`
+as the gRPC server (`TTSServer` starts it beside grpc.aio), so both fronts share one admission limit.
+
+Endpoints:
+
+* `POST /v1/audio/speech`: OpenAI's body (`model`, `input`, `voice`, `response_format`, `speed`,
+  `stream_format`, `instructions`) plus this server's extensions (`seed`, `temperature`, `top_p`, `top_k`,
+  `max_new_frames`, `min_new_frames`, `reference_audio` (base64, WAV/FLAC) with `reference_text`). The JSON becomes a
+  `tts.v1.SynthesizeRequest` and goes through `service.server.build_job`, the gRPC path's validation.
+  The audio streams as the engine produces it (chunked transfer): encoded bytes (`stream_format`
+  `audio`, the default) or server-sent events (`sse`): `speech.audio.delta` (`audio`: base64 of the
+  next encoded bytes) and one `speech.audio.done` (`usage`: `input_tokens` = prompt tokens of the text
+  without the voice, `output_tokens` = frames generated; plus `frames`, `audio_seconds`,
+  `finish_reason`, `seed`, `request_id`). Every response carries `X-Request-Id`, `X-Seed`,
+  `X-Sample-Rate` (of the encoded audio: 48000 for opus), `X-Model`, `X-Text-Chunks`; `pcm` is 16-bit
+  little-endian mono (`X-Sample-Format: s16le`).
+* `GET /v1/audio/voices`, `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (200 when warm; 503 while
+  warming up, draining or stopped), `GET /metrics` (the server's Prometheus registry), `GET /` (the
+  playground, `service/static/index.html`), and FastAPI's `/docs`.
+
+Errors are OpenAI-style JSON, `{"error": {"message", "type", "param", "code"}}`: 400 bad input, 404 unknown
+model / voice / path, 413 body over the limit (checked before the body is parsed), 429 admission full, 503
+warming up or shutting down, 500 a bug. Statuses come from `service.server.status_for`, as on gRPC.
+
+Once the status line is sent the status cannot change: a request that fails later (engine failure,
+shutdown past the grace period) ends the SSE stream with an `error` event, and cuts an audio stream
+without its final chunk (the client sees an incomplete chunked body, never a silently short file). A
+client that disconnects cancels its job: the engine frees its KV blocks and batch row at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import json
+import logging
+import math
+import socket
+import time
+from pathlib import Path
+from typing import Literal
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from proto.tts.v1 import tts_pb2 as pb
+from tts.api import VoiceNotFound
+from tts.audio_formats import FORMATS, MAX_SPEED, MIN_SPEED, AudioEncoder
+from tts.codec.base import AudioError
+from tts.engine import FinishReason, InvalidRequest
+from tts.engine.loop import Audio, EngineFailed, Failed, Finished, LoopClosed, Overloaded, Started
+from tts.text import TextError
+
+from .server import build_job, status_for
+
+log = logging.getLogger(__name__)
+
+KiB = 1024
+STATIC = Path(__file__).parent / "static"
+# Kernel send buffer of each connection (the kernel doubles it). A fixed size bounds what a client that
+# stops reading can have buffered: once it is full (and uvicorn's 64 KiB, and `max_queued_chunks` chunks),
+# its request pauses, as a gRPC stream does when its HTTP/2 window is full, instead of generating into
+# up to 4 MiB of autotuned buffer. 256 KiB per round trip is far above any audio bit rate served here.
+SEND_BUFFER_BYTES = 128 * KiB
+# OpenAI's model names: tools that hard-code them get the served model (there is only one).
+OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "server_at_capacity"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "unavailable"),
+    grpc.StatusCode.CANCELLED: (499, "server_error", "cancelled"),
+}
+REQUEST_ERRORS = (TextError, InvalidRequest, AudioError, VoiceNotFound, Overloaded, LoopClosed, EngineFailed)
+# Where a validation message names a field, the OpenAI-style error's `param` names it too.
+_PARAMS = ("temperature", "top_p", "top_k", "max_new_frames", "min_new_frames", "seed", "speed")
+
+
+def body_limit(limits) -> int:
+    """Largest request body accepted (bytes): the gRPC receive limit (reference clip limit + 1 MiB) grown
+    by a third for base64, plus 64 KiB for JSON."""
+    return math.ceil(limits.receive_bytes * 4 / 3) + 64 * KiB
+
+
+class VoiceId(BaseModel):
+    """OpenAI's custom-voice form of `voice`: `{"id": "name"}`."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+
+
+class SpeechRequest(BaseModel):
+    """The body of `POST /v1/audio/speech`. Unknown fields are refused (400), not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(None, description="the served model's name (GET /v1/models) or tts-1 / ...")
+    input: str = Field(description="the text to speak")
+    voice: str | VoiceId | None = Field(
+        None, description="a voice name (GET /v1/audio/voices); none: default"
+    )
+    instructions: str | None = Field(None, description="not supported: must be empty")
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
+    speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED, description="tempo, pitch unchanged")
+    stream_format: Literal["audio", "sse"] = "audio"
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
+    max_new_frames: int | None = Field(
+        None, ge=-(2**31), le=2**31 - 1, description="frame budget per text chunk"
+    )
+    min_new_frames: int | None = Field(
+        None, ge=-(2**31), le=2**31 - 1, description="frames per text chunk before the end token may come"
+    )
+    reference_audio: str | None = Field(None, description="base64 WAV/FLAC clip of a voice to clone")
+    reference_text: str | None = Field(None, description="the transcript of reference_audio")
+
+
+class APIError(Exception):
+    """An error answered as OpenAI-style JSON."""
+
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    @property
+    def outcome(self) -> str:
+        """The `tts_requests_total{outcome}` label of this error."""
+        return {400: "invalid_argument", 404: "not_found", 413: "too_large", 429: "resource_exhausted"}.get(
+            self.status, "unavailable" if self.status == 503 else "error"
+        )
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+def api_error(exc: BaseException) -> APIError:
+    """The APIError for an exception a request can end with (`status_for`'s mapping, in HTTP terms)."""
+    code, message, _outcome = status_for(exc)
+    status, type_, err_code = HTTP_STATUS.get(code, (500, "server_error", "internal_error"))
+    param = None
+    if isinstance(exc, VoiceNotFound):
+        param, err_code = "voice", "voice_not_found"
+    elif isinstance(exc, TextError) or message.startswith("text "):
+        param = "input"
+    elif isinstance(exc, AudioError) or message.startswith("reference audio"):
+        param = "reference_audio"
+    else:
+        param = next((p for p in _PARAMS if message.startswith(p)), None)
+    if isinstance(exc, EngineFailed):
+        err_code = "engine_failed"
+    return APIError(status, message, type_, param, err_code)
+
+
+class StreamAborted(RuntimeError):
+    """Raised into the server to cut an audio stream whose job failed after the status line was sent."""
+
+
+class _QuietAborts(logging.Filter):
+    """uvicorn logs every exception out of an app with a traceback; a StreamAborted is expected (we log it
+    as one line), so its record is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], StreamAborted))
+
+
+logging.getLogger("uvicorn.error").addFilter(_QuietAborts())
+
+
+# ---- one synthesis over HTTP ---------------------------------------------------------------------------
+
+
+class _Synthesis:
+    """A job admitted for an HTTP request: turns its events into response bytes, keeps the metrics, and
+    cancels the job unless it ended (`close`)."""
+
+    def __init__(self, front: HTTPFront, stream, started: Started, encoder: AudioEncoder, t_received: float):
+        self.front, self.stream, self.started, self.encoder = front, stream, started, encoder
+        self.t_received = t_received
+        self.t_first: float | None = None
+        self.samples = 0  # model-rate samples received from the engine
+        self.ended = False  # Finished or Failed seen (the job is over on the engine side)
+        self.finished = False  # Finished seen: all the audio is encoded (maybe not yet sent)
+        self.input_tokens = 0
+        # Encoding compressed formats (or with a tempo change) runs on a worker thread, off the event loop
+        # that also serves gRPC; the encoder's lock makes close() wait for a running encode.
+        self.threaded = encoder.format.name not in ("pcm", "wav") or encoder.speed != 1.0
+
+    async def _encode(self, samples) -> bytes:
+        if self.threaded:
+            return await asyncio.to_thread(self.encoder.encode, samples)
+        return self.encoder.encode(samples)
+
+    async def _finish(self) -> bytes:
+        return await asyncio.to_thread(self.encoder.finish) if self.threaded else self.encoder.finish()
+
+    async def events(self):
+        """(kind, payload) pairs: ("audio", bytes) as they are encoded, then ("done", Finished) or
+        ("failed", exception)."""
+        while True:
+            event = await self.stream.next()
+            if isinstance(event, Audio):
+                if self.t_first is None:
+                    self.t_first = time.monotonic()
+                self.samples += len(event.samples)
+                data = await self._encode(event.samples)
+                if data:
+                    yield "audio", data
+            elif isinstance(event, Finished):
+                self.ended = self.finished = True
+                data = await self._finish()
+                if data:
+                    yield "audio", data
+                self._count_ok()
+                yield "done", event
+                return
+            else:
+                assert isinstance(event, Failed), event
+                self.ended = True
+                self.front.count(api_error(event.error).outcome)
+                yield "failed", event.error
+                return
+
+    async def audio_body(self):
+        async for kind, payload in self.events():
+            if kind == "audio":
+                yield payload
+            elif kind == "failed":
+                log.warning(
+                    "request %s failed after its headers were sent: %s", self.started.request_id, payload
+                )
+                raise StreamAborted(str(payload))
+
+    async def sse_body(self):
+        async for kind, payload in self.events():
+            if kind == "audio":
+                event = {"type": "speech.audio.delta", "audio": base64.b64encode(payload).decode("ascii")}
+            elif kind == "done":
+                event = self._done_event(payload)
+            else:
+                err = api_error(payload)
+                event = {
+                    "type": "error",
+                    "error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code},
+                }
+            yield f"data: {json.dumps(event)}\n\n".encode()
+
+    def _done_event(self, finished: Finished) -> dict:
+        length = FinishReason.LENGTH in finished.finish_reasons
+        return {
+            "type": "speech.audio.done",
+            "usage": {
+                "input_tokens": self.input_tokens, "output_tokens": finished.frames,
+                "total_tokens": self.input_tokens + finished.frames,
+            },
+            "frames": finished.frames,
+            "audio_seconds": self.encoder.samples_out / self.encoder.output_rate,  # after tempo, before codec padding
+            "finish_reason": "length" if length else "stop",
+            "seed": self.started.seed,
+            "request_id": self.started.request_id,
+        }  # fmt: skip
+
+    def _count_ok(self) -> None:
+        m = self.front.metrics
+        audio_seconds = self.samples / self.front.bundle.codec.sample_rate
+        m.requests.labels("ok").inc()
+        m.audio_seconds.inc(audio_seconds)
+        if audio_seconds > 0:
+            m.ttfa.observe((self.t_first or self.t_received) - self.t_received)
+            m.rtf.observe((time.monotonic() - self.t_received) / audio_seconds)
+
+    def close(self, outcome: str = "cancelled") -> None:
+        """The response is over (sent, failed or abandoned): cancel the job unless it ended (its blocks and
+        row are freed at the engine's next step; counted as `outcome`), release the encoder."""
+        if not self.ended:
+            self.ended = True
+            self.front.count(outcome)
+        self.stream.cancel()  # a no-op once the job ended
+        self.encoder.close()
+
+
+class _SynthesisResponse(StreamingResponse):
+    """A StreamingResponse that cancels its job however the response ends: a client that disconnects
+    cancels the sending task, which may be suspended anywhere; `abort()` (at shutdown) cuts a response
+    whose client stopped reading."""
+
+    def __init__(self, synthesis: _Synthesis, body, **kwargs):
+        super().__init__(body, **kwargs)
+        self.synthesis = synthesis
+        self.aborted = False
+        self._task: asyncio.Task | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        active = self.synthesis.front.active
+        self._task = asyncio.current_task()
+        active.add(self)
+        try:
+            await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self.aborted:
+                raise
+            task = asyncio.current_task()
+            if hasattr(task, "uncancel"):  # Python 3.11+: this cancellation is handled here
+                task.uncancel()
+            if not self.synthesis.front.drop_connection(scope):
+                raise StreamAborted("the server is shutting down") from None  # uvicorn closes it
+            await asyncio.sleep(0)  # uvicorn's connection_lost runs: it sees a disconnect, not an app error
+        finally:
+            active.discard(self)
+            self.synthesis.close("unavailable" if self.aborted else "cancelled")
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+
+    def abort(self) -> None:
+        """End the response now, without its final chunk (the connection is closed)."""
+        if self._task is not None and not self.aborted:
+            self.aborted = True
+            self._task.cancel()
+
+
+# ---- the app -------------------------------------------------------------------------------------------
+
+
+class HTTPFront:
+    """The HTTP front of a `TTSServer` (its engine loop, limits, metrics and voice listing). `start()` binds
+    and serves uvicorn on the running asyncio loop; `stop()` ends it."""
+
+    def __init__(self, server):
+        self.server = server
+        self.loop = server.loop
+        self.bundle = server.loop.bundle
+        self.limits = server.limits
+        self.metrics = server.metrics
+        self.max_body = body_limit(self.limits)
+        self.created = int(time.time())
+        self.app = self._build_app()
+        self.port: int | None = None
+        self._uvicorn = None
+        self._task: asyncio.Task | None = None
+        self.active: set[_SynthesisResponse] = set()  # responses being sent
+
+    def count(self, outcome: str) -> None:
+        """Count one finished speech request in `tts_requests_total{outcome}` (shared with gRPC)."""
+        self.metrics.requests.labels(outcome).inc()
+
+    def drop_connection(self, scope) -> bool:
+        """Abort (not close: a client that stopped reading would keep a closing connection open while its
+        unsent bytes wait) the connection serving the request of `scope`. Reaches into uvicorn's protocol
+        objects (`server_state.connections`, `.cycle.scope`, `.transport`, as both of its HTTP/1.1
+        implementations have them); returns False where they are not found."""
+        state = getattr(self._uvicorn, "server_state", None)
+        for connection in list(getattr(state, "connections", ())):
+            cycle = getattr(connection, "cycle", None)
+            transport = getattr(connection, "transport", None)
+            if cycle is not None and getattr(cycle, "scope", None) is scope and transport is not None:
+                transport.abort()
+                return True
+        return False
+
+    # ---- serving ----
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (0 = a free port) and serve; returns the bound port. Raises RuntimeError if
+        the address cannot be bound."""
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):  # the process owner (tts serve) handles SIGTERM/SIGINT for both fronts
+                yield
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)  # inherited by connections
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            raise RuntimeError(f"cannot listen on {address} (HTTP): {exc.strerror or exc}") from exc
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app, lifespan="off", log_config=None, log_level="warning", access_log=False, ws="none",
+            timeout_graceful_shutdown=5, timeout_keep_alive=5,
+        )  # fmt: skip
+        self._uvicorn = Server(config)
+        self._task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
+        while not self._uvicorn.started:  # start-up is a few loop iterations; fail fast if serve() raised
+            if self._task.done():
+                self._task.result()
+                raise RuntimeError("the HTTP server stopped during start-up")
+            await asyncio.sleep(0.005)
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop listening and close connections. Call it once the engine loop has stopped: responses whose
+        job did not finish are cut at once (a client that stopped reading would otherwise hold them), the
+        others get up to 5 s to send what is left. Idempotent."""
+        if self._task is None:
+            return
+        self._uvicorn.should_exit = True
+        for response in list(self.active):
+            if not response.synthesis.finished:
+                response.abort()
+        with contextlib.suppress(Exception):
+            await self._task
+        self._task = None
+
+    # ---- routes ----
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(
+            title="dualar-tts", summary="OpenAI-compatible text-to-speech over the dual-AR engine",
+            version="1", redoc_url=None,
+        )  # fmt: skip
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, exc: StarletteHTTPException):
+            return APIError(
+                exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None
+            ).response()
+
+        @app.exception_handler(RequestValidationError)
+        async def validation_error(request: Request, exc: RequestValidationError):
+            return APIError(400, str(exc)).response()
+
+        schema = {
+            "content": {"application/json": {"schema": SpeechRequest.model_json_schema()}},
+            "required": True,
+        }
+
+        @app.post(
+            "/v1/audio/speech", openapi_extra={"requestBody": schema}, response_class=Response,
+            summary="Synthesize speech (OpenAI-compatible), streamed as it is generated",
+        )  # fmt: skip
+        async def speech(request: Request):
+            return await self.speech(request)
+
+        @app.get("/v1/audio/voices", summary="Voices: name, kind, transcript, seconds")
+        async def voices():
+            reply = await self.server.servicer.ListVoices(pb.ListVoicesRequest(), None)
+            return {
+                "voices": [
+                    {
+                        "name": v.name,
+                        "kind": v.kind or "preset",
+                        "transcript": v.transcript,
+                        "seconds": v.seconds,
+                    }
+                    for v in reply.voices
+                ]
+            }
+
+        @app.get("/v1/models", summary="The served model")
+        async def models():
+            return {"object": "list", "data": [self._model_card()]}
+
+        @app.get("/v1/models/{model_id}", summary="One model")
+        async def model(model_id: str):
+            if model_id != self.bundle.name:
+                raise StarletteHTTPException(404, f"unknown model {model_id!r} (served: {self.bundle.name})")
+            return self._model_card()
+
+        @app.get("/health", summary="Readiness: 200 when warm, 503 while warming up, draining or stopped")
+        async def health():
+            state = self.server.state
+            return JSONResponse({"status": state}, status_code=200 if state == "serving" else 503)
+
+        @app.get("/metrics", summary="Prometheus metrics")
+        async def metrics():
+            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+        async def playground():
+            return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
+
+        return app
+
+    def _model_card(self) -> dict:
+        return {"id": self.bundle.name, "object": "model", "created": self.created, "owned_by": "dualar-tts"}
+
+    # ---- POST /v1/audio/speech ----
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 as soon as it is known to exceed the limit (before parsing)."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            raise APIError(413, self._too_large(int(declared)), param=None, code="request_too_large")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > self.max_body:
+                raise APIError(413, self._too_large(len(body), at_least=True), code="request_too_large")
+        return bytes(body)
+
+    def _too_large(self, size: int, at_least: bool = False) -> str:
+        from .server import format_size
+
+        what = f"at least {format_size(size)}" if at_least else format_size(size)
+        return (
+            f"request body is {what}; the limit is {format_size(self.max_body)} "
+            f"(reference clips up to {format_size(self.limits.max_reference_bytes)} before base64)"
+        )
+
+    def _parse(self, body: bytes) -> SpeechRequest:
+        try:
+            data = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        try:
+            return SpeechRequest.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(p) for p in err["loc"]) or "body"
+            raise APIError(
+                400, f"{loc}: {err['msg']}", param=str(err["loc"][0]) if err["loc"] else None
+            ) from exc
+
+    def _check_model(self, name: str | None) -> None:
+        served = self.bundle.name
+        if not name or name == served or name in OPENAI_MODEL_NAMES or name.startswith("gpt-4o-mini-tts-"):
+            return
+        raise APIError(
+            404,
+            f"unknown model {name!r} (this server serves {served!r})",
+            param="model",
+            code="model_not_found",
+        )
+
+    def _to_proto(self, r: SpeechRequest) -> pb.SynthesizeRequest:
+        """The SynthesizeRequest the gRPC front would get for the same request (HTTP-only checks here)."""
+        if r.instructions and r.instructions.strip():
+            raise APIError(400, "instructions are not supported by this model", param="instructions")
+        req = pb.SynthesizeRequest(text=r.input)
+        voice = r.voice.id if isinstance(r.voice, VoiceId) else r.voice
+        if r.reference_text is not None and r.reference_audio is None:
+            raise APIError(400, "reference_text goes with reference_audio", param="reference_text")
+        if r.reference_audio is not None:
+            if voice:
+                raise APIError(400, "give voice or reference_audio, not both", param="voice")
+            if not (r.reference_text or "").strip():
+                raise APIError(
+                    400, "reference_audio needs its transcript in reference_text", param="reference_text"
+                )
+            encoded = r.reference_audio
+            if encoded.startswith("data:") and "," in encoded:  # a data: URL, as browsers make them
+                encoded = encoded.split(",", 1)[1]
+            try:
+                req.voice.reference.audio = base64.b64decode(encoded, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise APIError(
+                    400, f"reference_audio is not valid base64: {exc}", param="reference_audio"
+                ) from exc
+            req.voice.reference.text = r.reference_text
+        elif voice:
+            req.voice.name = voice
+        s = req.sampling
+        for name in ("temperature", "top_p", "top_k", "seed", "max_new_frames", "min_new_frames"):
+            value = getattr(r, name)
+            if value is not None:
+                setattr(s, name, value)
+        req.output.encoding = pb.AUDIO_ENCODING_FLOAT32
+        return req
+
+    def _prepare(self, req: pb.SynthesizeRequest, count_tokens: bool):
+        """build_job (the gRPC path's validation), and the text's prompt tokens when asked (worker thread)."""
+        prepared = build_job(self.loop.planner, self.loop, req, self.limits)
+        tokens = 0
+        if count_tokens:
+            fmt = self.bundle.prompt_format
+            tokens = sum(int(fmt.build(chunk, [], []).shape[0]) for chunk in prepared.job.chunks)
+        return prepared, tokens
+
+    async def speech(self, request: Request) -> Response:
+        """`POST /v1/audio/speech`: read (size-limited), parse and validate the body, admit the job and wait
+        for the engine thread to accept it; then a streaming response, or an OpenAI-style error (see the
+        module docstring for the statuses)."""
+        t_received = time.monotonic()
+        stream = None
+        try:
+            r = self._parse(await self._read_body(request))
+            self._check_model(r.model)
+            req = self._to_proto(r)
+            if not self.loop.ready:
+                raise LoopClosed("the server is warming up; not accepting requests")
+            if not self.loop.alive:
+                raise LoopClosed("the engine has stopped; not accepting requests")
+            prepared, input_tokens = await asyncio.to_thread(self._prepare, req, r.stream_format == "sse")
+            prepared.job.request_id = "http"  # request ids: http-N here, job-N from gRPC
+            stream = self.loop.submit(prepared.job, asyncio.get_running_loop())
+            event = await stream.next()
+            if isinstance(event, Failed):
+                raise event.error
+            assert isinstance(event, Started), event
+            encoder = AudioEncoder(FORMATS[r.response_format], self.bundle.codec.sample_rate, speed=r.speed)
+        except APIError as exc:
+            self.count(exc.outcome)
+            return exc.response()
+        except REQUEST_ERRORS as exc:
+            if stream is not None:
+                stream.cancel()  # a no-op: the job failed
+            err = api_error(exc)
+            self.count(err.outcome)
+            return err.response()
+        except asyncio.CancelledError:
+            if stream is not None:
+                stream.cancel()
+                self.count("cancelled")
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug: 500 with its message
+            log.exception("preparing an HTTP request failed")
+            if stream is not None:
+                stream.cancel()
+            err = api_error(exc)
+            self.count(err.outcome)
+            return err.response()
+
+        synthesis = _Synthesis(self, stream, event, encoder, t_received)
+        synthesis.input_tokens = input_tokens
+        headers = {
+            "X-Request-Id": event.request_id, "X-Seed": str(event.seed), "X-Model": self.bundle.name,
+            "X-Sample-Rate": str(encoder.output_rate), "X-Text-Chunks": str(event.text_chunks),
+            "Cache-Control": "no-cache",
+        }  # fmt: skip
+        warnings = getattr(event, "warnings", None)
+        if warnings:
+            headers["X-Warnings"] = "; ".join(warnings).encode("ascii", "replace").decode()
+        if r.response_format == "pcm":
+            headers |= {"X-Sample-Format": "s16le", "X-Channels": "1"}
+        if r.stream_format == "sse":
+            headers["X-Accel-Buffering"] = "no"
+            return _SynthesisResponse(
+                synthesis, synthesis.sse_body(), media_type="text/event-stream", headers=headers
+            )
+        headers["Content-Disposition"] = f'inline; filename="speech{FORMATS[r.response_format].extension}"'
+        return _SynthesisResponse(
+            synthesis, synthesis.audio_body(), media_type=encoder.media_type, headers=headers
+        )

@@ -1,0 +1,607 @@
+"""The HTTP front end to end: a real TTSServer (gRPC + HTTP on ephemeral ports, tiny model) on 127.0.0.1,
+real HTTP clients (http.client). Expected audio comes from the offline API with the same seed (seeded
+requests give the same codes however they run); no assertion depends on what random weights generate
+or on timing (waits are on states and counts)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.client
+import io
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import soundfile as sf
+
+from proto.tts.v1 import tts_pb2_grpc as pb_grpc
+from service.client import build_request, channel_options
+from service.http import body_limit
+from service.server import ServiceLimits, TTSServer
+from tts.api import TTS
+from tts.audio import read_audio, to_pcm16
+from tts.bundle import load_bundle
+from tts.engine import EngineConfig
+from tts.engine.loop import EngineLoop
+
+pytest.importorskip("fastapi")
+av = pytest.importorskip("av")
+from test_service import wait_idle  # noqa: E402 - the gRPC tests' "everything freed" check
+
+RATE = 16000  # the tiny model's codec
+FRAME = 640  # samples per frame
+# Extra samples a decoder may return beyond the audio, at the format's output rate (see
+# tests/test_audio_formats.py): a streamed MP3 has no gapless header, ADTS AAC keeps its priming.
+PADDING = {"mp3": 1105 + 576, "aac": 2 * 1024, "opus": 0, "flac": 0, "wav": 0, "pcm": 0}
+MEDIA = {
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg",
+    "aac": "audio/aac",
+    "flac": "audio/flac",
+    "wav": "audio/wav",
+}
+
+
+class HTTPServerThread:
+    """A TTSServer with its HTTP front on its own asyncio loop in a background thread."""
+
+    def __init__(self, bundle, engine_config=None, limits=None, metrics_port=None, wait_ready=True):
+        self.server = TTSServer(
+            bundle, engine_config or EngineConfig(max_batch=8), limits, metrics_port=metrics_port, http_port=0
+        )
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self._thread.start()
+        assert self._started.wait(60), "server did not start"
+        if self._error:
+            raise self._error
+        self.port = self.server.http_port
+        if wait_ready:
+            self.call(self.server.wait_ready(120))
+
+    async def _main(self):
+        self.aio_loop = asyncio.get_running_loop()
+        try:
+            await self.server.start("127.0.0.1", 0)
+        except BaseException as exc:  # noqa: BLE001
+            self._error = exc
+            self._started.set()
+            return
+        self._started.set()
+        await self.server.wait_for_termination()
+
+    def call(self, coro, timeout=120):
+        return asyncio.run_coroutine_threadsafe(coro, self.aio_loop).result(timeout)
+
+    def stop(self, grace=0.0):
+        if self._thread.is_alive():
+            self.call(self.server.stop(grace))
+            self._thread.join(30)
+
+    @property
+    def loop(self) -> EngineLoop:
+        return self.server.loop
+
+    def connect(self, rcvbuf: int | None = None) -> http.client.HTTPConnection:
+        """A connection; `rcvbuf` shrinks the socket's receive buffer (so an unread response backs up)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        if rcvbuf is not None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            sock.settimeout(60)
+            sock.connect(("127.0.0.1", self.port))
+            conn.sock = sock
+        return conn
+
+    def request(self, method: str, path: str, body=None, headers=None):
+        """(status, headers, body bytes) of one request; a dict body is sent as JSON."""
+        conn = self.connect()
+        try:
+            if isinstance(body, dict):
+                body = json.dumps(body).encode()
+                headers = {"Content-Type": "application/json", **(headers or {})}
+            conn.request(method, path, body=body, headers=headers or {})
+            resp = conn.getresponse()
+            return resp.status, resp.headers, resp.read()
+        finally:
+            conn.close()
+
+    def speech(self, **body):
+        return self.request("POST", "/v1/audio/speech", body)
+
+    def open_speech(self, rcvbuf: int | None = None, **body):
+        """Start a speech request and return (connection, response) once the status line arrived."""
+        conn = self.connect(rcvbuf)
+        conn.request("POST", "/v1/audio/speech", json.dumps(body), {"Content-Type": "application/json"})
+        return conn, conn.getresponse()
+
+
+def decode(data: bytes, fmt: str) -> tuple[np.ndarray, int]:
+    """A response body -> (float32 samples, sample rate)."""
+    if fmt == "pcm":
+        return np.frombuffer(data, "<i2").astype(np.float32) / 32767, RATE
+    if fmt == "wav":
+        audio, rate = sf.read(io.BytesIO(data), dtype="float32")
+        return audio, rate
+    container = av.open(io.BytesIO(data))
+    frames = list(container.decode(audio=0))
+    raw = np.concatenate([f.to_ndarray().reshape(-1) for f in frames])
+    scale = float(np.iinfo(raw.dtype).max) + 1 if raw.dtype.kind == "i" else 1.0
+    return raw.astype(np.float32) / scale, frames[0].sample_rate
+
+
+def rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(x, dtype=np.float64)))) if len(x) else 0.0
+
+
+def sse_events(data: bytes) -> list[dict]:
+    events = []
+    for block in data.decode().split("\n\n"):
+        if block.strip():
+            assert block.startswith("data: "), block
+            events.append(json.loads(block[len("data: ") :]))
+    return events
+
+
+def error_of(status, headers, body) -> tuple[int, dict]:
+    assert headers["Content-Type"] == "application/json", (status, body)
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return status, err
+
+
+def requests_total(server: HTTPServerThread, outcome: str) -> float:
+    registry = server.server.metrics.registry
+    return registry.get_sample_value("tts_requests_total", {"outcome": outcome}) or 0.0
+
+
+def wait_for(predicate, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+# Streams that cannot end by themselves while the client is not reading: the end token is held off for
+# the whole budget (min_new_frames), whatever the random weights would do, and the texts are long
+# enough for the runaway guard to allow the frames asked for.
+LONG = dict(temperature=0.0, seed=4)
+HOLD_TEXT = "Hold this stream open for as long as the test needs it, whatever the random weights say."
+
+
+def held(frames: int) -> dict:
+    return dict(input=HOLD_TEXT, max_new_frames=frames, min_new_frames=frames, **LONG)
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return load_bundle("tiny")
+
+
+@pytest.fixture(scope="module")
+def server(bundle):
+    limits = ServiceLimits(max_waiting=4, max_queued_chunks=2, max_reference_bytes=64 * 1024)
+    srv = HTTPServerThread(bundle, EngineConfig(max_batch=8), limits, metrics_port=0)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(bundle):
+    return TTS(bundle)
+
+
+TEXT = "Hello there, this is a test of the HTTP front."
+
+
+@pytest.fixture(scope="module")
+def reference(offline):
+    """The offline synthesis every format test compares with: same text, seed and budget."""
+    return offline.synthesize(TEXT, seed=11, max_new_frames=30)
+
+
+# ---- formats ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac", "wav", "pcm"])
+def test_each_format_decodes_to_the_synthesized_audio(server, reference, fmt):
+    status, headers, body = server.speech(
+        model="tiny", input=TEXT, seed=11, max_new_frames=30, response_format=fmt
+    )
+    assert status == 200, body
+    assert headers["X-Seed"] == "11" and headers["X-Model"] == "tiny"
+    assert headers["X-Request-Id"].startswith("http-")
+    assert headers["Transfer-Encoding"] == "chunked"  # streamed as produced, no Content-Length
+    rate = 48000 if fmt == "opus" else RATE
+    assert headers["X-Sample-Rate"] == str(rate)
+    if fmt == "pcm":
+        assert headers["X-Sample-Format"] == "s16le" and headers["Content-Type"] == "audio/pcm"
+        assert body == to_pcm16(reference.audio).astype("<i2").tobytes()  # exactly the synthesized audio
+    else:
+        assert headers["Content-Type"] == MEDIA[fmt]
+    audio, decoded_rate = decode(body, fmt)
+    assert decoded_rate == rate
+    expected = len(reference.audio) * rate // RATE
+    assert expected == reference.frames * FRAME * rate // RATE and reference.frames > 0
+    assert expected <= len(audio) <= expected + PADDING[fmt] * rate // RATE, (len(audio), expected)
+    if rms(reference.audio) > 0:  # not silence where the PCM is not
+        assert rms(audio) > 0.25 * rms(reference.audio)
+    if fmt in ("wav", "flac"):  # lossless (16-bit)
+        np.testing.assert_allclose(audio[: len(reference.audio)], reference.audio, atol=1.5 / 32767)
+
+
+def test_default_format_is_mp3_and_openai_model_names_are_accepted(server):
+    status, headers, body = server.speech(
+        model="tts-1", input="Hi there.", voice="alpha", seed=1, max_new_frames=5
+    )
+    assert status == 200 and headers["Content-Type"] == "audio/mpeg"
+    assert len(decode(body, "mp3")[0]) >= 5 * FRAME
+    # The OpenAI custom-voice form {"id": name} names a voice too; no model is fine.
+    status, _, _ = server.speech(input="Hi.", voice={"id": "beta"}, seed=1, max_new_frames=3)
+    assert status == 200
+
+
+def test_sse_stream_carries_the_audio_and_a_done_event(server, reference):
+    status, headers, body = server.speech(
+        input=TEXT, seed=11, max_new_frames=30, response_format="pcm", stream_format="sse"
+    )
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = sse_events(body)
+    deltas, done = events[:-1], events[-1]
+    assert deltas and all(e["type"] == "speech.audio.delta" for e in deltas)
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in deltas)
+    assert pcm == to_pcm16(reference.audio).astype("<i2").tobytes()
+    assert done["type"] == "speech.audio.done"
+    usage = done["usage"]
+    assert usage["output_tokens"] == done["frames"] == reference.frames
+    assert (
+        usage["input_tokens"] > 0 and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    )
+    assert done["audio_seconds"] == pytest.approx(len(reference.audio) / RATE)
+    assert done["seed"] == 11 and done["request_id"] == headers["X-Request-Id"]
+    assert done["finish_reason"] == ("length" if reference.finish_reasons[-1].value == "length" else "stop")
+    # Deltas of a compressed format concatenate to one decodable file of the reported duration.
+    status, _, body = server.speech(
+        input=TEXT, seed=11, max_new_frames=30, response_format="mp3", stream_format="sse"
+    )
+    events = sse_events(body)
+    mp3 = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    audio, _ = decode(mp3, "mp3")
+    expected = round(events[-1]["audio_seconds"] * RATE)
+    assert expected <= len(audio) <= expected + PADDING["mp3"]
+
+
+def test_speed_changes_the_duration(server, reference):
+    for speed in (0.5, 2.0):
+        status, headers, body = server.speech(
+            input=TEXT, seed=11, max_new_frames=30, response_format="pcm", speed=speed
+        )
+        assert status == 200
+        audio, _ = decode(body, "pcm")
+        # atempo's output length is exact to within about one of its windows (~0.1 s).
+        assert abs(len(audio) - len(reference.audio) / speed) <= 0.1 * RATE, (speed, len(audio))
+
+
+def test_reference_audio_as_base64(server, offline):
+    tone = 0.3 * np.sin(2 * np.pi * 220 * np.arange(8000) / 8000).astype(np.float32)
+    buf = io.BytesIO()
+    sf.write(buf, tone, 8000, format="WAV", subtype="PCM_16")
+    clip = base64.b64encode(buf.getvalue()).decode()
+    status, _, body = server.speech(
+        input="Hello.",
+        reference_audio=clip,
+        reference_text="A tone.",
+        seed=3,
+        max_new_frames=8,
+        response_format="pcm",
+    )
+    assert status == 200
+    samples, rate = read_audio(buf.getvalue())  # what the server decoded from the clip
+    ref = offline.synthesize(
+        "Hello.", voice=offline.reference_from_audio(samples, rate, "A tone."), seed=3, max_new_frames=8
+    )
+    assert body == to_pcm16(ref.audio).astype("<i2").tobytes()
+    # A data: URL (what a browser's FileReader makes) is accepted too.
+    status, _, _ = server.speech(
+        input="Hello.", reference_audio="data:audio/wav;base64," + clip, reference_text="A tone.", seed=3,
+        max_new_frames=2,
+    )  # fmt: skip
+    assert status == 200
+
+
+# ---- errors --------------------------------------------------------------------------------------------
+
+
+def test_bad_input_gets_openai_style_errors_before_any_work(server):
+    wait_idle(server.loop)
+    steps = server.loop.stats.steps
+
+    def speech_error(body, raw=False):
+        status, headers, data = server.request(
+            "POST", "/v1/audio/speech", body if raw else json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        return error_of(status, headers, data)
+
+    status, err = speech_error({"input": ""})
+    assert status == 400 and err["param"] == "input" and err["type"] == "invalid_request_error"
+    assert err["message"] == "text has nothing to speak (empty, whitespace or punctuation only)"
+    status, err = speech_error({"input": "Hi.", "top_p": 1.5})
+    assert (status, err["param"], err["message"]) == (400, "top_p", "top_p must be in (0, 1], got 1.5")
+    status, err = speech_error({"input": "Hi.", "max_new_frames": 5000})
+    assert status == 400 and "exceeds the context size 1024" in err["message"]
+    status, err = speech_error({"input": "Hi.", "speed": 4.5})
+    assert (status, err["param"]) == (400, "speed")
+    status, err = speech_error({"input": "Hi.", "response_format": "ogg"})
+    assert (status, err["param"]) == (400, "response_format")
+    status, err = speech_error({"input": "Hi.", "temprature": 0.5})  # a typo is refused, not ignored
+    assert (status, err["param"]) == (400, "temprature") and "not permitted" in err["message"]
+    status, err = speech_error({"voice": "alpha"})
+    assert (status, err["param"]) == (400, "input")
+    status, err = speech_error({"input": "Hi.", "instructions": "Speak like a pirate."})
+    assert (status, err["param"]) == (400, "instructions")
+    status, err = speech_error(b'{"input": "Hi."', raw=True)
+    assert status == 400 and "not valid JSON" in err["message"]
+    status, err = speech_error({"input": "Hi.", "reference_audio": "not base64!", "reference_text": "x"})
+    assert (status, err["param"]) == (400, "reference_audio")
+    status, err = speech_error({"input": "Hi.", "reference_audio": base64.b64encode(b"\0" * 1000).decode()})
+    assert (status, err["param"]) == (400, "reference_text")
+    big = base64.b64encode(b"\0" * 70_000).decode()  # over the 64 KiB reference limit, under the body limit
+    status, err = speech_error({"input": "Hi.", "reference_audio": big, "reference_text": "x"})
+    assert status == 400 and "the limit is 64.0 KiB" in err["message"]
+    status, err = speech_error({"input": "Hi.", "voice": "nobody"})
+    assert (status, err["param"], err["code"]) == (404, "voice", "voice_not_found")
+    assert err["message"] == "unknown voice 'nobody' (available: alpha, beta)"
+    status, err = speech_error({"input": "Hi.", "model": "whisper-1"})
+    assert (status, err["param"], err["code"]) == (404, "model", "model_not_found")
+    assert error_of(*server.request("GET", "/v1/nothing"))[0] == 404
+    assert server.loop.stats.steps == steps  # nothing reached the engine
+    wait_idle(server.loop)
+
+
+def test_body_over_the_limit_is_413_before_parsing(server):
+    limit = body_limit(server.server.limits)
+    status, err = error_of(*server.request("POST", "/v1/audio/speech", b"x" * (limit + 1)))
+    assert status == 413 and err["code"] == "request_too_large" and "the limit is" in err["message"]
+    # Without a Content-Length (chunked upload): refused once the limit is passed.
+    conn = server.connect()
+    conn.putrequest("POST", "/v1/audio/speech")
+    conn.putheader("Transfer-Encoding", "chunked")
+    conn.putheader("Content-Type", "application/json")
+    conn.endheaders()
+    piece = b"y" * 65536
+    try:
+        for _ in range(limit // len(piece) + 2):
+            conn.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+        conn.send(b"0\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server answered and closed before reading it all
+    resp = conn.getresponse()
+    status, err = error_of(resp.status, resp.headers, resp.read())
+    assert status == 413 and err["message"].startswith("request body is at least")
+    conn.close()
+
+
+def test_admission_limit_is_shared_with_grpc_and_full_means_429(bundle):
+    srv = HTTPServerThread(
+        bundle, EngineConfig(max_batch=1), ServiceLimits(max_waiting=1, max_queued_chunks=2)
+    )
+    try:
+        # HTTP: decoding, then paused by its unread response (it keeps its row, so it cannot end).
+        conn, resp = srv.open_speech(
+            rcvbuf=4096, response_format="pcm", **held(600)
+        )  # fmt: skip
+        assert resp.status == 200
+        wait_for(lambda: srv.loop.stats.paused == 1, "the request to pause")
+        # gRPC: queued behind it (1 decoding + 1 waiting = full).
+        channel = grpc.insecure_channel(f"127.0.0.1:{srv.server.port}", options=channel_options())
+        call = pb_grpc.TextToSpeechStub(channel).Synthesize(
+            build_request(HOLD_TEXT, max_new_frames=600, min_new_frames=600, **LONG)
+        )
+        assert next(call).WhichOneof("message") == "header"
+        status, headers, body = srv.speech(input="One too many.")
+        status, err = error_of(status, headers, body)
+        assert status == 429 and headers["Retry-After"] == "1" and err["code"] == "server_at_capacity"
+        assert "server is at capacity: 2 requests in flight (1 decoding + 1 queued)" in err["message"]
+        with pytest.raises(grpc.RpcError) as info:
+            next(pb_grpc.TextToSpeechStub(channel).Synthesize(build_request("Also too many.")))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        call.cancel()
+        conn.close()
+        wait_idle(srv.loop)
+        assert srv.speech(input="Now there is room.", seed=1, max_new_frames=4)[0] == 200
+        channel.close()
+    finally:
+        srv.stop()
+
+
+def test_client_disconnect_cancels_the_generation_and_frees_its_blocks(server):
+    """A client that reads a little and closes its socket: the job is cancelled and everything freed."""
+    wait_idle(server.loop)
+    before = requests_total(server, "cancelled")
+    for stream_format in ("audio", "sse"):
+        conn, resp = server.open_speech(
+            rcvbuf=4096, response_format="pcm", stream_format=stream_format, **held(600),
+        )  # fmt: skip
+        assert resp.status == 200
+        assert resp.read1(100)  # some audio arrived
+        # The unread response backs up (socket buffers, then max_queued_chunks): the job pauses, in flight.
+        wait_for(lambda: server.loop.stats.paused == 1, "the request to pause")
+        assert server.loop.in_flight == 1 and server.loop.engine.kv_usage()[0] > 0
+        resp.close()  # the client goes away: its socket closes (unread data: the kernel sends a reset)
+        conn.close()
+        wait_idle(server.loop)  # job ended, no engine request, KV blocks and batch row free
+    wait_for(lambda: requests_total(server, "cancelled") == before + 2, "the cancellations to be counted")
+
+
+# ---- health, models, voices, metrics, playground -------------------------------------------------------
+
+
+def test_models_voices_metrics_and_playground(server):
+    status, _, body = server.request("GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == ["tiny"]
+    assert server.request("GET", "/v1/models/tiny")[0] == 200
+    assert error_of(*server.request("GET", "/v1/models/tts-2"))[0] == 404
+    status, _, body = server.request("GET", "/v1/audio/voices")
+    voices = json.loads(body)["voices"]
+    assert [(v["name"], v["kind"]) for v in voices] == [("alpha", "preset"), ("beta", "preset")]
+    assert voices[0]["transcript"] and voices[0]["seconds"] > 0
+    assert server.request("GET", "/health")[:1] == (200,)
+    assert json.loads(server.request("GET", "/health")[2]) == {"status": "serving"}
+    assert server.speech(input="Count me.", seed=1, max_new_frames=2)[0] == 200  # an HTTP request counts
+    status, headers, body = server.request("GET", "/metrics")
+    text = body.decode()
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    for name in ("tts_frames_generated_total", "tts_kv_blocks_used", 'tts_requests_total{outcome="ok"}'):
+        assert name in text, name
+    # The separate metrics port keeps working, with the same registry.
+    import urllib.request
+
+    other = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10)
+    assert 'tts_requests_total{outcome="ok"}' in other.read().decode()
+    status, headers, body = server.request("GET", "/")
+    page = body.decode()
+    assert status == 200 and headers["Content-Type"].startswith("text/html")
+    for ref in ("/v1/audio/speech", "/v1/audio/voices", "/v1/models", "X-Sample-Rate"):
+        assert ref in page, ref
+
+
+def test_health_is_503_while_warming_up_and_while_draining(bundle, monkeypatch, offline):
+    release = threading.Event()
+    original = EngineLoop._run_warmup
+
+    def slow_warmup(self):
+        assert release.wait(60)
+        original(self)
+
+    monkeypatch.setattr(EngineLoop, "_run_warmup", slow_warmup)
+    srv = HTTPServerThread(
+        bundle, EngineConfig(max_batch=2), ServiceLimits(max_queued_chunks=2), wait_ready=False
+    )
+    try:
+        status, _, body = srv.request("GET", "/health")
+        assert (status, json.loads(body)) == (503, {"status": "warming_up"})
+        status, err = error_of(*srv.speech(input="Too early."))
+        assert status == 503 and "warming up" in err["message"]
+        release.set()
+        srv.call(srv.server.wait_ready(60))
+        assert srv.request("GET", "/health")[0] == 200
+        # Draining: an open (paused) stream keeps the server in its grace period; meanwhile health is 503
+        # and new requests are refused; the open stream then runs to its end.
+        conn, resp = srv.open_speech(rcvbuf=4096, response_format="pcm", **held(600))
+        assert resp.status == 200
+        wait_for(lambda: srv.loop.stats.paused == 1, "the request to pause")
+        stopping = asyncio.run_coroutine_threadsafe(srv.server.stop(60.0), srv.aio_loop)
+        wait_for(lambda: srv.server.state == "draining", "draining")
+        status, _, body = srv.request("GET", "/health")
+        assert (status, json.loads(body)) == (503, {"status": "draining"})
+        status, err = error_of(*srv.speech(input="Too late."))
+        assert status == 503 and "shutting down" in err["message"]
+        audio = np.frombuffer(resp.read(), "<i2")  # reads on: the job resumes and finishes
+        ref = offline.synthesize(HOLD_TEXT, max_new_frames=600, min_new_frames=600, **LONG)
+        assert np.array_equal(audio, to_pcm16(ref.audio))
+        conn.close()
+        stopping.result(60)
+        assert srv.server.state == "stopped" and srv.loop.engine.kv_usage()[0] == 0
+    finally:
+        release.set()
+        srv.stop()
+
+
+def test_shutdown_past_the_grace_cuts_an_open_stream(bundle):
+    """A stream still open when the grace period ends: its job ends, the server stops at once, and the
+    client gets an incomplete chunked body (an error), never what looks like a complete short file."""
+    srv = HTTPServerThread(bundle, EngineConfig(max_batch=2), ServiceLimits(max_queued_chunks=2))
+    try:
+        conn, resp = srv.open_speech(rcvbuf=4096, response_format="wav", **held(600))
+        assert resp.status == 200
+        wait_for(lambda: srv.loop.stats.paused == 1, "the request to pause")
+        before = requests_total(srv, "unavailable")
+        srv.stop(grace=0.0)  # returns once the engine thread and both fronts have stopped
+        assert not srv.loop.alive and srv.loop.engine.kv_usage()[0] == 0
+        assert requests_total(srv, "unavailable") == before + 1
+        with pytest.raises((http.client.IncompleteRead, ConnectionError)):
+            resp.read()
+        conn.close()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the playground's script")
+def test_playground_script_lists_voices_and_plays_a_stream(server, offline, tmp_path):
+    """The page's own JavaScript, run by node against the server with a stub DOM and Web Audio: it fills
+    the voice list, streams PCM into the audio graph and reports the request."""
+    page = (Path(__file__).resolve().parent.parent / "service" / "static" / "index.html").read_text()
+    script = page.split("<script>", 1)[1].split("</script>", 1)[0]
+    harness = tmp_path / "harness.mjs"
+    harness.write_text(
+        STUB_DOM.replace("__BASE_URL__", f"http://127.0.0.1:{server.port}") + script + PLAYGROUND_RUN,
+        encoding="utf-8",
+    )
+    r = subprocess.run(["node", str(harness)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr + r.stdout
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["voices"] == ["alpha", "beta"] and result["model"] == "tiny"
+    assert result["error"] == "" and result["status"].startswith("done in"), result
+    ref = offline.synthesize(
+        "Hello from the playground.", voice="beta", seed=5, max_new_frames=12, temperature=0.0
+    )
+    assert result["scheduled_samples"] == len(ref.audio) > 0  # every streamed sample reached the audio graph
+
+
+STUB_DOM = r"""
+const BASE = "__BASE_URL__";
+const realFetch = globalThis.fetch;
+globalThis.fetch = (url, init) => realFetch(BASE + url, init);
+const elements = {};
+class El {
+  constructor(id) { this.id = id; this.textContent = ""; this.value = ""; this.checked = false; this.hidden = false;
+    this.disabled = false; this.children = []; this.listeners = {}; }
+  append(child) { this.children.push(child); }
+  addEventListener(kind, fn) { this.listeners[kind] = fn; }
+  play() { return Promise.resolve(); }
+}
+globalThis.document = {
+  getElementById: (id) => (elements[id] ??= new El(id)),
+  createElement: () => new El("option"),
+};
+globalThis.URL.createObjectURL = () => "blob:stub";
+let scheduledSamples = 0;
+globalThis.AudioContext = class {
+  constructor(opts) { this.sampleRate = opts.sampleRate; this.currentTime = 0; this.destination = {}; }
+  createBuffer(ch, n, rate) { const d = new Float32Array(n); return { duration: n / rate, getChannelData: () => d }; }
+  createBufferSource() { return { connect() {}, start() {}, set buffer(b) { scheduledSamples += b.getChannelData(0).length; } }; }
+  close() {}
+};
+"""
+
+PLAYGROUND_RUN = r"""
+while (!$("voice").children.length && !$("error").textContent) await new Promise((r) => setTimeout(r, 10));  // the page's loadInfo()
+$("text").value = "Hello from the playground.";
+$("stream").checked = true;
+$("speed").value = "1";
+$("seed").value = "5";
+$("voice").value = "beta";
+$("format").value = "mp3";
+// The test's budget: a fixed frame count (an extension field the page does not send itself).
+const send = globalThis.fetch;
+globalThis.fetch = (url, init) => {
+  if (init && init.body) { const b = JSON.parse(init.body); b.max_new_frames = 12; b.temperature = 0; init.body = JSON.stringify(b); }
+  return send(url, init);
+};
+await speak();
+console.log(JSON.stringify({
+  voices: $("voice").children.map((o) => o.value),
+  status: $("status").textContent, error: $("error").textContent,
+  scheduled_samples: scheduledSamples, model: $("model").textContent,
+}));
+"""
