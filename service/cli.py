@@ -18,6 +18,7 @@ import time
 
 from tts.cli import (
     UserError,
+    add_codec_dtype_arg,
     add_engine_args,
     add_model_args,
     add_output_args,
@@ -64,6 +65,7 @@ def add_parser(subparsers) -> None:
         f"(default {DEFAULT_HTTP_PORT}; 0 = any free; -1 = off)",
     )  # fmt: skip
     add_model_args(p)
+    add_codec_dtype_arg(p)
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
     p.add_argument(
         "--max-waiting", type=int, default=16, help="requests queued beyond --max-batch (default 16)"
@@ -242,7 +244,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_device(args.device)
     check_serve_ports(args)  # before the model loads: a busy port is found in a moment
     t0 = time.perf_counter()
-    bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype))
+    bundle = load_bundle(
+        args.model,
+        device=args.device,
+        dtype=torch_dtype(args.dtype),
+        codec_dtype=torch_dtype(args.codec_dtype),
+    )
     apply_threads(args, bundle)
     print(
         f"model: {bundle.describe()} (loaded in {time.perf_counter() - t0:.2f} s)",

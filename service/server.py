@@ -58,6 +58,7 @@ from tts.engine.loop import (
     Started,
     SynthesisJob,
 )
+from tts.params import MAX_CHUNK_FRAMES
 from tts.planner import Planner
 from tts.text import TextError, shorten
 from tts.voices import VoiceExists, VoiceNotFound, reference_key
@@ -675,8 +676,7 @@ class TTSServer:
             1,
             (limits.max_send_bytes // 4) // (bundle.codec.frame_length * 4 + bundle.codec.num_codebooks * 5),
         )
-        if limits.max_chunk_frames > cap:
-            limits.max_chunk_frames = cap
+        limits.max_chunk_frames = min(limits.max_chunk_frames, cap, MAX_CHUNK_FRAMES)
         self.loop = EngineLoop(
             bundle, engine_config, max_waiting=limits.max_waiting, max_queued_chunks=limits.max_queued_chunks,
             pause_timeout=limits.pause_timeout, voices_dir=limits.voices_dir,

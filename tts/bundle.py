@@ -274,11 +274,14 @@ def save_bundle(bundle: ModelBundle, directory: str | Path, codec_config: dict |
     return directory
 
 
-def load_bundle(spec: str | Path = "default", device: str | torch.device = "cpu", dtype=None) -> ModelBundle:
+def load_bundle(
+    spec: str | Path = "default", device: str | torch.device = "cpu", dtype=None, codec_dtype=None
+) -> ModelBundle:
     """Load a preset (`default`, `tiny`) or a checkpoint directory onto `device`.
 
-    dtype defaults to float32 on CPU and bfloat16 on CUDA. Raises CheckpointError / ConfigError with
-    a one-line reason for anything that cannot be loaded.
+    dtype defaults to float32 on CPU and bfloat16 on CUDA. The codec runs on `device` too (its decode
+    path in `codec_dtype` where the codec supports another than float32: the modded DAC's bfloat16).
+    Raises CheckpointError / ConfigError with a one-line reason for anything that cannot be loaded.
     """
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -306,7 +309,7 @@ def load_bundle(spec: str | Path = "default", device: str | torch.device = "cpu"
             raise CheckpointError(
                 f"{directory} looks like a Fish checkpoint; Fish loading is not available"
             ) from exc
-        return fish.load_fish_bundle(directory, raw, device, dtype)
+        return fish.load_fish_bundle(directory, raw, device, dtype, codec_dtype=codec_dtype)
     return _load_own_bundle(directory, raw, device, dtype)
 
 
@@ -336,9 +339,12 @@ def _load_own_bundle(directory: Path, raw: dict, device, dtype) -> ModelBundle:
     default_voice = runtime.get("default_voice")
     if default_voice is not None and default_voice not in voices:
         raise ConfigError(f"{directory / 'config.json'}: default_voice {default_voice!r} is not in voices/")
+    codec = load_codec(directory)
+    if torch.device(device).type != "cpu" and hasattr(codec, "to"):
+        codec.to(device)  # decode and encode on the model's device (the codec stage's batched decode too)
     return ModelBundle(
         name=runtime.get("name", directory.name), family=runtime.get("family", "dual_ar"),
-        model=model.eval(), codec=load_codec(directory), tokenizer=tokenizer,
+        model=model.eval(), codec=codec, tokenizer=tokenizer,
         prompt_format=S2PromptFormat(tokenizer, args.num_codebooks, frontend),
         voices=voices, sampling=sampling, chunk_length=runtime.get("chunk_length", 200), path=directory,
         default_voice=default_voice,

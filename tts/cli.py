@@ -39,6 +39,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def add_codec_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--codec-dtype", choices=["float32", "bfloat16"], default=None,
+        help="the codec's decode dtype where it has a choice (the modded DAC of S1 / S2-Pro; default float32)",
+    )  # fmt: skip
+
+
 def int_list(s: str) -> list[int]:
     """argparse type: comma-separated positive integers."""
     try:
@@ -309,7 +316,12 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     SamplingParams(**{k: v for k, v in sampling_kwargs(args).items() if v is not None}).validate()
 
     t_load = time.perf_counter()
-    bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype))
+    bundle = load_bundle(
+        args.model,
+        device=args.device,
+        dtype=torch_dtype(args.dtype),
+        codec_dtype=torch_dtype(args.codec_dtype),
+    )
     apply_threads(args, bundle)
     tts = TTS(bundle, EngineConfig(max_batch=1, **engine_kwargs(args)), voices_dir=voices_dir_arg(args))
     voice = args.voice
@@ -522,6 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference-text", help="transcript of --reference-audio")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
     add_model_args(p)
+    add_codec_dtype_arg(p)
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_synthesize)

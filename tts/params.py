@@ -9,6 +9,10 @@ import enum
 import math
 from dataclasses import dataclass
 
+# The most frames one audio chunk may hold (first_chunk_frames, chunk_frames): the codec stage decodes
+# a chunk in one call (tts.engine.codec_stage).
+MAX_CHUNK_FRAMES = 256
+
 
 class InvalidRequest(ValueError):
     """A request that can never run (bad parameter, too long for the context). Maps to INVALID_ARGUMENT."""

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .bundle import ModelBundle
 from .codec.base import AudioError, prepare_audio
-from .params import InvalidRequest, SamplingParams
+from .params import MAX_CHUNK_FRAMES, InvalidRequest, SamplingParams
 from .prompt import Turn, VoiceReference
 from .text import TextError, has_speaker_tags, normalize_user_text, split_speaker_turns, split_text
 from .voices import VoiceNotFound, VoiceRegistry, codec_fingerprint
@@ -237,8 +237,10 @@ class Planner:
         top_k, max_new_frames (per text chunk), min_new_frames, seed, ras_window. A random seed is chosen
         when none is given. Raises TextError, InvalidRequest, VoiceNotFound or AudioError before any
         work; a `reference` clip is checked for size here (its codes come later, from the codec stage)."""
-        if first_chunk_frames < 1 or chunk_frames < 1:
-            raise InvalidRequest("chunk sizes must be >= 1 frame")
+        if not (1 <= first_chunk_frames <= MAX_CHUNK_FRAMES and 1 <= chunk_frames <= MAX_CHUNK_FRAMES):
+            raise InvalidRequest(
+                f"audio chunk sizes must be 1 to {MAX_CHUNK_FRAMES} frames, got {first_chunk_frames} and {chunk_frames}"
+            )
         params = self.sampling_params(**sampling)
         # An explicit budget that no prompt could fit is an error; the model's default budget is only a
         # ceiling (the runaway guard and the fit check below cut it to what the chunk and context allow).

@@ -42,12 +42,14 @@ from torch import Tensor
 from graphs.runner import GraphRunner
 
 from ..codec.base import Codec
+from ..params import MAX_CHUNK_FRAMES
 
 log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 FRAME_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-MAX_PIECE_FRAMES = FRAME_BUCKETS[-1]  # the longest piece `decode` takes (an audio chunk's frames)
+MAX_PIECE_FRAMES = MAX_CHUNK_FRAMES  # the longest piece `decode` takes (an audio chunk's frames)
+assert MAX_PIECE_FRAMES <= FRAME_BUCKETS[-1]
 
 
 def _bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -116,6 +118,9 @@ class CodecStage:
         self._encodes: deque[tuple[Tensor, Future]] = deque()
         self._results: deque[DecodeResult] = deque()
         self._free = list(range(max_streams - 1, -1, -1))
+        # Frames queued per slot (host side): a stream may not pass the decoder's position limit.
+        self._frames = [0] * max_streams
+        self.max_stream_frames: int | None = getattr(self.decoder, "max_frames", None)
         self._stopping = False
         self._busy = False
         N = codec.num_codebooks
@@ -148,6 +153,7 @@ class CodecStage:
             if not self._free:
                 raise RuntimeError(f"all {self.max_streams} codec streams are in use")
             slot = self._free.pop()
+            self._frames[slot] = 0
             self._queue.append(("reset", slot))
             self._cv.notify()
         return slot
@@ -163,6 +169,13 @@ class CodecStage:
         DecodeResult carries `tag`."""
         if not 1 <= codes.shape[1] <= MAX_PIECE_FRAMES:
             raise ValueError(f"a decode piece holds 1 to {MAX_PIECE_FRAMES} frames, got {codes.shape[1]}")
+        limit = self.max_stream_frames
+        if limit is not None and self._frames[slot] + codes.shape[1] > limit:
+            raise ValueError(
+                f"the audio passed the codec's limit of {limit} frames per stream "
+                f"({limit / self.codec.frame_rate / 60:.0f} min)"
+            )
+        self._frames[slot] += codes.shape[1]
         with self._cv:
             self._queue.append(("decode", _Piece(slot, tag, codes)))
             self._cv.notify()
@@ -270,8 +283,10 @@ class CodecStage:
         L = self.codec.frame_length
         lengths = [sum(p.codes.shape[1] for p in row) for row in rows]
         n = len(rows)
-        T = _bucket(FRAME_BUCKETS, max(lengths))
-        B = self.graphs.bucket_for(n) or n
+        if self.graphs.enabled:  # padded to a captured shape
+            T, B = _bucket(FRAME_BUCKETS, max(lengths)), self.graphs.bucket_for(n) or n
+        else:  # eager: no padding (a padded frame costs a real frame's work)
+            T, B = max(lengths), n
         h_codes, h_slots, h_lengths = self._h_codes, self._h_slots, self._h_lengths
         h_slots[:B] = self.decoder.scratch_slot
         h_lengths[:B] = 0

@@ -260,8 +260,9 @@ def load_fish_model(
     return _build_model(directory, args, device, dtype), tokenizer, family
 
 
-def load_fish_codec(directory: Path, args: ModelArgs, family: str, device) -> DACCodec:
-    """The family's codec from `codec.pth`, checked against the model's codebooks."""
+def load_fish_codec(directory: Path, args: ModelArgs, family: str, device, dtype=None) -> DACCodec:
+    """The family's codec from `codec.pth`, checked against the model's codebooks; its decode path in
+    `dtype` (default float32)."""
     if family == FISH15:
         raise CheckpointError(
             "fish-speech 1.5 uses the Firefly-GAN codec, which is not supported yet; its language model "
@@ -271,7 +272,7 @@ def load_fish_codec(directory: Path, args: ModelArgs, family: str, device) -> DA
     if not path.is_file():
         raise CheckpointError(f"{directory} has no codec.pth")
     try:
-        codec = DACCodec.from_file(path, device=device)
+        codec = DACCodec.from_file(path, device=device, dtype=dtype or torch.float32)
     except CodecCheckpointError as exc:
         raise CheckpointError(f"codec.pth: {exc}") from exc
     if codec.num_codebooks != args.num_codebooks or codec.codebook_size != args.num_semantic_tokens:
@@ -283,7 +284,7 @@ def load_fish_codec(directory: Path, args: ModelArgs, family: str, device) -> DA
     return codec
 
 
-def load_fish_bundle(directory: str | Path, raw: Mapping, device, dtype) -> ModelBundle:
+def load_fish_bundle(directory: str | Path, raw: Mapping, device, dtype, codec_dtype=None) -> ModelBundle:
     """A servable bundle for a Fish checkpoint directory (called by `tts.bundle.load_bundle` for any
     directory whose config.json has no "tts_runtime" key). Raises CheckpointError / ConfigError /
     TokenizerError with a one-line reason."""
@@ -293,7 +294,7 @@ def load_fish_bundle(directory: str | Path, raw: Mapping, device, dtype) -> Mode
     tokenizer = load_fish_tokenizer(directory, family)
     args = fish_model_args(raw, family, tokenizer)
     # Check the codec first: it is cheaper than the weights and a mismatch makes the model useless.
-    codec = load_fish_codec(directory, args, family, device)
+    codec = load_fish_codec(directory, args, family, device, codec_dtype)
     model = _build_model(directory, args, device, dtype)
     return ModelBundle(
         name=directory.resolve().name, family=f"{spec.display} ({raw['model_type']})", model=model,
