@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The service at engine speed, on one H200: the runs behind BENCHMARKS.md's service tables.
+# Run from the repo root through the device tool with `carry: [".whl"]` (.whl: the wheels the GPU image
+# lacks: soundfile, cffi, pycparser, grpcio 1.85 + health + reflection, protobuf 7, num2words, docopt,
+# phonemizer, dlinfo, espeakng-loader). Writes everything under $OUT.
+#   STEP=check   the CUDA tests (graphs, batched DAC and default-codec decoders), the DAC codec-stage
+#                micro-benchmark, then the S2-Pro service benchmark (c = 1, 16, 64; 128 frames per request)
+#   STEP=more    S2-Pro: `tts bench` graph batch 1; the service with CODEC_DTYPE (default bfloat16) at
+#                c = 1, 16, 64 and the reference modes at c = 16; then the default voice on the GPU:
+#                service c = 1, 16, 64 and `tts synthesize --device cuda` RTF
+set -uo pipefail
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export XDG_DATA_HOME=/tmp/xdg  # registered voices
+TTS="python3 -m tts.cli"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/env.txt
+python3 -c "import torch, triton, grpc; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'grpc', grpc.__version__)" | tee -a $OUT/env.txt
+(git log --oneline -1 2>/dev/null || echo "commit: see the session note") | tee -a $OUT/env.txt
+
+serve() {  # serve MODEL PORT METRICS_PORT EXTRA...: start a server, wait until SERVING
+  local model=$1 port=$2 mport=$3; shift 3
+  $TTS serve --model $model --device cuda --max-batch 64 --max-waiting 256 --capture startup --port $port \
+    --metrics-port $mport --http-port -1 "$@" > $OUT/serve_$port.log 2>&1 &
+  python3 - $port <<'PY'
+import sys, time, grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+port, t0 = sys.argv[1], time.time()
+while time.time() - t0 < 200:
+    try:
+        stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+            print(f"server :{port} SERVING after {time.time() - t0:.1f} s"); break
+    except grpc.RpcError:
+        pass
+    time.sleep(0.5)
+PY
+}
+
+bench() {  # bench PORT MPORT NAME ARGS...
+  local port=$1 mport=$2 name=$3; shift 3
+  timeout 240 $TTS bench-server --server 127.0.0.1:$port --metrics-url http://127.0.0.1:$mport/metrics \
+    --timeout 120 --json $OUT/$name.json "$@" 2>&1 | tail -8
+}
+
+STEP=${STEP:-check}
+if [[ $STEP == check ]]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py tests/test_dac_batched.py \
+    tests/test_melvq_batched.py -s 2>&1 | tail -25 | tee $OUT/cuda_tests.log
+  timeout 130 python3 benchmarks/codec/dac_batched.py --device cuda --batches 1,16,64 --frames 4,16 \
+    --cudnn-benchmark on --time-budget 110 --out $OUT/dac_batched.json 2>&1 | tail -30
+  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  serve /tmp/s2 50061 9465
+  bench 50061 9465 s2_service_fp32 --concurrency 1,16,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait; grep -v "^INFO service.server: request" $OUT/serve_50061.log | tail -5
+fi
+if [[ $STEP == more ]]; then
+  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  timeout 90 $TTS bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1 --frames 64 --out $OUT/tps 2>&1 | tail -3
+  serve /tmp/s2 50062 9466 --codec-dtype ${CODEC_DTYPE:-bfloat16}
+  bench 50062 9466 s2_service_codec_${CODEC_DTYPE:-bfloat16} --concurrency 1,16,64 --max-new-frames 128 --min-new-frames 128
+  for mode in repeated distinct registered; do
+    bench 50062 9466 s2_reference_$mode --concurrency 16 --requests 64 --max-new-frames 128 --min-new-frames 128 --reference $mode
+  done
+  kill %1; wait
+  serve default 50063 9467
+  bench 50063 9467 default_service --concurrency 1,16,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
+  for s in 1 2 3; do timeout 60 $TTS synthesize "Please call Stella and ask her to bring these things." --device cuda --seed $s -o /tmp/x$s.wav 2>&1 | tail -1; done
+fi
