@@ -5,9 +5,10 @@
 # phonemizer, dlinfo, espeakng-loader). Writes everything under $OUT.
 #   STEP=check   the CUDA tests (graphs, batched DAC and default-codec decoders), the DAC codec-stage
 #                micro-benchmark, then the S2-Pro service benchmark (c = 1, 16, 64; 128 frames per request)
-#   STEP=more    S2-Pro: `tts bench` graph batch 1; the service with CODEC_DTYPE (default bfloat16) at
-#                c = 1, 16, 64 and the reference modes at c = 16; then the default voice on the GPU:
-#                service c = 1, 16, 64 and `tts synthesize --device cuda` RTF
+#   STEP=s2      the DAC graph-replay diagnosis (scripts/dac_graph_diag.py); S2-Pro service with the
+#                codec in float32 and in bfloat16 at c = 1, 16, 64; the reference modes at c = 16 (bf16)
+#   STEP=default the default voice on the GPU: service c = 1, 16, 64, `tts synthesize --device cuda` RTF;
+#                then `tts bench` graph batch 1 of S2-Pro (the per-stream reference)
 set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -53,17 +54,25 @@ if [[ $STEP == check ]]; then
   bench 50061 9465 s2_service_fp32 --concurrency 1,16,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait; grep -v "^INFO service.server: request" $OUT/serve_50061.log | tail -5
 fi
-if [[ $STEP == more ]]; then
+if [[ $STEP == s2 ]]; then
+  timeout 120 python3 scripts/dac_graph_diag.py > $OUT/dac_graph_diag.txt 2>&1; tail -3 $OUT/dac_graph_diag.txt
   t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
-  timeout 90 $TTS bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1 --frames 64 --out $OUT/tps 2>&1 | tail -3
-  serve /tmp/s2 50062 9466 --codec-dtype ${CODEC_DTYPE:-bfloat16}
-  bench 50062 9466 s2_service_codec_${CODEC_DTYPE:-bfloat16} --concurrency 1,16,64 --max-new-frames 128 --min-new-frames 128
+  serve /tmp/s2 50061 9465
+  bench 50061 9465 s2_service_fp32 --concurrency 1,16,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
+  serve /tmp/s2 50062 9466 --codec-dtype bfloat16
+  bench 50062 9466 s2_service_bf16 --concurrency 1,16,64 --max-new-frames 128 --min-new-frames 128
   for mode in repeated distinct registered; do
     bench 50062 9466 s2_reference_$mode --concurrency 16 --requests 64 --max-new-frames 128 --min-new-frames 128 --reference $mode
   done
   kill %1; wait
+  tail -n 3 $OUT/serve_50061.log $OUT/serve_50062.log
+fi
+if [[ $STEP == default ]]; then
   serve default 50063 9467
   bench 50063 9467 default_service --concurrency 1,16,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait
   for s in 1 2 3; do timeout 60 $TTS synthesize "Please call Stella and ask her to bring these things." --device cuda --seed $s -o /tmp/x$s.wav 2>&1 | tail -1; done
+  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  timeout 120 $TTS bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1 --frames 64 --out $OUT/tps 2>&1 | tail -3
 fi

@@ -298,3 +298,19 @@ def test_a_paused_stream_is_preempted_only_while_others_wait(make_loop):
     assert isinstance(hog_events[-1], Failed) and isinstance(hog_events[-1].error, Preempted)
     assert "not read for 0.2 s" in str(hog_events[-1].error)
     wait_until(lambda: idle(loop), what="idle")
+
+
+def test_a_dead_codec_stage_fails_jobs_instead_of_hanging(make_loop, monkeypatch):
+    """If the codec stage's worker dies (here: a reset raises), jobs waiting on it fail with a message
+    naming it, and later jobs fail at once rather than waiting forever."""
+    loop = make_loop()
+
+    def broken_reset(slots):
+        raise RuntimeError("device gone")
+
+    monkeypatch.setattr(loop.runner.stage.decoder, "reset", broken_reset)
+    events = drain(loop.submit(job(loop, "Hello.", 8, hold=True)))
+    assert isinstance(events[-1], Failed) and "the codec stage stopped" in str(events[-1].error)
+    events = drain(loop.submit(job(loop, "Again.", 8, hold=True)))
+    assert isinstance(events[-1], Failed) and "device gone" in str(events[-1].error)
+    wait_until(lambda: loop.in_flight == 0 and loop.engine.kv_usage()[0] == 0, what="freed")

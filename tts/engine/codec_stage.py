@@ -107,6 +107,8 @@ class CodecStage:
         self.max_streams = max_streams
         self.decoder = codec.batched_stream(max_streams)
         self.device = torch.device(self.decoder.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.is_cuda = self.device.type == "cuda"
         self._notify = notify
         self.max_rows = max_rows
@@ -123,6 +125,7 @@ class CodecStage:
         self.max_stream_frames: int | None = getattr(self.decoder, "max_frames", None)
         self._stopping = False
         self._busy = False
+        self.dead: Exception | None = None  # set if the worker died: every later call fails with it
         N = codec.num_codebooks
         pin = self.is_cuda
         # Staging buffers: the largest call's inputs (host, pinned on CUDA) and device copies whose
@@ -150,6 +153,8 @@ class CodecStage:
     def open(self) -> int:
         """A fresh stream: a free slot, reset before any of its decodes. Raises RuntimeError if none."""
         with self._cv:
+            if self.dead is not None:
+                raise self.dead
             if not self._free:
                 raise RuntimeError(f"all {self.max_streams} codec streams are in use")
             slot = self._free.pop()
@@ -177,6 +182,8 @@ class CodecStage:
             )
         self._frames[slot] += codes.shape[1]
         with self._cv:
+            if self.dead is not None:
+                raise self.dead
             self._queue.append(("decode", _Piece(slot, tag, codes)))
             self._cv.notify()
 
@@ -185,6 +192,9 @@ class CodecStage:
         codes `[N, T]` int64 on the CPU (or the exception)."""
         future: Future = Future()
         with self._cv:
+            if self.dead is not None:
+                future.set_exception(self.dead)
+                return future
             self._encodes.append((samples, future))
             self._cv.notify()
         return future
@@ -222,6 +232,23 @@ class CodecStage:
     # ---- the worker --------------------------------------------------------------------------------
 
     def _main(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - a dead worker must fail its work, not hang it
+            log.exception("the codec stage stopped")
+            self._fail_everything(RuntimeError(f"the codec stage stopped: {type(exc).__name__}: {exc}"))
+
+    def _fail_everything(self, error: Exception) -> None:
+        with self._cv:
+            self.dead = error
+            pieces = [item for kind, item in self._queue if kind == "decode"]
+            encodes, self._queue, self._encodes = list(self._encodes), deque(), deque()
+            self._results.extend(DecodeResult(p.tag, p.slot, p.codes.shape[1], error=error) for p in pieces)
+        for _, future in encodes:
+            future.set_exception(error)
+        self._notify()
+
+    def _serve(self) -> None:
         if self.is_cuda:
             torch.cuda.set_device(self.device)
         with torch.inference_mode(), torch.cuda.stream(self.stream) if self.is_cuda else _null():
