@@ -268,6 +268,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_audio_seconds=args.max_audio_seconds or None, max_text_bytes=args.max_text_bytes,
         reference_cache_bytes=int(args.reference_cache_mb * MiB), voices_dir=voices_dir,
     )  # fmt: skip
+    # Three threads share the GIL: the engine thread (a frame every few ms), the codec stage's worker and
+    # the asyncio thread of the fronts. A thread waiting for the GIL gets it within the switch interval;
+    # 1 ms instead of Python's 5 keeps a frame step from waiting several ms behind the others' Python.
+    sys.setswitchinterval(0.001)
     return asyncio.run(_serve(args, bundle, engine_config, limits))
 
 

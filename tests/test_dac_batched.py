@@ -107,7 +107,7 @@ def run_schedule(dec: BatchedDACDecoder, device="cpu", decode=None, reset=None):
 
 def test_streams_joining_and_leaving_equal_offline_decode(codec):
     dec = codec.batched_stream(3)
-    assert isinstance(dec, BatchedDACDecoder) and dec.scratch_slot == 3
+    assert isinstance(dec, BatchedDACDecoder) and dec.graph_safe and dec.scratch_slot == 3
     audio, sizes = run_schedule(dec)
     for s, n in STREAMS.items():
         codes = _codes(n, s)
@@ -283,7 +283,9 @@ def test_cuda_graph_replay_equals_eager(exact_fp32_cuda, dtype):
         graph.replay()
         out = static_out[:b, : t * dec.frame_length].clone()
         for i in range(b):
-            n = int(lengths[i]) * dec.frame_length
+            # Pad rows (the scratch slot) may have any length; their output is undefined (several pad
+            # rows share the scratch state), so only real rows are compared.
+            n = 0 if int(slots[i]) == dec.scratch_slot else int(lengths[i]) * dec.frame_length
             worst.append(float((out[i, :n] - eager[i, :n]).abs().max()) if n else 0.0)
         return out
 

@@ -99,11 +99,7 @@ class BatchedDACDecoder(BatchedStreamDecoder):
     checks only) for inputs of the wrong rank, size, dtype or device.
     """
 
-    # No host sync and no data-dependent branch (tests/test_dac_batched.py checks it on the CPU), but a
-    # captured replay did not equal eager on an H200 (2026-12-01, torch 2.11: exact for the first calls
-    # of the test schedule, then off by up to 0.79); until that is understood the codec stage runs this
-    # decoder eagerly.
-    graph_safe = False
+    graph_safe = True
 
     def __init__(self, codec: DACCodec, max_streams: int, max_frames: int = 2**16):
         if max_streams < 1:

@@ -113,6 +113,8 @@ class Engine:
         self._pending_cancel: dict[str, FinishReason] = {}
         self._pending_pause: dict[str, bool] = {}
         self._carried: list[StepOutput] = []
+        self._host_out: torch.Tensor | None = None  # pinned copy of the step's `out` (CUDA)
+        self._out_ready = None
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.frames_generated = 0
@@ -267,8 +269,7 @@ class Engine:
         if n == 0:
             return outputs
         self.graphs.run(n, self._sampler_variant())
-        # Copy out before the next step overwrites the buffer (on a CPU device .cpu() would alias it).
-        out = self.runner.buffers.out[:n].to("cpu", copy=True)
+        out = self._frame_to_host(n)
         N = self.model.config.num_codebooks
         # Per-row work in plain Python values and one split: this loop runs every frame for every row.
         flags = out[:, [0, N + 1, N + 2]].tolist()  # token, emitted, done
@@ -294,6 +295,21 @@ class Engine:
             else:
                 outputs.append(StepOutput(request.request_id, codes))
         return outputs
+
+    def _frame_to_host(self, n: int) -> torch.Tensor:
+        """The step's `out[:n]` on the host, copied before the next step overwrites it. On CUDA through a
+        pinned buffer and an event whose wait releases the GIL: the codec stage's worker thread runs
+        Python while this thread waits for the frame (a plain `.to("cpu")` waits holding the GIL)."""
+        out = self.runner.buffers.out
+        if self.device.type != "cuda":
+            return out[:n].to("cpu", copy=True)  # (on a CPU device .cpu() would alias the buffer)
+        if self._host_out is None:
+            self._host_out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            self._out_ready = torch.cuda.Event()
+        self._host_out[:n].copy_(out[:n], non_blocking=True)
+        self._out_ready.record()
+        self._out_ready.synchronize()
+        return self._host_out[:n].clone()
 
     def fail_all(self, error: str) -> list[StepOutput]:
         """End every request with an error (the step raised); frees all their blocks. Also returns the
