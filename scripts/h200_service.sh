@@ -7,6 +7,9 @@
 #                micro-benchmark, then the S2-Pro service benchmark (c = 1, 16, 64; 128 frames per request)
 #   STEP=s2      the DAC graph-replay diagnosis (scripts/dac_graph_diag.py); S2-Pro service with the
 #                codec in float32 and in bfloat16 at c = 1, 16, 64; the reference modes at c = 16 (bf16)
+#   STEP=final   S2-Pro service (float32 codec) c = 1, 16, 64 and the reference modes at c = 16; the
+#                default voice's service and `tts synthesize --device cuda`; S2-Pro with the bf16 codec
+#                at c = 16, 64; `tts bench` graph batch 1; the batched-DAC CUDA tests
 #   STEP=default the default voice on the GPU: service c = 1, 16, 64, `tts synthesize --device cuda` RTF;
 #                then `tts bench` graph batch 1 of S2-Pro (the per-stream reference)
 set -uo pipefail
@@ -67,6 +70,24 @@ if [[ $STEP == s2 ]]; then
   done
   kill %1; wait
   tail -n 3 $OUT/serve_50061.log $OUT/serve_50062.log
+fi
+if [[ $STEP == final ]]; then
+  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  serve /tmp/s2 50061 9465
+  bench 50061 9465 s2_service_fp32 --concurrency 1,16,64 --max-new-frames 128 --min-new-frames 128
+  for mode in repeated distinct registered; do
+    bench 50061 9465 s2_reference_$mode --concurrency 16 --requests 64 --max-new-frames 128 --min-new-frames 128 --reference $mode
+  done
+  kill %1; wait
+  serve default 50063 9467
+  bench 50063 9467 default_service --concurrency 1,16,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
+  for s in 1 2 3; do timeout 60 $TTS synthesize "Please call Stella and ask her to bring these things." --device cuda --seed $s -o /tmp/x$s.wav 2>&1 | tail -1; done
+  serve /tmp/s2 50062 9466 --codec-dtype bfloat16
+  bench 50062 9466 s2_service_bf16 --concurrency 16,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
+  timeout 100 $TTS bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1 --frames 64 --out $OUT/tps 2>&1 | tail -3
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_dac_batched.py -s 2>&1 | tail -4 | tee $OUT/cuda_dac_tests.log
 fi
 if [[ $STEP == default ]]; then
   serve default 50063 9467
