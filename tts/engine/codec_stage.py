@@ -119,6 +119,7 @@ class CodecStage:
         self._queue: deque[tuple] = deque()  # ("reset", slot) | ("decode", _Piece)
         self._encodes: deque[tuple[Tensor, Future]] = deque()
         self._results: deque[DecodeResult] = deque()
+        self._tasks: deque[tuple[Callable[[], object], Future]] = deque()
         self._free = list(range(max_streams - 1, -1, -1))
         # Frames queued per slot (host side): a stream may not pass the decoder's position limit.
         self._frames = [0] * max_streams
@@ -199,6 +200,41 @@ class CodecStage:
             self._cv.notify()
         return future
 
+    def capture(self, frames: tuple[int, ...]) -> Future:
+        """Capture the decode graphs now (start-up capture) for calls of `frames` frames (each rounded up
+        to its bucket) at every rows bucket that fits `max_call_frames`, largest first, so that serving
+        never stops for a capture or a first eager call at these shapes. No-op without graphs. The warm-up
+        calls run on pad rows (the scratch slot, length 0): no stream's state changes. Returns a future
+        of the number of graphs captured."""
+        future: Future = Future()
+        if not self.graphs.enabled:
+            future.set_result(0)
+            return future
+        with self._cv:
+            self._tasks.append((lambda: self._capture(frames), future))
+            self._cv.notify()
+        return future
+
+    def _capture(self, frames: tuple[int, ...]) -> int:
+        L = self.codec.frame_length
+        if self._out is None:
+            size = self.max_call_frames * L
+            self._out = torch.zeros(size, dtype=torch.float32, device=self.device)
+            self._h_out = torch.zeros(size, dtype=torch.float32, pin_memory=self.is_cuda)
+        self._slots.fill_(self.decoder.scratch_slot)
+        self._lengths.zero_()
+        self._codes.zero_()
+        before = len(self.graphs.graphs)
+        for T in sorted({_bucket(FRAME_BUCKETS, f) for f in frames}, reverse=True):
+            for B in sorted(self.graphs.buckets, reverse=True):
+                if B * T > self.max_call_frames or (B, T) in self.graphs.graphs:
+                    continue
+                self.graphs.run(B, T)  # the first use runs eagerly (cuDNN plans, allocator), ...
+                self.graphs.run(B, T)  # ... the second captures and replays
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        return len(self.graphs.graphs) - before
+
     def results(self) -> list[DecodeResult]:
         """Decode results ready since the last call (never blocks)."""
         with self._cv:
@@ -220,7 +256,7 @@ class CodecStage:
     def idle(self) -> bool:
         """Nothing queued, nothing running, no result waiting to be taken."""
         with self._cv:
-            return not (self._queue or self._encodes or self._results or self._busy)
+            return not (self._queue or self._encodes or self._results or self._tasks or self._busy)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Finish the call in progress, fail queued encodes, end the worker."""
@@ -243,8 +279,9 @@ class CodecStage:
             self.dead = error
             pieces = [item for kind, item in self._queue if kind == "decode"]
             encodes, self._queue, self._encodes = list(self._encodes), deque(), deque()
+            tasks, self._tasks = list(self._tasks), deque()
             self._results.extend(DecodeResult(p.tag, p.slot, p.codes.shape[1], error=error) for p in pieces)
-        for _, future in encodes:
+        for _, future in encodes + tasks:
             future.set_exception(error)
         self._notify()
 
@@ -254,11 +291,28 @@ class CodecStage:
         with torch.inference_mode(), torch.cuda.stream(self.stream) if self.is_cuda else _null():
             while True:
                 with self._cv:
-                    while not (self._queue or self._encodes or self._stopping):
+                    while not (self._queue or self._encodes or self._tasks or self._stopping):
                         self._cv.wait()
                     if self._stopping:
                         encodes, self._encodes = list(self._encodes), deque()
+                        encodes += list(self._tasks)
+                        self._tasks.clear()
                         break
+                    if self._tasks:
+                        task, future = self._tasks.popleft()
+                        self._busy = True
+                    else:
+                        task = None
+                if task is not None:
+                    try:
+                        future.set_result(task())
+                    except Exception as exc:  # noqa: BLE001 - reported through the future
+                        future.set_exception(exc)
+                    finally:
+                        with self._cv:
+                            self._busy = False
+                    continue
+                with self._cv:
                     resets, pieces = self._take_batch()
                     encode = self._encodes.popleft() if self._encodes and not pieces else None
                     self._busy = True

@@ -407,6 +407,14 @@ class EngineLoop:
                 codec_graphs=self._codec_graphs,
             )  # fmt: skip
             self.runner.on_end = self._job_ended
+            if self.engine_config.capture == "startup" and self.engine.graphs.enabled:
+                t0 = time.perf_counter()
+                captured = self.runner.stage.capture(
+                    (DEFAULT_FIRST_CHUNK_FRAMES, DEFAULT_CHUNK_FRAMES)
+                ).result()
+                log.info(
+                    "codec stage: %d decode graphs captured in %.2f s", captured, time.perf_counter() - t0
+                )
             if self._warmup:
                 self._run_warmup()
         except BaseException as exc:  # noqa: BLE001 - reported by wait_ready
