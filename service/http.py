@@ -51,14 +51,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proto.tts.v1 import tts_pb2 as pb
-from tts.api import VoiceNotFound
+from tts.api import VoiceExists, VoiceNotFound
 from tts.audio_formats import FORMATS, MAX_SPEED, MIN_SPEED, AudioEncoder
 from tts.codec.base import AudioError
 from tts.engine import FinishReason, InvalidRequest
 from tts.engine.loop import Audio, EngineFailed, Failed, Finished, LoopClosed, Overloaded, Started
 from tts.text import TextError
 
-from .server import build_job, status_for
+from .server import build_job, prepare_reference, status_for
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "already_exists"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "server_at_capacity"),
     grpc.StatusCode.UNAVAILABLE: (503, "server_error", "unavailable"),
     grpc.StatusCode.CANCELLED: (499, "server_error", "cancelled"),
@@ -463,6 +464,21 @@ class HTTPFront:
                 ]
             }
 
+        @app.post(
+            "/v1/audio/voices", status_code=201, summary="Register a voice from a clip and its transcript"
+        )
+        async def add_voice(request: Request):
+            return await self.add_voice(request)
+
+        @app.delete("/v1/audio/voices/{name}", summary="Remove a registered voice")
+        async def delete_voice(name: str):
+            try:
+                self.loop.delete_voice(name)
+            except (VoiceNotFound, InvalidRequest) as exc:
+                return api_error(exc).response()
+            log.info("voice deleted name=%s", name)
+            return {"deleted": name}
+
         @app.get("/v1/models", summary="The served model")
         async def models():
             return {"object": "list", "data": [self._model_card()]}
@@ -586,6 +602,49 @@ class HTTPFront:
             fmt = self.bundle.prompt_format
             tokens = sum(int(fmt.build(chunk, [], []).shape[0]) for chunk in prepared.job.chunks)
         return prepared, tokens
+
+    async def add_voice(self, request: Request) -> Response:
+        """`POST /v1/audio/voices` (multipart/form-data): `name`, `file` (a WAV or FLAC clip), `text` (its
+        transcript), optional `replace` (true/false). The clip is checked like a request's reference clip,
+        encoded on the codec stage and kept as a registered voice (persisted under the server's voices
+        directory), the same registry gRPC's AddVoice fills. 201 with the voice; 400 / 409 (the name is
+        taken) / 413 / 503 as OpenAI-style errors."""
+        limit = self.limits.max_reference_bytes + 64 * 1024
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return APIError(
+                413, f"the upload is {declared} bytes; the limit is {limit}", param="file"
+            ).response()
+        try:
+            if not self.loop.ready or not self.loop.alive:
+                raise LoopClosed("the server is not ready; try again")
+            try:
+                form = await request.form(max_files=1, max_fields=8)
+            except Exception as exc:  # noqa: BLE001 - not multipart, or broken: the client's error
+                raise APIError(400, f"expected multipart/form-data with name, file and text: {exc}") from exc
+            name, text, upload = form.get("name"), form.get("text"), form.get("file")
+            if not isinstance(name, str) or not name:
+                raise APIError(400, "the form needs a voice `name`", param="name")
+            if not isinstance(text, str) or not text.strip():
+                raise APIError(400, "the form needs the clip's transcript as `text`", param="text")
+            if upload is None or isinstance(upload, str):
+                raise APIError(400, "the form needs the clip as a `file` field (WAV or FLAC)", param="file")
+            replace = str(form.get("replace", "false")).lower() in ("1", "true", "yes", "on")
+            self.loop.voices.check_new(name, replace)
+            data = await upload.read()
+            ref = pb.ReferenceAudio(audio=data, text=text)
+            prepared = await asyncio.to_thread(prepare_reference, self.loop.planner, ref, self.limits, "file")
+            entry = await asyncio.wrap_future(self.loop.add_voice(name, prepared, replace))
+        except APIError as exc:
+            return exc.response()
+        except (InvalidRequest, AudioError, VoiceExists, LoopClosed) as exc:
+            return api_error(exc).response()
+        log.info("voice added name=%s seconds=%.2f", entry.name, entry.seconds(self.bundle.codec.frame_rate))
+        body = {
+            "name": entry.name, "kind": entry.kind, "transcript": entry.voice.text,
+            "seconds": entry.seconds(self.bundle.codec.frame_rate),
+        }  # fmt: skip
+        return JSONResponse(body, status_code=201)
 
     async def speech(self, request: Request) -> Response:
         """`POST /v1/audio/speech`: read (size-limited), parse and validate the body, admit the job and wait

@@ -605,3 +605,52 @@ console.log(JSON.stringify({
   scheduled_samples: scheduledSamples, model: $("model").textContent,
 }));
 """
+
+
+def multipart(fields: dict[str, str], file: bytes, filename: str = "clip.wav") -> tuple[bytes, dict]:
+    """A multipart/form-data body with text `fields` and one `file` part."""
+    boundary = "tts-test-boundary-7d1c"
+    parts = [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+        for k, v in fields.items()
+    ]
+    parts.append(
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{filename}"\r\n'
+        "Content-Type: audio/wav\r\n\r\n".encode()
+        + file
+        + b"\r\n"
+    )
+    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    return body, {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+
+
+def test_voice_upload_use_and_delete(server):
+    """POST a clip and transcript -> a registered voice (201), listed with kind 'registered', usable by
+    name in /v1/audio/speech; the same name again is 409; DELETE removes it (then 404); presets stay."""
+    t = np.arange(16000) / 16000
+    clip = io.BytesIO()
+    sf.write(
+        clip, (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 16000, format="WAV", subtype="PCM_16"
+    )
+    body, headers = multipart({"name": "uploaded", "text": "A tone."}, clip.getvalue())
+    status, _, reply = server.request("POST", "/v1/audio/voices", body, headers)
+    assert status == 201, reply
+    voice = json.loads(reply)
+    assert (voice["name"], voice["kind"], voice["transcript"]) == ("uploaded", "registered", "A tone.")
+    assert voice["seconds"] == pytest.approx(1.0)
+    listed = json.loads(server.request("GET", "/v1/audio/voices")[2])["voices"]
+    assert {"name": "uploaded", "kind": "registered"}.items() <= listed[-1].items()
+    status, _, audio = server.speech(
+        input="Hello.", voice="uploaded", seed=1, max_new_frames=4, response_format="pcm"
+    )
+    assert status == 200 and len(audio) > 0
+    status, err = error_of(*server.request("POST", "/v1/audio/voices", body, headers))
+    assert status == 409 and err["code"] == "already_exists"
+    assert server.request("DELETE", "/v1/audio/voices/uploaded")[0] == 200
+    status, err = error_of(*server.request("DELETE", "/v1/audio/voices/uploaded"))
+    assert status == 404
+    status, err = error_of(*server.request("DELETE", "/v1/audio/voices/alpha"))
+    assert status == 400 and "preset" in err["message"]
+    bad, bad_headers = multipart({"name": "x", "text": "y"}, b"not audio at all")
+    status, err = error_of(*server.request("POST", "/v1/audio/voices", bad, bad_headers))
+    assert status == 400 and "cannot read reference audio" in err["message"]
