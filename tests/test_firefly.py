@@ -30,7 +30,12 @@ def _codes(T: int, high: int = 1000) -> torch.Tensor:
 
 
 def test_properties_and_config(codec):
-    assert (codec.sample_rate, codec.frame_length, codec.num_codebooks, codec.codebook_size) == (44100, 2048, 8, 1000)
+    assert (codec.sample_rate, codec.frame_length, codec.num_codebooks, codec.codebook_size) == (
+        44100,
+        2048,
+        8,
+        1000,
+    )
     cfg = SPEC["config"]
     assert codec.cfg == tiny_firefly_config()
     assert list(codec.cfg.encoder_depths) == cfg["encoder_depths"]

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .bundle import ModelBundle, load_bundle
 from .codec.base import AudioError
-from .engine import Engine, EngineConfig, FinishReason, InvalidRequest
+from .engine import Engine, EngineConfig, FinishReason, InvalidRequest, for_bundle
 from .engine.jobs import Audio, Failed, Finished, JobRunner, ListSink
 from .planner import Planner, PreparedReference, SynthesisJob
 from .prompt import VoiceReference
@@ -92,7 +92,7 @@ class TTS:
 
     def __init__(self, bundle: ModelBundle, engine_config: EngineConfig | None = None, *, voices_dir=None):
         self.bundle = bundle
-        self.engine = Engine(bundle.model, engine_config or EngineConfig(max_batch=4))
+        self.engine = Engine(bundle.model, for_bundle(engine_config or EngineConfig(max_batch=4), bundle))
         self.voice_registry = VoiceRegistry(bundle.voices, voices_dir, codec_fingerprint(bundle.codec))
         self.planner = Planner(bundle, self.engine.max_context, self.engine.check, self.voice_registry)
         self._wake = threading.Event()

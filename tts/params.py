@@ -83,8 +83,12 @@ class SamplingParams:
             raise InvalidRequest(
                 f"min_new_frames must be in [0, max_new_frames = {self.max_new_frames}], got {self.min_new_frames}"
             )
-        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty < MAX_REPETITION_PENALTY):
-            raise InvalidRequest(f"repetition_penalty must be in (0, 2) (1 = off), got {self.repetition_penalty}")
+        if not (
+            math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty < MAX_REPETITION_PENALTY
+        ):
+            raise InvalidRequest(
+                f"repetition_penalty must be in (0, 2) (1 = off), got {self.repetition_penalty}"
+            )
         if not 0 <= self.ras_window <= 10:
             raise InvalidRequest(f"ras_window must be in [0, 10], got {self.ras_window}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:

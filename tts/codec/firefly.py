@@ -108,19 +108,25 @@ class FireflyConfig:
                 f"upsample rates {self.upsample_rates} do not give the hop length {self.hop_length}"
             )
         if self.latent_dim % self.n_groups:
-            raise CodecCheckpointError(f"latent width {self.latent_dim} is not divisible by {self.n_groups} groups")
+            raise CodecCheckpointError(
+                f"latent width {self.latent_dim} is not divisible by {self.n_groups} groups"
+            )
         if len(self.encoder_depths) != len(self.encoder_dims):
             raise CodecCheckpointError("encoder depths and widths differ in length")
         if len(self.upsample_rates) != len(self.upsample_kernel_sizes):
             raise CodecCheckpointError("upsample rates and kernel sizes differ in length")
         if self.upsample_initial_channel % 2 ** len(self.upsample_rates):
-            raise CodecCheckpointError("the HiFi-GAN's first width does not halve through every upsampling stage")
+            raise CodecCheckpointError(
+                "the HiFi-GAN's first width does not halve through every upsampling stage"
+            )
 
 
 def tiny_firefly_config(**overrides) -> FireflyConfig:
     """A small Firefly-GAN with the real sample rate, mel frontend, strides, kernels and FSQ levels but
     narrow layers (tests and tiny checkpoints)."""
-    cfg = FireflyConfig(encoder_depths=(1, 1, 2, 1), encoder_dims=(16, 16, 32, 64), upsample_initial_channel=64)
+    cfg = FireflyConfig(
+        encoder_depths=(1, 1, 2, 1), encoder_dims=(16, 16, 32, 64), upsample_initial_channel=64
+    )
     return replace(cfg, **overrides)
 
 
@@ -156,8 +162,12 @@ class ResBlock1(nn.Module):
     def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...]):
         super().__init__()
         wn = dict(weight_norm="parametrization")
-        self.convs1 = nn.ModuleList(CausalConv1d(channels, channels, kernel_size, dilation=d, **wn) for d in dilations)
-        self.convs2 = nn.ModuleList(CausalConv1d(channels, channels, kernel_size, dilation=d, **wn) for d in dilations)
+        self.convs1 = nn.ModuleList(
+            CausalConv1d(channels, channels, kernel_size, dilation=d, **wn) for d in dilations
+        )
+        self.convs2 = nn.ModuleList(
+            CausalConv1d(channels, channels, kernel_size, dilation=d, **wn) for d in dilations
+        )
 
     def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
         for c1, c2 in zip(self.convs1, self.convs2, strict=True):
@@ -214,7 +224,8 @@ class ConvNeXtEncoder(nn.Module):
             layers.append(nn.Sequential(ChannelsFirstLayerNorm(dims[i]), nn.Conv1d(dims[i], dims[i + 1], 1)))
         self.downsample_layers = nn.ModuleList(layers)
         self.stages = nn.ModuleList(
-            nn.Sequential(*(ConvNeXtBlock(d) for _ in range(n))) for d, n in zip(dims, cfg.encoder_depths, strict=True)
+            nn.Sequential(*(ConvNeXtBlock(d) for _ in range(n)))
+            for d, n in zip(dims, cfg.encoder_depths, strict=True)
         )
         self.norm = ChannelsFirstLayerNorm(dims[-1])
 
@@ -402,7 +413,9 @@ def infer_firefly_config(shapes: dict[str, tuple[int, ...]]) -> FireflyConfig:
     n_levels = shape("quantizer.residual_fsq.rvqs.0.project_in.weight")[0]
     levels = FireflyConfig.levels
     if n_levels != len(levels):
-        raise CodecCheckpointError(f"FSQ groups project to {n_levels} values; expected {len(levels)} (levels {levels})")
+        raise CodecCheckpointError(
+            f"FSQ groups project to {n_levels} values; expected {len(levels)} (levels {levels})"
+        )
     down = tuple(
         shape(f"quantizer.downsample.{i}.0.conv.weight")[2] for i in _indices(shapes, "quantizer.downsample.")
     )
@@ -413,7 +426,8 @@ def infer_firefly_config(shapes: dict[str, tuple[int, ...]]) -> FireflyConfig:
         )
     kernels = tuple(shape(f"head.ups.{i}.conv.weight")[2] for i in ups)
     res_kernels = tuple(
-        shape(f"head.resblocks.0.blocks.{j}.convs1.0.conv.weight")[2] for j in _indices(shapes, "head.resblocks.0.blocks.")
+        shape(f"head.resblocks.0.blocks.{j}.convs1.0.conv.weight")[2]
+        for j in _indices(shapes, "head.resblocks.0.blocks.")
     )
     return FireflyConfig(
         n_mels=n_mels, encoder_depths=depths, encoder_dims=dims, n_groups=groups, downsample_factor=down,
@@ -525,7 +539,9 @@ class FireflyCodec(Codec):
     def encode_audio(self, audio: Tensor) -> Tensor:
         x = torch.as_tensor(audio, dtype=torch.float32).reshape(1, -1).to(self.device)
         if x.shape[1] <= (self.cfg.win_length - self.cfg.hop_length) // 2:
-            raise ValueError(f"Firefly-GAN needs more than {(self.cfg.win_length - self.cfg.hop_length) // 2} samples")
+            raise ValueError(
+                f"Firefly-GAN needs more than {(self.cfg.win_length - self.cfg.hop_length) // 2} samples"
+            )
         return self.model.encode(x)[0].cpu()
 
     def stream(self) -> FireflyStreamingDecoder:
@@ -601,9 +617,13 @@ class BatchedFireflyDecoder(BatchedStreamDecoder):
         self._state: dict[nn.Module, Tensor] = {}
         for module in (*self.model.quantizer.upsample.modules(), *self.model.head.modules()):
             if isinstance(module, CausalConv1d) and module.padding:
-                self._state[module] = torch.zeros(slots, module.conv.in_channels, module.padding, device=self.device)
+                self._state[module] = torch.zeros(
+                    slots, module.conv.in_channels, module.padding, device=self.device
+                )
             elif isinstance(module, CausalConvTranspose1d) and module.context:
-                self._state[module] = torch.zeros(slots, module.conv.in_channels, module.context, device=self.device)
+                self._state[module] = torch.zeros(
+                    slots, module.conv.in_channels, module.context, device=self.device
+                )
 
     def state_bytes(self) -> int:
         """Bytes of state held for all slots."""

@@ -35,8 +35,8 @@ from ..codec.dac import CodecCheckpointError, DACCodec
 from ..codec.firefly import FIREFLY_FILE, FireflyCodec
 from ..config import ConfigError, ModelArgs
 from ..engine.request import SamplingParams
-from ..params import FrameConvention
 from ..model import DualARTransformer
+from ..params import FrameConvention
 from ..tokenizer import TextTokenizer, TokenizerError, TokenizerLike
 from .prompts import Fish15PromptFormat, S1PromptFormat, S2PromptFormat
 from .tokenizer import FISH15_SPECIAL_TOKENS, S1_SPECIAL_TOKENS, TiktokenTokenizer
