@@ -178,8 +178,8 @@ class TTS:
     ) -> Iterator[AudioChunk]:  # fmt: skip
         """Yield audio chunks as frames are generated: the first after `first_chunk_frames` frames,
         then every `chunk_frames` (decoded on the codec stage's thread while the engine runs on).
-        `sampling`: temperature, top_p, top_k, max_new_frames (per text chunk), min_new_frames, seed,
-        ras_window. `text` may be a SynthesisJob from `prepare`. Raises TextError, InvalidRequest,
+        `sampling`: temperature, top_p, top_k, max_new_frames (per text chunk), min_new_frames,
+        repetition_penalty, seed, ras_window. `text` may be a SynthesisJob from `prepare`. Raises TextError, InvalidRequest,
         VoiceNotFound before any work."""
         job = (
             text

@@ -296,13 +296,15 @@ class Engine:
             request.num_generated += 1
             self.frames_generated += 1
             stop = token == self.model.config.eos_token_id
-            if stop:
-                codes = no_codes  # the end-token frame is dropped (spec 1.4 step 8)
+            end_codes = None
+            if stop:  # the end-token frame is not audio (spec 1.4 step 8), except for 1.5 (FrameConvention)
+                codes, end_codes = no_codes, codes
             if done:
                 reason = FinishReason.STOP if stop else FinishReason.LENGTH
                 with self._lock:
                     finished = self._finish(request, reason)
                 finished.codes = codes
+                finished.end_codes = end_codes
                 outputs.append(finished)
             else:
                 outputs.append(StepOutput(request.request_id, codes))

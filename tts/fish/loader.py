@@ -320,9 +320,15 @@ def load_fish_bundle(directory: str | Path, raw: Mapping, device, dtype, codec_d
     # Check the codec first: it is cheaper than the weights and a mismatch makes the model useless.
     codec = load_fish_codec(directory, args, family, device, codec_dtype)
     model = _build_model(directory, args, device, dtype)
+    # The family's frame budget, at most a quarter of the context: a small checkpoint (the tiny shapes'
+    # 1024 tokens) keeps room for its prompt (S1 puts the whole text into one); the released models'
+    # contexts (8192, 32768) are far larger than 4x their budget of 1024.
+    sampling = dataclasses.replace(
+        spec.sampling, max_new_frames=min(spec.sampling.max_new_frames, args.max_seq_len // 4)
+    )
     return ModelBundle(
         name=directory.resolve().name, family=f"{spec.display} ({raw['model_type']})", model=model,
         codec=codec, tokenizer=tokenizer, prompt_format=spec.prompt_format(tokenizer, args.num_codebooks),
-        voices=load_voices(directory / "voices"), sampling=spec.sampling, chunk_length=spec.chunk_length,
+        voices=load_voices(directory / "voices"), sampling=sampling, chunk_length=spec.chunk_length,
         path=directory, frames=spec.frames, repetition=spec.repetition,
     )  # fmt: skip
