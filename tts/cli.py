@@ -131,7 +131,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     return {
         "seed": args.seed, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-        "max_new_frames": args.max_new_frames, "repetition_penalty": args.repetition_penalty,
+        "max_new_frames": args.max_new_frames, "repetition_penalty": getattr(args, "repetition_penalty", None),
     }  # fmt: skip
 
 
