@@ -44,6 +44,7 @@ def build_request(
     reference_text: str | None = None, temperature: float | None = None, top_p: float | None = None,
     top_k: int | None = None, seed: int | None = None, max_new_frames: int | None = None,
     min_new_frames: int | None = None, encoding: str = "pcm16", include_codes: bool = False, first_chunk_frames: int = 0, chunk_frames: int = 0,
+    repetition_penalty: float | None = None,
 ) -> pb.SynthesizeRequest:  # fmt: skip
     """A SynthesizeRequest; None leaves a sampling field to the server's model default.
     max_new_frames is the frame budget per text chunk; min_new_frames holds off the end token for that
@@ -57,7 +58,8 @@ def build_request(
         req.voice.reference.audio = reference_audio
         req.voice.reference.text = reference_text or ""
     s = req.sampling
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
+                        ("repetition_penalty", repetition_penalty)):  # fmt: skip
         if value is not None:
             setattr(s, name, value)
     if max_new_frames is not None:

@@ -6,7 +6,7 @@ Endpoints:
 
 * `POST /v1/audio/speech`: OpenAI's body (`model`, `input`, `voice`, `response_format`, `speed`,
   `stream_format`, `instructions`) plus this server's extensions (`seed`, `temperature`, `top_p`, `top_k`,
-  `max_new_frames`, `min_new_frames`, `reference_audio` (base64, WAV/FLAC) with `reference_text`). The JSON becomes a
+  `max_new_frames`, `min_new_frames`, `repetition_penalty`, `reference_audio` (base64, WAV/FLAC) with `reference_text`). The JSON becomes a
   `tts.v1.SynthesizeRequest` and goes through `service.server.build_job`, the gRPC path's validation.
   The audio streams as the engine produces it (chunked transfer): encoded bytes (`stream_format`
   `audio`, the default) or server-sent events (`sse`): `speech.audio.delta` (`audio`: base64 of the
@@ -81,7 +81,9 @@ HTTP_STATUS = {
 }
 REQUEST_ERRORS = (TextError, InvalidRequest, AudioError, VoiceNotFound, Overloaded, LoopClosed, EngineFailed)
 # Where a validation message names a field, the OpenAI-style error's `param` names it too.
-_PARAMS = ("temperature", "top_p", "top_k", "max_new_frames", "min_new_frames", "seed", "speed")
+_PARAMS = (
+    "temperature", "top_p", "top_k", "max_new_frames", "min_new_frames", "seed", "speed", "repetition_penalty",
+)  # fmt: skip
 
 
 def body_limit(limits) -> int:
@@ -119,6 +121,9 @@ class SpeechRequest(BaseModel):
     )
     min_new_frames: int | None = Field(
         None, ge=-(2**31), le=2**31 - 1, description="frames per text chunk before the end token may come"
+    )
+    repetition_penalty: float | None = Field(
+        None, description="(0, 2), 1 = off: fish-speech 1.5's and S1's penalty on the last 16 frames"
     )
     reference_audio: str | None = Field(None, description="base64 WAV/FLAC clip of a voice to clone")
     reference_text: str | None = Field(None, description="the transcript of reference_audio")
@@ -587,7 +592,9 @@ class HTTPFront:
         elif voice:
             req.voice.name = voice
         s = req.sampling
-        for name in ("temperature", "top_p", "top_k", "seed", "max_new_frames", "min_new_frames"):
+        for name in (
+            "temperature", "top_p", "top_k", "seed", "max_new_frames", "min_new_frames", "repetition_penalty",
+        ):  # fmt: skip
             value = getattr(r, name)
             if value is not None:
                 setattr(s, name, value)

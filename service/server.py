@@ -138,7 +138,8 @@ def build_job(planner: Planner, loop: EngineLoop, request: pb.SynthesizeRequest,
         raise InvalidRequest(f"text is {nbytes} bytes; the limit is {limits.max_text_bytes}")
 
     s = request.sampling
-    fields = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
+    fields = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
+              "repetition_penalty": "repetition_penalty"}  # fmt: skip
     sampling = {name: getattr(s, f) for name, f in fields.items() if s.HasField(f)}
     if s.HasField("max_new_frames"):
         if s.max_new_frames <= 0:

@@ -260,3 +260,55 @@ def test_row_init_buffers_are_written_without_reallocation(model):
     blocks = engine.scheduler.allocator.allocate(2)
     engine.runner.load_row(0, RowInit(prompt(model, 5, 0)[-1], 4, blocks, 0.5, 0.9, 10, 1, 10, 10))
     assert engine.runner.buffers.data_ptrs() == before
+
+
+@pytest.mark.parametrize("mode", ["fish-1.5", "s1"])
+def test_replay_with_repetition_penalty_equals_eager(model, mode):
+    """The repetition penalty (per-row factor and history buffers, pure torch ops) inside the captured
+    step: replay gives the eager codes, rows with different penalties (1.0 included) side by side, past
+    the 16-frame window; and the penalty does change the codes."""
+    penalties = {"r0": 1.0, "r1": 1.2, "r2": 1.6, "late": 1.1}
+    schedule = [(0, "r0", 20, 60, 0), (0, "r1", 57, 60, 1), (0, "r2", 94, 60, 2), (5, "late", 30, 40, 9)]
+
+    def run(engine, scale=1.0):
+        codes = {rid: [] for _, rid, *_ in schedule}
+        pending = sorted(schedule)
+        for it in range(1000):
+            while pending and pending[0][0] <= it:
+                _, rid, n, budget, seed = pending.pop(0)
+                p = SamplingParams(
+                    temperature=0.8,
+                    top_p=0.9,
+                    top_k=0,
+                    max_new_frames=budget,
+                    seed=seed,
+                    ras_window=0,
+                    repetition_penalty=1.0 + (penalties[rid] - 1.0) * scale,
+                )
+                engine.submit(prompt(model, n, seed), p, rid)
+            for out in engine.step():
+                codes[out.request_id].append(out.codes)
+            if not pending and not engine.has_work():
+                break
+        return {k: torch.cat(v) for k, v in codes.items()}
+
+    eager = run(make_engine(model, graph_capture=False, repetition=mode))
+    engine = make_engine(model, repetition=mode)
+    replayed = run(engine)
+    for rid in eager:
+        assert torch.equal(eager[rid], replayed[rid]), rid
+    assert engine.graphs.stats.replays >= 50 and not engine.graphs.stats.failed_captures
+    unpenalized = run(make_engine(model, repetition=mode), scale=0.0)
+    assert torch.equal(unpenalized["r0"], replayed["r0"])
+    assert not torch.equal(unpenalized["r2"], replayed["r2"])
+    # No host sync in the step with the penalty on.
+    engine.submit(
+        prompt(model, 30, 5), SamplingParams(max_new_frames=20, seed=5, repetition_penalty=1.3), "s"
+    )
+    engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.runner.decode_step(1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from tts.bundle import CheckpointError, load_bundle
 from tts.codec.dac import random_codec_state, tiny_dac_config
+from tts.codec.firefly import FIREFLY_FILE, FireflyCodec
 from tts.config import ConfigError
 from tts.fish.loader import load_fish_model, normalize_pth_state
 from tts.fish.prompts import Fish15PromptFormat, S1PromptFormat, S2PromptFormat
@@ -110,7 +111,7 @@ def test_s1_directory_loads_with_tiktoken_and_s1_settings(fish_checkpoints):
     assert "OpenAudio S1" in bundle.describe()
 
 
-def test_fish15_language_model_loads_but_its_codec_is_reported_unsupported(fish_checkpoints):
+def test_fish15_loads_with_its_firefly_codec(fish_checkpoints, tmp_path):
     d = fish_checkpoints["fish-1.5"]
     model, tokenizer, family = load_fish_model(d)
     c = model.config
@@ -118,8 +119,15 @@ def test_fish15_language_model_loads_but_its_codec_is_reported_unsupported(fish_
     assert c.head_dim == c.dim // c.n_head and c.num_codebooks == 8
     assert tokenizer.token_id("<|placeholder:0|>") == tokenizer.token_id("<|im_end|>") + 1
     assert isinstance(Fish15PromptFormat(tokenizer, 8).build("Hi."), torch.Tensor)
-    with pytest.raises(CheckpointError, match="Firefly-GAN codec, which is not supported"):
-        load_bundle(d)
+    bundle = load_bundle(d)
+    assert isinstance(bundle.codec, FireflyCodec) and bundle.codec.num_codebooks == 8
+    assert isinstance(bundle.prompt_format, Fish15PromptFormat) and "fish-speech 1.5" in bundle.describe()
+    assert bundle.frames.drop_first and bundle.frames.keep_end
+    # A checkpoint directory without the generator file names it.
+    shutil.copytree(d, tmp_path / "no-codec")
+    (tmp_path / "no-codec" / FIREFLY_FILE).unlink()
+    with pytest.raises(CheckpointError, match=FIREFLY_FILE):
+        load_bundle(tmp_path / "no-codec")
 
 
 def test_lightning_wrapper_prefix_audio_keys_and_split_qkv_are_accepted(copy_of):

@@ -64,11 +64,20 @@ def test_prefill_logits_match_reference_fp32(fam, name, loaded):
     assert int(ours[allowed].argmax()) == int(ref[allowed].argmax())
 
 
-def greedy_frames(model: DualARTransformer, prompt: torch.Tensor, n: int) -> torch.Tensor:
+def greedy_frames(
+    model: DualARTransformer,
+    prompt: torch.Tensor,
+    n: int,
+    repetition: str | None = None,
+    penalty: float = 1.0,
+) -> torch.Tensor:
     """Generate with our engine (eager, greedy, no RAS); returns `[n, N]` codes."""
-    engine = Engine(model, EngineConfig(max_batch=1, graphs=False, num_blocks=1 + prompt.shape[0] // 16 + 4))
+    cfg = EngineConfig(
+        max_batch=1, graphs=False, num_blocks=1 + (prompt.shape[0] + n) // 16 + 4, repetition=repetition
+    )
+    engine = Engine(model, cfg)
     request = engine.submit(prompt, SamplingParams(temperature=0.0, top_p=1.0, top_k=0, max_new_frames=n,
-                                                   ras_window=0, seed=0))  # fmt: skip
+                                                   ras_window=0, seed=0, repetition_penalty=penalty))  # fmt: skip
     codes, finished = [], False
     while not finished:
         for out in engine.step():
@@ -90,3 +99,25 @@ def test_greedy_frames_identical_to_reference_fp32(fam, name, loaded):
         f"first differing frame: {int((codes != ref[:, 1:]).any(1).nonzero()[0])}"
     )
     assert torch.equal(ref[:, 0], codes[:, 0] + model.config.semantic_begin_id)
+
+
+REP_CASES = [(fam, name) for fam, spec in CASES["repetition"].items() for name in spec["cases"]]
+
+
+@pytest.mark.parametrize("fam,name", REP_CASES)
+def test_greedy_frames_with_repetition_penalty_identical_to_reference(fam, name, loaded):
+    # fish-speech's own generate() with its 16-frame penalty (1.2 for 1.5, 1.1 for S1; README in golden/).
+    spec = CASES["repetition"][fam]
+    model = loaded[fam][0]
+    ref = golden(spec["golden"])[f"frames_rp_{name}"].long()
+    n = spec["frames"]
+    codes = greedy_frames(
+        model, _prompt(fam, name, loaded), n, FAMILIES[FAMILY_KEYS[fam]].repetition, spec["penalty"]
+    )
+    assert codes.shape == (n, model.config.num_codebooks)
+    assert torch.equal(codes, ref[:, 1:]), (
+        f"first differing frame: {int((codes != ref[:, 1:]).any(1).nonzero()[0])}"
+    )
+    # The penalty changes the frames: without it they differ from the reference's penalized ones.
+    plain = greedy_frames(model, _prompt(fam, name, loaded), n, None)
+    assert not torch.equal(plain, ref[:, 1:])

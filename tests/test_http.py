@@ -337,6 +337,8 @@ def test_bad_input_gets_openai_style_errors_before_any_work(server):
     assert err["message"] == "text has nothing to speak (empty, whitespace or punctuation only)"
     status, err = speech_error({"input": "Hi.", "top_p": 1.5})
     assert (status, err["param"], err["message"]) == (400, "top_p", "top_p must be in (0, 1], got 1.5")
+    status, err = speech_error({"input": "Hi.", "repetition_penalty": 2.5})
+    assert (status, err["param"]) == (400, "repetition_penalty") and "(0, 2)" in err["message"]
     status, err = speech_error({"input": "Hi.", "max_new_frames": 5000})
     assert status == 400 and "exceeds the context size 1024" in err["message"]
     status, err = speech_error({"input": "Hi.", "speed": 4.5})

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .bundle import ModelBundle, load_bundle
 from .codec.base import AudioError
-from .engine import Engine, EngineConfig, FinishReason, InvalidRequest
+from .engine import Engine, EngineConfig, FinishReason, InvalidRequest, for_bundle
 from .engine.jobs import Audio, Failed, Finished, JobRunner, ListSink
 from .planner import Planner, PreparedReference, SynthesisJob
 from .prompt import VoiceReference
@@ -92,7 +92,7 @@ class TTS:
 
     def __init__(self, bundle: ModelBundle, engine_config: EngineConfig | None = None, *, voices_dir=None):
         self.bundle = bundle
-        self.engine = Engine(bundle.model, engine_config or EngineConfig(max_batch=4))
+        self.engine = Engine(bundle.model, for_bundle(engine_config or EngineConfig(max_batch=4), bundle))
         self.voice_registry = VoiceRegistry(bundle.voices, voices_dir, codec_fingerprint(bundle.codec))
         self.planner = Planner(bundle, self.engine.max_context, self.engine.check, self.voice_registry)
         self._wake = threading.Event()
@@ -178,8 +178,8 @@ class TTS:
     ) -> Iterator[AudioChunk]:  # fmt: skip
         """Yield audio chunks as frames are generated: the first after `first_chunk_frames` frames,
         then every `chunk_frames` (decoded on the codec stage's thread while the engine runs on).
-        `sampling`: temperature, top_p, top_k, max_new_frames (per text chunk), min_new_frames, seed,
-        ras_window. `text` may be a SynthesisJob from `prepare`. Raises TextError, InvalidRequest,
+        `sampling`: temperature, top_p, top_k, max_new_frames (per text chunk), min_new_frames,
+        repetition_penalty, seed, ras_window. `text` may be a SynthesisJob from `prepare`. Raises TextError, InvalidRequest,
         VoiceNotFound before any work."""
         job = (
             text

@@ -35,7 +35,7 @@ from .codec.melvq import MelVQCodec
 from .config import ConfigError, ModelArgs
 from .frontend import get_frontend
 from .model import DualARTransformer
-from .params import SamplingParams
+from .params import FrameConvention, SamplingParams
 from .prompt import PromptFormat, S2PromptFormat, VoiceReference
 from .tokenizer import TextTokenizer, TokenizerLike, build_byte_tokenizer
 
@@ -65,6 +65,11 @@ class ModelBundle:
     chunk_length: int = 200  # UTF-8 bytes of text per generation chunk (Fish API default)
     path: Path | None = None
     default_voice: str | None = None  # preset used when a request names no voice (None: no reference)
+    # Which generated frames become audio (fish-speech 1.5 drops the first and keeps the end frame).
+    frames: FrameConvention = field(default_factory=FrameConvention)
+    # How the repetition penalty reads the recent frames (tts.engine.model_runner.REPETITION_MODES):
+    # "fish-1.5", "s1", or None where the family has no penalty (the request's value is then ignored).
+    repetition: str | None = None
 
     @property
     def device(self) -> torch.device:
@@ -116,6 +121,20 @@ def register_codec(codec_type: str, loader: CodecLoader) -> None:
 
 register_codec("mel_rvq", lambda directory, cfg: MelRVQCodec.load(directory, cfg))
 register_codec("mel_vqvae", lambda directory, cfg: MelVQCodec.load(directory, cfg))
+
+
+def _load_firefly(directory: Path, cfg: dict) -> Codec:
+    """`{"type": "firefly_gan", "file": ...}`: fish-speech 1.5's Firefly-GAN (tts.codec.firefly)."""
+    from .codec.dac import CodecCheckpointError
+    from .codec.firefly import FIREFLY_FILE, FireflyCodec
+
+    try:
+        return FireflyCodec.from_file(directory / cfg.get("file", FIREFLY_FILE))
+    except CodecCheckpointError as exc:
+        raise CheckpointError(str(exc)) from exc
+
+
+register_codec("firefly_gan", _load_firefly)
 
 
 def load_codec(directory: Path) -> Codec:

@@ -121,12 +121,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
     g.add_argument("--top-k", type=int, default=None, help=">= 0; 0 = no limit")
     g.add_argument("--max-new-frames", type=int, default=None, help="frame budget per text chunk, > 0")
+    g.add_argument(
+        "--repetition-penalty", type=float, default=None,
+        help="in (0, 2), 1 = off: fish-speech 1.5's and S1's penalty on the last 16 frames' tokens (default: "
+        "the model's, 1.2 / 1.1; other models ignore it)",
+    )  # fmt: skip
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     return {
         "seed": args.seed, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-        "max_new_frames": args.max_new_frames,
+        "max_new_frames": args.max_new_frames, "repetition_penalty": getattr(args, "repetition_penalty", None),
     }  # fmt: skip
 
 

@@ -26,6 +26,27 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
+# The most a repetition penalty may be (fish-speech asserts 0 < penalty < 2).
+MAX_REPETITION_PENALTY = 2.0
+
+
+@dataclass(frozen=True)
+class FrameConvention:
+    """Which generated frames of a text chunk become audio, as the family's reference code returns them.
+
+    Every family generates frames until the end token (`<|im_end|>`) or the frame budget. fish-speech
+    main (S2) and the S1-era code return every frame except the end-token frame; fish-speech 1.5
+    returns `y[1:, prompt_length + 1:]`: it drops the first generated frame and keeps the end-token
+    frame (its codes: c_0 = 0, the residual codes sampled as in any frame). drop_first: the chunk's
+    first frame is not audio; keep_end: the end-token frame is (unless it is the first frame).
+    The engine emits every frame but the end-token one and hands that one over separately
+    (`StepOutput.end_codes`); the job runner applies this convention.
+    """
+
+    drop_first: bool = False
+    keep_end: bool = False
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings (Fish spec section 4).
@@ -34,7 +55,9 @@ class SamplingParams:
     frames; min_new_frames in [0, max_new_frames]: the end token is not sampled before that many frames
     (vLLM's `min_tokens`; a stream of known length for tests and benchmarks); seed: any int, or None for
     a random one chosen at submission; ras_window in [0, 10] main tokens (0 disables repetition-aware
-    sampling).
+    sampling); repetition_penalty in (0, 2) (1 = off): fish-speech 1.5's and S1's penalty on the
+    tokens of the last 16 frames (a positive logit divided by it, a negative one multiplied), applied
+    where the model family's reference applies it and ignored by the others (S2, the default model).
     """
 
     temperature: float = 0.8
@@ -44,6 +67,7 @@ class SamplingParams:
     seed: int | None = None
     ras_window: int = 10
     min_new_frames: int = 0
+    repetition_penalty: float = 1.0
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the first bad field."""
@@ -58,6 +82,12 @@ class SamplingParams:
         if not 0 <= self.min_new_frames <= self.max_new_frames:
             raise InvalidRequest(
                 f"min_new_frames must be in [0, max_new_frames = {self.max_new_frames}], got {self.min_new_frames}"
+            )
+        if not (
+            math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty < MAX_REPETITION_PENALTY
+        ):
+            raise InvalidRequest(
+                f"repetition_penalty must be in (0, 2) (1 = off), got {self.repetition_penalty}"
             )
         if not 0 <= self.ras_window <= 10:
             raise InvalidRequest(f"ras_window must be in [0, 10], got {self.ras_window}")

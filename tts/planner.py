@@ -234,7 +234,8 @@ class Planner:
         request_id: str | None = None, **sampling,
     ) -> SynthesisJob:  # fmt: skip
         """Plan and validate a synthesis (see the module docstring); `sampling`: temperature, top_p,
-        top_k, max_new_frames (per text chunk), min_new_frames, seed, ras_window. A random seed is chosen
+        top_k, max_new_frames (per text chunk), min_new_frames, seed, ras_window, repetition_penalty. A
+        random seed is chosen
         when none is given. Raises TextError, InvalidRequest, VoiceNotFound or AudioError before any
         work; a `reference` clip is checked for size here (its codes come later, from the codec stage)."""
         if not (1 <= first_chunk_frames <= MAX_CHUNK_FRAMES and 1 <= chunk_frames <= MAX_CHUNK_FRAMES):

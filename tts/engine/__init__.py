@@ -1,6 +1,6 @@
 """Engine: requests, scheduler, model runner (the frame step) and the iteration loop."""
 
-from .engine import Engine, EngineConfig
+from .engine import Engine, EngineConfig, for_bundle
 from .request import FinishReason, InvalidRequest, Request, SamplingParams, StepOutput
 from .scheduler import QueueFull
 
@@ -13,4 +13,5 @@ __all__ = [
     "Request",
     "SamplingParams",
     "StepOutput",
+    "for_bundle",
 ]

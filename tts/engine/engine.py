@@ -47,6 +47,9 @@ class EngineConfig:
     max_waiting: bound of the waiting queue (QueueFull beyond it).
     max_prefill_tokens: prompt tokens prefilled per iteration at most (at least one request), so that
     new requests cannot freeze the running streams for long (None: no bound).
+    repetition: how the frame step applies requests' repetition penalty ("fish-1.5", "s1"; see
+    tts.engine.model_runner), None: not at all. The model family decides it (`ModelBundle.repetition`);
+    the Python API and the service fill it in from the bundle.
     """
 
     max_batch: int = 8
@@ -64,6 +67,7 @@ class EngineConfig:
     # Testing and benchmarking only:
     graph_capture: bool = True  # False: pad to buckets but run eagerly (the reference for replay tests)
     ignore_eos: bool = False  # never sample the end token (fixed-length benchmark runs)
+    repetition: str | None = None
 
     def validate(self) -> None:
         if self.max_batch < 1:
@@ -72,6 +76,14 @@ class EngineConfig:
             raise ValueError("block_size must be >= 1")
         if self.capture not in ("lazy", "startup"):
             raise ValueError(f"capture must be 'lazy' or 'startup', got {self.capture!r}")
+
+
+def for_bundle(config: EngineConfig, bundle) -> EngineConfig:
+    """`config` with the model bundle's repetition mode (`ModelBundle.repetition`) where it names none."""
+    mode = getattr(bundle, "repetition", None)
+    if config.repetition is None and mode is not None:
+        return replace(config, repetition=mode)
+    return config
 
 
 class Engine:
@@ -102,7 +114,7 @@ class Engine:
             model.use_cpu_decode_layout()  # fused w1/w3 and matrix-vector friendly strides
         self.runner = ModelRunner(
             model, self.kv, cfg.max_batch, max_blocks_per_seq, self._attention_backend(cfg.attention_backend),
-            ignore_eos=cfg.ignore_eos,
+            ignore_eos=cfg.ignore_eos, repetition=cfg.repetition,
         )  # fmt: skip
         use_graphs = cfg.graphs and (self.device.type == "cuda" or cfg.standin_graphs)
         self.graphs = GraphRunner(
@@ -284,13 +296,15 @@ class Engine:
             request.num_generated += 1
             self.frames_generated += 1
             stop = token == self.model.config.eos_token_id
-            if stop:
-                codes = no_codes  # the end-token frame is dropped (spec 1.4 step 8)
+            end_codes = None
+            if stop:  # the end-token frame is not audio (spec 1.4 step 8), except for 1.5 (FrameConvention)
+                codes, end_codes = no_codes, codes
             if done:
                 reason = FinishReason.STOP if stop else FinishReason.LENGTH
                 with self._lock:
                     finished = self._finish(request, reason)
                 finished.codes = codes
+                finished.end_codes = end_codes
                 outputs.append(finished)
             else:
                 outputs.append(StepOutput(request.request_id, codes))
@@ -340,7 +354,7 @@ class Engine:
                     last_column=request.prompt[-1], position=request.prompt_len - 1, block_table=request.blocks,
                     temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=request.seed,
                     budget=p.max_new_frames, ras_len=p.ras_window, paused=request.paused,
-                    min_frames=p.min_new_frames,
+                    min_frames=p.min_new_frames, repetition_penalty=p.repetition_penalty,
                 ),
             )  # fmt: skip
         with self._lock:

@@ -12,8 +12,10 @@ A job (`tts.planner.SynthesisJob`) runs like this:
 2. `Started` is delivered and text chunk 0 is submitted as an engine request: its prompt carries the
    voice references and the previous chunk (text and codes) as context, seed `seed + i`, and the
    chunk's frame budget (the job's budget, cut to what is left of the request's audio limit);
-3. every frame the engine emits goes to the job's pending codes; after `first_chunk_frames`, then every
-   `chunk_frames`, and at the end, the pending codes go to the codec stage as one piece; the decoded
+3. every frame the engine emits goes to the job's pending codes (as the model family's reference
+   returns frames, `tts.params.FrameConvention`: fish-speech 1.5 drops each text chunk's first frame
+   and keeps its end-token frame); after `first_chunk_frames`, then every `chunk_frames`, and at the
+   end, the pending codes go to the codec stage as one piece; the decoded
    audio comes back in order and is delivered as `Audio` (sequence 0, 1, 2, ... without gaps, frame
    ranges contiguous);
 4. when a chunk ends its finish reason is kept (`short` if the end token came with implausibly little
@@ -42,6 +44,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..params import FrameConvention
 from ..planner import Planner, SynthesisJob
 from ..prompt import Turn, VoiceReference
 from ..voices import ReferenceCache
@@ -193,6 +196,7 @@ class JobRunner:
         self.engine = engine
         self.planner = planner
         self.bundle = planner.bundle
+        self.frames = getattr(self.bundle, "frames", None) or FrameConvention()
         self.max_queued_chunks = max_queued_chunks
         self.pause_timeout = pause_timeout
         self.cache = reference_cache
@@ -354,7 +358,7 @@ class JobRunner:
                 job.reasons += [FinishReason.LENGTH] * (len(spec.chunks) - i)
                 self._generation_done(job)
                 return True
-            budget = min(budget, left)
+            budget = min(budget, left + int(self.frames.drop_first))  # (the first frame is not audio)
         params = replace(
             spec.params, seed=spec.params.seed + i, max_new_frames=budget,
             min_new_frames=min(spec.params.min_new_frames, budget),
@@ -380,16 +384,13 @@ class JobRunner:
         job = self._by_engine_id.get(out.request_id)
         if job is None:
             return
+        frames = self.frames
         if out.codes.numel():
-            job.generated.append(out.codes)
-            job.pending.append(out.codes)
-            job.frames += out.codes.shape[0]
-            progress = getattr(job.sink, "progress", None)
-            if progress is not None:
-                progress(job.frames, job.index, len(job.spec.chunks))
-            size = job.spec.first_chunk_frames if job.sequence == 0 else job.spec.chunk_frames
-            if len(job.pending) >= min(size, MAX_PIECE_FRAMES):
-                self._queue_audio(job)
+            job.generated.append(out.codes)  # the next chunk's context: every generated frame
+            if not (frames.drop_first and len(job.generated) == 1):
+                self._audio_frame(job, out.codes)
+        if out.finished and frames.keep_end and out.end_codes is not None and job.generated:
+            self._audio_frame(job, out.end_codes)  # (an end frame that is the first frame is dropped)
         if not out.finished:
             return
         del self._by_engine_id[out.request_id]
@@ -400,6 +401,17 @@ class JobRunner:
             self._end(job, Failed(EngineFailed(out.error or "engine error")))
         else:
             self._chunk_done(job, out.finish_reason)
+
+    def _audio_frame(self, job: _Job, codes: Tensor) -> None:
+        """One frame `[1, N]` of the job's audio: pending until its audio chunk is due."""
+        job.pending.append(codes)
+        job.frames += codes.shape[0]
+        progress = getattr(job.sink, "progress", None)
+        if progress is not None:
+            progress(job.frames, job.index, len(job.spec.chunks))
+        size = job.spec.first_chunk_frames if job.sequence == 0 else job.spec.chunk_frames
+        if len(job.pending) >= min(size, MAX_PIECE_FRAMES):
+            self._queue_audio(job)
 
     def _chunk_done(self, job: _Job, reason: FinishReason) -> None:
         spec, i = job.spec, job.index

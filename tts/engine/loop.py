@@ -41,7 +41,7 @@ from ..bundle import ModelBundle
 from ..planner import Planner, PreparedReference, SynthesisJob
 from ..prompt import VoiceReference
 from ..voices import ReferenceCache, VoiceEntry, VoiceRegistry, codec_fingerprint
-from .engine import Engine, EngineConfig
+from .engine import Engine, EngineConfig, for_bundle
 from .jobs import (
     Audio,
     Cancelled,
@@ -399,7 +399,7 @@ class EngineLoop:
             device = self.bundle.device
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            self.engine = Engine(self.bundle.model, self.engine_config)
+            self.engine = Engine(self.bundle.model, for_bundle(self.engine_config, self.bundle))
             self.planner = Planner(self.bundle, self.engine.max_context, self.engine.check, self.voices)
             self.runner = JobRunner(
                 self.engine, self.planner, max_streams=self.max_jobs + 1, max_queued_chunks=self.max_queued_chunks,

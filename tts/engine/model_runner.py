@@ -10,8 +10,25 @@ One call = one frame for rows `[:b]`:
 slow AR step over the paged KV -> main-token sampling (semantic ids + end token, RAS) -> fast AR
 position 0 on the slow hidden state -> c_0 derived from the main token -> for k = 1..N-1 one fast
 position and one sampled code -> the frame column written to `out` -> per-row state advanced in place
-(next input column, position, step counter, RAS window, done flags). Rows `[b:]` and inactive rows are
-inert: their K/V writes go to the scratch block and their state does not move.
+(next input column, position, step counter, RAS window, repetition history, done flags). Rows `[b:]`
+and inactive rows are inert: their K/V writes go to the scratch block and their state does not move.
+
+Repetition penalty (fish-speech 1.5 and the S1-era code; Fish spec 4.3), for a runner built with a
+`repetition` mode: before each draw, a logit of a token in the row's penalty set is divided by the row's
+penalty when positive and multiplied when negative (once per token, however often it occurs). The
+reference keeps the frames generated after the first one in a zero-initialized history and reads a
+16-frame window of it: the first 16 slots while fewer than 16 such frames exist (unwritten slots hold
+0), the last 16 frames after that. Here the history is a ring of 16 slots per row, `rep_history [B,
+1 + N, 16]`, zeros at the start: as a set of values per row it is exactly that window. The first frame
+has no penalty. Codebook k's set is its own codes in the window (codebook 0 is derived, never
+penalized). The main token's set depends on the mode:
+
+* "fish-1.5" (v1.5.1): the main tokens in the window (token id 0 of unwritten slots is not a semantic
+  id or the end token, so it changes nothing here);
+* "s1" (d3df505 indexes the window `[N + 1, 16]` with `[:, 0]`): the whole oldest column of the window
+  (slot 0 while fewer than 16 frames exist, else the slot about to be overwritten) read as token ids:
+  that frame's main token and its N codes, which only matter where a code value is also a semantic id
+  (small vocabularies).
 """
 
 from __future__ import annotations
@@ -41,6 +58,25 @@ from .cpu_decode import block_weights, decode_layers, decode_layers_kv_only
 # CPU step: frames of sampler noise made in one batch, and the most rows x frames of one batch.
 NOISE_FRAMES_AHEAD = 16
 NOISE_ROWS = 64
+# The repetition penalty's window in frames (fish-speech's `win_size`) and the ways a family reads it.
+REPETITION_WINDOW = 16
+REPETITION_MODES = ("fish-1.5", "s1")
+
+
+def apply_repetition_penalty(logits: Tensor, ids: Tensor, penalty: Tensor) -> Tensor:
+    """fish-speech's repetition penalty on a batch, without host sync or data-dependent branches.
+
+    logits: `[B, V]` (any float dtype); ids: `[B, K]` int64 indices into V, any value outside
+    `[0, V)` ignored, repeats counted once; penalty: `[B, 1]` float32 (> 0; 1 is an exact no-op).
+    Returns new logits (same dtype): at penalized indices `x / p` where x >= 0 and `x * p` where x < 0,
+    computed in float32 and rounded to the logits' dtype (as fish-speech's bf16 tensors compute it).
+    """
+    B, V = logits.shape
+    ids = torch.where((ids >= 0) & (ids < V), ids, V)
+    hit = torch.zeros(B, V + 1, dtype=torch.bool, device=logits.device).scatter_(1, ids, True)[:, :V]
+    x = logits.float()
+    penalized = torch.where(x < 0, x * penalty, x / penalty).to(logits.dtype)
+    return torch.where(hit, penalized, logits)
 
 
 @dataclass
@@ -51,7 +87,9 @@ class StepBuffers:
     `block_tables [B, max_blocks]` int32, `active [B]` bool, `temperature, top_p [B]` float32,
     `top_k [B]`, `seeds [B]`, `steps [B]` (frames generated so far), `budgets [B]` (max_new_frames),
     `min_frames [B]` (min_new_frames: the end token is masked while steps < min_frames),
-    `ras_window [B, 10]` (last main-token indices, -1 = empty), `ras_len [B]` int64.
+    `ras_window [B, 10]` (last main-token indices, -1 = empty), `ras_len [B]` int64,
+    `rep_penalty [B]` float32 (1 = off), `rep_history [B, 1+N, 16]` int64 (the repetition penalty's
+    ring of recent frame columns, see the module docstring).
     Output: `out [B, N+3]` int64 = frame column `[token, c_0..c_{N-1}]`, emitted flag, done flag.
     Fast AR static KV: `fast_k, fast_v [n_fast_layer, B, Hkv, N, D]`, rewritten every frame.
     """
@@ -69,6 +107,8 @@ class StepBuffers:
     min_frames: Tensor
     ras_window: Tensor
     ras_len: Tensor
+    rep_penalty: Tensor
+    rep_history: Tensor
     out: Tensor
     fast_k: Tensor
     fast_v: Tensor
@@ -94,6 +134,8 @@ class StepBuffers:
             min_frames=torch.zeros(B, **i64),
             ras_window=torch.full((B, RAS_WINDOW), -1, **i64),
             ras_len=torch.zeros(B, **i64),
+            rep_penalty=torch.ones(B, dtype=torch.float32, device=device),
+            rep_history=torch.zeros(B, 1 + N, REPETITION_WINDOW, **i64),
             out=torch.zeros(B, N + 3, **i64),
             fast_k=torch.zeros(fast_kv, dtype=dtype, device=device),
             fast_v=torch.zeros(fast_kv, dtype=dtype, device=device),
@@ -123,18 +165,27 @@ class RowInit:
     ras_len: int
     paused: bool = False
     min_frames: int = 0
+    repetition_penalty: float = 1.0
 
 
 class ModelRunner:
-    """Owns the model, the paged KV cache and the step buffers; runs prefill and the frame step."""
+    """Owns the model, the paged KV cache and the step buffers; runs prefill and the frame step.
+
+    repetition: how the repetition penalty reads the recent frames (`REPETITION_MODES`, see the module
+    docstring), or None: the step has no penalty at all (the rows' `rep_penalty` is ignored). Raises
+    ValueError for an unknown mode or a config without an end token.
+    """
 
     def __init__(
         self, model: DualARTransformer, kv_cache: PagedKVCache, max_batch: int, max_blocks_per_seq: int,
-        attention_backend=None, ignore_eos: bool = False,
+        attention_backend=None, ignore_eos: bool = False, repetition: str | None = None,
     ):  # fmt: skip
         c = model.config
         if c.eos_token_id is None:
             raise ValueError("the model config has no eos_token_id (<|im_end|>); cannot serve it")
+        if repetition is not None and repetition not in REPETITION_MODES:
+            raise ValueError(f"repetition must be one of {REPETITION_MODES} or None, got {repetition!r}")
+        self.repetition = repetition
         self.model = model
         self.config = c
         self.kv = kv_cache
@@ -206,6 +257,8 @@ class ModelRunner:
         b.min_frames[row] = init.min_frames
         b.ras_window[row] = -1
         b.ras_len[row] = init.ras_len
+        b.rep_penalty[row] = init.repetition_penalty
+        b.rep_history[row] = 0
         b.active[row] = not init.paused
 
     def move_row(self, src: int, dst: int) -> None:
@@ -475,6 +528,9 @@ class ModelRunner:
             sem_logits = F.linear(h_post, self.semantic_head)
             if self.has_eos_column:  # min_new_frames: no end token before that many frames
                 sem_logits[:, -1].masked_fill_(steps < bufs.min_frames[:b], float("-inf"))
+            penalty = self._repetition_penalty(b)
+            if penalty is not None:
+                sem_logits = apply_repetition_penalty(sem_logits, self._main_penalty_ids(b), penalty)
             V = sem_logits.shape[1]
             high = c.num_codebooks + 1
             # The torch sampler takes the frame's noise for every draw from one batched computation
@@ -501,6 +557,8 @@ class ModelRunner:
             codes = [torch.clamp(token - c.semantic_begin_id, 0, c.codebook_size - 1)]
 
             def draw(logits: Tensor, k: int) -> Tensor:  # codebook k from its fast logits
+                if penalty is not None:
+                    logits = apply_repetition_penalty(logits, bufs.rep_history[:b, k + 1], penalty)
                 return sample(
                     logits, temperature, top_p, top_k, seeds, steps, stream=k, top_k_cap=cap,
                     log_noise=None if noise is None else noise[:, k, : logits.shape[1]], settings=settings,
@@ -518,6 +576,34 @@ class ModelRunner:
             frame = torch.stack([token, *codes], dim=1)
             self._advance(b, frame, idx)
 
+    def _repetition_penalty(self, b: int) -> Tensor | None:
+        """`[b, 1]` float32: each row's penalty for this frame (1 on a row's first frame), or None when the
+        step applies none: no repetition mode, or (CPU only, where reading the rows costs no sync) every
+        row's penalty is 1, an exact no-op skipped for speed."""
+        if self.repetition is None:
+            return None
+        bufs = self.buffers
+        if self.device.type == "cpu" and all(p == 1.0 for p in bufs.rep_penalty.tolist()[:b]):
+            return None
+        return torch.where(bufs.steps[:b] > 0, bufs.rep_penalty[:b], 1.0).unsqueeze(1)
+
+    def _main_penalty_ids(self, b: int) -> Tensor:
+        """`[b, K]` int64 indices into the main-token logits (`[semantic ids..., end token]`) that the
+        repetition penalty hits this frame; other token ids map outside them (ignored). See the module
+        docstring for the two modes."""
+        c, hist = self.config, self.buffers.rep_history[:b]
+        if self.repetition == "s1":
+            i = self.buffers.steps[:b] - 1  # frames in the history (the first frame is never in it)
+            oldest = torch.where(i >= REPETITION_WINDOW, i % REPETITION_WINDOW, 0)
+            tokens = hist.gather(2, oldest.view(b, 1, 1).expand(b, hist.shape[1], 1)).squeeze(2)
+        else:
+            tokens = hist[:, 0]
+        index = tokens - c.semantic_begin_id
+        index = torch.where((tokens < c.semantic_begin_id) | (tokens > c.semantic_end_id), -1, index)
+        if self.has_eos_column:
+            index = torch.where(tokens == c.eos_token_id, self.n_sem, index)
+        return index
+
     def _advance(self, b: int, frame: Tensor, idx: Tensor) -> None:
         """Write the frame to `out` and move every active row's state one frame forward, in place."""
         c, bufs = self.config, self.buffers
@@ -532,6 +618,11 @@ class ModelRunner:
         push = (active & (steps > 0)).unsqueeze(1)
         window = bufs.ras_window[:b]
         window.copy_(torch.where(push, torch.cat([window[:, 1:], idx.unsqueeze(1)], dim=1), window))
+        if self.repetition is not None:  # the repetition ring takes every frame but the first, too
+            hist = bufs.rep_history[:b]
+            slot = ((steps - 1).clamp(min=0) % REPETITION_WINDOW).view(b, 1, 1).expand(b, hist.shape[1], 1)
+            written = hist.scatter(2, slot, frame.unsqueeze(2))
+            hist.copy_(torch.where(push.unsqueeze(2), written, hist))
         out = bufs.out[:b]
         out[:, : c.num_codebooks + 1].copy_(frame)
         out[:, c.num_codebooks + 1].copy_(active)

@@ -63,7 +63,9 @@ class StepOutput:
     """What one engine iteration produced for one request.
 
     codes: `[n, N]` int64 codebook codes of the new frames (n is 0 or 1; the end-token frame is
-    dropped, spec 1.4 step 8); finished with its reason when the request ended in this iteration.
+    dropped, spec 1.4 step 8); finished with its reason when the request ended in this iteration;
+    end_codes: `[1, N]` int64 codes of that end-token frame when the end token ended it (c_0 = 0), for
+    families whose reference code keeps it (`tts.params.FrameConvention`), else None.
     """
 
     request_id: str
@@ -71,3 +73,4 @@ class StepOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    end_codes: Tensor | None = None

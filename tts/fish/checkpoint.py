@@ -10,7 +10,8 @@ the real release, with random weights and a small synthetic BPE vocabulary:
 * `s1-mini` (spec 2.4, sizes approximate: a Qwen3-0.6B-like slow AR, 28 x 1024, 10 codebooks of 4096):
   flat `dual_ar` config.json, `model.pth`, `tokenizer.tiktoken`, `special_tokens.json`, `codec.pth`.
 * `fish-1.5` (spec 2.3): flat config.json, `model.pth` with an untied `output`, `tokenizer.tiktoken`
-  (1.5's special-token list), no codec (Firefly-GAN is not supported).
+  (1.5's special-token list), and the Firefly-GAN generator `firefly-gan-vq-fsq-8x1024-21hz-generator.pth`
+  (fish-speech's `firefly_gan_vq.yaml` sizes; `tiny-1.5`: `tts.codec.firefly.tiny_firefly_config`).
 * `tiny-s2`, `tiny-s1`, `tiny-1.5`: the same formats with small widths (and a narrow codec), used by the
   tests and the parity goldens. Their weights are a pure function of the seed (`tts.randinit`), so a test
   regenerates exactly the checkpoint the goldens were computed from.
@@ -35,6 +36,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..codec.dac import DACConfig, random_codec_state, tiny_dac_config
+from ..codec.firefly import FIREFLY_FILE, FireflyConfig, random_firefly_state, tiny_firefly_config
 from ..config import ModelArgs
 from ..model import DualARTransformer
 from ..randinit import random_like_init
@@ -278,7 +280,7 @@ SHAPES: dict[str, Shape] = {
             fast_n_head=16, fast_n_local_heads=2, fast_head_dim=64, fast_intermediate_size=4096,
             attention_qkv_bias=False, dropout=0.1, use_gradient_checkpointing=True, initializer_range=0.02,
         ),
-        torch.bfloat16, "none", vocab_size=102048, num_semantic=1024,
+        torch.bfloat16, "full", vocab_size=102048, num_semantic=1024,
         notes="fish-speech 1.5's sizes (from a mirror of its config.json), 637,921,280 parameters",
     ),
     "tiny-1.5": Shape(
@@ -289,7 +291,7 @@ SHAPES: dict[str, Shape] = {
             tie_word_embeddings=False, codebook_size=1024, num_codebooks=8, n_fast_layer=2, fast_dim=64,
             fast_n_head=4, fast_n_local_heads=2, fast_head_dim=16, fast_intermediate_size=128,
         ),
-        torch.bfloat16, "none", 0.1, num_semantic=1024,
+        torch.bfloat16, "tiny", 0.1, num_semantic=1024,
     ),
 }  # fmt: skip
 
@@ -372,8 +374,9 @@ def write_checkpoint(
 ) -> WriteResult:  # fmt: skip
     """Write a random-weight checkpoint of `shape` (a key of SHAPES) into the new directory `out`.
 
-    dtype: weight dtype (default: the shape's, bf16); codec: "full" (fish-speech's modded DAC sizes),
-    "tiny" (tiny_dac_config) or "none" (default: the shape's); num_shards: safetensors shards for S2
+    dtype: weight dtype (default: the shape's, bf16); codec: "full" (fish-speech's sizes: the modded DAC,
+    or Firefly-GAN for 1.5), "tiny" (tiny_dac_config / tiny_firefly_config) or "none" (default: the
+    shape's); codec_config: a DACConfig or FireflyConfig overriding those sizes; num_shards: safetensors shards for S2
     shapes. Raises FileExistsError if `out` exists and is not empty (unless overwrite), ValueError for an
     unknown shape or codec. Writes into a sibling temporary directory first, so `out` holds either
     nothing new or a complete checkpoint.
@@ -384,8 +387,6 @@ def write_checkpoint(
     codec = codec or spec.codec
     if codec not in ("full", "tiny", "none"):
         raise ValueError(f"codec must be 'full', 'tiny' or 'none', got {codec!r}")
-    if spec.family == "fish-1.5" and codec != "none":
-        raise ValueError("fish-speech 1.5 checkpoints use the Firefly-GAN codec, which is not supported")
     dtype = dtype or spec.dtype
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
@@ -465,7 +466,13 @@ def _write(
     )
     if spec.family == "s1":
         files.append("special_tokens.json")
-    if codec != "none":
+    if codec != "none" and spec.family == "fish-1.5":
+        ff = codec_config or (FireflyConfig() if codec == "full" else tiny_firefly_config())
+        if ff.n_groups != args.num_codebooks:
+            raise ValueError("the codec's codebooks do not match the model's")
+        torch.save(random_firefly_state(ff, seed), out / FIREFLY_FILE)
+        files.append(FIREFLY_FILE)
+    elif codec != "none":
         dac = codec_config or (DACConfig() if codec == "full" else tiny_dac_config())
         if dac.num_codebooks != args.num_codebooks or dac.semantic_codebook_size != args.num_semantic_tokens:
             raise ValueError("the codec's codebooks do not match the model's")

@@ -51,7 +51,7 @@ def add_parser(subparsers) -> None:
         description="Write a Fish checkpoint directory with random weights in the real on-disk format: same "
         "file names, key names, dtypes and config fields. s2-pro: Fish Audio S2-Pro's exact sizes "
         "(4,561,852,416 parameters, sharded safetensors, full codec.pth); s1-mini: approximate OpenAudio "
-        "S1-mini sizes (model.pth, tiktoken); fish-1.5: fish-speech 1.5's sizes (no codec); tiny-*: the "
+        "S1-mini sizes (model.pth, tiktoken); fish-1.5: fish-speech 1.5's sizes (Firefly-GAN codec); tiny-*: the "
         "same formats with small widths, for tests.",
     )
     p.add_argument("--shape", required=True, choices=SHAPE_NAMES, help="which model to imitate")
@@ -60,8 +60,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument(
         "--codec", choices=["full", "tiny", "none"], default=None,
-        help="codec.pth to write: fish-speech's full modded DAC, a tiny one, or none "
-        "(default: full for real shapes, tiny for tiny-*, none for 1.5)",
+        help="codec to write (codec.pth, or 1.5's Firefly-GAN generator): fish-speech's full size, a tiny "
+        "one, or none (default: full for real shapes, tiny for tiny-*)",
     )  # fmt: skip
     p.add_argument("--shards", type=int, default=2, help="safetensors shards for S2 shapes (default 2)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out directory")

@@ -6,7 +6,7 @@ Three families, told apart by `config.json`:
 |---|---|---|---|---|
 | S2-Pro | `fish_qwen3_omni` (nested) | `model-0000k-of-0000n.safetensors` + index (or `model.safetensors`) | `tokenizer.json` | `codec.pth` (modded DAC) |
 | OpenAudio S1 | `dual_ar`, 10 codebooks | `model.pth` | `tokenizer.tiktoken` + `special_tokens.json` | `codec.pth` (modded DAC) |
-| fish-speech 1.5 | `dual_ar`, 8 codebooks | `model.pth` | `tokenizer.tiktoken` | Firefly-GAN (not supported) |
+| fish-speech 1.5 | `dual_ar`, 8 codebooks | `model.pth` | `tokenizer.tiktoken` | Firefly-GAN (`firefly-gan-vq-fsq-8x1024-21hz-generator.pth`) |
 
 Weights load one tensor at a time straight to the target device and dtype into a model built on the meta
 device, so no second copy is ever held: safetensors shard by shard (`tts.bundle.load_weights_into`),
@@ -30,10 +30,13 @@ import torch
 from torch import Tensor
 
 from ..bundle import CheckpointError, ModelBundle, _assign, load_voices, load_weights_into, weight_files
+from ..codec.base import Codec
 from ..codec.dac import CodecCheckpointError, DACCodec
+from ..codec.firefly import FIREFLY_FILE, FireflyCodec
 from ..config import ConfigError, ModelArgs
 from ..engine.request import SamplingParams
 from ..model import DualARTransformer
+from ..params import FrameConvention
 from ..tokenizer import TextTokenizer, TokenizerError, TokenizerLike
 from .prompts import Fish15PromptFormat, S1PromptFormat, S2PromptFormat
 from .tokenizer import FISH15_SPECIAL_TOKENS, S1_SPECIAL_TOKENS, TiktokenTokenizer
@@ -58,6 +61,8 @@ class FamilySpec:
     prompt_format: type
     sampling: SamplingParams
     chunk_length: int  # UTF-8 bytes per generation chunk; 0 = the whole text at once
+    frames: FrameConvention = FrameConvention()  # which generated frames are audio
+    repetition: str | None = None  # how the repetition penalty reads recent frames; None: no penalty
 
 
 FAMILIES = {
@@ -67,17 +72,20 @@ FAMILIES = {
         S2, "Fish Audio S2-Pro", S2PromptFormat,
         SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_frames=1024, ras_window=10), 200,
     ),
-    # S1-era defaults: temperature 0.8, top_p 0.8, no top-k, no RAS (its repetition penalty 1.1 over 16
-    # frames is not implemented here); the whole text is generated in one piece.
+    # S1-era defaults: temperature 0.8, top_p 0.8, repetition penalty 1.1 over 16 frames (read as
+    # d3df505 reads it, see tts.engine.model_runner), no top-k, no RAS; the whole text in one piece.
     S1: FamilySpec(
         S1, "OpenAudio S1", S1PromptFormat,
-        SamplingParams(temperature=0.8, top_p=0.8, top_k=0, max_new_frames=1024, ras_window=0), 0,
+        SamplingParams(temperature=0.8, top_p=0.8, top_k=0, max_new_frames=1024, ras_window=0,
+                       repetition_penalty=1.1), 0, repetition="s1",
     ),
-    # fish-speech 1.5 CLI defaults: temperature 0.7, top_p 0.7, chunk_length 100 (repetition penalty 1.2
-    # not implemented), no top-k, no RAS.
+    # fish-speech 1.5 CLI defaults: temperature 0.7, top_p 0.7, repetition penalty 1.2 over 16 frames,
+    # chunk_length 100, no top-k, no RAS; its output drops the first frame and keeps the end frame.
     FISH15: FamilySpec(
         FISH15, "fish-speech 1.5", Fish15PromptFormat,
-        SamplingParams(temperature=0.7, top_p=0.7, top_k=0, max_new_frames=1024, ras_window=0), 100,
+        SamplingParams(temperature=0.7, top_p=0.7, top_k=0, max_new_frames=1024, ras_window=0,
+                       repetition_penalty=1.2), 100,
+        frames=FrameConvention(drop_first=True, keep_end=True), repetition="fish-1.5",
     ),
 }  # fmt: skip
 
@@ -260,14 +268,12 @@ def load_fish_model(
     return _build_model(directory, args, device, dtype), tokenizer, family
 
 
-def load_fish_codec(directory: Path, args: ModelArgs, family: str, device, dtype=None) -> DACCodec:
-    """The family's codec from `codec.pth`, checked against the model's codebooks; its decode path in
-    `dtype` (default float32)."""
+def load_fish_codec(directory: Path, args: ModelArgs, family: str, device, dtype=None) -> Codec:
+    """The family's codec, checked against the model's codebooks: the modded DAC from `codec.pth` (its
+    decode path in `dtype`, default float32) or, for 1.5, Firefly-GAN from its generator file (float32
+    always: `dtype` other than float32 is ignored with a warning). Raises CheckpointError."""
     if family == FISH15:
-        raise CheckpointError(
-            "fish-speech 1.5 uses the Firefly-GAN codec, which is not supported yet; its language model "
-            "loads with tts.fish.load_fish_model"
-        )
+        return _load_firefly(directory, args, device, dtype)
     path = directory / "codec.pth"
     if not path.is_file():
         raise CheckpointError(f"{directory} has no codec.pth")
@@ -284,6 +290,24 @@ def load_fish_codec(directory: Path, args: ModelArgs, family: str, device, dtype
     return codec
 
 
+def _load_firefly(directory: Path, args: ModelArgs, device, dtype) -> FireflyCodec:
+    path = directory / FIREFLY_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{directory} has no {FIREFLY_FILE} (fish-speech 1.5's codec)")
+    if dtype not in (None, torch.float32):
+        log.warning("the Firefly-GAN codec runs in float32; ignoring codec dtype %s", dtype)
+    try:
+        codec = FireflyCodec.from_file(path, device=device)
+    except CodecCheckpointError as exc:
+        raise CheckpointError(f"{FIREFLY_FILE}: {exc}") from exc
+    if codec.num_codebooks != args.num_codebooks:
+        raise CheckpointError(
+            f"{FIREFLY_FILE} does not match the model: it has {codec.num_codebooks} codebooks, the model "
+            f"{args.num_codebooks}"
+        )
+    return codec
+
+
 def load_fish_bundle(directory: str | Path, raw: Mapping, device, dtype, codec_dtype=None) -> ModelBundle:
     """A servable bundle for a Fish checkpoint directory (called by `tts.bundle.load_bundle` for any
     directory whose config.json has no "tts_runtime" key). Raises CheckpointError / ConfigError /
@@ -296,9 +320,15 @@ def load_fish_bundle(directory: str | Path, raw: Mapping, device, dtype, codec_d
     # Check the codec first: it is cheaper than the weights and a mismatch makes the model useless.
     codec = load_fish_codec(directory, args, family, device, codec_dtype)
     model = _build_model(directory, args, device, dtype)
+    # The family's frame budget, at most a quarter of the context: a small checkpoint (the tiny shapes'
+    # 1024 tokens) keeps room for its prompt (S1 puts the whole text into one); the released models'
+    # contexts (8192, 32768) are far larger than 4x their budget of 1024.
+    sampling = dataclasses.replace(
+        spec.sampling, max_new_frames=min(spec.sampling.max_new_frames, args.max_seq_len // 4)
+    )
     return ModelBundle(
         name=directory.resolve().name, family=f"{spec.display} ({raw['model_type']})", model=model,
         codec=codec, tokenizer=tokenizer, prompt_format=spec.prompt_format(tokenizer, args.num_codebooks),
-        voices=load_voices(directory / "voices"), sampling=spec.sampling, chunk_length=spec.chunk_length,
-        path=directory,
+        voices=load_voices(directory / "voices"), sampling=sampling, chunk_length=spec.chunk_length,
+        path=directory, frames=spec.frames, repetition=spec.repetition,
     )  # fmt: skip

@@ -56,20 +56,22 @@ class ReferenceAudio(_message.Message):
     def __init__(self, audio: _Optional[bytes] = ..., text: _Optional[str] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_new_frames", "min_new_frames")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_new_frames", "min_new_frames", "repetition_penalty")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_FRAMES_FIELD_NUMBER: _ClassVar[int]
     MIN_NEW_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
     max_new_frames: int
     min_new_frames: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_frames: _Optional[int] = ..., min_new_frames: _Optional[int] = ...) -> None: ...
+    repetition_penalty: float
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_frames: _Optional[int] = ..., min_new_frames: _Optional[int] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
 
 class OutputOptions(_message.Message):
     __slots__ = ("encoding", "include_codes", "first_chunk_frames", "chunk_frames")
