@@ -152,6 +152,35 @@ class BatchedStreamDecoder(ABC):
     def scratch_slot(self) -> int:
         return self.max_streams
 
+    def check_slots(self, t: Tensor, name: str = "slots") -> Tensor:
+        """`t` if it is a `[B]` int64 tensor on `device`; else ValueError (host-side, no sync)."""
+        if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype != torch.int64:
+            raise ValueError(f"{name} must be a [B] int64 tensor")
+        if t.device != torch.device(self.device):
+            raise ValueError(f"{name} must be on {self.device}, got {t.device}")
+        return t
+
+    def check_inputs(self, slots: Tensor, codes: Tensor, lengths: Tensor, num_codebooks: int) -> None:
+        """Host-side checks of `decode`'s inputs (ranks, sizes, dtypes, device; never values, which would
+        sync): raise ValueError naming the first that is wrong."""
+        for name, t in (("slots", slots), ("lengths", lengths)):
+            if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype != torch.int64:
+                raise ValueError(f"{name} must be a [B] int64 tensor")
+        if codes.dim() != 3 or codes.shape[0] != slots.shape[0] or codes.shape[1] != num_codebooks:
+            raise ValueError(
+                f"codes must be [B={slots.shape[0]}, {num_codebooks}, T], got {tuple(codes.shape)}"
+            )
+        if codes.shape[2] == 0:
+            raise ValueError("codes must hold at least one frame (T >= 1)")
+        if codes.dtype != torch.int64:
+            raise ValueError(f"codes must be int64, got {codes.dtype}")
+        if lengths.shape != slots.shape:
+            raise ValueError(f"lengths must be [B={slots.shape[0]}], got {tuple(lengths.shape)}")
+        device = torch.device(self.device)
+        for name, t in (("slots", slots), ("codes", codes), ("lengths", lengths)):
+            if t.device != device:
+                raise ValueError(f"{name} must be on {device}, got {t.device}")
+
     @abstractmethod
     def reset(self, slots: Tensor) -> None:
         """Start fresh streams in `slots` (`[k]` int64 on `device`)."""

@@ -151,7 +151,7 @@ class BatchedDACDecoder(BatchedStreamDecoder):
     def reset(self, slots: Tensor) -> None:
         """Start fresh streams in `slots` (`[k]` int64 on `device`): zero their state and positions.
         Device ops only (`index_fill_`); resetting the scratch slot is harmless."""
-        slots = self._check_slots(slots, "slots")
+        slots = self.check_slots(slots)
         for buf in (*self._state.values(), *self._keys, *self._values, self.positions):
             buf.index_fill_(0, slots, 0)
 
@@ -167,20 +167,7 @@ class BatchedDACDecoder(BatchedStreamDecoder):
         (T = 0 included). Values are not checked (that would sync): slots out of range or lengths outside
         `[0, T]` give undefined results or a device-side error.
         """
-        slots = self._check_slots(slots, "slots")
-        lengths = self._check_slots(lengths, "lengths")
-        if codes.dim() != 3 or codes.shape[0] != slots.shape[0] or codes.shape[1] != self.codec.num_codebooks:
-            raise ValueError(
-                f"codes must be [B={slots.shape[0]}, {self.codec.num_codebooks}, T], got {tuple(codes.shape)}"
-            )
-        if codes.shape[2] == 0:
-            raise ValueError("codes must hold at least one frame (T >= 1)")
-        if codes.dtype != torch.int64:
-            raise ValueError(f"codes must be int64, got {codes.dtype}")
-        if lengths.shape != slots.shape:
-            raise ValueError(f"lengths must be [B={slots.shape[0]}], got {tuple(lengths.shape)}")
-        if codes.device != self.positions.device:
-            raise ValueError(f"codes must be on {self.device}, got {codes.device}")
+        self.check_inputs(slots, codes, lengths, self.codec.num_codebooks)
         rows = _Rows(slots, lengths)
         positions = self.positions.index_select(0, slots)
         z = self._transformer(self.model.lookup(codes), rows, positions)
@@ -192,13 +179,6 @@ class BatchedDACDecoder(BatchedStreamDecoder):
         # table, and its (finite) garbage keys stay masked as "before the stream started".
         self.positions[self.max_streams :].zero_()
         return audio[:, 0].float()
-
-    def _check_slots(self, t: Tensor, name: str) -> Tensor:
-        if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype != torch.int64:
-            raise ValueError(f"{name} must be a [B] int64 tensor")
-        if t.device != self.positions.device:
-            raise ValueError(f"{name} must be on {self.device}, got {t.device}")
-        return t
 
     # ---- the decode path, stage by stage -------------------------------------------------------------
 

@@ -629,17 +629,10 @@ class BatchedFireflyDecoder(BatchedStreamDecoder):
         """Bytes of state held for all slots."""
         return sum(t.numel() * t.element_size() for t in self._state.values())
 
-    def _check(self, t: Tensor, name: str) -> Tensor:
-        if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype != torch.int64:
-            raise ValueError(f"{name} must be a [B] int64 tensor")
-        if t.device != self.device:
-            raise ValueError(f"{name} must be on {self.device}, got {t.device}")
-        return t
-
     @torch.inference_mode()
     def reset(self, slots: Tensor) -> None:
         """Start fresh streams in `slots` (`[k]` int64 on `device`): zero their state."""
-        slots = self._check(slots, "slots")
+        slots = self.check_slots(slots)
         for buf in self._state.values():
             buf.index_fill_(0, slots, 0)
 
@@ -650,20 +643,7 @@ class BatchedFireflyDecoder(BatchedStreamDecoder):
         slots `[B]` int64; codes `[B, groups, T]` int64 (clamped into the codebooks); lengths `[B]`
         int64 in `[0, T]`; all on `device`. Returns `[B, T * frame_length]` float32 on `device`.
         Raises ValueError for a wrong shape, dtype or device (T = 0 included)."""
-        slots = self._check(slots, "slots")
-        lengths = self._check(lengths, "lengths")
-        if codes.dim() != 3 or codes.shape[0] != slots.shape[0] or codes.shape[1] != self.codec.num_codebooks:
-            raise ValueError(
-                f"codes must be [B={slots.shape[0]}, {self.codec.num_codebooks}, T], got {tuple(codes.shape)}"
-            )
-        if codes.shape[2] == 0:
-            raise ValueError("codes must hold at least one frame (T >= 1)")
-        if codes.dtype != torch.int64:
-            raise ValueError(f"codes must be int64, got {codes.dtype}")
-        if lengths.shape != slots.shape:
-            raise ValueError(f"lengths must be [B={slots.shape[0]}], got {tuple(lengths.shape)}")
-        if codes.device != self.device:
-            raise ValueError(f"codes must be on {self.device}, got {codes.device}")
+        self.check_inputs(slots, codes, lengths, self.codec.num_codebooks)
         rows = [slots, lengths, 1]  # slots, valid frames, samples per frame at the current stage
         z = self.model.quantizer.residual_fsq.decode(codes).transpose(1, 2)
         for stage in self.model.quantizer.upsample:
