@@ -225,3 +225,46 @@ def test_heldout_sentences_normalize_byte_identically():
     assert len(lines) == len(expected) == 64
     for raw, spoken in zip(lines, expected, strict=True):
         assert normalize_text(raw) == spoken, raw
+
+
+@pytest.mark.parametrize(
+    "raw, spoken",
+    [
+        # amounts with a scale word: the currency goes after the scale
+        ("$5.3 billion", "five point three billion dollars"),
+        ("It raised $20 million.", "It raised twenty million dollars."),
+        ("a \u20ac1.5bn deal", "a one point five billion euros deal"),
+        ("$10k a year", "ten thousand dollars a year"),
+        ("$1 million", "one million dollars"),
+        # currency ranges
+        ("$5-10", "five to ten dollars"),
+        ("Tickets cost $5-$10.", "Tickets cost five to ten dollars."),
+        ("\u00a35.50-7", "five pounds and fifty pence to seven pounds"),
+        # digits glued to letters are read apart
+        ("221B", "two hundred and twenty-one B"),
+        ("I live at 221B Baker St.", "I live at two hundred and twenty-one B Baker Street."),
+        ("MP3 and 4K and B2B", "MP three and four K and B two B"),
+        # version numbers
+        ("2.0.1", "two point zero point one"),
+        ("Update to v1.12.3 now.", "Update to v one point twelve point three now."),
+        # times: "a m" / "p m" with or without minutes, the sentence's period kept
+        ("3:30 p.m.", "three thirty p m."),
+        ("10 a.m.", "ten a m."),
+        ("At 10 a.m. we meet.", "At ten a m we meet."),
+        ("Open 9am to 5pm daily.", "Open nine a m to five p m daily."),
+        ("It ends at 3:30 p.m. Then we eat.", "It ends at three thirty p m. Then we eat."),
+        ("Call at 4:15 amid the noise.", "Call at four fifteen amid the noise."),
+        # time ranges keep their words apart
+        ("10:30-11:30 tomorrow", "ten thirty to eleven thirty tomorrow"),
+        ("Meet at 9:00 tomorrow.", "Meet at nine o'clock tomorrow."),
+        # negative numbers
+        ("-5 kg", "minus five kilograms"),
+        ("from -5 to 5", "from minus five to five"),
+        ("It fell to \u22123.5 today.", "It fell to minus three point five today."),
+        # scientific notation
+        ("3.14e10", "three point one four times ten to the power of ten"),
+        ("1e-5", "one times ten to the power of minus five"),
+    ],
+)
+def test_english_edge_cases(raw, spoken):
+    assert normalize_text(raw) == spoken

@@ -93,6 +93,7 @@ _TRANSLATE = str.maketrans(
         "\u2026": "...",
         "\u00a0": " ",
         "\u2044": "/",
+        "\u2212": "-",
     }  # fmt: skip
 )
 _CURRENCIES = {"$": ("dollar", "dollars", "cent", "cents"), "£": ("pound", "pounds", "penny", "pence"),
@@ -117,8 +118,12 @@ def _year_words(y: int) -> str:
 
 
 def _currency(m: re.Match) -> str:
-    one, many, cent, cents = _CURRENCIES[m.group(1)]
-    amount = m.group(2).replace(",", "")
+    return _currency_amount(m.group(1), m.group(2))
+
+
+def _currency_amount(symbol: str, amount: str) -> str:
+    one, many, cent, cents = _CURRENCIES[symbol]
+    amount = amount.replace(",", "")
     whole, _, frac = amount.partition(".")
     words = f"{num2words(int(whole))} {one if int(whole) == 1 else many}"
     if frac and int(frac[:2].ljust(2, "0")):
@@ -141,14 +146,73 @@ def _date_us(m: re.Match) -> str:
     return f"{_MONTHS[mo - 1]} {num2words(d, to='ordinal')}, {_year_words(y)}"
 
 
+def _meridiem(m: re.Match, group: int) -> str:
+    """" a m" / " p m" for the a.m./p.m. in `group` ("" when it did not match); a period that also ends
+    the sentence (text ends, or a capital follows) is kept."""
+    marker = m.group(group)
+    if not marker:
+        return ""
+    words = " " + " ".join(marker.replace(".", "").lower())
+    rest = m.string[m.end() :]
+    if marker.endswith(".") and (not rest.strip() or re.match(r"\s+[A-Z]", rest)):
+        words += "."
+    return words
+
+
 def _time(m: re.Match) -> str:
     h, mi = int(m.group(1)), int(m.group(2))
-    suffix = f" {m.group(3).replace('.', '').lower()}" if m.group(3) else ""
-    suffix = " ".join(suffix).replace("  ", " ") if suffix else ""
+    suffix = _meridiem(m, 3)
     if mi == 0:
         return f"{num2words(h)} o'clock{suffix}" if not suffix else f"{num2words(h)}{suffix}"
     minutes = f"oh {num2words(mi)}" if mi < 10 else num2words(mi)
     return f"{num2words(h)} {minutes}{suffix}"
+
+
+def _hour(m: re.Match) -> str:
+    """An hour before a.m./p.m. without minutes: "10 a.m." -> "ten a m" (as the time rule reads it)."""
+    h = int(m.group(1))
+    if not 1 <= h <= 12:
+        return m.group(0)
+    return f"{num2words(h)}{_meridiem(m, 2)}"
+
+
+# "$5.3 billion", "$10k", "€1.5bn": the scale is read before the currency.
+_SCALES = {
+    "thousand": "thousand", "k": "thousand", "K": "thousand", "million": "million", "m": "million",
+    "M": "million", "mn": "million", "billion": "billion", "bn": "billion", "B": "billion",
+    "trillion": "trillion", "tn": "trillion", "T": "trillion",
+}  # fmt: skip
+
+
+def _currency_scale(m: re.Match) -> str:
+    many = _CURRENCIES[m.group(1)][1]
+    return f"{_number_words(m.group(2))} {_SCALES[m.group(3)]} {many}"
+
+
+def _currency_range(m: re.Match) -> str:
+    """$5-10 -> "five to ten dollars"; with cents both ends are read as amounts."""
+    symbol, a, b = m.group(1), m.group(2), m.group(3)
+    if "." not in a + b:
+        return f"{_int_words(a)} to {_int_words(b)} {_CURRENCIES[symbol][1]}"
+    return f"{_currency_amount(symbol, a)} to {_currency_amount(symbol, b)}"
+
+
+def _scientific(m: re.Match) -> str:
+    sign = "minus " if m.group(2) in ("-", "\u2212") else ""
+    return f"{_number_words(m.group(1))} times ten to the power of {sign}{num2words(int(m.group(3)))}"
+
+
+def _spaced(m: re.Match, words: str) -> str:
+    """`words` for the match, set apart by spaces from letters glued to it ("221B" -> "... B")."""
+    s, i, j = m.string, m.start(), m.end()
+    before = " " if i > 0 and s[i - 1].isalpha() else ""
+    after = " " if j < len(s) and s[j].isalpha() else ""
+    return f"{before}{words}{after}"
+
+
+def _version(m: re.Match) -> str:
+    """2.0.1 -> "two point zero point one" (three or more dot-separated parts: a version)."""
+    return _spaced(m, " point ".join(num2words(int(p)) for p in m.group(0).split(".")))
 
 
 def _month_abbreviation_date(m: re.Match) -> str:
@@ -219,9 +283,7 @@ def _unit(m: re.Match) -> str:
             return m.group(0)
         return f"{words} {many}" if whole else f"{words} of {'an' if one[0] in 'aeiou' else 'a'} {one}"
     words = f"{_number_words(number)} {one if number == '1' else many}"
-    if sign:
-        return f"minus {words}" if one.startswith("degree") else f"{sign}{words}"
-    return words
+    return f"minus {words}" if sign else words
 
 
 _RULES: list[tuple[re.Pattern, object]] = [
@@ -238,7 +300,26 @@ _RULES: list[tuple[re.Pattern, object]] = [
     ),  # fmt: skip
     (re.compile(r"\b(\d{4})-(\d{1,2})-(\d{1,2})\b"), _date_iso),
     (re.compile(r"\b(\d{1,2})/(\d{1,2})/(\d{4})\b"), _date_us),
-    (re.compile(r"\b(\d{1,2}):(\d{2})\s*([AaPp]\.?[Mm]\.?)?"), _time),
+    # scientific notation: 3.14e10
+    (re.compile(r"(?<![\w.,])(\d+(?:\.\d+)?)[eE]([-+]?)(\d{1,3})(?![\w]|[.,]\d)"), _scientific),
+    # versions (and other numbers of three or more dot-separated parts): 2.0.1
+    (re.compile(r"(?<![\d.,])\d+(?:\.\d+){2,}(?![\d]|\.\d)"), _version),
+    # a range of times: 10:30-11:30
+    (
+        re.compile(r"\b(\d{1,2}:\d{2}(?:\s*[AaPp]\.?[Mm]\.?(?![A-Za-z]))?)\s*-\s*(?=\d{1,2}:\d{2}\b)"),
+        lambda m: f"{m.group(1)} to ",
+    ),  # fmt: skip
+    (re.compile(r"\b(\d{1,2}):(\d{2})(?:\s*([AaPp]\.?[Mm]\.?)(?![A-Za-z]))?"), _time),
+    (re.compile(r"(?<![\w.,:])(\d{1,2})\s*([AaPp]\.?[Mm]\.?)(?![A-Za-z])"), _hour),
+    # currency before a scale ($5.3 billion) and currency ranges ($5-10)
+    (
+        re.compile(rf"([$£€])\s?(\d[\d,]*(?:\.\d+)?)\s?({'|'.join(_SCALES)})(?![\w])"),
+        _currency_scale,
+    ),  # fmt: skip
+    (
+        re.compile(r"([$£€])\s?(\d[\d,]*(?:\.\d+)?)\s?-\s?[$£€]?\s?(\d[\d,]*(?:\.\d+)?)(?![\d])"),
+        _currency_range,
+    ),  # fmt: skip
     (re.compile(r"\(\d{3}\)\s?\d{3}-\d{4}" + _END), _digit_groups),  # (555) 123-4567
     # 1-800-555-0199, 123-45-6789; not a sequence with a trailing hyphen ("1-4-7-10-13- is ...")
     (re.compile(_START + r"\d+(?:-\d+){2,}(?!-)" + _END), _digit_groups),
@@ -263,9 +344,11 @@ _RULES: list[tuple[re.Pattern, object]] = [
         lambda m: m.group(0)[:-4] + _year_words(int(m.group(1))),
     ),  # fmt: skip
     (re.compile(r"\b(\d+)s\b"), lambda m: _plural_number(m.group(1))),
+    # a minus sign before a number (not a hyphen between words or numbers)
+    (re.compile(r"(?<![\w.,/-])-(?=\d)"), lambda m: "minus "),
     (
         re.compile(r"(?<![\d.])(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?(?![\d])"),
-        lambda m: _number_words(m.group(0)),
+        lambda m: _spaced(m, _number_words(m.group(0))),
     ),  # fmt: skip
 ]
 
