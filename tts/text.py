@@ -147,7 +147,7 @@ def _date_us(m: re.Match) -> str:
 
 
 def _meridiem(m: re.Match, group: int) -> str:
-    """" a m" / " p m" for the a.m./p.m. in `group` ("" when it did not match); a period that also ends
+    """The words " a m" / " p m" for the a.m./p.m. in `group` ("" when it did not match); a period that also ends
     the sentence (text ends, or a capital follows) is kept."""
     marker = m.group(group)
     if not marker:
