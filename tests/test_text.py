@@ -268,3 +268,84 @@ def test_heldout_sentences_normalize_byte_identically():
 )
 def test_english_edge_cases(raw, spoken):
     assert normalize_text(raw) == spoken
+
+
+# ---- splitting at the sentence ends of every script ------------------------------------------------------
+
+ZH_PARAGRAPH = (
+    "1951年，我们的村子只有一条泥路。每到下雨天，孩子们就只能光着脚去上学。后来，政府修了一条水泥路，"
+    "村里的人都很高兴。现在，每家每户都有了自来水和电，生活比以前好多了！你能想象那时候的日子有多苦吗？"
+    "老人们常常说，今天的幸福来之不易，我们要好好珍惜。年轻人听了，都点头表示同意。村口的那棵老槐树已经有"
+    "三百多年的历史了，它见证了村子的变迁。每年春天，槐花盛开，整个村子都飘着淡淡的清香。孩子们在树下玩耍，"
+    "老人们在树荫里聊天，这是村里最热闹的地方；到了晚上，大家还会在这里看露天电影。"
+)
+JA_PARAGRAPH = (
+    "今日はとても良い天気ですね。私は朝早く起きて、近くの公園を散歩しました。桜の花がきれいに咲いていて、"
+    "たくさんの人が写真を撮っていました！子供たちは元気に走り回っていました。あなたは花見が好きですか？"
+    "私は毎年、友達と一緒にお弁当を持って出かけます。「来年も一緒に来ようね。」と友達が言いました。"
+    "帰り道に小さなカフェに寄って、抹茶ラテを飲みました。とても美味しかったので、また行きたいと思います。"
+)
+
+
+@pytest.mark.parametrize("paragraph, limit", [(ZH_PARAGRAPH, 200), (JA_PARAGRAPH, 120), (ZH_PARAGRAPH, 100)])
+def test_cjk_paragraphs_split_at_sentence_ends(paragraph, limit):
+    assert len(paragraph.encode()) > 3 * limit
+    chunks = split_text(paragraph, limit)
+    assert "".join(chunks) == paragraph  # nothing lost, nothing added (no spaces between CJK chunks)
+    assert all(len(c.encode()) <= limit for c in chunks)
+    # every chunk ends a sentence (。！？； or a closing quote after one)
+    assert all(c[-1] in "。！？；」" for c in chunks), chunks
+    # and is as full as sentences allow: the next chunk's first sentence would not have fit
+    sentences = re.findall(r".+?[。！？；](?:」(?!と)|(?!」))", paragraph)  # 「…。」と is inside one
+    for chunk, following in zip(chunks, chunks[1:], strict=False):
+        first = next(s for s in sentences if following.startswith(s))
+        assert len((chunk + first).encode()) > limit
+
+
+def test_the_zh_paragraph_in_200_byte_chunks():
+    assert split_text(ZH_PARAGRAPH, 200) == [
+        "1951年，我们的村子只有一条泥路。每到下雨天，孩子们就只能光着脚去上学。后来，政府修了一条水泥路，村里的人都很高兴。",
+        "现在，每家每户都有了自来水和电，生活比以前好多了！你能想象那时候的日子有多苦吗？老人们常常说，今天的幸福来之不易，我们要好好珍惜。",
+        "年轻人听了，都点头表示同意。村口的那棵老槐树已经有三百多年的历史了，它见证了村子的变迁。",
+        "每年春天，槐花盛开，整个村子都飘着淡淡的清香。孩子们在树下玩耍，老人们在树荫里聊天，这是村里最热闹的地方；",
+        "到了晚上，大家还会在这里看露天电影。",
+    ]
+
+
+def test_a_japanese_quotation_stays_with_its_sentence():
+    chunks = split_text(JA_PARAGRAPH, 120)
+    assert any("「来年も一緒に来ようね。」と友達が言いました。" in c for c in chunks)
+    assert not any(c.startswith("と友達") for c in chunks)
+
+
+def test_a_cjk_sentence_longer_than_the_limit_splits_at_its_commas():
+    sentence = "孩子们在树下玩耍，老人们在树荫里聊天，这是村里最热闹的地方、也是最安静的地方。"
+    chunks = split_text(sentence, 60)
+    assert "".join(chunks) == sentence
+    assert all(len(c.encode()) <= 60 and c[-1] in "，、。" for c in chunks), chunks
+
+
+@pytest.mark.parametrize(
+    "text, limit, expected",
+    [
+        # Latin text: sentence ends followed by a space (closing quotes stay with their sentence)
+        ('He said "Stop!" Then he left. Why?', 20, ['He said "Stop!"', "Then he left. Why?"]),
+        # full-width and other scripts' sentence ends
+        ("Hola. ¿Qué tal? Bien.", 12, ["Hola.", "¿Qué tal?", "Bien."]),
+        ("مرحبا بكم. كيف حالكم؟ نحن بخير.", 40, ["مرحبا بكم. كيف حالكم؟", "نحن بخير."]),
+        ("यह पहला वाक्य है। यह दूसरा है।", 50, ["यह पहला वाक्य है।", "यह दूसरा है।"]),
+        ("안녕하세요. 반갑습니다! 잘 지내세요?", 36, ["안녕하세요. 반갑습니다!", "잘 지내세요?"]),
+        # a decimal point is not a sentence end
+        ("Pi is 3.14 and e is 2.71 today.", 20, ["Pi is 3.14 and e is", "2.71 today."]),
+        # line breaks end sentences too
+        ("First line\nSecond line", 12, ["First line", "Second line"]),
+    ],
+)
+def test_split_text_at_sentence_ends_of_other_scripts(text, limit, expected):
+    assert split_text(text, limit) == expected
+
+
+def test_a_long_word_is_cut_between_characters_keeping_combining_marks():
+    assert split_text("e\u0301" * 4, 5) == ["e\u0301"] * 4  # é as e + U+0301: 3 bytes each
+    assert split_text("abc\u0301d", 4) == ["ab", "c\u0301d"]
+    assert split_text("ab\u0301\u0301c", 4) == ["ab\u0301", "\u0301c"]  # b + its marks exceed 4 bytes

@@ -515,42 +515,93 @@ def _normalize_plain(text: str, allow_empty: bool = False) -> str:
     return text
 
 
+# ---- splitting ----------------------------------------------------------------------------------------
+# Boundaries, strongest first. A sentence ends at `.!?` followed by whitespace (or the end), at the sentence
+# marks of other scripts with or without whitespace after them (CJK 。！？； and their full-width and
+# half-width forms, Arabic ؟ and ۔, Devanagari । ॥, Ethiopic ።, Myanmar ။, Tibetan །, Armenian ։), and at a
+# line break. Closing quotes and brackets stay with their sentence; a quotation followed by the Japanese
+# quotative particle (「…。」と言った) does not end one. Clauses end at `,;:` followed by
+# whitespace, at CJK ，、： and the Arabic comma and semicolon, at an ellipsis and at a dash.
+_CLOSERS = "\"'\u201d\u2019\u300d\u300f\uff09)\\]\u3011\u300b\u3009\u203a\u00bb"
+_SENTENCE_END = re.compile(
+    rf"[.!?]+[{_CLOSERS}]*(?:\s+|$)"
+    rf"|[\u3002\uff01\uff1f\uff1b\uff0e\uff61\u061f\u06d4\u0964\u0965\u1362\u104b\u0f0d\u0589\u203c\u2047-\u2049]+"
+    rf"(?:[{_CLOSERS}]+(?![\u3068\u3063])|(?![{_CLOSERS}]))\s*"
+    r"|\n\s*"
+)
+_CLAUSE_END = re.compile(
+    rf"[,;:]+[{_CLOSERS}]*(?:\s+|$)|[\uff0c\u3001\uff1a\u060c\u061b\u2026]+[{_CLOSERS}]*\s*|(?:\u2014|--)\s*"
+)
+_WORD_END = re.compile(r"\s+")
+_LEVELS = (_SENTENCE_END, _CLAUSE_END, _WORD_END)
+
+
 def split_text(text: str, max_bytes: int) -> list[str]:
-    """Split normalized text into chunks of at most `max_bytes` UTF-8 bytes, preferring sentence
-    ends, then clause marks, then spaces; a single word longer than the limit is cut."""
+    """Split text into chunks of at most `max_bytes` UTF-8 bytes, in any script: sentences are packed
+    into chunks as long as they fit; only a sentence longer than the limit is split, at its clause
+    marks, then between words, and a single word longer than the limit is cut between characters. A
+    split sentence starts a new chunk, so no chunk ends mid-sentence while a whole sentence would fit.
+    Chunks are stripped; joined in order (with a space where the text had whitespace) they give the
+    text back."""
     if len(text.encode()) <= max_bytes:
         return [text]
     chunks: list[str] = []
-    for piece in _split_at(text, r"(?<=[.!?])\s+", max_bytes):
-        chunks.extend(
-            _split_at(piece, r"(?<=[,;:])\s+", max_bytes) if len(piece.encode()) > max_bytes else [piece]
-        )
-    out: list[str] = []
-    for c in chunks:
-        out.extend(_split_at(c, r"\s+", max_bytes) if len(c.encode()) > max_bytes else [c])
-    final: list[str] = []
-    for c in out:
-        while len(c.encode()) > max_bytes:
-            # at least one character, even when one character is longer than the limit
-            cut = c.encode()[:max_bytes].decode(errors="ignore") or c[0]
-            final.append(cut)
-            c = c[len(cut) :]
-        if c:
-            final.append(c)
-    return final
-
-
-def _split_at(text: str, pattern: str, max_bytes: int) -> list[str]:
-    """Greedily pack the pieces of `text` split at `pattern` into chunks of <= max_bytes."""
-    pieces = [p for p in re.split(pattern, text) if p]
-    chunks, current = [], ""
-    for p in pieces:
-        candidate = f"{current} {p}" if current else p
-        if len(candidate.encode()) <= max_bytes or not current:
-            current = candidate
+    current = ""
+    for piece, starts_new in _fitting_pieces(text, max_bytes, 0):
+        candidate = current + piece
+        if current.strip() and (starts_new or _nbytes(candidate.strip()) > max_bytes):
+            chunks.append(current.strip())
+            current = piece
         else:
-            chunks.append(current)
-            current = p
-    if current:
-        chunks.append(current)
+            current = candidate
+    if current.strip():
+        chunks.append(current.strip())
     return chunks
+
+
+def _nbytes(s: str) -> int:
+    return len(s.encode())
+
+
+def _fitting_pieces(text: str, max_bytes: int, level: int) -> list[tuple[str, bool]]:
+    """Consecutive substrings of `text` (their concatenation is `text`), each ending at a boundary of
+    `_LEVELS[level]` and at most `max_bytes` once stripped; a piece too long is split at the next level.
+    Each comes with True where it must start a new chunk (the first piece of a split piece)."""
+    if level == len(_LEVELS):
+        return [(p, i == 0) for i, p in enumerate(_cut(text, max_bytes))]
+    out: list[tuple[str, bool]] = []
+    start = 0
+    bounds = [m.end() for m in _LEVELS[level].finditer(text) if m.end() > 0] + [len(text)]
+    for end in bounds:
+        if end <= start:
+            continue
+        piece = text[start:end]
+        start = end
+        if _nbytes(piece.strip()) <= max_bytes:
+            out.append((piece, False))
+        else:
+            sub = _fitting_pieces(piece, max_bytes, level + 1)
+            out.extend([(sub[0][0], True), *sub[1:]])
+    return out
+
+
+def _cut(text: str, max_bytes: int) -> list[str]:
+    """`text` cut between characters into pieces of at most `max_bytes` (stripped), at least one
+    character each; a combining mark stays with its base character unless the two exceed the limit."""
+    clusters: list[str] = []
+    for ch in text:
+        if clusters and unicodedata.category(ch).startswith("M"):
+            clusters[-1] += ch
+        else:
+            clusters.append(ch)
+    units = [u for c in clusters for u in ([c] if _nbytes(c) <= max_bytes else list(c))]
+    pieces: list[str] = []
+    current = ""
+    for u in units:
+        if current.strip() and _nbytes((current + u).strip()) > max_bytes:
+            pieces.append(current)
+            current = ""
+        current += u
+    if current:
+        pieces.append(current)
+    return pieces
