@@ -73,6 +73,12 @@ def test_html_tags_are_removed_with_a_warning():
     assert out.warnings == [HTML_WARNING]
 
 
+def test_tags_that_are_not_html_stay_text():
+    # Qwen's tokenizer reserves <think>: it must reach the prompt builder, which refuses it.
+    out = render_markup("Let me <think> about **it**.")
+    assert out.text == "Let me <think> about it." and out.warnings == []
+
+
 @pytest.mark.parametrize(
     "ssml, spoken",
     [

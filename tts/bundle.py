@@ -11,8 +11,9 @@ directory format is a Fish-style directory with one extra config key:
     voices/NAME.safetensors        reference codes [N, T] with the transcript in the metadata
 
 "tts_runtime" may also name a text `frontend` (tts/frontend.py; absent = the normalized text itself):
-the default model reads espeak-ng IPA phonemes ("espeak-ipa:en-us"); and a `default_voice`, the preset
-used when a request names none (absent = no reference, as for Fish models).
+the default model reads espeak-ng IPA phonemes ("espeak-ipa:en-us"); a `text_policy` (tts/textpolicy.py;
+absent = "english", the English normalizer); and a `default_voice`, the preset used when a request names
+none (absent = no reference, as for Fish models).
 
 Directories without "tts_runtime" are Fish checkpoints, handed to `tts.fish` (separate issue).
 """
@@ -37,6 +38,7 @@ from .frontend import get_frontend
 from .model import DualARTransformer
 from .params import SamplingParams
 from .prompt import PromptFormat, S2PromptFormat, VoiceReference
+from .textpolicy import get_text_policy
 from .tokenizer import TextTokenizer, TokenizerLike, build_byte_tokenizer
 
 log = logging.getLogger(__name__)
@@ -253,6 +255,7 @@ def save_bundle(bundle: ModelBundle, directory: str | Path, codec_config: dict |
         "family": bundle.family,
         "prompt_format": bundle.prompt_format.name,
         "frontend": getattr(bundle.prompt_format.frontend, "spec", "text"),
+        "text_policy": bundle.prompt_format.text_policy,
         "default_voice": bundle.default_voice,
         "chunk_length": bundle.chunk_length,
         "sampling": {
@@ -335,6 +338,11 @@ def _load_own_bundle(directory: Path, raw: dict, device, dtype) -> ModelBundle:
         frontend = get_frontend(runtime.get("frontend"))
     except ValueError as exc:
         raise ConfigError(f"{directory / 'config.json'}: {exc}") from exc
+    text_policy = runtime.get("text_policy", "english")
+    try:
+        get_text_policy(text_policy)
+    except ValueError as exc:
+        raise ConfigError(f"{directory / 'config.json'}: {exc}") from exc
     voices = load_voices(directory / "voices")
     default_voice = runtime.get("default_voice")
     if default_voice is not None and default_voice not in voices:
@@ -345,7 +353,7 @@ def _load_own_bundle(directory: Path, raw: dict, device, dtype) -> ModelBundle:
     return ModelBundle(
         name=runtime.get("name", directory.name), family=runtime.get("family", "dual_ar"),
         model=model.eval(), codec=codec, tokenizer=tokenizer,
-        prompt_format=S2PromptFormat(tokenizer, args.num_codebooks, frontend),
+        prompt_format=S2PromptFormat(tokenizer, args.num_codebooks, frontend, text_policy),
         voices=voices, sampling=sampling, chunk_length=runtime.get("chunk_length", 200), path=directory,
         default_voice=default_voice,
     )  # fmt: skip
@@ -390,6 +398,6 @@ def build_tiny_bundle(device="cpu", dtype=torch.float32, seed: int = 0) -> Model
         )
     return ModelBundle(
         name="tiny", family="tiny (random weights)", model=model, codec=codec, tokenizer=tokenizer,
-        prompt_format=S2PromptFormat(tokenizer, args.num_codebooks), voices=voices,
+        prompt_format=S2PromptFormat(tokenizer, args.num_codebooks, text_policy="english"), voices=voices,
         sampling=SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_frames=100),
     )  # fmt: skip

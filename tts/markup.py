@@ -9,8 +9,10 @@ CommonMark plus tables and strikethrough):
   model pauses there as a reader would;
 * emphasis, strong, strikethrough and inline-code markers go, their text stays; a link is read by its
   text, an image by its alt text; an ordered list keeps its numbers ("1. First"), bullets go;
-* fenced code blocks are skipped (one warning says how many); HTML tags are removed, their text kept
-  (with a warning); indented code blocks are not recognized (text indented by four spaces is read);
+* fenced code blocks are skipped (one warning says how many); HTML tags (of HTML's own elements) are
+  removed, their text kept, with a warning; other `<name>` tags stay text (a model's tokenizer may
+  reserve one, and the prompt builder refuses it); indented code blocks are not recognized (text
+  indented by four spaces is read);
 * text that has no Markdown structure (only paragraphs of plain text) comes back unchanged.
 
 SSML is not interpreted. Text with SSML tags (`<speak>`, `<break>`, `<prosody>`, `<say-as>`, `<sub>`,
@@ -46,6 +48,15 @@ SSML_WARNING = (
     "(<break> adds no pause, <sub alias> reads the alias)"
 )
 HTML_WARNING = "HTML tags were removed from the text (their text is read)"
+# Tags removed as HTML; any other `<name>` stays text (a tokenizer may reserve it, e.g. Qwen's <think>,
+# and the prompt builder then refuses it rather than this module hiding it).
+HTML_TAG_NAMES = frozenset(
+    "a abbr address article aside b bdi bdo big blockquote br caption center cite code col colgroup dd del "
+    "details dfn div dl dt em figcaption figure font footer h1 h2 h3 h4 h5 h6 header hr i img ins kbd li "
+    "main mark nav ol p pre q s samp section small span strike strong sub summary sup table tbody td tfoot "
+    "th thead time tr tt u ul var wbr".split()
+)
+_TAG_NAME = re.compile(r"</?([A-Za-z][\w:.-]*)")
 
 
 @dataclass
@@ -151,8 +162,9 @@ def _render_markdown(text: str) -> Rendered:
         elif kind == "fence":
             code_blocks += 1
         elif kind == "html_block":
-            html_seen = True
-            inner = html.unescape(_ANY_TAG.sub(" ", t.content)).strip()
+            inner = _ANY_TAG.sub(lambda m: " " if _is_html_tag(m.group(0)) else m.group(0), t.content)
+            html_seen |= inner != t.content
+            inner = html.unescape(inner).strip()
             if inner:
                 lines.append(re.sub(r"\s+", " ", inner))
     if code_blocks:
@@ -178,10 +190,17 @@ def _inline_text(children) -> tuple[str, bool]:
             parts.append("\n")
         elif c.type == "image":
             parts.append(c.content)
-        elif c.type == "html_inline":
+        elif c.type == "html_inline" and _is_html_tag(c.content):
             saw_html = True
             parts.append(" " if re.match(r"<br\b", c.content, re.IGNORECASE) else "")
+        elif c.type == "html_inline":
+            parts.append(c.content)  # not an HTML tag: text
     return "".join(parts), saw_html
+
+
+def _is_html_tag(tag: str) -> bool:
+    m = _TAG_NAME.match(tag)
+    return m is not None and m.group(1).lower() in HTML_TAG_NAMES
 
 
 def _is_cjk(ch: str) -> bool:

@@ -376,11 +376,13 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
-def remove_control_characters(text: str) -> str:
+def remove_control_characters(text: str, keep_joiners: bool = False) -> str:
     """`text` without what is never spoken: C0/C1 control characters become spaces (tab, newline and
     carriage return stay; normalization turns them into spaces), format characters (Unicode category
     Cf: zero-width space and joiners, word joiner, byte order mark, soft hyphen, direction marks) are
-    dropped. Raises TextError for a lone surrogate (what Python makes of bytes that are not UTF-8)."""
+    dropped, except the zero-width joiner and non-joiner with `keep_joiners` (they spell Persian, Indic
+    and emoji sequences, which multilingual models read). Raises TextError for a lone surrogate (what
+    Python makes of bytes that are not UTF-8)."""
     if (bad := _SURROGATE.search(text)) is not None:
         raise TextError(
             f"text is not valid UTF-8 (it holds the lone surrogate U+{ord(bad.group()):04X} at character "
@@ -389,7 +391,8 @@ def remove_control_characters(text: str) -> str:
     text = _CONTROL.sub(" ", text)
     if text.isascii():
         return text
-    return "".join(ch for ch in text if unicodedata.category(ch) != "Cf")
+    keep = "\u200c\u200d" if keep_joiners else ""
+    return "".join(ch for ch in text if ch in keep or unicodedata.category(ch) != "Cf")
 
 
 # Inline control tags (`<|speaker:0|>` and the like) pass through normalization untouched.
