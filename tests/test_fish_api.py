@@ -195,3 +195,16 @@ def test_cli_lists_every_checkpoint_shape():
     from tts.fish.cli import SHAPE_NAMES
 
     assert set(SHAPE_NAMES) == set(SHAPES)
+
+
+@pytest.mark.parametrize("family", ["s2", "s1"])
+def test_fish_models_read_chinese_and_digits_as_given(fish_checkpoints, family):
+    # fish-speech main (S2) and d3df505 (S1) tokenize the user's text as it is: the planned chunk is the
+    # text itself, so the prompt is the one the reference builds for it (tokenization: test_fish_parity).
+    text = "1951年，我们的村子只有一条泥路。每到下雨天，孩子们就只能光着脚去上学。"
+    tts = TTS(load_bundle(fish_checkpoints[family]), EngineConfig(max_batch=1, graphs=False))
+    job = tts.prepare(text, max_new_frames=4)
+    assert job.chunks == [text] and job.warnings == []
+    fmt = tts.bundle.prompt_format
+    assert torch.equal(tts.planner.prompt(job.chunks[0], [], [], job.params), fmt.build(text))
+    assert fmt.text_policy == f"fish-{family}"
