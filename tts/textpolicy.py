@@ -66,6 +66,12 @@ def _check_speakable(text: str) -> None:
         raise TextError(NOTHING_TO_SPEAK)
 
 
+def check_speakable(text: str) -> None:
+    """The checks every policy makes, without a model: raises TextError for text with nothing to speak
+    (empty, whitespace, punctuation or control characters only) or a lone surrogate."""
+    _check_speakable(remove_control_characters(text))
+
+
 _ANY_TAG = re.compile(r"<\|[^|<>]*\|>")
 
 
@@ -73,7 +79,7 @@ class EnglishPolicy:
     """The English voice's text handling (see the module docstring)."""
 
     name = "english"
-    summary = "English: markup read as rendered, numbers and symbols as English words; other scripts left out"
+    summary = "Markdown read as rendered, numbers and symbols as English words, other scripts left out"
 
     def prepare(
         self, text: str, allowed_tags: re.Pattern | None, normalize: bool = True, markup: bool = True
@@ -121,8 +127,8 @@ class FishPolicy:
             raise ValueError(f"unknown Fish version {version!r}")
         self.version = version
         self.name = f"fish-{version}"
-        cleaning = "fish-speech 1.5's clean_text" if version == "1.5" else "no cleaning (as fish-speech)"
-        self.summary = f"Fish {version}: markup read as rendered, then {cleaning}; digits and every language left to the model"
+        cleaning = ", fish-speech 1.5's clean_text" if version == "1.5" else ""
+        self.summary = f"Markdown read as rendered{cleaning}; digits and every language left to the model"
 
     def prepare(
         self, text: str, allowed_tags: re.Pattern | None, normalize: bool = True, markup: bool = True
