@@ -264,6 +264,13 @@ def test_heldout_sentences_normalize_byte_identically():
         # scientific notation
         ("3.14e10", "three point one four times ten to the power of ten"),
         ("1e-5", "one times ten to the power of minus five"),
+        # host and file names
+        ("Visit example.com.", "Visit example dot com."),
+        (
+            "Mail me@docs.python.org or open notes.txt",
+            "Mail me at docs dot python dot org or open notes dot txt",
+        ),
+        ("It is 3.5 kg, e.g. a lot.", "It is three point five kilograms, for example a lot."),
     ],
 )
 def test_english_edge_cases(raw, spoken):

@@ -287,6 +287,11 @@ def _unit(m: re.Match) -> str:
 
 
 _RULES: list[tuple[re.Pattern, object]] = [
+    # host names (what tts.markup makes of a URL) and file names, not paths: "example.com" -> "example dot com"
+    (
+        re.compile(r"(?<![\w./])[a-z0-9][a-z0-9-]*(?:\.[a-z0-9-]+)*\.[a-z]{2,}(?!\w|\.\w)"),
+        lambda m: m.group(0).replace(".", " dot "),
+    ),  # fmt: skip
     (
         re.compile(
             rf"\b({'|'.join(sorted(_MONTH_ABBREVIATIONS, key=len, reverse=True))})\.?\s+(\d{{1,2}})"
