@@ -41,6 +41,18 @@ CASES = [
     ("It\u2019s great \U0001f600,,, really", "It's great,,, really", SAME, "It's great , really"),
     # markup is read as rendered by every model; S2's inline tags and cues pass through
     ("# Hi\n\n**3** cats", "Hi. three cats.", "Hi.\n3 cats.", "Hi.\n3 cats."),
+    (
+        "See https://www.example.com/a?b=1 now.",
+        "See example dot com now.",
+        "See example.com now.",
+        "See example.com now.",
+    ),
+    (
+        '<speak>I have <break time="1s"/> 3 cats.</speak>',
+        "I have three cats.",
+        "I have 3 cats.",
+        "I have 3 cats.",
+    ),
     ("<|speaker:0|>[laugh] I have 3 cats.", "<|speaker:0|>[laugh] I have three cats.", SAME, None),
     ("<|speaker:1|>(sighs) 好的。", "<|speaker:1|>(sighs)", SAME, None),
 ]
