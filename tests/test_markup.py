@@ -35,6 +35,7 @@ from tts.markup import HTML_WARNING, SSML_WARNING, render_markup
         ("## 見出し\n\n本文です", "見出し。\n本文です。"),
         # speaker tags and bracketed cues survive
         ("<|speaker:0|>**Hi** there [laugh]", "<|speaker:0|>Hi there [laugh]"),
+        ("# Scene\n\n[whisper]: come closer", "Scene.\n[whisper]: come closer."),
     ],
 )
 def test_markdown_reads_as_the_rendered_text(raw, spoken):

@@ -107,9 +107,11 @@ def _strip_ssml(text: str) -> str:
 def _parser():
     from markdown_it import MarkdownIt
 
-    # Indented code is off: text indented by four spaces is text to read, not code. text_join is off so
-    # escapes and entities stay separate tokens (they mark the text as Markdown).
-    return MarkdownIt("commonmark").enable(["table", "strikethrough"]).disable(["code", "text_join"])
+    # Indented code is off: text indented by four spaces is text to read, not code. Link reference
+    # definitions are off: a line such as "[whisper]: ok" is an S2 cue and its text, not a definition.
+    # text_join is off so escapes and entities stay separate tokens (they mark the text as Markdown).
+    md = MarkdownIt("commonmark").enable(["table", "strikethrough"])
+    return md.disable(["code", "reference", "text_join"])
 
 
 _PLAIN_INLINE = {"text", "softbreak", "hardbreak"}
