@@ -21,6 +21,7 @@ from tts.cli import (
     add_codec_dtype_arg,
     add_engine_args,
     add_model_args,
+    add_normalize_arg,
     add_output_args,
     add_sampling_args,
     apply_threads,
@@ -125,6 +126,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--voice", help="preset voice name (see `tts voices`)")
     p.add_argument("--reference-audio", help="WAV/FLAC clip of the voice to clone (with --reference-text)")
     p.add_argument("--reference-text", help="transcript of --reference-audio")
+    add_normalize_arg(p)
     p.add_argument(
         "--encoding",
         choices=["pcm16", "float32"],
@@ -355,7 +357,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     request = build_request(
         text, voice=args.voice, reference_audio=reference, reference_text=args.reference_text,
         encoding=args.encoding, first_chunk_frames=args.first_chunk_frames, chunk_frames=args.chunk_frames,
-        **sampling_kwargs(args),
+        normalize=None if args.normalize else False, **sampling_kwargs(args),
     )  # fmt: skip
     try:
         result = asyncio.run(_client(args.server, request, args.timeout))
@@ -377,7 +379,8 @@ def cmd_client(args: argparse.Namespace) -> int:
         f"finish {reasons.get(end.finish_reason, '?')}, seed {result.header.seed}",
         file=summary_stream(args),
     )
-    for warning in end.warnings:
+    header_warnings = list(result.header.warnings)
+    for warning in header_warnings + [w for w in end.warnings if w not in header_warnings]:
         print(f"warning: {warning}", file=sys.stderr)
     return 0
 

@@ -44,12 +44,15 @@ def build_request(
     reference_text: str | None = None, temperature: float | None = None, top_p: float | None = None,
     top_k: int | None = None, seed: int | None = None, max_new_frames: int | None = None,
     min_new_frames: int | None = None, encoding: str = "pcm16", include_codes: bool = False, first_chunk_frames: int = 0, chunk_frames: int = 0,
-    repetition_penalty: float | None = None,
+    repetition_penalty: float | None = None, normalize: bool | None = None,
 ) -> pb.SynthesizeRequest:  # fmt: skip
     """A SynthesizeRequest; None leaves a sampling field to the server's model default.
     max_new_frames is the frame budget per text chunk; min_new_frames holds off the end token for that
-    many frames per text chunk."""
+    many frames per text chunk. normalize=False asks the server to read the text as given (None: unset,
+    the server normalizes)."""
     req = pb.SynthesizeRequest(text=text)
+    if normalize is not None:
+        req.normalize = normalize
     if voice is not None and reference_audio is not None:
         raise ValueError("give a voice name or a reference clip, not both")
     if voice is not None:

@@ -6,15 +6,19 @@ Endpoints:
 
 * `POST /v1/audio/speech`: OpenAI's body (`model`, `input`, `voice`, `response_format`, `speed`,
   `stream_format`, `instructions`) plus this server's extensions (`seed`, `temperature`, `top_p`, `top_k`,
-  `max_new_frames`, `min_new_frames`, `repetition_penalty`, `reference_audio` (base64, WAV/FLAC) with `reference_text`). The JSON becomes a
+  `max_new_frames`, `min_new_frames`, `repetition_penalty`, `reference_audio` (base64, WAV/FLAC) with
+  `reference_text`, `normalize` (default true; false reads the text as given, see tts/textpolicy.py)).
+  The JSON becomes a
   `tts.v1.SynthesizeRequest` and goes through `service.server.build_job`, the gRPC path's validation.
   The audio streams as the engine produces it (chunked transfer): encoded bytes (`stream_format`
   `audio`, the default) or server-sent events (`sse`): `speech.audio.delta` (`audio`: base64 of the
   next encoded bytes) and one `speech.audio.done` (`usage`: `input_tokens` = prompt tokens of the text
   without the voice, `output_tokens` = frames generated; plus `frames`, `audio_seconds`,
   `finish_reason`, `seed`, `request_id`). Every response carries `X-Request-Id`, `X-Seed`,
-  `X-Sample-Rate` (of the encoded audio: 48000 for opus), `X-Model`, `X-Text-Chunks`; `pcm` is 16-bit
-  little-endian mono (`X-Sample-Format: s16le`).
+  `X-Sample-Rate` (of the encoded audio: 48000 for opus), `X-Model`, `X-Text-Chunks`, and `X-Warnings`
+  when the text lost something (text the model cannot speak left out, markup ignored; "; "-joined, also
+  in the SSE `speech.audio.done` event's `warnings`); `pcm` is 16-bit little-endian mono
+  (`X-Sample-Format: s16le`).
 * `GET /v1/audio/voices`, `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (200 when warm; 503 while
   warming up, draining or stopped), `GET /metrics` (the server's Prometheus registry), `GET /` (the
   playground, `service/static/index.html`), and FastAPI's `/docs`.
@@ -127,6 +131,11 @@ class SpeechRequest(BaseModel):
     )
     reference_audio: str | None = Field(None, description="base64 WAV/FLAC clip of a voice to clone")
     reference_text: str | None = Field(None, description="the transcript of reference_audio")
+    normalize: bool = Field(
+        True,
+        description="read Markdown as rendered and normalize the text as the model's text policy says; "
+        "false: read the text as given",
+    )
 
 
 class APIError(Exception):
@@ -275,6 +284,7 @@ class _Synthesis:
             "finish_reason": "length" if length else "stop",
             "seed": self.started.seed,
             "request_id": self.started.request_id,
+            "warnings": list(finished.warnings),
         }  # fmt: skip
 
     def _count_ok(self) -> None:
@@ -599,6 +609,7 @@ class HTTPFront:
             if value is not None:
                 setattr(s, name, value)
         req.output.encoding = pb.AUDIO_ENCODING_FLOAT32
+        req.normalize = r.normalize
         return req
 
     def _prepare(self, req: pb.SynthesizeRequest, count_tokens: bool):
@@ -704,7 +715,7 @@ class HTTPFront:
             "X-Sample-Rate": str(encoder.output_rate), "X-Text-Chunks": str(event.text_chunks),
             "Cache-Control": "no-cache",
         }  # fmt: skip
-        warnings = getattr(event, "warnings", None)
+        warnings = prepared.job.warnings
         if warnings:
             headers["X-Warnings"] = "; ".join(warnings).encode("ascii", "replace").decode()
         if r.response_format == "pcm":

@@ -3,8 +3,9 @@
 Handlers only validate, enqueue and stream: every device operation (engine steps, prefill, reference
 encoding, codec decode) happens in `EngineLoop`'s engine thread or its codec stage. A `Synthesize` call:
 
-1. validates its input on a worker thread (`build_job` -> `Planner.job`): text (normalized, split into
-   chunks, reserved tags refused), sampling values, voice name (a preset or a registered voice),
+1. validates its input on a worker thread (`build_job` -> `Planner.job`): text (prepared by the model's
+   text policy unless `normalize` is false, split into chunks at sentence ends, reserved tags refused;
+   what was left out goes to the header's warnings), sampling values, voice name (a preset or a registered voice),
    reference clip (size limit, decodable WAV/FLAC, length, transcript), chunk sizes, and that every
    text chunk's prompt plus its frame budget fits the context; each failure is INVALID_ARGUMENT
    (NOT_FOUND for an unknown voice) before any generation work;
@@ -167,9 +168,10 @@ def build_job(planner: Planner, loop: EngineLoop, request: pb.SynthesizeRequest,
     encoding = out.encoding or pb.AUDIO_ENCODING_PCM16
     if encoding not in (pb.AUDIO_ENCODING_PCM16, pb.AUDIO_ENCODING_FLOAT32):
         raise InvalidRequest(f"unknown output.encoding {encoding}")
+    normalize = request.normalize if request.HasField("normalize") else True
     job = planner.job(
         text, voice=voice, reference=reference, first_chunk_frames=first, chunk_frames=chunk,
-        max_audio_seconds=limits.max_audio_seconds, **sampling,
+        max_audio_seconds=limits.max_audio_seconds, normalize=normalize, **sampling,
     )  # fmt: skip
     return PreparedRequest(job, encoding, out.include_codes)
 
@@ -471,6 +473,7 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
             request_id=started.request_id, sample_rate=codec.sample_rate, channels=1,
             encoding=prepared.encoding, frame_rate=codec.frame_rate, num_codebooks=codec.num_codebooks,
             model=self.bundle.name, seed=started.seed, text_chunks=started.text_chunks,
+            warnings=[shorten(w, MAX_STATUS_CHARS) for w in prepared.job.warnings],
         )  # fmt: skip
 
     def _end(self, finished: Finished, samples: int, chunks: int, call: CallLog) -> pb.StreamEnd:

@@ -136,3 +136,34 @@ def test_prompt_builder_never_turns_user_text_into_special_tokens(tts):
     ids = fmt.build("<|speaker:1|>Hi.", [VoiceReference(codes, "<|speaker:0|>ref")])[:, 0].tolist()
     tok = tts.bundle.tokenizer
     assert ids.count(tok.token_id("<|speaker:1|>")) == 1 and ids.count(tok.token_id("<|voice|>")) == 1
+
+
+def test_text_the_english_voice_cannot_say_is_left_out_with_a_warning(tts):
+    job = tts.prepare("Hello 你好世界 world.", max_new_frames=4, seed=1)
+    assert job.chunks == ["Hello world."]
+    assert job.warnings == [
+        "this model reads English only: 4 characters of Han text were left out "
+        "(a multilingual model such as Fish Audio S2-Pro reads them)"
+    ]
+    result = tts.synthesize("Hello 你好世界 world.", max_new_frames=4, seed=1)
+    assert result.warnings[0] == job.warnings[0]  # the planner's warning reaches the result
+    with pytest.raises(TextError, match="reads English only"):
+        tts.prepare("你好世界。")
+
+
+def test_normalize_false_reads_the_text_as_given(tts):
+    assert tts.plan("I have **3** cats.") == ["I have three cats."]
+    assert tts.plan("I have **3** cats.", normalize=False) == ["I have **3** cats."]
+    job = tts.prepare("I have **3** cats.", normalize=False, max_new_frames=4)
+    assert job.chunks == ["I have **3** cats."] and job.warnings == []
+    result = tts.synthesize("I have 3 cats.", normalize=False, max_new_frames=3, min_new_frames=3, seed=2)
+    assert result.frames == 3
+
+
+def test_a_reference_transcript_is_normalized_by_the_models_policy(tts):
+    prepared = tts.planner.prepare_reference(
+        np.sin(np.arange(16000) / 5.0).astype(np.float32) * 0.3, 16000, "I am 5 年."
+    )
+    assert prepared.text == "I am five." and prepared.warnings[0].startswith(
+        "reference transcript: this model"
+    )

@@ -211,3 +211,26 @@ def test_summarize_finish_reasons(reasons, summary):
 
     assert summarize_finish_reasons(reasons) == summary
     assert summarize_finish_reasons([FinishReason(r) for r in reasons]) == summary
+
+
+def test_synthesize_warns_once_about_text_the_model_leaves_out_and_takes_no_normalize(tmp_path, capsys):
+    out = tmp_path / "a.wav"
+    argv = [
+        "synthesize",
+        "Hello 你好 world.",
+        "-o",
+        str(out),
+        "--model",
+        "tiny",
+        "--seed",
+        "1",
+        "--max-new-frames",
+        "3",
+    ]
+    assert main([*argv, "-q"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: this model reads English only: 2 characters of Han text were left out") == 1
+    assert main(["synthesize", "**5** items", "-o", str(out), "--model", "tiny", "--max-new-frames", "3",
+                 "--no-normalize", "-q"]) == 0  # fmt: skip
+    assert main(["synthesize", "你好。", "-o", str(out), "--model", "tiny"]) == 2
+    assert "reads English only" in capsys.readouterr().err

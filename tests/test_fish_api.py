@@ -85,7 +85,8 @@ def test_several_references_all_enter_the_prompt(s2_tts):
 def test_speaker_tags_survive_normalization_and_split_into_turns(s2_tts):
     text = "<|speaker:0|>I have 3 cats. <|speaker:1|>Really? <|speaker:0|>Yes."
     assert normalize_text(text) == "<|speaker:0|>I have three cats. <|speaker:1|>Really? <|speaker:0|>Yes."
-    assert s2_tts.plan(text) == ["<|speaker:0|>I have three cats.\n<|speaker:1|>Really?\n<|speaker:0|>Yes."]
+    # S2-Pro reads digits itself (fish-speech passes text as it is): its plan keeps them
+    assert s2_tts.plan(text) == ["<|speaker:0|>I have 3 cats.\n<|speaker:1|>Really?\n<|speaker:0|>Yes."]
     turns = split_speaker_turns(normalize_text(text), max_bytes=40)
     assert turns == ["<|speaker:0|>I have three cats.", "<|speaker:1|>Really?\n<|speaker:0|>Yes."]
     many = "".join(f"<|speaker:{i % 7}|>Line {i}." for i in range(12))
@@ -194,3 +195,16 @@ def test_cli_lists_every_checkpoint_shape():
     from tts.fish.cli import SHAPE_NAMES
 
     assert set(SHAPE_NAMES) == set(SHAPES)
+
+
+@pytest.mark.parametrize("family", ["s2", "s1"])
+def test_fish_models_read_chinese_and_digits_as_given(fish_checkpoints, family):
+    # fish-speech main (S2) and d3df505 (S1) tokenize the user's text as it is: the planned chunk is the
+    # text itself, so the prompt is the one the reference builds for it (tokenization: test_fish_parity).
+    text = "1951年，我们的村子只有一条泥路。每到下雨天，孩子们就只能光着脚去上学。"
+    tts = TTS(load_bundle(fish_checkpoints[family]), EngineConfig(max_batch=1, graphs=False))
+    job = tts.prepare(text, max_new_frames=4)
+    assert job.chunks == [text] and job.warnings == []
+    fmt = tts.bundle.prompt_format
+    assert torch.equal(tts.planner.prompt(job.chunks[0], [], [], job.params), fmt.build(text))
+    assert fmt.text_policy == f"fish-{family}"

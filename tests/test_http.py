@@ -280,6 +280,28 @@ def test_sse_stream_carries_the_audio_and_a_done_event(server, reference):
     assert expected <= len(audio) <= expected + PADDING["mp3"]
 
 
+def test_warnings_and_normalize_over_http(server, offline):
+    warning = (
+        "this model reads English only: 4 characters of Han text were left out "
+        "(a multilingual model such as Fish Audio S2-Pro reads them)"
+    )
+    status, headers, body = server.speech(
+        input="Hello 你好世界 world.", seed=2, max_new_frames=3, response_format="pcm",
+        stream_format="sse",
+    )  # fmt: skip
+    assert status == 200 and headers["X-Warnings"] == warning
+    assert sse_events(body)[-1]["warnings"] == [warning]
+    status, headers, _ = server.speech(input="Hello.", seed=2, max_new_frames=3, response_format="pcm")
+    assert status == 200 and "X-Warnings" not in headers
+    # normalize: false reads the Markdown as given (the tiny model reads bytes: the audio differs)
+    kw = dict(seed=2, max_new_frames=4, min_new_frames=4, temperature=0.0)
+    _, _, off = server.speech(input="**5** items", normalize=False, response_format="pcm", **kw)
+    expected = offline.synthesize("**5** items", normalize=False, **kw).audio
+    assert off == to_pcm16(expected).astype("<i2").tobytes()
+    _, _, on = server.speech(input="**5** items", response_format="pcm", **kw)
+    assert on != off
+
+
 def test_speed_changes_the_duration(server, reference):
     for speed in (0.5, 2.0):
         status, headers, body = server.speech(

@@ -404,6 +404,43 @@ def test_reserved_tags_are_invalid_argument_before_any_work(server, stub):
     assert r["end"].frames > 0
 
 
+def test_text_the_model_cannot_speak_is_a_warning_the_client_sees(server, stub):
+    """The tiny model reads English: Chinese in the text is left out, and the header and end say so."""
+    expected = (
+        "this model reads English only: 4 characters of Han text were left out "
+        "(a multilingual model such as Fish Audio S2-Pro reads them)"
+    )
+    r = collect(stub.Synthesize(build_request("Hello 你好世界 world.", seed=1, max_new_frames=3)))
+    assert list(r["header"].warnings) == [expected] and expected in r["end"].warnings
+    unary = stub.SynthesizeUnary(build_request("Hello 你好世界 world.", seed=1, max_new_frames=3))
+    assert list(unary.header.warnings) == [expected]
+    # nothing English at all: refused before any work
+    err = rpc_error(lambda: collect(stub.Synthesize(build_request("你好世界。"))))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "reads English only" in err.details()
+    # plain English: no warning
+    assert (
+        list(collect(stub.Synthesize(build_request("Hello.", seed=1, max_new_frames=3)))["header"].warnings)
+        == []
+    )
+
+
+def test_normalize_false_reaches_the_planner(stub, offline):
+    """The server reads the text as given when asked: its codes are the offline run's with normalize=False
+    (the tiny model reads bytes, so "**5** items" and "five items." give different codes)."""
+    markdown = "# Title\n\n**5** items"
+    kw = dict(seed=1, max_new_frames=4, min_new_frames=4, include_codes=True)
+    on = collect(stub.Synthesize(build_request(markdown, **kw)))
+    off = collect(stub.Synthesize(build_request(markdown, normalize=False, **kw)))
+    sampling = dict(seed=1, max_new_frames=4, min_new_frames=4)
+    assert offline.plan(markdown) == ["Title. five items."]
+    np.testing.assert_array_equal(on["codes"], offline.synthesize(markdown, **sampling).codes.numpy())
+    np.testing.assert_array_equal(
+        off["codes"], offline.synthesize(markdown, normalize=False, **sampling).codes.numpy()
+    )
+    assert not np.array_equal(on["codes"], off["codes"])
+    assert not build_request("x").HasField("normalize")  # unset: the server's default, on
+
+
 def test_a_huge_voice_name_is_not_found_with_a_short_message(server, stub):
     name = "v" * 20_000
     for call in (lambda: collect(stub.Synthesize(build_request("Hi.", voice=name))),

@@ -239,3 +239,34 @@ def test_client_unwritable_output_fails_before_connecting(capsys):
         rc == 2
         and capsys.readouterr().err.strip() == "tts: error: cannot write /sys/x.wav: permission denied"
     )
+
+
+def test_client_prints_the_servers_text_warning_once_and_sends_no_normalize(tmp_path, capsys):
+    import numpy as np
+    from test_service import ServerThread
+
+    from tts.api import TTS
+    from tts.engine import EngineConfig
+
+    bundle = tts.bundle.load_bundle("tiny")
+    srv = ServerThread(bundle, EngineConfig(max_batch=2))
+    try:
+        out = tmp_path / "a.wav"
+        argv = ["client", "Hello 你好 world.", "--server", srv.address, "-o", str(out), "--seed", "1"]
+        assert main([*argv, "--max-new-frames", "3", "-q"]) == 0
+        err = capsys.readouterr().err
+        assert err.count("warning: this model reads English only: 2 characters of Han text") == 1
+        # --no-normalize: the server reads "**5** items" as given (the audio of the offline run that does)
+        kw = dict(seed=1, max_new_frames=6, temperature=0.0)
+        argv = ["client", "**5** items", "--server", srv.address, "-o", str(out), "--encoding", "float32"]
+        assert main([*argv, "--no-normalize", "--seed", "1", "--max-new-frames", "6", "--temperature", "0",
+                     "-q"]) == 0  # fmt: skip
+        audio, _ = sf.read(out, dtype="float32")
+        offline = TTS(bundle)
+        expected = offline.synthesize("**5** items", normalize=False, **kw).audio
+        assert len(expected) > 0 and len(audio) == len(expected)
+        np.testing.assert_allclose(audio, expected, atol=1e-6)
+        normalized = offline.synthesize("**5** items", **kw).audio
+        assert len(normalized) != len(audio) or not np.allclose(normalized, audio)
+    finally:
+        srv.stop()

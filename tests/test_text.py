@@ -225,3 +225,134 @@ def test_heldout_sentences_normalize_byte_identically():
     assert len(lines) == len(expected) == 64
     for raw, spoken in zip(lines, expected, strict=True):
         assert normalize_text(raw) == spoken, raw
+
+
+@pytest.mark.parametrize(
+    "raw, spoken",
+    [
+        # amounts with a scale word: the currency goes after the scale
+        ("$5.3 billion", "five point three billion dollars"),
+        ("It raised $20 million.", "It raised twenty million dollars."),
+        ("a \u20ac1.5bn deal", "a one point five billion euros deal"),
+        ("$10k a year", "ten thousand dollars a year"),
+        ("$1 million", "one million dollars"),
+        # currency ranges
+        ("$5-10", "five to ten dollars"),
+        ("Tickets cost $5-$10.", "Tickets cost five to ten dollars."),
+        ("\u00a35.50-7", "five pounds and fifty pence to seven pounds"),
+        # digits glued to letters are read apart
+        ("221B", "two hundred and twenty-one B"),
+        ("I live at 221B Baker St.", "I live at two hundred and twenty-one B Baker Street."),
+        ("MP3 and 4K and B2B", "MP three and four K and B two B"),
+        # version numbers
+        ("2.0.1", "two point zero point one"),
+        ("Update to v1.12.3 now.", "Update to v one point twelve point three now."),
+        # times: "a m" / "p m" with or without minutes, the sentence's period kept
+        ("3:30 p.m.", "three thirty p m."),
+        ("10 a.m.", "ten a m."),
+        ("At 10 a.m. we meet.", "At ten a m we meet."),
+        ("Open 9am to 5pm daily.", "Open nine a m to five p m daily."),
+        ("It ends at 3:30 p.m. Then we eat.", "It ends at three thirty p m. Then we eat."),
+        ("Call at 4:15 amid the noise.", "Call at four fifteen amid the noise."),
+        # time ranges keep their words apart
+        ("10:30-11:30 tomorrow", "ten thirty to eleven thirty tomorrow"),
+        ("Meet at 9:00 tomorrow.", "Meet at nine o'clock tomorrow."),
+        # negative numbers
+        ("-5 kg", "minus five kilograms"),
+        ("from -5 to 5", "from minus five to five"),
+        ("It fell to \u22123.5 today.", "It fell to minus three point five today."),
+        # scientific notation
+        ("3.14e10", "three point one four times ten to the power of ten"),
+        ("1e-5", "one times ten to the power of minus five"),
+        # host and file names
+        ("Visit example.com.", "Visit example dot com."),
+        (
+            "Mail me@docs.python.org or open notes.txt",
+            "Mail me at docs dot python dot org or open notes dot txt",
+        ),
+        ("It is 3.5 kg, e.g. a lot.", "It is three point five kilograms, for example a lot."),
+    ],
+)
+def test_english_edge_cases(raw, spoken):
+    assert normalize_text(raw) == spoken
+
+
+# ---- splitting at the sentence ends of every script ------------------------------------------------------
+
+ZH_PARAGRAPH = (
+    "1951年，我们的村子只有一条泥路。每到下雨天，孩子们就只能光着脚去上学。后来，政府修了一条水泥路，"
+    "村里的人都很高兴。现在，每家每户都有了自来水和电，生活比以前好多了！你能想象那时候的日子有多苦吗？"
+    "老人们常常说，今天的幸福来之不易，我们要好好珍惜。年轻人听了，都点头表示同意。村口的那棵老槐树已经有"
+    "三百多年的历史了，它见证了村子的变迁。每年春天，槐花盛开，整个村子都飘着淡淡的清香。孩子们在树下玩耍，"
+    "老人们在树荫里聊天，这是村里最热闹的地方；到了晚上，大家还会在这里看露天电影。"
+)
+JA_PARAGRAPH = (
+    "今日はとても良い天気ですね。私は朝早く起きて、近くの公園を散歩しました。桜の花がきれいに咲いていて、"
+    "たくさんの人が写真を撮っていました！子供たちは元気に走り回っていました。あなたは花見が好きですか？"
+    "私は毎年、友達と一緒にお弁当を持って出かけます。「来年も一緒に来ようね。」と友達が言いました。"
+    "帰り道に小さなカフェに寄って、抹茶ラテを飲みました。とても美味しかったので、また行きたいと思います。"
+)
+
+
+@pytest.mark.parametrize("paragraph, limit", [(ZH_PARAGRAPH, 200), (JA_PARAGRAPH, 120), (ZH_PARAGRAPH, 100)])
+def test_cjk_paragraphs_split_at_sentence_ends(paragraph, limit):
+    assert len(paragraph.encode()) > 3 * limit
+    chunks = split_text(paragraph, limit)
+    assert "".join(chunks) == paragraph  # nothing lost, nothing added (no spaces between CJK chunks)
+    assert all(len(c.encode()) <= limit for c in chunks)
+    # every chunk ends a sentence (。！？； or a closing quote after one)
+    assert all(c[-1] in "。！？；」" for c in chunks), chunks
+    # and is as full as sentences allow: the next chunk's first sentence would not have fit
+    sentences = re.findall(r".+?[。！？；](?:」(?!と)|(?!」))", paragraph)  # 「…。」と is inside one
+    for chunk, following in zip(chunks, chunks[1:], strict=False):
+        first = next(s for s in sentences if following.startswith(s))
+        assert len((chunk + first).encode()) > limit
+
+
+def test_the_zh_paragraph_in_200_byte_chunks():
+    assert split_text(ZH_PARAGRAPH, 200) == [
+        "1951年，我们的村子只有一条泥路。每到下雨天，孩子们就只能光着脚去上学。后来，政府修了一条水泥路，村里的人都很高兴。",
+        "现在，每家每户都有了自来水和电，生活比以前好多了！你能想象那时候的日子有多苦吗？老人们常常说，今天的幸福来之不易，我们要好好珍惜。",
+        "年轻人听了，都点头表示同意。村口的那棵老槐树已经有三百多年的历史了，它见证了村子的变迁。",
+        "每年春天，槐花盛开，整个村子都飘着淡淡的清香。孩子们在树下玩耍，老人们在树荫里聊天，这是村里最热闹的地方；",
+        "到了晚上，大家还会在这里看露天电影。",
+    ]
+
+
+def test_a_japanese_quotation_stays_with_its_sentence():
+    chunks = split_text(JA_PARAGRAPH, 120)
+    assert any("「来年も一緒に来ようね。」と友達が言いました。" in c for c in chunks)
+    assert not any(c.startswith("と友達") for c in chunks)
+
+
+def test_a_cjk_sentence_longer_than_the_limit_splits_at_its_commas():
+    sentence = "孩子们在树下玩耍，老人们在树荫里聊天，这是村里最热闹的地方、也是最安静的地方。"
+    chunks = split_text(sentence, 60)
+    assert "".join(chunks) == sentence
+    assert all(len(c.encode()) <= 60 and c[-1] in "，、。" for c in chunks), chunks
+
+
+@pytest.mark.parametrize(
+    "text, limit, expected",
+    [
+        # Latin text: sentence ends followed by a space (closing quotes stay with their sentence)
+        ('He said "Stop!" Then he left. Why?', 20, ['He said "Stop!"', "Then he left. Why?"]),
+        # full-width and other scripts' sentence ends
+        ("Hola. ¿Qué tal? Bien.", 12, ["Hola.", "¿Qué tal?", "Bien."]),
+        ("مرحبا بكم. كيف حالكم؟ نحن بخير.", 40, ["مرحبا بكم. كيف حالكم؟", "نحن بخير."]),
+        ("यह पहला वाक्य है। यह दूसरा है।", 50, ["यह पहला वाक्य है।", "यह दूसरा है।"]),
+        ("안녕하세요. 반갑습니다! 잘 지내세요?", 36, ["안녕하세요. 반갑습니다!", "잘 지내세요?"]),
+        # a decimal point is not a sentence end
+        ("Pi is 3.14 and e is 2.71 today.", 20, ["Pi is 3.14 and e is", "2.71 today."]),
+        # line breaks end sentences too
+        ("First line\nSecond line", 12, ["First line", "Second line"]),
+    ],
+)
+def test_split_text_at_sentence_ends_of_other_scripts(text, limit, expected):
+    assert split_text(text, limit) == expected
+
+
+def test_a_long_word_is_cut_between_characters_keeping_combining_marks():
+    assert split_text("e\u0301" * 4, 5) == ["e\u0301"] * 4  # é as e + U+0301: 3 bytes each
+    assert split_text("abc\u0301d", 4) == ["ab", "c\u0301d"]
+    assert split_text("ab\u0301\u0301c", 4) == ["ab\u0301", "\u0301c"]  # b + its marks exceed 4 bytes

@@ -127,9 +127,9 @@ class TTS:
     def max_context(self) -> int:
         return self.engine.max_context
 
-    def plan(self, text: str, chunk_length: int | None = None) -> list[str]:
-        """The text's generation chunks (normalized; see `Planner.plan`)."""
-        return self.planner.plan(text, chunk_length)
+    def plan(self, text: str, chunk_length: int | None = None, normalize: bool = True) -> list[str]:
+        """The text's generation chunks, as the model reads them (see `Planner.text_plan`)."""
+        return self.planner.plan(text, chunk_length, normalize)
 
     def voice(self, voice) -> list[VoiceReference]:
         """Resolve a voice name or reference objects (see `Planner.voice`)."""
@@ -161,32 +161,35 @@ class TTS:
 
     def prepare(
         self, text: str, *, voice: str | VoiceReference | list[VoiceReference] | None = None,
-        chunk_length: int | None = None, first_chunk_frames: int = 4, chunk_frames: int = 16, **sampling,
+        chunk_length: int | None = None, first_chunk_frames: int = 4, chunk_frames: int = 16,
+        normalize: bool = True, **sampling,
     ) -> SynthesisJob:  # fmt: skip
         """Validate everything about a synthesis before any work (see `Planner.job`): text, sampling
-        values, voice, and that every chunk's prompt plus its budget fits the context. Raises
-        TextError, InvalidRequest, VoiceNotFound."""
+        values, voice, and that every chunk's prompt plus its budget fits the context. normalize=False
+        reads the text as given (no markup reading or normalization, `tts.textpolicy`). The job's
+        `warnings` say what was left out of the text. Raises TextError, InvalidRequest, VoiceNotFound."""
         return self.planner.job(
             text, voice=voice, chunk_length=chunk_length, first_chunk_frames=first_chunk_frames,
-            chunk_frames=chunk_frames, **sampling,
+            chunk_frames=chunk_frames, normalize=normalize, **sampling,
         )  # fmt: skip
 
     def stream(
         self, text: str | SynthesisJob, *, voice: str | VoiceReference | list[VoiceReference] | None = None,
         first_chunk_frames: int = 4, chunk_frames: int = 16, chunk_length: int | None = None,
-        progress: ProgressFn | None = None, **sampling,
+        progress: ProgressFn | None = None, normalize: bool = True, **sampling,
     ) -> Iterator[AudioChunk]:  # fmt: skip
         """Yield audio chunks as frames are generated: the first after `first_chunk_frames` frames,
         then every `chunk_frames` (decoded on the codec stage's thread while the engine runs on).
         `sampling`: temperature, top_p, top_k, max_new_frames (per text chunk), min_new_frames,
-        repetition_penalty, seed, ras_window. `text` may be a SynthesisJob from `prepare`. Raises TextError, InvalidRequest,
-        VoiceNotFound before any work."""
+        repetition_penalty, seed, ras_window. normalize=False reads the text as given (see `prepare`).
+        `text` may be a SynthesisJob from `prepare`. Raises TextError, InvalidRequest, VoiceNotFound
+        before any work."""
         job = (
             text
             if isinstance(text, SynthesisJob)
             else self.prepare(
                 text, voice=voice, chunk_length=chunk_length, first_chunk_frames=first_chunk_frames,
-                chunk_frames=chunk_frames, **sampling,
+                chunk_frames=chunk_frames, normalize=normalize, **sampling,
             )
         )  # fmt: skip
         sink = ListSink(progress)

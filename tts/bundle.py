@@ -11,8 +11,9 @@ directory format is a Fish-style directory with one extra config key:
     voices/NAME.safetensors        reference codes [N, T] with the transcript in the metadata
 
 "tts_runtime" may also name a text `frontend` (tts/frontend.py; absent = the normalized text itself):
-the default model reads espeak-ng IPA phonemes ("espeak-ipa:en-us"); and a `default_voice`, the preset
-used when a request names none (absent = no reference, as for Fish models).
+the default model reads espeak-ng IPA phonemes ("espeak-ipa:en-us"); a `text_policy` (tts/textpolicy.py;
+absent = "english", the English normalizer); and a `default_voice`, the preset used when a request names
+none (absent = no reference, as for Fish models).
 
 Directories without "tts_runtime" are Fish checkpoints, handed to `tts.fish` (separate issue).
 """
@@ -37,6 +38,7 @@ from .frontend import get_frontend
 from .model import DualARTransformer
 from .params import FrameConvention, SamplingParams
 from .prompt import PromptFormat, S2PromptFormat, VoiceReference
+from .textpolicy import get_text_policy
 from .tokenizer import TextTokenizer, TokenizerLike, build_byte_tokenizer
 
 log = logging.getLogger(__name__)
@@ -272,6 +274,7 @@ def save_bundle(bundle: ModelBundle, directory: str | Path, codec_config: dict |
         "family": bundle.family,
         "prompt_format": bundle.prompt_format.name,
         "frontend": getattr(bundle.prompt_format.frontend, "spec", "text"),
+        "text_policy": bundle.prompt_format.text_policy,
         "default_voice": bundle.default_voice,
         "chunk_length": bundle.chunk_length,
         "sampling": {
@@ -332,7 +335,8 @@ def load_bundle(
     return _load_own_bundle(directory, raw, device, dtype)
 
 
-def _load_own_bundle(directory: Path, raw: dict, device, dtype) -> ModelBundle:
+def _own_text_side(directory: Path, raw: dict) -> tuple[ModelArgs, TextTokenizer, S2PromptFormat]:
+    """The model arguments, tokenizer and prompt format (frontend, text policy) of our own directory."""
     runtime = raw[RUNTIME_KEY]
     args = ModelArgs.from_dict(raw)
     tokenizer = TextTokenizer.from_file(directory / "tokenizer.json")
@@ -341,6 +345,18 @@ def _load_own_bundle(directory: Path, raw: dict, device, dtype) -> ModelBundle:
         args.semantic_end_id,
     ):
         raise ConfigError("config.json semantic id range disagrees with tokenizer.json")
+    try:
+        frontend = get_frontend(runtime.get("frontend"))
+        text_policy = runtime.get("text_policy", "english")
+        get_text_policy(text_policy)
+    except ValueError as exc:
+        raise ConfigError(f"{directory / 'config.json'}: {exc}") from exc
+    return args, tokenizer, S2PromptFormat(tokenizer, args.num_codebooks, frontend, text_policy)
+
+
+def _load_own_bundle(directory: Path, raw: dict, device, dtype) -> ModelBundle:
+    runtime = raw[RUNTIME_KEY]
+    args, tokenizer, prompt_format = _own_text_side(directory, raw)
     args.eos_token_id = tokenizer.eos_id
     with torch.device("meta"):
         model = DualARTransformer(args)
@@ -350,10 +366,6 @@ def _load_own_bundle(directory: Path, raw: dict, device, dtype) -> ModelBundle:
     if "max_new_tokens" in sampling_cfg:  # the key's name before 2026-12
         sampling_cfg.setdefault("max_new_frames", sampling_cfg.pop("max_new_tokens"))
     sampling = SamplingParams(**sampling_cfg)
-    try:
-        frontend = get_frontend(runtime.get("frontend"))
-    except ValueError as exc:
-        raise ConfigError(f"{directory / 'config.json'}: {exc}") from exc
     voices = load_voices(directory / "voices")
     default_voice = runtime.get("default_voice")
     if default_voice is not None and default_voice not in voices:
@@ -363,10 +375,55 @@ def _load_own_bundle(directory: Path, raw: dict, device, dtype) -> ModelBundle:
         codec.to(device)  # decode and encode on the model's device (the codec stage's batched decode too)
     return ModelBundle(
         name=runtime.get("name", directory.name), family=runtime.get("family", "dual_ar"),
-        model=model.eval(), codec=codec, tokenizer=tokenizer,
-        prompt_format=S2PromptFormat(tokenizer, args.num_codebooks, frontend),
-        voices=voices, sampling=sampling, chunk_length=runtime.get("chunk_length", 200), path=directory,
+        model=model.eval(), codec=codec, tokenizer=tokenizer, prompt_format=prompt_format, voices=voices, sampling=sampling, chunk_length=runtime.get("chunk_length", 200), path=directory,
         default_voice=default_voice,
+    )  # fmt: skip
+
+
+@dataclass
+class TextModel:
+    """The text side of a model: what planning text needs (`tts text`), without weights or codec."""
+
+    name: str
+    family: str
+    tokenizer: TokenizerLike
+    prompt_format: PromptFormat
+    chunk_length: int
+
+
+def load_text_model(spec: str | Path = "default") -> TextModel:
+    """The tokenizer, prompt format and chunk length of a preset or checkpoint directory, read without
+    loading weights or codec (a Fish checkpoint's tokenizer and config only). Raises CheckpointError /
+    ConfigError / TokenizerError as `load_bundle` does."""
+    if str(spec) == "tiny" or (str(spec) == "default" and not (DEFAULT_MODEL_DIR / "config.json").is_file()):
+        b = build_tiny_bundle()
+        return TextModel(b.name, b.family, b.tokenizer, b.prompt_format, b.chunk_length)
+    directory = DEFAULT_MODEL_DIR if str(spec) == "default" else Path(spec)
+    if not directory.is_dir():
+        raise CheckpointError(f"{spec} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{directory} has no config.json")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
+    if RUNTIME_KEY in raw:
+        runtime = raw[RUNTIME_KEY]
+        _, tokenizer, prompt_format = _own_text_side(directory, raw)
+        return TextModel(
+            runtime.get("name", directory.name), runtime.get("family", "dual_ar"), tokenizer, prompt_format,
+            runtime.get("chunk_length", 200),
+        )  # fmt: skip
+    from .fish.loader import FAMILIES, detect_family, fish_model_args, load_fish_tokenizer
+
+    family = detect_family(raw)
+    spec_ = FAMILIES[family]
+    tokenizer = load_fish_tokenizer(directory, family)
+    args = fish_model_args(raw, family, tokenizer)
+    return TextModel(
+        directory.resolve().name, f"{spec_.display} ({raw['model_type']})", tokenizer,
+        spec_.prompt_format(tokenizer, args.num_codebooks), spec_.chunk_length,
     )  # fmt: skip
 
 
@@ -409,6 +466,6 @@ def build_tiny_bundle(device="cpu", dtype=torch.float32, seed: int = 0) -> Model
         )
     return ModelBundle(
         name="tiny", family="tiny (random weights)", model=model, codec=codec, tokenizer=tokenizer,
-        prompt_format=S2PromptFormat(tokenizer, args.num_codebooks), voices=voices,
+        prompt_format=S2PromptFormat(tokenizer, args.num_codebooks, text_policy="english"), voices=voices,
         sampling=SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_frames=100),
     )  # fmt: skip

@@ -1,5 +1,5 @@
 """The `tts` command line: synthesize, voices, info, and the subcommands other modules register
-(bench, serve, client, write-checkpoint, eval).
+(bench, serve, client, write-checkpoint, eval, text).
 
 Every failure a user can cause ends with one line `tts: error: <reason>` on stderr and a non-zero exit
 (2 for bad input, 1 for a failure while running), and never leaves a partial output file.
@@ -24,7 +24,7 @@ EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 
 # Modules that add subcommands: each has `add_parser(subparsers)` setting `func` on its parser.
-_SUBCOMMAND_MODULES = ("tts.bench", "service.cli", "tts.fish.cli", "tts.eval")
+_SUBCOMMAND_MODULES = ("tts.bench", "service.cli", "tts.fish.cli", "tts.eval", "tts.textcli")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -125,6 +125,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         "--repetition-penalty", type=float, default=None,
         help="in (0, 2), 1 = off: fish-speech 1.5's and S1's penalty on the last 16 frames' tokens (default: "
         "the model's, 1.2 / 1.1; other models ignore it)",
+    )  # fmt: skip
+
+
+def add_normalize_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-normalize", dest="normalize", action="store_false",
+        help="read the text as given: no Markdown/SSML reading, no normalization (numbers stay digits for "
+        "English models); `tts text` shows what the model reads either way",
     )  # fmt: skip
 
 
@@ -304,11 +312,11 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     from .api import TTS
     from .bundle import load_bundle
     from .engine import EngineConfig, SamplingParams
-    from .text import normalize_text
+    from .textpolicy import check_speakable
 
     # Check everything that does not need the model before loading it.
     text = read_text_arg(args)
-    normalize_text(text)
+    check_speakable(text)
     out = check_output_path(args.output)
     fmt = output_format(args)
     if (args.reference_audio is None) != (args.reference_text is None):
@@ -333,10 +341,12 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     if reference_audio is not None:
         audio, sr = reference_audio
         voice = tts.reference_from_audio(audio, sr, args.reference_text)
-    plan = tts.prepare(text, voice=voice, **sampling_kwargs(args))  # every check before any work
+    plan = tts.prepare(text, voice=voice, normalize=args.normalize, **sampling_kwargs(args))  # every check
     load_seconds = time.perf_counter() - t_load
     if not args.quiet:
         print(f"model: {bundle.describe()} (loaded in {load_seconds:.2f} s)", file=sys.stderr)
+    for warning in plan.warnings:  # what the model leaves out of the text: said before the work starts
+        print(f"warning: {warning}", file=sys.stderr)
 
     progress_bar = plain_progress = None
     if not args.quiet and sys.stderr.isatty():
@@ -360,7 +370,8 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
         progress_bar.close()
     write_output(out, result.audio, result.sample_rate, fmt)
     for warning in result.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
+        if warning not in plan.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
     print(
         f"wrote {'stdout' if args.output == '-' else out} ({fmt.name}): {result.frames} frames, "
         f"{result.audio_seconds:.2f} s audio at {result.sample_rate} Hz, "
@@ -537,6 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--voices-dir", help=argparse.SUPPRESS)
     p.add_argument("--reference-audio", help="WAV/FLAC clip of the voice to clone (with --reference-text)")
     p.add_argument("--reference-text", help="transcript of --reference-audio")
+    add_normalize_arg(p)
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
     add_model_args(p)
     add_codec_dtype_arg(p)

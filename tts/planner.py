@@ -2,8 +2,11 @@
 
 `Planner.job(text, voice=..., ...)` turns a caller's request into a `SynthesisJob`: sampling values
 (the bundle's defaults, overridden), the voice (a preset or registered voice by name, reference
-objects, or a prepared clip still to be encoded), the text normalized and split into generation chunks
-(reserved control tags refused), each chunk's frame budget (the caller's `max_new_frames`, capped by a
+objects, or a prepared clip still to be encoded), the text prepared by the model's text policy
+(`tts.textpolicy`: markup, the English normalizer for English models, the reference cleaning for Fish
+models; `normalize=False` skips markup and normalization) and split into generation chunks at sentence
+ends (reserved control tags refused), the warnings for the client (text left out or markup ignored),
+each chunk's frame budget (the caller's `max_new_frames`, capped by a
 runaway guard in proportion to the chunk's text), and the proof that every chunk's prompt plus its
 budget fits the engine. The Python API (`tts.api.TTS`) and both service fronts call it, so a request is
 validated one way whatever way it arrives. The planner never touches the device: encoding a clip and
@@ -28,7 +31,8 @@ from .bundle import ModelBundle
 from .codec.base import AudioError, prepare_audio
 from .params import MAX_CHUNK_FRAMES, InvalidRequest, SamplingParams
 from .prompt import Turn, VoiceReference
-from .text import TextError, has_speaker_tags, normalize_user_text, split_speaker_turns, split_text
+from .text import TextError
+from .textpolicy import TextPlan, get_text_policy, plan_text
 from .voices import VoiceNotFound, VoiceRegistry, codec_fingerprint
 
 log = logging.getLogger(__name__)
@@ -57,6 +61,7 @@ class PreparedReference:
     samples: Tensor
     text: str
     key: str | None = None
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -70,6 +75,7 @@ class SynthesisJob:
     first_chunk_frames / chunk_frames: audio chunk sizes in frames (>= 1).
     max_frames: the request's total audio limit in frames (None: none).
     voice_kind: "none", "default", "preset", "registered", "reference" or "objects" (for logs).
+    warnings: for the client, about the text (left out, markup ignored); the runner passes them on.
     """
 
     chunks: list[str]
@@ -83,6 +89,7 @@ class SynthesisJob:
     max_frames: int | None = None
     voice_kind: str = "none"
     text_bytes: int = 0
+    warnings: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.budgets:
@@ -105,6 +112,7 @@ class Planner:
         self.max_context = max_context
         self._check = check
         self.voices = voices or VoiceRegistry(bundle.voices, None, codec_fingerprint(bundle.codec))
+        self.text_policy = get_text_policy(getattr(bundle.prompt_format, "text_policy", "english"))
 
     @property
     def sample_rate(self) -> int:
@@ -173,20 +181,24 @@ class Planner:
             )
         if float(x.abs().max()) < SILENCE_PEAK:
             raise AudioError("reference audio is silent")
-        return PreparedReference(x, normalize_user_text(text, self.bundle.prompt_format.user_tags), key)
+        # A transcript is read as plain text (no markup), normalized as the model's text policy says.
+        prepared = self.text_policy.prepare(text, self.bundle.prompt_format.user_tags, markup=False)
+        warnings = [f"reference transcript: {w}" for w in prepared.warnings]
+        return PreparedReference(x, prepared.text, key, warnings)
 
-    def plan(self, text: str, chunk_length: int | None = None) -> list[str]:
-        """Normalize and split text into generation chunks (chunk_length 0 = one chunk). Text with
-        `<|speaker:N|>` tags is split into speaker turns, grouped up to 5 turns and chunk_length bytes
-        per chunk (Fish spec 3.2). Raises TextError when nothing is left to speak, InvalidRequest for a
-        `<|...|>` tag the model's prompt format does not take from users (`tts.text.check_user_tags`)."""
-        normalized = normalize_user_text(text, self.bundle.prompt_format.user_tags)
+    def plan(self, text: str, chunk_length: int | None = None, normalize: bool = True) -> list[str]:
+        """The generation chunks of `text` (see `text_plan`)."""
+        return self.text_plan(text, chunk_length, normalize).chunks
+
+    def text_plan(self, text: str, chunk_length: int | None = None, normalize: bool = True) -> TextPlan:
+        """Prepare text with the model's text policy (`tts.textpolicy`; normalize=False: as given) and
+        split it into generation chunks of at most chunk_length UTF-8 bytes (None: the model's; 0 = one
+        chunk) at sentence ends of any script. Text with `<|speaker:N|>` tags is split into speaker
+        turns, grouped up to 5 turns and chunk_length bytes per chunk (Fish spec 3.2). Returns the chunks
+        and the warnings for the client. Raises TextError when nothing is left to speak, InvalidRequest
+        for a `<|...|>` tag the model's prompt format does not take from users."""
         limit = self.bundle.chunk_length if chunk_length is None else chunk_length
-        if limit <= 0:
-            return [normalized]
-        if has_speaker_tags(normalized):
-            return split_speaker_turns(normalized, limit)
-        return split_text(normalized, limit)
+        return plan_text(text, self.text_policy, self.bundle.prompt_format.user_tags, limit, normalize)
 
     def guard_frames(self, chunk_text: str) -> int:
         """The runaway guard's frame budget for a text chunk (see GUARD_SECONDS)."""
@@ -231,12 +243,13 @@ class Planner:
         self, text: str, *, voice: str | VoiceReference | list[VoiceReference] | None = None,
         reference: PreparedReference | None = None, chunk_length: int | None = None,
         first_chunk_frames: int = 4, chunk_frames: int = 16, max_audio_seconds: float | None = None,
-        request_id: str | None = None, **sampling,
+        request_id: str | None = None, normalize: bool = True, **sampling,
     ) -> SynthesisJob:  # fmt: skip
         """Plan and validate a synthesis (see the module docstring); `sampling`: temperature, top_p,
         top_k, max_new_frames (per text chunk), min_new_frames, seed, ras_window, repetition_penalty. A
-        random seed is chosen
-        when none is given. Raises TextError, InvalidRequest, VoiceNotFound or AudioError before any
+        random seed is chosen when none is given. normalize=False: the text is read as given (no markup
+        reading, no normalization; see `tts.textpolicy`). Raises TextError, InvalidRequest, VoiceNotFound
+        or AudioError before any
         work; a `reference` clip is checked for size here (its codes come later, from the codec stage)."""
         if not (1 <= first_chunk_frames <= MAX_CHUNK_FRAMES and 1 <= chunk_frames <= MAX_CHUNK_FRAMES):
             raise InvalidRequest(
@@ -252,7 +265,9 @@ class Planner:
         if reference is not None and voice is not None:
             raise InvalidRequest("give a voice or a reference clip, not both")
         references, kind = self._voice(voice) if reference is None else ([], "reference")
-        chunks = self.plan(text, chunk_length)
+        text_plan = self.text_plan(text, chunk_length, normalize)
+        chunks = text_plan.chunks
+        warnings = list(text_plan.warnings) + (list(reference.warnings) if reference is not None else [])
         seed = params.seed if params.seed is not None else secrets.randbits(62)
         self.check_chunk_seeds(seed, len(chunks))
         params = replace(params, seed=seed)
@@ -276,7 +291,7 @@ class Planner:
             max_frames = max(1, math.floor(max_audio_seconds * self.frame_rate))
         return SynthesisJob(
             chunks, params, budgets, references, reference, first_chunk_frames, chunk_frames, request_id,
-            max_frames, kind, len(text.encode("utf-8", "replace")),
+            max_frames, kind, len(text.encode("utf-8", "replace")), warnings,
         )  # fmt: skip
 
 

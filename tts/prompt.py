@@ -40,10 +40,15 @@ class PromptFormat(Protocol):
     """A model family's prompt layout: `build` returns the `[T, 1 + N]` int64 frame matrix for a target
     text, its voice references and the earlier chunks of the same request; `name` identifies it;
     `user_tags` matches the `<|...|>` tags the format documents for user text (None: no tag), and `build`
-    raises InvalidRequest when user text would tokenize to any other special token."""
+    raises InvalidRequest when user text would tokenize to any other special token. `text_policy` names
+    what the planner does to user text for this model (`tts.textpolicy`); `model_text(text)` is what the
+    model reads for a planned chunk (its phonemes, or the reference code's cleaning of it)."""
 
     name: str
     user_tags: re.Pattern | None
+    text_policy: str
+
+    def model_text(self, text: str) -> str: ...
 
     def build(
         self, text: str, references: Sequence[VoiceReference] = (), history: Sequence[Turn] = ()
@@ -107,13 +112,22 @@ class S2PromptFormat:
     SYSTEM = "convert the provided text to speech"
     SYSTEM_WITH_REFERENCE = "convert the provided text to speech reference to the following:\n\nText:\n"
 
-    def __init__(self, tokenizer: TokenizerLike, num_codebooks: int, frontend: Frontend = identity):
+    def __init__(
+        self, tokenizer: TokenizerLike, num_codebooks: int, frontend: Frontend = identity,
+        text_policy: str = "fish-s2",
+    ):  # fmt: skip
         """`frontend` maps every text the prompt carries (target, reference transcripts, earlier turns)
         to what the model reads, e.g. phonemes for the default model (`tts.frontend`); special tokens
-        such as `<|speaker:1|>` pass through untouched."""
+        such as `<|speaker:1|>` pass through untouched. `text_policy`: S2-Pro's own ("fish-s2") unless
+        the model says otherwise (our English models: "english")."""
         self.tokenizer = tokenizer
         self.num_codebooks = num_codebooks
         self.frontend = frontend
+        self.text_policy = text_policy
+
+    def model_text(self, text: str) -> str:
+        """What the model reads for `text`: its frontend's output (phonemes), else the text."""
+        return apply_frontend(self.frontend, text)
 
     def build(self, text: str, references: list[VoiceReference] = (), history: list[Turn] = ()) -> Tensor:
         p = PromptAssembler(self.tokenizer, self.num_codebooks)

@@ -93,6 +93,7 @@ _TRANSLATE = str.maketrans(
         "\u2026": "...",
         "\u00a0": " ",
         "\u2044": "/",
+        "\u2212": "-",
     }  # fmt: skip
 )
 _CURRENCIES = {"$": ("dollar", "dollars", "cent", "cents"), "£": ("pound", "pounds", "penny", "pence"),
@@ -117,8 +118,12 @@ def _year_words(y: int) -> str:
 
 
 def _currency(m: re.Match) -> str:
-    one, many, cent, cents = _CURRENCIES[m.group(1)]
-    amount = m.group(2).replace(",", "")
+    return _currency_amount(m.group(1), m.group(2))
+
+
+def _currency_amount(symbol: str, amount: str) -> str:
+    one, many, cent, cents = _CURRENCIES[symbol]
+    amount = amount.replace(",", "")
     whole, _, frac = amount.partition(".")
     words = f"{num2words(int(whole))} {one if int(whole) == 1 else many}"
     if frac and int(frac[:2].ljust(2, "0")):
@@ -141,14 +146,73 @@ def _date_us(m: re.Match) -> str:
     return f"{_MONTHS[mo - 1]} {num2words(d, to='ordinal')}, {_year_words(y)}"
 
 
+def _meridiem(m: re.Match, group: int) -> str:
+    """The words " a m" / " p m" for the a.m./p.m. in `group` ("" when it did not match); a period that also ends
+    the sentence (text ends, or a capital follows) is kept."""
+    marker = m.group(group)
+    if not marker:
+        return ""
+    words = " " + " ".join(marker.replace(".", "").lower())
+    rest = m.string[m.end() :]
+    if marker.endswith(".") and (not rest.strip() or re.match(r"\s+[A-Z]", rest)):
+        words += "."
+    return words
+
+
 def _time(m: re.Match) -> str:
     h, mi = int(m.group(1)), int(m.group(2))
-    suffix = f" {m.group(3).replace('.', '').lower()}" if m.group(3) else ""
-    suffix = " ".join(suffix).replace("  ", " ") if suffix else ""
+    suffix = _meridiem(m, 3)
     if mi == 0:
         return f"{num2words(h)} o'clock{suffix}" if not suffix else f"{num2words(h)}{suffix}"
     minutes = f"oh {num2words(mi)}" if mi < 10 else num2words(mi)
     return f"{num2words(h)} {minutes}{suffix}"
+
+
+def _hour(m: re.Match) -> str:
+    """An hour before a.m./p.m. without minutes: "10 a.m." -> "ten a m" (as the time rule reads it)."""
+    h = int(m.group(1))
+    if not 1 <= h <= 12:
+        return m.group(0)
+    return f"{num2words(h)}{_meridiem(m, 2)}"
+
+
+# "$5.3 billion", "$10k", "€1.5bn": the scale is read before the currency.
+_SCALES = {
+    "thousand": "thousand", "k": "thousand", "K": "thousand", "million": "million", "m": "million",
+    "M": "million", "mn": "million", "billion": "billion", "bn": "billion", "B": "billion",
+    "trillion": "trillion", "tn": "trillion", "T": "trillion",
+}  # fmt: skip
+
+
+def _currency_scale(m: re.Match) -> str:
+    many = _CURRENCIES[m.group(1)][1]
+    return f"{_number_words(m.group(2))} {_SCALES[m.group(3)]} {many}"
+
+
+def _currency_range(m: re.Match) -> str:
+    """$5-10 -> "five to ten dollars"; with cents both ends are read as amounts."""
+    symbol, a, b = m.group(1), m.group(2), m.group(3)
+    if "." not in a + b:
+        return f"{_int_words(a)} to {_int_words(b)} {_CURRENCIES[symbol][1]}"
+    return f"{_currency_amount(symbol, a)} to {_currency_amount(symbol, b)}"
+
+
+def _scientific(m: re.Match) -> str:
+    sign = "minus " if m.group(2) in ("-", "\u2212") else ""
+    return f"{_number_words(m.group(1))} times ten to the power of {sign}{num2words(int(m.group(3)))}"
+
+
+def _spaced(m: re.Match, words: str) -> str:
+    """`words` for the match, set apart by spaces from letters glued to it ("221B" -> "... B")."""
+    s, i, j = m.string, m.start(), m.end()
+    before = " " if i > 0 and s[i - 1].isalpha() else ""
+    after = " " if j < len(s) and s[j].isalpha() else ""
+    return f"{before}{words}{after}"
+
+
+def _version(m: re.Match) -> str:
+    """2.0.1 -> "two point zero point one" (three or more dot-separated parts: a version)."""
+    return _spaced(m, " point ".join(num2words(int(p)) for p in m.group(0).split(".")))
 
 
 def _month_abbreviation_date(m: re.Match) -> str:
@@ -219,12 +283,15 @@ def _unit(m: re.Match) -> str:
             return m.group(0)
         return f"{words} {many}" if whole else f"{words} of {'an' if one[0] in 'aeiou' else 'a'} {one}"
     words = f"{_number_words(number)} {one if number == '1' else many}"
-    if sign:
-        return f"minus {words}" if one.startswith("degree") else f"{sign}{words}"
-    return words
+    return f"minus {words}" if sign else words
 
 
 _RULES: list[tuple[re.Pattern, object]] = [
+    # host names (what tts.markup makes of a URL) and file names, not paths: "example.com" -> "example dot com"
+    (
+        re.compile(r"(?<![\w./])[a-z0-9][a-z0-9-]*(?:\.[a-z0-9-]+)*\.[a-z]{2,}(?!\w|\.\w)"),
+        lambda m: m.group(0).replace(".", " dot "),
+    ),  # fmt: skip
     (
         re.compile(
             rf"\b({'|'.join(sorted(_MONTH_ABBREVIATIONS, key=len, reverse=True))})\.?\s+(\d{{1,2}})"
@@ -238,7 +305,26 @@ _RULES: list[tuple[re.Pattern, object]] = [
     ),  # fmt: skip
     (re.compile(r"\b(\d{4})-(\d{1,2})-(\d{1,2})\b"), _date_iso),
     (re.compile(r"\b(\d{1,2})/(\d{1,2})/(\d{4})\b"), _date_us),
-    (re.compile(r"\b(\d{1,2}):(\d{2})\s*([AaPp]\.?[Mm]\.?)?"), _time),
+    # scientific notation: 3.14e10
+    (re.compile(r"(?<![\w.,])(\d+(?:\.\d+)?)[eE]([-+]?)(\d{1,3})(?![\w]|[.,]\d)"), _scientific),
+    # versions (and other numbers of three or more dot-separated parts): 2.0.1
+    (re.compile(r"(?<![\d.,])\d+(?:\.\d+){2,}(?![\d]|\.\d)"), _version),
+    # a range of times: 10:30-11:30
+    (
+        re.compile(r"\b(\d{1,2}:\d{2}(?:\s*[AaPp]\.?[Mm]\.?(?![A-Za-z]))?)\s*-\s*(?=\d{1,2}:\d{2}\b)"),
+        lambda m: f"{m.group(1)} to ",
+    ),  # fmt: skip
+    (re.compile(r"\b(\d{1,2}):(\d{2})(?:\s*([AaPp]\.?[Mm]\.?)(?![A-Za-z]))?"), _time),
+    (re.compile(r"(?<![\w.,:])(\d{1,2})\s*([AaPp]\.?[Mm]\.?)(?![A-Za-z])"), _hour),
+    # currency before a scale ($5.3 billion) and currency ranges ($5-10)
+    (
+        re.compile(rf"([$£€])\s?(\d[\d,]*(?:\.\d+)?)\s?({'|'.join(_SCALES)})(?![\w])"),
+        _currency_scale,
+    ),  # fmt: skip
+    (
+        re.compile(r"([$£€])\s?(\d[\d,]*(?:\.\d+)?)\s?-\s?[$£€]?\s?(\d[\d,]*(?:\.\d+)?)(?![\d])"),
+        _currency_range,
+    ),  # fmt: skip
     (re.compile(r"\(\d{3}\)\s?\d{3}-\d{4}" + _END), _digit_groups),  # (555) 123-4567
     # 1-800-555-0199, 123-45-6789; not a sequence with a trailing hyphen ("1-4-7-10-13- is ...")
     (re.compile(_START + r"\d+(?:-\d+){2,}(?!-)" + _END), _digit_groups),
@@ -263,9 +349,11 @@ _RULES: list[tuple[re.Pattern, object]] = [
         lambda m: m.group(0)[:-4] + _year_words(int(m.group(1))),
     ),  # fmt: skip
     (re.compile(r"\b(\d+)s\b"), lambda m: _plural_number(m.group(1))),
+    # a minus sign before a number (not a hyphen between words or numbers)
+    (re.compile(r"(?<![\w.,/-])-(?=\d)"), lambda m: "minus "),
     (
         re.compile(r"(?<![\d.])(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?(?![\d])"),
-        lambda m: _number_words(m.group(0)),
+        lambda m: _spaced(m, _number_words(m.group(0))),
     ),  # fmt: skip
 ]
 
@@ -293,11 +381,13 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
-def remove_control_characters(text: str) -> str:
+def remove_control_characters(text: str, keep_joiners: bool = False) -> str:
     """`text` without what is never spoken: C0/C1 control characters become spaces (tab, newline and
     carriage return stay; normalization turns them into spaces), format characters (Unicode category
     Cf: zero-width space and joiners, word joiner, byte order mark, soft hyphen, direction marks) are
-    dropped. Raises TextError for a lone surrogate (what Python makes of bytes that are not UTF-8)."""
+    dropped, except the zero-width joiner and non-joiner with `keep_joiners` (they spell Persian, Indic
+    and emoji sequences, which multilingual models read). Raises TextError for a lone surrogate (what
+    Python makes of bytes that are not UTF-8)."""
     if (bad := _SURROGATE.search(text)) is not None:
         raise TextError(
             f"text is not valid UTF-8 (it holds the lone surrogate U+{ord(bad.group()):04X} at character "
@@ -306,7 +396,8 @@ def remove_control_characters(text: str) -> str:
     text = _CONTROL.sub(" ", text)
     if text.isascii():
         return text
-    return "".join(ch for ch in text if unicodedata.category(ch) != "Cf")
+    keep = "\u200c\u200d" if keep_joiners else ""
+    return "".join(ch for ch in text if ch in keep or unicodedata.category(ch) != "Cf")
 
 
 # Inline control tags (`<|speaker:0|>` and the like) pass through normalization untouched.
@@ -432,42 +523,93 @@ def _normalize_plain(text: str, allow_empty: bool = False) -> str:
     return text
 
 
+# ---- splitting ----------------------------------------------------------------------------------------
+# Boundaries, strongest first. A sentence ends at `.!?` followed by whitespace (or the end), at the sentence
+# marks of other scripts with or without whitespace after them (CJK 。！？； and their full-width and
+# half-width forms, Arabic ؟ and ۔, Devanagari । ॥, Ethiopic ።, Myanmar ။, Tibetan །, Armenian ։), and at a
+# line break. Closing quotes and brackets stay with their sentence; a quotation followed by the Japanese
+# quotative particle (「…。」と言った) does not end one. Clauses end at `,;:` followed by
+# whitespace, at CJK ，、： and the Arabic comma and semicolon, at an ellipsis and at a dash.
+_CLOSERS = "\"'\u201d\u2019\u300d\u300f\uff09)\\]\u3011\u300b\u3009\u203a\u00bb"
+_SENTENCE_END = re.compile(
+    rf"[.!?]+[{_CLOSERS}]*(?:\s+|$)"
+    rf"|[\u3002\uff01\uff1f\uff1b\uff0e\uff61\u061f\u06d4\u0964\u0965\u1362\u104b\u0f0d\u0589\u203c\u2047-\u2049]+"
+    rf"(?:[{_CLOSERS}]+(?![\u3068\u3063])|(?![{_CLOSERS}]))\s*"
+    r"|\n\s*"
+)
+_CLAUSE_END = re.compile(
+    rf"[,;:]+[{_CLOSERS}]*(?:\s+|$)|[\uff0c\u3001\uff1a\u060c\u061b\u2026]+[{_CLOSERS}]*\s*|(?:\u2014|--)\s*"
+)
+_WORD_END = re.compile(r"\s+")
+_LEVELS = (_SENTENCE_END, _CLAUSE_END, _WORD_END)
+
+
 def split_text(text: str, max_bytes: int) -> list[str]:
-    """Split normalized text into chunks of at most `max_bytes` UTF-8 bytes, preferring sentence
-    ends, then clause marks, then spaces; a single word longer than the limit is cut."""
+    """Split text into chunks of at most `max_bytes` UTF-8 bytes, in any script: sentences are packed
+    into chunks as long as they fit; only a sentence longer than the limit is split, at its clause
+    marks, then between words, and a single word longer than the limit is cut between characters. A
+    split sentence starts a new chunk, so no chunk ends mid-sentence while a whole sentence would fit.
+    Chunks are stripped; joined in order (with a space where the text had whitespace) they give the
+    text back."""
     if len(text.encode()) <= max_bytes:
         return [text]
     chunks: list[str] = []
-    for piece in _split_at(text, r"(?<=[.!?])\s+", max_bytes):
-        chunks.extend(
-            _split_at(piece, r"(?<=[,;:])\s+", max_bytes) if len(piece.encode()) > max_bytes else [piece]
-        )
-    out: list[str] = []
-    for c in chunks:
-        out.extend(_split_at(c, r"\s+", max_bytes) if len(c.encode()) > max_bytes else [c])
-    final: list[str] = []
-    for c in out:
-        while len(c.encode()) > max_bytes:
-            # at least one character, even when one character is longer than the limit
-            cut = c.encode()[:max_bytes].decode(errors="ignore") or c[0]
-            final.append(cut)
-            c = c[len(cut) :]
-        if c:
-            final.append(c)
-    return final
-
-
-def _split_at(text: str, pattern: str, max_bytes: int) -> list[str]:
-    """Greedily pack the pieces of `text` split at `pattern` into chunks of <= max_bytes."""
-    pieces = [p for p in re.split(pattern, text) if p]
-    chunks, current = [], ""
-    for p in pieces:
-        candidate = f"{current} {p}" if current else p
-        if len(candidate.encode()) <= max_bytes or not current:
-            current = candidate
+    current = ""
+    for piece, starts_new in _fitting_pieces(text, max_bytes, 0):
+        candidate = current + piece
+        if current.strip() and (starts_new or _nbytes(candidate.strip()) > max_bytes):
+            chunks.append(current.strip())
+            current = piece
         else:
-            chunks.append(current)
-            current = p
-    if current:
-        chunks.append(current)
+            current = candidate
+    if current.strip():
+        chunks.append(current.strip())
     return chunks
+
+
+def _nbytes(s: str) -> int:
+    return len(s.encode())
+
+
+def _fitting_pieces(text: str, max_bytes: int, level: int) -> list[tuple[str, bool]]:
+    """Consecutive substrings of `text` (their concatenation is `text`), each ending at a boundary of
+    `_LEVELS[level]` and at most `max_bytes` once stripped; a piece too long is split at the next level.
+    Each comes with True where it must start a new chunk (the first piece of a split piece)."""
+    if level == len(_LEVELS):
+        return [(p, i == 0) for i, p in enumerate(_cut(text, max_bytes))]
+    out: list[tuple[str, bool]] = []
+    start = 0
+    bounds = [m.end() for m in _LEVELS[level].finditer(text) if m.end() > 0] + [len(text)]
+    for end in bounds:
+        if end <= start:
+            continue
+        piece = text[start:end]
+        start = end
+        if _nbytes(piece.strip()) <= max_bytes:
+            out.append((piece, False))
+        else:
+            sub = _fitting_pieces(piece, max_bytes, level + 1)
+            out.extend([(sub[0][0], True), *sub[1:]])
+    return out
+
+
+def _cut(text: str, max_bytes: int) -> list[str]:
+    """`text` cut between characters into pieces of at most `max_bytes` (stripped), at least one
+    character each; a combining mark stays with its base character unless the two exceed the limit."""
+    clusters: list[str] = []
+    for ch in text:
+        if clusters and unicodedata.category(ch).startswith("M"):
+            clusters[-1] += ch
+        else:
+            clusters.append(ch)
+    units = [u for c in clusters for u in ([c] if _nbytes(c) <= max_bytes else list(c))]
+    pieces: list[str] = []
+    current = ""
+    for u in units:
+        if current.strip() and _nbytes((current + u).strip()) > max_bytes:
+            pieces.append(current)
+            current = ""
+        current += u
+    if current:
+        pieces.append(current)
+    return pieces

@@ -218,6 +218,7 @@ class JobRunner:
         """Start a job; its events go to `sink`. Returns its id. Input errors found now (a clip that
         does not encode, a prompt that does not fit) arrive as Failed, never as exceptions."""
         job = _Job(job_id or self.new_job_id(spec.request_id), spec, sink, time.monotonic())
+        job.warnings = list(spec.warnings)  # the planner's (text left out, markup ignored) come first
         self.jobs[job.job_id] = job
         try:
             job.slot = self.stage.open()

@@ -18,12 +18,12 @@ column per frame. `|` below marks a part boundary and `[VQ]` a span of reference
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from torch import Tensor
 
 from ..prompt import PromptAssembler, S2PromptFormat, Turn, VoiceReference
+from ..textpolicy import clean_text_15
 from ..tokenizer import TokenizerLike
 
 __all__ = ["S2PromptFormat", "S1PromptFormat", "Fish15PromptFormat", "clean_text_15"]
@@ -34,10 +34,15 @@ class S1PromptFormat:
 
     name = "s1-interleave"
     user_tags = None  # no speaker turns: the format puts `<|speaker:0|>` before every text itself
+    text_policy = "fish-s1"
 
     def __init__(self, tokenizer: TokenizerLike, num_codebooks: int):
         self.tokenizer = tokenizer
         self.num_codebooks = num_codebooks
+
+    def model_text(self, text: str) -> str:
+        """S1 reads the text as it is."""
+        return text
 
     def build(
         self, text: str, references: Sequence[VoiceReference] = (), history: Sequence[Turn] = ()
@@ -50,28 +55,21 @@ class S1PromptFormat:
         return p.build()
 
 
-# fish-speech 1.5's `clean_text`: strip, curly single quotes to ASCII, drop emoji, collapse ",,," to ",".
-_CURLY_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'"})
-_EMOJI = re.compile("[\U0001f600-\U0001f64f\U0001f300-\U0001f5ff\U0001f680-\U0001f6ff\U0001f1e0-\U0001f1ff]+")
-_COMMAS = re.compile(r",{2,}")
-
-
-def clean_text_15(text: str) -> str:
-    """The text cleaning fish-speech 1.5 applies to target and reference texts before tokenizing."""
-    text = text.strip().translate(_CURLY_QUOTES)
-    return _COMMAS.sub(",", _EMOJI.sub("", text))
-
-
 class Fish15PromptFormat:
     """fish-speech 1.5's conversation prompt (see the module docstring)."""
 
     name = "fish-1.5"
     user_tags = None
+    text_policy = "fish-1.5"
     SYSTEM = "Speak out the provided text."
 
     def __init__(self, tokenizer: TokenizerLike, num_codebooks: int):
         self.tokenizer = tokenizer
         self.num_codebooks = num_codebooks
+
+    def model_text(self, text: str) -> str:
+        """fish-speech 1.5 reads its `clean_text` of the text."""
+        return clean_text_15(text)
 
     def build(
         self, text: str, references: Sequence[VoiceReference] = (), history: Sequence[Turn] = ()

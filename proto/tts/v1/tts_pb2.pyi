@@ -28,16 +28,18 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_SHORT: FinishReason
 
 class SynthesizeRequest(_message.Message):
-    __slots__ = ("text", "voice", "sampling", "output")
+    __slots__ = ("text", "voice", "sampling", "output", "normalize")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     VOICE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     text: str
     voice: Voice
     sampling: SamplingOptions
     output: OutputOptions
-    def __init__(self, text: _Optional[str] = ..., voice: _Optional[_Union[Voice, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ...) -> None: ...
+    normalize: bool
+    def __init__(self, text: _Optional[str] = ..., voice: _Optional[_Union[Voice, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., normalize: _Optional[bool] = ...) -> None: ...
 
 class Voice(_message.Message):
     __slots__ = ("name", "reference")

@@ -1,0 +1,119 @@
+"""What each model does to text (tts.textpolicy): one table of inputs and outputs per text policy."""
+
+import pytest
+
+from tts.text import SPEAKER_TAG, TextError
+from tts.textpolicy import get_text_policy, plan_text
+
+SAME = object()  # the output is the input, as the model's reference code leaves it
+HAN = "this model reads English only: {} characters of Han text were left out"
+
+# input, then what each policy makes of it: english (the default voice), fish-s2 / fish-s1 (fish-speech
+# main and d3df505 pass text as it is), fish-1.5 (fish-speech 1.5's clean_text)
+CASES = [
+    # the issue's cases
+    ("1951年，我们的村子只有一条泥路。", "one thousand, nine hundred and fifty-one", SAME, SAME),
+    ("25 Euro am 3. Mai", "twenty-five Euro am three. Mai", SAME, SAME),
+    ("$5.3 billion", "five point three billion dollars", SAME, SAME),
+    ("221B", "two hundred and twenty-one B", SAME, SAME),
+    ("2.0.1", "two point zero point one", SAME, SAME),
+    ("3:30 p.m.", "three thirty p m.", SAME, SAME),
+    ("10 a.m.", "ten a m.", SAME, SAME),
+    ("-5 kg", "minus five kilograms", SAME, SAME),
+    ("10:30-11:30 tomorrow", "ten thirty to eleven thirty tomorrow", SAME, SAME),
+    ("3.14e10", "three point one four times ten to the power of ten", SAME, SAME),
+    ("$5-10", "five to ten dollars", SAME, SAME),
+    # other languages: Fish models get them as their reference code leaves them; the English voice reads
+    # Latin-script text with English rules and leaves other scripts out
+    ("Der Preis beträgt 25 € pro Person.", "Der Preis beträgt twenty-five € pro Person.", SAME, SAME),
+    (
+        "Il est 15h30, le 14 juillet 2024.",
+        "Il est fifteen h thirty, le fourteen juillet two thousand and twenty-four.",
+        SAME,
+        SAME,
+    ),
+    ("¿Cuánto cuesta? ¡Sólo 3 pesos!", "¿Cuánto cuesta? ¡Sólo three pesos!", SAME, SAME),
+    ("今日は2024年5月3日です。", "two thousand and twenty-four five three", SAME, SAME),
+    ("안녕하세요, 3명입니다.", "three.", SAME, SAME),
+    ("مرحبا، عندي 3 قطط.", "three.", SAME, SAME),
+    ("Привет, мир! Hello world.", "Hello world.", SAME, SAME),
+    # quotes and emoji: fish-speech 1.5 cleans them, S2 and S1 keep them
+    ("It\u2019s great \U0001f600,,, really", "It's great,,, really", SAME, "It's great , really"),
+    # markup is read as rendered by every model; S2's inline tags and cues pass through
+    ("# Hi\n\n**3** cats", "Hi. three cats.", "Hi.\n3 cats.", "Hi.\n3 cats."),
+    (
+        "See https://www.example.com/a?b=1 now.",
+        "See example dot com now.",
+        "See example.com now.",
+        "See example.com now.",
+    ),
+    (
+        '<speak>I have <break time="1s"/> 3 cats.</speak>',
+        "I have three cats.",
+        "I have 3 cats.",
+        "I have 3 cats.",
+    ),
+    ("<|speaker:0|>[laugh] I have 3 cats.", "<|speaker:0|>[laugh] I have three cats.", SAME, None),
+    ("<|speaker:1|>(sighs) 好的。", "<|speaker:1|>(sighs)", SAME, None),
+]
+
+
+@pytest.mark.parametrize("raw, english, fish, fish15", CASES, ids=[c[0][:24] for c in CASES])
+def test_what_each_model_reads(raw, english, fish, fish15):
+    tags = SPEAKER_TAG if raw.startswith("<|") else None
+    assert get_text_policy("english").prepare(raw, SPEAKER_TAG).text == english
+    expected = raw if fish is SAME else fish
+    assert get_text_policy("fish-s2").prepare(raw, SPEAKER_TAG).text == expected
+    if tags is None:  # S1 and 1.5 take no speaker tags
+        assert get_text_policy("fish-s1").prepare(raw, None).text == expected
+        assert get_text_policy("fish-1.5").prepare(raw, None).text == (raw if fish15 is SAME else fish15)
+
+
+def test_the_english_voice_warns_about_text_it_leaves_out():
+    out = get_text_policy("english").prepare("1951年，我们的村子只有一条泥路。", None)
+    assert out.warnings == [HAN.format(12) + " (a multilingual model such as Fish Audio S2-Pro reads them)"]
+    mixed = get_text_policy("english").prepare("Tokyo 東京 and Seoul 서울.", None)
+    assert mixed.text == "Tokyo and Seoul." and "4 characters of Han and Hangul" in mixed.warnings[0]
+    assert get_text_policy("english").prepare("π is 3.14", None).warnings == []  # a Greek letter is kept
+
+
+def test_text_with_no_english_is_refused_by_the_english_voice():
+    with pytest.raises(TextError, match="reads English only, and the text is Han text"):
+        get_text_policy("english").prepare("我们的村子只有一条泥路。", None)
+    # ... and taken by a Fish model
+    assert get_text_policy("fish-s2").prepare("我们的村子只有一条泥路。", None).warnings == []
+
+
+@pytest.mark.parametrize("policy", ["english", "fish-s2", "fish-s1", "fish-1.5"])
+def test_normalize_off_reads_the_text_as_given(policy):
+    raw = "# Intro\n\nWe sold **5** units for $3."
+    out = get_text_policy(policy).prepare(raw, None, normalize=False)
+    assert out.text == raw and out.warnings == []
+    on = get_text_policy(policy).prepare(raw, None)
+    assert on.text.startswith("Intro.\n" if policy != "english" else "Intro. We sold five units")
+
+
+def test_normalize_off_still_leaves_out_what_the_english_voice_cannot_say():
+    out = get_text_policy("english").prepare("Hello 世界 $5", None, normalize=False)
+    assert out.text == "Hello $5" and "Han" in out.warnings[0]
+
+
+def test_markup_warnings_come_with_the_text():
+    raw = "Run:\n\n```sh\nmake\n```\n\n<speak>Done</speak>"
+    out = get_text_policy("fish-s2").prepare(raw, None)
+    assert out.warnings and "SSML" in out.warnings[0]  # SSML seen: the whole text is read as SSML text
+    code = get_text_policy("fish-s2").prepare("Run:\n\n```sh\nmake\n```\n\nDone.", None)
+    assert code.text == "Run:\nDone." and code.warnings == ["1 code block was not read"]
+
+
+def test_plan_text_splits_chinese_for_fish_at_sentence_ends():
+    from test_text import ZH_PARAGRAPH
+
+    plan = plan_text(ZH_PARAGRAPH, get_text_policy("fish-s2"), SPEAKER_TAG, 200)
+    assert "".join(plan.chunks) == ZH_PARAGRAPH and all(c.endswith(("。", "！", "；")) for c in plan.chunks)
+    assert plan.chunks[0].startswith("1951年") and plan.warnings == []
+
+
+def test_unknown_policy():
+    with pytest.raises(ValueError, match="unknown text policy 'klingon'"):
+        get_text_policy("klingon")
