@@ -357,11 +357,9 @@ class Cluster:
             delay = min(RESTART_DELAYS[1], RESTART_DELAYS[0] * 2 ** (r.failures - 1))
             why = _describe_exit(code) + (f": {r.last_error}" if r.last_error else "")
             if self.args.restart == "off":
-                self.say(
-                    f"replica {r.name} ({r.device}) exited unexpectedly ({why}); not restarting (--restart off)"
-                )
+                self.say(f"replica {r.name} ({r.device}) exited ({why}); not restarting (--restart off)")
                 return
-            self.say(f"replica {r.name} ({r.device}) exited unexpectedly ({why}); restarting in {delay:g} s")
+            self.say(f"replica {r.name} ({r.device}) exited ({why}); restarting in {delay:g} s")
             try:
                 await asyncio.wait_for(self._wake.wait(), delay)  # set when the cluster stops
             except asyncio.TimeoutError:
