@@ -218,12 +218,22 @@ def _describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def _die_with_parent() -> None:
-    """In a child before exec: get SIGTERM when the supervisor dies (Linux), so no replica outlives it."""
-    with contextlib.suppress(Exception):
+def _find_prctl():
+    try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        return ctypes.CDLL(None, use_errno=True).prctl  # Linux (glibc, musl)
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _find_prctl()  # looked up here: a child between fork and exec must not import anything
+
+
+def _die_with_parent() -> None:
+    """In a child before exec: get SIGTERM when the supervisor dies (Linux), so no replica outlives it."""
+    if _PRCTL is not None:
+        _PRCTL(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
 
 
 class Cluster:
