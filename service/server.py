@@ -557,6 +557,12 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         except asyncio.CancelledError:
             self._ended_by_client(context, call)
             raise
+        except Exception:
+            # A write that races with the client's cancel fails inside grpc (ExecuteBatchError) instead of
+            # cancelling this task: still a cancel, counted and logged as one, not an error traceback.
+            if not context.cancelled():
+                raise
+            self._ended_by_client(context, call)
         finally:
             if stream is not None:
                 stream.cancel()  # no-op once the job ended; otherwise frees its blocks and row
