@@ -45,6 +45,8 @@ log = logging.getLogger("tts.serve")
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9464
 DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible HTTP front (service/http.py)
+REPLICA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,99}")
+_SERVE_PARSER: argparse.ArgumentParser | None = None  # `tts serve --devices` forwards its options to replicas
 
 
 def add_parser(subparsers) -> None:
@@ -52,7 +54,8 @@ def add_parser(subparsers) -> None:
         "serve", help="run the synthesis server (gRPC and OpenAI-compatible HTTP)",
         description="Serve tts.v1.TextToSpeech over gRPC and the OpenAI-compatible HTTP API (--http-port) from "
         "one engine with continuous batching. Health reports NOT_SERVING (HTTP /health: 503) until the engine "
-        "has warmed up. SIGTERM or Ctrl-C shut down gracefully.",
+        "has warmed up. SIGTERM or Ctrl-C shut down gracefully. With --devices, one replica process per device "
+        "behind HAProxy on the public ports (README: Scaling out).",
     )  # fmt: skip
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)"
@@ -80,6 +83,46 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--grace", type=float, default=10.0, help="seconds open streams get at shutdown (default 10)"
     )
+    p.add_argument(
+        "--drain-delay", type=float, default=None,
+        help="on SIGTERM, seconds the server keeps admitting new calls while its health already says "
+        "NOT_SERVING, so a load balancer that polls health stops sending before calls are refused "
+        "(default 0; with --devices 5 x --check-interval); Ctrl-C (SIGINT) skips it",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-connection-age", type=float, default=0.0,
+        help="seconds after which a client connection is asked to go away (HTTP/2 GOAWAY) so long-lived "
+        "clients reconnect and rebalance; streams on it continue (default 0 = never)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-connection-age-grace", type=float, default=None,
+        help="seconds streams on a connection past --max-connection-age may still run before it is closed "
+        "(default: as long as they need)",
+    )  # fmt: skip
+    p.add_argument(
+        "--replica-name", default=None,
+        help="this process's name in stream headers, GetInfo, the X-Replica header and /load (default "
+        "HOSTNAME:PORT)",
+    )  # fmt: skip
+    g = p.add_argument_group("replicas on one host (--devices)")
+    g.add_argument(
+        "--devices", default=None,
+        help="comma-separated devices, e.g. cuda:0,cuda:1 (or cpu,cpu): one replica process per device on "
+        "internal ports of 127.0.0.1, behind HAProxy on --host/--port/--http-port/--metrics-port",
+    )  # fmt: skip
+    g.add_argument(
+        "--replica-base-port", type=int, default=0,
+        help="replica i listens on BASE+3i (gRPC), BASE+3i+1 (HTTP), BASE+3i+2 (metrics) of 127.0.0.1 "
+        "(default 0: free ports picked at start)",
+    )  # fmt: skip
+    g.add_argument(
+        "--check-interval", type=float, default=1.0,
+        help="seconds between HAProxy's health checks of each replica (default 1)",
+    )  # fmt: skip
+    g.add_argument(
+        "--restart", choices=["on", "off"], default="on",
+        help="restart a replica that exits unexpectedly (default on; with off the others go on serving)",
+    )  # fmt: skip
     p.add_argument(
         "--max-reference-mb", type=float, default=10.0, help="reference clip size limit (default 10)"
     )
@@ -113,6 +156,8 @@ def add_parser(subparsers) -> None:
         help="capture the codec stage's batched decode in CUDA graphs (CUDA only; default on)",
     )  # fmt: skip
     p.set_defaults(func=cmd_serve)
+    global _SERVE_PARSER
+    _SERVE_PARSER = p
 
     p = subparsers.add_parser(
         "client", help="synthesize through a running server to an audio file",
@@ -212,11 +257,9 @@ def check_serve_ports(args: argparse.Namespace) -> None:
 # ---- serve ---------------------------------------------------------------------------------------------
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from tts.bundle import load_bundle
-    from tts.engine import EngineConfig
-
-    from .server import MiB, ServiceLimits
+def check_serve_options(args: argparse.Namespace) -> None:
+    """`tts serve`'s option checks that need no model and no device (those of one replica and of
+    `--devices` alike); raises UserError naming the option."""
 
     require(0 <= args.port <= 65535, f"--port must be in 0..65535 (0 = any free port), got {args.port}")
     require(
@@ -243,6 +286,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.http_port == -1 or 0 <= args.http_port <= 65535,
         f"--http-port must be -1 (off) or in 0..65535 (0 = any free port), got {args.http_port}",
     )
+    check_seconds("--drain-delay", args.drain_delay, zero_ok=True)
+    check_seconds("--max-connection-age", args.max_connection_age, zero_ok=True)
+    check_seconds("--max-connection-age-grace", args.max_connection_age_grace, zero_ok=True)
+    if args.max_connection_age_grace is not None and not args.max_connection_age:
+        raise UserError("--max-connection-age-grace needs --max-connection-age")
+    if args.replica_name is not None and not REPLICA_NAME.fullmatch(args.replica_name):
+        raise UserError(
+            f"--replica-name must be 1-100 characters of letters, digits and ._:@/- (starting with a letter "
+            f"or digit), got {args.replica_name!r}"
+        )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tts.bundle import load_bundle
+    from tts.engine import EngineConfig
+
+    from .server import MiB, ServiceLimits
+
+    check_serve_options(args)
+    if args.devices is not None:
+        from .cluster import run_cluster
+
+        return run_cluster(args, _SERVE_PARSER)
     check_device(args.device)
     check_serve_ports(args)  # before the model loads: a busy port is found in a moment
     t0 = time.perf_counter()
@@ -269,6 +335,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_reference_bytes=int(args.max_reference_mb * MiB), pause_timeout=args.pause_timeout or None,
         max_audio_seconds=args.max_audio_seconds or None, max_text_bytes=args.max_text_bytes,
         reference_cache_bytes=int(args.reference_cache_mb * MiB), voices_dir=voices_dir,
+        max_connection_age=args.max_connection_age or None, max_connection_age_grace=args.max_connection_age_grace,
     )  # fmt: skip
     # Three threads share the GIL: the engine thread (a frame every few ms), the codec stage's worker and
     # the asyncio thread of the fronts. A thread waiting for the GIL gets it within the switch interval;
@@ -284,7 +351,7 @@ async def _serve(args, bundle, engine_config, limits) -> int:
     http_port = None if args.http_port < 0 else args.http_port
     server = TTSServer(
         bundle, engine_config, limits, metrics_host=args.metrics_host, metrics_port=metrics_port,
-        http_port=http_port, codec_graphs=args.codec_graphs == "on",
+        http_port=http_port, codec_graphs=args.codec_graphs == "on", replica=args.replica_name,
     )  # fmt: skip
     try:
         port = await server.start(args.host, args.port)
@@ -293,9 +360,15 @@ async def _serve(args, bundle, engine_config, limits) -> int:
         check_serve_ports(args)  # taken since the check before loading: name the port and the option
         raise UserError(str(exc)) from exc
     stop = asyncio.Event()
+    received: list[signal.Signals] = []
     aio_loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        aio_loop.add_signal_handler(sig, stop.set)
+        aio_loop.add_signal_handler(sig, on_signal, sig)
     ready = asyncio.ensure_future(server.wait_ready())
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -311,16 +384,19 @@ async def _serve(args, bundle, engine_config, limits) -> int:
         graphs = server.loop.engine.graphs.enabled
         http = f"; HTTP on http://{args.host}:{server.http_port}/" if http_port is not None else ""
         print(
-            f"serving {SERVICE_NAME} on {args.host}:{port} (max batch {engine_config.max_batch}, "
-            f"graphs {'on' if graphs else 'off'}){http}{metrics}",
+            f"serving {SERVICE_NAME} on {args.host}:{port} (replica {server.replica}, max batch "
+            f"{engine_config.max_batch}, graphs {'on' if graphs else 'off'}){http}{metrics}",
             file=sys.stderr, flush=True,
         )  # fmt: skip
     else:
         ready.cancel()
     await stopped
-    print(f"shutting down (grace {args.grace:g} s)", file=sys.stderr, flush=True)
+    # SIGTERM (a balancer, Kubernetes, the replicas' supervisor) waits --drain-delay for balancers to see
+    # NOT_SERVING; Ctrl-C at a terminal does not.
+    delay = (args.drain_delay or 0.0) if received and received[0] == signal.SIGTERM else 0.0
+    print(f"shutting down (drain delay {delay:g} s, grace {args.grace:g} s)", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    await server.stop(args.grace)
+    await server.stop(args.grace, drain_delay=delay)
     print(f"stopped in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
     return 0
 
@@ -400,7 +476,13 @@ async def _client(server: str, request, timeout: float | None):
 def cmd_bench_server(args: argparse.Namespace) -> int:
     from .loadtest import run_from_args
 
-    check_server_address(args.server)
+    servers = [s.strip() for s in args.server.split(",")]
+    if not all(servers):
+        raise UserError(f"--server must be HOST:PORT or a comma-separated list of them, got {args.server!r}")
+    if len(servers) > 1 and args.soak:
+        raise UserError("--soak takes one --server (a server, or a load balancer in front of replicas)")
+    for server in servers:
+        check_server_address(server)
     check_seconds("--timeout", args.timeout, zero_ok=False)
     require(args.requests is None or args.requests >= 1, f"--requests must be >= 1, got {args.requests}")
     require(args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}")

@@ -15,13 +15,15 @@ Endpoints:
   next encoded bytes) and one `speech.audio.done` (`usage`: `input_tokens` = prompt tokens of the text
   without the voice, `output_tokens` = frames generated; plus `frames`, `audio_seconds`,
   `finish_reason`, `seed`, `request_id`). Every response carries `X-Request-Id`, `X-Seed`,
-  `X-Sample-Rate` (of the encoded audio: 48000 for opus), `X-Model`, `X-Text-Chunks`, and `X-Warnings`
-  when the text lost something (text the model cannot speak left out, markup ignored; "; "-joined, also
-  in the SSE `speech.audio.done` event's `warnings`); `pcm` is 16-bit little-endian mono
-  (`X-Sample-Format: s16le`).
+  `X-Sample-Rate` (of the encoded audio: 48000 for opus), `X-Model`, `X-Text-Chunks`, `X-Replica` (the
+  serving process's name), and `X-Warnings` when the text lost something (text the model cannot speak
+  left out, markup ignored; "; "-joined, also in the SSE `speech.audio.done` event's `warnings`); `pcm`
+  is 16-bit little-endian mono (`X-Sample-Format: s16le`).
 * `GET /v1/audio/voices`, `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (200 when warm; 503 while
-  warming up, draining or stopped), `GET /metrics` (the server's Prometheus registry), `GET /` (the
-  playground, `service/static/index.html`), and FastAPI's `/docs`.
+  warming up, draining or stopped), `GET /load` (the load signal for balancers and autoscalers: requests
+  in flight against the admission limit, KV blocks in use; `TTSServer.load`), `GET /metrics` (the
+  server's Prometheus registry), `GET /` (the playground, `service/static/index.html`), and FastAPI's
+  `/docs`.
 
 Errors are OpenAI-style JSON, `{"error": {"message", "type", "param", "code"}}`: 400 bad input, 404 unknown
 model / voice / path, 413 body over the limit (checked before the body is parsed), 429 admission full, 503
@@ -509,6 +511,10 @@ class HTTPFront:
             state = self.server.state
             return JSONResponse({"status": state}, status_code=200 if state == "serving" else 503)
 
+        @app.get("/load", summary="Load: requests in flight, running, waiting; KV blocks in use (always 200)")
+        async def load():
+            return JSONResponse(self.server.load(), headers={"Cache-Control": "no-cache"})
+
         @app.get("/metrics", summary="Prometheus metrics")
         async def metrics():
             from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -713,7 +719,7 @@ class HTTPFront:
         headers = {
             "X-Request-Id": event.request_id, "X-Seed": str(event.seed), "X-Model": self.bundle.name,
             "X-Sample-Rate": str(encoder.output_rate), "X-Text-Chunks": str(event.text_chunks),
-            "Cache-Control": "no-cache",
+            "X-Replica": self.server.replica, "Cache-Control": "no-cache",
         }  # fmt: skip
         warnings = prepared.job.warnings
         if warnings:

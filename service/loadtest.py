@@ -14,7 +14,13 @@ from a fixed pool with the request number spoken in it) and its own seed. Report
   requests with any, and the worst lateness;
 * with `--metrics-url`, the server's own time split from its Prometheus counters read before and after
   the level: the codec's share of device time (`codec_share`) and reference-cache hits and misses;
-* errors by gRPC status (RESOURCE_EXHAUSTED counts: the server's admission bound was hit).
+* errors by gRPC status (RESOURCE_EXHAUSTED counts: the server's admission bound was hit);
+* the replicas' shares: OK requests per replica, as each stream's header names it (`StreamHeader.replica`),
+  so the shares are right through a load balancer too.
+
+`--server` takes one address (a server, or a load balancer in front of replicas) or several,
+comma-separated: then the requests go to them in turn (request i to server i mod n), as a client-side
+balancer would spread them.
 
 `--reference` sends a voice clip with the requests (`distinct`: every request its own clip, so a
 server-side cache cannot hit; `repeated`: the same clip every time; `registered`: the clip registered
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import itertools
 import json
@@ -343,9 +350,10 @@ class LevelResult:
     underrun_worst_ms: float | None = None  # the latest any chunk was (None: no underrun)
     server: dict = field(default_factory=dict)  # server_time_split of the level (None values: not exported)
     register_s: float | None = None  # --reference registered: the AddVoice call before the level
+    replicas: dict[str, int] = field(default_factory=dict)  # OK requests per replica (StreamHeader.replica)
 
 
-async def _run_level(stub, concurrency: int, total: int, counter, make_request, timeout: float | None):
+async def _run_level(stubs, concurrency: int, total: int, counter, make_request, timeout: float | None):
     import grpc
 
     from .client import synthesize_stream
@@ -364,12 +372,14 @@ async def _run_level(stub, concurrency: int, total: int, counter, make_request, 
         while next(issued) < total:
             i = next(counter)
             try:
-                r = await synthesize_stream(stub, make_request(i), timeout=timeout)
+                r = await synthesize_stream(stubs[i % len(stubs)], make_request(i), timeout=timeout)
             except grpc.aio.AioRpcError as exc:
                 name = exc.code().name
                 result.errors[name] = result.errors.get(name, 0) + 1
                 continue
             result.ok += 1
+            replica = r.header.replica or "-"
+            result.replicas[replica] = result.replicas.get(replica, 0) + 1
             frames += r.end.frames
             audio_s.append(r.audio_seconds)
             if r.ttfa is not None:
@@ -415,7 +425,8 @@ async def run_loadtest(
     reference_audio: bytes | None = None, reference_text: str | None = None, metrics_url: str | None = None,
     **request_options,
 ) -> dict:  # fmt: skip
-    """Run the benchmark; returns the report dict (see `format_table`). `requests`: per level (default
+    """Run the benchmark; returns the report dict (see `format_table`). `server`: HOST:PORT, or several
+    comma-separated (request i goes to server i mod n). `requests`: per level (default
     max(8, 4 * concurrency)); `reference`: one of REFERENCE_MODES, with the clip's bytes and transcript
     (None: the synthetic clip); `metrics_url`: the server's Prometheus endpoint for the server-side time
     split (None: those fields stay None); `request_options`: build_request keywords (voice, temperature,
@@ -432,38 +443,47 @@ async def run_loadtest(
         raise ValueError(f"reference must be one of {REFERENCE_MODES}, got {reference!r}")
     if reference != "none" and request_options.get("voice") is not None:
         raise ValueError("give a voice or a reference mode, not both")
-    async with aio_channel(server) as channel:
-        stub = pb_grpc.TextToSpeechStub(channel)
-        info = await stub.GetInfo(pb.GetInfoRequest(), timeout=30)
+    servers = [s.strip() for s in server.split(",")]
+    async with contextlib.AsyncExitStack() as channels:
+        stubs = [
+            pb_grpc.TextToSpeechStub(await channels.enter_async_context(aio_channel(s))) for s in servers
+        ]
+        infos = [await stub.GetInfo(pb.GetInfoRequest(), timeout=30) for stub in stubs]
+        info = infos[0]
         clip = reference_clip(reference, reference_audio, reference_text, info)
         voice = voice_source(reference, clip)
 
         def make_request(i: int):
             return build_request(request_text(i), seed=seed + i, **{**request_options, **voice(i)})
 
+        async def register() -> float:  # on every listed server (through a balancer: on one replica only)
+            return sum([await register_voice(stub, clip) for stub in stubs])
+
         registered = False
         try:
             if reference == "registered":
-                await register_voice(stub, clip)
+                await register()
                 registered = True
             counter = itertools.count()
             for _ in range(warmup):
-                await synthesize_stream(stub, make_request(next(counter)), timeout)
+                i = next(counter)
+                await synthesize_stream(stubs[i % len(stubs)], make_request(i), timeout)
             levels = []
             for c in concurrency:
                 n = requests if requests is not None else max(8, 4 * c)
-                register_s = await register_voice(stub, clip) if reference == "registered" else None
+                register_s = await register() if reference == "registered" else None
                 before = await _scrape(metrics_url)
-                level = await _run_level(stub, c, n, counter, make_request, timeout)
+                level = await _run_level(stubs, c, n, counter, make_request, timeout)
                 level.server = server_time_split(before, await _scrape(metrics_url))
                 level.register_s = register_s
                 levels.append(level)
                 if progress is not None:
                     progress(level)
-            info_after = await stub.GetInfo(pb.GetInfoRequest(), timeout=30)
+            info_after = await stubs[0].GetInfo(pb.GetInfoRequest(), timeout=30)
         finally:
             if registered:
-                await delete_voice(stub)
+                for stub in stubs:
+                    await delete_voice(stub)
     settings = {
         "requests_per_level": requests, "seed": seed, "warmup": warmup, "reference": reference,
         "reference_bytes": len(clip.raw) if clip else None,
@@ -472,8 +492,10 @@ async def run_loadtest(
     }  # fmt: skip
     return {
         "server": server,
+        "servers": servers,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "info": MessageToDict(info, preserving_proto_field_name=True),
+        "infos": [MessageToDict(i, preserving_proto_field_name=True) for i in infos],
         "replay_share_after": info_after.replay_share,
         "settings": settings,
         "levels": [asdict(level) for level in levels],
@@ -509,6 +531,23 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def replica_shares(level: dict) -> dict[str, float]:
+    """A level's share of OK requests per replica (name -> fraction; {} without OK requests)."""
+    counts = level.get("replicas") or {}
+    total = sum(counts.values())
+    return {name: n / total for name, n in sorted(counts.items())} if total else {}
+
+
+def format_shares(report: dict) -> str:
+    """One line per level: how many OK requests each replica served, and its share."""
+    lines = []
+    for lv in report["levels"]:
+        counts, shares = lv.get("replicas") or {}, replica_shares(lv)
+        parts = ", ".join(f"{name} {counts[name]} ({share:.0%})" for name, share in shares.items())
+        lines.append(f"replicas at concurrency {lv['concurrency']}: {parts or '-'}")
+    return "\n".join(lines)
+
+
 # ---- command line -------------------------------------------------------------------------------------
 
 
@@ -530,7 +569,11 @@ def add_arguments(p: argparse.ArgumentParser, server_required: bool = True) -> N
     server_required=False and calls `run_from_args` when --server is given), the soak's included."""
     from .soak import add_soak_arguments
 
-    p.add_argument("--server", required=server_required, help="HOST:PORT of a running `tts serve`")
+    p.add_argument(
+        "--server", required=server_required,
+        help="HOST:PORT of a running `tts serve` (or of a load balancer in front of replicas); several, "
+        "comma-separated, get the requests in turn",
+    )  # fmt: skip
     p.add_argument(
         "--concurrency", type=parse_levels, default=None,
         help="levels (default 1,4,16,64); with --soak one value, the concurrent clients (default 8)",
@@ -664,6 +707,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         f"graphs {'on' if info.get('graphs') else 'off'}, replay share {report['replay_share_after']:.3f}"
     )
     print(format_table(report))
+    print(format_shares(report))
     write_json(report, out)
     print(f"wrote {out}")
     return 0

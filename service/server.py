@@ -18,9 +18,16 @@ encoding, codec decode) happens in `EngineLoop`'s engine thread or its codec sta
 
 Every finished call logs one line (`request id=... outcome=...`) at INFO; client cancels are INFO too.
 
-`TTSServer.stop(grace)` (the CLI calls it on SIGTERM/SIGINT) drains: health turns NOT_SERVING at once
-and new calls are answered UNAVAILABLE while open streams get `grace` seconds to finish; then the rest
-end with UNAVAILABLE, the engine stops and the port closes (within `grace` + about a second).
+`TTSServer.stop(grace, drain_delay)` (the CLI calls it on SIGTERM/SIGINT) drains: health turns
+NOT_SERVING at once; new calls are still admitted for `drain_delay` seconds (default 0), long enough for a
+load balancer that polls health to stop sending, then answered UNAVAILABLE while open streams get `grace`
+seconds to finish; then the rest end with UNAVAILABLE, the engine stops and the port closes (within
+`drain_delay` + `grace` + about a second).
+
+Scale-out (README "Scaling out"): every stream header and GetInfo name the replica (`--replica-name`),
+`grpc.max_connection_age_ms` makes long-lived client connections reconnect (and so rebalance), and the
+health service `liveness` stays SERVING while the process and its engine thread live (warming up and
+draining included), for a liveness probe that must not restart a replica that is only busy or draining.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import asyncio
 import inspect
 import logging
 import re
+import socket
 import time
 from dataclasses import dataclass
 
@@ -69,6 +77,9 @@ from .metrics import ServiceMetrics
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextToSpeech"].full_name  # "tts.v1.TextToSpeech"
+# The health service name for liveness probes: SERVING from start-up (warm-up included) through a drain,
+# NOT_SERVING only once the engine thread has ended.
+LIVENESS_SERVICE = "liveness"
 MiB = 1024 * 1024
 
 
@@ -81,6 +92,10 @@ class ServiceLimits:
     others wait (None: forever). max_audio_seconds: audio per request before it ends with `length`.
     reference_cache_bytes: the encoded-reference cache. voices_dir: registered voices (None: in memory). max_send_bytes: the gRPC send limit (a unary reply carries the whole clip; stream
     chunks stay far below it: `max_chunk_frames` is capped so that one chunk uses at most a quarter).
+    max_connection_age: seconds after which the server asks a client connection to go away (HTTP/2
+    GOAWAY; the client reconnects for its next call, through its balancer), None: never.
+    max_connection_age_grace: seconds the streams open on such a connection may still run before it is
+    closed (None: as long as they need).
     """
 
     max_waiting: int = 16
@@ -96,6 +111,8 @@ class ServiceLimits:
     first_chunk_frames: int = DEFAULT_FIRST_CHUNK_FRAMES
     chunk_frames: int = DEFAULT_CHUNK_FRAMES
     max_chunk_frames: int = 256
+    max_connection_age: float | None = None
+    max_connection_age_grace: float | None = None
 
     @property
     def receive_bytes(self) -> int:
@@ -110,11 +127,18 @@ def format_size(n: int) -> str:
 
 
 def grpc_options(limits: ServiceLimits) -> list[tuple[str, int]]:
-    return [
+    """The gRPC server's channel arguments for `limits` (message sizes, connection age)."""
+    options = [
         ("grpc.max_receive_message_length", limits.receive_bytes),
         ("grpc.max_send_message_length", limits.max_send_bytes),
         ("grpc.so_reuseport", 0),  # a busy port is an error, not a silently shared one
     ]
+    if limits.max_connection_age:
+        options.append(("grpc.max_connection_age_ms", max(1, round(limits.max_connection_age * 1000))))
+        if limits.max_connection_age_grace is not None:
+            grace_ms = max(1, round(limits.max_connection_age_grace * 1000))
+            options.append(("grpc.max_connection_age_grace_ms", grace_ms))
+    return options
 
 
 # ---- request validation -------------------------------------------------------------------------------
@@ -410,11 +434,12 @@ class CallLog:
 
 
 class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
-    def __init__(self, loop: EngineLoop, limits: ServiceLimits, metrics: ServiceMetrics):
+    def __init__(self, loop: EngineLoop, limits: ServiceLimits, metrics: ServiceMetrics, replica: str = ""):
         self.loop = loop
         self.limits = limits
         self.metrics = metrics
         self.bundle: ModelBundle = loop.bundle
+        self.replica = replica  # named in every stream header and GetInfo
 
     async def _open(self, request, context, call: CallLog) -> tuple[PreparedRequest, RequestStream, Started]:
         """Validate, admit, and wait for the engine thread's acceptance; aborts with the right status."""
@@ -472,7 +497,7 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         return pb.StreamHeader(
             request_id=started.request_id, sample_rate=codec.sample_rate, channels=1,
             encoding=prepared.encoding, frame_rate=codec.frame_rate, num_codebooks=codec.num_codebooks,
-            model=self.bundle.name, seed=started.seed, text_chunks=started.text_chunks,
+            model=self.bundle.name, seed=started.seed, text_chunks=started.text_chunks, replica=self.replica,
             warnings=[shorten(w, MAX_STATUS_CHARS) for w in prepared.job.warnings],
         )  # fmt: skip
 
@@ -536,6 +561,12 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         except asyncio.CancelledError:
             self._ended_by_client(context, call)
             raise
+        except Exception:
+            # A write that races with the client's cancel fails inside grpc (ExecuteBatchError) instead of
+            # cancelling this task: still a cancel, counted and logged as one, not an error traceback.
+            if not context.cancelled():
+                raise
+            self._ended_by_client(context, call)
         finally:
             if stream is not None:
                 stream.cancel()  # no-op once the job ended; otherwise frees its blocks and row
@@ -641,7 +672,7 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
             max_chunk_frames=lim.max_chunk_frames, text_chunk_bytes=b.chunk_length,
             max_reference_seconds=self.loop.planner.max_reference_seconds,
             max_audio_seconds=lim.max_audio_seconds or 0.0, pause_timeout_seconds=lim.pause_timeout or 0.0,
-            reference_cache_bytes=lim.reference_cache_bytes, codec_dtype=_codec_dtype(c),
+            reference_cache_bytes=lim.reference_cache_bytes, codec_dtype=_codec_dtype(c), replica=self.replica,
         )  # fmt: skip
 
 
@@ -665,15 +696,17 @@ class TTSServer:
     metrics_port: None = no metrics endpoint, 0 = a free port (see `metrics_port` after start).
     codec_graphs: let the codec stage capture CUDA graphs of its decode.
     http_port: None = no HTTP front, 0 = a free port (see `http_port` after start); the HTTP front
-    (service/http.py: OpenAI-style /v1/audio/speech, /health, /metrics, the playground) listens on the
-    gRPC host and submits to the same engine loop.
+    (service/http.py: OpenAI-style /v1/audio/speech, /health, /load, /metrics, the playground) listens on
+    the gRPC host and submits to the same engine loop.
+    replica: this process's name in stream headers, GetInfo and /load (default `HOSTNAME:PORT`, the
+    gRPC port bound).
     """
 
     def __init__(
         self, bundle: ModelBundle, engine_config: EngineConfig | None = None,
         limits: ServiceLimits | None = None, *, metrics_host: str = "127.0.0.1", metrics_port: int | None = None,
         codec_graphs: bool = True,
-        http_port: int | None = None,
+        http_port: int | None = None, replica: str | None = None,
     ):  # fmt: skip
         self.limits = limits = limits or ServiceLimits()
         cap = max(
@@ -692,6 +725,7 @@ class TTSServer:
         self.servicer: TextToSpeechServicer | None = None
         self._http = None  # ---- end HTTP front
         self.port: int | None = None
+        self.replica = replica or ""
         self._server: grpc.aio.Server | None = None
         self._health = None
         self._ready = asyncio.Event()
@@ -705,12 +739,13 @@ class TTSServer:
         from grpc_reflection.v1alpha import reflection
 
         self._server = grpc.aio.server(options=grpc_options(self.limits))
-        self.servicer = TextToSpeechServicer(self.loop, self.limits, self.metrics)
+        self.servicer = TextToSpeechServicer(self.loop, self.limits, self.metrics, self.replica)
         add_servicer(self.servicer, self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         reflection.enable_server_reflection(
             (
                 SERVICE_NAME,
@@ -726,6 +761,9 @@ class TTSServer:
             raise RuntimeError(f"cannot listen on {address}: {exc}") from exc
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {address}")
+        if not self.replica:
+            self.replica = f"{socket.gethostname()}:{self.port}"
+        self.servicer.replica = self.replica
         await self._server.start()
         if self.metrics_port is not None:
             self.metrics_port = self.metrics.serve_http(self.metrics_host, self.metrics_port)
@@ -757,7 +795,7 @@ class TTSServer:
         """The engine thread ended (shutdown, or a crash of the loop itself): report NOT_SERVING."""
         from grpc_health.v1 import health_pb2
 
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE_NAME, LIVENESS_SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     @property
@@ -783,11 +821,29 @@ class TTSServer:
             except asyncio.TimeoutError:
                 pass
 
-    async def stop(self, grace: float | None = 10.0) -> None:
-        """Graceful shutdown (drain): health NOT_SERVING at once, new calls answered UNAVAILABLE by the
-        handlers (the port stays open, so a balancer's health checks see NOT_SERVING, not a refused
-        connection), open streams get `grace` seconds to finish; then the rest end with UNAVAILABLE, the
-        engine thread stops and the port closes. Returns within `grace` plus about a second. Idempotent."""
+    def load(self) -> dict:
+        """The load signal a balancer or autoscaler reads cheaply (HTTP `GET /load`): the replica's name and
+        state, requests in flight / running / waiting / paused against the admission limit, and KV blocks
+        in use (all from the engine loop's snapshot; no engine work)."""
+        s = self.loop.stats
+        max_batch = self.loop.engine.config.max_batch
+        limit = max_batch + self.limits.max_waiting
+        return {
+            "replica": self.replica, "status": self.state, "in_flight": s.jobs, "max_in_flight": limit,
+            "running": s.running, "waiting": s.waiting, "paused": s.paused, "max_batch": max_batch,
+            "kv_blocks_used": s.kv_blocks_used, "kv_blocks_total": s.kv_blocks_total,
+            "load": round(s.jobs / limit, 4) if limit else 0.0,
+            "kv_used": round(s.kv_blocks_used / s.kv_blocks_total, 4) if s.kv_blocks_total else 0.0,
+            "frames_per_second": round(self.loop.frames_per_second(), 2),
+        }  # fmt: skip
+
+    async def stop(self, grace: float | None = 10.0, drain_delay: float = 0.0) -> None:
+        """Graceful shutdown (drain): health NOT_SERVING at once; for `drain_delay` seconds new calls are
+        still admitted (a balancer polling health stops sending in that time, so no call it sends is
+        refused); then new calls are answered UNAVAILABLE by the handlers (the port stays open, so a
+        balancer's health checks see NOT_SERVING, not a refused connection) while open streams get
+        `grace` seconds to finish; then the rest end with UNAVAILABLE, the engine thread stops and the port
+        closes. Returns within `drain_delay` + `grace` plus about a second. Idempotent."""
         if self._stopping:
             await self._stopped.wait()
             return
@@ -798,6 +854,11 @@ class TTSServer:
 
                 for name in ("", SERVICE_NAME):
                     await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            if drain_delay > 0:
+                log.info("draining: NOT_SERVING; still admitting for %.3g s", drain_delay)
+                deadline = time.monotonic() + drain_delay
+                while self.loop.alive and time.monotonic() < deadline:
+                    await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
             self.loop.close_admission()
             grace = 0.0 if grace is None else grace
             deadline = time.monotonic() + grace

@@ -44,9 +44,9 @@ NO_BDP = {"grpc.http2.bdp_probe": 0}
 class ServerThread:
     """A TTSServer on its own asyncio loop in a background thread."""
 
-    def __init__(self, bundle, engine_config=None, limits=None, metrics_port=None, wait_ready=True):
+    def __init__(self, bundle, engine_config=None, limits=None, metrics_port=None, wait_ready=True, **server):
         self.server = TTSServer(
-            bundle, engine_config or EngineConfig(max_batch=8), limits, metrics_port=metrics_port
+            bundle, engine_config or EngineConfig(max_batch=8), limits, metrics_port=metrics_port, **server
         )
         self._started = threading.Event()
         self._error: BaseException | None = None

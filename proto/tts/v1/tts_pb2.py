@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/tts/v1/tts.proto\x12\x06tts.v1\"\xb7\x01\n\x11SynthesizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1c\n\x05voice\x18\x02 \x01(\x0b\x32\r.tts.v1.Voice\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.tts.v1.SamplingOptions\x12%\n\x06output\x18\x04 \x01(\x0b\x32\x15.tts.v1.OutputOptions\x12\x16\n\tnormalize\x18\x05 \x01(\x08H\x00\x88\x01\x01\x42\x0c\n\n_normalize\"N\n\x05Voice\x12\x0e\n\x04name\x18\x01 \x01(\tH\x00\x12+\n\treference\x18\x02 \x01(\x0b\x32\x16.tts.v1.ReferenceAudioH\x00\x42\x08\n\x06source\"-\n\x0eReferenceAudio\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xab\x02\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x1b\n\x0emax_new_frames\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x1b\n\x0emin_new_frames\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x11\n\x0f_max_new_framesB\x11\n\x0f_min_new_framesB\x15\n\x13_repetition_penalty\"\x81\x01\n\rOutputOptions\x12\'\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32\x15.tts.v1.AudioEncoding\x12\x15\n\rinclude_codes\x18\x02 \x01(\x08\x12\x1a\n\x12\x66irst_chunk_frames\x18\x03 \x01(\r\x12\x14\n\x0c\x63hunk_frames\x18\x04 \x01(\r\"\x8e\x01\n\x12SynthesizeResponse\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.tts.v1.StreamHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.tts.v1.AudioChunkH\x00\x12 \n\x03\x65nd\x18\x03 \x01(\x0b\x32\x11.tts.v1.StreamEndH\x00\x42\t\n\x07message\"\xe1\x01\n\x0cStreamHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bsample_rate\x18\x02 \x01(\r\x12\x10\n\x08\x63hannels\x18\x03 \x01(\r\x12\'\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x15.tts.v1.AudioEncoding\x12\x12\n\nframe_rate\x18\x05 \x01(\x01\x12\x15\n\rnum_codebooks\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12\x0c\n\x04seed\x18\x08 \x01(\x03\x12\x13\n\x0btext_chunks\x18\t \x01(\r\x12\x10\n\x08warnings\x18\n \x03(\t\"B\n\x05\x43odes\x12\x15\n\rnum_codebooks\x18\x01 \x01(\r\x12\x12\n\nnum_frames\x18\x02 \x01(\r\x12\x0e\n\x06values\x18\x03 \x03(\x05\"s\n\nAudioChunk\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\r\n\x05\x61udio\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66rame_start\x18\x03 \x01(\x04\x12\x11\n\tframe_end\x18\x04 \x01(\x04\x12\x1c\n\x05\x63odes\x18\x05 \x01(\x0b\x32\r.tts.v1.Codes\"\xec\x01\n\tStreamEnd\x12+\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x14.tts.v1.FinishReason\x12\x0e\n\x06\x66rames\x18\x02 \x01(\x04\x12\x15\n\raudio_seconds\x18\x03 \x01(\x01\x12#\n\x1btime_to_first_audio_seconds\x18\x04 \x01(\x01\x12\x0b\n\x03rtf\x18\x05 \x01(\x01\x12\x0e\n\x06\x63hunks\x18\x06 \x01(\x04\x12\x37\n\x19text_chunk_finish_reasons\x18\x07 \x03(\x0e\x32\x14.tts.v1.FinishReason\x12\x10\n\x08warnings\x18\x08 \x03(\t\"\x8c\x01\n\x17SynthesizeUnaryResponse\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x14.tts.v1.StreamHeader\x12\r\n\x05\x61udio\x18\x02 \x01(\x0c\x12\x1c\n\x05\x63odes\x18\x03 \x01(\x0b\x32\r.tts.v1.Codes\x12\x1e\n\x03\x65nd\x18\x04 \x01(\x0b\x32\x11.tts.v1.StreamEnd\"\x13\n\x11ListVoicesRequest\"L\n\tVoiceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\ntranscript\x18\x02 \x01(\t\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0c\n\x04kind\x18\x04 \x01(\t\"[\n\x0f\x41\x64\x64VoiceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\treference\x18\x02 \x01(\x0b\x32\x16.tts.v1.ReferenceAudio\x12\x0f\n\x07replace\x18\x03 \x01(\x08\"\"\n\x12\x44\x65leteVoiceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13\x44\x65leteVoiceResponse\"7\n\x12ListVoicesResponse\x12!\n\x06voices\x18\x01 \x03(\x0b\x32\x11.tts.v1.VoiceInfo\"\x10\n\x0eGetInfoRequest\"\xea\x04\n\x0fGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0bsample_rate\x18\x06 \x01(\r\x12\x12\n\nframe_rate\x18\x07 \x01(\x01\x12\x15\n\rnum_codebooks\x18\x08 \x01(\r\x12\x15\n\rcodebook_size\x18\t \x01(\r\x12\x13\n\x0bmax_context\x18\n \x01(\r\x12\x11\n\tmax_batch\x18\x0b \x01(\r\x12\x0f\n\x07\x62uckets\x18\x0c \x03(\r\x12\x0e\n\x06graphs\x18\r \x01(\x08\x12\x0f\n\x07\x63\x61pture\x18\x0e \x01(\t\x12\x18\n\x10\x63\x61ptured_buckets\x18\x0f \x03(\r\x12\x14\n\x0creplay_share\x18\x10 \x01(\x01\x12\x13\n\x0bmax_waiting\x18\x11 \x01(\r\x12\x1b\n\x13max_reference_bytes\x18\x12 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x13 \x01(\x04\x12\x16\n\x0emax_text_bytes\x18\x14 \x01(\r\x12\x18\n\x10max_chunk_frames\x18\x15 \x01(\r\x12\x18\n\x10text_chunk_bytes\x18\x16 \x01(\r\x12\x1d\n\x15max_reference_seconds\x18\x17 \x01(\x01\x12\x19\n\x11max_audio_seconds\x18\x18 \x01(\x01\x12\x1d\n\x15pause_timeout_seconds\x18\x19 \x01(\x01\x12\x1d\n\x15reference_cache_bytes\x18\x1a \x01(\x04\x12\x13\n\x0b\x63odec_dtype\x18\x1b \x01(\t*e\n\rAudioEncoding\x12\x1e\n\x1a\x41UDIO_ENCODING_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41UDIO_ENCODING_PCM16\x10\x01\x12\x1a\n\x16\x41UDIO_ENCODING_FLOAT32\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_SHORT\x10\x03\x32\xa5\x03\n\x0cTextToSpeech\x12\x45\n\nSynthesize\x12\x19.tts.v1.SynthesizeRequest\x1a\x1a.tts.v1.SynthesizeResponse0\x01\x12M\n\x0fSynthesizeUnary\x12\x19.tts.v1.SynthesizeRequest\x1a\x1f.tts.v1.SynthesizeUnaryResponse\x12\x43\n\nListVoices\x12\x19.tts.v1.ListVoicesRequest\x1a\x1a.tts.v1.ListVoicesResponse\x12\x36\n\x08\x41\x64\x64Voice\x12\x17.tts.v1.AddVoiceRequest\x1a\x11.tts.v1.VoiceInfo\x12\x46\n\x0b\x44\x65leteVoice\x12\x1a.tts.v1.DeleteVoiceRequest\x1a\x1b.tts.v1.DeleteVoiceResponse\x12:\n\x07GetInfo\x12\x16.tts.v1.GetInfoRequest\x1a\x17.tts.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/tts/v1/tts.proto\x12\x06tts.v1\"\xb7\x01\n\x11SynthesizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1c\n\x05voice\x18\x02 \x01(\x0b\x32\r.tts.v1.Voice\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.tts.v1.SamplingOptions\x12%\n\x06output\x18\x04 \x01(\x0b\x32\x15.tts.v1.OutputOptions\x12\x16\n\tnormalize\x18\x05 \x01(\x08H\x00\x88\x01\x01\x42\x0c\n\n_normalize\"N\n\x05Voice\x12\x0e\n\x04name\x18\x01 \x01(\tH\x00\x12+\n\treference\x18\x02 \x01(\x0b\x32\x16.tts.v1.ReferenceAudioH\x00\x42\x08\n\x06source\"-\n\x0eReferenceAudio\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xab\x02\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x1b\n\x0emax_new_frames\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x1b\n\x0emin_new_frames\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x11\n\x0f_max_new_framesB\x11\n\x0f_min_new_framesB\x15\n\x13_repetition_penalty\"\x81\x01\n\rOutputOptions\x12\'\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32\x15.tts.v1.AudioEncoding\x12\x15\n\rinclude_codes\x18\x02 \x01(\x08\x12\x1a\n\x12\x66irst_chunk_frames\x18\x03 \x01(\r\x12\x14\n\x0c\x63hunk_frames\x18\x04 \x01(\r\"\x8e\x01\n\x12SynthesizeResponse\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.tts.v1.StreamHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.tts.v1.AudioChunkH\x00\x12 \n\x03\x65nd\x18\x03 \x01(\x0b\x32\x11.tts.v1.StreamEndH\x00\x42\t\n\x07message\"\xf2\x01\n\x0cStreamHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bsample_rate\x18\x02 \x01(\r\x12\x10\n\x08\x63hannels\x18\x03 \x01(\r\x12\'\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x15.tts.v1.AudioEncoding\x12\x12\n\nframe_rate\x18\x05 \x01(\x01\x12\x15\n\rnum_codebooks\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12\x0c\n\x04seed\x18\x08 \x01(\x03\x12\x13\n\x0btext_chunks\x18\t \x01(\r\x12\x10\n\x08warnings\x18\n \x03(\t\x12\x0f\n\x07replica\x18\x0b \x01(\t\"B\n\x05\x43odes\x12\x15\n\rnum_codebooks\x18\x01 \x01(\r\x12\x12\n\nnum_frames\x18\x02 \x01(\r\x12\x0e\n\x06values\x18\x03 \x03(\x05\"s\n\nAudioChunk\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\r\n\x05\x61udio\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66rame_start\x18\x03 \x01(\x04\x12\x11\n\tframe_end\x18\x04 \x01(\x04\x12\x1c\n\x05\x63odes\x18\x05 \x01(\x0b\x32\r.tts.v1.Codes\"\xec\x01\n\tStreamEnd\x12+\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x14.tts.v1.FinishReason\x12\x0e\n\x06\x66rames\x18\x02 \x01(\x04\x12\x15\n\raudio_seconds\x18\x03 \x01(\x01\x12#\n\x1btime_to_first_audio_seconds\x18\x04 \x01(\x01\x12\x0b\n\x03rtf\x18\x05 \x01(\x01\x12\x0e\n\x06\x63hunks\x18\x06 \x01(\x04\x12\x37\n\x19text_chunk_finish_reasons\x18\x07 \x03(\x0e\x32\x14.tts.v1.FinishReason\x12\x10\n\x08warnings\x18\x08 \x03(\t\"\x8c\x01\n\x17SynthesizeUnaryResponse\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x14.tts.v1.StreamHeader\x12\r\n\x05\x61udio\x18\x02 \x01(\x0c\x12\x1c\n\x05\x63odes\x18\x03 \x01(\x0b\x32\r.tts.v1.Codes\x12\x1e\n\x03\x65nd\x18\x04 \x01(\x0b\x32\x11.tts.v1.StreamEnd\"\x13\n\x11ListVoicesRequest\"L\n\tVoiceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\ntranscript\x18\x02 \x01(\t\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0c\n\x04kind\x18\x04 \x01(\t\"[\n\x0f\x41\x64\x64VoiceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\treference\x18\x02 \x01(\x0b\x32\x16.tts.v1.ReferenceAudio\x12\x0f\n\x07replace\x18\x03 \x01(\x08\"\"\n\x12\x44\x65leteVoiceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13\x44\x65leteVoiceResponse\"7\n\x12ListVoicesResponse\x12!\n\x06voices\x18\x01 \x03(\x0b\x32\x11.tts.v1.VoiceInfo\"\x10\n\x0eGetInfoRequest\"\xfb\x04\n\x0fGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0bsample_rate\x18\x06 \x01(\r\x12\x12\n\nframe_rate\x18\x07 \x01(\x01\x12\x15\n\rnum_codebooks\x18\x08 \x01(\r\x12\x15\n\rcodebook_size\x18\t \x01(\r\x12\x13\n\x0bmax_context\x18\n \x01(\r\x12\x11\n\tmax_batch\x18\x0b \x01(\r\x12\x0f\n\x07\x62uckets\x18\x0c \x03(\r\x12\x0e\n\x06graphs\x18\r \x01(\x08\x12\x0f\n\x07\x63\x61pture\x18\x0e \x01(\t\x12\x18\n\x10\x63\x61ptured_buckets\x18\x0f \x03(\r\x12\x14\n\x0creplay_share\x18\x10 \x01(\x01\x12\x13\n\x0bmax_waiting\x18\x11 \x01(\r\x12\x1b\n\x13max_reference_bytes\x18\x12 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x13 \x01(\x04\x12\x16\n\x0emax_text_bytes\x18\x14 \x01(\r\x12\x18\n\x10max_chunk_frames\x18\x15 \x01(\r\x12\x18\n\x10text_chunk_bytes\x18\x16 \x01(\r\x12\x1d\n\x15max_reference_seconds\x18\x17 \x01(\x01\x12\x19\n\x11max_audio_seconds\x18\x18 \x01(\x01\x12\x1d\n\x15pause_timeout_seconds\x18\x19 \x01(\x01\x12\x1d\n\x15reference_cache_bytes\x18\x1a \x01(\x04\x12\x13\n\x0b\x63odec_dtype\x18\x1b \x01(\t\x12\x0f\n\x07replica\x18\x1c \x01(\t*e\n\rAudioEncoding\x12\x1e\n\x1a\x41UDIO_ENCODING_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41UDIO_ENCODING_PCM16\x10\x01\x12\x1a\n\x16\x41UDIO_ENCODING_FLOAT32\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_SHORT\x10\x03\x32\xa5\x03\n\x0cTextToSpeech\x12\x45\n\nSynthesize\x12\x19.tts.v1.SynthesizeRequest\x1a\x1a.tts.v1.SynthesizeResponse0\x01\x12M\n\x0fSynthesizeUnary\x12\x19.tts.v1.SynthesizeRequest\x1a\x1f.tts.v1.SynthesizeUnaryResponse\x12\x43\n\nListVoices\x12\x19.tts.v1.ListVoicesRequest\x1a\x1a.tts.v1.ListVoicesResponse\x12\x36\n\x08\x41\x64\x64Voice\x12\x17.tts.v1.AddVoiceRequest\x1a\x11.tts.v1.VoiceInfo\x12\x46\n\x0b\x44\x65leteVoice\x12\x1a.tts.v1.DeleteVoiceRequest\x1a\x1b.tts.v1.DeleteVoiceResponse\x12:\n\x07GetInfo\x12\x16.tts.v1.GetInfoRequest\x1a\x17.tts.v1.GetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.tts.v1.tts_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_AUDIOENCODING']._serialized_start=2668
-  _globals['_AUDIOENCODING']._serialized_end=2769
-  _globals['_FINISHREASON']._serialized_start=2771
-  _globals['_FINISHREASON']._serialized_end=2891
+  _globals['_AUDIOENCODING']._serialized_start=2702
+  _globals['_AUDIOENCODING']._serialized_end=2803
+  _globals['_FINISHREASON']._serialized_start=2805
+  _globals['_FINISHREASON']._serialized_end=2925
   _globals['_SYNTHESIZEREQUEST']._serialized_start=35
   _globals['_SYNTHESIZEREQUEST']._serialized_end=218
   _globals['_VOICE']._serialized_start=220
@@ -48,31 +48,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SYNTHESIZERESPONSE']._serialized_start=782
   _globals['_SYNTHESIZERESPONSE']._serialized_end=924
   _globals['_STREAMHEADER']._serialized_start=927
-  _globals['_STREAMHEADER']._serialized_end=1152
-  _globals['_CODES']._serialized_start=1154
-  _globals['_CODES']._serialized_end=1220
-  _globals['_AUDIOCHUNK']._serialized_start=1222
-  _globals['_AUDIOCHUNK']._serialized_end=1337
-  _globals['_STREAMEND']._serialized_start=1340
-  _globals['_STREAMEND']._serialized_end=1576
-  _globals['_SYNTHESIZEUNARYRESPONSE']._serialized_start=1579
-  _globals['_SYNTHESIZEUNARYRESPONSE']._serialized_end=1719
-  _globals['_LISTVOICESREQUEST']._serialized_start=1721
-  _globals['_LISTVOICESREQUEST']._serialized_end=1740
-  _globals['_VOICEINFO']._serialized_start=1742
-  _globals['_VOICEINFO']._serialized_end=1818
-  _globals['_ADDVOICEREQUEST']._serialized_start=1820
-  _globals['_ADDVOICEREQUEST']._serialized_end=1911
-  _globals['_DELETEVOICEREQUEST']._serialized_start=1913
-  _globals['_DELETEVOICEREQUEST']._serialized_end=1947
-  _globals['_DELETEVOICERESPONSE']._serialized_start=1949
-  _globals['_DELETEVOICERESPONSE']._serialized_end=1970
-  _globals['_LISTVOICESRESPONSE']._serialized_start=1972
-  _globals['_LISTVOICESRESPONSE']._serialized_end=2027
-  _globals['_GETINFOREQUEST']._serialized_start=2029
-  _globals['_GETINFOREQUEST']._serialized_end=2045
-  _globals['_GETINFORESPONSE']._serialized_start=2048
-  _globals['_GETINFORESPONSE']._serialized_end=2666
-  _globals['_TEXTTOSPEECH']._serialized_start=2894
-  _globals['_TEXTTOSPEECH']._serialized_end=3315
+  _globals['_STREAMHEADER']._serialized_end=1169
+  _globals['_CODES']._serialized_start=1171
+  _globals['_CODES']._serialized_end=1237
+  _globals['_AUDIOCHUNK']._serialized_start=1239
+  _globals['_AUDIOCHUNK']._serialized_end=1354
+  _globals['_STREAMEND']._serialized_start=1357
+  _globals['_STREAMEND']._serialized_end=1593
+  _globals['_SYNTHESIZEUNARYRESPONSE']._serialized_start=1596
+  _globals['_SYNTHESIZEUNARYRESPONSE']._serialized_end=1736
+  _globals['_LISTVOICESREQUEST']._serialized_start=1738
+  _globals['_LISTVOICESREQUEST']._serialized_end=1757
+  _globals['_VOICEINFO']._serialized_start=1759
+  _globals['_VOICEINFO']._serialized_end=1835
+  _globals['_ADDVOICEREQUEST']._serialized_start=1837
+  _globals['_ADDVOICEREQUEST']._serialized_end=1928
+  _globals['_DELETEVOICEREQUEST']._serialized_start=1930
+  _globals['_DELETEVOICEREQUEST']._serialized_end=1964
+  _globals['_DELETEVOICERESPONSE']._serialized_start=1966
+  _globals['_DELETEVOICERESPONSE']._serialized_end=1987
+  _globals['_LISTVOICESRESPONSE']._serialized_start=1989
+  _globals['_LISTVOICESRESPONSE']._serialized_end=2044
+  _globals['_GETINFOREQUEST']._serialized_start=2046
+  _globals['_GETINFOREQUEST']._serialized_end=2062
+  _globals['_GETINFORESPONSE']._serialized_start=2065
+  _globals['_GETINFORESPONSE']._serialized_end=2700
+  _globals['_TEXTTOSPEECH']._serialized_start=2928
+  _globals['_TEXTTOSPEECH']._serialized_end=3349
 # @@protoc_insertion_point(module_scope)

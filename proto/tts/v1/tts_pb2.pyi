@@ -98,7 +98,7 @@ class SynthesizeResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[StreamHeader, _Mapping]] = ..., chunk: _Optional[_Union[AudioChunk, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
 
 class StreamHeader(_message.Message):
-    __slots__ = ("request_id", "sample_rate", "channels", "encoding", "frame_rate", "num_codebooks", "model", "seed", "text_chunks", "warnings")
+    __slots__ = ("request_id", "sample_rate", "channels", "encoding", "frame_rate", "num_codebooks", "model", "seed", "text_chunks", "warnings", "replica")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     CHANNELS_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class StreamHeader(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     TEXT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sample_rate: int
     channels: int
@@ -119,7 +120,8 @@ class StreamHeader(_message.Message):
     seed: int
     text_chunks: int
     warnings: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., sample_rate: _Optional[int] = ..., channels: _Optional[int] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., frame_rate: _Optional[float] = ..., num_codebooks: _Optional[int] = ..., model: _Optional[str] = ..., seed: _Optional[int] = ..., text_chunks: _Optional[int] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+    replica: str
+    def __init__(self, request_id: _Optional[str] = ..., sample_rate: _Optional[int] = ..., channels: _Optional[int] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., frame_rate: _Optional[float] = ..., num_codebooks: _Optional[int] = ..., model: _Optional[str] = ..., seed: _Optional[int] = ..., text_chunks: _Optional[int] = ..., warnings: _Optional[_Iterable[str]] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class Codes(_message.Message):
     __slots__ = ("num_codebooks", "num_frames", "values")
@@ -224,7 +226,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "family", "parameters", "device", "dtype", "sample_rate", "frame_rate", "num_codebooks", "codebook_size", "max_context", "max_batch", "buckets", "graphs", "capture", "captured_buckets", "replay_share", "max_waiting", "max_reference_bytes", "max_message_bytes", "max_text_bytes", "max_chunk_frames", "text_chunk_bytes", "max_reference_seconds", "max_audio_seconds", "pause_timeout_seconds", "reference_cache_bytes", "codec_dtype")
+    __slots__ = ("model", "family", "parameters", "device", "dtype", "sample_rate", "frame_rate", "num_codebooks", "codebook_size", "max_context", "max_batch", "buckets", "graphs", "capture", "captured_buckets", "replay_share", "max_waiting", "max_reference_bytes", "max_message_bytes", "max_text_bytes", "max_chunk_frames", "text_chunk_bytes", "max_reference_seconds", "max_audio_seconds", "pause_timeout_seconds", "reference_cache_bytes", "codec_dtype", "replica")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +254,7 @@ class GetInfoResponse(_message.Message):
     PAUSE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CODEC_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     model: str
     family: str
     parameters: int
@@ -279,4 +282,5 @@ class GetInfoResponse(_message.Message):
     pause_timeout_seconds: float
     reference_cache_bytes: int
     codec_dtype: str
-    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., sample_rate: _Optional[int] = ..., frame_rate: _Optional[float] = ..., num_codebooks: _Optional[int] = ..., codebook_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_batch: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., graphs: _Optional[bool] = ..., capture: _Optional[str] = ..., captured_buckets: _Optional[_Iterable[int]] = ..., replay_share: _Optional[float] = ..., max_waiting: _Optional[int] = ..., max_reference_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_text_bytes: _Optional[int] = ..., max_chunk_frames: _Optional[int] = ..., text_chunk_bytes: _Optional[int] = ..., max_reference_seconds: _Optional[float] = ..., max_audio_seconds: _Optional[float] = ..., pause_timeout_seconds: _Optional[float] = ..., reference_cache_bytes: _Optional[int] = ..., codec_dtype: _Optional[str] = ...) -> None: ...
+    replica: str
+    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., sample_rate: _Optional[int] = ..., frame_rate: _Optional[float] = ..., num_codebooks: _Optional[int] = ..., codebook_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_batch: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., graphs: _Optional[bool] = ..., capture: _Optional[str] = ..., captured_buckets: _Optional[_Iterable[int]] = ..., replay_share: _Optional[float] = ..., max_waiting: _Optional[int] = ..., max_reference_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_text_bytes: _Optional[int] = ..., max_chunk_frames: _Optional[int] = ..., text_chunk_bytes: _Optional[int] = ..., max_reference_seconds: _Optional[float] = ..., max_audio_seconds: _Optional[float] = ..., pause_timeout_seconds: _Optional[float] = ..., reference_cache_bytes: _Optional[int] = ..., codec_dtype: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...
