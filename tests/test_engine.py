@@ -1,6 +1,7 @@
 import pytest
 import torch
 from helpers import params, random_prompt, run_to_completion
+from service_helpers import EndTokenFavoured
 
 from tts.engine import Engine, EngineConfig, FinishReason, InvalidRequest, QueueFull
 
@@ -261,25 +262,11 @@ def test_cpu_noise_made_frames_ahead_equals_each_frames_own(tiny_model):
     check()
 
 
-class _EndTokenFavoured:
-    """`torch.nn.functional` for model_runner, except that the main-token logits' last column (the end
-    token) gets +1e4: a model that wants to stop at once, whatever its weights."""
-
-    def __getattr__(self, name):
-        return getattr(torch.nn.functional, name)
-
-    @staticmethod
-    def linear(x, weight, bias=None):
-        out = torch.nn.functional.linear(x, weight, bias)
-        out[:, -1] += 1e4
-        return out
-
-
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_min_new_frames_holds_off_the_end_token(tiny_model, monkeypatch, temperature):
     from tts.engine import model_runner
 
-    monkeypatch.setattr(model_runner, "F", _EndTokenFavoured())
+    monkeypatch.setattr(model_runner, "F", EndTokenFavoured())
     engine = make_engine(tiny_model)
     p = random_prompt(tiny_model, 12, 5)
     engine.submit(p, params(temperature=temperature, max_new_frames=20), "free")

@@ -104,7 +104,7 @@ def test_cli_synthesizes_a_wav(fish_checkpoints, tmp_path):
 
 
 def test_service_streams_fish15_with_a_repetition_penalty(bundle):
-    from test_service import ServerThread, collect
+    from service_helpers import ServerThread, collect
 
     srv = ServerThread(bundle, EngineConfig(max_batch=2))
     try:

@@ -25,7 +25,7 @@ import soundfile as sf
 from proto.tts.v1 import tts_pb2_grpc as pb_grpc
 from service.client import build_request, channel_options
 from service.http import body_limit
-from service.server import ServiceLimits, TTSServer
+from service.server import ServiceLimits
 from tts.api import TTS
 from tts.audio import read_audio, to_pcm16
 from tts.bundle import load_bundle
@@ -34,7 +34,7 @@ from tts.engine.loop import EngineLoop
 
 pytest.importorskip("fastapi")
 av = pytest.importorskip("av")
-from test_service import wait_idle  # noqa: E402 - the gRPC tests' "everything freed" check
+from service_helpers import ServerThread, wait_idle  # noqa: E402
 
 RATE = 16000  # the tiny model's codec
 FRAME = 640  # samples per frame
@@ -50,46 +50,11 @@ MEDIA = {
 }
 
 
-class HTTPServerThread:
-    """A TTSServer with its HTTP front on its own asyncio loop in a background thread."""
+class HTTPServerThread(ServerThread):
+    """A ServerThread with its HTTP front on an ephemeral port (`self.port`)."""
 
     def __init__(self, bundle, engine_config=None, limits=None, metrics_port=None, wait_ready=True):
-        self.server = TTSServer(
-            bundle, engine_config or EngineConfig(max_batch=8), limits, metrics_port=metrics_port, http_port=0
-        )
-        self._started = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-        self._thread.start()
-        assert self._started.wait(60), "server did not start"
-        if self._error:
-            raise self._error
-        self.port = self.server.http_port
-        if wait_ready:
-            self.call(self.server.wait_ready(120))
-
-    async def _main(self):
-        self.aio_loop = asyncio.get_running_loop()
-        try:
-            await self.server.start("127.0.0.1", 0)
-        except BaseException as exc:  # noqa: BLE001
-            self._error = exc
-            self._started.set()
-            return
-        self._started.set()
-        await self.server.wait_for_termination()
-
-    def call(self, coro, timeout=120):
-        return asyncio.run_coroutine_threadsafe(coro, self.aio_loop).result(timeout)
-
-    def stop(self, grace=0.0):
-        if self._thread.is_alive():
-            self.call(self.server.stop(grace))
-            self._thread.join(30)
-
-    @property
-    def loop(self) -> EngineLoop:
-        return self.server.loop
+        super().__init__(bundle, engine_config, limits, metrics_port, wait_ready, http_port=0)
 
     def connect(self, rcvbuf: int | None = None) -> http.client.HTTPConnection:
         """A connection; `rcvbuf` shrinks the socket's receive buffer (so an unread response backs up)."""

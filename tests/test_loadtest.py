@@ -157,7 +157,7 @@ def test_min_new_frames_goes_on_the_wire():
 
 @pytest.fixture(scope="module")
 def server():
-    from test_service import ServerThread
+    from service_helpers import ServerThread
 
     from tts.bundle import load_bundle
     from tts.engine import EngineConfig

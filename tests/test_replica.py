@@ -10,7 +10,7 @@ import urllib.request
 
 import grpc
 import pytest
-from test_service import HOLD, HOLD_TEXT, NO_BDP, ServerThread, collect
+from service_helpers import HOLD, HOLD_TEXT, NO_BDP, ServerThread, collect
 
 from proto.tts.v1 import tts_pb2 as pb
 from proto.tts.v1 import tts_pb2_grpc as pb_grpc

@@ -243,7 +243,7 @@ def test_client_unwritable_output_fails_before_connecting(capsys):
 
 def test_client_prints_the_servers_text_warning_once_and_sends_no_normalize(tmp_path, capsys):
     import numpy as np
-    from test_service import ServerThread
+    from service_helpers import ServerThread
 
     from tts.api import TTS
     from tts.engine import EngineConfig

@@ -197,7 +197,7 @@ def bundle():
 
 @pytest.fixture(scope="module")
 def server(bundle):
-    from test_service import ServerThread
+    from service_helpers import ServerThread
 
     from service.server import ServiceLimits
     from tts.engine import EngineConfig
@@ -258,7 +258,7 @@ def test_soak_of_a_tiny_server_passes_and_counts_add_up(server, tmp_path):
 def test_soak_fails_with_one_line_when_a_request_stays_in_flight(bundle, tmp_path, capsys, monkeypatch):
     """A server whose in-flight gauge never returns to 0 (here: made to report one job too many) fails
     the soak: exit 1, one line naming the gauge."""
-    from test_service import ServerThread
+    from service_helpers import ServerThread
 
     from tts.cli import main
     from tts.engine import EngineConfig
