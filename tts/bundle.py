@@ -296,6 +296,21 @@ def save_bundle(bundle: ModelBundle, directory: str | Path, codec_config: dict |
     return directory
 
 
+def read_config(spec: str | Path) -> tuple[Path, dict]:
+    """(directory, its parsed config.json) of a checkpoint directory; raises CheckpointError naming the
+    problem (not a directory, no config.json, not valid JSON)."""
+    directory = Path(spec)
+    if not directory.is_dir():
+        raise CheckpointError(f"{spec} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{directory} has no config.json")
+    try:
+        return directory, json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
+
+
 def load_bundle(
     spec: str | Path = "default", device: str | torch.device = "cpu", dtype=None, codec_dtype=None
 ) -> ModelBundle:
@@ -314,16 +329,7 @@ def load_bundle(
             log.warning("the trained default model is not installed; using the random-weight tiny model")
             return build_tiny_bundle(device=device, dtype=dtype)
         spec = DEFAULT_MODEL_DIR
-    directory = Path(spec)
-    if not directory.is_dir():
-        raise CheckpointError(f"{spec} is neither a preset ({', '.join(PRESETS)}) nor a directory")
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"{directory} has no config.json")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
+    directory, raw = read_config(spec)
     if RUNTIME_KEY not in raw:
         try:
             from . import fish
@@ -398,16 +404,7 @@ def load_text_model(spec: str | Path = "default") -> TextModel:
     if str(spec) == "tiny" or (str(spec) == "default" and not (DEFAULT_MODEL_DIR / "config.json").is_file()):
         b = build_tiny_bundle()
         return TextModel(b.name, b.family, b.tokenizer, b.prompt_format, b.chunk_length)
-    directory = DEFAULT_MODEL_DIR if str(spec) == "default" else Path(spec)
-    if not directory.is_dir():
-        raise CheckpointError(f"{spec} is neither a preset ({', '.join(PRESETS)}) nor a directory")
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"{directory} has no config.json")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
+    directory, raw = read_config(DEFAULT_MODEL_DIR if str(spec) == "default" else spec)
     if RUNTIME_KEY in raw:
         runtime = raw[RUNTIME_KEY]
         _, tokenizer, prompt_format = _own_text_side(directory, raw)

@@ -72,6 +72,25 @@ def random_like_init(shape, seed: int, name: str, std: float, mean: float = 0.0)
     return out.uniform_(mean - half, mean + half, generator=gen)
 
 
+def random_weight_norm(key: str, shape, seed: int, storage: str) -> dict[str, Tensor]:
+    """A random weight-normalized conv weight `key` (`base.weight`) as a checkpoint stores it: the
+    direction v (unit variance) and the magnitude g (about 0.8 per output channel, so each channel's
+    weight norm stays near 1 and random codecs give finite, non-saturated audio), under the keys of
+    `storage`: "parametrization" (`base.parametrizations.weight.original0/1`), "old"
+    (`base.weight_g/weight_v`) or "fused" (`base.weight = torch._weight_norm(v, g, 0)`)."""
+    base = key.rpartition(".")[0]
+    v = random_like_init(shape, seed, key + ".v", std=1.0)
+    g = random_like_init((shape[0], 1, 1), seed, key + ".g", std=0.15, mean=0.8)
+    if storage == "fused":
+        return {key: torch._weight_norm(v, g, 0)}
+    if storage == "parametrization":
+        return {
+            f"{base}.parametrizations.weight.original0": g,
+            f"{base}.parametrizations.weight.original1": v,
+        }
+    return {f"{base}.weight_g": g, f"{base}.weight_v": v}
+
+
 def hashed_randint(shape, seed: int, name: str, high: int) -> Tensor:
     """int64 `shape` tensor of integers in [0, high), a pure function of (seed, name, index)."""
     u = hashed_uniform(shape, seed, name, 0.0, 1.0).double()

@@ -872,7 +872,7 @@ def random_codec_state(cfg: DACConfig, seed: int = 0, form: str = "fish") -> dic
     each output channel's weight norm near 1 and residual branches small, so random codecs produce
     finite, non-saturated audio.
     """
-    from ..randinit import random_like_init
+    from ..randinit import random_like_init, random_weight_norm
 
     if form not in ("fish", "old", "fused"):
         raise ValueError(f"unknown codec storage form {form!r}")
@@ -884,17 +884,9 @@ def random_codec_state(cfg: DACConfig, seed: int = 0, form: str = "fish") -> dic
         base, _, leaf = key.rpartition(".")
         shape = tuple(p.shape)
         if base in wn and leaf == "weight":
-            storage, _ = wn[base]
-            v = random_like_init(shape, seed, key + ".v", std=1.0)
-            g = random_like_init((shape[0], 1, 1), seed, key + ".g", std=0.15, mean=0.8)
-            if form == "fused":
-                state[key] = torch._weight_norm(v, g, 0)
-            elif storage == "parametrization" and form == "fish":
-                state[f"{base}.parametrizations.weight.original0"] = g
-                state[f"{base}.parametrizations.weight.original1"] = v
-            else:
-                state[f"{base}.weight_g"] = g
-                state[f"{base}.weight_v"] = v
+            storage, _ = wn[base]  # how fish-speech's module stores it: "parametrization" or "old"
+            storage = "fused" if form == "fused" else storage if form == "fish" else "old"
+            state.update(random_weight_norm(key, shape, seed, storage))
         elif leaf == "alpha":
             state[key] = random_like_init(shape, seed, key, std=0.25, mean=1.0)
         elif leaf == "gamma":

@@ -446,7 +446,7 @@ def random_firefly_state(cfg: FireflyConfig, seed: int = 0, form: str = "fish") 
     Weight-norm magnitudes keep each output channel's norm near 1, LayerNorm gains near 1 and the
     ConvNeXt layer scales small, so a random codec gives finite, non-saturated audio.
     """
-    from ..randinit import random_like_init
+    from ..randinit import random_like_init, random_weight_norm
 
     if form not in ("fish", "old", "fused"):
         raise ValueError(f"unknown codec storage form {form!r}")
@@ -458,16 +458,8 @@ def random_firefly_state(cfg: FireflyConfig, seed: int = 0, form: str = "fish") 
         base, _, leaf = key.rpartition(".")
         shape = tuple(p.shape)
         if base in wn and leaf == "weight":
-            v = random_like_init(shape, seed, key + ".v", std=1.0)
-            g = random_like_init((shape[0], 1, 1), seed, key + ".g", std=0.15, mean=0.8)
-            if form == "fused":
-                state[key] = torch._weight_norm(v, g, 0)
-            elif form == "fish":
-                state[f"{base}.parametrizations.weight.original0"] = g
-                state[f"{base}.parametrizations.weight.original1"] = v
-            else:
-                state[f"{base}.weight_g"] = g
-                state[f"{base}.weight_v"] = v
+            storage = {"fish": "parametrization", "old": "old", "fused": "fused"}[form]
+            state.update(random_weight_norm(key, shape, seed, storage))
         elif leaf == "gamma":
             state[key] = random_like_init(shape, seed, key, std=0.02, mean=0.1)
         elif leaf == "bias":
