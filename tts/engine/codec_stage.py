@@ -18,8 +18,10 @@ when it is not a CUDA graph (and a reference encode always is); on the engine th
 would stall every running stream, on the worker they overlap the frame steps. On a CPU the worker is
 the second core (torch releases the GIL inside ops).
 
-On CUDA a decoder that is `graph_safe` is captured per (rows bucket, frames bucket) on its second use
-(`graphs.runner.GraphRunner`, shared pool, thread-local capture); `graphs=False` keeps it eager.
+On CUDA a decoder that is `graph_safe` is captured per (rows bucket, frames bucket): at start-up for the
+shapes of first chunks and later chunks (`capture`, what `tts serve --capture startup` does), any other
+shape on its second use (`graphs.runner.GraphRunner`, one shared pool, thread-local capture mode);
+`graphs=False` keeps it eager.
 Inputs are staged in pinned host buffers and copied without blocking; the worker then waits for its
 own stream only.
 """
