@@ -249,8 +249,8 @@ class Planner:
         top_k, max_new_frames (per text chunk), min_new_frames, seed, ras_window, repetition_penalty. A
         random seed is chosen when none is given. normalize=False: the text is read as given (no markup
         reading, no normalization; see `tts.textpolicy`). Raises TextError, InvalidRequest, VoiceNotFound
-        or AudioError before any
-        work; a `reference` clip is checked for size here (its codes come later, from the codec stage)."""
+        or AudioError before any work; a `reference` clip is checked for size here (its codes come later,
+        from the codec stage)."""
         if not (1 <= first_chunk_frames <= MAX_CHUNK_FRAMES and 1 <= chunk_frames <= MAX_CHUNK_FRAMES):
             raise InvalidRequest(
                 f"audio chunk sizes must be 1 to {MAX_CHUNK_FRAMES} frames, got {first_chunk_frames} and {chunk_frames}"
