@@ -154,6 +154,42 @@ def test_back_pressure_pauses_only_the_slow_request(make_loop, bundle, offline):
     wait_until(lambda: idle(loop), what="idle")
 
 
+def test_back_pressure_counts_chunks_still_being_decoded(make_loop):
+    """A codec stage that lags (held here) must not let a job that nobody reads run ahead: chunks in
+    flight on the codec stage count toward the cap, so the job pauses after `cap` chunks however slow
+    the decode, and its unread queue never exceeds the cap."""
+    import threading
+
+    loop = make_loop(max_queued_chunks=2)
+    stage = loop.runner.stage
+    gate = threading.Event()
+    decode = stage.decoder.decode
+
+    def held(*args, **kwargs):
+        gate.wait(60)
+        return decode(*args, **kwargs)
+
+    stage.decoder.decode = held
+    try:
+        base = loop.engine.frames_generated  # (the loop's warm-up synthesis counts too)
+        slow = loop.submit(
+            job(loop, "Back pressure test.", 40, seed=4, temperature=0.0, chunk_frames=2,
+                first_chunk_frames=2, hold=True)
+        )  # fmt: skip
+        assert isinstance(slow.get(timeout=60), Started)
+        wait_until(lambda: slow.paused, what="pause while the codec stage is held")
+        frames = loop.engine.frames_generated
+        assert frames - base == 4  # two chunks of two frames, then nothing
+        gate.set()
+        wait_until(lambda: slow.queued_chunks == 2 and stage.idle, what="decoded")
+        assert loop.engine.frames_generated == frames and slow.queued_chunks == 2
+        events = drain(slow)
+        assert events[-1].frames == 40
+    finally:
+        gate.set()
+        stage.decoder.decode = decode
+
+
 def test_pause_across_text_chunks_stops_generation_until_read(make_loop, offline):
     """A two-chunk text whose reader does not read: the job pauses (its next text chunk deferred, or its
     engine request paused, depending on when the audio came back) and generates nothing more until the

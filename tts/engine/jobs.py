@@ -22,7 +22,7 @@ A job (`tts.planner.SynthesisJob`) runs like this:
    audio for its text, with a warning), then the next chunk is submitted; after the last one and its
    audio, `Finished` (or `Failed` at any point, and nothing after it).
 
-Back-pressure: when `max_queued_chunks` audio chunks of a job wait unread (the sink says so), the job's
+Back-pressure: when `max_queued_chunks` audio chunks of a job wait unread or on the codec stage, the job's
 engine request is paused (its row and blocks stay reserved, the batch runs on) and its next text chunk
 is not started; the consumer's `resume` undoes it. A job paused longer than `pause_timeout` seconds
 while others wait for a row (or were just refused admission) is ended with `Preempted`: it frees its
@@ -457,6 +457,7 @@ class JobRunner:
         self.stage.decode(job.slot, (job.job_id, job.sequence), codes)
         job.sequence += 1
         job.frames_queued += codes.shape[1]
+        self._pause_if_full(job)
 
     def _audio(self, result: DecodeResult) -> None:
         job_id, sequence = result.tag
@@ -472,15 +473,20 @@ class JobRunner:
             job.first_audio_at = time.monotonic()
         if not self._deliver(job, Audio(seq, result.samples, start, start + codes.shape[1], codes)):
             return
+        self._pause_if_full(job)
+        self._finish_if_done(job)
+
+    def _pause_if_full(self, job: _Job) -> None:
+        """Pause the job once its unread chunks plus those still on the codec stage reach the cap: a
+        lagging codec stage must not let a job nobody reads run ahead (memory stays bounded)."""
         if (
             not job.generation_done
             and job.paused_at is None
-            and job.sink.pause_if_full(self.max_queued_chunks)
+            and job.sink.pause_if_full(self.max_queued_chunks - len(job.inflight))
         ):
             job.paused_at = time.monotonic()
             if job.engine_id is not None:
                 self.engine.set_paused(job.engine_id, True)
-        self._finish_if_done(job)
 
     def _finish_if_done(self, job: _Job) -> None:
         if job.generation_done and not job.inflight and not job.pending and job.job_id in self.jobs:
