@@ -12,6 +12,11 @@
 #                at c = 16, 64; `tts bench` graph batch 1; the batched-DAC CUDA tests
 #   STEP=default the default voice on the GPU: service c = 1, 16, 64, `tts synthesize --device cuda` RTF;
 #                then `tts bench` graph batch 1 of S2-Pro (the per-stream reference)
+#   STEP=prio    S2-Pro service, float32 codec: the frame steps on a high-priority CUDA stream (c = 1, 16,
+#                64, 64) and on the default stream (TTS_STEP_STREAM=default: c = 16, 64, 64), the A/B of
+#                the stream priorities
+#   STEP=after   the CUDA tests; the default voice's service (c = 1, 16, 64, 64), `tts synthesize
+#                --device cuda` to raw PCM; S2-Pro with the bf16 codec (c = 16, 64, 64)
 set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -96,4 +101,25 @@ if [[ $STEP == default ]]; then
   for s in 1 2 3; do timeout 60 $TTS synthesize "Please call Stella and ask her to bring these things." --device cuda --seed $s -o /tmp/x$s.wav 2>&1 | tail -1; done
   t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
   timeout 120 $TTS bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1 --frames 64 --out $OUT/tps 2>&1 | tail -3
+fi
+if [[ $STEP == prio ]]; then
+  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  serve /tmp/s2 50061 9465
+  bench 50061 9465 s2_service_fp32_step_stream_high --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
+  export TTS_STEP_STREAM=default; serve /tmp/s2 50062 9466
+  bench 50062 9466 s2_service_fp32_step_stream_default --concurrency 16,64,64 --max-new-frames 128 --min-new-frames 128; unset TTS_STEP_STREAM
+  kill %1; wait
+  grep -h "captured\|SERVING\|Traceback\|Error" $OUT/serve_*.log | head -20
+fi
+if [[ $STEP == after ]]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda tests/ 2>&1 | tail -8 | tee $OUT/cuda_tests.log
+  serve default 50063 9467
+  bench 50063 9467 default_service --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
+  for s in 1 2 3; do timeout 60 $TTS synthesize "Please call Stella and ask her to bring these things." --device cuda --seed $s -o /tmp/x$s.pcm 2>&1 | tail -1; done
+  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  serve /tmp/s2 50062 9466 --codec-dtype bfloat16
+  bench 50062 9466 s2_service_bf16 --concurrency 16,64,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
 fi

@@ -312,3 +312,30 @@ def test_replay_with_repetition_penalty_equals_eager(model, mode):
         engine.runner.decode_step(1)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_engine_loop_on_the_gpu_streams_the_offline_audio():
+    """The service's engine thread (frame steps on its high-priority stream, the codec stage on its
+    own low-priority one, both with graphs captured at start-up) streams exactly the codes and, to
+    float tolerance, the audio of the offline API on the same GPU."""
+    import numpy as np
+
+    from tts.api import TTS
+    from tts.bundle import load_bundle
+    from tts.engine.loop import Audio, EngineLoop, Finished
+
+    bundle = load_bundle("tiny", "cuda")
+    loop = EngineLoop(bundle, EngineConfig(max_batch=4, capture="startup")).start()
+    try:
+        loop.wait_ready(120)
+        assert loop.runner.stage.stream.priority == max(torch.cuda.Stream.priority_range())
+        spec = loop.planner.job("Hello there.", seed=7, max_new_frames=24, min_new_frames=24, chunk_frames=8)
+        stream, events = loop.submit(spec), []
+        while not events or not isinstance(events[-1], Finished):
+            events.append(stream.get(timeout=120))
+        audio = [e for e in events if isinstance(e, Audio)]
+        ref = TTS(bundle).synthesize("Hello there.", seed=7, max_new_frames=24, min_new_frames=24)
+        assert torch.equal(torch.cat([a.codes for a in audio], dim=1).cpu(), ref.codes.cpu())
+        np.testing.assert_allclose(np.concatenate([a.samples for a in audio]), ref.audio, atol=1e-4, rtol=0)
+    finally:
+        loop.stop()

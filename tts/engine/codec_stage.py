@@ -145,7 +145,8 @@ class CodecStage:
         # Output: rows x frames x frame_length float32 of the largest call, viewed as [rows, frames * L].
         self._out: Tensor | None = None
         self._h_out: Tensor | None = None
-        self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        # The lowest priority (0): the engine thread's frame steps go first (EngineLoop._use_step_stream).
+        self.stream = torch.cuda.Stream(self.device, priority=0) if self.is_cuda else None
         use_graphs = graphs and self.is_cuda and getattr(self.decoder, "graph_safe", False)
         self.graphs = GraphRunner(
             self._decode_step, max_batch=max_rows, buckets=ROW_BUCKETS, enabled=use_graphs, device=self.device,

@@ -27,6 +27,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -394,11 +395,25 @@ class EngineLoop:
 
     # ---- internals: the engine thread ----------------------------------------------------------------
 
+    @staticmethod
+    def _use_step_stream(device: torch.device) -> None:
+        """Run this thread's GPU work (frame steps, prefills) on a high-priority stream. A frame step is
+        latency-bound (hundreds of small kernels in sequence) while the codec stage's convolutions, on
+        its own low-priority stream, fill every SM; with equal priorities each small kernel waits for
+        the codec's blocks ahead of it. Priorities only order pending blocks: nothing is preempted.
+        TTS_STEP_STREAM=default keeps the default stream (for A/B measurements)."""
+        if os.environ.get("TTS_STEP_STREAM", "high") == "default":
+            return
+        stream = torch.cuda.Stream(device, priority=min(torch.cuda.Stream.priority_range()))  # lower: sooner
+        stream.wait_stream(torch.cuda.default_stream(device))  # the weights were loaded on the default one
+        torch.cuda.set_stream(stream)  # (per thread)
+
     def _main(self) -> None:
         try:
             device = self.bundle.device
             if device.type == "cuda":
                 torch.cuda.set_device(device)
+                self._use_step_stream(device)
             self.engine = Engine(self.bundle.model, for_bundle(self.engine_config, self.bundle))
             self.planner = Planner(self.bundle, self.engine.max_context, self.engine.check, self.voices)
             self.runner = JobRunner(
