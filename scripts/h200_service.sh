@@ -12,10 +12,10 @@
 #                at c = 16, 64; `tts bench` graph batch 1; the batched-DAC CUDA tests
 #   STEP=default the default voice on the GPU: service c = 1, 16, 64, `tts synthesize --device cuda` RTF;
 #                then `tts bench` graph batch 1 of S2-Pro (the per-stream reference)
-#   STEP=prio    S2-Pro service, float32 codec: the frame steps on a high-priority CUDA stream (c = 1, 16,
+#   STEP=prio    the CUDA tests (stops if one fails); S2-Pro service, float32 codec: the frame steps on a high-priority CUDA stream (c = 1, 16,
 #                64, 64) and on the default stream (TTS_STEP_STREAM=default: c = 16, 64, 64), the A/B of
 #                the stream priorities
-#   STEP=after   the CUDA tests; the default voice's service (c = 1, 16, 64, 64), `tts synthesize
+#   STEP=after   the default voice's service (c = 1, 16, 64, 64), `tts synthesize
 #                --device cuda` to raw PCM; S2-Pro with the bf16 codec (c = 16, 64, 64)
 set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
@@ -30,11 +30,11 @@ serve() {  # serve MODEL PORT METRICS_PORT EXTRA...: start a server, wait until 
   local model=$1 port=$2 mport=$3; shift 3
   $TTS serve --model $model --device cuda --max-batch 64 --max-waiting 256 --capture startup --port $port \
     --metrics-port $mport --http-port -1 "$@" > $OUT/serve_$port.log 2>&1 &
-  python3 - $port <<'PY'
-import sys, time, grpc
+  python3 - $port $! <<'PY'
+import os, sys, time, grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-port, t0 = sys.argv[1], time.time()
-while time.time() - t0 < 200:
+port, pid, t0 = sys.argv[1], sys.argv[2], time.time()
+while time.time() - t0 < 200 and os.path.exists(f"/proc/{pid}"):  # (a server that died: give up)
     try:
         stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
         if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
@@ -103,6 +103,8 @@ if [[ $STEP == default ]]; then
   timeout 120 $TTS bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1 --frames 64 --out $OUT/tps 2>&1 | tail -3
 fi
 if [[ $STEP == prio ]]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda tests/ 2>&1 | tail -8 | tee $OUT/cuda_tests.log
+  grep -q "failed" $OUT/cuda_tests.log && exit 1
   t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
   serve /tmp/s2 50061 9465
   bench 50061 9465 s2_service_fp32_step_stream_high --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
@@ -113,7 +115,6 @@ if [[ $STEP == prio ]]; then
   grep -h "captured\|SERVING\|Traceback\|Error" $OUT/serve_*.log | head -20
 fi
 if [[ $STEP == after ]]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda tests/ 2>&1 | tail -8 | tee $OUT/cuda_tests.log
   serve default 50063 9467
   bench 50063 9467 default_service --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait

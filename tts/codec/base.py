@@ -22,6 +22,20 @@ class AudioError(ValueError):
     """Audio that cannot be used (empty, silent, non-finite, unreadable)."""
 
 
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Whether `a` and `b` name the same device; `cuda` without an index is the current CUDA device, so
+    `cuda` and `cuda:0` match (torch.device equality says they differ)."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.index == b.index:
+        return True
+    if a.type != "cuda":
+        return (a.index or 0) == (b.index or 0)
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
 def prepare_audio(audio, sample_rate: int, target_rate: int) -> Tensor:
     """Mix to mono and resample (torchaudio) to `target_rate`.
 
@@ -156,7 +170,7 @@ class BatchedStreamDecoder(ABC):
         """`t` if it is a `[B]` int64 tensor on `device`; else ValueError (host-side, no sync)."""
         if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype != torch.int64:
             raise ValueError(f"{name} must be a [B] int64 tensor")
-        if t.device != torch.device(self.device):
+        if not same_device(t.device, self.device):
             raise ValueError(f"{name} must be on {self.device}, got {t.device}")
         return t
 
@@ -176,10 +190,9 @@ class BatchedStreamDecoder(ABC):
             raise ValueError(f"codes must be int64, got {codes.dtype}")
         if lengths.shape != slots.shape:
             raise ValueError(f"lengths must be [B={slots.shape[0]}], got {tuple(lengths.shape)}")
-        device = torch.device(self.device)
         for name, t in (("slots", slots), ("codes", codes), ("lengths", lengths)):
-            if t.device != device:
-                raise ValueError(f"{name} must be on {device}, got {t.device}")
+            if not same_device(t.device, self.device):
+                raise ValueError(f"{name} must be on {self.device}, got {t.device}")
 
     @abstractmethod
     def reset(self, slots: Tensor) -> None:
