@@ -50,3 +50,14 @@ def test_prepare_audio_mixes_to_mono_and_resamples():
 def test_prepare_audio_rejects_bad_input(bad):
     with pytest.raises(AudioError):
         prepare_audio(bad, 16000, 16000)
+
+
+def test_same_device_treats_cuda_without_index_as_the_current_device(monkeypatch):
+    """A decoder on `cuda` takes inputs on `cuda:0` when that is the current device (the codec stage's
+    start-up capture failed on the GPU with "slots must be on cuda, got cuda:0")."""
+    from tts.codec.base import same_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert same_device("cuda", "cuda:0") and same_device(torch.device("cuda:0"), "cuda")
+    assert not same_device("cuda", "cuda:1") and not same_device("cpu", "cuda:0")
+    assert same_device("cpu", "cpu") and same_device("cuda:1", "cuda:1")
