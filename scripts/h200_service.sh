@@ -15,6 +15,9 @@
 #   STEP=prio    the CUDA tests (stops if one fails); S2-Pro service, float32 codec: the frame steps on a high-priority CUDA stream (c = 1, 16,
 #                64, 64) and on the default stream (TTS_STEP_STREAM=default: c = 16, 64, 64), the A/B of
 #                the stream priorities
+#   STEP=profile S2-Pro service (float32 codec) at c = 1, 64 with the engine thread's phases, and py-spy
+#                samples of the server during a second c = 64 level (all threads, then only the GIL
+#                holder); `tts bench` graph batch 1 and 64 (the engine alone)
 #   STEP=after   the default voice's service (c = 1, 16, 64, 64), `tts synthesize
 #                --device cuda` to raw PCM; S2-Pro with the bf16 codec (c = 16, 64, 64)
 set -uo pipefail
@@ -123,4 +126,19 @@ if [[ $STEP == after ]]; then
   serve /tmp/s2 50062 9466 --codec-dtype bfloat16
   bench 50062 9466 s2_service_bf16 --concurrency 16,64,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait
+fi
+if [[ $STEP == profile ]]; then
+  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  serve /tmp/s2 50061 9465
+  pid=$(pgrep -f "serve --model /tmp/s2" | head -1)
+  bench 50061 9465 s2_phases --concurrency 1,64 --max-new-frames 128 --min-new-frames 128
+  (sleep 8; timeout 30 /tmp/site/bin/py-spy dump --pid $pid > $OUT/pyspy_dump.txt 2>&1
+   timeout 30 /tmp/site/bin/py-spy record --pid $pid --duration 10 --rate 200 --threads --idle --format raw \
+     -o $OUT/pyspy_all.txt > $OUT/pyspy_record.log 2>&1
+   timeout 30 /tmp/site/bin/py-spy record --pid $pid --duration 8 --rate 200 --threads --gil --format raw \
+     -o $OUT/pyspy_gil.txt >> $OUT/pyspy_record.log 2>&1) &
+  bench 50061 9465 s2_phases_spied --concurrency 64 --warmup 0 --max-new-frames 128 --min-new-frames 128
+  wait %2 2>/dev/null; kill %1; wait
+  tail -3 $OUT/pyspy_record.log
+  timeout 150 $TTS bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1,64 --frames 64 --out $OUT/tps 2>&1 | tail -4
 fi

@@ -115,12 +115,15 @@ SERVER_COUNTERS = {
     "codec_encode_s": "tts_codec_encode_seconds_total",
     "reference_cache_hits": "tts_reference_cache_hits_total",
     "reference_cache_misses": "tts_reference_cache_misses_total",
+} | {
+    f"engine_{phase}_s": f'tts_engine_seconds_total{{phase="{phase}"}}'
+    for phase in ("prefill", "replay", "rows", "audio", "route", "commands", "idle")
 }
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text exposition -> {sample name: value summed over its label sets} (`_created`
-    timestamps dropped)."""
+    """Prometheus text exposition -> {sample name: value summed over its label sets}, plus each labelled
+    sample as `name{label="value",...}` (`_created` timestamps dropped)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     values: dict[str, float] = {}
@@ -129,6 +132,9 @@ def parse_metrics(text: str) -> dict[str, float]:
             if sample.name.endswith("_created"):
                 continue
             values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+            if sample.labels:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                values[f"{sample.name}{{{labels}}}"] = float(sample.value)
     return values
 
 

@@ -15,6 +15,7 @@ every iteration by the engine thread); per-request figures are observed by the g
 | `tts_graph_replay_share` | gauge | share of decode steps replayed from a CUDA graph |
 | `tts_engine_step_failures_total` | counter | engine steps that raised |
 | `tts_frame_step_seconds_total` | counter | time in engine steps (on CUDA: until the frame is on the host) |
+| `tts_engine_seconds_total{phase}` | counter | the engine thread's wall time by phase: `prefill`, `replay`, `rows` (the three parts of an engine step), `audio` (delivering decoded chunks), `route` (handling the step's outputs), `commands` (submissions, cancels), `idle` (waiting for work) |
 | `tts_codec_decode_seconds_total`, `tts_codec_encode_seconds_total` | counter | codec stage time (device time on CUDA, events around each call; wall time on a CPU) |
 | `tts_codec_decode_calls_total`, `tts_codec_decode_frames_total` | counter | batched decode calls and the frames they decoded (frames / calls = batch) |
 | `tts_reference_cache_hits_total`, `tts_reference_cache_misses_total` | counter | reference clips found encoded / encoded anew |
@@ -76,6 +77,12 @@ class _EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        phases = CounterMetricFamily(
+            "tts_engine_seconds", "Engine thread wall time by phase (seconds)", labels=["phase"]
+        )
+        for phase, value in s.phase_seconds.items():
+            phases.add_metric([phase], value)
+        yield phases
 
 
 class ServiceMetrics:

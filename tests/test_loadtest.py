@@ -74,8 +74,22 @@ def test_parse_metrics_sums_label_sets_and_drops_created():
     assert values == {
         "tts_frame_step_seconds_total": 12.5,
         "tts_requests_total": 5.0,
+        'tts_requests_total{outcome="ok"}': 3.0,
+        'tts_requests_total{outcome="cancelled"}': 2.0,
         "process_resident_memory_bytes": 1.5e8,
     }
+
+
+def test_engine_phases_per_level_from_the_labelled_counter():
+    before = parse_metrics(
+        'tts_engine_seconds_total{phase="prefill"} 1.0\ntts_engine_seconds_total{phase="idle"} 2\n'
+    )
+    after = parse_metrics(
+        'tts_engine_seconds_total{phase="prefill"} 4.5\ntts_engine_seconds_total{phase="idle"} 2\n'
+    )
+    split = server_time_split(before, after)
+    assert split["engine_prefill_s"] == 3.5 and split["engine_idle_s"] == 0.0
+    assert split["engine_replay_s"] is None  # a server without the phase
 
 
 def test_codec_share_and_cache_counts_per_level():

@@ -459,6 +459,7 @@ def test_no_voice_means_the_models_default_voice(bundle):
 
 
 def test_info_voices_and_metrics(server, stub):
+    collect(stub.Synthesize(build_request("Metrics.", seed=1, max_new_frames=3)))  # (this test alone too)
     info = stub.GetInfo(pb.GetInfoRequest())
     assert (info.model, info.sample_rate, info.num_codebooks, info.max_batch) == ("tiny", 16000, 4, 8)
     assert info.max_context == 1024 and info.graphs is False and info.max_reference_bytes == 64 * 1024
@@ -475,6 +476,15 @@ def test_info_voices_and_metrics(server, stub):
         "tts_real_time_factor_bucket", 'tts_requests_total{outcome="ok"}',
     ):  # fmt: skip
         assert name in text, name
+    from service.loadtest import parse_metrics
+
+    values = parse_metrics(text)
+    phases = {k: v for k, v in values.items() if k.startswith("tts_engine_seconds_total{")}
+    assert sorted(phases) == sorted(
+        f'tts_engine_seconds_total{{phase="{p}"}}'
+        for p in ("prefill", "replay", "rows", "audio", "route", "commands", "idle")
+    )
+    assert values['tts_engine_seconds_total{phase="replay"}'] > 0
 
 
 def test_info_reports_captured_buckets_with_graphs_on(bundle):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -130,6 +131,9 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.frames_generated = 0
+        # Seconds spent per phase of `step` (host wall time; on CUDA "replay" lasts until the frame is on
+        # the host): admitting and prefilling new requests, the frame step itself, the per-row outputs.
+        self.phase_seconds = {"prefill": 0.0, "replay": 0.0, "rows": 0.0}
         if use_graphs and cfg.capture == "startup":
             self.graphs.capture_all(variants=self._variants())
 
@@ -276,12 +280,17 @@ class Engine:
                     if request.state == RequestState.RUNNING:
                         self.runner.set_active(self.scheduler.running.index(request), not paused)
             admitted = self.scheduler.admit()
+        phases, t0 = self.phase_seconds, time.perf_counter()
         self._start(admitted, outputs)
         n = self.scheduler.num_running
+        t1 = time.perf_counter()
+        phases["prefill"] += t1 - t0
         if n == 0:
             return outputs
         self.graphs.run(n, self._sampler_variant())
         out = self._frame_to_host(n)
+        t2 = time.perf_counter()
+        phases["replay"] += t2 - t1
         N = self.model.config.num_codebooks
         # Per-row work in plain Python values and one split: this loop runs every frame for every row.
         flags = out[:, [0, N + 1, N + 2]].tolist()  # token, emitted, done
@@ -308,6 +317,7 @@ class Engine:
                 outputs.append(finished)
             else:
                 outputs.append(StepOutput(request.request_id, codes))
+        phases["rows"] += time.perf_counter() - t2
         return outputs
 
     def _frame_to_host(self, n: int) -> torch.Tensor:

@@ -208,6 +208,8 @@ class JobRunner:
         self.on_end: Callable[[str, Event], None] | None = None  # (job id, final event), after delivery
         self.frame_step_seconds = 0.0
         self.step_failures = 0
+        # Host seconds spent handing decoded audio to the consumers and routing the engine's outputs.
+        self.phase_seconds = {"audio": 0.0, "route": 0.0}
 
     # ---- commands (the driving thread) -------------------------------------------------------------
 
@@ -300,9 +302,11 @@ class JobRunner:
         for job in [j for j in self.jobs.values() if j.encoding is not None and j.encoding.done()]:
             progressed = True
             self._encoded(job)
+        t0 = time.perf_counter()
         for result in self.stage.results():
             progressed = True
             self._audio(result)
+        self.phase_seconds["audio"] += time.perf_counter() - t0
         self._preempt_paused()
         if self.engine.has_work():
             t0 = time.perf_counter()
@@ -315,7 +319,8 @@ class JobRunner:
                 for job in list(self.jobs.values()):
                     if job.engine_id is None:
                         self._end(job, Failed(EngineFailed(f"engine step failed: {exc}")))
-            self.frame_step_seconds += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.frame_step_seconds += t1 - t0
             for out in outputs:
                 progressed = True
                 try:
@@ -325,6 +330,7 @@ class JobRunner:
                     job = self._by_engine_id.get(out.request_id)
                     if job is not None:
                         self._end(job, Failed(EngineFailed(f"{type(exc).__name__}: {exc}")))
+            self.phase_seconds["route"] += time.perf_counter() - t1
         return progressed
 
     # ---- internals -------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -181,6 +181,9 @@ class LoopStats:
     step_failures: int = 0
     replay_share: float = 0.0
     frame_step_seconds: float = 0.0  # wall time of engine steps (on CUDA: until the frame is on the host)
+    # The engine thread's wall time by phase: prefill, replay, rows (inside engine steps), audio, route
+    # (the job runner), commands (submissions, cancels), idle (waiting for work).
+    phase_seconds: dict = field(default_factory=dict)
     codec_decode_seconds: float = 0.0  # device time of codec decode calls (wall time on a CPU)
     codec_encode_seconds: float = 0.0
     codec_decode_calls: int = 0
@@ -235,6 +238,8 @@ class EngineLoop:
         self._admitted = 0  # jobs submitted and not ended (guarded by _cv)
         self._accepting = False
         self._closing = False
+        self._commands_seconds = 0.0  # engine thread: applying commands
+        self._idle_seconds = 0.0  # engine thread: waiting for work
         self._stalled = False  # the last iteration made no progress: sleep until a command or a wake
         self._woken = False
         self._ids = itertools.count()
@@ -485,15 +490,19 @@ class EngineLoop:
                 due = runner.preempt_due()  # a paused stream's timeout must be acted on while asleep
                 if due is not None and due <= 0:
                     break
+                t0 = time.perf_counter()
                 self._cv.wait(timeout=1.0 if due is None else min(1.0, due))
+                self._idle_seconds += time.perf_counter() - t0
             commands, self._inbox = self._inbox, []
             self._woken = False
             closing = self._closing
+        t0 = time.perf_counter()
         for command in commands:
             try:
                 self._apply(command)
             except Exception:  # noqa: BLE001 - a bug in one job must not stop the engine thread
                 log.exception("engine loop: %s command failed", command[0])
+        self._commands_seconds += time.perf_counter() - t0
         if closing:
             return False
         progressed = runner.step()
@@ -535,6 +544,12 @@ class EngineLoop:
         s.frames_total = e.frames_generated
         s.replay_share = e.graphs.stats.replay_share
         s.frame_step_seconds = r.frame_step_seconds
+        s.phase_seconds = {
+            **e.phase_seconds,
+            **r.phase_seconds,
+            "commands": self._commands_seconds,
+            "idle": self._idle_seconds,
+        }
         s.step_failures = r.step_failures
         cs = r.stage.stats
         s.codec_decode_seconds, s.codec_encode_seconds = cs.decode_seconds, cs.encode_seconds
