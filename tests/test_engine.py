@@ -302,3 +302,58 @@ def test_admission_prefills_at_most_max_prefill_tokens_per_iteration(tiny_model)
     engine.submit(random_prompt(tiny_model, 30, 9), params(max_new_frames=5), "long")
     engine.step()
     assert engine.num_running == 1
+
+
+def test_packed_prefill_writes_the_kv_of_one_request_prefills(tiny_model, monkeypatch):
+    """Several prompts prefilled in one pass (block-diagonal causal attention, split into passes of at
+    most PACKED_PREFILL_TOKENS positions) write the K/V that prefilling each alone writes, into each
+    request's own blocks, and nothing else."""
+    import tts.engine.model_runner as mr
+
+    lengths = (11, 1, 40, 3, 25)  # the 1-column prompt has no K/V to write
+    prompts = [random_prompt(tiny_model, n, i) for i, n in enumerate(lengths)]
+    kv = {}
+    for packed in (False, True):
+        engine = make_engine(tiny_model, max_batch=8)
+        engine.kv.k.fill_(0.5)
+        engine.kv.v.fill_(0.5)
+        alloc = engine.scheduler.allocator
+        tables = [alloc.allocate(-(-n // 8)) for n in lengths]
+        if packed:
+            monkeypatch.setattr(mr, "PACKED_PREFILL_TOKENS", 60)  # passes: (11, 1, 40, 3) packed, (25) alone
+            engine.runner.prefill_packed(prompts, tables)
+        else:
+            for p, t in zip(prompts, tables, strict=True):
+                engine.runner.prefill(p, t)
+        kv[packed] = (engine.kv.k.clone(), engine.kv.v.clone())
+    for a, b in zip(kv[False], kv[True], strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        assert (a != 0.5).any()  # (something was written)
+
+
+def test_engine_prefills_admitted_requests_packed_and_falls_back_one_by_one(tiny_model):
+    """With packed prefill, the requests admitted together are prefilled in one call; if that call
+    raises, each is prefilled alone and the codes are exactly those of the unpacked engine."""
+    prompts = {f"r{i}": random_prompt(tiny_model, 9 + 5 * i, i) for i in range(3)}
+    runs = {}
+    for mode in ("unpacked", "packed", "failing"):
+        engine = make_engine(tiny_model, packed_prefill=mode != "unpacked")
+        calls = []
+        original = engine.runner.prefill_packed
+
+        def packed(prompts, tables, original=original, calls=calls, fail=mode == "failing"):
+            calls.append(len(prompts))
+            if fail:
+                raise RuntimeError("injected packed prefill failure")
+            return original(prompts, tables)
+
+        engine.runner.prefill_packed = packed
+        for rid, p in prompts.items():
+            engine.submit(p, params(max_new_frames=6, min_new_frames=6, temperature=0.0), rid)
+        codes, reasons = run_to_completion(engine)
+        assert calls == ([] if mode == "unpacked" else [3])
+        assert all(r == FinishReason.LENGTH for r in reasons.values())
+        assert all(codes[rid].shape[0] == 6 for rid in prompts)
+        runs[mode] = codes
+    for rid in prompts:
+        assert torch.equal(runs["failing"][rid], runs["unpacked"][rid])

@@ -358,6 +358,18 @@ def dense_causal_attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return o.transpose(1, 2)
 
 
+def packed_causal_attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Causal SDPA over several sequences packed into one row (a batched prefill).
+
+    q: `[1, S, heads, head_dim]`, k / v: `[1, S, kv_heads, head_dim]`; mask: `[S, S]` bool, True where
+    query i may attend key j (same sequence and j's position <= i's): block-diagonal and causal.
+    """
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
+    )
+    return o.transpose(1, 2)
+
+
 def _embedding(num: int, dim: int) -> nn.Embedding:
     """nn.Embedding, except that under a `torch.device("meta")` context (how loaders build models) its
     N(0, 1) init is skipped: PyTorch runs it through a slow reference path there (about 5 s for S2-Pro's

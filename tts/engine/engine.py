@@ -48,6 +48,9 @@ class EngineConfig:
     max_waiting: bound of the waiting queue (QueueFull beyond it).
     max_prefill_tokens: prompt tokens prefilled per iteration at most (at least one request), so that
     new requests cannot freeze the running streams for long (None: no bound).
+    packed_prefill: prefill the requests admitted in one iteration in one forward pass
+    (`ModelRunner.prefill_packed`; None: on CUDA, where one request's prefill is bound by kernel
+    launches; off on a CPU, where it is bound by arithmetic and the per-request K/V are bit-stable).
     repetition: how the frame step applies requests' repetition penalty ("fish-1.5", "s1"; see
     tts.engine.model_runner), None: not at all. The model family decides it (`ModelBundle.repetition`);
     the Python API and the service fill it in from the bundle.
@@ -63,6 +66,7 @@ class EngineConfig:
     buckets: Sequence[int] = DEFAULT_BUCKETS
     max_waiting: int = 1024
     max_prefill_tokens: int | None = 2048
+    packed_prefill: bool | None = None
     standin_graphs: bool = False
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     # Testing and benchmarking only:
@@ -94,6 +98,8 @@ class Engine:
         self.model = model.eval()
         mc = model.config
         self.device = model.embeddings.weight.device
+        packed = cfg.packed_prefill
+        self.packed_prefill = self.device.type == "cuda" if packed is None else packed
         self.max_context = min(cfg.max_context or mc.max_seq_len, mc.max_seq_len)
         max_blocks_per_seq = blocks_needed(self.max_context, cfg.block_size)
         dtype = model.embeddings.weight.dtype
@@ -350,9 +356,17 @@ class Engine:
         with an error; it is finished only after the others are loaded, because finishing compacts
         the rows (the last running row moves into the freed one)."""
         failed = []
+        prefilled = False
+        if self.packed_prefill and len(admitted) > 1:
+            try:
+                self.runner.prefill_packed([r.prompt for _, r in admitted], [r.blocks for _, r in admitted])
+                prefilled = True
+            except Exception:  # one at a time below, so that only a bad prompt's request fails
+                log.exception("packed prefill of %d requests failed; prefilling one by one", len(admitted))
         for _, request in admitted:
             try:
-                self.runner.prefill(request.prompt, request.blocks)
+                if not prefilled:
+                    self.runner.prefill(request.prompt, request.blocks)
             except Exception as exc:  # a bad prompt must not take the batch down
                 log.exception("prefill failed for %s", request.request_id)
                 failed.append((request, f"prefill failed: {exc}"))

@@ -42,7 +42,14 @@ from torch import Tensor
 
 from ..kernels import fused_kernels_enabled
 from ..kv_cache import SCRATCH_BLOCK, PagedDecodeAttention, PagedKVCache, paged_decode_attention
-from ..model import DualARTransformer, KVDest, Rope, dense_causal_attend, run_layers_kv_only
+from ..model import (
+    DualARTransformer,
+    KVDest,
+    Rope,
+    dense_causal_attend,
+    packed_causal_attend,
+    run_layers_kv_only,
+)
 from ..sampling import (
     RAS_WINDOW,
     SAMPLER_TOPK_CAP,
@@ -60,6 +67,8 @@ NOISE_FRAMES_AHEAD = 16
 NOISE_ROWS = 64
 # The repetition penalty's window in frames (fish-speech's `win_size`) and the ways a family reads it.
 REPETITION_WINDOW = 16
+# Prompt positions of one packed prefill pass at most: its attention mask is PACKED_PREFILL_TOKENS^2 bools.
+PACKED_PREFILL_TOKENS = 4096
 REPETITION_MODES = ("fish-1.5", "s1")
 
 
@@ -281,7 +290,7 @@ class ModelRunner:
     def set_active(self, row: int, active: bool) -> None:
         self.buffers.active[row] = active
 
-    # ---- prefill (eager, variable length, one request) ----------------------------------------------
+    # ---- prefill (eager, variable length; one request or several packed) ----------------------------------------------
 
     @torch.inference_mode()
     def prefill(self, prompt: Tensor, block_table: list[int]) -> None:
@@ -316,6 +325,57 @@ class ModelRunner:
             run_layers_kv_only(m.layers, m.embed(frames), m.freqs_cis[:T], attend_layer, write_kv)
         else:
             m.slow_layers(m.embed(frames), m.freqs_cis[:T], attend_layer)
+
+    @torch.inference_mode()
+    def prefill_packed(self, prompts: list[Tensor], block_tables: list[list[int]]) -> None:
+        """`prefill` of several requests in one forward pass: their prompt columns (all but each one's
+        last) packed into one sequence of at most PACKED_PREFILL_TOKENS positions per pass (a longer
+        prompt alone), attention causal within each request (a block-diagonal mask). On a GPU one
+        request's eager prefill is bound by kernel launches (a few hundred per layer stack), so packing
+        many costs about as much as one. The K/V equal `prefill`'s up to float rounding (the matrix
+        products have other shapes). prompts: `[T_i, 1 + N]` int64 each.
+        """
+        group: list[tuple[Tensor, list[int]]] = []
+        size = 0
+        for prompt, table in zip(prompts, block_tables, strict=True):
+            n = prompt.shape[0] - 1
+            if n <= 0:
+                continue
+            if group and size + n > PACKED_PREFILL_TOKENS:
+                self._prefill_group(group)
+                group, size = [], 0
+            group.append((prompt, table))
+            size += n
+        if group:
+            self._prefill_group(group)
+
+    def _prefill_group(self, group: list[tuple[Tensor, list[int]]]) -> None:
+        if len(group) == 1:  # (the dense causal kernel: the same K/V as a request prefilled alone)
+            self.prefill(*group[0])
+            return
+        m, dev = self.model, self.device
+        lengths = [prompt.shape[0] - 1 for prompt, _ in group]
+        frames = torch.cat([prompt[:-1] for prompt, _ in group]).to(dev).unsqueeze(0)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(dev)
+        segment = torch.repeat_interleave(torch.arange(len(group)), torch.tensor(lengths)).to(dev)
+        tables = [torch.tensor(table, dtype=torch.int64, device=dev) for _, table in group]
+        slots = torch.cat([
+            self.kv.slots_for_positions(table, torch.arange(n, device=dev))
+            for table, n in zip(tables, lengths, strict=True)
+        ])  # fmt: skip
+        mask = (segment[:, None] == segment[None, :]) & (positions[:, None] >= positions[None, :])
+
+        def write_kv(i, k, v):
+            self.kv.write(i, slots, k[0], v[0])
+
+        def attend_layer(i):
+            def attend(q, k, v):
+                write_kv(i, k, v)
+                return packed_causal_attend(q, k, v, mask)
+
+            return attend
+
+        run_layers_kv_only(m.layers, m.embed(frames), m.freqs_cis[positions], attend_layer, write_kv)
 
     # ---- the frame step ------------------------------------------------------------------------------
 
