@@ -18,8 +18,8 @@
 #   STEP=profile S2-Pro service (float32 codec) at c = 1, 64 with the engine thread's phases, and py-spy
 #                samples of the server during a second c = 64 level (all threads, then only the GIL
 #                holder); `tts bench` graph batch 1 and 64 (the engine alone)
-#   STEP=after   the default voice's service (c = 1, 16, 64, 64), `tts synthesize
-#                --device cuda` to raw PCM; S2-Pro with the bf16 codec (c = 16, 64, 64)
+#   STEP=after   the CUDA tests (stops if one fails); S2-Pro service (float32 codec) and the default
+#                voice's service at c = 1, 16, 64, 64; `tts synthesize --device cuda` to raw PCM
 set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -118,14 +118,17 @@ if [[ $STEP == prio ]]; then
   grep -h "captured\|SERVING\|Traceback\|Error" $OUT/serve_*.log | head -20
 fi
 if [[ $STEP == after ]]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py tests/test_dac_batched.py \
+    tests/test_melvq_batched.py 2>&1 | tail -6 | tee $OUT/cuda_tests.log
+  grep -Eq "failed|error" $OUT/cuda_tests.log && exit 1
+  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  serve /tmp/s2 50061 9465
+  bench 50061 9465 s2_service_fp32 --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
   serve default 50063 9467
   bench 50063 9467 default_service --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait
   for s in 1 2 3; do timeout 60 $TTS synthesize "Please call Stella and ask her to bring these things." --device cuda --seed $s -o /tmp/x$s.pcm 2>&1 | tail -1; done
-  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
-  serve /tmp/s2 50062 9466 --codec-dtype bfloat16
-  bench 50062 9466 s2_service_bf16 --concurrency 16,64,64 --max-new-frames 128 --min-new-frames 128
-  kill %1; wait
 fi
 if [[ $STEP == profile ]]; then
   t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
