@@ -145,3 +145,10 @@ if [[ $STEP == profile ]]; then
   tail -3 $OUT/pyspy_record.log
   timeout 150 $TTS bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1,64 --frames 64 --out $OUT/tps 2>&1 | tail -4
 fi
+if [[ $STEP == s2only ]]; then
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py -k engine_loop 2>&1 | grep -v "^  " | tail -40 > $OUT/engine_loop_test.log
+  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  serve /tmp/s2 50061 9465
+  bench 50061 9465 s2_service_fp32 --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
+fi

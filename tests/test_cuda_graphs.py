@@ -316,18 +316,19 @@ def test_replay_with_repetition_penalty_equals_eager(model, mode):
 
 def test_engine_loop_on_the_gpu_streams_the_offline_audio():
     """The service's engine thread (frame steps on its high-priority stream, the codec stage on its
-    own low-priority one, both with graphs captured at start-up) streams exactly the codes and, to
-    float tolerance, the audio of the offline API on the same GPU."""
+    own low-priority one, both with graphs captured at start-up) streams exactly the codes and, within the
+    codec's GPU tolerance, the audio of the offline API on the same GPU."""
     import numpy as np
 
     from tts.api import TTS
     from tts.bundle import load_bundle
     from tts.engine.loop import Audio, EngineLoop, Finished
 
-    bundle = load_bundle("tiny", "cuda")
+    bundle = load_bundle("default", "cuda")  # (its codec runs on the GPU too)
     loop = EngineLoop(bundle, EngineConfig(max_batch=4, capture="startup")).start()
     try:
         loop.wait_ready(120)
+        assert loop.runner.stage.is_cuda
         assert loop.runner.stage.stream.priority == max(torch.cuda.Stream.priority_range())
         spec = loop.planner.job("Hello there.", seed=7, max_new_frames=24, min_new_frames=24, chunk_frames=8)
         stream, events = loop.submit(spec), []
@@ -336,7 +337,12 @@ def test_engine_loop_on_the_gpu_streams_the_offline_audio():
         audio = [e for e in events if isinstance(e, Audio)]
         ref = TTS(bundle).synthesize("Hello there.", seed=7, max_new_frames=24, min_new_frames=24)
         assert torch.equal(torch.cat([a.codes for a in audio], dim=1).cpu(), ref.codes.cpu())
-        np.testing.assert_allclose(np.concatenate([a.samples for a in audio]), ref.audio, atol=1e-4, rtol=0)
+        # The default codec's Griffin-Lim amplifies cuFFT rounding, which differs with the chunking (8
+        # frames here, the API's 4 then 16): its stated GPU tolerance, 5% relative RMS (test_melvq_batched).
+        # Measured on the H200: codes identical, samples within 5e-3 of each other.
+        pcm = np.concatenate([a.samples for a in audio])
+        assert pcm.shape == ref.audio.shape
+        assert np.sqrt(np.mean((pcm - ref.audio) ** 2) / np.mean(ref.audio**2)) < 0.05
     finally:
         loop.stop()
 
