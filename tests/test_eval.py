@@ -107,3 +107,35 @@ def test_eval_bad_options_fail_before_the_evaluation(capsys, monkeypatch, argv, 
     monkeypatch.setattr(tts_eval, "evaluate", never)
     assert main(["eval", *argv]) == 2
     assert capsys.readouterr().err.strip() == f"tts: error: {message}"
+
+
+@pytest.mark.parametrize(
+    "text, transcript, expected",
+    [
+        ("we saw the top", "we saw the top and the top and the top", ["the top and x2"]),
+        ("it was cold", "the cold the cold the cold", ["the cold x3"]),
+        ("watch this", "watch the watch the watch", ["watch the x2"]),
+        ("go", "go go go", ["go x3"]),
+        ("x", "a b a b c c c d", ["a b x2", "c x3"]),
+        # what the text itself repeats is not a loop; two of one word is not either (ASR stutter)
+        ("very very good", "very very good", []),
+        ("that that is", "that that is", []),
+        ("the end", "the the end", []),
+        ("so so so so", "so so so so", []),
+        ("so so so", "so so so so so", ["so x5"]),
+    ],
+)
+def test_loops_finds_repetition_the_text_does_not_have(text, transcript, expected):
+    assert tts_eval.loops(text, transcript) == expected
+
+
+def test_long_mode_reads_paragraphs_and_the_shipped_passages_are_long(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("# comment\nFirst line of one\npassage.\n\n\nSecond passage.\n", encoding="utf-8")
+    assert tts_eval.read_sentences(path, None, passages=True) == [
+        "First line of one passage.",
+        "Second passage.",
+    ]
+    assert tts_eval.read_sentences(path, None) == ["First line of one", "passage.", "Second passage."]
+    shipped = tts_eval.read_sentences(tts_eval.PASSAGES, None, passages=True)
+    assert len(shipped) >= 3 and all(150 <= len(p.split()) <= 300 for p in shipped)

