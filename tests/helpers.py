@@ -1,4 +1,5 @@
-"""Shared test helpers: prompts for the tiny model, a synchronous engine driver, streamed codec decode."""
+"""Shared test helpers: random prompts for any model config, a synchronous engine driver, streamed codec
+decode. A helper two test files need goes here (service tests: tests/service_helpers.py)."""
 
 import torch
 
