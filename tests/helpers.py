@@ -1,17 +1,22 @@
-"""Shared test helpers: prompts for the tiny model, a synchronous engine driver, streamed codec decode."""
+"""Shared test helpers: random prompts for any model config, a synchronous engine driver, streamed codec
+decode. A helper two test files need goes here (service tests: tests/service_helpers.py)."""
 
 import torch
 
 from tts.engine import Engine, SamplingParams
 
 
-def random_prompt(model, length: int, seed: int, semantic_every: int = 3) -> torch.Tensor:
-    """A `[length, 1+N]` prompt mixing text tokens and semantic (audio) columns."""
+def random_prompt(
+    model, length: int, seed: int, *, text_high: int = 256, semantic_every: int | None = 3
+) -> torch.Tensor:
+    """A `[length, 1+N]` prompt of text tokens in `[0, text_high)` with a semantic (audio) frame, token
+    and codes, every `semantic_every` rows from the first (None: text only). The same arguments give the
+    same tensor on every machine: one CPU generator seeded with `seed`, drawn in a fixed order."""
     c = model.config
     g = torch.Generator().manual_seed(seed)
     prompt = torch.zeros(length, 1 + c.num_codebooks, dtype=torch.int64)
-    prompt[:, 0] = torch.randint(0, 256, (length,), generator=g)
-    for t in range(0, length, semantic_every):
+    prompt[:, 0] = torch.randint(0, text_high, (length,), generator=g)
+    for t in range(0, length, semantic_every) if semantic_every else ():
         codes = torch.randint(0, c.codebook_size, (c.num_codebooks,), generator=g)
         prompt[t, 0] = c.semantic_begin_id + codes[0]
         prompt[t, 1:] = codes

@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -234,3 +235,63 @@ def test_synthesize_warns_once_about_text_the_model_leaves_out_and_takes_no_norm
                  "--no-normalize", "-q"]) == 0  # fmt: skip
     assert main(["synthesize", "你好。", "-o", str(out), "--model", "tiny"]) == 2
     assert "reads English only" in capsys.readouterr().err
+
+
+SUBCOMMAND_SOURCE = """
+def add_parser(subparsers):
+    subparsers.add_parser("{name}", help="a test subcommand").set_defaults(func=lambda args: 0)
+"""
+
+
+def add_subcommand_module(monkeypatch, tmp_path, module: str, body: str) -> None:
+    """A subcommand module `module` on sys.path, listed after the real ones."""
+    import tts.cli
+
+    (tmp_path / f"{module}.py").write_text(body + SUBCOMMAND_SOURCE.format(name=module.replace("_", "-")))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.setattr(tts.cli, "_SUBCOMMAND_MODULES", (*tts.cli._SUBCOMMAND_MODULES, module))
+
+
+@pytest.mark.parametrize("broken", ["own-import", "service.cli"])
+def test_a_subcommand_module_that_fails_to_import_our_own_code_is_an_error_not_a_missing_command(
+    broken, tmp_path, monkeypatch, capsys
+):
+    """An ImportError inside our own code (a bug, a broken install) must not make a subcommand vanish
+    from `tts --help` in silence: every command fails with one line naming the module, and -v adds the
+    traceback."""
+    if broken == "own-import":
+        add_subcommand_module(monkeypatch, tmp_path, "broken_cmd", "from tts.cli import no_such_helper\n")
+        module, reason = "broken_cmd", "cannot import name 'no_such_helper' from 'tts.cli'"
+    else:
+        monkeypatch.setitem(sys.modules, "service.cli", None)  # importing it raises ModuleNotFoundError
+        module, reason = "service.cli", "import of service.cli halted"
+    assert main(["info", "--model", "tiny"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"tts: error: cannot load the subcommands of {module}: ")
+    assert reason in err
+    assert main(["-v", "info", "--model", "tiny"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("tts: error: cannot load")
+
+
+def test_a_subcommand_whose_optional_extra_is_missing_is_left_out(tmp_path, monkeypatch, capsys):
+    """A missing optional extra (`pip install -e '.[eval]'`) only leaves out the subcommand that needs
+    it at import time; the others work."""
+    from tts.cli import build_parser
+
+    monkeypatch.setitem(sys.modules, "faster_whisper", None)  # as if the eval extra were not installed
+    add_subcommand_module(monkeypatch, tmp_path, "needs_extra", "import faster_whisper  # noqa\n")
+    commands = build_parser()._subparsers._group_actions[0].choices
+    assert "needs-extra" not in commands and {"synthesize", "serve", "eval", "text"} <= set(commands)
+    assert main(["info", "--model", "tiny"]) == 0
+
+
+def test_the_optional_extras_the_cli_tolerates_are_the_eval_extra_of_pyproject():
+    tomllib = pytest.importorskip("tomllib")
+    import tts.cli
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    eval_extra = project["optional-dependencies"]["eval"]
+    names = {re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].lower().replace("-", "_") for req in eval_extra}
+    assert set(tts.cli._OPTIONAL_EXTRA_MODULES) == names

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from helpers import random_prompt
 
 from tts.engine import Engine, EngineConfig, SamplingParams
 from tts.engine.model_runner import RowInit
@@ -26,14 +27,7 @@ def model():
 
 
 def prompt(model, n, seed):
-    c = model.config
-    g = torch.Generator().manual_seed(seed)
-    p = torch.zeros(n, 1 + c.num_codebooks, dtype=torch.int64)
-    p[:, 0] = torch.randint(0, 50_000, (n,), generator=g)
-    for t in range(0, n, 3):
-        codes = torch.randint(0, c.codebook_size, (c.num_codebooks,), generator=g)
-        p[t, 0], p[t, 1:] = c.semantic_begin_id + codes[0], codes
-    return p
+    return random_prompt(model, n, seed, text_high=50_000)
 
 
 def make_engine(model, **kw):

@@ -95,7 +95,7 @@ def test_codec_loss_trains_the_encoder_unless_frozen(freeze):
             p.requires_grad_(False)
     loss, recon, commit, _ = codec_loss(net, EMAQuantizer(net, 0.99), torch.randn(4, 320, 12), 0.25)
     loss.backward()
-    assert float(commit) > 0 and net.dec_out.weight.grad.abs().sum() > 0
+    assert float(commit.detach()) > 0 and net.dec_out.weight.grad.abs().sum() > 0
     if freeze:
         assert net.enc_in.weight.grad is None
     else:  # both the reconstruction (straight through the quantizer) and the commitment reach it

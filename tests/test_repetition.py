@@ -3,6 +3,7 @@ tests/test_fish_parity.py, the captured step in tests/test_cuda_graphs.py)."""
 
 import pytest
 import torch
+from helpers import random_prompt
 
 from tts.engine import Engine, EngineConfig, InvalidRequest, SamplingParams
 from tts.engine.model_runner import REPETITION_WINDOW, apply_repetition_penalty
@@ -38,11 +39,8 @@ def fish15(fish_checkpoints):
 
 
 def _prompt(model, n, seed):
-    c = model.config
-    g = torch.Generator().manual_seed(seed)
-    p = torch.zeros(n, 1 + c.num_codebooks, dtype=torch.int64)
-    p[:, 0] = torch.randint(0, c.semantic_begin_id, (n,), generator=g)
-    return p
+    """Text tokens only, anywhere below the semantic range."""
+    return random_prompt(model, n, seed, text_high=model.config.semantic_begin_id, semantic_every=None)
 
 
 def _run(model, jobs, repetition, max_batch=4):

@@ -209,7 +209,6 @@ def server(bundle):
     srv.stop()
 
 
-@pytest.mark.slow
 def test_soak_of_a_tiny_server_passes_and_counts_add_up(server, tmp_path):
     """200 mixed requests from 6 clients (fewer than the max batch of 8, so stalled clients never
     hold every row). Exact: the plan's counts per kind, every request accounted for, no gap, no leak;

