@@ -49,8 +49,6 @@ import grpc
 import numpy as np
 import torch
 
-from proto.tts.v1 import tts_pb2 as pb
-from proto.tts.v1 import tts_pb2_grpc as pb_grpc
 from tts.audio import read_audio, to_pcm16
 from tts.bundle import ModelBundle
 from tts.codec.base import AudioError
@@ -76,6 +74,8 @@ from tts.params import MAX_CHUNK_FRAMES
 from tts.planner import Planner
 from tts.text import TextError, shorten
 from tts.voices import VoiceExists, VoiceNotFound, reference_key
+from tts_grpc.v1 import tts_pb2 as pb
+from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
 
 from .metrics import ServiceMetrics
 
