@@ -462,7 +462,7 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 
 async def _client(server: str, request, timeout: float | None):
-    from proto.tts.v1 import tts_pb2_grpc as pb_grpc
+    from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
 
     from .client import aio_channel, synthesize_stream
 

@@ -56,13 +56,13 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from proto.tts.v1 import tts_pb2 as pb
 from tts.api import VoiceExists, VoiceNotFound
 from tts.audio_formats import FORMATS, MAX_SPEED, MIN_SPEED, AudioEncoder
 from tts.codec.base import AudioError
 from tts.engine import FinishReason, InvalidRequest
 from tts.engine.loop import Audio, EngineFailed, Failed, Finished, LoopClosed, Overloaded, Started
 from tts.text import TextError
+from tts_grpc.v1 import tts_pb2 as pb
 
 from .server import build_job, prepare_reference, status_for
 

@@ -261,7 +261,7 @@ async def register_voice(stub, clip: ReferenceClip, name: str = BENCH_VOICE) -> 
     Raises BenchError if the server lacks AddVoice (UNIMPLEMENTED) or refuses the clip."""
     import grpc
 
-    from proto.tts.v1 import tts_pb2 as pb
+    from tts_grpc.v1 import tts_pb2 as pb
 
     request = pb.AddVoiceRequest(
         name=name, reference=pb.ReferenceAudio(audio=clip.raw, text=clip.text), replace=True
@@ -283,7 +283,7 @@ async def delete_voice(stub, name: str = BENCH_VOICE) -> None:
     """Delete a voice registered by `register_voice` (best effort: errors are ignored)."""
     import grpc
 
-    from proto.tts.v1 import tts_pb2 as pb
+    from tts_grpc.v1 import tts_pb2 as pb
 
     try:
         await stub.DeleteVoice(pb.DeleteVoiceRequest(name=name), timeout=30)
@@ -440,8 +440,8 @@ async def run_loadtest(
     Raises BenchError (e.g. `registered` on a server without AddVoice) and grpc.aio.AioRpcError."""
     from google.protobuf.json_format import MessageToDict
 
-    from proto.tts.v1 import tts_pb2 as pb
-    from proto.tts.v1 import tts_pb2_grpc as pb_grpc
+    from tts_grpc.v1 import tts_pb2 as pb
+    from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
 
     from .client import aio_channel, build_request, synthesize_stream
 

@@ -12,9 +12,12 @@ encoding, codec decode) happens in `EngineLoop`'s engine thread or its codec sta
 2. is admitted by the engine loop or refused with RESOURCE_EXHAUSTED (bounded queue) / UNAVAILABLE
    (warming up, shutting down);
 3. streams a header, audio chunks and an end message (finish reason, warnings); a client cancel or
-   deadline cancels the handler task, whose `finally` cancels the job (blocks, row and codec slot freed
-   at the next engine step). A stream whose client stops reading pauses; paused longer than
-   `pause_timeout` while others wait, it ends with RESOURCE_EXHAUSTED.
+   deadline cancels the handler task, whose call context (`_synthesis_call`) cancels the job (blocks,
+   row and codec slot freed at the next engine step). A stream whose client stops reading pauses; paused
+   longer than `pause_timeout` while others wait, it ends with RESOURCE_EXHAUSTED.
+
+Both Synthesize forms consume one event loop (`_events`: Started, Audio..., Finished) inside one call
+context (`_synthesis_call`); the streaming form writes each event as it comes, the unary one collects.
 
 Every finished call logs one line (`request id=... outcome=...`) at INFO; client cancels are INFO too.
 
@@ -33,19 +36,19 @@ draining included), for a liveness probe that must not restart a replica that is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import re
 import socket
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 import torch
 
-from proto.tts.v1 import tts_pb2 as pb
-from proto.tts.v1 import tts_pb2_grpc as pb_grpc
 from tts.audio import read_audio, to_pcm16
 from tts.bundle import ModelBundle
 from tts.codec.base import AudioError
@@ -71,6 +74,8 @@ from tts.params import MAX_CHUNK_FRAMES
 from tts.planner import Planner
 from tts.text import TextError, shorten
 from tts.voices import VoiceExists, VoiceNotFound, reference_key
+from tts_grpc.v1 import tts_pb2 as pb
+from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
 
 from .metrics import ServiceMetrics
 
@@ -433,6 +438,18 @@ class CallLog:
     detail: str = ""
 
 
+@dataclass
+class SynthesisCall(CallLog):
+    """A Synthesize or SynthesizeUnary call: its log line, and once admitted its request, engine stream and
+    the audio counted so far (for its end message). Made by `TextToSpeechServicer._synthesis_call`, filled
+    in by `TextToSpeechServicer._events`."""
+
+    prepared: PreparedRequest | None = None
+    stream: RequestStream | None = None
+    samples: int = 0
+    chunks: int = 0
+
+
 class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
     def __init__(self, loop: EngineLoop, limits: ServiceLimits, metrics: ServiceMetrics, replica: str = ""):
         self.loop = loop
@@ -501,8 +518,8 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
             warnings=[shorten(w, MAX_STATUS_CHARS) for w in prepared.job.warnings],
         )  # fmt: skip
 
-    def _end(self, finished: Finished, samples: int, chunks: int, call: CallLog) -> pb.StreamEnd:
-        audio_seconds = samples / self.bundle.codec.sample_rate
+    def _end(self, finished: Finished, call: SynthesisCall) -> pb.StreamEnd:
+        audio_seconds = call.samples / self.bundle.codec.sample_rate
         wall = time.monotonic() - call.received
         ttfa = (call.first_audio - call.received) if call.first_audio is not None else 0.0
         rtf = wall / audio_seconds if audio_seconds > 0 else 0.0
@@ -517,7 +534,7 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         self._log(call)
         return pb.StreamEnd(
             finish_reason=overall_finish_reason(reasons), frames=finished.frames, audio_seconds=audio_seconds,
-            time_to_first_audio_seconds=ttfa, rtf=rtf, chunks=chunks, text_chunk_finish_reasons=reasons,
+            time_to_first_audio_seconds=ttfa, rtf=rtf, chunks=call.chunks, text_chunk_finish_reasons=reasons,
             warnings=[shorten(w, MAX_STATUS_CHARS) for w in finished.warnings],
         )  # fmt: skip
 
@@ -528,19 +545,63 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         call.outcome = outcome
         self._log(call)
 
+    @contextlib.asynccontextmanager
+    async def _synthesis_call(self, rpc: str, context, *, writes: bool = False):
+        """The `SynthesisCall` of one Synthesize or SynthesizeUnary call, as a context around the handler's
+        body: a client cancel or deadline (which cancels the handler task) is counted and logged as one,
+        and on the way out the job, once admitted, is cancelled (a no-op once it ended; otherwise its
+        blocks, row and codec slot are freed at the next engine step).
+
+        writes: the body sends with `context.write`. A write that races with the client's cancel fails
+        inside grpc (ExecuteBatchError) instead of cancelling the task: still a cancel, counted and logged
+        as one, not an error traceback.
+        """
+        call = SynthesisCall(rpc, time.monotonic())
+        try:
+            yield call
+        except asyncio.CancelledError:
+            self._ended_by_client(context, call)
+            raise
+        except Exception:
+            if not writes or not context.cancelled():
+                raise
+            self._ended_by_client(context, call)
+        finally:
+            if call.stream is not None:
+                call.stream.cancel()
+
+    async def _events(
+        self, request, context, call: SynthesisCall
+    ) -> AsyncIterator[Started | Audio | Finished]:
+        """The one event loop of both Synthesize forms: validate and admit `request` (`_open`, which aborts
+        the call with the right status when it cannot; the request and its stream go on `call`), then
+        yield the job's events: `Started`, each `Audio` chunk (counted into `call.samples` and
+        `call.chunks` for `_end`), and `Finished`, the last. A failed job aborts the call with its status.
+        Use inside `_synthesis_call`, which cancels the stream when the call ends."""
+        call.prepared, call.stream, started = await self._open(request, context, call)
+        yield started
+        while True:
+            event = await call.stream.next()
+            if isinstance(event, Audio):
+                call.samples += len(event.samples)
+                call.chunks += 1
+                yield event
+            elif isinstance(event, Finished):
+                yield event
+                return
+            else:
+                await self._abort(context, event.error, call)
+
     async def Synthesize(self, request, context):
         # Messages go out with `await context.write()` rather than by yielding: a client that cancels
         # then surfaces here as CancelledError (counted and logged as a cancel), whereas a failed write
         # of a yielded message is logged by grpc as an ERROR traceback and the generator closed late.
-        call = CallLog("Synthesize", time.monotonic())
-        stream = None
-        try:
-            prepared, stream, started = await self._open(request, context, call)
-            await context.write(pb.SynthesizeResponse(header=self._header(started, prepared)))
-            samples = chunks = 0
-            while True:
-                event = await stream.next()
-                if isinstance(event, Audio):
+        async with self._synthesis_call("Synthesize", context, writes=True) as call:
+            async for event in self._events(request, context, call):
+                prepared = call.prepared
+                if isinstance(event, Started):
+                    await context.write(pb.SynthesizeResponse(header=self._header(event, prepared)))
+                elif isinstance(event, Audio):
                     chunk = pb.AudioChunk(
                         sequence=event.sequence, audio=encode_audio(event.samples, prepared.encoding),
                         frame_start=event.frame_start, frame_end=event.frame_end,
@@ -549,39 +610,21 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
                         chunk.codes.CopyFrom(encode_codes(event.codes))
                     if call.first_audio is None:
                         call.first_audio = time.monotonic()
-                    samples += len(event.samples)
-                    chunks += 1
                     call.frames = event.frame_end
                     await context.write(pb.SynthesizeResponse(chunk=chunk))
-                elif isinstance(event, Finished):
-                    await context.write(pb.SynthesizeResponse(end=self._end(event, samples, chunks, call)))
-                    return
                 else:
-                    await self._abort(context, event.error, call)
-        except asyncio.CancelledError:
-            self._ended_by_client(context, call)
-            raise
-        except Exception:
-            # A write that races with the client's cancel fails inside grpc (ExecuteBatchError) instead of
-            # cancelling this task: still a cancel, counted and logged as one, not an error traceback.
-            if not context.cancelled():
-                raise
-            self._ended_by_client(context, call)
-        finally:
-            if stream is not None:
-                stream.cancel()  # no-op once the job ended; otherwise frees its blocks and row
+                    await context.write(pb.SynthesizeResponse(end=self._end(event, call)))
 
     async def SynthesizeUnary(self, request, context):
-        call = CallLog("SynthesizeUnary", time.monotonic())
-        stream = None
-        try:
-            prepared, stream, started = await self._open(request, context, call)
+        async with self._synthesis_call("SynthesizeUnary", context) as call:
             parts: list[bytes] = []
             codes: list[torch.Tensor] = []
-            size = samples = chunks = 0
-            while True:
-                event = await stream.next()
-                if isinstance(event, Audio):
+            size = 0
+            async for event in self._events(request, context, call):
+                prepared = call.prepared
+                if isinstance(event, Started):
+                    started = event
+                elif isinstance(event, Audio):
                     data = encode_audio(event.samples, prepared.encoding)
                     size += len(data) + (event.codes.numel() * 5 if prepared.include_codes else 0)
                     if size > self.limits.max_send_bytes - 64 * 1024:
@@ -597,12 +640,10 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
                         call.first_audio = time.monotonic()
                     parts.append(data)
                     codes.append(event.codes)
-                    samples += len(event.samples)
-                    chunks += 1
-                elif isinstance(event, Finished):
+                else:
                     reply = pb.SynthesizeUnaryResponse(
                         header=self._header(started, prepared), audio=b"".join(parts),
-                        end=self._end(event, samples, chunks, call),
+                        end=self._end(event, call),
                     )  # fmt: skip
                     if prepared.include_codes:
                         n = self.bundle.codec.num_codebooks
@@ -612,14 +653,6 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
                             )
                         )
                     return reply
-                else:
-                    await self._abort(context, event.error, call)
-        except asyncio.CancelledError:
-            self._ended_by_client(context, call)
-            raise
-        finally:
-            if stream is not None:
-                stream.cancel()
 
     def _voice_info(self, entry) -> pb.VoiceInfo:
         return pb.VoiceInfo(
@@ -812,7 +845,7 @@ class TTSServer:
         """Wait until warm-up is done (health SERVING); re-raises an engine start-up failure."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._ready.is_set():
-            if self.loop._ready.is_set():
+            if self.loop.started_up:
                 self.loop.wait_ready(0)  # raises the start-up error, if any
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the server was not ready after {timeout} s")

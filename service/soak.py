@@ -188,7 +188,7 @@ class StreamCheck:
 
     @property
     def width(self) -> int:
-        from proto.tts.v1 import tts_pb2 as pb
+        from tts_grpc.v1 import tts_pb2 as pb
 
         return 4 if self.header is not None and self.header.encoding == pb.AUDIO_ENCODING_FLOAT32 else 2
 
@@ -288,7 +288,7 @@ async def run_request(stub, spec: Spec, request, timeout: float, stalled: asynci
 
 
 async def _unary(stub, request, timeout: float, out: Outcome) -> None:
-    from proto.tts.v1 import tts_pb2 as pb
+    from tts_grpc.v1 import tts_pb2 as pb
 
     reply = await stub.SynthesizeUnary(request, timeout=timeout)
     width = 4 if reply.header.encoding == pb.AUDIO_ENCODING_FLOAT32 else 2
@@ -445,8 +445,8 @@ async def run_soak(
     import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from proto.tts.v1 import tts_pb2 as pb
-    from proto.tts.v1 import tts_pb2_grpc as pb_grpc
+    from tts_grpc.v1 import tts_pb2 as pb
+    from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
 
     from .client import aio_channel, build_request, channel_options
     from .loadtest import BenchError, delete_voice, reference_clip, register_voice, request_text, voice_source

@@ -24,12 +24,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from proto.tts.v1 import tts_pb2 as pb
-from proto.tts.v1 import tts_pb2_grpc as pb_grpc
 from service import cluster
 from service.client import build_request, channel_options
 from service.loadtest import replica_shares, run_loadtest
 from tts.cli import build_parser, main
+from tts_grpc.v1 import tts_pb2 as pb
+from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
 
 pytest.importorskip("grpc_health")
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,14 +6,11 @@ import pytest
 import torch
 from fish_golden import CASES, encode_signal, golden
 
-from tts.codec.dac import (
-    CodecCheckpointError,
-    DACCodec,
-    ModdedDAC,
-    fuse_weight_norm,
-    random_codec_state,
-    tiny_dac_config,
-)
+from tts.codec.base import CodecCheckpointError
+from tts.codec.dac import DACCodec
+from tts.codec.dac_checkpoint import fuse_weight_norm
+from tts.codec.dac_net import ModdedDAC
+from tts.codec.dac_random import random_codec_state, tiny_dac_config
 from tts.randinit import hashed_randint
 
 SPEC = CASES["codec"]

@@ -7,8 +7,11 @@ import torch
 from helpers import decode_in_pushes
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tts.codec.dac import DACCodec, ModdedDAC, fuse_weight_norm, random_codec_state, tiny_dac_config
+from tts.codec.dac import DACCodec
 from tts.codec.dac_batched import BatchedDACDecoder
+from tts.codec.dac_checkpoint import fuse_weight_norm
+from tts.codec.dac_net import ModdedDAC
+from tts.codec.dac_random import random_codec_state, tiny_dac_config
 from tts.randinit import hashed_randint
 
 # Measured on a 2-core x86 CPU, float32, the tiny codec below (audio peaks near 1):

@@ -4,7 +4,7 @@ import pytest
 import torch
 from fish_golden import CASES, encode_signal, golden
 
-from tts.codec.dac import CodecCheckpointError
+from tts.codec.base import CodecCheckpointError
 from tts.codec.firefly import (
     FIREFLY_FILE,
     FireflyCodec,

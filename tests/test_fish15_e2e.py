@@ -12,12 +12,12 @@ import pytest
 import torch
 from fish_golden import CASES, golden
 
-from proto.tts.v1 import tts_pb2_grpc as pb_grpc
 from service.client import build_request
 from tts.api import TTS
 from tts.bundle import load_bundle
 from tts.codec.firefly import FireflyCodec
 from tts.engine import Engine, EngineConfig, SamplingParams
+from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
 
 REP = CASES["repetition"]["fish-1.5"]
 TEXT = next(c for c in CASES["families"]["fish-1.5"]["prompts"] if c["name"] == "plain")["text"]

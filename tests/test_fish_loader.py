@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tts.bundle import CheckpointError, load_bundle
-from tts.codec.dac import random_codec_state, tiny_dac_config
+from tts.codec.dac_random import random_codec_state, tiny_dac_config
 from tts.codec.firefly import FIREFLY_FILE, FireflyCodec
 from tts.config import ConfigError
 from tts.fish.loader import load_fish_model, normalize_pth_state

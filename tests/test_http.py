@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from proto.tts.v1 import tts_pb2_grpc as pb_grpc
 from service.client import build_request, channel_options
 from service.http import body_limit
 from service.server import ServiceLimits
@@ -31,6 +30,7 @@ from tts.audio import read_audio, to_pcm16
 from tts.bundle import load_bundle
 from tts.engine import EngineConfig
 from tts.engine.loop import EngineLoop
+from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
 
 pytest.importorskip("fastapi")
 av = pytest.importorskip("av")

@@ -9,8 +9,6 @@ import grpc
 import numpy as np
 import pytest
 
-from proto.tts.v1 import tts_pb2 as pb
-from proto.tts.v1 import tts_pb2_grpc as pb_grpc
 from service.client import build_request
 from service.loadtest import (
     BENCH_VOICE,
@@ -24,6 +22,8 @@ from service.loadtest import (
     voice_source,
 )
 from tts.audio import read_audio
+from tts_grpc.v1 import tts_pb2 as pb
+from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
 
 pytest.importorskip("grpc_health")
 

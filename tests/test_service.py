@@ -28,14 +28,14 @@ from service_helpers import (  # noqa: E402
     wait_idle,
 )
 
-from proto.tts.v1 import tts_pb2 as pb
-from proto.tts.v1 import tts_pb2_grpc as pb_grpc
 from service.client import build_request, decode_audio, decode_codes
 from service.server import MAX_STATUS_CHARS, ServiceLimits, status_for
 from tts.api import TTS, VoiceNotFound
 from tts.bundle import load_bundle
 from tts.engine import EngineConfig, InvalidRequest
 from tts.engine.loop import EngineLoop
+from tts_grpc.v1 import tts_pb2 as pb
+from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
 
 pytest.importorskip("grpc_health")
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402

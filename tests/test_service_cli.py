@@ -21,9 +21,9 @@ import soundfile as sf
 from helpers import sysfs_mounted
 
 import tts.bundle
-from proto.tts.v1 import tts_pb2_grpc as pb_grpc
 from service.client import build_request, channel_options
 from tts.cli import main
+from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
 
 pytest.importorskip("grpc_health")
 ROOT = Path(__file__).resolve().parent.parent

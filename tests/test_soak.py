@@ -9,7 +9,6 @@ import math
 
 import pytest
 
-from proto.tts.v1 import tts_pb2 as pb
 from service.soak import (
     ALLOWED,
     CANCEL_PHASES,
@@ -29,6 +28,7 @@ from service.soak import (
     parse_range,
     summarize,
 )
+from tts_grpc.v1 import tts_pb2 as pb
 
 pytest.importorskip("grpc_health")
 

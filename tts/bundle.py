@@ -105,7 +105,8 @@ CODEC_LOADERS: dict[str, CodecLoader] = {
 
 def _load_dac(directory: Path, cfg: dict) -> Codec:
     """`{"type": "modded_dac", "file": "codec.pth"}`: Fish's modded DAC (tts.codec.dac)."""
-    from .codec.dac import CodecCheckpointError, DACCodec
+    from .codec.base import CodecCheckpointError
+    from .codec.dac import DACCodec
 
     try:
         return DACCodec.from_file(directory / cfg.get("file", "codec.pth"))
@@ -127,7 +128,7 @@ register_codec("mel_vqvae", lambda directory, cfg: MelVQCodec.load(directory, cf
 
 def _load_firefly(directory: Path, cfg: dict) -> Codec:
     """`{"type": "firefly_gan", "file": ...}`: fish-speech 1.5's Firefly-GAN (tts.codec.firefly)."""
-    from .codec.dac import CodecCheckpointError
+    from .codec.base import CodecCheckpointError
     from .codec.firefly import FIREFLY_FILE, FireflyCodec
 
     try:

@@ -22,6 +22,10 @@ class AudioError(ValueError):
     """Audio that cannot be used (empty, silent, non-finite, unreadable)."""
 
 
+class CodecCheckpointError(ValueError):
+    """A codec file that cannot be loaded (unreadable, missing or unexpected keys, wrong shapes)."""
+
+
 def same_device(a: torch.device | str, b: torch.device | str) -> bool:
     """Whether `a` and `b` name the same device; `cuda` without an index is the current CUDA device, so
     `cuda` and `cuda:0` match (torch.device equality says they differ)."""

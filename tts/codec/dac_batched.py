@@ -24,17 +24,18 @@ never influence a valid sample either.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..model import Rope, precompute_freqs_cis
 from .base import BatchedStreamDecoder
-from .dac import (
+from .dac_net import (
     CausalConv1d,
     CausalConvTranspose1d,
     ConvNeXtBlock,
-    DACCodec,
     Decoder,
     DecoderBlock,
     Identity,
@@ -43,6 +44,9 @@ from .dac import (
     StreamSequential,
     Tanh,
 )
+
+if TYPE_CHECKING:
+    from .dac import DACCodec
 
 
 def _window(x: Tensor, start: Tensor, n: int, dim: int) -> Tensor:

@@ -30,7 +30,7 @@ model's codebooks have 1024 entries): they are clamped to 999, as the modded DAC
 Module and parameter names follow fish-speech (`backbone.stages.{i}.{j}.dwconv.conv.weight`,
 `quantizer.residual_fsq.rvqs.{g}.project_in.weight`, `head.resblocks.{i}.blocks.{j}.convs1.{k}.conv...`),
 so the generator file loads by name; weight-normed convs (the HiFi-GAN's) may be stored as PyTorch
-parametrizations, as `weight_g/weight_v` or fused (`tts.codec.dac.fuse_weight_norm`).
+parametrizations, as `weight_g/weight_v` or fused (`tts.codec.dac_checkpoint.fuse_weight_norm`).
 """
 
 from __future__ import annotations
@@ -44,19 +44,10 @@ import torch.nn.functional as F
 import torchaudio
 from torch import Tensor, nn
 
-from .base import BatchedStreamDecoder, Codec
-from .dac import (
-    CausalConv1d,
-    CausalConvTranspose1d,
-    CodecCheckpointError,
-    ConvNeXtBlock,
-    StreamSequential,
-    StreamState,
-    _weight_norm_modules,
-    fuse_weight_norm,
-    load_state_strict,
-    read_codec_state,
-)
+from .base import BatchedStreamDecoder, Codec, CodecCheckpointError
+from .dac_checkpoint import fuse_weight_norm, load_state_strict, read_codec_state
+from .dac_net import CausalConv1d, CausalConvTranspose1d, ConvNeXtBlock, StreamSequential, StreamState
+from .dac_random import _weight_norm_modules
 
 FIREFLY_FILE = "firefly-gan-vq-fsq-8x1024-21hz-generator.pth"
 

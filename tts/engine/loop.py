@@ -269,7 +269,13 @@ class EngineLoop:
 
     @property
     def ready(self) -> bool:
+        """Whether start-up (engine build, warm-up) succeeded: jobs can be submitted."""
         return self._ready.is_set() and self._start_error is None
+
+    @property
+    def started_up(self) -> bool:
+        """Whether start-up has ended, successfully or not (then `wait_ready` raises its error)."""
+        return self._ready.is_set()
 
     @property
     def accepting(self) -> bool:

@@ -35,7 +35,8 @@ import regex
 import torch
 from safetensors.torch import save_file
 
-from ..codec.dac import DACConfig, random_codec_state, tiny_dac_config
+from ..codec.dac_net import DACConfig
+from ..codec.dac_random import random_codec_state, tiny_dac_config
 from ..codec.firefly import FIREFLY_FILE, FireflyConfig, random_firefly_state, tiny_firefly_config
 from ..config import ModelArgs
 from ..model import DualARTransformer

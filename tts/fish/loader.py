@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 from ..bundle import CheckpointError, ModelBundle, _assign, load_voices, load_weights_into, weight_files
-from ..codec.base import Codec
-from ..codec.dac import CodecCheckpointError, DACCodec
+from ..codec.base import Codec, CodecCheckpointError
+from ..codec.dac import DACCodec
 from ..codec.firefly import FIREFLY_FILE, FireflyCodec
 from ..config import ConfigError, ModelArgs
 from ..engine.request import SamplingParams
