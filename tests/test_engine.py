@@ -7,7 +7,7 @@ from tts.engine import Engine, EngineConfig, FinishReason, InvalidRequest, Queue
 
 
 def make_engine(model, **kw):
-    cfg = dict(max_batch=4, graphs=False, block_size=8)
+    cfg = dict(max_batch=4, graphs="off", block_size=8)
     cfg.update(kw)
     return Engine(model, EngineConfig(**cfg))
 
@@ -193,7 +193,7 @@ def test_outputs_produced_before_a_failing_step_are_not_lost(tiny_model):
 
 
 def test_buckets_above_max_batch_are_clamped_to_it(tiny_model):
-    engine = make_engine(tiny_model, max_batch=12, standin_graphs=True, graphs=True)
+    engine = make_engine(tiny_model, max_batch=12, testing_standin_graphs=True, graphs="lazy")
     assert engine.graphs.buckets == [1, 2, 4, 8, 12]
     assert engine.graphs.bucket_for(10) == 12
 
