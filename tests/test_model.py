@@ -43,7 +43,7 @@ def test_greedy_frame_codes_are_the_argmax_of_the_teacher_forced_fast_ar(tiny_mo
         prompt = random_prompt(tiny_model, 9, seed=seed)
         _load(engine, 0, prompt)
         engine.runner.decode_step(1)
-        frame = engine.runner.buffers.out[0, : c.num_codebooks + 1].clone()
+        frame = engine.runner.buffers.out[0, engine.runner.out_layout.frame].clone()
         if frame[0] != c.eos_token_id:
             break
     assert frame[0] != c.eos_token_id

@@ -325,11 +325,11 @@ class Engine:
         out = self._frame_to_host(n)
         t2 = time.perf_counter()
         phases["replay"] += t2 - t1
-        N = self.model.config.num_codebooks
+        cols = self.runner.out_layout
         # Per-row work in plain Python values and one split: this loop runs every frame for every row.
-        flags = out[:, [0, N + 1, N + 2]].tolist()  # token, emitted, done
-        row_codes = out[:, 1 : N + 1].split(1)
-        no_codes = out[:0, 1 : N + 1]
+        flags = out[:, [cols.token, cols.emitted, cols.done]].tolist()
+        row_codes = out[:, cols.codes].split(1)
+        no_codes = out[:0, cols.codes]
         # Iterate over a snapshot: finishing a request moves the last row into its place.
         for request, (token, emitted, done), codes in zip(
             list(self.scheduler.running), flags, row_codes, strict=True

@@ -88,6 +88,40 @@ def apply_repetition_penalty(logits: Tensor, ids: Tensor, penalty: Tensor) -> Te
     return torch.where(hit, penalized, logits)
 
 
+@dataclass(frozen=True)
+class OutLayout:
+    """The columns of the frame step's output `out [B, N+3]` int64, one row per batch row: written by
+    `ModelRunner._advance`, read (a host copy) by `Engine.step`.
+
+    `frame`: the frame column `[token, c_0..c_{N-1}]`, whose main token is at `token` and codes at
+    `codes`; then `emitted` (1: the row was active, so this is a frame of its request) and `done` (1:
+    its request's last frame: the end token, or its budget or context reached).
+    """
+
+    num_codebooks: int
+    token = 0
+
+    @property
+    def frame(self) -> slice:
+        return slice(0, self.num_codebooks + 1)
+
+    @property
+    def codes(self) -> slice:
+        return slice(1, self.num_codebooks + 1)
+
+    @property
+    def emitted(self) -> int:
+        return self.num_codebooks + 1
+
+    @property
+    def done(self) -> int:
+        return self.num_codebooks + 2
+
+    @property
+    def width(self) -> int:
+        return self.num_codebooks + 3
+
+
 @dataclass
 class StepBuffers:
     """Persistent per-row state of the frame step, `B = max_batch` rows (DESIGN.md invariant 2).
@@ -99,7 +133,8 @@ class StepBuffers:
     `ras_window [B, 10]` (last main-token indices, -1 = empty), `ras_len [B]` int64,
     `rep_penalty [B]` float32 (1 = off), `rep_history [B, 1+N, 16]` int64 (the repetition penalty's
     ring of recent frame columns, see the module docstring).
-    Output: `out [B, N+3]` int64 = frame column `[token, c_0..c_{N-1}]`, emitted flag, done flag.
+    Output: `out [B, N+3]` int64 = frame column `[token, c_0..c_{N-1}]`, emitted flag, done flag
+    (`OutLayout` names the columns).
     Fast AR static KV: `fast_k, fast_v [n_fast_layer, B, Hkv, N, D]`, rewritten every frame.
     """
 
@@ -145,7 +180,7 @@ class StepBuffers:
             ras_len=torch.zeros(B, **i64),
             rep_penalty=torch.ones(B, dtype=torch.float32, device=device),
             rep_history=torch.zeros(B, 1 + N, REPETITION_WINDOW, **i64),
-            out=torch.zeros(B, N + 3, **i64),
+            out=torch.zeros(B, OutLayout(N).width, **i64),
             fast_k=torch.zeros(fast_kv, dtype=dtype, device=device),
             fast_v=torch.zeros(fast_kv, dtype=dtype, device=device),
         )
@@ -202,6 +237,7 @@ class ModelRunner:
         self.max_batch = max_batch
         self.max_blocks_per_seq = max_blocks_per_seq
         self.buffers = StepBuffers.allocate(model, max_batch, max_blocks_per_seq, self.device)
+        self.out_layout = OutLayout(c.num_codebooks)
         self.paged_attention = attention_backend or paged_decode_attention
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.fast_scale = 1.0 / math.sqrt(c.fast_head_dim)
@@ -666,7 +702,7 @@ class ModelRunner:
 
     def _advance(self, b: int, frame: Tensor, idx: Tensor) -> None:
         """Write the frame to `out` and move every active row's state one frame forward, in place."""
-        c, bufs = self.config, self.buffers
+        c, bufs, cols = self.config, self.buffers, self.out_layout
         active = bufs.active[:b]
         steps = bufs.steps[:b]
         done = active & (
@@ -684,9 +720,9 @@ class ModelRunner:
             written = hist.scatter(2, slot, frame.unsqueeze(2))
             hist.copy_(torch.where(push.unsqueeze(2), written, hist))
         out = bufs.out[:b]
-        out[:, : c.num_codebooks + 1].copy_(frame)
-        out[:, c.num_codebooks + 1].copy_(active)
-        out[:, c.num_codebooks + 2].copy_(done)
+        out[:, cols.frame].copy_(frame)
+        out[:, cols.emitted].copy_(active)
+        out[:, cols.done].copy_(done)
         bufs.frames[:b].copy_(torch.where(active.unsqueeze(1), frame, bufs.frames[:b]))
         bufs.positions[:b].add_(active.long())
         steps.add_(active.long())
