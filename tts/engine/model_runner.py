@@ -10,7 +10,7 @@ One call = one frame for rows `[:b]`:
 slow AR step over the paged KV -> main-token sampling (semantic ids + end token, RAS) -> fast AR
 position 0 on the slow hidden state -> c_0 derived from the main token -> for k = 1..N-1 one fast
 position and one sampled code -> the frame column written to `out` -> per-row state advanced in place
-(next input column, position, step counter, RAS window, repetition history, done flags). Rows `[b:]`
+(next input column, position, step counter, RAS history, repetition history, done flags). Rows `[b:]`
 and inactive rows are inert: their K/V writes go to the scratch block and their state does not move.
 
 Repetition penalty (fish-speech 1.5 and the S1-era code; Fish spec 4.3), for a runner built with a
@@ -130,7 +130,8 @@ class StepBuffers:
     `block_tables [B, max_blocks]` int32, `active [B]` bool, `temperature, top_p [B]` float32,
     `top_k [B]`, `seeds [B]`, `steps [B]` (frames generated so far), `budgets [B]` (max_new_frames),
     `min_frames [B]` (min_new_frames: the end token is masked while steps < min_frames),
-    `ras_window [B, 10]` (last main-token indices, -1 = empty), `ras_len [B]` int64,
+    `ras_history [B, 10]` (last main-token indices, -1 = empty), `ras_len [B]` int64 (how many of the
+    newest count: the request's `ras_window`),
     `rep_penalty [B]` float32 (1 = off), `rep_history [B, 1+N, 16]` int64 (the repetition penalty's
     ring of recent frame columns, see the module docstring).
     Output: `out [B, N+3]` int64 = frame column `[token, c_0..c_{N-1}]`, emitted flag, done flag
@@ -149,7 +150,7 @@ class StepBuffers:
     steps: Tensor
     budgets: Tensor
     min_frames: Tensor
-    ras_window: Tensor
+    ras_history: Tensor
     ras_len: Tensor
     rep_penalty: Tensor
     rep_history: Tensor
@@ -176,7 +177,7 @@ class StepBuffers:
             steps=torch.zeros(B, **i64),
             budgets=torch.ones(B, **i64),
             min_frames=torch.zeros(B, **i64),
-            ras_window=torch.full((B, RAS_WINDOW), -1, **i64),
+            ras_history=torch.full((B, RAS_WINDOW), -1, **i64),
             ras_len=torch.zeros(B, **i64),
             rep_penalty=torch.ones(B, dtype=torch.float32, device=device),
             rep_history=torch.zeros(B, 1 + N, REPETITION_WINDOW, **i64),
@@ -300,7 +301,7 @@ class ModelRunner:
         b.steps[row] = 0
         b.budgets[row] = init.budget
         b.min_frames[row] = init.min_frames
-        b.ras_window[row] = -1
+        b.ras_history[row] = -1
         b.ras_len[row] = init.ras_len
         b.rep_penalty[row] = init.repetition_penalty
         b.rep_history[row] = 0
@@ -568,7 +569,7 @@ class ModelRunner:
         return slot
 
     def _cpu_draw_settings(self, b: int) -> tuple[DrawSettings, DrawSettings, Tensor]:
-        """CPU step: the frame's sampler settings `(settings, RAS high settings, RAS window mask)`,
+        """CPU step: the frame's sampler settings `(settings, RAS high settings, RAS counted mask)`,
         kept while rows `[:b]`'s sampling parameters are unchanged (about 25 ops a frame otherwise).
 
         The key is the parameters' values (reading them costs no sync on a CPU). Version counters
@@ -582,7 +583,7 @@ class ModelRunner:
             high = ras_high_settings(temperature, top_p, top_k, settings)
             settings.all_sampled = all(t > 0 for t in key[1])  # key[1]: the temperatures; no greedy row
             high.all_sampled = True  # (temperature 1.0 in every row)
-            self._cpu_settings = key, settings, high, ras_counted(bufs.ras_window[:b], bufs.ras_len[:b])
+            self._cpu_settings = key, settings, high, ras_counted(bufs.ras_history[:b], bufs.ras_len[:b])
         return self._cpu_settings[1:]
 
     def _cpu_frame_noise(self, b: int, streams: int, n: int) -> Tensor:
@@ -620,7 +621,7 @@ class ModelRunner:
             h_pre, h_post = self.slow_step(b)
             temperature, top_p, top_k = bufs.temperature[:b], bufs.top_p[:b], bufs.top_k[:b]
             seeds, steps = bufs.seeds[:b], bufs.steps[:b]
-            # Main token over [semantic ids..., end token]; RAS window holds indices in that space.
+            # Main token over [semantic ids..., end token]; RAS history holds indices in that space.
             sem_logits = F.linear(h_post, self.semantic_head)
             if self.has_eos_column:  # min_new_frames: no end token before that many frames
                 sem_logits[:, -1].masked_fill_(steps < bufs.min_frames[:b], float("-inf"))
@@ -632,20 +633,20 @@ class ModelRunner:
             # The torch sampler takes the frame's noise for every draw from one batched computation
             # (streams 0 = main token, k = codebook k, N + 1 = RAS fallback); the CUDA kernels hash
             # their own noise.
-            noise = settings = high_settings = ras_window_mask = None
+            noise = settings = high_settings = ras_counted_mask = None
             if not fused_kernels_enabled(sem_logits):
                 if self._cpu_step():  # noise made frames ahead, settings kept between frames
                     noise = self._cpu_frame_noise(b, high + 1, max(V, self.n_residual))
-                    settings, high_settings, ras_window_mask = self._cpu_draw_settings(b)
+                    settings, high_settings, ras_counted_mask = self._cpu_draw_settings(b)
                 else:
                     noise = frame_log_noise(seeds, steps, high + 1, max(V, self.n_residual))
                     settings = DrawSettings(temperature, top_p, top_k)  # shared by all draws of the frame
             idx = sample_main_token(
-                sem_logits, temperature, top_p, top_k, seeds, steps, bufs.ras_window[:b],
+                sem_logits, temperature, top_p, top_k, seeds, steps, bufs.ras_history[:b],
                 bufs.ras_len[:b], self.n_sem, high_stream=high, top_k_cap=cap,
                 log_noise=None if noise is None else noise[:, 0, :V],
                 high_log_noise=None if noise is None else noise[:, high, :V], settings=settings,
-                high_settings=high_settings, counted=ras_window_mask,
+                high_settings=high_settings, counted=ras_counted_mask,
             )  # fmt: skip
             token = torch.where(idx == self.n_sem, c.eos_token_id, idx + c.semantic_begin_id)
             # Fast AR: position 0 on the slow hidden state (its logits are never used), c_0 derived from
@@ -712,8 +713,8 @@ class ModelRunner:
         )
         # The RAS window takes every main token except the first frame's (spec 4.1).
         push = (active & (steps > 0)).unsqueeze(1)
-        window = bufs.ras_window[:b]
-        window.copy_(torch.where(push, torch.cat([window[:, 1:], idx.unsqueeze(1)], dim=1), window))
+        history = bufs.ras_history[:b]
+        history.copy_(torch.where(push, torch.cat([history[:, 1:], idx.unsqueeze(1)], dim=1), history))
         if self.repetition is not None:  # the repetition ring takes every frame but the first, too
             hist = bufs.rep_history[:b]
             slot = ((steps - 1).clamp(min=0) % REPETITION_WINDOW).view(b, 1, 1).expand(b, hist.shape[1], 1)
