@@ -126,7 +126,8 @@ class OutLayout:
 class StepBuffers:
     """Persistent per-row state of the frame step, `B = max_batch` rows (DESIGN.md invariant 2).
 
-    Inputs: `frames [B, 1+N]` int64 (the previous frame column, fed at `positions`), `positions [B]`,
+    Inputs: `input_columns [B, 1+N]` int64 (each row's decode input: the previous frame column, or
+    the prompt's last column, fed at `positions`), `positions [B]`,
     `block_tables [B, max_blocks]` int32, `active [B]` bool, `temperature, top_p [B]` float32,
     `top_k [B]`, `seeds [B]`, `steps [B]` (frames generated so far), `budgets [B]` (max_new_frames),
     `min_frames [B]` (min_new_frames: the end token is masked while steps < min_frames),
@@ -139,7 +140,7 @@ class StepBuffers:
     Fast AR static KV: `fast_k, fast_v [n_fast_layer, B, Hkv, N, D]`, rewritten every frame.
     """
 
-    frames: Tensor
+    input_columns: Tensor
     positions: Tensor
     block_tables: Tensor
     active: Tensor
@@ -166,7 +167,7 @@ class StepBuffers:
         dtype = model.embeddings.weight.dtype
         fast_kv = (c.n_fast_layer, B, c.fast_n_local_heads, N, c.fast_head_dim)
         bufs = cls(
-            frames=torch.zeros(B, 1 + N, **i64),
+            input_columns=torch.zeros(B, 1 + N, **i64),
             positions=torch.zeros(B, **i64),
             block_tables=torch.full((B, max_blocks), SCRATCH_BLOCK, dtype=torch.int32, device=device),
             active=torch.zeros(B, dtype=torch.bool, device=device),
@@ -289,7 +290,7 @@ class ModelRunner:
     def load_row(self, row: int, init: RowInit) -> None:
         """Start a request in `row`: write its first input and parameters into the buffers."""
         b, dev = self.buffers, self.device
-        b.frames[row].copy_(init.last_column.to(dev))
+        b.input_columns[row].copy_(init.last_column.to(dev))
         b.positions[row] = init.position
         table = torch.full((self.max_blocks_per_seq,), SCRATCH_BLOCK, dtype=torch.int32)
         table[: len(init.block_table)] = torch.tensor(init.block_table, dtype=torch.int32)
@@ -320,7 +321,7 @@ class ModelRunner:
         b.active[row] = False
         b.positions[row] = 0
         b.block_tables[row].fill_(SCRATCH_BLOCK)
-        b.frames[row].zero_()
+        b.input_columns[row].zero_()
         b.steps[row] = 0
         b.min_frames[row] = 0
 
@@ -434,7 +435,7 @@ class ModelRunner:
             # so a row's result does not depend on the width (tested: batched == solo codes).
             width = min(self.max_blocks_per_seq, 1 << (int(pos.max()) // bs).bit_length())
             tables = tables[:, :width]
-        fused = fused_kernels_enabled(bufs.frames)
+        fused = fused_kernels_enabled(bufs.input_columns)
         slot_offset = slots * (kv.k.shape[-2] * kv.k.shape[-1]) if fused else None
         if self.paged_attention is paged_decode_attention:  # torch path: table work once for all layers
             torch_attention = PagedDecodeAttention(tables, context_lens, bs)
@@ -458,7 +459,7 @@ class ModelRunner:
                 attend.kv_dest = KVDest(kv.k[i].view(-1), kv.v[i].view(-1), slot_offset, kv.k.shape[-1])
             return attend
 
-        x = m.embed(bufs.frames[:b].unsqueeze(1))
+        x = m.embed(bufs.input_columns[:b].unsqueeze(1))
         h_pre, h_post = m.slow_layers(x, m.freqs_cis[pos].unsqueeze(1), attend_layer)
         return h_pre[:, 0], h_post[:, 0]
 
@@ -485,7 +486,7 @@ class ModelRunner:
 
         (blocks, final_norm), _ = self._cpu_layers
         cos, sin = self._cpu_rope[1]
-        x = self.model.embed(self.buffers.frames[:b])
+        x = self.model.embed(self.buffers.input_columns[:b])
         return decode_layers(
             blocks, final_norm, x, cos.index_select(0, pos), sin.index_select(0, pos), attend
         )
@@ -493,13 +494,13 @@ class ModelRunner:
     def _cpu_step(self) -> bool:
         """Whether this step is the plain-torch CPU one (no graphs, no fused kernels). Only then are
         the per-step caches below used; CUDA (and the Triton interpreter in tests) never reach them."""
-        return self._cpu_rope is not None and not fused_kernels_enabled(self.buffers.frames)
+        return self._cpu_rope is not None and not fused_kernels_enabled(self.buffers.input_columns)
 
     def _fast_attend(self, b: int, k_pos: int):
         """attend() for fast position k_pos: write slot k_pos, attend to slots 0..k_pos of this frame.
         Slots above k_pos still hold the previous frame's values and are never read."""
         bufs = self.buffers
-        fused = fused_kernels_enabled(bufs.frames)
+        fused = fused_kernels_enabled(bufs.input_columns)
 
         def attend_layer(i):
             def attend(q, k, v):
@@ -724,7 +725,7 @@ class ModelRunner:
         out[:, cols.frame].copy_(frame)
         out[:, cols.emitted].copy_(active)
         out[:, cols.done].copy_(done)
-        bufs.frames[:b].copy_(torch.where(active.unsqueeze(1), frame, bufs.frames[:b]))
+        bufs.input_columns[:b].copy_(torch.where(active.unsqueeze(1), frame, bufs.input_columns[:b]))
         bufs.positions[:b].add_(active.long())
         steps.add_(active.long())
         active.logical_and_(~done)
