@@ -7,8 +7,8 @@ graph), and it decides for each call with `n` live rows:
 
 * the bucket: the smallest configured bucket >= n (rows n..b-1 are pad rows the caller keeps inert);
 * eager or replay: a bucket is captured only after it has run eagerly once (the warm-up), either on its
-  second use (`capture="lazy"`, the default) or all buckets at start-up, largest first
-  (`capture="startup"`, via `capture_all()`); all buckets share one memory pool;
+  second use (lazy, the default; the engine's `graphs="lazy"`) or all buckets at start-up, largest
+  first (`capture_all()`; the engine's `graphs="startup"`); all buckets share one memory pool;
 * fallback: graphs disabled, n above the largest bucket, or a bucket whose capture failed run eagerly,
   and each such step is counted. A capture that raises is ended, its graph and pool dropped, logged and
   counted; the bucket stays eager and the runner keeps serving.
@@ -99,7 +99,7 @@ class GraphRunner:
     device: where the buffers live; CUDA graphs on a CUDA device, stand-ins elsewhere.
     buffer_ptrs: optional callable returning `{name: data_ptr}` of the persistent buffers; checked after
     every capture and replay so that a reallocated buffer fails loudly instead of replaying stale memory.
-    capture: False pads to buckets exactly as replay would but always runs eagerly (the reference that
+    eager_buckets: pad to buckets exactly as replay would but always run eagerly (the reference that
     tests compare replays with).
     capture_stream: the CUDA stream captures record on (default: one of this runner's own). Captures
     use CUDA's thread-local capture mode, so another thread may keep launching work (e.g. a second
@@ -109,7 +109,7 @@ class GraphRunner:
     def __init__(
         self, step_fn: Callable[[int], None], *, max_batch: int, buckets: Sequence[int] = DEFAULT_BUCKETS,
         enabled: bool = True, device: torch.device | str = "cpu",
-        buffer_ptrs: Callable[[], dict[str, int]] | None = None, capture: bool = True,
+        buffer_ptrs: Callable[[], dict[str, int]] | None = None, eager_buckets: bool = False,
         capture_stream: torch.cuda.Stream | None = None,
     ):  # fmt: skip
         self.step_fn = step_fn
@@ -126,7 +126,7 @@ class GraphRunner:
         self._buffer_ptrs = buffer_ptrs
         self._ptrs_at_capture: dict[str, int] | None = None
         self.capturing = False  # True while a capture is being recorded (for fault injection / checks)
-        self.capture_enabled = capture
+        self.eager_buckets = eager_buckets
         self._capture_stream = capture_stream
 
     @property
@@ -153,7 +153,7 @@ class GraphRunner:
         key = (b, variant)
         if key in self.stats.failed_captures:
             return self._eager(n, variant)
-        if not self.capture_enabled:
+        if self.eager_buckets:
             return self._eager(b, variant)
         if key not in self.graphs:
             if key not in self._warmed:
@@ -174,7 +174,7 @@ class GraphRunner:
 
         The caller must leave every row inert (pad rows): warm-up runs the real step on them.
         """
-        if not self.enabled or not self.capture_enabled:
+        if not self.enabled or self.eager_buckets:
             return
         for b in sorted(self.buckets, reverse=True):
             for variant in variants:

@@ -20,7 +20,7 @@ else
   timeout 60 python3 -m tts.cli info --model /tmp/s2 --device cuda 2>&1 | tail -3
   timeout 120 python3 -m tts.cli bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1,64 --frames 32 --out $OUT/ckpt 2>&1 | tail -5
   fi
-  python3 -m tts.cli serve --model /tmp/s2 --device cuda --max-batch 64 --max-waiting 256 --capture startup --port 50061 --metrics-port -1 > $OUT/serve.log 2>&1 &
+  python3 -m tts.cli serve --model /tmp/s2 --device cuda --max-batch 64 --max-waiting 256 --graphs startup --port 50061 --metrics-port -1 > $OUT/serve.log 2>&1 &
   python3 - <<'PY'
 import time, grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -31,7 +31,7 @@ python3 -c "import torch, triton, grpc; print('torch', torch.__version__, 'cuda'
 
 serve() {  # serve MODEL PORT METRICS_PORT EXTRA...: start a server, wait until SERVING
   local model=$1 port=$2 mport=$3; shift 3
-  $TTS serve --model $model --device cuda --max-batch 64 --max-waiting 256 --capture startup --port $port \
+  $TTS serve --model $model --device cuda --max-batch 64 --max-waiting 256 --graphs startup --port $port \
     --metrics-port $mport --http-port -1 "$@" > $OUT/serve_$port.log 2>&1 &
   python3 - $port $! <<'PY'
 import os, sys, time, grpc

@@ -56,7 +56,7 @@ def main():
     model = load_bench_model(args.model, "cuda", torch.bfloat16)
     with open(args.out, "w") as out:
         for mode in ("graph", "eager"):
-            engine = Engine(model, EngineConfig(max_batch=args.batch, graphs=mode == "graph", capture="startup",
+            engine = Engine(model, EngineConfig(max_batch=args.batch, graphs="startup" if mode == "graph" else "off",
                                                 buckets=[args.batch], max_context=512, ignore_eos=True))  # fmt: skip
             params = SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_frames=200, seed=0)
             for i in range(args.batch):

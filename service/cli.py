@@ -33,6 +33,7 @@ from tts.cli import (
     read_reference_file,
     read_text_arg,
     require,
+    resolve_graphs_arg,
     sampling_kwargs,
     summary_stream,
     torch_dtype,
@@ -305,6 +306,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import MiB, ServiceLimits
 
     check_serve_options(args)
+    resolve_graphs_arg(args)  # (before the replicas get the options: the deprecated ones, resolved)
     if args.devices is not None:
         from .cluster import run_cluster
 

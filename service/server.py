@@ -699,7 +699,7 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
             dtype=str(b.dtype).removeprefix("torch."), sample_rate=c.sample_rate, frame_rate=c.frame_rate,
             num_codebooks=c.num_codebooks, codebook_size=c.codebook_size, max_context=e.max_context,
             max_batch=e.config.max_batch, buckets=g.buckets if g.enabled else [], graphs=g.enabled,
-            capture=e.config.capture, captured_buckets=sorted({b for b, _ in g.graphs}), replay_share=g.stats.replay_share,
+            capture=e.config.graphs if g.enabled else "", captured_buckets=sorted({b for b, _ in g.graphs}), replay_share=g.stats.replay_share,
             max_waiting=lim.max_waiting, max_reference_bytes=lim.max_reference_bytes,
             max_message_bytes=lim.receive_bytes, max_text_bytes=lim.max_text_bytes,
             max_chunk_frames=lim.max_chunk_frames, text_chunk_bytes=b.chunk_length,

@@ -101,7 +101,7 @@ def check_engine_end_to_end():
         if fused:
             model.fuse_weights()
         engine = Engine(
-            model, EngineConfig(max_batch=2, graphs=False, attention_backend="triton" if fused else "torch")
+            model, EngineConfig(max_batch=2, graphs="off", attention_backend="triton" if fused else "torch")
         )
         for i in range(2):
             engine.submit(random_prompt(model, 6 + 9 * i, i + 1), params(max_new_frames=3, seed=i), f"r{i}")

@@ -295,3 +295,68 @@ def test_the_optional_extras_the_cli_tolerates_are_the_eval_extra_of_pyproject()
     eval_extra = project["optional-dependencies"]["eval"]
     names = {re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].lower().replace("-", "_") for req in eval_extra}
     assert set(tts.cli._OPTIONAL_EXTRA_MODULES) == names
+
+
+GRAPH_OPTIONS = [
+    ([], "lazy", None),
+    (["--graphs", "off"], "off", None),
+    (["--graphs", "lazy"], "lazy", None),
+    (["--graphs", "startup"], "startup", None),
+    # Deprecated spellings: still work, with a one-line warning.
+    (["--graphs", "on"], "lazy", "--graphs on is deprecated; use --graphs lazy"),
+    (["--capture", "startup"], "startup", "--capture startup is deprecated; use --graphs startup"),
+    (["--capture", "lazy"], "lazy", "--capture lazy is deprecated; use --graphs lazy"),
+    (["--graphs", "on", "--capture", "startup"], "startup",
+     "--graphs on --capture startup is deprecated; use --graphs startup"),
+    (["--capture", "startup", "--graphs", "on"], "startup",
+     "--graphs on --capture startup is deprecated; use --graphs startup"),
+    (["--graphs", "off", "--capture", "startup"], "off", "--capture startup is deprecated; use --graphs off"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("command", ["synthesize", "serve"])
+@pytest.mark.parametrize(
+    "argv, graphs, warning", GRAPH_OPTIONS, ids=[" ".join(a) or "-" for a, _, _ in GRAPH_OPTIONS]
+)
+def test_one_graphs_option_and_its_deprecated_aliases(capsys, command, argv, graphs, warning):
+    from tts.cli import build_parser, engine_kwargs
+
+    words = ["synthesize", "hi", "-o", "x.wav"] if command == "synthesize" else ["serve"]
+    args = build_parser().parse_args([*words, *argv])
+    assert engine_kwargs(args)["graphs"] == graphs
+    assert engine_kwargs(args)["graphs"] == graphs  # (resolved once: no second warning)
+    err = capsys.readouterr().err
+    assert err == (f"warning: {warning}\n" if warning else "")
+
+
+@pytest.mark.parametrize("command", ["synthesize", "serve"])
+def test_help_shows_graphs_off_lazy_startup_and_hides_the_deprecated_spellings(capsys, command):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--graphs {off,lazy,startup}" in out and "--capture" not in out and "startup,on" not in out
+
+
+def test_synthesize_with_a_deprecated_graph_option_warns_once_and_runs(tmp_path, capsys):
+    out = tmp_path / "out.wav"
+    rc = main(["synthesize", "Hello.", "-o", str(out), "--model", "tiny", "--seed", "1",
+               "--max-new-frames", "3", "-q", "--graphs", "on", "--capture", "startup"])  # fmt: skip
+    assert rc == 0 and out.exists()
+    lines = [x for x in capsys.readouterr().err.splitlines() if "deprecated" in x]
+    assert lines == ["warning: --graphs on --capture startup is deprecated; use --graphs startup"]
+
+
+def test_replicas_get_the_resolved_graphs_option(monkeypatch, capsys):
+    """`tts serve --devices` forwards `--graphs startup`, not the deprecated spelling it was given."""
+    import service.cluster
+    from service import cli as service_cli
+
+    forwarded = []
+    monkeypatch.setattr(
+        service.cluster, "run_cluster",
+        lambda args, parser: forwarded.append(service.cluster.forwarded_options(args, parser)) or 0,
+    )  # fmt: skip
+    assert main(["serve", "--devices", "cpu,cpu", "--model", "tiny", "--capture", "startup"]) == 0
+    assert forwarded == [["--model", "tiny", "--graphs", "startup"]]
+    assert service_cli._SERVE_PARSER is not None
+    assert "deprecated" in capsys.readouterr().err

@@ -89,7 +89,7 @@ def test_the_cpu_engine_gives_the_modules_codes():
     prompts = [random_prompt(model, n, seed=n) for n in (7, 19)]
     codes = {}
     for lean in (True, False):
-        engine = Engine(model, EngineConfig(max_batch=2, graphs=False, block_size=8))
+        engine = Engine(model, EngineConfig(max_batch=2, graphs="off", block_size=8))
         assert engine.runner._cpu_layers is not None
         if not lean:
             engine.runner._cpu_layers = None  # what a model cpu_decode does not support gets

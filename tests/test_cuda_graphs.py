@@ -69,7 +69,7 @@ def report(key, value):
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_replay_is_bit_identical_to_eager_at_the_same_bucket(model, batch):
     schedule = [(0, f"r{i}", 20 + 37 * i, 60, i) for i in range(batch)]
-    eager = run_schedule(make_engine(model, graph_capture=False), schedule)
+    eager = run_schedule(make_engine(model, testing_eager_buckets=True), schedule)
     engine = make_engine(model)
     replayed = run_schedule(engine, schedule)
     for rid in eager:
@@ -82,7 +82,7 @@ def test_bucket_switching_mid_generation_matches_eager_schedule(model):
     """Requests join and finish at different iterations, so the bucket changes 1 -> 2 -> 4 -> 8 -> 4 ..."""
     schedule = [(0, "a", 30, 70, 1), (3, "b", 90, 20, 2), (5, "c", 17, 50, 3), (9, "d", 64, 40, 4),
                 (10, "e", 5, 45, 5), (12, "f", 33, 30, 6), (30, "g", 48, 25, 7)]  # fmt: skip
-    eager = run_schedule(make_engine(model, graph_capture=False), schedule)
+    eager = run_schedule(make_engine(model, testing_eager_buckets=True), schedule)
     engine = make_engine(model)
     replayed = run_schedule(engine, schedule)
     for rid in eager:
@@ -91,7 +91,7 @@ def test_bucket_switching_mid_generation_matches_eager_schedule(model):
 
 
 def test_seeds_under_replay(model):
-    engine = make_engine(model, capture="startup")
+    engine = make_engine(model, graphs="startup")
     a = run_schedule(engine, [(0, "x", 40, 30, 11)])["x"]
     b = run_schedule(engine, [(0, "y", 40, 30, 11)])["y"]
     c = run_schedule(engine, [(0, "z", 40, 30, 12)])["z"]
@@ -101,7 +101,7 @@ def test_seeds_under_replay(model):
 
 
 def test_pad_rows_leave_real_kv_blocks_unchanged(model):
-    engine = make_engine(model, capture="startup")
+    engine = make_engine(model, graphs="startup")
     for i in range(3):
         engine.submit(prompt(model, 25 + i, i), SamplingParams(max_new_frames=50, seed=i), f"r{i}")
     engine.step()
@@ -115,7 +115,7 @@ def test_pad_rows_leave_real_kv_blocks_unchanged(model):
 
 
 def test_eager_step_has_no_host_sync_and_buffers_never_move(model):
-    engine = make_engine(model, capture="startup")
+    engine = make_engine(model, graphs="startup")
     ptrs = engine.runner.buffers.data_ptrs()
     for i in range(3):
         engine.submit(prompt(model, 30, i), SamplingParams(max_new_frames=20, seed=i), f"r{i}")
@@ -133,7 +133,7 @@ def test_eager_step_has_no_host_sync_and_buffers_never_move(model):
 
 def test_injected_capture_failure_leaves_the_engine_serving(model):
     schedule = [(0, f"r{i}", 20 + 9 * i, 25, i) for i in range(3)]
-    reference = run_schedule(make_engine(model, graph_capture=False), schedule)
+    reference = run_schedule(make_engine(model, testing_eager_buckets=True), schedule)
     engine = make_engine(model)
     real_step = engine.graphs.step_fn
 
@@ -189,7 +189,7 @@ def test_fused_step_matches_torch_step_in_bf16(model):
     for fused in (True, False):
         K.set_fused_kernels(fused)
         try:
-            engine = make_engine(model, graphs=False, attention_backend="triton" if fused else "torch")
+            engine = make_engine(model, graphs="off", attention_backend="triton" if fused else "torch")
             greedy = SamplingParams(temperature=0.0, top_p=1.0, top_k=0)
             results.append(run_schedule(engine, [(0, "g", 64, 3, 0)], params=greedy)["g"])
         finally:
@@ -241,7 +241,7 @@ def test_topk_sampler_path_equals_full_sort_and_keeps_batch_independence(model):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_graphs_on_a_second_device():
     m = build_random_model(shape_config("small-s2-shape"), "cuda:1", torch.bfloat16, seed=0)
-    engine = make_engine(m, capture="startup")
+    engine = make_engine(m, graphs="startup")
     codes = run_schedule(engine, [(0, "a", 20, 10, 1)])["a"]
     assert codes.shape[0] == 10 and engine.graphs.stats.replays > 0
 
@@ -286,7 +286,7 @@ def test_replay_with_repetition_penalty_equals_eager(model, mode):
                 break
         return {k: torch.cat(v) for k, v in codes.items()}
 
-    eager = run(make_engine(model, graph_capture=False, repetition=mode))
+    eager = run(make_engine(model, testing_eager_buckets=True, repetition=mode))
     engine = make_engine(model, repetition=mode)
     replayed = run(engine)
     for rid in eager:
@@ -319,7 +319,7 @@ def test_engine_loop_on_the_gpu_streams_the_offline_audio():
     from tts.engine.loop import Audio, EngineLoop, Finished
 
     bundle = load_bundle("default", "cuda")  # (its codec runs on the GPU too)
-    loop = EngineLoop(bundle, EngineConfig(max_batch=4, capture="startup")).start()
+    loop = EngineLoop(bundle, EngineConfig(max_batch=4, graphs="startup")).start()
     try:
         loop.wait_ready(120)
         assert loop.runner.stage.is_cuda

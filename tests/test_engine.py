@@ -7,7 +7,7 @@ from tts.engine import Engine, EngineConfig, FinishReason, InvalidRequest, Queue
 
 
 def make_engine(model, **kw):
-    cfg = dict(max_batch=4, graphs=False, block_size=8)
+    cfg = dict(max_batch=4, graphs="off", block_size=8)
     cfg.update(kw)
     return Engine(model, EngineConfig(**cfg))
 
@@ -193,7 +193,7 @@ def test_outputs_produced_before_a_failing_step_are_not_lost(tiny_model):
 
 
 def test_buckets_above_max_batch_are_clamped_to_it(tiny_model):
-    engine = make_engine(tiny_model, max_batch=12, standin_graphs=True, graphs=True)
+    engine = make_engine(tiny_model, max_batch=12, testing_standin_graphs=True, graphs="lazy")
     assert engine.graphs.buckets == [1, 2, 4, 8, 12]
     assert engine.graphs.bucket_for(10) == 12
 
@@ -357,3 +357,16 @@ def test_engine_prefills_admitted_requests_packed_and_falls_back_one_by_one(tiny
         runs[mode] = codes
     for rid in prompts:
         assert torch.equal(runs["failing"][rid], runs["unpacked"][rid])
+
+
+def test_the_step_output_layout_is_frame_column_then_emitted_and_done(tiny_model):
+    """`OutLayout` names the columns of `out` that the step writes and `Engine.step` reads."""
+    from tts.engine.model_runner import OutLayout
+
+    cols = OutLayout(4)
+    assert (cols.token, cols.frame, cols.codes, cols.emitted, cols.done, cols.width) == (
+        0, slice(0, 5), slice(1, 5), 5, 6, 7,
+    )  # fmt: skip
+    engine = make_engine(tiny_model)
+    N = tiny_model.config.num_codebooks
+    assert engine.runner.out_layout == OutLayout(N) and engine.runner.buffers.out.shape[1] == N + 3

@@ -78,7 +78,7 @@ def test_end_frame_is_kept_and_first_dropped(bundle, fish_checkpoints):
 def _engine_frames(bundle, n):
     """Greedy frames `[k, 1 + N]` (token and codes, the end frame included) straight from the engine."""
     prompt = bundle.prompt_format.build(TEXT)
-    engine = Engine(bundle.model, EngineConfig(max_batch=1, graphs=False, repetition="fish-1.5"))
+    engine = Engine(bundle.model, EngineConfig(max_batch=1, graphs="off", repetition="fish-1.5"))
     engine.submit(prompt, SamplingParams(**greedy(max_new_frames=n, ras_window=0)), "r")
     c, out = bundle.model.config, []
     while engine.has_work():

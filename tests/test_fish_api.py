@@ -21,7 +21,7 @@ from tts.text import normalize_text, split_speaker_turns
 
 @pytest.fixture(scope="module")
 def s2_tts(fish_checkpoints):
-    return TTS(load_bundle(fish_checkpoints["s2"]), EngineConfig(max_batch=2, graphs=False))
+    return TTS(load_bundle(fish_checkpoints["s2"]), EngineConfig(max_batch=2, graphs="off"))
 
 
 def _tone(seconds: float, rate: int, channels: int = 1) -> np.ndarray:
@@ -60,7 +60,7 @@ def test_reference_over_the_context_budget_is_refused(s2_tts):
     # A quarter of the context is for reference audio: with a 256-token context that is 64 frames
     # (2.97 s); with S2-Pro's 32768 it is the 30 s cap. A longer clip is refused with the limit named
     # (cutting it would separate the audio from its transcript); one at the limit is taken whole.
-    tts = TTS(s2_tts.bundle, EngineConfig(max_batch=1, graphs=False, max_context=256))
+    tts = TTS(s2_tts.bundle, EngineConfig(max_batch=1, graphs="off", max_context=256))
     limit = tts.planner.max_reference_seconds
     assert abs(limit - 64 / (44100 / 2048)) < 1e-6 and s2_tts.planner.max_reference_seconds == 256 / (
         44100 / 2048
@@ -101,7 +101,7 @@ def test_prompt_formats_say_which_tags_user_text_may_hold(fish_checkpoints):
 
 
 def test_s1_rejects_speaker_tags_s2_accepts_them(s2_tts, fish_checkpoints):
-    s1 = TTS(load_bundle(fish_checkpoints["s1"]), EngineConfig(max_batch=1, graphs=False))
+    s1 = TTS(load_bundle(fish_checkpoints["s1"]), EngineConfig(max_batch=1, graphs="off"))
     with pytest.raises(InvalidRequest, match=re.escape("reserved tag '<|speaker:1|>'")):
         s1.prepare("<|speaker:1|>Hello.", max_new_frames=4)
     assert s1.prepare("Hello.", max_new_frames=4).chunks == ["Hello."]
@@ -140,7 +140,7 @@ def test_engine_outputs_are_not_overwritten_by_later_steps():
     # On a CPU device the step's output buffer must be copied, not viewed (frames would all read as
     # the latest one).
     bundle = build_tiny_bundle()
-    engine = Engine(bundle.model, EngineConfig(max_batch=1, graphs=False))
+    engine = Engine(bundle.model, EngineConfig(max_batch=1, graphs="off"))
     engine.submit(
         bundle.prompt_format.build("Hello."), SamplingParams(temperature=1.0, max_new_frames=6, seed=5)
     )
@@ -202,7 +202,7 @@ def test_fish_models_read_chinese_and_digits_as_given(fish_checkpoints, family):
     # fish-speech main (S2) and d3df505 (S1) tokenize the user's text as it is: the planned chunk is the
     # text itself, so the prompt is the one the reference builds for it (tokenization: test_fish_parity).
     text = "1951年，我们的村子只有一条泥路。每到下雨天，孩子们就只能光着脚去上学。"
-    tts = TTS(load_bundle(fish_checkpoints[family]), EngineConfig(max_batch=1, graphs=False))
+    tts = TTS(load_bundle(fish_checkpoints[family]), EngineConfig(max_batch=1, graphs="off"))
     job = tts.prepare(text, max_new_frames=4)
     assert job.chunks == [text] and job.warnings == []
     fmt = tts.bundle.prompt_format

@@ -73,7 +73,7 @@ def greedy_frames(
 ) -> torch.Tensor:
     """Generate with our engine (eager, greedy, no RAS); returns `[n, N]` codes."""
     cfg = EngineConfig(
-        max_batch=1, graphs=False, num_blocks=1 + (prompt.shape[0] + n) // 16 + 4, repetition=repetition
+        max_batch=1, graphs="off", num_blocks=1 + (prompt.shape[0] + n) // 16 + 4, repetition=repetition
     )
     engine = Engine(model, cfg)
     request = engine.submit(prompt, SamplingParams(temperature=0.0, top_p=1.0, top_k=0, max_new_frames=n,

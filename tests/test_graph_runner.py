@@ -60,8 +60,8 @@ def _run_batch(engine, n=3):
 
 
 def test_standin_graph_replay_equals_eager_with_pad_rows(tiny_model):
-    eager_codes, eager_reasons = _run_batch(_engine(tiny_model, graphs=False))
-    engine = _engine(tiny_model, graphs=True, standin_graphs=True, buckets=(1, 2, 4))
+    eager_codes, eager_reasons = _run_batch(_engine(tiny_model, graphs="off"))
+    engine = _engine(tiny_model, graphs="lazy", testing_standin_graphs=True, buckets=(1, 2, 4))
     ptrs = engine.runner.buffers.data_ptrs()
     codes, reasons = _run_batch(engine)
     assert reasons == eager_reasons
@@ -76,7 +76,7 @@ def test_standin_graph_replay_equals_eager_with_pad_rows(tiny_model):
 
 def test_pad_rows_never_touch_real_kv_blocks(tiny_model):
     """A batch of 3 on the bucket-4 step: the pad row writes only the scratch block."""
-    engine = _engine(tiny_model, graphs=True, standin_graphs=True, buckets=(4,))
+    engine = _engine(tiny_model, graphs="lazy", testing_standin_graphs=True, buckets=(4,))
     for i in range(3):
         engine.submit(random_prompt(tiny_model, 7, i), params(max_new_frames=30, seed=i), f"r{i}")
     engine.step()  # admit + warm-up step at bucket 4
@@ -86,3 +86,48 @@ def test_pad_rows_never_touch_real_kv_blocks(tiny_model):
     engine.graphs.run(3)
     assert torch.equal(engine.kv.k[:, 1:], kv_before)
     assert owned and 0 not in owned
+
+
+@pytest.mark.parametrize(
+    "setting, standin, enabled, captured",
+    [("off", True, False, 0), ("lazy", True, True, 0), ("startup", True, True, 3), ("lazy", False, False, 0)],
+)
+def test_the_graph_setting(tiny_model, setting, standin, enabled, captured):
+    """graphs: "off" never captures, "lazy" captures later, "startup" every bucket at construction; a
+    CPU has none (the testing stand-ins excepted)."""
+    engine = _engine(tiny_model, graphs=setting, testing_standin_graphs=standin, buckets=(1, 2, 4))
+    assert engine.graphs.enabled is enabled and len(engine.graphs.graphs) == captured
+
+
+@pytest.mark.parametrize("value", ["on", "eager", "Lazy"])
+def test_unknown_graph_settings_are_refused(value):
+    with pytest.raises(ValueError, match="graphs must be one of off, lazy, startup"):
+        EngineConfig(graphs=value).validate()
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [(dict(graphs=True), "lazy"), (dict(graphs=False), "off"), (dict(capture="startup"), "startup"),
+     (dict(graphs=True, capture="startup"), "startup"), (dict(graphs=False, capture="startup"), "off"),
+     (dict(capture="lazy"), "lazy")],
+)  # fmt: skip
+def test_deprecated_graph_options_still_work(old, new):
+    with pytest.warns(DeprecationWarning, match="deprecated"):
+        cfg = EngineConfig(**old)
+    assert cfg.graphs == new
+    cfg.validate()
+
+
+def test_eager_buckets_pad_like_replay_but_never_capture(tiny_model):
+    eager_codes, eager_reasons = _run_batch(_engine(tiny_model, graphs="off"))
+    engine = _engine(
+        tiny_model, graphs="startup", testing_standin_graphs=True, testing_eager_buckets=True, buckets=(4,)
+    )
+    assert not engine.graphs.graphs  # no start-up capture either
+    codes, reasons = _run_batch(engine)
+    assert reasons == eager_reasons
+    for k in eager_codes:
+        assert torch.equal(codes[k], eager_codes[k])
+    s = engine.graphs.stats
+    assert s.replays == 0 and not s.capture_seconds and s.eager_steps > 0
+    assert engine.graphs.run(3) == 4  # (every row is an inert pad row by now) padded to the bucket

@@ -45,7 +45,7 @@ def _prompt(model, n, seed):
 
 def _run(model, jobs, repetition, max_batch=4):
     """jobs: {rid: (prompt, SamplingParams)} submitted together; returns {rid: codes [n, N]}."""
-    engine = Engine(model, EngineConfig(max_batch=max_batch, graphs=False, repetition=repetition))
+    engine = Engine(model, EngineConfig(max_batch=max_batch, graphs="off", repetition=repetition))
     out = {rid: [] for rid in jobs}
     for rid, (p, params) in jobs.items():
         engine.submit(p, params, rid)
@@ -81,7 +81,7 @@ def test_penalty_one_and_no_penalty_mode_give_identical_codes_and_the_penalty_ch
 
 def test_history_is_reset_when_a_row_is_reused(fish15):
     job = (_prompt(fish15, 10, 5), _params(1.5, 5, frames=20))
-    engine = Engine(fish15, EngineConfig(max_batch=1, graphs=False, repetition="fish-1.5"))
+    engine = Engine(fish15, EngineConfig(max_batch=1, graphs="off", repetition="fish-1.5"))
     runs = []
     for rid in ("first", "second"):
         engine.submit(*job, rid)
@@ -94,4 +94,4 @@ def test_history_is_reset_when_a_row_is_reused(fish15):
 
 def test_unknown_mode_is_refused(fish15):
     with pytest.raises(ValueError, match="repetition must be one of"):
-        Engine(fish15, EngineConfig(max_batch=1, graphs=False, repetition="dac"))
+        Engine(fish15, EngineConfig(max_batch=1, graphs="off", repetition="dac"))

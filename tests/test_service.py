@@ -463,6 +463,7 @@ def test_info_voices_and_metrics(server, stub):
     info = stub.GetInfo(pb.GetInfoRequest())
     assert (info.model, info.sample_rate, info.num_codebooks, info.max_batch) == ("tiny", 16000, 4, 8)
     assert info.max_context == 1024 and info.graphs is False and info.max_reference_bytes == 64 * 1024
+    assert info.capture == ""  # no graphs on a CPU: nothing is captured, lazily or at start-up
     voices = stub.ListVoices(pb.ListVoicesRequest()).voices
     assert [v.name for v in voices] == ["alpha", "beta"] and voices[0].seconds > 0
     text = (
@@ -489,13 +490,13 @@ def test_info_voices_and_metrics(server, stub):
 
 def test_info_reports_captured_buckets_with_graphs_on(bundle):
     """GetInfo with graphs enabled (CPU stand-in graphs): captured buckets are plain batch sizes."""
-    srv = ServerThread(bundle, EngineConfig(max_batch=4, standin_graphs=True, buckets=(1, 2, 4)))
+    srv = ServerThread(bundle, EngineConfig(max_batch=4, testing_standin_graphs=True, buckets=(1, 2, 4)))
     try:
         stub = pb_grpc.TextToSpeechStub(srv.channel())
         for _ in range(3):  # warm-up, then capture + replay of bucket 1
             collect(stub.Synthesize(build_request("Graphs.", seed=1, max_new_frames=3, temperature=0.0)))
         info = stub.GetInfo(pb.GetInfoRequest())
-        assert info.graphs is True and list(info.buckets) == [1, 2, 4]
+        assert info.graphs is True and info.capture == "lazy" and list(info.buckets) == [1, 2, 4]
         assert list(info.captured_buckets) == [1] and info.replay_share > 0
     finally:
         srv.stop()

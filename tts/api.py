@@ -99,7 +99,7 @@ class TTS:
         self.runner = JobRunner(
             self.engine, self.planner, max_streams=self.engine.config.max_batch + 4, notify=self._wake.set
         )
-        if self.engine.config.capture == "startup" and self.engine.graphs.enabled:
+        if self.engine.config.graphs == "startup" and self.engine.graphs.enabled:
             self.runner.stage.capture((4, 16)).result()  # the codec's graphs too, for the default chunk sizes
         self.last_finish_reasons: list[FinishReason] = []
         self.last_warnings: list[str] = []

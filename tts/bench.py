@@ -62,7 +62,7 @@ def bench_one(model, mode: str, batch: int, args) -> dict:
     engine = Engine(
         model,
         EngineConfig(
-            max_batch=batch, graphs=mode == "graph", capture="startup", buckets=args.buckets,
+            max_batch=batch, graphs="startup" if mode == "graph" else "off", buckets=args.buckets,
             max_context=args.prompt_tokens + budget + 16, ignore_eos=True,
         ),
     )  # fmt: skip

@@ -72,12 +72,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("engine (CUDA graphs; ignored on CPU)")
     g.add_argument(
-        "--graphs", choices=["on", "off"], default="on", help="replay one CUDA graph per batch bucket"
-    )
-    g.add_argument(
-        "--capture", choices=["lazy", "startup"], default="lazy",
-        help="capture a bucket on its second use (lazy) or every bucket at start-up, largest first",
+        "--graphs", choices=["off", "lazy", "startup", "on"], default="lazy", metavar="{off,lazy,startup}",
+        help="CUDA graphs of the frame step, one per batch bucket: off (every step eager), lazy (a bucket "
+        "is captured on its second use; the default) or startup (every bucket at start-up, largest first)",
     )  # fmt: skip
+    # Deprecated (`--graphs on` too): kept working for old scripts, folded into --graphs by
+    # `resolve_graphs_arg` with a one-line warning.
+    g.add_argument("--capture", choices=["lazy", "startup"], default=None, help=argparse.SUPPRESS)
     g.add_argument(
         "--buckets", type=int_list, default=list(DEFAULT_BUCKETS),
         help="batch sizes to capture (default 1,2,4,8,16,24,32,48,64); larger batches run eagerly",
@@ -89,8 +90,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def resolve_graphs_arg(args: argparse.Namespace) -> None:
+    """Fold the deprecated `--graphs on` (lazy) and `--capture lazy|startup` (the capture of graphs
+    that are on) into `args.graphs`, saying so on one line of stderr. Idempotent."""
+    old = [f"--graphs {args.graphs}"] if args.graphs == "on" else []
+    capture = getattr(args, "capture", None)
+    if capture is not None:
+        old.append(f"--capture {capture}")
+    if not old:
+        return
+    if args.graphs == "on":
+        args.graphs = "lazy"
+    if capture is not None and args.graphs != "off":
+        args.graphs = capture
+    args.capture = None
+    print(f"warning: {' '.join(old)} is deprecated; use --graphs {args.graphs}", file=sys.stderr)
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {"graphs": args.graphs == "on", "capture": args.capture, "buckets": args.buckets}
+    resolve_graphs_arg(args)
+    return {"graphs": args.graphs, "buckets": args.buckets}
 
 
 def apply_threads(args: argparse.Namespace, bundle) -> None:
@@ -336,6 +355,7 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     reference_audio = read_reference_file(args.reference_audio)[1:] if args.reference_audio else None
     check_device(args.device)
     check_threads(args)
+    resolve_graphs_arg(args)
     SamplingParams(**{k: v for k, v in sampling_kwargs(args).items() if v is not None}).validate()
 
     t_load = time.perf_counter()

@@ -19,7 +19,7 @@ would stall every running stream, on the worker they overlap the frame steps. On
 the second core (torch releases the GIL inside ops).
 
 On CUDA a decoder that is `graph_safe` is captured per (rows bucket, frames bucket): at start-up for the
-shapes of first chunks and later chunks (`capture`, what `tts serve --capture startup` does), any other
+shapes of first chunks and later chunks (`capture`, what `tts serve --graphs startup` does), any other
 shape on its second use (`graphs.runner.GraphRunner`, one shared pool, thread-local capture mode);
 `graphs=False` keeps it eager.
 Inputs are staged in pinned host buffers and copied without blocking; the worker then waits for its

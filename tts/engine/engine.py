@@ -17,8 +17,9 @@ import itertools
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import InitVar, dataclass, replace
 
 import torch
 
@@ -34,6 +35,10 @@ from .scheduler import RowMove, Scheduler
 
 log = logging.getLogger(__name__)
 
+# CUDA graphs of the frame step (`EngineConfig.graphs`, `--graphs`): none, a bucket captured on its
+# second use, or every bucket captured at start-up.
+GRAPH_SETTINGS = ("off", "lazy", "startup")
+
 
 @dataclass
 class EngineConfig:
@@ -43,8 +48,9 @@ class EngineConfig:
     max_context: tokens per request, prompt + frames (default: the model's max_seq_len).
     block_size: tokens per KV block. num_blocks: KV pool size including the scratch block (default:
     enough for max_batch full-context requests, capped on CUDA by kv_memory_fraction of free memory).
-    graphs: capture CUDA graphs (forced off on CPU unless standin_graphs, which tests use).
-    capture: "lazy" (a bucket on its second use) or "startup" (all buckets at construction).
+    graphs: CUDA graphs of the frame step, one per batch-size bucket: "off" (every step eager), "lazy"
+    (a bucket is captured on its second use, the default) or "startup" (every bucket is captured at
+    construction, largest first). A CPU has no graphs: there it means "off".
     max_waiting: bound of the waiting queue (QueueFull beyond it).
     max_prefill_tokens: prompt tokens prefilled per iteration at most (at least one request), so that
     new requests cannot freeze the running streams for long (None: no bound).
@@ -61,26 +67,47 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_fraction: float = 0.5
-    graphs: bool = True
-    capture: str = "lazy"
+    graphs: str = "lazy"
     buckets: Sequence[int] = DEFAULT_BUCKETS
     max_waiting: int = 1024
     max_prefill_tokens: int | None = 2048
     packed_prefill: bool | None = None
-    standin_graphs: bool = False
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
-    # Testing and benchmarking only:
-    graph_capture: bool = True  # False: pad to buckets but run eagerly (the reference for replay tests)
-    ignore_eos: bool = False  # never sample the end token (fixed-length benchmark runs)
     repetition: str | None = None
+    # Benchmarking only:
+    ignore_eos: bool = False  # never sample the end token (fixed-length benchmark runs)
+    # Testing only (no option of the CLI or the service sets them). testing_standin_graphs: on a CPU,
+    # "lazy" / "startup" use stand-in graphs (`graphs.runner.StandInGraph`) instead of none.
+    # testing_eager_buckets: pad to buckets as a replay would but run eagerly (replay tests' reference).
+    testing_standin_graphs: bool = False
+    testing_eager_buckets: bool = False
+    # Deprecated spelling of graphs="lazy" / "startup" (with graphs=True, which meant "lazy"):
+    capture: InitVar[str | None] = None
+
+    def __post_init__(self, capture: str | None) -> None:
+        if isinstance(self.graphs, bool):  # the former on/off switch
+            warnings.warn(
+                f"EngineConfig(graphs={self.graphs}) is deprecated; use graphs='lazy', 'startup' or 'off'",
+                DeprecationWarning, stacklevel=3,
+            )  # fmt: skip
+            self.graphs = "lazy" if self.graphs else "off"
+        if capture is not None:
+            warnings.warn(
+                f"EngineConfig(capture={capture!r}) is deprecated; use graphs={capture!r}",
+                DeprecationWarning, stacklevel=3,
+            )  # fmt: skip
+            if capture not in ("lazy", "startup"):
+                raise ValueError(f"capture must be 'lazy' or 'startup', got {capture!r}")
+            if self.graphs != "off":
+                self.graphs = capture
 
     def validate(self) -> None:
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
-        if self.capture not in ("lazy", "startup"):
-            raise ValueError(f"capture must be 'lazy' or 'startup', got {self.capture!r}")
+        if self.graphs not in GRAPH_SETTINGS:
+            raise ValueError(f"graphs must be one of {', '.join(GRAPH_SETTINGS)}, got {self.graphs!r}")
 
 
 def for_bundle(config: EngineConfig, bundle) -> EngineConfig:
@@ -123,10 +150,11 @@ class Engine:
             model, self.kv, cfg.max_batch, max_blocks_per_seq, self._attention_backend(cfg.attention_backend),
             ignore_eos=cfg.ignore_eos, repetition=cfg.repetition,
         )  # fmt: skip
-        use_graphs = cfg.graphs and (self.device.type == "cuda" or cfg.standin_graphs)
+        use_graphs = cfg.graphs != "off" and (self.device.type == "cuda" or cfg.testing_standin_graphs)
         self.graphs = GraphRunner(
             self.runner.decode_step, max_batch=cfg.max_batch, buckets=cfg.buckets, enabled=use_graphs,
-            device=self.device, buffer_ptrs=self.runner.buffers.data_ptrs, capture=cfg.graph_capture,
+            device=self.device, buffer_ptrs=self.runner.buffers.data_ptrs,
+            eager_buckets=cfg.testing_eager_buckets,
         )  # fmt: skip
         self._lock = threading.Lock()
         self._pending_cancel: dict[str, FinishReason] = {}
@@ -140,7 +168,7 @@ class Engine:
         # Seconds spent per phase of `step` (host wall time; on CUDA "replay" lasts until the frame is on
         # the host): admitting and prefilling new requests, the frame step itself, the per-row outputs.
         self.phase_seconds = {"prefill": 0.0, "replay": 0.0, "rows": 0.0}
-        if use_graphs and cfg.capture == "startup":
+        if use_graphs and cfg.graphs == "startup":
             self.graphs.capture_all(variants=self._variants())
 
     def _variants(self) -> tuple:
@@ -297,11 +325,11 @@ class Engine:
         out = self._frame_to_host(n)
         t2 = time.perf_counter()
         phases["replay"] += t2 - t1
-        N = self.model.config.num_codebooks
+        cols = self.runner.out_layout
         # Per-row work in plain Python values and one split: this loop runs every frame for every row.
-        flags = out[:, [0, N + 1, N + 2]].tolist()  # token, emitted, done
-        row_codes = out[:, 1 : N + 1].split(1)
-        no_codes = out[:0, 1 : N + 1]
+        flags = out[:, [cols.token, cols.emitted, cols.done]].tolist()
+        row_codes = out[:, cols.codes].split(1)
+        no_codes = out[:0, cols.codes]
         # Iterate over a snapshot: finishing a request moves the last row into its place.
         for request, (token, emitted, done), codes in zip(
             list(self.scheduler.running), flags, row_codes, strict=True

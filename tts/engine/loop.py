@@ -433,7 +433,7 @@ class EngineLoop:
                 codec_graphs=self._codec_graphs,
             )  # fmt: skip
             self.runner.on_end = self._job_ended
-            if self.engine_config.capture == "startup" and self.engine.graphs.enabled:
+            if self.engine_config.graphs == "startup" and self.engine.graphs.enabled:
                 t0 = time.perf_counter()
                 captured = self.runner.stage.capture(
                     (DEFAULT_FIRST_CHUNK_FRAMES, DEFAULT_CHUNK_FRAMES)

@@ -10,7 +10,7 @@ One call = one frame for rows `[:b]`:
 slow AR step over the paged KV -> main-token sampling (semantic ids + end token, RAS) -> fast AR
 position 0 on the slow hidden state -> c_0 derived from the main token -> for k = 1..N-1 one fast
 position and one sampled code -> the frame column written to `out` -> per-row state advanced in place
-(next input column, position, step counter, RAS window, repetition history, done flags). Rows `[b:]`
+(next input column, position, step counter, RAS history, repetition history, done flags). Rows `[b:]`
 and inactive rows are inert: their K/V writes go to the scratch block and their state does not move.
 
 Repetition penalty (fish-speech 1.5 and the S1-era code; Fish spec 4.3), for a runner built with a
@@ -88,22 +88,59 @@ def apply_repetition_penalty(logits: Tensor, ids: Tensor, penalty: Tensor) -> Te
     return torch.where(hit, penalized, logits)
 
 
+@dataclass(frozen=True)
+class OutLayout:
+    """The columns of the frame step's output `out [B, N+3]` int64, one row per batch row: written by
+    `ModelRunner._advance`, read (a host copy) by `Engine.step`.
+
+    `frame`: the frame column `[token, c_0..c_{N-1}]`, whose main token is at `token` and codes at
+    `codes`; then `emitted` (1: the row was active, so this is a frame of its request) and `done` (1:
+    its request's last frame: the end token, or its budget or context reached).
+    """
+
+    num_codebooks: int
+    token = 0
+
+    @property
+    def frame(self) -> slice:
+        return slice(0, self.num_codebooks + 1)
+
+    @property
+    def codes(self) -> slice:
+        return slice(1, self.num_codebooks + 1)
+
+    @property
+    def emitted(self) -> int:
+        return self.num_codebooks + 1
+
+    @property
+    def done(self) -> int:
+        return self.num_codebooks + 2
+
+    @property
+    def width(self) -> int:
+        return self.num_codebooks + 3
+
+
 @dataclass
 class StepBuffers:
     """Persistent per-row state of the frame step, `B = max_batch` rows (DESIGN.md invariant 2).
 
-    Inputs: `frames [B, 1+N]` int64 (the previous frame column, fed at `positions`), `positions [B]`,
+    Inputs: `input_columns [B, 1+N]` int64 (each row's decode input: the previous frame column, or
+    the prompt's last column, fed at `positions`), `positions [B]`,
     `block_tables [B, max_blocks]` int32, `active [B]` bool, `temperature, top_p [B]` float32,
     `top_k [B]`, `seeds [B]`, `steps [B]` (frames generated so far), `budgets [B]` (max_new_frames),
     `min_frames [B]` (min_new_frames: the end token is masked while steps < min_frames),
-    `ras_window [B, 10]` (last main-token indices, -1 = empty), `ras_len [B]` int64,
+    `ras_history [B, 10]` (last main-token indices, -1 = empty), `ras_len [B]` int64 (how many of the
+    newest count: the request's `ras_window`),
     `rep_penalty [B]` float32 (1 = off), `rep_history [B, 1+N, 16]` int64 (the repetition penalty's
     ring of recent frame columns, see the module docstring).
-    Output: `out [B, N+3]` int64 = frame column `[token, c_0..c_{N-1}]`, emitted flag, done flag.
+    Output: `out [B, N+3]` int64 = frame column `[token, c_0..c_{N-1}]`, emitted flag, done flag
+    (`OutLayout` names the columns).
     Fast AR static KV: `fast_k, fast_v [n_fast_layer, B, Hkv, N, D]`, rewritten every frame.
     """
 
-    frames: Tensor
+    input_columns: Tensor
     positions: Tensor
     block_tables: Tensor
     active: Tensor
@@ -114,7 +151,7 @@ class StepBuffers:
     steps: Tensor
     budgets: Tensor
     min_frames: Tensor
-    ras_window: Tensor
+    ras_history: Tensor
     ras_len: Tensor
     rep_penalty: Tensor
     rep_history: Tensor
@@ -130,7 +167,7 @@ class StepBuffers:
         dtype = model.embeddings.weight.dtype
         fast_kv = (c.n_fast_layer, B, c.fast_n_local_heads, N, c.fast_head_dim)
         bufs = cls(
-            frames=torch.zeros(B, 1 + N, **i64),
+            input_columns=torch.zeros(B, 1 + N, **i64),
             positions=torch.zeros(B, **i64),
             block_tables=torch.full((B, max_blocks), SCRATCH_BLOCK, dtype=torch.int32, device=device),
             active=torch.zeros(B, dtype=torch.bool, device=device),
@@ -141,11 +178,11 @@ class StepBuffers:
             steps=torch.zeros(B, **i64),
             budgets=torch.ones(B, **i64),
             min_frames=torch.zeros(B, **i64),
-            ras_window=torch.full((B, RAS_WINDOW), -1, **i64),
+            ras_history=torch.full((B, RAS_WINDOW), -1, **i64),
             ras_len=torch.zeros(B, **i64),
             rep_penalty=torch.ones(B, dtype=torch.float32, device=device),
             rep_history=torch.zeros(B, 1 + N, REPETITION_WINDOW, **i64),
-            out=torch.zeros(B, N + 3, **i64),
+            out=torch.zeros(B, OutLayout(N).width, **i64),
             fast_k=torch.zeros(fast_kv, dtype=dtype, device=device),
             fast_v=torch.zeros(fast_kv, dtype=dtype, device=device),
         )
@@ -202,6 +239,7 @@ class ModelRunner:
         self.max_batch = max_batch
         self.max_blocks_per_seq = max_blocks_per_seq
         self.buffers = StepBuffers.allocate(model, max_batch, max_blocks_per_seq, self.device)
+        self.out_layout = OutLayout(c.num_codebooks)
         self.paged_attention = attention_backend or paged_decode_attention
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.fast_scale = 1.0 / math.sqrt(c.fast_head_dim)
@@ -252,7 +290,7 @@ class ModelRunner:
     def load_row(self, row: int, init: RowInit) -> None:
         """Start a request in `row`: write its first input and parameters into the buffers."""
         b, dev = self.buffers, self.device
-        b.frames[row].copy_(init.last_column.to(dev))
+        b.input_columns[row].copy_(init.last_column.to(dev))
         b.positions[row] = init.position
         table = torch.full((self.max_blocks_per_seq,), SCRATCH_BLOCK, dtype=torch.int32)
         table[: len(init.block_table)] = torch.tensor(init.block_table, dtype=torch.int32)
@@ -264,7 +302,7 @@ class ModelRunner:
         b.steps[row] = 0
         b.budgets[row] = init.budget
         b.min_frames[row] = init.min_frames
-        b.ras_window[row] = -1
+        b.ras_history[row] = -1
         b.ras_len[row] = init.ras_len
         b.rep_penalty[row] = init.repetition_penalty
         b.rep_history[row] = 0
@@ -283,7 +321,7 @@ class ModelRunner:
         b.active[row] = False
         b.positions[row] = 0
         b.block_tables[row].fill_(SCRATCH_BLOCK)
-        b.frames[row].zero_()
+        b.input_columns[row].zero_()
         b.steps[row] = 0
         b.min_frames[row] = 0
 
@@ -397,7 +435,7 @@ class ModelRunner:
             # so a row's result does not depend on the width (tested: batched == solo codes).
             width = min(self.max_blocks_per_seq, 1 << (int(pos.max()) // bs).bit_length())
             tables = tables[:, :width]
-        fused = fused_kernels_enabled(bufs.frames)
+        fused = fused_kernels_enabled(bufs.input_columns)
         slot_offset = slots * (kv.k.shape[-2] * kv.k.shape[-1]) if fused else None
         if self.paged_attention is paged_decode_attention:  # torch path: table work once for all layers
             torch_attention = PagedDecodeAttention(tables, context_lens, bs)
@@ -421,7 +459,7 @@ class ModelRunner:
                 attend.kv_dest = KVDest(kv.k[i].view(-1), kv.v[i].view(-1), slot_offset, kv.k.shape[-1])
             return attend
 
-        x = m.embed(bufs.frames[:b].unsqueeze(1))
+        x = m.embed(bufs.input_columns[:b].unsqueeze(1))
         h_pre, h_post = m.slow_layers(x, m.freqs_cis[pos].unsqueeze(1), attend_layer)
         return h_pre[:, 0], h_post[:, 0]
 
@@ -448,7 +486,7 @@ class ModelRunner:
 
         (blocks, final_norm), _ = self._cpu_layers
         cos, sin = self._cpu_rope[1]
-        x = self.model.embed(self.buffers.frames[:b])
+        x = self.model.embed(self.buffers.input_columns[:b])
         return decode_layers(
             blocks, final_norm, x, cos.index_select(0, pos), sin.index_select(0, pos), attend
         )
@@ -456,13 +494,13 @@ class ModelRunner:
     def _cpu_step(self) -> bool:
         """Whether this step is the plain-torch CPU one (no graphs, no fused kernels). Only then are
         the per-step caches below used; CUDA (and the Triton interpreter in tests) never reach them."""
-        return self._cpu_rope is not None and not fused_kernels_enabled(self.buffers.frames)
+        return self._cpu_rope is not None and not fused_kernels_enabled(self.buffers.input_columns)
 
     def _fast_attend(self, b: int, k_pos: int):
         """attend() for fast position k_pos: write slot k_pos, attend to slots 0..k_pos of this frame.
         Slots above k_pos still hold the previous frame's values and are never read."""
         bufs = self.buffers
-        fused = fused_kernels_enabled(bufs.frames)
+        fused = fused_kernels_enabled(bufs.input_columns)
 
         def attend_layer(i):
             def attend(q, k, v):
@@ -532,7 +570,7 @@ class ModelRunner:
         return slot
 
     def _cpu_draw_settings(self, b: int) -> tuple[DrawSettings, DrawSettings, Tensor]:
-        """CPU step: the frame's sampler settings `(settings, RAS high settings, RAS window mask)`,
+        """CPU step: the frame's sampler settings `(settings, RAS high settings, RAS counted mask)`,
         kept while rows `[:b]`'s sampling parameters are unchanged (about 25 ops a frame otherwise).
 
         The key is the parameters' values (reading them costs no sync on a CPU). Version counters
@@ -546,7 +584,7 @@ class ModelRunner:
             high = ras_high_settings(temperature, top_p, top_k, settings)
             settings.all_sampled = all(t > 0 for t in key[1])  # key[1]: the temperatures; no greedy row
             high.all_sampled = True  # (temperature 1.0 in every row)
-            self._cpu_settings = key, settings, high, ras_counted(bufs.ras_window[:b], bufs.ras_len[:b])
+            self._cpu_settings = key, settings, high, ras_counted(bufs.ras_history[:b], bufs.ras_len[:b])
         return self._cpu_settings[1:]
 
     def _cpu_frame_noise(self, b: int, streams: int, n: int) -> Tensor:
@@ -584,7 +622,7 @@ class ModelRunner:
             h_pre, h_post = self.slow_step(b)
             temperature, top_p, top_k = bufs.temperature[:b], bufs.top_p[:b], bufs.top_k[:b]
             seeds, steps = bufs.seeds[:b], bufs.steps[:b]
-            # Main token over [semantic ids..., end token]; RAS window holds indices in that space.
+            # Main token over [semantic ids..., end token]; RAS history holds indices in that space.
             sem_logits = F.linear(h_post, self.semantic_head)
             if self.has_eos_column:  # min_new_frames: no end token before that many frames
                 sem_logits[:, -1].masked_fill_(steps < bufs.min_frames[:b], float("-inf"))
@@ -596,20 +634,20 @@ class ModelRunner:
             # The torch sampler takes the frame's noise for every draw from one batched computation
             # (streams 0 = main token, k = codebook k, N + 1 = RAS fallback); the CUDA kernels hash
             # their own noise.
-            noise = settings = high_settings = ras_window_mask = None
+            noise = settings = high_settings = ras_counted_mask = None
             if not fused_kernels_enabled(sem_logits):
                 if self._cpu_step():  # noise made frames ahead, settings kept between frames
                     noise = self._cpu_frame_noise(b, high + 1, max(V, self.n_residual))
-                    settings, high_settings, ras_window_mask = self._cpu_draw_settings(b)
+                    settings, high_settings, ras_counted_mask = self._cpu_draw_settings(b)
                 else:
                     noise = frame_log_noise(seeds, steps, high + 1, max(V, self.n_residual))
                     settings = DrawSettings(temperature, top_p, top_k)  # shared by all draws of the frame
             idx = sample_main_token(
-                sem_logits, temperature, top_p, top_k, seeds, steps, bufs.ras_window[:b],
+                sem_logits, temperature, top_p, top_k, seeds, steps, bufs.ras_history[:b],
                 bufs.ras_len[:b], self.n_sem, high_stream=high, top_k_cap=cap,
                 log_noise=None if noise is None else noise[:, 0, :V],
                 high_log_noise=None if noise is None else noise[:, high, :V], settings=settings,
-                high_settings=high_settings, counted=ras_window_mask,
+                high_settings=high_settings, counted=ras_counted_mask,
             )  # fmt: skip
             token = torch.where(idx == self.n_sem, c.eos_token_id, idx + c.semantic_begin_id)
             # Fast AR: position 0 on the slow hidden state (its logits are never used), c_0 derived from
@@ -666,7 +704,7 @@ class ModelRunner:
 
     def _advance(self, b: int, frame: Tensor, idx: Tensor) -> None:
         """Write the frame to `out` and move every active row's state one frame forward, in place."""
-        c, bufs = self.config, self.buffers
+        c, bufs, cols = self.config, self.buffers, self.out_layout
         active = bufs.active[:b]
         steps = bufs.steps[:b]
         done = active & (
@@ -676,18 +714,18 @@ class ModelRunner:
         )
         # The RAS window takes every main token except the first frame's (spec 4.1).
         push = (active & (steps > 0)).unsqueeze(1)
-        window = bufs.ras_window[:b]
-        window.copy_(torch.where(push, torch.cat([window[:, 1:], idx.unsqueeze(1)], dim=1), window))
+        history = bufs.ras_history[:b]
+        history.copy_(torch.where(push, torch.cat([history[:, 1:], idx.unsqueeze(1)], dim=1), history))
         if self.repetition is not None:  # the repetition ring takes every frame but the first, too
             hist = bufs.rep_history[:b]
             slot = ((steps - 1).clamp(min=0) % REPETITION_WINDOW).view(b, 1, 1).expand(b, hist.shape[1], 1)
             written = hist.scatter(2, slot, frame.unsqueeze(2))
             hist.copy_(torch.where(push.unsqueeze(2), written, hist))
         out = bufs.out[:b]
-        out[:, : c.num_codebooks + 1].copy_(frame)
-        out[:, c.num_codebooks + 1].copy_(active)
-        out[:, c.num_codebooks + 2].copy_(done)
-        bufs.frames[:b].copy_(torch.where(active.unsqueeze(1), frame, bufs.frames[:b]))
+        out[:, cols.frame].copy_(frame)
+        out[:, cols.emitted].copy_(active)
+        out[:, cols.done].copy_(done)
+        bufs.input_columns[:b].copy_(torch.where(active.unsqueeze(1), frame, bufs.input_columns[:b]))
         bufs.positions[:b].add_(active.long())
         steps.add_(active.long())
         active.logical_and_(~done)
