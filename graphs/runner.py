@@ -1,4 +1,4 @@
-"""Replay one captured step per batch-size bucket (DESIGN.md invariants 1, 4, 5, 6).
+"""Replay one captured step per batch-size bucket (docs/DESIGN.md invariants 1, 4, 5, 6).
 
 `GraphRunner` knows nothing about TTS. It is given `step_fn(b, variant)`, a function that does one step
 for rows `[:b]` of persistent buffers and returns nothing (`variant` is an opaque, hashable choice of

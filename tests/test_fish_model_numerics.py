@@ -1,4 +1,4 @@
-"""Numerics of tts/model.py that bit-exact parity with fish-speech depends on (Fish spec section 7)."""
+"""Numerics of tts/model.py that bit-exact parity with fish-speech depends on (docs/fish_dual_ar.md §7)."""
 
 import math
 

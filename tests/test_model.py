@@ -35,8 +35,8 @@ def test_decode_step_logits_match_full_sequence_forward(tiny_model):
 
 @torch.inference_mode()
 def test_greedy_frame_codes_are_the_argmax_of_the_teacher_forced_fast_ar(tiny_model):
-    """The fast AR loop in the frame step predicts codebook k from codes 0..k-1 exactly as the
-    teacher-forced training forward does (spec 1.3 layout), and c_0 = token - semantic_begin."""
+    """The fast AR loop in the frame step predicts codebook k from codes 0..k-1 exactly as the teacher-forced
+    training forward does (the layout of docs/fish_dual_ar.md §1.3), and c_0 = token - semantic_begin."""
     c = tiny_model.config
     engine = Engine(tiny_model, EngineConfig(max_batch=2, graphs="off"))
     for seed in range(20):  # find a prompt whose greedy frame is audio, not the end token

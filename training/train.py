@@ -6,7 +6,7 @@ Inputs (`--data`, the `codes/` folder of the corpus work directory, plus `codec/
 so it runs on a bare GPU machine.
 
 Every training example is a real inference prompt built by `tts.prompt.S2PromptFormat` (Fish S2
-layout, spec 3.2) followed by the target frames and `<|im_end|>`:
+layout, docs/fish_dual_ar.md §3.2) followed by the target frames and `<|im_end|>`:
 * speaker 0 (the default voice), half the time: no reference (what `tts synthesize` without a voice
   sends);
 * otherwise: a reference clip of the same speaker (its phonemes + codes) in the system message, as in
@@ -14,7 +14,7 @@ layout, spec 3.2) followed by the target frames and `<|im_end|>`:
   the API sends for long texts).
 Loss: cross-entropy of the slow head over [semantic tokens + <|im_end|>] (what the runtime samples
 from) at every target position, plus the fast head's cross-entropy over codebooks 1..N-1 at every
-target frame (codebook 0 is derived from the main token, spec 1.4).
+target frame (codebook 0 is derived from the main token, docs/fish_dual_ar.md §1.4).
 
 Resumable: `--resume DIR` starts from a weights directory written by an earlier run (model shards +
 `train_state.json`: step and schedule; the optimizer moments restart, with a short warm-up) or from

@@ -1,9 +1,9 @@
 """Model configuration for dual-AR TTS models.
 
-`ModelArgs` uses the flat field names of fish-speech's `DualARModelArgs` (Fish spec, section 2.1) so a
+`ModelArgs` uses the flat field names of fish-speech's `DualARModelArgs` (docs/fish_dual_ar.md §2.1) so a
 `config.json` of `model_type: dual_ar` maps onto it field by field. The nested S2-Pro form
-(`model_type: fish_qwen3_omni`, section 2.2) is flattened the way fish-speech's `_from_fish_qwen3_omni`
-does it. Unknown keys are ignored, as fish-speech does.
+(`model_type: fish_qwen3_omni`, docs/fish_dual_ar.md §2.2) is flattened the way fish-speech's
+`_from_fish_qwen3_omni` does it. Unknown keys are ignored, as fish-speech does.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _round_up(x: int, multiple: int) -> int:
 
 @dataclass
 class ModelArgs:
-    """Architecture of a dual-AR model (slow AR + fast AR), Fish spec sections 1-2.
+    """Architecture of a dual-AR model (slow AR + fast AR), docs/fish_dual_ar.md §1 and §2.
 
     Defaults follow fish-speech's dataclass defaults where a key is absent: `n_local_heads = n_head`,
     `intermediate_size = round_up(int(8 * dim / 3), 256)`, `head_dim = 64`, and every `fast_*` field
@@ -71,7 +71,7 @@ class ModelArgs:
     eos_token_id: int | None = None
     # Not a fish-speech field: sample residual codebooks c_1.. from the first `residual_codebook_size`
     # fast logits only (S1-era fish-speech slices them to the codec's 1024 residual codes; S2 code does
-    # not, spec 4.1). None = all `codebook_size` logits.
+    # not, docs/fish_dual_ar.md §4.1). None = all `codebook_size` logits.
     residual_codebook_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -166,7 +166,8 @@ class ModelArgs:
 
 
 def _flatten_fish_qwen3_omni(raw: dict[str, Any]) -> dict[str, Any]:
-    """Flatten the nested S2-Pro config the way fish-speech's `_from_fish_qwen3_omni` does (spec 2.2)."""
+    """Flatten the nested S2-Pro config the way fish-speech's `_from_fish_qwen3_omni` does
+    (docs/fish_dual_ar.md §2.2)."""
     text = raw.get("text_config")
     audio = raw.get("audio_decoder_config")
     if not isinstance(text, dict) or not isinstance(audio, dict):

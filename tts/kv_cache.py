@@ -1,10 +1,10 @@
-"""Paged KV cache for the slow AR (the PagedAttention idea, DESIGN.md invariant 8).
+"""Paged KV cache for the slow AR (the PagedAttention idea, docs/DESIGN.md invariant 8).
 
 K and V of every slow layer live in one pool of fixed-size blocks, `[n_layer, num_blocks, block_size,
 n_kv_heads, head_dim]`. A request owns a list of blocks, its *block table*; token position p of that
 request lives in block `table[p // block_size]` at offset `p % block_size`. Block 0 is the reserved
 *scratch block*: pad rows and inactive rows point their tables at it and write their K/V there, so they
-never touch a real request's blocks (invariant 4).
+never touch a real request's blocks (docs/DESIGN.md invariant 4).
 
 `paged_decode_attention` is the plain torch implementation: the CPU path, and the reference that the
 GPU kernel (`tts/kernels/`) is tested against.
@@ -107,7 +107,8 @@ def paged_decode_attention(
     q: `[B, H, D]`; k_cache, v_cache: one layer's pool `[num_blocks, block_size, Hkv, D]`;
     block_tables: `[B, max_blocks]` int32/int64; context_lens: `[B]` (>= 1), the number of cached
     tokens each row attends to (its own token included). GQA: KV head j serves query heads
-    `j*g .. j*g+g-1` (repeat_interleave order, spec 1.2). Softmax in fp32; returns `[B, H, D]` in q's dtype.
+    `j*g .. j*g+g-1` (repeat_interleave order, docs/fish_dual_ar.md §1.2). Softmax in fp32; returns
+    `[B, H, D]` in q's dtype.
     Reads the whole block-table width with a mask, so the shapes do not depend on the lengths.
     """
     return PagedDecodeAttention(block_tables, context_lens, k_cache.shape[1])(q, k_cache, v_cache, scale)

@@ -1,6 +1,6 @@
 """The dual-AR transformer: a slow AR over frames and a fast AR over the codebooks of one frame.
 
-Follows `shared/reference/fish_dual_ar.md` sections 1-2. Module and parameter names are fish-speech's
+Follows docs/fish_dual_ar.md §1 and §2. Module and parameter names are fish-speech's
 flat names (`embeddings`, `codebook_embeddings`, `layers.{i}.attention.wqkv`, `fast_layers.{j}...`,
 `fast_output`, ...), so a Fish state dict loads by key mapping alone.
 
@@ -9,8 +9,8 @@ that the caller supplies (dense causal SDPA for training and reference forwards,
 serving, the static fast-AR cache for the codebook loop). One set of layer code serves them all.
 
 Shapes use B = batch rows, T = positions, N = num_codebooks, H / Hkv = query / KV heads, D = head_dim.
-A *frame column* is `[token, c_0, ..., c_{N-1}]` (1 + N integers, spec 1.1); sequences of them are
-`[B, T, 1 + N]` int64 (fish-speech stores the transpose, `(N + 1, T)`).
+A *frame column* is `[token, c_0, ..., c_{N-1}]` (1 + N integers, docs/fish_dual_ar.md §1.1); sequences
+of them are `[B, T, 1 + N]` int64 (fish-speech stores the transpose, `(N + 1, T)`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def rms_norm_fp32(x: Tensor, eps: float, weight: Tensor) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    """fish-speech's RMSNorm: normalize in fp32, cast back, then scale (spec 1.2)."""
+    """fish-speech's RMSNorm: normalize in fp32, cast back, then scale (docs/fish_dual_ar.md §1.2)."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -75,13 +75,14 @@ class RMSNorm(nn.Module):
 
 
 def precompute_freqs_cis(seq_len: int, n_elem: int, base: float = 10000.0) -> Tensor:
-    """RoPE table `[seq_len, n_elem // 2, 2]` (cos, sin), built in fp32 and stored as bf16 (spec 1.2).
+    """RoPE table `[seq_len, n_elem // 2, 2]` (cos, sin), built in fp32 and stored as bf16
+    (docs/fish_dual_ar.md §1.2).
 
-    The bf16 rounding is deliberate: Fish models were trained with it, and an fp32 table garbles long
-    outputs (sglang-omni's finding, spec 1.2 / 7.1). The fp32 values come from `torch.polar`, as in
-    fish-speech: separately computed cos/sin differ from it in the last bit often enough that a few
-    entries round to a different bf16 value (2 of 4.2 M for S2's table), which breaks bit-exact parity.
-    Row p depends only on p, so a slice of a longer table equals the shorter table.
+    The bf16 rounding is deliberate: Fish models were trained with it, and an fp32 table garbles long outputs
+    (sglang-omni's finding, docs/fish_dual_ar.md §1.2, §7 item 1). The fp32 values come from `torch.polar`, as
+    in fish-speech: separately computed cos/sin differ from it in the last bit often enough that a few entries
+    round to a different bf16 value (2 of 4.2 M for S2's table), which breaks bit-exact parity. Row p depends
+    only on p, so a slice of a longer table equals the shorter table.
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, n_elem, 2)[: n_elem // 2].float() / n_elem))
     angles = torch.outer(torch.arange(seq_len), inv_freq)
@@ -131,7 +132,8 @@ def pair_swap_index(d: int) -> Tensor:
 
 
 def apply_rotary_emb(x: Tensor, freqs_cis: Tensor | Rope) -> Tensor:
-    """Rotate adjacent pairs `(x[2i], x[2i+1])` (GPT-J / interleaved convention, not NeoX; spec 1.2).
+    """Rotate adjacent pairs `(x[2i], x[2i+1])` (GPT-J / interleaved convention, not NeoX;
+    docs/fish_dual_ar.md §1.2).
 
     x: `[B, T, H, D]`; freqs_cis: `[T, D/2, 2]` or per-row `[B, T, D/2, 2]` (bf16 table), or a `Rope` of
     one. The rotation is computed in fp32 and cast back to x's dtype:
@@ -148,7 +150,8 @@ def apply_rotary_emb(x: Tensor, freqs_cis: Tensor | Rope) -> Tensor:
 
 
 class Attention(nn.Module):
-    """GQA attention with a fused `wqkv` split `[q | k | v]`, optional qk-norm before RoPE (spec 1.2)."""
+    """GQA attention with a fused `wqkv` split `[q | k | v]`, optional qk-norm before RoPE
+    (docs/fish_dual_ar.md §1.2)."""
 
     def __init__(
         self, dim: int, n_head: int, n_local_heads: int, head_dim: int, qkv_bias: bool, o_bias: bool,
@@ -403,7 +406,8 @@ class DualARTransformer(nn.Module):
         self.norm = RMSNorm(c.dim, c.norm_eps)
         if not c.tie_word_embeddings:
             self.output = nn.Linear(c.dim, c.vocab_size, bias=False)
-        # Identity for every known checkpoint (spec 1.2); a Linear with bias only when the widths differ.
+        # Identity for every known checkpoint (docs/fish_dual_ar.md §1.2); a Linear with bias only when the
+        # widths differ.
         self.fast_project_in = nn.Linear(c.dim, c.fast_dim) if c.fast_dim != c.dim else nn.Identity()
         self.fast_embeddings = _embedding(c.codebook_size, c.fast_dim)
         self.fast_layers = nn.ModuleList(
@@ -436,7 +440,7 @@ class DualARTransformer(nn.Module):
         stride = c.codebook_size if c.share_codebook_embeddings else 0
         tables = {
             "freqs_cis": lambda: precompute_freqs_cis(c.max_seq_len, c.head_dim, c.rope_base),
-            # The fast AR uses the slow config's rope_base (spec 1.3).
+            # The fast AR uses the slow config's rope_base (docs/fish_dual_ar.md §1.3).
             "fast_freqs_cis": lambda: precompute_freqs_cis(c.num_codebooks, c.fast_head_dim, c.rope_base),
             "codebook_offsets": lambda: torch.arange(c.num_codebooks) * stride,
         }
@@ -451,7 +455,7 @@ class DualARTransformer(nn.Module):
     # ---- slow AR -------------------------------------------------------------------------------------
 
     def embed(self, frames: Tensor) -> Tensor:
-        """Input embedding of frame columns (spec 1.1).
+        """Input embedding of frame columns (docs/fish_dual_ar.md §1.1).
 
         frames: `[B, T, 1 + N]` int64. Returns `[B, T, dim]`: the token embedding, plus at semantic
         positions the sum of the N codebook embeddings, the sum scaled by `1/sqrt(N + 1)` when
@@ -476,11 +480,13 @@ class DualARTransformer(nn.Module):
         return run_layers(self.layers, self.norm, x, freqs_cis, attend_layer)
 
     def lm_head_weight(self) -> Tensor:
-        """`[vocab, dim]`: the tied token embedding, or the untied `output` weight (spec 1.2)."""
+        """`[vocab, dim]`: the tied token embedding, or the untied `output` weight
+        (docs/fish_dual_ar.md §1.2)."""
         return self.embeddings.weight if self.config.tie_word_embeddings else self.output.weight
 
     def fast_input(self, hidden_pre_norm: Tensor, hidden_post_norm: Tensor) -> Tensor:
-        """The slow hidden state handed to the fast AR: post-norm for S2, pre-norm otherwise (spec 1.2)."""
+        """The slow hidden state handed to the fast AR: post-norm for S2, pre-norm otherwise
+        (docs/fish_dual_ar.md §1.2)."""
         h = hidden_post_norm if self.config.norm_fastlayer_input else hidden_pre_norm
         return self.fast_project_in(h)
 
@@ -526,7 +532,8 @@ class DualARTransformer(nn.Module):
     # ---- whole-sequence forward (training and the reference for the serving path) -------------------
 
     def forward(self, frames: Tensor) -> tuple[Tensor, Tensor]:
-        """Teacher-forced forward over whole sequences, dense causal attention (spec 1.3 layout).
+        """Teacher-forced forward over whole sequences, dense causal attention (the layout of
+        docs/fish_dual_ar.md §1.3).
 
         frames: `[B, T, 1 + N]` int64. Returns
         * slow logits `[B, T, vocab]`: position t predicts the token of position t + 1;

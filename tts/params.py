@@ -49,7 +49,7 @@ class FrameConvention:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings (Fish spec section 4).
+    """Per-request sampling settings (docs/fish_dual_ar.md §4).
 
     temperature >= 0 (0 = greedy); top_p in (0, 1]; top_k >= 0 (0 = no limit); max_new_frames > 0
     frames; min_new_frames in [0, max_new_frames]: the end token is not sampled before that many frames

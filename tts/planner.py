@@ -12,9 +12,9 @@ budget fits the engine. The Python API (`tts.api.TTS`) and both service fronts c
 validated one way whatever way it arrives. The planner never touches the device: encoding a clip and
 generating are the job runner's (`tts.engine.jobs`).
 
-Prompts for text chunk i carry the voice references and the previous chunk (its text and generated
-codes) as context, as fish-speech does for long text (Fish spec 3.2); `prompt()` builds them as the
-runner reaches each chunk.
+Prompts for text chunk i carry the voice references and the previous chunk (its text and generated codes) as
+context, as fish-speech does for long text (docs/fish_dual_ar.md §3.2); `prompt()` builds them as the runner
+reaches each chunk.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class Planner:
 
     def voice(self, voice: str | VoiceReference | list[VoiceReference] | None) -> list[VoiceReference]:
         """Resolve a voice name (preset or registered; raises VoiceNotFound) or pass one or more
-        references through (all go into the prompt, Fish spec 3.2). No voice means the bundle's
+        references through (all go into the prompt, docs/fish_dual_ar.md §3.2). No voice means the bundle's
         `default_voice` preset when it has one, else no reference."""
         return self._voice(voice)[0]
 
@@ -191,12 +191,12 @@ class Planner:
         return self.text_plan(text, chunk_length, normalize).chunks
 
     def text_plan(self, text: str, chunk_length: int | None = None, normalize: bool = True) -> TextPlan:
-        """Prepare text with the model's text policy (`tts.textpolicy`; normalize=False: as given) and
-        split it into generation chunks of at most chunk_length UTF-8 bytes (None: the model's; 0 = one
-        chunk) at sentence ends of any script. Text with `<|speaker:N|>` tags is split into speaker
-        turns, grouped up to 5 turns and chunk_length bytes per chunk (Fish spec 3.2). Returns the chunks
-        and the warnings for the client. Raises TextError when nothing is left to speak, InvalidRequest
-        for a `<|...|>` tag the model's prompt format does not take from users."""
+        """Prepare text with the model's text policy (`tts.textpolicy`; normalize=False: as given) and split
+        it into generation chunks of at most chunk_length UTF-8 bytes (None: the model's; 0 = one chunk) at
+        sentence ends of any script. Text with `<|speaker:N|>` tags is split into speaker turns, grouped up to
+        5 turns and chunk_length bytes per chunk (docs/fish_dual_ar.md §3.2). Returns the chunks and the
+        warnings for the client. Raises TextError when nothing is left to speak, InvalidRequest for a
+        `<|...|>` tag the model's prompt format does not take from users."""
         limit = self.bundle.chunk_length if chunk_length is None else chunk_length
         return plan_text(text, self.text_policy, self.bundle.prompt_format.user_tags, limit, normalize)
 

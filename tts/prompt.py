@@ -1,8 +1,9 @@
-"""Prompt building: text parts and reference codes -> the `[T, 1 + N]` frame matrix (Fish spec 3.2).
+"""Prompt building: text parts and reference codes -> the `[T, 1 + N]` frame matrix
+(docs/fish_dual_ar.md §3.2).
 
 A prompt is a list of parts. Each text part is tokenized on its own, so BPE merges never cross a part
-boundary; a VQ part contributes one column per frame (`row0 = semantic_begin + c_0`, rows 1..N the
-codes, spec 1.1). `S2PromptFormat` follows fish-speech main for S2-Pro; our own models use it too.
+boundary; a VQ part contributes one column per frame (`row0 = semantic_begin + c_0`, rows 1..N the codes,
+docs/fish_dual_ar.md §1.1). `S2PromptFormat` follows fish-speech main for S2-Pro; our own models use it too.
 """
 
 from __future__ import annotations
@@ -104,11 +105,12 @@ class PromptAssembler:
 
 
 class S2PromptFormat:
-    """fish-speech main's S2-Pro prompt (spec 3.2): system message (with references if any), then one
-    user / assistant exchange per earlier chunk, then the target text and `assistant\\n<|voice|>`."""
+    """fish-speech main's S2-Pro prompt (docs/fish_dual_ar.md §3.2): system message (with references if any),
+    then one user / assistant exchange per earlier chunk, then the target text and `assistant\\n<|voice|>`."""
 
     name = "s2"
-    user_tags = SPEAKER_TAG  # speaker turns, `<|speaker:0|>Hi. <|speaker:1|>Hello.` (spec 3.2)
+    # speaker turns, `<|speaker:0|>Hi. <|speaker:1|>Hello.` (docs/fish_dual_ar.md §3.2)
+    user_tags = SPEAKER_TAG
     SYSTEM = "convert the provided text to speech"
     SYSTEM_WITH_REFERENCE = "convert the provided text to speech reference to the following:\n\nText:\n"
 

@@ -1,6 +1,6 @@
 """Sampling that runs inside a CUDA graph: per-row parameters, counter-based randomness, no host sync.
 
-Algorithm (Fish spec section 4.1, `logits_to_probs` of fish-speech main):
+Algorithm (docs/fish_dual_ar.md §4.1, `logits_to_probs` of fish-speech main):
 1. sort the logits descending; `cum = cumsum(softmax(sorted))` on the *un-tempered* logits;
 2. drop a sorted position when `cum > top_p` or its rank >= top_k (the rank-0 token is always kept;
    note the token whose cumulative probability crosses top_p is dropped, unlike Hugging Face);
@@ -16,8 +16,8 @@ Randomness: U comes from a counter-based hash keyed by (request seed, step, stre
 (0 = main token, k = codebook k, N + 1 = the RAS fallback draw). A row's draws therefore depend only on
 its own logits and keys, never on batch neighbours, global RNG state, eager vs replay, or batch size.
 
-Repetition-aware sampling (RAS, spec 4.1) for the main token: draw `normal` with the request's
-temperature/top-p and `high` with temperature 1.0, top-p 0.9 (same top-k); if `normal` is a semantic
+Repetition-aware sampling (RAS, docs/fish_dual_ar.md §4.1) for the main token: draw `normal` with the
+request's temperature/top-p and `high` with temperature 1.0, top-p 0.9 (same top-k); if `normal` is a semantic
 token already present among the row's last `ras_window` main tokens, take `high`.
 """
 
@@ -195,7 +195,7 @@ def sample_main_token(
     log_noise: Tensor | None = None, high_log_noise: Tensor | None = None, settings: DrawSettings | None = None,
     high_settings: DrawSettings | None = None, counted: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
-    """Main-token draw with the RAS fallback (spec 4.1).
+    """Main-token draw with the RAS fallback (docs/fish_dual_ar.md §4.1).
 
     window: `[B, W]` int64 indices of the row's last W main tokens in the same index space as logits,
     newest last, -1 where empty; window_len: `[B]` how many of the newest entries count (0 disables

@@ -1,9 +1,9 @@
 """Model shapes of the Fish family with random weights: the benchmark models (no download).
 
-`s2-pro-shape` is the S2-Pro architecture of the Fish spec section 2.2 (4.56 B parameters, the same
-kernels and bytes moved as the real model). `fish-1.5-shape` follows spec 2.3. Random weights are drawn
-directly on the target device in the target dtype (normal, std 0.02; norms 1), so building the
-S2-Pro shape on an H200 takes seconds and never holds a CPU copy.
+`s2-pro-shape` is the S2-Pro architecture of docs/fish_dual_ar.md §2.2 (4.56 B parameters, the same kernels
+and bytes moved as the real model). `fish-1.5-shape` follows docs/fish_dual_ar.md §2.3. Random weights are
+drawn directly on the target device in the target dtype (normal, std 0.02; norms 1), so building the S2-Pro
+shape on an H200 takes seconds and never holds a CPU copy.
 """
 
 from __future__ import annotations

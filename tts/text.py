@@ -474,9 +474,9 @@ def normalize_text(text: str) -> str:
 def split_speaker_turns(text: str, max_bytes: int, max_speakers: int = 5) -> list[str]:
     """Split text with `<|speaker:N|>` tags into turns and group consecutive turns into chunks of at most
     `max_speakers` turns and `max_bytes` UTF-8 bytes, joined by newlines (fish-speech main's
-    `split_text_by_speaker` / `group_turns_into_batches`, Fish spec 3.2). Text before the first tag is
-    kept as a turn of its own (fish-speech drops it); a turn longer than `max_bytes` is split like plain
-    text, each piece keeping its tag."""
+    `split_text_by_speaker` / `group_turns_into_batches`, docs/fish_dual_ar.md §3.2). Text before the first
+    tag is kept as a turn of its own (fish-speech drops it); a turn longer than `max_bytes` is split like
+    plain text, each piece keeping its tag."""
     parts = _SPEAKER_TAG.split(text)
     turns = [parts[0].strip()] if parts[0].strip() else []
     for tag, body in zip(parts[1::2], parts[2::2], strict=True):

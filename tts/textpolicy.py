@@ -167,7 +167,7 @@ def plan_text(
 ) -> TextPlan:
     """Prepare `text` with `policy`, then split it into generation chunks of at most `chunk_length`
     UTF-8 bytes (0: one chunk). Text with `<|speaker:N|>` tags is split into speaker turns, grouped up to
-    5 turns and `chunk_length` bytes per chunk (Fish spec 3.2); other text at sentence ends
+    5 turns and `chunk_length` bytes per chunk (docs/fish_dual_ar.md §3.2); other text at sentence ends
     (`tts.text.split_text`)."""
     prepared = policy.prepare(text, allowed_tags, normalize)
     if chunk_length <= 0:

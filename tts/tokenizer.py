@@ -3,8 +3,8 @@
 `TextTokenizer` wraps a Hugging Face `tokenizers.Tokenizer` (a `tokenizer.json`): S2-Pro ships one, and
 our own models ship a byte-level one built by `build_byte_tokenizer`. Special tokens written inline
 (`<|im_start|>`, `<|speaker:0|>`, ...) encode as single tokens; text is encoded without adding any
-special tokens (Fish spec 3.1). The semantic id range is read from the vocabulary's
-`<|semantic:i|>` tokens and must be contiguous (spec 2.1).
+special tokens (docs/fish_dual_ar.md §3.1). The semantic id range is read from the vocabulary's
+`<|semantic:i|>` tokens and must be contiguous (docs/fish_dual_ar.md §2.1).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The "modded DAC" codec of OpenAudio S1 and Fish Audio S2-Pro (Fish spec section 5.1) behind the
-`Codec` interface: `DACCodec` and its streaming decoder.
+"""The "modded DAC" codec of OpenAudio S1 and Fish Audio S2-Pro (docs/fish_dual_ar.md §5.1) behind
+the `Codec` interface: `DACCodec` and its streaming decoder.
 
 44.1 kHz mono, one token frame = 2048 samples (21.53 Hz), one semantic codebook (4096 entries) plus 9
 residual codebooks (1024 entries). The codec is split by concept; imports run downhill:

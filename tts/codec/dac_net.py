@@ -1,5 +1,5 @@
-"""The network of the "modded DAC" codec of OpenAudio S1 and Fish Audio S2-Pro (Fish spec section 5.1):
-its sizes (`DACConfig`), building blocks and `ModdedDAC`.
+"""The network of the "modded DAC" codec of OpenAudio S1 and Fish Audio S2-Pro
+(docs/fish_dual_ar.md §5.1): its sizes (`DACConfig`), building blocks and `ModdedDAC`.
 
 44.1 kHz mono; a causal convolutional encoder (strides 2, 4, 8, 8: 512 samples per latent) with a
 windowed transformer after its last block; a quantizer that downsamples the latents x2 x2 (one token
@@ -494,7 +494,7 @@ class Decoder(nn.Module):
 
 class ModdedDAC(nn.Module):
     """The codec network. `decode(codes [B, 1 + n, T])` -> audio `[B, 1, T * frame_length]`;
-    `encode(audio [B, 1, L])` -> codes `[B, 1 + n, ceil(L / frame_length)]` (Fish spec 5.1)."""
+    `encode(audio [B, 1, L])` -> codes `[B, 1 + n, ceil(L / frame_length)]` (docs/fish_dual_ar.md §5.1)."""
 
     def __init__(self, cfg: DACConfig):
         super().__init__()
@@ -505,7 +505,8 @@ class ModdedDAC(nn.Module):
         self.decoder = Decoder(cfg)
 
     def clamp_codes(self, codes: Tensor) -> Tensor:
-        """Row 0 into the semantic codebook, the other rows into the residual codebooks (spec 5.1)."""
+        """Row 0 into the semantic codebook, the other rows into the residual codebooks
+        (docs/fish_dual_ar.md §5.1)."""
         c = self.cfg
         return torch.cat(
             [codes[:, :1].clamp(0, c.semantic_codebook_size - 1), codes[:, 1:].clamp(0, c.codebook_size - 1)],

@@ -1,4 +1,4 @@
-"""Firefly-GAN with grouped FSQ: the codec of fish-speech 1.5 (Fish spec section 5.2).
+"""Firefly-GAN with grouped FSQ: the codec of fish-speech 1.5 (docs/fish_dual_ar.md §5.2).
 
 `firefly-gan-vq-fsq-8x1024-21hz-generator.pth`, fish-speech v1.5.1's `firefly_gan_vq.yaml`:
 

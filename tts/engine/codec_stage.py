@@ -9,7 +9,7 @@ frames) bucket. Under load the batch grows by itself: while one call runs, the n
 queue up. Results (`results()`) come back per piece, in queue order per stream, as float32 numpy
 samples; `notify()` wakes the runner's thread when they are ready.
 
-Why a worker thread, not the engine thread (DESIGN.md invariant 7, restated): two threads issue device
+Why a worker thread, not the engine thread (docs/DESIGN.md invariant 7, restated): two threads issue device
 work, each on its own CUDA stream. The engine thread runs prefill and the frame steps on the current
 stream; the codec worker runs decodes and encodes on the codec stream. They share no device tensors
 (codes go in and PCM comes out through host memory), so nothing orders them and neither waits for the

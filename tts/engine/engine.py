@@ -7,7 +7,7 @@
 4. read the step's `out` buffer once, hand each request its frame, finish requests that emitted the
    end token or reached their budget, free their blocks and compact the rows.
 
-The engine is single-threaded: one thread calls `step()` (DESIGN.md invariant 7). `submit`, `cancel`
+The engine is single-threaded: one thread calls `step()` (docs/DESIGN.md invariant 7). `submit`, `cancel`
 and `set_paused` may be called from other threads; they only enqueue work for the next iteration.
 """
 
@@ -340,7 +340,9 @@ class Engine:
             self.frames_generated += 1
             stop = token == self.model.config.eos_token_id
             end_codes = None
-            if stop:  # the end-token frame is not audio (spec 1.4 step 8), except for 1.5 (FrameConvention)
+            # The end-token frame is not audio (docs/fish_dual_ar.md §1.4 step 8), except for 1.5
+            # (FrameConvention).
+            if stop:
                 codes, end_codes = no_codes, codes
             if done:
                 reason = FinishReason.STOP if stop else FinishReason.LENGTH

@@ -1,6 +1,6 @@
 """The model runner: persistent step buffers, prefill, and the one frame step (`decode_step`).
 
-`decode_step(b)` is the function a CUDA graph captures, once per batch bucket b (DESIGN.md invariants
+`decode_step(b)` is the function a CUDA graph captures, once per batch bucket b (docs/DESIGN.md invariants
 1-4). Everything it reads or writes lives in `StepBuffers`, allocated once for the largest batch; the
 host only writes rows between steps (`load_row`, `move_row`, `clear_row`, `set_active`) and reads the
 `out` buffer after a step. The step has no host sync, no data-dependent Python branch and no tensor
@@ -13,7 +13,7 @@ position and one sampled code -> the frame column written to `out` -> per-row st
 (next input column, position, step counter, RAS history, repetition history, done flags). Rows `[b:]`
 and inactive rows are inert: their K/V writes go to the scratch block and their state does not move.
 
-Repetition penalty (fish-speech 1.5 and the S1-era code; Fish spec 4.3), for a runner built with a
+Repetition penalty (fish-speech 1.5 and the S1-era code; docs/fish_dual_ar.md §4.3), for a runner built with a
 `repetition` mode: before each draw, a logit of a token in the row's penalty set is divided by the row's
 penalty when positive and multiplied when negative (once per token, however often it occurs). The
 reference keeps the frames generated after the first one in a zero-initialized history and reads a
@@ -124,7 +124,7 @@ class OutLayout:
 
 @dataclass
 class StepBuffers:
-    """Persistent per-row state of the frame step, `B = max_batch` rows (DESIGN.md invariant 2).
+    """Persistent per-row state of the frame step, `B = max_batch` rows (docs/DESIGN.md invariant 2).
 
     Inputs: `input_columns [B, 1+N]` int64 (each row's decode input: the previous frame column, or
     the prompt's last column, fed at `positions`), `positions [B]`,
@@ -243,9 +243,9 @@ class ModelRunner:
         self.paged_attention = attention_backend or paged_decode_attention
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.fast_scale = 1.0 / math.sqrt(c.fast_head_dim)
-        # The main token may only be a semantic token or the end token (spec 1.4 step 2). Instead of a
-        # -inf bias over the whole vocabulary we slice the head to those rows: same logits for the
-        # allowed ids, a 40x smaller matmul for S2. Index i < n_sem is semantic id begin + i; the last
+        # The main token may only be a semantic token or the end token (docs/fish_dual_ar.md §1.4 step 2).
+        # Instead of a -inf bias over the whole vocabulary we slice the head to those rows: same logits for
+        # the allowed ids, a 40x smaller matmul for S2. Index i < n_sem is semantic id begin + i; the last
         # index is the end token (left out with ignore_eos, for fixed-length benchmarks).
         head = model.lm_head_weight()
         rows = [head[c.semantic_begin_id : c.semantic_end_id + 1]]
@@ -651,7 +651,7 @@ class ModelRunner:
             )  # fmt: skip
             token = torch.where(idx == self.n_sem, c.eos_token_id, idx + c.semantic_begin_id)
             # Fast AR: position 0 on the slow hidden state (its logits are never used), c_0 derived from
-            # the main token, then one position per remaining codebook (spec 1.4 steps 4-6).
+            # the main token, then one position per remaining codebook (docs/fish_dual_ar.md §1.4 steps 4-6).
             codes = [torch.clamp(token - c.semantic_begin_id, 0, c.codebook_size - 1)]
 
             def draw(logits: Tensor, k: int) -> Tensor:  # codebook k from its fast logits
@@ -712,7 +712,7 @@ class ModelRunner:
             | (steps + 1 >= bufs.budgets[:b])
             | (bufs.positions[:b] + 2 > self.max_blocks_per_seq * self.kv.block_size)
         )
-        # The RAS window takes every main token except the first frame's (spec 4.1).
+        # The RAS window takes every main token except the first frame's (docs/fish_dual_ar.md §4.1).
         push = (active & (steps > 0)).unsqueeze(1)
         history = bufs.ras_history[:b]
         history.copy_(torch.where(push, torch.cat([history[:, 1:], idx.unsqueeze(1)], dim=1), history))

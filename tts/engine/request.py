@@ -25,8 +25,9 @@ class RequestState(str, enum.Enum):
 class Request:
     """One synthesis request inside the engine.
 
-    prompt: `[T, 1 + N]` int64 frame columns (spec 1.1) on the CPU; generation continues after its last
-    column. `seed` is resolved at creation so that a request is reproducible even without a user seed.
+    prompt: `[T, 1 + N]` int64 frame columns (docs/fish_dual_ar.md §1.1) on the CPU; generation continues
+    after its last column. `seed` is resolved at creation so that a request is reproducible even without a
+    user seed.
     """
 
     request_id: str
@@ -62,8 +63,8 @@ class Request:
 class StepOutput:
     """What one engine iteration produced for one request.
 
-    codes: `[n, N]` int64 codebook codes of the new frames (n is 0 or 1; the end-token frame is
-    dropped, spec 1.4 step 8); finished with its reason when the request ended in this iteration;
+    codes: `[n, N]` int64 codebook codes of the new frames (n is 0 or 1; the end-token frame is dropped,
+    docs/fish_dual_ar.md §1.4 step 8); finished with its reason when the request ended in this iteration;
     end_codes: `[1, N]` int64 codes of that end-token frame when the end token ended it (c_0 = 0), for
     families whose reference code keeps it (`tts.params.FrameConvention`), else None.
     """

@@ -1,4 +1,4 @@
-"""Fish Audio checkpoints: S2-Pro, OpenAudio S1(-mini) and fish-speech 1.5 (Fish spec, shared/reference).
+"""Fish Audio checkpoints: S2-Pro, OpenAudio S1(-mini) and fish-speech 1.5 (docs/fish_dual_ar.md).
 
 `load_fish_bundle` is what `tts.bundle.load_bundle` calls for a checkpoint directory without our
 "tts_runtime" config key; `load_fish_model` loads just the language model (any family); `write_checkpoint` writes random-weight checkpoints in the

@@ -3,15 +3,16 @@
 A written directory has the file names, key names, dtypes, config fields and tokenizer file formats of
 the real release, with random weights and a small synthetic BPE vocabulary:
 
-* `s2-pro` (Fish spec 2.2, 2.5): nested `fish_qwen3_omni` config.json with S2-Pro's sizes (4,561,852,416
-  parameters, bf16), `model-00001-of-00002.safetensors` + `model-00002-of-00002.safetensors` + index,
-  `tokenizer.json` whose special tokens sit at S2's real ids (`<|im_end|>` 151645, `<|semantic:0|>`
+* `s2-pro` (docs/fish_dual_ar.md §2.2, §2.5): nested `fish_qwen3_omni` config.json with S2-Pro's sizes
+  (4,561,852,416 parameters, bf16), `model-00001-of-00002.safetensors` + `model-00002-of-00002.safetensors` +
+  index, `tokenizer.json` whose special tokens sit at S2's real ids (`<|im_end|>` 151645, `<|semantic:0|>`
   151678 ... 155773), `tokenizer_config.json`, and a full-size modded-DAC `codec.pth`.
-* `s1-mini` (spec 2.4, sizes approximate: a Qwen3-0.6B-like slow AR, 28 x 1024, 10 codebooks of 4096):
-  flat `dual_ar` config.json, `model.pth`, `tokenizer.tiktoken`, `special_tokens.json`, `codec.pth`.
-* `fish-1.5` (spec 2.3): flat config.json, `model.pth` with an untied `output`, `tokenizer.tiktoken`
-  (1.5's special-token list), and the Firefly-GAN generator `firefly-gan-vq-fsq-8x1024-21hz-generator.pth`
-  (fish-speech's `firefly_gan_vq.yaml` sizes; `tiny-1.5`: `tts.codec.firefly.tiny_firefly_config`).
+* `s1-mini` (docs/fish_dual_ar.md §2.4, sizes approximate: a Qwen3-0.6B-like slow AR, 28 x 1024, 10 codebooks
+  of 4096): flat `dual_ar` config.json, `model.pth`, `tokenizer.tiktoken`, `special_tokens.json`, `codec.pth`.
+* `fish-1.5` (docs/fish_dual_ar.md §2.3): flat config.json, `model.pth` with an untied `output`,
+  `tokenizer.tiktoken` (1.5's special-token list), and the Firefly-GAN generator
+  `firefly-gan-vq-fsq-8x1024-21hz-generator.pth` (fish-speech's `firefly_gan_vq.yaml` sizes; `tiny-1.5`:
+  `tts.codec.firefly.tiny_firefly_config`).
 * `tiny-s2`, `tiny-s1`, `tiny-1.5`: the same formats with small widths (and a narrow codec), used by the
   tests and the parity goldens. Their weights are a pure function of the seed (`tts.randinit`), so a test
   regenerates exactly the checkpoint the goldens were computed from.
@@ -50,8 +51,8 @@ QWEN_PATTERN = (
     r"\s+(?!\S)|\s+"
 )
 
-# Added tokens of S2's tokenizer from <|endoftext|> (151643) on: Qwen3's specials, then Fish's (spec 3.1;
-# the names between <|im_end|> and <|pad|> are Qwen3's and only fill ids).
+# Added tokens of S2's tokenizer from <|endoftext|> (151643) on: Qwen3's specials, then Fish's
+# (docs/fish_dual_ar.md §3.1; the names between <|im_end|> and <|pad|> are Qwen3's and only fill ids).
 S2_ADDED_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
     "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -352,7 +353,7 @@ def _init_tensor(key: str, shape: tuple[int, ...], seed: int, std: float) -> tor
 
 
 def _s2_disk_key(key: str) -> str:
-    """Inverse of fish-speech's S2 key remapping (spec 2.5)."""
+    """Inverse of fish-speech's S2 key remapping (docs/fish_dual_ar.md §2.5)."""
     if key.startswith("codebook_embeddings."):
         return "audio_decoder." + key
     if key.startswith("fast_"):

@@ -1,4 +1,4 @@
-"""Loading Fish Audio checkpoint directories (Fish spec sections 2, 3 and 5).
+"""Loading Fish Audio checkpoint directories (docs/fish_dual_ar.md §2, §3 and §5).
 
 Three families, told apart by `config.json`:
 
@@ -48,13 +48,13 @@ S1 = "s1"
 FISH15 = "fish-1.5"
 
 # S1-era fish-speech samples residual codebooks from the first 1024 fast logits (the codec's residual
-# codebook size); S2 code samples all of them (spec 4.1, 4.3).
+# codebook size); S2 code samples all of them (docs/fish_dual_ar.md §4.1, §4.3).
 S1_RESIDUAL_CODEBOOK_SIZE = 1024
 
 
 @dataclass(frozen=True)
 class FamilySpec:
-    """What differs between Fish families at serving time (spec sections 3 and 4)."""
+    """What differs between Fish families at serving time (docs/fish_dual_ar.md §3 and §4)."""
 
     key: str
     display: str
@@ -154,7 +154,7 @@ def fish_model_args(raw: Mapping, family: str, tokenizer: TokenizerLike) -> Mode
 
 
 def s2_key_map(key: str) -> str:
-    """fish-speech's `_remap_fish_qwen3_omni_keys` for one key (spec 2.5)."""
+    """fish-speech's `_remap_fish_qwen3_omni_keys` for one key (docs/fish_dual_ar.md §2.5)."""
     if key.startswith("text_model.model."):
         return key[len("text_model.model.") :]
     if key.startswith("audio_decoder."):

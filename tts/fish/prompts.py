@@ -1,4 +1,4 @@
-"""Prompt layouts of the Fish model families (Fish spec section 3.2).
+"""Prompt layouts of the Fish model families (docs/fish_dual_ar.md §3.2).
 
 Every format returns the `[T, 1 + N]` frame matrix of `tts.prompt.PromptAssembler`: each text part is
 tokenized on its own (BPE merges never cross a part boundary) and a reference's codes contribute one

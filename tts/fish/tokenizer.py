@@ -1,4 +1,4 @@
-"""Tokenizers of Fish checkpoints (Fish spec section 3.1).
+"""Tokenizers of Fish checkpoints (docs/fish_dual_ar.md §3.1).
 
 * S2-Pro ships a Hugging Face `tokenizer.json` (Qwen3 BPE plus added tokens): `tts.tokenizer.TextTokenizer`
   reads it, exactly as fish-speech's `AutoTokenizer` does for encoding purposes.
@@ -40,7 +40,7 @@ FISH_TIKTOKEN_PATTERN = "|".join(
 )
 MAX_ENCODE_CHARS = 400_000  # fish-speech encodes longer text in pieces of this many characters
 
-# Special tokens in id order after the mergeable ranks (spec 3.1).
+# Special tokens in id order after the mergeable ranks (docs/fish_dual_ar.md §3.1).
 S1_SPECIAL_TOKENS = [
     "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<|im_start|>", END_TOKEN, "<|phoneme_start|>",
     "<|phoneme_end|>", "<|tool_call_start|>", "<|tool_call_end|>", "<|text|>", "<|voice|>", "<|interleave|>",

@@ -3,10 +3,10 @@
 Each kernel computes exactly the formula of its torch counterpart in tts/model.py, in the same
 precision steps (fp32 math, a cast to the activation dtype where fish-speech casts):
 
-* `rmsnorm` / `add_rmsnorm`: `norm(x)` and `h = x + residual; norm(h)` in one pass (spec 1.2 RMSNorm:
-  normalize in fp32, cast to the input dtype, multiply by the weight);
+* `rmsnorm` / `add_rmsnorm`: `norm(x)` and `h = x + residual; norm(h)` in one pass (docs/fish_dual_ar.md §1.2
+  RMSNorm: normalize in fp32, cast to the input dtype, multiply by the weight);
 * `qk_norm_rope`: split the fused qkv projection, per-head RMSNorm of q and k (optional), adjacent-pair
-  RoPE with the bf16 table (spec 1.2), in one launch over all heads;
+  RoPE with the bf16 table (docs/fish_dual_ar.md §1.2), in one launch over all heads;
 * `silu_mul`: SwiGLU's `silu(a) * b` on the fused `[a | b]` projection.
 """
 

@@ -6,7 +6,7 @@ ranks >= top_k and ranks whose cumulative mass exceeds top_p (rank 0 always kept
 exponential race in log space, `argmax(logit / T - log E)`, E = -log U with U from
 `hash(seed, step, stream, token id)`. Temperature 0 takes rank 0. With `RAS`, a second draw at
 temperature 1.0 / top-p 0.9 replaces the first when the first is a semantic index already in the row's
-window (spec 4.1).
+window (docs/fish_dual_ar.md §4.1).
 
 The sort packs each logit (as an order-preserving int32) and its token id into one int64 key, so a
 single `tl.sort` yields values and ids together. Sorting a whole 4096-entry row in one program is the
