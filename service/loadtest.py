@@ -115,6 +115,8 @@ SERVER_COUNTERS = {
     "codec_encode_s": "tts_codec_encode_seconds_total",
     "reference_cache_hits": "tts_reference_cache_hits_total",
     "reference_cache_misses": "tts_reference_cache_misses_total",
+    "frame_steps": "tts_frame_steps_total",
+    "frame_step_rows": "tts_frame_step_rows_total",
 } | {
     f"engine_{phase}_s": f'tts_engine_seconds_total{{phase="{phase}"}}'
     for phase in ("prefill", "replay", "rows", "audio", "route", "commands", "idle")
@@ -161,6 +163,8 @@ def server_time_split(before: dict[str, float] | None, after: dict[str, float] |
         codec = decode + (encode or 0.0)
         share = codec / (step + codec) if step + codec > 0 else None
     out["codec_share"] = share
+    steps, rows = out["frame_steps"], out["frame_step_rows"]
+    out["mean_batch"] = rows / steps if steps and rows is not None else None
     return out
 
 

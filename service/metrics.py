@@ -15,6 +15,7 @@ every iteration by the engine thread); per-request figures are observed by the g
 | `tts_graph_replay_share` | gauge | share of decode steps replayed from a CUDA graph |
 | `tts_engine_step_failures_total` | counter | engine steps that raised |
 | `tts_frame_step_seconds_total` | counter | time in engine steps (on CUDA: until the frame is on the host) |
+| `tts_frame_steps_total`, `tts_frame_step_rows_total` | counter | frame steps run, and their running rows summed (rows / steps = the mean batch, the occupancy) |
 | `tts_engine_seconds_total{phase}` | counter | the engine thread's wall time by phase: `prefill`, `replay`, `rows` (the three parts of an engine step), `audio` (delivering decoded chunks), `route` (handling the step's outputs), `commands` (submissions, cancels), `idle` (waiting for work) |
 | `tts_codec_decode_seconds_total`, `tts_codec_encode_seconds_total` | counter | codec stage time (device time on CUDA, events around each call; wall time on a CPU) |
 | `tts_codec_decode_calls_total`, `tts_codec_decode_frames_total` | counter | batched decode calls and the frames they decoded (frames / calls = batch) |
@@ -67,6 +68,11 @@ class _EngineCollector:
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
             "tts_engine_step_failures": ("Engine steps that raised", s.step_failures),
+            "tts_frame_steps": ("Frame steps run", s.frame_steps),
+            "tts_frame_step_rows": (
+                "Running rows summed over the frame steps (/ steps: mean batch)",
+                s.step_rows,
+            ),
             "tts_frame_step_seconds": ("Time in engine steps (seconds)", s.frame_step_seconds),
             "tts_codec_decode_seconds": ("Codec stage decode time (seconds)", s.codec_decode_seconds),
             "tts_codec_encode_seconds": ("Codec stage encode time (seconds)", s.codec_encode_seconds),

@@ -370,3 +370,14 @@ def test_the_step_output_layout_is_frame_column_then_emitted_and_done(tiny_model
     engine = make_engine(tiny_model)
     N = tiny_model.config.num_codebooks
     assert engine.runner.out_layout == OutLayout(N) and engine.runner.buffers.out.shape[1] == N + 3
+
+
+def test_frame_steps_and_rows_count_the_batch(tiny_model):
+    """frame_steps counts steps with running rows and step_rows sums those rows: two requests of 3 and 5
+    frames (end token held off) -> 5 steps, 3 x 2 + 2 x 1 = 8 rows."""
+    engine = make_engine(tiny_model)
+    engine.submit(random_prompt(tiny_model, 6, 0), params(max_new_frames=3, min_new_frames=3), "a")
+    engine.submit(random_prompt(tiny_model, 6, 1), params(max_new_frames=5, min_new_frames=5), "b")
+    codes, _ = run_to_completion(engine)
+    assert (codes["a"].shape[0], codes["b"].shape[0]) == (3, 5)
+    assert (engine.frame_steps, engine.step_rows) == (5, 8)

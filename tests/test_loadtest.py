@@ -112,8 +112,12 @@ def test_codec_share_and_cache_counts_per_level():
     split = server_time_split({k: v for k, v in before.items() if "encode" not in k}, no_encode)
     assert split["codec_encode_s"] is None and split["codec_share"] == pytest.approx(3.0 / 9.0)
     split = server_time_split({}, {"tts_codec_decode_seconds_total": 1.0})
-    assert split == {**dict.fromkeys(SERVER_COUNTERS), "codec_share": None}
-    assert server_time_split(None, after) == {**dict.fromkeys(SERVER_COUNTERS), "codec_share": None}
+    assert split == {**dict.fromkeys(SERVER_COUNTERS), "codec_share": None, "mean_batch": None}
+    assert server_time_split(None, after) == {
+        **dict.fromkeys(SERVER_COUNTERS),
+        "codec_share": None,
+        "mean_batch": None,
+    }
     # No time spent at all: no share rather than a division by zero.
     assert server_time_split(before, before)["codec_share"] is None
 
@@ -250,3 +254,11 @@ def test_bench_server_refuses_conflicting_reference_options(server, tmp_path, ca
     args = ("--reference", "distinct", "--reference-audio", str(garbage), "--reference-text", "x")
     assert bench(server, tmp_path, *args)[0] == 2
     assert f"cannot read --reference-audio {garbage}" in capsys.readouterr().err
+
+
+def test_mean_batch_is_rows_over_steps_per_level():
+    before = {"tts_frame_steps_total": 10.0, "tts_frame_step_rows_total": 30.0}
+    after = {"tts_frame_steps_total": 14.0, "tts_frame_step_rows_total": 50.0}
+    split = server_time_split(before, after)
+    assert (split["frame_steps"], split["frame_step_rows"], split["mean_batch"]) == (4.0, 20.0, 5.0)
+    assert server_time_split(after, after)["mean_batch"] is None  # no step in the level

@@ -165,6 +165,8 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.frames_generated = 0
+        self.frame_steps = 0  # frame steps run (one per iteration with a running row)
+        self.step_rows = 0  # running rows summed over those steps: step_rows / frame_steps = batch occupancy
         # Seconds spent per phase of `step` (host wall time; on CUDA "replay" lasts until the frame is on
         # the host): admitting and prefilling new requests, the frame step itself, the per-row outputs.
         self.phase_seconds = {"prefill": 0.0, "replay": 0.0, "rows": 0.0}
@@ -322,6 +324,8 @@ class Engine:
         if n == 0:
             return outputs
         self.graphs.run(n, self._sampler_variant())
+        self.frame_steps += 1
+        self.step_rows += n
         out = self._frame_to_host(n)
         t2 = time.perf_counter()
         phases["replay"] += t2 - t1

@@ -177,6 +177,8 @@ class LoopStats:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     frames_total: int = 0
+    frame_steps: int = 0  # frame steps run
+    step_rows: int = 0  # running rows summed over the frame steps (/ frame_steps: mean batch)
     steps: int = 0
     step_failures: int = 0
     replay_share: float = 0.0
@@ -548,6 +550,7 @@ class EngineLoop:
         s.paused = r.paused_jobs
         s.kv_blocks_used, s.kv_blocks_total = e.kv_usage()
         s.frames_total = e.frames_generated
+        s.frame_steps, s.step_rows = e.frame_steps, e.step_rows
         s.replay_share = e.graphs.stats.replay_share
         s.frame_step_seconds = r.frame_step_seconds
         s.phase_seconds = {
