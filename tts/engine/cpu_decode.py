@@ -50,7 +50,11 @@ class BlockWeights(NamedTuple):
     eps: float  # of every norm in the block (checked equal)
 
 
-def block_weights(layers: nn.ModuleList, final_norm: RMSNorm) -> tuple[list[BlockWeights], Tensor] | None:
+# What `block_weights` gathers for one AR: its blocks, and its final norm's weight.
+LayerWeights = tuple[list[BlockWeights], Tensor]
+
+
+def block_weights(layers: nn.ModuleList, final_norm: RMSNorm) -> LayerWeights | None:
     """The blocks' weights and `final_norm`'s weight, or None where this module does not apply (not
     fp32 on a CPU, norms with different eps, w1/w3 not fused): the caller then uses the modules."""
     if not len(layers) or final_norm.weight.dtype != torch.float32 or final_norm.weight.device.type != "cpu":
