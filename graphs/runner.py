@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -93,7 +94,8 @@ class GraphStats:
 class GraphRunner:
     """Pick a bucket per step, capture lazily or at start-up, replay, fall back to eager.
 
-    step_fn: `step_fn(b, variant)` runs one step on rows `[:b]` of persistent buffers, returns None.
+    step_fn: `step_fn(b, variant)` runs one step on rows `[:b]` of persistent buffers, returns None
+    (`variant` is whatever hashable value the caller passes to `run`, hence `Any` in its type).
     buckets: batch sizes to capture (sorted, de-duplicated; those above max_batch become max_batch).
     enabled: False runs every step eagerly with b = n (no padding).
     device: where the buffers live; CUDA graphs on a CUDA device, stand-ins elsewhere.
@@ -107,7 +109,7 @@ class GraphRunner:
     """
 
     def __init__(
-        self, step_fn: Callable[[int], None], *, max_batch: int, buckets: Sequence[int] = DEFAULT_BUCKETS,
+        self, step_fn: Callable[[int, Any], None], *, max_batch: int, buckets: Sequence[int] = DEFAULT_BUCKETS,
         enabled: bool = True, device: torch.device | str = "cpu",
         buffer_ptrs: Callable[[], dict[str, int]] | None = None, eager_buckets: bool = False,
         capture_stream: torch.cuda.Stream | None = None,
@@ -122,7 +124,7 @@ class GraphRunner:
         self.stats = GraphStats()
         self.graphs: dict[tuple, torch.cuda.CUDAGraph | StandInGraph] = {}
         self._warmed: set[tuple] = set()
-        self._pool = None
+        self._pool: torch.cuda._POOL_HANDLE | None = None
         self._buffer_ptrs = buffer_ptrs
         self._ptrs_at_capture: dict[str, int] | None = None
         self.capturing = False  # True while a capture is being recorded (for fault injection / checks)

@@ -300,7 +300,9 @@ class CodecStage:
                     while not (self._queue or self._encodes or self._tasks or self._stopping):
                         self._cv.wait()
                     if self._stopping:
-                        encodes, self._encodes = list(self._encodes), deque()
+                        # Only the futures are used below: encodes and tasks fail alike.
+                        encodes: list[tuple[object, Future]] = list(self._encodes)
+                        self._encodes = deque()
                         encodes += list(self._tasks)
                         self._tasks.clear()
                         break
@@ -386,6 +388,7 @@ class CodecStage:
             size = self.max_call_frames * L
             self._out = torch.zeros(size, dtype=torch.float32, device=self.device)
             self._h_out = torch.zeros(size, dtype=torch.float32, pin_memory=self.is_cuda)
+        assert self._h_out is not None  # allocated together with self._out
         t0 = time.perf_counter()
         start = end = None
         try:
@@ -399,6 +402,7 @@ class CodecStage:
             out = self._h_out[: n * T * L].view(n, T * L)
             out.copy_(self._out[: b * T * L].view(b, T * L)[:n], non_blocking=True)
             if self.is_cuda:
+                assert start is not None and end is not None and self.stream is not None  # set on CUDA
                 end.record()
                 self.stream.synchronize()  # the worker's own stream only
                 seconds = start.elapsed_time(end) / 1000.0
@@ -430,6 +434,7 @@ class CodecStage:
     def _decode_step(self, b: int, frames: int) -> None:
         """The captured (or eager) call: rows `[:b]` of the staging buffers, `frames` frames."""
         y = self.decoder.decode(self._slots[:b], self._codes[:b, :, :frames], self._lengths[:b])
+        assert self._out is not None  # _run_decode and _capture allocate it before running a step
         self._out[: y.numel()].view(y.shape).copy_(y)
 
     def _run_encode(self, samples: Tensor, future: Future) -> None:

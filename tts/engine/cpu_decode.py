@@ -17,13 +17,13 @@ Shapes: x `[B, dim]` (the modules' `[B, 1, dim]` without the position axis), q `
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..model import RMSNorm, pair_swap_index, rms_norm_fp32
+from ..model import RMSNorm, TransformerBlock, pair_swap_index, rms_norm_fp32
 
 # attend(i, q [B, H, D], k [B, Hkv, D], v [B, Hkv, D]) -> [B, H, D]: write layer i's K/V of this
 # position wherever the caller keeps them, and attend over the row's context.
@@ -50,15 +50,23 @@ class BlockWeights(NamedTuple):
     eps: float  # of every norm in the block (checked equal)
 
 
-def block_weights(layers: nn.ModuleList, final_norm: RMSNorm) -> tuple[list[BlockWeights], Tensor] | None:
+# What `block_weights` gathers for one AR: its blocks, and its final norm's weight.
+LayerWeights = tuple[list[BlockWeights], Tensor]
+
+
+def block_weights(layers: nn.ModuleList, final_norm: RMSNorm) -> LayerWeights | None:
     """The blocks' weights and `final_norm`'s weight, or None where this module does not apply (not
     fp32 on a CPU, norms with different eps, w1/w3 not fused): the caller then uses the modules."""
     if not len(layers) or final_norm.weight.dtype != torch.float32 or final_norm.weight.device.type != "cpu":
         return None
-    norms = [final_norm] + [n for layer in layers for n in (layer.attention_norm, layer.ffn_norm)]
+    # `DualARTransformer.layers` / `.fast_layers`: an nn.ModuleList (typed as holding any Module) of
+    # TransformerBlocks.
+    blocks_in = cast("list[TransformerBlock]", list(layers))
+    norms: list[RMSNorm | nn.RMSNorm] = [final_norm]
+    norms += [n for layer in blocks_in for n in (layer.attention_norm, layer.ffn_norm)]
     eps = final_norm.eps
     blocks = []
-    for layer in layers:
+    for layer in blocks_in:
         att, ff = layer.attention, layer.feed_forward
         if att.qk_norm:
             norms += [att.q_norm, att.k_norm]

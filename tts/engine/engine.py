@@ -20,6 +20,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import InitVar, dataclass, replace
+from typing import cast
 
 import torch
 
@@ -27,7 +28,7 @@ from graphs.runner import DEFAULT_BUCKETS, GraphRunner
 
 from ..kernels import kernel_head_dim_ok
 from ..kv_cache import BlockAllocator, PagedKVCache, blocks_needed
-from ..model import DualARTransformer
+from ..model import DualARTransformer, TransformerBlock
 from ..sampling import SAMPLER_TOPK_CAP
 from .model_runner import ModelRunner, RowInit
 from .request import FinishReason, InvalidRequest, Request, RequestState, SamplingParams, StepOutput
@@ -142,7 +143,8 @@ class Engine:
             cfg.max_waiting,
             cfg.max_prefill_tokens,
         )
-        if self.device.type == "cuda" and model.layers[0].feed_forward.fused_w13() is None:
+        first_block = cast("TransformerBlock", model.layers[0])  # (an nn.ModuleList of TransformerBlocks)
+        if self.device.type == "cuda" and first_block.feed_forward.fused_w13() is None:
             model.fuse_weights()  # one GEMM for w1 and w3 on the CUDA path
         elif self.device.type == "cpu":
             model.use_cpu_decode_layout()  # fused w1/w3 and matrix-vector friendly strides
@@ -161,7 +163,7 @@ class Engine:
         self._pending_pause: dict[str, bool] = {}
         self._carried: list[StepOutput] = []
         self._host_out: torch.Tensor | None = None  # pinned copy of the step's `out` (CUDA)
-        self._out_ready = None
+        self._out_ready: torch.cuda.Event | None = None  # marks `out` copied to _host_out (CUDA)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.frames_generated = 0
@@ -370,6 +372,7 @@ class Engine:
         if self._host_out is None:
             self._host_out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
             self._out_ready = torch.cuda.Event()
+        assert self._out_ready is not None  # made together with _host_out
         self._host_out[:n].copy_(out[:n], non_blocking=True)
         self._out_ready.record()
         self._out_ready.synchronize()

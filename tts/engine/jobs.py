@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -156,7 +156,7 @@ class _Job:
     submitted_at: float
     slot: int = -1
     references: list[VoiceReference] = field(default_factory=list)
-    encoding: object = None  # Future of the reference clip's codes
+    encoding: Future[VoiceReference] | None = None  # the reference clip, while it encodes
     index: int = 0  # current text chunk
     engine_id: str | None = None  # the engine request of the current text chunk, while it runs
     budget: int = 0  # the current chunk's frame budget
@@ -164,7 +164,8 @@ class _Job:
     history: list[Turn] = field(default_factory=list)
     generated: list[Tensor] = field(default_factory=list)  # [1, N] codes of the current text chunk
     pending: list[Tensor] = field(default_factory=list)  # [1, N] codes not yet sent to the codec
-    inflight: deque = field(default_factory=deque)  # (sequence, frame_start, codes) being decoded
+    # (sequence, frame_start, codes) being decoded
+    inflight: deque[tuple[int, int, Tensor]] = field(default_factory=deque)
     frames: int = 0  # generated
     frames_queued: int = 0  # sent to the codec stage
     sequence: int = 0  # next audio chunk number to queue
@@ -174,6 +175,12 @@ class _Job:
     paused_at: float | None = None
     generation_done: bool = False
     cancelled: bool = False
+
+    @property
+    def paused_since(self) -> float:
+        """`paused_at` of a job known to be paused."""
+        assert self.paused_at is not None, f"{self.job_id} is not paused"
+        return self.paused_at
 
 
 class JobRunner:
@@ -205,7 +212,8 @@ class JobRunner:
         self._by_engine_id: dict[str, _Job] = {}
         self._ids = itertools.count()
         self._refused_at = -1e9
-        self.on_end: Callable[[str, Event], None] | None = None  # (job id, final event), after delivery
+        # (job id, final event or None where the consumer had gone), after delivery
+        self.on_end: Callable[[str, Event | None], None] | None = None
         self.frame_step_seconds = 0.0
         self.step_failures = 0
         # Host seconds spent handing decoded audio to the consumers and routing the engine's outputs.
@@ -327,9 +335,9 @@ class JobRunner:
                     self._route(out)
                 except Exception as exc:  # noqa: BLE001 - a bug in one job must not stop the others
                     log.exception("handling the output of %s failed", out.request_id)
-                    job = self._by_engine_id.get(out.request_id)
-                    if job is not None:
-                        self._end(job, Failed(EngineFailed(f"{type(exc).__name__}: {exc}")))
+                    owner = self._by_engine_id.get(out.request_id)
+                    if owner is not None:
+                        self._end(owner, Failed(EngineFailed(f"{type(exc).__name__}: {exc}")))
             self.phase_seconds["route"] += time.perf_counter() - t1
         return progressed
 
@@ -337,6 +345,7 @@ class JobRunner:
 
     def _encoded(self, job: _Job) -> None:
         future, job.encoding = job.encoding, None
+        assert future is not None  # (step calls this for a done encoding only)
         try:
             voice = future.result()
         except Exception as exc:  # noqa: BLE001 - the clip did not encode: this job fails
@@ -348,7 +357,7 @@ class JobRunner:
 
     def _start(self, job: _Job) -> None:
         if self._submit_chunk(job):
-            self._deliver(job, Started(job.job_id, job.spec.params.seed, len(job.spec.chunks)))
+            self._deliver(job, Started(job.job_id, _seed(job.spec), len(job.spec.chunks)))
 
     def _submit_chunk(self, job: _Job) -> bool:
         """Queue the engine request of text chunk `job.index`; False if the job ended instead."""
@@ -367,7 +376,7 @@ class JobRunner:
                 return True
             budget = min(budget, left + int(self.frames.drop_first))  # (the first frame is not audio)
         params = replace(
-            spec.params, seed=spec.params.seed + i, max_new_frames=budget,
+            spec.params, seed=_seed(spec) + i, max_new_frames=budget,
             min_new_frames=min(spec.params.min_new_frames, budget),
         )  # fmt: skip
         engine_id = f"{job.job_id}/{i}"
@@ -407,6 +416,7 @@ class JobRunner:
         elif out.finish_reason == FinishReason.ERROR:
             self._end(job, Failed(EngineFailed(out.error or "engine error")))
         else:
+            assert out.finish_reason is not None  # a finished output has its reason
             self._chunk_done(job, out.finish_reason)
 
     def _audio_frame(self, job: _Job, codes: Tensor) -> None:
@@ -466,7 +476,7 @@ class JobRunner:
         self._pause_if_full(job)
 
     def _audio(self, result: DecodeResult) -> None:
-        job_id, sequence = result.tag
+        job_id, sequence = cast("tuple[str, int]", result.tag)  # the tag _audio_frame queued
         job = self.jobs.get(job_id)
         if job is None:  # the job ended meanwhile: its late audio is dropped
             return
@@ -475,6 +485,7 @@ class JobRunner:
             return
         seq, start, codes = job.inflight.popleft()
         assert seq == sequence, (seq, sequence)
+        assert result.samples is not None  # (a result without an error has its samples)
         if job.first_audio_at is None:
             job.first_audio_at = time.monotonic()
         if not self._deliver(job, Audio(seq, result.samples, start, start + codes.shape[1], codes)):
@@ -509,7 +520,7 @@ class JobRunner:
             j for j in self.jobs.values()
             if j.paused_at is not None and j.engine_id is not None and self.engine.is_running(j.engine_id)
         ]  # fmt: skip
-        return sorted(jobs, key=lambda j: j.paused_at)
+        return sorted(jobs, key=lambda j: j.paused_since)
 
     def preempt_due(self) -> float | None:
         """Seconds until a paused job may be preempted (<= 0: now), or None while nothing can be (no
@@ -517,7 +528,7 @@ class JobRunner:
         if self.pause_timeout is None or not self._contention(time.monotonic()):
             return None
         jobs = self._preemptible()
-        return jobs[0].paused_at + self.pause_timeout - time.monotonic() if jobs else None
+        return jobs[0].paused_since + self.pause_timeout - time.monotonic() if jobs else None
 
     def _preempt_paused(self) -> None:
         """End paused jobs past the timeout, longest paused first, as many as requests wait for a row
@@ -527,9 +538,11 @@ class JobRunner:
         now = time.monotonic()
         if not self._contention(now):
             return
-        due = [j for j in self._preemptible() if now - j.paused_at > self.pause_timeout]
+        due = [j for j in self._preemptible() if now - j.paused_since > self.pause_timeout]
         for job in due[: max(1, self.engine.num_waiting)]:
-            log.info("preempting %s: not read for %.1f s while others wait", job.job_id, now - job.paused_at)
+            log.info(
+                "preempting %s: not read for %.1f s while others wait", job.job_id, now - job.paused_since
+            )
             message = (
                 f"the stream was not read for {self.pause_timeout:g} s while other requests waited; it was "
                 "ended to free its batch row (the server's --pause-timeout)"
@@ -565,9 +578,15 @@ class JobRunner:
             self.on_end(job.job_id, event)
 
 
-def _as_voice(codes_future: Future, text: str) -> Future:
+def _seed(spec: SynthesisJob) -> int:
+    """The job's seed (text chunk i uses seed + i): `Planner.plan` resolves it."""
+    assert spec.params.seed is not None, "a SynthesisJob's params carry a resolved seed"
+    return spec.params.seed
+
+
+def _as_voice(codes_future: Future[Tensor], text: str) -> Future[VoiceReference]:
     """A future of a VoiceReference from a future of codes."""
-    out: Future = Future()
+    out: Future[VoiceReference] = Future()
 
     def done(f):
         if f.exception() is not None:

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -58,6 +59,7 @@ from .jobs import (
 from .request import Request, SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_FIRST_CHUNK_FRAMES = 4
 DEFAULT_CHUNK_FRAMES = 16
@@ -68,6 +70,13 @@ __all__ = [
     "Audio", "Cancelled", "EngineFailed", "EngineLoop", "Event", "Failed", "Finished", "LoopClosed",
     "Overloaded", "Preempted", "RequestStream", "Started", "SynthesisJob",
 ]  # fmt: skip
+
+
+def _built(part: T | None) -> T:
+    """`part` of the engine (EngineLoop.engine, .planner, .runner), built on the engine thread."""
+    if part is None:
+        raise RuntimeError("engine not started")
+    return part
 
 
 class Overloaded(RuntimeError):
@@ -85,8 +94,8 @@ class RequestStream:
         self.request_id = job_id
         self._loop = loop
         self._aio_loop = aio_loop
-        self._aq: asyncio.Queue | None = asyncio.Queue() if aio_loop is not None else None
-        self._q: queue.Queue | None = None if aio_loop is not None else queue.Queue()
+        self._aq: asyncio.Queue[Event] | None = asyncio.Queue() if aio_loop is not None else None
+        self._q: queue.Queue[Event] | None = None if aio_loop is not None else queue.Queue()
         self._lock = threading.Lock()
         self._queued = 0  # Audio events delivered and not yet taken
         self._paused = False  # set by the engine thread when the queue hit the cap
@@ -142,8 +151,10 @@ class RequestStream:
             with self._lock:
                 self._queued += 1
         if self._aio_loop is None:
+            assert self._q is not None  # (a stream without an asyncio loop has the thread queue)
             self._q.put(event)
             return True
+        assert self._aq is not None  # (and one with an asyncio loop the asyncio queue)
         try:
             self._aio_loop.call_soon_threadsafe(self._aq.put_nowait, event)
         except RuntimeError:  # the event loop is closed: nobody will read this stream
@@ -231,9 +242,10 @@ class EngineLoop:
         self.reference_cache = ReferenceCache(reference_cache_bytes)
         self._codec_graphs = codec_graphs
         self._warmup = warmup
-        self.engine: Engine | None = None
-        self.planner: Planner | None = None
-        self.runner: JobRunner | None = None
+        # Built on the engine thread at start-up (`engine`, `planner`, `runner` read them).
+        self._engine: Engine | None = None
+        self._planner: Planner | None = None
+        self._runner: JobRunner | None = None
         self.stats = LoopStats()
         self._cv = threading.Condition()
         self._inbox: list[tuple] = []
@@ -285,8 +297,22 @@ class EngineLoop:
             return self._accepting
 
     @property
+    def engine(self) -> Engine:
+        """The engine; RuntimeError until the engine thread has built it."""
+        return _built(self._engine)
+
+    @property
+    def planner(self) -> Planner:
+        """The planner; RuntimeError until the engine thread has built it."""
+        return _built(self._planner)
+
+    @property
+    def runner(self) -> JobRunner:
+        """The job runner; RuntimeError until the engine thread has built it."""
+        return _built(self._runner)
+
+    @property
     def max_context(self) -> int:
-        assert self.engine is not None, "engine not started"
         return self.engine.max_context
 
     def close_admission(self) -> None:
@@ -330,13 +356,12 @@ class EngineLoop:
     def check_request(self, prompt: Tensor, params: SamplingParams) -> None:
         """Raise InvalidRequest if an engine request with this prompt and params could never run
         (prompt + budget over the context size, more KV blocks than the pool). Read-only; any thread."""
-        assert self.engine is not None, "engine not started"
         self.engine.scheduler.check(Request("check", prompt, params))
 
     def add_voice(self, name: str, reference: PreparedReference, replace: bool = False) -> Future:
         """Register `reference` as voice `name`: checked now (raises InvalidRequest or VoiceExists),
         encoded on the codec stage, then stored (and persisted). Returns a future of the VoiceEntry."""
-        assert self.runner is not None, "engine not started"
+        runner = self.runner  # (raises if the engine is not started)
         self.voices.check_new(name, replace)
         result: Future = Future()
 
@@ -348,7 +373,7 @@ class EngineLoop:
             else:
                 result.set_result(entry)
 
-        self.runner.stage.encode(reference.samples).add_done_callback(encoded)
+        runner.stage.encode(reference.samples).add_done_callback(encoded)
         return result
 
     def delete_voice(self, name: str) -> None:
@@ -417,7 +442,9 @@ class EngineLoop:
         TTS_STEP_STREAM=default keeps the default stream (for A/B measurements)."""
         if os.environ.get("TTS_STEP_STREAM", "high") == "default":
             return
-        stream = torch.cuda.Stream(device, priority=min(torch.cuda.Stream.priority_range()))  # lower: sooner
+        # (torch's stub declares the static `priority_range` as an instance method)
+        priority = min(torch.cuda.Stream.priority_range())  # type: ignore[call-arg]  # lower: sooner
+        stream = torch.cuda.Stream(device, priority=priority)
         stream.wait_stream(torch.cuda.default_stream(device))  # the weights were loaded on the default one
         torch.cuda.set_stream(stream)  # (per thread)
 
@@ -427,10 +454,10 @@ class EngineLoop:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
                 self._use_step_stream(device)
-            self.engine = Engine(self.bundle.model, for_bundle(self.engine_config, self.bundle))
-            self.planner = Planner(self.bundle, self.engine.max_context, self.engine.check, self.voices)
-            self.runner = JobRunner(
-                self.engine, self.planner, max_streams=self.max_jobs + 1, max_queued_chunks=self.max_queued_chunks,
+            self._engine = Engine(self.bundle.model, for_bundle(self.engine_config, self.bundle))
+            self._planner = Planner(self.bundle, self._engine.max_context, self._engine.check, self.voices)
+            self._runner = JobRunner(
+                self._engine, self._planner, max_streams=self.max_jobs + 1, max_queued_chunks=self.max_queued_chunks,
                 pause_timeout=self.pause_timeout, notify=self._wake, reference_cache=self.reference_cache,
                 codec_graphs=self._codec_graphs,
             )  # fmt: skip
@@ -449,8 +476,8 @@ class EngineLoop:
             log.exception("engine start-up failed")
             self._start_error = exc
             self._ready.set()
-            if self.runner is not None:
-                self.runner.stage.stop()
+            if self._runner is not None:
+                self._runner.stage.stop()
             return
         with self._cv:
             self._accepting = not self._closing
@@ -534,6 +561,7 @@ class EngineLoop:
             stream_paused = runner.jobs.get(arg)
             runner.resume(arg)
             if stream_paused is not None:
+                assert isinstance(stream_paused.sink, RequestStream)  # (this loop's jobs all have one)
                 stream_paused.sink._set_paused(False)
         elif kind == "refused":
             runner.note_refusal()

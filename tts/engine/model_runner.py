@@ -60,7 +60,7 @@ from ..sampling import (
     sample,
     sample_main_token,
 )
-from .cpu_decode import block_weights, decode_layers, decode_layers_kv_only
+from .cpu_decode import LayerWeights, block_weights, decode_layers, decode_layers_kv_only
 
 # CPU step: frames of sampler noise made in one batch, and the most rows x frames of one batch.
 NOISE_FRAMES_AHEAD = 16
@@ -229,6 +229,7 @@ class ModelRunner:
         c = model.config
         if c.eos_token_id is None:
             raise ValueError("the model config has no eos_token_id (<|im_end|>); cannot serve it")
+        self.eos_token_id: int = c.eos_token_id
         if repetition is not None and repetition not in REPETITION_MODES:
             raise ValueError(f"repetition must be one of {REPETITION_MODES} or None, got {repetition!r}")
         self.repetition = repetition
@@ -259,14 +260,14 @@ class ModelRunner:
         # Element offset of (row, fast position k) in a fast KV layer `[B, Hkv, N, D]`, for the fused
         # kernel that writes K/V straight into it: row * Hkv * N * D + k * D.
         fk = self.buffers.fast_k
-        rows = torch.arange(max_batch, device=self.device) * fk.stride(1)
-        self.fast_row_offset = torch.stack([rows + k * fk.stride(3) for k in range(c.num_codebooks)])
+        row_offsets = torch.arange(max_batch, device=self.device) * fk.stride(1)
+        self.fast_row_offset = torch.stack([row_offsets + k * fk.stride(3) for k in range(c.num_codebooks)])
         # On a CPU (no graphs) the layers run through cpu_decode (see there), with RoPE factors built
         # once: the fast AR's for each codebook position, `[1, 1, D]`, and the slow AR's for every
         # position, `[max_seq_len, 1, D]` fp32 (1 MB for the default model), of which a step picks its
         # rows'. `_cpu_layers` is None where cpu_decode does not apply (then the modules run).
         self._cpu_rope: tuple[list[tuple[Tensor, Tensor]], tuple[Tensor, Tensor]] | None = None
-        self._cpu_layers = None
+        self._cpu_layers: tuple[LayerWeights, LayerWeights] | None = None  # (slow, fast)
         if self.device.type == "cpu":
             fast = [Rope(model.fast_freqs_cis[k : k + 1]).factors() for k in range(c.num_codebooks)]
             cos, sin = Rope(model.freqs_cis).factors()  # [1, max_seq_len, 1, D]
@@ -484,6 +485,7 @@ class ModelRunner:
             v_flat.index_copy_(0, slots, v)
             return torch_attention(q, k_pool, v_pool, self.scale)
 
+        assert self._cpu_layers is not None and self._cpu_rope is not None  # (slow_step checked)
         (blocks, final_norm), _ = self._cpu_layers
         cos, sin = self._cpu_rope[1]
         x = self.model.embed(self.buffers.input_columns[:b])
@@ -533,6 +535,7 @@ class ModelRunner:
         are ever read, so its last layer stops there), then one position per remaining codebook,
         appending `draw(logits, k)` to `codes`."""
         m = self.model
+        assert self._cpu_layers is not None and self._cpu_rope is not None  # (decode_step checked)
         _, (blocks, final_norm) = self._cpu_layers
         rope = self._cpu_rope[0]
         decode_layers_kv_only(blocks, x, *rope[0], *self._cpu_fast_slot(b, 0))
@@ -577,12 +580,13 @@ class ModelRunner:
         would be cheaper but buffers made under `torch.inference_mode()` have none."""
         bufs = self.buffers
         params = (bufs.temperature, bufs.top_p, bufs.top_k, bufs.ras_len)
-        key = (b, *(tuple(t.tolist()[:b]) for t in params))
+        values = [tuple(t.tolist()[:b]) for t in params]
+        key = (b, *values)
         if self._cpu_settings is None or self._cpu_settings[0] != key:
             temperature, top_p, top_k = bufs.temperature[:b], bufs.top_p[:b], bufs.top_k[:b]
             settings = DrawSettings(temperature, top_p, top_k)
             high = ras_high_settings(temperature, top_p, top_k, settings)
-            settings.all_sampled = all(t > 0 for t in key[1])  # key[1]: the temperatures; no greedy row
+            settings.all_sampled = all(t > 0 for t in values[0])  # values[0]: the temperatures; no greedy row
             high.all_sampled = True  # (temperature 1.0 in every row)
             self._cpu_settings = key, settings, high, ras_counted(bufs.ras_history[:b], bufs.ras_len[:b])
         return self._cpu_settings[1:]
@@ -649,7 +653,7 @@ class ModelRunner:
                 high_log_noise=None if noise is None else noise[:, high, :V], settings=settings,
                 high_settings=high_settings, counted=ras_counted_mask,
             )  # fmt: skip
-            token = torch.where(idx == self.n_sem, c.eos_token_id, idx + c.semantic_begin_id)
+            token = torch.where(idx == self.n_sem, self.eos_token_id, idx + c.semantic_begin_id)
             # Fast AR: position 0 on the slow hidden state (its logits are never used), c_0 derived from
             # the main token, then one position per remaining codebook (docs/fish_dual_ar.md §1.4 steps 4-6).
             codes = [torch.clamp(token - c.semantic_begin_id, 0, c.codebook_size - 1)]
@@ -699,16 +703,16 @@ class ModelRunner:
         index = tokens - c.semantic_begin_id
         index = torch.where((tokens < c.semantic_begin_id) | (tokens > c.semantic_end_id), -1, index)
         if self.has_eos_column:
-            index = torch.where(tokens == c.eos_token_id, self.n_sem, index)
+            index = torch.where(tokens == self.eos_token_id, self.n_sem, index)
         return index
 
     def _advance(self, b: int, frame: Tensor, idx: Tensor) -> None:
         """Write the frame to `out` and move every active row's state one frame forward, in place."""
-        c, bufs, cols = self.config, self.buffers, self.out_layout
+        bufs, cols = self.buffers, self.out_layout
         active = bufs.active[:b]
         steps = bufs.steps[:b]
         done = active & (
-            (frame[:, 0] == c.eos_token_id)
+            (frame[:, 0] == self.eos_token_id)
             | (steps + 1 >= bufs.budgets[:b])
             | (bufs.positions[:b] + 2 > self.max_blocks_per_seq * self.kv.block_size)
         )

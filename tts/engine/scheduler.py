@@ -82,7 +82,7 @@ class Scheduler:
 
         Returns `(row, request)` for each admitted request, its blocks allocated.
         """
-        admitted = []
+        admitted: list[tuple[int, Request]] = []
         tokens = 0
         while self.waiting and len(self.running) < self.max_batch:
             request = self.waiting[0]
