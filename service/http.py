@@ -46,8 +46,8 @@ import logging
 import math
 import socket
 import time
-from pathlib import Path
 from collections.abc import AsyncGenerator
+from pathlib import Path
 from typing import Literal
 
 import grpc
