@@ -874,7 +874,8 @@ class TTSServer:
         state, requests in flight / running / waiting / paused against the admission limit, and KV blocks
         in use (all from the engine loop's snapshot; no engine work)."""
         s = self.loop.stats
-        max_batch = self.loop.engine_config.max_batch  # = engine.config.max_batch; the engine may not be built yet
+        # The loop's engine config: its max_batch is the engine's, and it exists before the engine is built.
+        max_batch = self.loop.engine_config.max_batch
         limit = max_batch + self.limits.max_waiting
         return {
             "replica": self.replica, "status": self.state, "in_flight": s.jobs, "max_in_flight": limit,
