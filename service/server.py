@@ -785,11 +785,11 @@ class TTSServer:
         self._server = grpc.aio.server(options=grpc_options(self.limits))
         self.servicer = TextToSpeechServicer(self.loop, self.limits, self.metrics, self.replica)
         add_servicer(self.servicer, self._server)
-        self._health = health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         reflection.enable_server_reflection(
             (
                 SERVICE_NAME,
