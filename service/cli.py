@@ -310,6 +310,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.devices is not None:
         from .cluster import run_cluster
 
+        assert _SERVE_PARSER is not None  # add_parser made the parser these args came from
         return run_cluster(args, _SERVE_PARSER)
     check_device(args.device)
     check_serve_ports(args)  # before the model loads: a busy port is found in a moment
@@ -383,6 +384,7 @@ async def _serve(args, bundle, engine_config, limits) -> int:
             if metrics_port is not None
             else ""
         )
+        assert server.loop.engine is not None  # the server is ready: its engine is built
         graphs = server.loop.engine.graphs.enabled
         http = f"; HTTP on http://{args.host}:{server.http_port}/" if http_port is not None else ""
         print(

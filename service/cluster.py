@@ -260,7 +260,7 @@ class Cluster:
     def _ports(self, n: int) -> list[tuple[int, int, int]]:
         base = self.args.replica_base_port
         flat = list(range(base, base + 3 * n)) if base else free_ports("127.0.0.1", 3 * n)
-        return [tuple(flat[3 * i : 3 * i + 3]) for i in range(n)]
+        return [(flat[3 * i], flat[3 * i + 1], flat[3 * i + 2]) for i in range(n)]
 
     # ---- output
 
@@ -290,16 +290,17 @@ class Cluster:
         )
 
     async def _start_proxy(self) -> None:
-        self.proxy_proc = await asyncio.create_subprocess_exec(
+        self.proxy_proc = proc = await asyncio.create_subprocess_exec(
             self.proxy, "-db", "-f", str(self.config_path), stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
             preexec_fn=_die_with_parent,
         )  # fmt: skip
-        self.tasks.append(asyncio.ensure_future(self._forward(self.proxy_proc.stdout, PROXY, None)))
+        assert proc.stdout is not None  # (stdout=PIPE)
+        self.tasks.append(asyncio.ensure_future(self._forward(proc.stdout, PROXY, None)))
         deadline = time.monotonic() + 30
         while True:
-            if self.proxy_proc.returncode is not None:
-                raise UserError(f"{PROXY} exited at start-up ({_describe_exit(self.proxy_proc.returncode)})")
+            if proc.returncode is not None:
+                raise UserError(f"{PROXY} exited at start-up ({_describe_exit(proc.returncode)})")
             with contextlib.suppress(OSError, asyncio.TimeoutError):
                 if "Name:" in await admin_command(self.admin_socket, "show info", 2.0):
                     return
@@ -317,21 +318,24 @@ class Cluster:
         ]  # fmt: skip
         r.serving.clear()
         r.last_error = ""
-        r.proc = await asyncio.create_subprocess_exec(
+        r.proc = proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT, env=self._env(), start_new_session=True,
             preexec_fn=_die_with_parent,
         )  # fmt: skip
         r.starts += 1
-        self.tasks.append(asyncio.ensure_future(self._forward(r.proc.stdout, r.name, r)))
+        assert proc.stdout is not None  # (stdout=PIPE)
+        self.tasks.append(asyncio.ensure_future(self._forward(proc.stdout, r.name, r)))
         self.say(
-            f"replica {r.name} ({r.device}): pid {r.proc.pid}, gRPC 127.0.0.1:{r.grpc_port}, "
+            f"replica {r.name} ({r.device}): pid {proc.pid}, gRPC 127.0.0.1:{r.grpc_port}, "
             f"HTTP http://127.0.0.1:{r.http_port}/, metrics http://127.0.0.1:{r.metrics_port}/metrics"
         )
 
     async def _wait_first_start(self, r: Replica) -> None:
         """Wait until `r` serves; raise UserError / RuntimeError with its error if it exits first."""
-        exited = asyncio.ensure_future(r.proc.wait())
+        proc = r.proc
+        assert proc is not None  # (_start started it)
+        exited = asyncio.ensure_future(proc.wait())
         serving = asyncio.ensure_future(r.serving.wait())
         await asyncio.wait([exited, serving], return_when=asyncio.FIRST_COMPLETED)
         if serving.done():
@@ -339,7 +343,7 @@ class Cluster:
             return
         serving.cancel()
         await asyncio.sleep(0.2)  # let its last lines through
-        code = r.proc.returncode
+        code = exited.result()  # = proc.returncode
         reason = r.last_error or _describe_exit(code)
         error = UserError if code == 2 else RuntimeError
         raise error(f"replica {r.name} ({r.device}) failed to start: {reason}")
@@ -359,6 +363,7 @@ class Cluster:
     async def _watch(self, r: Replica) -> None:
         """Report an unexpected exit of `r` and restart it (unless --restart off) until the cluster stops."""
         while True:
+            assert r.proc is not None  # (started before it is watched, and restarted below)
             code = await r.proc.wait()
             if self.stopping:
                 return
@@ -381,28 +386,29 @@ class Cluster:
 
     async def _announce(self, r: Replica) -> None:
         proc = r.proc
+        assert proc is not None  # (_watch has just restarted it)
         await r.serving.wait()
         if r.proc is proc and not self.stopping:
             r.failures = 0
             self.say(f"replica {r.name} ({r.device}) serving again (pid {proc.pid}, start {r.starts})")
 
     async def _stop_replicas(self, sig: signal.Signals) -> None:
-        running = [r for r in self.replicas if r.proc is not None and r.proc.returncode is None]
-        for r in running:
+        running = [(r, r.proc) for r in self.replicas if r.proc is not None and r.proc.returncode is None]
+        for _, proc in running:
             with contextlib.suppress(ProcessLookupError):
-                r.proc.send_signal(sig)
+                proc.send_signal(sig)
         limit = (self.drain_delay if sig == signal.SIGTERM else 0.0) + self.args.grace + 10.0
-        waits = [asyncio.ensure_future(r.proc.wait()) for r in running]
+        waits = [asyncio.ensure_future(proc.wait()) for _, proc in running]
         if waits:
             await asyncio.wait(waits, timeout=limit)
-        for r in running:
-            if r.proc.returncode is None:
+        for r, proc in running:
+            if proc.returncode is None:
                 self.say(
                     f"replica {r.name} ({r.device}) still running {limit:g} s after {sig.name}: killing it"
                 )
                 with contextlib.suppress(ProcessLookupError):
-                    r.proc.kill()
-                await r.proc.wait()
+                    proc.kill()
+                await proc.wait()
 
     async def _stop_proxy(self) -> None:
         p = self.proxy_proc
@@ -431,6 +437,7 @@ class Cluster:
         )  # fmt: skip
         await asyncio.to_thread(check_config, self.proxy, self.config_path)
         await self._start_proxy()
+        assert self.proxy_proc is not None  # (_start_proxy started it)
         self.say(f"{PROXY}: pid {self.proxy_proc.pid}, configuration {self.config_path}")
         for r in self.replicas:
             await self._start_replica(r)
@@ -447,6 +454,7 @@ class Cluster:
     async def _serve(self) -> int:
         """Watch the replicas (restarting them) and HAProxy until a stop signal; returns the exit code."""
         watchers = [asyncio.ensure_future(self._watch(r)) for r in self.replicas]
+        assert self.proxy_proc is not None  # (_start started it)
         proxy_exit = asyncio.ensure_future(self.proxy_proc.wait())
         stop_wait = asyncio.ensure_future(self._wake.wait())
         await asyncio.wait([proxy_exit, stop_wait], return_when=asyncio.FIRST_COMPLETED)

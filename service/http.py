@@ -46,6 +46,7 @@ import logging
 import math
 import socket
 import time
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Literal
 
@@ -249,7 +250,7 @@ class _Synthesis:
                 yield "failed", event.error
                 return
 
-    async def audio_body(self):
+    async def audio_body(self) -> AsyncGenerator[bytes, None]:
         async for kind, payload in self.events():
             if kind == "audio":
                 yield payload
@@ -259,8 +260,9 @@ class _Synthesis:
                 )
                 raise StreamAborted(str(payload))
 
-    async def sse_body(self):
+    async def sse_body(self) -> AsyncGenerator[bytes, None]:
         async for kind, payload in self.events():
+            event: dict[str, object]
             if kind == "audio":
                 event = {"type": "speech.audio.delta", "audio": base64.b64encode(payload).decode("ascii")}
             elif kind == "done":
@@ -313,8 +315,9 @@ class _SynthesisResponse(StreamingResponse):
     cancels the sending task, which may be suspended anywhere; `abort()` (at shutdown) cuts a response
     whose client stopped reading."""
 
-    def __init__(self, synthesis: _Synthesis, body, **kwargs):
+    def __init__(self, synthesis: _Synthesis, body: AsyncGenerator[bytes, None], **kwargs):
         super().__init__(body, **kwargs)
+        self._body = body  # = self.body_iterator, kept with its generator type (aclose)
         self.synthesis = synthesis
         self.aborted = False
         self._task: asyncio.Task | None = None
@@ -329,6 +332,7 @@ class _SynthesisResponse(StreamingResponse):
             if not self.aborted:
                 raise
             task = asyncio.current_task()
+            assert task is not None  # (this coroutine runs in a task)
             if hasattr(task, "uncancel"):  # Python 3.11+: this cancellation is handled here
                 task.uncancel()
             if not self.synthesis.front.drop_connection(scope):
@@ -338,7 +342,7 @@ class _SynthesisResponse(StreamingResponse):
             active.discard(self)
             self.synthesis.close("unavailable" if self.aborted else "cancelled")
             with contextlib.suppress(Exception):
-                await self.body_iterator.aclose()
+                await self._body.aclose()
 
     def abort(self) -> None:
         """End the response now, without its final chunk (the connection is closed)."""
@@ -591,7 +595,8 @@ class HTTPFront:
         if r.reference_audio is not None:
             if voice:
                 raise APIError(400, "give voice or reference_audio, not both", param="voice")
-            if not (r.reference_text or "").strip():
+            transcript = r.reference_text or ""
+            if not transcript.strip():
                 raise APIError(
                     400, "reference_audio needs its transcript in reference_text", param="reference_text"
                 )
@@ -604,7 +609,7 @@ class HTTPFront:
                 raise APIError(
                     400, f"reference_audio is not valid base64: {exc}", param="reference_audio"
                 ) from exc
-            req.voice.reference.text = r.reference_text
+            req.voice.reference.text = transcript
         elif voice:
             req.voice.name = voice
         s = req.sampling

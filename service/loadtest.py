@@ -467,6 +467,7 @@ async def run_loadtest(
             return build_request(request_text(i), seed=seed + i, **{**request_options, **voice(i)})
 
         async def register() -> float:  # on every listed server (through a balancer: on one replica only)
+            assert clip is not None  # called only for reference mode "registered", which has a clip
             return sum([await register_voice(stub, clip) for stub in stubs])
 
         registered = False

@@ -31,6 +31,7 @@ every iteration by the engine thread); per-request figures are observed by the g
 from __future__ import annotations
 
 import logging
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -110,7 +111,7 @@ class ServiceMetrics:
             buckets=RTF_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.audio_seconds = Counter("tts_audio_seconds", "Audio produced (seconds)", registry=self.registry)
-        self._http = None
+        self._http: WSGIServer | None = None
 
     def serve_http(self, host: str, port: int) -> int:
         """Serve /metrics on host:port (0 = a free port); returns the bound port."""

@@ -42,8 +42,9 @@ import logging
 import re
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -78,6 +79,11 @@ from tts_grpc.v1 import tts_pb2 as pb
 from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
 
 from .metrics import ServiceMetrics
+
+if TYPE_CHECKING:
+    from grpc_health.v1 import health
+
+    from .http import HTTPFront
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +158,7 @@ def grpc_options(limits: ServiceLimits) -> list[tuple[str, int]]:
 @dataclass
 class PreparedRequest:
     job: SynthesisJob
-    encoding: int  # pb.AudioEncoding
+    encoding: pb.AudioEncoding
     include_codes: bool
 
 
@@ -221,7 +227,9 @@ def prepare_reference(planner: Planner, ref: pb.ReferenceAudio, limits: ServiceL
     except AudioError as exc:  # soundfile's message names an in-memory file object: drop it
         reason = re.sub(r"^cannot read reference audio: (Error opening <[^>]*>: )?", "", str(exc)).strip()
         raise AudioError(f"cannot read reference audio ({field}.audio, WAV or FLAC): {reason}") from exc
-    key = reference_key(bytes(ref.audio), ref.text, planner.voices.fingerprint)
+    fingerprint = planner.voices.fingerprint
+    assert fingerprint is not None  # the loop's registry is opened with the codec's fingerprint
+    key = reference_key(bytes(ref.audio), ref.text, fingerprint)
     return planner.prepare_reference(audio, sample_rate, ref.text, key=key)
 
 
@@ -410,7 +418,7 @@ _FINISH = {
 }
 
 
-def overall_finish_reason(reasons: list[int]) -> int:
+def overall_finish_reason(reasons: Sequence[pb.FinishReason]) -> pb.FinishReason:
     """The stream's finish reason: SHORT if any text chunk was short, else LENGTH if any hit its budget,
     else STOP."""
     for reason in (pb.FINISH_REASON_SHORT, pb.FINISH_REASON_LENGTH):
@@ -469,8 +477,10 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
             await self._abort(
                 context, LoopClosed("the server is shutting down; not accepting requests"), call
             )
+        planner = self.loop.planner
+        assert planner is not None  # the engine thread sets it before the loop is ready
         try:
-            prepared = await asyncio.to_thread(build_job, self.loop.planner, self.loop, request, self.limits)
+            prepared = await asyncio.to_thread(build_job, planner, self.loop, request, self.limits)
             call.voice = prepared.job.voice_kind
             stream = self.loop.submit(prepared.job, asyncio.get_running_loop())
         except (TextError, InvalidRequest, AudioError, VoiceNotFound, Overloaded, LoopClosed) as exc:
@@ -590,6 +600,7 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
                 yield event
                 return
             else:
+                assert isinstance(event, Failed), event  # Started comes once, first (taken by _open)
                 await self._abort(context, event.error, call)
 
     async def Synthesize(self, request, context):
@@ -756,11 +767,11 @@ class TTSServer:
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
         self.http_port = http_port  # ---- HTTP front (service/http.py)
         self.servicer: TextToSpeechServicer | None = None
-        self._http = None  # ---- end HTTP front
+        self._http: HTTPFront | None = None  # ---- end HTTP front
         self.port: int | None = None
         self.replica = replica or ""
         self._server: grpc.aio.Server | None = None
-        self._health = None
+        self._health: health.aio.HealthServicer | None = None  # (grpc_health is untyped)
         self._ready = asyncio.Event()
         self._stopped = asyncio.Event()
         self._stopping = False
@@ -806,12 +817,14 @@ class TTSServer:
             self._http = HTTPFront(self)
             self.http_port = await self._http.start(host, self.http_port)  # ---- end HTTP front
         aio_loop = asyncio.get_running_loop()
-        self.loop.on_ready = lambda: aio_loop.call_soon_threadsafe(
-            lambda: asyncio.ensure_future(self._mark_ready())
-        )
-        self.loop.on_stopped = lambda: aio_loop.call_soon_threadsafe(
-            lambda: asyncio.ensure_future(self._mark_not_serving())
-        )
+
+        def on_ready() -> None:  # (engine thread)
+            aio_loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._mark_ready()))
+
+        def on_stopped() -> None:  # (engine thread)
+            aio_loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._mark_not_serving()))
+
+        self.loop.on_ready, self.loop.on_stopped = on_ready, on_stopped
         self.loop.start()
         return self.port
 
@@ -820,6 +833,7 @@ class TTSServer:
             return
         from grpc_health.v1 import health_pb2
 
+        assert self._health is not None  # start() sets it before the hooks that call this
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._ready.set()
@@ -828,6 +842,7 @@ class TTSServer:
         """The engine thread ended (shutdown, or a crash of the loop itself): report NOT_SERVING."""
         from grpc_health.v1 import health_pb2
 
+        assert self._health is not None  # start() sets it before the hooks that call this
         for name in ("", SERVICE_NAME, LIVENESS_SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
@@ -859,7 +874,8 @@ class TTSServer:
         state, requests in flight / running / waiting / paused against the admission limit, and KV blocks
         in use (all from the engine loop's snapshot; no engine work)."""
         s = self.loop.stats
-        max_batch = self.loop.engine.config.max_batch
+        # The loop's engine config: its max_batch is the engine's, and it exists before the engine is built.
+        max_batch = self.loop.engine_config.max_batch
         limit = max_batch + self.limits.max_waiting
         return {
             "replica": self.replica, "status": self.state, "in_flight": s.jobs, "max_in_flight": limit,

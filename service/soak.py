@@ -48,6 +48,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 KINDS = ("normal", "cancel", "slow", "stall", "deadline", "unary", "invalid")
 DEFAULT_MIX = {"cancel": 0.15, "slow": 0.10, "stall": 0.05, "deadline": 0.10, "unary": 0.10, "invalid": 0.05}
@@ -62,7 +63,8 @@ ALLOWED = {
 }
 CANCEL_PHASES = ("before_header", "after_header", "after_chunks")
 # (name, build_request keywords): every one is INVALID_ARGUMENT before any generation work.
-INVALID_VARIANTS = (
+# (name, the build_request keywords it replaces: values of several types)
+INVALID_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("empty text", {"text": ""}),
     ("top_p 1.5", {"top_p": 1.5}),
     ("temperature -1", {"temperature": -1.0}),
@@ -119,6 +121,7 @@ class Spec:
     def detail(self) -> str:
         """A short description for the report."""
         if self.kind == "cancel":
+            assert self.cancel_phase is not None  # make_plan sets it on every cancel request
             return self.cancel_phase + (
                 f" {self.cancel_chunks}" if self.cancel_phase == "after_chunks" else ""
             )
@@ -127,6 +130,7 @@ class Spec:
         if self.kind in ("slow", "deadline"):
             return f"{self.delay_s:.3f} s"
         if self.kind == "invalid":
+            assert self.invalid is not None  # make_plan sets it on every invalid request
             return INVALID_VARIANTS[self.invalid][0]
         return ""
 
@@ -344,6 +348,7 @@ def build_soak_request(spec: Spec, seed: int, request_options: dict, voice: dict
     options = {**request_options, **voice}
     text = request_text(spec.index)
     if spec.kind == "invalid":
+        assert spec.invalid is not None  # make_plan sets it on every invalid request
         _, bad = INVALID_VARIANTS[spec.invalid]
         bad = dict(bad)
         text = bad.pop("text", text)
@@ -478,6 +483,7 @@ async def run_soak(
         registered = False
         try:
             if reference == "registered":
+                assert clip is not None  # reference_clip returns None only for mode "none"
                 await register_voice(stub, clip)
                 registered = True
             # Warm-up: normal requests at full concurrency (numbered after the plan's, never repeated).
@@ -519,7 +525,8 @@ async def run_soak(
             if sampling is not None:
                 stop.set()
                 await sampling
-            idle, gauges_after, settle_s = (False, {}, 0.0)
+            gauges_after: dict[str, float] = {}
+            idle, settle_s = False, 0.0
             final = None
             if sampler is not None:
                 idle, gauges_after, settle_s = await settle(sampler, cfg.settle_timeout)
@@ -583,6 +590,7 @@ def summarize(plan: list[Spec], outcomes: list[Outcome]) -> dict:
             unexpected[o.kind][o.status] = unexpected[o.kind].get(o.status, 0) + 1
         if o.kind == "cancel":
             phase = by_index[o.index].cancel_phase
+            assert phase is not None  # make_plan sets it on every cancel request
             cancel[phase][o.status] = cancel[phase].get(o.status, 0) + 1
         if o.kind == "stall":
             then = stall[f"then_{by_index[o.index].then}"]
