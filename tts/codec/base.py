@@ -84,6 +84,10 @@ class Codec(ABC):
         return self.encode_audio(prepare_audio(audio, sample_rate, self.sample_rate))
 
     @abstractmethod
+    def config(self) -> dict:
+        """What rebuilds this codec (its kind and sizes; JSON-serializable): a bundle's codec.json."""
+
+    @abstractmethod
     def encode_audio(self, audio: Tensor) -> Tensor:
         """Codes `[num_codebooks, T]` int64 for mono float32 audio `[samples]` at `sample_rate`."""
 
