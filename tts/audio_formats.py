@@ -169,7 +169,7 @@ class _Tempo:
             frame.sample_rate, frame.pts, frame.time_base = self.rate, self.pts, Fraction(1, self.rate)
             self.pts += len(samples)
             self.graph.push(frame)
-        out = []
+        out: list[np.ndarray] = []
         while True:
             try:
                 frame = self.graph.pull()
@@ -220,12 +220,15 @@ class AudioEncoder:
             options["page_duration"] = str(OGG_PAGE_MICROSECONDS)
         self._container = av.open(self._file, "w", format=self.format.container, container_options=options)
         codec = self.format.codec
+        assert codec is not None  # a format with a container names its codec (FORMATS)
         if self.format.name == "wav" and pcm_float:
             codec = "pcm_f32le"
         rate = self.format.rate or self._supported_rate(av.codec.Codec(codec, "w").audio_rates)
         self.output_rate = rate
-        self._stream = self._container.add_stream(codec, rate=rate, layout="mono")
-        ctx = self._stream.codec_context
+        stream = self._container.add_stream(codec, rate=rate, layout="mono")
+        assert isinstance(stream, av.AudioStream)  # an audio codec's stream
+        self._stream = stream
+        ctx = stream.codec_context
         if self.format.bit_rate:
             ctx.bit_rate = self.format.bit_rate * (2 if rate >= 32000 and self.format.name != "opus" else 1)
         self._resampler = av.AudioResampler(
@@ -275,6 +278,7 @@ class AudioEncoder:
         self._container.close()
         self._container = None
         if self._seekable:
+            assert isinstance(self._file, io.BytesIO)  # a seekable encoder writes into a BytesIO
             return self._file.getvalue()
         return b"".join(out) + self._take()
 
@@ -306,6 +310,7 @@ class AudioEncoder:
     def _encode_frame(self, frame) -> None:
         frame.pts, frame.time_base = self.samples_out, Fraction(1, self.output_rate)
         self.samples_out += frame.samples
+        assert self._container is not None  # only called while the container is open
         self._container.mux(self._stream.encode(frame))
 
     def _take(self) -> bytes:

@@ -266,6 +266,9 @@ def load_voices(directory: Path) -> dict[str, VoiceReference]:
 
 def save_bundle(bundle: ModelBundle, directory: str | Path, codec_config: dict | None = None) -> Path:
     """Write `bundle` in our directory format (see the module docstring); returns the directory."""
+    # Our format: a tokenizer.json and an S2 prompt whose frontend is named in config.json.
+    assert isinstance(bundle.tokenizer, TextTokenizer), "our directory format stores a tokenizer.json"
+    assert isinstance(bundle.prompt_format, S2PromptFormat), "our directory format uses the S2 prompt"
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     s = bundle.sampling
@@ -417,11 +420,11 @@ def load_text_model(spec: str | Path = "default") -> TextModel:
 
     family = detect_family(raw)
     spec_ = FAMILIES[family]
-    tokenizer = load_fish_tokenizer(directory, family)
-    args = fish_model_args(raw, family, tokenizer)
+    fish_tokenizer = load_fish_tokenizer(directory, family)
+    args = fish_model_args(raw, family, fish_tokenizer)
     return TextModel(
-        directory.resolve().name, f"{spec_.display} ({raw['model_type']})", tokenizer,
-        spec_.prompt_format(tokenizer, args.num_codebooks), spec_.chunk_length,
+        directory.resolve().name, f"{spec_.display} ({raw['model_type']})", fish_tokenizer,
+        spec_.prompt_format(fish_tokenizer, args.num_codebooks), spec_.chunk_length,
     )  # fmt: skip
 
 

@@ -23,6 +23,11 @@ def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
 
+def _unset(size: int | None) -> bool:
+    """A size `ModelArgs.__post_init__` derives: the -1 default, or None (a `null` in config.json)."""
+    return size is None or size == -1
+
+
 @dataclass
 class ModelArgs:
     """Architecture of a dual-AR model (slow AR + fast AR), docs/fish_dual_ar.md §1 and §2.
@@ -30,6 +35,9 @@ class ModelArgs:
     Defaults follow fish-speech's dataclass defaults where a key is absent: `n_local_heads = n_head`,
     `intermediate_size = round_up(int(8 * dim / 3), 256)`, `head_dim = 64`, and every `fast_*` field
     falls back to its slow counterpart.
+
+    A derived size is -1 (or None, e.g. a `null` in config.json) until `__post_init__` resolves it, so
+    after construction every size field is an int.
     """
 
     model_type: str = "dual_ar"
@@ -37,9 +45,9 @@ class ModelArgs:
     n_layer: int = 32
     n_head: int = 32
     dim: int = 4096
-    intermediate_size: int | None = None
+    intermediate_size: int = -1
     n_local_heads: int = -1
-    head_dim: int | None = 64
+    head_dim: int = 64
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
     max_seq_len: int = 2048
@@ -58,11 +66,11 @@ class ModelArgs:
     norm_fastlayer_input: bool = False
     # Fast AR ("audio decoder").
     n_fast_layer: int = 4
-    fast_dim: int | None = None
-    fast_n_head: int | None = None
-    fast_n_local_heads: int | None = None
-    fast_head_dim: int | None = None
-    fast_intermediate_size: int | None = None
+    fast_dim: int = -1
+    fast_n_head: int = -1
+    fast_n_local_heads: int = -1
+    fast_head_dim: int = -1
+    fast_intermediate_size: int = -1
     fast_attention_qkv_bias: bool | None = None
     fast_attention_qk_norm: bool | None = None
     fast_attention_o_bias: bool | None = None
@@ -78,16 +86,19 @@ class ModelArgs:
     def __post_init__(self) -> None:
         if self.n_local_heads == -1 or self.n_local_heads is None:
             self.n_local_heads = self.n_head
-        if self.intermediate_size is None:
+        if _unset(self.intermediate_size):
             self.intermediate_size = _round_up(int(8 * self.dim / 3), 256)
         if self.head_dim is None:
             self.head_dim = self.dim // self.n_head
-        self.fast_dim = self.fast_dim if self.fast_dim is not None else self.dim
-        self.fast_n_head = self.fast_n_head if self.fast_n_head is not None else self.n_head
-        if self.fast_n_local_heads is None:
+        if _unset(self.fast_dim):
+            self.fast_dim = self.dim
+        if _unset(self.fast_n_head):
+            self.fast_n_head = self.n_head
+        if _unset(self.fast_n_local_heads):
             self.fast_n_local_heads = self.n_local_heads
-        self.fast_head_dim = self.fast_head_dim if self.fast_head_dim is not None else self.head_dim
-        if self.fast_intermediate_size is None:
+        if _unset(self.fast_head_dim):
+            self.fast_head_dim = self.head_dim
+        if _unset(self.fast_intermediate_size):
             self.fast_intermediate_size = self.intermediate_size
         if self.fast_attention_qkv_bias is None:
             self.fast_attention_qkv_bias = self.attention_qkv_bias

@@ -49,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -189,7 +189,8 @@ class Sample:
     finish: str
     transcript: str = ""
     duration_ratio: float | None = None  # audio_seconds / espeak-ng's seconds for the same sentence
-    loops: list[str] | None = None  # repetition loops in the transcript that the text lacks (`loops`)
+    # repetition loops in the transcript that the text lacks (`loops`)
+    loops: list[str] = field(default_factory=list)
 
 
 def read_sentences(path: Path, limit: int | None, passages: bool = False) -> list[str]:
@@ -259,13 +260,13 @@ def evaluate(args: argparse.Namespace) -> dict:
         "voice": args.voice, "sampling": {**{k: v for k, v in sampling.items() if v is not None}, "max_new_frames": budget},
         "load_seconds": round(load_seconds, 3),
     }  # fmt: skip
-    per_seed = {}
+    per_seed: dict[int, float] = {}
     for seed in seeds:
         mine = [s for s in samples if s.seed == seed]
         per_seed[seed] = wer(refs, [words(s.transcript) for s in mine])
     result["wer_per_seed"] = per_seed
     result["wer"] = float(np.mean(list(per_seed.values())))
-    worst = max(per_seed, key=per_seed.get)
+    worst = max(per_seed, key=per_seed.__getitem__)
     result["wer_worst_seed"] = {"seed": worst, "wer": per_seed[worst]}
     result["runaway"] = sum("length" in s.finish for s in samples)
     result["loops"] = sum(len(s.loops) for s in samples)
@@ -285,8 +286,8 @@ def evaluate(args: argparse.Namespace) -> dict:
             ref_seconds.append(len(audio) / sr)
             ref_hyps.append(words(asr.transcribe(audio, sr)))
         ratios = [s.audio_seconds / ref_seconds[i % len(sentences)] for i, s in enumerate(samples)]
-        for s, r in zip(samples, ratios, strict=True):
-            s.duration_ratio = r
+        for sample, ratio in zip(samples, ratios, strict=True):
+            sample.duration_ratio = ratio
         result["espeak"] = {"voice": f"{voice},{rate},{pitch}", "wer": wer(refs, ref_hyps)}
         result["duration_ratio"] = {
             "min": min(ratios), "mean": float(np.mean(ratios)), "max": max(ratios),

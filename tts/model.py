@@ -16,8 +16,8 @@ of them are `[B, T, 1 + N]` int64 (fish-speech stores the transpose, `(N + 1, T)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -209,7 +209,9 @@ class Attention(nn.Module):
             # nn.RMSNorm's CPU ops, per head: x * rsqrt(mean(x^2) + eps) * weight.
             qk = qkv[..., : q_size + kv_size].unflatten(-1, (self.n_head + self.n_local_heads, self.head_dim))
             if self.qk_norm:
-                qk = rms_norm_fp32(qk, self.q_norm.eps, self.qk_norm_weight())
+                eps = self.q_norm.eps
+                assert eps is not None  # `_joint_qk` checked it
+                qk = rms_norm_fp32(qk, eps, self.qk_norm_weight())
             q, k = apply_rotary_emb(qk, freqs_cis).split([self.n_head, self.n_local_heads], dim=2)
         else:
             q = qkv[..., :q_size].view(B, T, self.n_head, self.head_dim)
@@ -303,6 +305,11 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def _blocks(layers: nn.ModuleList) -> Sequence[TransformerBlock]:
+    """`layers` as what it holds: torch's stubs type a ModuleList's items as plain `nn.Module`."""
+    return cast("Sequence[TransformerBlock]", layers)
+
+
 def run_layers(
     layers: nn.ModuleList,
     final_norm: RMSNorm,
@@ -316,13 +323,14 @@ def run_layers(
     stream is rounded to the activation dtype after every add, exactly where the unfused block rounds.
     Returns `(hidden before final_norm, hidden after final_norm)`.
     """
+    blocks = _blocks(layers)
     rope = Rope.of(freqs_cis)  # RoPE factors built once for all layers
-    normed, residual = layers[0].attention_norm(x), x
-    for i, layer in enumerate(layers):
+    normed, residual = blocks[0].attention_norm(x), x
+    for i, layer in enumerate(blocks):
         a = layer.attention(normed, rope, attend_layer(i))
         normed, residual = layer.ffn_norm.add_forward(a, residual)
         f = layer.feed_forward(normed)
-        next_norm = layers[i + 1].attention_norm if i + 1 < len(layers) else final_norm
+        next_norm = blocks[i + 1].attention_norm if i + 1 < len(blocks) else final_norm
         normed, residual = next_norm.add_forward(f, residual)
     return residual, normed
 
@@ -341,16 +349,17 @@ def run_layers_kv_only(
     projects its K/V and hands them to `write_kv(i, k, v)`: its attention, `wo`, feed-forward and the
     final norm are skipped. The K/V values are the ones `run_layers` would write (same ops, same order).
     """
+    blocks = _blocks(layers)
     rope = Rope.of(freqs_cis)
-    normed, residual = layers[0].attention_norm(x), x
-    last = len(layers) - 1
+    normed, residual = blocks[0].attention_norm(x), x
+    last = len(blocks) - 1
     for i in range(last):
-        layer = layers[i]
+        layer = blocks[i]
         a = layer.attention(normed, rope, attend_layer(i))
         normed, residual = layer.ffn_norm.add_forward(a, residual)
         f = layer.feed_forward(normed)
-        normed, residual = layers[i + 1].attention_norm.add_forward(f, residual)
-    write_kv(last, *layers[last].attention.kv_only(normed, rope))
+        normed, residual = blocks[i + 1].attention_norm.add_forward(f, residual)
+    write_kv(last, *blocks[last].attention.kv_only(normed, rope))
 
 
 def dense_causal_attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -383,6 +392,12 @@ def _embedding(num: int, dim: int) -> nn.Embedding:
 
 class DualARTransformer(nn.Module):
     """Slow AR (one semantic token per frame) plus fast AR (the remaining codebooks of the frame)."""
+
+    # Non-persistent buffers made by `init_buffers` (declared for the type checker: `register_buffer`
+    # attributes are `Tensor | Module` to it).
+    freqs_cis: Tensor
+    fast_freqs_cis: Tensor
+    codebook_offsets: Tensor
 
     def __init__(self, config: ModelArgs):
         super().__init__()

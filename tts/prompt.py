@@ -110,7 +110,7 @@ class S2PromptFormat:
 
     name = "s2"
     # speaker turns, `<|speaker:0|>Hi. <|speaker:1|>Hello.` (docs/fish_dual_ar.md §3.2)
-    user_tags = SPEAKER_TAG
+    user_tags: re.Pattern | None = SPEAKER_TAG
     SYSTEM = "convert the provided text to speech"
     SYSTEM_WITH_REFERENCE = "convert the provided text to speech reference to the following:\n\nText:\n"
 
@@ -131,7 +131,9 @@ class S2PromptFormat:
         """What the model reads for `text`: its frontend's output (phonemes), else the text."""
         return apply_frontend(self.frontend, text)
 
-    def build(self, text: str, references: list[VoiceReference] = (), history: list[Turn] = ()) -> Tensor:
+    def build(
+        self, text: str, references: Sequence[VoiceReference] = (), history: Sequence[Turn] = ()
+    ) -> Tensor:
         p = PromptAssembler(self.tokenizer, self.num_codebooks)
         f = self.frontend
         if f is not identity:

@@ -135,6 +135,7 @@ class SortedLogits:
         # remove = (cum > top_p or rank >= top_k) and rank > 0
         remove = ((self.cum > settings.top_p) & not_first) | by_rank
         if log_noise is None:
+            assert keys is not None  # the noise comes from one of them
             log_noise = torch.log(-torch.log(uniform(keys, V)))
         log_e = log_noise.gather(1, self.indices)  # the noise follows the token id, not the rank
         score = (self.values / settings.t - log_e).masked_fill(remove, float("-inf"))

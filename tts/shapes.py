@@ -8,12 +8,14 @@ shape on an H200 takes seconds and never holds a CPU copy.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .config import ModelArgs
 from .model import DualARTransformer
 
-S2_PRO_CONFIG = {
+S2_PRO_CONFIG: dict[str, Any] = {
     "model_type": "fish_qwen3_omni",
     "eos_token_id": 151645,
     "pad_token_id": 151669,
@@ -34,7 +36,7 @@ S2_PRO_CONFIG = {
     },
 }  # fmt: skip
 
-FISH_15_CONFIG = {
+FISH_15_CONFIG: dict[str, Any] = {
     "model_type": "dual_ar", "dim": 1024, "n_layer": 24, "n_head": 16, "n_local_heads": 2, "head_dim": 64,
     "intermediate_size": 4096, "max_seq_len": 8192, "rope_base": 1e6, "norm_eps": 1e-6,
     "tie_word_embeddings": False, "vocab_size": 102048, "codebook_size": 1024, "num_codebooks": 8,
@@ -44,7 +46,7 @@ FISH_15_CONFIG = {
 }  # fmt: skip
 
 # A small S2-like shape for GPU tests: every S2 feature, seconds to build and capture.
-SMALL_S2_CONFIG = {
+SMALL_S2_CONFIG: dict[str, Any] = {
     **S2_PRO_CONFIG,
     "text_config": {**S2_PRO_CONFIG["text_config"], "dim": 512, "n_layer": 4, "n_head": 8, "n_local_heads": 2,
                     "head_dim": 64, "intermediate_size": 1024, "max_seq_len": 4096},

@@ -275,7 +275,8 @@ def _mixed_words(whole: str, numerator: str, denominator: str) -> str | None:
 
 def _unit(m: re.Match) -> str:
     sign, number = m.group(1), m.group(2)
-    _, one, many = _UNITS[m.lastindex - 3]  # groups 3.. are the units, one of them matched
+    assert m.lastindex is not None  # groups 3.. are the units, one of them matched
+    _, one, many = _UNITS[m.lastindex - 3]
     if "/" in number:  # 1/4 lb -> one quarter of a pound; 1 1/2 lb -> one and a half pounds
         whole, _, fraction = number.rpartition(" ")
         words = _mixed_words(whole, *fraction.split("/")) if whole else _fraction_words(*fraction.split("/"))

@@ -11,6 +11,7 @@ codes up to float rounding.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -83,6 +84,10 @@ class Codec(ABC):
         return self.encode_audio(prepare_audio(audio, sample_rate, self.sample_rate))
 
     @abstractmethod
+    def config(self) -> dict:
+        """What rebuilds this codec (its kind and sizes; JSON-serializable): a bundle's codec.json."""
+
+    @abstractmethod
     def encode_audio(self, audio: Tensor) -> Tensor:
         """Codes `[num_codebooks, T]` int64 for mono float32 audio `[samples]` at `sample_rate`."""
 
@@ -95,7 +100,7 @@ class Codec(ABC):
         Codecs whose decode has per-frame work override this to skip the frames that are only context."""
         return self.decode(codes)[-frames * self.frame_length :] if frames > 0 else torch.zeros(0)
 
-    def stream(self) -> StreamingDecoder:
+    def stream(self) -> FrameStream:
         """A fresh incremental decoder for one stream of frames."""
         return StreamingDecoder(self)
 
@@ -110,6 +115,18 @@ class Codec(ABC):
         if codes.dim() != 2 or codes.shape[0] != self.num_codebooks:
             raise ValueError(f"codes must be [{self.num_codebooks}, T], got {tuple(codes.shape)}")
         return codes.clamp(0, self.codebook_size - 1)
+
+
+class FrameStream(Protocol):
+    """What `Codec.stream()` returns: `StreamingDecoder`, or a codec's own stateful decoder."""
+
+    def push(self, codes: Tensor) -> Tensor:
+        """Codes `[N, t]` -> the `t * frame_length` new samples."""
+        ...
+
+    def flush(self) -> Tensor:
+        """Samples still held back at the end of the stream."""
+        ...
 
 
 class StreamingDecoder:
@@ -214,7 +231,7 @@ class LoopedStreamDecoder(BatchedStreamDecoder):
     def __init__(self, codec: Codec, max_streams: int):
         self.codec = codec
         self.max_streams = max_streams
-        self._streams: list[StreamingDecoder | None] = [None] * (max_streams + 1)
+        self._streams: list[FrameStream | None] = [None] * (max_streams + 1)
 
     def reset(self, slots: Tensor) -> None:
         for s in slots.tolist():

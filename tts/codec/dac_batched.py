@@ -118,7 +118,10 @@ class BatchedDACDecoder(BatchedStreamDecoder):
         self.dtype = self.model.decode_dtype
         self.frame_length = codec.frame_length
         slots = max_streams + 1
-        kw = dict(device=self.device, dtype=self.dtype)
+
+        def zeros(*size: int) -> Tensor:
+            return torch.zeros(*size, device=self.device, dtype=self.dtype)
+
         # Conv states, keyed by module (the walk in `_run` looks them up as it meets the modules).
         self._state: dict[nn.Module, Tensor] = {}
         for module in self._decode_modules():
@@ -126,17 +129,17 @@ class BatchedDACDecoder(BatchedStreamDecoder):
                 if module.stride != 1:
                     raise ValueError("streaming is only defined for stride-1 convolutions")
                 if module.padding:
-                    self._state[module] = torch.zeros(slots, module.conv.in_channels, module.padding, **kw)
+                    self._state[module] = zeros(slots, module.conv.in_channels, module.padding)
             elif isinstance(module, CausalConvTranspose1d) and module.context:
-                self._state[module] = torch.zeros(slots, module.conv.in_channels, module.context, **kw)
+                self._state[module] = zeros(slots, module.conv.in_channels, module.context)
         post = self.model.quantizer.post_module
         self.window = post.window
         keep = self.window - 1
         self._keys, self._values = [], []
-        for layer in post.layers:
+        for layer in post.transformer_layers():
             a = layer.attention
-            self._keys.append(torch.zeros(slots, a.n_head, keep, a.head_dim, **kw))
-            self._values.append(torch.zeros(slots, a.n_head, keep, a.head_dim, **kw))
+            self._keys.append(zeros(slots, a.n_head, keep, a.head_dim))
+            self._values.append(zeros(slots, a.n_head, keep, a.head_dim))
         self.positions = torch.zeros(slots, dtype=torch.int64, device=self.device)
         # Row p depends only on p, so this equals every slice `WindowTransformer._freqs` takes.
         self._rope = precompute_freqs_cis(max_frames, post.head_dim, post.rope_base).to(self.device)
@@ -205,7 +208,7 @@ class BatchedDACDecoder(BatchedStreamDecoder):
         in_window = (k_idx >= steps.unsqueeze(1)) & (k_idx <= steps.unsqueeze(1) + keep)  # [T, K]
         real = k_idx >= (keep - positions).unsqueeze(1)  # [B, K]
         mask = (in_window.unsqueeze(0) & real.unsqueeze(1)).unsqueeze(1)  # [B, 1, T, K]
-        for layer, k_cache, v_cache in zip(post.layers, self._keys, self._values, strict=True):
+        for layer, k_cache, v_cache in zip(post.transformer_layers(), self._keys, self._values, strict=True):
             q, k, v = layer.qkv(x, freqs)
             k = torch.cat([k_cache.index_select(0, rows.slots), k], dim=2)
             v = torch.cat([v_cache.index_select(0, rows.slots), v], dim=2)

@@ -21,7 +21,9 @@ Imports run downhill: this module needs only the model's RoPE helpers and the co
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -313,6 +315,10 @@ class WindowTransformer(nn.Module):
         self.norm = RMSNorm(dim, eps)
         self._rope = torch.zeros(0, head_dim // 2, 2, dtype=torch.bfloat16)
 
+    def transformer_layers(self) -> Sequence[_TransformerLayer]:
+        """`layers`, typed: torch's stubs type a ModuleList's items as plain `nn.Module`."""
+        return cast("Sequence[_TransformerLayer]", self.layers)
+
     def _freqs(self, start: int, n: int, device) -> Tensor:
         if self._rope.shape[0] < start + n:
             self._rope = precompute_freqs_cis(max(2 * (start + n), 4096), self.head_dim, self.rope_base)
@@ -324,7 +330,7 @@ class WindowTransformer(nn.Module):
         x = x.transpose(1, 2)
         T = x.shape[1]
         freqs = Rope(self._freqs(start, T, x.device))  # one Rope: its fp32 factors are built once per call
-        for layer in self.layers:
+        for layer in self.transformer_layers():
             q, k, v = layer.qkv(x, freqs)
             past = 0
             if state is not None:
@@ -396,7 +402,8 @@ class VectorQuantize(nn.Module):
         self.in_proj = nn.Conv1d(dim, codebook_dim, 1)
         self.out_proj = nn.Conv1d(codebook_dim, dim, 1)
         self.codebook = _embedding(size, codebook_dim)
-        self.in_proj.weight_norm = self.out_proj.weight_norm = "old"
+        # A plain marker attribute (see WNConv); torch's stubs only allow tensors and modules as attributes.
+        self.in_proj.weight_norm = self.out_proj.weight_norm = "old"  # type: ignore[assignment]
 
     def decode(self, codes: Tensor) -> Tensor:
         """codes `[B, T]` -> `[B, dim, T]`."""
@@ -419,21 +426,28 @@ class ResidualVQ(nn.Module):
         super().__init__()
         self.quantizers = nn.ModuleList(VectorQuantize(dim, size, codebook_dim) for _ in range(n))
 
+    def stages(self) -> Sequence[VectorQuantize]:
+        """`quantizers`, typed: torch's stubs type a ModuleList's items as plain `nn.Module`."""
+        return cast("Sequence[VectorQuantize]", self.quantizers)
+
     def decode(self, codes: Tensor) -> Tensor:
         """codes `[B, n, T]` -> sum of the stages' outputs `[B, dim, T]`."""
-        z = 0.0
-        for i, q in enumerate(self.quantizers):
+        z: Tensor | float = 0.0
+        for i, q in enumerate(self.stages()):
             z = z + q.decode(codes[:, i])
+        assert isinstance(z, Tensor)  # n >= 1 stages
         return z
 
     def encode(self, z: Tensor) -> tuple[Tensor, Tensor]:
         """z `[B, dim, T]` -> (quantized sum, codes `[B, n, T]`), each stage quantizing the residual."""
-        z_q, residual, codes = 0.0, z, []
-        for q in self.quantizers:
+        z_q: Tensor | float = 0.0
+        residual, codes = z, []
+        for q in self.stages():
             z_i, c = q.encode(residual)
             z_q = z_q + z_i
             residual = residual - z_i
             codes.append(c)
+        assert isinstance(z_q, Tensor)  # n >= 1 stages
         return z_q, torch.stack(codes, dim=1)
 
 
@@ -455,9 +469,9 @@ class DownsampleRVQ(nn.Module):
                 for f in reversed(cfg.downsample_factor)
             )
         )
-        w = dict(head_dim=cfg.head_dim, rope_base=cfg.rope_base, eps=cfg.norm_eps)
-        self.pre_module = WindowTransformer(d, cfg.pre_transformer_layers, cfg.transformer_window, **w)
-        self.post_module = WindowTransformer(d, cfg.post_transformer_layers, cfg.transformer_window, **w)
+        window, head_dim, rope_base, eps = cfg.transformer_window, cfg.head_dim, cfg.rope_base, cfg.norm_eps
+        self.pre_module = WindowTransformer(d, cfg.pre_transformer_layers, window, head_dim, rope_base, eps)
+        self.post_module = WindowTransformer(d, cfg.post_transformer_layers, window, head_dim, rope_base, eps)
 
 
 class DecoderBlock(nn.Module):
@@ -551,7 +565,8 @@ class ModdedDAC(nn.Module):
         L = audio.shape[-1]
         audio = F.pad(audio, (0, -L % self.cfg.frame_length))
         z = self.encoder(audio)
-        for stage in q.downsample:
+        # each stage is an nn.Sequential (conv, ConvNeXt block); torch's stubs type it as plain nn.Module
+        for stage in cast("Sequence[nn.Sequential]", q.downsample):
             z = stage[1](stage[0](z))
         z = q.pre_module(z)
         semantic_z, semantic_codes = q.semantic_quantizer.encode(z)

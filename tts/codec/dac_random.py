@@ -24,7 +24,7 @@ def tiny_dac_config(**overrides) -> DACConfig:
     return replace(cfg, **overrides)
 
 
-def _weight_norm_modules(model: ModdedDAC) -> dict[str, tuple[str, nn.Module]]:
+def _weight_norm_modules(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
     """conv path -> (storage form, conv module) for every conv that fish-speech weight-normalizes."""
     out = {}
     for name, module in model.named_modules():

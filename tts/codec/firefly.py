@@ -36,8 +36,10 @@ parametrizations, as `weight_g/weight_v` or fused (`tts.codec.dac_checkpoint.fus
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -249,6 +251,10 @@ class GroupedFSQ(nn.Module):
         self.init_buffers()
         self.codebook_size = math.prod(levels)
 
+    def quantizers(self) -> Sequence[_GroupFSQ]:
+        """`rvqs`, typed: torch's stubs type a ModuleList's items as plain `nn.Module`."""
+        return cast("Sequence[_GroupFSQ]", self.rvqs)
+
     def init_buffers(self) -> None:
         """(Re)compute the level and basis buffers on the CPU (after a build on the meta device)."""
         with torch.device("cpu"):
@@ -274,7 +280,8 @@ class GroupedFSQ(nn.Module):
         """codes `[B, groups, T]` int64 (clamped here) -> `[B, T, dim]` (channels last)."""
         codes = codes.clamp(0, self.codebook_size - 1)
         return torch.cat(
-            [rvq.project_out(self.codes_to_values(codes[:, g])) for g, rvq in enumerate(self.rvqs)], dim=-1
+            [rvq.project_out(self.codes_to_values(codes[:, g])) for g, rvq in enumerate(self.quantizers())],
+            dim=-1,
         )
 
     def encode(self, z: Tensor) -> Tensor:
@@ -282,7 +289,7 @@ class GroupedFSQ(nn.Module):
         bound again, round (in the straight-through form `z + (round(z) - z)`), number the levels."""
         half_width = self.levels // 2
         codes = []
-        for rvq, chunk in zip(self.rvqs, z.chunk(self.groups, dim=-1), strict=True):
+        for rvq, chunk in zip(self.quantizers(), z.chunk(self.groups, dim=-1), strict=True):
             residual = self._bound(rvq.project_in(chunk))  # ResidualFSQ bounds once ...
             b = self._bound(residual / 1.0)  # ... and its FSQ layer again (scale 1 for one quantizer)
             q = b + (b.round() - b)
@@ -311,6 +318,10 @@ class DownsampleFSQ(nn.Module):
 
 class LogMelSpectrogram(nn.Module):
     """fish-speech's `LogMelSpectrogram` (no parameters): audio `[B, L]` -> log mels `[B, n_mels, L // hop]`."""
+
+    # Buffers (declared for the type checker: `register_buffer` attributes are `Tensor | Module` to it).
+    window: Tensor
+    fb: Tensor
 
     def __init__(self, cfg: FireflyConfig):
         super().__init__()
@@ -642,13 +653,17 @@ class BatchedFireflyDecoder(BatchedStreamDecoder):
             return module.mix(x, self._conv(module.dwconv, x, rows))
         if isinstance(module, HiFiGANGenerator):
             x = self._conv(module.conv_pre, x, rows)
-            for up, block in zip(module.ups, module.resblocks, strict=True):
+            # (torch's stubs type a ModuleList's items as plain nn.Module)
+            ups = cast("Sequence[CausalConvTranspose1d]", module.ups)
+            for up, block in zip(ups, module.resblocks, strict=True):
                 x = self._run(block, self._conv_transpose(up, F.silu(x), rows), rows)
             return torch.tanh(self._conv(module.conv_post, F.silu(x), rows))
         if isinstance(module, ParallelBlock):
             return torch.stack([self._run(b, x, rows) for b in module.blocks], dim=0).mean(dim=0)
         if isinstance(module, ResBlock1):
-            for c1, c2 in zip(module.convs1, module.convs2, strict=True):
+            convs1 = cast("Sequence[CausalConv1d]", module.convs1)  # (typed as above)
+            convs2 = cast("Sequence[CausalConv1d]", module.convs2)
+            for c1, c2 in zip(convs1, convs2, strict=True):
                 x = self._conv(c2, F.silu(self._conv(c1, F.silu(x), rows)), rows) + x
             return x
         if isinstance(module, CausalConvTranspose1d):

@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +107,8 @@ class MelVQNet(nn.Module):
     Tensors are channel-first: features `[B, 320, T]`, latents `[B, latent, T]`, codes `[B, N, T]` int64.
     """
 
+    codebooks: Tensor  # a buffer (`register_buffer` attributes are `Tensor | Module` to the type checker)
+
     def __init__(
         self, num_codebooks: int = 4, codebook_size: int = 1024, channels: int = 256, latent: int = 128,
         encoder_dilations: tuple[int, ...] = (1, 2, 4, 1), decoder_dilations: tuple[int, ...] = (1, 2, 1),
@@ -124,6 +128,10 @@ class MelVQNet(nn.Module):
         self.register_buffer("codebooks", torch.zeros(num_codebooks, codebook_size, latent))
         self.receptive_frames = 2 * sum(decoder_dilations)
 
+    def decoder_blocks(self) -> Sequence[ConvBlock]:
+        """`dec_blocks`, typed: torch's stubs type an nn.Sequential's items as plain `nn.Module`."""
+        return cast("Sequence[ConvBlock]", self.dec_blocks)
+
     def encode(self, features: Tensor) -> Tensor:
         """Standardized features `[B, 320, T]` -> latents `[B, latent, T]`."""
         return self.enc_out(F.gelu(self.enc_blocks(self.enc_in(features))))
@@ -137,8 +145,7 @@ class MelVQNet(nn.Module):
 
     def lookup(self, codes: Tensor) -> Tensor:
         """Codes `[B, N, T]` -> the sum of their codebook vectors `[B, latent, T]`."""
-        q = sum(self.codebooks[i][codes[:, i]] for i in range(self.num_codebooks))
-        return q.transpose(1, 2)
+        return self.lookup_frames(codes).transpose(1, 2)
 
     def decode(self, q: Tensor) -> Tensor:
         """Quantized latents `[B, latent, T]` -> standardized features `[B, 320, T]` (causal)."""
@@ -146,7 +153,8 @@ class MelVQNet(nn.Module):
 
     def lookup_frames(self, codes: Tensor) -> Tensor:
         """Codes `[B, N, T]` -> the sum of their codebook vectors, frame-major `[B, T, latent]`."""
-        return sum(self.codebooks[i][codes[:, i]] for i in range(self.num_codebooks))
+        # num_codebooks >= 1, so the sum is a tensor, never `sum`'s int start (which its stubs allow)
+        return cast(Tensor, sum(self.codebooks[i][codes[:, i]] for i in range(self.num_codebooks)))
 
     def decode_frames(self, q: Tensor, history: list[Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:
         """`decode` frame-major and continuable: the inference path of the codec and its stream decoder.
@@ -161,7 +169,7 @@ class MelVQNet(nn.Module):
         B, T, _ = q.shape
         x = rows_linear(q, self.dec_in)
         inputs = []
-        for i, block in enumerate(self.dec_blocks):
+        for i, block in enumerate(self.decoder_blocks()):
             d = block.conv.dilation[0]
             g = F.gelu(x)
             h = g.new_zeros(B, 2 * d, g.shape[-1]) if history is None else history[i]
@@ -235,15 +243,14 @@ class MelVQCodec(Codec):
         directory = Path(directory)
         cfg = cfg if cfg is not None else json.loads((directory / "codec.json").read_text())
         w = load_file(str(directory / cfg.get("weights", "codec.safetensors")))
-        keys = (
-            "num_codebooks",
-            "codebook_size",
-            "channels",
-            "latent",
-            "encoder_dilations",
-            "decoder_dilations",
+        net = MelVQNet(
+            num_codebooks=cfg["num_codebooks"],
+            codebook_size=cfg["codebook_size"],
+            channels=cfg["channels"],
+            latent=cfg["latent"],
+            encoder_dilations=tuple(cfg["encoder_dilations"]),
+            decoder_dilations=tuple(cfg["decoder_dilations"]),
         )
-        net = MelVQNet(**{k: (tuple(cfg[k]) if "dilations" in k else cfg[k]) for k in keys})
         mean, std = w.pop("mean"), w.pop("std")
         net.load_state_dict({k: v.float() for k, v in w.items()})
         return cls(net, mean, std, gl_context=cfg.get("gl_context", 2), gl_iters=cfg.get("gl_iters", 16))
@@ -310,7 +317,7 @@ class MelVQStreamDecoder(MelStreamDecoder):
         self.net = net if codec.device == self.device else copy.deepcopy(net).to(self.device)
         self.mean, self.std = codec.mean.to(self.device), codec.std.to(self.device)
         channels = net.dec_in.out_channels
-        dilations = [block.conv.dilation[0] for block in net.dec_blocks]
+        dilations = [block.conv.dilation[0] for block in net.decoder_blocks()]
         self._history = [torch.zeros(max_streams + 1, 2 * d, channels, device=self.device) for d in dilations]
         self._history_offsets = [torch.arange(2 * d, device=self.device).view(1, 2 * d, 1) for d in dilations]
         self._init_slots()

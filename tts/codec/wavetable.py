@@ -11,6 +11,7 @@ good codec; it is a real one, small enough to run every test in milliseconds.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -53,7 +54,8 @@ class WaveTableCodec(Codec):
     def decode(self, codes: Tensor) -> Tensor:
         codes = self.check_codes(codes)
         L, T = self.frame_length, codes.shape[1]
-        frames = sum(self.tables[i][codes[i]] for i in range(self.num_codebooks))  # [T, 2L]
+        # [T, 2L]; num_codebooks >= 1, so a tensor, never `sum`'s int start (which its stubs allow)
+        frames = cast(Tensor, sum(self.tables[i][codes[i]] for i in range(self.num_codebooks)))
         if T == 0:
             return torch.zeros(0)
         out = torch.zeros(T + 1, L)

@@ -25,6 +25,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -163,7 +164,7 @@ def s2_key_map(key: str) -> str:
     return key
 
 
-def normalize_pth_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def normalize_pth_state(state: Mapping[str, Any]) -> dict[str, Tensor]:
     """Apply fish-speech's `model.pth` conventions: unwrap a Lightning `state_dict`, strip the `model.`
     prefix, drop keys containing `audio_`, and concatenate separate `wq`/`wk`/`wv` into `wqkv`
     (`Attention.load_hook`; biases likewise). Tensors are not copied except for the concatenations."""

@@ -49,7 +49,8 @@ class S1PromptFormat:
     ) -> Tensor:
         p = PromptAssembler(self.tokenizer, self.num_codebooks)
         p.text("<|interleave|>")
-        for item in [*references, *history]:
+        items: list[VoiceReference | Turn] = [*references, *history]
+        for item in items:
             p.text("<|speaker:0|>").user_text(item.text, None).codes(item.codes).text("<|im_end|>")
         p.text("<|speaker:0|>").user_text(text, None)
         return p.build()
@@ -76,7 +77,8 @@ class Fish15PromptFormat:
     ) -> Tensor:
         p = PromptAssembler(self.tokenizer, self.num_codebooks)
         p.text("<|im_start|>system\n").text(self.SYSTEM).text("<|im_end|>")
-        for item in [*references, *history]:
+        items: list[VoiceReference | Turn] = [*references, *history]
+        for item in items:
             p.text("<|im_start|>user\n").user_text(clean_text_15(item.text), None).text("<|im_end|>")
             p.text("<|im_start|>assistant\n").text("<|voice|>").codes(item.codes).text("<|im_end|>")
         p.text("<|im_start|>user\n").user_text(clean_text_15(text), None).text("<|im_end|>")
