@@ -213,7 +213,7 @@ def test_bench_server_repeated_reference_reports_the_new_fields(server, tmp_path
         assert isinstance(lv["underruns"], int) and lv["underruns"] >= 0
         assert 0.0 <= lv["underrun_share"] <= 1.0
         assert (lv["underrun_worst_ms"] is None) == (lv["underruns"] == 0)
-        assert set(lv["server"]) == {*SERVER_COUNTERS, "codec_share"}
+        assert set(lv["server"]) == {*SERVER_COUNTERS, "codec_share", "mean_batch"}
         # Counters the server does not export stay None; those it does are non-negative.
         assert all(v is None or v >= 0 for v in lv["server"].values())
         share = lv["server"]["codec_share"]
