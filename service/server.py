@@ -872,16 +872,16 @@ class TTSServer:
     def load(self) -> dict:
         """The load signal a balancer or autoscaler reads cheaply (HTTP `GET /load`): the replica's name and
         state, requests in flight / running / waiting / paused against the admission limit, and KV blocks
-        in use (all from the engine loop's snapshot; no engine work)."""
-        s = self.loop.stats
+        in use (the engine loop's snapshot and its live admission count; no engine work)."""
+        s, in_flight = self.loop.stats, self.loop.in_flight
         # The loop's engine config: its max_batch is the engine's, and it exists before the engine is built.
         max_batch = self.loop.engine_config.max_batch
         limit = max_batch + self.limits.max_waiting
         return {
-            "replica": self.replica, "status": self.state, "in_flight": s.jobs, "max_in_flight": limit,
+            "replica": self.replica, "status": self.state, "in_flight": in_flight, "max_in_flight": limit,
             "running": s.running, "waiting": s.waiting, "paused": s.paused, "max_batch": max_batch,
             "kv_blocks_used": s.kv_blocks_used, "kv_blocks_total": s.kv_blocks_total,
-            "load": round(s.jobs / limit, 4) if limit else 0.0,
+            "load": round(in_flight / limit, 4) if limit else 0.0,
             "kv_used": round(s.kv_blocks_used / s.kv_blocks_total, 4) if s.kv_blocks_total else 0.0,
             "frames_per_second": round(self.loop.frames_per_second(), 2),
         }  # fmt: skip

@@ -106,6 +106,25 @@ def test_events_and_streamed_audio_equal_offline(make_loop, bundle, offline):
     wait_until(lambda: idle(loop), what="idle")
 
 
+def test_a_job_frees_its_admission_before_its_client_sees_the_end(make_loop, monkeypatch):
+    """When the final event reaches the consumer, the job no longer counts as in flight: a client that
+    resubmits at once is not refused for a slot its own ended request still held, and /load is exact."""
+    from tts.engine.loop import RequestStream
+
+    loop = make_loop()
+    seen = []
+    deliver = RequestStream.deliver
+
+    def recording(self, event):
+        if isinstance(event, Finished | Failed):
+            seen.append(loop.in_flight)
+        return deliver(self, event)
+
+    monkeypatch.setattr(RequestStream, "deliver", recording)
+    drain(loop.submit(job(loop, "Hello.", 4, seed=1, hold=True)))
+    assert seen == [0]
+
+
 def test_asyncio_consumer(make_loop):
     loop = make_loop()
 

@@ -212,7 +212,7 @@ class JobRunner:
         self._by_engine_id: dict[str, _Job] = {}
         self._ids = itertools.count()
         self._refused_at = -1e9
-        # (job id, final event or None where the consumer had gone), after delivery
+        # (job id, final event or None where the consumer had gone), just before that event is delivered
         self.on_end: Callable[[str, Event | None], None] | None = None
         self.frame_step_seconds = 0.0
         self.step_failures = 0
@@ -572,10 +572,12 @@ class JobRunner:
             self.stage.close(job.slot)
         if job.encoding is not None:
             job.encoding = None  # a shared encode goes on for the cache and its other jobs
-        if event is not None:
-            job.sink.deliver(event)
+        # Released before the final event is delivered: a client that resubmits as soon as it sees it
+        # must find its own slot free (and /load must no longer count it).
         if self.on_end is not None:
             self.on_end(job.job_id, event)
+        if event is not None:
+            job.sink.deliver(event)
 
 
 def _seed(spec: SynthesisJob) -> int:
