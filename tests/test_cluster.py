@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from service_helpers import HOLD_FRAMES, HOLD_TEXT
 
 from service import cluster
 from service.client import build_request, channel_options
@@ -42,8 +43,6 @@ needs_proxy = pytest.mark.skipif(
 )
 # A stream of exactly HOLD_FRAMES frames whatever the random weights do, float32 one frame per chunk: its
 # 1.5 MB cannot pass HTTP/2's windows (BDP probing off) and HAProxy's buffers unless the client reads.
-HOLD_FRAMES = 600
-HOLD_TEXT = "Hold this stream open for as long as the test needs it, whatever the random weights say."
 HOLD = dict(
     temperature=0.0, max_new_frames=HOLD_FRAMES, min_new_frames=HOLD_FRAMES, first_chunk_frames=1, chunk_frames=1,
     encoding="float32",

@@ -34,7 +34,7 @@ from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
 
 pytest.importorskip("fastapi")
 av = pytest.importorskip("av")
-from service_helpers import ServerThread, wait_idle  # noqa: E402
+from service_helpers import HOLD_TEXT, ServerThread, wait_idle  # noqa: E402
 
 RATE = 16000  # the tiny model's codec
 FRAME = 640  # samples per frame
@@ -140,7 +140,6 @@ def wait_for(predicate, what: str, timeout: float = 60.0) -> None:
 # the whole budget (min_new_frames), whatever the random weights would do, and the texts are long
 # enough for the runaway guard to allow the frames asked for.
 LONG = dict(temperature=0.0, seed=4)
-HOLD_TEXT = "Hold this stream open for as long as the test needs it, whatever the random weights say."
 
 
 def held(frames: int) -> dict:
