@@ -20,6 +20,9 @@
 #                holder); `tts bench` graph batch 1 and 64 (the engine alone)
 #   STEP=after   the CUDA tests (stops if one fails); S2-Pro service (float32 codec) and the default
 #                voice's service at c = 1, 16, 64, 64; `tts synthesize --device cuda` to raw PCM
+#   STEP=turns   the CUDA tests (stops if one fails); S2-Pro service with the frame steps and the codec
+#                calls taking turns on the GPU (float32 codec c = 1, 16, 64, 64), sharing it as before
+#                (TTS_CODEC_SCHEDULE=overlap: c = 64, 64), and taking turns with the bf16 codec (c = 64, 64)
 set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -151,4 +154,20 @@ if [[ $STEP == s2only ]]; then
   serve /tmp/s2 50061 9465
   bench 50061 9465 s2_service_fp32 --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait
+fi
+if [[ $STEP == turns ]]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py tests/test_dac_batched.py \
+    tests/test_melvq_batched.py tests/test_turns.py 2>&1 | tail -6 | tee $OUT/cuda_tests.log
+  grep -Eq "failed|error" $OUT/cuda_tests.log && exit 1
+  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  serve /tmp/s2 50061 9465
+  bench 50061 9465 s2_service_fp32_turns --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
+  export TTS_CODEC_SCHEDULE=overlap; serve /tmp/s2 50062 9466
+  bench 50062 9466 s2_service_fp32_overlap --concurrency 64,64 --max-new-frames 128 --min-new-frames 128; unset TTS_CODEC_SCHEDULE
+  kill %1; wait
+  serve /tmp/s2 50064 9468 --codec-dtype bfloat16
+  bench 50064 9468 s2_service_bf16_turns --concurrency 64,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
+  grep -h "SERVING\|Traceback\|Error" $OUT/serve_*.log | head -20
 fi
