@@ -24,12 +24,14 @@ def check_paged_attention():
     torch.manual_seed(0)
     H, Hkv, D, bs, NB = 8, 2, 16, 4, 30
     kc, vc = torch.randn(NB, bs, Hkv, D), torch.randn(NB, bs, Hkv, D)
-    tables = torch.randint(1, NB, (3, 6), dtype=torch.int32)
-    lens = torch.tensor([1, 7, 24])  # one token, inside a block, the full table
+    tables = torch.randint(1, NB, (3, 80), dtype=torch.int32)  # 320 tokens: five 64-token chunks
+    lens = torch.tensor([1, 7, 320])  # one token, inside a block, the full table
     q = torch.randn(3, H, D)
     ref = paged_decode_attention(q, kc, vc, tables, lens, D**-0.5)
-    for split in (512, 8):  # one split, and flash-decoding splits with a combine
-        out = triton_paged_decode_attention(q, kc, vc, tables, lens, D**-0.5, split_tokens=split)
+    # one program per row, two and eight sharing a row's chunks round-robin (more programs than chunks:
+    # some find none), and the automatic choice
+    for splits in (1, 2, 8, None):
+        out = triton_paged_decode_attention(q, kc, vc, tables, lens, D**-0.5, splits=splits)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 

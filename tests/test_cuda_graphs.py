@@ -175,8 +175,8 @@ def test_paged_kernel_matches_torch_reference_bf16():
     tables = torch.randint(1, NB, (8, 256), device="cuda", dtype=torch.int32)
     q = torch.randn(8, H, D, device="cuda", dtype=torch.bfloat16)
     ref = paged_decode_attention(q.float(), kc.float(), vc.float(), tables, lens, D**-0.5)
-    for split in (512, 4096):
-        out = triton_paged_decode_attention(q, kc, vc, tables, lens, D**-0.5, split_tokens=split)
+    for splits in (1, 8, 128, None):
+        out = triton_paged_decode_attention(q, kc, vc, tables, lens, D**-0.5, splits=splits)
         torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
 

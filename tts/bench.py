@@ -3,7 +3,9 @@
 For each mode (eager, graph) and batch size, the benchmark builds an engine, captures its graphs at
 start-up (graph mode), submits `batch` requests whose prompts hold `--prompt-tokens` tokens (text
 tokens with a semantic column every 4th position, like a voice-conditioned prompt), runs warm-up
-frames (admission and prefill happen there), then times `--frames` engine iterations. The end token
+frames (admission and prefill happen there), then times `--frames` engine iterations. The engine is
+sized for `--max-context` tokens per request (default: the model's maximum, as `tts serve` runs; on a
+GPU the graphs' attention reads block tables that wide). The end token
 is never sampled (`ignore_eos`), so every request produces exactly the frames asked for.
 
 Reported per (mode, batch): per-stream frames/s, aggregate frames/s, decode-step latency p50/p99 (one
@@ -63,7 +65,7 @@ def bench_one(model, mode: str, batch: int, args) -> dict:
         model,
         EngineConfig(
             max_batch=batch, graphs="startup" if mode == "graph" else "off", buckets=args.buckets,
-            max_context=args.prompt_tokens + budget + 16, ignore_eos=True,
+            max_context=args.max_context, ignore_eos=True,
         ),
     )  # fmt: skip
     capture_seconds = engine.graphs.stats.capture_seconds_total
@@ -122,6 +124,7 @@ def environment(model, args) -> dict:
             "codebooks": c.num_codebooks,
         },  # fmt: skip
         "prompt_tokens": args.prompt_tokens,
+        "max_context": args.max_context or c.max_seq_len,
         "warmup_frames": args.warmup_frames,
         "timed_frames": args.frames,
         "buckets": list(args.buckets),
@@ -149,6 +152,7 @@ def environment(model, args) -> dict:
 def print_table(results: list[dict], env: dict) -> None:
     floor = env["floor_ms_per_frame_batch1"]
     print(f"{env['model']} on {env['device']}, {env['dtype']}, prompt {env['prompt_tokens']} tokens, "
+          f"context {env['max_context']} tokens, "
           f"{env['timed_frames']} timed frames; weight floor {floor:.2f} ms/frame at batch 1")  # fmt: skip
     head = f"{'mode':<6} {'batch':>5} {'fps/stream':>10} {'fps total':>10} {'p50 ms':>7} {'p99 ms':>7} "
     head += f"{'x floor':>7} {'replay':>6} {'capture s':>9} {'pool MiB':>8} {'KV MiB':>8} {'peak GiB':>8}"
@@ -207,6 +211,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.frames < 2 or args.warmup_frames < 1 or args.prompt_tokens < 1:
         raise UserError("--frames must be >= 2, --warmup-frames >= 1, --prompt-tokens >= 1")
     model = load_bench_model(args.model, args.device, torch_dtype(args.dtype))
+    needed = args.prompt_tokens + args.warmup_frames + args.frames + 1
+    if args.max_context is not None and not needed <= args.max_context <= model.config.max_seq_len:
+        raise UserError(
+            f"--max-context must be between {needed} (prompt + warm-up + timed frames + 1) and the "
+            f"model's {model.config.max_seq_len}, got {args.max_context}"
+        )
     set_cpu_threads(
         args.threads, not args.device.startswith("cuda"), sum(p.numel() for p in model.parameters())
     )
@@ -244,6 +254,11 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-sizes", type=_ints, default=[1, 4, 16, 64], help="comma list (default 1,4,16,64)")
     p.add_argument("--buckets", type=_ints, default=[1, 2, 4, 8, 16, 24, 32, 48, 64], help="graph buckets")
     p.add_argument("--prompt-tokens", type=int, default=200)
+    p.add_argument(
+        "--max-context", type=int, default=None,
+        help="tokens per request the engine is sized for, prompt + frames: the width of the block tables "
+        "a graph's attention reads (default: the model's maximum, as tts serve runs)",
+    )  # fmt: skip
     p.add_argument("--frames", type=int, default=128, help="timed frames per point")
     p.add_argument("--warmup-frames", type=int, default=8)
     p.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH, help="bytes/s for the floor")

@@ -1,12 +1,19 @@
 """Paged decode attention in Triton: one query token per row, K/V read through block tables.
 
-One program per (row, KV head, context split) handles the G = H / Hkv query heads that share the KV
-head (GQA, repeat_interleave order: KV head j serves query heads j*G .. j*G+G-1). It walks its share of
-the row's context `BLOCK_N` tokens at a time, mapping token t to slot `table[t // block_size] *
-block_size + t % block_size`, with an online softmax in fp32. Context lengths are read inside the
-kernel, so one captured graph serves every length up to the block table's width. With more than one
-split (flash-decoding), each split writes a partial (max, sum, output) and a second small kernel
-combines them; splits keep the GPU busy when the batch is small and the context long.
+One program per (row, KV head, split) handles the G = H / Hkv query heads that share the KV head (GQA,
+repeat_interleave order: KV head j serves query heads j*G .. j*G+G-1). The row's context is cut into
+chunks of `BLOCK_N` tokens dealt round-robin to the row's `SPLITS` programs (program s takes chunks s,
+s + SPLITS, s + 2 * SPLITS, ...); token t maps to slot `table[t // block_size] * block_size + t %
+block_size`; each program keeps an online softmax in fp32 and writes a partial (max, sum, output) that
+a second small kernel combines (flash-decoding). Context lengths are read inside the kernel, so one
+captured graph serves every length up to the block table's width, and the work of a row follows its
+length, not the table's width.
+
+The number of splits depends only on the launch shape (batch rows, KV heads, table width): enough
+programs to fill the GPU when the batch is small, one per (row, KV head) when the batch alone fills it.
+(Earlier the splits followed the table width: 256 splits for S2-Pro's 32k context, 131,072 programs per
+layer at batch 64 that mostly found no token, and a batch-64 frame step 4x slower than at a short
+context.)
 
 Reference and CPU path: `tts.kv_cache.paged_decode_attention`. Tested against it in
 tests/test_kernels.py (Triton interpreter on CPU) and tests/test_cuda_graphs.py (the GPU).
@@ -29,14 +36,12 @@ def _paged_decode_kernel(
     stride_tb,
     stride_ob, stride_oh, stride_os,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(lens_ptr + row)
-    start = split * SPLIT_TOKENS
-    end = tl.minimum(start + SPLIT_TOKENS, ctx)
 
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
@@ -48,9 +53,9 @@ def _paged_decode_kernel(
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    for t0 in range(start, end, BLOCK_N):
+    for t0 in range(split * BLOCK_N, ctx, SPLITS * BLOCK_N):  # this program's chunks, round-robin
         t = t0 + tl.arange(0, BLOCK_N)
-        valid = t < end
+        valid = t < ctx
         blk = tl.load(tables_ptr + row * stride_tb + t // BLOCK_SIZE, mask=valid, other=0)
         base = blk.to(tl.int64) * stride_kblk + (t % BLOCK_SIZE) * stride_kslot + kvh * stride_kh
         k = tl.load(k_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
@@ -64,23 +69,24 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m_i = m_new
 
+    used = split * BLOCK_N < ctx  # a program without a chunk writes nothing (the combine skips it)
     o_base = row * stride_ob + head * stride_oh + split * stride_os
-    tl.store(out_ptr + o_base[:, None] + d[None, :], acc, mask=(g < G)[:, None])
-    ml_off = (row * (tl.num_programs(1) * G) + head) * tl.num_programs(2) + split
-    tl.store(m_ptr + ml_off, m_i, mask=g < G)
-    tl.store(l_ptr + ml_off, l_i, mask=g < G)
+    tl.store(out_ptr + o_base[:, None] + d[None, :], acc, mask=(g < G)[:, None] & used)
+    ml_off = (row * (tl.num_programs(1) * G) + head) * SPLITS + split
+    tl.store(m_ptr + ml_off, m_i, mask=(g < G) & used)
+    tl.store(l_ptr + ml_off, l_i, mask=(g < G) & used)
 
 
 @triton.jit
 def _combine_kernel(
     part_ptr, m_ptr, l_ptr, out_ptr, lens_ptr, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
-    H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(lens_ptr + row)
     s = tl.arange(0, SPLITS)
-    used = s * SPLIT_TOKENS < ctx
+    used = s * BLOCK_N < ctx  # the programs that had at least one chunk
     ml = (row * H + h) * SPLITS + s
     m = tl.load(m_ptr + ml, mask=used, other=float("-inf"))
     lsum = tl.load(l_ptr + ml, mask=used, other=0.0)
@@ -97,22 +103,36 @@ def _combine_kernel(
     tl.store(out_ptr + row * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
+# Programs per launch worth aiming for: a few per SM of a large GPU (an H200 has 132 SMs). Fewer leave
+# SMs idle at batch 1; more only add programs that find no chunk.
+TARGET_PROGRAMS = 1024
+MAX_SPLITS = 128
+
+
+def decode_splits(rows: int, kv_heads: int, max_tokens: int, block_n: int) -> int:
+    """Programs per (row, KV head): a power of two, enough for about TARGET_PROGRAMS programs, at most
+    MAX_SPLITS and at most one per `block_n`-token chunk of the table's width."""
+    wanted = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, rows * kv_heads))
+    chunks = triton.next_power_of_2(triton.cdiv(max_tokens, block_n))
+    return max(1, min(wanted, MAX_SPLITS, chunks))
+
+
 def triton_paged_decode_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float,
-    split_tokens: int = 128,
+    splits: int | None = None,
 ) -> Tensor:  # fmt: skip
     """Same contract as `tts.kv_cache.paged_decode_attention`: q `[B, H, D]`, one layer's pool
     `[num_blocks, block_size, Hkv, D]`, block_tables `[B, max_blocks]`, context_lens `[B]` (>= 1).
-    Returns `[B, H, D]` in q's dtype; fp32 accumulation. The number of context splits is fixed by the
-    table width (not the lengths), so the launch shape is the same on every replay."""
+    Returns `[B, H, D]` in q's dtype; fp32 accumulation. `splits`: programs per (row, KV head), a
+    power of two (None: `decode_splits`, fixed by the launch shape, so the same on every replay)."""
     B, H, D = q.shape
     _, block_size, n_kv, _ = k_cache.shape
     G = H // n_kv
-    max_tokens = block_tables.shape[1] * block_size
-    splits = triton.next_power_of_2(max(1, triton.cdiv(max_tokens, split_tokens)))
-    split_tokens = triton.cdiv(max_tokens, splits)
     block_n = 64 if D <= 128 else 32
-    split_tokens = triton.cdiv(split_tokens, block_n) * block_n
+    if splits is None:
+        splits = decode_splits(B, n_kv, block_tables.shape[1] * block_size, block_n)
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"splits must be a power of two, got {splits}")
     q = q.contiguous()
     out = torch.empty_like(q)
     part = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
@@ -123,10 +143,10 @@ def triton_paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        SPLIT_TOKENS=split_tokens, num_warps=4,
+        SPLITS=splits, num_warps=4,
     )  # fmt: skip
     _combine_kernel[(B, H)](
         part, m, lsum, out, context_lens, part.stride(0), part.stride(1), part.stride(2), out.stride(0),
-        out.stride(1), H=H, D=D, SPLITS=splits, SPLIT_TOKENS=split_tokens, num_warps=1,
+        out.stride(1), H=H, D=D, SPLITS=splits, BLOCK_N=block_n, num_warps=1,
     )  # fmt: skip
     return out
