@@ -112,12 +112,9 @@ def test_codec_share_and_cache_counts_per_level():
     split = server_time_split({k: v for k, v in before.items() if "encode" not in k}, no_encode)
     assert split["codec_encode_s"] is None and split["codec_share"] == pytest.approx(3.0 / 9.0)
     split = server_time_split({}, {"tts_codec_decode_seconds_total": 1.0})
-    assert split == {**dict.fromkeys(SERVER_COUNTERS), "codec_share": None, "mean_batch": None}
-    assert server_time_split(None, after) == {
-        **dict.fromkeys(SERVER_COUNTERS),
-        "codec_share": None,
-        "mean_batch": None,
-    }
+    derived = {"codec_share": None, "mean_batch": None, "codec_frames_per_call": None}
+    assert split == {**dict.fromkeys(SERVER_COUNTERS), **derived}
+    assert server_time_split(None, after) == {**dict.fromkeys(SERVER_COUNTERS), **derived}
     # No time spent at all: no share rather than a division by zero.
     assert server_time_split(before, before)["codec_share"] is None
 
@@ -213,7 +210,7 @@ def test_bench_server_repeated_reference_reports_the_new_fields(server, tmp_path
         assert isinstance(lv["underruns"], int) and lv["underruns"] >= 0
         assert 0.0 <= lv["underrun_share"] <= 1.0
         assert (lv["underrun_worst_ms"] is None) == (lv["underruns"] == 0)
-        assert set(lv["server"]) == {*SERVER_COUNTERS, "codec_share", "mean_batch"}
+        assert set(lv["server"]) == {*SERVER_COUNTERS, "codec_share", "mean_batch", "codec_frames_per_call"}
         # Counters the server does not export stay None; those it does are non-negative.
         assert all(v is None or v >= 0 for v in lv["server"].values())
         share = lv["server"]["codec_share"]
@@ -262,3 +259,10 @@ def test_mean_batch_is_rows_over_steps_per_level():
     split = server_time_split(before, after)
     assert (split["frame_steps"], split["frame_step_rows"], split["mean_batch"]) == (4.0, 20.0, 5.0)
     assert server_time_split(after, after)["mean_batch"] is None  # no step in the level
+
+
+def test_codec_frames_per_call_is_frames_over_calls_per_level():
+    before = {"tts_codec_decode_calls_total": 3.0, "tts_codec_decode_frames_total": 40.0}
+    after = {"tts_codec_decode_calls_total": 7.0, "tts_codec_decode_frames_total": 200.0}
+    assert server_time_split(before, after)["codec_frames_per_call"] == 40.0
+    assert server_time_split(after, after)["codec_frames_per_call"] is None  # no call in the level
