@@ -26,8 +26,9 @@
 #   STEP=attn    the CUDA tests (stops if one fails); `tts bench` graph batch 1 and 64 at the served
 #                context (32k tokens); S2-Pro service, taking turns (float32 codec, c = 1, 16, 64, 64)
 #                and sharing the GPU (TTS_CODEC_SCHEDULE=overlap: c = 64, 64)
-#   STEP=attn2   S2-Pro service with the bf16 codec, taking turns and sharing (c = 16, 64, 64); the
-#                reference modes at c = 16; the default voice's service (c = 1, 16, 64, 64)
+#   STEP=attn2   S2-Pro service with the bf16 codec, taking turns (c = 16, 64, 64; the reference modes at
+#                c = 16) and sharing (c = 64, 64); the default voice's service taking turns (c = 1, 16,
+#                64, 64) and sharing (c = 64, 64)
 set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -202,7 +203,10 @@ if [[ $STEP == attn2 ]]; then
   bench 50065 9469 s2_service_bf16_overlap --concurrency 64,64 --max-new-frames 128 --min-new-frames 128; unset TTS_CODEC_SCHEDULE
   kill %1; wait
   serve default 50063 9467
-  bench 50063 9467 default_service --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
+  bench 50063 9467 default_service_turns --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
+  export TTS_CODEC_SCHEDULE=overlap; serve default 50066 9470
+  bench 50066 9470 default_service_overlap --concurrency 64,64 --max-new-frames 128 --min-new-frames 128; unset TTS_CODEC_SCHEDULE
   kill %1; wait
   grep -h "SERVING\|Traceback\|Error" $OUT/serve_*.log | head -20
 fi
