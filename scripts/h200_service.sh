@@ -20,15 +20,11 @@
 #                holder); `tts bench` graph batch 1 and 64 (the engine alone)
 #   STEP=after   the CUDA tests (stops if one fails); S2-Pro service (float32 codec) and the default
 #                voice's service at c = 1, 16, 64, 64; `tts synthesize --device cuda` to raw PCM
-#   STEP=turns   the CUDA tests (stops if one fails); S2-Pro service with the frame steps and the codec
-#                calls taking turns on the GPU (float32 codec c = 1, 16, 64, 64), sharing it as before
-#                (TTS_CODEC_SCHEDULE=overlap: c = 64, 64), and taking turns with the bf16 codec (c = 64, 64)
 #   STEP=attn    the CUDA tests (stops if one fails); `tts bench` graph batch 1 and 64 at the served
-#                context (32k tokens); S2-Pro service, taking turns (float32 codec, c = 1, 16, 64, 64)
-#                and sharing the GPU (TTS_CODEC_SCHEDULE=overlap: c = 64, 64)
-#   STEP=attn2   S2-Pro service with the bf16 codec, taking turns (c = 16, 64, 64; the reference modes at
-#                c = 16) and sharing (c = 64, 64); the default voice's service taking turns (c = 1, 16,
-#                64, 64) and sharing (c = 64, 64)
+#                context (32k tokens); S2-Pro service (float32 codec) at c = 1, 16, 64, 64
+#   STEP=attn2   S2-Pro service with the bf16 codec (c = 16, 64, 64; the reference modes at c = 16); the
+#                default voice's service (c = 1, 16, 64, 64)
+set -uo pipefail
 set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -161,52 +157,27 @@ if [[ $STEP == s2only ]]; then
   bench 50061 9465 s2_service_fp32 --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait
 fi
-if [[ $STEP == turns ]]; then
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py tests/test_dac_batched.py \
-    tests/test_melvq_batched.py tests/test_turns.py 2>&1 | tail -6 | tee $OUT/cuda_tests.log
-  grep -Eq "failed|error" $OUT/cuda_tests.log && exit 1
-  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
-  serve /tmp/s2 50061 9465
-  bench 50061 9465 s2_service_fp32_turns --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
-  kill %1; wait
-  export TTS_CODEC_SCHEDULE=overlap; serve /tmp/s2 50062 9466
-  bench 50062 9466 s2_service_fp32_overlap --concurrency 64,64 --max-new-frames 128 --min-new-frames 128; unset TTS_CODEC_SCHEDULE
-  kill %1; wait
-  serve /tmp/s2 50064 9468 --codec-dtype bfloat16
-  bench 50064 9468 s2_service_bf16_turns --concurrency 64,64 --max-new-frames 128 --min-new-frames 128
-  kill %1; wait
-  grep -h "SERVING\|Traceback\|Error" $OUT/serve_*.log | head -20
-fi
 if [[ $STEP == attn ]]; then
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py tests/test_turns.py 2>&1 \
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py 2>&1 \
     | tail -6 | tee $OUT/cuda_tests.log
   grep -Eq "failed|error" $OUT/cuda_tests.log && exit 1
   timeout 150 $TTS bench --model s2-pro-shape --device cuda --modes graph --batch-sizes 1,64 --frames 64 --out $OUT/tps 2>&1 | tail -4
   t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
   serve /tmp/s2 50061 9465
-  bench 50061 9465 s2_service_fp32_turns --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
-  kill %1; wait
-  export TTS_CODEC_SCHEDULE=overlap; serve /tmp/s2 50062 9466
-  bench 50062 9466 s2_service_fp32_overlap --concurrency 64,64 --max-new-frames 128 --min-new-frames 128; unset TTS_CODEC_SCHEDULE
+  bench 50061 9465 s2_service_fp32 --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait
   grep -h "SERVING\|Traceback\|Error" $OUT/serve_*.log | head -20
 fi
 if [[ $STEP == attn2 ]]; then
   t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
   serve /tmp/s2 50064 9468 --codec-dtype bfloat16
-  bench 50064 9468 s2_service_bf16_turns --concurrency 16,64,64 --max-new-frames 128 --min-new-frames 128
+  bench 50064 9468 s2_service_bf16 --concurrency 16,64,64 --max-new-frames 128 --min-new-frames 128
   for mode in repeated distinct registered; do
     bench 50064 9468 s2_reference_$mode --concurrency 16 --requests 64 --max-new-frames 128 --min-new-frames 128 --reference $mode
   done
   kill %1; wait
-  export TTS_CODEC_SCHEDULE=overlap; serve /tmp/s2 50065 9469 --codec-dtype bfloat16
-  bench 50065 9469 s2_service_bf16_overlap --concurrency 64,64 --max-new-frames 128 --min-new-frames 128; unset TTS_CODEC_SCHEDULE
-  kill %1; wait
   serve default 50063 9467
-  bench 50063 9467 default_service_turns --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
-  kill %1; wait
-  export TTS_CODEC_SCHEDULE=overlap; serve default 50066 9470
-  bench 50066 9470 default_service_overlap --concurrency 64,64 --max-new-frames 128 --min-new-frames 128; unset TTS_CODEC_SCHEDULE
+  bench 50063 9467 default_service --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait
   grep -h "SERVING\|Traceback\|Error" $OUT/serve_*.log | head -20
 fi

@@ -46,7 +46,6 @@ from graphs.runner import GraphRunner
 
 from ..codec.base import Codec
 from ..params import MAX_CHUNK_FRAMES
-from .turns import DeviceTurns
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +108,6 @@ class CodecStage:
     def __init__(
         self, codec: Codec, max_streams: int, notify: Callable[[], None] = lambda: None, *,
         graphs: bool = True, max_rows: int = 64, max_call_frames: int = 1024, name: str = "tts-codec",
-        turns: DeviceTurns | None = None,
     ):  # fmt: skip
         self.codec = codec
         self.max_streams = max_streams
@@ -118,7 +116,6 @@ class CodecStage:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.is_cuda = self.device.type == "cuda"
-        self.turns = turns or DeviceTurns(self.device, enabled=False)
         self._notify = notify
         self.max_rows = max_rows
         self.max_call_frames = max(max_call_frames, MAX_PIECE_FRAMES)
@@ -347,8 +344,7 @@ class CodecStage:
                     self._busy = True
                 try:
                     if resets:
-                        with self.turns.turn():
-                            self.decoder.reset(torch.tensor(resets, dtype=torch.int64).to(self.device))
+                        self.decoder.reset(torch.tensor(resets, dtype=torch.int64).to(self.device))
                     if pieces:
                         self._run_decode(pieces)
                     if encode is not None:
@@ -414,20 +410,18 @@ class CodecStage:
         t0 = time.perf_counter()
         start = end = None
         try:
-            with self.turns.turn():  # (the call starts on the GPU after the frame step queued before it)
-                if self.is_cuda:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                self._slots[:B].copy_(h_slots[:B], non_blocking=True)
-                self._lengths[:B].copy_(h_lengths[:B], non_blocking=True)
-                self._codes[:B, :, :T].copy_(h_codes[:B, :, :T], non_blocking=True)
-                b = self.graphs.run(n, T)  # rows computed: n's bucket (pad rows set above) or n
-                out = self._h_out[: n * T * L].view(n, T * L)
-                out.copy_(self._out[: b * T * L].view(b, T * L)[:n], non_blocking=True)
-                if end is not None:
-                    end.record()
+            if self.is_cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            self._slots[:B].copy_(h_slots[:B], non_blocking=True)
+            self._lengths[:B].copy_(h_lengths[:B], non_blocking=True)
+            self._codes[:B, :, :T].copy_(h_codes[:B, :, :T], non_blocking=True)
+            b = self.graphs.run(n, T)  # rows computed: n's bucket (pad rows set above) or n
+            out = self._h_out[: n * T * L].view(n, T * L)
+            out.copy_(self._out[: b * T * L].view(b, T * L)[:n], non_blocking=True)
             if self.is_cuda:
                 assert start is not None and end is not None and self.stream is not None  # set on CUDA
+                end.record()
                 self.stream.synchronize()  # the worker's own stream only
                 seconds = start.elapsed_time(end) / 1000.0
             else:
@@ -464,8 +458,7 @@ class CodecStage:
     def _run_encode(self, samples: Tensor, future: Future) -> None:
         t0 = time.perf_counter()
         try:
-            with self.turns.turn():
-                codes = self.codec.encode_audio(samples)
+            codes = self.codec.encode_audio(samples)
             if self.is_cuda:
                 torch.cuda.current_stream(self.device).synchronize()
         except Exception as exc:  # noqa: BLE001 - reported to the job that asked

@@ -33,7 +33,6 @@ from ..sampling import SAMPLER_TOPK_CAP
 from .model_runner import ModelRunner, RowInit
 from .request import FinishReason, InvalidRequest, Request, RequestState, SamplingParams, StepOutput
 from .scheduler import RowMove, Scheduler
-from .turns import DeviceTurns
 
 log = logging.getLogger(__name__)
 
@@ -165,9 +164,6 @@ class Engine:
         self._carried: list[StepOutput] = []
         self._host_out: torch.Tensor | None = None  # pinned copy of the step's `out` (CUDA)
         self._out_ready: torch.cuda.Event | None = None  # marks `out` copied to _host_out (CUDA)
-        self._cpu_out = torch.empty(0)  # the step's `out` copied to the host (CPU)
-        # Turns on the GPU with the codec stage (`tts.engine.turns`); the job runner shares one with it.
-        self.turns = DeviceTurns(self.device, enabled=False)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.frames_generated = 0
@@ -323,18 +319,16 @@ class Engine:
                         self.runner.set_active(self.scheduler.running.index(request), not paused)
             admitted = self.scheduler.admit()
         phases, t0 = self.phase_seconds, time.perf_counter()
-        with self.turns.turn():  # the GPU work of this iteration, after the codec call queued before it
-            self._start(admitted, outputs)
-            n = self.scheduler.num_running
-            t1 = time.perf_counter()
-            phases["prefill"] += t1 - t0
-            if n == 0:
-                return outputs
-            self.graphs.run(n, self._sampler_variant())
-            self.frame_steps += 1
-            self.step_rows += n
-            self._copy_frame_to_host(n)
-        out = self._wait_for_frame(n)
+        self._start(admitted, outputs)
+        n = self.scheduler.num_running
+        t1 = time.perf_counter()
+        phases["prefill"] += t1 - t0
+        if n == 0:
+            return outputs
+        self.graphs.run(n, self._sampler_variant())
+        self.frame_steps += 1
+        self.step_rows += n
+        out = self._frame_to_host(n)
         t2 = time.perf_counter()
         phases["replay"] += t2 - t1
         cols = self.runner.out_layout
@@ -368,27 +362,19 @@ class Engine:
         phases["rows"] += time.perf_counter() - t2
         return outputs
 
-    def _copy_frame_to_host(self, n: int) -> None:
-        """Queue the copy of the step's `out[:n]` to the host, before the next step overwrites it. On
-        CUDA into a pinned buffer, marked by an event (`_wait_for_frame` waits for it)."""
+    def _frame_to_host(self, n: int) -> torch.Tensor:
+        """The step's `out[:n]` on the host, copied before the next step overwrites it. On CUDA through a
+        pinned buffer and an event whose wait releases the GIL: the codec stage's worker thread runs
+        Python while this thread waits for the frame (a plain `.to("cpu")` waits holding the GIL)."""
         out = self.runner.buffers.out
         if self.device.type != "cuda":
-            self._cpu_out = out[:n].to("cpu", copy=True)  # (on a CPU device .cpu() would alias the buffer)
-            return
+            return out[:n].to("cpu", copy=True)  # (on a CPU device .cpu() would alias the buffer)
         if self._host_out is None:
             self._host_out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
             self._out_ready = torch.cuda.Event()
         assert self._out_ready is not None  # made together with _host_out
         self._host_out[:n].copy_(out[:n], non_blocking=True)
         self._out_ready.record()
-
-    def _wait_for_frame(self, n: int) -> torch.Tensor:
-        """The step's `out[:n]` on the host. On CUDA the event's wait releases the GIL: the codec stage's
-        worker thread runs Python while this thread waits for the frame (a plain `.to("cpu")` waits
-        holding the GIL)."""
-        if self.device.type != "cuda":
-            return self._cpu_out
-        assert self._out_ready is not None and self._host_out is not None  # set by _copy_frame_to_host
         self._out_ready.synchronize()
         return self._host_out[:n].clone()
 

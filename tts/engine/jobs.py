@@ -51,7 +51,6 @@ from ..voices import ReferenceCache
 from .codec_stage import MAX_PIECE_FRAMES, CodecStage, DecodeResult
 from .engine import Engine
 from .request import FinishReason, InvalidRequest, StepOutput
-from .turns import DeviceTurns, default_schedule
 
 log = logging.getLogger(__name__)
 
@@ -208,10 +207,7 @@ class JobRunner:
         self.max_queued_chunks = max_queued_chunks
         self.pause_timeout = pause_timeout
         self.cache = reference_cache
-        # The frame steps and the codec calls take turns on the GPU (tts.engine.turns).
-        turns = DeviceTurns(engine.device, enabled=default_schedule() == "serial")
-        engine.turns = turns
-        self.stage = CodecStage(self.bundle.codec, max_streams, notify, graphs=codec_graphs, turns=turns)
+        self.stage = CodecStage(self.bundle.codec, max_streams, notify, graphs=codec_graphs)
         self.jobs: dict[str, _Job] = {}
         self._by_engine_id: dict[str, _Job] = {}
         self._ids = itertools.count()
