@@ -4,7 +4,6 @@ capture (stand-in graphs on the CPU), the per-stream frame limit."""
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import Future
 
 import numpy as np
@@ -58,28 +57,6 @@ def test_queued_pieces_of_several_streams_decode_in_one_call_in_order(codec):
             assert [r.tag[1] for r in mine] == [0, 1]
             audio = np.concatenate([r.samples for r in mine])
             np.testing.assert_array_equal(audio, codec.decode(streams[s]).numpy())
-    finally:
-        stage.stop()
-
-
-def test_pieces_queued_while_holding_go_out_in_one_call(codec):
-    """The runner queues an iteration's chunks inside `holding()`: the idle worker does not wake on the
-    first piece and decode it alone; it takes them all in one call when the hold ends."""
-    done = threading.Event()
-    stage = CodecStage(codec, max_streams=4, notify=done.set)
-    try:
-        slots = [stage.open() for _ in range(3)]
-        streams = {s: codes_for(s, 16, codec) for s in slots}
-        calls = stage.stats.decode_calls
-        with stage.holding():
-            for s in slots:
-                stage.decode(s, (s, 0), streams[s])
-                time.sleep(0.02)  # (only gives a worker that ignored the hold time to start a call)
-            assert stage.stats.decode_calls == calls
-        results = collect(stage, done, 3)
-        assert stage.stats.decode_calls == calls + 1 and stage.stats.decode_rows == 3
-        for r in results:
-            np.testing.assert_array_equal(r.samples, codec.decode(streams[r.slot]).numpy())
     finally:
         stage.stop()
 

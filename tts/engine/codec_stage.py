@@ -33,9 +33,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,7 +131,6 @@ class CodecStage:
         self.max_stream_frames: int | None = getattr(self.decoder, "max_frames", None)
         self._stopping = False
         self._busy = False
-        self._held = 0  # `holding()` depth: the worker takes no new call while > 0
         self.dead: Exception | None = None  # set if the worker died: every later call fails with it
         N = codec.num_codebooks
         pin = self.is_cuda
@@ -195,20 +193,6 @@ class CodecStage:
                 raise self.dead
             self._queue.append(("decode", _Piece(slot, tag, codes)))
             self._cv.notify()
-
-    @contextmanager
-    def holding(self) -> Iterator[None]:
-        """Queue several pieces as one batch: the worker starts no call while the runner is inside
-        (it would otherwise wake on the first piece of an iteration and decode it alone, and the others
-        in a second call)."""
-        with self._cv:
-            self._held += 1
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._held -= 1
-                self._cv.notify()
 
     def encode(self, samples: Tensor) -> Future:
         """Queue an encode of mono float32 `samples [S]` at the codec's rate; the future's result is the
@@ -313,9 +297,7 @@ class CodecStage:
         with torch.inference_mode(), torch.cuda.stream(self.stream) if self.is_cuda else _null():
             while True:
                 with self._cv:
-                    while not self._stopping and (
-                        self._held or not (self._queue or self._encodes or self._tasks)
-                    ):
+                    while not (self._queue or self._encodes or self._tasks or self._stopping):
                         self._cv.wait()
                     if self._stopping:
                         # Only the futures are used below: encodes and tasks fail alike.

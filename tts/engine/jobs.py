@@ -329,16 +329,15 @@ class JobRunner:
                         self._end(job, Failed(EngineFailed(f"engine step failed: {exc}")))
             t1 = time.perf_counter()
             self.frame_step_seconds += t1 - t0
-            with self.stage.holding():  # this frame's chunks go to the codec in one call
-                for out in outputs:
-                    progressed = True
-                    try:
-                        self._route(out)
-                    except Exception as exc:  # noqa: BLE001 - a bug in one job must not stop the others
-                        log.exception("handling the output of %s failed", out.request_id)
-                        owner = self._by_engine_id.get(out.request_id)
-                        if owner is not None:
-                            self._end(owner, Failed(EngineFailed(f"{type(exc).__name__}: {exc}")))
+            for out in outputs:
+                progressed = True
+                try:
+                    self._route(out)
+                except Exception as exc:  # noqa: BLE001 - a bug in one job must not stop the others
+                    log.exception("handling the output of %s failed", out.request_id)
+                    owner = self._by_engine_id.get(out.request_id)
+                    if owner is not None:
+                        self._end(owner, Failed(EngineFailed(f"{type(exc).__name__}: {exc}")))
             self.phase_seconds["route"] += time.perf_counter() - t1
         return progressed
 
