@@ -230,7 +230,10 @@ def evaluate(args: argparse.Namespace) -> dict:
     load_seconds = time.perf_counter() - t0
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     log(f"model: {bundle.describe()} (loaded in {load_seconds:.2f} s)")
-    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    sampling = {
+        "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+        "ras_window": args.ras_window, "repetition_penalty": args.repetition_penalty,
+    }  # fmt: skip
     budget = args.max_new_frames or bundle.sampling.max_new_frames
     tts.synthesize("Warm up.", seed=0, max_new_frames=8)
     refs = [words(s) for s in sentences]
@@ -400,6 +403,10 @@ def check_eval_args(args: argparse.Namespace) -> None:
     for option in ("limit", "voice_sentences", "asr_threads"):
         value = getattr(args, option)
         require(value is None or value >= 1, f"--{option.replace('_', '-')} must be >= 1, got {value}")
+    require(
+        args.ras_window is None or 0 <= args.ras_window <= 10,
+        f"--ras-window must be in [0, 10], got {args.ras_window}",
+    )
     check_threads(args)
     if args.out:
         check_output_path(args.out)
@@ -452,6 +459,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
+    p.add_argument(
+        "--ras-window", type=int, default=None,
+        help="repetition-aware sampling window in main tokens, 0 to 10 (0: off; default: the model's)",
+    )  # fmt: skip
+    p.add_argument("--repetition-penalty", type=float, default=None, help="default: the model's")
     p.add_argument("--max-new-frames", type=int, default=None, help="frame budget (default: the model's)")
     p.add_argument("--asr-threads", type=int, default=2)
     p.add_argument(
