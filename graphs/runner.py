@@ -109,11 +109,17 @@ class GraphRunner:
     """
 
     def __init__(
-        self, step_fn: Callable[[int, Any], None], *, max_batch: int, buckets: Sequence[int] = DEFAULT_BUCKETS,
-        enabled: bool = True, device: torch.device | str = "cpu",
-        buffer_ptrs: Callable[[], dict[str, int]] | None = None, eager_buckets: bool = False,
+        self,
+        step_fn: Callable[[int, Any], None],
+        *,
+        max_batch: int,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        enabled: bool = True,
+        device: torch.device | str = "cpu",
+        buffer_ptrs: Callable[[], dict[str, int]] | None = None,
+        eager_buckets: bool = False,
         capture_stream: torch.cuda.Stream | None = None,
-    ):  # fmt: skip
+    ):
         self.step_fn = step_fn
         self.device = torch.device(device)
         self.enabled = enabled

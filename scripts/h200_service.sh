@@ -24,6 +24,7 @@
 #                context (32k tokens); S2-Pro service (float32 codec) at c = 1, 16, 64, 64
 #   STEP=attn2   S2-Pro service with the bf16 codec (c = 16, 64, 64; the reference modes at c = 16); the
 #                default voice's service (c = 1, 16, 64, 64)
+#   STEP=prefill the prefill alone and packed, timed and profiled (scripts/profile_prefill.py)
 set -uo pipefail
 set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
@@ -180,4 +181,8 @@ if [[ $STEP == attn2 ]]; then
   bench 50063 9467 default_service --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait
   grep -h "SERVING\|Traceback\|Error" $OUT/serve_*.log | head -20
+fi
+if [[ $STEP == prefill ]]; then
+  timeout 300 python3 scripts/profile_prefill.py --model s2-pro-shape --device cuda --tokens 64,128,256 \
+    --packed 16 --out $OUT/prefill.txt 2>&1 | grep -v USDT | tail -8
 fi

@@ -56,8 +56,16 @@ def main():
     model = load_bench_model(args.model, "cuda", torch.bfloat16)
     with open(args.out, "w") as out:
         for mode in ("graph", "eager"):
-            engine = Engine(model, EngineConfig(max_batch=args.batch, graphs="startup" if mode == "graph" else "off",
-                                                buckets=[args.batch], max_context=512, ignore_eos=True))  # fmt: skip
+            engine = Engine(
+                model,
+                EngineConfig(
+                    max_batch=args.batch,
+                    graphs="startup" if mode == "graph" else "off",
+                    buckets=[args.batch],
+                    max_context=512,
+                    ignore_eos=True,
+                ),
+            )
             params = SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_frames=200, seed=0)
             for i in range(args.batch):
                 engine.submit(_prompt(model, 200, i), params)

@@ -38,7 +38,7 @@ from tts.cli import (
     summary_stream,
     torch_dtype,
     write_output,
-)  # fmt: skip
+)
 from tts.errors import os_error_reason
 
 log = logging.getLogger("tts.serve")
@@ -52,12 +52,13 @@ _SERVE_PARSER: argparse.ArgumentParser | None = None  # `tts serve --devices` fo
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "serve", help="run the synthesis server (gRPC and OpenAI-compatible HTTP)",
+        "serve",
+        help="run the synthesis server (gRPC and OpenAI-compatible HTTP)",
         description="Serve tts.v1.TextToSpeech over gRPC and the OpenAI-compatible HTTP API (--http-port) from "
         "one engine with continuous batching. Health reports NOT_SERVING (HTTP /health: 503) until the engine "
         "has warmed up. SIGTERM or Ctrl-C shut down gracefully. With --devices, one replica process per device "
         "behind HAProxy on the public ports (README: Scaling out).",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)"
     )
@@ -65,10 +66,12 @@ def add_parser(subparsers) -> None:
         "--port", type=int, default=DEFAULT_PORT, help=f"gRPC port (default {DEFAULT_PORT}; 0 = any free)"
     )
     p.add_argument(
-        "--http-port", type=int, default=DEFAULT_HTTP_PORT,
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
         help=f"HTTP port of the OpenAI-compatible API, /health, /metrics and the playground on the same host "
         f"(default {DEFAULT_HTTP_PORT}; 0 = any free; -1 = off)",
-    )  # fmt: skip
+    )
     add_model_args(p)
     add_codec_dtype_arg(p)
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
@@ -78,61 +81,79 @@ def add_parser(subparsers) -> None:
     add_engine_args(p)
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the Prometheus endpoint")
     p.add_argument(
-        "--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
         help=f"Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0 = any free; -1 = off)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--grace", type=float, default=10.0, help="seconds open streams get at shutdown (default 10)"
     )
     p.add_argument(
-        "--drain-delay", type=float, default=None,
+        "--drain-delay",
+        type=float,
+        default=None,
         help="on SIGTERM, seconds the server keeps admitting new calls while its health already says "
         "NOT_SERVING, so a load balancer that polls health stops sending before calls are refused "
         "(default 0; with --devices 5 x --check-interval); Ctrl-C (SIGINT) skips it",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--max-connection-age", type=float, default=0.0,
+        "--max-connection-age",
+        type=float,
+        default=0.0,
         help="seconds after which a client connection is asked to go away (HTTP/2 GOAWAY) so long-lived "
         "clients reconnect and rebalance; streams on it continue (default 0 = never)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--max-connection-age-grace", type=float, default=None,
+        "--max-connection-age-grace",
+        type=float,
+        default=None,
         help="seconds streams on a connection past --max-connection-age may still run before it is closed "
         "(default: as long as they need)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--replica-name", default=None,
+        "--replica-name",
+        default=None,
         help="this process's name in stream headers, GetInfo, the X-Replica header and /load (default "
         "HOSTNAME:PORT)",
-    )  # fmt: skip
+    )
     g = p.add_argument_group("replicas on one host (--devices)")
     g.add_argument(
-        "--devices", default=None,
+        "--devices",
+        default=None,
         help="comma-separated devices, e.g. cuda:0,cuda:1 (or cpu,cpu): one replica process per device on "
         "internal ports of 127.0.0.1, behind HAProxy on --host/--port/--http-port/--metrics-port",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--replica-base-port", type=int, default=0,
+        "--replica-base-port",
+        type=int,
+        default=0,
         help="replica i listens on BASE+3i (gRPC), BASE+3i+1 (HTTP), BASE+3i+2 (metrics) of 127.0.0.1 "
         "(default 0: free ports picked at start)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--check-interval", type=float, default=1.0,
+        "--check-interval",
+        type=float,
+        default=1.0,
         help="seconds between HAProxy's health checks of each replica (default 1)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--restart", choices=["on", "off"], default="on",
+        "--restart",
+        choices=["on", "off"],
+        default="on",
         help="restart a replica that exits unexpectedly (default on; with off the others go on serving)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--max-reference-mb", type=float, default=10.0, help="reference clip size limit (default 10)"
     )
     p.add_argument("--max-queued-chunks", type=int, default=8, help="unread chunks before a stream pauses")
     p.add_argument(
-        "--pause-timeout", type=float, default=10.0,
+        "--pause-timeout",
+        type=float,
+        default=10.0,
         help="seconds a stream whose client does not read may keep its batch row while other requests "
         "wait; then it ends with RESOURCE_EXHAUSTED (default 10; 0 = never)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--max-text-bytes",
         type=int,
@@ -140,31 +161,39 @@ def add_parser(subparsers) -> None:
         help="longest text per request in UTF-8 bytes (default 20000)",
     )
     p.add_argument(
-        "--max-audio-seconds", type=float, default=1800.0,
+        "--max-audio-seconds",
+        type=float,
+        default=1800.0,
         help="audio per request before it ends with finish reason length (default 1800; 0 = no limit)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--voices-dir", default=None,
+        "--voices-dir",
+        default=None,
         help="where registered voices (AddVoice, `tts voices add`) are kept (default: the per-user "
         "directory `tts voices` shows for this model; 'none' = in memory only)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--reference-cache-mb", type=float, default=64.0,
+        "--reference-cache-mb",
+        type=float,
+        default=64.0,
         help="memory for encoded reference clips, reused when the same clip comes again (default 64; 0 = off)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--codec-graphs", choices=["on", "off"], default="on",
+        "--codec-graphs",
+        choices=["on", "off"],
+        default="on",
         help="capture the codec stage's batched decode in CUDA graphs (CUDA only; default on)",
-    )  # fmt: skip
+    )
     p.set_defaults(func=cmd_serve)
     global _SERVE_PARSER
     _SERVE_PARSER = p
 
     p = subparsers.add_parser(
-        "client", help="synthesize through a running server to an audio file",
+        "client",
+        help="synthesize through a running server to an audio file",
         description="Stream a synthesis from `tts serve`, write the audio file when done (atomically), print "
         "TTFA and RTF.",
-    )  # fmt: skip
+    )
     p.add_argument("text", nargs="?", help="text to speak (or use --text-file)")
     add_output_args(p)
     p.add_argument("--server", default=f"127.0.0.1:{DEFAULT_PORT}", help="HOST:PORT of the server")
@@ -191,13 +220,14 @@ def add_parser(subparsers) -> None:
     from .loadtest import add_arguments
 
     p = subparsers.add_parser(
-        "bench-server", help="closed-loop load benchmark (or, with --soak, soak test) of a running server",
+        "bench-server",
+        help="closed-loop load benchmark (or, with --soak, soak test) of a running server",
         description="Closed-loop load benchmark: req/s, audio s/s, TTFA p50/p95/p99, RTF p50/p95, the "
         "longest gap between chunks and playback underruns at each concurrency level (optionally with "
         "reference clips and the server's codec time share); prints a table and writes JSON. With --soak, "
         "a soak test instead: many requests of mixed client kinds (cancels, slow and stalled readers, "
         "deadlines, unary, invalid), failing on leaks, gaps, unexpected statuses or RSS growth.",
-    )  # fmt: skip
+    )
     add_arguments(p)
     p.set_defaults(func=cmd_bench_server)
 
@@ -334,12 +364,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         voices_dir = default_voices_dir(bundle.name)
     limits = ServiceLimits(
-        max_waiting=args.max_waiting, max_queued_chunks=args.max_queued_chunks,
-        max_reference_bytes=int(args.max_reference_mb * MiB), pause_timeout=args.pause_timeout or None,
-        max_audio_seconds=args.max_audio_seconds or None, max_text_bytes=args.max_text_bytes,
-        reference_cache_bytes=int(args.reference_cache_mb * MiB), voices_dir=voices_dir,
-        max_connection_age=args.max_connection_age or None, max_connection_age_grace=args.max_connection_age_grace,
-    )  # fmt: skip
+        max_waiting=args.max_waiting,
+        max_queued_chunks=args.max_queued_chunks,
+        max_reference_bytes=int(args.max_reference_mb * MiB),
+        pause_timeout=args.pause_timeout or None,
+        max_audio_seconds=args.max_audio_seconds or None,
+        max_text_bytes=args.max_text_bytes,
+        reference_cache_bytes=int(args.reference_cache_mb * MiB),
+        voices_dir=voices_dir,
+        max_connection_age=args.max_connection_age or None,
+        max_connection_age_grace=args.max_connection_age_grace,
+    )
     # Three threads share the GIL: the engine thread (a frame every few ms), the codec stage's worker and
     # the asyncio thread of the fronts. A thread waiting for the GIL gets it within the switch interval;
     # 1 ms instead of Python's 5 keeps a frame step from waiting several ms behind the others' Python.
@@ -353,9 +388,15 @@ async def _serve(args, bundle, engine_config, limits) -> int:
     metrics_port = None if args.metrics_port < 0 else args.metrics_port
     http_port = None if args.http_port < 0 else args.http_port
     server = TTSServer(
-        bundle, engine_config, limits, metrics_host=args.metrics_host, metrics_port=metrics_port,
-        http_port=http_port, codec_graphs=args.codec_graphs == "on", replica=args.replica_name,
-    )  # fmt: skip
+        bundle,
+        engine_config,
+        limits,
+        metrics_host=args.metrics_host,
+        metrics_port=metrics_port,
+        http_port=http_port,
+        codec_graphs=args.codec_graphs == "on",
+        replica=args.replica_name,
+    )
     try:
         port = await server.start(args.host, args.port)
     except (RuntimeError, OSError) as exc:
@@ -390,8 +431,9 @@ async def _serve(args, bundle, engine_config, limits) -> int:
         print(
             f"serving {SERVICE_NAME} on {args.host}:{port} (replica {server.replica}, max batch "
             f"{engine_config.max_batch}, graphs {'on' if graphs else 'off'}){http}{metrics}",
-            file=sys.stderr, flush=True,
-        )  # fmt: skip
+            file=sys.stderr,
+            flush=True,
+        )
     else:
         ready.cancel()
     await stopped
@@ -435,10 +477,16 @@ def cmd_client(args: argparse.Namespace) -> int:
     if args.reference_audio is not None:  # read and decoded here, so a bad file is named
         reference = read_reference_file(args.reference_audio)[0]
     request = build_request(
-        text, voice=args.voice, reference_audio=reference, reference_text=args.reference_text,
-        encoding=args.encoding, first_chunk_frames=args.first_chunk_frames, chunk_frames=args.chunk_frames,
-        normalize=None if args.normalize else False, **sampling_kwargs(args),
-    )  # fmt: skip
+        text,
+        voice=args.voice,
+        reference_audio=reference,
+        reference_text=args.reference_text,
+        encoding=args.encoding,
+        first_chunk_frames=args.first_chunk_frames,
+        chunk_frames=args.chunk_frames,
+        normalize=None if args.normalize else False,
+        **sampling_kwargs(args),
+    )
     try:
         result = asyncio.run(_client(args.server, request, args.timeout))
     except grpc.aio.AioRpcError as exc:

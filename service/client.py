@@ -40,12 +40,24 @@ ENCODINGS = {"pcm16": pb.AUDIO_ENCODING_PCM16, "float32": pb.AUDIO_ENCODING_FLOA
 
 
 def build_request(
-    text: str, *, voice: str | None = None, reference_audio: bytes | None = None,
-    reference_text: str | None = None, temperature: float | None = None, top_p: float | None = None,
-    top_k: int | None = None, seed: int | None = None, max_new_frames: int | None = None,
-    min_new_frames: int | None = None, encoding: str = "pcm16", include_codes: bool = False, first_chunk_frames: int = 0, chunk_frames: int = 0,
-    repetition_penalty: float | None = None, normalize: bool | None = None,
-) -> pb.SynthesizeRequest:  # fmt: skip
+    text: str,
+    *,
+    voice: str | None = None,
+    reference_audio: bytes | None = None,
+    reference_text: str | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    max_new_frames: int | None = None,
+    min_new_frames: int | None = None,
+    encoding: str = "pcm16",
+    include_codes: bool = False,
+    first_chunk_frames: int = 0,
+    chunk_frames: int = 0,
+    repetition_penalty: float | None = None,
+    normalize: bool | None = None,
+) -> pb.SynthesizeRequest:
     """A SynthesizeRequest; None leaves a sampling field to the server's model default.
     max_new_frames is the frame budget per text chunk; min_new_frames holds off the end token for that
     many frames per text chunk. normalize=False asks the server to read the text as given (None: unset,
@@ -61,8 +73,13 @@ def build_request(
         req.voice.reference.audio = reference_audio
         req.voice.reference.text = reference_text or ""
     s = req.sampling
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
-                        ("repetition_penalty", repetition_penalty)):  # fmt: skip
+    for name, value in (
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("top_k", top_k),
+        ("seed", seed),
+        ("repetition_penalty", repetition_penalty),
+    ):
         if value is not None:
             setattr(s, name, value)
     if max_new_frames is not None:
@@ -175,7 +192,15 @@ async def synthesize_stream(
     raw = b"".join(parts)
     width = 4 if header.encoding == pb.AUDIO_ENCODING_FLOAT32 else 2
     return StreamResult(
-        header=header, end=end, audio=decode_audio(raw, header.encoding), raw=raw, chunks=chunks,
-        codes=np.concatenate(codes, axis=1) if codes else None, ttfa=ttfa, wall=wall, gaps=gaps,
-        arrivals=arrivals, chunk_samples=[len(p) // width for p in parts],
-    )  # fmt: skip
+        header=header,
+        end=end,
+        audio=decode_audio(raw, header.encoding),
+        raw=raw,
+        chunks=chunks,
+        codes=np.concatenate(codes, axis=1) if codes else None,
+        ttfa=ttfa,
+        wall=wall,
+        gaps=gaps,
+        arrivals=arrivals,
+        chunk_samples=[len(p) // width for p in parts],
+    )

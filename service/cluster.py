@@ -137,9 +137,15 @@ def _seconds(value: float) -> str:
 
 
 def render_config(
-    replicas: list[Replica], *, grpc_bind: str, http_bind: str | None, metrics_bind: str | None,
-    admin_socket: str, check_interval: float, template: str | None = None,
-) -> str:  # fmt: skip
+    replicas: list[Replica],
+    *,
+    grpc_bind: str,
+    http_bind: str | None,
+    metrics_bind: str | None,
+    admin_socket: str,
+    check_interval: float,
+    template: str | None = None,
+) -> str:
     """HAProxy's configuration for `replicas` from the template (`TEMPLATE` unless given): server lines for
     each replica in the gRPC and HTTP backends, a metrics route per replica; the http / metrics sections
     are left out when their bind address is None."""
@@ -162,12 +168,18 @@ def render_config(
             f"    server {r.name} 127.0.0.1:{r.metrics_port}",
         ]
     return string.Template(text).substitute(
-        grpc_bind=grpc_bind, http_bind=http_bind or "", metrics_bind=metrics_bind or "",
-        admin_socket=admin_socket, check_interval=_seconds(check_interval),
-        fast_interval=_seconds(check_interval / 2), replica_count=len(replicas),
-        grpc_servers="\n".join(grpc), http_servers="\n".join(http), metrics_routes="\n".join(routes),
+        grpc_bind=grpc_bind,
+        http_bind=http_bind or "",
+        metrics_bind=metrics_bind or "",
+        admin_socket=admin_socket,
+        check_interval=_seconds(check_interval),
+        fast_interval=_seconds(check_interval / 2),
+        replica_count=len(replicas),
+        grpc_servers="\n".join(grpc),
+        http_servers="\n".join(http),
+        metrics_routes="\n".join(routes),
         metrics_backends="\n".join(backends),
-    )  # fmt: skip
+    )
 
 
 def check_config(proxy: str, path: Path) -> None:
@@ -291,10 +303,16 @@ class Cluster:
 
     async def _start_proxy(self) -> None:
         self.proxy_proc = proc = await asyncio.create_subprocess_exec(
-            self.proxy, "-db", "-f", str(self.config_path), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            self.proxy,
+            "-db",
+            "-f",
+            str(self.config_path),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
             preexec_fn=_die_with_parent,
-        )  # fmt: skip
+        )
         assert proc.stdout is not None  # (stdout=PIPE)
         self.tasks.append(asyncio.ensure_future(self._forward(proc.stdout, PROXY, None)))
         deadline = time.monotonic() + 30
@@ -311,18 +329,40 @@ class Cluster:
     async def _start_replica(self, r: Replica) -> None:
         a = self.args
         argv = [
-            sys.executable, "-m", "tts.cli", *(["-v"] if getattr(a, "verbose", False) else []), "serve",
-            "--device", r.device, "--host", "127.0.0.1", "--port", str(r.grpc_port),
-            "--http-port", str(r.http_port), "--metrics-host", "127.0.0.1", "--metrics-port", str(r.metrics_port),
-            "--replica-name", r.name, "--drain-delay", str(self.drain_delay), *self.forwarded,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "tts.cli",
+            *(["-v"] if getattr(a, "verbose", False) else []),
+            "serve",
+            "--device",
+            r.device,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(r.grpc_port),
+            "--http-port",
+            str(r.http_port),
+            "--metrics-host",
+            "127.0.0.1",
+            "--metrics-port",
+            str(r.metrics_port),
+            "--replica-name",
+            r.name,
+            "--drain-delay",
+            str(self.drain_delay),
+            *self.forwarded,
+        ]
         r.serving.clear()
         r.last_error = ""
         r.proc = proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, env=self._env(), start_new_session=True,
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=self._env(),
+            start_new_session=True,
             preexec_fn=_die_with_parent,
-        )  # fmt: skip
+        )
         r.starts += 1
         assert proc.stdout is not None  # (stdout=PIPE)
         self.tasks.append(asyncio.ensure_future(self._forward(proc.stdout, r.name, r)))
@@ -431,10 +471,14 @@ class Cluster:
         metrics_bind = _address(a.metrics_host, a.metrics_port) if a.metrics_port >= 0 else None
         self.config_path.write_text(
             render_config(
-                self.replicas, grpc_bind=_address(a.host, a.port), http_bind=http_bind, metrics_bind=metrics_bind,
-                admin_socket=self.admin_socket, check_interval=a.check_interval,
+                self.replicas,
+                grpc_bind=_address(a.host, a.port),
+                http_bind=http_bind,
+                metrics_bind=metrics_bind,
+                admin_socket=self.admin_socket,
+                check_interval=a.check_interval,
             )
-        )  # fmt: skip
+        )
         await asyncio.to_thread(check_config, self.proxy, self.config_path)
         await self._start_proxy()
         assert self.proxy_proc is not None  # (_start_proxy started it)

@@ -49,9 +49,14 @@ def generate(out_root: Path = ROOT) -> list[Path]:
     written = []
     with tempfile.TemporaryDirectory() as tmp:
         args = [
-            "grpc_tools.protoc", f"-I{ROOT}", f"-I{well_known}", f"--python_out={tmp}",
-            f"--pyi_out={tmp}", f"--grpc_python_out={tmp}", str(ROOT / PROTO_FILE),
-        ]  # fmt: skip
+            "grpc_tools.protoc",
+            f"-I{ROOT}",
+            f"-I{well_known}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            str(ROOT / PROTO_FILE),
+        ]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed on {PROTO_FILE}")
         for name in GENERATED:

@@ -280,16 +280,18 @@ class _Synthesis:
         return {
             "type": "speech.audio.done",
             "usage": {
-                "input_tokens": self.input_tokens, "output_tokens": finished.frames,
+                "input_tokens": self.input_tokens,
+                "output_tokens": finished.frames,
                 "total_tokens": self.input_tokens + finished.frames,
             },
             "frames": finished.frames,
-            "audio_seconds": self.encoder.samples_out / self.encoder.output_rate,  # after tempo, before codec padding
+            "audio_seconds": self.encoder.samples_out
+            / self.encoder.output_rate,  # after tempo, before codec padding
             "finish_reason": "length" if length else "stop",
             "seed": self.started.seed,
             "request_id": self.started.request_id,
             "warnings": list(finished.warnings),
-        }  # fmt: skip
+        }
 
     def _count_ok(self) -> None:
         m = self.front.metrics
@@ -414,9 +416,15 @@ class HTTPFront:
             raise RuntimeError(f"cannot listen on {address} (HTTP): {exc.strerror or exc}") from exc
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.app, lifespan="off", log_config=None, log_level="warning", access_log=False, ws="none",
-            timeout_graceful_shutdown=5, timeout_keep_alive=5,
-        )  # fmt: skip
+            self.app,
+            lifespan="off",
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            ws="none",
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=5,
+        )
         self._uvicorn = Server(config)
         self._task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
         while not self._uvicorn.started:  # start-up is a few loop iterations; fail fast if serve() raised
@@ -444,9 +452,11 @@ class HTTPFront:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(
-            title="dualar-tts", summary="OpenAI-compatible text-to-speech over the dual-AR engine",
-            version="1", redoc_url=None,
-        )  # fmt: skip
+            title="dualar-tts",
+            summary="OpenAI-compatible text-to-speech over the dual-AR engine",
+            version="1",
+            redoc_url=None,
+        )
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, exc: StarletteHTTPException):
@@ -464,9 +474,11 @@ class HTTPFront:
         }
 
         @app.post(
-            "/v1/audio/speech", openapi_extra={"requestBody": schema}, response_class=Response,
+            "/v1/audio/speech",
+            openapi_extra={"requestBody": schema},
+            response_class=Response,
             summary="Synthesize speech (OpenAI-compatible), streamed as it is generated",
-        )  # fmt: skip
+        )
         async def speech(request: Request):
             return await self.speech(request)
 
@@ -614,8 +626,14 @@ class HTTPFront:
             req.voice.name = voice
         s = req.sampling
         for name in (
-            "temperature", "top_p", "top_k", "seed", "max_new_frames", "min_new_frames", "repetition_penalty",
-        ):  # fmt: skip
+            "temperature",
+            "top_p",
+            "top_k",
+            "seed",
+            "max_new_frames",
+            "min_new_frames",
+            "repetition_penalty",
+        ):
             value = getattr(r, name)
             if value is not None:
                 setattr(s, name, value)
@@ -670,9 +688,11 @@ class HTTPFront:
             return api_error(exc).response()
         log.info("voice added name=%s seconds=%.2f", entry.name, entry.seconds(self.bundle.codec.frame_rate))
         body = {
-            "name": entry.name, "kind": entry.kind, "transcript": entry.voice.text,
+            "name": entry.name,
+            "kind": entry.kind,
+            "transcript": entry.voice.text,
             "seconds": entry.seconds(self.bundle.codec.frame_rate),
-        }  # fmt: skip
+        }
         return JSONResponse(body, status_code=201)
 
     async def speech(self, request: Request) -> Response:
@@ -722,10 +742,14 @@ class HTTPFront:
         synthesis = _Synthesis(self, stream, event, encoder, t_received)
         synthesis.input_tokens = input_tokens
         headers = {
-            "X-Request-Id": event.request_id, "X-Seed": str(event.seed), "X-Model": self.bundle.name,
-            "X-Sample-Rate": str(encoder.output_rate), "X-Text-Chunks": str(event.text_chunks),
-            "X-Replica": self.server.replica, "Cache-Control": "no-cache",
-        }  # fmt: skip
+            "X-Request-Id": event.request_id,
+            "X-Seed": str(event.seed),
+            "X-Model": self.bundle.name,
+            "X-Sample-Rate": str(encoder.output_rate),
+            "X-Text-Chunks": str(event.text_chunks),
+            "X-Replica": self.server.replica,
+            "Cache-Control": "no-cache",
+        }
         warnings = prepared.job.warnings
         if warnings:
             headers["X-Warnings"] = "; ".join(warnings).encode("ascii", "replace").decode()

@@ -436,11 +436,20 @@ async def _scrape(url: str | None) -> dict[str, float] | None:
 
 
 async def run_loadtest(
-    server: str, concurrency: list[int], *, requests: int | None = None, seed: int = 1000,
-    warmup: int = 1, timeout: float | None = None, progress=None, reference: str = "none",
-    reference_audio: bytes | None = None, reference_text: str | None = None, metrics_url: str | None = None,
+    server: str,
+    concurrency: list[int],
+    *,
+    requests: int | None = None,
+    seed: int = 1000,
+    warmup: int = 1,
+    timeout: float | None = None,
+    progress=None,
+    reference: str = "none",
+    reference_audio: bytes | None = None,
+    reference_text: str | None = None,
+    metrics_url: str | None = None,
     **request_options,
-) -> dict:  # fmt: skip
+) -> dict:
     """Run the benchmark; returns the report dict (see `format_table`). `server`: HOST:PORT, or several
     comma-separated (request i goes to server i mod n). `requests`: per level (default
     max(8, 4 * concurrency)); `reference`: one of REFERENCE_MODES, with the clip's bytes and transcript
@@ -502,11 +511,15 @@ async def run_loadtest(
                 for stub in stubs:
                     await delete_voice(stub)
     settings = {
-        "requests_per_level": requests, "seed": seed, "warmup": warmup, "reference": reference,
+        "requests_per_level": requests,
+        "seed": seed,
+        "warmup": warmup,
+        "reference": reference,
         "reference_bytes": len(clip.raw) if clip else None,
         "reference_seconds": clip.samples.shape[-1] / clip.rate if clip else None,
-        "metrics_url": metrics_url, **request_options,
-    }  # fmt: skip
+        "metrics_url": metrics_url,
+        **request_options,
+    }
     return {
         "server": server,
         "servers": servers,
@@ -587,18 +600,23 @@ def add_arguments(p: argparse.ArgumentParser, server_required: bool = True) -> N
     from .soak import add_soak_arguments
 
     p.add_argument(
-        "--server", required=server_required,
+        "--server",
+        required=server_required,
         help="HOST:PORT of a running `tts serve` (or of a load balancer in front of replicas); several, "
         "comma-separated, get the requests in turn",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--concurrency", type=parse_levels, default=None,
+        "--concurrency",
+        type=parse_levels,
+        default=None,
         help="levels (default 1,4,16,64); with --soak one value, the concurrent clients (default 8)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--requests", type=int, default=None,
+        "--requests",
+        type=int,
+        default=None,
         help="requests per level (default max(8, 4 x level)); with --soak in all (default 1000)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--json",
         default=None,
@@ -610,9 +628,11 @@ def add_arguments(p: argparse.ArgumentParser, server_required: bool = True) -> N
     p.add_argument("--voice", default=None, help="preset or registered voice for every request")
     p.add_argument("--max-new-frames", type=int, default=None, help="frame budget per request")
     p.add_argument(
-        "--min-new-frames", type=int, default=None,
+        "--min-new-frames",
+        type=int,
+        default=None,
         help="frames per text chunk before the end token may be sampled (fixes the length on real models)",
-    )  # fmt: skip
+    )
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
@@ -620,28 +640,36 @@ def add_arguments(p: argparse.ArgumentParser, server_required: bool = True) -> N
     p.add_argument("--chunk-frames", type=int, default=0, help="0 = server default")
     p.add_argument("--encoding", choices=["pcm16", "float32"], default="pcm16")
     p.add_argument(
-        "--reference", choices=REFERENCE_MODES, default="none",
+        "--reference",
+        choices=REFERENCE_MODES,
+        default="none",
         help="send a voice clip: distinct (a different clip per request), repeated (the same clip), "
         f"registered (AddVoice once per level as {BENCH_VOICE!r}, named in every request); default none",
-    )  # fmt: skip
+    )
     p.add_argument("--reference-audio", help="WAV/FLAC clip for --reference (default: a generated 10 s clip)")
     p.add_argument("--reference-text", help="transcript of --reference-audio")
     p.add_argument(
-        "--metrics-url", default=None,
+        "--metrics-url",
+        default=None,
         help="the server's Prometheus endpoint (http://HOST:PORT/metrics): the server-side time split per "
         "level (default: none); with --soak default http://<--server host>:9464/metrics, 'off' = none",
-    )  # fmt: skip
+    )
     add_soak_arguments(p)
 
 
 def request_options(args: argparse.Namespace) -> dict:
     """The build_request keywords of parsed `add_arguments` options."""
     return {
-        "voice": args.voice, "max_new_frames": args.max_new_frames, "min_new_frames": args.min_new_frames,
-        "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-        "first_chunk_frames": args.first_chunk_frames, "chunk_frames": args.chunk_frames,
+        "voice": args.voice,
+        "max_new_frames": args.max_new_frames,
+        "min_new_frames": args.min_new_frames,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "first_chunk_frames": args.first_chunk_frames,
+        "chunk_frames": args.chunk_frames,
         "encoding": args.encoding,
-    }  # fmt: skip
+    }
 
 
 def check_common_args(args: argparse.Namespace) -> tuple[Path, bytes | None]:
@@ -707,11 +735,20 @@ def run_from_args(args: argparse.Namespace) -> int:
     try:
         report = asyncio.run(
             run_loadtest(
-                args.server, args.concurrency, requests=args.requests, seed=args.seed, warmup=args.warmup,
-                timeout=args.timeout, progress=progress, reference=args.reference, reference_audio=data,
-                reference_text=args.reference_text, metrics_url=args.metrics_url, **request_options(args),
+                args.server,
+                args.concurrency,
+                requests=args.requests,
+                seed=args.seed,
+                warmup=args.warmup,
+                timeout=args.timeout,
+                progress=progress,
+                reference=args.reference,
+                reference_audio=data,
+                reference_text=args.reference_text,
+                metrics_url=args.metrics_url,
+                **request_options(args),
             )
-        )  # fmt: skip
+        )
     except BenchError as exc:
         print(f"tts: error: {args.server}: {exc}", file=sys.stderr)
         return 1

@@ -174,8 +174,13 @@ def build_job(planner: Planner, loop: EngineLoop, request: pb.SynthesizeRequest,
         raise InvalidRequest(f"text is {nbytes} bytes; the limit is {limits.max_text_bytes}")
 
     s = request.sampling
-    fields = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
-              "repetition_penalty": "repetition_penalty"}  # fmt: skip
+    fields = {
+        "temperature": "temperature",
+        "top_p": "top_p",
+        "top_k": "top_k",
+        "seed": "seed",
+        "repetition_penalty": "repetition_penalty",
+    }
     sampling = {name: getattr(s, f) for name, f in fields.items() if s.HasField(f)}
     if s.HasField("max_new_frames"):
         if s.max_new_frames <= 0:
@@ -205,9 +210,15 @@ def build_job(planner: Planner, loop: EngineLoop, request: pb.SynthesizeRequest,
         raise InvalidRequest(f"unknown output.encoding {encoding}")
     normalize = request.normalize if request.HasField("normalize") else True
     job = planner.job(
-        text, voice=voice, reference=reference, first_chunk_frames=first, chunk_frames=chunk,
-        max_audio_seconds=limits.max_audio_seconds, normalize=normalize, **sampling,
-    )  # fmt: skip
+        text,
+        voice=voice,
+        reference=reference,
+        first_chunk_frames=first,
+        chunk_frames=chunk,
+        max_audio_seconds=limits.max_audio_seconds,
+        normalize=normalize,
+        **sampling,
+    )
     return PreparedRequest(job, encoding, out.include_codes)
 
 
@@ -515,18 +526,33 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         detail = f" detail={call.detail!r}" if call.detail and call.outcome != "ok" else ""
         log.info(
             "request id=%s rpc=%s text_bytes=%d voice=%s frames=%d audio_s=%.2f ttfa_ms=%s rtf=%s outcome=%s%s",
-            call.request_id, call.rpc, call.text_bytes, call.voice, call.frames, call.audio_seconds, ttfa, rtf,
-            call.outcome, detail,
-        )  # fmt: skip
+            call.request_id,
+            call.rpc,
+            call.text_bytes,
+            call.voice,
+            call.frames,
+            call.audio_seconds,
+            ttfa,
+            rtf,
+            call.outcome,
+            detail,
+        )
 
     def _header(self, started: Started, prepared: PreparedRequest) -> pb.StreamHeader:
         codec = self.bundle.codec
         return pb.StreamHeader(
-            request_id=started.request_id, sample_rate=codec.sample_rate, channels=1,
-            encoding=prepared.encoding, frame_rate=codec.frame_rate, num_codebooks=codec.num_codebooks,
-            model=self.bundle.name, seed=started.seed, text_chunks=started.text_chunks, replica=self.replica,
+            request_id=started.request_id,
+            sample_rate=codec.sample_rate,
+            channels=1,
+            encoding=prepared.encoding,
+            frame_rate=codec.frame_rate,
+            num_codebooks=codec.num_codebooks,
+            model=self.bundle.name,
+            seed=started.seed,
+            text_chunks=started.text_chunks,
+            replica=self.replica,
             warnings=[shorten(w, MAX_STATUS_CHARS) for w in prepared.job.warnings],
-        )  # fmt: skip
+        )
 
     def _end(self, finished: Finished, call: SynthesisCall) -> pb.StreamEnd:
         audio_seconds = call.samples / self.bundle.codec.sample_rate
@@ -543,10 +569,15 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         call.outcome = "ok" if pb.FINISH_REASON_SHORT not in reasons else "ok_short"
         self._log(call)
         return pb.StreamEnd(
-            finish_reason=overall_finish_reason(reasons), frames=finished.frames, audio_seconds=audio_seconds,
-            time_to_first_audio_seconds=ttfa, rtf=rtf, chunks=call.chunks, text_chunk_finish_reasons=reasons,
+            finish_reason=overall_finish_reason(reasons),
+            frames=finished.frames,
+            audio_seconds=audio_seconds,
+            time_to_first_audio_seconds=ttfa,
+            rtf=rtf,
+            chunks=call.chunks,
+            text_chunk_finish_reasons=reasons,
             warnings=[shorten(w, MAX_STATUS_CHARS) for w in finished.warnings],
-        )  # fmt: skip
+        )
 
     def _ended_by_client(self, context, call: CallLog) -> None:
         remaining = context.time_remaining()
@@ -614,9 +645,11 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
                     await context.write(pb.SynthesizeResponse(header=self._header(event, prepared)))
                 elif isinstance(event, Audio):
                     chunk = pb.AudioChunk(
-                        sequence=event.sequence, audio=encode_audio(event.samples, prepared.encoding),
-                        frame_start=event.frame_start, frame_end=event.frame_end,
-                    )  # fmt: skip
+                        sequence=event.sequence,
+                        audio=encode_audio(event.samples, prepared.encoding),
+                        frame_start=event.frame_start,
+                        frame_end=event.frame_end,
+                    )
                     if prepared.include_codes:
                         chunk.codes.CopyFrom(encode_codes(event.codes))
                     if call.first_audio is None:
@@ -653,9 +686,10 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
                     codes.append(event.codes)
                 else:
                     reply = pb.SynthesizeUnaryResponse(
-                        header=self._header(started, prepared), audio=b"".join(parts),
+                        header=self._header(started, prepared),
+                        audio=b"".join(parts),
                         end=self._end(event, call),
-                    )  # fmt: skip
+                    )
                     if prepared.include_codes:
                         n = self.bundle.codec.num_codebooks
                         reply.codes.CopyFrom(
@@ -667,9 +701,11 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
 
     def _voice_info(self, entry) -> pb.VoiceInfo:
         return pb.VoiceInfo(
-            name=entry.name, transcript=entry.voice.text, seconds=entry.seconds(self.bundle.codec.frame_rate),
+            name=entry.name,
+            transcript=entry.voice.text,
+            seconds=entry.seconds(self.bundle.codec.frame_rate),
             kind=entry.kind,
-        )  # fmt: skip
+        )
 
     async def ListVoices(self, request, context):
         return pb.ListVoicesResponse(voices=[self._voice_info(e) for e in self.loop.list_voices()])
@@ -706,18 +742,35 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         b, e, lim = self.bundle, self.loop.engine, self.limits
         c, g = b.codec, e.graphs
         return pb.GetInfoResponse(
-            model=b.name, family=b.family, parameters=b.num_parameters(), device=str(b.device),
-            dtype=str(b.dtype).removeprefix("torch."), sample_rate=c.sample_rate, frame_rate=c.frame_rate,
-            num_codebooks=c.num_codebooks, codebook_size=c.codebook_size, max_context=e.max_context,
-            max_batch=e.config.max_batch, buckets=g.buckets if g.enabled else [], graphs=g.enabled,
-            capture=e.config.graphs if g.enabled else "", captured_buckets=sorted({b for b, _ in g.graphs}), replay_share=g.stats.replay_share,
-            max_waiting=lim.max_waiting, max_reference_bytes=lim.max_reference_bytes,
-            max_message_bytes=lim.receive_bytes, max_text_bytes=lim.max_text_bytes,
-            max_chunk_frames=lim.max_chunk_frames, text_chunk_bytes=b.chunk_length,
+            model=b.name,
+            family=b.family,
+            parameters=b.num_parameters(),
+            device=str(b.device),
+            dtype=str(b.dtype).removeprefix("torch."),
+            sample_rate=c.sample_rate,
+            frame_rate=c.frame_rate,
+            num_codebooks=c.num_codebooks,
+            codebook_size=c.codebook_size,
+            max_context=e.max_context,
+            max_batch=e.config.max_batch,
+            buckets=g.buckets if g.enabled else [],
+            graphs=g.enabled,
+            capture=e.config.graphs if g.enabled else "",
+            captured_buckets=sorted({b for b, _ in g.graphs}),
+            replay_share=g.stats.replay_share,
+            max_waiting=lim.max_waiting,
+            max_reference_bytes=lim.max_reference_bytes,
+            max_message_bytes=lim.receive_bytes,
+            max_text_bytes=lim.max_text_bytes,
+            max_chunk_frames=lim.max_chunk_frames,
+            text_chunk_bytes=b.chunk_length,
             max_reference_seconds=self.loop.planner.max_reference_seconds,
-            max_audio_seconds=lim.max_audio_seconds or 0.0, pause_timeout_seconds=lim.pause_timeout or 0.0,
-            reference_cache_bytes=lim.reference_cache_bytes, codec_dtype=_codec_dtype(c), replica=self.replica,
-        )  # fmt: skip
+            max_audio_seconds=lim.max_audio_seconds or 0.0,
+            pause_timeout_seconds=lim.pause_timeout or 0.0,
+            reference_cache_bytes=lim.reference_cache_bytes,
+            codec_dtype=_codec_dtype(c),
+            replica=self.replica,
+        )
 
 
 def _codec_dtype(codec) -> str:
@@ -747,11 +800,17 @@ class TTSServer:
     """
 
     def __init__(
-        self, bundle: ModelBundle, engine_config: EngineConfig | None = None,
-        limits: ServiceLimits | None = None, *, metrics_host: str = "127.0.0.1", metrics_port: int | None = None,
+        self,
+        bundle: ModelBundle,
+        engine_config: EngineConfig | None = None,
+        limits: ServiceLimits | None = None,
+        *,
+        metrics_host: str = "127.0.0.1",
+        metrics_port: int | None = None,
         codec_graphs: bool = True,
-        http_port: int | None = None, replica: str | None = None,
-    ):  # fmt: skip
+        http_port: int | None = None,
+        replica: str | None = None,
+    ):
         self.limits = limits = limits or ServiceLimits()
         cap = max(
             1,
@@ -759,10 +818,15 @@ class TTSServer:
         )
         limits.max_chunk_frames = min(limits.max_chunk_frames, cap, MAX_CHUNK_FRAMES)
         self.loop = EngineLoop(
-            bundle, engine_config, max_waiting=limits.max_waiting, max_queued_chunks=limits.max_queued_chunks,
-            pause_timeout=limits.pause_timeout, voices_dir=limits.voices_dir,
-            reference_cache_bytes=limits.reference_cache_bytes, codec_graphs=codec_graphs,
-        )  # fmt: skip
+            bundle,
+            engine_config,
+            max_waiting=limits.max_waiting,
+            max_queued_chunks=limits.max_queued_chunks,
+            pause_timeout=limits.pause_timeout,
+            voices_dir=limits.voices_dir,
+            reference_cache_bytes=limits.reference_cache_bytes,
+            codec_graphs=codec_graphs,
+        )
         self.metrics = ServiceMetrics(self.loop)
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
         self.http_port = http_port  # ---- HTTP front (service/http.py)
@@ -878,13 +942,20 @@ class TTSServer:
         max_batch = self.loop.engine_config.max_batch
         limit = max_batch + self.limits.max_waiting
         return {
-            "replica": self.replica, "status": self.state, "in_flight": in_flight, "max_in_flight": limit,
-            "running": s.running, "waiting": s.waiting, "paused": s.paused, "max_batch": max_batch,
-            "kv_blocks_used": s.kv_blocks_used, "kv_blocks_total": s.kv_blocks_total,
+            "replica": self.replica,
+            "status": self.state,
+            "in_flight": in_flight,
+            "max_in_flight": limit,
+            "running": s.running,
+            "waiting": s.waiting,
+            "paused": s.paused,
+            "max_batch": max_batch,
+            "kv_blocks_used": s.kv_blocks_used,
+            "kv_blocks_total": s.kv_blocks_total,
             "load": round(in_flight / limit, 4) if limit else 0.0,
             "kv_used": round(s.kv_blocks_used / s.kv_blocks_total, 4) if s.kv_blocks_total else 0.0,
             "frames_per_second": round(self.loop.frames_per_second(), 2),
-        }  # fmt: skip
+        }
 
     async def stop(self, grace: float | None = 10.0, drain_delay: float = 0.0) -> None:
         """Graceful shutdown (drain): health NOT_SERVING at once; for `drain_delay` seconds new calls are

@@ -136,9 +136,14 @@ class Spec:
 
 
 def make_plan(
-    requests: int, mix: dict[str, float], seed: int, *, slow_delay=(0.05, 0.5), stall=(1.0, 5.0),
+    requests: int,
+    mix: dict[str, float],
+    seed: int,
+    *,
+    slow_delay=(0.05, 0.5),
+    stall=(1.0, 5.0),
     deadline=(0.05, 2.0),
-) -> list[Spec]:  # fmt: skip
+) -> list[Spec]:
     """The soak's requests in order: `mix_counts` kinds shuffled with `random.Random(seed)`. The k-th
     request of a kind takes the k-th variant in turn (cancel: before the header, after it, after 1, 2 or
     3 chunks; stall: then cancel, then resume; invalid: INVALID_VARIANTS), so even a short soak covers
@@ -324,8 +329,12 @@ async def _stream(stub, spec: Spec, request, timeout: float, out: Outcome) -> No
                     await asyncio.sleep(spec.delay_s)
                 elif spec.kind == "cancel" and (
                     (spec.cancel_phase == "after_header" and kind == "header")
-                    or (spec.cancel_phase == "after_chunks" and kind == "chunk" and check.chunks >= spec.cancel_chunks)
-                ):  # fmt: skip
+                    or (
+                        spec.cancel_phase == "after_chunks"
+                        and kind == "chunk"
+                        and check.chunks >= spec.cancel_chunks
+                    )
+                ):
                     out.client_cancelled = call.cancel()
                     break
         out.status = (await call.code()).name
@@ -441,9 +450,15 @@ class SoakConfig:
 
 
 async def run_soak(
-    server: str, config: SoakConfig, *, reference: str = "none", reference_audio: bytes | None = None,
-    reference_text: str | None = None, progress=None, **request_options,
-) -> dict:  # fmt: skip
+    server: str,
+    config: SoakConfig,
+    *,
+    reference: str = "none",
+    reference_audio: bytes | None = None,
+    reference_text: str | None = None,
+    progress=None,
+    **request_options,
+) -> dict:
     """Run the soak; returns the report (with "verdict" "pass" or "fail" and the one-line "failures").
     Raises BenchError if it cannot run (metrics unreachable, a reference mode the server lacks) and
     grpc.aio.AioRpcError if GetInfo fails."""
@@ -549,7 +564,7 @@ async def run_soak(
             "timeout": timeout,
             "reference": reference,
             **request_options,
-        },  # fmt: skip
+        },
         "warmup": {"requests": n_warm, "statuses": warm_statuses},
         "wall_s": wall,
     }
@@ -682,8 +697,12 @@ def failures(report: dict) -> list[str]:
 def format_report(report: dict) -> str:
     """Statuses by kind as a table, then the checks, then the verdict line."""
     cols = ["OK", "CANCELLED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT"]
-    short = {"CANCELLED": "CANCEL", "DEADLINE_EXCEEDED": "DEADLINE", "RESOURCE_EXHAUSTED": "EXHAUST",
-             "INVALID_ARGUMENT": "INVALID"}  # fmt: skip
+    short = {
+        "CANCELLED": "CANCEL",
+        "DEADLINE_EXCEEDED": "DEADLINE",
+        "RESOURCE_EXHAUSTED": "EXHAUST",
+        "INVALID_ARGUMENT": "INVALID",
+    }
     head = f"{'kind':<9} {'sent':>6} " + " ".join(f"{short.get(c, c):>8}" for c in cols) + "  other"
     lines = [head, "-" * len(head)]
     for k in KINDS:
@@ -763,15 +782,18 @@ def add_soak_arguments(p) -> None:
     if isinstance(p, argparse.ArgumentParser):
         p = p.add_argument_group("soak test (with --soak)")
     p.add_argument(
-        "--soak", action="store_true",
+        "--soak",
+        action="store_true",
         help="run the soak test instead: --requests (default 1000) streams of mixed client kinds from "
         "--concurrency clients (default 8); fails on leaks, gaps, unexpected statuses or RSS growth",
-    )  # fmt: skip
+    )
     mix = ",".join(f"{k}={v:g}" for k, v in DEFAULT_MIX.items())
     p.add_argument(
-        "--mix", type=parse_mix, default=dict(DEFAULT_MIX),
+        "--mix",
+        type=parse_mix,
+        default=dict(DEFAULT_MIX),
         help=f"--soak: shares of the client kinds, normal readers take the rest (default {mix})",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--slow-delay",
         type=parse_range,
@@ -779,10 +801,12 @@ def add_soak_arguments(p) -> None:
         help="--soak: slow readers' sleep between chunks, MIN,MAX seconds (default 0.05,0.5)",
     )
     p.add_argument(
-        "--stall", type=parse_range, default=None,
+        "--stall",
+        type=parse_range,
+        default=None,
         help="--soak: how long stalled clients stop reading, MIN,MAX seconds (default: 0.5x-1.5x the "
         "server's pause timeout, or 1,5 if it has none)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--deadline",
         type=parse_range,
@@ -796,9 +820,11 @@ def add_soak_arguments(p) -> None:
         help="--soak: stalled clients at a time (default: max batch - 1)",
     )
     p.add_argument(
-        "--settle-timeout", type=float, default=30.0,
+        "--settle-timeout",
+        type=float,
+        default=30.0,
         help="--soak: seconds for the server's gauges to return to idle after the last request (default 30)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--rss-growth-pct", type=float, default=20.0, help="--soak: allowed RSS growth, percent (default 20)"
     )
@@ -839,11 +865,21 @@ def run_soak_from_args(args: argparse.Namespace) -> int:
         return 2
     url = args.metrics_url or default_metrics_url(args.server)
     config = SoakConfig(
-        requests=args.requests, concurrency=levels[0], seed=args.seed, mix=args.mix, slow_delay=args.slow_delay,
-        stall=args.stall, deadline=args.deadline, max_stalled=args.max_stalled, timeout=args.timeout,
-        warmup=args.warmup, metrics_url=None if url == "off" else url, settle_timeout=args.settle_timeout,
-        rss_growth_pct=args.rss_growth_pct, rss_growth_mb=args.rss_growth_mb,
-    )  # fmt: skip
+        requests=args.requests,
+        concurrency=levels[0],
+        seed=args.seed,
+        mix=args.mix,
+        slow_delay=args.slow_delay,
+        stall=args.stall,
+        deadline=args.deadline,
+        max_stalled=args.max_stalled,
+        timeout=args.timeout,
+        warmup=args.warmup,
+        metrics_url=None if url == "off" else url,
+        settle_timeout=args.settle_timeout,
+        rss_growth_pct=args.rss_growth_pct,
+        rss_growth_mb=args.rss_growth_mb,
+    )
 
     def progress(done: int, total: int) -> None:
         print(f"soak: {done}/{total} requests done", file=sys.stderr, flush=True)
@@ -851,10 +887,15 @@ def run_soak_from_args(args: argparse.Namespace) -> int:
     try:
         report = asyncio.run(
             run_soak(
-                args.server, config, reference=args.reference, reference_audio=data,
-                reference_text=args.reference_text, progress=progress, **request_options(args),
+                args.server,
+                config,
+                reference=args.reference,
+                reference_audio=data,
+                reference_text=args.reference_text,
+                progress=progress,
+                **request_options(args),
             )
-        )  # fmt: skip
+        )
     except BenchError as exc:
         print(f"tts: error: {args.server}: {exc}", file=sys.stderr)
         return 2
@@ -872,6 +913,9 @@ def run_soak_from_args(args: argparse.Namespace) -> int:
     if report["failures"]:
         print(f"soak FAILED: {'; '.join(report['failures'])}", file=sys.stderr)
         return 1
-    print("soak passed: no leak, no gap, no unexpected status, RSS within bound"
-          if report["rss"]["checked"] else "soak passed (leak and RSS not checked)")  # fmt: skip
+    print(
+        "soak passed: no leak, no gap, no unexpected status, RSS within bound"
+        if report["rss"]["checked"]
+        else "soak passed (leak and RSS not checked)"
+    )
     return 0

@@ -95,10 +95,13 @@ def collect(call) -> dict:
     raw = b"".join(c.audio for c in chunks)
     codes = [decode_codes(c.codes) for c in chunks if c.HasField("codes")]
     return {
-        "header": header, "end": end, "chunks": chunks, "raw": raw,
+        "header": header,
+        "end": end,
+        "chunks": chunks,
+        "raw": raw,
         "audio": decode_audio(raw, header.encoding),
         "codes": np.concatenate(codes, axis=1) if codes else None,
-    }  # fmt: skip
+    }
 
 
 def wait_idle(loop: EngineLoop, timeout: float = 30.0) -> None:
@@ -107,9 +110,13 @@ def wait_idle(loop: EngineLoop, timeout: float = 30.0) -> None:
     engine = loop.engine
     while time.monotonic() < deadline:
         if (
-            loop.in_flight == 0 and engine.kv_usage()[0] == 0 and engine.num_running == 0 and engine.num_waiting == 0
-            and not bool(engine.runner.buffers.active.any()) and loop.runner.idle()
-        ):  # fmt: skip
+            loop.in_flight == 0
+            and engine.kv_usage()[0] == 0
+            and engine.num_running == 0
+            and engine.num_waiting == 0
+            and not bool(engine.runner.buffers.active.any())
+            and loop.runner.idle()
+        ):
             return
         time.sleep(0.01)
     raise AssertionError(f"resources not freed: {loop.stats}, kv {engine.kv_usage()}")

@@ -4,8 +4,23 @@ from tts.cli import main
 
 
 def test_bench_runs_the_real_engine_and_writes_json_and_plot(tmp_path, capsys):
-    rc = main(["bench", "--model", "tiny", "--batch-sizes", "1,3", "--frames", "6", "--warmup-frames", "2",
-               "--prompt-tokens", "20", "--out", str(tmp_path)])  # fmt: skip
+    rc = main(
+        [
+            "bench",
+            "--model",
+            "tiny",
+            "--batch-sizes",
+            "1,3",
+            "--frames",
+            "6",
+            "--warmup-frames",
+            "2",
+            "--prompt-tokens",
+            "20",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     data = json.loads((tmp_path / "bench.json").read_text())
     assert (tmp_path / "bench.png").stat().st_size > 1000

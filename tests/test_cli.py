@@ -15,8 +15,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_cli_writes_wav_whose_duration_is_frames_times_frame_length(tmp_path, capsys):
     out = tmp_path / "out.wav"
-    rc = main(["synthesize", "Hello there, world.", "-o", str(out), "--model", "tiny", "--seed", "1",
-               "--max-new-frames", "30", "-q"])  # fmt: skip
+    rc = main(
+        [
+            "synthesize",
+            "Hello there, world.",
+            "-o",
+            str(out),
+            "--model",
+            "tiny",
+            "--seed",
+            "1",
+            "--max-new-frames",
+            "30",
+            "-q",
+        ]
+    )
     assert rc == 0
     line = capsys.readouterr().out
     frames = int(line.split(": ")[1].split(" frames")[0])
@@ -31,8 +44,27 @@ def test_cli_text_file_and_voice(tmp_path):
     text = tmp_path / "in.txt"
     text.write_text("Read from a file. " * 5)
     out = tmp_path / "f.wav"
-    assert main(["synthesize", "--text-file", str(text), "-o", str(out), "--model", "tiny", "--voice", "beta",
-                 "--max-new-frames", "8", "--seed", "5", "-q"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "synthesize",
+                "--text-file",
+                str(text),
+                "-o",
+                str(out),
+                "--model",
+                "tiny",
+                "--voice",
+                "beta",
+                "--max-new-frames",
+                "8",
+                "--seed",
+                "5",
+                "-q",
+            ]
+        )
+        == 0
+    )
     assert sf.info(str(out)).frames > 0
 
 
@@ -156,8 +188,11 @@ def test_console_script_help_and_exit_code():
         [sys.executable, "-m", "tts.cli", "synthesize", "--help"], capture_output=True, text=True
     )
     assert r.returncode == 0 and "--max-new-frames" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "tts.cli", "synthesize", "", "-o", "x.wav", "--model", "tiny"],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "tts.cli", "synthesize", "", "-o", "x.wav", "--model", "tiny"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and "nothing to speak" in r.stderr
 
 
@@ -177,8 +212,9 @@ LONG_TEXT = " ".join(f"This is sentence number {i} of a long text read in chunks
 
 def test_progress_on_a_non_terminal_stderr_is_a_few_plain_lines(tmp_path, capsys):
     out = tmp_path / "long.wav"
-    rc = main(["synthesize", LONG_TEXT, "-o", str(out), "--model", "tiny", "--seed", "1",
-               "--max-new-frames", "3"])  # fmt: skip
+    rc = main(
+        ["synthesize", LONG_TEXT, "-o", str(out), "--model", "tiny", "--seed", "1", "--max-new-frames", "3"]
+    )
     assert rc == 0
     captured = capsys.readouterr()  # capsys's stderr is not a TTY, like a CI log or a pipe
     assert "\r" not in captured.err and "\x1b" not in captured.err
@@ -191,8 +227,24 @@ def test_progress_on_a_non_terminal_stderr_is_a_few_plain_lines(tmp_path, capsys
 
 def test_summary_line_counts_finish_reasons_instead_of_listing_each_chunk(tmp_path, capsys):
     out = tmp_path / "long.wav"
-    assert main(["synthesize", LONG_TEXT, "-o", str(out), "--model", "tiny", "--seed", "1",
-                 "--max-new-frames", "2", "-q"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "synthesize",
+                LONG_TEXT,
+                "-o",
+                str(out),
+                "--model",
+                "tiny",
+                "--seed",
+                "1",
+                "--max-new-frames",
+                "2",
+                "-q",
+            ]
+        )
+        == 0
+    )
     line = capsys.readouterr().out.strip()
     assert line.endswith("finish length"), line  # every chunk hit its 2-frame budget
 
@@ -231,8 +283,23 @@ def test_synthesize_warns_once_about_text_the_model_leaves_out_and_takes_no_norm
     assert main([*argv, "-q"]) == 0
     err = capsys.readouterr().err
     assert err.count("warning: this model reads English only: 2 characters of Han text were left out") == 1
-    assert main(["synthesize", "**5** items", "-o", str(out), "--model", "tiny", "--max-new-frames", "3",
-                 "--no-normalize", "-q"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "synthesize",
+                "**5** items",
+                "-o",
+                str(out),
+                "--model",
+                "tiny",
+                "--max-new-frames",
+                "3",
+                "--no-normalize",
+                "-q",
+            ]
+        )
+        == 0
+    )
     assert main(["synthesize", "你好。", "-o", str(out), "--model", "tiny"]) == 2
     assert "reads English only" in capsys.readouterr().err
 
@@ -339,8 +406,25 @@ def test_help_shows_graphs_off_lazy_startup_and_hides_the_deprecated_spellings(c
 
 def test_synthesize_with_a_deprecated_graph_option_warns_once_and_runs(tmp_path, capsys):
     out = tmp_path / "out.wav"
-    rc = main(["synthesize", "Hello.", "-o", str(out), "--model", "tiny", "--seed", "1",
-               "--max-new-frames", "3", "-q", "--graphs", "on", "--capture", "startup"])  # fmt: skip
+    rc = main(
+        [
+            "synthesize",
+            "Hello.",
+            "-o",
+            str(out),
+            "--model",
+            "tiny",
+            "--seed",
+            "1",
+            "--max-new-frames",
+            "3",
+            "-q",
+            "--graphs",
+            "on",
+            "--capture",
+            "startup",
+        ]
+    )
     assert rc == 0 and out.exists()
     lines = [x for x in capsys.readouterr().err.splitlines() if "deprecated" in x]
     assert lines == ["warning: --graphs on --capture startup is deprecated; use --graphs startup"]
@@ -353,9 +437,10 @@ def test_replicas_get_the_resolved_graphs_option(monkeypatch, capsys):
 
     forwarded = []
     monkeypatch.setattr(
-        service.cluster, "run_cluster",
+        service.cluster,
+        "run_cluster",
         lambda args, parser: forwarded.append(service.cluster.forwarded_options(args, parser)) or 0,
-    )  # fmt: skip
+    )
     assert main(["serve", "--devices", "cpu,cpu", "--model", "tiny", "--capture", "startup"]) == 0
     assert forwarded == [["--model", "tiny", "--graphs", "startup"]]
     assert service_cli._SERVE_PARSER is not None

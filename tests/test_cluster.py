@@ -58,8 +58,12 @@ class ClusterProcess:
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from tts.cli import main; sys.exit(main())", "serve", *args],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.lines: list[str] = []
         self.changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
@@ -119,10 +123,27 @@ def running():
     if HAPROXY is None:
         pytest.skip("the haproxy binary is not installed")
     c = ClusterProcess(
-        "--devices", "cpu,cpu", "--model", "tiny", "--port", "0", "--http-port", "0", "--metrics-port", "0",
-        "--check-interval", "0.2", "--drain-delay", str(DRAIN_DELAY), "--grace", "3", "--max-batch", "4",
-        "--voices-dir", "none",
-    )  # fmt: skip
+        "--devices",
+        "cpu,cpu",
+        "--model",
+        "tiny",
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--check-interval",
+        "0.2",
+        "--drain-delay",
+        str(DRAIN_DELAY),
+        "--grace",
+        "3",
+        "--max-batch",
+        "4",
+        "--voices-dir",
+        "none",
+    )
     try:
         _, m = c.wait_line(
             r"^serving tts\.v1\.TextToSpeech on (\S+) through haproxy .*HTTP on (\S+); metrics on (\S+)"
@@ -270,8 +291,10 @@ def test_a_killed_replica_fails_only_its_open_streams_and_comes_back(running):
                     pass
             assert info.value.code() != grpc.StatusCode.OK
             assert info.value.code() in (
-                grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-            ), info.value  # fmt: skip
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.UNKNOWN,
+                grpc.StatusCode.INTERNAL,
+            ), info.value
         else:
             responses = list(call)
             assert responses[-1].WhichOneof("message") == "end" and responses[-1].end.frames == HOLD_FRAMES
@@ -369,16 +392,43 @@ def test_bad_cluster_options_are_one_line(monkeypatch, capsys, argv, message):
 def test_replicas_get_the_options_that_are_not_the_clusters():
     parser = build_parser()
     args = parser.parse_args(
-        ["serve", "--devices", "cpu,cpu", "--model", "tiny", "--port", "9000", "--max-batch", "4",
-         "--buckets", "1,2", "--graphs", "off", "--grace", "2.5", "--max-connection-age", "60"]
-    )  # fmt: skip
+        [
+            "serve",
+            "--devices",
+            "cpu,cpu",
+            "--model",
+            "tiny",
+            "--port",
+            "9000",
+            "--max-batch",
+            "4",
+            "--buckets",
+            "1,2",
+            "--graphs",
+            "off",
+            "--grace",
+            "2.5",
+            "--max-connection-age",
+            "60",
+        ]
+    )
     from service import cli as service_cli
 
     words = cluster.forwarded_options(args, service_cli._SERVE_PARSER)
     assert words == [
-        "--model", "tiny", "--max-batch", "4", "--graphs", "off", "--buckets", "1,2", "--grace", "2.5",
-        "--max-connection-age", "60.0",
-    ]  # fmt: skip
+        "--model",
+        "tiny",
+        "--max-batch",
+        "4",
+        "--graphs",
+        "off",
+        "--buckets",
+        "1,2",
+        "--grace",
+        "2.5",
+        "--max-connection-age",
+        "60.0",
+    ]
 
 
 def _replicas(n: int) -> list[cluster.Replica]:
@@ -387,17 +437,25 @@ def _replicas(n: int) -> list[cluster.Replica]:
 
 def test_the_rendered_configuration():
     text = cluster.render_config(
-        _replicas(2), grpc_bind="127.0.0.1:50051", http_bind="127.0.0.1:8000", metrics_bind=None,
-        admin_socket="/tmp/x/admin.sock", check_interval=0.5,
-    )  # fmt: skip
+        _replicas(2),
+        grpc_bind="127.0.0.1:50051",
+        http_bind="127.0.0.1:8000",
+        metrics_bind=None,
+        admin_socket="/tmp/x/admin.sock",
+        check_interval=0.5,
+    )
     assert "server r0 127.0.0.1:41000 proto h2 port 41001 check-proto h1" in text
     assert "server r1 127.0.0.1:41004" in text and "bind 127.0.0.1:8000" in text
     assert "balance leastconn" in text and "inter 500ms fastinter 250ms" in text
     assert "frontend metrics" not in text and "# [section http]" not in text and "${" not in text
     assert "prometheus-exporter" in cluster.render_config(
-        _replicas(1), grpc_bind="[::1]:1", http_bind=None, metrics_bind="127.0.0.1:9", admin_socket="s",
+        _replicas(1),
+        grpc_bind="[::1]:1",
+        http_bind=None,
+        metrics_bind="127.0.0.1:9",
+        admin_socket="s",
         check_interval=1,
-    )  # fmt: skip
+    )
 
 
 @needs_proxy
@@ -406,11 +464,14 @@ def test_haproxy_accepts_the_rendered_configuration(tmp_path, http, metrics):
     path = tmp_path / "haproxy.cfg"
     path.write_text(
         cluster.render_config(
-            _replicas(3), grpc_bind="127.0.0.1:50051", http_bind="127.0.0.1:8000" if http else None,
-            metrics_bind="127.0.0.1:9464" if metrics else None, admin_socket=str(tmp_path / "admin.sock"),
+            _replicas(3),
+            grpc_bind="127.0.0.1:50051",
+            http_bind="127.0.0.1:8000" if http else None,
+            metrics_bind="127.0.0.1:9464" if metrics else None,
+            admin_socket=str(tmp_path / "admin.sock"),
             check_interval=1.0,
         )
-    )  # fmt: skip
+    )
     cluster.check_config(HAPROXY, path)  # raises UserError with HAProxy's alert
     path.write_text(path.read_text().replace("    balance leastconn", "    balance nonsense", 1))
     with pytest.raises(cluster.UserError, match=r"^haproxy rejected .*haproxy\.cfg: "):

@@ -40,10 +40,18 @@ def test_nested_s2_config_flattens_like_fish_speech():
 
 def test_flat_dual_ar_defaults_fall_back_to_slow_values(tmp_path):
     raw = {
-        "model_type": "dual_ar", "dim": 1024, "n_layer": 24, "n_head": 16, "n_local_heads": 2,
-        "vocab_size": 102048, "codebook_size": 1024, "num_codebooks": 8, "semantic_begin_id": 100,
-        "semantic_end_id": 1123, "unknown_key": 1,
-    }  # fmt: skip
+        "model_type": "dual_ar",
+        "dim": 1024,
+        "n_layer": 24,
+        "n_head": 16,
+        "n_local_heads": 2,
+        "vocab_size": 102048,
+        "codebook_size": 1024,
+        "num_codebooks": 8,
+        "semantic_begin_id": 100,
+        "semantic_end_id": 1123,
+        "unknown_key": 1,
+    }
     (tmp_path / "config.json").write_text(json.dumps(raw))
     a = ModelArgs.from_json(tmp_path / "config.json")
     assert a.intermediate_size == 2816  # round_up(int(8 * 1024 / 3), 256)

@@ -71,9 +71,12 @@ def test_kv_only_position_writes_the_same_kv(model):
         return _core(q, k, v)
 
     run_layers_kv_only(
-        model.fast_layers, x.unsqueeze(1), rope, module_attend,
+        model.fast_layers,
+        x.unsqueeze(1),
+        rope,
+        module_attend,
         lambda i, k, v: got["modules"].append((i, k[:, 0], v[:, 0])),
-    )  # fmt: skip
+    )
     blocks, _ = block_weights(model.fast_layers, model.fast_norm)
     decode_layers_kv_only(
         blocks, x, cos[0], sin[0], lean_attend, lambda i, k, v: got["lean"].append((i, k, v))
@@ -119,8 +122,11 @@ def test_a_qk_norm_weight_changed_in_place_is_seen(model):
     rope = Rope(model.freqs_cis[2:3])
     cos, sin = rope.factors()
     ref_pre, _ = run_layers(
-        model.layers, model.norm, x.unsqueeze(1), rope,
+        model.layers,
+        model.norm,
+        x.unsqueeze(1),
+        rope,
         lambda i: lambda q, k, v: _core(q[:, 0], k[:, 0], v[:, 0]).unsqueeze(1),
-    )  # fmt: skip
+    )
     pre, _ = decode_layers(blocks, final, x, cos[0], sin[0], lambda i, q, k, v: _core(q, k, v))
     assert torch.equal(pre, ref_pre[:, 0])

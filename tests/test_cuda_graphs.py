@@ -80,8 +80,15 @@ def test_replay_is_bit_identical_to_eager_at_the_same_bucket(model, batch):
 
 def test_bucket_switching_mid_generation_matches_eager_schedule(model):
     """Requests join and finish at different iterations, so the bucket changes 1 -> 2 -> 4 -> 8 -> 4 ..."""
-    schedule = [(0, "a", 30, 70, 1), (3, "b", 90, 20, 2), (5, "c", 17, 50, 3), (9, "d", 64, 40, 4),
-                (10, "e", 5, 45, 5), (12, "f", 33, 30, 6), (30, "g", 48, 25, 7)]  # fmt: skip
+    schedule = [
+        (0, "a", 30, 70, 1),
+        (3, "b", 90, 20, 2),
+        (5, "c", 17, 50, 3),
+        (9, "d", 64, 40, 4),
+        (10, "e", 5, 45, 5),
+        (12, "f", 33, 30, 6),
+        (30, "g", 48, 25, 7),
+    ]
     eager = run_schedule(make_engine(model, testing_eager_buckets=True), schedule)
     engine = make_engine(model)
     replayed = run_schedule(engine, schedule)

@@ -45,8 +45,10 @@ def files() -> list[str]:
     try:
         out = subprocess.run(
             ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            cwd=ROOT, capture_output=True, check=True,
-        ).stdout.decode()  # fmt: skip
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout.decode()
         paths = sorted(set(p for p in out.split("\0") if p))
     except (OSError, subprocess.CalledProcessError):  # not a git checkout: walk the tree
         paths = []

@@ -15,8 +15,11 @@ def make_engine(model, **kw):
 def test_batched_request_gives_same_codes_as_alone(tiny_model):
     """fp32 CPU: a request batched with two others of different lengths (one joining late) gives the
     same codes as when it runs alone."""
-    prompts = {"a": random_prompt(tiny_model, 11, 1), "b": random_prompt(tiny_model, 40, 2),
-               "c": random_prompt(tiny_model, 3, 3)}  # fmt: skip
+    prompts = {
+        "a": random_prompt(tiny_model, 11, 1),
+        "b": random_prompt(tiny_model, 40, 2),
+        "c": random_prompt(tiny_model, 3, 3),
+    }
     budgets = {"a": 20, "b": 9, "c": 15}
     solo = {}
     for rid, p in prompts.items():
@@ -94,8 +97,9 @@ def test_cancel_running_and_waiting_requests_frees_blocks(tiny_model):
     engine.cancel("wait")
     outs = engine.step()
     assert {o.request_id: o.finish_reason for o in outs} == {
-        "run": FinishReason.CANCELLED, "wait": FinishReason.CANCELLED,
-    }  # fmt: skip
+        "run": FinishReason.CANCELLED,
+        "wait": FinishReason.CANCELLED,
+    }
     assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_usable
     assert not engine.has_work()
 
@@ -365,8 +369,13 @@ def test_the_step_output_layout_is_frame_column_then_emitted_and_done(tiny_model
 
     cols = OutLayout(4)
     assert (cols.token, cols.frame, cols.codes, cols.emitted, cols.done, cols.width) == (
-        0, slice(0, 5), slice(1, 5), 5, 6, 7,
-    )  # fmt: skip
+        0,
+        slice(0, 5),
+        slice(1, 5),
+        5,
+        6,
+        7,
+    )
     engine = make_engine(tiny_model)
     N = tiny_model.config.num_codebooks
     assert engine.runner.out_layout == OutLayout(N) and engine.runner.buffers.out.shape[1] == N + 3

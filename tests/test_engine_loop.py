@@ -192,9 +192,17 @@ def test_back_pressure_counts_chunks_still_being_decoded(make_loop):
     try:
         base = loop.engine.frames_generated  # (the loop's warm-up synthesis counts too)
         slow = loop.submit(
-            job(loop, "Back pressure test.", 40, seed=4, temperature=0.0, chunk_frames=2,
-                first_chunk_frames=2, hold=True)
-        )  # fmt: skip
+            job(
+                loop,
+                "Back pressure test.",
+                40,
+                seed=4,
+                temperature=0.0,
+                chunk_frames=2,
+                first_chunk_frames=2,
+                hold=True,
+            )
+        )
         assert isinstance(slow.get(timeout=60), Started)
         wait_until(lambda: slow.paused, what="pause while the codec stage is held")
         frames = loop.engine.frames_generated
@@ -224,9 +232,11 @@ def test_pause_across_text_chunks_stops_generation_until_read(make_loop, offline
     def stopped() -> bool:
         state = next(iter(loop.runner.jobs.values()), None)
         return (
-            stream.paused and state is not None and not state.inflight
+            stream.paused
+            and state is not None
+            and not state.inflight
             and (state.deferred or not loop.engine.runner.buffers.active.any())
-        )  # fmt: skip
+        )
 
     wait_until(stopped, what="paused generation")
     frames = loop.engine.frames_generated

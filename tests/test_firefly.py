@@ -100,8 +100,12 @@ def test_batched_stream_equals_offline_for_ragged_rows(codec):
     zero = dec.decode(torch.tensor([1]), a[None, :, :1], torch.tensor([0]))  # length 0: state unchanged
     assert zero.shape == (1, 2048)
     dec.reset(torch.tensor([1]))
-    torch.testing.assert_close(dec.decode(torch.tensor([1]), a[None, :, :3], torch.tensor([3]))[0],
-                               codec.decode(a[:, :3]), rtol=0, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(
+        dec.decode(torch.tensor([1]), a[None, :, :3], torch.tensor([3]))[0],
+        codec.decode(a[:, :3]),
+        rtol=0,
+        atol=1e-6,
+    )
     with pytest.raises(ValueError, match="codes must be"):
         dec.decode(torch.tensor([1]), a[None, :3], torch.tensor([3]))
 

@@ -94,10 +94,27 @@ def _engine_frames(bundle, n):
 def test_cli_synthesizes_a_wav(fish_checkpoints, tmp_path):
     out = tmp_path / "x.wav"
     run = subprocess.run(
-        [sys.executable, "-m", "tts.cli", "synthesize", "--model", str(fish_checkpoints["fish-1.5"]), TEXT,
-         "-o", str(out), "--seed", "1", "--max-new-frames", "20", "--repetition-penalty", "1.3"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tts.cli",
+            "synthesize",
+            "--model",
+            str(fish_checkpoints["fish-1.5"]),
+            TEXT,
+            "-o",
+            str(out),
+            "--seed",
+            "1",
+            "--max-new-frames",
+            "20",
+            "--repetition-penalty",
+            "1.3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     with wave.open(str(out)) as w:
         assert w.getframerate() == 44100 and w.getnframes() == 19 * 2048
@@ -110,9 +127,19 @@ def test_service_streams_fish15_with_a_repetition_penalty(bundle):
     try:
         with grpc.insecure_channel(srv.address) as channel:
             stub = pb_grpc.TextToSpeechStub(channel)
-            req = build_request(TEXT, temperature=0.0, top_p=1.0, top_k=0, seed=0, max_new_frames=REP["frames"],
-                                repetition_penalty=REP["penalty"], encoding="float32", include_codes=True,
-                                first_chunk_frames=4, chunk_frames=16)  # fmt: skip
+            req = build_request(
+                TEXT,
+                temperature=0.0,
+                top_p=1.0,
+                top_k=0,
+                seed=0,
+                max_new_frames=REP["frames"],
+                repetition_penalty=REP["penalty"],
+                encoding="float32",
+                include_codes=True,
+                first_chunk_frames=4,
+                chunk_frames=16,
+            )
             r = collect(stub.Synthesize(req))
             assert r["header"].sample_rate == 44100 and r["header"].num_codebooks == 8
             ref = golden(REP["golden"])["codes_out_plain"].long().T.numpy()

@@ -25,10 +25,21 @@ def test_rope_table_matches_polar_construction_bit_for_bit():
 
 def _tiny(**overrides) -> DualARTransformer:
     args = ModelArgs(
-        vocab_size=64, n_layer=1, n_head=2, n_local_heads=1, head_dim=8, dim=16, intermediate_size=32,
-        max_seq_len=32, codebook_size=8, num_codebooks=4, semantic_begin_id=40, semantic_end_id=47,
-        n_fast_layer=1, **overrides,
-    )  # fmt: skip
+        vocab_size=64,
+        n_layer=1,
+        n_head=2,
+        n_local_heads=1,
+        head_dim=8,
+        dim=16,
+        intermediate_size=32,
+        max_seq_len=32,
+        codebook_size=8,
+        num_codebooks=4,
+        semantic_begin_id=40,
+        semantic_end_id=47,
+        n_fast_layer=1,
+        **overrides,
+    )
     torch.manual_seed(0)
     m = DualARTransformer(args)
     for p in m.parameters():

@@ -76,8 +76,18 @@ def greedy_frames(
         max_batch=1, graphs="off", num_blocks=1 + (prompt.shape[0] + n) // 16 + 4, repetition=repetition
     )
     engine = Engine(model, cfg)
-    request = engine.submit(prompt, SamplingParams(temperature=0.0, top_p=1.0, top_k=0, max_new_frames=n,
-                                                   ras_window=0, seed=0, repetition_penalty=penalty))  # fmt: skip
+    request = engine.submit(
+        prompt,
+        SamplingParams(
+            temperature=0.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_frames=n,
+            ras_window=0,
+            seed=0,
+            repetition_penalty=penalty,
+        ),
+    )
     codes, finished = [], False
     while not finished:
         for out in engine.step():

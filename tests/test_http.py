@@ -250,9 +250,12 @@ def test_warnings_and_normalize_over_http(server, offline):
         "(a multilingual model such as Fish Audio S2-Pro reads them)"
     )
     status, headers, body = server.speech(
-        input="Hello 你好世界 world.", seed=2, max_new_frames=3, response_format="pcm",
+        input="Hello 你好世界 world.",
+        seed=2,
+        max_new_frames=3,
+        response_format="pcm",
         stream_format="sse",
-    )  # fmt: skip
+    )
     assert status == 200 and headers["X-Warnings"] == warning
     assert sse_events(body)[-1]["warnings"] == [warning]
     status, headers, _ = server.speech(input="Hello.", seed=2, max_new_frames=3, response_format="pcm")
@@ -298,9 +301,12 @@ def test_reference_audio_as_base64(server, offline):
     assert body == to_pcm16(ref.audio).astype("<i2").tobytes()
     # A data: URL (what a browser's FileReader makes) is accepted too.
     status, _, _ = server.speech(
-        input="Hello.", reference_audio="data:audio/wav;base64," + clip, reference_text="A tone.", seed=3,
+        input="Hello.",
+        reference_audio="data:audio/wav;base64," + clip,
+        reference_text="A tone.",
+        seed=3,
         max_new_frames=2,
-    )  # fmt: skip
+    )
     assert status == 200
 
 
@@ -313,9 +319,11 @@ def test_bad_input_gets_openai_style_errors_before_any_work(server):
 
     def speech_error(body, raw=False):
         status, headers, data = server.request(
-            "POST", "/v1/audio/speech", body if raw else json.dumps(body).encode(),
+            "POST",
+            "/v1/audio/speech",
+            body if raw else json.dumps(body).encode(),
             {"Content-Type": "application/json"},
-        )  # fmt: skip
+        )
         return error_of(status, headers, data)
 
     status, err = speech_error({"input": ""})
@@ -385,9 +393,7 @@ def test_admission_limit_is_shared_with_grpc_and_full_means_429(bundle):
     )
     try:
         # HTTP: decoding, then paused by its unread response (it keeps its row, so it cannot end).
-        conn, resp = srv.open_speech(
-            rcvbuf=4096, response_format="pcm", **held(600)
-        )  # fmt: skip
+        conn, resp = srv.open_speech(rcvbuf=4096, response_format="pcm", **held(600))
         assert resp.status == 200
         wait_for(lambda: srv.loop.stats.paused == 1, "the request to pause")
         # gRPC: queued behind it (1 decoding + 1 waiting = full).
@@ -418,8 +424,11 @@ def test_client_disconnect_cancels_the_generation_and_frees_its_blocks(server):
     before = requests_total(server, "cancelled")
     for stream_format in ("audio", "sse"):
         conn, resp = server.open_speech(
-            rcvbuf=4096, response_format="pcm", stream_format=stream_format, **held(600),
-        )  # fmt: skip
+            rcvbuf=4096,
+            response_format="pcm",
+            stream_format=stream_format,
+            **held(600),
+        )
         assert resp.status == 200
         assert resp.read1(100)  # some audio arrived
         # The unread response backs up (socket buffers, then max_queued_chunks): the job pauses, in flight.

@@ -94,15 +94,19 @@ def test_engine_phases_per_level_from_the_labelled_counter():
 
 def test_codec_share_and_cache_counts_per_level():
     before = {
-        "tts_frame_step_seconds_total": 10.0, "tts_codec_decode_seconds_total": 4.0,
-        "tts_codec_encode_seconds_total": 1.0, "tts_reference_cache_hits_total": 5.0,
+        "tts_frame_step_seconds_total": 10.0,
+        "tts_codec_decode_seconds_total": 4.0,
+        "tts_codec_encode_seconds_total": 1.0,
+        "tts_reference_cache_hits_total": 5.0,
         "tts_reference_cache_misses_total": 2.0,
-    }  # fmt: skip
+    }
     after = {
-        "tts_frame_step_seconds_total": 16.0, "tts_codec_decode_seconds_total": 7.0,
-        "tts_codec_encode_seconds_total": 2.0, "tts_reference_cache_hits_total": 12.0,
+        "tts_frame_step_seconds_total": 16.0,
+        "tts_codec_decode_seconds_total": 7.0,
+        "tts_codec_encode_seconds_total": 2.0,
+        "tts_reference_cache_hits_total": 12.0,
         "tts_reference_cache_misses_total": 3.0,
-    }  # fmt: skip
+    }
     split = server_time_split(before, after)
     assert split["frame_step_s"] == 6.0 and split["codec_decode_s"] == 3.0 and split["codec_encode_s"] == 1.0
     assert split["codec_share"] == pytest.approx(4.0 / 10.0)
@@ -204,8 +208,9 @@ def test_bench_server_repeated_reference_reports_the_new_fields(server, tmp_path
     assert settings["reference_seconds"] == pytest.approx(seconds)
     levels = report["levels"]
     assert [(lv["concurrency"], lv["requests"], lv["ok"], lv["errors"]) for lv in levels] == [
-        (1, 3, 3, {}), (2, 3, 3, {}),
-    ]  # fmt: skip
+        (1, 3, 3, {}),
+        (2, 3, 3, {}),
+    ]
     for lv in levels:
         assert isinstance(lv["underruns"], int) and lv["underruns"] >= 0
         assert 0.0 <= lv["underrun_share"] <= 1.0

@@ -141,8 +141,12 @@ def test_batched_streams_equal_offline_decode(which, small_codec, rvq_codec):
 def test_default_codec_batched_equals_offline_decode(default_codec):
     codec = default_codec
     assert isinstance(codec, MelVQCodec) and codec.context_frames == 19
-    streams = {"long": _codes(codec, 45, 1), "mid": _codes(codec, 21, 2), "short": _codes(codec, 3, 3),
-               "late": _codes(codec, 12, 4)}  # fmt: skip
+    streams = {
+        "long": _codes(codec, 45, 1),
+        "mid": _codes(codec, 21, 2),
+        "short": _codes(codec, 3, 3),
+        "late": _codes(codec, 12, 4),
+    }
     done, dec = run_schedule(codec, streams, max_streams=2, seed=0)
     assert dec.graph_safe and dec.device == torch.device("cpu")
     for name, audio in done.items():

@@ -121,11 +121,37 @@ def test_train_codec_learns_and_writes_a_loadable_codec(tmp_path):
     work = _tiny_work(tmp_path)
     out = tmp_path / "codec"
     cmd = [
-        sys.executable, str(ROOT / "training" / "train_codec.py"), "--work", str(work), "--out", str(out),
-        "--device", "cpu", "--steps", "120", "--batch", "8", "--segment", "8", "--channels", "32", "--latent", "8",
-        "--codebook-size", "16", "--num-codebooks", "2", "--warmup", "10", "--lr", "3e-3", "--log-every", "20",
-        "--max-seconds", "900",  # steps end it; the wall-time cap only guards a loaded machine
-    ]  # fmt: skip
+        sys.executable,
+        str(ROOT / "training" / "train_codec.py"),
+        "--work",
+        str(work),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--steps",
+        "120",
+        "--batch",
+        "8",
+        "--segment",
+        "8",
+        "--channels",
+        "32",
+        "--latent",
+        "8",
+        "--codebook-size",
+        "16",
+        "--num-codebooks",
+        "2",
+        "--warmup",
+        "10",
+        "--lr",
+        "3e-3",
+        "--log-every",
+        "20",
+        "--max-seconds",
+        "900",  # steps end it; the wall-time cap only guards a loaded machine
+    ]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=960)
     state = json.loads((out / "train_state.json").read_text())
     recon = [h["recon"] for h in state["history"]]

@@ -14,9 +14,18 @@ def _load(engine, row, prompt):
     engine.runner.prefill(prompt, blocks)
     engine.runner.load_row(
         row,
-        RowInit(prompt[-1], prompt.shape[0] - 1, blocks, temperature=0.0, top_p=1.0, top_k=0, seed=0,
-                budget=100, ras_len=0),
-    )  # fmt: skip
+        RowInit(
+            prompt[-1],
+            prompt.shape[0] - 1,
+            blocks,
+            temperature=0.0,
+            top_p=1.0,
+            top_k=0,
+            seed=0,
+            budget=100,
+            ras_len=0,
+        ),
+    )
 
 
 @torch.inference_mode()

@@ -10,8 +10,11 @@ def test_hashed_values_are_pinned():
     # The parity goldens were computed from checkpoints made of these values: if this fails, the
     # generator changed and tests/golden must be regenerated (tests/golden/README.md).
     assert hashed_uniform((4,), 1, "x").tolist() == [
-        0.4116246700286865, 0.13970565795898438, -0.16278594732284546, -0.11111718416213989,
-    ]  # fmt: skip
+        0.4116246700286865,
+        0.13970565795898438,
+        -0.16278594732284546,
+        -0.11111718416213989,
+    ]
     assert hashed_randint((5,), 11, "codes", 4096).tolist() == [3223, 319, 404, 2046, 586]
 
 

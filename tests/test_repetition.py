@@ -56,8 +56,15 @@ def _run(model, jobs, repetition, max_batch=4):
 
 
 def _params(penalty, seed, frames=2 * REPETITION_WINDOW + 5):
-    return SamplingParams(temperature=0.9, top_p=0.95, top_k=0, max_new_frames=frames, ras_window=0, seed=seed,
-                          repetition_penalty=penalty)  # fmt: skip
+    return SamplingParams(
+        temperature=0.9,
+        top_p=0.95,
+        top_k=0,
+        max_new_frames=frames,
+        ras_window=0,
+        seed=seed,
+        repetition_penalty=penalty,
+    )
 
 
 @pytest.mark.parametrize("mode", ["fish-1.5", "s1"])

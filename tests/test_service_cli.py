@@ -36,8 +36,12 @@ class ServeProcess:
             env["XDG_DATA_HOME"] = str(data_home)
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from tts.cli import main; sys.exit(main())", "serve", *args],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.lines: list[str] = []
         self.serving = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
@@ -61,9 +65,20 @@ class ServeProcess:
 
 def test_serve_client_bench_and_sigterm(tmp_path):
     server = ServeProcess(
-        "--model", "tiny", "--port", "0", "--metrics-port", "0", "--http-port", "0", "--max-batch", "4",
-        "--grace", "1", data_home=tmp_path,
-    )  # fmt: skip
+        "--model",
+        "tiny",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--http-port",
+        "0",
+        "--max-batch",
+        "4",
+        "--grace",
+        "1",
+        data_home=tmp_path,
+    )
     try:
         address, metrics_url = server.wait_serving()
         # The HTTP front of the same process: health, and one OpenAI-style request.
@@ -129,10 +144,15 @@ def test_serve_client_bench_and_sigterm(tmp_path):
         text = "Hold this stream open for as long as the test needs it, whatever the random weights say."
         call = pb_grpc.TextToSpeechStub(channel).Synthesize(
             build_request(
-                text, temperature=0.0, max_new_frames=600, min_new_frames=600, first_chunk_frames=1,
-                chunk_frames=1, encoding="float32",
+                text,
+                temperature=0.0,
+                max_new_frames=600,
+                min_new_frames=600,
+                first_chunk_frames=1,
+                chunk_frames=1,
+                encoding="float32",
             )
-        )  # fmt: skip
+        )
         assert next(call).WhichOneof("message") == "header"
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
@@ -222,8 +242,12 @@ def test_a_busy_port_is_named_in_one_line(which):
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         r = subprocess.run(
             [sys.executable, "-m", "tts.cli", "serve", "--model", "tiny", *args],
-            capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=120,
+        )
     purpose = " for metrics" if which == "--metrics-port" else ""
     assert r.returncode == 2, r.stderr
     assert (
@@ -259,8 +283,12 @@ def test_client_prints_the_servers_text_warning_once_and_sends_no_normalize(tmp_
         # --no-normalize: the server reads "**5** items" as given (the audio of the offline run that does)
         kw = dict(seed=1, max_new_frames=6, temperature=0.0)
         argv = ["client", "**5** items", "--server", srv.address, "-o", str(out), "--encoding", "float32"]
-        assert main([*argv, "--no-normalize", "--seed", "1", "--max-new-frames", "6", "--temperature", "0",
-                     "-q"]) == 0  # fmt: skip
+        assert (
+            main(
+                [*argv, "--no-normalize", "--seed", "1", "--max-new-frames", "6", "--temperature", "0", "-q"]
+            )
+            == 0
+        )
         audio, _ = sf.read(out, dtype="float32")
         offline = TTS(bundle)
         expected = offline.synthesize("**5** items", normalize=False, **kw).audio

@@ -37,8 +37,14 @@ pytest.importorskip("grpc_health")
 
 def test_mix_counts_add_up_exactly():
     assert mix_counts(100, DEFAULT_MIX) == {
-        "normal": 45, "cancel": 15, "slow": 10, "stall": 5, "deadline": 10, "unary": 10, "invalid": 5,
-    }  # fmt: skip
+        "normal": 45,
+        "cancel": 15,
+        "slow": 10,
+        "stall": 5,
+        "deadline": 10,
+        "unary": 10,
+        "invalid": 5,
+    }
     for n in (1, 7, 33, 999):
         counts = mix_counts(n, DEFAULT_MIX)
         assert sum(counts.values()) == n
@@ -148,10 +154,20 @@ def test_stream_check_finds_gaps_and_protocol_errors():
 
 def report_of(outcomes, plan, **extra) -> dict:
     report = summarize(plan, outcomes)
-    report["gauges"] = {"skipped": False, "checked": True, "idle": True, "after": dict.fromkeys(GAUGES, 0.0),
-                        "settle_s": 0.1, "max_during": {}}  # fmt: skip
-    report["rss"] = {"checked": True, "baseline_bytes": 500 * MiB, "final_bytes": 510 * MiB,
-                     "bound_bytes": 650 * MiB}  # fmt: skip
+    report["gauges"] = {
+        "skipped": False,
+        "checked": True,
+        "idle": True,
+        "after": dict.fromkeys(GAUGES, 0.0),
+        "settle_s": 0.1,
+        "max_during": {},
+    }
+    report["rss"] = {
+        "checked": True,
+        "baseline_bytes": 500 * MiB,
+        "final_bytes": 510 * MiB,
+        "bound_bytes": 650 * MiB,
+    }
     report.update(extra)
     return report
 
@@ -218,12 +234,33 @@ def test_soak_of_a_tiny_server_passes_and_counts_add_up(server, tmp_path):
     out = tmp_path / "soak.json"
     requests, seed = 200, 7
     args = [
-        "bench-server", "--soak", "--server", server.address, "--concurrency", "6",
-        "--requests", str(requests), "--seed", str(seed), "--json", str(out),
-        "--metrics-url", f"http://127.0.0.1:{server.server.metrics_port}/metrics",
-        "--max-new-frames", "48", "--encoding", "float32", "--slow-delay", "0.01,0.05",
-        "--stall", "0.3,0.8", "--deadline", "0.05,0.5", "--settle-timeout", "60",
-    ]  # fmt: skip
+        "bench-server",
+        "--soak",
+        "--server",
+        server.address,
+        "--concurrency",
+        "6",
+        "--requests",
+        str(requests),
+        "--seed",
+        str(seed),
+        "--json",
+        str(out),
+        "--metrics-url",
+        f"http://127.0.0.1:{server.server.metrics_port}/metrics",
+        "--max-new-frames",
+        "48",
+        "--encoding",
+        "float32",
+        "--slow-delay",
+        "0.01,0.05",
+        "--stall",
+        "0.3,0.8",
+        "--deadline",
+        "0.05,0.5",
+        "--settle-timeout",
+        "60",
+    ]
     assert main(args) == 0
     report = json.loads(out.read_text())
     assert report["verdict"] == "pass" and report["failures"] == []
@@ -273,11 +310,25 @@ def test_soak_fails_with_one_line_when_a_request_stays_in_flight(bundle, tmp_pat
     srv = ServerThread(bundle, EngineConfig(max_batch=2), metrics_port=0)
     try:
         args = [
-            "bench-server", "--soak", "--server", srv.address, "--concurrency", "1", "--requests", "4",
-            "--mix", "cancel=0,slow=0,stall=0,deadline=0,unary=0,invalid=0", "--max-new-frames", "4",
-            "--settle-timeout", "0.5", "--json", str(tmp_path / "leak.json"),
-            "--metrics-url", f"http://127.0.0.1:{srv.server.metrics_port}/metrics",
-        ]  # fmt: skip
+            "bench-server",
+            "--soak",
+            "--server",
+            srv.address,
+            "--concurrency",
+            "1",
+            "--requests",
+            "4",
+            "--mix",
+            "cancel=0,slow=0,stall=0,deadline=0,unary=0,invalid=0",
+            "--max-new-frames",
+            "4",
+            "--settle-timeout",
+            "0.5",
+            "--json",
+            str(tmp_path / "leak.json"),
+            "--metrics-url",
+            f"http://127.0.0.1:{srv.server.metrics_port}/metrics",
+        ]
         assert main(args) == 1
     finally:
         srv.stop()
@@ -290,8 +341,18 @@ def test_soak_fails_with_one_line_when_a_request_stays_in_flight(bundle, tmp_pat
 def test_soak_stops_when_the_metrics_cannot_be_read(server, tmp_path, capsys):
     from tts.cli import main
 
-    args = ["bench-server", "--soak", "--server", server.address, "--requests", "5", "--json",
-            str(tmp_path / "s.json"), "--metrics-url", "http://127.0.0.1:9/metrics"]  # fmt: skip
+    args = [
+        "bench-server",
+        "--soak",
+        "--server",
+        server.address,
+        "--requests",
+        "5",
+        "--json",
+        str(tmp_path / "s.json"),
+        "--metrics-url",
+        "http://127.0.0.1:9/metrics",
+    ]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert "cannot read the server's metrics at http://127.0.0.1:9/metrics" in err and "\n" not in err

@@ -29,11 +29,16 @@ def _codes_dir(tmp_path: Path, n: int = 24, heldout: int = 3) -> Path:
     items = []
     for i in range(n):
         T = 10 + i % 7
-        items.append({
-            "id": f"u{i}", "speaker": i % 2, "split": "train" if i < n - heldout else "heldout", "seconds": T / 21.5,
-            "tokens": torch.tensor(tok.encode(f"sentence {i}"), dtype=torch.int16),
-            "codes": torch.randint(0, 64, (4, T), generator=g).to(torch.int16),
-        })  # fmt: skip
+        items.append(
+            {
+                "id": f"u{i}",
+                "speaker": i % 2,
+                "split": "train" if i < n - heldout else "heldout",
+                "seconds": T / 21.5,
+                "tokens": torch.tensor(tok.encode(f"sentence {i}"), dtype=torch.int16),
+                "codes": torch.randint(0, 64, (4, T), generator=g).to(torch.int16),
+            }
+        )
     torch.save(items, out / "codes-0000.pt")
     (tmp_path / "codec.json").write_text(json.dumps({"num_codebooks": 4, "codebook_size": 64}))
     return out
@@ -97,10 +102,30 @@ def test_train_script_writes_a_loadable_model(tmp_path):
     data = _codes_dir(tmp_path)
     out = tmp_path / "out"
     cmd = [
-        sys.executable, str(ROOT / "training" / "train.py"), "--data", str(data), "--codec", str(tmp_path),
-        "--out", str(out), "--size", "test", "--steps", "3", "--batch-tokens", "1024", "--workers", "0",
-        "--log-every", "1", "--val-every", "2", "--max-seconds", "120", "--no-compile",
-    ]  # fmt: skip
+        sys.executable,
+        str(ROOT / "training" / "train.py"),
+        "--data",
+        str(data),
+        "--codec",
+        str(tmp_path),
+        "--out",
+        str(out),
+        "--size",
+        "test",
+        "--steps",
+        "3",
+        "--batch-tokens",
+        "1024",
+        "--workers",
+        "0",
+        "--log-every",
+        "1",
+        "--val-every",
+        "2",
+        "--max-seconds",
+        "120",
+        "--no-compile",
+    ]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=180)
     state = json.loads((out / "train_state.json").read_text())
     assert state["step"] == 3 and len(state["history"]) == 3

@@ -92,8 +92,18 @@ def test_cache_hits_misses_single_flight_and_eviction():
 def test_reference_key_depends_on_audio_text_and_codec():
     k = reference_key(b"abc", "hello", "fp")
     assert k == reference_key(b"abc", "hello", "fp")
-    assert len({k, reference_key(b"abd", "hello", "fp"), reference_key(b"abc", "hallo", "fp"),
-                reference_key(b"abc", "hello", "fq"), reference_key(b"ab", "chello", "fp")}) == 5  # fmt: skip
+    assert (
+        len(
+            {
+                k,
+                reference_key(b"abd", "hello", "fp"),
+                reference_key(b"abc", "hallo", "fp"),
+                reference_key(b"abc", "hello", "fq"),
+                reference_key(b"ab", "chello", "fp"),
+            }
+        )
+        == 5
+    )
 
 
 @pytest.fixture(scope="module")

@@ -247,8 +247,9 @@ def espeak(text: str, voice: str, rate: int, pitch: int):
     with tempfile.NamedTemporaryFile(suffix=".wav") as tmp:
         subprocess.run(
             ["espeak-ng", "-v", voice, "-s", str(rate), "-p", str(pitch), "-w", tmp.name, "--", text],
-            check=True, capture_output=True,
-        )  # fmt: skip
+            check=True,
+            capture_output=True,
+        )
         audio, sr = sf.read(tmp.name, dtype="float32")
     if sr != 22050:
         raise RuntimeError(f"espeak-ng wrote {sr} Hz, expected 22050")
@@ -364,11 +365,16 @@ def encode(
         for uid, mel, sec in zip(shard["ids"], shard["mels"], shard["seconds"], strict=True):
             u = utts[uid]
             codes = codec.encode_logmel(mel.float())
-            items.append({
-                "id": uid, "speaker": u["speaker"], "split": u["split"], "seconds": sec,
-                "tokens": torch.tensor(tokenizer.encode(u["phonemes"]), dtype=torch.int16),
-                "codes": codes.to(torch.int16),
-            })  # fmt: skip
+            items.append(
+                {
+                    "id": uid,
+                    "speaker": u["speaker"],
+                    "split": u["split"],
+                    "seconds": sec,
+                    "tokens": torch.tensor(tokenizer.encode(u["phonemes"]), dtype=torch.int16),
+                    "codes": codes.to(torch.int16),
+                }
+            )
             total += sec
         torch.save(items, dst)
         log(f"{dst.name}: {len(items)} utterances")
@@ -391,9 +397,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the codec and encode stages")
     p.add_argument("--device", default="cpu", help="torch device of the codec and encode stages")
     p.add_argument(
-        "--max-utterances", type=int, default=None,
+        "--max-utterances",
+        type=int,
+        default=None,
         help="use only the first utterances of sentences.jsonl (whole shards of 1000; default: all)",
-    )  # fmt: skip
+    )
     a = p.parse_args()
     if a.stage in ("text", "all") and not (a.work / "sentences.jsonl").exists():
         build_text(a.work, a.templates, a.seed)

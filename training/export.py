@@ -82,11 +82,17 @@ def main() -> None:
     load_weights_into(model, weight_files(a.trained), "cpu", torch.bfloat16)
     model.init_buffers("cpu")
     bundle = ModelBundle(
-        name="default", family="dual_ar (default voice, trained on espeak-ng speech)", model=model, codec=codec,
-        tokenizer=tokenizer, prompt_format=S2PromptFormat(tokenizer, args.num_codebooks, PhonemeFrontend("en-us"), "english"),
-        voices=pick_voices(a.work, codes_dir, args.num_codebooks), sampling=SAMPLING, chunk_length=200,
+        name="default",
+        family="dual_ar (default voice, trained on espeak-ng speech)",
+        model=model,
+        codec=codec,
+        tokenizer=tokenizer,
+        prompt_format=S2PromptFormat(tokenizer, args.num_codebooks, PhonemeFrontend("en-us"), "english"),
+        voices=pick_voices(a.work, codes_dir, args.num_codebooks),
+        sampling=SAMPLING,
+        chunk_length=200,
         default_voice="ava",  # speaker 0 of the corpus: the model reads best with a reference clip
-    )  # fmt: skip
+    )
     if a.dest.exists():
         shutil.rmtree(a.dest)
     save_bundle(bundle, a.dest)

@@ -70,7 +70,7 @@ def model_config(tokenizer: TextTokenizer, num_codebooks: int, codebook_size: in
             fast_n_local_heads=2,
             fast_head_dim=64,
             fast_intermediate_size=768,
-        ),  # fmt: skip
+        ),
         "small": dict(n_layer=6, dim=384, n_head=6, n_local_heads=2, intermediate_size=1152, n_fast_layer=1),
         "base": dict(n_layer=8, dim=448, n_head=7, n_local_heads=1, intermediate_size=1344, n_fast_layer=1),
         "test": dict(n_layer=2, dim=128, n_head=2, n_local_heads=1, intermediate_size=256, n_fast_layer=1),
@@ -81,12 +81,23 @@ def model_config(tokenizer: TextTokenizer, num_codebooks: int, codebook_size: in
     shape = shapes[size]
     dim, heads = shape["dim"], shape["n_head"]
     return ModelArgs(
-        model_type="dual_ar", vocab_size=tokenizer.vocab_size, head_dim=dim // heads, rope_base=1e4,
-        norm_eps=1e-6, max_seq_len=2048, tie_word_embeddings=True, attention_qk_norm=True,
-        codebook_size=codebook_size, num_codebooks=num_codebooks,
-        semantic_begin_id=tokenizer.semantic_begin_id, semantic_end_id=tokenizer.semantic_end_id,
-        scale_codebook_embeddings=True, norm_fastlayer_input=True, eos_token_id=tokenizer.eos_id, **shape,
-    )  # fmt: skip
+        model_type="dual_ar",
+        vocab_size=tokenizer.vocab_size,
+        head_dim=dim // heads,
+        rope_base=1e4,
+        norm_eps=1e-6,
+        max_seq_len=2048,
+        tie_word_embeddings=True,
+        attention_qk_norm=True,
+        codebook_size=codebook_size,
+        num_codebooks=num_codebooks,
+        semantic_begin_id=tokenizer.semantic_begin_id,
+        semantic_end_id=tokenizer.semantic_end_id,
+        scale_codebook_embeddings=True,
+        norm_fastlayer_input=True,
+        eos_token_id=tokenizer.eos_id,
+        **shape,
+    )
 
 
 # ---- data ------------------------------------------------------------------------------------------
@@ -107,9 +118,13 @@ class Corpus:
     """Utterances from the codes shards, and prompt assembly into frame columns `[T, 1 + N]`."""
 
     def __init__(
-        self, data: Path, num_codebooks: int, limit: int | None = None, split: str = "train",
+        self,
+        data: Path,
+        num_codebooks: int,
+        limit: int | None = None,
+        split: str = "train",
         utterances: list[dict] | None = None,
-    ):  # fmt: skip
+    ):
         """The first `limit` utterances of `split` in the shards of `data` (read lazily, up to the limit),
         or in `utterances` when the caller read the shards already (`iter_shards`)."""
         self.tokenizer = TextTokenizer.from_file(data / "tokenizer.json")
@@ -240,8 +255,11 @@ def heldout_loss(model: DualARTransformer, heldout: Corpus, device: torch.device
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         _, info = compute_loss(model, b["frames"], b["mask"])
     model.train(was_training)
-    return {"val_slow": round(float(info["slow"]), 5), "val_fast": round(float(info["fast"]), 5),
-            "val_acc0": round(float(info["acc0"]), 5)}  # fmt: skip
+    return {
+        "val_slow": round(float(info["slow"]), 5),
+        "val_fast": round(float(info["fast"]), 5),
+        "val_acc0": round(float(info["acc0"]), 5),
+    }
 
 
 # ---- main ------------------------------------------------------------------------------------------
@@ -276,10 +294,14 @@ def batch_loader(corpus: Corpus, seed: int, batch_tokens: int, workers: int):
         return iter(ds)
     return iter(
         torch.utils.data.DataLoader(
-            ds, batch_size=None, num_workers=workers, prefetch_factor=4, pin_memory=torch.cuda.is_available(),
+            ds,
+            batch_size=None,
+            num_workers=workers,
+            prefetch_factor=4,
+            pin_memory=torch.cuda.is_available(),
             persistent_workers=True,
         )
-    )  # fmt: skip
+    )
 
 
 def init_from(model: DualARTransformer, folder: Path) -> None:
@@ -313,19 +335,23 @@ def main() -> None:
     p.add_argument("--num-codebooks", type=int, default=None, help="default: the codec's")
     p.add_argument("--steps", type=int, default=100_000, help="stop after this many steps")
     p.add_argument(
-        "--max-seconds", type=float, default=420,
+        "--max-seconds",
+        type=float,
+        default=420,
         help="stop and save after this wall time; the cosine decay follows max(step/steps, time/max-seconds)",
-    )  # fmt: skip
+    )
     p.add_argument("--batch-tokens", type=int, default=65536)
     p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--limit", type=int, default=None, help="use only this many utterances (CPU tests)")
     p.add_argument("--resume", type=Path, default=None)
     p.add_argument(
-        "--init-from", type=Path, default=None,
+        "--init-from",
+        type=Path,
+        default=None,
         help="start from this model folder's weights wherever name and shape match (e.g. a deeper model "
         "whose extra layers are dropped); a fresh run otherwise (step 0, warm-up, new optimizer)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--full-checkpoint", type=Path, default=None, help="also save/resume fp32 + optimizer here"
     )
@@ -334,9 +360,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=None,
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="torch.compile the loss (default: on CUDA); about 1 min to compile, then ~2x faster steps",
-    )  # fmt: skip
+    )
     a = p.parse_args()
     t_start = time.time()
     torch.manual_seed(a.seed)
@@ -436,12 +464,25 @@ def main() -> None:
         if a.resume and (a.resume / "train_state.json").is_file()
         else {}
     )
-    (a.out / "train_state.json").write_text(json.dumps({
-        "step": step, "size": a.size, "num_codebooks": N, "batch_tokens": a.batch_tokens, "lr": a.lr,
-        "steps": a.steps, "train_seconds": prev.get("train_seconds", 0) + train_seconds,
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "parameters": n_params,
-        "utterances": len(corpus.items), "hours": corpus.seconds / 3600, "history": history,
-    }, indent=1))  # fmt: skip
+    (a.out / "train_state.json").write_text(
+        json.dumps(
+            {
+                "step": step,
+                "size": a.size,
+                "num_codebooks": N,
+                "batch_tokens": a.batch_tokens,
+                "lr": a.lr,
+                "steps": a.steps,
+                "train_seconds": prev.get("train_seconds", 0) + train_seconds,
+                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                "parameters": n_params,
+                "utterances": len(corpus.items),
+                "hours": corpus.seconds / 3600,
+                "history": history,
+            },
+            indent=1,
+        )
+    )
     with open(a.out / "loss.csv", "w", newline="") as f:
         # Every key any record has (held-out losses only on some steps; older runs' records lack them).
         w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for rec in history for k in rec)))

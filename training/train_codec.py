@@ -175,8 +175,11 @@ def main() -> None:
     frames = torch.cat(train)
     mean, std = frames.mean(0), frames.std(0).clamp_min(1e-3)
     frames = ((frames - mean) / std).to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    print(f"{len(train)} train clips ({frames.shape[0]} frames), {len(held)} held out; "
-          f"loaded in {time.time() - t0:.0f} s", flush=True)  # fmt: skip
+    print(
+        f"{len(train)} train clips ({frames.shape[0]} frames), {len(held)} held out; "
+        f"loaded in {time.time() - t0:.0f} s",
+        flush=True,
+    )
     dil = [tuple(int(v) for v in x.split(",")) for x in (a.encoder_dilations, a.decoder_dilations)]
     net = MelVQNet(a.num_codebooks, a.codebook_size, a.channels, a.latent, *dil).to(device)
     if a.freeze_encoder:
@@ -200,19 +203,34 @@ def main() -> None:
         opt.step()
         step += 1
         if step % a.log_every == 0 or step == 1:
-            rec = {"step": step, "seconds": round(time.time() - t_train, 1), "lr": lr, "recon": float(recon.detach()),
-                   "commit": float(commit.detach()), "perplexity": [round(v) for v in perplexity]}  # fmt: skip
+            rec = {
+                "step": step,
+                "seconds": round(time.time() - t_train, 1),
+                "lr": lr,
+                "recon": float(recon.detach()),
+                "commit": float(commit.detach()),
+                "perplexity": [round(v) for v in perplexity],
+            }
             history.append(rec)
             print(json.dumps(rec), flush=True)
     result = heldout_error(net, quant, held, mean, std, device)
     print(f"trained {step} steps in {time.time() - t_train:.0f} s; {json.dumps(result)}", flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     MelVQCodec(net.cpu(), mean, std).save(a.out)
-    (a.out / "train_state.json").write_text(json.dumps({
-        "steps": step, "train_seconds": time.time() - t_train, "frames": int(frames.shape[0]),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", **result,
-        "args": {k: str(v) for k, v in vars(a).items()}, "history": history,
-    }, indent=1))  # fmt: skip
+    (a.out / "train_state.json").write_text(
+        json.dumps(
+            {
+                "steps": step,
+                "train_seconds": time.time() - t_train,
+                "frames": int(frames.shape[0]),
+                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                **result,
+                "args": {k: str(v) for k, v in vars(a).items()},
+                "history": history,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {a.out}", flush=True)
 
 

@@ -162,24 +162,42 @@ class TTS:
     # ---- synthesis -----------------------------------------------------------------------------------
 
     def prepare(
-        self, text: str, *, voice: str | VoiceReference | list[VoiceReference] | None = None,
-        chunk_length: int | None = None, first_chunk_frames: int = 4, chunk_frames: int = 16,
-        normalize: bool = True, **sampling,
-    ) -> SynthesisJob:  # fmt: skip
+        self,
+        text: str,
+        *,
+        voice: str | VoiceReference | list[VoiceReference] | None = None,
+        chunk_length: int | None = None,
+        first_chunk_frames: int = 4,
+        chunk_frames: int = 16,
+        normalize: bool = True,
+        **sampling,
+    ) -> SynthesisJob:
         """Validate everything about a synthesis before any work (see `Planner.job`): text, sampling
         values, voice, and that every chunk's prompt plus its budget fits the context. normalize=False
         reads the text as given (no markup reading or normalization, `tts.textpolicy`). The job's
         `warnings` say what was left out of the text. Raises TextError, InvalidRequest, VoiceNotFound."""
         return self.planner.job(
-            text, voice=voice, chunk_length=chunk_length, first_chunk_frames=first_chunk_frames,
-            chunk_frames=chunk_frames, normalize=normalize, **sampling,
-        )  # fmt: skip
+            text,
+            voice=voice,
+            chunk_length=chunk_length,
+            first_chunk_frames=first_chunk_frames,
+            chunk_frames=chunk_frames,
+            normalize=normalize,
+            **sampling,
+        )
 
     def stream(
-        self, text: str | SynthesisJob, *, voice: str | VoiceReference | list[VoiceReference] | None = None,
-        first_chunk_frames: int = 4, chunk_frames: int = 16, chunk_length: int | None = None,
-        progress: ProgressFn | None = None, normalize: bool = True, **sampling,
-    ) -> Iterator[AudioChunk]:  # fmt: skip
+        self,
+        text: str | SynthesisJob,
+        *,
+        voice: str | VoiceReference | list[VoiceReference] | None = None,
+        first_chunk_frames: int = 4,
+        chunk_frames: int = 16,
+        chunk_length: int | None = None,
+        progress: ProgressFn | None = None,
+        normalize: bool = True,
+        **sampling,
+    ) -> Iterator[AudioChunk]:
         """Yield audio chunks as frames are generated: the first after `first_chunk_frames` frames,
         then every `chunk_frames` (decoded on the codec stage's thread while the engine runs on).
         `sampling`: temperature, top_p, top_k, max_new_frames (per text chunk), min_new_frames,
@@ -190,10 +208,15 @@ class TTS:
             text
             if isinstance(text, SynthesisJob)
             else self.prepare(
-                text, voice=voice, chunk_length=chunk_length, first_chunk_frames=first_chunk_frames,
-                chunk_frames=chunk_frames, normalize=normalize, **sampling,
+                text,
+                voice=voice,
+                chunk_length=chunk_length,
+                first_chunk_frames=first_chunk_frames,
+                chunk_frames=chunk_frames,
+                normalize=normalize,
+                **sampling,
             )
-        )  # fmt: skip
+        )
         sink = ListSink(progress)
         job_id = self.runner.submit(job, sink)
         ended = False
@@ -240,10 +263,14 @@ class TTS:
             torch.cat([c.codes for c in chunks], dim=1) if chunks else torch.zeros(N, 0, dtype=torch.int64)
         )
         return Synthesis(
-            audio=audio, sample_rate=self.sample_rate, codes=codes,
-            finish_reasons=list(self.last_finish_reasons), wall_seconds=time.perf_counter() - t0,
-            first_audio_seconds=first, warnings=list(self.last_warnings),
-        )  # fmt: skip
+            audio=audio,
+            sample_rate=self.sample_rate,
+            codes=codes,
+            finish_reasons=list(self.last_finish_reasons),
+            wall_seconds=time.perf_counter() - t0,
+            first_audio_seconds=first,
+            warnings=list(self.last_warnings),
+        )
 
 
 __all__ = [

@@ -192,9 +192,14 @@ class AudioEncoder:
     """
 
     def __init__(
-        self, fmt: str | AudioFormat, sample_rate: int, *, speed: float = 1.0, seekable: bool = False,
+        self,
+        fmt: str | AudioFormat,
+        sample_rate: int,
+        *,
+        speed: float = 1.0,
+        seekable: bool = False,
         pcm_float: bool = False,
-    ):  # fmt: skip
+    ):
         self.format = fmt if isinstance(fmt, AudioFormat) else get_format(fmt)
         self.sample_rate = int(sample_rate)
         self.speed = check_speed(speed)

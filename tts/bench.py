@@ -64,10 +64,13 @@ def bench_one(model, mode: str, batch: int, args) -> dict:
     engine = Engine(
         model,
         EngineConfig(
-            max_batch=batch, graphs="startup" if mode == "graph" else "off", buckets=args.buckets,
-            max_context=args.max_context, ignore_eos=True,
+            max_batch=batch,
+            graphs="startup" if mode == "graph" else "off",
+            buckets=args.buckets,
+            max_context=args.max_context,
+            ignore_eos=True,
         ),
-    )  # fmt: skip
+    )
     capture_seconds = engine.graphs.stats.capture_seconds_total
     params = SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_frames=budget, seed=0)
     for i in range(batch):
@@ -122,7 +125,7 @@ def environment(model, args) -> dict:
             "slow": [c.n_layer, c.dim, c.n_head, c.n_local_heads, c.head_dim],
             "fast": [c.n_fast_layer, c.fast_dim],
             "codebooks": c.num_codebooks,
-        },  # fmt: skip
+        },
         "prompt_tokens": args.prompt_tokens,
         "max_context": args.max_context or c.max_seq_len,
         "warmup_frames": args.warmup_frames,
@@ -151,9 +154,11 @@ def environment(model, args) -> dict:
 
 def print_table(results: list[dict], env: dict) -> None:
     floor = env["floor_ms_per_frame_batch1"]
-    print(f"{env['model']} on {env['device']}, {env['dtype']}, prompt {env['prompt_tokens']} tokens, "
-          f"context {env['max_context']} tokens, "
-          f"{env['timed_frames']} timed frames; weight floor {floor:.2f} ms/frame at batch 1")  # fmt: skip
+    print(
+        f"{env['model']} on {env['device']}, {env['dtype']}, prompt {env['prompt_tokens']} tokens, "
+        f"context {env['max_context']} tokens, "
+        f"{env['timed_frames']} timed frames; weight floor {floor:.2f} ms/frame at batch 1"
+    )
     head = f"{'mode':<6} {'batch':>5} {'fps/stream':>10} {'fps total':>10} {'p50 ms':>7} {'p99 ms':>7} "
     head += f"{'x floor':>7} {'replay':>6} {'capture s':>9} {'pool MiB':>8} {'KV MiB':>8} {'peak GiB':>8}"
     print(head)
@@ -227,8 +232,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for batch in args.batch_sizes:
             r = bench_one(model, mode, batch, args)
             results.append(r)
-            print(f"  {mode} batch {batch}: {r['frames_per_s_per_stream']:.1f} frames/s per stream, "
-                  f"{r['frames_per_s_aggregate']:.1f} total", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"  {mode} batch {batch}: {r['frames_per_s_per_stream']:.1f} frames/s per stream, "
+                f"{r['frames_per_s_aggregate']:.1f} total",
+                file=sys.stderr,
+                flush=True,
+            )
     print_table(results, env)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -242,9 +251,11 @@ def add_parser(sub) -> None:
     from .cli import int_list as _ints
 
     p = sub.add_parser(
-        "bench", help="TPS benchmark of the decode loop",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+        "bench",
+        help="TPS benchmark of the decode loop",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument(
         "--model", default="default", help="s2-pro-shape (random weights, GPU), a preset or a directory"
     )
@@ -255,17 +266,21 @@ def add_parser(sub) -> None:
     p.add_argument("--buckets", type=_ints, default=[1, 2, 4, 8, 16, 24, 32, 48, 64], help="graph buckets")
     p.add_argument("--prompt-tokens", type=int, default=200)
     p.add_argument(
-        "--max-context", type=int, default=None,
+        "--max-context",
+        type=int,
+        default=None,
         help="tokens per request the engine is sized for, prompt + frames: the width of the block tables "
         "a graph's attention reads (default: the model's maximum, as tts serve runs)",
-    )  # fmt: skip
+    )
     p.add_argument("--frames", type=int, default=128, help="timed frames per point")
     p.add_argument("--warmup-frames", type=int, default=8)
     p.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH, help="bytes/s for the floor")
     p.add_argument(
-        "--threads", type=int, default=None,
+        "--threads",
+        type=int,
+        default=None,
         help="CPU intra-op threads (default: 1 for models under 100 M parameters on a CPU, as tts synthesize)",
-    )  # fmt: skip
+    )
     p.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
     try:
         from service.loadtest import add_arguments

@@ -286,7 +286,7 @@ def save_bundle(bundle: ModelBundle, directory: str | Path, codec_config: dict |
             "top_p": s.top_p,
             "top_k": s.top_k,
             "max_new_frames": s.max_new_frames,
-        },  # fmt: skip
+        },
     }
     (directory / "config.json").write_text(json.dumps(cfg, indent=2))
     save_weights(bundle.model.state_dict(), directory)
@@ -384,10 +384,18 @@ def _load_own_bundle(directory: Path, raw: dict, device, dtype) -> ModelBundle:
     if torch.device(device).type != "cpu" and hasattr(codec, "to"):
         codec.to(device)  # decode and encode on the model's device (the codec stage's batched decode too)
     return ModelBundle(
-        name=runtime.get("name", directory.name), family=runtime.get("family", "dual_ar"),
-        model=model.eval(), codec=codec, tokenizer=tokenizer, prompt_format=prompt_format, voices=voices, sampling=sampling, chunk_length=runtime.get("chunk_length", 200), path=directory,
+        name=runtime.get("name", directory.name),
+        family=runtime.get("family", "dual_ar"),
+        model=model.eval(),
+        codec=codec,
+        tokenizer=tokenizer,
+        prompt_format=prompt_format,
+        voices=voices,
+        sampling=sampling,
+        chunk_length=runtime.get("chunk_length", 200),
+        path=directory,
         default_voice=default_voice,
-    )  # fmt: skip
+    )
 
 
 @dataclass
@@ -413,9 +421,12 @@ def load_text_model(spec: str | Path = "default") -> TextModel:
         runtime = raw[RUNTIME_KEY]
         _, tokenizer, prompt_format = _own_text_side(directory, raw)
         return TextModel(
-            runtime.get("name", directory.name), runtime.get("family", "dual_ar"), tokenizer, prompt_format,
+            runtime.get("name", directory.name),
+            runtime.get("family", "dual_ar"),
+            tokenizer,
+            prompt_format,
             runtime.get("chunk_length", 200),
-        )  # fmt: skip
+        )
     from .fish.loader import FAMILIES, detect_family, fish_model_args, load_fish_tokenizer
 
     family = detect_family(raw)
@@ -423,9 +434,12 @@ def load_text_model(spec: str | Path = "default") -> TextModel:
     fish_tokenizer = load_fish_tokenizer(directory, family)
     args = fish_model_args(raw, family, fish_tokenizer)
     return TextModel(
-        directory.resolve().name, f"{spec_.display} ({raw['model_type']})", fish_tokenizer,
-        spec_.prompt_format(fish_tokenizer, args.num_codebooks), spec_.chunk_length,
-    )  # fmt: skip
+        directory.resolve().name,
+        f"{spec_.display} ({raw['model_type']})",
+        fish_tokenizer,
+        spec_.prompt_format(fish_tokenizer, args.num_codebooks),
+        spec_.chunk_length,
+    )
 
 
 # ---- the tiny preset ---------------------------------------------------------------------------------
@@ -435,13 +449,28 @@ def tiny_config(tokenizer: TextTokenizer, codec: Codec) -> ModelArgs:
     """A 2+2-layer, 64-wide dual-AR model with every S2 feature switched on (qk-norm, tied head,
     scaled codebook embeddings, post-norm fast input, GQA)."""
     return ModelArgs(
-        model_type="dual_ar", vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_local_heads=2,
-        head_dim=16, dim=64, intermediate_size=128, rope_base=1e6, norm_eps=1e-6, max_seq_len=1024,
-        tie_word_embeddings=True, attention_qk_norm=True, codebook_size=codec.codebook_size,
-        num_codebooks=codec.num_codebooks, semantic_begin_id=tokenizer.semantic_begin_id,
-        semantic_end_id=tokenizer.semantic_end_id, scale_codebook_embeddings=True,
-        norm_fastlayer_input=True, n_fast_layer=2, eos_token_id=tokenizer.eos_id,
-    )  # fmt: skip
+        model_type="dual_ar",
+        vocab_size=tokenizer.vocab_size,
+        n_layer=2,
+        n_head=4,
+        n_local_heads=2,
+        head_dim=16,
+        dim=64,
+        intermediate_size=128,
+        rope_base=1e6,
+        norm_eps=1e-6,
+        max_seq_len=1024,
+        tie_word_embeddings=True,
+        attention_qk_norm=True,
+        codebook_size=codec.codebook_size,
+        num_codebooks=codec.num_codebooks,
+        semantic_begin_id=tokenizer.semantic_begin_id,
+        semantic_end_id=tokenizer.semantic_end_id,
+        scale_codebook_embeddings=True,
+        norm_fastlayer_input=True,
+        n_fast_layer=2,
+        eos_token_id=tokenizer.eos_id,
+    )
 
 
 def build_tiny_bundle(device="cpu", dtype=torch.float32, seed: int = 0) -> ModelBundle:
@@ -466,7 +495,12 @@ def build_tiny_bundle(device="cpu", dtype=torch.float32, seed: int = 0) -> Model
             codes=codec.encode(tone, codec.sample_rate), text=f"This is voice {name}."
         )
     return ModelBundle(
-        name="tiny", family="tiny (random weights)", model=model, codec=codec, tokenizer=tokenizer,
-        prompt_format=S2PromptFormat(tokenizer, args.num_codebooks, text_policy="english"), voices=voices,
+        name="tiny",
+        family="tiny (random weights)",
+        model=model,
+        codec=codec,
+        tokenizer=tokenizer,
+        prompt_format=S2PromptFormat(tokenizer, args.num_codebooks, text_policy="english"),
+        voices=voices,
         sampling=SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_frames=100),
-    )  # fmt: skip
+    )

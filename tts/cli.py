@@ -39,21 +39,26 @@ class SubcommandImportError(Exception):
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", default="default",
+        "--model",
+        default="default",
         help="'default' (the embedded model), 'tiny' (random weights, for tests) or a checkpoint directory",
-    )  # fmt: skip
+    )
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     p.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
         help="weights and activations dtype (default: float32 on CPU, bfloat16 on CUDA)",
-    )  # fmt: skip
+    )
 
 
 def add_codec_dtype_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--codec-dtype", choices=["float32", "bfloat16"], default=None,
+        "--codec-dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
         help="the codec's decode dtype where it has a choice (the modded DAC of S1 / S2-Pro; default float32)",
-    )  # fmt: skip
+    )
 
 
 def int_list(s: str) -> list[int]:
@@ -72,22 +77,29 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("engine (CUDA graphs; ignored on CPU)")
     g.add_argument(
-        "--graphs", choices=["off", "lazy", "startup", "on"], default="lazy", metavar="{off,lazy,startup}",
+        "--graphs",
+        choices=["off", "lazy", "startup", "on"],
+        default="lazy",
+        metavar="{off,lazy,startup}",
         help="CUDA graphs of the frame step, one per batch bucket: off (every step eager), lazy (a bucket "
         "is captured on its second use; the default) or startup (every bucket at start-up, largest first)",
-    )  # fmt: skip
+    )
     # Deprecated (`--graphs on` too): kept working for old scripts, folded into --graphs by
     # `resolve_graphs_arg` with a one-line warning.
     g.add_argument("--capture", choices=["lazy", "startup"], default=None, help=argparse.SUPPRESS)
     g.add_argument(
-        "--buckets", type=int_list, default=list(DEFAULT_BUCKETS),
+        "--buckets",
+        type=int_list,
+        default=list(DEFAULT_BUCKETS),
         help="batch sizes to capture (default 1,2,4,8,16,24,32,48,64); larger batches run eagerly",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--threads", type=int, default=None,
+        "--threads",
+        type=int,
+        default=None,
         help="CPU intra-op threads (default: 1 for models under 100 M parameters on a CPU, whose decode "
         "step is a chain of small ops that extra threads only slow down; otherwise torch's default)",
-    )  # fmt: skip
+    )
 
 
 def resolve_graphs_arg(args: argparse.Namespace) -> None:
@@ -151,25 +163,33 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=None, help=">= 0; 0 = no limit")
     g.add_argument("--max-new-frames", type=int, default=None, help="frame budget per text chunk, > 0")
     g.add_argument(
-        "--repetition-penalty", type=float, default=None,
+        "--repetition-penalty",
+        type=float,
+        default=None,
         help="in (0, 2), 1 = off: fish-speech 1.5's and S1's penalty on the last 16 frames' tokens (default: "
         "the model's, 1.2 / 1.1; other models ignore it)",
-    )  # fmt: skip
+    )
 
 
 def add_normalize_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--no-normalize", dest="normalize", action="store_false",
+        "--no-normalize",
+        dest="normalize",
+        action="store_false",
         help="read the text as given: no Markdown/SSML reading, no normalization (numbers stay digits for "
         "English models); `tts text` shows what the model reads either way",
-    )  # fmt: skip
+    )
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     return {
-        "seed": args.seed, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-        "max_new_frames": args.max_new_frames, "repetition_penalty": getattr(args, "repetition_penalty", None),
-    }  # fmt: skip
+        "seed": args.seed,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "max_new_frames": args.max_new_frames,
+        "repetition_penalty": getattr(args, "repetition_penalty", None),
+    }
 
 
 def torch_dtype(name: str | None):
@@ -236,9 +256,11 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("-o", "--output", required=True, help=OUTPUT_HELP)
     p.add_argument(
-        "--format", choices=list(FORMATS), default=None,
+        "--format",
+        choices=list(FORMATS),
+        default=None,
         help="output format (default: from the extension of --output); pcm = raw 16-bit little-endian mono",
-    )  # fmt: skip
+    )
 
 
 def output_format(args: argparse.Namespace):
@@ -432,8 +454,9 @@ class PlainProgress:
             elapsed = time.perf_counter() - self.t0
             print(
                 f"synthesizing: {chunk}/{n_chunks} chunks, {frames} frames, {elapsed:.1f} s",
-                file=self.stream, flush=True,
-            )  # fmt: skip
+                file=self.stream,
+                flush=True,
+            )
 
 
 def summarize_finish_reasons(reasons) -> str:
@@ -568,9 +591,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser(
-        "synthesize", help="synthesize text to an audio file (WAV, MP3, Opus, AAC, FLAC, PCM)",
+        "synthesize",
+        help="synthesize text to an audio file (WAV, MP3, Opus, AAC, FLAC, PCM)",
         description="Synthesize text to a mono audio file.",
-    )  # fmt: skip
+    )
     p.add_argument("text", nargs="?", help="text to speak (or use --text-file)")
     add_output_args(p)
     p.add_argument("--text-file", help="read the text from this UTF-8 file (- = stdin)")
@@ -591,12 +615,13 @@ def build_parser() -> argparse.ArgumentParser:
         "`tts voices`; 'none' = presets only)"
     )
     p = sub.add_parser(
-        "voices", help="list, add or delete voices",
+        "voices",
+        help="list, add or delete voices",
         description="Voices a request can name: the model's presets and registered voices (a clip and its "
         "transcript encoded once and kept as codes). `tts voices` lists them; `tts voices add NAME CLIP "
         "--text T` registers one; `tts voices delete NAME` removes one. `tts synthesize --voice NAME` and "
         "`tts serve` find registered voices in the same directory.",
-    )  # fmt: skip
+    )
     p.add_argument("--model", default="default", help="'default', 'tiny' or a checkpoint directory")
     p.add_argument("--voices-dir", help=voices_dir_help)
     p.add_argument("-q", "--quiet", action="store_true", help="print only the voices")

@@ -185,19 +185,36 @@ def _flatten_fish_qwen3_omni(raw: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError("fish_qwen3_omni config needs 'text_config' and 'audio_decoder_config' objects")
     flat: dict[str, Any] = {"model_type": "fish_qwen3_omni"}
     for key in (
-        "vocab_size", "n_layer", "n_head", "dim", "intermediate_size", "n_local_heads", "head_dim",
-        "rope_base", "norm_eps", "max_seq_len", "tie_word_embeddings", "attention_qkv_bias",
-        "attention_o_bias", "attention_qk_norm",
-    ):  # fmt: skip
+        "vocab_size",
+        "n_layer",
+        "n_head",
+        "dim",
+        "intermediate_size",
+        "n_local_heads",
+        "head_dim",
+        "rope_base",
+        "norm_eps",
+        "max_seq_len",
+        "tie_word_embeddings",
+        "attention_qkv_bias",
+        "attention_o_bias",
+        "attention_qk_norm",
+    ):
         if key in text:
             flat[key] = text[key]
     flat["codebook_size"] = audio["vocab_size"]
     flat["num_codebooks"] = audio["num_codebooks"]
     flat["n_fast_layer"] = audio["n_layer"]
     for key in (
-        "dim", "n_head", "n_local_heads", "head_dim", "intermediate_size",
-        "attention_qkv_bias", "attention_qk_norm", "attention_o_bias",
-    ):  # fmt: skip
+        "dim",
+        "n_head",
+        "n_local_heads",
+        "head_dim",
+        "intermediate_size",
+        "attention_qkv_bias",
+        "attention_qk_norm",
+        "attention_o_bias",
+    ):
         if key in audio:
             flat[f"fast_{key}"] = audio[key]
     flat["semantic_begin_id"] = raw["semantic_start_token_id"]

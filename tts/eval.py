@@ -158,8 +158,9 @@ def espeak_audio(text: str, voice: str, rate: int, pitch: int) -> tuple[np.ndarr
     with tempfile.NamedTemporaryFile(suffix=".wav") as tmp:
         subprocess.run(
             ["espeak-ng", "-v", voice, "-s", str(rate), "-p", str(pitch), "-w", tmp.name, "--", text],
-            check=True, capture_output=True,
-        )  # fmt: skip
+            check=True,
+            capture_output=True,
+        )
         audio, sr = read_audio(tmp.name)
     return audio[0], sr
 
@@ -231,9 +232,12 @@ def evaluate(args: argparse.Namespace) -> dict:
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     log(f"model: {bundle.describe()} (loaded in {load_seconds:.2f} s)")
     sampling = {
-        "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-        "ras_window": args.ras_window, "repetition_penalty": args.repetition_penalty,
-    }  # fmt: skip
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "ras_window": args.ras_window,
+        "repetition_penalty": args.repetition_penalty,
+    }
     budget = args.max_new_frames or bundle.sampling.max_new_frames
     tts.synthesize("Warm up.", seed=0, max_new_frames=8)
     refs = [words(s) for s in sentences]
@@ -259,10 +263,14 @@ def evaluate(args: argparse.Namespace) -> dict:
                 f"seed {seed} [{i + 1}/{len(sentences)}] RTF {r.rtf:.2f} {s.finish}{loop_note}: {s.transcript}"
             )
     result: dict = {
-        "model": str(args.model), "describe": bundle.describe(), "sentences": len(sentences), "seeds": seeds,
-        "voice": args.voice, "sampling": {**{k: v for k, v in sampling.items() if v is not None}, "max_new_frames": budget},
+        "model": str(args.model),
+        "describe": bundle.describe(),
+        "sentences": len(sentences),
+        "seeds": seeds,
+        "voice": args.voice,
+        "sampling": {**{k: v for k, v in sampling.items() if v is not None}, "max_new_frames": budget},
         "load_seconds": round(load_seconds, 3),
-    }  # fmt: skip
+    }
     per_seed: dict[int, float] = {}
     for seed in seeds:
         mine = [s for s in samples if s.seed == seed]
@@ -293,9 +301,11 @@ def evaluate(args: argparse.Namespace) -> dict:
             sample.duration_ratio = ratio
         result["espeak"] = {"voice": f"{voice},{rate},{pitch}", "wer": wer(refs, ref_hyps)}
         result["duration_ratio"] = {
-            "min": min(ratios), "mean": float(np.mean(ratios)), "max": max(ratios),
+            "min": min(ratios),
+            "mean": float(np.mean(ratios)),
+            "max": max(ratios),
             "within_0.7_1.4": sum(0.7 <= x <= 1.4 for x in ratios) / len(ratios),
-        }  # fmt: skip
+        }
         result["gates"] = {
             "wer": result["wer"] <= result["espeak"]["wer"] + 0.10,
             "runaway": result["runaway"] == 0,
@@ -307,9 +317,13 @@ def evaluate(args: argparse.Namespace) -> dict:
         result["gates"] = {"runaway": result["runaway"] == 0, "loops": result["loops"] == 0}
     if args.voices:
         result["voices"] = voice_similarity(
-            tts, sentences[: args.voice_sentences], args.voices.split(","), log, espeak=not args.no_espeak,
+            tts,
+            sentences[: args.voice_sentences],
+            args.voices.split(","),
+            log,
+            espeak=not args.no_espeak,
             asr=asr,
-        )  # fmt: skip
+        )
         result["gates"]["voices"] = result["voices"]["pass"]
     result["samples"] = [s.__dict__ for s in samples]
     return result
@@ -338,10 +352,18 @@ def voice_similarity(
         [mel_statistic(codec.decode(tts.voice(n)[0].codes).numpy(), codec.sample_rate) for n in names]
     )
     preset_centre, preset_refs = _centred(refs)
-    matched = [] if not use_espeak else [
-        _centred(torch.stack([mel_statistic(*espeak_audio(normalize_text(t), *ESPEAK_SPEAKERS[n])) for n in names]))
-        for t in sentences
-    ]  # fmt: skip
+    matched = (
+        []
+        if not use_espeak
+        else [
+            _centred(
+                torch.stack(
+                    [mel_statistic(*espeak_audio(normalize_text(t), *ESPEAK_SPEAKERS[n])) for n in names]
+                )
+            )
+            for t in sentences
+        ]
+    )
     table, correct, correct_matched, total = {}, 0, 0, 0
     wer_per_voice = {}
     for name in names:
@@ -369,8 +391,9 @@ def voice_similarity(
             wer_per_voice[name] = wer([words(t) for t in sentences], hyps)
     result = {
         "statistic": "cosine of mean log-mel (voiced frames) minus the voices' average",
-        "mean_similarity": table, "closest_is_own": correct / total,
-    }  # fmt: skip
+        "mean_similarity": table,
+        "closest_is_own": correct / total,
+    }
     if asr is not None:
         result["wer_per_voice"] = wer_per_voice
     if use_espeak:
@@ -436,19 +459,23 @@ def add_parser(subparsers) -> None:
     from .cli import add_model_args
 
     p = subparsers.add_parser(
-        "eval", help="WER (local Whisper ASR), duration, runaway and RTF on held-out sentences",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+        "eval",
+        help="WER (local Whisper ASR), duration, runaway and RTF on held-out sentences",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_model_args(p)
     p.add_argument(
-        "--sentences", default=None,
+        "--sentences",
+        default=None,
         help="text file, one sentence a line (default: the held-out set); with --long, passages separated "
         "by blank lines (default: the held-out passages, 150-300 words each)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--long", action="store_true",
+        "--long",
+        action="store_true",
         help="long-text mode: each passage is one request (split into text chunks as `tts synthesize` does)",
-    )  # fmt: skip
+    )
     p.add_argument("--limit", type=int, default=None, help="use only the first N sentences")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--voice", default=None, help="preset voice for the WER run (default: none)")
@@ -460,16 +487,20 @@ def add_parser(subparsers) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument(
-        "--ras-window", type=int, default=None,
+        "--ras-window",
+        type=int,
+        default=None,
         help="repetition-aware sampling window in main tokens, 0 to 10 (0: off; default: the model's)",
-    )  # fmt: skip
+    )
     p.add_argument("--repetition-penalty", type=float, default=None, help="default: the model's")
     p.add_argument("--max-new-frames", type=int, default=None, help="frame budget (default: the model's)")
     p.add_argument("--asr-threads", type=int, default=2)
     p.add_argument(
-        "--threads", type=int, default=None,
+        "--threads",
+        type=int,
+        default=None,
         help="the model's CPU intra-op threads (default: as tts synthesize, 1 for models under 100 M parameters)",
-    )  # fmt: skip
+    )
     p.add_argument("--out", default=None, help="write the full result (every sample) as JSON here")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_eval)

@@ -65,9 +65,15 @@ class PagedKVCache:
     n_kv_heads, head_dim]` in the model dtype."""
 
     def __init__(
-        self, n_layer: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device | str,
-    ):  # fmt: skip
+        self,
+        n_layer: int,
+        num_blocks: int,
+        block_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
         shape = (n_layer, num_blocks, block_size, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)

@@ -115,8 +115,16 @@ def _parser():
 
 
 _PLAIN_INLINE = {"text", "softbreak", "hardbreak"}
-_STRUCTURE = {"heading_open", "bullet_list_open", "ordered_list_open", "blockquote_open", "table_open",
-              "fence", "html_block", "hr"}  # fmt: skip
+_STRUCTURE = {
+    "heading_open",
+    "bullet_list_open",
+    "ordered_list_open",
+    "blockquote_open",
+    "table_open",
+    "fence",
+    "html_block",
+    "hr",
+}
 
 
 def _render_markdown(text: str) -> Rendered:

@@ -154,9 +154,16 @@ class Attention(nn.Module):
     (docs/fish_dual_ar.md §1.2)."""
 
     def __init__(
-        self, dim: int, n_head: int, n_local_heads: int, head_dim: int, qkv_bias: bool, o_bias: bool,
-        qk_norm: bool, eps: float,
-    ):  # fmt: skip
+        self,
+        dim: int,
+        n_head: int,
+        n_local_heads: int,
+        head_dim: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        eps: float,
+    ):
         super().__init__()
         self.n_head, self.n_local_heads, self.head_dim = n_head, n_local_heads, head_dim
         self.wqkv = nn.Linear(dim, (n_head + 2 * n_local_heads) * head_dim, bias=qkv_bias)
@@ -177,10 +184,16 @@ class Attention(nn.Module):
             dest = getattr(attend, "kv_dest", None)
             table = freqs_cis.table if isinstance(freqs_cis, Rope) else freqs_cis
             q, k, v = fused_ops().qk_norm_rope(
-                qkv, self.n_head, self.n_local_heads, self.head_dim, table,
-                self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None,
-                self.q_norm.eps if self.qk_norm else 0.0, kv_dest=dest,
-            )  # fmt: skip
+                qkv,
+                self.n_head,
+                self.n_local_heads,
+                self.head_dim,
+                table,
+                self.q_norm.weight if self.qk_norm else None,
+                self.k_norm.weight if self.qk_norm else None,
+                self.q_norm.eps if self.qk_norm else 0.0,
+                kv_dest=dest,
+            )
             return self.wo(attend(q, k, v).reshape(B, T, q_size))
         q, k, v = self._split_norm_rotate(qkv, freqs_cis)
         y = attend(q, k, v)
@@ -415,7 +428,7 @@ class DualARTransformer(nn.Module):
                 c.attention_o_bias,
                 c.attention_qk_norm,
                 c.norm_eps,
-            )  # fmt: skip
+            )
             for _ in range(c.n_layer)
         )
         self.norm = RMSNorm(c.dim, c.norm_eps)
@@ -436,7 +449,7 @@ class DualARTransformer(nn.Module):
                 c.fast_attention_o_bias,
                 c.fast_attention_qk_norm,
                 c.norm_eps,
-            )  # fmt: skip
+            )
             for _ in range(c.n_fast_layer)
         )
         self.fast_norm = RMSNorm(c.fast_dim, c.norm_eps)

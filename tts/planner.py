@@ -105,9 +105,12 @@ class Planner:
     """
 
     def __init__(
-        self, bundle: ModelBundle, max_context: int, check: CheckFn | None = None,
+        self,
+        bundle: ModelBundle,
+        max_context: int,
+        check: CheckFn | None = None,
         voices: VoiceRegistry | None = None,
-    ):  # fmt: skip
+    ):
         self.bundle = bundle
         self.max_context = max_context
         self._check = check
@@ -240,11 +243,19 @@ class Planner:
     # ---- the whole request ---------------------------------------------------------------------------
 
     def job(
-        self, text: str, *, voice: str | VoiceReference | list[VoiceReference] | None = None,
-        reference: PreparedReference | None = None, chunk_length: int | None = None,
-        first_chunk_frames: int = 4, chunk_frames: int = 16, max_audio_seconds: float | None = None,
-        request_id: str | None = None, normalize: bool = True, **sampling,
-    ) -> SynthesisJob:  # fmt: skip
+        self,
+        text: str,
+        *,
+        voice: str | VoiceReference | list[VoiceReference] | None = None,
+        reference: PreparedReference | None = None,
+        chunk_length: int | None = None,
+        first_chunk_frames: int = 4,
+        chunk_frames: int = 16,
+        max_audio_seconds: float | None = None,
+        request_id: str | None = None,
+        normalize: bool = True,
+        **sampling,
+    ) -> SynthesisJob:
         """Plan and validate a synthesis (see the module docstring); `sampling`: temperature, top_p,
         top_k, max_new_frames (per text chunk), min_new_frames, seed, ras_window, repetition_penalty. A
         random seed is chosen when none is given. normalize=False: the text is read as given (no markup
@@ -290,9 +301,19 @@ class Planner:
         if max_audio_seconds is not None:
             max_frames = max(1, math.floor(max_audio_seconds * self.frame_rate))
         return SynthesisJob(
-            chunks, params, budgets, references, reference, first_chunk_frames, chunk_frames, request_id,
-            max_frames, kind, len(text.encode("utf-8", "replace")), warnings,
-        )  # fmt: skip
+            chunks,
+            params,
+            budgets,
+            references,
+            reference,
+            first_chunk_frames,
+            chunk_frames,
+            request_id,
+            max_frames,
+            kind,
+            len(text.encode("utf-8", "replace")),
+            warnings,
+        )
 
 
 def _zero_codes(n: int, frames: int) -> Tensor:

@@ -115,9 +115,12 @@ class S2PromptFormat:
     SYSTEM_WITH_REFERENCE = "convert the provided text to speech reference to the following:\n\nText:\n"
 
     def __init__(
-        self, tokenizer: TokenizerLike, num_codebooks: int, frontend: Frontend = identity,
+        self,
+        tokenizer: TokenizerLike,
+        num_codebooks: int,
+        frontend: Frontend = identity,
         text_policy: str = "fish-s2",
-    ):  # fmt: skip
+    ):
         """`frontend` maps every text the prompt carries (target, reference transcripts, earlier turns)
         to what the model reads, e.g. phonemes for the default model (`tts.frontend`); special tokens
         such as `<|speaker:1|>` pass through untouched. `text_policy`: S2-Pro's own ("fish-s2") unless

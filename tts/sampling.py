@@ -147,10 +147,17 @@ class SortedLogits:
 
 
 def sample(
-    logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor, steps: Tensor,
-    stream: int, top_k_cap: int | None = None, log_noise: Tensor | None = None,
+    logits: Tensor,
+    temperature: Tensor,
+    top_p: Tensor,
+    top_k: Tensor,
+    seeds: Tensor,
+    steps: Tensor,
+    stream: int,
+    top_k_cap: int | None = None,
+    log_noise: Tensor | None = None,
     settings: DrawSettings | None = None,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """Sample one index per row.
 
     logits: `[B, V]` (any float dtype; math in fp32); temperature, top_p: `[B]` float32 (temperature 0
@@ -191,11 +198,23 @@ def ras_counted(window: Tensor, window_len: Tensor) -> Tensor:
 
 
 def sample_main_token(
-    logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor, steps: Tensor,
-    window: Tensor, window_len: Tensor, n_semantic: int, high_stream: int, top_k_cap: int | None = None,
-    log_noise: Tensor | None = None, high_log_noise: Tensor | None = None, settings: DrawSettings | None = None,
-    high_settings: DrawSettings | None = None, counted: Tensor | None = None,
-) -> Tensor:  # fmt: skip
+    logits: Tensor,
+    temperature: Tensor,
+    top_p: Tensor,
+    top_k: Tensor,
+    seeds: Tensor,
+    steps: Tensor,
+    window: Tensor,
+    window_len: Tensor,
+    n_semantic: int,
+    high_stream: int,
+    top_k_cap: int | None = None,
+    log_noise: Tensor | None = None,
+    high_log_noise: Tensor | None = None,
+    settings: DrawSettings | None = None,
+    high_settings: DrawSettings | None = None,
+    counted: Tensor | None = None,
+) -> Tensor:
     """Main-token draw with the RAS fallback (docs/fish_dual_ar.md §4.1).
 
     window: `[B, W]` int64 indices of the row's last W main tokens in the same index space as logits,

@@ -94,10 +94,13 @@ _TRANSLATE = str.maketrans(
         "\u00a0": " ",
         "\u2044": "/",
         "\u2212": "-",
-    }  # fmt: skip
+    }
 )
-_CURRENCIES = {"$": ("dollar", "dollars", "cent", "cents"), "£": ("pound", "pounds", "penny", "pence"),
-               "€": ("euro", "euros", "cent", "cents")}  # fmt: skip
+_CURRENCIES = {
+    "$": ("dollar", "dollars", "cent", "cents"),
+    "£": ("pound", "pounds", "penny", "pence"),
+    "€": ("euro", "euros", "cent", "cents"),
+}
 
 
 def _int_words(s: str) -> str:
@@ -292,18 +295,18 @@ _RULES: list[tuple[re.Pattern, object]] = [
     (
         re.compile(r"(?<![\w./])[a-z0-9][a-z0-9-]*(?:\.[a-z0-9-]+)*\.[a-z]{2,}(?!\w|\.\w)"),
         lambda m: m.group(0).replace(".", " dot "),
-    ),  # fmt: skip
+    ),
     (
         re.compile(
             rf"\b({'|'.join(sorted(_MONTH_ABBREVIATIONS, key=len, reverse=True))})\.?\s+(\d{{1,2}})"
             r"(?:st|nd|rd|th)?\b(?:,\s*(\d{4})\b)?"
         ),
         _month_abbreviation_date,
-    ),  # fmt: skip
+    ),
     (
         re.compile(rf"\b({'|'.join(sorted(_MONTH_ABBREVIATIONS, key=len, reverse=True))})\.?\s+(\d{{4}})\b"),
         lambda m: f"{_MONTHS[_MONTH_ABBREVIATIONS[m.group(1)] - 1]} {_year_words(int(m.group(2)))}",
-    ),  # fmt: skip
+    ),
     (re.compile(r"\b(\d{4})-(\d{1,2})-(\d{1,2})\b"), _date_iso),
     (re.compile(r"\b(\d{1,2})/(\d{1,2})/(\d{4})\b"), _date_us),
     # scientific notation: 3.14e10
@@ -314,18 +317,18 @@ _RULES: list[tuple[re.Pattern, object]] = [
     (
         re.compile(r"\b(\d{1,2}:\d{2}(?:\s*[AaPp]\.?[Mm]\.?(?![A-Za-z]))?)\s*-\s*(?=\d{1,2}:\d{2}\b)"),
         lambda m: f"{m.group(1)} to ",
-    ),  # fmt: skip
+    ),
     (re.compile(r"\b(\d{1,2}):(\d{2})(?:\s*([AaPp]\.?[Mm]\.?)(?![A-Za-z]))?"), _time),
     (re.compile(r"(?<![\w.,:])(\d{1,2})\s*([AaPp]\.?[Mm]\.?)(?![A-Za-z])"), _hour),
     # currency before a scale ($5.3 billion) and currency ranges ($5-10)
     (
         re.compile(rf"([$£€])\s?(\d[\d,]*(?:\.\d+)?)\s?({'|'.join(_SCALES)})(?![\w])"),
         _currency_scale,
-    ),  # fmt: skip
+    ),
     (
         re.compile(r"([$£€])\s?(\d[\d,]*(?:\.\d+)?)\s?-\s?[$£€]?\s?(\d[\d,]*(?:\.\d+)?)(?![\d])"),
         _currency_range,
-    ),  # fmt: skip
+    ),
     (re.compile(r"\(\d{3}\)\s?\d{3}-\d{4}" + _END), _digit_groups),  # (555) 123-4567
     # 1-800-555-0199, 123-45-6789; not a sequence with a trailing hyphen ("1-4-7-10-13- is ...")
     (re.compile(_START + r"\d+(?:-\d+){2,}(?!-)" + _END), _digit_groups),
@@ -336,11 +339,11 @@ _RULES: list[tuple[re.Pattern, object]] = [
             rf"(?:{'|'.join(f'({u})' for u, _, _ in _UNITS)})(?![\w/]|[.,]\d)"
         ),
         _unit,
-    ),  # fmt: skip
+    ),
     (
         re.compile(_START + r"(\d+)\s(\d+)/(\d+)" + _END),
         lambda m: _mixed_words(*m.groups()) or m.group(0),
-    ),  # fmt: skip
+    ),
     (re.compile(_START + r"(\d+)/(\d+)" + _END), lambda m: _fraction_words(*m.groups()) or m.group(0)),
     (re.compile(r"([$£€])\s?(\d[\d,]*(?:\.\d+)?)"), _currency),
     (re.compile(r"(\d[\d,]*(?:\.\d+)?)\s?%"), lambda m: f"{_number_words(m.group(1))} percent"),
@@ -348,14 +351,14 @@ _RULES: list[tuple[re.Pattern, object]] = [
     (
         re.compile(r"\b(?:in|since|by|of|from|until|year)\s+(1[1-9]\d\d|20\d\d)\b", re.I),
         lambda m: m.group(0)[:-4] + _year_words(int(m.group(1))),
-    ),  # fmt: skip
+    ),
     (re.compile(r"\b(\d+)s\b"), lambda m: _plural_number(m.group(1))),
     # a minus sign before a number (not a hyphen between words or numbers)
     (re.compile(r"(?<![\w.,/-])-(?=\d)"), lambda m: "minus "),
     (
         re.compile(r"(?<![\d.])(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?(?![\d])"),
         lambda m: _spaced(m, _number_words(m.group(0))),
-    ),  # fmt: skip
+    ),
 ]
 
 

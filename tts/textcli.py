@@ -20,18 +20,21 @@ from .cli import add_normalize_arg, read_text_arg, require
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "text", help="show what a model will read: normalized chunks, bytes, tokens, warnings",
+        "text",
+        help="show what a model will read: normalized chunks, bytes, tokens, warnings",
         description="Plan TEXT as a synthesis would (the model's text policy, then splitting at sentence ends) "
         "and print each chunk the model will read, its UTF-8 bytes and tokens, and any warning. Loads only "
         "the model's tokenizer and config; nothing is generated.",
-    )  # fmt: skip
+    )
     p.add_argument("text", nargs="?", help="text to plan (or use --text-file)")
     p.add_argument("--text-file", help="read the text from this UTF-8 file (- = stdin)")
     p.add_argument("--model", default="default", help="'default', 'tiny' or a checkpoint directory")
     p.add_argument(
-        "--chunk-length", type=int, default=None,
+        "--chunk-length",
+        type=int,
+        default=None,
         help="UTF-8 bytes per chunk (default: the model's; 0 = one chunk)",
-    )  # fmt: skip
+    )
     add_normalize_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=cmd_text)
@@ -62,9 +65,14 @@ def describe_text(model, text: str, normalize: bool = True, chunk_length: int | 
             entry["phonemes"] = read
         chunks.append(entry)
     return {
-        "model": model.name, "family": model.family, "text_policy": policy.name, "normalize": normalize,
-        "chunk_length": limit, "chunks": chunks, "warnings": plan.warnings,
-    }  # fmt: skip
+        "model": model.name,
+        "family": model.family,
+        "text_policy": policy.name,
+        "normalize": normalize,
+        "chunk_length": limit,
+        "chunks": chunks,
+        "warnings": plan.warnings,
+    }
 
 
 def cmd_text(args: argparse.Namespace) -> int:

@@ -164,9 +164,10 @@ class VoiceRegistry:
             os.close(fd)
             try:
                 save_file(
-                    {"codes": voice.codes.to(torch.int64).contiguous()}, tmp,
+                    {"codes": voice.codes.to(torch.int64).contiguous()},
+                    tmp,
                     metadata={"text": voice.text, "codec": self.fingerprint},
-                )  # fmt: skip
+                )
                 os.replace(tmp, self.directory / f"{name}.safetensors")
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)

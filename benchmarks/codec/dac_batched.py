@@ -251,9 +251,15 @@ def run_graph(bench: Bench, codec: DACCodec, dec, dtype: str, cudnn_bm: bool, B:
     dec.reset(static_slots)
     timing = bench.time_calls(graph.replay)
     row = dict(
-        variant="graph", dtype=dtype, cudnn_benchmark=cudnn_bm, B=B, T=T, capture_s=capture_s,
-        graph_vs_eager_max_abs=graph_vs_eager, **timing,
-    )  # fmt: skip
+        variant="graph",
+        dtype=dtype,
+        cudnn_benchmark=cudnn_bm,
+        B=B,
+        T=T,
+        capture_s=capture_s,
+        graph_vs_eager_max_abs=graph_vs_eager,
+        **timing,
+    )
     row = record(bench, row, codec)
     del graph, static_out
     torch.cuda.empty_cache()
@@ -276,10 +282,16 @@ def run_per_stream(bench: Bench, codec: DACCodec, dtype: str, cudnn_bm: bool, T:
         stream.push(codes)  # synchronous: it returns CPU samples
         ms.append((time.perf_counter() - t) * 1e3)
     row = dict(
-        variant="per_stream_push", dtype=dtype, cudnn_benchmark=cudnn_bm, B=1, T=T,
-        ms_median=statistics.median(ms), ms_p10=sorted(ms)[int(0.1 * (iters - 1))],
-        ms_p90=sorted(ms)[int(0.9 * (iters - 1))], iters=iters,
-    )  # fmt: skip
+        variant="per_stream_push",
+        dtype=dtype,
+        cudnn_benchmark=cudnn_bm,
+        B=1,
+        T=T,
+        ms_median=statistics.median(ms),
+        ms_p10=sorted(ms)[int(0.1 * (iters - 1))],
+        ms_p90=sorted(ms)[int(0.9 * (iters - 1))],
+        iters=iters,
+    )
     frames = T
     row["frames_per_s"] = frames / (row["ms_median"] / 1e3)
     row["audio_s_per_s"] = frames * codec.frame_length / codec.sample_rate / (row["ms_median"] / 1e3)
@@ -398,8 +410,10 @@ def load_codecs(bench: Bench, tmp: Path) -> dict[str, DACCodec]:
 def print_table(bench: Bench) -> None:
     rows = bench.report["results"]
     by_key = {(r["variant"], r["dtype"], r["cudnn_benchmark"], r["B"], r["T"]): r for r in rows}
-    print(f"\n{'cudnn.bm':>8} {'dtype':>8} {'B':>3} {'T':>3} {'eager ms':>9} {'graph ms':>9} {'x':>5} "
-          f"{'graph frames/s':>14} {'audio s/s':>9} {'peak MB':>8}")  # fmt: skip
+    print(
+        f"\n{'cudnn.bm':>8} {'dtype':>8} {'B':>3} {'T':>3} {'eager ms':>9} {'graph ms':>9} {'x':>5} "
+        f"{'graph frames/s':>14} {'audio s/s':>9} {'peak MB':>8}"
+    )
     seen = sorted({k[1:] for k in by_key}, key=lambda k: (k[1], k[0], k[2], k[3]))
     for dtype, bm, B, T in seen:
         e, g = by_key.get(("eager", dtype, bm, B, T)), by_key.get(("graph", dtype, bm, B, T))

@@ -64,10 +64,14 @@ def _summary(times: tuple[list[float], list[float]], B: int, T: int) -> dict:
     wall, cpu = times
     med, cpu_med = statistics.median(wall), statistics.median(cpu)
     return {
-        "rounds": len(wall), "median_s": med, "min_s": min(wall), "cpu_median_s": cpu_med,
-        "frames_per_s": B * T / med, "ms_per_frame": 1e3 * med / (B * T),
+        "rounds": len(wall),
+        "median_s": med,
+        "min_s": min(wall),
+        "cpu_median_s": cpu_med,
+        "frames_per_s": B * T / med,
+        "ms_per_frame": 1e3 * med / (B * T),
         "cpu_ms_per_frame": 1e3 * cpu_med / (B * T),
-    }  # fmt: skip
+    }
 
 
 def bench_point(codec, device, B: int, T: int, args, codes_pool: torch.Tensor) -> dict:
@@ -228,11 +232,16 @@ def main() -> None:
             sys.exit(f"{type(codec).__name__} cannot move to {device}")
         codec.to(device)
     meta = {
-        "device": str(device), "threads": args.threads, "torch": torch.__version__,
-        "python": platform.python_version(), "machine": platform.processor() or platform.machine(),
-        "codec": type(codec).__name__, "context_frames": codec.context_frames,
-        "frame_rate": codec.frame_rate, "tts_path": str(Path(sys.modules["tts"].__file__).parent),
-    }  # fmt: skip
+        "device": str(device),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.processor() or platform.machine(),
+        "codec": type(codec).__name__,
+        "context_frames": codec.context_frames,
+        "frame_rate": codec.frame_rate,
+        "tts_path": str(Path(sys.modules["tts"].__file__).parent),
+    }
     if device.type == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(device)
     print(json.dumps(meta))

@@ -19,8 +19,18 @@ import torch.nn.functional as F
 
 # (in, out) of the default model's decode-step projections: slow wqkv, wo, w13, w2, semantic head;
 # fast wqkv, wo, w13, w2, fast_output.
-SHAPES = [(384, 640), (384, 384), (384, 2048), (1024, 384), (384, 1025),
-          (256, 512), (256, 256), (256, 1536), (768, 256), (256, 1024)]  # fmt: skip
+SHAPES = [
+    (384, 640),
+    (384, 384),
+    (384, 2048),
+    (1024, 384),
+    (384, 1025),
+    (256, 512),
+    (256, 256),
+    (256, 1536),
+    (768, 256),
+    (256, 1024),
+]
 
 
 def main() -> None:

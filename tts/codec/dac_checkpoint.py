@@ -66,13 +66,21 @@ def infer_config(shapes: dict[str, tuple[int, ...]]) -> DACConfig:
     ]
     enc_window = DACConfig.encoder_window
     return DACConfig(
-        encoder_dim=encoder_dim, encoder_rates=tuple(enc_rates), encoder_transformer_layers=tuple(enc_layers),
-        encoder_window=enc_window, latent_dim=latent_dim, decoder_dim=decoder_dim, decoder_rates=tuple(dec_rates),
-        semantic_codebook_size=sem[0], codebook_size=res[0], n_codebooks=n_res, codebook_dim=sem[1],
+        encoder_dim=encoder_dim,
+        encoder_rates=tuple(enc_rates),
+        encoder_transformer_layers=tuple(enc_layers),
+        encoder_window=enc_window,
+        latent_dim=latent_dim,
+        decoder_dim=decoder_dim,
+        decoder_rates=tuple(dec_rates),
+        semantic_codebook_size=sem[0],
+        codebook_size=res[0],
+        n_codebooks=n_res,
+        codebook_dim=sem[1],
         downsample_factor=tuple(down),
         pre_transformer_layers=len(_indices(shapes, "quantizer.pre_module.layers.")),
         post_transformer_layers=len(_indices(shapes, "quantizer.post_module.layers.")),
-    )  # fmt: skip
+    )
 
 
 def _weight_norm_dim(g: Tensor) -> int:
@@ -90,8 +98,10 @@ def fuse_weight_norm(state: dict[str, Tensor]) -> dict[str, Tensor]:
     for key, t in state.items():
         if key.rsplit(".", 1)[-1] in IGNORED_BUFFERS:
             continue
-        for g_suffix, v_suffix in ((".parametrizations.weight.original0", ".parametrizations.weight.original1"),
-                                   (".weight_g", ".weight_v")):  # fmt: skip
+        for g_suffix, v_suffix in (
+            (".parametrizations.weight.original0", ".parametrizations.weight.original1"),
+            (".weight_g", ".weight_v"),
+        ):
             if key.endswith(g_suffix):
                 pairs.setdefault(key[: -len(g_suffix)], {})["g"] = t
                 break

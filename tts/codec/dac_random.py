@@ -18,9 +18,13 @@ def tiny_dac_config(**overrides) -> DACConfig:
     """A small modded DAC with the real sample rate, strides, frame length and codebook sizes but narrow
     layers (tests and tiny checkpoints)."""
     cfg = DACConfig(
-        encoder_dim=8, latent_dim=128, decoder_dim=64, encoder_transformer_layers=(0, 0, 0, 1),
-        pre_transformer_layers=2, post_transformer_layers=2,
-    )  # fmt: skip
+        encoder_dim=8,
+        latent_dim=128,
+        decoder_dim=64,
+        encoder_transformer_layers=(0, 0, 0, 1),
+        pre_transformer_layers=2,
+        post_transformer_layers=2,
+    )
     return replace(cfg, **overrides)
 
 

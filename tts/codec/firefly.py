@@ -329,9 +329,14 @@ class LogMelSpectrogram(nn.Module):
         with torch.device("cpu"):  # also when the model is built on the meta device
             window = torch.hann_window(cfg.win_length)
             fb = torchaudio.functional.melscale_fbanks(
-                n_freqs=cfg.n_fft // 2 + 1, f_min=0.0, f_max=float(cfg.sample_rate // 2), n_mels=cfg.n_mels,
-                sample_rate=cfg.sample_rate, norm="slaney", mel_scale="slaney",
-            )  # fmt: skip
+                n_freqs=cfg.n_fft // 2 + 1,
+                f_min=0.0,
+                f_max=float(cfg.sample_rate // 2),
+                n_mels=cfg.n_mels,
+                sample_rate=cfg.sample_rate,
+                norm="slaney",
+                mel_scale="slaney",
+            )
         self.register_buffer("window", window, persistent=False)
         self.register_buffer("fb", fb, persistent=False)
 
@@ -340,9 +345,17 @@ class LogMelSpectrogram(nn.Module):
         pad = ((c.win_length - c.hop_length) // 2, (c.win_length - c.hop_length + 1) // 2)
         y = F.pad(y.unsqueeze(1), pad, mode="reflect").squeeze(1)
         spec = torch.stft(
-            y, c.n_fft, hop_length=c.hop_length, win_length=c.win_length, window=self.window, center=False,
-            pad_mode="reflect", normalized=False, onesided=True, return_complex=True,
-        )  # fmt: skip
+            y,
+            c.n_fft,
+            hop_length=c.hop_length,
+            win_length=c.win_length,
+            window=self.window,
+            center=False,
+            pad_mode="reflect",
+            normalized=False,
+            onesided=True,
+            return_complex=True,
+        )
         spec = torch.sqrt(torch.view_as_real(spec).pow(2).sum(-1) + 1e-6)
         mel = torch.matmul(spec.transpose(-1, -2), self.fb).transpose(-1, -2)
         return torch.log(torch.clamp(mel, min=1e-5))
@@ -432,12 +445,17 @@ def infer_firefly_config(shapes: dict[str, tuple[int, ...]]) -> FireflyConfig:
         for j in _indices(shapes, "head.resblocks.0.blocks.")
     )
     return FireflyConfig(
-        n_mels=n_mels, encoder_depths=depths, encoder_dims=dims, n_groups=groups, downsample_factor=down,
-        upsample_kernel_sizes=kernels, resblock_kernel_sizes=res_kernels,
+        n_mels=n_mels,
+        encoder_depths=depths,
+        encoder_dims=dims,
+        n_groups=groups,
+        downsample_factor=down,
+        upsample_kernel_sizes=kernels,
+        resblock_kernel_sizes=res_kernels,
         upsample_initial_channel=shape("head.conv_pre.conv.weight")[0],
         pre_conv_kernel_size=shape("head.conv_pre.conv.weight")[2],
         post_conv_kernel_size=shape("head.conv_post.conv.weight")[2],
-    )  # fmt: skip
+    )
 
 
 def random_firefly_state(cfg: FireflyConfig, seed: int = 0, form: str = "fish") -> dict[str, Tensor]:

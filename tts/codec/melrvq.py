@@ -69,9 +69,18 @@ class LogMel:
 
     def __init__(self):
         self.mel = torchaudio.transforms.MelSpectrogram(
-            sample_rate=SAMPLE_RATE, n_fft=N_FFT, win_length=N_FFT, hop_length=HOP, f_min=0.0,
-            f_max=SAMPLE_RATE / 2, n_mels=N_MELS, power=1.0, norm="slaney", mel_scale="slaney", center=True,
-        )  # fmt: skip
+            sample_rate=SAMPLE_RATE,
+            n_fft=N_FFT,
+            win_length=N_FFT,
+            hop_length=HOP,
+            f_min=0.0,
+            f_max=SAMPLE_RATE / 2,
+            n_mels=N_MELS,
+            power=1.0,
+            norm="slaney",
+            mel_scale="slaney",
+            center=True,
+        )
 
     def __call__(self, audio: Tensor) -> Tensor:
         audio = torch.as_tensor(audio, dtype=torch.float32)
@@ -175,9 +184,14 @@ class MelRVQCodec(Codec):
     frame_length = FRAME_LENGTH
 
     def __init__(
-        self, codebooks: Tensor, mean: Tensor, std: Tensor, gl_context: int = 3, gl_iters: int = 32,
+        self,
+        codebooks: Tensor,
+        mean: Tensor,
+        std: Tensor,
+        gl_context: int = 3,
+        gl_iters: int = 32,
         num_codebooks: int | None = None,
-    ):  # fmt: skip
+    ):
         if num_codebooks is not None:
             codebooks = codebooks[:num_codebooks]
         self.codebooks = codebooks.float().contiguous()
@@ -220,9 +234,13 @@ class MelRVQCodec(Codec):
         cfg = cfg if cfg is not None else json.loads((directory / "codec.json").read_text())
         w = load_file(str(directory / cfg.get("weights", "codec.safetensors")))
         return cls(
-            w["codebooks"], w["mean"], w["std"], gl_context=cfg.get("gl_context", 3),
-            gl_iters=cfg.get("gl_iters", 32), num_codebooks=cfg.get("num_codebooks"),
-        )  # fmt: skip
+            w["codebooks"],
+            w["mean"],
+            w["std"],
+            gl_context=cfg.get("gl_context", 3),
+            gl_iters=cfg.get("gl_iters", 32),
+            num_codebooks=cfg.get("num_codebooks"),
+        )
 
     # ---- encode --------------------------------------------------------------------------------------
 
@@ -459,8 +477,9 @@ class MelStreamDecoder(BatchedStreamDecoder):
 
     graph_safe = True
 
-    def __init__(self, vocoder: WindowedGriffinLim, num_codebooks: int, codebook_size: int,
-                 max_streams: int, device):  # fmt: skip
+    def __init__(
+        self, vocoder: WindowedGriffinLim, num_codebooks: int, codebook_size: int, max_streams: int, device
+    ):
         if max_streams < 1:
             raise ValueError(f"max_streams must be at least 1, got {max_streams}")
         device = torch.device(device)

@@ -61,7 +61,7 @@ from .melrvq import (
     residual_quantize,
     stack_frames,
     unstack_frames,
-)  # fmt: skip
+)
 
 FEATURE_DIM = SUBFRAMES * N_MELS  # 320
 
@@ -110,15 +110,24 @@ class MelVQNet(nn.Module):
     codebooks: Tensor  # a buffer (`register_buffer` attributes are `Tensor | Module` to the type checker)
 
     def __init__(
-        self, num_codebooks: int = 4, codebook_size: int = 1024, channels: int = 256, latent: int = 128,
-        encoder_dilations: tuple[int, ...] = (1, 2, 4, 1), decoder_dilations: tuple[int, ...] = (1, 2, 1),
-    ):  # fmt: skip
+        self,
+        num_codebooks: int = 4,
+        codebook_size: int = 1024,
+        channels: int = 256,
+        latent: int = 128,
+        encoder_dilations: tuple[int, ...] = (1, 2, 4, 1),
+        decoder_dilations: tuple[int, ...] = (1, 2, 1),
+    ):
         super().__init__()
         self.num_codebooks, self.codebook_size, self.latent = num_codebooks, codebook_size, latent
         self.shape = dict(
-            num_codebooks=num_codebooks, codebook_size=codebook_size, channels=channels, latent=latent,
-            encoder_dilations=list(encoder_dilations), decoder_dilations=list(decoder_dilations),
-        )  # fmt: skip
+            num_codebooks=num_codebooks,
+            codebook_size=codebook_size,
+            channels=channels,
+            latent=latent,
+            encoder_dilations=list(encoder_dilations),
+            decoder_dilations=list(decoder_dilations),
+        )
         self.enc_in = nn.Conv1d(FEATURE_DIM, channels, 1)
         self.enc_blocks = nn.Sequential(*[ConvBlock(channels, d, causal=False) for d in encoder_dilations])
         self.enc_out = nn.Conv1d(channels, latent, 1)
@@ -219,10 +228,14 @@ class MelVQCodec(Codec):
     def config(self) -> dict:
         """The `codec.json` contents: type, frame layout, net shape and vocoder settings."""
         return {
-            "type": "mel_vqvae", "sample_rate": self.sample_rate, "frame_length": self.frame_length,
-            **self.net.shape, "gl_context": self.gl_context, "gl_iters": self.gl_iters,
+            "type": "mel_vqvae",
+            "sample_rate": self.sample_rate,
+            "frame_length": self.frame_length,
+            **self.net.shape,
+            "gl_context": self.gl_context,
+            "gl_iters": self.gl_iters,
             "weights": "codec.safetensors",
-        }  # fmt: skip
+        }
 
     def save(self, directory: str | Path) -> None:
         """Write `codec.json` and `codec.safetensors` into `directory`: the convolution weights in

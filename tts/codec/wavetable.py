@@ -23,9 +23,13 @@ class WaveTableCodec(Codec):
     context_frames = 1
 
     def __init__(
-        self, sample_rate: int = 16000, frame_length: int = 640, num_codebooks: int = 4,
-        codebook_size: int = 64, seed: int = 0,
-    ):  # fmt: skip
+        self,
+        sample_rate: int = 16000,
+        frame_length: int = 640,
+        num_codebooks: int = 4,
+        codebook_size: int = 64,
+        seed: int = 0,
+    ):
         self.sample_rate = sample_rate
         self.frame_length = frame_length
         self.num_codebooks = num_codebooks

@@ -105,9 +105,16 @@ class CodecStage:
     """
 
     def __init__(
-        self, codec: Codec, max_streams: int, notify: Callable[[], None] = lambda: None, *,
-        graphs: bool = True, max_rows: int = 64, max_call_frames: int = 1024, name: str = "tts-codec",
-    ):  # fmt: skip
+        self,
+        codec: Codec,
+        max_streams: int,
+        notify: Callable[[], None] = lambda: None,
+        *,
+        graphs: bool = True,
+        max_rows: int = 64,
+        max_call_frames: int = 1024,
+        name: str = "tts-codec",
+    ):
         self.codec = codec
         self.max_streams = max_streams
         self.decoder = codec.batched_stream(max_streams)
@@ -149,9 +156,13 @@ class CodecStage:
         self.stream = torch.cuda.Stream(self.device, priority=0) if self.is_cuda else None
         use_graphs = graphs and self.is_cuda and getattr(self.decoder, "graph_safe", False)
         self.graphs = GraphRunner(
-            self._decode_step, max_batch=max_rows, buckets=ROW_BUCKETS, enabled=use_graphs, device=self.device,
+            self._decode_step,
+            max_batch=max_rows,
+            buckets=ROW_BUCKETS,
+            enabled=use_graphs,
+            device=self.device,
             capture_stream=torch.cuda.Stream(self.device) if use_graphs else None,
-        )  # fmt: skip
+        )
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 

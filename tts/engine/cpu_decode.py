@@ -73,11 +73,23 @@ def block_weights(layers: nn.ModuleList, final_norm: RMSNorm) -> LayerWeights | 
         w13 = ff.fused_w13()
         if w13 is None or any(n.eps != eps or n.weight is None for n in norms):
             return None
-        blocks.append(BlockWeights(
-            layer.attention_norm.weight, att.wqkv.weight, att.wqkv.bias,
-            att.qk_norm_weight if att.qk_norm else None, att.wo.weight, att.wo.bias,
-            layer.ffn_norm.weight, w13, ff.w2.weight, att.n_head, att.n_local_heads, att.head_dim, eps,
-        ))  # fmt: skip
+        blocks.append(
+            BlockWeights(
+                layer.attention_norm.weight,
+                att.wqkv.weight,
+                att.wqkv.bias,
+                att.qk_norm_weight if att.qk_norm else None,
+                att.wo.weight,
+                att.wo.bias,
+                layer.ffn_norm.weight,
+                w13,
+                ff.w2.weight,
+                att.n_head,
+                att.n_local_heads,
+                att.head_dim,
+                eps,
+            )
+        )
     return blocks, final_norm.weight
 
 
@@ -114,9 +126,13 @@ def decode_layers(
 
 
 def decode_layers_kv_only(
-    blocks: list[BlockWeights], x: Tensor, cos: Tensor, sin: Tensor, attend: Attend,
+    blocks: list[BlockWeights],
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    attend: Attend,
     write_kv: Callable[[int, Tensor, Tensor], None],
-) -> None:  # fmt: skip
+) -> None:
     """`model.run_layers_kv_only` for one position per row: every block but the last in full, the
     last only projects its K/V and hands them to `write_kv(i, k [B, Hkv, D], v)`."""
     last = len(blocks) - 1

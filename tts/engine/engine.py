@@ -89,14 +89,16 @@ class EngineConfig:
         if isinstance(self.graphs, bool):  # the former on/off switch
             warnings.warn(
                 f"EngineConfig(graphs={self.graphs}) is deprecated; use graphs='lazy', 'startup' or 'off'",
-                DeprecationWarning, stacklevel=3,
-            )  # fmt: skip
+                DeprecationWarning,
+                stacklevel=3,
+            )
             self.graphs = "lazy" if self.graphs else "off"
         if capture is not None:
             warnings.warn(
                 f"EngineConfig(capture={capture!r}) is deprecated; use graphs={capture!r}",
-                DeprecationWarning, stacklevel=3,
-            )  # fmt: skip
+                DeprecationWarning,
+                stacklevel=3,
+            )
             if capture not in ("lazy", "startup"):
                 raise ValueError(f"capture must be 'lazy' or 'startup', got {capture!r}")
             if self.graphs != "off":
@@ -149,15 +151,24 @@ class Engine:
         elif self.device.type == "cpu":
             model.use_cpu_decode_layout()  # fused w1/w3 and matrix-vector friendly strides
         self.runner = ModelRunner(
-            model, self.kv, cfg.max_batch, max_blocks_per_seq, self._attention_backend(cfg.attention_backend),
-            ignore_eos=cfg.ignore_eos, repetition=cfg.repetition,
-        )  # fmt: skip
+            model,
+            self.kv,
+            cfg.max_batch,
+            max_blocks_per_seq,
+            self._attention_backend(cfg.attention_backend),
+            ignore_eos=cfg.ignore_eos,
+            repetition=cfg.repetition,
+        )
         use_graphs = cfg.graphs != "off" and (self.device.type == "cuda" or cfg.testing_standin_graphs)
         self.graphs = GraphRunner(
-            self.runner.decode_step, max_batch=cfg.max_batch, buckets=cfg.buckets, enabled=use_graphs,
-            device=self.device, buffer_ptrs=self.runner.buffers.data_ptrs,
+            self.runner.decode_step,
+            max_batch=cfg.max_batch,
+            buckets=cfg.buckets,
+            enabled=use_graphs,
+            device=self.device,
+            buffer_ptrs=self.runner.buffers.data_ptrs,
             eager_buckets=cfg.testing_eager_buckets,
-        )  # fmt: skip
+        )
         self._lock = threading.Lock()
         self._pending_cancel: dict[str, FinishReason] = {}
         self._pending_pause: dict[str, bool] = {}
@@ -412,12 +423,20 @@ class Engine:
             self.runner.load_row(
                 self.scheduler.running.index(request),
                 RowInit(
-                    last_column=request.prompt[-1], position=request.prompt_len - 1, block_table=request.blocks,
-                    temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=request.seed,
-                    budget=p.max_new_frames, ras_len=p.ras_window, paused=request.paused,
-                    min_frames=p.min_new_frames, repetition_penalty=p.repetition_penalty,
+                    last_column=request.prompt[-1],
+                    position=request.prompt_len - 1,
+                    block_table=request.blocks,
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    top_k=p.top_k,
+                    seed=request.seed,
+                    budget=p.max_new_frames,
+                    ras_len=p.ras_window,
+                    paused=request.paused,
+                    min_frames=p.min_new_frames,
+                    repetition_penalty=p.repetition_penalty,
                 ),
-            )  # fmt: skip
+            )
         with self._lock:
             for request, error in failed:
                 outputs.append(self._finish(request, FinishReason.ERROR, error))

@@ -194,10 +194,17 @@ class JobRunner:
     """
 
     def __init__(
-        self, engine: Engine, planner: Planner, *, max_streams: int, max_queued_chunks: int = 8,
-        pause_timeout: float | None = None, notify: Callable[[], None] = lambda: None,
-        reference_cache: ReferenceCache | None = None, codec_graphs: bool = True,
-    ):  # fmt: skip
+        self,
+        engine: Engine,
+        planner: Planner,
+        *,
+        max_streams: int,
+        max_queued_chunks: int = 8,
+        pause_timeout: float | None = None,
+        notify: Callable[[], None] = lambda: None,
+        reference_cache: ReferenceCache | None = None,
+        codec_graphs: bool = True,
+    ):
         if max_queued_chunks < 1:
             raise ValueError("max_queued_chunks must be >= 1")
         self.engine = engine
@@ -291,9 +298,12 @@ class JobRunner:
     def idle(self) -> bool:
         """No job, no engine request and every codec slot free (what a server returns to after load)."""
         return (
-            not self.jobs and not self._by_engine_id and not self.engine.has_work() and self.stage.idle
+            not self.jobs
+            and not self._by_engine_id
+            and not self.engine.has_work()
+            and self.stage.idle
             and self.stage.free_slots == self.stage.max_streams
-        )  # fmt: skip
+        )
 
     @property
     def paused_jobs(self) -> int:
@@ -376,9 +386,11 @@ class JobRunner:
                 return True
             budget = min(budget, left + int(self.frames.drop_first))  # (the first frame is not audio)
         params = replace(
-            spec.params, seed=_seed(spec) + i, max_new_frames=budget,
+            spec.params,
+            seed=_seed(spec) + i,
+            max_new_frames=budget,
             min_new_frames=min(spec.params.min_new_frames, budget),
-        )  # fmt: skip
+        )
         engine_id = f"{job.job_id}/{i}"
         try:
             prompt = self.planner.prompt(spec.chunks[i], job.references, job.history, params)
@@ -517,9 +529,10 @@ class JobRunner:
     def _preemptible(self) -> list[_Job]:
         """Paused jobs that hold a batch row, longest paused first."""
         jobs = [
-            j for j in self.jobs.values()
+            j
+            for j in self.jobs.values()
             if j.paused_at is not None and j.engine_id is not None and self.engine.is_running(j.engine_id)
-        ]  # fmt: skip
+        ]
         return sorted(jobs, key=lambda j: j.paused_since)
 
     def preempt_due(self) -> float | None:

@@ -218,11 +218,19 @@ class EngineLoop:
     """
 
     def __init__(
-        self, bundle: ModelBundle, engine_config: EngineConfig | None = None, *, max_waiting: int = 16,
-        max_queued_chunks: int = DEFAULT_MAX_QUEUED_CHUNKS, pause_timeout: float | None = None,
-        voices_dir=None, reference_cache_bytes: int = DEFAULT_REFERENCE_CACHE_BYTES, codec_graphs: bool = True,
-        warmup: bool = True, name: str = "tts-engine",
-    ):  # fmt: skip
+        self,
+        bundle: ModelBundle,
+        engine_config: EngineConfig | None = None,
+        *,
+        max_waiting: int = 16,
+        max_queued_chunks: int = DEFAULT_MAX_QUEUED_CHUNKS,
+        pause_timeout: float | None = None,
+        voices_dir=None,
+        reference_cache_bytes: int = DEFAULT_REFERENCE_CACHE_BYTES,
+        codec_graphs: bool = True,
+        warmup: bool = True,
+        name: str = "tts-engine",
+    ):
         if max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
         if max_queued_chunks < 1:
@@ -457,10 +465,15 @@ class EngineLoop:
             self._engine = Engine(self.bundle.model, for_bundle(self.engine_config, self.bundle))
             self._planner = Planner(self.bundle, self._engine.max_context, self._engine.check, self.voices)
             self._runner = JobRunner(
-                self._engine, self._planner, max_streams=self.max_jobs + 1, max_queued_chunks=self.max_queued_chunks,
-                pause_timeout=self.pause_timeout, notify=self._wake, reference_cache=self.reference_cache,
+                self._engine,
+                self._planner,
+                max_streams=self.max_jobs + 1,
+                max_queued_chunks=self.max_queued_chunks,
+                pause_timeout=self.pause_timeout,
+                notify=self._wake,
+                reference_cache=self.reference_cache,
                 codec_graphs=self._codec_graphs,
-            )  # fmt: skip
+            )
             self.runner.on_end = self._job_ended
             if self.engine_config.graphs == "startup" and self.engine.graphs.enabled:
                 t0 = time.perf_counter()
@@ -519,9 +532,12 @@ class EngineLoop:
         runner = self.runner
         with self._cv:
             while (
-                block and not self._inbox and not self._closing and not self._woken
+                block
+                and not self._inbox
+                and not self._closing
+                and not self._woken
                 and (self._stalled or not runner.has_work())
-            ):  # fmt: skip
+            ):
                 due = runner.preempt_due()  # a paused stream's timeout must be acted on while asleep
                 if due is not None and due <= 0:
                     break

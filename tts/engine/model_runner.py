@@ -223,9 +223,15 @@ class ModelRunner:
     """
 
     def __init__(
-        self, model: DualARTransformer, kv_cache: PagedKVCache, max_batch: int, max_blocks_per_seq: int,
-        attention_backend=None, ignore_eos: bool = False, repetition: str | None = None,
-    ):  # fmt: skip
+        self,
+        model: DualARTransformer,
+        kv_cache: PagedKVCache,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        attention_backend=None,
+        ignore_eos: bool = False,
+        repetition: str | None = None,
+    ):
         c = model.config
         if c.eos_token_id is None:
             raise ValueError("the model config has no eos_token_id (<|im_end|>); cannot serve it")
@@ -398,10 +404,12 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n) for n in lengths]).to(dev)
         segment = torch.repeat_interleave(torch.arange(len(group)), torch.tensor(lengths)).to(dev)
         tables = [torch.tensor(table, dtype=torch.int64, device=dev) for _, table in group]
-        slots = torch.cat([
-            self.kv.slots_for_positions(table, torch.arange(n, device=dev))
-            for table, n in zip(tables, lengths, strict=True)
-        ])  # fmt: skip
+        slots = torch.cat(
+            [
+                self.kv.slots_for_positions(table, torch.arange(n, device=dev))
+                for table, n in zip(tables, lengths, strict=True)
+            ]
+        )
         mask = (segment[:, None] == segment[None, :]) & (positions[:, None] >= positions[None, :])
 
         def write_kv(i, k, v):
@@ -553,10 +561,14 @@ class ModelRunner:
         if slot is None:
             bufs = self.buffers
             views = [
-                (bufs.fast_k[i, :b, :, k_pos], bufs.fast_v[i, :b, :, k_pos],
-                 bufs.fast_k[i, :b, :, : k_pos + 1], bufs.fast_v[i, :b, :, : k_pos + 1])
+                (
+                    bufs.fast_k[i, :b, :, k_pos],
+                    bufs.fast_v[i, :b, :, k_pos],
+                    bufs.fast_k[i, :b, :, : k_pos + 1],
+                    bufs.fast_v[i, :b, :, : k_pos + 1],
+                )
                 for i in range(bufs.fast_k.shape[0])
-            ]  # fmt: skip
+            ]
 
             def write_kv(i, k, v):
                 views[i][0].copy_(k)
@@ -647,12 +659,23 @@ class ModelRunner:
                     noise = frame_log_noise(seeds, steps, high + 1, max(V, self.n_residual))
                     settings = DrawSettings(temperature, top_p, top_k)  # shared by all draws of the frame
             idx = sample_main_token(
-                sem_logits, temperature, top_p, top_k, seeds, steps, bufs.ras_history[:b],
-                bufs.ras_len[:b], self.n_sem, high_stream=high, top_k_cap=cap,
+                sem_logits,
+                temperature,
+                top_p,
+                top_k,
+                seeds,
+                steps,
+                bufs.ras_history[:b],
+                bufs.ras_len[:b],
+                self.n_sem,
+                high_stream=high,
+                top_k_cap=cap,
                 log_noise=None if noise is None else noise[:, 0, :V],
-                high_log_noise=None if noise is None else noise[:, high, :V], settings=settings,
-                high_settings=high_settings, counted=ras_counted_mask,
-            )  # fmt: skip
+                high_log_noise=None if noise is None else noise[:, high, :V],
+                settings=settings,
+                high_settings=high_settings,
+                counted=ras_counted_mask,
+            )
             token = torch.where(idx == self.n_sem, self.eos_token_id, idx + c.semantic_begin_id)
             # Fast AR: position 0 on the slow hidden state (its logits are never used), c_0 derived from
             # the main token, then one position per remaining codebook (docs/fish_dual_ar.md §1.4 steps 4-6).
@@ -662,9 +685,17 @@ class ModelRunner:
                 if penalty is not None:
                     logits = apply_repetition_penalty(logits, bufs.rep_history[:b, k + 1], penalty)
                 return sample(
-                    logits, temperature, top_p, top_k, seeds, steps, stream=k, top_k_cap=cap,
-                    log_noise=None if noise is None else noise[:, k, : logits.shape[1]], settings=settings,
-                )  # fmt: skip
+                    logits,
+                    temperature,
+                    top_p,
+                    top_k,
+                    seeds,
+                    steps,
+                    stream=k,
+                    top_k_cap=cap,
+                    log_noise=None if noise is None else noise[:, k, : logits.shape[1]],
+                    settings=settings,
+                )
 
             if c.num_codebooks > 1 and self._cpu_layers is not None and self._cpu_step():
                 self._cpu_fast_ar(b, m.fast_input(h_pre, h_post), codes, draw)

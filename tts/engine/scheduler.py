@@ -34,9 +34,14 @@ class RowMove:
 
 class Scheduler:
     def __init__(
-        self, allocator: BlockAllocator, block_size: int, max_batch: int, max_context: int,
-        max_waiting: int = 1024, max_prefill_tokens: int | None = None,
-    ):  # fmt: skip
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        max_batch: int,
+        max_context: int,
+        max_waiting: int = 1024,
+        max_prefill_tokens: int | None = None,
+    ):
         self.allocator = allocator
         self.block_size = block_size
         self.max_batch = max_batch

@@ -160,7 +160,7 @@ def s2_tokenizer_json(num_semantic: int, base_vocab: int | None = None, num_merg
                 "rstrip": False,
                 "normalized": False,
                 "special": True,
-            }  # fmt: skip
+            }
             for i, tok in enumerate(added)
         ],
         "normalizer": {"type": "NFC"},
@@ -189,7 +189,7 @@ def s2_tokenizer_json(num_semantic: int, base_vocab: int | None = None, num_merg
             "ignore_merges": False,
             "vocab": vocab,
             "merges": merges,
-        },  # fmt: skip
+        },
     }
 
 
@@ -216,10 +216,12 @@ class Shape:
 
 def _s2_config(text: dict, audio: dict) -> dict:
     return {
-        "model_type": "fish_qwen3_omni", "architectures": ["FishQwen3OmniForCausalLM"], "dtype": "bfloat16",
+        "model_type": "fish_qwen3_omni",
+        "architectures": ["FishQwen3OmniForCausalLM"],
+        "dtype": "bfloat16",
         "text_config": {"model_type": "fish_qwen3", **text},
         "audio_decoder_config": {"model_type": "fish_qwen3_audio_decoder", **audio},
-    }  # fmt: skip
+    }
 
 
 # S2-Pro's sizes come from tts/shapes.py (one copy); the released config.json also carries training
@@ -318,7 +320,7 @@ def _tokenizer_files(shape: Shape, out: Path) -> tuple[int, int, int, int]:
                     "pad_token": "<|pad|>",
                     "clean_up_tokenization_spaces": False,
                     "model_max_length": 32768,
-                },  # fmt: skip
+                },
                 indent=2,
             ),
             encoding="utf-8",
@@ -370,10 +372,16 @@ class WriteResult:
 
 
 def write_checkpoint(
-    shape: str | Shape, out: str | Path, *, dtype: torch.dtype | None = None, seed: int = 0,
-    codec: str | None = None, codec_config: DACConfig | None = None, num_shards: int = 2,
+    shape: str | Shape,
+    out: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+    codec: str | None = None,
+    codec_config: DACConfig | None = None,
+    num_shards: int = 2,
     overwrite: bool = False,
-) -> WriteResult:  # fmt: skip
+) -> WriteResult:
     """Write a random-weight checkpoint of `shape` (a key of SHAPES) into the new directory `out`.
 
     dtype: weight dtype (default: the shape's, bf16); codec: "full" (fish-speech's sizes: the modded DAC,
@@ -491,7 +499,7 @@ def _write(
                 + spec.notes,
             },
             indent=2,
-        ),  # fmt: skip
+        ),
         encoding="utf-8",
     )
     files.append("random_weights.json")

@@ -10,8 +10,14 @@ from __future__ import annotations
 import argparse
 import time
 
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-          "fp32": "float32", "float32": "float32"}  # fmt: skip
+DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+}
 
 
 def cmd_write_checkpoint(args: argparse.Namespace) -> int:
@@ -26,9 +32,14 @@ def cmd_write_checkpoint(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         result = write_checkpoint(
-            args.shape, args.out, dtype=dtype, seed=args.seed, codec=args.codec, num_shards=args.shards,
+            args.shape,
+            args.out,
+            dtype=dtype,
+            seed=args.seed,
+            codec=args.codec,
+            num_shards=args.shards,
             overwrite=args.force,
-        )  # fmt: skip
+        )
     except (FileExistsError, FileNotFoundError, ValueError) as exc:
         raise UserError(str(exc)) from exc
     spec = SHAPES[args.shape]
@@ -59,10 +70,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="weight dtype (default: bf16)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument(
-        "--codec", choices=["full", "tiny", "none"], default=None,
+        "--codec",
+        choices=["full", "tiny", "none"],
+        default=None,
         help="codec to write (codec.pth, or 1.5's Firefly-GAN generator): fish-speech's full size, a tiny "
         "one, or none (default: full for real shapes, tiny for tiny-*)",
-    )  # fmt: skip
+    )
     p.add_argument("--shards", type=int, default=2, help="safetensors shards for S2 shapes (default 2)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out directory")
     p.set_defaults(func=cmd_write_checkpoint)

@@ -128,11 +128,17 @@ def fish_model_args(raw: Mapping, family: str, tokenizer: TokenizerLike) -> Mode
     ):
         log.warning(
             "config.json semantic ids %d..%d differ from the tokenizer's %d..%d; using the tokenizer's",
-            args.semantic_begin_id, args.semantic_end_id, tokenizer.semantic_begin_id, tokenizer.semantic_end_id,
-        )  # fmt: skip
+            args.semantic_begin_id,
+            args.semantic_end_id,
+            tokenizer.semantic_begin_id,
+            tokenizer.semantic_end_id,
+        )
     if args.eos_token_id is not None and args.eos_token_id != tokenizer.eos_id:
-        log.warning("config.json eos_token_id %d is not <|im_end|> (%d); using <|im_end|>", args.eos_token_id,
-                    tokenizer.eos_id)  # fmt: skip
+        log.warning(
+            "config.json eos_token_id %d is not <|im_end|> (%d); using <|im_end|>",
+            args.eos_token_id,
+            tokenizer.eos_id,
+        )
     changes: dict = dict(
         semantic_begin_id=tokenizer.semantic_begin_id,
         semantic_end_id=tokenizer.semantic_end_id,
@@ -328,8 +334,16 @@ def load_fish_bundle(directory: str | Path, raw: Mapping, device, dtype, codec_d
         spec.sampling, max_new_frames=min(spec.sampling.max_new_frames, args.max_seq_len // 4)
     )
     return ModelBundle(
-        name=directory.resolve().name, family=f"{spec.display} ({raw['model_type']})", model=model,
-        codec=codec, tokenizer=tokenizer, prompt_format=spec.prompt_format(tokenizer, args.num_codebooks),
-        voices=load_voices(directory / "voices"), sampling=sampling, chunk_length=spec.chunk_length,
-        path=directory, frames=spec.frames, repetition=spec.repetition,
-    )  # fmt: skip
+        name=directory.resolve().name,
+        family=f"{spec.display} ({raw['model_type']})",
+        model=model,
+        codec=codec,
+        tokenizer=tokenizer,
+        prompt_format=spec.prompt_format(tokenizer, args.num_codebooks),
+        voices=load_voices(directory / "voices"),
+        sampling=sampling,
+        chunk_length=spec.chunk_length,
+        path=directory,
+        frames=spec.frames,
+        repetition=spec.repetition,
+    )

@@ -154,8 +154,10 @@ class TiktokenTokenizer:
                 log.warning(
                     "%s: %d special token ids disagree with their position (e.g. %s); using positions, "
                     "as fish-speech does",
-                    special_path, len(wrong), wrong[0],
-                )  # fmt: skip
+                    special_path,
+                    len(wrong),
+                    wrong[0],
+                )
         return cls(ranks, special_tokens, name=directory.name)
 
     def save(self, directory: str | Path) -> None:
