@@ -87,21 +87,25 @@ def test_kv_only_position_writes_the_same_kv(model):
 
 
 def test_the_cpu_engine_gives_the_modules_codes():
-    """End to end: the engine's CPU step through cpu_decode gives the codes of the module path."""
+    """End to end: the CPU frame step through cpu_decode gives the codes of its module path, and both
+    give the codes of the captured step (`ModelRunner.decode_step`, no CPU caches) run on the CPU."""
     model = build_tiny_bundle().model
     prompts = [random_prompt(model, n, seed=n) for n in (7, 19)]
     codes = {}
-    for lean in (True, False):
+    for mode in ("lean", "modules", "captured step"):
         engine = Engine(model, EngineConfig(max_batch=2, graphs="off", block_size=8))
-        assert engine.runner._cpu_layers is not None
-        if not lean:
-            engine.runner._cpu_layers = None  # what a model cpu_decode does not support gets
+        assert engine.cpu_step is not None and engine.cpu_step.layers is not None
+        if mode == "modules":
+            engine.cpu_step.layers = None  # what a model cpu_decode does not support gets
+        elif mode == "captured step":
+            engine.graphs.step_fn = engine.runner.decode_step
         for i, p in enumerate(prompts):
             engine.submit(p, params(max_new_frames=12, seed=i), f"r{i}")
-        codes[lean] = run_to_completion(engine)[0]
-    assert codes[True].keys() == codes[False].keys()
-    for rid, got in codes[True].items():
-        assert got.shape[0] > 0 and torch.equal(got, codes[False][rid])
+        codes[mode] = run_to_completion(engine)[0]
+    for mode in ("modules", "captured step"):
+        assert codes[mode].keys() == codes["lean"].keys()
+        for rid, got in codes["lean"].items():
+            assert got.shape[0] > 0 and torch.equal(got, codes[mode][rid]), (mode, rid)
 
 
 def test_models_it_does_not_support_use_the_modules():

@@ -240,18 +240,18 @@ def test_malformed_prompts_are_rejected_at_submit(tiny_model):
 
 
 def test_cpu_noise_made_frames_ahead_equals_each_frames_own(tiny_model):
-    """The CPU runner makes the sampler noise of coming frames in one batch; every frame must get
+    """The CPU frame step makes the sampler noise of coming frames in one batch; every frame must get
     exactly `frame_log_noise(seeds, steps)`, also when a row stops advancing or the seeds change."""
     from tts.sampling import frame_log_noise
 
-    runner = make_engine(tiny_model).runner
-    bufs = runner.buffers
+    engine = make_engine(tiny_model)
+    bufs = engine.runner.buffers
     bufs.seeds[:2] = torch.tensor([7, -3])
     bufs.steps[:2] = torch.tensor([0, 5])
     bufs.active[:2] = True
 
     def check():
-        got = runner._cpu_frame_noise(2, 6, 70)
+        got = engine.cpu_step._frame_noise(2, 6, 70)
         assert torch.equal(got, frame_log_noise(bufs.seeds[:2], bufs.steps[:2], 6, 70))
 
     for _ in range(20):  # past the first batch of frames ahead

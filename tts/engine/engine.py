@@ -3,7 +3,8 @@
 `Engine.step()` is one iteration of the continuous-batching loop:
 1. apply cancellations and pause/resume requests made since the last iteration;
 2. admit waiting requests (rows and KV blocks permitting), prefill each, load its row;
-3. one frame step for all running rows (graph replay or eager: the same `decode_step`);
+3. one frame step for all running rows (graph replay or eager: the same `decode_step`; on a CPU its
+   eager twin `CpuFrameStep`);
 4. read the step's `out` buffer once, hand each request its frame, finish requests that emitted the
    end token or reached their budget, free their blocks and compact the rows.
 
@@ -30,6 +31,7 @@ from ..kernels import kernel_head_dim_ok
 from ..kv_cache import BlockAllocator, PagedKVCache, blocks_needed
 from ..model import DualARTransformer, TransformerBlock
 from ..sampling import SAMPLER_TOPK_CAP
+from .cpu_step import CpuFrameStep
 from .model_runner import ModelRunner, RowInit
 from .request import FinishReason, InvalidRequest, Request, RequestState, SamplingParams, StepOutput
 from .scheduler import RowMove, Scheduler
@@ -159,9 +161,12 @@ class Engine:
             ignore_eos=cfg.ignore_eos,
             repetition=cfg.repetition,
         )
+        # The frame step: the captured one, or on a CPU its eager twin (same contract and buffers).
+        self.cpu_step = CpuFrameStep(self.runner) if self.device.type == "cpu" else None
+        step_fn = self.cpu_step.decode_step if self.cpu_step is not None else self.runner.decode_step
         use_graphs = cfg.graphs != "off" and (self.device.type == "cuda" or cfg.testing_standin_graphs)
         self.graphs = GraphRunner(
-            self.runner.decode_step,
+            step_fn,
             max_batch=cfg.max_batch,
             buckets=cfg.buckets,
             enabled=use_graphs,

@@ -45,7 +45,6 @@ from ..kv_cache import SCRATCH_BLOCK, PagedDecodeAttention, PagedKVCache, paged_
 from ..model import (
     DualARTransformer,
     KVDest,
-    Rope,
     dense_causal_attend,
     packed_causal_attend,
     run_layers_kv_only,
@@ -55,16 +54,10 @@ from ..sampling import (
     SAMPLER_TOPK_CAP,
     DrawSettings,
     frame_log_noise,
-    ras_counted,
-    ras_high_settings,
     sample,
     sample_main_token,
 )
-from .cpu_decode import LayerWeights, block_weights, decode_layers, decode_layers_kv_only
 
-# CPU step: frames of sampler noise made in one batch, and the most rows x frames of one batch.
-NOISE_FRAMES_AHEAD = 16
-NOISE_ROWS = 64
 # The repetition penalty's window in frames (fish-speech's `win_size`) and the ways a family reads it.
 REPETITION_WINDOW = 16
 # Prompt positions of one packed prefill pass at most: its attention mask is PACKED_PREFILL_TOKENS^2 bools.
@@ -260,37 +253,14 @@ class ModelRunner:
             rows.append(head[c.eos_token_id : c.eos_token_id + 1])
         self.semantic_head = torch.cat(rows).detach()
         self.has_eos_column = not ignore_eos
-        if self.device.type == "cpu":  # the CPU decode layout (see `use_cpu_decode_layout`)
-            self.semantic_head = self.semantic_head.t().contiguous().t()
         self.n_sem = c.num_semantic_tokens
         # Element offset of (row, fast position k) in a fast KV layer `[B, Hkv, N, D]`, for the fused
         # kernel that writes K/V straight into it: row * Hkv * N * D + k * D.
         fk = self.buffers.fast_k
         row_offsets = torch.arange(max_batch, device=self.device) * fk.stride(1)
         self.fast_row_offset = torch.stack([row_offsets + k * fk.stride(3) for k in range(c.num_codebooks)])
-        # On a CPU (no graphs) the layers run through cpu_decode (see there), with RoPE factors built
-        # once: the fast AR's for each codebook position, `[1, 1, D]`, and the slow AR's for every
-        # position, `[max_seq_len, 1, D]` fp32 (1 MB for the default model), of which a step picks its
-        # rows'. `_cpu_layers` is None where cpu_decode does not apply (then the modules run).
-        self._cpu_rope: tuple[list[tuple[Tensor, Tensor]], tuple[Tensor, Tensor]] | None = None
-        self._cpu_layers: tuple[LayerWeights, LayerWeights] | None = None  # (slow, fast)
-        if self.device.type == "cpu":
-            fast = [Rope(model.fast_freqs_cis[k : k + 1]).factors() for k in range(c.num_codebooks)]
-            cos, sin = Rope(model.freqs_cis).factors()  # [1, max_seq_len, 1, D]
-            self._cpu_rope = [(fc[0], fs[0]) for fc, fs in fast], (cos[0], sin[0])
-            slow_layers = block_weights(model.layers, model.norm)
-            fast_layers = block_weights(model.fast_layers, model.fast_norm)
-            if slow_layers is not None and fast_layers is not None:
-                self._cpu_layers = slow_layers, fast_layers
         # Residual codebooks are sampled from the first n_residual fast logits (a static slice).
         self.n_residual = c.residual_codebook_size or c.codebook_size
-        # CPU eager step only (see `_cpu_step`): per-(batch size, position) attend functions over fixed
-        # views of the fast KV buffers, the last step's sampler settings with the values they came
-        # from, the sampler noise of the coming frames, and each slow layer's KV pool views.
-        self._cpu_fast_attend: dict[tuple[int, int], tuple] = {}
-        self._cpu_settings: tuple[tuple, DrawSettings, DrawSettings, Tensor] | None = None
-        self._cpu_noise: tuple[tuple, list[int], Tensor] | None = None
-        self._cpu_kv_views: list[tuple[Tensor, Tensor, Tensor, Tensor]] | None = None
 
     # ---- host-side row management (between steps only) ---------------------------------------------
 
@@ -426,30 +396,20 @@ class ModelRunner:
 
     # ---- the frame step ------------------------------------------------------------------------------
 
-    def slow_step(self, b: int) -> tuple[Tensor, Tensor]:
+    def slow_step(self, b: int, table_width: int | None = None) -> tuple[Tensor, Tensor]:
         """Slow AR at each row's position: write K/V (inactive rows -> scratch), attend over the paged
-        context. Returns hidden states `(pre_norm, post_norm)`, each `[b, dim]`."""
+        context. Returns hidden states `(pre_norm, post_norm)`, each `[b, dim]`. table_width: read
+        only the first that many blocks of each block table (an eager step may: `CpuFrameStep` does);
+        None: the whole table, as a captured step must."""
         m, bufs, kv = self.model, self.buffers, self.kv
         pos = bufs.positions[:b]
-        active = bufs.active[:b]
-        tables = bufs.block_tables[:b]
-        bs = kv.block_size
-        block = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).long()
-        slots = torch.where(active, block * bs + pos % bs, SCRATCH_BLOCK * bs)
+        slots = self.kv_slots(b)
+        tables = bufs.block_tables[:b, :table_width]
         context_lens = pos + 1
-        if self.device.type == "cpu":
-            # No graphs on a CPU, so the block-table width may follow the longest context in the batch
-            # (a power of two of blocks, so few distinct shapes): the torch attention then gathers and
-            # multiplies only that much instead of max_context. Masked slots contribute exact zeros,
-            # so a row's result does not depend on the width (tested: batched == solo codes).
-            width = min(self.max_blocks_per_seq, 1 << (int(pos.max()) // bs).bit_length())
-            tables = tables[:, :width]
         fused = fused_kernels_enabled(bufs.input_columns)
         slot_offset = slots * (kv.k.shape[-2] * kv.k.shape[-1]) if fused else None
         if self.paged_attention is paged_decode_attention:  # torch path: table work once for all layers
-            torch_attention = PagedDecodeAttention(tables, context_lens, bs)
-            if self._cpu_layers is not None and self._cpu_step() and torch.is_inference_mode_enabled():
-                return self._cpu_slow_step(b, pos, slots, torch_attention)
+            torch_attention = PagedDecodeAttention(tables, context_lens, kv.block_size)
 
             def paged_attention(q, i):
                 return torch_attention(q, kv.k[i], kv.v[i], self.scale)
@@ -472,39 +432,12 @@ class ModelRunner:
         h_pre, h_post = m.slow_layers(x, m.freqs_cis[pos].unsqueeze(1), attend_layer)
         return h_pre[:, 0], h_post[:, 0]
 
-    def _cpu_slow_step(
-        self, b: int, pos: Tensor, slots: Tensor, torch_attention: PagedDecodeAttention
-    ) -> tuple[Tensor, Tensor]:
-        """slow_step on the CPU through cpu_decode: the same K/V writes (`kv.write`'s index_copy_) and
-        paged attention, on each layer's pool and flat slot view made once (`kv.k[i]` and its view
-        are ops, 6 a layer). Only under inference mode (every engine step): the views are made and
-        written there."""
-        kv = self.kv
-        if self._cpu_kv_views is None:
-            self._cpu_kv_views = [
-                (kv.k[i], kv.v[i], kv.k[i].view(-1, *kv.k.shape[-2:]), kv.v[i].view(-1, *kv.v.shape[-2:]))
-                for i in range(kv.k.shape[0])
-            ]
-        views = self._cpu_kv_views
-
-        def attend(i, q, k, v):
-            k_pool, v_pool, k_flat, v_flat = views[i]
-            k_flat.index_copy_(0, slots, k)
-            v_flat.index_copy_(0, slots, v)
-            return torch_attention(q, k_pool, v_pool, self.scale)
-
-        assert self._cpu_layers is not None and self._cpu_rope is not None  # (slow_step checked)
-        (blocks, final_norm), _ = self._cpu_layers
-        cos, sin = self._cpu_rope[1]
-        x = self.model.embed(self.buffers.input_columns[:b])
-        return decode_layers(
-            blocks, final_norm, x, cos.index_select(0, pos), sin.index_select(0, pos), attend
-        )
-
-    def _cpu_step(self) -> bool:
-        """Whether this step is the plain-torch CPU one (no graphs, no fused kernels). Only then are
-        the per-step caches below used; CUDA (and the Triton interpreter in tests) never reach them."""
-        return self._cpu_rope is not None and not fused_kernels_enabled(self.buffers.input_columns)
+    def kv_slots(self, b: int) -> Tensor:
+        """`[b]` int64: the KV pool slot each row's new K/V goes to (inactive rows: the scratch block)."""
+        bufs, bs = self.buffers, self.kv.block_size
+        pos = bufs.positions[:b]
+        block = bufs.block_tables[:b].gather(1, (pos // bs).unsqueeze(1)).squeeze(1).long()
+        return torch.where(bufs.active[:b], block * bs + pos % bs, SCRATCH_BLOCK * bs)
 
     def _fast_attend(self, b: int, k_pos: int):
         """attend() for fast position k_pos: write slot k_pos, attend to slots 0..k_pos of this frame.
@@ -538,186 +471,118 @@ class ModelRunner:
 
         return attend_layer
 
-    def _cpu_fast_ar(self, b: int, x: Tensor, codes: list[Tensor], draw) -> None:
-        """The fast AR on the CPU through cpu_decode: position 0 on `x [b, fast_dim]` (only its K/V
-        are ever read, so its last layer stops there), then one position per remaining codebook,
-        appending `draw(logits, k)` to `codes`."""
-        m = self.model
-        assert self._cpu_layers is not None and self._cpu_rope is not None  # (decode_step checked)
-        _, (blocks, final_norm) = self._cpu_layers
-        rope = self._cpu_rope[0]
-        decode_layers_kv_only(blocks, x, *rope[0], *self._cpu_fast_slot(b, 0))
-        for k in range(1, self.config.num_codebooks):
-            attend = self._cpu_fast_slot(b, k)[0]
-            _, y = decode_layers(blocks, final_norm, m.fast_embeddings(codes[k - 1]), *rope[k], attend)
-            codes.append(draw(m.fast_logits(y)[:, : self.n_residual], k))
-
-    def _cpu_fast_slot(self, b: int, k_pos: int):
-        """`(attend, write_kv)` in cpu_decode's form for fast position k_pos of rows `[:b]`: the same
-        writes and SDPA as `_fast_attend`, on views of the fast KV buffers made once per (b, k_pos)
-        instead of by indexing every call (each view is an op). The buffers are never reallocated,
-        so the views stay valid."""
-        slot = self._cpu_fast_attend.get((b, k_pos))
-        if slot is None:
-            bufs = self.buffers
-            views = [
-                (
-                    bufs.fast_k[i, :b, :, k_pos],
-                    bufs.fast_v[i, :b, :, k_pos],
-                    bufs.fast_k[i, :b, :, : k_pos + 1],
-                    bufs.fast_v[i, :b, :, : k_pos + 1],
-                )
-                for i in range(bufs.fast_k.shape[0])
-            ]
-
-            def write_kv(i, k, v):
-                views[i][0].copy_(k)
-                views[i][1].copy_(v)
-
-            def attend(i, q, k, v):
-                write_kv(i, k, v)
-                o = F.scaled_dot_product_attention(
-                    q.unsqueeze(2), views[i][2], views[i][3], scale=self.fast_scale, enable_gqa=True
-                )
-                return o.squeeze(2)
-
-            slot = self._cpu_fast_attend[(b, k_pos)] = attend, write_kv
-        return slot
-
-    def _cpu_draw_settings(self, b: int) -> tuple[DrawSettings, DrawSettings, Tensor]:
-        """CPU step: the frame's sampler settings `(settings, RAS high settings, RAS counted mask)`,
-        kept while rows `[:b]`'s sampling parameters are unchanged (about 25 ops a frame otherwise).
-
-        The key is the parameters' values (reading them costs no sync on a CPU). Version counters
-        would be cheaper but buffers made under `torch.inference_mode()` have none."""
-        bufs = self.buffers
-        params = (bufs.temperature, bufs.top_p, bufs.top_k, bufs.ras_len)
-        values = [tuple(t.tolist()[:b]) for t in params]
-        key = (b, *values)
-        if self._cpu_settings is None or self._cpu_settings[0] != key:
-            temperature, top_p, top_k = bufs.temperature[:b], bufs.top_p[:b], bufs.top_k[:b]
-            settings = DrawSettings(temperature, top_p, top_k)
-            high = ras_high_settings(temperature, top_p, top_k, settings)
-            settings.all_sampled = all(t > 0 for t in values[0])  # values[0]: the temperatures; no greedy row
-            high.all_sampled = True  # (temperature 1.0 in every row)
-            self._cpu_settings = key, settings, high, ras_counted(bufs.ras_history[:b], bufs.ras_len[:b])
-        return self._cpu_settings[1:]
-
-    def _cpu_frame_noise(self, b: int, streams: int, n: int) -> Tensor:
-        """CPU step: `frame_log_noise` of rows `[:b]` for this frame, `[b, streams, n]`.
-
-        The noise depends only on (seed, step, stream, token id), so the next frames' noise is made
-        in the same batch (`NOISE_FRAMES_AHEAD` frames while every row is active, at most
-        `NOISE_ROWS` rows in all) and used while each row's step advances by one a frame: about 60
-        small ops once per 16 frames instead of every frame, the same values. Any other change (a
-        row joins, leaves or stops, other seeds) makes it again."""
-        bufs = self.buffers
-        seeds, steps = bufs.seeds.tolist()[:b], bufs.steps.tolist()[:b]
-        key = (b, tuple(seeds), streams, n)
-        if self._cpu_noise is not None and self._cpu_noise[0] == key:
-            first_steps, noise = self._cpu_noise[1:]
-            j = steps[0] - first_steps[0]
-            if 0 <= j < noise.shape[1] and all(s - f == j for s, f in zip(steps, first_steps, strict=True)):
-                return noise[:, j]
-        ahead = max(1, min(NOISE_FRAMES_AHEAD, NOISE_ROWS // b)) if all(bufs.active.tolist()[:b]) else 1
-        step_grid = bufs.steps[:b].unsqueeze(1) + torch.arange(ahead, device=self.device)  # [b, ahead]
-        seed_grid = bufs.seeds[:b].unsqueeze(1).expand(b, ahead)
-        noise = frame_log_noise(seed_grid.reshape(-1), step_grid.reshape(-1), streams, n)
-        noise = noise.view(b, ahead, streams, n)
-        self._cpu_noise = key, steps, noise
-        return noise[:, 0]
-
-    def decode_step(self, b: int, variant: str | None = None) -> None:
+    def decode_step(self, b: int, variant: str | None = None, table_width: int | None = None) -> None:
         """One frame for rows `[:b]` (see the module docstring). Graph-capturable.
 
         variant "topk": every row's top_k is in [1, SAMPLER_TOPK_CAP], so the CUDA sampler may select
-        that many candidates before sorting (identical draws, far fewer sorted elements)."""
-        m, c, bufs = self.model, self.config, self.buffers
+        that many candidates before sorting (identical draws, far fewer sorted elements).
+        table_width: as for `slow_step` (eager steps only). A CPU engine runs `CpuFrameStep` instead."""
+        bufs = self.buffers
         cap = SAMPLER_TOPK_CAP if variant == "topk" else None
         with torch.inference_mode():
-            h_pre, h_post = self.slow_step(b)
-            temperature, top_p, top_k = bufs.temperature[:b], bufs.top_p[:b], bufs.top_k[:b]
-            seeds, steps = bufs.seeds[:b], bufs.steps[:b]
-            # Main token over [semantic ids..., end token]; RAS history holds indices in that space.
-            sem_logits = F.linear(h_post, self.semantic_head)
-            if self.has_eos_column:  # min_new_frames: no end token before that many frames
-                sem_logits[:, -1].masked_fill_(steps < bufs.min_frames[:b], float("-inf"))
-            penalty = self._repetition_penalty(b)
-            if penalty is not None:
-                sem_logits = apply_repetition_penalty(sem_logits, self._main_penalty_ids(b), penalty)
-            V = sem_logits.shape[1]
-            high = c.num_codebooks + 1
+            h_pre, h_post = self.slow_step(b, table_width)
+            penalty = self.repetition_penalty(b)
+            sem_logits = self.main_logits(b, h_post, penalty)
             # The torch sampler takes the frame's noise for every draw from one batched computation
             # (streams 0 = main token, k = codebook k, N + 1 = RAS fallback); the CUDA kernels hash
             # their own noise.
-            noise = settings = high_settings = ras_counted_mask = None
+            noise = settings = None
             if not fused_kernels_enabled(sem_logits):
-                if self._cpu_step():  # noise made frames ahead, settings kept between frames
-                    noise = self._cpu_frame_noise(b, high + 1, max(V, self.n_residual))
-                    settings, high_settings, ras_counted_mask = self._cpu_draw_settings(b)
-                else:
-                    noise = frame_log_noise(seeds, steps, high + 1, max(V, self.n_residual))
-                    settings = DrawSettings(temperature, top_p, top_k)  # shared by all draws of the frame
-            idx = sample_main_token(
-                sem_logits,
-                temperature,
-                top_p,
-                top_k,
-                seeds,
-                steps,
-                bufs.ras_history[:b],
-                bufs.ras_len[:b],
-                self.n_sem,
-                high_stream=high,
-                top_k_cap=cap,
-                log_noise=None if noise is None else noise[:, 0, :V],
-                high_log_noise=None if noise is None else noise[:, high, :V],
-                settings=settings,
-                high_settings=high_settings,
-                counted=ras_counted_mask,
-            )
-            token = torch.where(idx == self.n_sem, self.eos_token_id, idx + c.semantic_begin_id)
-            # Fast AR: position 0 on the slow hidden state (its logits are never used), c_0 derived from
-            # the main token, then one position per remaining codebook (docs/fish_dual_ar.md §1.4 steps 4-6).
-            codes = [torch.clamp(token - c.semantic_begin_id, 0, c.codebook_size - 1)]
+                streams, n = self.noise_shape(sem_logits)
+                noise = frame_log_noise(bufs.seeds[:b], bufs.steps[:b], streams, n)
+                settings = DrawSettings(bufs.temperature[:b], bufs.top_p[:b], bufs.top_k[:b])  # all draws
+            idx = self.sample_main(b, sem_logits, cap, noise, settings)
+            token, codes = self.first_codes(idx)
+            self.fast_ar(b, h_pre, h_post, codes, self.drawer(b, penalty, cap, noise, settings))
+            self.end_frame(b, token, codes, idx)
 
-            def draw(logits: Tensor, k: int) -> Tensor:  # codebook k from its fast logits
-                if penalty is not None:
-                    logits = apply_repetition_penalty(logits, bufs.rep_history[:b, k + 1], penalty)
-                return sample(
-                    logits,
-                    temperature,
-                    top_p,
-                    top_k,
-                    seeds,
-                    steps,
-                    stream=k,
-                    top_k_cap=cap,
-                    log_noise=None if noise is None else noise[:, k, : logits.shape[1]],
-                    settings=settings,
-                )
+    # The parts of the frame step (`CpuFrameStep` composes them too).
 
-            if c.num_codebooks > 1 and self._cpu_layers is not None and self._cpu_step():
-                self._cpu_fast_ar(b, m.fast_input(h_pre, h_post), codes, draw)
-            elif c.num_codebooks > 1:
-                x = m.fast_input(h_pre, h_post).unsqueeze(1)
-                m.fast_layers_forward(x, m.fast_freqs_cis[0:1], self._fast_attend(b, 0))
-                for k in range(1, c.num_codebooks):
-                    x = m.fast_embeddings(codes[k - 1]).unsqueeze(1)
-                    y = m.fast_layers_forward(x, m.fast_freqs_cis[k : k + 1], self._fast_attend(b, k))
-                    codes.append(draw(m.fast_logits(y[:, 0])[:, : self.n_residual], k))
-            frame = torch.stack([token, *codes], dim=1)
-            self._advance(b, frame, idx)
+    def main_logits(self, b: int, h_post: Tensor, penalty: Tensor | None) -> Tensor:
+        """`[b, n_sem (+1)]` logits of the main token over [semantic ids..., end token] from the slow
+        hidden state `h_post [b, dim]`: no end token before a row's min_new_frames, then the
+        repetition penalty `[b, 1]` (None: none)."""
+        bufs = self.buffers
+        sem_logits = F.linear(h_post, self.semantic_head)
+        if self.has_eos_column:  # min_new_frames: no end token before that many frames
+            sem_logits[:, -1].masked_fill_(bufs.steps[:b] < bufs.min_frames[:b], float("-inf"))
+        if penalty is not None:
+            sem_logits = apply_repetition_penalty(sem_logits, self._main_penalty_ids(b), penalty)
+        return sem_logits
 
-    def _repetition_penalty(self, b: int) -> Tensor | None:
-        """`[b, 1]` float32: each row's penalty for this frame (1 on a row's first frame), or None when the
-        step applies none: no repetition mode, or (CPU only, where reading the rows costs no sync) every
-        row's penalty is 1, an exact no-op skipped for speed."""
+    def noise_shape(self, sem_logits: Tensor) -> tuple[int, int]:
+        """(streams, ids) of the torch sampler's noise for one frame: the main token (0), each codebook
+        (k), the RAS fallback (N + 1); as many ids as the widest of the main and residual logits."""
+        return self.config.num_codebooks + 2, max(sem_logits.shape[1], self.n_residual)
+
+    def sample_main(
+        self, b: int, sem_logits: Tensor, cap: int | None, noise: Tensor | None, settings: DrawSettings | None,
+        high_settings: DrawSettings | None = None, counted: Tensor | None = None,
+    ) -> Tensor:  # fmt: skip
+        """`[b]` int64: the main token's index in [semantic ids..., end token] (RAS applied)."""
+        bufs, V, high = self.buffers, sem_logits.shape[1], self.config.num_codebooks + 1
+        return sample_main_token(
+            sem_logits, bufs.temperature[:b], bufs.top_p[:b], bufs.top_k[:b], bufs.seeds[:b], bufs.steps[:b],
+            bufs.ras_history[:b], bufs.ras_len[:b], self.n_sem, high_stream=high, top_k_cap=cap,
+            log_noise=None if noise is None else noise[:, 0, :V],
+            high_log_noise=None if noise is None else noise[:, high, :V],
+            settings=settings, high_settings=high_settings, counted=counted,
+        )  # fmt: skip
+
+    def first_codes(self, idx: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """The main token id `[b]` for index `idx` and the frame's codes so far: `[c_0]`, derived from
+        the main token (docs/fish_dual_ar.md §1.4 step 5)."""
+        c = self.config
+        token = torch.where(idx == self.n_sem, self.eos_token_id, idx + c.semantic_begin_id)
+        return token, [torch.clamp(token - c.semantic_begin_id, 0, c.codebook_size - 1)]
+
+    def drawer(
+        self,
+        b: int,
+        penalty: Tensor | None,
+        cap: int | None,
+        noise: Tensor | None,
+        settings: DrawSettings | None,
+    ):
+        """`draw(logits [b, n], k) -> [b]`: codebook k's code from its fast logits (penalty, sampler)."""
+        bufs = self.buffers
+        temperature, top_p, top_k = bufs.temperature[:b], bufs.top_p[:b], bufs.top_k[:b]
+        seeds, steps = bufs.seeds[:b], bufs.steps[:b]
+
+        def draw(logits: Tensor, k: int) -> Tensor:
+            if penalty is not None:
+                logits = apply_repetition_penalty(logits, bufs.rep_history[:b, k + 1], penalty)
+            return sample(
+                logits, temperature, top_p, top_k, seeds, steps, stream=k, top_k_cap=cap,
+                log_noise=None if noise is None else noise[:, k, : logits.shape[1]], settings=settings,
+            )  # fmt: skip
+
+        return draw
+
+    def fast_ar(self, b: int, h_pre: Tensor, h_post: Tensor, codes: list[Tensor], draw) -> None:
+        """The fast AR through the model's modules: position 0 on the slow hidden state (its logits are
+        never used), then one position per remaining codebook, appending `draw(logits, k)` to `codes`
+        (docs/fish_dual_ar.md §1.4 steps 4-6)."""
+        m, c = self.model, self.config
+        if c.num_codebooks == 1:
+            return
+        x = m.fast_input(h_pre, h_post).unsqueeze(1)
+        m.fast_layers_forward(x, m.fast_freqs_cis[0:1], self._fast_attend(b, 0))
+        for k in range(1, c.num_codebooks):
+            x = m.fast_embeddings(codes[k - 1]).unsqueeze(1)
+            y = m.fast_layers_forward(x, m.fast_freqs_cis[k : k + 1], self._fast_attend(b, k))
+            codes.append(draw(m.fast_logits(y[:, 0])[:, : self.n_residual], k))
+
+    def end_frame(self, b: int, token: Tensor, codes: list[Tensor], idx: Tensor) -> None:
+        """Write the frame `[token, c_0 .. c_N-1]` to `out` and advance every active row."""
+        self._advance(b, torch.stack([token, *codes], dim=1), idx)
+
+    def repetition_penalty(self, b: int) -> Tensor | None:
+        """`[b, 1]` float32: each row's penalty for this frame (1 on a row's first frame), or None when
+        the runner has no repetition mode."""
         if self.repetition is None:
             return None
         bufs = self.buffers
-        if self.device.type == "cpu" and all(p == 1.0 for p in bufs.rep_penalty.tolist()[:b]):
-            return None
         return torch.where(bufs.steps[:b] > 0, bufs.rep_penalty[:b], 1.0).unsqueeze(1)
 
     def _main_penalty_ids(self, b: int) -> Tensor:
