@@ -178,9 +178,8 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q_size = self.n_head * self.head_dim
         qkv = self.wqkv(x)
-        if (
-            T == 1 and self.fusable and fused_kernels_enabled(qkv)
-        ):  # decode: split, qk-norm, RoPE in one kernel
+        # decode: split, qk-norm and RoPE in one kernel
+        if T == 1 and self.fusable and fused_kernels_enabled(qkv):
             dest = getattr(attend, "kv_dest", None)
             table = freqs_cis.table if isinstance(freqs_cis, Rope) else freqs_cis
             q, k, v = fused_ops().qk_norm_rope(

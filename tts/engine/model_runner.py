@@ -516,18 +516,35 @@ class ModelRunner:
         return self.config.num_codebooks + 2, max(sem_logits.shape[1], self.n_residual)
 
     def sample_main(
-        self, b: int, sem_logits: Tensor, cap: int | None, noise: Tensor | None, settings: DrawSettings | None,
-        high_settings: DrawSettings | None = None, counted: Tensor | None = None,
-    ) -> Tensor:  # fmt: skip
+        self,
+        b: int,
+        sem_logits: Tensor,
+        cap: int | None,
+        noise: Tensor | None,
+        settings: DrawSettings | None,
+        high_settings: DrawSettings | None = None,
+        counted: Tensor | None = None,
+    ) -> Tensor:
         """`[b]` int64: the main token's index in [semantic ids..., end token] (RAS applied)."""
         bufs, V, high = self.buffers, sem_logits.shape[1], self.config.num_codebooks + 1
         return sample_main_token(
-            sem_logits, bufs.temperature[:b], bufs.top_p[:b], bufs.top_k[:b], bufs.seeds[:b], bufs.steps[:b],
-            bufs.ras_history[:b], bufs.ras_len[:b], self.n_sem, high_stream=high, top_k_cap=cap,
+            sem_logits,
+            bufs.temperature[:b],
+            bufs.top_p[:b],
+            bufs.top_k[:b],
+            bufs.seeds[:b],
+            bufs.steps[:b],
+            bufs.ras_history[:b],
+            bufs.ras_len[:b],
+            self.n_sem,
+            high_stream=high,
+            top_k_cap=cap,
             log_noise=None if noise is None else noise[:, 0, :V],
             high_log_noise=None if noise is None else noise[:, high, :V],
-            settings=settings, high_settings=high_settings, counted=counted,
-        )  # fmt: skip
+            settings=settings,
+            high_settings=high_settings,
+            counted=counted,
+        )
 
     def first_codes(self, idx: Tensor) -> tuple[Tensor, list[Tensor]]:
         """The main token id `[b]` for index `idx` and the frame's codes so far: `[c_0]`, derived from
@@ -553,9 +570,17 @@ class ModelRunner:
             if penalty is not None:
                 logits = apply_repetition_penalty(logits, bufs.rep_history[:b, k + 1], penalty)
             return sample(
-                logits, temperature, top_p, top_k, seeds, steps, stream=k, top_k_cap=cap,
-                log_noise=None if noise is None else noise[:, k, : logits.shape[1]], settings=settings,
-            )  # fmt: skip
+                logits,
+                temperature,
+                top_p,
+                top_k,
+                seeds,
+                steps,
+                stream=k,
+                top_k_cap=cap,
+                log_noise=None if noise is None else noise[:, k, : logits.shape[1]],
+                settings=settings,
+            )
 
         return draw
 
