@@ -93,10 +93,19 @@ def check_engine_end_to_end():
     """The whole frame step with every kernel on gives the torch path's codes (fp32)."""
     from helpers import params, random_prompt, run_to_completion
 
+    import tts.kernels.fused as fused_module
     from tts.bundle import build_tiny_bundle
     from tts.engine import Engine, EngineConfig
 
     results = []
+    destinations = []  # the fused decode writes K/V straight into the caches (slow and fast)
+    qk_norm_rope_kernel = fused_module.qk_norm_rope
+
+    def recording(*args, kv_dest=None, **kwargs):
+        destinations.append(kv_dest is not None)
+        return qk_norm_rope_kernel(*args, kv_dest=kv_dest, **kwargs)
+
+    fused_module.qk_norm_rope = recording
     for fused in (False, True):
         K.set_fused_kernels(fused)
         model = build_tiny_bundle().model
@@ -108,8 +117,10 @@ def check_engine_end_to_end():
         for i in range(2):
             engine.submit(random_prompt(model, 6 + 9 * i, i + 1), params(max_new_frames=3, seed=i), f"r{i}")
         results.append(run_to_completion(engine)[0])
+    fused_module.qk_norm_rope = qk_norm_rope_kernel
     for rid in results[0]:
         assert torch.equal(results[0][rid], results[1][rid]), rid
+    assert destinations and all(destinations), "a fused decode step did not write its K/V directly"
 
 
 if __name__ == "__main__":

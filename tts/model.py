@@ -31,17 +31,25 @@ AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 class KVDest(NamedTuple):
-    """Where a decode step's K and V rows go, for the fused CUDA kernel to write them directly.
-
-    An `attend` function may carry one as its `kv_dest` attribute; the fused path then writes K/V of
-    row r, head h to `k[row_offset[r] + h * head_stride : ... + head_dim]` (flat element offsets) and
-    calls `attend(q, None, None)`. Without it (or on the torch path) attend receives K and V as usual.
-    """
+    """Where a decode step's K and V rows go, for the fused CUDA kernel to write them directly: K/V of
+    row r, head h to `k[row_offset[r] + h * head_stride : ... + head_dim]` (flat element offsets)."""
 
     k: Tensor  # flat view of the K destination storage
     v: Tensor
     row_offset: Tensor  # [B] int64 element offset of each row's slot
     head_stride: int
+
+
+class Attend(NamedTuple):
+    """A layer's attention over a cache the caller owns: `fn(q, k, v) -> [B, T, H, D]`, and where a
+    decode step's K/V go (`kv_dest`) when the fused kernel writes them itself; `fn` then receives
+    `k = v = None`. A plain `AttendFn` is an `Attend` without a destination."""
+
+    fn: Callable[[Tensor, Tensor | None, Tensor | None], Tensor]
+    kv_dest: KVDest | None = None
+
+    def __call__(self, q: Tensor, k: Tensor | None, v: Tensor | None) -> Tensor:
+        return self.fn(q, k, v)
 
 
 def rms_norm_fp32(x: Tensor, eps: float, weight: Tensor) -> Tensor:
@@ -174,13 +182,13 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(head_dim, eps=eps)
             self.k_norm = nn.RMSNorm(head_dim, eps=eps)
 
-    def forward(self, x: Tensor, freqs_cis: Tensor | Rope, attend: AttendFn) -> Tensor:
+    def forward(self, x: Tensor, freqs_cis: Tensor | Rope, attend: AttendFn | Attend) -> Tensor:
         B, T, _ = x.shape
         q_size = self.n_head * self.head_dim
         qkv = self.wqkv(x)
         # decode: split, qk-norm and RoPE in one kernel
         if T == 1 and self.fusable and fused_kernels_enabled(qkv):
-            dest = getattr(attend, "kv_dest", None)
+            dest = attend.kv_dest if isinstance(attend, Attend) else None
             table = freqs_cis.table if isinstance(freqs_cis, Rope) else freqs_cis
             q, k, v = fused_ops().qk_norm_rope(
                 qkv,
@@ -312,7 +320,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(dim, eps)
         self.ffn_norm = RMSNorm(dim, eps)
 
-    def forward(self, x: Tensor, freqs_cis: Tensor | Rope, attend: AttendFn) -> Tensor:
+    def forward(self, x: Tensor, freqs_cis: Tensor | Rope, attend: AttendFn | Attend) -> Tensor:
         h = x + self.attention(self.attention_norm(x), freqs_cis, attend)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -327,7 +335,7 @@ def run_layers(
     final_norm: RMSNorm,
     x: Tensor,
     freqs_cis: Tensor | Rope,
-    attend_layer: Callable[[int], AttendFn],
+    attend_layer: Callable[[int], AttendFn | Attend],
 ) -> tuple[Tensor, Tensor]:
     """Run pre-norm blocks, fusing each residual add into the next norm (the last into `final_norm`).
 
@@ -351,7 +359,7 @@ def run_layers_kv_only(
     layers: nn.ModuleList,
     x: Tensor,
     freqs_cis: Tensor | Rope,
-    attend_layer: Callable[[int], AttendFn],
+    attend_layer: Callable[[int], AttendFn | Attend],
     write_kv: Callable[[int, Tensor, Tensor], None],
 ) -> None:
     """`run_layers` for positions whose output is never used, only their K/V: the prefill of prompts of
@@ -500,7 +508,7 @@ class DualARTransformer(nn.Module):
         return torch.where(is_semantic, audio, x)
 
     def slow_layers(
-        self, x: Tensor, freqs_cis: Tensor | Rope, attend_layer: Callable[[int], AttendFn]
+        self, x: Tensor, freqs_cis: Tensor | Rope, attend_layer: Callable[[int], AttendFn | Attend]
     ) -> tuple[Tensor, Tensor]:
         """Run the slow transformer layers and the final norm on `x [B, T, dim]`; returns the hidden
         state before and after the final norm, each `[B, T, dim]`."""
@@ -520,7 +528,7 @@ class DualARTransformer(nn.Module):
     # ---- fast AR -------------------------------------------------------------------------------------
 
     def fast_layers_forward(
-        self, x: Tensor, freqs_cis: Tensor | Rope, attend_layer: Callable[[int], AttendFn]
+        self, x: Tensor, freqs_cis: Tensor | Rope, attend_layer: Callable[[int], AttendFn | Attend]
     ) -> Tensor:
         """Run the fast layers and `fast_norm` on `x [B, T, fast_dim]`; returns the normed hidden state."""
         return run_layers(self.fast_layers, self.fast_norm, x, freqs_cis, attend_layer)[1]

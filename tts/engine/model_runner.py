@@ -43,6 +43,7 @@ from torch import Tensor
 from ..kernels import fused_kernels_enabled
 from ..kv_cache import SCRATCH_BLOCK, PagedDecodeAttention, PagedKVCache, paged_decode_attention
 from ..model import (
+    Attend,
     DualARTransformer,
     KVDest,
     dense_causal_attend,
@@ -420,13 +421,13 @@ class ModelRunner:
 
         def attend_layer(i):
             def attend(q, k, v):
-                if k is not None:  # (the fused kernel already wrote them through kv_dest)
+                if k is not None:  # (else the fused kernel already wrote them to kv_dest)
                     kv.write(i, slots, k[:, 0], v[:, 0])
                 return paged_attention(q[:, 0], i).unsqueeze(1)
 
-            if fused:
-                attend.kv_dest = KVDest(kv.k[i].view(-1), kv.v[i].view(-1), slot_offset, kv.k.shape[-1])
-            return attend
+            if not fused:
+                return Attend(attend)
+            return Attend(attend, KVDest(kv.k[i].view(-1), kv.v[i].view(-1), slot_offset, kv.k.shape[-1]))
 
         x = m.embed(bufs.input_columns[:b].unsqueeze(1))
         h_pre, h_post = m.slow_layers(x, m.freqs_cis[pos].unsqueeze(1), attend_layer)
@@ -447,7 +448,7 @@ class ModelRunner:
 
         def attend_layer(i):
             def attend(q, k, v):
-                if k is not None:  # (the fused kernel already wrote them through kv_dest)
+                if k is not None:  # (else the fused kernel already wrote them to kv_dest)
                     bufs.fast_k[i, :b, :, k_pos].copy_(k[:, 0])
                     bufs.fast_v[i, :b, :, k_pos].copy_(v[:, 0])
                 o = F.scaled_dot_product_attention(
@@ -459,15 +460,13 @@ class ModelRunner:
                 )
                 return o.transpose(1, 2)
 
-            if fused:
-                head_stride = bufs.fast_k.shape[-2] * bufs.fast_k.shape[-1]
-                attend.kv_dest = KVDest(
-                    bufs.fast_k[i].view(-1),
-                    bufs.fast_v[i].view(-1),
-                    self.fast_row_offset[k_pos, :b],
-                    head_stride,
-                )
-            return attend
+            if not fused:
+                return Attend(attend)
+            head_stride = bufs.fast_k.shape[-2] * bufs.fast_k.shape[-1]
+            dest = KVDest(
+                bufs.fast_k[i].view(-1), bufs.fast_v[i].view(-1), self.fast_row_offset[k_pos, :b], head_stride
+            )
+            return Attend(attend, dest)
 
         return attend_layer
 
