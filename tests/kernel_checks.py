@@ -17,7 +17,7 @@ from tts.kernels.paged_attention import triton_paged_decode_attention  # noqa: E
 from tts.kernels.sampling import triton_sample, triton_sample_main_token  # noqa: E402
 from tts.kv_cache import paged_decode_attention  # noqa: E402
 from tts.model import RMSNorm, apply_rotary_emb, precompute_freqs_cis  # noqa: E402
-from tts.sampling import sample, sample_main_token  # noqa: E402
+from tts.sampling import RowParams, sample, sample_main_token  # noqa: E402
 
 
 def check_paged_attention():
@@ -73,18 +73,19 @@ def check_sampler():
     for s in range(3):
         seeds, steps = torch.arange(B) * 1000 + s, torch.full((B,), s)
         assert torch.equal(
-            sample(logits, t, p, k, seeds, steps, 3), triton_sample(logits, t, p, k, seeds, steps, 3)
+            sample(logits, RowParams(t, p, k, seeds, steps), 3),
+            triton_sample(logits, t, p, k, seeds, steps, 3),
         )
-        a = sample_main_token(logits, t, p, k, seeds, steps, window, wl, V - 1, 11)
+        a = sample_main_token(logits, RowParams(t, p, k, seeds, steps), window, wl, V - 1, 11)
         b = triton_sample_main_token(logits, t, p, k, seeds, steps, window, wl, V - 1, 11)
         assert torch.equal(a, b)
         # the top-k fast path (bf16 logits, every row 0 < top_k <= cap) gives the full sort's draws,
         # ties included (row 5 is all ties but one)
         kk = torch.tensor([3, 5, 8, 30, 1, 16])
         lb = logits.to(torch.bfloat16)
-        full = sample(lb, t, p, kk, seeds, steps, 4)
+        full = sample(lb, RowParams(t, p, kk, seeds, steps), 4)
         assert torch.equal(full, triton_sample(lb, t, p, kk, seeds, steps, 4, top_k_cap=30))
-        a = sample_main_token(lb, t, p, kk, seeds, steps, window, wl, V - 1, 11)
+        a = sample_main_token(lb, RowParams(t, p, kk, seeds, steps), window, wl, V - 1, 11)
         b = triton_sample_main_token(lb, t, p, kk, seeds, steps, window, wl, V - 1, 11, top_k_cap=30)
         assert torch.equal(a, b)
 

@@ -1,6 +1,8 @@
 import torch
 
 from tts.sampling import (
+    FrameDraws,
+    RowParams,
     SortedLogits,
     frame_log_noise,
     hash32,
@@ -32,8 +34,8 @@ def test_same_keys_same_draw_different_seed_different_draws():
     torch.manual_seed(0)
     logits = torch.randn(1, 500)
     t, p, k = _p(1)
-    a = [int(sample(logits, t, p, k, torch.tensor([s]), torch.tensor([0]), 1)) for s in range(50)]
-    b = [int(sample(logits, t, p, k, torch.tensor([s]), torch.tensor([0]), 1)) for s in range(50)]
+    a = [int(sample(logits, RowParams(t, p, k, torch.tensor([s]), torch.tensor([0])), 1)) for s in range(50)]
+    b = [int(sample(logits, RowParams(t, p, k, torch.tensor([s]), torch.tensor([0])), 1)) for s in range(50)]
     assert a == b
     assert len(set(a)) > 10
 
@@ -44,12 +46,12 @@ def test_row_draw_is_independent_of_batch_neighbours():
     row = torch.randn(300)
     others = torch.randn(6, 300)
     seed, step = torch.tensor([42]), torch.tensor([17])
-    alone = sample(row[None], *_p(1, 0.8, 0.9, 50), seed, step, stream=3)
+    alone = sample(row[None], RowParams(*_p(1, 0.8, 0.9, 50), seed, step), stream=3)
     for pos in range(4):
         batch = torch.cat([others[:pos], row[None], others[pos:]])
         seeds = torch.cat([torch.arange(pos), seed, torch.arange(100, 106 - pos)])
         steps = torch.cat([torch.zeros(pos, dtype=torch.int64), step, torch.ones(6 - pos, dtype=torch.int64)])
-        out = sample(batch, *_p(7, 0.8, 0.9, 50), seeds, steps, stream=3)
+        out = sample(batch, RowParams(*_p(7, 0.8, 0.9, 50), seeds, steps), stream=3)
         assert out[pos] == alone[0]
 
 
@@ -58,7 +60,7 @@ def test_empirical_distribution_matches_softmax():
     t, p, k = _p(1, temperature=1.0)
     counts = torch.zeros(4)
     for s in range(4000):
-        counts[sample(logits, t, p, k, torch.tensor([s]), torch.tensor([0]), 0)] += 1
+        counts[sample(logits, RowParams(t, p, k, torch.tensor([s]), torch.tensor([0])), 0)] += 1
     torch.testing.assert_close(counts / 4000, torch.softmax(logits[0], 0), atol=0.03, rtol=0)
 
 
@@ -70,7 +72,7 @@ def test_top_k_and_top_p_masks():
     batch = logits.expand(2000, 4)
 
     def support(**kw):
-        return set(sample(batch, *_p(2000, **kw), seeds, steps, 0).tolist())
+        return set(sample(batch, RowParams(*_p(2000, **kw), seeds, steps), 0).tolist())
 
     assert support(top_k=2) == {0, 1}
     assert support(top_k=1) == {0}
@@ -84,7 +86,9 @@ def test_top_k_and_top_p_masks():
 def test_temperature_zero_is_greedy_and_sorted_draw_matches():
     torch.manual_seed(2)
     logits = torch.randn(5, 100)
-    out = sample(logits, *_p(5, temperature=0.0), torch.arange(5), torch.zeros(5, dtype=torch.int64), 0)
+    out = sample(
+        logits, RowParams(*_p(5, temperature=0.0), torch.arange(5), torch.zeros(5, dtype=torch.int64)), 0
+    )
     assert torch.equal(out, logits.argmax(-1))
     s = SortedLogits(logits)
     assert torch.equal(s.indices[:, 0], logits.argmax(-1))
@@ -99,14 +103,18 @@ def test_ras_switches_to_high_draw_only_for_repeated_semantic_tokens():
     is_sem = V
     seed, step = torch.tensor([3]), torch.tensor([5])
     window = torch.full((1, 10), -1)
-    base = sample_main_token(logits, t, p, k, seed, step, window, torch.tensor([10]), is_sem, high_stream=9)
+    base = sample_main_token(
+        logits, RowParams(t, p, k, seed, step), window, torch.tensor([10]), is_sem, high_stream=9
+    )
     assert int(base) == 7
     window[0, -1] = 7
     # With 7 in the window, the high draw (temperature 1.0, top-p 0.9) is taken: for this logit gap it
     # is also 7 most of the time, so check across seeds that some draws differ.
     outs = {
         int(
-            sample_main_token(logits, t, p, k, torch.tensor([s]), step, window, torch.tensor([10]), is_sem, 9)
+            sample_main_token(
+                logits, RowParams(t, p, k, torch.tensor([s]), step), window, torch.tensor([10]), is_sem, 9
+            )
         )
         for s in range(200)
     }
@@ -114,26 +122,39 @@ def test_ras_switches_to_high_draw_only_for_repeated_semantic_tokens():
     flat = torch.zeros(1, V)
     flat[0, 7] = 1.0
     outs = {
-        int(sample_main_token(flat, t, p, k, torch.tensor([s]), step, window, torch.tensor([10]), is_sem, 9))
+        int(
+            sample_main_token(
+                flat, RowParams(t, p, k, torch.tensor([s]), step), window, torch.tensor([10]), is_sem, 9
+            )
+        )
         for s in range(50)
     }
     assert len(outs) > 5  # high draw at temperature 1 over a flat distribution
     # Window length 0 disables RAS; non-semantic repeats never switch.
     outs0 = {
-        int(sample_main_token(flat, t, p, k, torch.tensor([s]), step, window, torch.tensor([0]), is_sem, 9))
+        int(
+            sample_main_token(
+                flat, RowParams(t, p, k, torch.tensor([s]), step), window, torch.tensor([0]), is_sem, 9
+            )
+        )
         for s in range(50)
     }
     assert outs0 == {7}
     not_sem = 0
     outs_ns = {
-        int(sample_main_token(flat, t, p, k, torch.tensor([s]), step, window, torch.tensor([10]), not_sem, 9))
+        int(
+            sample_main_token(
+                flat, RowParams(t, p, k, torch.tensor([s]), step), window, torch.tensor([10]), not_sem, 9
+            )
+        )
         for s in range(50)
     }
     assert outs_ns == {7}
 
 
 def test_shared_draw_settings_give_the_same_draws():
-    """One DrawSettings reused for several draws (as the decode step does) changes no draw."""
+    """One frame's noise and DrawSettings shared by several draws (as the frame step does) change no
+    draw."""
     from tts.sampling import DrawSettings
 
     torch.manual_seed(4)
@@ -144,8 +165,10 @@ def test_shared_draw_settings_give_the_same_draws():
     settings = DrawSettings(temperature, top_p, top_k)
     for stream in range(3):
         logits = torch.randn(B, V) * 3
-        shared = sample(logits, temperature, top_p, top_k, seeds, steps, stream, settings=settings)
-        assert torch.equal(shared, sample(logits, temperature, top_p, top_k, seeds, steps, stream))
+        rows = RowParams(temperature, top_p, top_k, seeds, steps)
+        frame = FrameDraws(frame_log_noise(seeds, steps, 3, V), settings)
+        shared = sample(logits, rows, stream, frame=frame)
+        assert torch.equal(shared, sample(logits, rows, stream))
 
 
 def test_frame_noise_is_each_draws_own_noise():

@@ -23,6 +23,8 @@ token already present among the row's last `ras_window` main tokens, take `high`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -146,34 +148,54 @@ class SortedLogits:
         return torch.where(settings.sampled, sampled, self.indices[:, 0])
 
 
+@dataclass
+class RowParams:
+    """One step's per-row sampling parameters and randomness keys: temperature, top_p `[B]` float32
+    (temperature 0 = greedy, top_p in (0, 1]); top_k `[B]` int64 (0 = no limit); seeds, steps `[B]`
+    int64 (the frame being generated)."""
+
+    temperature: Tensor
+    top_p: Tensor
+    top_k: Tensor
+    seeds: Tensor
+    steps: Tensor
+
+
+@dataclass
+class FrameDraws:
+    """Work the torch sampler shares among every draw of one frame, made once by the caller: the
+    frame's noise `log_noise [B, streams, n]` (`frame_log_noise`; a draw of stream s reads `[:, s,
+    :V]`), the rows' `settings`, and for the main token's RAS pair the fallback's settings
+    (`ras_high_settings`) and the counted window slots (`ras_counted`), made here when None. The
+    Triton sampler ignores it (it hashes its own noise)."""
+
+    log_noise: Tensor
+    settings: DrawSettings
+    high_settings: DrawSettings | None = None
+    counted: Tensor | None = None
+
+
 def sample(
     logits: Tensor,
-    temperature: Tensor,
-    top_p: Tensor,
-    top_k: Tensor,
-    seeds: Tensor,
-    steps: Tensor,
+    rows: RowParams,
     stream: int,
     top_k_cap: int | None = None,
-    log_noise: Tensor | None = None,
-    settings: DrawSettings | None = None,
+    frame: FrameDraws | None = None,
 ) -> Tensor:
-    """Sample one index per row.
-
-    logits: `[B, V]` (any float dtype; math in fp32); temperature, top_p: `[B]` float32 (temperature 0
-    = greedy, top_p in (0, 1]); top_k: `[B]` int64 (0 = no limit); seeds, steps: `[B]` int64.
-    Returns `[B]` int64. On CUDA the Triton kernel of tts/kernels/sampling.py does the same in one launch;
-    `top_k_cap` (a promise that every row has 0 < top_k <= top_k_cap) lets it sort only that many
-    candidates. `log_noise [B, V]`: this draw's slice of `frame_log_noise`; `settings`: the same
-    temperature / top_p / top_k prepared once for several draws (torch path only).
-    """
+    """Sample one index per row of `logits [B, V]` (any float dtype; math in fp32) with `rows`'
+    parameters, as draw `stream` of the frame. Returns `[B]` int64. On CUDA the Triton kernel of
+    tts/kernels/sampling.py does the same in one launch; `top_k_cap` (a promise that every row has 0 <
+    top_k <= top_k_cap) lets it sort only that many candidates. `frame`: see `FrameDraws`."""
     if _use_triton(logits):
         from .kernels.sampling import triton_sample
 
-        return triton_sample(logits, temperature, top_p, top_k, seeds, steps, stream, top_k_cap)
-    keys = None if log_noise is not None else row_keys(seeds, steps, stream)
-    if settings is None:
-        settings = DrawSettings(temperature, top_p, top_k)
+        r = rows
+        return triton_sample(logits, r.temperature, r.top_p, r.top_k, r.seeds, r.steps, stream, top_k_cap)
+    if frame is None:
+        keys, log_noise = row_keys(rows.seeds, rows.steps, stream), None
+        settings = DrawSettings(rows.temperature, rows.top_p, rows.top_k)
+    else:
+        keys, log_noise, settings = None, frame.log_noise[:, stream, : logits.shape[1]], frame.settings
     return SortedLogits(logits).draw(settings, keys, log_noise)
 
 
@@ -199,41 +221,33 @@ def ras_counted(window: Tensor, window_len: Tensor) -> Tensor:
 
 def sample_main_token(
     logits: Tensor,
-    temperature: Tensor,
-    top_p: Tensor,
-    top_k: Tensor,
-    seeds: Tensor,
-    steps: Tensor,
+    rows: RowParams,
     window: Tensor,
     window_len: Tensor,
     n_semantic: int,
     high_stream: int,
     top_k_cap: int | None = None,
-    log_noise: Tensor | None = None,
-    high_log_noise: Tensor | None = None,
-    settings: DrawSettings | None = None,
-    high_settings: DrawSettings | None = None,
-    counted: Tensor | None = None,
+    frame: FrameDraws | None = None,
 ) -> Tensor:
-    """Main-token draw with the RAS fallback (docs/fish_dual_ar.md §4.1).
+    """Main-token draw with the RAS fallback (docs/fish_dual_ar.md §4.1), draw streams 0 and
+    `high_stream` of the frame.
 
     window: `[B, W]` int64 indices of the row's last W main tokens in the same index space as logits,
     newest last, -1 where empty; window_len: `[B]` how many of the newest entries count (0 disables
-    RAS); indices `[0, n_semantic)` are semantic tokens; `log_noise` / `high_log_noise`: the two draws'
-    slices of `frame_log_noise` (streams 0 and `high_stream`; torch path only); `settings`: as for
-    `sample`; `high_settings`, `counted`: `ras_high_settings(...)` and `ras_counted(window,
-    window_len)` made beforehand (the CPU runner keeps them between frames). Returns `[B]` int64.
+    RAS); indices `[0, n_semantic)` are semantic tokens; `top_k_cap`, `frame`: as for `sample`.
+    Returns `[B]` int64.
     """
+    r = rows
     if _use_triton(logits):
         from .kernels.sampling import triton_sample_main_token
 
         return triton_sample_main_token(
             logits,
-            temperature,
-            top_p,
-            top_k,
-            seeds,
-            steps,
+            r.temperature,
+            r.top_p,
+            r.top_k,
+            r.seeds,
+            r.steps,
             window,
             window_len,
             n_semantic,
@@ -241,17 +255,20 @@ def sample_main_token(
             top_k_cap,
         )
     sorted_logits = SortedLogits(logits)
-    precomputed = log_noise is not None
-    if settings is None:
-        settings = DrawSettings(temperature, top_p, top_k)
-    normal = sorted_logits.draw(settings, None if precomputed else row_keys(seeds, steps, 0), log_noise)
-    if high_settings is None:
-        high_settings = ras_high_settings(temperature, top_p, top_k, settings)
-    high = sorted_logits.draw(
-        high_settings, None if precomputed else row_keys(seeds, steps, high_stream), high_log_noise
-    )
-    if counted is None:
+    V = logits.shape[1]
+    if frame is None:
+        settings = DrawSettings(r.temperature, r.top_p, r.top_k)
+        normal = sorted_logits.draw(settings, row_keys(r.seeds, r.steps, 0))
+        high_settings = ras_high_settings(r.temperature, r.top_p, r.top_k, settings)
+        high = sorted_logits.draw(high_settings, row_keys(r.seeds, r.steps, high_stream))
         counted = ras_counted(window, window_len)
+    else:
+        normal = sorted_logits.draw(frame.settings, None, frame.log_noise[:, 0, :V])
+        fallback = frame.high_settings
+        if fallback is None:
+            fallback = ras_high_settings(r.temperature, r.top_p, r.top_k, frame.settings)
+        high = sorted_logits.draw(fallback, None, frame.log_noise[:, high_stream, :V])
+        counted = frame.counted if frame.counted is not None else ras_counted(window, window_len)
     repeated = ((window == normal.unsqueeze(1)) & counted).any(dim=1)
-    use_high = repeated & (normal < n_semantic) & (temperature > 0)
+    use_high = repeated & (normal < n_semantic) & (r.temperature > 0)
     return torch.where(use_high, high, normal)

@@ -22,7 +22,7 @@ from torch import Tensor
 from ..kernels import fused_kernels_enabled
 from ..kv_cache import PagedDecodeAttention, paged_decode_attention
 from ..model import Rope
-from ..sampling import DrawSettings, frame_log_noise, ras_counted, ras_high_settings
+from ..sampling import DrawSettings, FrameDraws, frame_log_noise, ras_counted, ras_high_settings
 from .cpu_decode import LayerWeights, block_weights, decode_layers, decode_layers_kv_only
 from .model_runner import ModelRunner
 
@@ -76,11 +76,11 @@ class CpuFrameStep:
             if r.repetition is not None and any(p != 1.0 for p in bufs.rep_penalty.tolist()[:b]):
                 penalty = r.repetition_penalty(b)  # (all 1: an exact no-op, skipped)
             sem_logits = r.main_logits(b, h_post, penalty)
-            noise = self._frame_noise(b, *r.noise_shape(sem_logits))
-            settings, high_settings, counted = self._draw_settings(b)
-            idx = r.sample_main(b, sem_logits, None, noise, settings, high_settings, counted)
+            rows = r.row_params(b)
+            frame = FrameDraws(self._frame_noise(b, *r.noise_shape(sem_logits)), *self._draw_settings(b))
+            idx = r.sample_main(b, sem_logits, rows, None, frame)
             token, codes = r.first_codes(idx)
-            draw = r.drawer(b, penalty, None, noise, settings)
+            draw = r.drawer(b, rows, penalty, None, frame)
             if self.layers is None:
                 r.fast_ar(b, h_pre, h_post, codes, draw)
             elif r.config.num_codebooks > 1:

@@ -54,6 +54,8 @@ from ..sampling import (
     RAS_WINDOW,
     SAMPLER_TOPK_CAP,
     DrawSettings,
+    FrameDraws,
+    RowParams,
     frame_log_noise,
     sample,
     sample_main_token,
@@ -476,23 +478,22 @@ class ModelRunner:
         variant "topk": every row's top_k is in [1, SAMPLER_TOPK_CAP], so the CUDA sampler may select
         that many candidates before sorting (identical draws, far fewer sorted elements).
         table_width: as for `slow_step` (eager steps only). A CPU engine runs `CpuFrameStep` instead."""
-        bufs = self.buffers
         cap = SAMPLER_TOPK_CAP if variant == "topk" else None
         with torch.inference_mode():
             h_pre, h_post = self.slow_step(b, table_width)
             penalty = self.repetition_penalty(b)
             sem_logits = self.main_logits(b, h_post, penalty)
+            rows = self.row_params(b)
             # The torch sampler takes the frame's noise for every draw from one batched computation
             # (streams 0 = main token, k = codebook k, N + 1 = RAS fallback); the CUDA kernels hash
             # their own noise.
-            noise = settings = None
+            frame = None
             if not fused_kernels_enabled(sem_logits):
-                streams, n = self.noise_shape(sem_logits)
-                noise = frame_log_noise(bufs.seeds[:b], bufs.steps[:b], streams, n)
-                settings = DrawSettings(bufs.temperature[:b], bufs.top_p[:b], bufs.top_k[:b])  # all draws
-            idx = self.sample_main(b, sem_logits, cap, noise, settings)
+                noise = frame_log_noise(rows.seeds, rows.steps, *self.noise_shape(sem_logits))
+                frame = FrameDraws(noise, DrawSettings(rows.temperature, rows.top_p, rows.top_k))
+            idx = self.sample_main(b, sem_logits, rows, cap, frame)
             token, codes = self.first_codes(idx)
-            self.fast_ar(b, h_pre, h_post, codes, self.drawer(b, penalty, cap, noise, settings))
+            self.fast_ar(b, h_pre, h_post, codes, self.drawer(b, rows, penalty, cap, frame))
             self.end_frame(b, token, codes, idx)
 
     # The parts of the frame step (`CpuFrameStep` composes them too).
@@ -514,36 +515,18 @@ class ModelRunner:
         (k), the RAS fallback (N + 1); as many ids as the widest of the main and residual logits."""
         return self.config.num_codebooks + 2, max(sem_logits.shape[1], self.n_residual)
 
+    def row_params(self, b: int) -> RowParams:
+        """Rows `[:b]`'s sampling parameters and keys (views of the buffers)."""
+        bufs = self.buffers
+        return RowParams(bufs.temperature[:b], bufs.top_p[:b], bufs.top_k[:b], bufs.seeds[:b], bufs.steps[:b])
+
     def sample_main(
-        self,
-        b: int,
-        sem_logits: Tensor,
-        cap: int | None,
-        noise: Tensor | None,
-        settings: DrawSettings | None,
-        high_settings: DrawSettings | None = None,
-        counted: Tensor | None = None,
+        self, b: int, sem_logits: Tensor, rows: RowParams, cap: int | None, frame: FrameDraws | None
     ) -> Tensor:
         """`[b]` int64: the main token's index in [semantic ids..., end token] (RAS applied)."""
-        bufs, V, high = self.buffers, sem_logits.shape[1], self.config.num_codebooks + 1
-        return sample_main_token(
-            sem_logits,
-            bufs.temperature[:b],
-            bufs.top_p[:b],
-            bufs.top_k[:b],
-            bufs.seeds[:b],
-            bufs.steps[:b],
-            bufs.ras_history[:b],
-            bufs.ras_len[:b],
-            self.n_sem,
-            high_stream=high,
-            top_k_cap=cap,
-            log_noise=None if noise is None else noise[:, 0, :V],
-            high_log_noise=None if noise is None else noise[:, high, :V],
-            settings=settings,
-            high_settings=high_settings,
-            counted=counted,
-        )
+        bufs, high = self.buffers, self.config.num_codebooks + 1
+        window, window_len = bufs.ras_history[:b], bufs.ras_len[:b]
+        return sample_main_token(sem_logits, rows, window, window_len, self.n_sem, high, cap, frame)
 
     def first_codes(self, idx: Tensor) -> tuple[Tensor, list[Tensor]]:
         """The main token id `[b]` for index `idx` and the frame's codes so far: `[c_0]`, derived from
@@ -553,33 +536,15 @@ class ModelRunner:
         return token, [torch.clamp(token - c.semantic_begin_id, 0, c.codebook_size - 1)]
 
     def drawer(
-        self,
-        b: int,
-        penalty: Tensor | None,
-        cap: int | None,
-        noise: Tensor | None,
-        settings: DrawSettings | None,
+        self, b: int, rows: RowParams, penalty: Tensor | None, cap: int | None, frame: FrameDraws | None
     ):
         """`draw(logits [b, n], k) -> [b]`: codebook k's code from its fast logits (penalty, sampler)."""
-        bufs = self.buffers
-        temperature, top_p, top_k = bufs.temperature[:b], bufs.top_p[:b], bufs.top_k[:b]
-        seeds, steps = bufs.seeds[:b], bufs.steps[:b]
+        rep_history = self.buffers.rep_history[:b]
 
         def draw(logits: Tensor, k: int) -> Tensor:
             if penalty is not None:
-                logits = apply_repetition_penalty(logits, bufs.rep_history[:b, k + 1], penalty)
-            return sample(
-                logits,
-                temperature,
-                top_p,
-                top_k,
-                seeds,
-                steps,
-                stream=k,
-                top_k_cap=cap,
-                log_noise=None if noise is None else noise[:, k, : logits.shape[1]],
-                settings=settings,
-            )
+                logits = apply_repetition_penalty(logits, rep_history[:, k + 1], penalty)
+            return sample(logits, rows, stream=k, top_k_cap=cap, frame=frame)
 
         return draw
 
