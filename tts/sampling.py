@@ -100,7 +100,7 @@ class DrawSettings:
         self.t = torch.clamp(temperature, min=MIN_TEMPERATURE).unsqueeze(1)
         self.sampled = temperature > 0  # else greedy
         # Set by a caller that knows (from host values) that every row is sampled: `draw` then skips
-        # its greedy select, which would keep the sampled index everywhere (the CPU runner does).
+        # its greedy select, which would keep the sampled index everywhere (the CPU frame step does).
         self.all_sampled = False
         # The rank masks depend on top_k only: `same_top_k` (settings with this top_k) shares its own.
         self._rank_masks: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = (
