@@ -336,6 +336,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import MiB, ServiceLimits
 
     check_serve_options(args)
+    # A server logs each request and its start-up at INFO (tts -v: everything at DEBUG).
+    if not getattr(args, "verbose", False):
+        for name in ("service", "tts"):
+            logging.getLogger(name).setLevel(logging.INFO)
     resolve_graphs_arg(args)  # (before the replicas get the options: the deprecated ones, resolved)
     if args.devices is not None:
         from .cluster import run_cluster

@@ -152,9 +152,9 @@ def server_time_split(before: dict[str, float] | None, after: dict[str, float] |
     """The server-side counters' change over a level: frame-step, codec decode and encode seconds,
     reference-cache hits and misses, frame steps and their rows (mean_batch = rows / steps), codec
     decode calls and their frames (codec_frames_per_call), and codec_share = codec / (frame steps +
-    codec). A counter the
-    server does not export is None (codec encode counts as 0 for the share if only it is missing);
-    codec_share is None without the frame-step and decode counters or without any time spent."""
+    codec). A counter the server does not export is None (codec encode counts as 0 for the share if only
+    it is missing); codec_share is None without the frame-step and decode counters or without any time
+    spent."""
     out: dict[str, float | None] = {}
     for key, name in SERVER_COUNTERS.items():
         if before is None or after is None or name not in before or name not in after:

@@ -207,26 +207,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         return run_from_args(args)
     check_device(args.device)
-    modes = [m.strip() for m in args.modes.split(",")]
+    cuda = args.device.startswith("cuda")
+    modes = [m.strip() for m in (args.modes or ("eager,graph" if cuda else "eager")).split(",")]
     if not set(modes) <= {"eager", "graph"}:
         raise UserError(f"--modes takes eager and/or graph, got {args.modes!r}")
-    if "graph" in modes and not args.device.startswith("cuda"):
-        print("note: graph mode needs CUDA; running eager only on this device", file=sys.stderr)
-        modes = [m for m in modes if m != "graph"] or ["eager"]
-    if args.frames < 2 or args.warmup_frames < 1 or args.prompt_tokens < 1:
-        raise UserError("--frames must be >= 2, --warmup-frames >= 1, --prompt-tokens >= 1")
+    for option, least in (("frames", 2), ("warmup_frames", 1), ("prompt_tokens", 1)):
+        value = getattr(args, option)
+        if value < least:
+            raise UserError(f"--{option.replace('_', '-')} must be >= {least}, got {value}")
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot write results to --out {out}: {exc.strerror or exc}") from exc
     model = load_bench_model(args.model, args.device, torch_dtype(args.dtype))
     needed = args.prompt_tokens + args.warmup_frames + args.frames + 1
-    if args.max_context is not None and not needed <= args.max_context <= model.config.max_seq_len:
+    context = args.max_context or model.config.max_seq_len
+    if not needed <= context <= model.config.max_seq_len:
         raise UserError(
-            f"--max-context must be between {needed} (prompt + warm-up + timed frames + 1) and the "
-            f"model's {model.config.max_seq_len}, got {args.max_context}"
+            f"the context (--max-context, default the model's {model.config.max_seq_len} tokens) must be "
+            f"between {needed} (prompt + warm-up + timed frames + 1) and {model.config.max_seq_len}, "
+            f"got {context}"
         )
-    set_cpu_threads(
-        args.threads, not args.device.startswith("cuda"), sum(p.numel() for p in model.parameters())
-    )
+    if "graph" in modes and not cuda:
+        print("note: graph mode needs CUDA; running eager only on this device", file=sys.stderr)
+        modes = [m for m in modes if m != "graph"] or ["eager"]
+    set_cpu_threads(args.threads, not cuda, sum(p.numel() for p in model.parameters()))
     env = environment(model, args)
-    env["on_gpu"] = args.device.startswith("cuda")
+    env["on_gpu"] = cuda
     results = []
     for mode in modes:
         for batch in args.batch_sizes:
@@ -239,8 +247,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 flush=True,
             )
     print_table(results, env)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps({"method": env, "results": results}, indent=2))
     plot(results, out / "bench.png", env)
     print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
@@ -257,14 +263,21 @@ def add_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--model", default="default", help="s2-pro-shape (random weights, GPU), a preset or a directory"
+        "--model",
+        default="default",
+        help="s2-pro-shape (random weights, GPU), a preset or a directory (default: the default voice)",
     )
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="weights' dtype (default: bf16 for a random shape, else the checkpoint's)",
+    )
     p.add_argument("--modes", default="eager,graph", help="comma list of eager, graph (graph needs CUDA)")
     p.add_argument("--batch-sizes", type=_ints, default=[1, 4, 16, 64], help="comma list (default 1,4,16,64)")
     p.add_argument("--buckets", type=_ints, default=[1, 2, 4, 8, 16, 24, 32, 48, 64], help="graph buckets")
-    p.add_argument("--prompt-tokens", type=int, default=200)
+    p.add_argument("--prompt-tokens", type=int, default=200, help="tokens per request's prompt (default 200)")
     p.add_argument(
         "--max-context",
         type=int,
@@ -273,7 +286,9 @@ def add_parser(sub) -> None:
         "a graph's attention reads (default: the model's maximum, as tts serve runs)",
     )
     p.add_argument("--frames", type=int, default=128, help="timed frames per point")
-    p.add_argument("--warmup-frames", type=int, default=8)
+    p.add_argument(
+        "--warmup-frames", type=int, default=8, help="untimed frames first: admission, prefill (default 8)"
+    )
     p.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH, help="bytes/s for the floor")
     p.add_argument(
         "--threads",

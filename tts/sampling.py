@@ -77,8 +77,8 @@ def frame_log_noise(seeds: Tensor, steps: Tensor, streams: int, n: int) -> Tenso
     """`log(E)`, `E = -log U`, for every stream `0..streams-1` and token id `0..n-1` of a frame at once:
     `[B, streams, n]` float32. Slicing `[:, s, :V]` gives exactly the noise `sample(..., stream=s)` draws
     for a V-way row (U depends only on the keys and the token id), in one batch of ops instead of one
-    per draw (the CPU path is launch-bound; its runner also makes the next frames' noise in the same
-    batch, rows `(seed, step + j)`)."""
+    per draw (the CPU path is launch-bound; the CPU frame step, `CpuFrameStep._frame_noise`, also makes
+    the next frames' noise in the same batch, rows `(seed, step + j)`)."""
     stream_ids = torch.arange(streams, device=seeds.device)
     keys = row_keys(seeds.unsqueeze(1), steps.unsqueeze(1), stream_ids)
     u = uniform(keys.reshape(-1), n).view(seeds.shape[0], streams, n)

@@ -27,7 +27,7 @@ from ..model import RMSNorm, TransformerBlock, pair_swap_index, rms_norm_fp32
 
 # attend(i, q [B, H, D], k [B, Hkv, D], v [B, Hkv, D]) -> [B, H, D]: write layer i's K/V of this
 # position wherever the caller keeps them, and attend over the row's context.
-Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+LayerAttend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
 class BlockWeights(NamedTuple):
@@ -108,7 +108,7 @@ def _qkv(w: BlockWeights, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, 
 
 
 def decode_layers(
-    blocks: list[BlockWeights], final_norm: Tensor, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend
+    blocks: list[BlockWeights], final_norm: Tensor, x: Tensor, cos: Tensor, sin: Tensor, attend: LayerAttend
 ) -> tuple[Tensor, Tensor]:
     """`model.run_layers` for one position per row: x `[B, dim]` -> (hidden before the final norm,
     after it), each `[B, dim]`."""
@@ -130,7 +130,7 @@ def decode_layers_kv_only(
     x: Tensor,
     cos: Tensor,
     sin: Tensor,
-    attend: Attend,
+    attend: LayerAttend,
     write_kv: Callable[[int, Tensor, Tensor], None],
 ) -> None:
     """`model.run_layers_kv_only` for one position per row: every block but the last in full, the

@@ -111,7 +111,8 @@ MAX_SPLITS = 128
 
 def decode_splits(rows: int, kv_heads: int, max_tokens: int, block_n: int) -> int:
     """Programs per (row, KV head): a power of two, enough for about TARGET_PROGRAMS programs, at most
-    MAX_SPLITS and at most one per `block_n`-token chunk of the table's width."""
+    MAX_SPLITS and at most the table width's count of `block_n`-token chunks rounded up to a power of
+    two."""
     wanted = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, rows * kv_heads))
     chunks = triton.next_power_of_2(triton.cdiv(max_tokens, block_n))
     return max(1, min(wanted, MAX_SPLITS, chunks))
