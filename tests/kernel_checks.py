@@ -24,13 +24,22 @@ def check_paged_attention():
     torch.manual_seed(0)
     H, Hkv, D, bs, NB = 8, 2, 16, 4, 30
     kc, vc = torch.randn(NB, bs, Hkv, D), torch.randn(NB, bs, Hkv, D)
-    tables = torch.randint(1, NB, (3, 80), dtype=torch.int32)  # 320 tokens: five 64-token chunks
-    lens = torch.tensor([1, 7, 320])  # one token, inside a block, the full table
-    q = torch.randn(3, H, D)
+    tables = torch.randint(1, NB, (4, 80), dtype=torch.int32)  # 320 tokens: five 64-token chunks
+    lens = torch.tensor([1, 7, 200, 320])  # one token, inside a block, a partial last chunk, the full table
+    q = torch.randn(4, H, D)
     ref = paged_decode_attention(q, kc, vc, tables, lens, D**-0.5)
     # one program per row, two and eight sharing a row's chunks round-robin (more programs than chunks:
     # some find none), and the automatic choice
     for splits in (1, 2, 8, None):
+        out = triton_paged_decode_attention(q, kc, vc, tables, lens, D**-0.5, splits=splits)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # KV blocks larger than a chunk (128 tokens a block, 64 a chunk)
+    kc, vc = torch.randn(6, 128, Hkv, D), torch.randn(6, 128, Hkv, D)
+    tables = torch.tensor([[3, 1, 5], [2, 4, 0]], dtype=torch.int32)
+    lens = torch.tensor([65, 300])
+    q = torch.randn(2, H, D)
+    ref = paged_decode_attention(q, kc, vc, tables, lens, D**-0.5)
+    for splits in (1, 4):
         out = triton_paged_decode_attention(q, kc, vc, tables, lens, D**-0.5, splits=splits)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 

@@ -151,6 +151,18 @@ def test_text_the_english_voice_cannot_say_is_left_out_with_a_warning(tts):
         tts.prepare("你好世界。")
 
 
+def test_a_repetition_penalty_the_model_does_not_apply_is_reported(tts):
+    """The tiny bundle samples without a repetition penalty (like S2-Pro and the default voice): a
+    request that sets one is told it is ignored instead of silently getting the same audio."""
+    assert tts.bundle.repetition is None
+    job = tts.prepare("Hello there.", max_new_frames=4, seed=1, repetition_penalty=1.3)
+    assert job.warnings == [
+        "repetition_penalty 1.3 is ignored: this model samples without a repetition penalty "
+        "(as its reference code does)"
+    ]
+    assert tts.prepare("Hello there.", max_new_frames=4, seed=1, repetition_penalty=1.0).warnings == []
+
+
 def test_normalize_false_reads_the_text_as_given(tts):
     assert tts.plan("I have **3** cats.") == ["I have three cats."]
     assert tts.plan("I have **3** cats.", normalize=False) == ["I have **3** cats."]

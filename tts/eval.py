@@ -214,6 +214,12 @@ def read_sentences(path: Path, limit: int | None, passages: bool = False) -> lis
     return texts[:limit] if limit else texts
 
 
+def sampling_options(args: argparse.Namespace) -> dict:
+    """The sampling options given on the command line (None: the model's default)."""
+    names = ("temperature", "top_p", "top_k", "ras_window", "repetition_penalty")
+    return {name: getattr(args, name) for name in names}
+
+
 def evaluate(args: argparse.Namespace) -> dict:
     from .api import TTS
     from .bundle import load_bundle
@@ -231,13 +237,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     load_seconds = time.perf_counter() - t0
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     log(f"model: {bundle.describe()} (loaded in {load_seconds:.2f} s)")
-    sampling = {
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "ras_window": args.ras_window,
-        "repetition_penalty": args.repetition_penalty,
-    }
+    sampling = sampling_options(args)
     budget = args.max_new_frames or bundle.sampling.max_new_frames
     tts.synthesize("Warm up.", seed=0, max_new_frames=8)
     refs = [words(s) for s in sentences]
@@ -426,10 +426,10 @@ def check_eval_args(args: argparse.Namespace) -> None:
     for option in ("limit", "voice_sentences", "asr_threads"):
         value = getattr(args, option)
         require(value is None or value >= 1, f"--{option.replace('_', '-')} must be >= 1, got {value}")
-    require(
-        args.ras_window is None or 0 <= args.ras_window <= 10,
-        f"--ras-window must be in [0, 10], got {args.ras_window}",
-    )
+    from .engine import SamplingParams
+
+    given = {k: v for k, v in sampling_options(args).items() if v is not None}
+    SamplingParams(**given).validate()  # raises InvalidRequest (a bad-input error: exit 2)
     check_threads(args)
     if args.out:
         check_output_path(args.out)

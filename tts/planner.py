@@ -279,6 +279,11 @@ class Planner:
         text_plan = self.text_plan(text, chunk_length, normalize)
         chunks = text_plan.chunks
         warnings = list(text_plan.warnings) + (list(reference.warnings) if reference is not None else [])
+        if params.repetition_penalty != 1.0 and getattr(self.bundle, "repetition", None) is None:
+            warnings.append(
+                f"repetition_penalty {params.repetition_penalty:g} is ignored: this model samples without a "
+                "repetition penalty (as its reference code does)"
+            )
         seed = params.seed if params.seed is not None else secrets.randbits(62)
         self.check_chunk_seeds(seed, len(chunks))
         params = replace(params, seed=seed)
