@@ -117,6 +117,8 @@ SERVER_COUNTERS = {
     "reference_cache_misses": "tts_reference_cache_misses_total",
     "frame_steps": "tts_frame_steps_total",
     "frame_step_rows": "tts_frame_step_rows_total",
+    "prefill_passes": "tts_prefill_passes_total",
+    "prefill_requests": "tts_prefill_requests_total",
     "codec_calls": "tts_codec_decode_calls_total",
     "codec_frames": "tts_codec_decode_frames_total",
 } | {
@@ -150,7 +152,8 @@ def read_metrics(url: str, timeout: float = 5.0) -> dict[str, float]:
 
 def server_time_split(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
     """The server-side counters' change over a level: frame-step, codec decode and encode seconds,
-    reference-cache hits and misses, frame steps and their rows (mean_batch = rows / steps), codec
+    reference-cache hits and misses, frame steps and their rows (mean_batch = rows / steps), prefill
+    passes and the requests they took (requests_per_prefill), codec
     decode calls and their frames (codec_frames_per_call), and codec_share = codec / (frame steps +
     codec). A counter the server does not export is None (codec encode counts as 0 for the share if only
     it is missing); codec_share is None without the frame-step and decode counters or without any time
@@ -169,6 +172,8 @@ def server_time_split(before: dict[str, float] | None, after: dict[str, float] |
     out["codec_share"] = share
     steps, rows = out["frame_steps"], out["frame_step_rows"]
     out["mean_batch"] = rows / steps if steps and rows is not None else None
+    passes, prefilled = out["prefill_passes"], out["prefill_requests"]
+    out["requests_per_prefill"] = prefilled / passes if passes and prefilled is not None else None
     calls, frames = out["codec_calls"], out["codec_frames"]
     out["codec_frames_per_call"] = frames / calls if calls and frames is not None else None
     return out

@@ -390,3 +390,14 @@ def test_frame_steps_and_rows_count_the_batch(tiny_model):
     codes, _ = run_to_completion(engine)
     assert (codes["a"].shape[0], codes["b"].shape[0]) == (3, 5)
     assert (engine.frame_steps, engine.step_rows) == (5, 8)
+
+
+def test_prefill_counters_count_passes_and_requests(tiny_model):
+    """Two requests admitted in one iteration: one packed pass when packing is on, two passes when off;
+    two requests prefilled either way."""
+    for packed, passes in ((True, 1), (False, 2)):
+        engine = make_engine(tiny_model, packed_prefill=packed)
+        engine.submit(random_prompt(tiny_model, 6, 0), params(max_new_frames=2), "a")
+        engine.submit(random_prompt(tiny_model, 9, 1), params(max_new_frames=2), "b")
+        engine.step()
+        assert (engine.runner.prefill_passes, engine.prefill_requests) == (passes, 2)

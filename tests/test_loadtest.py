@@ -116,7 +116,12 @@ def test_codec_share_and_cache_counts_per_level():
     split = server_time_split({k: v for k, v in before.items() if "encode" not in k}, no_encode)
     assert split["codec_encode_s"] is None and split["codec_share"] == pytest.approx(3.0 / 9.0)
     split = server_time_split({}, {"tts_codec_decode_seconds_total": 1.0})
-    derived = {"codec_share": None, "mean_batch": None, "codec_frames_per_call": None}
+    derived = {
+        "codec_share": None,
+        "mean_batch": None,
+        "requests_per_prefill": None,
+        "codec_frames_per_call": None,
+    }
     assert split == {**dict.fromkeys(SERVER_COUNTERS), **derived}
     assert server_time_split(None, after) == {**dict.fromkeys(SERVER_COUNTERS), **derived}
     # No time spent at all: no share rather than a division by zero.
@@ -215,7 +220,13 @@ def test_bench_server_repeated_reference_reports_the_new_fields(server, tmp_path
         assert isinstance(lv["underruns"], int) and lv["underruns"] >= 0
         assert 0.0 <= lv["underrun_share"] <= 1.0
         assert (lv["underrun_worst_ms"] is None) == (lv["underruns"] == 0)
-        assert set(lv["server"]) == {*SERVER_COUNTERS, "codec_share", "mean_batch", "codec_frames_per_call"}
+        assert set(lv["server"]) == {
+            *SERVER_COUNTERS,
+            "codec_share",
+            "mean_batch",
+            "requests_per_prefill",
+            "codec_frames_per_call",
+        }
         # Counters the server does not export stay None; those it does are non-negative.
         assert all(v is None or v >= 0 for v in lv["server"].values())
         share = lv["server"]["codec_share"]
@@ -264,6 +275,13 @@ def test_mean_batch_is_rows_over_steps_per_level():
     split = server_time_split(before, after)
     assert (split["frame_steps"], split["frame_step_rows"], split["mean_batch"]) == (4.0, 20.0, 5.0)
     assert server_time_split(after, after)["mean_batch"] is None  # no step in the level
+
+
+def test_requests_per_prefill_is_requests_over_passes_per_level():
+    before = {"tts_prefill_passes_total": 2.0, "tts_prefill_requests_total": 2.0}
+    after = {"tts_prefill_passes_total": 5.0, "tts_prefill_requests_total": 14.0}
+    assert server_time_split(before, after)["requests_per_prefill"] == 4.0
+    assert server_time_split(after, after)["requests_per_prefill"] is None  # no prefill in the level
 
 
 def test_codec_frames_per_call_is_frames_over_calls_per_level():

@@ -185,6 +185,7 @@ class Engine:
         self.frames_generated = 0
         self.frame_steps = 0  # frame steps run (one per iteration with a running row)
         self.step_rows = 0  # running rows summed over those steps: step_rows / frame_steps = batch occupancy
+        self.prefill_requests = 0  # requests admitted and prefilled (/ runner.prefill_passes: packing)
         # Seconds spent per phase of `step` (host wall time; on CUDA "replay" lasts until the frame is on
         # the host): admitting and prefilling new requests, the frame step itself, the per-row outputs.
         self.phase_seconds = {"prefill": 0.0, "replay": 0.0, "rows": 0.0}
@@ -410,6 +411,7 @@ class Engine:
         the rows (the last running row moves into the freed one)."""
         failed = []
         prefilled = False
+        self.prefill_requests += len(admitted)
         if self.packed_prefill and len(admitted) > 1:
             try:
                 self.runner.prefill_packed([r.prompt for _, r in admitted], [r.blocks for _, r in admitted])

@@ -190,6 +190,8 @@ class LoopStats:
     frames_total: int = 0
     frame_steps: int = 0  # frame steps run
     step_rows: int = 0  # running rows summed over the frame steps (/ frame_steps: mean batch)
+    prefill_passes: int = 0  # prefill forward passes (one request, or several packed)
+    prefill_requests: int = 0  # requests prefilled (/ prefill_passes: requests per pass)
     steps: int = 0
     step_failures: int = 0
     replay_share: float = 0.0
@@ -595,6 +597,7 @@ class EngineLoop:
         s.kv_blocks_used, s.kv_blocks_total = e.kv_usage()
         s.frames_total = e.frames_generated
         s.frame_steps, s.step_rows = e.frame_steps, e.step_rows
+        s.prefill_passes, s.prefill_requests = e.runner.prefill_passes, e.prefill_requests
         s.replay_share = e.graphs.stats.replay_share
         s.frame_step_seconds = r.frame_step_seconds
         s.phase_seconds = {

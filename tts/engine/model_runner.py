@@ -264,6 +264,7 @@ class ModelRunner:
         self.fast_row_offset = torch.stack([row_offsets + k * fk.stride(3) for k in range(c.num_codebooks)])
         # Residual codebooks are sampled from the first n_residual fast logits (a static slice).
         self.n_residual = c.residual_codebook_size or c.codebook_size
+        self.prefill_passes = 0  # prefill forward passes run (one per request, or one per packed group)
 
     # ---- host-side row management (between steps only) ---------------------------------------------
 
@@ -321,6 +322,7 @@ class ModelRunner:
         T = prompt.shape[0] - 1
         if T <= 0:
             return
+        self.prefill_passes += 1
         m = self.model
         frames = prompt[:T].to(self.device).unsqueeze(0)
         table = torch.tensor(block_table, dtype=torch.int64, device=self.device)
@@ -371,6 +373,7 @@ class ModelRunner:
         if len(group) == 1:  # (the dense causal kernel: the same K/V as a request prefilled alone)
             self.prefill(*group[0])
             return
+        self.prefill_passes += 1
         m, dev = self.model, self.device
         lengths = [prompt.shape[0] - 1 for prompt, _ in group]
         frames = torch.cat([prompt[:-1] for prompt, _ in group]).to(dev).unsqueeze(0)
