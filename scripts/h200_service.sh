@@ -26,7 +26,6 @@
 #                default voice's service (c = 1, 16, 64, 64)
 #   STEP=prefill the prefill alone and packed, timed and profiled (scripts/profile_prefill.py)
 set -uo pipefail
-set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export XDG_DATA_HOME=/tmp/xdg  # registered voices
