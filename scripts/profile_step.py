@@ -51,6 +51,9 @@ def main():
     ap.add_argument("--model", default="s2-pro-shape")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument(
+        "--max-context", type=int, default=None, help="engine context in tokens (default: the model's, as served)"
+    )
     ap.add_argument("--out", default="profile.txt")
     args = ap.parse_args()
     model = load_bench_model(args.model, "cuda", torch.bfloat16)
@@ -62,7 +65,7 @@ def main():
                     max_batch=args.batch,
                     graphs="startup" if mode == "graph" else "off",
                     buckets=[args.batch],
-                    max_context=512,
+                    max_context=args.max_context,
                     ignore_eos=True,
                 ),
             )
