@@ -52,7 +52,10 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument(
-        "--max-context", type=int, default=None, help="engine context in tokens (default: the model's, as served)"
+        "--max-context",
+        type=int,
+        default=None,
+        help="engine context in tokens (default: the model's, as served)",
     )
     ap.add_argument("--out", default="profile.txt")
     args = ap.parse_args()
