@@ -464,9 +464,12 @@ def check_chunk_options(args: argparse.Namespace) -> None:
 def cmd_client(args: argparse.Namespace) -> int:
     import grpc
 
+    from tts.textpolicy import check_speakable
+
     from .client import build_request
 
     text = read_text_arg(args)
+    check_speakable(text)  # (every model refuses it: no need to ask a server)
     check_server_address(args.server)
     check_seconds("--timeout", args.timeout, zero_ok=False)
     check_chunk_options(args)

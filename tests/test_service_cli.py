@@ -171,6 +171,8 @@ def test_serve_client_bench_and_sigterm(tmp_path):
 
 
 BAD_OPTIONS = [
+    (["client", " ...", "-o", "{d}/a.wav", "--server", "127.0.0.1:1"],
+     "text has nothing to speak (empty, whitespace or punctuation only)"),
     (["client", "Hi.", "-o", "{d}/a.wav", "--timeout", "-1"], "--timeout must be a number of seconds > 0, got -1"),
     (["client", "Hi.", "-o", "{d}/a.wav", "--timeout", "0"], "--timeout must be a number of seconds > 0, got 0"),
     (["client", "Hi.", "-o", "{d}/a.wav", "--timeout", "nan"], "--timeout must be a number of seconds > 0, got nan"),
