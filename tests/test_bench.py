@@ -32,7 +32,10 @@ def test_bench_runs_the_real_engine_and_writes_json_and_plot(tmp_path, capsys):
     m = data["method"]
     assert m["prompt_tokens"] == 20 and m["timed_frames"] == 6 and m["torch"]
     assert m["cpu_threads"] == 1  # a small model on a CPU: one intra-op thread, as tts synthesize
-    assert "fps/stream" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "fps/stream" in captured.out
+    assert "graph mode needs CUDA" not in captured.err  # (the default modes on a CPU: eager only)
+    assert m["max_context"] == 1024  # the tiny model's whole context, as tts serve sizes it
 
 
 def test_bench_rejects_bad_modes(capsys):
@@ -40,3 +43,24 @@ def test_bench_rejects_bad_modes(capsys):
     assert "--modes" in capsys.readouterr().err
     assert main(["bench", "--model", "tiny", "--threads", "0"]) == 2
     assert "--threads" in capsys.readouterr().err
+
+
+def test_bench_checks_its_options_before_loading_a_model(tmp_path, capsys, monkeypatch):
+    import tts.bench
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(tts.bench, "load_bench_model", never)
+    assert main(["bench", "--model", "tiny", "--frames", "1"]) == 2
+    assert capsys.readouterr().err.strip() == "tts: error: --frames must be >= 2, got 1"
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["bench", "--model", "tiny", "--out", str(blocker)]) == 2
+    assert capsys.readouterr().err.startswith(f"tts: error: cannot write results to --out {blocker}")
+
+
+def test_bench_refuses_a_context_too_small_for_the_run(capsys):
+    assert main(["bench", "--model", "tiny", "--max-context", "5", "--modes", "eager"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tts: error: the context (--max-context") and err.endswith("got 5")

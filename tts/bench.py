@@ -274,7 +274,9 @@ def add_parser(sub) -> None:
         default=None,
         help="weights' dtype (default: bf16 for a random shape, else the checkpoint's)",
     )
-    p.add_argument("--modes", default="eager,graph", help="comma list of eager, graph (graph needs CUDA)")
+    p.add_argument(
+        "--modes", default=None, help="comma list of eager, graph (default: both on CUDA, eager elsewhere)"
+    )
     p.add_argument("--batch-sizes", type=_ints, default=[1, 4, 16, 64], help="comma list (default 1,4,16,64)")
     p.add_argument("--buckets", type=_ints, default=[1, 2, 4, 8, 16, 24, 32, 48, 64], help="graph buckets")
     p.add_argument("--prompt-tokens", type=int, default=200, help="tokens per request's prompt (default 200)")
