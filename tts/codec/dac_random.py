@@ -6,6 +6,7 @@ of a checkpoint's storage forms (`random_codec_state`; `tts.fish.checkpoint` wri
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -49,32 +50,57 @@ def random_codec_state(cfg: DACConfig, seed: int = 0, form: str = "fish") -> dic
     each output channel's weight norm near 1 and residual branches small, so random codecs produce
     finite, non-saturated audio.
     """
+    with torch.device("meta"):
+        model = ModdedDAC(cfg)
+
+    def init(key: str, leaf: str, shape: tuple[int, ...]) -> tuple[float, float] | None:
+        if leaf == "alpha":
+            return 0.25, 1.0
+        if leaf == "gamma":
+            return 0.02, 0.1
+        if leaf != "bias" and key.endswith("norm.weight"):
+            return 0.05, 1.0
+        if key.endswith("codebook.weight"):
+            return 1.0, 0.0
+        return None
+
+    wn = _weight_norm_modules(model)
+    return random_weight_normed_state(model, seed, form, lambda base: wn[base][0], init)
+
+
+def random_weight_normed_state(
+    model: nn.Module,
+    seed: int,
+    form: str,
+    fish_storage: Callable[[str], str],
+    init: Callable[[str, str, tuple[int, ...]], tuple[float, float] | None],
+) -> dict[str, Tensor]:
+    """Random float32 weights for a codec `model` (built on the meta device), deterministic in `seed`, in
+    a checkpoint's storage `form` ("fish", "old" or "fused"; raises ValueError otherwise).
+
+    Weight-normalized convs (`_weight_norm_modules`) go through `random_weight_norm`, stored in form
+    "fish" as `fish_storage(module path)` says ("parametrization" or "old"). Every other tensor is
+    `random_like_init` with the `(std, mean)` that `init(key, leaf name, shape)` gives; where it gives
+    None, a bias gets std 0.02 and a weight std 1 / sqrt(fan-in) (unit-variance outputs).
+    """
     from ..randinit import random_like_init, random_weight_norm
 
     if form not in ("fish", "old", "fused"):
         raise ValueError(f"unknown codec storage form {form!r}")
-    with torch.device("meta"):
-        model = ModdedDAC(cfg)
     wn = _weight_norm_modules(model)
     state: dict[str, Tensor] = {}
     for key, p in model.state_dict().items():
         base, _, leaf = key.rpartition(".")
         shape = tuple(p.shape)
         if base in wn and leaf == "weight":
-            storage, _ = wn[base]  # how fish-speech's module stores it: "parametrization" or "old"
-            storage = "fused" if form == "fused" else storage if form == "fish" else "old"
+            storage = fish_storage(base) if form == "fish" else form
             state.update(random_weight_norm(key, shape, seed, storage))
-        elif leaf == "alpha":
-            state[key] = random_like_init(shape, seed, key, std=0.25, mean=1.0)
-        elif leaf == "gamma":
-            state[key] = random_like_init(shape, seed, key, std=0.02, mean=0.1)
-        elif leaf == "bias":
-            state[key] = random_like_init(shape, seed, key, std=0.02)
-        elif key.endswith("norm.weight"):
-            state[key] = random_like_init(shape, seed, key, std=0.05, mean=1.0)
-        elif key.endswith("codebook.weight"):
-            state[key] = random_like_init(shape, seed, key, std=1.0)
-        else:  # plain Linear / conv weights: unit-variance outputs
+            continue
+        std_mean = init(key, leaf, shape)
+        if std_mean is None and leaf == "bias":
+            std_mean = 0.02, 0.0
+        elif std_mean is None:
             fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1
-            state[key] = random_like_init(shape, seed, key, std=1.0 / math.sqrt(fan_in))
+            std_mean = 1.0 / math.sqrt(fan_in), 0.0
+        state[key] = random_like_init(shape, seed, key, std=std_mean[0], mean=std_mean[1])
     return state

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from .base import BatchedStreamDecoder, Codec, CodecCheckpointError
 from .dac_checkpoint import fuse_weight_norm, load_state_strict, read_codec_state
 from .dac_net import CausalConv1d, CausalConvTranspose1d, ConvNeXtBlock, StreamSequential, StreamState
-from .dac_random import _weight_norm_modules
+from .dac_random import random_weight_normed_state
 
 FIREFLY_FILE = "firefly-gan-vq-fsq-8x1024-21hz-generator.pth"
 
@@ -466,29 +466,17 @@ def random_firefly_state(cfg: FireflyConfig, seed: int = 0, form: str = "fish") 
     Weight-norm magnitudes keep each output channel's norm near 1, LayerNorm gains near 1 and the
     ConvNeXt layer scales small, so a random codec gives finite, non-saturated audio.
     """
-    from ..randinit import random_like_init, random_weight_norm
-
-    if form not in ("fish", "old", "fused"):
-        raise ValueError(f"unknown codec storage form {form!r}")
     with torch.device("meta"):
         model = FireflyGAN(cfg)
-    wn = _weight_norm_modules(model)
-    state: dict[str, Tensor] = {}
-    for key, p in model.state_dict().items():
-        base, _, leaf = key.rpartition(".")
-        shape = tuple(p.shape)
-        if base in wn and leaf == "weight":
-            storage = {"fish": "parametrization", "old": "old", "fused": "fused"}[form]
-            state.update(random_weight_norm(key, shape, seed, storage))
-        elif leaf == "gamma":
-            state[key] = random_like_init(shape, seed, key, std=0.02, mean=0.1)
-        elif leaf == "bias":
-            state[key] = random_like_init(shape, seed, key, std=0.02)
-        elif len(shape) == 1:  # LayerNorm gains
-            state[key] = random_like_init(shape, seed, key, std=0.05, mean=1.0)
-        else:  # plain Linear / conv weights: unit-variance outputs
-            state[key] = random_like_init(shape, seed, key, std=1.0 / math.sqrt(math.prod(shape[1:])))
-    return state
+
+    def init(key: str, leaf: str, shape: tuple[int, ...]) -> tuple[float, float] | None:
+        if leaf == "gamma":
+            return 0.02, 0.1
+        if leaf != "bias" and len(shape) == 1:  # LayerNorm gains
+            return 0.05, 1.0
+        return None
+
+    return random_weight_normed_state(model, seed, form, lambda base: "parametrization", init)
 
 
 # ---- the Codec --------------------------------------------------------------------------------------
