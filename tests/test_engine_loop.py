@@ -139,20 +139,24 @@ def test_asyncio_consumer(make_loop):
     assert isinstance(events[0], Started) and isinstance(events[-1], Finished)
 
 
+def slow_job(loop):
+    """A greedy 40-frame job in 2-frame chunks, held open to its budget: a reader that stops reading it
+    makes it hit the back-pressure cap."""
+    return job(
+        loop,
+        "Back pressure test.",
+        40,
+        seed=4,
+        temperature=0.0,
+        chunk_frames=2,
+        first_chunk_frames=2,
+        hold=True,
+    )
+
+
 def test_back_pressure_pauses_only_the_slow_request(make_loop, bundle, offline):
     loop = make_loop(max_queued_chunks=2)
-    slow = loop.submit(
-        job(
-            loop,
-            "Back pressure test.",
-            40,
-            seed=4,
-            temperature=0.0,
-            chunk_frames=2,
-            first_chunk_frames=2,
-            hold=True,
-        )
-    )
+    slow = loop.submit(slow_job(loop))
     assert isinstance(slow.get(timeout=60), Started)
     wait_until(lambda: slow.paused and loop.stats.paused == 1, what="pause")
     frames = loop.engine.frames_generated
@@ -191,18 +195,7 @@ def test_back_pressure_counts_chunks_still_being_decoded(make_loop):
     stage.decoder.decode = held
     try:
         base = loop.engine.frames_generated  # (the loop's warm-up synthesis counts too)
-        slow = loop.submit(
-            job(
-                loop,
-                "Back pressure test.",
-                40,
-                seed=4,
-                temperature=0.0,
-                chunk_frames=2,
-                first_chunk_frames=2,
-                hold=True,
-            )
-        )
+        slow = loop.submit(slow_job(loop))
         assert isinstance(slow.get(timeout=60), Started)
         wait_until(lambda: slow.paused, what="pause while the codec stage is held")
         frames = loop.engine.frames_generated
