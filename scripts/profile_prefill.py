@@ -2,12 +2,16 @@
 
     python scripts/profile_prefill.py --model s2-pro-shape --device cuda --out prefill.txt
 
-For each prompt length in --tokens: host wall time of `ModelRunner.prefill` (one request) and of
-`ModelRunner.prefill_packed` of --packed requests, each followed by a device synchronization (median
-of --reps calls after one warm-up call), then one profiled call of each: device ops per call, device
-time, and the top operators by host (CPU) time, which is where a launch-bound prefill spends it. On a
-GPU the service measured 70-90 ms of prefill per request at one client (BENCHMARKS.md); this shows
-whether that is launches, host-to-device copies that wait for the device, or device work.
+For each prompt length in --tokens, with the prefill's attention as the engine runs it (no cuDNN
+attention: `model_runner.PREFILL_SDPA_BACKENDS`) and with cuDNN attention allowed (torch's default, what
+the engine did before): host wall time of `ModelRunner.prefill` (one request) and of
+`ModelRunner.prefill_packed` of --packed requests, each followed by a device synchronization. "cold" is
+the first call at a length this process has not run yet (each variant gets its own lengths: T and
+T + 1), "warm" the median of --reps calls after it. Then one profiled warm call of each: device ops per
+call, device time, and the top operators by host (CPU) time. On a GPU the service measured 70-90 ms of
+prefill per request at one client and 0.36 s per packed pass at 16 clients (BENCHMARKS.md); this shows
+whether that is per-shape set-up (cuDNN builds an execution plan per new attention shape), launches,
+or device work.
 """
 
 import argparse
@@ -18,10 +22,12 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import tts.engine.model_runner as model_runner  # noqa: E402
 from tts.bench import _prompt, load_bench_model  # noqa: E402
 from tts.engine import Engine, EngineConfig  # noqa: E402
 from tts.kv_cache import blocks_needed  # noqa: E402
@@ -32,17 +38,20 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device: torch.device, reps: int) -> float:
-    """Median host wall seconds of `fn()` followed by a device synchronization (after one warm-up)."""
+def timed(fn, device: torch.device, reps: int) -> tuple[float, float]:
+    """Host wall seconds of `fn()` followed by a device synchronization: the first call, and the median
+    of `reps` calls after it."""
+    t0 = time.perf_counter()
     fn()
     sync(device)
+    cold = time.perf_counter() - t0
     seconds = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         sync(device)
         seconds.append(time.perf_counter() - t0)
-    return statistics.median(seconds)
+    return cold, statistics.median(seconds)
 
 
 def profiled(fn, device: torch.device, label: str) -> str:
@@ -74,21 +83,39 @@ def main() -> int:
     engine = Engine(model, EngineConfig(max_batch=args.packed, graphs="off"))
     runner, allocator, bs = engine.runner, engine.scheduler.allocator, engine.config.block_size
     lines = [f"{args.model} on {device}, block size {bs}, context {engine.max_context}"]
-    for T in lengths:
+    engine_backends = list(model_runner.PREFILL_SDPA_BACKENDS)
+    variants = {
+        "engine (no cuDNN attention)": engine_backends,
+        "cuDNN attention allowed": [SDPBackend.CUDNN_ATTENTION, *engine_backends],
+    }
+
+    def run(T: int, label: str) -> None:
         prompts = [_prompt(model, T + 1, seed=i) for i in range(args.packed)]
         tables = [allocator.allocate(blocks_needed(T + 1, bs)) for _ in prompts]
         one_fn = partial(runner.prefill, prompts[0], tables[0])
         packed_fn = partial(runner.prefill_packed, prompts, tables)
-        one, packed = timed(one_fn, device, args.reps), timed(packed_fn, device, args.reps)
+        (one_cold, one), (packed_cold, packed) = (
+            timed(one_fn, device, args.reps),
+            timed(packed_fn, device, args.reps),
+        )
         lines.append(
-            f"{T} tokens: one request {one * 1e3:.2f} ms; {args.packed} packed {packed * 1e3:.2f} ms "
+            f"{T} tokens, {label}: one request cold {one_cold * 1e3:.1f} ms, warm {one * 1e3:.2f} ms; "
+            f"{args.packed} packed cold {packed_cold * 1e3:.1f} ms, warm {packed * 1e3:.2f} ms "
             f"({packed / args.packed * 1e3:.2f} ms per request)"
         )
         print(lines[-1], flush=True)
-        lines.append(profiled(one_fn, device, f"{T} tokens, one request"))
-        lines.append(profiled(packed_fn, device, f"{T} tokens, packed"))
+        if label.startswith("engine"):
+            lines.append(profiled(one_fn, device, f"{T} tokens, one request"))
+            lines.append(profiled(packed_fn, device, f"{T} tokens, packed"))
         for table in tables:
             allocator.free(table)
+
+    run(lengths[0] - 3, "warm-up (Triton compiles)")
+    for T in lengths:
+        for offset, (label, backends) in enumerate(variants.items()):
+            model_runner.PREFILL_SDPA_BACKENDS[:] = backends
+            run(T + offset, label)
+        model_runner.PREFILL_SDPA_BACKENDS[:] = engine_backends
     Path(args.out).write_text("\n\n".join(lines) + "\n")
     print(f"wrote {args.out}")
     return 0

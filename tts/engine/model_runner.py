@@ -33,12 +33,14 @@ penalized). The main token's set depends on the mode:
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels import fused_kernels_enabled
 from ..kv_cache import SCRATCH_BLOCK, PagedDecodeAttention, PagedKVCache, paged_decode_attention
@@ -49,6 +51,8 @@ from ..model import (
     dense_causal_attend,
     packed_causal_attend,
     run_layers_kv_only,
+    varlen_causal_attend,
+    varlen_causal_available,
 )
 from ..sampling import (
     RAS_WINDOW,
@@ -66,6 +70,13 @@ REPETITION_WINDOW = 16
 # Prompt positions of one packed prefill pass at most: its attention mask is PACKED_PREFILL_TOKENS^2 bools.
 PACKED_PREFILL_TOKENS = 4096
 REPETITION_MODES = ("fish-1.5", "s1")
+
+# The prefill's attention backends: every prompt length is a new shape, and torch sends causal SDPA on
+# a Hopper GPU to cuDNN first, which builds an execution plan per new shape. Measured on an H200 (S2-Pro
+# shape, one request): the first prefill at a new length took 154-715 ms with cuDNN, 28-80 ms without;
+# at a length seen before, 30-59 ms with cuDNN, 23-55 ms without (BENCHMARKS.md). Flash attention
+# needs no plan.
+PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def apply_repetition_penalty(logits: Tensor, ids: Tensor, penalty: Tensor) -> Tensor:
@@ -341,16 +352,18 @@ class ModelRunner:
         # Only the K/V are kept, so the last layer stops after projecting them (its attention,
         # feed-forward and the final norm would be a sixth of a 4-layer prefill's work, unused). One
         # position goes the full way: at T == 1 the CUDA decode kernel, not the torch path, makes K.
-        if T > 1:
-            run_layers_kv_only(m.layers, m.embed(frames), m.freqs_cis[:T], attend_layer, write_kv)
-        else:
-            m.slow_layers(m.embed(frames), m.freqs_cis[:T], attend_layer)
+        with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+            if T > 1:
+                run_layers_kv_only(m.layers, m.embed(frames), m.freqs_cis[:T], attend_layer, write_kv)
+            else:
+                m.slow_layers(m.embed(frames), m.freqs_cis[:T], attend_layer)
 
     @torch.inference_mode()
     def prefill_packed(self, prompts: list[Tensor], block_tables: list[list[int]]) -> None:
         """`prefill` of several requests in one forward pass: their prompt columns (all but each one's
         last) packed into one sequence of at most PACKED_PREFILL_TOKENS positions per pass (a longer
-        prompt alone), attention causal within each request (a block-diagonal mask). On a GPU one
+        prompt alone), attention causal within each request (on CUDA flash attention over the
+        variable-length sequences, elsewhere a block-diagonal mask). On a GPU one
         request's eager prefill is bound by kernel launches (a few hundred per layer stack), so packing
         many costs about as much as one. The K/V equal `prefill`'s up to float rounding (the matrix
         products have other shapes). prompts: `[T_i, 1 + N]` int64 each.
@@ -378,7 +391,6 @@ class ModelRunner:
         lengths = [prompt.shape[0] - 1 for prompt, _ in group]
         frames = torch.cat([prompt[:-1] for prompt, _ in group]).to(dev).unsqueeze(0)
         positions = torch.cat([torch.arange(n) for n in lengths]).to(dev)
-        segment = torch.repeat_interleave(torch.arange(len(group)), torch.tensor(lengths)).to(dev)
         tables = [torch.tensor(table, dtype=torch.int64, device=dev) for _, table in group]
         slots = torch.cat(
             [
@@ -386,7 +398,17 @@ class ModelRunner:
                 for table, n in zip(tables, lengths, strict=True)
             ]
         )
-        mask = (segment[:, None] == segment[None, :]) & (positions[:, None] >= positions[None, :])
+        if varlen_causal_available(dev, m.embeddings.weight.dtype):  # flash attention per sequence, no mask
+            cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(dev)
+
+            def attention(q, k, v):
+                return varlen_causal_attend(q, k, v, cu_seqlens, max(lengths))
+        else:
+            segment = torch.repeat_interleave(torch.arange(len(group)), torch.tensor(lengths)).to(dev)
+            mask = (segment[:, None] == segment[None, :]) & (positions[:, None] >= positions[None, :])
+
+            def attention(q, k, v):
+                return packed_causal_attend(q, k, v, mask)
 
         def write_kv(i, k, v):
             self.kv.write(i, slots, k[0], v[0])
@@ -394,11 +416,12 @@ class ModelRunner:
         def attend_layer(i):
             def attend(q, k, v):
                 write_kv(i, k, v)
-                return packed_causal_attend(q, k, v, mask)
+                return attention(q, k, v)
 
             return attend
 
-        run_layers_kv_only(m.layers, m.embed(frames), m.freqs_cis[positions], attend_layer, write_kv)
+        with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+            run_layers_kv_only(m.layers, m.embed(frames), m.freqs_cis[positions], attend_layer, write_kv)
 
     # ---- the frame step ------------------------------------------------------------------------------
 
