@@ -99,6 +99,62 @@ def check_sampler():
         assert torch.equal(a, b)
 
 
+def check_snake():
+    """The DAC decoder's fused elementwise passes against the torch formula, and the batched decoder
+    with them against the same decoder without (the tiny codec, fp32, two calls of ragged rows)."""
+    from test_dac_batched import _codec, _codes
+
+    from tts.codec.dac_net import Snake1d
+    from tts.kernels.snake import add_snake, snake
+
+    torch.manual_seed(2)
+    m = Snake1d(6)
+    m.alpha.data = torch.rand(1, 6, 1) * 3 + 0.05
+    x = torch.randn(3, 6, 1100) * 4  # two blocks of T, the second partial
+    sliced = torch.randn(3, 6, 1200)[..., 50:1150]  # a conv output cut along T: rows not contiguous
+    bias, res = torch.randn(6), torch.randn(3, 6, 1100)
+    with torch.no_grad():
+        K.set_fused_kernels(False)
+        ref = m(x)
+        K.set_fused_kernels(True)
+        torch.testing.assert_close(snake(x, m.alpha), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(m(x), ref, rtol=1e-5, atol=1e-5)  # Snake1d takes the kernel
+        K.set_fused_kernels(False)
+        ref_sliced = m(sliced + bias[:, None])
+        ref_sum = sliced + bias[:, None] + res
+        ref_next = m(ref_sum)
+    torch.testing.assert_close(snake(sliced, m.alpha, bias), ref_sliced, rtol=1e-5, atol=1e-5)
+    total, nxt = add_snake(sliced, bias, res, m.alpha)
+    torch.testing.assert_close(total, ref_sum, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(nxt, ref_next, rtol=1e-5, atol=1e-5)
+    total, none = add_snake(sliced, bias)
+    assert none is None
+    torch.testing.assert_close(total, sliced + bias[:, None], rtol=1e-6, atol=1e-6)
+
+    codec = _codec()
+    outputs = []
+    for fused in (False, True):
+        K.set_fused_kernels(fused)
+        dec = codec.batched_stream(2)
+        dec.reset(torch.tensor([0, 1]))
+        calls = [(2, [2, 1]), (2, [1, 2])]  # (T, lengths of slots 0 and 1)
+        outputs.append(
+            [
+                dec.decode(
+                    torch.tensor([0, 1]),
+                    torch.stack([_codes(T, f"s{i}{T}{n}") for i, n in enumerate(lengths)]),
+                    torch.tensor(lengths),
+                )
+                for T, lengths in calls
+            ]
+        )
+    K.set_fused_kernels(True)
+    for (_, lengths), plain, fused in zip(calls, *outputs, strict=True):
+        for row, n in enumerate(lengths):
+            n *= codec.frame_length
+            torch.testing.assert_close(fused[row, :n], plain[row, :n], rtol=0, atol=2e-5)
+
+
 def check_engine_end_to_end():
     """The whole frame step with every kernel on gives the torch path's codes (fp32)."""
     from helpers import params, random_prompt, run_to_completion
@@ -137,5 +193,6 @@ if __name__ == "__main__":
     check_paged_attention()
     check_norms_rope_silu()
     check_sampler()
+    check_snake()
     check_engine_end_to_end()
     print("kernel checks passed")

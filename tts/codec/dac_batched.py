@@ -20,16 +20,21 @@ rate]`, and takes the row's new state as the window that ends at the row's own v
 frames times the stage's samples per frame), so pad frames at the end of a short row never reach the
 state, and a row of length 0 writes its old state back unchanged. Everything is causal, so pad frames
 never influence a valid sample either.
+
+On CUDA (Triton, `tts.kernels`) the decoder's elementwise work is fused: a conv followed by a Snake or a
+residual unit runs without its bias, and one pass adds the bias (and a residual unit's input) and
+applies the next Snake (`tts/kernels/snake.py`; the same arithmetic up to float rounding).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..kernels import fused_kernels_enabled, snake_ops
 from ..model import Rope, precompute_freqs_cis
 from .base import BatchedStreamDecoder
 from .dac_net import (
@@ -140,6 +145,10 @@ class BatchedDACDecoder(BatchedStreamDecoder):
             a = layer.attention
             self._keys.append(zeros(slots, a.n_head, keep, a.head_dim))
             self._values.append(zeros(slots, a.n_head, keep, a.head_dim))
+        # The decoder as one list for `_decoder_fused`: its blocks opened up, residual units whole.
+        self._decoder_ops: list[nn.Module] = []
+        for module in self.model.decoder.model:
+            self._decoder_ops += list(module.block) if isinstance(module, DecoderBlock) else [module]
         self.positions = torch.zeros(slots, dtype=torch.int64, device=self.device)
         # Row p depends only on p, so this equals every slice `WindowTransformer._freqs` takes.
         self._rope = precompute_freqs_cis(max_frames, post.head_dim, post.rope_base).to(self.device)
@@ -180,7 +189,10 @@ class BatchedDACDecoder(BatchedStreamDecoder):
         z = self._transformer(self.model.lookup(codes), rows, positions)
         for stage in self.model.quantizer.upsample:
             z = self._run(stage, z, rows)
-        audio = self._run(self.model.decoder, z, rows)
+        if fused_kernels_enabled(z):
+            audio = self._decoder_fused(z, rows)
+        else:
+            audio = self._run(self.model.decoder, z, rows)
         self.positions.index_copy_(0, slots, positions + lengths)
         # Pad rows may carry any length; keeping the scratch slot at 0 means they never walk off the RoPE
         # table, and its (finite) garbage keys stay masked as "before the stream started".
@@ -240,27 +252,93 @@ class BatchedDACDecoder(BatchedStreamDecoder):
             return module(x)
         raise TypeError(f"no batched streaming rule for {type(module).__name__}")
 
-    def _conv(self, module: CausalConv1d, x: Tensor, rows: _Rows) -> Tensor:
-        """Stride-1 causal conv: the row's last `padding` samples in front instead of zeros."""
-        state = self._state.get(module)
-        if state is None:  # kernel 1: no context
-            return module.conv(x)
-        x = torch.cat([state.index_select(0, rows.slots), x], dim=-1)
-        state.index_copy_(0, rows.slots, _window(x, rows.ends(), module.padding, dim=2))
-        return module.conv(x)
+    def _decoder_fused(self, x: Tensor, rows: _Rows) -> Tensor:
+        """`_run(self.model.decoder, x, rows)` with the elementwise work fused (see the module docstring).
 
-    def _conv_transpose(self, module: CausalConvTranspose1d, x: Tensor, rows: _Rows) -> Tensor:
-        """Causal transposed conv: with overlap, the row's last `context` input frames in front, and only
-        the new frames' `T * stride` samples kept; then the stage's rate grows by the stride."""
-        T, stride = x.shape[-1], module.stride
+        `bias`: the last conv's bias, not yet added to x (the pass that follows adds it); `snaked`:
+        snake(x) for the next module's first Snake, made by the pass that made x."""
+        K = snake_ops()
+        ops = self._decoder_ops
+        bias: Tensor | None = None
+        snaked: Tensor | None = None
+        for i, module in enumerate(ops):
+            following = ops[i + 1] if i + 1 < len(ops) else None
+            if isinstance(module, Snake1d):
+                x = snaked if snaked is not None else K.snake(x, module.alpha, bias)
+                bias = snaked = None
+            elif isinstance(module, ResidualUnit):
+                s1, c1, s2, c2 = cast(
+                    "tuple[Snake1d, CausalConv1d, Snake1d, CausalConv1d]", tuple(module.block)
+                )
+                if snaked is not None:
+                    h = snaked
+                elif bias is not None:  # x is a conv's output still without its bias
+                    x, h = K.add_snake(x, bias, None, s1.alpha)
+                else:
+                    h = K.snake(x, s1.alpha)
+                h = self._conv(c1, h, rows, bias=False)
+                h = K.snake(h, s2.alpha, c1.conv.bias)
+                h = self._conv(c2, h, rows, bias=False)
+                alpha = _first_snake(following)
+                x, snaked = K.add_snake(h, c2.conv.bias, x, alpha.alpha if alpha is not None else None)
+                bias = None
+            elif isinstance(module, CausalConv1d | CausalConvTranspose1d):
+                # (a conv always follows a Snake or starts the decoder: no bias is pending here)
+                keep_bias = _first_snake(following) is None
+                if isinstance(module, CausalConv1d):
+                    x = self._conv(module, x, rows, bias=keep_bias)
+                else:
+                    x = self._conv_transpose(module, x, rows, bias=keep_bias)
+                bias = None if keep_bias else module.conv.bias
+            elif isinstance(module, Tanh):
+                x = torch.tanh(x)
+            else:
+                raise TypeError(f"no fused batched rule for {type(module).__name__}")
+        return x
+
+    def _conv(self, module: CausalConv1d, x: Tensor, rows: _Rows, bias: bool = True) -> Tensor:
+        """Stride-1 causal conv: the row's last `padding` samples in front instead of zeros. bias=False:
+        without the conv's bias (the caller adds it)."""
         state = self._state.get(module)
-        if state is None:
-            y = module.conv(x)
-            y = y[..., : y.shape[-1] - module.overlap]
-        else:
+        if state is not None:  # (kernel 1: no context)
+            x = torch.cat([state.index_select(0, rows.slots), x], dim=-1)
+            state.index_copy_(0, rows.slots, _window(x, rows.ends(), module.padding, dim=2))
+        if bias:
+            return module.conv(x)
+        c = module.conv
+        return F.conv1d(x, c.weight, None, c.stride, c.padding, c.dilation, c.groups)
+
+    def _conv_transpose(
+        self, module: CausalConvTranspose1d, x: Tensor, rows: _Rows, bias: bool = True
+    ) -> Tensor:
+        """Causal transposed conv: with overlap, the row's last `context` input frames in front, and only
+        the new frames' `T * stride` samples kept; then the stage's rate grows by the stride. bias=False:
+        without the conv's bias (the caller adds it)."""
+        T, stride = x.shape[-1], module.stride
+        c = module.conv
+        state = self._state.get(module)
+        if state is not None:
             x = torch.cat([state.index_select(0, rows.slots), x], dim=-1)
             state.index_copy_(0, rows.slots, _window(x, rows.ends(), module.context, dim=2))
+        if bias:
+            y = c(x)
+        else:
+            y = F.conv_transpose1d(
+                x, c.weight, None, c.stride, c.padding, c.output_padding, c.groups, c.dilation
+            )
+        if state is None:
+            y = y[..., : y.shape[-1] - module.overlap]
+        else:
             skip = module.context * stride
-            y = module.conv(x)[..., skip : skip + T * stride]
+            y = y[..., skip : skip + T * stride]
         rows.rate *= stride
         return y
+
+
+def _first_snake(module: nn.Module | None) -> Snake1d | None:
+    """The Snake a module applies first to its input (itself, or a residual unit's first), else None."""
+    if isinstance(module, Snake1d):
+        return module
+    if isinstance(module, ResidualUnit) and isinstance(module.block[0], Snake1d):
+        return module.block[0]
+    return None

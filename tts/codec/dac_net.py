@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..kernels import fused_kernels_enabled, snake_ops
 from ..model import Rope, _embedding, apply_rotary_emb, precompute_freqs_cis
 from .base import CodecCheckpointError
 
@@ -166,6 +167,8 @@ class Snake1d(nn.Module):
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
 
     def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        if fused_kernels_enabled(x, self.alpha):  # one pass instead of five (tts/kernels/snake.py)
+            return snake_ops().snake(x, self.alpha)
         # Same operation order as descript-audio-codec's `snake`, for bit-level agreement.
         return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
 

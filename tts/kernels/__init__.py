@@ -1,5 +1,5 @@
-"""Triton kernels for the CUDA decode step. Each has a torch counterpart that is the CPU path and its
-test reference. `TTS_FUSED_KERNELS=0` turns them off (the step then runs plain torch on CUDA too)."""
+"""Triton kernels for the CUDA decode step and the DAC decoder. Each has a torch counterpart that is the
+CPU path and its test reference. `TTS_FUSED_KERNELS=0` turns them off (plain torch on CUDA too)."""
 
 from __future__ import annotations
 
@@ -47,3 +47,10 @@ def fused_ops():
     from . import fused
 
     return fused
+
+
+def snake_ops():
+    """The Triton Snake kernels of the DAC decoder (imported on first use, like `fused_ops`)."""
+    from . import snake
+
+    return snake
