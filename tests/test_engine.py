@@ -401,3 +401,21 @@ def test_prefill_counters_count_passes_and_requests(tiny_model):
         engine.submit(random_prompt(tiny_model, 9, 1), params(max_new_frames=2), "b")
         engine.step()
         assert (engine.runner.prefill_passes, engine.prefill_requests) == (passes, 2)
+
+
+def test_prefill_warm_up_leaves_no_trace(tiny_model):
+    """`warm_up_prefill` runs every prefill kind on throwaway prompts: afterwards every KV block is
+    free again, the prefill counters are at zero, and a request gives the codes it gives on an engine
+    that never warmed up."""
+    codes = []
+    for warm in (False, True):
+        engine = make_engine(tiny_model, packed_prefill=True)
+        free = engine.scheduler.allocator.num_free
+        if warm:
+            passes = engine.runner.prefill_passes
+            engine.warm_up_prefill()
+            assert engine.scheduler.allocator.num_free == free
+            assert engine.runner.prefill_passes == passes == 0
+        engine.submit(random_prompt(tiny_model, 12, 4), params(max_new_frames=6, seed=3), "a")
+        codes.append(run_to_completion(engine)[0]["a"])
+    assert torch.equal(codes[0], codes[1])
