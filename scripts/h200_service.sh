@@ -25,6 +25,14 @@
 #   STEP=attn2   S2-Pro service with the bf16 codec (c = 16, 64, 64; the reference modes at c = 16); the
 #                default voice's service (c = 1, 16, 64, 64)
 #   STEP=prefill the prefill alone and packed, timed and profiled (scripts/profile_prefill.py)
+#   STEP=codec   the CUDA tests of the DAC and the graphs (PYTEST_K selects; stops if one fails); the
+#                prefill profile; the batched DAC decode with the fused Snake kernels off and on
+#                (TTS_FUSED_KERNELS=0 / 1; DAC_BENCH=0 skips it)
+#   STEP=service S2-Pro service with the float32 codec (c = 1, 16, 64, 64) and the bfloat16 codec (c = 16,
+#                64, 64; SERVICE_BF16=0 skips it); `tts bench` graph batch 1 and 64 at the served context
+#                (TPS_BENCH=0 skips it)
+#   STEP=last    the CUDA tests of the graphs and the batched codecs (stops if one fails); the default
+#                voice's service (c = 1, 16, 64, 64) and `tts synthesize --device cuda` to raw PCM
 set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -184,4 +192,45 @@ fi
 if [[ $STEP == prefill ]]; then
   timeout 300 python3 scripts/profile_prefill.py --model s2-pro-shape --device cuda --tokens 64,128,256 \
     --packed 16 --out $OUT/prefill.txt 2>&1 | grep -v USDT | tail -8
+fi
+if [[ $STEP == codec ]]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_dac_batched.py tests/test_cuda_graphs.py -s \
+    -k "${PYTEST_K:-cuda or not cuda}" 2>&1 | grep -v "^  " | tail -30 | tee $OUT/cuda_tests.log
+  grep -Eq "failed|error" $OUT/cuda_tests.log && exit 1
+  timeout 150 python3 scripts/profile_prefill.py --model s2-pro-shape --device cuda --tokens 64,128,256 \
+    --packed 16 --out $OUT/prefill.txt 2>&1 | grep -v USDT | tail -12
+  [[ ${DAC_BENCH:-1} == 0 ]] && exit 0
+  TTS_FUSED_KERNELS=0 timeout 90 python3 benchmarks/codec/dac_batched.py --device cuda --batches 16,64 --frames 16 \
+    --cudnn-benchmark on --iters 15 --variant-seconds 2 --time-budget 70 --out $OUT/dac_unfused.json 2>&1 | tail -12
+  TTS_FUSED_KERNELS=1 timeout 120 python3 benchmarks/codec/dac_batched.py --device cuda --batches 16,64 --frames 16 \
+    --cudnn-benchmark both --iters 15 --variant-seconds 2 --time-budget 100 --out $OUT/dac_fused.json 2>&1 | tail -20
+fi
+if [[ $STEP == service ]]; then
+  if [[ -n ${PYTEST_K:-} ]]; then
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py tests/test_dac_batched.py \
+      -k "$PYTEST_K" 2>&1 | grep -v "^  " | tail -8 | tee $OUT/cuda_tests.log
+    grep -Eq "failed|error" $OUT/cuda_tests.log && exit 1
+  fi
+  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  serve /tmp/s2 50061 9465
+  bench 50061 9465 s2_service_fp32 --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
+  if [[ ${SERVICE_BF16:-1} == 1 ]]; then
+    serve /tmp/s2 50064 9468 --codec-dtype bfloat16
+    bench 50064 9468 s2_service_bf16 --concurrency 16,64,64 --max-new-frames 128 --min-new-frames 128
+    kill %1; wait
+  fi
+  grep -h "SERVING\|Traceback\|Error" $OUT/serve_*.log | head -20
+  [[ ${TPS_BENCH:-1} == 0 ]] && exit 0
+  timeout 120 $TTS bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1,64 --frames 64 --out $OUT/tps 2>&1 | tail -4
+fi
+if [[ $STEP == last ]]; then
+  timeout 110 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py tests/test_melvq_batched.py 2>&1 \
+    | grep -v "^  " | tail -8 | tee $OUT/cuda_tests.log
+  grep -Eq "failed|error" $OUT/cuda_tests.log && exit 1
+  serve default 50063 9467
+  bench 50063 9467 default_service --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
+  grep -h "warm-up\|captured\|Traceback\|Error" $OUT/serve_*.log | head -8
+  for s in 1 2 3; do timeout 30 $TTS synthesize "Please call Stella and ask her to bring these things." --device cuda --seed $s -o /tmp/x$s.pcm 2>&1 | tail -1; done
 fi
