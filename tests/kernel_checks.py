@@ -16,7 +16,7 @@ from tts.kernels.fused import add_rmsnorm, qk_norm_rope, rmsnorm, silu_mul  # no
 from tts.kernels.paged_attention import triton_paged_decode_attention  # noqa: E402
 from tts.kernels.sampling import triton_sample, triton_sample_main_token  # noqa: E402
 from tts.kv_cache import paged_decode_attention  # noqa: E402
-from tts.model import RMSNorm, apply_rotary_emb, precompute_freqs_cis  # noqa: E402
+from tts.layers import RMSNorm, apply_rotary_emb, precompute_freqs_cis  # noqa: E402
 from tts.sampling import RowParams, sample, sample_main_token  # noqa: E402
 
 

@@ -5,7 +5,8 @@ import math
 import torch
 
 from tts.config import ModelArgs
-from tts.model import DualARTransformer, precompute_freqs_cis
+from tts.layers import precompute_freqs_cis
+from tts.model import DualARTransformer
 
 
 def _polar_table(seq_len: int, n_elem: int, base: float) -> torch.Tensor:

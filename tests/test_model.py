@@ -98,7 +98,8 @@ def test_head_dims_the_triton_kernels_cannot_tile_use_the_torch_path():
 def test_joint_qk_norm_and_rope_is_bit_exact_to_separate_heads(monkeypatch):
     """On the CPU in fp32, q and k heads are normed and rotated as one tensor; the result equals the
     separate nn.RMSNorm + RoPE calls bit for bit."""
-    from tts.model import Attention, dense_causal_attend, precompute_freqs_cis
+    from tts.layers import precompute_freqs_cis
+    from tts.model import Attention, dense_causal_attend
 
     torch.manual_seed(3)
     attn = Attention(96, 6, 2, 16, qkv_bias=False, o_bias=False, qk_norm=True, eps=1e-6).eval()

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels import fused_kernels_enabled, snake_ops
-from ..model import Rope, precompute_freqs_cis
+from ..layers import Rope, precompute_freqs_cis
 from .base import BatchedStreamDecoder
 from .dac_net import (
     CausalConv1d,

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels import fused_kernels_enabled, snake_ops
-from ..model import Rope, _embedding, apply_rotary_emb, precompute_freqs_cis
+from ..layers import Rope, apply_rotary_emb, embedding, precompute_freqs_cis
 from .base import CodecCheckpointError
 
 StreamState = dict  # module -> its carried state (tensors), one per stream
@@ -404,7 +404,7 @@ class VectorQuantize(nn.Module):
         super().__init__()
         self.in_proj = nn.Conv1d(dim, codebook_dim, 1)
         self.out_proj = nn.Conv1d(codebook_dim, dim, 1)
-        self.codebook = _embedding(size, codebook_dim)
+        self.codebook = embedding(size, codebook_dim)
         # A plain marker attribute (see WNConv); torch's stubs only allow tensors and modules as attributes.
         self.in_proj.weight_norm = self.out_proj.weight_norm = "old"  # type: ignore[assignment]
 

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..model import RMSNorm, TransformerBlock, pair_swap_index, rms_norm_fp32
+from ..layers import RMSNorm, pair_swap_index, rms_norm_fp32
+from ..model import TransformerBlock
 
 # attend(i, q [B, H, D], k [B, Hkv, D], v [B, Hkv, D]) -> [B, H, D]: write layer i's K/V of this
 # position wherever the caller keeps them, and attend over the row's context.

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..kernels import fused_kernels_enabled
 from ..kv_cache import PagedDecodeAttention, paged_decode_attention
-from ..model import Rope
+from ..layers import Rope
 from ..sampling import DrawSettings, FrameDraws, frame_log_noise, ras_counted, ras_high_settings
 from .cpu_decode import LayerWeights, block_weights, decode_layers, decode_layers_kv_only
 from .model_runner import ModelRunner
