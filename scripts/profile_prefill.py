@@ -3,8 +3,9 @@
     python scripts/profile_prefill.py --model s2-pro-shape --device cuda --out prefill.txt
 
 For each prompt length in --tokens, with the prefill's attention as the engine runs it (no cuDNN
-attention: `model_runner.PREFILL_SDPA_BACKENDS`) and with cuDNN attention allowed (torch's default, what
-the engine did before): host wall time of `ModelRunner.prefill` (one request) and of
+attention: `engine.disable_cudnn_attention`) and with cuDNN attention allowed (torch's default, what
+the engine did before; on CUDA in 16 bits the packed prefill uses flash varlen attention either way, so
+its two rows measure the same kernels): host wall time of `ModelRunner.prefill` (one request) and of
 `ModelRunner.prefill_packed` of --packed requests, each followed by a device synchronization. "cold" is
 the first call at a length this process has not run yet (each variant gets its own lengths: T and
 T + 1), "warm" the median of --reps calls after it. Then one profiled warm call of each: device ops per
@@ -22,12 +23,10 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from torch.nn.attention import SDPBackend
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import tts.engine.model_runner as model_runner  # noqa: E402
 from tts.bench import _prompt, load_bench_model  # noqa: E402
 from tts.engine import Engine, EngineConfig  # noqa: E402
 from tts.kv_cache import blocks_needed  # noqa: E402
@@ -83,11 +82,7 @@ def main() -> int:
     engine = Engine(model, EngineConfig(max_batch=args.packed, graphs="off"))
     runner, allocator, bs = engine.runner, engine.scheduler.allocator, engine.config.block_size
     lines = [f"{args.model} on {device}, block size {bs}, context {engine.max_context}"]
-    engine_backends = list(model_runner.PREFILL_SDPA_BACKENDS)
-    variants = {
-        "engine (no cuDNN attention)": engine_backends,
-        "cuDNN attention allowed": [SDPBackend.CUDNN_ATTENTION, *engine_backends],
-    }
+    variants = {"engine (no cuDNN attention)": False, "cuDNN attention allowed": True}
 
     def run(T: int, label: str) -> None:
         prompts = [_prompt(model, T + 1, seed=i) for i in range(args.packed)]
@@ -112,10 +107,9 @@ def main() -> int:
 
     run(lengths[0] - 3, "warm-up (Triton compiles)")
     for T in lengths:
-        for offset, (label, backends) in enumerate(variants.items()):
-            model_runner.PREFILL_SDPA_BACKENDS[:] = backends
+        for offset, (label, cudnn) in enumerate(variants.items()):
+            torch.backends.cuda.enable_cudnn_sdp(cudnn)
             run(T + offset, label)
-        model_runner.PREFILL_SDPA_BACKENDS[:] = engine_backends
     Path(args.out).write_text("\n\n".join(lines) + "\n")
     print(f"wrote {args.out}")
     return 0

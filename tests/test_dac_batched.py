@@ -327,3 +327,55 @@ def test_cuda_decode_makes_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     assert out.shape == (3, 8 * 2048) and out.device.type == "cuda"
     assert dec.positions.tolist() == [16, 0, 9, 0, 0]  # slot 0 was reset, slot 2 went on: 3 + 3 + 3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_snake_kernels_match_the_torch_formula(dtype):
+    """The fused Snake passes (tts/kernels/snake.py) against `Snake1d`'s torch formula on the GPU, on a
+    conv output cut along T (rows not contiguous, T over one 1024-sample block); and the batched
+    decoder with them against the same decoder without them (float32, TF32 off)."""
+    import tts.kernels as K
+    from tts.codec.dac_net import Snake1d
+    from tts.kernels.snake import add_snake, snake
+
+    torch.manual_seed(5)
+    m = Snake1d(12).cuda()
+    m.alpha.data = torch.rand(1, 12, 1, device="cuda") * 3 + 0.05
+    x = (torch.randn(3, 12, 2600, device="cuda") * 4)[..., 100:2500].to(dtype)
+    bias, res = torch.randn(12, device="cuda").to(dtype), torch.randn(3, 12, 2400, device="cuda").to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+    def ref(t):  # `Snake1d`'s formula in float32, rounded once at the end as the kernel does
+        t, a = t.float(), m.alpha.float()
+        return (t + (a + 1e-9).reciprocal() * torch.sin(a * t).pow(2)).to(dtype)
+
+    with torch.no_grad():
+        torch.testing.assert_close(snake(x, m.alpha, bias), ref(x.float() + bias[:, None].float()), **tol)
+        total, nxt = add_snake(x, bias, res, m.alpha)
+        exact_sum = x.float() + bias[:, None].float() + res.float()
+        torch.testing.assert_close(total, exact_sum.to(dtype), **tol)
+        torch.testing.assert_close(nxt, ref(exact_sum), **tol)
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        codec = _codec(device="cuda")
+        outs = []
+        for fused in (False, True):
+            K.set_fused_kernels(fused)
+            dec = codec.batched_stream(2)
+            dec.reset(torch.tensor([0, 1], device="cuda"))
+            codes = torch.stack([_codes(16, "f0"), _codes(16, "f1")]).cuda()
+            outs.append(
+                dec.decode(torch.tensor([0, 1], device="cuda"), codes, torch.tensor([16, 9], device="cuda"))
+            )
+        fl = codec.frame_length
+        err = max(
+            float((outs[1][i, : n * fl] - outs[0][i, : n * fl]).abs().max()) for i, n in ((0, 16), (1, 9))
+        )
+        print(f"batched decode, fused vs torch: max |difference| {err:.3g}")
+        assert err <= 1e-4
+    finally:
+        K.set_fused_kernels(True)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -403,19 +403,41 @@ def test_prefill_counters_count_passes_and_requests(tiny_model):
         assert (engine.runner.prefill_passes, engine.prefill_requests) == (passes, 2)
 
 
-def test_prefill_warm_up_leaves_no_trace(tiny_model):
-    """`warm_up_prefill` runs every prefill kind on throwaway prompts: afterwards every KV block is
-    free again, the prefill counters are at zero, and a request gives the codes it gives on an engine
-    that never warmed up."""
+def _counted(fn, calls: list, name: str):
+    """`fn`, appending `name` to `calls` on every call."""
+
+    def counted(*args):
+        calls.append(name)
+        return fn(*args)
+
+    return counted
+
+
+def test_prefill_warmup_runs_every_kind_and_leaves_no_trace(tiny_model, monkeypatch):
+    """`warmup_prefill` runs the prefill alone and packed on throwaway prompts: afterwards the free list
+    is what it was (same blocks, same order), the prefill counters are unchanged, and a request gives
+    the codes it gives on an engine that never warmed up."""
     codes = []
     for warm in (False, True):
         engine = make_engine(tiny_model, packed_prefill=True)
-        free = engine.scheduler.allocator.num_free
+        engine.submit(random_prompt(tiny_model, 5, 7), params(max_new_frames=2, seed=1), "first")
+        run_to_completion(engine)
         if warm:
-            passes = engine.runner.prefill_passes
-            engine.warm_up_prefill()
-            assert engine.scheduler.allocator.num_free == free
-            assert engine.runner.prefill_passes == passes == 0
+            calls: list[str] = []
+            for name in ("prefill", "prefill_packed"):
+                monkeypatch.setattr(engine.runner, name, _counted(getattr(engine.runner, name), calls, name))
+            free, passes = list(engine.scheduler.allocator._free), engine.runner.prefill_passes
+            engine.warmup_prefill()
+            assert calls.count("prefill") >= 2 and calls.count("prefill_packed") >= 2
+            assert engine.scheduler.allocator._free == free
+            assert (engine.runner.prefill_passes, passes) == (passes, 1)
         engine.submit(random_prompt(tiny_model, 12, 4), params(max_new_frames=6, seed=3), "a")
         codes.append(run_to_completion(engine)[0]["a"])
     assert torch.equal(codes[0], codes[1])
+
+
+def test_prefill_warmup_skips_what_does_not_fit_the_pool(tiny_model):
+    """A pool too small for some of the warm-up's prompts: those are skipped, nothing is taken."""
+    engine = make_engine(tiny_model, packed_prefill=True, num_blocks=4)  # 3 usable blocks of 8 tokens
+    engine.warmup_prefill()
+    assert engine.scheduler.allocator.num_free == 3

@@ -308,7 +308,8 @@ def varlen_causal_attend(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, ma
     cu_seqlens: `[n + 1]` int32, the sequences' start offsets then S; max_len: the longest sequence.
     A dense `[S, S]` mask sends SDPA to the memory-efficient kernel, which measured 0.55 s of device
     time for 16 x 256 packed positions of S2-Pro on an H200; this costs about what the sequences cost
-    alone. Raises RuntimeError where `varlen_causal_available()` is False.
+    alone. Call it only where `varlen_causal_available` says so (else torch raises, or this raises
+    RuntimeError when the torch build has no varlen attention).
     """
     fn, options = _varlen()
     if fn is None:
@@ -321,17 +322,26 @@ def varlen_causal_attend(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, ma
     return out.unsqueeze(0)
 
 
-def varlen_causal_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """True when `varlen_causal_attend` can run on activations of this device and dtype (CUDA, 16-bit
-    floats, a torch with varlen attention)."""
-    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _varlen()[0] is not None
+def varlen_causal_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """True when `varlen_causal_attend` can run here: a torch with varlen attention, and what its flash
+    kernel needs (a CUDA device of compute capability 8.0 or newer, 16-bit floats, a head size that is a
+    multiple of 8 and at most 256; it does not pad heads as SDPA does)."""
+    return (
+        device.type == "cuda"
+        and dtype in (torch.bfloat16, torch.float16)
+        and head_dim % 8 == 0
+        and head_dim <= 256
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+        and _varlen()[0] is not None
+    )
 
 
 @functools.cache
 def _varlen():
-    """`(varlen_attn, keyword arguments for causal attention)`, or `(None, {})`. The keyword changed
-    across the torch versions this project admits: `is_causal=True` (2.10), then `window_size=(-1, 0)`;
-    `enable_gqa` came later (without it, `varlen_causal_attend` repeats the K/V heads)."""
+    """`(varlen_attn, keyword arguments for causal attention)`, or `(None, {})`. The signature has moved
+    between torch releases: causal was `is_causal=True` when the function appeared (2.10) and is
+    `window_size=(-1, 0)` since; `enable_gqa` came later still (without it, `varlen_causal_attend`
+    repeats the K/V heads). Both are looked up rather than assumed for any one version."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:

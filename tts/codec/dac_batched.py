@@ -283,15 +283,16 @@ class BatchedDACDecoder(BatchedStreamDecoder):
                 x, snaked = K.add_snake(h, c2.conv.bias, x, alpha.alpha if alpha is not None else None)
                 bias = None
             elif isinstance(module, CausalConv1d | CausalConvTranspose1d):
-                # (a conv always follows a Snake or starts the decoder: no bias is pending here)
+                assert bias is None, "two convs in a row: the decoder's layout changed"
                 keep_bias = _first_snake(following) is None
                 if isinstance(module, CausalConv1d):
                     x = self._conv(module, x, rows, bias=keep_bias)
                 else:
                     x = self._conv_transpose(module, x, rows, bias=keep_bias)
                 bias = None if keep_bias else module.conv.bias
-            elif isinstance(module, Tanh):
-                x = torch.tanh(x)
+            elif isinstance(module, Tanh | Identity):
+                assert bias is None, "an unexpected module after a conv: the decoder's layout changed"
+                x = module(x)
             else:
                 raise TypeError(f"no fused batched rule for {type(module).__name__}")
         return x

@@ -169,7 +169,8 @@ class Snake1d(nn.Module):
     def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
         if fused_kernels_enabled(x, self.alpha):  # one pass instead of five (tts/kernels/snake.py)
             return snake_ops().snake(x, self.alpha)
-        # Same operation order as descript-audio-codec's `snake`, for bit-level agreement.
+        # Same operation order as descript-audio-codec's `snake`, for bit-level agreement (off CUDA;
+        # the kernel above agrees to float rounding).
         return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
 
 

@@ -123,7 +123,22 @@ def for_bundle(config: EngineConfig, bundle) -> EngineConfig:
     return config
 
 
+def disable_cudnn_attention() -> None:
+    """Take cuDNN out of torch's SDPA backends, for the whole process (torch keeps one global set).
+
+    Why: every prompt length is a new attention shape for the prefill, and torch sends causal or masked
+    SDPA on a Hopper GPU to cuDNN first, which builds an execution plan per new shape. Measured on an
+    H200 (S2-Pro shape, one request; BENCHMARKS.md): the first prefill at a new length took 154-715 ms
+    with cuDNN and 28-80 ms without; at a length seen before 30-59 ms with, 23-55 ms without. Flash and
+    memory-efficient attention need no plan. Set once, not around each prefill: the flags are global,
+    and the codec stage's thread runs SDPA at the same time."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 class Engine:
+    """The engine: scheduler, KV pool, model runner and frame-step graphs. On CUDA it calls
+    `disable_cudnn_attention` (a process-wide SDPA setting; see there)."""
+
     def __init__(self, model: DualARTransformer, config: EngineConfig | None = None):
         self.config = cfg = config or EngineConfig()
         cfg.validate()
@@ -147,6 +162,8 @@ class Engine:
             cfg.max_waiting,
             cfg.max_prefill_tokens,
         )
+        if self.device.type == "cuda":
+            disable_cudnn_attention()
         first_block = cast("TransformerBlock", model.layers[0])  # (an nn.ModuleList of TransformerBlocks)
         if self.device.type == "cuda" and first_block.feed_forward.fused_w13() is None:
             model.fuse_weights()  # one GEMM for w1 and w3 on the CUDA path
@@ -196,29 +213,35 @@ class Engine:
     # a multiple of 16, where Triton specializes integer arguments) and packed (totals likewise).
     WARMUP_PREFILLS = ((1,), (2,), (16,), (17,), (5, 11), (5, 12), (3, 7, 9), (16, 16, 16))
 
-    def warm_up_prefill(self) -> float:
+    def warmup_prefill(self) -> float:
         """Run the prefill, alone and packed, on throwaway prompts (token 0 everywhere) in blocks that
         are allocated here and freed again, so that the first real prefill of each kind does not pay
         the one-time work of its first call (kernel compiles and first launches: measured on an H200,
-        about 1.1 s for the first prefill of a process and 1.7 s for the first packed one). No request
-        state changes. Returns the wall seconds spent."""
+        about 1.1 s for the first prefill of a process and 1.7 s for the first packed one). A prompt set
+        that does not fit the free blocks is skipped. Afterwards the free list is as before (same
+        order) and the prefill counters are unchanged. Returns the wall seconds spent."""
         t0 = time.perf_counter()
         width = 1 + self.model.config.num_codebooks
         allocator, bs = self.scheduler.allocator, self.config.block_size
+        passes = self.runner.prefill_passes
         for lengths in self.WARMUP_PREFILLS:
             if len(lengths) > 1 and not self.packed_prefill:
                 continue
+            if sum(blocks_needed(n + 1, bs) for n in lengths) > allocator.num_free:
+                continue
             prompts = [torch.zeros(n + 1, width, dtype=torch.int64) for n in lengths]
-            tables = [allocator.allocate(blocks_needed(n + 1, bs)) for n in lengths]
+            tables: list[list[int]] = []
             try:
+                for n in lengths:
+                    tables.append(allocator.allocate(blocks_needed(n + 1, bs)))
                 if len(lengths) > 1:
                     self.runner.prefill_packed(prompts, tables)
                 else:
                     self.runner.prefill(prompts[0], tables[0])
             finally:
-                for table in tables:
+                for table in reversed(tables):  # (reversed: the free list's order comes back as it was)
                     allocator.free(table)
-        self.runner.prefill_passes = 0  # (counts requests' prefills: the metrics start at zero)
+        self.runner.prefill_passes = passes
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0

@@ -515,7 +515,7 @@ class EngineLoop:
 
     def _run_warmup(self) -> None:
         if self.engine.device.type == "cuda":
-            log.info("prefill warm-up done in %.2f s", self.engine.warm_up_prefill())
+            log.info("prefill warm-up done in %.2f s", self.engine.warmup_prefill())
         t0 = time.perf_counter()
         params = replace(self.bundle.sampling, temperature=0.0, max_new_frames=4, seed=0)
         job = SynthesisJob(["Warm up."], params, first_chunk_frames=2, chunk_frames=2, request_id="warmup")

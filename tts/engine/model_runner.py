@@ -40,7 +40,6 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels import fused_kernels_enabled
 from ..kv_cache import SCRATCH_BLOCK, PagedDecodeAttention, PagedKVCache, paged_decode_attention
@@ -70,13 +69,6 @@ REPETITION_WINDOW = 16
 # Prompt positions of one packed prefill pass at most: its attention mask is PACKED_PREFILL_TOKENS^2 bools.
 PACKED_PREFILL_TOKENS = 4096
 REPETITION_MODES = ("fish-1.5", "s1")
-
-# The prefill's attention backends: every prompt length is a new shape, and torch sends causal SDPA on
-# a Hopper GPU to cuDNN first, which builds an execution plan per new shape. Measured on an H200 (S2-Pro
-# shape, one request): the first prefill at a new length took 154-715 ms with cuDNN, 28-80 ms without;
-# at a length seen before, 30-59 ms with cuDNN, 23-55 ms without (BENCHMARKS.md). Flash attention
-# needs no plan.
-PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def apply_repetition_penalty(logits: Tensor, ids: Tensor, penalty: Tensor) -> Tensor:
@@ -352,11 +344,10 @@ class ModelRunner:
         # Only the K/V are kept, so the last layer stops after projecting them (its attention,
         # feed-forward and the final norm would be a sixth of a 4-layer prefill's work, unused). One
         # position goes the full way: at T == 1 the CUDA decode kernel, not the torch path, makes K.
-        with sdpa_kernel(PREFILL_SDPA_BACKENDS):
-            if T > 1:
-                run_layers_kv_only(m.layers, m.embed(frames), m.freqs_cis[:T], attend_layer, write_kv)
-            else:
-                m.slow_layers(m.embed(frames), m.freqs_cis[:T], attend_layer)
+        if T > 1:
+            run_layers_kv_only(m.layers, m.embed(frames), m.freqs_cis[:T], attend_layer, write_kv)
+        else:
+            m.slow_layers(m.embed(frames), m.freqs_cis[:T], attend_layer)
 
     @torch.inference_mode()
     def prefill_packed(self, prompts: list[Tensor], block_tables: list[list[int]]) -> None:
@@ -398,7 +389,7 @@ class ModelRunner:
                 for table, n in zip(tables, lengths, strict=True)
             ]
         )
-        if varlen_causal_available(dev, m.embeddings.weight.dtype):  # flash attention per sequence, no mask
+        if varlen_causal_available(dev, m.embeddings.weight.dtype, m.config.head_dim):  # flash, no mask
             cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(dev)
 
             def attention(q, k, v):
@@ -420,8 +411,7 @@ class ModelRunner:
 
             return attend
 
-        with sdpa_kernel(PREFILL_SDPA_BACKENDS):
-            run_layers_kv_only(m.layers, m.embed(frames), m.freqs_cis[positions], attend_layer, write_kv)
+        run_layers_kv_only(m.layers, m.embed(frames), m.freqs_cis[positions], attend_layer, write_kv)
 
     # ---- the frame step ------------------------------------------------------------------------------
 
