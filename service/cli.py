@@ -211,7 +211,12 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--first-chunk-frames", type=int, default=0, help="frames in the first chunk (0 = server default)"
     )
-    p.add_argument("--chunk-frames", type=int, default=0, help="frames in later chunks (0 = server default)")
+    p.add_argument(
+        "--chunk-frames",
+        type=int,
+        default=0,
+        help="later chunks double from the first up to this many frames (0 = server default)",
+    )
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default none)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
     add_sampling_args(p)

@@ -94,7 +94,7 @@ def test_events_and_streamed_audio_equal_offline(make_loop, bundle, offline):
     assert isinstance(events[0], Started) and events[0].seed == 7 and events[0].text_chunks == 1
     audio = [e for e in events if isinstance(e, Audio)]
     assert [a.sequence for a in audio] == list(range(len(audio)))
-    assert [a.frame_end - a.frame_start for a in audio[:2]] == [3, 8]
+    assert [a.frame_end - a.frame_start for a in audio[:3]] == [3, 6, 8]  # doubling up to chunk_frames
     fin = events[-1]
     assert isinstance(fin, Finished) and fin.frames == audio[-1].frame_end
     pcm = np.concatenate([a.samples for a in audio])
@@ -372,3 +372,12 @@ def test_a_dead_codec_stage_fails_jobs_instead_of_hanging(make_loop, monkeypatch
     events = drain(loop.submit(job(loop, "Again.", 8, hold=True)))
     assert isinstance(events[-1], Failed) and "device gone" in str(events[-1].error)
     wait_until(lambda: loop.in_flight == 0 and loop.engine.kv_usage()[0] == 0, what="freed")
+
+
+def test_chunk_sizes_double_from_the_first_up_to_chunk_frames():
+    from tts.engine.jobs import chunk_size
+
+    assert [chunk_size(4, 16, k) for k in range(5)] == [4, 8, 16, 16, 16]
+    assert [chunk_size(3, 8, k) for k in range(4)] == [3, 6, 8, 8]
+    assert [chunk_size(16, 4, k) for k in range(3)] == [16, 4, 4]  # a large first chunk, small later ones
+    assert chunk_size(1, 256, 100) == 256 and chunk_size(256, 256, 0) == 256

@@ -92,9 +92,9 @@ def test_stream_equals_offline_decode_and_unary(server, stub, bundle, offline):
     assert (h.sample_rate, h.channels, h.num_codebooks, h.seed) == (16000, 1, 4, 11)
     assert h.encoding == pb.AUDIO_ENCODING_FLOAT32 and h.frame_rate == pytest.approx(25.0)
     assert end.frames == 40 and end.finish_reason == pb.FINISH_REASON_LENGTH
-    # First chunk small, later chunks 16 frames, the rest in the last one.
+    # First chunk small, later chunks doubling to 16 frames, the rest in the last one.
     sizes = [c.frame_end - c.frame_start for c in chunks]
-    assert sizes == [4, 16, 16, 4] and chunks[-1].frame_end == 40
+    assert sizes == [4, 8, 16, 12] and chunks[-1].frame_end == 40
     assert len(r["audio"]) == 40 * bundle.codec.frame_length
     assert end.audio_seconds == pytest.approx(40 / 25.0)
     # Streamed PCM == offline decode of the same codes. Tolerance 1e-6 absolute (float32): the

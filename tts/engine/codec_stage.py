@@ -52,8 +52,9 @@ log = logging.getLogger(__name__)
 # buckets of 1.5x (at 64 streams a call took about 10 rows, which bucket 16 computed at 65%).
 ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 # Frames per call when the decode is a CUDA graph: few buckets, so that the start-up capture covers
-# almost every call (first chunks: 4; later chunks and the end of a stream, padded: 16); longer rows
-# (pieces that queued up behind a slow call) take the larger ones. A padded frame costs a real one.
+# almost every call (first chunks: 4; later chunks (8, then 16) and the end of a stream, padded: 16);
+# longer rows (pieces that queued up behind a slow call) take the larger ones. A padded frame costs a
+# real one.
 FRAME_BUCKETS = (4, 16, 32, 64, 128, 256)
 MAX_PIECE_FRAMES = MAX_CHUNK_FRAMES  # the longest piece `decode` takes (an audio chunk's frames)
 assert MAX_PIECE_FRAMES <= FRAME_BUCKETS[-1]

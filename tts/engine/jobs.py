@@ -14,8 +14,9 @@ A job (`tts.planner.SynthesisJob`) runs like this:
    chunk's frame budget (the job's budget, cut to what is left of the request's audio limit);
 3. every frame the engine emits goes to the job's pending codes (as the model family's reference
    returns frames, `tts.params.FrameConvention`: fish-speech 1.5 drops each text chunk's first frame
-   and keeps its end-token frame); after `first_chunk_frames`, then every `chunk_frames`, and at the
-   end, the pending codes go to the codec stage as one piece; the decoded
+   and keeps its end-token frame); when `chunk_size` frames are pending (`first_chunk_frames` for the
+   first chunk, then twice the last size up to `chunk_frames`) and at the end, the pending codes go to
+   the codec stage as one piece; the decoded
    audio comes back in order and is delivered as `Audio` (sequence 0, 1, 2, ... without gaps, frame
    ranges contiguous);
 4. when a chunk ends its finish reason is kept (`short` if the end token came with implausibly little
@@ -53,6 +54,20 @@ from .engine import Engine
 from .request import FinishReason, InvalidRequest, StepOutput
 
 log = logging.getLogger(__name__)
+
+
+def chunk_size(first: int, later: int, sequence: int) -> int:
+    """Frames in audio chunk `sequence` (0, 1, 2, ...) of a job: `first`, then doubling up to `later`
+    (4, 8, 16, 16, ... by default), at most MAX_PIECE_FRAMES.
+
+    Why a ramp: a player starts on chunk 0 and must have chunk k before the audio of chunks 0..k-1
+    has played. Jumping from 4 frames to 16 needs the job to generate 16 frames in the time 4 frames
+    play (4x real time); doubling needs 2x. Measured on a 2-core CPU, default voice, 4 clients at
+    about 2.4x real time each: 4 then 16 made every request's second chunk late (12 of 12, worst
+    272-278 ms); the ramp left 3 of 12 late by at most 7-36 ms, at the same frames/s (BENCHMARKS.md).
+    """
+    size = first if sequence == 0 else min(later, first << min(sequence, 16))
+    return min(max(size, 1), MAX_PIECE_FRAMES)
 
 
 class Cancelled(RuntimeError):
@@ -438,8 +453,7 @@ class JobRunner:
         progress = getattr(job.sink, "progress", None)
         if progress is not None:
             progress(job.frames, job.index, len(job.spec.chunks))
-        size = job.spec.first_chunk_frames if job.sequence == 0 else job.spec.chunk_frames
-        if len(job.pending) >= min(size, MAX_PIECE_FRAMES):
+        if len(job.pending) >= chunk_size(job.spec.first_chunk_frames, job.spec.chunk_frames, job.sequence):
             self._queue_audio(job)
 
     def _chunk_done(self, job: _Job, reason: FinishReason) -> None:
