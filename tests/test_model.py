@@ -95,25 +95,41 @@ def test_head_dims_the_triton_kernels_cannot_tile_use_the_torch_path():
     assert not m.layers[0].attention.fusable
 
 
-def test_joint_qk_norm_and_rope_is_bit_exact_to_separate_heads(monkeypatch):
-    """On the CPU in fp32, q and k heads are normed and rotated as one tensor; the result equals the
-    separate nn.RMSNorm + RoPE calls bit for bit."""
-    from tts.layers import precompute_freqs_cis
-    from tts.model import Attention, dense_causal_attend
+def test_joint_qk_norm_and_rope_is_bit_exact_to_separate_heads():
+    """The CPU frame step norms and rotates q and k heads as one tensor, with the RoPE pair swap as
+    one gather (`cpu_decode._qkv`); the module norms and rotates them separately (`nn.RMSNorm`, a
+    flip). Same per-head math, so the same bits (fp32, CPU)."""
+    from tts.engine.cpu_decode import BlockWeights, _qkv
+    from tts.layers import Rope, precompute_freqs_cis
+    from tts.model import Attention
 
     torch.manual_seed(3)
     attn = Attention(96, 6, 2, 16, qkv_bias=False, o_bias=False, qk_norm=True, eps=1e-6).eval()
     with torch.no_grad():
         attn.q_norm.weight.normal_(1, 0.2)
         attn.k_norm.weight.normal_(1, 0.2)
-    table = precompute_freqs_cis(40, 16)
-    x = torch.randn(2, 40, 96)
+    table = precompute_freqs_cis(40, 16)[torch.tensor([3, 17, 39])].unsqueeze(1)  # [B, 1, D/2, 2]
+    x = torch.randn(3, 96)
+    w = BlockWeights(
+        attention_norm=torch.ones(96),
+        wqkv=attn.wqkv.weight,
+        wqkv_bias=None,
+        qk_norm=attn.qk_norm_weight,
+        wo=attn.wo.weight,
+        wo_bias=None,
+        ffn_norm=torch.ones(96),
+        w13=torch.zeros(2, 96),  # (unused by _qkv)
+        w2=torch.zeros(96, 1),
+        n_head=6,
+        n_kv=2,
+        head_dim=16,
+        eps=1e-6,
+    )
     with torch.inference_mode():
-        assert attn._joint_qk(attn.wqkv(x))
-        joint = attn(x, table, dense_causal_attend)
-        monkeypatch.setattr(Attention, "_joint_qk", lambda self, qkv: False)
-        separate = attn(x, table, dense_causal_attend)
-    assert torch.equal(joint, separate)
+        q, k, v = attn._split_norm_rotate(attn.wqkv(x.unsqueeze(1)), table)
+        cos, sin = Rope(table).factors()
+        q1, k1, v1 = _qkv(w, x, cos[:, 0], sin[:, 0])
+    assert torch.equal(q[:, 0], q1) and torch.equal(k[:, 0], k1) and torch.equal(v[:, 0], v1)
 
 
 def test_cpu_decode_layout_keeps_every_value_and_the_logits():

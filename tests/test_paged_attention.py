@@ -68,8 +68,9 @@ def test_allocator_never_hands_out_scratch_and_rejects_double_free():
 
 
 def test_step_attention_paths_are_bit_exact_to_the_reference_math():
-    """PagedDecodeAttention (slice of consecutive blocks, or index_select, and bmm on the CPU) gives the
-    same bits as the plain gather + einsum formulation."""
+    """PagedDecodeAttention (index_select and bmm) and the CPU frame step's SlicedDecodeAttention (a
+    slice of consecutive blocks) give the same bits as the plain gather + einsum formulation."""
+    from tts.engine.cpu_step import SlicedDecodeAttention
     from tts.kv_cache import PagedDecodeAttention
 
     torch.manual_seed(2)
@@ -94,7 +95,8 @@ def test_step_attention_paths_are_bit_exact_to_the_reference_math():
     ]
     for tables, lens in cases:
         q = torch.randn(tables.shape[0], H, D)
-        attention = PagedDecodeAttention(tables.to(torch.int32), lens, bs)
-        assert (attention.first_block is not None) == (tables.shape[0] == 1 and tables[0, 1] == 4)
-        out = attention(q, cache.k[0], cache.v[0], D**-0.5)
-        assert torch.equal(out, reference(q, tables, lens))
+        sliced = SlicedDecodeAttention(tables.to(torch.int32), lens, bs)
+        assert (sliced.first_block is not None) == (tables.shape[0] == 1 and tables[0, 1] == 4)
+        for attention in (sliced, PagedDecodeAttention(tables.to(torch.int32), lens, bs)):
+            out = attention(q, cache.k[0], cache.v[0], D**-0.5)
+            assert torch.equal(out, reference(q, tables, lens))

@@ -122,12 +122,13 @@ def paged_decode_attention(
 
 class PagedDecodeAttention:
     """`paged_decode_attention` for one decode step of every layer: the block-table and mask work that
-    does not depend on the layer is done once here, and each call attends one layer's pool.
+    does not depend on the layer is done once here, and each call attends one layer's pool. Reads no
+    device data on the host: safe inside a captured CUDA graph. (The CPU frame step reads a single
+    row's consecutive blocks as a slice instead: `tts.engine.cpu_step`.)
 
-    The CPU path is bound by op dispatch, so the layer calls skip the casts that are no-ops in fp32, and
-    on a CPU a single row whose blocks are consecutive reads them as a slice of the pool instead of
-    gathering a copy (same values, same contiguous layout, same alignment, so the same results). Nothing
-    here reads device data on other devices: safe inside a captured CUDA graph.
+    Scores and outputs are two batched matrix products (`bmm`, what `einsum` would call, without its
+    per-call planning); the casts are skipped where they are no-ops (fp32), since the CPU path is bound
+    by op dispatch.
     """
 
     def __init__(self, block_tables: Tensor, context_lens: Tensor, block_size: int):
@@ -137,18 +138,9 @@ class PagedDecodeAttention:
         self.index = block_tables.long().view(-1)
         positions = torch.arange(L, device=context_lens.device).view(1, 1, 1, L)
         self.hidden = positions >= context_lens.view(B, 1, 1, 1)  # masked: not in the row's context
-        self.first_block: int | None = None
-        if B == 1 and block_tables.device.type == "cpu":
-            ids = self.index.tolist()
-            if ids == list(range(ids[0], ids[0] + W)):
-                self.first_block = ids[0]
 
     def _gather(self, cache: Tensor) -> Tensor:
         """The rows' blocks, `[B, L, Hkv, D]` contiguous."""
-        if self.first_block is not None:
-            blocks = cache[self.first_block : self.first_block + self.index.shape[0]]
-            if blocks.data_ptr() % 64 == 0:  # the alignment of a fresh CPU allocation
-                return blocks.view(1, -1, *cache.shape[2:])
         return cache.index_select(0, self.index).view(self.rows, -1, *cache.shape[2:])
 
     def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) -> Tensor:
@@ -161,15 +153,9 @@ class PagedDecodeAttention:
             q32 = q
         g, L = H // n_kv, k.shape[1]
         qg = q32.view(B, n_kv, g, D)
-        if q.device.type == "cpu":  # the bmm calls einsum makes, without its per-call planning
-            scores = torch.bmm(qg.reshape(B * n_kv, g, D), k.permute(0, 2, 3, 1).reshape(B * n_kv, D, L))
-            scores = scores.view(B, n_kv, g, L) * scale
-        else:
-            scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale
+        scores = torch.bmm(qg.reshape(B * n_kv, g, D), k.permute(0, 2, 3, 1).reshape(B * n_kv, D, L))
+        scores = scores.view(B, n_kv, g, L) * scale
         probs = torch.softmax(scores.masked_fill(self.hidden, float("-inf")), dim=-1)
-        if q.device.type == "cpu":
-            out = torch.bmm(probs.view(B * n_kv, g, L), v.permute(0, 2, 1, 3).reshape(B * n_kv, L, D))
-        else:
-            out = torch.einsum("bkgl,blkd->bkgd", probs, v)
+        out = torch.bmm(probs.view(B * n_kv, g, L), v.permute(0, 2, 1, 3).reshape(B * n_kv, L, D))
         out = out.reshape(B, H, D)
         return out if out.dtype == q.dtype else out.to(q.dtype)

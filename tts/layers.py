@@ -85,19 +85,6 @@ class Rope:
         return self._factors
 
 
-_PAIR_SWAP: dict[int, Tensor] = {}
-
-
-def pair_swap_index(d: int) -> Tensor:
-    """CPU `[1, 0, 3, 2, ...]` of length d: `x.index_select(-1, it)` swaps adjacent pairs. Made outside
-    inference mode, so that autograd (training) may save it too."""
-    index = _PAIR_SWAP.get(d)
-    if index is None:
-        with torch.inference_mode(False):
-            index = _PAIR_SWAP[d] = torch.arange(d, device="cpu").view(-1, 2).flip(-1).flatten()
-    return index
-
-
 def apply_rotary_emb(x: Tensor, freqs_cis: Tensor | Rope) -> Tensor:
     """Rotate adjacent pairs `(x[2i], x[2i+1])` (GPT-J / interleaved convention, not NeoX;
     docs/fish_dual_ar.md §1.2).
@@ -108,9 +95,6 @@ def apply_rotary_emb(x: Tensor, freqs_cis: Tensor | Rope) -> Tensor:
     (`a - b*s` and `a + b*(-s)` round identically, so this is bit-exact to the pairwise form).
     """
     cos, sin = Rope.of(freqs_cis).factors()
-    if x.dtype == torch.float32 and x.device.type == "cpu":
-        # CPU fp32 (op-bound): the same products without the no-op casts, the pair swap as one gather.
-        return x * cos + x.index_select(-1, pair_swap_index(x.shape[-1])) * sin
     xf = x.float()
     swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     return (xf * cos + swapped * sin).type_as(x)

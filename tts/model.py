@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from .config import ModelArgs
 from .kernels import fused_kernels_enabled, fused_ops, kernel_head_dim_ok
-from .layers import RMSNorm, Rope, apply_rotary_emb, embedding, precompute_freqs_cis, rms_norm_fp32
+from .layers import RMSNorm, Rope, apply_rotary_emb, embedding, precompute_freqs_cis
 
 # attend(q [B, T, H, D], k [B, T, Hkv, D], v [B, T, Hkv, D]) -> [B, T, H, D]
 AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -110,7 +110,7 @@ class Attention(nn.Module):
 
         It runs `forward`'s own torch path (`_split_norm_rotate`), so the values are bit-identical
         wherever `forward` takes that path: always for T > 1 (prefill; at T == 1 the fused CUDA decode
-        kernel may round differently). q is normed and rotated along with k, as there, and dropped.
+        kernel may round differently). q is computed as there, and dropped.
         """
         _, k, v = self._split_norm_rotate(self.wqkv(x), freqs_cis)
         return k, v
@@ -122,26 +122,17 @@ class Attention(nn.Module):
         q_size = self.n_head * self.head_dim
         kv_size = self.n_local_heads * self.head_dim
         v = qkv[..., q_size + kv_size :].view(B, T, self.n_local_heads, self.head_dim)
-        if self._joint_qk(qkv):
-            # q and k heads side by side: one norm and one rotation for both (fp32 CPU, op-bound).
-            # nn.RMSNorm's CPU ops, per head: x * rsqrt(mean(x^2) + eps) * weight.
-            qk = qkv[..., : q_size + kv_size].unflatten(-1, (self.n_head + self.n_local_heads, self.head_dim))
-            if self.qk_norm:
-                eps = self.q_norm.eps
-                assert eps is not None  # `_joint_qk` checked it
-                qk = rms_norm_fp32(qk, eps, self.qk_norm_weight())
-            q, k = apply_rotary_emb(qk, freqs_cis).split([self.n_head, self.n_local_heads], dim=2)
-        else:
-            q = qkv[..., :q_size].view(B, T, self.n_head, self.head_dim)
-            k = qkv[..., q_size : q_size + kv_size].view(B, T, self.n_local_heads, self.head_dim)
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
+        q = qkv[..., :q_size].view(B, T, self.n_head, self.head_dim)
+        k = qkv[..., q_size : q_size + kv_size].view(B, T, self.n_local_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
         return q, k, v
 
     def qk_norm_weight(self) -> Tensor:
         """`[H + Hkv, D]`: the q-norm weight for each query head, then the k-norm weight for each KV
-        head. Kept between calls without autograd, rebuilt when either weight changes."""
+        head (for norming q and k heads as one tensor, as the CPU frame step does: `cpu_decode`). Kept
+        between calls without autograd, rebuilt when either weight changes."""
         qw, kw = self.q_norm.weight, self.k_norm.weight
         if torch.is_grad_enabled():
             return torch.cat([qw.expand(self.n_head, -1), kw.expand(self.n_local_heads, -1)])
@@ -151,20 +142,6 @@ class Attention(nn.Module):
             cached = key, torch.cat([qw.expand(self.n_head, -1), kw.expand(self.n_local_heads, -1)])
             self.__dict__["_qk_weight"] = cached
         return cached[1]
-
-    def _joint_qk(self, qkv: Tensor) -> bool:
-        """Whether q and k may be normed and rotated as one tensor: on the CPU in fp32 (where
-        nn.RMSNorm is the plain op sequence above; on CUDA it is a fused kernel), same eps for both."""
-        if qkv.device.type != "cpu" or qkv.dtype != torch.float32:
-            return False
-        if not self.qk_norm:
-            return True
-        return (
-            self.q_norm.eps == self.k_norm.eps
-            and self.q_norm.eps is not None
-            and self.q_norm.weight is not None
-            and self.k_norm.weight is not None
-        )
 
 
 class FeedForward(nn.Module):
@@ -202,7 +179,7 @@ class FeedForward(nn.Module):
         w13 = None if torch.is_grad_enabled() else self.fused_w13()  # (autograd: gradients go to w1, w3)
         if w13 is not None and fused_kernels_enabled(x, w13):
             return self.w2(fused_ops().silu_mul(F.linear(x, w13)))
-        if w13 is not None and x.device.type == "cpu":  # (on CUDA the torch path keeps w1 and w3)
+        if w13 is not None:  # one GEMM for w1 and w3
             gate, up = F.linear(x, w13).chunk(2, dim=-1)
             return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

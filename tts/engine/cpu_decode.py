@@ -7,9 +7,11 @@ each block's weights are gathered once into a `BlockWeights` (views of the modul
 decode position (one token per row) runs as plain torch calls: 2.1-2.5 ms a frame for the default
 model's fast AR against 4.4-4.5 ms through the modules (benchmarks/cpu_layout.md).
 
-The ops, their order and their operands are those of `model.run_layers` on the CPU fp32 path (norms
-as `rms_norm_fp32`, q and k normed and rotated together, w1/w3 fused, each residual add where the
-modules round it), so the results are bit-identical to it; tests/test_cpu_decode.py checks that.
+The values are those of `model.run_layers` in fp32, bit for bit (tests/test_cpu_decode.py): the same
+ops in the same order with the same operands (norms as `rms_norm_fp32`, w1/w3 as one GEMM, each
+residual add where the modules round it), except two that give the same values with fewer calls: q and
+k heads are normed and rotated as one tensor (per-head math is unchanged; tests/test_model.py), and the
+RoPE pair swap is one gather (`pair_swap_index`) instead of a flip.
 Shapes: x `[B, dim]` (the modules' `[B, 1, dim]` without the position axis), q `[B, H, D]`, k and v
 `[B, Hkv, D]`, RoPE factors `cos, sin` `[B|1, 1, D]` fp32 (`model.Rope.factors` without its T axis).
 """
@@ -23,12 +25,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..layers import RMSNorm, pair_swap_index, rms_norm_fp32
+from ..layers import RMSNorm, rms_norm_fp32
 from ..model import TransformerBlock
 
 # attend(i, q [B, H, D], k [B, Hkv, D], v [B, Hkv, D]) -> [B, H, D]: write layer i's K/V of this
 # position wherever the caller keeps them, and attend over the row's context.
 LayerAttend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+_PAIR_SWAP: dict[int, Tensor] = {}
+
+
+def pair_swap_index(d: int) -> Tensor:
+    """CPU `[1, 0, 3, 2, ...]` of length d: `x.index_select(-1, it)` swaps adjacent pairs, the values of
+    `layers.apply_rotary_emb`'s flip in one gather. Made outside inference mode (cached across calls)."""
+    index = _PAIR_SWAP.get(d)
+    if index is None:
+        with torch.inference_mode(False):
+            index = _PAIR_SWAP[d] = torch.arange(d, device="cpu").view(-1, 2).flip(-1).flatten()
+    return index
 
 
 class BlockWeights(NamedTuple):
@@ -95,8 +110,8 @@ def block_weights(layers: nn.ModuleList, final_norm: RMSNorm) -> LayerWeights | 
 
 
 def _qkv(w: BlockWeights, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """q `[B, H, D]`, k and v `[B, Hkv, D]` of normed `x [B, dim]`: `Attention._split_norm_rotate`'s CPU
-    path (q and k normed and rotated as one tensor)."""
+    """q `[B, H, D]`, k and v `[B, Hkv, D]` of normed `x [B, dim]`: `Attention._split_norm_rotate`'s
+    values, with q and k normed and rotated as one tensor."""
     B = x.shape[0]
     qk_size = (w.n_head + w.n_kv) * w.head_dim
     qkv = F.linear(x, w.wqkv, w.wqkv_bias)
