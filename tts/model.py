@@ -179,7 +179,7 @@ class FeedForward(nn.Module):
         w13 = None if torch.is_grad_enabled() else self.fused_w13()  # (autograd: gradients go to w1, w3)
         if w13 is not None and fused_kernels_enabled(x, w13):
             return self.w2(fused_ops().silu_mul(F.linear(x, w13)))
-        if w13 is not None:  # one GEMM for w1 and w3
+        if w13 is not None:  # one GEMM for w1 and w3 (also CUDA's torch path, with the kernels off)
             gate, up = F.linear(x, w13).chunk(2, dim=-1)
             return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -72,7 +72,8 @@ class SynthesisJob:
     params: sampling values with a resolved `seed` (text chunk i uses `seed + i`).
     budgets: frames per text chunk (`params.max_new_frames` capped by the runaway guard).
     references: resolved voice references; reference: a clip still to be encoded (cache key inside).
-    first_chunk_frames / chunk_frames: audio chunk sizes in frames (>= 1).
+    first_chunk_frames / chunk_frames: the first audio chunk's frames, and the size later chunks double
+    up to (`tts.engine.jobs.chunk_size`; >= 1).
     max_frames: the request's total audio limit in frames (None: none).
     voice_kind: "none", "default", "preset", "registered", "reference" or "objects" (for logs).
     warnings: for the client, about the text (left out, markup ignored); the runner passes them on.

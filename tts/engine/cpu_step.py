@@ -3,7 +3,8 @@
 A CPU has no graphs, so its step may do what a captured step may not, and does, to cut op dispatch
 (the CPU step is bound by it): read the block tables only as wide as the batch's longest context; run
 the layers through `cpu_decode` (the modules' math without the modules, bit-identical; RoPE factors
-built once, KV pool views made once); make the sampler's noise for the next frames in one batch and keep
+built once, KV pool views made once; a lone row's consecutive KV blocks read as a slice,
+`SlicedDecodeAttention`); make the sampler's noise for the next frames in one batch and keep
 the sampler settings while the rows' parameters do not change (same values as made per frame); skip
 the repetition penalty when every row's is 1 (an exact no-op). Same contract as the captured step:
 `decode_step(b, variant)` on the runner's buffers, one frame for rows `[:b]`; the codes equal the

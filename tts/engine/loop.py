@@ -55,6 +55,7 @@ from .jobs import (
     LoopClosed,
     Preempted,
     Started,
+    chunk_size,
 )
 from .request import Request, SamplingParams
 
@@ -479,9 +480,9 @@ class EngineLoop:
             self.runner.on_end = self._job_ended
             if self.engine_config.graphs == "startup" and self.engine.graphs.enabled:
                 t0 = time.perf_counter()
-                captured = self.runner.stage.capture(
-                    (DEFAULT_FIRST_CHUNK_FRAMES, DEFAULT_CHUNK_FRAMES)
-                ).result()
+                # every chunk size of the default ramp (4, 8, 16: frame buckets 4 and 16)
+                sizes = {chunk_size(DEFAULT_FIRST_CHUNK_FRAMES, DEFAULT_CHUNK_FRAMES, k) for k in range(9)}
+                captured = self.runner.stage.capture(tuple(sorted(sizes))).result()
                 log.info(
                     "codec stage: %d decode graphs captured in %.2f s", captured, time.perf_counter() - t0
                 )
