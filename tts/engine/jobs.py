@@ -63,10 +63,10 @@ def chunk_size(first: int, later: int, sequence: int) -> int:
     Why a ramp: a player starts on chunk 0 and must have chunk k before the audio of chunks 0..k-1
     has played. Jumping from 4 frames to 16 needs the job to generate 16 frames in the time 4 frames
     play (4x real time); doubling needs 2x. Measured on a 2-core CPU, default voice, 4 clients at
-    about 2.4x real time each: with 4 then 16, every request had a late chunk, 272-278 ms late at
-    worst; with the ramp late chunks were 7-36 ms late at worst (12 of 12 and 3 of 12 requests in two
-    runs), at the same frames/s; TTFA at 4 clients rose there (BENCHMARKS.md). A `later` below
-    `first` gives `later` from the second chunk on, without doubling.
+    about 2.4x real time each (four runs each way): with 4 then 16, every request had a late chunk,
+    272-278 ms late at worst; with the ramp 3 to 12 of 12 requests did, 4-36 ms late at worst, at the
+    same frames/s; TTFA p50 at 4 clients rose 20% there (BENCHMARKS.md). A `later` below `first`
+    gives `later` from the second chunk on, without doubling.
     """
     size = first if sequence == 0 else min(later, first << min(sequence, 16))
     return min(max(size, 1), MAX_PIECE_FRAMES)
