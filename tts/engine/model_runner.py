@@ -268,6 +268,9 @@ class ModelRunner:
         # Residual codebooks are sampled from the first n_residual fast logits (a static slice).
         self.n_residual = c.residual_codebook_size or c.codebook_size
         self.prefill_passes = 0  # prefill forward passes run (one per request, or one per packed group)
+        # A packed prefill's attention: flash over the variable-length sequences where it runs (CUDA),
+        # else SDPA with a block-diagonal mask.
+        self.varlen_prefill = varlen_causal_available(self.device, model.embeddings.weight.dtype, c.head_dim)
 
     # ---- host-side row management (between steps only) ---------------------------------------------
 
@@ -389,7 +392,7 @@ class ModelRunner:
                 for table, n in zip(tables, lengths, strict=True)
             ]
         )
-        if varlen_causal_available(dev, m.embeddings.weight.dtype, m.config.head_dim):  # flash, no mask
+        if self.varlen_prefill:
             cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(dev)
 
             def attention(q, k, v):

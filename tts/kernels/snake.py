@@ -17,7 +17,7 @@ new contiguous `[B, C, T]` tensors of the input's dtype. Reference and CPU path:
 (`tts.codec.dac_net.Snake1d`); tested against it in tests/kernel_checks.py (Triton interpreter) and
 tests/test_dac_batched.py (`test_cuda_snake_kernels_match_the_torch_formula`, the GPU). On the H200 the
 S2-Pro-size decode of the same codes gave an audio RMS of 0.5971255 fused and 0.5971247 unfused
-(benchmarks/h200/session5/dac_*.json).
+(benchmarks/h200/service_2026-12-01_run5/dac_*.json).
 """
 
 from __future__ import annotations
