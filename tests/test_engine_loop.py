@@ -25,6 +25,7 @@ from tts.engine.loop import (
     LoopClosed,
     Overloaded,
     Preempted,
+    RequestStream,
     Started,
 )
 
@@ -137,6 +138,41 @@ def test_asyncio_consumer(make_loop):
 
     events = asyncio.run(consume())
     assert isinstance(events[0], Started) and isinstance(events[-1], Finished)
+
+
+def test_events_for_an_event_loop_go_over_in_one_handover_per_flush(bundle):
+    # Not started: this thread plays the engine thread, which delivers and flushes.
+    loop = EngineLoop(bundle, EngineConfig(max_batch=1), warmup=False)
+    aio = asyncio.new_event_loop()
+    try:
+        a, b = RequestStream(loop, "a", aio), RequestStream(loop, "b", aio)
+        audio = Audio(0, np.zeros(4, np.float32), 0, 1, torch.zeros(2, 1, dtype=torch.int64))
+        end = Finished(1, [], 0.0, None)
+        sent = [
+            (a, Started("a", 1, 1)),
+            (b, Started("b", 2, 1)),
+            (a, audio),
+            (b, Failed(Cancelled("x"))),
+            (a, end),
+        ]
+        for stream, event in sent:
+            assert stream.deliver(event)
+        assert loop.handovers == 0 and a._aq is not None and a._aq.empty()  # nothing before the flush
+        loop._flush()
+        loop._flush()  # nothing new: no second handover
+        assert loop.handovers == 1
+        aio.run_until_complete(asyncio.sleep(0))  # the event loop runs the handover
+
+        async def take(stream, n):
+            return [await stream.next() for _ in range(n)]
+
+        assert aio.run_until_complete(take(a, 3)) == [e for s, e in sent if s is a]
+        assert aio.run_until_complete(take(b, 2)) == [e for s, e in sent if s is b]
+        assert a.done and b.done and a.queued_chunks == 0
+        aio.close()
+        assert not RequestStream(loop, "c", aio).deliver(end)  # a closed event loop: refused at once
+    finally:
+        aio.close()
 
 
 def slow_job(loop):

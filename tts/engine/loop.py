@@ -155,11 +155,10 @@ class RequestStream:
             assert self._q is not None  # (a stream without an asyncio loop has the thread queue)
             self._q.put(event)
             return True
-        assert self._aq is not None  # (and one with an asyncio loop the asyncio queue)
-        try:
-            self._aio_loop.call_soon_threadsafe(self._aq.put_nowait, event)
-        except RuntimeError:  # the event loop is closed: nobody will read this stream
+        if self._aio_loop.is_closed():  # nobody will read this stream
             return False
+        # Handed over in one batch per event loop by EngineLoop._flush (this is the engine thread).
+        self._loop._outbox.setdefault(self._aio_loop, []).append((self, event))
         return True
 
     def pause_if_full(self, cap: int) -> bool:
@@ -176,6 +175,13 @@ class RequestStream:
             self._paused = paused
             if not paused:
                 self._resume_sent = False
+
+
+def _put_all(batch: list[tuple[RequestStream, Event]]) -> None:
+    """(a consumer's event loop) Queue a flushed batch of events, in delivery order."""
+    for stream, event in batch:
+        assert stream._aq is not None  # (streams with an event loop have the asyncio queue)
+        stream._aq.put_nowait(event)
 
 
 @dataclass
@@ -267,6 +273,9 @@ class EngineLoop:
         self._idle_seconds = 0.0  # engine thread: waiting for work
         self._stalled = False  # the last iteration made no progress: sleep until a command or a wake
         self._woken = False
+        # Events for asyncio consumers, by event loop, since the last _flush (engine thread only).
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Event]]] = {}
+        self.handovers = 0  # call_soon_threadsafe calls made by _flush
         self._ids = itertools.count()
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -435,6 +444,23 @@ class EngineLoop:
             self._stalled = False
             self._cv.notify()
 
+    def _flush(self) -> None:
+        """(engine thread) Hand the events delivered since the last flush to their consumers' event
+        loops: one `call_soon_threadsafe` per event loop, not one per event. Each such call wakes the
+        asyncio thread (a write to its self-pipe), which then runs the consumers' Python while this
+        thread waits to take the GIL back; the runner flushes just before each frame step, so that
+        work overlaps the step's device time."""
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, {}
+        for aio_loop, batch in outbox.items():
+            try:
+                aio_loop.call_soon_threadsafe(_put_all, batch)
+                self.handovers += 1
+            except RuntimeError:  # the event loop closed meanwhile: nobody will read these streams
+                for job_id in dict.fromkeys(stream.request_id for stream, _ in batch):
+                    self.runner.cancel(job_id)
+
     def _wake(self) -> None:
         """(codec stage thread) Results are ready: run an iteration."""
         with self._cv:
@@ -478,6 +504,7 @@ class EngineLoop:
                 codec_graphs=self._codec_graphs,
             )
             self.runner.on_end = self._job_ended
+            self.runner.before_frame_step = self._flush
             if self.engine_config.graphs == "startup" and self.engine.graphs.enabled:
                 t0 = time.perf_counter()
                 # every chunk size of the default ramp (4, 8, 16: frame buckets 4 and 16)
@@ -518,9 +545,7 @@ class EngineLoop:
         if self.engine.device.type == "cuda":
             log.info("prefill warm-up done in %.2f s", self.engine.warmup_prefill())
         t0 = time.perf_counter()
-        params = replace(self.bundle.sampling, temperature=0.0, max_new_frames=4, seed=0)
-        job = SynthesisJob(["Warm up."], params, first_chunk_frames=2, chunk_frames=2, request_id="warmup")
-        stream = self._admit(job, None, internal=True)
+        stream = self._admit(self.planner.warmup_job(), None, internal=True)
         while not stream.done:
             self._iterate(block=False)
             try:
@@ -560,8 +585,12 @@ class EngineLoop:
                 log.exception("engine loop: %s command failed", command[0])
         self._commands_seconds += time.perf_counter() - t0
         if closing:
+            self._flush()
             return False
-        progressed = runner.step()
+        try:
+            progressed = runner.step()
+        finally:
+            self._flush()
         self.stats.steps += 1
         with self._cv:
             # No progress: everything running is paused or waits for the codec stage; sleep until a
@@ -644,5 +673,6 @@ class EngineLoop:
                 arg[2].deliver(Failed(LoopClosed("the server shut down")))
                 with self._cv:
                     self._admitted -= 1
+        self._flush()
         runner.stage.stop()
         self._refresh_stats()
