@@ -413,7 +413,7 @@ def encode_audio(samples: np.ndarray, encoding: int) -> bytes:
     """float32 samples -> little-endian PCM16 or float32 bytes."""
     if encoding == pb.AUDIO_ENCODING_FLOAT32:
         return np.asarray(samples, dtype="<f4").tobytes()
-    return to_pcm16(samples).astype("<i2").tobytes()
+    return to_pcm16(samples).astype("<i2", copy=False).tobytes()
 
 
 def encode_codes(codes: torch.Tensor) -> pb.Codes:

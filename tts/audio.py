@@ -20,9 +20,18 @@ def _umask() -> int:
 
 
 def to_pcm16(audio: np.ndarray) -> np.ndarray:
-    """float32 [-1, 1] -> int16, clipping first (NaN becomes 0)."""
-    x = np.nan_to_num(np.asarray(audio, dtype=np.float32), nan=0.0, posinf=1.0, neginf=-1.0)
-    return (np.clip(x, -1.0, 1.0) * 32767.0).round().astype(np.int16)
+    """float32 [-1, 1] -> int16 (x * 32767, rounded half to even), clipped (+-inf to +-32767, NaN to 0).
+
+    The service converts every streamed chunk with this while holding the GIL, so it makes four C
+    passes and no Python-level ones (`np.nan_to_num` took 2.5x as long: on an H200 server at 64 clients
+    of the default voice, this function was a quarter of the asyncio thread's time holding the GIL)."""
+    y = np.multiply(np.asarray(audio, dtype=np.float32), 32767.0, dtype=np.float32)  # a new array
+    np.clip(y, -32767.0, 32767.0, out=y)  # (NaN stays NaN)
+    np.rint(y, out=y)
+    nan = np.isnan(y)
+    if nan.any():
+        y[nan] = 0.0
+    return y.astype(np.int16)
 
 
 def write_wav_atomic(path: str | Path, audio: np.ndarray, sample_rate: int, subtype: str = "PCM_16") -> None:
