@@ -141,6 +141,16 @@ class StreamResult:
     def max_gap(self) -> float:
         return max(self.gaps, default=0.0)
 
+    @property
+    def stream_frames_per_s(self) -> float | None:
+        """This stream's frames per second once audio flows: the frames of the chunks after the first,
+        over the time from the first chunk's arrival to the last one's (None with fewer than two chunks).
+        It leaves out the time to first audio (queueing, prefill), so it compares with the engine's
+        decode rate per stream (`tts bench`, frames/s per stream)."""
+        if len(self.chunks) < 2 or self.arrivals[-1] <= self.arrivals[0]:
+            return None
+        return (self.chunks[-1][2] - self.chunks[0][2]) / (self.arrivals[-1] - self.arrivals[0])
+
 
 async def synthesize_stream(
     stub: pb_grpc.TextToSpeechStub, request: pb.SynthesizeRequest, timeout: float | None = None

@@ -7,6 +7,9 @@ from a fixed pool with the request number spoken in it) and its own seed. Report
 * req/s (completed requests / level wall time) and audio seconds per second (the throughput);
 * TTFA p50/p95/p99: from just before the call is sent to the first response holding PCM (client side);
 * RTF p50/p95: per request, (end message time - send time) / audio seconds (client side);
+* per-stream frames/s p50 (`StreamResult.stream_frames_per_s`: a request's frames after its first
+  chunk over the time from its first chunk to its last; the decode rate one client sees, to compare
+  with `tts bench` frames/s per stream);
 * the longest gap between consecutive audio chunks of any request, and the p95 of per-request longest
   gaps (how smooth streaming is under load);
 * playback underruns (`playback_underruns`): chunks that arrived after the audio before them would have
@@ -364,6 +367,7 @@ class LevelResult:
     audio_s_mean: float = 0.0
     ttfa_ms: dict[str, float | None] = field(default_factory=dict)
     rtf: dict[str, float | None] = field(default_factory=dict)
+    stream_fps_p50: float | None = None  # per-stream frames/s once audio flows, median over requests
     max_gap_ms: float | None = None
     gap_p95_ms: float | None = None
     underruns: int = 0  # chunks late for playback, all OK requests together
@@ -383,6 +387,7 @@ async def _run_level(stubs, concurrency: int, total: int, counter, make_request,
     ttfa: list[float] = []
     rtf: list[float] = []
     max_gaps: list[float] = []
+    stream_fps: list[float] = []
     audio_s: list[float] = []
     late: list[tuple[int, float]] = []
     frames = 0
@@ -408,6 +413,8 @@ async def _run_level(stubs, concurrency: int, total: int, counter, make_request,
             if r.audio_seconds > 0:
                 rtf.append(r.rtf)
             max_gaps.append(r.max_gap)
+            if r.stream_frames_per_s is not None:
+                stream_fps.append(r.stream_frames_per_s)
             late.append(playback_underruns(r.arrivals, r.chunk_samples, r.sample_rate))
 
     t0 = time.perf_counter()
@@ -419,6 +426,7 @@ async def _run_level(stubs, concurrency: int, total: int, counter, make_request,
     result.audio_s_mean = sum(audio_s) / len(audio_s) if audio_s else 0.0
     result.ttfa_ms = {f"p{q}": _ms(percentile(ttfa, q)) for q in (50, 95, 99)}
     result.rtf = {f"p{q}": percentile(rtf, q) for q in (50, 95)}
+    result.stream_fps_p50 = percentile(stream_fps, 50)
     result.max_gap_ms = _ms(max(max_gaps, default=None))
     result.gap_p95_ms = _ms(percentile(max_gaps, 95))
     result.underruns = sum(n for n, _ in late)
@@ -541,7 +549,7 @@ def format_table(report: dict) -> str:
     """A fixed-width table of the report's levels ("-": no value, e.g. a counter the server lacks)."""
     head = (
         f"{'conc':>5} {'reqs':>5} {'ok':>5} {'err':>4} {'req/s':>7} {'audio s/s':>9} {'frames/s':>8} "
-        f"{'TTFA p50':>9} {'p95':>8} {'p99':>8} {'RTF p50':>8} {'p95':>7} {'max gap':>8} "
+        f"{'TTFA p50':>9} {'p95':>8} {'p99':>8} {'RTF p50':>8} {'p95':>7} {'fps/stream':>10} {'max gap':>8} "
         f"{'underruns':>9} {'%req':>5} {'worst':>8} {'codec':>6} {'cache hit/miss':>14}"
     )
     lines = [head, "-" * len(head)]
@@ -558,7 +566,8 @@ def format_table(report: dict) -> str:
             f"{lv['concurrency']:>5} {lv['requests']:>5} {lv['ok']:>5} {sum(lv['errors'].values()):>4} "
             f"{lv['req_per_s']:>7.2f} {lv['audio_s_per_s']:>9.2f} {lv['frames_per_s']:>8.1f} "
             f"{f(t['p50'], 9, '.0f', 'ms')} {f(t['p95'], 8, '.0f', 'ms')} {f(t['p99'], 8, '.0f', 'ms')} "
-            f"{f(r['p50'], 8, '.3f')} {f(r['p95'], 7, '.3f')} {f(lv['max_gap_ms'], 8, '.0f', 'ms')} "
+            f"{f(r['p50'], 8, '.3f')} {f(r['p95'], 7, '.3f')} {f(lv.get('stream_fps_p50'), 10, '.1f')} "
+            f"{f(lv['max_gap_ms'], 8, '.0f', 'ms')} "
             f"{lv.get('underruns', 0):>9} {f(lv.get('underrun_share'), 5, '.0f', '%', 100)} "
             f"{f(lv.get('underrun_worst_ms'), 8, '.0f', 'ms')} {f(s.get('codec_share'), 6, '.1f', '%', 100)} "
             f"{cache:>14}"

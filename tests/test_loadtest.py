@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from service.client import build_request
+from service.client import StreamResult, build_request
 from service.loadtest import (
     BENCH_VOICE,
     SERVER_COUNTERS,
@@ -55,6 +55,19 @@ def test_underruns_start_at_the_first_chunk_with_audio():
     assert playback_underruns([], [], 16000) == (0, 0.0)
     with pytest.raises(ValueError):
         playback_underruns([0.0, 0.1], [1600], 16000)
+
+
+def test_stream_frames_per_s_leaves_out_the_time_to_first_audio():
+    def result(chunks, arrivals):
+        return StreamResult(
+            pb.StreamHeader(), pb.StreamEnd(), np.zeros(0, np.float32), b"", chunks, arrivals=arrivals
+        )
+
+    # Chunk 0 (frames 0-4) after 0.5 s of queueing and prefill; frames 4..36 then take 0.25 s: 128 frames/s.
+    r = result([(0, 0, 4), (1, 4, 12), (2, 12, 28), (3, 28, 36)], [0.5, 0.55, 0.7, 0.75])
+    assert r.stream_frames_per_s == pytest.approx(32 / 0.25)
+    assert result([(0, 0, 4)], [0.5]).stream_frames_per_s is None  # one chunk: no rate
+    assert result([], []).stream_frames_per_s is None
 
 
 # ---- server-side time split -----------------------------------------------------------------------------
@@ -220,6 +233,7 @@ def test_bench_server_repeated_reference_reports_the_new_fields(server, tmp_path
         assert isinstance(lv["underruns"], int) and lv["underruns"] >= 0
         assert 0.0 <= lv["underrun_share"] <= 1.0
         assert (lv["underrun_worst_ms"] is None) == (lv["underruns"] == 0)
+        assert lv["stream_fps_p50"] is None or lv["stream_fps_p50"] > 0
         assert set(lv["server"]) == {
             *SERVER_COUNTERS,
             "codec_share",
