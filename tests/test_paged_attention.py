@@ -65,6 +65,12 @@ def test_allocator_never_hands_out_scratch_and_rejects_double_free():
     with pytest.raises(ValueError):
         alloc.free([SCRATCH_BLOCK])
     assert alloc.num_free == 2
+    with pytest.raises(ValueError):  # a block twice in one call: refused, and nothing is freed
+        alloc.free([blocks[2], blocks[2]])
+    assert alloc.num_free == 2
+    assert alloc.allocate(2) == blocks[:2]  # freed blocks come back in the order they went out
+    alloc.free(blocks)
+    assert alloc.num_free == 4 and sorted(alloc.allocate(4)) == [1, 2, 3, 4]
 
 
 def test_step_attention_paths_are_bit_exact_to_the_reference_math():

@@ -31,6 +31,7 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         # Hand out low ids first: pop() from the end of a descending list.
         self._free = list(range(num_blocks - 1, SCRATCH_BLOCK, -1))
+        self._free_set = set(self._free)  # (the checks in `free`, without a set built per call)
 
     @property
     def num_free(self) -> int:
@@ -44,15 +45,19 @@ class BlockAllocator:
         """Take `n` blocks; raises OutOfBlocks (taking none) if fewer are free."""
         if n > len(self._free):
             raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        blocks = [self._free.pop() for _ in range(n)]
+        self._free_set.difference_update(blocks)
+        return blocks
 
     def free(self, blocks: list[int]) -> None:
-        """Return blocks to the pool. Freeing the scratch block or a free block is a bug and raises."""
-        free_set = set(self._free)
+        """Return blocks to the pool. Freeing the scratch block or a free block is a bug and raises
+        (freeing none of `blocks`)."""
+        returned: set[int] = set()
         for b in blocks:
-            if b == SCRATCH_BLOCK or b in free_set or not 0 < b < self.num_blocks:
+            if b == SCRATCH_BLOCK or b in self._free_set or b in returned or not 0 < b < self.num_blocks:
                 raise ValueError(f"block {b} is not an allocated block")
-            free_set.add(b)
+            returned.add(b)
+        self._free_set |= returned
         self._free.extend(reversed(blocks))
 
 

@@ -9,6 +9,7 @@ docs/fish_dual_ar.md §1.1). `S2PromptFormat` follows fish-speech main for S2-Pr
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -56,6 +57,29 @@ class PromptFormat(Protocol):
     ) -> Tensor: ...
 
 
+# Token ids of short text parts, per tokenizer: the formats' own strings (`<|im_start|>user\n`, ...), of
+# which every prompt (one per text chunk, built on the engine thread) tokenizes about ten.
+_TEXT_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CACHED_TEXT_CHARS = 64
+_CACHED_TEXTS = 1024
+
+
+def _text_ids(tokenizer: TokenizerLike, s: str) -> list[int]:
+    """`tokenizer.encode(s)`, remembered for short `s` (do not modify the list)."""
+    if len(s) > _CACHED_TEXT_CHARS:
+        return tokenizer.encode(s)
+    try:
+        cache = _TEXT_IDS.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that takes no weak reference: not remembered
+        return tokenizer.encode(s)
+    ids = cache.get(s)
+    if ids is None:
+        ids = tokenizer.encode(s)
+        if len(cache) < _CACHED_TEXTS:
+            cache[s] = ids
+    return ids
+
+
 class PromptAssembler:
     """Concatenates text and VQ parts into frame columns."""
 
@@ -63,10 +87,11 @@ class PromptAssembler:
         self.tokenizer = tokenizer
         self.num_codebooks = num_codebooks
         self.columns: list[Tensor] = []
+        self._text: list[int] = []  # ids of the text parts since the last column
 
     def text(self, s: str) -> PromptAssembler:
         """A text part of the format's own (its special tokens are meant)."""
-        return self._ids(self.tokenizer.encode(s))
+        return self._ids(_text_ids(self.tokenizer, s))
 
     def user_text(self, s: str, allowed: re.Pattern | None) -> PromptAssembler:
         """A text part that came from a user. Raises InvalidRequest if it tokenizes to a special token
@@ -84,13 +109,18 @@ class PromptAssembler:
         return ids
 
     def _ids(self, ids: list[int]) -> PromptAssembler:
-        if ids:
-            col = torch.zeros(len(ids), 1 + self.num_codebooks, dtype=torch.int64)
-            col[:, 0] = torch.tensor(ids)
-            self.columns.append(col)
+        self._text.extend(ids)  # one column for consecutive text parts
         return self
 
+    def _end_text(self) -> None:
+        if self._text:
+            col = torch.zeros(len(self._text), 1 + self.num_codebooks, dtype=torch.int64)
+            col[:, 0] = torch.tensor(self._text)
+            self.columns.append(col)
+            self._text = []
+
     def codes(self, codes: Tensor) -> PromptAssembler:
+        self._end_text()
         codes = torch.as_tensor(codes, dtype=torch.int64)
         if codes.dim() != 2 or codes.shape[0] != self.num_codebooks:
             raise ValueError(f"reference codes must be [{self.num_codebooks}, T], got {tuple(codes.shape)}")
@@ -101,6 +131,7 @@ class PromptAssembler:
         return self
 
     def build(self) -> Tensor:
+        self._end_text()
         return torch.cat(self.columns, dim=0)
 
 
