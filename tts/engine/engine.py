@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import InitVar, dataclass, replace
 from typing import cast
 
@@ -195,9 +195,6 @@ class Engine:
         self._pending_cancel: dict[str, FinishReason] = {}
         self._pending_pause: dict[str, bool] = {}
         self._carried: list[StepOutput] = []
-        # Called (on the stepping thread) right after each frame step is launched, before its output is
-        # waited for: work here overlaps the step's device time (the engine loop hands events over).
-        self.on_step_launched: Callable[[], None] | None = None
         self._host_out: torch.Tensor | None = None  # pinned copy of the step's `out` (CUDA)
         self._out_ready: torch.cuda.Event | None = None  # marks `out` copied to _host_out (CUDA)
         self._requests: dict[str, Request] = {}
@@ -228,8 +225,8 @@ class Engine:
         allocator, bs = self.scheduler.allocator, self.config.block_size
         passes = self.runner.prefill_passes
         for lengths in self.WARMUP_PREFILLS:
-            if len(lengths) > 1 and (not self.packed_prefill or self.config.max_batch < 2):
-                continue  # (no iteration admits two requests: the packed prefill never runs)
+            if len(lengths) > 1 and not self.packed_prefill:
+                continue
             if sum(blocks_needed(n + 1, bs) for n in lengths) > allocator.num_free:
                 continue
             prompts = [torch.zeros(n + 1, width, dtype=torch.int64) for n in lengths]
@@ -400,8 +397,6 @@ class Engine:
         if n == 0:
             return outputs
         self.graphs.run(n, self._sampler_variant())
-        if self.on_step_launched is not None:
-            self.on_step_launched()  # host work that overlaps the step's device time
         self.frame_steps += 1
         self.step_rows += n
         out = self._frame_to_host(n)

@@ -238,6 +238,9 @@ class JobRunner:
         self._refused_at = -1e9
         # (job id, final event or None where the consumer had gone), just before that event is delivered
         self.on_end: Callable[[str, Event | None], None] | None = None
+        # Called just before each frame step (the engine loop hands the events delivered so far over
+        # to its consumers there, so that they are handled while the step runs on the device).
+        self.before_frame_step: Callable[[], None] | None = None
         self.frame_step_seconds = 0.0
         self.step_failures = 0
         # Host seconds spent handing decoded audio to the consumers and routing the engine's outputs.
@@ -344,6 +347,8 @@ class JobRunner:
         self.phase_seconds["audio"] += time.perf_counter() - t0
         self._preempt_paused()
         if self.engine.has_work():
+            if self.before_frame_step is not None:
+                self.before_frame_step()
             t0 = time.perf_counter()
             try:
                 outputs = self.engine.step()

@@ -448,8 +448,8 @@ class EngineLoop:
         """(engine thread) Hand the events delivered since the last flush to their consumers' event
         loops: one `call_soon_threadsafe` per event loop, not one per event. Each such call wakes the
         asyncio thread (a write to its self-pipe), which then runs the consumers' Python while this
-        thread waits to take the GIL back. The engine calls it once a frame step is launched, so that
-        the consumers' work overlaps the step's device time, and the iteration's end once more."""
+        thread waits to take the GIL back; the runner flushes just before each frame step, so that
+        work overlaps the step's device time."""
         if not self._outbox:
             return
         outbox, self._outbox = self._outbox, {}
@@ -504,7 +504,7 @@ class EngineLoop:
                 codec_graphs=self._codec_graphs,
             )
             self.runner.on_end = self._job_ended
-            self._engine.on_step_launched = self._flush
+            self.runner.before_frame_step = self._flush
             if self.engine_config.graphs == "startup" and self.engine.graphs.enabled:
                 t0 = time.perf_counter()
                 # every chunk size of the default ramp (4, 8, 16: frame buckets 4 and 16)
