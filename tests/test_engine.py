@@ -436,6 +436,16 @@ def test_prefill_warmup_runs_every_kind_and_leaves_no_trace(tiny_model, monkeypa
     assert torch.equal(codes[0], codes[1])
 
 
+def test_prefill_warmup_of_a_one_row_engine_skips_the_packed_prefill(tiny_model, monkeypatch):
+    """With max_batch 1 no iteration admits two requests, so warming the packed prefill is wasted."""
+    engine = make_engine(tiny_model, packed_prefill=True, max_batch=1)
+    calls: list[str] = []
+    for name in ("prefill", "prefill_packed"):
+        monkeypatch.setattr(engine.runner, name, _counted(getattr(engine.runner, name), calls, name))
+    engine.warmup_prefill()
+    assert calls == ["prefill"] * sum(len(lengths) == 1 for lengths in engine.WARMUP_PREFILLS)
+
+
 def test_prefill_warmup_skips_what_does_not_fit_the_pool(tiny_model):
     """A pool too small for some of the warm-up's prompts: those are skipped, nothing is taken."""
     engine = make_engine(tiny_model, packed_prefill=True, num_blocks=4)  # 3 usable blocks of 8 tokens

@@ -72,17 +72,19 @@ def int_list(s: str) -> list[int]:
     return values
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, graphs: str = "lazy") -> None:
+    """The engine's options; `graphs` is the command's default for --graphs."""
     from graphs.runner import DEFAULT_BUCKETS
 
     g = p.add_argument_group("engine (CUDA graphs; ignored on CPU)")
     g.add_argument(
         "--graphs",
         choices=["off", "lazy", "startup", "on"],
-        default="lazy",
+        default=graphs,
         metavar="{off,lazy,startup}",
         help="CUDA graphs of the frame step, one per batch bucket: off (every step eager), lazy (a bucket "
-        "is captured on its second use; the default) or startup (every bucket at start-up, largest first)",
+        "is captured on its second use) or startup (every bucket at start-up, largest first, then one "
+        f"short warm-up synthesis; default: {graphs})",
     )
     # Deprecated (`--graphs on` too): kept working for old scripts, folded into --graphs by
     # `resolve_graphs_arg` with a one-line warning.
@@ -606,7 +608,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
     add_model_args(p)
     add_codec_dtype_arg(p)
-    add_engine_args(p)
+    # startup: the one graph of batch 1 is captured while loading, so the synthesis itself runs replays
+    add_engine_args(p, graphs="startup")
     add_sampling_args(p)
     p.set_defaults(func=cmd_synthesize)
 

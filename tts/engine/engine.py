@@ -225,8 +225,8 @@ class Engine:
         allocator, bs = self.scheduler.allocator, self.config.block_size
         passes = self.runner.prefill_passes
         for lengths in self.WARMUP_PREFILLS:
-            if len(lengths) > 1 and not self.packed_prefill:
-                continue
+            if len(lengths) > 1 and (not self.packed_prefill or self.config.max_batch < 2):
+                continue  # (no iteration admits two requests: the packed prefill never runs)
             if sum(blocks_needed(n + 1, bs) for n in lengths) > allocator.num_free:
                 continue
             prompts = [torch.zeros(n + 1, width, dtype=torch.int64) for n in lengths]
