@@ -82,6 +82,18 @@ def test_start_up_capture_leaves_streams_untouched(codec):
         stage.stop()
 
 
+def test_row_buckets_stop_at_the_number_of_streams(codec):
+    """A call holds one row per stream: a stage of 5 streams captures no graph of 8 rows or more."""
+    stage = CodecStage(codec, max_streams=5, max_call_frames=1024)
+    stage.graphs.enabled = True  # CPU stand-in graphs
+    try:
+        assert stage.max_rows == 5 and stage.graphs.buckets == [1, 2, 4, 5]
+        stage.capture((4, 16)).result(60)
+        assert sorted(stage.graphs.graphs) == [(b, T) for b in (1, 2, 4, 5) for T in (4, 16)]
+    finally:
+        stage.stop()
+
+
 def test_a_stream_may_not_pass_the_decoders_position_limit(codec):
     stage = CodecStage(codec, max_streams=2)
     stage.max_stream_frames = 10

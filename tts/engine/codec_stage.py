@@ -126,7 +126,9 @@ class CodecStage:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.is_cuda = self.device.type == "cuda"
         self._notify = notify
-        self.max_rows = max_rows
+        # A call holds one row per stream: more rows than streams (e.g. the Python API's few) would only
+        # cost buffers and start-up captures of graphs never replayed.
+        max_rows = self.max_rows = min(max_rows, max_streams)
         self.max_call_frames = max(max_call_frames, MAX_PIECE_FRAMES)
         self.max_frames = MAX_PIECE_FRAMES
         self.stats = CodecStats()
