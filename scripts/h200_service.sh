@@ -33,6 +33,19 @@
 #                (TPS_BENCH=0 skips it)
 #   STEP=last    the CUDA tests of the graphs and the batched codecs (stops if one fails); the default
 #                voice's service (c = 1, 16, 64) and `tts synthesize --device cuda` to raw PCM
+#   STEP=verify  every CUDA test (stops if one fails); `tts synthesize`'s wall time broken down on the GPU
+#                (scripts/profile_synthesize.py); S2-Pro service, float32 codec (c = 1, 16, 64, 64 and the
+#                reference modes at c = 16) and bfloat16 codec (c = 16, 64, 64); the default voice's
+#                service (c = 1, 16, 64, 64); `tts bench` graph batch 1 and 64
+#   STEP=handover the CUDA tests (stops if one fails); `tts synthesize` broken down and run as a user
+#                would; the default voice's prefill profiled; its service (c = 1, 16, 64, 64, then a
+#                longer c = 64 level with py-spy sampling the GIL holder); S2-Pro service, float32 codec
+#                (c = 1, 16, 64, 64); `tts bench` graph batch 1. Everything under $OUT in results.tgz
+#   STEP=closing the CUDA tests of the graphs (stops if one fails); `tts synthesize --device cuda` as a user
+#                runs it; the default voice's service (c = 1, 16, 64, 64); S2-Pro service, float32 codec
+#                (c = 1, 16, 64, 64) and bfloat16 codec (c = 16, 64, 64); `tts bench` graph batch 1
+#   STEP=cli     `tts synthesize --device cuda` twice as a user runs it; the default voice's service
+#                (c = 1, 16, 64, 64)
 set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -233,4 +246,84 @@ if [[ $STEP == last ]]; then
   kill %1; wait
   grep -h "warm-up\|captured\|Traceback\|Error" $OUT/serve_*.log | head -8
   for s in 1 2; do timeout 30 $TTS synthesize "Please call Stella and ask her to bring these things." --device cuda --seed $s -o /tmp/x$s.pcm 2>&1 | tail -1; done
+fi
+if [[ $STEP == verify ]]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py tests/test_dac_batched.py \
+    tests/test_melvq_batched.py 2>&1 | grep -v "^  " | tail -12 | tee $OUT/cuda_tests.log
+  grep -Eq "failed|error" $OUT/cuda_tests.log && exit 1
+  timeout 90 python3 scripts/profile_synthesize.py --model default --device cuda --out $OUT/synth_profile.txt 2>&1 \
+    | grep -v "USDT\|gpuGet" | head -8
+  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  serve /tmp/s2 50061 9465
+  bench 50061 9465 s2_service_fp32 --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
+  for mode in repeated distinct registered; do
+    bench 50061 9465 s2_reference_$mode --concurrency 16 --requests 64 --max-new-frames 128 --min-new-frames 128 --reference $mode
+  done
+  kill %1; wait
+  serve /tmp/s2 50064 9468 --codec-dtype bfloat16
+  bench 50064 9468 s2_service_bf16 --concurrency 16,64,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
+  serve default 50063 9467
+  bench 50063 9467 default_service --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
+  grep -h "captured\|warm-up\|SERVING\|Traceback\|Error" $OUT/serve_*.log | head -20
+  timeout 120 $TTS bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1,64 --frames 64 --out $OUT/tps 2>&1 | tail -4
+fi
+if [[ $STEP == handover ]]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py tests/test_dac_batched.py \
+    tests/test_melvq_batched.py 2>&1 | grep -v "^  " | tail -6 | tee $OUT/cuda_tests.log
+  grep -Eq "failed|error" $OUT/cuda_tests.log && exit 1
+  timeout 90 python3 scripts/profile_synthesize.py --model default --device cuda --out $OUT/synth_profile.txt 2>&1 \
+    | grep -v "USDT\|gpuGet\|warn" | head -7
+  for s in 1 2; do timeout 60 $TTS synthesize "Please call Stella and ask her to bring these things." --device cuda --seed $s -o /tmp/x$s.pcm 2>&1 | tail -1; done
+  timeout 90 python3 scripts/profile_prefill.py --model default --device cuda --tokens 64 --packed 4 --out $OUT/prefill_default.txt 2>&1 | grep -v USDT | tail -4
+  serve default 50063 9467
+  pid=$(pgrep -f "serve --model default" | head -1)
+  bench 50063 9467 default_service --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
+  (sleep 3; timeout 30 /tmp/site/bin/py-spy record --pid $pid --duration 8 --rate 250 --threads --gil --format raw \
+     -o $OUT/pyspy_gil_default.txt > $OUT/pyspy_record.log 2>&1) &
+  bench 50063 9467 default_service_spied --concurrency 64 --requests 768 --warmup 0 --max-new-frames 128 --min-new-frames 128
+  wait %2 2>/dev/null; kill %1; wait
+  tail -2 $OUT/pyspy_record.log
+  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  serve /tmp/s2 50061 9465
+  bench 50061 9465 s2_service_fp32 --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
+  grep -h "captured\|warm-up\|Traceback\|Error" $OUT/serve_*.log | head -12
+  timeout 100 $TTS bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1 --frames 64 --out $OUT/tps 2>&1 | tail -3
+  (cd $OUT && tar czf /tmp/results.tgz . && find . -type f ! -name '*.json' -delete && mv /tmp/results.tgz .)
+fi
+if [[ $STEP == closing ]]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py 2>&1 | grep -v "^  " | tail -4 \
+    | tee $OUT/cuda_tests.log
+  grep -Eq "failed|error" $OUT/cuda_tests.log && exit 1
+  for s in 1 2; do
+    t0=$(date +%s.%N)
+    timeout 60 $TTS synthesize "Please call Stella and ask her to bring these things." --device cuda --seed $s -o /tmp/x$s.pcm 2>&1 | tail -2
+    echo "whole command $(python3 -c "import time; print(round(time.time() - $t0, 2))") s"
+  done
+  serve default 50063 9467
+  bench 50063 9467 default_service --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
+  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  serve /tmp/s2 50061 9465
+  bench 50061 9465 s2_service_fp32 --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
+  serve /tmp/s2 50064 9468 --codec-dtype bfloat16
+  bench 50064 9468 s2_service_bf16 --concurrency 16,64,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
+  grep -h "captured\|warm-up\|Traceback\|Error" $OUT/serve_*.log | head -12
+  timeout 100 $TTS bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1 --frames 64 --out $OUT/tps 2>&1 | tail -3
+  (cd $OUT && tar czf /tmp/results.tgz . && find . -type f ! -name '*.json' -delete && mv /tmp/results.tgz .)
+fi
+if [[ $STEP == cli ]]; then
+  for s in 1 2; do
+    t0=$(date +%s.%N)
+    timeout 40 $TTS synthesize "Please call Stella and ask her to bring these things." --device cuda --seed $s -o /tmp/x$s.pcm 2>&1 | tail -2
+    echo "whole command $(python3 -c "import time; print(round(time.time() - $t0, 2))") s"
+  done
+  serve default 50063 9467
+  bench 50063 9467 default_service --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
+  kill %1; wait
+  grep -h "captured\|warm-up\|Traceback\|Error" $OUT/serve_*.log | head -6
 fi
