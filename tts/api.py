@@ -87,7 +87,9 @@ class TTS:
 
     One thread at a time may use a TTS object (several `stream` generators of one thread may be
     interleaved). `voices_dir`: where registered voices are kept (None: the model's presets only, and
-    voices added with `add_voice` live in memory).
+    voices added with `add_voice` live in memory). With `graphs="startup"` on CUDA, construction also
+    captures the codec stage's graphs and runs one short warm-up synthesis (a few tenths of a second),
+    so that the first real synthesis runs as fast as later ones.
     """
 
     def __init__(self, bundle: ModelBundle, engine_config: EngineConfig | None = None, *, voices_dir=None):
