@@ -126,7 +126,7 @@ SERVER_COUNTERS = {
     "codec_frames": "tts_codec_decode_frames_total",
 } | {
     f"engine_{phase}_s": f'tts_engine_seconds_total{{phase="{phase}"}}'
-    for phase in ("prefill", "replay", "rows", "audio", "route", "commands", "idle")
+    for phase in ("prefill", "replay", "rows", "audio", "route", "commands", "idle", "handover")
 }
 
 

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 import torch
 
+from tts.audio import to_pcm16
 from tts.codec import AudioError, WaveTableCodec, prepare_audio
 
 
@@ -61,3 +62,17 @@ def test_same_device_treats_cuda_without_index_as_the_current_device(monkeypatch
     assert same_device("cuda", "cuda:0") and same_device(torch.device("cuda:0"), "cuda")
     assert not same_device("cuda", "cuda:1") and not same_device("cpu", "cuda:0")
     assert same_device("cpu", "cpu") and same_device("cuda:1", "cuda:1")
+
+
+def test_to_pcm16_clips_rounds_half_to_even_and_zeroes_nan():
+    x = np.array([np.nan, np.inf, -np.inf, 1.5, -2.0, 1e38, 0.5, -0.5, 1.0, -1.0], np.float32)
+    assert to_pcm16(x).tolist() == [0, 32767, -32767, 32767, -32767, 32767, 16384, -16384, 32767, -32767]
+    # Half-way products round to even: 32767 * (k + 0.5) / 32767 -> k + 0.5.
+    halves = (np.array([0.5, 1.5, 2.5, -2.5], np.float64) / 32767).astype(np.float32)
+    expected = np.rint(np.clip(halves, -1, 1) * np.float32(32767)).astype(np.int16)
+    assert to_pcm16(halves).tolist() == expected.tolist()
+    # The same values as the formula it replaced (np.nan_to_num, clip, scale, round), on random audio.
+    audio = np.random.default_rng(0).normal(0, 0.6, 20000).astype(np.float32)
+    old = (np.clip(np.nan_to_num(audio, nan=0.0, posinf=1.0, neginf=-1.0), -1, 1) * 32767.0).round()
+    assert np.array_equal(to_pcm16(audio), old.astype(np.int16))
+    assert to_pcm16(0.5) == 16384 and to_pcm16(np.float32(np.nan)) == 0  # scalars too

@@ -171,6 +171,26 @@ def test_events_for_an_event_loop_go_over_in_one_handover_per_flush(bundle):
         assert a.done and b.done and a.queued_chunks == 0
         aio.close()
         assert not RequestStream(loop, "c", aio).deliver(end)  # a closed event loop: refused at once
+        assert loop._outbox == {}
+    finally:
+        aio.close()
+
+
+def test_an_event_loop_closed_before_the_hand_over_cancels_its_jobs(make_loop):
+    loop = make_loop()
+    aio = asyncio.new_event_loop()  # never run: its stream's events wait in the outbox for the flush
+    frames = loop.engine.frames_generated
+
+    def close_then_flush():  # (on the engine thread, before the job's first engine step)
+        loop.runner.before_frame_step = loop._flush
+        aio.close()
+        loop._flush()  # the hand-over of `Started` fails: the job is cancelled
+
+    loop.runner.before_frame_step = close_then_flush
+    try:
+        loop.submit(job(loop, LONG_TEXT, 40, hold=True), aio)
+        wait_until(lambda: idle(loop), what="the job cancelled and everything freed")
+        assert loop.engine.frames_generated == frames and loop.handovers == 0
     finally:
         aio.close()
 

@@ -505,7 +505,7 @@ def test_info_voices_and_metrics(server, stub):
     phases = {k: v for k, v in values.items() if k.startswith("tts_engine_seconds_total{")}
     assert sorted(phases) == sorted(
         f'tts_engine_seconds_total{{phase="{p}"}}'
-        for p in ("prefill", "replay", "rows", "audio", "route", "commands", "idle")
+        for p in ("prefill", "replay", "rows", "audio", "route", "commands", "idle", "handover")
     )
     assert values['tts_engine_seconds_total{phase="replay"}'] > 0
 

@@ -106,11 +106,15 @@ class TTS:
             # ... and one short synthesis for the first calls' set-up (first launches, kernel compiles),
             # so that the first real one runs at the speed of later ones: on an H200 the default voice's
             # first `synthesize` of a process took 0.32 s against 0.04-0.06 s for the next ones.
-            job_id = self.runner.submit(self.planner.warmup_job(), ListSink())
+            sink = ListSink()
+            job_id = self.runner.submit(self.planner.warmup_job(), sink)
             while job_id in self.runner.jobs:  # (its events, warnings included, are not the user's)
                 self._wake.clear()
                 if not self.runner.step():
                     self._wake.wait(0.1)
+            for event in sink.events:
+                if isinstance(event, Failed):
+                    log.warning("the warm-up synthesis failed: %s", event.error)
         self.last_finish_reasons: list[FinishReason] = []
         self.last_warnings: list[str] = []
 

@@ -20,13 +20,16 @@ def _umask() -> int:
 
 
 def to_pcm16(audio: np.ndarray) -> np.ndarray:
-    """float32 [-1, 1] -> int16 (x * 32767, rounded half to even), clipped (+-inf to +-32767, NaN to 0).
+    """float32 [-1, 1] -> int16: clipped to [-1, 1] (+-inf too), times 32767, rounded half to even;
+    NaN becomes 0.
 
-    The service converts every streamed chunk with this while holding the GIL, so it makes four C
-    passes and no Python-level ones (`np.nan_to_num` took 2.5x as long: on an H200 server at 64 clients
-    of the default voice, this function was a quarter of the asyncio thread's time holding the GIL)."""
-    y = np.multiply(np.asarray(audio, dtype=np.float32), 32767.0, dtype=np.float32)  # a new array
-    np.clip(y, -32767.0, 32767.0, out=y)  # (NaN stays NaN)
+    The service converts every streamed chunk with this while holding the GIL, so it runs only numpy's
+    C loops (`np.nan_to_num` took 2.5x as long through its Python-level checks: on an H200 server at 64
+    clients of the default voice, this function was a quarter of the asyncio thread's time holding the
+    GIL)."""
+    x = np.asarray(audio, dtype=np.float32)
+    y = np.clip(x, -1.0, 1.0, out=np.empty_like(x))  # (NaN stays NaN)
+    y *= 32767.0
     np.rint(y, out=y)
     nan = np.isnan(y)
     if nan.any():

@@ -83,8 +83,8 @@ def add_engine_args(p: argparse.ArgumentParser, graphs: str = "lazy") -> None:
         default=graphs,
         metavar="{off,lazy,startup}",
         help="CUDA graphs of the frame step, one per batch bucket: off (every step eager), lazy (a bucket "
-        "is captured on its second use) or startup (every bucket at start-up, largest first, then one "
-        f"short warm-up synthesis; default: {graphs})",
+        "is captured on its second use) or startup (every bucket, and the codec stage's decode, at "
+        f"start-up, largest first; default: {graphs})",
     )
     # Deprecated (`--graphs on` too): kept working for old scripts, folded into --graphs by
     # `resolve_graphs_arg` with a one-line warning.

@@ -57,15 +57,16 @@ class PromptFormat(Protocol):
     ) -> Tensor: ...
 
 
-# Token ids of short text parts, per tokenizer: the formats' own strings (`<|im_start|>user\n`, ...), of
-# which every prompt (one per text chunk, built on the engine thread) tokenizes about ten.
+# Token ids of short text parts, per tokenizer: above all the formats' own strings (`<|im_start|>user\n`,
+# ...), of which every prompt (one per text chunk, built on the engine thread) tokenizes about ten. Short
+# reference transcripts pass through `text` too; the first _CACHED_TEXTS short strings stay (a bound).
 _TEXT_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _CACHED_TEXT_CHARS = 64
 _CACHED_TEXTS = 1024
 
 
-def _text_ids(tokenizer: TokenizerLike, s: str) -> list[int]:
-    """`tokenizer.encode(s)`, remembered for short `s` (do not modify the list)."""
+def _text_ids(tokenizer: TokenizerLike, s: str) -> Sequence[int]:
+    """`tokenizer.encode(s)`, remembered for short `s`."""
     if len(s) > _CACHED_TEXT_CHARS:
         return tokenizer.encode(s)
     try:
@@ -74,7 +75,7 @@ def _text_ids(tokenizer: TokenizerLike, s: str) -> list[int]:
         return tokenizer.encode(s)
     ids = cache.get(s)
     if ids is None:
-        ids = tokenizer.encode(s)
+        ids = tuple(tokenizer.encode(s))
         if len(cache) < _CACHED_TEXTS:
             cache[s] = ids
     return ids
@@ -108,7 +109,7 @@ class PromptAssembler:
                 raise reserved_tag_error(token, allowed)
         return ids
 
-    def _ids(self, ids: list[int]) -> PromptAssembler:
+    def _ids(self, ids: Sequence[int]) -> PromptAssembler:
         self._text.extend(ids)  # one column for consecutive text parts
         return self
 

@@ -103,8 +103,8 @@ class CodecStage:
     codec: the bundle's codec (its decoder runs on the codec's device). max_streams: slots (one per job
     in flight). notify: called (from the worker thread) whenever results or encodes are ready.
     graphs: capture CUDA graphs of the decode (CUDA and a graph-safe decoder only).
-    max_rows / max_call_frames: the largest decode call (rows, and rows bucket x frames bucket);
-    more waits for the next call. A piece may hold at most MAX_PIECE_FRAMES frames.
+    max_rows / max_call_frames: the largest decode call (rows, at most max_streams, and rows bucket x
+    frames bucket); more waits for the next call. A piece may hold at most MAX_PIECE_FRAMES frames.
     """
 
     def __init__(

@@ -238,8 +238,9 @@ class JobRunner:
         self._refused_at = -1e9
         # (job id, final event or None where the consumer had gone), just before that event is delivered
         self.on_end: Callable[[str, Event | None], None] | None = None
-        # Called just before each frame step (the engine loop hands the events delivered so far over
-        # to its consumers there, so that they are handled while the step runs on the device).
+        # Called before each engine step (admission, prefill, frame step): the engine loop hands the
+        # events delivered so far over to its consumers there, so that they are handled while the
+        # step's prefill and frame run on the device.
         self.before_frame_step: Callable[[], None] | None = None
         self.frame_step_seconds = 0.0
         self.step_failures = 0

@@ -9,8 +9,9 @@ events:
 * `submit(job)` admits a planned `SynthesisJob` (bounded: beyond `max_batch + max_waiting` jobs in
   flight it raises `Overloaded`) and returns its `RequestStream`; the job runs as `tts.engine.jobs`
   describes;
-* events reach the consumer through a thread-safe handoff: `loop.call_soon_threadsafe` into an
-  `asyncio.Queue` for asyncio consumers, a `queue.Queue` otherwise;
+* events reach the consumer through a thread-safe handoff: for asyncio consumers, gathered per event
+  loop and handed over in one `call_soon_threadsafe` per loop (before each frame step and at the end
+  of each iteration) into each stream's `asyncio.Queue`; a `queue.Queue` otherwise;
 * back-pressure: the stream counts unread audio chunks; at `max_queued_chunks` the runner pauses the
   job, and once the consumer has read the queue down to half the cap it posts a resume;
 * `cancel()` ends the job at the next iteration and frees its blocks, row and codec slot;
@@ -147,7 +148,8 @@ class RequestStream:
     # engine thread (the JobSink side)
 
     def deliver(self, event: Event) -> bool:
-        """Hand `event` to the consumer; returns False if the consumer's event loop is gone."""
+        """(engine thread only) Hand `event` to the consumer: at once to a thread consumer, at the
+        engine loop's next flush to an asyncio one. Returns False if the consumer's event loop is gone."""
         if isinstance(event, Audio):
             with self._lock:
                 self._queued += 1
@@ -204,7 +206,8 @@ class LoopStats:
     replay_share: float = 0.0
     frame_step_seconds: float = 0.0  # wall time of engine steps (on CUDA: until the frame is on the host)
     # The engine thread's wall time by phase: prefill, replay, rows (inside engine steps), audio, route
-    # (the job runner), commands (submissions, cancels), idle (waiting for work).
+    # (the job runner), commands (submissions, cancels), idle (waiting for work), handover (events to
+    # asyncio consumers).
     phase_seconds: dict = field(default_factory=dict)
     codec_decode_seconds: float = 0.0  # device time of codec decode calls (wall time on a CPU)
     codec_encode_seconds: float = 0.0
@@ -271,6 +274,7 @@ class EngineLoop:
         self._closing = False
         self._commands_seconds = 0.0  # engine thread: applying commands
         self._idle_seconds = 0.0  # engine thread: waiting for work
+        self._handover_seconds = 0.0  # engine thread: handing events over to event loops (_flush)
         self._stalled = False  # the last iteration made no progress: sleep until a command or a wake
         self._woken = False
         # Events for asyncio consumers, by event loop, since the last _flush (engine thread only).
@@ -452,6 +456,7 @@ class EngineLoop:
         work overlaps the step's device time."""
         if not self._outbox:
             return
+        t0 = time.perf_counter()
         outbox, self._outbox = self._outbox, {}
         for aio_loop, batch in outbox.items():
             try:
@@ -459,7 +464,11 @@ class EngineLoop:
                 self.handovers += 1
             except RuntimeError:  # the event loop closed meanwhile: nobody will read these streams
                 for job_id in dict.fromkeys(stream.request_id for stream, _ in batch):
-                    self.runner.cancel(job_id)
+                    try:
+                        self.runner.cancel(job_id)
+                    except Exception:  # noqa: BLE001 - the other event loops' batches still go over
+                        log.exception("cancelling %s after its event loop closed failed", job_id)
+        self._handover_seconds += time.perf_counter() - t0
 
     def _wake(self) -> None:
         """(codec stage thread) Results are ready: run an iteration."""
@@ -637,6 +646,7 @@ class EngineLoop:
             **r.phase_seconds,
             "commands": self._commands_seconds,
             "idle": self._idle_seconds,
+            "handover": self._handover_seconds,
         }
         s.step_failures = r.step_failures
         cs = r.stage.stats
@@ -654,6 +664,16 @@ class EngineLoop:
             self._accepting = False
             self._closing = True
         runner = self.runner
+        try:
+            self._end_all(runner)
+        finally:
+            self._flush()  # (whatever was delivered before a failure still goes over)
+        runner.stage.stop()
+        self._refresh_stats()
+
+    def _end_all(self, runner: JobRunner) -> None:
+        """(engine thread, closing) Cancel the engine's requests, fail every job and every submission
+        still in the inbox with LoopClosed."""
         for job in list(runner.jobs.values()):
             if job.engine_id is not None:
                 self.engine.cancel(job.engine_id)
@@ -673,6 +693,3 @@ class EngineLoop:
                 arg[2].deliver(Failed(LoopClosed("the server shut down")))
                 with self._cv:
                     self._admitted -= 1
-        self._flush()
-        runner.stage.stop()
-        self._refresh_stats()
