@@ -227,8 +227,9 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "bench-server",
         help="closed-loop load benchmark (or, with --soak, soak test) of a running server",
-        description="Closed-loop load benchmark: req/s, audio s/s, TTFA p50/p95/p99, RTF p50/p95, the "
-        "longest gap between chunks and playback underruns at each concurrency level (optionally with "
+        description="Closed-loop load benchmark: req/s, audio s/s, frames/s, TTFA p50/p95/p99, RTF p50/p95, "
+        "frames/s per stream once audio flows, the longest gap between chunks and playback underruns at "
+        "each concurrency level (optionally with "
         "reference clips and the server's codec time share); prints a table and writes JSON. With --soak, "
         "a soak test instead: many requests of mixed client kinds (cancels, slow and stalled readers, "
         "deadlines, unary, invalid), failing on leaks, gaps, unexpected statuses or RSS growth.",

@@ -246,7 +246,7 @@ def test_summary_line_counts_finish_reasons_instead_of_listing_each_chunk(tmp_pa
         == 0
     )
     line = capsys.readouterr().out.strip()
-    assert line.endswith("finish length"), line  # every chunk hit its 2-frame budget
+    assert line.endswith("seed 1, finish length"), line  # every chunk hit its 2-frame budget
 
 
 @pytest.mark.parametrize(

@@ -76,7 +76,7 @@ def add_engine_args(p: argparse.ArgumentParser, graphs: str = "lazy") -> None:
     """The engine's options; `graphs` is the command's default for --graphs."""
     from graphs.runner import DEFAULT_BUCKETS
 
-    g = p.add_argument_group("engine (CUDA graphs; ignored on CPU)")
+    g = p.add_argument_group("engine (--graphs and --buckets: CUDA only; --threads: CPU only)")
     g.add_argument(
         "--graphs",
         choices=["off", "lazy", "startup", "on"],
@@ -429,7 +429,7 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     print(
         f"wrote {'stdout' if args.output == '-' else out} ({fmt.name}): {result.frames} frames, "
         f"{result.audio_seconds:.2f} s audio at {result.sample_rate} Hz, "
-        f"{result.wall_seconds:.2f} s wall, RTF {result.rtf:.3f}, "
+        f"{result.wall_seconds:.2f} s wall, RTF {result.rtf:.3f}, seed {plan.params.seed}, "
         f"finish {summarize_finish_reasons(result.finish_reasons)}",
         file=summary_stream(args),
     )
