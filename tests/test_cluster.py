@@ -234,8 +234,10 @@ def test_calls_are_spread_per_request_and_health_is_the_wholes(running, tmp_path
     assert main([*args, "--json", str(report)]) == 0
     level = json.loads(report.read_text())["levels"][0]
     assert level["ok"] == 40 and level["errors"] == {}, level
+    # Both replicas serve. (Not an even split: leastconn sends more calls to the replica that finishes
+    # sooner, and with the CPU busy elsewhere one of the two can take 27 of 40.)
     shares = replica_shares(level)
-    assert set(shares) == {"r0", "r1"} and all(0.35 <= s <= 0.65 for s in shares.values()), level["replicas"]
+    assert set(shares) == {"r0", "r1"} and sum(level["replicas"].values()) == 40, level["replicas"]
     # One client channel, calls one after another: each call is balanced on its own (leastconn sends a call
     # to an idle replica; with both idle, HAProxy takes them in turn), so one connection reaches both.
     with grpc.insecure_channel(running.address, options=channel_options()) as channel:
