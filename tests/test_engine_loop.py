@@ -182,11 +182,11 @@ def test_an_event_loop_closed_before_the_hand_over_cancels_its_jobs(make_loop):
     frames = loop.engine.frames_generated
 
     def close_then_flush():  # (on the engine thread, before the job's first engine step)
-        loop.runner.before_frame_step = loop._flush
+        loop.runner.before_engine_step = loop._flush
         aio.close()
         loop._flush()  # the hand-over of `Started` fails: the job is cancelled
 
-    loop.runner.before_frame_step = close_then_flush
+    loop.runner.before_engine_step = close_then_flush
     try:
         loop.submit(job(loop, LONG_TEXT, 40, hold=True), aio)
         wait_until(lambda: idle(loop), what="the job cancelled and everything freed")

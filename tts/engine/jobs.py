@@ -241,7 +241,7 @@ class JobRunner:
         # Called before each engine step (admission, prefill, frame step): the engine loop hands the
         # events delivered so far over to its consumers there, so that they are handled while the
         # step's prefill and frame run on the device.
-        self.before_frame_step: Callable[[], None] | None = None
+        self.before_engine_step: Callable[[], None] | None = None
         self.frame_step_seconds = 0.0
         self.step_failures = 0
         # Host seconds spent handing decoded audio to the consumers and routing the engine's outputs.
@@ -348,8 +348,8 @@ class JobRunner:
         self.phase_seconds["audio"] += time.perf_counter() - t0
         self._preempt_paused()
         if self.engine.has_work():
-            if self.before_frame_step is not None:
-                self.before_frame_step()
+            if self.before_engine_step is not None:
+                self.before_engine_step()
             t0 = time.perf_counter()
             try:
                 outputs = self.engine.step()

@@ -10,7 +10,7 @@ events:
   flight it raises `Overloaded`) and returns its `RequestStream`; the job runs as `tts.engine.jobs`
   describes;
 * events reach the consumer through a thread-safe handoff: for asyncio consumers, gathered per event
-  loop and handed over in one `call_soon_threadsafe` per loop (before each frame step and at the end
+  loop and handed over in one `call_soon_threadsafe` per loop (before each engine step and at the end
   of each iteration) into each stream's `asyncio.Queue`; a `queue.Queue` otherwise;
 * back-pressure: the stream counts unread audio chunks; at `max_queued_chunks` the runner pauses the
   job, and once the consumer has read the queue down to half the cap it posts a resume;
@@ -452,8 +452,8 @@ class EngineLoop:
         """(engine thread) Hand the events delivered since the last flush to their consumers' event
         loops: one `call_soon_threadsafe` per event loop, not one per event. Each such call wakes the
         asyncio thread (a write to its self-pipe), which then runs the consumers' Python while this
-        thread waits to take the GIL back; the runner flushes just before each frame step, so that
-        work overlaps the step's device time."""
+        thread waits to take the GIL back; the runner flushes before each engine step, so that this
+        work overlaps the step's prefill and frame on the device."""
         if not self._outbox:
             return
         t0 = time.perf_counter()
@@ -513,7 +513,7 @@ class EngineLoop:
                 codec_graphs=self._codec_graphs,
             )
             self.runner.on_end = self._job_ended
-            self.runner.before_frame_step = self._flush
+            self.runner.before_engine_step = self._flush
             if self.engine_config.graphs == "startup" and self.engine.graphs.enabled:
                 t0 = time.perf_counter()
                 # every chunk size of the default ramp (4, 8, 16: frame buckets 4 and 16)
