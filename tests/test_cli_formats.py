@@ -49,6 +49,7 @@ def test_extension_picks_the_format(tmp_path, capsys, name, fmt):
     else:  # whole files carry their length (MP3: the LAME gapless header; Ogg: granule positions)
         assert samples == expected
     assert rate == (48000 if fmt == "opus" else 16000)
+    assert f"audio at {rate} Hz" in summary  # the summary line gives the file's rate
     assert [p.name for p in tmp_path.iterdir()] == [name]  # no temporary file left behind
 
 

@@ -428,7 +428,7 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
             print(f"warning: {warning}", file=sys.stderr)
     print(
         f"wrote {'stdout' if args.output == '-' else out} ({fmt.name}): {result.frames} frames, "
-        f"{result.audio_seconds:.2f} s audio at {result.sample_rate} Hz, "
+        f"{result.audio_seconds:.2f} s audio at {fmt.rate or result.sample_rate} Hz, "  # (opus: 48 kHz)
         f"{result.wall_seconds:.2f} s wall, RTF {result.rtf:.3f}, seed {plan.params.seed}, "
         f"finish {summarize_finish_reasons(result.finish_reasons)}",
         file=summary_stream(args),
