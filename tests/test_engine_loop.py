@@ -431,9 +431,11 @@ def test_a_dead_codec_stage_fails_jobs_instead_of_hanging(make_loop, monkeypatch
 
 
 def test_chunk_sizes_double_from_the_first_up_to_chunk_frames():
-    from tts.engine.jobs import chunk_size
+    from tts.engine.jobs import chunk_size, ramp_sizes
 
     assert [chunk_size(4, 16, k) for k in range(5)] == [4, 8, 16, 16, 16]
+    assert ramp_sizes(4, 16) == (4, 8, 16) and ramp_sizes(16, 4) == (4, 16)
+    assert ramp_sizes(1, 256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
     assert [chunk_size(3, 8, k) for k in range(4)] == [3, 6, 8, 8]
     assert [chunk_size(16, 4, k) for k in range(3)] == [16, 4, 4]  # a large first chunk, small later ones
     assert chunk_size(1, 256, 100) == 256 and chunk_size(256, 256, 0) == 256

@@ -30,7 +30,7 @@ from torch import Tensor
 from .bundle import ModelBundle, load_bundle
 from .codec.base import AudioError
 from .engine import Engine, EngineConfig, FinishReason, InvalidRequest, for_bundle
-from .engine.jobs import Audio, Failed, Finished, JobRunner, ListSink
+from .engine.jobs import Audio, Failed, Finished, JobRunner, ListSink, ramp_sizes
 from .planner import Planner, PreparedReference, SynthesisJob
 from .prompt import VoiceReference
 from .text import TextError
@@ -102,16 +102,13 @@ class TTS:
             self.engine, self.planner, max_streams=self.engine.config.max_batch + 4, notify=self._wake.set
         )
         if self.engine.config.graphs == "startup" and self.engine.graphs.enabled:
-            self.runner.stage.capture((4, 16)).result()  # the codec's graphs too, for the default chunk sizes
+            # the codec's graphs too, for the default chunk sizes (`stream`'s 4 growing to 16)
+            self.runner.stage.capture(ramp_sizes(4, 16)).result()
             # ... and one short synthesis for the first calls' set-up (first launches, kernel compiles),
             # so that the first real one runs at the speed of later ones: on an H200 the default voice's
             # first `synthesize` of a process took 0.32 s against 0.04-0.06 s for the next ones.
             sink = ListSink()
-            job_id = self.runner.submit(self.planner.warmup_job(), sink)
-            while job_id in self.runner.jobs:  # (its events, warnings included, are not the user's)
-                self._wake.clear()
-                if not self.runner.step():
-                    self._wake.wait(0.1)
+            self._run_until_ended(self.runner.submit(self.planner.warmup_job(), sink))
             for event in sink.events:
                 if isinstance(event, Failed):
                     log.warning("the warm-up synthesis failed: %s", event.error)
@@ -259,10 +256,14 @@ class TTS:
         finally:
             if not ended:  # the caller stopped iterating: free the job's blocks, row and codec slot now
                 self.runner.cancel(job_id)
-                while job_id in self.runner.jobs:
-                    self._wake.clear()
-                    if not self.runner.step():
-                        self._wake.wait(0.1)
+                self._run_until_ended(job_id)
+
+    def _run_until_ended(self, job_id: str) -> None:
+        """Step the runner until job `job_id` has ended (sleeping while the codec stage works)."""
+        while job_id in self.runner.jobs:
+            self._wake.clear()
+            if not self.runner.step():
+                self._wake.wait(0.1)
 
     def synthesize(self, text: str | SynthesisJob, **options) -> Synthesis:
         """Synthesize all of `text` (or a SynthesisJob); options as for `stream`."""

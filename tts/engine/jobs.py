@@ -72,6 +72,12 @@ def chunk_size(first: int, later: int, sequence: int) -> int:
     return min(max(size, 1), MAX_PIECE_FRAMES)
 
 
+def ramp_sizes(first: int, later: int) -> tuple[int, ...]:
+    """The distinct sizes `chunk_size` gives a job's chunks, ascending (4, 8, 16 by default): what a
+    start-up capture of the codec stage's graphs must cover."""
+    return tuple(sorted({chunk_size(first, later, k) for k in range(MAX_PIECE_FRAMES.bit_length() + 1)}))
+
+
 class Cancelled(RuntimeError):
     """The job was cancelled (by its consumer or at shutdown). Maps to CANCELLED."""
 

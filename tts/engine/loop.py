@@ -56,7 +56,7 @@ from .jobs import (
     LoopClosed,
     Preempted,
     Started,
-    chunk_size,
+    ramp_sizes,
 )
 from .request import Request, SamplingParams
 
@@ -516,9 +516,8 @@ class EngineLoop:
             self.runner.before_engine_step = self._flush
             if self.engine_config.graphs == "startup" and self.engine.graphs.enabled:
                 t0 = time.perf_counter()
-                # every chunk size of the default ramp (4, 8, 16: frame buckets 4 and 16)
-                sizes = {chunk_size(DEFAULT_FIRST_CHUNK_FRAMES, DEFAULT_CHUNK_FRAMES, k) for k in range(9)}
-                captured = self.runner.stage.capture(tuple(sorted(sizes))).result()
+                sizes = ramp_sizes(DEFAULT_FIRST_CHUNK_FRAMES, DEFAULT_CHUNK_FRAMES)
+                captured = self.runner.stage.capture(sizes).result()
                 log.info(
                     "codec stage: %d decode graphs captured in %.2f s", captured, time.perf_counter() - t0
                 )
