@@ -74,6 +74,21 @@ while time.time() - t0 < 200 and os.path.exists(f"/proc/{pid}"):  # (a server th
 PY
 }
 
+write_s2() {  # the S2-Pro real-format random checkpoint, to /tmp/s2
+  local t0=$(date +%s)
+  timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1
+  echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+}
+
+synthesize_twice() {  # `tts synthesize --device cuda` in two fresh processes, timed as a user sees them
+  for s in 1 2; do
+    local t0=$(date +%s.%N)
+    timeout 60 $TTS synthesize "Please call Stella and ask her to bring these things." --device cuda --seed $s \
+      -o /tmp/x$s.pcm 2>&1 | tail -2
+    echo "whole command $(python3 -c "import time; print(round(time.time() - $t0, 2))") s"
+  done
+}
+
 bench() {  # bench PORT MPORT NAME ARGS...
   local port=$1 mport=$2 name=$3; shift 3
   timeout 240 $TTS bench-server --server 127.0.0.1:$port --metrics-url http://127.0.0.1:$mport/metrics \
@@ -86,14 +101,14 @@ if [[ $STEP == check ]]; then
     tests/test_melvq_batched.py -s 2>&1 | tail -25 | tee $OUT/cuda_tests.log
   timeout 130 python3 benchmarks/codec/dac_batched.py --device cuda --batches 1,16,64 --frames 4,16 \
     --cudnn-benchmark on --time-budget 110 --out $OUT/dac_batched.json 2>&1 | tail -30
-  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  write_s2
   serve /tmp/s2 50061 9465
   bench 50061 9465 s2_service_fp32 --concurrency 1,16,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait; grep -v "^INFO service.server: request" $OUT/serve_50061.log | tail -5
 fi
 if [[ $STEP == s2 ]]; then
   timeout 120 python3 scripts/dac_graph_diag.py > $OUT/dac_graph_diag.txt 2>&1; tail -3 $OUT/dac_graph_diag.txt
-  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  write_s2
   serve /tmp/s2 50061 9465
   bench 50061 9465 s2_service_fp32 --concurrency 1,16,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait
@@ -106,7 +121,7 @@ if [[ $STEP == s2 ]]; then
   tail -n 3 $OUT/serve_50061.log $OUT/serve_50062.log
 fi
 if [[ $STEP == final ]]; then
-  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  write_s2
   serve /tmp/s2 50061 9465
   bench 50061 9465 s2_service_fp32 --concurrency 1,16,64 --max-new-frames 128 --min-new-frames 128
   for mode in repeated distinct registered; do
@@ -128,13 +143,13 @@ if [[ $STEP == default ]]; then
   bench 50063 9467 default_service --concurrency 1,16,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait
   for s in 1 2 3; do timeout 60 $TTS synthesize "Please call Stella and ask her to bring these things." --device cuda --seed $s -o /tmp/x$s.wav 2>&1 | tail -1; done
-  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  write_s2
   timeout 120 $TTS bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1 --frames 64 --out $OUT/tps 2>&1 | tail -3
 fi
 if [[ $STEP == prio ]]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda tests/ 2>&1 | tail -8 | tee $OUT/cuda_tests.log
   grep -q "failed" $OUT/cuda_tests.log && exit 1
-  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  write_s2
   serve /tmp/s2 50061 9465
   bench 50061 9465 s2_service_fp32_step_stream_high --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait
@@ -147,7 +162,7 @@ if [[ $STEP == after ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py tests/test_dac_batched.py \
     tests/test_melvq_batched.py 2>&1 | tail -6 | tee $OUT/cuda_tests.log
   grep -Eq "failed|error" $OUT/cuda_tests.log && exit 1
-  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  write_s2
   serve /tmp/s2 50061 9465
   bench 50061 9465 s2_service_fp32 --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait
@@ -157,7 +172,7 @@ if [[ $STEP == after ]]; then
   for s in 1 2 3; do timeout 60 $TTS synthesize "Please call Stella and ask her to bring these things." --device cuda --seed $s -o /tmp/x$s.pcm 2>&1 | tail -1; done
 fi
 if [[ $STEP == profile ]]; then
-  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  write_s2
   serve /tmp/s2 50061 9465
   pid=$(pgrep -f "serve --model /tmp/s2" | head -1)
   bench 50061 9465 s2_phases --concurrency 1,64 --max-new-frames 128 --min-new-frames 128
@@ -173,7 +188,7 @@ if [[ $STEP == profile ]]; then
 fi
 if [[ $STEP == s2only ]]; then
   timeout 100 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py -k engine_loop 2>&1 | grep -v "^  " | tail -40 > $OUT/engine_loop_test.log
-  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  write_s2
   serve /tmp/s2 50061 9465
   bench 50061 9465 s2_service_fp32 --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait
@@ -183,14 +198,14 @@ if [[ $STEP == attn ]]; then
     | tail -6 | tee $OUT/cuda_tests.log
   grep -Eq "failed|error" $OUT/cuda_tests.log && exit 1
   timeout 150 $TTS bench --model s2-pro-shape --device cuda --modes graph --batch-sizes 1,64 --frames 64 --out $OUT/tps 2>&1 | tail -4
-  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  write_s2
   serve /tmp/s2 50061 9465
   bench 50061 9465 s2_service_fp32 --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait
   grep -h "SERVING\|Traceback\|Error" $OUT/serve_*.log | head -20
 fi
 if [[ $STEP == attn2 ]]; then
-  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  write_s2
   serve /tmp/s2 50064 9468 --codec-dtype bfloat16
   bench 50064 9468 s2_service_bf16 --concurrency 16,64,64 --max-new-frames 128 --min-new-frames 128
   for mode in repeated distinct registered; do
@@ -224,7 +239,7 @@ if [[ $STEP == service ]]; then
       -k "$PYTEST_K" 2>&1 | grep -v "^  " | tail -8 | tee $OUT/cuda_tests.log
     grep -Eq "failed|error" $OUT/cuda_tests.log && exit 1
   fi
-  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  write_s2
   serve /tmp/s2 50061 9465
   bench 50061 9465 s2_service_fp32 --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait
@@ -253,7 +268,7 @@ if [[ $STEP == verify ]]; then
   grep -Eq "failed|error" $OUT/cuda_tests.log && exit 1
   timeout 90 python3 scripts/profile_synthesize.py --model default --device cuda --out $OUT/synth_profile.txt 2>&1 \
     | grep -v "USDT\|gpuGet" | head -8
-  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  write_s2
   serve /tmp/s2 50061 9465
   bench 50061 9465 s2_service_fp32 --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
   for mode in repeated distinct registered; do
@@ -285,7 +300,7 @@ if [[ $STEP == handover ]]; then
   bench 50063 9467 default_service_spied --concurrency 64 --requests 768 --warmup 0 --max-new-frames 128 --min-new-frames 128
   wait %2 2>/dev/null; kill %1; wait
   tail -2 $OUT/pyspy_record.log
-  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  write_s2
   serve /tmp/s2 50061 9465
   bench 50061 9465 s2_service_fp32 --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait
@@ -297,15 +312,11 @@ if [[ $STEP == closing ]]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py 2>&1 | grep -v "^  " | tail -4 \
     | tee $OUT/cuda_tests.log
   grep -Eq "failed|error" $OUT/cuda_tests.log && exit 1
-  for s in 1 2; do
-    t0=$(date +%s.%N)
-    timeout 60 $TTS synthesize "Please call Stella and ask her to bring these things." --device cuda --seed $s -o /tmp/x$s.pcm 2>&1 | tail -2
-    echo "whole command $(python3 -c "import time; print(round(time.time() - $t0, 2))") s"
-  done
+  synthesize_twice
   serve default 50063 9467
   bench 50063 9467 default_service --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait
-  t0=$(date +%s); timeout 150 $TTS write-checkpoint --shape s2-pro --out /tmp/s2 2>&1 | tail -1; echo "write-checkpoint $(( $(date +%s) - t0 )) s"
+  write_s2
   serve /tmp/s2 50061 9465
   bench 50061 9465 s2_service_fp32 --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait
@@ -317,11 +328,7 @@ if [[ $STEP == closing ]]; then
   (cd $OUT && tar czf /tmp/results.tgz . && find . -type f ! -name '*.json' -delete && mv /tmp/results.tgz .)
 fi
 if [[ $STEP == cli ]]; then
-  for s in 1 2; do
-    t0=$(date +%s.%N)
-    timeout 40 $TTS synthesize "Please call Stella and ask her to bring these things." --device cuda --seed $s -o /tmp/x$s.pcm 2>&1 | tail -2
-    echo "whole command $(python3 -c "import time; print(round(time.time() - $t0, 2))") s"
-  done
+  synthesize_twice
   serve default 50063 9467
   bench 50063 9467 default_service --concurrency 1,16,64,64 --max-new-frames 128 --min-new-frames 128
   kill %1; wait
