@@ -16,7 +16,9 @@ from a fixed pool with the request number spoken in it) and its own seed. Report
   finished playing, had playback started when the first chunk arrived; the total, the share of
   requests with any, and the worst lateness;
 * with `--metrics-url`, the server's own time split from its Prometheus counters read before and after
-  the level: the codec's share of device time (`codec_share`) and reference-cache hits and misses;
+  the level: the codec's share of device time (`codec_share`), reference-cache hits and misses, and
+  (printed under the table) where the time to first audio went on the server and how full the codec's
+  padded decode calls were;
 * errors by gRPC status (RESOURCE_EXHAUSTED counts: the server's admission bound was hit);
 * the replicas' shares: OK requests per replica, as each stream's header names it (`StreamHeader.replica`),
   so the shares are right through a load balancer too.
@@ -112,22 +114,34 @@ def playback_underruns(arrivals: list[float], samples: list[int], sample_rate: i
 # ---- the server's Prometheus metrics --------------------------------------------------------------------
 
 # Counters the benchmark reads before and after each level (key in the report: metric sample name).
-SERVER_COUNTERS = {
-    "frame_step_s": "tts_frame_step_seconds_total",
-    "codec_decode_s": "tts_codec_decode_seconds_total",
-    "codec_encode_s": "tts_codec_encode_seconds_total",
-    "reference_cache_hits": "tts_reference_cache_hits_total",
-    "reference_cache_misses": "tts_reference_cache_misses_total",
-    "frame_steps": "tts_frame_steps_total",
-    "frame_step_rows": "tts_frame_step_rows_total",
-    "prefill_passes": "tts_prefill_passes_total",
-    "prefill_requests": "tts_prefill_requests_total",
-    "codec_calls": "tts_codec_decode_calls_total",
-    "codec_frames": "tts_codec_decode_frames_total",
-} | {
-    f"engine_{phase}_s": f'tts_engine_seconds_total{{phase="{phase}"}}'
-    for phase in ("prefill", "replay", "rows", "audio", "route", "commands", "idle", "handover")
-}
+# The server's split of the time to first audio (tts.engine.jobs.FIRST_AUDIO_PHASES; this module does not
+# import the engine, which needs torch).
+FIRST_AUDIO_PHASES = ("encode", "first_frame", "frames", "codec")
+SERVER_COUNTERS = (
+    {
+        "frame_step_s": "tts_frame_step_seconds_total",
+        "codec_decode_s": "tts_codec_decode_seconds_total",
+        "codec_encode_s": "tts_codec_encode_seconds_total",
+        "reference_cache_hits": "tts_reference_cache_hits_total",
+        "reference_cache_misses": "tts_reference_cache_misses_total",
+        "frame_steps": "tts_frame_steps_total",
+        "frame_step_rows": "tts_frame_step_rows_total",
+        "prefill_passes": "tts_prefill_passes_total",
+        "prefill_requests": "tts_prefill_requests_total",
+        "codec_calls": "tts_codec_decode_calls_total",
+        "codec_frames": "tts_codec_decode_frames_total",
+        "codec_padded_frames": "tts_codec_decode_padded_frames_total",
+        "first_audio_jobs": "tts_first_audio_jobs_total",
+    }
+    | {
+        f"engine_{phase}_s": f'tts_engine_seconds_total{{phase="{phase}"}}'
+        for phase in ("prefill", "replay", "rows", "audio", "route", "commands", "idle", "handover")
+    }
+    | {
+        f"first_audio_{phase}_s": f'tts_first_audio_seconds_total{{phase="{phase}"}}'
+        for phase in FIRST_AUDIO_PHASES
+    }
+)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -157,8 +171,9 @@ def server_time_split(before: dict[str, float] | None, after: dict[str, float] |
     """The server-side counters' change over a level: frame-step, codec decode and encode seconds,
     reference-cache hits and misses, frame steps and their rows (mean_batch = rows / steps), prefill
     passes and the requests they took (requests_per_prefill), codec
-    decode calls and their frames (codec_frames_per_call), and codec_share = codec / (frame steps +
-    codec). A counter the server does not export is None (codec encode counts as 0 for the share if only
+    decode calls and their frames (codec_frames_per_call; codec_fill = frames / padded frames computed),
+    codec_share = codec / (frame steps + codec), and the mean server-side time to first audio by phase
+    (first_audio_{encode,first_frame,frames,codec}_ms; see `tts_first_audio_seconds_total`). A counter the server does not export is None (codec encode counts as 0 for the share if only
     it is missing); codec_share is None without the frame-step and decode counters or without any time
     spent."""
     out: dict[str, float | None] = {}
@@ -179,6 +194,12 @@ def server_time_split(before: dict[str, float] | None, after: dict[str, float] |
     out["requests_per_prefill"] = prefilled / passes if passes and prefilled is not None else None
     calls, frames = out["codec_calls"], out["codec_frames"]
     out["codec_frames_per_call"] = frames / calls if calls and frames is not None else None
+    padded = out["codec_padded_frames"]
+    out["codec_fill"] = frames / padded if padded and frames is not None else None
+    jobs = out["first_audio_jobs"]
+    for phase in FIRST_AUDIO_PHASES:
+        seconds = out[f"first_audio_{phase}_s"]
+        out[f"first_audio_{phase}_ms"] = 1000.0 * seconds / jobs if jobs and seconds is not None else None
     return out
 
 
@@ -575,6 +596,27 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def format_first_audio(report: dict) -> str:
+    """One line per level that has the server's counters: the mean server-side time to first audio by
+    phase, and the codec calls' fill (real frames / frames computed with padding)."""
+    lines = []
+    for lv in report["levels"]:
+        s = lv.get("server") or {}
+        ms = [s.get(f"first_audio_{phase}_ms") for phase in FIRST_AUDIO_PHASES]
+        if all(v is None for v in ms):
+            continue
+        parts = ", ".join(
+            f"{phase} {'-' if v is None else f'{v:.0f} ms'}"
+            for phase, v in zip(FIRST_AUDIO_PHASES, ms, strict=True)
+        )
+        fill = s.get("codec_fill")
+        lines.append(
+            f"first audio at concurrency {lv['concurrency']} (server, mean): {parts}; "
+            f"codec calls {'-' if fill is None else f'{fill:.0%}'} full"
+        )
+    return "\n".join(lines)
+
+
 def replica_shares(level: dict) -> dict[str, float]:
     """A level's share of OK requests per replica (name -> fraction; {} without OK requests)."""
     counts = level.get("replicas") or {}
@@ -775,6 +817,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         f"graphs {'on' if info.get('graphs') else 'off'}, replay share {report['replay_share_after']:.3f}"
     )
     print(format_table(report))
+    if first_audio := format_first_audio(report):
+        print(first_audio)
     print(format_shares(report))
     write_json(report, out)
     print(f"wrote {out}")

@@ -20,6 +20,8 @@ every iteration by the engine thread); per-request figures are observed by the g
 | `tts_engine_seconds_total{phase}` | counter | the engine thread's wall time by phase: `prefill`, `replay`, `rows` (the three parts of an engine step), `audio` (delivering decoded chunks), `route` (handling the step's outputs), `commands` (submissions, cancels), `idle` (waiting for work), `handover` (events to the asyncio loops) |
 | `tts_codec_decode_seconds_total`, `tts_codec_encode_seconds_total` | counter | codec stage time (device time on CUDA, events around each call; wall time on a CPU) |
 | `tts_codec_decode_calls_total`, `tts_codec_decode_frames_total` | counter | batched decode calls and the frames they decoded (frames / calls = batch) |
+| `tts_codec_decode_padded_frames_total` | counter | frames the decode calls computed, padding included (rows bucket x frames bucket of each call; frames / padded frames = the calls' fill) |
+| `tts_first_audio_seconds_total{phase}`, `tts_first_audio_jobs_total` | counter | the time to first audio of the requests that had audio, split by phase and summed (/ jobs = the mean): `encode` (the reference clip), `first_frame` (waiting for a row, prefill, the first frame step), `frames` (the rest of the first chunk's frames), `codec` (its decode, waiting included) |
 | `tts_reference_cache_hits_total`, `tts_reference_cache_misses_total` | counter | reference clips found encoded / encoded anew |
 | `process_resident_memory_bytes`, ... | gauge | the process collector's memory and CPU figures |
 | `tts_requests_total{outcome}` | counter | finished requests by outcome (ok, invalid_argument, ...) |
@@ -88,6 +90,14 @@ class _EngineCollector:
             "tts_codec_encode_seconds": ("Codec stage encode time (seconds)", s.codec_encode_seconds),
             "tts_codec_decode_calls": ("Batched codec decode calls", s.codec_decode_calls),
             "tts_codec_decode_frames": ("Frames decoded by the codec stage", s.codec_decode_frames),
+            "tts_codec_decode_padded_frames": (
+                "Frames the codec decode calls computed, padding included",
+                s.codec_decode_padded_frames,
+            ),
+            "tts_first_audio_jobs": (
+                "Requests whose first audio is in tts_first_audio_seconds",
+                s.first_audio_jobs,
+            ),
             "tts_reference_cache_hits": ("Reference clips found in the cache", s.cache_hits),
             "tts_reference_cache_misses": ("Reference clips encoded anew", s.cache_misses),
         }
@@ -99,6 +109,14 @@ class _EngineCollector:
         for phase, value in s.phase_seconds.items():
             phases.add_metric([phase], value)
         yield phases
+        first = CounterMetricFamily(
+            "tts_first_audio_seconds",
+            "Time to first audio by phase, summed over requests (seconds; see tts_first_audio_jobs)",
+            labels=["phase"],
+        )
+        for phase, value in s.first_audio_seconds.items():
+            first.add_metric([phase], value)
+        yield first
 
 
 class ServiceMetrics:

@@ -37,6 +37,26 @@ def test_stream_chunks_concatenate_to_synthesize_and_to_offline_decode(tts):
     np.testing.assert_allclose(audio, offline, atol=1e-5)
 
 
+def test_time_to_first_audio_is_split_into_phases_that_add_up(tts):
+    """The runner's first-audio phases (what `tts_first_audio_seconds_total` exports) cover exactly the
+    span from submission to the first audio chunk, once per job that had audio."""
+    from tts.engine.jobs import FIRST_AUDIO_PHASES, Finished, ListSink
+
+    runner = tts.runner
+    before, jobs = dict(runner.first_audio_seconds), runner.first_audio_jobs
+    sink = ListSink()
+    job_id = runner.submit(tts.prepare("Where does the time go?", seed=2, max_new_frames=12), sink)
+    tts._run_until_ended(job_id)
+    finished = [e for e in sink.events if isinstance(e, Finished)]
+    assert len(finished) == 1 and finished[0].first_audio_at is not None
+    spent = {p: runner.first_audio_seconds[p] - before[p] for p in FIRST_AUDIO_PHASES}
+    assert runner.first_audio_jobs == jobs + 1
+    assert all(v >= 0 for v in spent.values()) and spent["first_frame"] > 0
+    assert sum(spent.values()) == pytest.approx(
+        finished[0].first_audio_at - finished[0].submitted_at, abs=1e-9
+    )
+
+
 def test_same_seed_same_audio_and_voices_change_output(tts):
     a = tts.synthesize("Same seed.", seed=11, max_new_frames=15)
     b = tts.synthesize("Same seed.", seed=11, max_new_frames=15)

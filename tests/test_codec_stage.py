@@ -61,6 +61,27 @@ def test_queued_pieces_of_several_streams_decode_in_one_call_in_order(codec):
         stage.stop()
 
 
+def test_padded_frames_count_what_a_call_computed(codec):
+    """An eager call pads every row to the longest: rows of 4 and 12 frames compute 2 x 12 frames, which
+    `decode_padded_frames` counts beside the 16 real ones (the fill the load benchmark reports)."""
+    done = threading.Event()
+    stage = CodecStage(codec, max_streams=2, notify=done.set, graphs=False)
+    try:
+        a, b = stage.open(), stage.open()
+        gate = threading.Event()
+        stage._tasks.append((gate.wait, Future()))  # hold the worker until both pieces are queued
+        with stage._cv:
+            stage._cv.notify()
+        stage.decode(a, (a, 0), codes_for(1, 4, codec))
+        stage.decode(b, (b, 0), codes_for(2, 12, codec))
+        gate.set()
+        collect(stage, done, 2)
+        s = stage.stats
+        assert (s.decode_calls, s.decode_rows, s.decode_frames, s.decode_padded_frames) == (1, 2, 16, 24)
+    finally:
+        stage.stop()
+
+
 def test_start_up_capture_leaves_streams_untouched(codec):
     """capture() warms and captures every (rows, frames) bucket on pad rows only: a stream decoded
     after it (through the replays) equals its offline decode. Stand-in graphs on the CPU."""

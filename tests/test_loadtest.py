@@ -12,9 +12,11 @@ import pytest
 from service.client import StreamResult, build_request
 from service.loadtest import (
     BENCH_VOICE,
+    FIRST_AUDIO_PHASES,
     SERVER_COUNTERS,
     SYNTHETIC_TEXT,
     ReferenceClip,
+    format_first_audio,
     parse_metrics,
     playback_underruns,
     server_time_split,
@@ -134,6 +136,8 @@ def test_codec_share_and_cache_counts_per_level():
         "mean_batch": None,
         "requests_per_prefill": None,
         "codec_frames_per_call": None,
+        "codec_fill": None,
+        **{f"first_audio_{p}_ms": None for p in FIRST_AUDIO_PHASES},
     }
     assert split == {**dict.fromkeys(SERVER_COUNTERS), **derived}
     assert server_time_split(None, after) == {**dict.fromkeys(SERVER_COUNTERS), **derived}
@@ -240,6 +244,8 @@ def test_bench_server_repeated_reference_reports_the_new_fields(server, tmp_path
             "mean_batch",
             "requests_per_prefill",
             "codec_frames_per_call",
+            "codec_fill",
+            *(f"first_audio_{p}_ms" for p in FIRST_AUDIO_PHASES),
         }
         # Counters the server does not export stay None; those it does are non-negative.
         assert all(v is None or v >= 0 for v in lv["server"].values())
@@ -303,3 +309,31 @@ def test_codec_frames_per_call_is_frames_over_calls_per_level():
     after = {"tts_codec_decode_calls_total": 7.0, "tts_codec_decode_frames_total": 200.0}
     assert server_time_split(before, after)["codec_frames_per_call"] == 40.0
     assert server_time_split(after, after)["codec_frames_per_call"] is None  # no call in the level
+
+
+def test_codec_fill_is_frames_over_padded_frames_per_level():
+    before = {"tts_codec_decode_frames_total": 40.0, "tts_codec_decode_padded_frames_total": 64.0}
+    after = {"tts_codec_decode_frames_total": 100.0, "tts_codec_decode_padded_frames_total": 144.0}
+    assert server_time_split(before, after)["codec_fill"] == 0.75
+    assert server_time_split(after, after)["codec_fill"] is None  # no call in the level
+
+
+def test_first_audio_phases_are_mean_milliseconds_per_request_of_the_level():
+    def counters(jobs, **seconds):
+        return {"tts_first_audio_jobs_total": jobs} | {
+            f'tts_first_audio_seconds_total{{phase="{p}"}}': seconds.get(p, 0.0) for p in FIRST_AUDIO_PHASES
+        }
+
+    before = counters(2.0, first_frame=0.1, frames=0.2, codec=0.05)
+    after = counters(6.0, first_frame=0.5, frames=0.6, codec=0.25)
+    split = server_time_split(before, after)
+    got = {p: split[f"first_audio_{p}_ms"] for p in FIRST_AUDIO_PHASES}
+    assert got == pytest.approx({"encode": 0.0, "first_frame": 100.0, "frames": 100.0, "codec": 50.0})
+    report = {"levels": [{"concurrency": 4, "server": split}, {"concurrency": 8, "server": {}}]}
+    assert format_first_audio(report) == (
+        "first audio at concurrency 4 (server, mean): encode 0 ms, first_frame 100 ms, frames 100 ms, "
+        "codec 50 ms; codec calls - full"
+    )
+    from tts.engine.jobs import FIRST_AUDIO_PHASES as runner_phases
+
+    assert FIRST_AUDIO_PHASES == runner_phases  # the names the server exports

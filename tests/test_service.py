@@ -508,6 +508,15 @@ def test_info_voices_and_metrics(server, stub):
         for p in ("prefill", "replay", "rows", "audio", "route", "commands", "idle", "handover")
     )
     assert values['tts_engine_seconds_total{phase="replay"}'] > 0
+    first = {k for k in values if k.startswith("tts_first_audio_seconds_total{")}
+    assert first == {
+        f'tts_first_audio_seconds_total{{phase="{p}"}}' for p in ("encode", "first_frame", "frames", "codec")
+    }
+    assert (
+        values["tts_first_audio_jobs_total"] >= 1
+        and values['tts_first_audio_seconds_total{phase="codec"}'] > 0
+    )
+    assert values["tts_codec_decode_padded_frames_total"] >= values["tts_codec_decode_frames_total"] > 0
 
 
 def test_info_reports_captured_buckets_with_graphs_on(bundle):

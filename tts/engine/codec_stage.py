@@ -90,6 +90,7 @@ class CodecStats:
 
     decode_calls: int = 0
     decode_frames: int = 0
+    decode_padded_frames: int = 0  # frames the calls computed: rows x frames of each padded call
     decode_rows: int = 0
     decode_seconds: float = 0.0
     encode_calls: int = 0
@@ -435,6 +436,7 @@ class CodecStage:
         s.decode_calls += 1
         s.decode_rows += n
         s.decode_frames += sum(lengths)
+        s.decode_padded_frames += b * T
         s.decode_seconds += seconds
         results = []
         for i, row in enumerate(rows):

@@ -56,6 +56,10 @@ from .request import FinishReason, InvalidRequest, StepOutput
 log = logging.getLogger(__name__)
 
 
+# The parts of a job's time to first audio (`JobRunner.first_audio_seconds`), in order.
+FIRST_AUDIO_PHASES = ("encode", "first_frame", "frames", "codec")
+
+
 def chunk_size(first: int, later: int, sequence: int) -> int:
     """Frames in audio chunk `sequence` (0, 1, 2, ...) of a job: `first`, then doubling up to `later`
     (4, 8, 16, 16, ... by default), at most MAX_PIECE_FRAMES.
@@ -194,6 +198,11 @@ class _Job:
     sequence: int = 0  # next audio chunk number to queue
     reasons: list[FinishReason] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # Where the time to first audio went (time.monotonic()): the first engine request queued, its
+    # first frame out, the first audio chunk queued on the codec stage, its audio back.
+    first_request_at: float | None = None
+    first_frame_at: float | None = None
+    first_chunk_at: float | None = None
     first_audio_at: float | None = None
     paused_at: float | None = None
     generation_done: bool = False
@@ -252,6 +261,13 @@ class JobRunner:
         self.step_failures = 0
         # Host seconds spent handing decoded audio to the consumers and routing the engine's outputs.
         self.phase_seconds = {"audio": 0.0, "route": 0.0}
+        # The time to first audio of the jobs that had audio, split and summed (seconds; / jobs: the
+        # mean): `encode` (submitted -> first engine request queued: the reference clip's encode),
+        # `first_frame` (-> its first frame out: waiting for a row, prefill, the first frame step),
+        # `frames` (-> the first chunk's frames generated and queued on the codec stage), `codec` (->
+        # its audio back from the codec stage).
+        self.first_audio_seconds = dict.fromkeys(FIRST_AUDIO_PHASES, 0.0)
+        self.first_audio_jobs = 0
 
     # ---- commands (the driving thread) -------------------------------------------------------------
 
@@ -433,6 +449,8 @@ class JobRunner:
             return False
         job.engine_id = engine_id
         job.budget = budget
+        if job.first_request_at is None:
+            job.first_request_at = time.monotonic()
         self._by_engine_id[engine_id] = job
         job.generated = []
         return True
@@ -442,6 +460,8 @@ class JobRunner:
         if job is None:
             return
         frames = self.frames
+        if job.first_frame_at is None:
+            job.first_frame_at = time.monotonic()
         if out.codes.numel():
             job.generated.append(out.codes)  # the next chunk's context: every generated frame
             if not (frames.drop_first and len(job.generated) == 1):
@@ -511,6 +531,8 @@ class JobRunner:
         job.pending = []
         job.inflight.append((job.sequence, job.frames_queued, codes))
         self.stage.decode(job.slot, (job.job_id, job.sequence), codes)
+        if job.first_chunk_at is None:
+            job.first_chunk_at = time.monotonic()
         job.sequence += 1
         job.frames_queued += codes.shape[1]
         self._pause_if_full(job)
@@ -528,10 +550,25 @@ class JobRunner:
         assert result.samples is not None  # (a result without an error has its samples)
         if job.first_audio_at is None:
             job.first_audio_at = time.monotonic()
+            self._count_first_audio(job)
         if not self._deliver(job, Audio(seq, result.samples, start, start + codes.shape[1], codes)):
             return
         self._pause_if_full(job)
         self._finish_if_done(job)
+
+    def _count_first_audio(self, job: _Job) -> None:
+        marks = (
+            job.submitted_at,
+            job.first_request_at,
+            job.first_frame_at,
+            job.first_chunk_at,
+            job.first_audio_at,
+        )
+        if any(m is None for m in marks):  # (every mark is set on the way to a first chunk; be safe)
+            return
+        for phase, (a, b) in zip(FIRST_AUDIO_PHASES, itertools.pairwise(marks), strict=True):
+            self.first_audio_seconds[phase] += b - a  # type: ignore[operator]  # (checked above)
+        self.first_audio_jobs += 1
 
     def _pause_if_full(self, job: _Job) -> None:
         """Pause the job once its unread chunks plus those still on the codec stage reach the cap: a

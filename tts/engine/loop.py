@@ -213,6 +213,11 @@ class LoopStats:
     codec_encode_seconds: float = 0.0
     codec_decode_calls: int = 0
     codec_decode_frames: int = 0
+    codec_decode_padded_frames: int = 0  # rows x frames the padded calls computed
+    # The time to first audio split by phase (`JobRunner.first_audio_seconds`), summed over the jobs
+    # that had audio (`first_audio_jobs`).
+    first_audio_seconds: dict = field(default_factory=dict)
+    first_audio_jobs: int = 0
     cache_hits: int = 0
     cache_misses: int = 0
 
@@ -651,6 +656,8 @@ class EngineLoop:
         cs = r.stage.stats
         s.codec_decode_seconds, s.codec_encode_seconds = cs.decode_seconds, cs.encode_seconds
         s.codec_decode_calls, s.codec_decode_frames = cs.decode_calls, cs.decode_frames
+        s.codec_decode_padded_frames = cs.decode_padded_frames
+        s.first_audio_seconds, s.first_audio_jobs = dict(r.first_audio_seconds), r.first_audio_jobs
         s.cache_hits, s.cache_misses = self.reference_cache.hits, self.reference_cache.misses
         with self._fps_lock:
             self._fps_window.append((time.monotonic(), e.frames_generated))
