@@ -46,6 +46,12 @@
 #                (c = 1, 16, 64, 64) and bfloat16 codec (c = 16, 64, 64); `tts bench` graph batch 1
 #   STEP=cli     `tts synthesize --device cuda` twice as a user runs it; the default voice's service
 #                (c = 1, 16, 64, 64)
+#   ACTIONS="..." (no STEP) runs the named actions in order instead of a STEP, so that a new run composes
+#                these rather than adding a step: tests (every CUDA test; stops if one fails), accuracy
+#                (bfloat16 DAC decode vs float32, and fish-speech's way: autocast), synth (`tts synthesize
+#                --device cuda` twice), s2_fp32 / s2_bf16 / default (the service at LEVELS, default
+#                1,16,64,64), refs (the reference modes at c = 16, float32 codec), tps (`tts bench` graph
+#                batch 1 and 64), tar (everything under $OUT into results.tgz, keeping the JSON files)
 set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -92,8 +98,50 @@ synthesize_twice() {  # `tts synthesize --device cuda` in two fresh processes, t
 bench() {  # bench PORT MPORT NAME ARGS...
   local port=$1 mport=$2 name=$3; shift 3
   timeout 240 $TTS bench-server --server 127.0.0.1:$port --metrics-url http://127.0.0.1:$mport/metrics \
-    --timeout 120 --json $OUT/$name.json "$@" 2>&1 | tail -8
+    --timeout 120 --json $OUT/$name.json "$@" 2>&1 | tee $OUT/$name.txt | grep -v "^replicas" | tail -14
 }
+
+run_actions() {
+  local levels=${LEVELS:-1,16,64,64} a
+  for a in $ACTIONS; do
+    echo "== $a ($(date +%T))"
+    case $a in
+      tests)
+        timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py tests/test_dac_batched.py \
+          tests/test_melvq_batched.py 2>&1 | grep -v "^  " | tail -8 | tee $OUT/cuda_tests.log
+        grep -Eq "failed|error" $OUT/cuda_tests.log && exit 1 ;;
+      accuracy)
+        timeout 120 python3 benchmarks/codec/dac_batched.py --device cuda --accuracy-only --out $OUT/dac_accuracy.json \
+          2>&1 | grep accuracy ;;
+      synth) synthesize_twice ;;
+      s2_fp32|s2_bf16|refs)
+        [[ -d /tmp/s2 ]] || write_s2
+        local dtype=float32; [[ $a == s2_bf16 ]] && dtype=bfloat16
+        serve /tmp/s2 50061 9465 --codec-dtype $dtype
+        if [[ $a == refs ]]; then
+          for mode in repeated distinct registered; do
+            bench 50061 9465 s2_reference_$mode --concurrency 16 --requests 64 --max-new-frames 128 \
+              --min-new-frames 128 --reference $mode
+          done
+        else
+          bench 50061 9465 ${a}_service --concurrency $levels --max-new-frames 128 --min-new-frames 128
+        fi
+        kill %1; wait; mv $OUT/serve_50061.log $OUT/serve_$a.log ;;
+      default)
+        serve default 50063 9467
+        bench 50063 9467 default_service --concurrency $levels --max-new-frames 128 --min-new-frames 128
+        kill %1; wait; mv $OUT/serve_50063.log $OUT/serve_default.log ;;
+      tps)
+        [[ -d /tmp/s2 ]] || write_s2
+        timeout 120 $TTS bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1,64 --frames 64 \
+          --out $OUT/tps 2>&1 | tail -4 ;;
+      tar) (cd $OUT && tar czf /tmp/results.tgz . && find . -type f ! -name '*.json' -delete && mv /tmp/results.tgz .) ;;
+      *) echo "unknown action $a"; exit 2 ;;
+    esac
+  done
+  grep -h "captured\|warm-up\|Traceback\|Error" $OUT/serve_*.log 2>/dev/null | head -12
+}
+if [[ -n ${ACTIONS:-} ]]; then run_actions; exit; fi
 
 STEP=${STEP:-check}
 if [[ $STEP == check ]]; then

@@ -74,6 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variant-seconds", type=float, default=4.0, help="fewer timed calls when calls are slow")
     p.add_argument("--time-budget", type=float, default=500.0, help="seconds; later variants are skipped")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--accuracy-only", action="store_true", help="only the accuracy comparison, no timing")
     p.add_argument("--out", default="bench-out/dac_batched.json")
     a = p.parse_args(argv)
     a.dtypes = [d for d in a.dtypes.split(",") if d]
@@ -321,15 +322,33 @@ def run_accuracy(bench: Bench, codecs: dict[str, DACCodec], B: int = 4, T: int =
         acc[f"{name}_audio_rms"] = float(outs[name].pow(2).mean().sqrt())
         del dec
     if "float32" in outs and "bfloat16" in outs:
-        err = outs["bfloat16"] - outs["float32"]
-        rel = float(err.pow(2).mean().sqrt() / outs["float32"].pow(2).mean().sqrt())
-        acc.update(
-            bf16_vs_fp32_max_abs=float(err.abs().max()),
-            bf16_vs_fp32_rel_rms=rel,
-            bf16_vs_fp32_snr_db=float(-20 * torch.log10(torch.tensor(max(rel, 1e-12)))),
-        )
+        acc.update(_error("bf16_vs_fp32", outs["bfloat16"], outs["float32"]))
+    if "float32" in codecs and bench.cuda:
+        # What fish-speech's own server does: the float32 codec's offline decode of the whole clip under
+        # torch.autocast(bfloat16) (`get_audio_segment`), against the same decode without autocast.
+        # Our bfloat16 decode should not be further from float32 than that.
+        model = codecs["float32"].model
+        with torch.inference_mode():
+            full = codes.to(device)
+            fp32 = model.decode(full)[:, 0].float().cpu()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                autocast = model.decode(full)[:, 0].float().cpu()
+        acc.update(_error("autocast_bf16_offline_vs_fp32_offline", autocast, fp32))
+        if "bfloat16" in outs:
+            acc.update(_error("bf16_stream_vs_fp32_offline", outs["bfloat16"], fp32))
     bench.report["accuracy"] = acc
     return acc
+
+
+def _error(name: str, x: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Max absolute error, relative RMS error and its SNR in dB of `x` against `ref`."""
+    err = x - ref
+    rel = float(err.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+    return {
+        f"{name}_max_abs": float(err.abs().max()),
+        f"{name}_rel_rms": rel,
+        f"{name}_snr_db": float(-20 * torch.log10(torch.tensor(max(rel, 1e-12)))),
+    }
 
 
 def run_profile(bench: Bench, codec: DACCodec, dec, dtype: str, cudnn_bm: bool, B: int, T: int) -> dict:
@@ -444,6 +463,8 @@ def run_all(bench: Bench, codecs: dict[str, DACCodec], modes: list[bool]) -> Non
         if decoders[name] is not None:
             bench.report.setdefault("state_bytes", {})[name] = decoders[name].state_bytes()
     bench.guarded("accuracy", run_accuracy, bench, codecs)
+    if a.accuracy_only:
+        return
     for bm in modes:
         torch.backends.cudnn.benchmark = bm
         for name, codec in codecs.items():
