@@ -51,7 +51,9 @@
 #                (bfloat16 DAC decode vs float32, and fish-speech's way: autocast), synth (`tts synthesize
 #                --device cuda` twice), s2_fp32 / s2_bf16 / default (the service at LEVELS, default
 #                1,16,64,64), refs (the reference modes at c = 16, float32 codec), tps (`tts bench` graph
-#                batch 1 and 64), tar (everything under $OUT into results.tgz, keeping the JSON files)
+#                batch 1 and 64), tar (everything under $OUT into results.tgz, keeping the JSON files).
+#                A service action may carry server options after a slash, commas for spaces, and its files
+#                get a tag from them: s2_fp32/--prefill-graphs,off writes s2_fp32_prefillgraphs_off_service.json
 set -uo pipefail
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -103,8 +105,11 @@ bench() {  # bench PORT MPORT NAME ARGS...
 
 run_actions() {
   local levels=${LEVELS:-1,16,64,64} a
-  for a in $ACTIONS; do
-    echo "== $a ($(date +%T))"
+  local spec extra tag
+  for spec in $ACTIONS; do
+    a=${spec%%/*}; extra=""; tag=""
+    if [[ $spec == */* ]]; then extra=${spec#*/}; extra=${extra//,/ }; tag=_$(echo $extra | tr -d '-' | tr ' ' '_'); fi
+    echo "== $spec ($(date +%T))"
     case $a in
       tests)
         timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py tests/test_dac_batched.py \
@@ -117,20 +122,20 @@ run_actions() {
       s2_fp32|s2_bf16|refs)
         [[ -d /tmp/s2 ]] || write_s2
         local dtype=float32; [[ $a == s2_bf16 ]] && dtype=bfloat16
-        serve /tmp/s2 50061 9465 --codec-dtype $dtype
+        serve /tmp/s2 50061 9465 --codec-dtype $dtype $extra
         if [[ $a == refs ]]; then
           for mode in repeated distinct registered; do
-            bench 50061 9465 s2_reference_$mode --concurrency 16 --requests 64 --max-new-frames 128 \
+            bench 50061 9465 s2_reference_$mode$tag --concurrency 16 --requests 64 --max-new-frames 128 \
               --min-new-frames 128 --reference $mode
           done
         else
-          bench 50061 9465 ${a}_service --concurrency $levels --max-new-frames 128 --min-new-frames 128
+          bench 50061 9465 $a${tag}_service --concurrency $levels --max-new-frames 128 --min-new-frames 128
         fi
-        kill %1; wait; mv $OUT/serve_50061.log $OUT/serve_$a.log ;;
+        kill %1; wait; mv $OUT/serve_50061.log $OUT/serve_$a$tag.log ;;
       default)
-        serve default 50063 9467
-        bench 50063 9467 default_service --concurrency $levels --max-new-frames 128 --min-new-frames 128
-        kill %1; wait; mv $OUT/serve_50063.log $OUT/serve_default.log ;;
+        serve default 50063 9467 $extra
+        bench 50063 9467 default${tag}_service --concurrency $levels --max-new-frames 128 --min-new-frames 128
+        kill %1; wait; mv $OUT/serve_50063.log $OUT/serve_default$tag.log ;;
       tps)
         [[ -d /tmp/s2 ]] || write_s2
         timeout 120 $TTS bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1,64 --frames 64 \

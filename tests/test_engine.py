@@ -335,6 +335,48 @@ def test_packed_prefill_writes_the_kv_of_one_request_prefills(tiny_model, monkey
         assert (a != 0.5).any()  # (something was written)
 
 
+def test_graphed_prefill_writes_the_kv_of_the_eager_prefill(tiny_model):
+    """The prefill as replayed graphs (stand-in graphs on the CPU: the same padded buffers, bucket
+    choice and masked attention): prompts padded to a token bucket write the K/V of the eager prefill
+    into their own blocks; the pad columns write only the scratch block; warm-up, capture and replay
+    all write the same values. A pass longer than the largest bucket runs eagerly."""
+    from tts.engine.prefill_graph import PrefillGraph
+    from tts.kv_cache import SCRATCH_BLOCK
+
+    lengths = (11, 1, 40, 3, 25)
+    prompts = [random_prompt(tiny_model, n, i) for i, n in enumerate(lengths)]
+    kv = {}
+    for graphed in (False, True):
+        engine = make_engine(
+            tiny_model,
+            max_batch=8,
+            packed_prefill=True,
+            graphs="lazy" if graphed else "off",
+            testing_standin_graphs=graphed,
+            prefill_graphs=graphed,
+        )
+        assert (engine.runner.prefill_graph is not None) == graphed
+        engine.kv.k.fill_(0.5)
+        engine.kv.v.fill_(0.5)
+        tables = [engine.scheduler.allocator.allocate(-(-n // 8)) for n in lengths]
+        for _ in range(3 if graphed else 1):  # warm-up, capture, replay
+            engine.runner.prefill_packed(prompts, tables)
+            engine.runner.prefill(prompts[4], tables[4])  # one prompt alone: a pass of its own
+        kv[graphed] = (engine.kv.k.clone(), engine.kv.v.clone())
+        if graphed:
+            graph = engine.runner.prefill_graph
+            assert isinstance(graph, PrefillGraph)
+            # One packed pass of 11 + 40 + 3 + 25 = 79 columns (the 1-column prompt has none): bucket 96;
+            # the prompt of 25 alone: bucket 32. Each bucket: the capture's run, then a replay.
+            assert graph.graphs.stats.replays_by_bucket == {96: 2, 32: 2}
+            assert not graph.run([(random_prompt(tiny_model, 3000, 9), list(range(1, 400)))])  # too long
+    for a, b in zip(kv[False], kv[True], strict=True):
+        scratch = torch.ones(a.shape[1], dtype=torch.bool)
+        scratch[SCRATCH_BLOCK] = False
+        torch.testing.assert_close(b[:, scratch], a[:, scratch], atol=1e-5, rtol=1e-5)
+        assert (a != 0.5).any()  # (something was written)
+
+
 def test_engine_prefills_admitted_requests_packed_and_falls_back_one_by_one(tiny_model):
     """With packed prefill, the requests admitted together are prefilled in one call; if that call
     raises, each is prefilled alone and the codes are exactly those of the unpacked engine."""

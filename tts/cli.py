@@ -82,9 +82,16 @@ def add_engine_args(p: argparse.ArgumentParser, graphs: str = "lazy") -> None:
         choices=["off", "lazy", "startup", "on"],
         default=graphs,
         metavar="{off,lazy,startup}",
-        help="CUDA graphs of the frame step, one per batch bucket: off (every step eager), lazy (a bucket "
-        "is captured on its second use) or startup (every bucket, and the codec stage's decode, at "
-        f"start-up, largest first; default: {graphs})",
+        help="CUDA graphs of the frame step (one per batch bucket) and of the prefill (one per token "
+        "bucket): off (every step eager), lazy (a bucket is captured on its second use) or startup (every "
+        f"bucket, and the codec stage's decode, at start-up, largest first; default: {graphs})",
+    )
+    g.add_argument(
+        "--prefill-graphs",
+        choices=["on", "off"],
+        default="on",
+        help="with --graphs lazy or startup, also capture the prefill (a new request's prompt pass, one "
+        "graph per token bucket); off: the prefill runs eagerly (default on)",
     )
     # Deprecated (`--graphs on` too): kept working for old scripts, folded into --graphs by
     # `resolve_graphs_arg` with a one-line warning.
@@ -123,7 +130,11 @@ def resolve_graphs_arg(args: argparse.Namespace) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     resolve_graphs_arg(args)
-    return {"graphs": args.graphs, "buckets": args.buckets}
+    return {
+        "graphs": args.graphs,
+        "buckets": args.buckets,
+        "prefill_graphs": getattr(args, "prefill_graphs", "on") == "on",
+    }
 
 
 def apply_threads(args: argparse.Namespace, bundle) -> None:

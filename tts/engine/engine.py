@@ -33,6 +33,7 @@ from ..model import DualARTransformer, TransformerBlock
 from ..sampling import SAMPLER_TOPK_CAP
 from .cpu_step import CpuFrameStep
 from .model_runner import ModelRunner, RowInit
+from .prefill_graph import PrefillGraph
 from .request import FinishReason, InvalidRequest, Request, RequestState, SamplingParams, StepOutput
 from .scheduler import RowMove, Scheduler
 
@@ -54,6 +55,8 @@ class EngineConfig:
     graphs: CUDA graphs of the frame step, one per batch-size bucket: "off" (every step eager), "lazy"
     (a bucket is captured on its second use, the default) or "startup" (every bucket is captured at
     construction, largest first). A CPU has no graphs: there it means "off".
+    prefill_graphs: with graphs on, also capture the prefill, one pass per token bucket
+    (tts.engine.prefill_graph; captured like the frame step: lazily or at start-up). None: on CUDA.
     max_waiting: bound of the waiting queue (QueueFull beyond it).
     max_prefill_tokens: prompt tokens prefilled per iteration at most (at least one request), so that
     new requests cannot freeze the running streams for long (None: no bound).
@@ -72,6 +75,7 @@ class EngineConfig:
     kv_memory_fraction: float = 0.5
     graphs: str = "lazy"
     buckets: Sequence[int] = DEFAULT_BUCKETS
+    prefill_graphs: bool | None = None
     max_waiting: int = 1024
     max_prefill_tokens: int | None = 2048
     packed_prefill: bool | None = None
@@ -206,8 +210,13 @@ class Engine:
         # Seconds spent per phase of `step` (host wall time; on CUDA "replay" lasts until the frame is on
         # the host): admitting and prefilling new requests, the frame step itself, the per-row outputs.
         self.phase_seconds = {"prefill": 0.0, "replay": 0.0, "rows": 0.0}
+        prefill_graphs = self.device.type == "cuda" if cfg.prefill_graphs is None else cfg.prefill_graphs
+        if use_graphs and prefill_graphs:
+            self.runner.prefill_graph = PrefillGraph(self.runner, cfg.max_batch)
         if use_graphs and cfg.graphs == "startup":
             self.graphs.capture_all(variants=self._variants())
+            if self.runner.prefill_graph is not None:
+                self.runner.prefill_graph.capture_all()
 
     # Prompt lengths the prefill warm-up runs: alone (one position, short, and lengths on both sides of
     # a multiple of 16, where Triton specializes integer arguments) and packed (totals likewise).

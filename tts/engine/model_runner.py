@@ -36,6 +36,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,9 @@ from ..sampling import (
     sample,
     sample_main_token,
 )
+
+if TYPE_CHECKING:
+    from .prefill_graph import PrefillGraph
 
 # The repetition penalty's window in frames (fish-speech's `win_size`) and the ways a family reads it.
 REPETITION_WINDOW = 16
@@ -271,6 +275,8 @@ class ModelRunner:
         # A packed prefill's attention: flash over the variable-length sequences where it runs (CUDA),
         # else SDPA with a block-diagonal mask.
         self.varlen_prefill = varlen_causal_available(self.device, model.embeddings.weight.dtype, c.head_dim)
+        # The prefill's captured passes (tts.engine.prefill_graph), when the engine uses graphs.
+        self.prefill_graph: PrefillGraph | None = None
 
     # ---- host-side row management (between steps only) ---------------------------------------------
 
@@ -329,6 +335,8 @@ class ModelRunner:
         if T <= 0:
             return
         self.prefill_passes += 1
+        if T > 1 and self.prefill_graph is not None and self.prefill_graph.run([(prompt, block_table)]):
+            return
         m = self.model
         frames = prompt[:T].to(self.device).unsqueeze(0)
         table = torch.tensor(block_table, dtype=torch.int64, device=self.device)
@@ -381,9 +389,11 @@ class ModelRunner:
             self.prefill(*group[0])
             return
         self.prefill_passes += 1
-        m, dev = self.model, self.device
+        if self.prefill_graph is not None and self.prefill_graph.run(group):
+            return
+        dev = self.device
         lengths = [prompt.shape[0] - 1 for prompt, _ in group]
-        frames = torch.cat([prompt[:-1] for prompt, _ in group]).to(dev).unsqueeze(0)
+        frames = torch.cat([prompt[:-1] for prompt, _ in group]).to(dev)
         positions = torch.cat([torch.arange(n) for n in lengths]).to(dev)
         tables = [torch.tensor(table, dtype=torch.int64, device=dev) for _, table in group]
         slots = torch.cat(
@@ -394,12 +404,34 @@ class ModelRunner:
         )
         if self.varlen_prefill:
             cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(dev)
-
-            def attention(q, k, v):
-                return varlen_causal_attend(q, k, v, cu_seqlens, max(lengths))
+            self.prefill_pass(frames, positions, slots, cu_seqlens=cu_seqlens, max_len=max(lengths))
         else:
             segment = torch.repeat_interleave(torch.arange(len(group)), torch.tensor(lengths)).to(dev)
-            mask = (segment[:, None] == segment[None, :]) & (positions[:, None] >= positions[None, :])
+            self.prefill_pass(frames, positions, slots, segments=segment)
+
+    def prefill_pass(
+        self,
+        frames: Tensor,
+        positions: Tensor,
+        slots: Tensor,
+        *,
+        cu_seqlens: Tensor | None = None,
+        max_len: int = 0,
+        segments: Tensor | None = None,
+    ) -> None:
+        """One packed prefill forward pass on the device, no host sync (what `PrefillGraph` captures):
+        frames `[S, 1 + N]` int64 prompt columns, positions `[S]` int64 (each column's position in its
+        own prompt), slots `[S]` int64 (where its K/V go). Attention is causal within each sequence:
+        flash varlen over `cu_seqlens` `[n + 1]` int32 (sequences no longer than `max_len`), or SDPA
+        with the block-diagonal causal mask of `segments` `[S]` (a sequence id per column)."""
+        m = self.model
+        if cu_seqlens is not None:
+
+            def attention(q, k, v):
+                return varlen_causal_attend(q, k, v, cu_seqlens, max_len)
+        else:
+            assert segments is not None, "prefill_pass needs cu_seqlens or segments"
+            mask = (segments[:, None] == segments[None, :]) & (positions[:, None] >= positions[None, :])
 
             def attention(q, k, v):
                 return packed_causal_attend(q, k, v, mask)
@@ -414,7 +446,9 @@ class ModelRunner:
 
             return attend
 
-        run_layers_kv_only(m.layers, m.embed(frames), m.freqs_cis[positions], attend_layer, write_kv)
+        run_layers_kv_only(
+            m.layers, m.embed(frames.unsqueeze(0)), m.freqs_cis[positions], attend_layer, write_kv
+        )
 
     # ---- the frame step ------------------------------------------------------------------------------
 
