@@ -389,7 +389,9 @@ def test_graphed_prefill_matches_the_eager_prefill_in_bf16(model):
     prompts = [prompt(model, n, i) for i, n in enumerate(lengths)]
     kv = []
     for graphed in (False, True):
-        engine = make_engine(model, graphs="startup" if graphed else "off", prefill_graphs=graphed)
+        engine = make_engine(
+            model, graphs="startup" if graphed else "off", prefill_graphs=None if graphed else "off"
+        )
         engine.kv.k.zero_()
         engine.kv.v.zero_()
         tables = [engine.scheduler.allocator.allocate(-(-n // 16)) for n in lengths]

@@ -353,7 +353,7 @@ def test_graphed_prefill_writes_the_kv_of_the_eager_prefill(tiny_model):
             packed_prefill=True,
             graphs="lazy" if graphed else "off",
             testing_standin_graphs=graphed,
-            prefill_graphs=graphed,
+            prefill_graphs="lazy" if graphed else "off",
         )
         assert (engine.runner.prefill_graph is not None) == graphed
         engine.kv.k.fill_(0.5)
@@ -375,6 +375,11 @@ def test_graphed_prefill_writes_the_kv_of_the_eager_prefill(tiny_model):
         scratch[SCRATCH_BLOCK] = False
         torch.testing.assert_close(b[:, scratch], a[:, scratch], atol=1e-5, rtol=1e-5)
         assert (a != 0.5).any()  # (something was written)
+
+
+def test_prefill_graphs_setting_is_checked():
+    with pytest.raises(ValueError, match="prefill_graphs must be one of off, lazy, startup"):
+        EngineConfig(prefill_graphs="sometimes").validate()
 
 
 def test_engine_prefills_admitted_requests_packed_and_falls_back_one_by_one(tiny_model):

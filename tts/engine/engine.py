@@ -55,8 +55,9 @@ class EngineConfig:
     graphs: CUDA graphs of the frame step, one per batch-size bucket: "off" (every step eager), "lazy"
     (a bucket is captured on its second use, the default) or "startup" (every bucket is captured at
     construction, largest first). A CPU has no graphs: there it means "off".
-    prefill_graphs: with graphs on, also capture the prefill, one pass per token bucket
-    (tts.engine.prefill_graph; captured like the frame step: lazily or at start-up). None: on CUDA.
+    prefill_graphs: CUDA graphs of the prefill, one pass per token bucket (tts.engine.prefill_graph),
+    when the frame step has graphs: "off", "lazy" or "startup" as for `graphs`; None: as `graphs` on
+    CUDA, "off" elsewhere.
     max_waiting: bound of the waiting queue (QueueFull beyond it).
     max_prefill_tokens: prompt tokens prefilled per iteration at most (at least one request), so that
     new requests cannot freeze the running streams for long (None: no bound).
@@ -75,7 +76,7 @@ class EngineConfig:
     kv_memory_fraction: float = 0.5
     graphs: str = "lazy"
     buckets: Sequence[int] = DEFAULT_BUCKETS
-    prefill_graphs: bool | None = None
+    prefill_graphs: str | None = None
     max_waiting: int = 1024
     max_prefill_tokens: int | None = 2048
     packed_prefill: bool | None = None
@@ -117,6 +118,10 @@ class EngineConfig:
             raise ValueError("block_size must be >= 1")
         if self.graphs not in GRAPH_SETTINGS:
             raise ValueError(f"graphs must be one of {', '.join(GRAPH_SETTINGS)}, got {self.graphs!r}")
+        if self.prefill_graphs is not None and self.prefill_graphs not in GRAPH_SETTINGS:
+            raise ValueError(
+                f"prefill_graphs must be one of {', '.join(GRAPH_SETTINGS)} or None, got {self.prefill_graphs!r}"
+            )
 
 
 def for_bundle(config: EngineConfig, bundle) -> EngineConfig:
@@ -210,13 +215,15 @@ class Engine:
         # Seconds spent per phase of `step` (host wall time; on CUDA "replay" lasts until the frame is on
         # the host): admitting and prefilling new requests, the frame step itself, the per-row outputs.
         self.phase_seconds = {"prefill": 0.0, "replay": 0.0, "rows": 0.0}
-        prefill_graphs = self.device.type == "cuda" if cfg.prefill_graphs is None else cfg.prefill_graphs
-        if use_graphs and prefill_graphs:
+        prefill_graphs = cfg.prefill_graphs
+        if prefill_graphs is None:
+            prefill_graphs = cfg.graphs if self.device.type == "cuda" else "off"
+        if use_graphs and prefill_graphs != "off":
             self.runner.prefill_graph = PrefillGraph(self.runner, cfg.max_batch)
         if use_graphs and cfg.graphs == "startup":
             self.graphs.capture_all(variants=self._variants())
-            if self.runner.prefill_graph is not None:
-                self.runner.prefill_graph.capture_all()
+        if self.runner.prefill_graph is not None and prefill_graphs == "startup":
+            self.runner.prefill_graph.capture_all()
 
     # Prompt lengths the prefill warm-up runs: alone (one position, short, and lengths on both sides of
     # a multiple of 16, where Triton specializes integer arguments) and packed (totals likewise).
