@@ -91,8 +91,7 @@ def add_engine_args(p: argparse.ArgumentParser, graphs: str = "lazy") -> None:
         choices=["on", "off"],
         default="on",
         help="with --graphs lazy or startup, also capture the prefill (a new request's prompt pass, one "
-        "graph per token bucket; captured as --graphs says, except that `tts synthesize` captures a bucket "
-        "on its second use); off: the prefill runs eagerly (default on)",
+        "graph per token bucket, captured as --graphs says); off: the prefill runs eagerly (default on)",
     )
     # Deprecated (`--graphs on` too): kept working for old scripts, folded into --graphs by
     # `resolve_graphs_arg` with a one-line warning.
@@ -399,12 +398,7 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
         codec_dtype=torch_dtype(args.codec_dtype),
     )
     apply_threads(args, bundle)
-    engine = engine_kwargs(args)
-    if engine["prefill_graphs"] is None and engine["graphs"] != "off":
-        # One command prefills once per text chunk: capturing every token bucket at start-up cost 3-4 s on
-        # an H200 and saves about 40 ms per chunk. A bucket is captured once it is used twice.
-        engine["prefill_graphs"] = "lazy"
-    tts = TTS(bundle, EngineConfig(max_batch=1, **engine), voices_dir=voices_dir_arg(args))
+    tts = TTS(bundle, EngineConfig(max_batch=1, **engine_kwargs(args)), voices_dir=voices_dir_arg(args))
     voice = args.voice
     if reference_audio is not None:
         audio, sr = reference_audio
