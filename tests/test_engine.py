@@ -377,6 +377,43 @@ def test_graphed_prefill_writes_the_kv_of_the_eager_prefill(tiny_model):
         assert (a != 0.5).any()  # (something was written)
 
 
+def test_a_prefill_bucket_whose_capture_fails_runs_eagerly_at_its_padded_size(tiny_model):
+    """A failed capture leaves its token bucket eager, laid out exactly as a replay would be: the K/V
+    are still the eager prefill's."""
+    from tts.kv_cache import SCRATCH_BLOCK
+
+    assert SCRATCH_BLOCK == 0  # (the comparison below skips block 0)
+    prompts = [random_prompt(tiny_model, n, i) for i, n in enumerate((11, 40))]
+    kv = {}
+    for graphed in (False, True):
+        engine = make_engine(
+            tiny_model,
+            max_batch=8,
+            packed_prefill=True,
+            graphs="lazy" if graphed else "off",
+            testing_standin_graphs=graphed,
+            prefill_graphs="lazy" if graphed else "off",
+        )
+        if graphed:
+            runner = engine.runner.prefill_graph.graphs
+
+            def failing_capture(key):
+                raise RuntimeError("injected capture failure")
+
+            runner._capture_standin = failing_capture  # (as tests/test_graph_runner.py injects one)
+        tables = [engine.scheduler.allocator.allocate(-(-n // 8)) for n in (11, 40)]
+        for _ in range(3 if graphed else 1):  # warm-up, the failed capture, eager again
+            engine.runner.prefill_packed(prompts, tables)
+        if graphed:
+            assert list(runner.stats.failed_captures) == [(64, None)] and runner.stats.replays == 0
+        kv[graphed] = (
+            engine.kv.k[:, SCRATCH_BLOCK + 1 :].clone(),
+            engine.kv.v[:, SCRATCH_BLOCK + 1 :].clone(),
+        )
+    for a, b in zip(kv[False], kv[True], strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
 def test_prefill_graphs_setting_is_checked():
     with pytest.raises(ValueError, match="prefill_graphs must be one of off, lazy, startup"):
         EngineConfig(prefill_graphs="sometimes").validate()
