@@ -519,7 +519,8 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         await context.abort(code, details)
 
     def _log(self, call: CallLog) -> None:
-        """One line per finished call (INFO): id, text bytes, voice kind, frames, TTFA, RTF, outcome."""
+        """One line per finished call (INFO): id, text bytes, voice (`SynthesisJob.voice_kind`), frames, TTFA,
+        RTF, outcome."""
         wall = time.monotonic() - call.received
         ttfa = f"{(call.first_audio - call.received) * 1000:.0f}" if call.first_audio is not None else "-"
         rtf = f"{wall / call.audio_seconds:.3f}" if call.audio_seconds > 0 else "-"

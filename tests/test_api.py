@@ -57,6 +57,18 @@ def test_time_to_first_audio_is_split_into_phases_that_add_up(tts):
     )
 
 
+def test_the_logged_voice_names_the_voice_used():
+    """The server's request log shows `SynthesisJob.voice_kind`: with no voice named, the default preset
+    by name (a log saying only `default` read like a voice called "default")."""
+    from tts.bundle import load_bundle
+    from tts.planner import Planner
+
+    bundle = load_bundle("default")
+    planner = Planner(bundle, 4096)
+    assert planner.job("Hello.").voice_kind == f"default:{bundle.default_voice}"
+    assert planner.job("Hello.", voice="ben").voice_kind == "preset:ben"
+
+
 def test_same_seed_same_audio_and_voices_change_output(tts):
     a = tts.synthesize("Same seed.", seed=11, max_new_frames=15)
     b = tts.synthesize("Same seed.", seed=11, max_new_frames=15)

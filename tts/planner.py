@@ -75,7 +75,8 @@ class SynthesisJob:
     first_chunk_frames / chunk_frames: the first audio chunk's frames, and the size later chunks double
     up to (`tts.engine.jobs.chunk_size`; >= 1).
     max_frames: the request's total audio limit in frames (None: none).
-    voice_kind: "none", "default", "preset", "registered", "reference" or "objects" (for logs).
+    voice_kind: which voice, for logs: "none", "default:NAME" (the bundle's default preset, no voice
+    named), "preset:NAME", "registered:NAME", "reference" (a clip in the request) or "objects".
     warnings: for the client, about the text (left out, markup ignored); the runner passes them on.
     """
 
@@ -149,7 +150,7 @@ class Planner:
     def _voice(self, voice) -> tuple[list[VoiceReference], str]:
         if voice is None:
             name = self.bundle.default_voice
-            return ([self.voices.get(name)], "default") if name else ([], "none")
+            return ([self.voices.get(name)], f"default:{name}") if name else ([], "none")
         if isinstance(voice, VoiceReference):
             return [voice], "objects"
         if isinstance(voice, list | tuple):
@@ -160,7 +161,7 @@ class Planner:
             raise InvalidRequest(
                 f"voice must be a name or VoiceReference objects, not {type(voice).__name__}"
             )
-        return [self.voices.get(voice)], self.voices.kind(voice)
+        return [self.voices.get(voice)], f"{self.voices.kind(voice)}:{voice}"
 
     @property
     def max_reference_seconds(self) -> float:
