@@ -182,17 +182,23 @@ class GraphRunner:
 
         The caller must leave every row inert (pad rows): warm-up runs the real step on them.
         """
-        if not self.enabled or self.eager_buckets:
-            return
         for b in sorted(self.buckets, reverse=True):
             for variant in variants:
-                key = (b, variant)
-                if key in self.graphs or key in self.stats.failed_captures:
-                    continue
-                if key not in self._warmed:
-                    self._warmed.add(key)
-                    self._eager(b, variant, counted=False)
-                self._capture(key)
+                self.capture(b, variant)
+
+    def capture(self, b: int, variant=None) -> None:
+        """Warm up (uncounted) and capture bucket `b` now, unless it is captured or failed already or
+        graphs are off; a failure is handled as in `run`. The caller lays out the buffers the warm-up
+        and the capture run on (inert rows)."""
+        if not self.enabled or self.eager_buckets:
+            return
+        key = (b, variant)
+        if key in self.graphs or key in self.stats.failed_captures:
+            return
+        if key not in self._warmed:
+            self._warmed.add(key)
+            self._eager(b, variant, counted=False)
+        self._capture(key)
 
     # ---- internals -----------------------------------------------------------------------------------
 

@@ -85,7 +85,8 @@ run_actions() {
       tests)
         timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py tests/test_dac_batched.py \
           tests/test_melvq_batched.py 2>&1 | grep -v "^  " | tail -8 | tee $OUT/cuda_tests.log
-        grep -Eq "failed|error" $OUT/cuda_tests.log && exit 1 ;;
+        # (a run killed by its timeout prints no summary: no " passed" line is a failure too)
+        if grep -Eq "failed|error" $OUT/cuda_tests.log || ! grep -q " passed" $OUT/cuda_tests.log; then exit 1; fi ;;
       accuracy)
         timeout 120 python3 benchmarks/codec/dac_batched.py --device cuda --accuracy-only --out $OUT/dac_accuracy.json \
           2>&1 | grep accuracy ;;
@@ -129,10 +130,12 @@ run_actions() {
         [[ -d /tmp/s2 ]] || write_s2
         timeout 120 $TTS bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1,64 --frames 64 \
           --out $OUT/tps 2>&1 | tail -4 ;;
-      tar) (cd $OUT && tar czf /tmp/results.tgz . && find . -type f ! -name '*.json' -delete && mv /tmp/results.tgz .) ;;
+      tar)
+        grep -h "captured\|warm-up\|Traceback\|Error" $OUT/serve_*.log 2>/dev/null | head -12  # (before they go)
+        (cd $OUT && tar czf /tmp/results.tgz . && find . -type f ! -name '*.json' -delete && mv /tmp/results.tgz .) ;;
       *) echo "unknown action $a"; exit 2 ;;
     esac
   done
-  grep -h "captured\|warm-up\|Traceback\|Error" $OUT/serve_*.log 2>/dev/null | head -12
+  grep -h "captured\|warm-up\|Traceback\|Error" $OUT/serve_*.log 2>/dev/null | head -12  # (none left after tar)
 }
 run_actions

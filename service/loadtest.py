@@ -170,12 +170,14 @@ def read_metrics(url: str, timeout: float = 5.0) -> dict[str, float]:
 def server_time_split(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
     """The server-side counters' change over a level: frame-step, codec decode and encode seconds,
     reference-cache hits and misses, frame steps and their rows (mean_batch = rows / steps), prefill
-    passes and the requests they took (requests_per_prefill), codec
-    decode calls and their frames (codec_frames_per_call; codec_fill = frames / padded frames computed),
-    codec_share = codec / (frame steps + codec), and the mean server-side time to first audio by phase
-    (first_audio_{encode,first_frame,frames,codec}_ms; see `tts_first_audio_seconds_total`). A counter the server does not export is None (codec encode counts as 0 for the share if only
-    it is missing); codec_share is None without the frame-step and decode counters or without any time
-    spent."""
+    passes and the requests they took (requests_per_prefill), codec decode calls and their frames
+    (codec_frames_per_call; codec_fill = frames / padded frames computed), codec_share = codec / (frame
+    steps + codec), and the mean server-side time to first audio by phase
+    (first_audio_{encode,first_frame,frames,codec}_ms; see `tts_first_audio_seconds_total`).
+
+    A counter the server does not export is None (codec encode counts as 0 for the share if only it is
+    missing); a derived value is None without its counters or when its denominator is 0 (e.g.
+    codec_share without any time spent)."""
     out: dict[str, float | None] = {}
     for key, name in SERVER_COUNTERS.items():
         if before is None or after is None or name not in before or name not in after:
@@ -612,7 +614,7 @@ def format_first_audio(report: dict) -> str:
         fill = s.get("codec_fill")
         lines.append(
             f"first audio at concurrency {lv['concurrency']} (server, mean): {parts}; "
-            f"codec calls {'-' if fill is None else f'{fill:.0%}'} full"
+            f"codec fill {'-' if fill is None else f'{fill:.0%}'}"
         )
     return "\n".join(lines)
 

@@ -340,7 +340,7 @@ def test_graphed_prefill_writes_the_kv_of_the_eager_prefill(tiny_model):
     choice and masked attention): prompts padded to a token bucket write the K/V of the eager prefill
     into their own blocks; the pad columns write only the scratch block; warm-up, capture and replay
     all write the same values. A pass longer than the largest bucket runs eagerly."""
-    from tts.engine.prefill_graph import PrefillGraph
+    from tts.engine.prefill_graphs import PrefillGraphs
     from tts.kv_cache import SCRATCH_BLOCK
 
     lengths = (11, 1, 40, 3, 25)
@@ -355,7 +355,7 @@ def test_graphed_prefill_writes_the_kv_of_the_eager_prefill(tiny_model):
             testing_standin_graphs=graphed,
             prefill_graphs="lazy" if graphed else "off",
         )
-        assert (engine.runner.prefill_graph is not None) == graphed
+        assert (engine.runner.prefill_graphs is not None) == graphed
         engine.kv.k.fill_(0.5)
         engine.kv.v.fill_(0.5)
         tables = [engine.scheduler.allocator.allocate(-(-n // 8)) for n in lengths]
@@ -364,12 +364,13 @@ def test_graphed_prefill_writes_the_kv_of_the_eager_prefill(tiny_model):
             engine.runner.prefill(prompts[4], tables[4])  # one prompt alone: a pass of its own
         kv[graphed] = (engine.kv.k.clone(), engine.kv.v.clone())
         if graphed:
-            graph = engine.runner.prefill_graph
-            assert isinstance(graph, PrefillGraph)
+            graph = engine.runner.prefill_graphs
+            assert isinstance(graph, PrefillGraphs)
             # One packed pass of 11 + 40 + 3 + 25 = 79 columns (the 1-column prompt has none): bucket 96;
             # the prompt of 25 alone: bucket 32. Each bucket: the capture's run, then a replay.
             assert graph.graphs.stats.replays_by_bucket == {96: 2, 32: 2}
             assert not graph.run([(random_prompt(tiny_model, 3000, 9), list(range(1, 400)))])  # too long
+            assert graph.graphs.stats.eager_over_max == 1  # (counted, and prefilled eagerly by the caller)
     for a, b in zip(kv[False], kv[True], strict=True):
         scratch = torch.ones(a.shape[1], dtype=torch.bool)
         scratch[SCRATCH_BLOCK] = False
@@ -395,7 +396,7 @@ def test_a_prefill_bucket_whose_capture_fails_runs_eagerly_at_its_padded_size(ti
             prefill_graphs="lazy" if graphed else "off",
         )
         if graphed:
-            runner = engine.runner.prefill_graph.graphs
+            runner = engine.runner.prefill_graphs.graphs
 
             def failing_capture(key):
                 raise RuntimeError("injected capture failure")
@@ -412,6 +413,21 @@ def test_a_prefill_bucket_whose_capture_fails_runs_eagerly_at_its_padded_size(ti
         )
     for a, b in zip(kv[False], kv[True], strict=True):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_start_up_capture_of_the_prefill_leaves_no_autograd_state_and_no_counts(tiny_model):
+    """Capturing every token bucket at start-up (stand-in graphs on the CPU) runs each bucket's warm-up
+    on pad columns in inference mode: the KV cache keeps no autograd history (the tiny model's weights
+    require grad), nothing real was written, and the replay and eager counters start at zero."""
+    engine = make_engine(
+        tiny_model, max_batch=8, graphs="startup", testing_standin_graphs=True, prefill_graphs="startup"
+    )
+    graphs = engine.runner.prefill_graphs
+    assert graphs is not None and len(graphs.graphs.graphs) == len(graphs.buckets)
+    assert any(p.requires_grad for p in tiny_model.parameters())
+    assert not engine.kv.k.requires_grad and engine.kv.k.grad_fn is None
+    stats = graphs.graphs.stats
+    assert (stats.replays, stats.eager_steps, stats.eager_over_max) == (0, 0, 0)
 
 
 def test_prefill_graphs_setting_is_checked():

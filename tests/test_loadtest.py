@@ -332,7 +332,7 @@ def test_first_audio_phases_are_mean_milliseconds_per_request_of_the_level():
     report = {"levels": [{"concurrency": 4, "server": split}, {"concurrency": 8, "server": {}}]}
     assert format_first_audio(report) == (
         "first audio at concurrency 4 (server, mean): encode 0 ms, first_frame 100 ms, frames 100 ms, "
-        "codec 50 ms; codec calls - full"
+        "codec 50 ms; codec fill -"
     )
     from tts.engine.jobs import FIRST_AUDIO_PHASES as runner_phases
 

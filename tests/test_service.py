@@ -517,6 +517,7 @@ def test_info_voices_and_metrics(server, stub):
         and values['tts_first_audio_seconds_total{phase="codec"}'] > 0
     )
     assert values["tts_codec_decode_padded_frames_total"] >= values["tts_codec_decode_frames_total"] > 0
+    assert values["tts_prefill_replays_total"] == 0  # (a CPU has no prefill graphs)
 
 
 def test_info_reports_captured_buckets_with_graphs_on(bundle):

@@ -33,7 +33,7 @@ from ..model import DualARTransformer, TransformerBlock
 from ..sampling import SAMPLER_TOPK_CAP
 from .cpu_step import CpuFrameStep
 from .model_runner import ModelRunner, RowInit
-from .prefill_graph import PrefillGraph
+from .prefill_graphs import PrefillGraphs
 from .request import FinishReason, InvalidRequest, Request, RequestState, SamplingParams, StepOutput
 from .scheduler import RowMove, Scheduler
 
@@ -55,7 +55,7 @@ class EngineConfig:
     graphs: CUDA graphs of the frame step, one per batch-size bucket: "off" (every step eager), "lazy"
     (a bucket is captured on its second use, the default) or "startup" (every bucket is captured at
     construction, largest first). A CPU has no graphs: there it means "off".
-    prefill_graphs: CUDA graphs of the prefill, one pass per token bucket (tts.engine.prefill_graph),
+    prefill_graphs: CUDA graphs of the prefill, one pass per token bucket (tts.engine.prefill_graphs),
     when the frame step has graphs: "off", "lazy" or "startup" as for `graphs`; None: as `graphs` on
     CUDA, "off" elsewhere.
     max_waiting: bound of the waiting queue (QueueFull beyond it).
@@ -119,9 +119,8 @@ class EngineConfig:
         if self.graphs not in GRAPH_SETTINGS:
             raise ValueError(f"graphs must be one of {', '.join(GRAPH_SETTINGS)}, got {self.graphs!r}")
         if self.prefill_graphs is not None and self.prefill_graphs not in GRAPH_SETTINGS:
-            raise ValueError(
-                f"prefill_graphs must be one of {', '.join(GRAPH_SETTINGS)} or None, got {self.prefill_graphs!r}"
-            )
+            choices = ", ".join(GRAPH_SETTINGS)
+            raise ValueError(f"prefill_graphs must be one of {choices} or None, got {self.prefill_graphs!r}")
 
 
 def for_bundle(config: EngineConfig, bundle) -> EngineConfig:
@@ -219,11 +218,11 @@ class Engine:
         if prefill_graphs is None:
             prefill_graphs = cfg.graphs if self.device.type == "cuda" else "off"
         if use_graphs and prefill_graphs != "off":
-            self.runner.prefill_graph = PrefillGraph(self.runner, cfg.max_batch)
+            self.runner.prefill_graphs = PrefillGraphs(self.runner, cfg.max_batch)
         if use_graphs and cfg.graphs == "startup":
             self.graphs.capture_all(variants=self._variants())
-        if self.runner.prefill_graph is not None and prefill_graphs == "startup":
-            self.runner.prefill_graph.capture_all()
+        if self.runner.prefill_graphs is not None and prefill_graphs == "startup":
+            self.runner.prefill_graphs.capture_all()
 
     # Prompt lengths the prefill warm-up runs: alone (one position, short, and lengths on both sides of
     # a multiple of 16, where Triton specializes integer arguments) and packed (totals likewise).
@@ -235,7 +234,10 @@ class Engine:
         the one-time work of its first call (kernel compiles and first launches: measured on an H200,
         about 1.1 s for the first prefill of a process and 1.7 s for the first packed one). A prompt set
         that does not fit the free blocks is skipped. Afterwards the free list is as before (same
-        order) and the prefill counters are unchanged. Returns the wall seconds spent."""
+        order) and `prefill_passes` is unchanged. With prefill graphs these prompts go through them like
+        real ones (replays when captured at start-up, counted in the graphs' statistics; lazily, the
+        first uses warm up and capture their buckets), and only the one-position prompt warms the
+        eager prefill. Returns the wall seconds spent."""
         t0 = time.perf_counter()
         width = 1 + self.model.config.num_codebooks
         allocator, bs = self.scheduler.allocator, self.config.block_size

@@ -66,7 +66,7 @@ from ..sampling import (
 )
 
 if TYPE_CHECKING:
-    from .prefill_graph import PrefillGraph
+    from .prefill_graphs import PrefillGraphs
 
 # The repetition penalty's window in frames (fish-speech's `win_size`) and the ways a family reads it.
 REPETITION_WINDOW = 16
@@ -217,6 +217,62 @@ class RowInit:
     repetition_penalty: float = 1.0
 
 
+@dataclass
+class PackedPrompts:
+    """The prompt columns of one prefill pass, laid out on the host by `pack_prompts` (CPU tensors):
+    columns `[S, 1 + N]` int64; positions `[S]` int64, each column's position in its own prompt; slots
+    `[S]` int64, where its K/V go (`block_table[pos // block_size] * block_size + pos % block_size`);
+    segments `[S]` int64, its prompt's index (-1: a pad column); cu_seqlens int32, the prompts' bounds
+    `[0, end_0, end_1, ...]`, then S for the pad and for every unused sequence; longest: the longest
+    prompt's columns."""
+
+    columns: Tensor
+    positions: Tensor
+    slots: Tensor
+    segments: Tensor
+    cu_seqlens: Tensor
+    longest: int
+
+
+def pack_prompts(
+    group: list[tuple[Tensor, list[int]]],
+    block_size: int,
+    *,
+    pad_to: int | None = None,
+    scratch_slot: int = 0,
+    sequences: int | None = None,
+) -> PackedPrompts:
+    """Lay out `group` (prompt `[T_i + 1, 1 + N]` int64, block table) for one prefill pass: every
+    prompt's columns but its last, back to back. pad_to: S, padded with pad columns (token 0, position
+    0, K/V into `scratch_slot`) after the prompts' columns (default: their total). sequences: the
+    prompts cu_seqlens has room for (default: exactly the group's; with more, it is
+    `sequences + 2` long: the pad counts as one more sequence, then empty ones)."""
+    lengths = [prompt.shape[0] - 1 for prompt, _ in group]
+    total = sum(lengths)
+    S = total if pad_to is None else pad_to
+    if S < total:
+        raise ValueError(f"pad_to={pad_to} is below the prompts' {total} columns")
+    width = group[0][0].shape[1]
+    columns = torch.zeros(S, width, dtype=torch.int64)
+    columns[:total] = torch.cat([prompt[:-1] for prompt, _ in group])
+    positions = torch.zeros(S, dtype=torch.int64)
+    positions[:total] = torch.cat([torch.arange(n) for n in lengths])
+    slots = torch.full((S,), scratch_slot, dtype=torch.int64)
+    slots[:total] = torch.cat(
+        [
+            torch.tensor(table, dtype=torch.int64)[torch.arange(n) // block_size] * block_size
+            + torch.arange(n) % block_size
+            for (_, table), n in zip(group, lengths, strict=True)
+        ]
+    )
+    segments = torch.full((S,), -1, dtype=torch.int64)
+    segments[:total] = torch.repeat_interleave(torch.arange(len(group)), torch.tensor(lengths))
+    bounds = [0, *itertools.accumulate(lengths)]
+    cu_seqlens = torch.full((len(bounds) if sequences is None else sequences + 2,), S, dtype=torch.int32)
+    cu_seqlens[: len(bounds)] = torch.tensor(bounds, dtype=torch.int32)
+    return PackedPrompts(columns, positions, slots, segments, cu_seqlens, max(lengths))
+
+
 class ModelRunner:
     """Owns the model, the paged KV cache and the step buffers; runs prefill and the frame step.
 
@@ -275,8 +331,8 @@ class ModelRunner:
         # A packed prefill's attention: flash over the variable-length sequences where it runs (CUDA),
         # else SDPA with a block-diagonal mask.
         self.varlen_prefill = varlen_causal_available(self.device, model.embeddings.weight.dtype, c.head_dim)
-        # The prefill's captured passes (tts.engine.prefill_graph), when the engine uses graphs.
-        self.prefill_graph: PrefillGraph | None = None
+        # The prefill's captured passes (tts.engine.prefill_graphs), when the engine uses graphs.
+        self.prefill_graphs: PrefillGraphs | None = None
 
     # ---- host-side row management (between steps only) ---------------------------------------------
 
@@ -321,7 +377,7 @@ class ModelRunner:
     def set_active(self, row: int, active: bool) -> None:
         self.buffers.active[row] = active
 
-    # ---- prefill (eager, variable length; one request or several packed) ----------------------------------------------
+    # ---- prefill (one request or several packed; replayed from a graph per token bucket, or eager) -----
 
     @torch.inference_mode()
     def prefill(self, prompt: Tensor, block_table: list[int]) -> None:
@@ -329,13 +385,15 @@ class ModelRunner:
 
         The last column is the first decode step's input, so the first frame comes out of the same
         `decode_step` as every later one (same math as sampling from the prefill's last position).
+        With `prefill_graphs`, a prompt of 2 or more columns to prefill replays its token bucket's graph
+        (attention as in `prefill_pass`); otherwise it runs here with the dense causal kernel.
         prompt: `[T, 1 + N]` int64.
         """
         T = prompt.shape[0] - 1
         if T <= 0:
             return
         self.prefill_passes += 1
-        if T > 1 and self.prefill_graph is not None and self.prefill_graph.run([(prompt, block_table)]):
+        if T > 1 and self.prefill_graphs is not None and self.prefill_graphs.run([(prompt, block_table)]):
             return
         m = self.model
         frames = prompt[:T].to(self.device).unsqueeze(0)
@@ -372,11 +430,13 @@ class ModelRunner:
         """
         group: list[tuple[Tensor, list[int]]] = []
         size = 0
+        # A pass the graphs can take, where they run (a longer prompt still goes alone, eagerly).
+        limit = PACKED_PREFILL_TOKENS if self.prefill_graphs is None else self.prefill_graphs.largest
         for prompt, table in zip(prompts, block_tables, strict=True):
             n = prompt.shape[0] - 1
             if n <= 0:
                 continue
-            if group and size + n > PACKED_PREFILL_TOKENS:
+            if group and size + n > limit:
                 self._prefill_group(group)
                 group, size = [], 0
             group.append((prompt, table))
@@ -385,30 +445,21 @@ class ModelRunner:
             self._prefill_group(group)
 
     def _prefill_group(self, group: list[tuple[Tensor, list[int]]]) -> None:
-        if len(group) == 1:  # (the dense causal kernel: the same K/V as a request prefilled alone)
+        if len(group) == 1:  # one prompt: as a request prefilled alone
             self.prefill(*group[0])
             return
         self.prefill_passes += 1
-        if self.prefill_graph is not None and self.prefill_graph.run(group):
+        if self.prefill_graphs is not None and self.prefill_graphs.run(group):
             return
+        p = pack_prompts(group, self.kv.block_size)
         dev = self.device
-        lengths = [prompt.shape[0] - 1 for prompt, _ in group]
-        frames = torch.cat([prompt[:-1] for prompt, _ in group]).to(dev)
-        positions = torch.cat([torch.arange(n) for n in lengths]).to(dev)
-        tables = [torch.tensor(table, dtype=torch.int64, device=dev) for _, table in group]
-        slots = torch.cat(
-            [
-                self.kv.slots_for_positions(table, torch.arange(n, device=dev))
-                for table, n in zip(tables, lengths, strict=True)
-            ]
-        )
+        columns, positions, slots = p.columns.to(dev), p.positions.to(dev), p.slots.to(dev)
         if self.varlen_prefill:
-            cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(dev)
-            self.prefill_pass(frames, positions, slots, cu_seqlens=cu_seqlens, max_len=max(lengths))
+            self.prefill_pass(columns, positions, slots, cu_seqlens=p.cu_seqlens.to(dev), max_len=p.longest)
         else:
-            segment = torch.repeat_interleave(torch.arange(len(group)), torch.tensor(lengths)).to(dev)
-            self.prefill_pass(frames, positions, slots, segments=segment)
+            self.prefill_pass(columns, positions, slots, segments=p.segments.to(dev))
 
+    @torch.inference_mode()
     def prefill_pass(
         self,
         frames: Tensor,
@@ -419,7 +470,7 @@ class ModelRunner:
         max_len: int = 0,
         segments: Tensor | None = None,
     ) -> None:
-        """One packed prefill forward pass on the device, no host sync (what `PrefillGraph` captures):
+        """One packed prefill forward pass on the device, no host sync (what `PrefillGraphs` captures):
         frames `[S, 1 + N]` int64 prompt columns, positions `[S]` int64 (each column's position in its
         own prompt), slots `[S]` int64 (where its K/V go). Attention is causal within each sequence:
         flash varlen over `cu_seqlens` `[n + 1]` int32 (sequences no longer than `max_len`), or SDPA
