@@ -153,3 +153,24 @@ def test_init_from_a_deeper_model_keeps_its_first_layers_and_drops_the_rest(tmp_
     got, src = shallow.state_dict(), deep.state_dict()
     assert all(torch.equal(got[k], src[k]) for k in got)
     assert not any(k.startswith("layers.1.") for k in got)
+
+
+def test_paragraphs_join_two_to_four_training_sentences_within_the_chunk_length():
+    """`corpus.py text --paragraphs N`: multi-sentence utterances like the chunks long text is spoken
+    in: 2-4 of the given rows each, in order of drawing, joined by spaces (raw and normalized alike),
+    at most max_bytes of normalized text, distinct, the same for the same seed."""
+    import corpus
+
+    rows = [
+        {"source": "wordnet", "raw": f"Raw {i}.", "text": f"sentence number {i} is here."} for i in range(30)
+    ]
+    out = corpus.paragraphs(rows, 40, 90, seed=5)
+    assert len(out) == 40 and out == corpus.paragraphs(rows, 40, 90, seed=5)
+    assert len({p["text"] for p in out}) == 40
+    by_text = {r["text"]: r for r in rows}
+    for p in out:
+        assert p["source"] == "paragraph" and len(p["text"].encode()) <= 90
+        parts = [t + "." for t in p["text"].removesuffix(".").split(". ")]
+        assert 2 <= len(parts) <= 4 and all(t in by_text for t in parts), p["text"]
+        assert p["raw"] == " ".join(by_text[t]["raw"] for t in parts)
+    assert corpus.paragraphs(rows, 0, 90, seed=5) == []

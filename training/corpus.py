@@ -3,7 +3,7 @@
 Stages (each resumable; outputs under --work, default `training/work/`, git-ignored):
 
   text     sentences.jsonl: every utterance (id, raw text, normalized text, phonemes, speaker, rate,
-           pitch, split). Sources, both reproducible and legally clean:
+           pitch, split); with --paragraphs N also N utterances of 2-4 training sentences each. Sources, both reproducible and legally clean:
            * the example sentences in WordNet 3.0's glosses (Debian package `wordnet-base`,
              /usr/share/wordnet/data.*; WordNet 3.0 license: use, copy, modify and distribute for any
              purpose with the copyright notice kept; see training/README.md);
@@ -169,7 +169,27 @@ def template_sentences(n: int, seed: int = 0) -> list[str]:
     return sorted(out)
 
 
-def build_text(work: Path, n_templates: int, seed: int) -> None:
+def paragraphs(rows: list[dict], n: int, max_bytes: int, seed: int) -> list[dict]:
+    """Up to `n` distinct multi-sentence rows (source "paragraph"): 2-4 of `rows` (each at most once per
+    paragraph, in drawn order) joined by spaces, raw and normalized text alike, at most `max_bytes`
+    UTF-8 bytes of normalized text: the chunks `tts synthesize` feeds the model (up to the bundle's
+    `chunk_length`, 200 bytes), where training had single sentences. Drawn with their own seeded
+    generator, so that the single-sentence corpus is the same with or without them."""
+    r = random.Random(seed)
+    out: dict[str, dict] = {}
+    for _ in range(50 * n):
+        if len(out) >= n or len(rows) < 2:
+            break
+        picked = r.sample(rows, r.randint(2, min(4, len(rows))))
+        while len(picked) > 2 and len(" ".join(p["text"] for p in picked).encode()) > max_bytes:
+            picked.pop()
+        text = " ".join(p["text"] for p in picked)
+        if len(text.encode()) <= max_bytes and text not in out:
+            out[text] = {"source": "paragraph", "raw": " ".join(p["raw"] for p in picked), "text": text}
+    return [out[t] for t in sorted(out)]
+
+
+def build_text(work: Path, n_templates: int, seed: int, n_paragraphs: int = 0, max_bytes: int = 200) -> None:
     from tts.frontend import PhonemeFrontend
     from tts.text import TextError, normalize_text
 
@@ -199,9 +219,12 @@ def build_text(work: Path, n_templates: int, seed: int) -> None:
             held.append(row)
         else:
             train.append(row)
-    phonemes = frontend.phonemize_batch([row["text"] for row in held + train])
+    multi = paragraphs(train, n_paragraphs, max_bytes, seed + 1)  # (training sentences only)
+    if multi:
+        log(f"{len(multi)} paragraphs of 2-4 training sentences, at most {max_bytes} bytes")
+    phonemes = frontend.phonemize_batch([row["text"] for row in held + train + multi])
     utts = []
-    for i, row in enumerate(held + train):
+    for i, row in enumerate(held + train + multi):
         row["phonemes"] = phonemes[i]
         row["split"] = "heldout" if i < len(held) else "train"
     for row in held:  # held-out sentences are spoken by the default speaker (the espeak reference)
@@ -212,6 +235,11 @@ def build_text(work: Path, n_templates: int, seed: int) -> None:
         if r.random() < SECOND_READING_SHARE:
             other = r.choice([s for s in range(len(SPEAKERS)) if s != spk])
             utts.append(_utterance(row, other, r))
+    rp = random.Random(seed + 2)  # (paragraph speakers: the single-sentence utterances stay as they were)
+    for row in multi:
+        utts.append(
+            _utterance(row, 0 if rp.random() < DEFAULT_SPEAKER_SHARE else rp.randrange(1, len(SPEAKERS)), rp)
+        )
     for i, u in enumerate(utts):
         u["id"] = i
     work.mkdir(parents=True, exist_ok=True)
@@ -387,6 +415,14 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=ROOT / "training" / "work")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--templates", type=int, default=6000, help="number of templated sentences")
+    p.add_argument(
+        "--paragraphs",
+        type=int,
+        default=0,
+        help="also this many utterances of 2-4 training sentences, up to --paragraph-bytes of text (the "
+        "multi-sentence chunks long text is synthesized in; default 0, the shipped model's corpus)",
+    )
+    p.add_argument("--paragraph-bytes", type=int, default=200, help="(default 200, the chunk length)")
     p.add_argument("--num-codebooks", type=int, default=4)
     p.add_argument("--codebook-size", type=int, default=1024)
     p.add_argument("--sample-frames", type=int, default=60_000, help="frames used to fit the codebooks")
@@ -404,7 +440,7 @@ def main() -> None:
     )
     a = p.parse_args()
     if a.stage in ("text", "all") and not (a.work / "sentences.jsonl").exists():
-        build_text(a.work, a.templates, a.seed)
+        build_text(a.work, a.templates, a.seed, a.paragraphs, a.paragraph_bytes)
     if a.stage in ("synth", "all"):
         synth(a.work, a.jobs, a.max_utterances)
     if a.stage in ("codec", "all"):
