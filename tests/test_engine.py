@@ -335,6 +335,20 @@ def test_packed_prefill_writes_the_kv_of_one_request_prefills(tiny_model, monkey
         assert (a != 0.5).any()  # (something was written)
 
 
+def prefill_engine(model, graphed: bool):
+    """An engine of 8 rows with the packed prefill, its prefill captured lazily on stand-in graphs
+    (graphed) or eager."""
+    setting = "lazy" if graphed else "off"
+    return make_engine(
+        model,
+        max_batch=8,
+        packed_prefill=True,
+        graphs=setting,
+        testing_standin_graphs=graphed,
+        prefill_graphs=setting,
+    )
+
+
 def test_graphed_prefill_writes_the_kv_of_the_eager_prefill(tiny_model):
     """The prefill as replayed graphs (stand-in graphs on the CPU: the same padded buffers, bucket
     choice and masked attention): prompts padded to a token bucket write the K/V of the eager prefill
@@ -347,14 +361,7 @@ def test_graphed_prefill_writes_the_kv_of_the_eager_prefill(tiny_model):
     prompts = [random_prompt(tiny_model, n, i) for i, n in enumerate(lengths)]
     kv = {}
     for graphed in (False, True):
-        engine = make_engine(
-            tiny_model,
-            max_batch=8,
-            packed_prefill=True,
-            graphs="lazy" if graphed else "off",
-            testing_standin_graphs=graphed,
-            prefill_graphs="lazy" if graphed else "off",
-        )
+        engine = prefill_engine(tiny_model, graphed)
         assert (engine.runner.prefill_graphs is not None) == graphed
         engine.kv.k.fill_(0.5)
         engine.kv.v.fill_(0.5)
@@ -387,14 +394,7 @@ def test_a_prefill_bucket_whose_capture_fails_runs_eagerly_at_its_padded_size(ti
     prompts = [random_prompt(tiny_model, n, i) for i, n in enumerate((11, 40))]
     kv = {}
     for graphed in (False, True):
-        engine = make_engine(
-            tiny_model,
-            max_batch=8,
-            packed_prefill=True,
-            graphs="lazy" if graphed else "off",
-            testing_standin_graphs=graphed,
-            prefill_graphs="lazy" if graphed else "off",
-        )
+        engine = prefill_engine(tiny_model, graphed)
         if graphed:
             runner = engine.runner.prefill_graphs.graphs
 

@@ -33,6 +33,7 @@ from torch import Tensor
 from graphs.runner import GraphRunner
 
 from ..kv_cache import SCRATCH_BLOCK
+from .model_runner import pack_prompts
 
 if TYPE_CHECKING:
     from .model_runner import ModelRunner
@@ -47,23 +48,15 @@ class PrefillGraphs:
     """Captured prefill passes of one `ModelRunner` (see the module docstring).
 
     runner: the ModelRunner (its model, KV cache, `prefill_pass` and `varlen_prefill`). max_sequences:
-    prompts per pass at most (the engine admits at most max_batch per iteration). enabled: False keeps
-    every pass eager (`run` returns False). buckets: the token buckets. `graphs.stats` counts replays,
-    eager passes and captures.
+    prompts per pass at most (the engine admits at most max_batch per iteration). `graphs.stats` counts
+    replays, eager passes and captures.
     """
 
-    def __init__(
-        self,
-        runner: ModelRunner,
-        max_sequences: int,
-        *,
-        enabled: bool = True,
-        buckets: tuple[int, ...] = TOKEN_BUCKETS,
-    ):
+    def __init__(self, runner: ModelRunner, max_sequences: int):
         self.runner = runner
         self.max_sequences = max_sequences
         dev, width = runner.device, 1 + runner.config.num_codebooks
-        self.buckets = tuple(sorted(set(buckets)))
+        self.buckets = TOKEN_BUCKETS
         P = self.largest = self.buckets[-1]
         self.varlen = runner.varlen_prefill
         self.scratch_slot = SCRATCH_BLOCK * runner.kv.block_size
@@ -76,7 +69,6 @@ class PrefillGraphs:
             self._pass,
             max_batch=P,
             buckets=self.buckets,
-            enabled=enabled,
             device=dev,
             buffer_ptrs=self._ptrs,
         )
@@ -102,14 +94,12 @@ class PrefillGraphs:
 
     def run(self, group: list[tuple[Tensor, list[int]]]) -> bool:
         """Prefill `group` (prompt `[T_i + 1, 1 + N]` int64 on the CPU, block table) in one replayed
-        pass: the K/V of every prompt column but each one's last. False (nothing done) when graphs are
-        off or the group does not fit (more columns than the largest bucket, or more prompts than
+        pass: the K/V of every prompt column but each one's last. False (nothing done) when the group
+        has no column or does not fit (more columns than the largest bucket, or more prompts than
         max_sequences: counted as `stats.eager_over_max`); the caller then prefills eagerly."""
-        from .model_runner import pack_prompts
-
         g = self.graphs
         total = sum(prompt.shape[0] - 1 for prompt, _ in group)
-        if not g.enabled or total <= 0:
+        if total <= 0:
             return False
         if total > self.largest or len(group) > self.max_sequences:
             g.stats.eager_over_max += 1
