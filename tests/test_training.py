@@ -18,9 +18,9 @@ sys.path.insert(0, str(ROOT / "training"))
 import train  # noqa: E402
 
 
-def _codes_dir(tmp_path: Path, n: int = 24, heldout: int = 3) -> Path:
-    """A corpus `codes/` folder as `corpus.py encode` writes it: 2 speakers, random codes; the last
-    `heldout` utterances are in the held-out split."""
+def _codes_dir(tmp_path: Path, n: int = 24, heldout: int = 3, frames=lambda i: 10 + i % 7) -> Path:
+    """A corpus `codes/` folder as `corpus.py encode` writes it: 2 speakers, random codes of
+    `frames(i)` frames; the last `heldout` utterances are in the held-out split."""
     out = tmp_path / "codes"
     out.mkdir()
     tok = build_byte_tokenizer(64)
@@ -28,7 +28,7 @@ def _codes_dir(tmp_path: Path, n: int = 24, heldout: int = 3) -> Path:
     g = torch.Generator().manual_seed(0)
     items = []
     for i in range(n):
-        T = 10 + i % 7
+        T = frames(i)
         items.append(
             {
                 "id": f"u{i}",
@@ -86,6 +86,46 @@ def test_heldout_utterances_are_scored_and_never_trained_on(tmp_path):
     assert val["val_slow"] > 0 and val["val_fast"] > 0 and 0 <= val["val_acc0"] <= 1
     # Deterministic (no sampled reference or history), so runs and steps compare.
     assert train.heldout_loss(model, heldout, torch.device("cpu")) == val
+
+
+def test_history_turns_follow_the_rate_and_the_length_bound(tmp_path, monkeypatch):
+    """Examples carry an earlier turn of the same speaker at `history_rate`, of at most
+    `history_frames` frames; the defaults draw exactly as the shipped model's training did (15%, turns
+    up to MAX_REF_FRAMES, one `random()` then one `choice()` per example)."""
+    assert train.MAX_REF_FRAMES == 110
+    data = _codes_dir(tmp_path, frames=lambda i: 95 + 5 * (i % 8))  # 95-130 frames
+    seen = []
+    monkeypatch.setattr(train.Corpus, "columns", lambda self, i, refs, history: seen.append(history))
+
+    def turns(corpus, n=200):
+        seen.clear()
+        r = random.Random(5)
+        for _ in range(n):
+            corpus.example(r.randrange(len(corpus.items)), r)
+        return [[h.codes.shape[1] for h in history] for history in seen]
+
+    assert all(not t for t in turns(train.Corpus(data, 4, history_rate=0.0)))
+    always = turns(train.Corpus(data, 4, history_rate=1.0, history_frames=130))
+    assert all(len(t) == 1 for t in always)
+    assert {n for (n,) in always} == {95, 100, 105, 110, 115, 120, 125, 130}  # past the reference bound
+    shipped = train.Corpus(data, 4)  # the defaults: 15%, turns of at most 110 frames
+    got = turns(shipped)
+    assert 0 < sum(1 for t in got if t) < 60 and all(t[0] <= 110 for t in got if t)
+    # The same draws as the shipped training's code: a reference, then `random() < 0.15` and a choice
+    # among the speaker's utterances of at most MAX_REF_FRAMES frames.
+    r, want = random.Random(5), []
+    for _ in range(200):
+        i = r.randrange(len(shipped.items))
+        spk = shipped.items[i]["speaker"]
+        if not (spk == 0 and r.random() < 0.5):
+            if r.choice(shipped.short[spk]) == i:
+                r.choice(shipped.short[spk])
+        want.append(
+            [shipped.items[r.choice(shipped.short[spk])]["codes"].shape[1]] if r.random() < 0.15 else []
+        )
+    assert got == want
+    with pytest.raises(ValueError, match="history_rate"):
+        train.Corpus(data, 4, history_rate=1.5)
 
 
 def test_batches_from_worker_processes_differ_and_are_well_formed(tmp_path):

@@ -10,8 +10,13 @@ layout, docs/fish_dual_ar.md §3.2) followed by the target frames and `<|im_end|
 * speaker 0 (the default voice), half the time: no reference (what `tts synthesize` without a voice
   sends);
 * otherwise: a reference clip of the same speaker (its phonemes + codes) in the system message, as in
-  Fish voice cloning; 15% of examples also carry an earlier turn of the same speaker (the history
-  the API sends for long texts).
+  Fish voice cloning;
+* independently, `--history-rate` of examples (default 15%) also carry an earlier turn of the same
+  speaker: another utterance's text and codes, of at most `--history-frames` frames (default 110), as
+  the runtime sends the previous text chunk (up to 200 bytes, several sentences) with every later one
+  of a long text. The shipped model was trained with the defaults; the next one (with the corpus's
+  `--paragraphs` utterances) is meant to see chunk-length history often, e.g. `--history-rate 0.5
+  --history-frames 320`.
 Loss: cross-entropy of the slow head over [semantic tokens + <|im_end|>] (what the runtime samples
 from) at every target position, plus the fast head's cross-entropy over codebooks 1..N-1 at every
 target frame (codebook 0 is derived from the main token, docs/fish_dual_ar.md §1.4).
@@ -124,9 +129,16 @@ class Corpus:
         limit: int | None = None,
         split: str = "train",
         utterances: list[dict] | None = None,
+        history_rate: float = 0.15,
+        history_frames: int = MAX_REF_FRAMES,
     ):
         """The first `limit` utterances of `split` in the shards of `data` (read lazily, up to the limit),
-        or in `utterances` when the caller read the shards already (`iter_shards`)."""
+        or in `utterances` when the caller read the shards already (`iter_shards`). history_rate: the
+        share of examples with an earlier turn; history_frames: that turn's longest utterance, in
+        frames (the defaults are the shipped model's)."""
+        if not 0.0 <= history_rate <= 1.0:
+            raise ValueError(f"history_rate must be within [0, 1], got {history_rate}")
+        self.history_rate = history_rate
         self.tokenizer = TextTokenizer.from_file(data / "tokenizer.json")
         self.fmt = S2PromptFormat(self.tokenizer, num_codebooks)
         self.N = num_codebooks
@@ -144,10 +156,8 @@ class Corpus:
         self.by_speaker: dict[int, list[int]] = {}
         for i, u in enumerate(self.items):
             self.by_speaker.setdefault(u["speaker"], []).append(i)
-        self.short = {
-            s: [i for i in ids if self.items[i]["codes"].shape[1] <= MAX_REF_FRAMES]
-            for s, ids in self.by_speaker.items()
-        }
+        self.short = self._up_to(MAX_REF_FRAMES)  # reference candidates
+        self.history_pool = self.short if history_frames == MAX_REF_FRAMES else self._up_to(history_frames)
         self.seconds = sum(u["seconds"] for u in self.items)
 
     def example(self, i: int, r: random.Random) -> tuple[torch.Tensor, int]:
@@ -160,10 +170,17 @@ class Corpus:
             if j == i:
                 j = r.choice(self.short[spk])
             refs = [VoiceReference(self.items[j]["codes"], self.items[j]["text"])]
-        if r.random() < 0.15:
-            k = r.choice(self.short[spk])
+        if r.random() < self.history_rate and self.history_pool.get(spk):
+            k = r.choice(self.history_pool[spk])
             history = [Turn(self.items[k]["text"], self.items[k]["codes"])]
         return self.columns(i, refs, history)
+
+    def _up_to(self, frames: int) -> dict[int, list[int]]:
+        """Per speaker, the indices of its utterances of at most `frames` frames."""
+        return {
+            s: [i for i in ids if self.items[i]["codes"].shape[1] <= frames]
+            for s, ids in self.by_speaker.items()
+        }
 
     def columns(self, i: int, refs: list[VoiceReference], history: list[Turn]) -> tuple[torch.Tensor, int]:
         """Prompt (with `refs` and `history`) + utterance i's frames + `<|im_end|>`, and the target start."""
@@ -344,6 +361,19 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--limit", type=int, default=None, help="use only this many utterances (CPU tests)")
+    p.add_argument(
+        "--history-rate",
+        type=float,
+        default=0.15,
+        help="share of examples whose prompt carries an earlier turn of the same speaker (text + codes), "
+        "as the runtime sends the previous chunk of a long text (default 0.15, the shipped model's)",
+    )
+    p.add_argument(
+        "--history-frames",
+        type=int,
+        default=MAX_REF_FRAMES,
+        help=f"longest earlier turn, in frames (default {MAX_REF_FRAMES}, ~5 s; a 200-byte chunk is up to ~15 s, 320)",
+    )
     p.add_argument("--resume", type=Path, default=None)
     p.add_argument(
         "--init-from",
@@ -371,7 +401,14 @@ def main() -> None:
     codec_cfg = json.loads((a.codec / "codec.json").read_text())
     N = a.num_codebooks or codec_cfg["num_codebooks"]
     utterances = list(iter_shards(a.data))  # one read for the training and the held-out utterances
-    corpus = Corpus(a.data, N, a.limit, utterances=utterances)
+    corpus = Corpus(
+        a.data,
+        N,
+        a.limit,
+        utterances=utterances,
+        history_rate=a.history_rate,
+        history_frames=a.history_frames,
+    )
     heldout = Corpus(a.data, N, split="heldout", utterances=utterances)
     print(f"corpus: {len(corpus.items)} utterances, {corpus.seconds / 3600:.1f} h, {N} codebooks", flush=True)
     args = model_config(corpus.tokenizer, N, codec_cfg["codebook_size"], a.size)
@@ -477,6 +514,8 @@ def main() -> None:
                 "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                 "parameters": n_params,
                 "utterances": len(corpus.items),
+                "history_rate": a.history_rate,
+                "history_frames": a.history_frames,
                 "hours": corpus.seconds / 3600,
                 "history": history,
             },
