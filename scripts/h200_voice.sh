@@ -14,6 +14,11 @@
 #   STEP=train_vq3  carry [".whl-voice", "training/work/carry", "training/work/codec_vq3_meta"]: the
 #                shipped run: unpacks carry/codes_vq3.tgz and trains the model (TRAIN_ARGS extra flags)
 #                while the CUDA tests run; brings back the weights.
+#   STEP=vocoder carry [".whl-voice", ".espeak", "training/work/sentences.jsonl.gz", "training/work/vocoder"]:
+#                the learned vocoder (training/train_vocoder.py): espeak-ng speaks VOC_UTT clips (16 processes),
+#                training continues from training/work/vocoder when it holds parts of an earlier call's
+#                vocoder.tgz (join them: cat vocoder.tgz.part-* | tar xz -C training/work), the held-out
+#                clips are scored without ASR (no Whisper here); the folder comes back as a split tarball.
 #   STEP=train   (default) carry [".whl-voice", "training/work/codes", "training/work/codec"]: trains.
 # `.espeak/` holds the espeak-ng binary, the shared libraries it links and espeak-ng-data, copied from
 # this machine's Debian packages (the GPU machine has none), English data only; `.whl-voice/` the wheels
@@ -98,6 +103,14 @@ elif [[ ${STEP} == train_vq3 ]]; then  # carry [".whl-voice", "training/work/car
   timeout ${TRAIN_TIMEOUT:-420} python3 training/train.py --data $W/codes_vq3 --codec $W/codec_vq3_meta --out $OUT/model --workers 12 \
     ${TRAIN_ARGS:-} 2>&1 | tee $OUT/train.log | grep -E "corpus|model|trained|wrote|\"step\": [0-9]*000,"
   sleep 2; tail -3 $OUT/cuda_tests.log
+elif [[ ${STEP} == vocoder ]]; then
+  export PATH=$PWD/.espeak/bin:$PATH LD_LIBRARY_PATH=$PWD/.espeak/lib ESPEAK_DATA_PATH=$PWD/.espeak
+  [[ -f $W/sentences.jsonl ]] || gunzip -k $W/sentences.jsonl.gz
+  RES=(); [[ -f $W/vocoder/checkpoint.pt ]] && RES=(--resume)
+  LEFT=$(( ${CALL_SECONDS:-570} - SECONDS ))
+  timeout $LEFT python3 training/train_vocoder.py --work $W --out $W/vocoder --utterances ${VOC_UTT:-8000} --jobs 16 \
+    --batch 64 --max-seconds $(( LEFT - 10 )) --log-every 500 --no-asr "${RES[@]}" ${VOC_ARGS:-} 2>&1 | tee $OUT/vocoder.log
+  tar czf /tmp/vocoder.tgz -C $W vocoder && split -b 15M /tmp/vocoder.tgz $OUT/vocoder.tgz.part- && ls -la $OUT
 else
   timeout 590 python3 training/train.py --data ${DATA:-$W/codes} --codec ${CODEC:-$W/codec} --out $OUT/model --workers 12 ${TRAIN_ARGS:-} 2>&1 \
     | tee $OUT/train.log | grep -E "corpus|model|trained|wrote|\"step\": [0-9]*000," 

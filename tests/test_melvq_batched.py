@@ -16,6 +16,7 @@ import torchaudio
 from tts.bundle import DEFAULT_MODEL_DIR, load_bundle
 from tts.codec.melrvq import FRAME_LENGTH, GriffinLim, MelRVQCodec
 from tts.codec.melvq import MelVQCodec, MelVQNet
+from tts.codec.vocoder import CausalVocoder
 
 L = FRAME_LENGTH
 
@@ -39,6 +40,16 @@ def small_codec():
     net = MelVQNet(num_codebooks=3, codebook_size=16, channels=32, latent=8, decoder_dilations=(1, 2, 1))
     net.codebooks.normal_()
     return MelVQCodec(net, torch.full((320,), -4.0), torch.full((320,), 2.0), gl_context=2, gl_iters=4)
+
+
+@pytest.fixture(scope="module")
+def learned_codec(small_codec):
+    """small_codec's net with a small learned vocoder (`tts.codec.vocoder`) in place of Griffin-Lim."""
+    torch.manual_seed(2)
+    vocoder = CausalVocoder(channels=16, blocks=2)
+    with torch.no_grad():  # an untrained head gives magnitudes ~1: make them varied
+        vocoder.head.weight.mul_(5.0)
+    return MelVQCodec(small_codec.net, small_codec.mean, small_codec.std, vocoder_net=vocoder)
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +167,36 @@ def test_default_codec_batched_equals_offline_decode(default_codec):
     stream = codec.stream()
     pieces = [stream.push(streams["long"][:, a:b]) for a, b in ((0, 5), (5, 30), (30, 45))]
     assert torch.equal(torch.cat(pieces), codec.decode(streams["long"]))
+
+
+def test_a_learned_vocoders_batched_streams_equal_offline_decode(learned_codec, tmp_path):
+    """With the learned vocoder, every stream of a mixed batch (rows joining and leaving, ragged lengths,
+    length-0 and pad rows) equals the offline decode up to float rounding (the convolutions may block
+    differently by length), as do `decode_tail` and the per-stream `stream()`; the codec's files keep
+    the vocoder (save, load, same weights)."""
+    codec = learned_codec
+    assert codec.context_frames == codec.net.receptive_frames + 6  # ceil((18 + 3) / 4) codec frames
+    lengths = [3, 40, 1, 25, 17, 60, 8]
+    streams = {f"s{i}": _codes(codec, n, seed=i) for i, n in enumerate(lengths)}
+    for seed in range(2):
+        done, dec = run_schedule(codec, streams, max_streams=3, seed=seed)
+        assert dec.graph_safe and set(done) == set(streams)
+        for name, audio in done.items():
+            offline = codec.decode(streams[name])
+            assert offline.abs().max() > 1e-3
+            torch.testing.assert_close(audio, offline, atol=1e-4, rtol=1e-4, msg=f"{seed} {name}")
+    codes = streams["s5"]
+    torch.testing.assert_close(codec.decode_tail(codes, 7), codec.decode(codes)[-7 * L :])
+    stream = codec.stream()
+    pieces = [stream.push(codes[:, a:b]) for a, b in ((0, 5), (5, 30), (30, 60))]
+    torch.testing.assert_close(torch.cat(pieces), codec.decode(codes), atol=1e-4, rtol=1e-4)
+    codec.save(tmp_path)
+    loaded = MelVQCodec.load(tmp_path)
+    assert loaded.vocoder_net is not None and loaded.config() == codec.config()
+    assert loaded.config()["vocoder"]["type"] == "causal_vocos"
+    saved = loaded.vocoder_net.state_dict()  # float32 (the net's convolutions are saved in float16)
+    assert all(torch.equal(saved[k], v) for k, v in codec.vocoder_net.state_dict().items())
+    assert loaded.decode(codes).shape == (60 * L,)
 
 
 def test_rows_of_length_zero_and_pad_rows_change_nothing(small_codec):

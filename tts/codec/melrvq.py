@@ -37,6 +37,7 @@ windows, which stay in cache), so decoding T frames costs T + 1 Griffin-Lim wind
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -478,8 +479,16 @@ class MelStreamDecoder(BatchedStreamDecoder):
     graph_safe = True
 
     def __init__(
-        self, vocoder: WindowedGriffinLim, num_codebooks: int, codebook_size: int, max_streams: int, device
+        self,
+        vocoder: WindowedGriffinLim,
+        num_codebooks: int,
+        codebook_size: int,
+        max_streams: int,
+        device,
+        learned=None,
     ):
+        """learned: a learned vocoder's per-slot stage (`tts.codec.vocoder.VocoderSlots`, built here on
+        `device` from the `CausalVocoder` given) that replaces Griffin-Lim and its state."""
         if max_streams < 1:
             raise ValueError(f"max_streams must be at least 1, got {max_streams}")
         device = torch.device(device)
@@ -487,6 +496,15 @@ class MelStreamDecoder(BatchedStreamDecoder):
             device = torch.device("cuda", torch.cuda.current_device())
         self.max_streams, self.device = max_streams, device
         self.num_codebooks, self.codebook_size = num_codebooks, codebook_size
+        self.learned = None
+        if learned is not None:
+            from .vocoder import VocoderSlots
+
+            model = (
+                learned if next(learned.parameters()).device == device else copy.deepcopy(learned).to(device)
+            )
+            self.learned = VocoderSlots(model, max_streams, device)
+            return
         voc = WindowedGriffinLim(vocoder.context, vocoder.iters).to(self.device)  # this decoder's own
         self.vocoder = voc
         keep = voc.context * SUBFRAMES
@@ -511,6 +529,10 @@ class MelStreamDecoder(BatchedStreamDecoder):
     def reset(self, slots: Tensor) -> None:
         slots = slots.to(self.device)
         k = slots.shape[0]
+        if self.learned is not None:
+            self.learned.reset(slots)
+            self._reset(slots)
+            return
         self._mag.index_copy_(0, slots, self._silence_mag.expand(k, -1, -1))
         self._tail.index_copy_(0, slots, self._silence_tail.expand(k, -1))
         self._reset(slots)
@@ -535,8 +557,10 @@ class MelStreamDecoder(BatchedStreamDecoder):
             )
         if T == 0:
             return torch.zeros(B, 0, device=self.device)
-        voc = self.vocoder
         logmel = self._logmel(slots, codes.clamp(0, self.codebook_size - 1), lengths)  # [B, 4T, 80]
+        if self.learned is not None:
+            return self.learned.decode(slots, logmel, lengths)
+        voc = self.vocoder
         mag = torch.cat([self._mag.index_select(0, slots), voc.magnitudes(logmel)], dim=1)  # [B, 4(C+T), 513]
         y = voc.gl(voc.windows(mag).reshape(B * T, voc.window_frames, -1)).view(B, T, -1)
         end = voc.start + FRAME_LENGTH

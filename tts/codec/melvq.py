@@ -19,7 +19,11 @@ and are turned back into log-mel by a learned causal decoder, both trained with 
   t - R .. t only, with R = 2 * sum(dilations) (`receptive_frames`).
 * **Vocoder**: `melrvq.WindowedGriffinLim` over `gl_context + 1` frames (its own bounded window), so
   frame t's samples depend on codes t - R - gl_context - 1 .. t: `context_frames`. Streaming decode
-  (`decode_tail`) therefore equals offline decode.
+  (`decode_tail`) therefore equals offline decode. Or, when codec.json names one (`"vocoder": {"type":
+  "causal_vocos", ...}`), the learned causal vocoder of `tts.codec.vocoder` (its weights in
+  `vocoder.safetensors`): frame t's samples then depend on mel frames 4 t - 3 - R_v .. 4 t + 3 (R_v
+  its `receptive_frames`), i.e. on ceil((R_v + 3) / 4) codec frames before t, and streamed audio equals
+  offline audio up to float rounding (the convolutions see the same inputs).
 
 Inference runs the decoder through `MelVQNet.decode_frames` (the same function as `decode`, frame-major,
 as row products with a multiple of 4 rows, continuable from each block's last inputs), so a frame's
@@ -62,8 +66,11 @@ from .melrvq import (
     stack_frames,
     unstack_frames,
 )
+from .vocoder import CausalVocoder
 
 FEATURE_DIM = SUBFRAMES * N_MELS  # 320
+VOCODER_TYPE = "causal_vocos"  # codec.json's name for tts.codec.vocoder.CausalVocoder
+VOCODER_WEIGHTS = "vocoder.safetensors"
 
 
 def rows_linear(x: Tensor, conv: nn.Conv1d) -> Tensor:
@@ -199,16 +206,29 @@ class MelVQCodec(Codec):
     sample_rate = SAMPLE_RATE
     frame_length = FRAME_LENGTH
 
-    def __init__(self, net: MelVQNet, mean: Tensor, std: Tensor, gl_context: int = 2, gl_iters: int = 16):
+    def __init__(
+        self,
+        net: MelVQNet,
+        mean: Tensor,
+        std: Tensor,
+        gl_context: int = 2,
+        gl_iters: int = 16,
+        vocoder_net: CausalVocoder | None = None,
+    ):
+        """vocoder_net: a learned vocoder in place of Griffin-Lim (None: Griffin-Lim)."""
         self.net = net.eval()
         self.mean = mean.float()
         self.std = std.float()
         self.num_codebooks = net.num_codebooks
         self.codebook_size = net.codebook_size
         self.gl_context, self.gl_iters = gl_context, gl_iters
-        self.context_frames = net.receptive_frames + gl_context + 1
         self.logmel = LogMel()
         self.vocoder = WindowedGriffinLim(gl_context, gl_iters)
+        self.vocoder_net = vocoder_net.eval() if vocoder_net is not None else None
+        if vocoder_net is None:
+            self.context_frames = net.receptive_frames + gl_context + 1
+        else:
+            self.context_frames = net.receptive_frames + -(-(vocoder_net.receptive_frames + 3) // SUBFRAMES)
 
     @property
     def device(self) -> torch.device:
@@ -221,6 +241,8 @@ class MelVQCodec(Codec):
         self.net.to(device)
         self.mean, self.std = self.mean.to(device), self.std.to(device)
         self.vocoder.to(device)
+        if self.vocoder_net is not None:
+            self.vocoder_net.to(device)
         return self
 
     # ---- files ---------------------------------------------------------------------------------------
@@ -235,6 +257,11 @@ class MelVQCodec(Codec):
             "gl_context": self.gl_context,
             "gl_iters": self.gl_iters,
             "weights": "codec.safetensors",
+            **(
+                {}
+                if self.vocoder_net is None
+                else {"vocoder": {"type": VOCODER_TYPE, **self.vocoder_net.shape, "weights": VOCODER_WEIGHTS}}
+            ),
         }
 
     def save(self, directory: str | Path) -> None:
@@ -247,6 +274,9 @@ class MelVQCodec(Codec):
         }
         mean_std = {"mean": self.mean.cpu(), "std": self.std.cpu()}
         save_file({**state, **mean_std}, str(directory / "codec.safetensors"))
+        if self.vocoder_net is not None:
+            weights = {k: v.detach().cpu().contiguous() for k, v in self.vocoder_net.state_dict().items()}
+            save_file(weights, str(directory / VOCODER_WEIGHTS))
         (directory / "codec.json").write_text(json.dumps(self.config(), indent=2))
 
     @classmethod
@@ -266,7 +296,22 @@ class MelVQCodec(Codec):
         )
         mean, std = w.pop("mean"), w.pop("std")
         net.load_state_dict({k: v.float() for k, v in w.items()})
-        return cls(net, mean, std, gl_context=cfg.get("gl_context", 2), gl_iters=cfg.get("gl_iters", 16))
+        vocoder_net = None
+        if "vocoder" in cfg:
+            v = cfg["vocoder"]
+            if v.get("type") != VOCODER_TYPE:
+                raise KeyError(f"unknown vocoder type {v.get('type')!r} in {directory / 'codec.json'}")
+            vocoder_net = CausalVocoder(channels=v["channels"], blocks=v["blocks"], kernel=v["kernel"])
+            weights = load_file(str(directory / v.get("weights", VOCODER_WEIGHTS)))
+            vocoder_net.load_state_dict({k: t.float() for k, t in weights.items()})
+        return cls(
+            net,
+            mean,
+            std,
+            gl_context=cfg.get("gl_context", 2),
+            gl_iters=cfg.get("gl_iters", 16),
+            vocoder_net=vocoder_net,
+        )
 
     # ---- encode --------------------------------------------------------------------------------------
 
@@ -297,15 +342,26 @@ class MelVQCodec(Codec):
         codes = self.check_codes(codes)
         if codes.shape[1] == 0:
             return torch.zeros(0)
-        return self.vocoder(self.decode_logmel(codes)).cpu()
+        return self._vocode(self.decode_logmel(codes)).cpu()
 
     def decode_tail(self, codes: Tensor, frames: int) -> Tensor:
         """Float32 samples `[frames * 1024]` of the last `frames` frames; Griffin-Lim runs on their
-        windows only."""
+        windows only (a learned vocoder on all of `codes`: it is cheap)."""
         codes = self.check_codes(codes)
         if frames <= 0 or codes.shape[1] == 0:
             return torch.zeros(0)
+        if self.vocoder_net is not None:
+            return self._vocode(self.decode_logmel(codes))[
+                -min(frames, codes.shape[1]) * FRAME_LENGTH :
+            ].cpu()
         return self.vocoder(self.decode_logmel(codes), last=frames).cpu()
+
+    @torch.no_grad()
+    def _vocode(self, logmel: Tensor) -> Tensor:
+        """Log-mel `[4T, 80]` -> audio `[1024 T]` by the learned vocoder if there is one, else Griffin-Lim."""
+        if self.vocoder_net is None:
+            return self.vocoder(logmel)
+        return self.vocoder_net.synthesize(logmel.unsqueeze(0))[0]
 
     def batched_stream(self, max_streams: int, device=None) -> MelVQStreamDecoder:
         """A `MelVQStreamDecoder` for up to `max_streams` streams on `device` (default: the codec's, i.e.
@@ -325,7 +381,14 @@ class MelVQStreamDecoder(MelStreamDecoder):
     """
 
     def __init__(self, codec: MelVQCodec, max_streams: int, device):
-        super().__init__(codec.vocoder, codec.num_codebooks, codec.codebook_size, max_streams, device)
+        super().__init__(
+            codec.vocoder,
+            codec.num_codebooks,
+            codec.codebook_size,
+            max_streams,
+            device,
+            learned=codec.vocoder_net,
+        )
         net = codec.net
         self.net = net if codec.device == self.device else copy.deepcopy(net).to(self.device)
         self.mean, self.std = codec.mean.to(self.device), codec.std.to(self.device)

@@ -1,0 +1,131 @@
+"""The learned causal vocoder (tts/codec/vocoder.py) and its trainer's data alignment
+(training/train_vocoder.py): streaming equals offline, causality, bounded context, the codec's delay."""
+
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tts.codec.melrvq import FRAME_LENGTH, HOP, N_FFT, LogMel
+from tts.codec.vocoder import CausalVocoder, overlap_add
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "training"))
+
+import train_vocoder  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def vocoder():
+    torch.manual_seed(0)
+    model = CausalVocoder(channels=32, blocks=2).eval()
+    with torch.no_grad():  # an untrained head's output is ~1: make it speech-sized and varied
+        model.head.weight.mul_(20.0)
+    return model
+
+
+def speech_like_logmel(frames: int, seed: int) -> torch.Tensor:
+    return LogMel()(torch.randn(frames * HOP, generator=torch.Generator().manual_seed(seed)) * 0.1)
+
+
+@torch.no_grad()
+def test_streaming_in_pieces_equals_the_offline_synthesis(vocoder):
+    T = 9
+    logmel = torch.stack([speech_like_logmel(T * 4, s) for s in (1, 2)])  # [2, 36, 80]
+    whole = vocoder.synthesize(logmel)
+    assert whole.shape == (2, T * FRAME_LENGTH) and whole.abs().max() > 1e-3
+    state = vocoder.initial_state(2)
+    pieces = [vocoder.stream(logmel[:, 4 * a : 4 * b], state) for a, b in ((0, 1), (1, 4), (4, 5), (5, 9))]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), whole, atol=1e-5, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_a_codec_frame_depends_on_its_own_and_a_bounded_past_of_mel_frames(vocoder):
+    """Codec frame t (emitted samples [1024 t, 1024 (t + 1))) is final once its four mel frames are in
+    (no look-ahead), and mel frames before 4 t - 3 - receptive_frames do not reach it."""
+    R, T, t = vocoder.receptive_frames, 12, 6  # R = 18 mel frames here
+    logmel = speech_like_logmel(T * 4, 3).unsqueeze(0)
+    base = vocoder.synthesize(logmel)[0]
+    frame_t = slice(FRAME_LENGTH * t, FRAME_LENGTH * (t + 1))
+    future = logmel.clone()
+    future[:, 4 * (t + 1) :] += 3.0
+    changed = vocoder.synthesize(future)[0]
+    assert torch.equal(changed[: FRAME_LENGTH * (t + 1)], base[: FRAME_LENGTH * (t + 1)])
+    assert not torch.allclose(changed[frame_t.stop :], base[frame_t.stop :])
+    past = logmel.clone()
+    first_needed = 4 * t - 3 - R
+    past[:, :first_needed] -= 3.0
+    torch.testing.assert_close(vocoder.synthesize(past)[0][frame_t], base[frame_t], atol=1e-6, rtol=1e-5)
+    past[:, first_needed] -= 3.0  # the oldest mel frame it does see
+    assert not torch.allclose(vocoder.synthesize(past)[0][frame_t], base[frame_t])
+
+
+def test_synthesis_puts_stft_frames_back_with_the_codecs_512_sample_delay():
+    """Overlap-adding a signal's own centred STFT frames, divided by 1.5, rebuilds it 512 samples late:
+    the layout both the runtime (`stream`) and the training target (`Clips.batch`) assume."""
+    signal = torch.randn(40 * HOP, generator=torch.Generator().manual_seed(4))
+    window = torch.hann_window(N_FFT)
+    spec = torch.stft(signal, N_FFT, HOP, window=window, center=True, return_complex=True)  # [513, 41]
+    frames = torch.fft.irfft(spec.T, n=N_FFT, dim=-1) * window
+    out = overlap_add(frames.unsqueeze(0))[0] / 1.5
+    # Emitted sample i is signal sample i - 512; from emitted 768 on, four frames overlap.
+    torch.testing.assert_close(out[768 : 40 * HOP], signal[256 : 40 * HOP - 512], atol=1e-5, rtol=1e-5)
+
+
+class OracleVocoder:
+    """Stands in for the network in `compute_loss`: its input mel carries each frame's index in the clip
+    (pad frames: the log floor), and it returns the clip's true windowed STFT frame at that index."""
+
+    receptive_frames = 5
+
+    def __init__(self, signal: torch.Tensor):
+        window = torch.hann_window(N_FFT)
+        spec = torch.stft(signal, N_FFT, HOP, window=window, center=True, return_complex=True).T
+        self.true_frames = torch.fft.irfft(spec, n=N_FFT, dim=-1) * window  # [frames, 1024]
+
+    def frames(self, mel: torch.Tensor) -> torch.Tensor:
+        index = mel[..., 0].round().long()  # [B, M]
+        out = self.true_frames[index.clamp(0, self.true_frames.shape[0] - 1)]
+        return out * (index >= 0).unsqueeze(-1)
+
+
+def test_training_crops_line_the_target_audio_and_mel_up_with_the_synthesis():
+    """With a perfect network (the clip's own STFT frames), every training crop's synthesized samples
+    equal its target audio and their log-mel its target mel: the crops, the delay and the loss region
+    agree. A crop off by one mel frame (256 samples) fails."""
+    T = 6
+    g = torch.Generator().manual_seed(5)
+    signal = torch.randn(T * FRAME_LENGTH, generator=g) * torch.linspace(0.05, 0.5, T * FRAME_LENGTH)
+    clips = train_vocoder.Clips([signal.to(torch.float16)])
+    signal = clips.audio[0]
+    clips.input_mel = [torch.arange(4 * T, dtype=torch.float32).unsqueeze(1).expand(-1, 80).clone()]
+    oracle = OracleVocoder(signal)
+    batch = clips.batch(random.Random(0), 8, frames=12, context=oracle.receptive_frames)
+    loss, info = train_vocoder.compute_loss(oracle, batch, LogMel())
+    assert float(info["sc"]) < 1e-3 and float(info["log_mag"]) < 1e-2 and float(info["mel"]) < 1e-2, info
+    shifted = dict(batch, audio=torch.roll(batch["audio"], HOP, dims=1))
+    _, off = train_vocoder.compute_loss(oracle, shifted, LogMel())
+    assert float(off["sc"]) > 0.3
+    assert math.isfinite(float(loss))
+
+
+def test_a_small_vocoder_learns_on_the_cpu():
+    """Twenty optimizer steps on one clip lower the loss (the training step is wired end to end)."""
+    torch.manual_seed(1)
+    t = torch.arange(4 * FRAME_LENGTH) / 22050
+    clip = (0.3 * torch.sin(2 * math.pi * 220 * t) * torch.sin(2 * math.pi * 3 * t)).to(torch.float16)
+    clips = train_vocoder.Clips([clip])
+    model = CausalVocoder(channels=32, blocks=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    mel_fn, r, losses = LogMel(), random.Random(0), []
+    for _ in range(20):
+        batch = clips.batch(r, 4, frames=12, context=model.receptive_frames)
+        loss, _ = train_vocoder.compute_loss(model, batch, mel_fn)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses

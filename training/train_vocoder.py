@@ -1,0 +1,348 @@
+"""Train the learned causal vocoder (`tts.codec.vocoder.CausalVocoder`) and compare it with Griffin-Lim.
+
+Data: the corpus's utterances (`training/corpus.py text` writes WORK/sentences.jsonl), spoken by
+espeak-ng here (`--utterances` training ones, plus the held-out ones for `evaluate`) and kept as
+float16 audio in WORK/vocoder_audio.pt, so that a resumed run reads them back instead of speaking them
+again. The vocoder's input is what it meets at run time: the codec's round trip of the clip (`--input
+codec`: log-mel -> codes -> the codec's causal decoder -> log-mel), or the clip's own log-mel (`--input
+mel`). Its target is the clip itself.
+
+Loss (no adversarial term): multi-resolution STFT loss at (FFT, hop) = (512, 128), (1024, 256) and
+(2048, 512), each the spectral convergence plus the L1 distance of log magnitudes (Yamamoto et al.,
+"Parallel WaveGAN", 2020, section 2.3), plus the L1 distance of the output's log-mel to the clip's
+log-mel. Training crops are `--crop-frames` mel frames with the vocoder's receptive field of true
+left context before them; the loss covers the samples that all four overlapping STFT frames reach.
+
+`evaluate` (`--eval`, or after training) scores held-out clips through the codec both ways, Griffin-Lim
+(what ships) and the vocoder: the multi-resolution log-spectral distance to the original clip (the
+loss's log-magnitude L1 term, in nats, averaged over the three resolutions; lower is better) and, when
+faster-whisper is installed (the eval extra), the word error rate of Whisper tiny.en transcripts.
+
+Resumable: every run writes WORK-independent `--out` files (vocoder.safetensors, vocoder.json,
+checkpoint.pt with the optimizer, train_state.json, loss.csv) and `--resume` continues from them; a run
+stops itself after `--max-seconds`.
+
+    python training/train_vocoder.py --work training/work --codec tts/assets/default --out OUT \
+        --utterances 2000 --max-seconds 1800
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "training"))
+
+from tts.codec.melrvq import FRAME_LENGTH, HOP, LOG_FLOOR, SUBFRAMES, LogMel  # noqa: E402
+from tts.codec.vocoder import TAIL, CausalVocoder  # noqa: E402
+
+RESOLUTIONS = ((512, 128), (1024, 256), (2048, 512))
+DELAY = 512  # the codec's: emitted sample i is signal sample i - 512
+
+
+# ---- data ------------------------------------------------------------------------------------------
+
+
+def speak_all(rows: list[dict], jobs: int) -> list[torch.Tensor]:
+    """espeak-ng audio (float16 `[samples]`) of every row (text, voice, rate, pitch), in order."""
+    from multiprocessing import Pool
+
+    from corpus import espeak
+
+    with Pool(jobs) as pool:
+        audio = pool.starmap(espeak, [(u["text"], u["voice"], u["rate"], u["pitch"]) for u in rows])
+    return [torch.from_numpy(a).to(torch.float16) for a in audio]
+
+
+def load_audio(work: Path, utterances: int, jobs: int) -> tuple[list[dict], list[torch.Tensor]]:
+    """The first `utterances` training rows of WORK/sentences.jsonl and every held-out row, with their
+    audio; cached in WORK/vocoder_audio.pt (re-spoken when the cache holds other rows)."""
+    from corpus import read_utterances
+
+    rows = read_utterances(work)
+    chosen = [u for u in rows if u["split"] == "heldout"] + [u for u in rows if u["split"] == "train"][
+        :utterances
+    ]
+    ids = [u["id"] for u in chosen]
+    cache = work / "vocoder_audio.pt"
+    if cache.is_file():
+        saved = torch.load(cache)
+        if saved["ids"] == ids:
+            return chosen, saved["audio"]
+    t0 = time.time()
+    audio = speak_all(chosen, jobs)
+    torch.save({"ids": ids, "audio": audio}, cache)
+    print(f"spoke {len(chosen)} clips in {time.time() - t0:.0f} s -> {cache}", flush=True)
+    return chosen, audio
+
+
+class Clips:
+    """Clips prepared for training: audio padded to whole codec frames `[1024 T]` float32, the clip's
+    log-mel `[4T, 80]` (the loss's target) and the vocoder's input log-mel `[4T, 80]`."""
+
+    def __init__(self, audio: list[torch.Tensor], codec=None):
+        self.logmel = LogMel()
+        self.audio, self.target_mel, self.input_mel = [], [], []
+        for a in audio:
+            a = a.float()
+            T = max(1, math.ceil(a.numel() / FRAME_LENGTH))
+            a = F.pad(a, (0, T * FRAME_LENGTH - a.numel()))
+            mel = self.logmel(a)
+            self.audio.append(a)
+            self.target_mel.append(mel)
+            self.input_mel.append(
+                mel if codec is None else codec.decode_logmel(codec.encode_logmel(mel)).cpu()
+            )
+
+    def batch(self, r: random.Random, size: int, frames: int, context: int) -> dict:
+        """`size` random crops of `frames` mel frames, each with `context` frames of left context (silence
+        before a clip's start): input mel `[B, context + frames, 80]`, the signal the crop's fully
+        overlapped samples should equal `[B, 256 frames - 768]`, its log-mel `[B, frames, 80]`."""
+        mels, audio, targets = [], [], []
+        for _ in range(size):
+            k = r.randrange(len(self.audio))
+            mel, a = self.input_mel[k], self.audio[k]
+            M = mel.shape[0]
+            start = r.randrange(max(1, M - frames + 1))
+            padded = F.pad(mel, (0, 0, context, max(0, start + frames - M)), value=math.log(LOG_FLOOR))
+            mels.append(padded[start : start + context + frames])
+            # STFT frame j adds into emitted samples [256 j, 256 j + 1024), i.e. signal samples from
+            # 256 j - 512; four frames overlap from emitted 256 (start + 3) to 256 (start + frames).
+            lo = HOP * (start + 3) - DELAY
+            n = HOP * frames - TAIL
+            seg = F.pad(a, (DELAY, HOP * frames + DELAY))[lo + DELAY : lo + DELAY + n]
+            audio.append(seg)
+            tmel = F.pad(self.target_mel[k], (0, 0, 0, max(0, start + frames - M)), value=math.log(LOG_FLOOR))
+            targets.append(tmel[start : start + frames])
+        return {"mel": torch.stack(mels), "audio": torch.stack(audio), "target_mel": torch.stack(targets)}
+
+
+# ---- loss ------------------------------------------------------------------------------------------
+
+
+def stft_mag(x: torch.Tensor, n_fft: int, hop: int) -> torch.Tensor:
+    """|STFT| `[B, frames, n_fft / 2 + 1]` of `[B, L]`, Hann window, floored at 1e-5."""
+    window = torch.hann_window(n_fft, device=x.device)
+    spec = torch.stft(x, n_fft, hop, window=window, center=True, return_complex=True)
+    return spec.abs().clamp_min(1e-5).transpose(1, 2)
+
+
+def spectral_losses(y: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(spectral convergence, log-magnitude L1 in nats), each averaged over RESOLUTIONS; y, ref `[B, L]`."""
+    sc, lm = y.new_zeros(()), y.new_zeros(())
+    for n_fft, hop in RESOLUTIONS:
+        a, b = stft_mag(y, n_fft, hop), stft_mag(ref, n_fft, hop)
+        sc = sc + torch.linalg.norm(a - b) / torch.linalg.norm(b).clamp_min(1e-5)
+        lm = lm + (a.log() - b.log()).abs().mean()
+    return sc / len(RESOLUTIONS), lm / len(RESOLUTIONS)
+
+
+def compute_loss(model: CausalVocoder, batch: dict, mel_fn: LogMel) -> tuple[torch.Tensor, dict]:
+    """The training loss of one batch (module docstring) and its parts."""
+    from tts.codec.vocoder import ENVELOPE, overlap_add
+
+    R = model.receptive_frames
+    frames = model.frames(batch["mel"])[:, R:]  # [B, M, 1024]
+    M = frames.shape[1]
+    y = overlap_add(frames)[:, TAIL : HOP * M] / ENVELOPE  # the fully overlapped samples
+    sc, lm = spectral_losses(y, batch["audio"])
+    # y starts at signal sample 256 (start + 1): its log-mel frame m' is the crop's mel frame m' + 3.
+    y_mel = torch.stack([log_mel_frames(mel_fn, row) for row in y])  # [B, M - 6, 80]
+    mel_loss = (y_mel - batch["target_mel"][:, 3 : 3 + y_mel.shape[1]]).abs().mean()
+    loss = sc + lm + 0.5 * mel_loss
+    return loss, {"sc": sc.detach(), "log_mag": lm.detach(), "mel": mel_loss.detach()}
+
+
+def log_mel_frames(mel_fn: LogMel, y: torch.Tensor) -> torch.Tensor:
+    """Log-mel frames `[L / 256 - 3, 80]` of `y` `[L]` (L a multiple of 256), frame m centred on sample
+    256 m + 512 (no padding: every frame lies inside y); differentiable."""
+    spec = torch.stft(
+        y, 1024, HOP, window=torch.hann_window(1024, device=y.device), center=False, return_complex=True
+    )
+    fb = mel_fn.filterbank.to(y.device)  # [513, 80]
+    return torch.log((spec.abs().T @ fb).clamp_min(LOG_FLOOR))
+
+
+# ---- evaluation ------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(model: CausalVocoder, codec, rows: list[dict], audio: list[torch.Tensor], asr: bool) -> dict:
+    """Held-out clips through the codec, decoded by Griffin-Lim and by `model`: log-spectral distance
+    to the clip (nats, lower is better) and, with `asr`, Whisper tiny.en WER of each decode and of the
+    clip itself. Returns a dict of means and per-clip values."""
+    model.eval()
+    out: dict = {"clips": len(rows), "griffin_lim": {}, "vocoder": {}, "espeak": {}}
+    decodes: dict[str, list] = {"griffin_lim": [], "vocoder": [], "espeak": []}
+    for a in audio:
+        a = a.float()
+        T = max(1, math.ceil(a.numel() / FRAME_LENGTH))
+        a = F.pad(a, (0, T * FRAME_LENGTH - a.numel()))
+        codes = codec.encode_audio(a)
+        mel = codec.decode_logmel(codes).cpu()
+        ref = F.pad(a, (DELAY, 0))[: a.numel()]  # the clip with the codec's delay
+        decodes["griffin_lim"].append(codec.vocoder(mel).cpu())
+        decodes["vocoder"].append(model.synthesize(mel.unsqueeze(0))[0])
+        decodes["espeak"].append(ref)
+    for name in ("griffin_lim", "vocoder"):
+        dist = [
+            float(spectral_losses(y[None], ref[None])[1])
+            for y, ref in zip(decodes[name], decodes["espeak"], strict=True)
+        ]
+        out[name]["log_spectral_distance"] = round(sum(dist) / len(dist), 4)
+    if asr:
+        from tts.eval import ASR, wer, words
+
+        recognizer = ASR(threads=torch.get_num_threads())
+        refs = [words(row["text"]) for row in rows]
+        for name, clips in decodes.items():
+            hyps = [words(recognizer.transcribe(y.numpy(), 22050)) for y in clips]
+            out[name]["wer"] = round(wer(refs, hyps), 4)
+    return out
+
+
+# ---- main ------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", type=Path, default=ROOT / "training" / "work", help="corpus work folder")
+    p.add_argument("--codec", type=Path, default=ROOT / "tts" / "assets" / "default", help="codec folder")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--utterances", type=int, default=2000, help="training clips (first of the corpus)")
+    p.add_argument(
+        "--input", choices=["codec", "mel"], default="codec", help="the vocoder's input (see above)"
+    )
+    p.add_argument("--channels", type=int, default=256)
+    p.add_argument("--blocks", type=int, default=6)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--crop-frames", type=int, default=64, help="mel frames per crop (after the context)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--steps", type=int, default=100_000)
+    p.add_argument("--max-seconds", type=float, default=540)
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--jobs", type=int, default=2, help="espeak-ng processes")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--eval", action="store_true", help="only evaluate OUT's vocoder on the held-out clips")
+    p.add_argument("--eval-clips", type=int, default=60, help="held-out clips evaluated")
+    p.add_argument("--no-asr", action="store_true", help="evaluate without Whisper (spectral distance only)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = p.parse_args()
+    t_start = time.time()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from tts.bundle import load_codec
+
+    codec = load_codec(a.codec)
+    rows, audio = load_audio(a.work, a.utterances, a.jobs)
+    held = [i for i, u in enumerate(rows) if u["split"] == "heldout"][: a.eval_clips]
+    train_ids = [i for i, u in enumerate(rows) if u["split"] == "train"]
+    device = torch.device(a.device)
+    ckpt = a.out / "checkpoint.pt"
+    shape = {"channels": a.channels, "blocks": a.blocks}
+    if (a.resume or a.eval) and (a.out / "vocoder.json").is_file():
+        shape = {k: v for k, v in json.loads((a.out / "vocoder.json").read_text()).items() if k in shape}
+    model = CausalVocoder(**shape).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.8, 0.99), weight_decay=0.01)
+    step, history = 0, []
+    if (a.resume or a.eval) and ckpt.is_file():
+        ck = torch.load(ckpt, map_location=device)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        step, history = ck["step"], ck["history"]
+        print(f"resumed at step {step}", flush=True)
+    if not a.eval:
+        clips = Clips([audio[i] for i in train_ids], codec if a.input == "codec" else None)
+        print(
+            f"{len(train_ids)} clips ({sum(x.numel() for x in clips.audio) / 22050 / 3600:.2f} h), input {a.input}; "
+            f"vocoder {sum(x.numel() for x in model.parameters()) / 1e6:.2f} M parameters, "
+            f"receptive field {model.receptive_frames} mel frames",
+            flush=True,
+        )
+        mel_fn = LogMel()
+        r = random.Random(a.seed * 7919 + step)
+        model.train()
+        t_train = time.time()
+        budget = a.max_seconds - (t_train - t_start) - 30
+        first = step
+        while step < a.steps and time.time() - t_train < budget:
+            progress = max((step - first) / max(1, a.steps - first), (time.time() - t_train) / budget)
+            lr = (
+                a.lr
+                * min(1.0, (step - first + 1) / 200)
+                * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+            )
+            for g in opt.param_groups:
+                g["lr"] = lr
+            b = {
+                k: v.to(device)
+                for k, v in clips.batch(r, a.batch, a.crop_frames, model.receptive_frames).items()
+            }
+            loss, info = compute_loss(model, b, mel_fn)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            if step % a.log_every == 0 or step == first + 1:
+                rec = {
+                    "step": step,
+                    "seconds": round(time.time() - t_train, 1),
+                    "lr": lr,
+                    "loss": round(loss.item(), 5),
+                    **{k: round(float(v), 5) for k, v in info.items()},
+                    "grad_norm": round(float(gn), 4),
+                }
+                history.append(rec)
+                print(json.dumps(rec), flush=True)
+        a.out.mkdir(parents=True, exist_ok=True)
+        save(model, a.out, a.input)
+        torch.save(
+            {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history},
+            ckpt,
+        )
+        with open(a.out / "loss.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for rec in history for k in rec)))
+            w.writeheader()
+            w.writerows(history)
+        print(f"trained to step {step}; wrote {a.out}", flush=True)
+    model.cpu()
+    result = evaluate(model, codec, [rows[i] for i in held], [audio[i] for i in held], asr=not a.no_asr)
+    result["step"] = step
+    print(json.dumps(result), flush=True)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "eval.json").write_text(json.dumps(result, indent=1))
+
+
+def save(model: CausalVocoder, out: Path, input_kind: str) -> None:
+    """vocoder.safetensors (float32) and vocoder.json (shape, receptive field, input kind)."""
+    from safetensors.torch import save_file
+
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+        str(out / "vocoder.safetensors"),
+    )
+    info = {
+        **model.shape,
+        "receptive_frames": model.receptive_frames,
+        "input": input_kind,
+        "frames_per_codec_frame": SUBFRAMES,
+    }
+    (out / "vocoder.json").write_text(json.dumps(info, indent=2))
+
+
+if __name__ == "__main__":
+    main()
