@@ -15,8 +15,10 @@ left context before them; the loss covers the samples that all four overlapping 
 
 `evaluate` (`--eval`, or after training) scores held-out clips through the codec both ways, Griffin-Lim
 (what ships) and the vocoder: the multi-resolution log-spectral distance to the original clip (the
-loss's log-magnitude L1 term, in nats, averaged over the three resolutions; lower is better) and, when
-faster-whisper is installed (the eval extra), the word error rate of Whisper tiny.en transcripts.
+loss's log-magnitude L1 term, in nats, averaged over the three resolutions; lower is better), an MFCC
+distance (the mel-cepstral distortion formula, dB; not a training loss), the decode time per audio
+time and, unless `--no-asr` (needs the eval extra), the word error rate of Whisper tiny.en
+transcripts.
 
 Resumable: every run writes WORK-independent `--out` files (vocoder.safetensors, vocoder.json,
 checkpoint.pt with the optimizer, train_state.json, loss.csv) and `--resume` continues from them; a run
@@ -177,30 +179,51 @@ def log_mel_frames(mel_fn: LogMel, y: torch.Tensor) -> torch.Tensor:
 # ---- evaluation ------------------------------------------------------------------------------------
 
 
+def mfcc_distance(y: torch.Tensor, ref: torch.Tensor, mfcc) -> float:
+    """Mean over frames of the mel-cepstral distortion formula, (10 / ln 10) sqrt(2 sum_d (c_d - c'_d)^2) dB,
+    over MFCCs 1..12 of natural-log mels (`mfcc`: torchaudio's MFCC with log_mels=True); silences
+    included, which makes the values large: compare them with each other only."""
+    d = mfcc(y)[1:] - mfcc(ref)[1:]
+    return float((10 / math.log(10)) * (2 * d.pow(2).sum(0)).sqrt().mean())
+
+
 @torch.no_grad()
 def evaluate(model: CausalVocoder, codec, rows: list[dict], audio: list[torch.Tensor], asr: bool) -> dict:
     """Held-out clips through the codec, decoded by Griffin-Lim and by `model`: log-spectral distance
-    to the clip (nats, lower is better) and, with `asr`, Whisper tiny.en WER of each decode and of the
-    clip itself. Returns a dict of means and per-clip values."""
+    to the clip (nats, `spectral_losses`' log-magnitude term), MFCC distance (dB, `mfcc_distance`),
+    decode time per audio time on this process's threads, and, with `asr`, Whisper tiny.en WER of each
+    decode and of the clip itself. Returns the means per decoder."""
+    import torchaudio
+
     model.eval()
+    mfcc = torchaudio.transforms.MFCC(
+        22050, n_mfcc=13, melkwargs={"n_fft": 1024, "hop_length": HOP, "n_mels": 80}, log_mels=True
+    )
     out: dict = {"clips": len(rows), "griffin_lim": {}, "vocoder": {}, "espeak": {}}
     decodes: dict[str, list] = {"griffin_lim": [], "vocoder": [], "espeak": []}
+    seconds = {"griffin_lim": 0.0, "vocoder": 0.0}
     for a in audio:
         a = a.float()
         T = max(1, math.ceil(a.numel() / FRAME_LENGTH))
         a = F.pad(a, (0, T * FRAME_LENGTH - a.numel()))
-        codes = codec.encode_audio(a)
-        mel = codec.decode_logmel(codes).cpu()
-        ref = F.pad(a, (DELAY, 0))[: a.numel()]  # the clip with the codec's delay
+        mel = codec.decode_logmel(codec.encode_audio(a)).cpu()
+        t0 = time.perf_counter()
         decodes["griffin_lim"].append(codec.vocoder(mel).cpu())
+        t1 = time.perf_counter()
         decodes["vocoder"].append(model.synthesize(mel.unsqueeze(0))[0])
-        decodes["espeak"].append(ref)
+        seconds["griffin_lim"] += t1 - t0
+        seconds["vocoder"] += time.perf_counter() - t1
+        decodes["espeak"].append(F.pad(a, (DELAY, 0))[: a.numel()])  # the clip with the codec's delay
+    audio_seconds = sum(y.numel() for y in decodes["espeak"]) / 22050
+    out["audio_seconds"] = round(audio_seconds, 1)
     for name in ("griffin_lim", "vocoder"):
-        dist = [
-            float(spectral_losses(y[None], ref[None])[1])
-            for y, ref in zip(decodes[name], decodes["espeak"], strict=True)
-        ]
-        out[name]["log_spectral_distance"] = round(sum(dist) / len(dist), 4)
+        pairs = list(zip(decodes[name], decodes["espeak"], strict=True))
+        lsd = [float(spectral_losses(y[None], ref[None])[1]) for y, ref in pairs]
+        out[name]["log_spectral_distance"] = round(sum(lsd) / len(lsd), 4)
+        out[name]["mfcc_distance_db"] = round(
+            sum(mfcc_distance(y, ref, mfcc) for y, ref in pairs) / len(pairs), 3
+        )
+        out[name]["decode_rtf"] = round(seconds[name] / audio_seconds, 4)
     if asr:
         from tts.eval import ASR, wer, words
 
