@@ -19,6 +19,8 @@
 #                training continues from training/work/vocoder when it holds parts of an earlier call's
 #                vocoder.tgz (join them: cat vocoder.tgz.part-* | tar xz -C training/work), the held-out
 #                clips are scored without ASR (no Whisper here); the folder comes back as a split tarball.
+#                Over several calls, give every call the same VOC_ARGS="--schedule-seconds S" (S: the calls'
+#                training seconds together) so that they make one learning-rate schedule.
 #   STEP=train   (default) carry [".whl-voice", "training/work/codes", "training/work/codec"]: trains.
 # `.espeak/` holds the espeak-ng binary, the shared libraries it links and espeak-ng-data, copied from
 # this machine's Debian packages (the GPU machine has none), English data only; `.whl-voice/` the wheels

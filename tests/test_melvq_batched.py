@@ -7,6 +7,7 @@ run the same per-frame arithmetic. The tests pin one torch thread, as the codec 
 equality was also measured with 2 and 8 threads on the development machine).
 """
 
+import copy
 import random
 
 import pytest
@@ -47,9 +48,11 @@ def learned_codec(small_codec):
     """small_codec's net with a small learned vocoder (`tts.codec.vocoder`) in place of Griffin-Lim."""
     torch.manual_seed(2)
     vocoder = CausalVocoder(channels=16, blocks=2)
-    with torch.no_grad():  # an untrained head gives magnitudes ~1: make them varied
-        vocoder.head.weight.mul_(5.0)
-    return MelVQCodec(small_codec.net, small_codec.mean, small_codec.std, vocoder_net=vocoder)
+    with torch.no_grad():  # speech-sized output, never clipped; every block reaches its full context
+        vocoder.head.weight.mul_(3.0)
+        for block in vocoder.blocks:
+            block.scale.fill_(1.0)
+    return MelVQCodec(copy.deepcopy(small_codec.net), small_codec.mean, small_codec.std, vocoder_net=vocoder)
 
 
 @pytest.fixture(scope="module")
@@ -234,24 +237,32 @@ def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.cuda
-def test_cuda_decode_matches_the_cpu_and_replays_in_a_cuda_graph(default_codec):
+@pytest.mark.parametrize("vocoder", ["griffin_lim", "learned"])
+def test_cuda_decode_matches_the_cpu_and_replays_in_a_cuda_graph(vocoder, default_codec, learned_codec):
     """On CUDA the decoder runs wholly on the GPU. cuFFT and cuBLAS round differently from the CPU and
     Griffin-Lim amplifies that: measured on the CPU, relative input errors of 1e-7 / 1e-5 / 1e-3 move
     the samples by 1% / 2% / 20% of the signal's RMS. So the check is 5%: float32 rounding passes (TF32
     matmuls, off by default, would not), while the state bugs tried on the CPU fail (a stale cross-fade
-    tail: 8-13%, history cut one frame early: 30-85%). A CUDA graph of `decode` replays the same kernels
-    as eager."""
-    codec = MelVQCodec.load(DEFAULT_MODEL_DIR).to("cuda")
-    assert codec.net.codebooks.is_cuda and codec.vocoder.inverse_fb.is_cuda
+    tail: 8-13%, history cut one frame early: 30-85%). The learned vocoder (a small random one on the
+    small codec) amplifies nothing: 1% (cuDNN's TF32 convolutions, on by default, round at ~1e-3). A
+    CUDA graph of `decode` replays the same kernels as eager."""
+    if vocoder == "griffin_lim":
+        cpu_codec, tolerance = default_codec, 0.05
+        codec = MelVQCodec.load(DEFAULT_MODEL_DIR).to("cuda")
+        assert codec.net.codebooks.is_cuda and codec.vocoder.inverse_fb.is_cuda
+    else:
+        cpu_codec, tolerance = learned_codec, 0.01
+        codec = copy.deepcopy(learned_codec).to("cuda")
+        assert codec.net.codebooks.is_cuda and codec.vocoder_net.head.weight.is_cuda
     streams = {"a": _codes(codec, 40, 1), "b": _codes(codec, 9, 2), "c": _codes(codec, 26, 3)}
     gpu, dec = run_schedule(codec, streams, max_streams=2, seed=1, device="cuda")
     assert dec.device.type == "cuda" and dec.graph_safe
     for name, audio in gpu.items():
-        ref = default_codec.decode(streams[name])
+        ref = cpu_codec.decode(streams[name])
         assert audio.shape == ref.shape
         err = float((audio - ref).abs().max())
         print(f"cuda vs cpu {name}: max |diff| {err:.2e}, rel rms {_rel_rms(audio, ref):.3f}")
-        assert _rel_rms(audio, ref) < 0.05, name
+        assert _rel_rms(audio, ref) < tolerance, name
     # offline decode on the GPU too (codec.to moved the vocoder): CPU in and out
     assert codec.decode(streams["b"]).device.type == "cpu"
 
@@ -297,4 +308,4 @@ def test_cuda_decode_matches_the_cpu_and_replays_in_a_cuda_graph(default_codec):
             if n:
                 got, want = static_out[i, :n].cpu(), ref[i, :n].cpu()
                 print(f"graph vs eager step {step} row {i}: max |diff| {float((got - want).abs().max()):.2e}")
-                assert _rel_rms(got, want) < 0.05, (step, i)
+                assert _rel_rms(got, want) < tolerance, (step, i)

@@ -21,9 +21,18 @@ import train_vocoder  # noqa: E402
 @pytest.fixture(scope="module")
 def vocoder():
     torch.manual_seed(0)
-    model = CausalVocoder(channels=32, blocks=2).eval()
-    with torch.no_grad():  # an untrained head's output is ~1: make it speech-sized and varied
-        model.head.weight.mul_(20.0)
+    return untrained_vocoder(channels=32, blocks=2)
+
+
+def untrained_vocoder(**shape) -> CausalVocoder:
+    """A random vocoder whose output is speech-sized (RMS ~0.2, never clipped) and whose every block
+    reaches as far back as the receptive field says (an untrained block's scale, 1e-2, would let distant
+    frames matter only in the last bits)."""
+    model = CausalVocoder(**shape).eval()
+    with torch.no_grad():
+        model.head.weight.mul_(3.0)
+        for block in model.blocks:
+            block.scale.fill_(1.0)
     return model
 
 
@@ -36,7 +45,9 @@ def test_streaming_in_pieces_equals_the_offline_synthesis(vocoder):
     T = 9
     logmel = torch.stack([speech_like_logmel(T * 4, s) for s in (1, 2)])  # [2, 36, 80]
     whole = vocoder.synthesize(logmel)
-    assert whole.shape == (2, T * FRAME_LENGTH) and whole.abs().max() > 1e-3
+    assert (
+        whole.shape == (2, T * FRAME_LENGTH) and 0.05 < whole.pow(2).mean().sqrt() and whole.abs().max() < 1
+    )
     state = vocoder.initial_state(2)
     pieces = [vocoder.stream(logmel[:, 4 * a : 4 * b], state) for a, b in ((0, 1), (1, 4), (4, 5), (5, 9))]
     torch.testing.assert_close(torch.cat(pieces, dim=1), whole, atol=1e-5, rtol=1e-4)
@@ -129,3 +140,50 @@ def test_a_small_vocoder_learns_on_the_cpu():
         opt.step()
         losses.append(loss.item())
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+
+
+def test_the_learning_rate_is_one_schedule_over_resumed_runs():
+    lr = train_vocoder.learning_rate
+    assert lr(0, 0.0, 1e-3, 10_000, 600) == pytest.approx(1e-3 / 200)  # warm-up by the global step
+    assert lr(5_000, 300.0, 1e-3, 1_000_000, 600) == pytest.approx(0.55e-3)  # half the seconds: midway
+    # a resumed run (step 5,000, 300 s trained before) goes on from there, with no second warm-up
+    assert lr(5_001, 300.5, 1e-3, 1_000_000, 600) == pytest.approx(0.55e-3, rel=1e-2)
+    assert lr(9_000, 700.0, 1e-3, 1_000_000, 600) == pytest.approx(1e-4)  # past the span: the floor
+
+
+@pytest.mark.parametrize("flag", ["--eval", "--resume"])
+def test_eval_and_resume_need_a_trained_folder(tmp_path, flag):
+    """Without weights, --eval would score a random network and --resume start afresh: both refuse."""
+    import subprocess
+
+    cmd = [sys.executable, str(ROOT / "training" / "train_vocoder.py"), "--out", str(tmp_path), flag]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and flag in done.stderr and str(tmp_path) in done.stderr
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ("causal_vocos", "must be an object"),
+        ({"type": "hifigan", "channels": 8, "blocks": 1, "kernel": 7}, "unknown vocoder type 'hifigan'"),
+        ({"type": "causal_vocos", "blocks": 1, "kernel": 7}, "needs integer channels"),
+        (
+            {"type": "causal_vocos", "channels": 8, "blocks": 1, "kernel": 7},
+            "vocoder.safetensors, which are missing",
+        ),
+    ],
+)
+def test_a_bad_vocoder_entry_in_codec_json_is_a_checkpoint_error(tmp_path, entry, message):
+    """`load_codec` names the file and what is wrong (the CLI prints it as one `tts: error:` line)."""
+    import json
+
+    from tts.bundle import CheckpointError, load_codec
+    from tts.codec.melvq import MelVQCodec, MelVQNet
+
+    net = MelVQNet(num_codebooks=2, codebook_size=8, channels=8, latent=4, decoder_dilations=(1,))
+    MelVQCodec(net, torch.zeros(320), torch.ones(320)).save(tmp_path)
+    cfg = json.loads((tmp_path / "codec.json").read_text())
+    (tmp_path / "codec.json").write_text(json.dumps({**cfg, "vocoder": entry}))
+    with pytest.raises(CheckpointError, match=message) as err:
+        load_codec(tmp_path)
+    assert str(tmp_path / "codec.json") in str(err.value)

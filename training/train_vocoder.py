@@ -20,9 +20,10 @@ distance (the mel-cepstral distortion formula, dB; not a training loss), the dec
 time and, unless `--no-asr` (needs the eval extra), the word error rate of Whisper tiny.en
 transcripts.
 
-Resumable: every run writes WORK-independent `--out` files (vocoder.safetensors, vocoder.json,
-checkpoint.pt with the optimizer, train_state.json, loss.csv) and `--resume` continues from them; a run
-stops itself after `--max-seconds`.
+Resumable: every run writes into `--out` (vocoder.safetensors, vocoder.json, checkpoint.pt with the
+optimizer and the seconds trained, loss.csv, eval.json) and `--resume` continues from checkpoint.pt; a
+run stops itself after `--max-seconds`, and `--schedule-seconds` spreads one learning-rate schedule
+over several resumed runs.
 
     python training/train_vocoder.py --work training/work --codec tts/assets/default --out OUT \
         --utterances 2000 --max-seconds 1800
@@ -237,6 +238,16 @@ def evaluate(model: CausalVocoder, codec, rows: list[dict], audio: list[torch.Te
 
 # ---- main ------------------------------------------------------------------------------------------
 
+WARMUP_STEPS = 200
+
+
+def learning_rate(step: int, seconds: float, peak: float, steps: int, span: float) -> float:
+    """Linear warm-up over the first WARMUP_STEPS steps, then a cosine from `peak` to 10% of it over
+    `steps` steps or `span` training seconds, whichever is further along. `step` and `seconds` count
+    from the first of the resumed runs, so that they make one schedule."""
+    progress = min(1.0, max(step / steps, seconds / max(1.0, span)))
+    return peak * min(1.0, (step + 1) / WARMUP_STEPS) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -253,18 +264,38 @@ def main() -> None:
     p.add_argument("--crop-frames", type=int, default=64, help="mel frames per crop (after the context)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--steps", type=int, default=100_000)
-    p.add_argument("--max-seconds", type=float, default=540)
+    p.add_argument(
+        "--max-seconds", type=float, default=540, help="this run stops itself after this wall time"
+    )
+    p.add_argument(
+        "--schedule-seconds",
+        type=float,
+        default=None,
+        help="training seconds the learning-rate schedule spans, summed over resumed runs (default: this "
+        "run's --max-seconds); e.g. 1650 for three resumed 10-minute calls, so that they make one cosine",
+    )
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--jobs", type=int, default=2, help="espeak-ng processes")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    p.add_argument("--eval", action="store_true", help="only evaluate OUT's vocoder on the held-out clips")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from OUT/checkpoint.pt (weights, optimizer, schedule)"
+    )
+    p.add_argument(
+        "--eval",
+        action="store_true",
+        help="only evaluate OUT's vocoder (checkpoint.pt, else vocoder.safetensors) on the held-out clips",
+    )
     p.add_argument("--eval-clips", type=int, default=60, help="held-out clips evaluated")
     p.add_argument("--no-asr", action="store_true", help="evaluate without Whisper (spectral distance only)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args()
     t_start = time.time()
+    ckpt = a.out / "checkpoint.pt"
+    if a.resume and not ckpt.is_file():
+        p.error(f"--resume: {ckpt} does not exist")
+    if a.eval and not (ckpt.is_file() or (a.out / "vocoder.safetensors").is_file()):
+        p.error(f"--eval: {a.out} has neither checkpoint.pt nor vocoder.safetensors")
     if a.threads:
         torch.set_num_threads(a.threads)
     from tts.bundle import load_codec
@@ -274,21 +305,27 @@ def main() -> None:
     held = [i for i, u in enumerate(rows) if u["split"] == "heldout"][: a.eval_clips]
     train_ids = [i for i, u in enumerate(rows) if u["split"] == "train"]
     device = torch.device(a.device)
-    ckpt = a.out / "checkpoint.pt"
     shape = {"channels": a.channels, "blocks": a.blocks}
     if (a.resume or a.eval) and (a.out / "vocoder.json").is_file():
         shape = {k: v for k, v in json.loads((a.out / "vocoder.json").read_text()).items() if k in shape}
     model = CausalVocoder(**shape).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.8, 0.99), weight_decay=0.01)
-    step, history = 0, []
+    step, history, trained_seconds = 0, [], 0.0
     if (a.resume or a.eval) and ckpt.is_file():
         ck = torch.load(ckpt, map_location=device)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
-        step, history = ck["step"], ck["history"]
-        print(f"resumed at step {step}", flush=True)
+        step, history, trained_seconds = ck["step"], ck["history"], ck.get("trained_seconds", 0.0)
+        print(f"resumed at step {step} ({trained_seconds:.0f} s trained)", flush=True)
+    elif a.eval:
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(str(a.out / "vocoder.safetensors")))
     if not a.eval:
+        if device.type == "cuda":  # the round trip of every clip: on the GPU, then back for the eval
+            codec.to(device)
         clips = Clips([audio[i] for i in train_ids], codec if a.input == "codec" else None)
+        codec.to("cpu")
         print(
             f"{len(train_ids)} clips ({sum(x.numel() for x in clips.audio) / 22050 / 3600:.2f} h), input {a.input}; "
             f"vocoder {sum(x.numel() for x in model.parameters()) / 1e6:.2f} M parameters, "
@@ -300,14 +337,12 @@ def main() -> None:
         model.train()
         t_train = time.time()
         budget = a.max_seconds - (t_train - t_start) - 30
+        # One warm-up and one cosine over all runs: by steps (of --steps) or by training seconds (of
+        # --schedule-seconds, summed over the resumed runs), whichever is further.
+        span = a.schedule_seconds or budget
         first = step
         while step < a.steps and time.time() - t_train < budget:
-            progress = max((step - first) / max(1, a.steps - first), (time.time() - t_train) / budget)
-            lr = (
-                a.lr
-                * min(1.0, (step - first + 1) / 200)
-                * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-            )
+            lr = learning_rate(step, trained_seconds + time.time() - t_train, a.lr, a.steps, span)
             for g in opt.param_groups:
                 g["lr"] = lr
             b = {
@@ -331,12 +366,11 @@ def main() -> None:
                 }
                 history.append(rec)
                 print(json.dumps(rec), flush=True)
+        trained_seconds += time.time() - t_train
         a.out.mkdir(parents=True, exist_ok=True)
         save(model, a.out, a.input)
-        torch.save(
-            {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history},
-            ckpt,
-        )
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history}
+        torch.save({**state, "trained_seconds": trained_seconds}, ckpt)
         with open(a.out / "loss.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for rec in history for k in rec)))
             w.writeheader()

@@ -123,7 +123,19 @@ def register_codec(codec_type: str, loader: CodecLoader) -> None:
 
 
 register_codec("mel_rvq", lambda directory, cfg: MelRVQCodec.load(directory, cfg))
-register_codec("mel_vqvae", lambda directory, cfg: MelVQCodec.load(directory, cfg))
+
+
+def _load_melvq(directory: Path, cfg: dict) -> Codec:
+    """`{"type": "mel_vqvae", ...}`: the default model's codec (tts.codec.melvq), with its vocoder."""
+    from .codec.base import CodecCheckpointError
+
+    try:
+        return MelVQCodec.load(directory, cfg)
+    except CodecCheckpointError as exc:
+        raise CheckpointError(str(exc)) from exc
+
+
+register_codec("mel_vqvae", _load_melvq)
 
 
 def _load_firefly(directory: Path, cfg: dict) -> Codec:

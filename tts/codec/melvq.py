@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .base import Codec
+from .base import Codec, CodecCheckpointError
 from .melrvq import (
     FRAME_LENGTH,
     N_MELS,
@@ -224,7 +224,8 @@ class MelVQCodec(Codec):
         self.gl_context, self.gl_iters = gl_context, gl_iters
         self.logmel = LogMel()
         self.vocoder = WindowedGriffinLim(gl_context, gl_iters)
-        self.vocoder_net = vocoder_net.eval() if vocoder_net is not None else None
+        # (on the net's device, where `decode_logmel` puts the log-mel it vocodes)
+        self.vocoder_net = vocoder_net.eval().to(self.device) if vocoder_net is not None else None
         if vocoder_net is None:
             self.context_frames = net.receptive_frames + gl_context + 1
         else:
@@ -282,7 +283,8 @@ class MelVQCodec(Codec):
     @classmethod
     def load(cls, directory: str | Path, cfg: dict | None = None) -> MelVQCodec:
         """Read a folder written by `save` (`cfg`: its codec.json, when already parsed). Raises
-        FileNotFoundError, KeyError or RuntimeError (safetensors / state dict) for broken folders."""
+        FileNotFoundError, KeyError or RuntimeError (safetensors / state dict) for broken folders, and
+        CodecCheckpointError for a bad `"vocoder"` entry (`load_vocoder`)."""
         directory = Path(directory)
         cfg = cfg if cfg is not None else json.loads((directory / "codec.json").read_text())
         w = load_file(str(directory / cfg.get("weights", "codec.safetensors")))
@@ -297,13 +299,8 @@ class MelVQCodec(Codec):
         mean, std = w.pop("mean"), w.pop("std")
         net.load_state_dict({k: v.float() for k, v in w.items()})
         vocoder_net = None
-        if "vocoder" in cfg:
-            v = cfg["vocoder"]
-            if v.get("type") != VOCODER_TYPE:
-                raise KeyError(f"unknown vocoder type {v.get('type')!r} in {directory / 'codec.json'}")
-            vocoder_net = CausalVocoder(channels=v["channels"], blocks=v["blocks"], kernel=v["kernel"])
-            weights = load_file(str(directory / v.get("weights", VOCODER_WEIGHTS)))
-            vocoder_net.load_state_dict({k: t.float() for k, t in weights.items()})
+        if cfg.get("vocoder") is not None:
+            vocoder_net = load_vocoder(directory, cfg["vocoder"])
         return cls(
             net,
             mean,
@@ -367,6 +364,29 @@ class MelVQCodec(Codec):
         """A `MelVQStreamDecoder` for up to `max_streams` streams on `device` (default: the codec's, i.e.
         where `to` put the net)."""
         return MelVQStreamDecoder(self, max_streams, self.device if device is None else device)
+
+
+def load_vocoder(directory: Path, entry) -> CausalVocoder:
+    """The learned vocoder that codec.json's `"vocoder"` entry names: `{"type": "causal_vocos",
+    "channels": C, "blocks": B, "kernel": K, "weights": "vocoder.safetensors"}`, its weights read from
+    `directory`. Raises CodecCheckpointError naming the file and what is wrong (an entry that is not
+    such an object, missing weights), or RuntimeError (weights of another shape)."""
+    where = directory / "codec.json"
+    if not isinstance(entry, dict):
+        raise CodecCheckpointError(f'{where}: "vocoder" must be an object, got {entry!r}')
+    if entry.get("type") != VOCODER_TYPE:
+        raise CodecCheckpointError(
+            f"{where}: unknown vocoder type {entry.get('type')!r} (known: {VOCODER_TYPE})"
+        )
+    missing = [k for k in ("channels", "blocks", "kernel") if not isinstance(entry.get(k), int)]
+    if missing:
+        raise CodecCheckpointError(f"{where}: the vocoder entry needs integer {', '.join(missing)}")
+    net = CausalVocoder(channels=entry["channels"], blocks=entry["blocks"], kernel=entry["kernel"])
+    path = directory / entry.get("weights", VOCODER_WEIGHTS)
+    if not path.is_file():
+        raise CodecCheckpointError(f"{where} names vocoder weights {path.name}, which are missing")
+    net.load_state_dict({k: t.float() for k, t in load_file(str(path)).items()})
+    return net
 
 
 class MelVQStreamDecoder(MelStreamDecoder):

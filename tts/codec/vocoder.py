@@ -150,8 +150,8 @@ class VocoderSlots:
     Per slot (`max_streams + 1` rows allocated once on `device`, the last a scratch slot for pad rows):
     the last `receptive_frames` log-mel frames `[R, 80]` and the pending overlap `[768]`, as in
     `VocoderState`. `decode` has no host sync and no data-dependent branch (CUDA-graph safe): every row
-    computes all T frames, frames past a row's length are zeroed before the overlap-add so that they add
-    nothing, and each row's new state is gathered at its own end. A row of length 0 keeps its state.
+    computes all T frames, frames past a row's length are replaced by zeros before the overlap-add so
+    that they add nothing (not even a NaN of a padding frame), and each row's new state is gathered at its own end. A row of length 0 keeps its state.
     """
 
     def __init__(self, model: CausalVocoder, max_streams: int, device):
@@ -179,7 +179,7 @@ class VocoderSlots:
         x = torch.cat([self._context.index_select(0, slots), logmel.float()], dim=1)  # [B, R + M, 80]
         frames = self.model.frames(x)[:, R:]  # [B, M, 1024]
         valid = torch.arange(M, device=self.device).view(1, M) < lengths.view(B, 1) * SUBFRAMES
-        out = overlap_add(frames * valid.unsqueeze(-1))  # [B, 256 M + 768]
+        out = overlap_add(torch.where(valid.unsqueeze(-1), frames, 0.0))  # [B, 256 M + 768]
         out[:, :TAIL] += self._pending.index_select(0, slots)
         # New state at each row's end: context = the R mel frames before it, pending = the overlap after it.
         end_mel = (lengths * SUBFRAMES).view(B, 1, 1)
