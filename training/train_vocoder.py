@@ -327,7 +327,8 @@ def main() -> None:
         clips = Clips([audio[i] for i in train_ids], codec if a.input == "codec" else None)
         codec.to("cpu")
         print(
-            f"{len(train_ids)} clips ({sum(x.numel() for x in clips.audio) / 22050 / 3600:.2f} h), input {a.input}; "
+            f"{len(train_ids)} clips ({sum(x.numel() for x in clips.audio) / 22050 / 3600:.2f} h), "
+            f"input {a.input}; "
             f"vocoder {sum(x.numel() for x in model.parameters()) / 1e6:.2f} M parameters, "
             f"receptive field {model.receptive_frames} mel frames",
             flush=True,

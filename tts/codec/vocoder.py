@@ -151,7 +151,8 @@ class VocoderSlots:
     the last `receptive_frames` log-mel frames `[R, 80]` and the pending overlap `[768]`, as in
     `VocoderState`. `decode` has no host sync and no data-dependent branch (CUDA-graph safe): every row
     computes all T frames, frames past a row's length are replaced by zeros before the overlap-add so
-    that they add nothing (not even a NaN of a padding frame), and each row's new state is gathered at its own end. A row of length 0 keeps its state.
+    that they add nothing (not even a NaN of a padding frame), and each row's new state is gathered at
+    its own end. A row of length 0 keeps its state.
     """
 
     def __init__(self, model: CausalVocoder, max_streams: int, device):
