@@ -52,6 +52,28 @@ def test_registry_persists_registered_voices_and_guards_presets(tmp_path):
     assert list((tmp_path / "voices").iterdir()) == []
 
 
+def test_a_running_registry_sees_voices_another_process_adds_replaces_or_deletes(tmp_path):
+    """The folder is the truth: `tts voices add` / `delete` (another process, another registry) while
+    `tts serve` runs are seen by the server's registry at its next lookup or listing."""
+    presets = {"alpha": voice(3)}
+    server = VoiceRegistry(presets, tmp_path / "voices", "fp1")  # started before the folder exists
+    cli = VoiceRegistry(presets, tmp_path / "voices", "fp1")
+    cli.add("late", voice(5, "late words"))
+    assert server.get("late").text == "late words"
+    assert [e.name for e in server.list()] == ["alpha", "late"]
+    cli.add("late", voice(7, "newer words"), replace=True)
+    assert server.get("late").text == "newer words" and server.get("late").codes.shape == (4, 7)
+    VoiceRegistry(presets, tmp_path / "voices", "fp2").add("other", voice(2))  # another codec's file
+    with pytest.raises(VoiceNotFound):
+        server.get("other")
+    cli.delete("late")
+    with pytest.raises(VoiceNotFound):
+        server.get("late")
+    assert [e.name for e in server.list()] == ["alpha"]
+    with pytest.raises(VoiceNotFound):
+        server.get("../voices/late")  # never a path
+
+
 def test_unknown_voice_message_is_bounded():
     reg = VoiceRegistry({"alpha": voice(3)}, None, "fp")
     with pytest.raises(VoiceNotFound) as info:

@@ -4,7 +4,9 @@
   clip and its transcript encoded once and kept as codes. With a directory they are persisted as
   `NAME.safetensors` (codes `[N, T]` int64, the transcript and a codec fingerprint in the metadata,
   the same file layout as a bundle's presets), so they survive a restart; a file written for another
-  codec is skipped with a warning. Thread-safe: request handlers read it while others add or delete.
+  codec is skipped with a warning. The directory is the truth: a voice another process adds, replaces
+  or deletes there (`tts voices add` while `tts serve` runs) is seen at the next lookup or listing.
+  Thread-safe: request handlers read it while others add or delete.
 * `ReferenceCache`: encoded reference clips keyed by a content hash of (clip bytes, transcript, codec
   fingerprint), least recently used evicted beyond a byte budget, one encode per key at a time
   (a second request for a key being encoded waits for the first encode instead of repeating it).
@@ -103,25 +105,64 @@ class VoiceRegistry:
         self.fingerprint = fingerprint
         self._lock = threading.Lock()
         self._registered: dict[str, VoiceReference] = {}
-        if self.directory is not None and self.directory.is_dir():
-            self._registered = self._read_directory(self.directory)
+        self._stamps: dict[str, tuple[int, int]] = {}  # name -> (mtime_ns, size) of the file read
+        self._skipped: set[tuple[Path, tuple[int, int]]] = set()  # files warned about once
+        self._refresh()
 
-    def _read_directory(self, directory: Path) -> dict[str, VoiceReference]:
-        voices = {}
-        for f in sorted(directory.glob("*.safetensors")):
-            try:
-                with safe_open(str(f), "pt") as h:
-                    meta = h.metadata() or {}
-                    if self.fingerprint is not None and meta.get("codec") != self.fingerprint:
-                        log.warning("skipping voice file %s: made for another codec", f)
-                        continue
-                    voices[f.stem] = VoiceReference(codes=h.get_tensor("codes"), text=meta.get("text", ""))
-            except Exception as exc:  # noqa: BLE001 - one broken file must not stop the server
-                log.warning("skipping unreadable voice file %s: %s", f, exc)
-        return voices
+    def _read_file(self, f: Path, stamp: tuple[int, int]) -> VoiceReference | None:
+        """The voice in file `f`, or None (warned once per file version) when it is another codec's or
+        unreadable."""
+        try:
+            with safe_open(str(f), "pt") as h:
+                meta = h.metadata() or {}
+                if self.fingerprint is None or meta.get("codec") == self.fingerprint:
+                    return VoiceReference(codes=h.get_tensor("codes"), text=meta.get("text", ""))
+                problem = "made for another codec"
+        except Exception as exc:  # noqa: BLE001 - one broken file must not stop the server
+            problem = f"unreadable: {exc}"
+        if (f, stamp) not in self._skipped:
+            self._skipped.add((f, stamp))
+            log.warning("skipping voice file %s: %s", f, problem)
+        return None
+
+    def _sync(self, name: str) -> None:
+        """Bring `name`'s entry in line with its file: read it if new or changed, drop it if gone."""
+        if self.directory is None or not VOICE_NAME.fullmatch(name):
+            return
+        f = self.directory / f"{name}.safetensors"
+        try:
+            st = f.stat()
+        except OSError:
+            with self._lock:
+                self._registered.pop(name, None)
+                self._stamps.pop(name, None)
+            return
+        stamp = (st.st_mtime_ns, st.st_size)
+        with self._lock:
+            if self._stamps.get(name) == stamp:
+                return
+        voice = self._read_file(f, stamp)
+        with self._lock:
+            if voice is None:
+                self._registered.pop(name, None)
+            else:
+                self._registered[name] = voice
+            self._stamps[name] = stamp
+
+    def _refresh(self) -> None:
+        """Sync every voice the directory holds now, and drop those whose files are gone."""
+        if self.directory is None:
+            return
+        on_disk = {f.stem for f in self.directory.glob("*.safetensors")} if self.directory.is_dir() else set()
+        with self._lock:
+            known = set(self._registered) | set(self._stamps)
+        for name in sorted(on_disk | known):
+            self._sync(name)
 
     def get(self, name: str) -> VoiceReference:
         """The voice called `name` (preset first); raises VoiceNotFound naming a few that exist."""
+        if name not in self.presets:
+            self._sync(name)
         with self._lock:
             voice = self.presets.get(name) or self._registered.get(name)
             if voice is not None:
@@ -135,7 +176,8 @@ class VoiceRegistry:
             return "preset" if name in self.presets else "registered"
 
     def list(self) -> list[VoiceEntry]:
-        """Presets, then registered voices, each sorted by name."""
+        """Presets, then registered voices (as the directory holds them now), each sorted by name."""
+        self._refresh()
         with self._lock:
             return [VoiceEntry(n, "preset", v) for n, v in sorted(self.presets.items())] + [
                 VoiceEntry(n, "registered", v) for n, v in sorted(self._registered.items())
