@@ -514,7 +514,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     ttfa = f"{result.ttfa * 1000:.0f} ms" if result.ttfa is not None else "-"
     print(
         f"wrote {'stdout' if args.output == '-' else out} ({fmt.name}): {end.frames} frames, "
-        f"{result.audio_seconds:.2f} s audio at {result.sample_rate} Hz in "
+        f"{result.audio_seconds:.2f} s audio at {fmt.rate or result.sample_rate} Hz in "  # (opus: 48 kHz)
         f"{len(result.chunks)} chunks; TTFA {ttfa}, RTF {result.rtf:.3f} "
         f"(server: TTFA {end.time_to_first_audio_seconds * 1000:.0f} ms, RTF {end.rtf:.3f}), "
         f"finish {reasons.get(end.finish_reason, '?')}, seed {result.header.seed}",

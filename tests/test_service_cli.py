@@ -63,7 +63,7 @@ class ServeProcess:
         return address, metrics
 
 
-def test_serve_client_bench_and_sigterm(tmp_path):
+def test_serve_client_bench_and_sigterm(tmp_path, capsys):
     server = ServeProcess(
         "--model",
         "tiny",
@@ -114,6 +114,11 @@ def test_serve_client_bench_and_sigterm(tmp_path):
         )
         audio, rate = sf.read(out)
         assert rate == 16000 and 0 < len(audio) <= 20 * 640 and len(audio) % 640 == 0
+        # Ogg (Opus) is written at 48 kHz, and the summary line says so.
+        capsys.readouterr()
+        ogg = tmp_path / "hello.ogg"
+        assert main(["client", "Hello.", "--server", address, "-o", str(ogg), "--max-new-frames", "5"]) == 0
+        assert "audio at 48000 Hz" in capsys.readouterr().out and sf.info(str(ogg)).samplerate == 48000
         # Bad input: exit code 2, one line, no file.
         bad = tmp_path / "bad.wav"
         assert main(["client", "Hi.", "--server", address, "-o", str(bad), "--voice", "nobody"]) == 2
