@@ -188,3 +188,33 @@ def test_registry_is_safe_to_read_while_adding(tmp_path):
         reg.add(f"v{i}", voice(3))
     t.join()
     assert not errors and len(reg.list()) == 20
+
+
+def test_voices_add_names_a_missing_or_bad_clip_in_one_line_before_loading(tmp_path, capsys, monkeypatch):
+    """`tts voices add` reads its clip as `--reference-audio` is read: one `tts: error:` line naming the
+    file and the reason (not soundfile's own wording), exit 2, before the model loads, nothing written."""
+    import tts.bundle
+    from tts.cli import main
+
+    monkeypatch.setattr(tts.bundle, "load_bundle", lambda *a, **k: pytest.fail("the model was loaded"))
+    bad = tmp_path / "notes.txt"
+    bad.write_text("not audio")
+    voices = tmp_path / "voices"
+    for clip, reason in ((tmp_path / "missing.wav", "not found"), (bad, "expected WAV or FLAC")):
+        argv = [
+            "voices",
+            "--model",
+            "tiny",
+            "--voices-dir",
+            str(voices),
+            "add",
+            "me",
+            str(clip),
+            "--text",
+            "Hi.",
+        ]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("tts: error: ") and len(err.splitlines()) == 1, err
+        assert str(clip) in err and reason in err and "System error" not in err
+    assert not voices.exists()

@@ -520,12 +520,13 @@ def cmd_voices(args: argparse.Namespace) -> int:
     directory = voices_dir_arg(args)
     if action == "add":
         from .api import TTS
-        from .audio import read_audio
         from .voices import VOICE_NAME, VOICE_NAME_RULE
 
         if not VOICE_NAME.fullmatch(args.name):
             raise UserError(f"voice name {args.name!r} is not valid: {VOICE_NAME_RULE}")
-        audio, rate = read_audio(Path(args.clip))
+        _, audio, rate = read_reference_file(
+            args.clip
+        )  # a bad clip: named in one line, before the model loads
         check_device(args.device)
         bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype))
         tts = TTS(bundle, voices_dir=directory)
