@@ -65,7 +65,7 @@ from tts.engine.loop import Audio, EngineFailed, Failed, Finished, LoopClosed, O
 from tts.text import TextError
 from tts_grpc.v1 import tts_pb2 as pb
 
-from .server import build_job, prepare_reference, status_for
+from .server import CallLog, build_job, prepare_reference, status_for
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +211,7 @@ class _Synthesis:
         self.ended = False  # Finished or Failed seen (the job is over on the engine side)
         self.finished = False  # Finished seen: all the audio is encoded (maybe not yet sent)
         self.input_tokens = 0
+        self.call = CallLog("http", t_received, started.request_id)  # its log line (filled in by speech)
         # Encoding compressed formats (or with a tempo change) runs on a worker thread, off the event loop
         # that also serves gRPC; the encoder's lock makes close() wait for a running encode.
         self.threaded = encoder.format.name not in ("pcm", "wav") or encoder.speed != 1.0
@@ -241,12 +242,15 @@ class _Synthesis:
                 if data:
                     yield "audio", data
                 self._count_ok()
+                self.front.log_call(self.call, "ok", finished=event, synthesis=self)
                 yield "done", event
                 return
             else:
                 assert isinstance(event, Failed), event
                 self.ended = True
-                self.front.count(api_error(event.error).outcome)
+                err = api_error(event.error)
+                self.front.count(err.outcome)
+                self.front.log_call(self.call, err.outcome, err.message, synthesis=self)
                 yield "failed", event.error
                 return
 
@@ -308,6 +312,7 @@ class _Synthesis:
         if not self.ended:
             self.ended = True
             self.front.count(outcome)
+            self.front.log_call(self.call, outcome, synthesis=self)
         self.stream.cancel()  # a no-op once the job ended
         self.encoder.close()
 
@@ -377,6 +382,26 @@ class HTTPFront:
     def count(self, outcome: str) -> None:
         """Count one finished speech request in `tts_requests_total{outcome}` (shared with gRPC)."""
         self.metrics.requests.labels(outcome).inc()
+
+    def log_call(
+        self,
+        call: CallLog,
+        outcome: str,
+        detail: str = "",
+        finished: Finished | None = None,
+        synthesis: _Synthesis | None = None,
+    ) -> None:
+        """The one log line of a finished speech request, as gRPC calls log theirs (`rpc=http`)."""
+        call.outcome, call.detail = outcome, detail
+        if synthesis is not None:
+            call.first_audio = synthesis.t_first
+            call.audio_seconds = synthesis.samples / self.bundle.codec.sample_rate
+            call.frames = (
+                finished.frames
+                if finished is not None
+                else synthesis.samples // self.bundle.codec.frame_length
+            )
+        self.server.servicer._log(call)
 
     def drop_connection(self, scope) -> bool:
         """Abort (not close: a client that stopped reading would keep a closing connection open while its
@@ -701,8 +726,10 @@ class HTTPFront:
         module docstring for the statuses)."""
         t_received = time.monotonic()
         stream = None
+        call = CallLog("http", t_received)
         try:
             r = self._parse(await self._read_body(request))
+            call.text_bytes = len(r.input.encode("utf-8", "replace"))
             self._check_model(r.model)
             req = self._to_proto(r)
             if not self.loop.ready:
@@ -711,7 +738,9 @@ class HTTPFront:
                 raise LoopClosed("the engine has stopped; not accepting requests")
             prepared, input_tokens = await asyncio.to_thread(self._prepare, req, r.stream_format == "sse")
             prepared.job.request_id = "http"  # request ids: http-N here, job-N from gRPC
+            call.voice = prepared.job.voice_kind
             stream = self.loop.submit(prepared.job, asyncio.get_running_loop())
+            call.request_id = stream.request_id
             event = await stream.next()
             if isinstance(event, Failed):
                 raise event.error
@@ -719,17 +748,20 @@ class HTTPFront:
             encoder = AudioEncoder(FORMATS[r.response_format], self.bundle.codec.sample_rate, speed=r.speed)
         except APIError as exc:
             self.count(exc.outcome)
+            self.log_call(call, exc.outcome, exc.message)
             return exc.response()
         except REQUEST_ERRORS as exc:
             if stream is not None:
                 stream.cancel()  # a no-op: the job failed
             err = api_error(exc)
             self.count(err.outcome)
+            self.log_call(call, err.outcome, err.message)
             return err.response()
         except asyncio.CancelledError:
             if stream is not None:
                 stream.cancel()
                 self.count("cancelled")
+                self.log_call(call, "cancelled")
             raise
         except Exception as exc:  # noqa: BLE001 - a bug: 500 with its message
             log.exception("preparing an HTTP request failed")
@@ -737,9 +769,11 @@ class HTTPFront:
                 stream.cancel()
             err = api_error(exc)
             self.count(err.outcome)
+            self.log_call(call, err.outcome, err.message)
             return err.response()
 
         synthesis = _Synthesis(self, stream, event, encoder, t_received)
+        synthesis.call.text_bytes, synthesis.call.voice = call.text_bytes, call.voice
         synthesis.input_tokens = input_tokens
         headers = {
             "X-Request-Id": event.request_id,

@@ -10,6 +10,7 @@ import base64
 import http.client
 import io
 import json
+import logging
 import shutil
 import socket
 import subprocess
@@ -212,6 +213,26 @@ def test_default_format_is_mp3_and_openai_model_names_are_accepted(server):
     # The OpenAI custom-voice form {"id": name} names a voice too; no model is fine.
     status, _, _ = server.speech(input="Hi.", voice={"id": "beta"}, seed=1, max_new_frames=3)
     assert status == 200
+
+
+def test_each_http_request_logs_one_line_like_grpc(server, caplog):
+    """A finished speech request, served or refused, logs the line gRPC calls log (`rpc=http`)."""
+    caplog.set_level(logging.INFO, logger="service.server")
+    status, headers, _ = server.speech(input="Hi there.", voice="alpha", seed=1, max_new_frames=5)
+    assert status == 200
+    status, _, _ = server.speech(input="Hi.", voice="nobody")
+    assert status == 404
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the ok line is written once the body has been sent
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request id=")]
+        if len(lines) >= 2:
+            break
+        time.sleep(0.05)
+    ok = [x for x in lines if f"id={headers['X-Request-Id']} " in x]
+    assert len(ok) == 1 and "rpc=http" in ok[0] and "outcome=ok" in ok[0], lines
+    assert "voice=preset:alpha" in ok[0] and "text_bytes=9" in ok[0] and " frames=" in ok[0]
+    refused = [x for x in lines if "outcome=not_found" in x]
+    assert len(refused) == 1 and "rpc=http" in refused[0] and "nobody" in refused[0], lines
 
 
 def test_sse_stream_carries_the_audio_and_a_done_event(server, reference):
