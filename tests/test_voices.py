@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future
 
@@ -218,3 +219,21 @@ def test_voices_add_names_a_missing_or_bad_clip_in_one_line_before_loading(tmp_p
         assert err.startswith("tts: error: ") and len(err.splitlines()) == 1, err
         assert str(clip) in err and reason in err and "System error" not in err
     assert not voices.exists()
+
+
+def test_a_listing_between_the_file_write_and_the_registration_is_no_conflict(tmp_path, monkeypatch):
+    """A reader that lists (and so reads the directory) right after `add` wrote the voice's file must not
+    make `add` see its own file as another's voice (this failed as VoiceExists under load)."""
+    import tts.voices
+
+    reg = VoiceRegistry({}, tmp_path, "fp")
+    real_replace = os.replace
+
+    def replace_then_list(src, dst):
+        real_replace(src, dst)
+        assert [e.name for e in reg.list()] == ["mine"]  # what a concurrent ListVoices sees now
+
+    monkeypatch.setattr(tts.voices.os, "replace", replace_then_list)
+    assert reg.add("mine", voice(4)).name == "mine"
+    with pytest.raises(VoiceExists):  # a second add of the name still conflicts
+        reg.add("mine", voice(5))

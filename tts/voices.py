@@ -103,7 +103,8 @@ class VoiceRegistry:
         self.presets = dict(presets)
         self.directory = Path(directory) if directory is not None else None
         self.fingerprint = fingerprint
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the dictionaries below
+        self._write_lock = threading.Lock()  # one add or delete at a time (held across the file write)
         self._registered: dict[str, VoiceReference] = {}
         self._stamps: dict[str, tuple[int, int]] = {}  # name -> (mtime_ns, size) of the file read
         self._skipped: set[tuple[Path, tuple[int, int]]] = set()  # files warned about once
@@ -195,41 +196,51 @@ class VoiceRegistry:
                 raise VoiceExists(f"a voice named {name!r} exists (replace it: --replace, or replace=true)")
 
     def add(self, name: str, voice: VoiceReference, replace: bool = False) -> VoiceEntry:
-        """Register (and persist) `voice` as `name`. Raises as `check_new`, OSError if the file
-        cannot be written (nothing is registered then)."""
+        """Register (and persist) `voice` as `name`. Raises as `check_new` (a file another process wrote
+        counts), OSError if the file cannot be written (nothing is registered then)."""
         if self.fingerprint is None:
             raise RuntimeError("this registry was opened without the codec's fingerprint; it cannot add")
-        self.check_new(name, replace)
-        if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{name}.", suffix=".tmp")
-            os.close(fd)
-            try:
-                save_file(
-                    {"codes": voice.codes.to(torch.int64).contiguous()},
-                    tmp,
-                    metadata={"text": voice.text, "codec": self.fingerprint},
-                )
-                os.replace(tmp, self.directory / f"{name}.safetensors")
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
-        with self._lock:
-            if name in self._registered and not replace:  # added meanwhile by another request
-                raise VoiceExists(f"a voice named {name!r} exists (replace it: --replace, or replace=true)")
-            self._registered[name] = voice
+        with self._write_lock:  # adds and deletes of this registry, one at a time
+            self._sync(name)
+            self.check_new(name, replace)
+            stamp = None
+            if self.directory is not None:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{name}.", suffix=".tmp")
+                os.close(fd)
+                try:
+                    save_file(
+                        {"codes": voice.codes.to(torch.int64).contiguous()},
+                        tmp,
+                        metadata={"text": voice.text, "codec": self.fingerprint},
+                    )
+                    st = os.stat(tmp)
+                    os.replace(tmp, self.directory / f"{name}.safetensors")
+                except BaseException:
+                    Path(tmp).unlink(missing_ok=True)
+                    raise
+                stamp = (st.st_mtime_ns, st.st_size)
+            with self._lock:
+                self._registered[name] = voice
+                if stamp is not None:
+                    self._stamps[name] = stamp  # (its own file: no re-read at the next lookup)
         return VoiceEntry(name, "registered", voice)
 
     def delete(self, name: str) -> None:
         """Remove a registered voice (and its file). Raises VoiceNotFound, or InvalidRequest for a preset.
         Requests already using it keep their copy of the codes."""
-        with self._lock:
-            if name in self.presets:
-                raise InvalidRequest(f"{name!r} is a preset voice of the model and cannot be deleted")
-            if self._registered.pop(name, None) is None:
-                raise VoiceNotFound(f"no registered voice named {shorten(name, 60)!r}")
-        if self.directory is not None:
-            (self.directory / f"{name}.safetensors").unlink(missing_ok=True)
+        if name in self.presets:
+            raise InvalidRequest(f"{name!r} is a preset voice of the model and cannot be deleted")
+        with self._write_lock:
+            self._sync(name)
+            with self._lock:
+                if name not in self._registered:
+                    raise VoiceNotFound(f"no registered voice named {shorten(name, 60)!r}")
+            if self.directory is not None:  # the file first: a lookup meanwhile finds it gone and drops it
+                (self.directory / f"{name}.safetensors").unlink(missing_ok=True)
+            with self._lock:
+                self._registered.pop(name, None)
+                self._stamps.pop(name, None)
 
 
 def default_voices_dir(model_name: str) -> Path:
