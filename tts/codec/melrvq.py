@@ -20,8 +20,8 @@ Frame layout (22050 Hz, 1024 samples per frame = 21.53 frames/s, the Fish frame 
   (`context_frames = C + 1`).
 
 Streaming. The base `StreamingDecoder` (decode a window of left context, keep the new frames' samples)
-and `MelStreamDecoder` (`batched_stream`: many streams per call, each continuing from per-slot state:
-the last C frames' magnitudes and the previous window's cross-fade tail) both equal `decode()` of all
+and `MelStreamDecoder` (`batched_stream`: many streams per call, each continuing from per-slot state,
+`GriffinLimSlots`: the last C frames' magnitudes and the previous window's cross-fade tail) both equal `decode()` of all
 codes **bit for bit on the CPU**: every window is computed by the same operations whatever the batch
 around it (FFTs and element-wise ops are per row; the one matrix product has a multiple of 4 rows, see
 `melvq.rows_linear`). Measured with 1, 2 and 8 torch threads on the development machine (MKL, AVX-512);
@@ -37,7 +37,6 @@ windows, which stay in cache), so decoding T frames costs T + 1 Griffin-Lim wind
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from pathlib import Path
@@ -391,7 +390,7 @@ class WindowedGriffinLim:
     the samples of the last k frames only and runs only their k + 1 windows (streaming decode).
     Runs where its constants are (`to(device)`; CPU by default); `__call__` takes its input there.
 
-    The pieces (`magnitudes`, `gl`, `emit`) are shared with `MelStreamDecoder`, which keeps the last
+    The pieces (`magnitudes`, `gl`, `emit`) are shared with `GriffinLimSlots`, which keeps the last
     `context` frames' magnitudes and the previous window's cross-fade tail per stream instead of
     recomputing them; both paths do the same per-window arithmetic.
     """
@@ -417,6 +416,10 @@ class WindowedGriffinLim:
         self.inverse_fb, self.fade_in = self.inverse_fb.to(device), self.fade_in.to(device)
         self.gl.to(device)
         return self
+
+    def slots(self, max_streams: int, device: torch.device) -> GriffinLimSlots:
+        """Per-slot streaming state for `max_streams` streams on `device` (the batched codec stage)."""
+        return GriffinLimSlots(self, max_streams, device)
 
     def magnitudes(self, logmel: Tensor) -> Tensor:
         """Log-mel `[..., M, 80]` -> linear STFT magnitudes `[..., M, 513]` (pseudo-inverse of the
@@ -457,56 +460,23 @@ class WindowedGriffinLim:
         return out.reshape(-1)
 
 
-class MelStreamDecoder(BatchedStreamDecoder):
-    """Batched streaming decode for the mel codecs: codes -> log-mel (the subclass's `_logmel`) ->
-    Griffin-Lim windows, continuing every stream from per-slot state instead of re-decoding context.
+class GriffinLimSlots:
+    """`WindowedGriffinLim`'s streaming state for many streams in fixed slots (the mel codecs' batched
+    codec stage, `MelStreamDecoder`), continuing every stream instead of re-decoding context.
 
     Per slot (`max_streams + 1` rows, allocated once on `device`): the STFT magnitudes of the stream's
     last `context` codec frames (`[4 C, 513]`: what the next frames' Griffin-Lim windows reach back to)
     and the cross-fade tail of its last window (`[256]`: the half of the next frame's cross-fade that
-    comes from the previous window). A fresh slot holds what `decode` pads a stream with: silence
-    magnitudes and the tail of the all-silence window. So a `decode` of T frames runs exactly the T
-    Griffin-Lim windows of those frames, the same windows with the same inputs as
-    `WindowedGriffinLim.__call__`, and nothing twice.
-
-    `decode` has no host sync and no data-dependent Python branch (`graph_safe`): ragged lengths are
-    handled by computing every row's T frames and gathering each row's new state at its own valid end,
-    and `reset` is index writes. Inputs on another device are moved to `device` (a copy; capture-safe
-    only when they already live there). See `BatchedStreamDecoder` for the slot, length and padding
-    contract, and the codec modules for the tolerance against `decode`.
+    comes from the previous window). A fresh slot holds what `WindowedGriffinLim.__call__` pads a stream
+    with: silence magnitudes and the tail of the all-silence window. So a `decode` of T frames runs
+    exactly the T Griffin-Lim windows of those frames, the same windows with the same inputs as the
+    offline call, and nothing twice. `decode` has no host sync and no data-dependent branch: every row
+    computes its T frames and each row's new state is gathered at its own valid end.
     """
 
-    graph_safe = True
-
-    def __init__(
-        self,
-        vocoder: WindowedGriffinLim,
-        num_codebooks: int,
-        codebook_size: int,
-        max_streams: int,
-        device,
-        learned=None,
-    ):
-        """learned: a learned vocoder's per-slot stage (`tts.codec.vocoder.VocoderSlots`, built here on
-        `device` from the `CausalVocoder` given) that replaces Griffin-Lim and its state."""
-        if max_streams < 1:
-            raise ValueError(f"max_streams must be at least 1, got {max_streams}")
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:  # "cuda" means the current device
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.max_streams, self.device = max_streams, device
-        self.num_codebooks, self.codebook_size = num_codebooks, codebook_size
-        self.learned = None
-        if learned is not None:
-            from .vocoder import VocoderSlots
-
-            model = (
-                learned if next(learned.parameters()).device == device else copy.deepcopy(learned).to(device)
-            )
-            self.learned = VocoderSlots(model, max_streams, device)
-            return
-        voc = WindowedGriffinLim(vocoder.context, vocoder.iters).to(self.device)  # this decoder's own
-        self.vocoder = voc
+    def __init__(self, vocoder: WindowedGriffinLim, max_streams: int, device: torch.device):
+        voc = WindowedGriffinLim(vocoder.context, vocoder.iters).to(device)  # this stage's own constants
+        self.vocoder, self.device = voc, device
         keep = voc.context * SUBFRAMES
         with torch.no_grad():
             # What a fresh stream continues from: C codec frames of silence before frame 0, and the
@@ -517,9 +487,65 @@ class MelStreamDecoder(BatchedStreamDecoder):
                 voc.gl(w_prev.contiguous()), torch.zeros(1, CROSSFADE, device=device)
             )[1]
         slots = max_streams + 1
-        self._mag = torch.empty(slots, keep, N_FFT // 2 + 1, device=self.device)
-        self._tail = torch.empty(slots, CROSSFADE, device=self.device)
-        self._mag_offsets = torch.arange(keep, device=self.device).view(1, keep, 1)
+        self._mag = torch.empty(slots, keep, N_FFT // 2 + 1, device=device)
+        self._tail = torch.empty(slots, CROSSFADE, device=device)
+        self._mag_offsets = torch.arange(keep, device=device).view(1, keep, 1)
+
+    @torch.no_grad()
+    def reset(self, slots: Tensor) -> None:
+        """Fresh streams in `slots` (`[k]` int64 on `device`)."""
+        k = slots.shape[0]
+        self._mag.index_copy_(0, slots, self._silence_mag.expand(k, -1, -1))
+        self._tail.index_copy_(0, slots, self._silence_tail.expand(k, -1))
+
+    @torch.no_grad()
+    def decode(self, slots: Tensor, logmel: Tensor, lengths: Tensor) -> Tensor:
+        """Continue streams `slots` `[B]` by log-mel `[B, 4T, 80]` of which row i's first 4 lengths[i]
+        frames are real -> audio `[B, 1024 T]` float32 (row i's first 1024 lengths[i] samples are its)."""
+        voc = self.vocoder
+        B, T = logmel.shape[0], logmel.shape[1] // SUBFRAMES
+        mag = torch.cat([self._mag.index_select(0, slots), voc.magnitudes(logmel)], dim=1)  # [B, 4(C+T), 513]
+        y = voc.gl(voc.windows(mag).reshape(B * T, voc.window_frames, -1)).view(B, T, -1)
+        end = voc.start + FRAME_LENGTH
+        # tails[:, t] is the tail of the window before frame t (t = 0: the slot's stored tail)
+        tails = torch.cat(
+            [self._tail.index_select(0, slots).unsqueeze(1), y[..., end : end + CROSSFADE]], dim=1
+        )
+        audio, _ = voc.emit(y, tails[:, :T])
+        # New state at each row's valid end: a row of length 0 writes back what it read.
+        mag_idx = (lengths.view(B, 1, 1) * SUBFRAMES + self._mag_offsets).expand(-1, -1, mag.shape[-1])
+        self._mag.index_copy_(0, slots, mag.gather(1, mag_idx))
+        tail_idx = lengths.view(B, 1, 1).expand(-1, 1, CROSSFADE)
+        self._tail.index_copy_(0, slots, tails.gather(1, tail_idx).squeeze(1))
+        return audio.reshape(B, T * FRAME_LENGTH)
+
+
+class MelStreamDecoder(BatchedStreamDecoder):
+    """Batched streaming decode for the mel codecs: codes -> log-mel (the subclass's `_logmel`, which
+    keeps its own per-slot state) -> audio by the vocoder's per-slot stage (`vocoder.slots(...)`:
+    `GriffinLimSlots` for Griffin-Lim, `tts.codec.vocoder.VocoderSlots` for the learned vocoder).
+
+    `decode` has no host sync and no data-dependent Python branch (`graph_safe`): ragged lengths are
+    handled by computing every row's T frames and gathering each row's new state at its own valid end,
+    and `reset` is index writes. Inputs on another device are moved to `device` (a copy; capture-safe
+    only when they already live there). See `BatchedStreamDecoder` for the slot, length and padding
+    contract, and the codec modules for the tolerance against `decode`.
+    """
+
+    graph_safe = True
+
+    def __init__(self, vocoder, num_codebooks: int, codebook_size: int, max_streams: int, device):
+        """vocoder: `WindowedGriffinLim` or `tts.codec.vocoder.CausalVocoder` (anything with
+        `slots(max_streams, device)` returning a stage with `reset(slots)` and `decode(slots, logmel,
+        lengths)`)."""
+        if max_streams < 1:
+            raise ValueError(f"max_streams must be at least 1, got {max_streams}")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" means the current device
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.max_streams, self.device = max_streams, device
+        self.num_codebooks, self.codebook_size = num_codebooks, codebook_size
+        self.stage = vocoder.slots(max_streams, device)
 
     def _init_slots(self) -> None:
         """Reset every slot, the scratch slot included (subclasses call this once their state exists)."""
@@ -528,13 +554,7 @@ class MelStreamDecoder(BatchedStreamDecoder):
     @torch.no_grad()
     def reset(self, slots: Tensor) -> None:
         slots = slots.to(self.device)
-        k = slots.shape[0]
-        if self.learned is not None:
-            self.learned.reset(slots)
-            self._reset(slots)
-            return
-        self._mag.index_copy_(0, slots, self._silence_mag.expand(k, -1, -1))
-        self._tail.index_copy_(0, slots, self._silence_tail.expand(k, -1))
+        self.stage.reset(slots)
         self._reset(slots)
 
     def _reset(self, slots: Tensor) -> None:
@@ -558,23 +578,7 @@ class MelStreamDecoder(BatchedStreamDecoder):
         if T == 0:
             return torch.zeros(B, 0, device=self.device)
         logmel = self._logmel(slots, codes.clamp(0, self.codebook_size - 1), lengths)  # [B, 4T, 80]
-        if self.learned is not None:
-            return self.learned.decode(slots, logmel, lengths)
-        voc = self.vocoder
-        mag = torch.cat([self._mag.index_select(0, slots), voc.magnitudes(logmel)], dim=1)  # [B, 4(C+T), 513]
-        y = voc.gl(voc.windows(mag).reshape(B * T, voc.window_frames, -1)).view(B, T, -1)
-        end = voc.start + FRAME_LENGTH
-        # tails[:, t] is the tail of the window before frame t (t = 0: the slot's stored tail)
-        tails = torch.cat(
-            [self._tail.index_select(0, slots).unsqueeze(1), y[..., end : end + CROSSFADE]], dim=1
-        )
-        audio, _ = voc.emit(y, tails[:, :T])
-        # New state at each row's valid end: a row of length 0 writes back what it read.
-        mag_idx = (lengths.view(B, 1, 1) * SUBFRAMES + self._mag_offsets).expand(-1, -1, mag.shape[-1])
-        self._mag.index_copy_(0, slots, mag.gather(1, mag_idx))
-        tail_idx = lengths.view(B, 1, 1).expand(-1, 1, CROSSFADE)
-        self._tail.index_copy_(0, slots, tails.gather(1, tail_idx).squeeze(1))
-        return audio.reshape(B, T * FRAME_LENGTH)
+        return self.stage.decode(slots, logmel, lengths)
 
 
 class MelRVQStreamDecoder(MelStreamDecoder):

@@ -28,8 +28,8 @@ and are turned back into log-mel by a learned causal decoder, both trained with 
 Inference runs the decoder through `MelVQNet.decode_frames` (the same function as `decode`, frame-major,
 as row products with a multiple of 4 rows, continuable from each block's last inputs), so a frame's
 log-mel does not depend on how many frames or streams are decoded with it. That makes `stream()` and
-`batched_stream()` (`MelVQStreamDecoder`: per-slot decoder history plus the Griffin-Lim state of
-`melrvq.MelStreamDecoder`) equal `decode()` bit for bit on the CPU, and within ~1e-2 (Griffin-Lim's
+`batched_stream()` (`MelVQStreamDecoder`: per-slot decoder history plus the vocoder's per-slot state,
+`melrvq.GriffinLimSlots`) equal `decode()` bit for bit on the CPU, and within ~1e-2 (Griffin-Lim's
 chaotic amplification of rounding, see `tts.codec.melrvq`) on CUDA.
 
 Devices: `MelVQCodec.to(device)` moves the net, codebooks, mean/std and the vocoder's constants;
@@ -390,7 +390,7 @@ def load_vocoder(directory: Path, entry) -> CausalVocoder:
 
 
 class MelVQStreamDecoder(MelStreamDecoder):
-    """The default codec's `BatchedStreamDecoder`: `MelStreamDecoder`'s Griffin-Lim state plus, per
+    """The default codec's `BatchedStreamDecoder`: `MelStreamDecoder`'s vocoder state plus, per
     slot, each causal decoder block's last `2 * dilation` GELU'd inputs (`[2 d, channels]`, zeros for a
     fresh stream: the block's causal zero padding), so a call decodes only its new frames.
 
@@ -401,14 +401,8 @@ class MelVQStreamDecoder(MelStreamDecoder):
     """
 
     def __init__(self, codec: MelVQCodec, max_streams: int, device):
-        super().__init__(
-            codec.vocoder,
-            codec.num_codebooks,
-            codec.codebook_size,
-            max_streams,
-            device,
-            learned=codec.vocoder_net,
-        )
+        vocoder = codec.vocoder if codec.vocoder_net is None else codec.vocoder_net
+        super().__init__(vocoder, codec.num_codebooks, codec.codebook_size, max_streams, device)
         net = codec.net
         self.net = net if codec.device == self.device else copy.deepcopy(net).to(self.device)
         self.mean, self.std = codec.mean.to(self.device), codec.std.to(self.device)

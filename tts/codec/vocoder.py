@@ -29,6 +29,7 @@ frames (mel frame j is centred on signal sample 256 j), four mel frames per code
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -105,6 +106,12 @@ class CausalVocoder(nn.Module):
         state = self.initial_state(logmel.shape[0], logmel.device)
         return self.stream(logmel, state)
 
+    def slots(self, max_streams: int, device: torch.device) -> VocoderSlots:
+        """Per-slot streaming state for `max_streams` streams on `device` (the batched codec stage),
+        running this vocoder there (a copy when it lives elsewhere)."""
+        model = self if next(self.parameters()).device == device else copy.deepcopy(self).to(device)
+        return VocoderSlots(model, max_streams, device)
+
     def initial_state(self, batch: int, device=None) -> VocoderState:
         """A fresh stream's state for `batch` rows: silence context, nothing pending."""
         context = torch.full((batch, self.receptive_frames, N_MELS), math.log(LOG_FLOOR), device=device)
@@ -145,7 +152,7 @@ def overlap_add(frames: Tensor) -> Tensor:
 
 class VocoderSlots:
     """A `CausalVocoder`'s streaming state for many streams in fixed slots: the batched codec stage's
-    vocoder (`melrvq.MelStreamDecoder` with a learned vocoder).
+    vocoder (`melrvq.MelStreamDecoder` with a learned vocoder; `melrvq.GriffinLimSlots` is Griffin-Lim's).
 
     Per slot (`max_streams + 1` rows allocated once on `device`, the last a scratch slot for pad rows):
     the last `receptive_frames` log-mel frames `[R, 80]` and the pending overlap `[768]`, as in
