@@ -524,9 +524,8 @@ def cmd_voices(args: argparse.Namespace) -> int:
 
         if not VOICE_NAME.fullmatch(args.name):
             raise UserError(f"voice name {args.name!r} is not valid: {VOICE_NAME_RULE}")
-        _, audio, rate = read_reference_file(
-            args.clip
-        )  # a bad clip: named in one line, before the model loads
+        # (read as --reference-audio is: a bad clip is named in one line, before the model loads)
+        _, audio, rate = read_reference_file(args.clip)
         check_device(args.device)
         bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype))
         tts = TTS(bundle, voices_dir=directory)

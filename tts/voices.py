@@ -156,7 +156,7 @@ class VoiceRegistry:
             return
         on_disk = {f.stem for f in self.directory.glob("*.safetensors")} if self.directory.is_dir() else set()
         with self._lock:
-            known = set(self._registered) | set(self._stamps)
+            known = set(self._stamps)  # (every voice read from or written to the directory has a stamp)
         for name in sorted(on_disk | known):
             self._sync(name)
 
