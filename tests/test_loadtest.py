@@ -297,25 +297,42 @@ def test_mean_batch_is_rows_over_steps_per_level():
     assert server_time_split(after, after)["mean_batch"] is None  # no step in the level
 
 
-def test_requests_per_prefill_is_requests_over_passes_per_level():
-    before = {"tts_prefill_passes_total": 2.0, "tts_prefill_requests_total": 2.0}
-    after = {"tts_prefill_passes_total": 5.0, "tts_prefill_requests_total": 14.0}
-    assert server_time_split(before, after)["requests_per_prefill"] == 4.0
-    assert server_time_split(after, after)["requests_per_prefill"] is None  # no prefill in the level
-
-
-def test_codec_frames_per_call_is_frames_over_calls_per_level():
-    before = {"tts_codec_decode_calls_total": 3.0, "tts_codec_decode_frames_total": 40.0}
-    after = {"tts_codec_decode_calls_total": 7.0, "tts_codec_decode_frames_total": 200.0}
-    assert server_time_split(before, after)["codec_frames_per_call"] == 40.0
-    assert server_time_split(after, after)["codec_frames_per_call"] is None  # no call in the level
-
-
-def test_codec_fill_is_frames_over_padded_frames_per_level():
-    before = {"tts_codec_decode_frames_total": 40.0, "tts_codec_decode_padded_frames_total": 64.0}
-    after = {"tts_codec_decode_frames_total": 100.0, "tts_codec_decode_padded_frames_total": 144.0}
-    assert server_time_split(before, after)["codec_fill"] == 0.75
-    assert server_time_split(after, after)["codec_fill"] is None  # no call in the level
+@pytest.mark.parametrize(
+    "key, numerator, denominator, before, after, want",
+    [
+        (
+            "requests_per_prefill",
+            "tts_prefill_requests_total",
+            "tts_prefill_passes_total",
+            (2, 2),
+            (14, 5),
+            4.0,
+        ),
+        (
+            "codec_frames_per_call",
+            "tts_codec_decode_frames_total",
+            "tts_codec_decode_calls_total",
+            (40, 3),
+            (200, 7),
+            40.0,
+        ),
+        (
+            "codec_fill",
+            "tts_codec_decode_frames_total",
+            "tts_codec_decode_padded_frames_total",
+            (40, 64),
+            (100, 144),
+            0.75,
+        ),
+    ],
+)
+def test_per_level_ratios_are_counter_increments_divided(key, numerator, denominator, before, after, want):
+    """requests per prefill pass, codec frames per call, codec fill: the level's increment of one counter
+    over another's; None when the level has none of the denominator."""
+    b = {numerator: float(before[0]), denominator: float(before[1])}
+    a = {numerator: float(after[0]), denominator: float(after[1])}
+    assert server_time_split(b, a)[key] == want
+    assert server_time_split(a, a)[key] is None
 
 
 def test_first_audio_phases_are_mean_milliseconds_per_request_of_the_level():
