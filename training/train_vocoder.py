@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "training"))
 
 from tts.codec.melrvq import FRAME_LENGTH, HOP, LOG_FLOOR, SUBFRAMES, LogMel  # noqa: E402
-from tts.codec.vocoder import TAIL, CausalVocoder  # noqa: E402
+from tts.codec.vocoder import ENVELOPE, TAIL, CausalVocoder, overlap_add  # noqa: E402
 
 RESOLUTIONS = ((512, 128), (1024, 256), (2048, 512))
 DELAY = 512  # the codec's: emitted sample i is signal sample i - 512
@@ -153,8 +153,6 @@ def spectral_losses(y: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, t
 
 def compute_loss(model: CausalVocoder, batch: dict, mel_fn: LogMel) -> tuple[torch.Tensor, dict]:
     """The training loss of one batch (module docstring) and its parts."""
-    from tts.codec.vocoder import ENVELOPE, overlap_add
-
     R = model.receptive_frames
     frames = model.frames(batch["mel"])[:, R:]  # [B, M, 1024]
     M = frames.shape[1]
