@@ -117,7 +117,23 @@ def test_serve_client_bench_and_sigterm(tmp_path, capsys):
         # Ogg (Opus) is written at 48 kHz, and the summary line says so.
         capsys.readouterr()
         ogg = tmp_path / "hello.ogg"
-        assert main(["client", "Hello.", "--server", address, "-o", str(ogg), "--max-new-frames", "5"]) == 0
+        assert (
+            main(
+                [
+                    "client",
+                    "Hello.",
+                    "--server",
+                    address,
+                    "-o",
+                    str(ogg),
+                    "--max-new-frames",
+                    "5",
+                    "--seed",
+                    "1",
+                ]
+            )
+            == 0
+        )
         assert "audio at 48000 Hz" in capsys.readouterr().out and sf.info(str(ogg)).samplerate == 48000
         # Bad input: exit code 2, one line, no file.
         bad = tmp_path / "bad.wav"
