@@ -26,7 +26,7 @@
 # BENCHMARKS.md names them); that version of this script is at commit 21a3f24.
 set -uo pipefail
 [[ -n ${ACTIONS:-} ]] || { echo "usage: ACTIONS=\"tests s2_fp32 ... tar\" bash $0 (see the header)"; exit 2; }
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+[[ -n ${SKIP_PIP:-} ]] || python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export XDG_DATA_HOME=/tmp/xdg  # registered voices
 TTS="python3 -m tts.cli"

@@ -176,6 +176,31 @@ def test_train_script_writes_a_loadable_model(tmp_path):
 
     args = ModelArgs.from_dict(json.loads((out / "config.json").read_text()))
     assert args.num_codebooks == 4 and args.codebook_size == 64 and weight_files(out)
+    # Resumed from those weights (as the next GPU call does): the step count and the training seconds
+    # carry on, so that a shared --schedule-seconds makes one schedule of both runs.
+    out2 = tmp_path / "out2"
+    resume = cmd[:]
+    resume[resume.index("--out") + 1] = str(out2)
+    resume[resume.index("--steps") + 1] = "5"
+    subprocess.run(
+        [*resume, "--resume", str(out), "--schedule-seconds", "1000"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    state2 = json.loads((out2 / "train_state.json").read_text())
+    assert state2["step"] == 5 and [rec["step"] for rec in state2["history"]] == [1, 2, 3, 4, 5]
+    assert state2["train_seconds"] > state["train_seconds"] and state2["schedule_seconds"] == 1000
+
+
+def test_one_schedule_spans_resumed_runs_given_schedule_seconds():
+    # 300 s trained before, 100 s now, of a 1,000 s schedule: 40% along, whatever this run's budget.
+    assert train.schedule_progress(10, 10**9, 100.0, 250.0, 300.0, 1000.0) == pytest.approx(0.4)
+    # Without it, each run decays over its own budget (the shipped model's single run).
+    assert train.schedule_progress(10, 10**9, 100.0, 500.0, 300.0) == pytest.approx(0.2)
+    # A step limit that is further along wins.
+    assert train.schedule_progress(30, 40, 50.0, 250.0, 0.0, 1000.0) == pytest.approx(0.75)
 
 
 def test_init_from_a_deeper_model_keeps_its_first_layers_and_drops_the_rest(tmp_path):

@@ -439,8 +439,11 @@ def main() -> None:
         help="use only the first utterances of sentences.jsonl (whole shards of 1000; default: all)",
     )
     a = p.parse_args()
-    if a.stage in ("text", "all") and not (a.work / "sentences.jsonl").exists():
-        build_text(a.work, a.templates, a.seed, a.paragraphs, a.paragraph_bytes)
+    if a.stage in ("text", "all"):
+        if (a.work / "sentences.jsonl").exists():  # (resumable: an existing text list is kept)
+            log(f"{a.work / 'sentences.jsonl'} exists, kept (delete it to build the text again)")
+        else:
+            build_text(a.work, a.templates, a.seed, a.paragraphs, a.paragraph_bytes)
     if a.stage in ("synth", "all"):
         synth(a.work, a.jobs, a.max_utterances)
     if a.stage in ("codec", "all"):

@@ -23,7 +23,8 @@ target frame (codebook 0 is derived from the main token, docs/fish_dual_ar.md §
 
 Resumable: `--resume DIR` starts from a weights directory written by an earlier run (model shards +
 `train_state.json`: step and schedule; the optimizer moments restart, with a short warm-up) or from
-a full `checkpoint.pt` when one is there. Stops by itself after `--max-seconds` of wall time and then
+a full `checkpoint.pt` when one is there; give every run the same `--schedule-seconds` so that the
+runs make one learning-rate schedule (each call of a GPU machine is at most 10 minutes). Stops by itself after `--max-seconds` of wall time and then
 writes, into `--out`: the model weights as bf16 safetensors shards under 15 MB each, `config.json`,
 `train_state.json`, `loss.csv`; with `--full-checkpoint PATH` also a full fp32 + optimizer checkpoint.
 
@@ -289,6 +290,22 @@ def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def schedule_progress(
+    steps_done: int,
+    steps_left: int,
+    seconds: float,
+    budget: float,
+    trained_seconds: float = 0.0,
+    schedule_seconds: float | None = None,
+) -> float:
+    """How far along the cosine decay is (0 -> 1): by this run's steps of its `steps_left`, or by time,
+    whichever is further. By time: with `schedule_seconds`, the training seconds of every run so far
+    (`trained_seconds` of the resumed runs + this run's `seconds`) over it, so that runs resumed over
+    several GPU calls make one schedule; without, this run's seconds over its own `budget`."""
+    by_time = (trained_seconds + seconds) / schedule_seconds if schedule_seconds else seconds / budget
+    return max(steps_done / max(1, steps_left), by_time)
+
+
 class Batches(torch.utils.data.IterableDataset):
     """Endless training batches. Prompt assembly is Python work, so a `DataLoader` runs this in
     `--workers` processes (each with its own random stream) while the GPU trains."""
@@ -357,6 +374,13 @@ def main() -> None:
         default=420,
         help="stop and save after this wall time; the cosine decay follows max(step/steps, time/max-seconds)",
     )
+    p.add_argument(
+        "--schedule-seconds",
+        type=float,
+        default=None,
+        help="training seconds one learning-rate schedule spans, summed over resumed runs (give every run "
+        "the same value); default: each run decays over its own --max-seconds",
+    )
     p.add_argument("--batch-tokens", type=int, default=65536)
     p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument("--warmup", type=int, default=300)
@@ -420,7 +444,7 @@ def main() -> None:
                 prm,
                 std=0.02 / (math.sqrt(2 * args.n_layer) if name.endswith(("wo.weight", "w2.weight")) else 1),
             )
-    step, history = 0, []
+    step, history, trained_seconds = 0, [], 0.0  # (trained_seconds: by the runs this one resumes)
     opt = torch.optim.AdamW(
         model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.05, fused=device.type == "cuda"
     )
@@ -429,7 +453,7 @@ def main() -> None:
         ck = torch.load(a.full_checkpoint, map_location=device)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
-        step, history = ck["step"], ck["history"]
+        step, history, trained_seconds = ck["step"], ck["history"], ck.get("train_seconds", 0.0)
         print(f"resumed full checkpoint at step {step}", flush=True)
     elif a.resume:
         from safetensors.torch import load_file
@@ -441,7 +465,7 @@ def main() -> None:
             state.update(load_file(str(f)))
         model.load_state_dict({k: v.float() for k, v in state.items()})
         st = json.loads((a.resume / "train_state.json").read_text())
-        step, history = st["step"], st.get("history", [])
+        step, history, trained_seconds = st["step"], st.get("history", []), st.get("train_seconds", 0.0)
         rewarm = True
         print(f"resumed weights at step {step}", flush=True)
     elif a.init_from:
@@ -462,7 +486,14 @@ def main() -> None:
     budget = a.max_seconds - (t_train - t_start) - 20  # leave time to save
     batches = batch_loader(corpus, a.seed * 1000 + step, a.batch_tokens, a.workers)
     while step < a.steps and time.time() - t_train < budget:
-        progress = max((step - start_step) / max(1, a.steps - start_step), (time.time() - t_train) / budget)
+        progress = schedule_progress(
+            step - start_step,
+            a.steps - start_step,
+            time.time() - t_train,
+            budget,
+            trained_seconds,
+            a.schedule_seconds,
+        )
         lr = lr_at(step, progress, a.lr, a.warmup)
         if rewarm:  # fresh optimizer moments after resuming from weights: ramp up again
             lr *= min(1.0, (step - start_step + 1) / 100)
@@ -496,11 +527,6 @@ def main() -> None:
     (a.out / "config.json").write_text(json.dumps(args_out, indent=2))
     state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
     save_weights(state, a.out)
-    prev = (
-        json.loads((a.resume / "train_state.json").read_text())
-        if a.resume and (a.resume / "train_state.json").is_file()
-        else {}
-    )
     (a.out / "train_state.json").write_text(
         json.dumps(
             {
@@ -510,7 +536,8 @@ def main() -> None:
                 "batch_tokens": a.batch_tokens,
                 "lr": a.lr,
                 "steps": a.steps,
-                "train_seconds": prev.get("train_seconds", 0) + train_seconds,
+                "train_seconds": trained_seconds + train_seconds,
+                "schedule_seconds": a.schedule_seconds,
                 "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                 "parameters": n_params,
                 "utterances": len(corpus.items),
@@ -529,7 +556,13 @@ def main() -> None:
         w.writerows(history)
     if a.full_checkpoint:
         torch.save(
-            {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history},
+            {
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "step": step,
+                "history": history,
+                "train_seconds": trained_seconds + train_seconds,
+            },
             a.full_checkpoint,
         )
     print(f"wrote {a.out} ({time.time() - t_start:.0f} s total)", flush=True)

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Default voice v2 on one H200, over consecutive device calls on one warm machine (each call <= 10 min).
+# Run from the repo root through the device tool; writes what comes back under $OUT (<= 8 files).
+#
+#   CALL=1  carry [".whl", ".carry1"]: the CUDA tests and `tts synthesize --device cuda` (h200_service.sh
+#           ACTIONS="tests synth") run in the background while the learned vocoder trains from scratch
+#           (h200_voice.sh STEP=vocoder: espeak-ng speaks VOC_UTT clips, 16 processes).
+#           .carry1/ holds espeak.tgz (the .espeak/ folder h200_voice.sh describes) and sentences.jsonl.gz
+#           (the first lines of training/work/sentences.jsonl: the held-out sentences, then the clips).
+#   CALL=2  carry [".carry2"]: the v2 model trains from scratch on .carry2/codes_all.tgz (the codes of
+#           `corpus.py encode --codes-dir training/work/codes_all` through the shipped codec, paragraphs
+#           included) with chunk-length history, while the vocoder goes on from the checkpoint the last
+#           call left on this machine (skipped on a fresh machine).
+#   CALL=3  carry nothing: both go on from the checkpoints left on this machine.
+# The model's learning-rate schedule spans MODEL_SCHEDULE training seconds over calls 2 and 3, the
+# vocoder's VOC_SCHEDULE over its calls (train.py / train_vocoder.py --schedule-seconds); CALL_SECONDS is
+# each call's wall time for this script.
+set -uo pipefail
+W=training/work
+CALL=${CALL:?CALL=1, 2 or 3 (see the header)} CALL_SECONDS=${CALL_SECONDS:-560}
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+if [[ ! -d /tmp/site ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+fi
+mkdir -p $W /tmp/logs
+vocoder() {  # the vocoder, new or resumed, for the rest of this call
+  [[ -f $W/vocoder_audio.pt || -f .carry1/espeak.tgz ]] || { echo "vocoder: no clips on this machine, skipped"; return; }
+  SKIP_PIP=1 STEP=vocoder VOC_UTT=${VOC_UTT:-16000} CALL_SECONDS=$(( CALL_SECONDS - SECONDS )) \
+    VOC_ARGS="--schedule-seconds ${VOC_SCHEDULE:-1000}" bash scripts/h200_voice.sh > /tmp/logs/vocoder_call$CALL.log 2>&1
+  grep -v '"step"' /tmp/logs/vocoder_call$CALL.log | tail -12
+}
+if [[ $CALL == 1 ]]; then
+  tar xzf .carry1/espeak.tgz && cp .carry1/sentences.jsonl.gz $W/ && rm -f $W/sentences.jsonl
+  (SKIP_PIP=1 ACTIONS="tests synth" bash scripts/h200_service.sh > /tmp/logs/service.log 2>&1
+   echo "service script exit $?" >> /tmp/logs/service.log) &
+  vocoder
+  wait
+  cp $OUT/cuda_tests.log $OUT/env.txt /tmp/logs/ 2>/dev/null; rm -f $OUT/cuda_tests.log $OUT/env.txt
+  tail -12 /tmp/logs/service.log
+else
+  [[ $CALL == 2 ]] && { tar xzf .carry2/codes_all.tgz -C $W || exit 1; }
+  [[ -f $W/vocoder/checkpoint.pt ]] && vocoder > /tmp/logs/vocoder_summary_call$CALL.txt &
+  RES=(); [[ $CALL != 2 && -d $W/v2_model ]] && RES=(--resume $W/v2_model)
+  LEFT=$(( CALL_SECONDS - SECONDS - 25 ))
+  timeout $LEFT python3 training/train.py --data $W/codes_all --codec tts/assets/default --out /tmp/v2_model \
+    --size fast --workers 10 --batch-tokens 65536 --lr 1.5e-3 --warmup 300 --max-seconds $(( LEFT - 10 )) \
+    --schedule-seconds ${MODEL_SCHEDULE:-900} --history-rate 0.5 --history-frames 320 \
+    --full-checkpoint $W/v2_full.pt "${RES[@]}" ${TRAIN_ARGS:-} > /tmp/logs/model_call$CALL.log 2>&1
+  grep -E "corpus|model:|resumed|trained|wrote|Error|\"step\": [0-9]*000," /tmp/logs/model_call$CALL.log | cut -c1-400
+  rm -rf $W/v2_model && cp -r /tmp/v2_model $W/v2_model && cp /tmp/logs/model_call$CALL.log $W/v2_model/train.log
+  tar czf $OUT/v2_model.tgz -C $W v2_model
+  wait; cat /tmp/logs/vocoder_summary_call$CALL.txt 2>/dev/null
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > /tmp/logs/gpu.txt
+find $OUT -name 'gpu.txt' -delete; mv $OUT/vocoder.log /tmp/logs/ 2>/dev/null
+tar czf $OUT/logs.tgz -C /tmp logs && ls -la $OUT
