@@ -62,6 +62,45 @@ def test_voice_similarity_passes_a_model_that_speaks_each_voice_and_fails_one_th
     assert preset_only["gate_reference"] == "preset" and "closest_is_own_same_text_espeak" not in preset_only
 
 
+class _WordsASR:
+    """Stands in for the Whisper ASR: hears the sentence in anything longer than half a second."""
+
+    def __init__(self, sentence):
+        self.sentence = sentence
+
+    def transcribe(self, audio, sample_rate):
+        return self.sentence if len(audio) > sample_rate // 2 else ""
+
+
+@pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="needs the espeak-ng binary")
+def test_each_voice_wer_is_held_against_its_own_espeak_speaker():
+    names, sentence = ["ava", "ben"], "Please call Stella and ask her to bring these things."
+    heard = tts_eval.voice_similarity(
+        _FakeTTS(lambda v: v), [sentence], names, lambda _: None, asr=_WordsASR(sentence)
+    )
+    assert heard["wer_per_voice"] == heard["espeak_wer_per_voice"] == {"ava": 0.0, "ben": 0.0}
+    assert heard["wer_per_voice_pass"]
+    assert [(s["voice"], s["transcript"]) for s in heard["voice_samples"]] == [
+        ("ava", sentence),
+        ("ben", sentence),
+    ]
+
+    class _SilentBen(_FakeTTS):  # ben's outputs are empty: all 10 words deleted
+        def synthesize(self, text, voice, seed):
+            r = super().synthesize(text, voice, seed)
+            return SimpleNamespace(
+                audio=r.audio[:0] if voice == "ben" else r.audio, sample_rate=r.sample_rate
+            )
+
+    silent = tts_eval.voice_similarity(
+        _SilentBen(lambda v: v), [sentence], names, lambda _: None, asr=_WordsASR(sentence)
+    )
+    assert (
+        silent["wer_per_voice"] == {"ava": 0.0, "ben": 1.0} and silent["espeak_wer_per_voice"]["ben"] == 0.0
+    )
+    assert not silent["wer_per_voice_pass"]
+
+
 @pytest.mark.parametrize(
     "gates, code, line",
     [

@@ -28,12 +28,14 @@ Reported (and written to `--out` as JSON):
 * `loops`: repetition loops in the transcripts that the text lacks (`loops`: a word said three times
   back to back, or a group of 2-4 words twice, more often than the text has it), with the samples
   holding them; `wer_worst_seed`: the seed with the highest WER;
-* with `--voices`, also `wer_per_voice` (each voice's outputs transcribed);
+* with `--voices`, also `wer_per_voice` (each voice's outputs transcribed, in `voice_samples`) and
+  `espeak_wer_per_voice` (espeak-ng reading the same sentences as each voice's corpus speaker);
 * with `--long`, the texts are passages of 150-300 words (`samples/eval/passages.txt`, written for this
   project and never trained on), each one request that the API splits into text chunks.
 
 Gates: WER <= espeak WER + 0.10, no runaway, no loops, duration ratio within 0.7-1.4 (and, with
-`--voices`, every output closest to its own voice).
+`--voices`, every output closest to its own voice, and each voice's WER <= its espeak-ng speaker's
+WER + 0.15).
 
 Exit codes: 0 when every gate passes; 3 when a gate fails (the report is printed and written all the
 same, and one line on stderr names the failed gates); 2 for bad input; 1 for a failure while running.
@@ -108,6 +110,7 @@ class ASR:
         return " ".join(s.text.strip() for s in segments)
 
 
+VOICE_WER_MARGIN = 0.15  # a preset voice's WER may exceed its espeak-ng speaker's by this much (the gate)
 LOOP_MAX_WORDS = 4  # the longest repeated word group `loops` looks for
 
 
@@ -325,6 +328,8 @@ def evaluate(args: argparse.Namespace) -> dict:
             asr=asr,
         )
         result["gates"]["voices"] = result["voices"]["pass"]
+        if "wer_per_voice_pass" in result["voices"]:
+            result["gates"]["voice_wer"] = result["voices"]["wer_per_voice_pass"]
     result["samples"] = [s.__dict__ for s in samples]
     return result
 
@@ -342,7 +347,11 @@ def voice_similarity(
       `ESPEAK_SPEAKERS`): espeak-ng speaking the *same* sentence with each voice's corpus speaker,
       minus those renditions' average, so the text cancels and only the speaker differs.
     The result's `pass` (the gate) uses the espeak reference when it ran, else the preset one.
-    With `asr`, every output is transcribed too: `wer_per_voice` (corpus WER of each voice's outputs).
+    With `asr`, every output is transcribed too: `wer_per_voice` (corpus WER of each voice's outputs)
+    and `voice_samples` (text, voice, transcript); with the espeak reference as well, its renditions
+    are transcribed into `espeak_wer_per_voice` (each voice's own corpus speaker: some espeak-ng
+    variants are harder for the ASR than others) and `wer_per_voice_pass` holds the gate: every voice's
+    WER at most its espeak speaker's + `VOICE_WER_MARGIN`.
     """
     from .text import normalize_text
 
@@ -352,26 +361,23 @@ def voice_similarity(
         [mel_statistic(codec.decode(tts.voice(n)[0].codes).numpy(), codec.sample_rate) for n in names]
     )
     preset_centre, preset_refs = _centred(refs)
-    matched = (
-        []
-        if not use_espeak
-        else [
-            _centred(
-                torch.stack(
-                    [mel_statistic(*espeak_audio(normalize_text(t), *ESPEAK_SPEAKERS[n])) for n in names]
-                )
-            )
-            for t in sentences
-        ]
+    # espeak-ng reading each sentence as each voice's corpus speaker: clips[i][j] for sentence i, voice j.
+    clips = (
+        [[espeak_audio(normalize_text(t), *ESPEAK_SPEAKERS[n]) for n in names] for t in sentences]
+        if use_espeak
+        else []
     )
+    matched = [_centred(torch.stack([mel_statistic(*clip) for clip in row])) for row in clips]
     table, correct, correct_matched, total = {}, 0, 0, 0
-    wer_per_voice = {}
+    wer_per_voice, espeak_wer_per_voice, voice_samples = {}, {}, []
     for name in names:
         rows, hyps = [], []
         for i, text in enumerate(sentences):
             r = tts.synthesize(text, voice=name, seed=7000 + i)
             if asr is not None:
-                hyps.append(words(asr.transcribe(r.audio, r.sample_rate)) if r.audio.size else "")
+                transcript = asr.transcribe(r.audio, r.sample_rate) if r.audio.size else ""
+                hyps.append(words(transcript))
+                voice_samples.append({"voice": name, "text": text, "transcript": transcript})
             vec = mel_statistic(r.audio, r.sample_rate)
             sims = (preset_refs @ torch.nn.functional.normalize(vec - preset_centre, dim=0)).tolist()
             rows.append(sims)
@@ -389,6 +395,10 @@ def voice_similarity(
         table[name] = {n: float(np.mean([row[j] for row in rows])) for j, n in enumerate(names)}
         if asr is not None:
             wer_per_voice[name] = wer([words(t) for t in sentences], hyps)
+            if use_espeak:
+                j = names.index(name)
+                espeak_hyps = [words(asr.transcribe(*row[j])) for row in clips]
+                espeak_wer_per_voice[name] = wer([words(t) for t in sentences], espeak_hyps)
     result = {
         "statistic": "cosine of mean log-mel (voiced frames) minus the voices' average",
         "mean_similarity": table,
@@ -396,6 +406,12 @@ def voice_similarity(
     }
     if asr is not None:
         result["wer_per_voice"] = wer_per_voice
+        result["voice_samples"] = voice_samples
+        if use_espeak:
+            result["espeak_wer_per_voice"] = espeak_wer_per_voice
+            result["wer_per_voice_pass"] = all(
+                wer_per_voice[n] <= espeak_wer_per_voice[n] + VOICE_WER_MARGIN for n in names
+            )
     if use_espeak:
         result["closest_is_own_same_text_espeak"] = correct_matched / total
         result["pass"] = correct_matched == total
