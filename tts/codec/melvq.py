@@ -267,7 +267,8 @@ class MelVQCodec(Codec):
 
     def save(self, directory: str | Path) -> None:
         """Write `codec.json` and `codec.safetensors` into `directory`: the convolution weights in
-        float16 (half the file; loaded back as float32), the codebooks and mean/std in float32."""
+        float16 (half the file; loaded back as float32), the codebooks and mean/std in float32; a learned
+        vocoder's weights in float16 too, in `vocoder.safetensors`."""
         directory = Path(directory)
         state = {
             k: v.detach().cpu().to(torch.float32 if k == "codebooks" else torch.float16).contiguous()
@@ -276,7 +277,10 @@ class MelVQCodec(Codec):
         mean_std = {"mean": self.mean.cpu(), "std": self.std.cpu()}
         save_file({**state, **mean_std}, str(directory / "codec.safetensors"))
         if self.vocoder_net is not None:
-            weights = {k: v.detach().cpu().contiguous() for k, v in self.vocoder_net.state_dict().items()}
+            weights = {
+                k: v.detach().cpu().to(torch.float16).contiguous()
+                for k, v in self.vocoder_net.state_dict().items()
+            }
             save_file(weights, str(directory / VOCODER_WEIGHTS))
         (directory / "codec.json").write_text(json.dumps(self.config(), indent=2))
 
