@@ -1,7 +1,7 @@
 """Turn a training output into the shipped default bundle (`tts/assets/default/`, our directory format).
 
     python training/export.py --trained OUT --work training/work --codec training/work/codec_vq3 \
-        --codes training/work/codes_vq3 --dest tts/assets/default
+        --vocoder training/work/vocoder --codes training/work/codes_all --dest tts/assets/default
 
 Writes config.json (the model's `dual_ar` fields + `tts_runtime`: name, frontend "espeak-ipa:en-us",
 prompt format, sampling defaults), the weights as bf16 safetensors shards under 15 MB (the runtime
@@ -28,6 +28,7 @@ from corpus import SPEAKERS, read_utterances  # noqa: E402
 
 from tts.bundle import ModelBundle, load_codec, load_weights_into, save_bundle, weight_files  # noqa: E402
 from tts.codec.melrvq import MelRVQCodec  # noqa: E402
+from tts.codec.melvq import VOCODER_TYPE, MelVQCodec, load_vocoder  # noqa: E402
 from tts.config import ModelArgs  # noqa: E402
 from tts.engine.request import SamplingParams  # noqa: E402
 from tts.frontend import PhonemeFrontend  # noqa: E402
@@ -62,6 +63,13 @@ def main() -> None:
     p.add_argument(
         "--codes", type=Path, default=None, help="the codes the model trained on (default: WORK/codes)"
     )
+    p.add_argument(
+        "--vocoder",
+        type=Path,
+        default=None,
+        help="a train_vocoder.py output folder (vocoder.json + vocoder.safetensors): the codec decodes with "
+        "this learned vocoder instead of Griffin-Lim (the shipped bundle does)",
+    )
     p.add_argument("--dest", type=Path, default=ROOT / "tts" / "assets" / "default")
     p.add_argument("--samples", type=Path, default=ROOT / "samples" / "voices")
     a = p.parse_args()
@@ -72,6 +80,15 @@ def main() -> None:
     codec = load_codec(a.codec or a.work / "codec")
     if isinstance(codec, MelRVQCodec):
         codec = MelRVQCodec(codec.codebooks, codec.mean, codec.std, GL_CONTEXT, GL_ITERS, args.num_codebooks)
+    if a.vocoder is not None:
+        if not isinstance(codec, MelVQCodec):
+            raise SystemExit(f"--vocoder needs a mel_vqvae codec, got {type(codec).__name__}")
+        shape = json.loads((a.vocoder / "vocoder.json").read_text())
+        entry = {"type": VOCODER_TYPE, **{k: shape[k] for k in ("channels", "blocks", "kernel")}}
+        vocoder = load_vocoder(a.vocoder, entry)
+        codec = MelVQCodec(
+            codec.net, codec.mean, codec.std, codec.gl_context, codec.gl_iters, vocoder_net=vocoder
+        )
     if (codec.num_codebooks, codec.codebook_size) != (args.num_codebooks, args.codebook_size):
         raise SystemExit(
             f"codec has {codec.num_codebooks} x {codec.codebook_size} codes, the model "
@@ -100,6 +117,10 @@ def main() -> None:
     shutil.copy(a.trained / "train_state.json", a.dest / "train_state.json")
     a.samples.mkdir(parents=True, exist_ok=True)
     from tts.audio import write_wav_atomic
+
+    codec = load_codec(
+        a.dest
+    )  # (as saved: the samples are what the runtime decodes, float16 weights and all)
 
     for name, voice in bundle.voices.items():
         write_wav_atomic(a.samples / f"{name}.wav", codec.decode(voice.codes).numpy(), codec.sample_rate)
