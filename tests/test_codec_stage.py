@@ -56,7 +56,9 @@ def test_queued_pieces_of_several_streams_decode_in_one_call_in_order(codec):
             mine = [r for r in results if r.tag[0] == s]
             assert [r.tag[1] for r in mine] == [0, 1]
             audio = np.concatenate([r.samples for r in mine])
-            np.testing.assert_array_equal(audio, codec.decode(streams[s]).numpy())
+            # (to float rounding: the learned vocoder's convolutions over three rows at once round
+            # differently from one row's; a wrong or reordered piece is off by far more)
+            np.testing.assert_allclose(audio, codec.decode(streams[s]).numpy(), rtol=0, atol=1e-5)
     finally:
         stage.stop()
 

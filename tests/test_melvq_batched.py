@@ -32,7 +32,15 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def default_codec():
+    """The shipped default codec: its net with the learned vocoder its codec.json names."""
     return load_bundle("default").codec
+
+
+@pytest.fixture(scope="module")
+def default_gl_codec(default_codec):
+    """The default codec's net with Griffin-Lim (what a mel codec without a vocoder entry decodes with)."""
+    c = default_codec
+    return MelVQCodec(c.net, c.mean, c.std, c.gl_context, c.gl_iters)
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +160,9 @@ def test_batched_streams_equal_offline_decode(which, small_codec, rvq_codec):
             assert torch.equal(audio, codec.decode(streams[name])), (which, seed, name)
 
 
-def test_default_codec_batched_equals_offline_decode(default_codec):
-    codec = default_codec
-    assert isinstance(codec, MelVQCodec) and codec.context_frames == 19
+def test_default_codec_with_griffin_lim_batched_equals_offline_decode_exactly(default_gl_codec):
+    codec = default_gl_codec
+    assert codec.vocoder_net is None and codec.context_frames == 19
     streams = {
         "long": _codes(codec, 45, 1),
         "mid": _codes(codec, 21, 2),
@@ -170,6 +178,18 @@ def test_default_codec_batched_equals_offline_decode(default_codec):
     stream = codec.stream()
     pieces = [stream.push(streams["long"][:, a:b]) for a, b in ((0, 5), (5, 30), (30, 45))]
     assert torch.equal(torch.cat(pieces), codec.decode(streams["long"]))
+
+
+def test_the_shipped_default_codec_batched_equals_offline_decode(default_codec):
+    """The shipped codec decodes with its learned vocoder: 16 decoder frames + 12 for the vocoder's 42
+    mel frames of context, and every stream of a batch equals its offline decode to float rounding."""
+    codec = default_codec
+    assert codec.vocoder_net is not None and codec.context_frames == 16 + 12
+    streams = {"long": _codes(codec, 45, 1), "mid": _codes(codec, 21, 2), "short": _codes(codec, 3, 3)}
+    done, dec = run_schedule(codec, streams, max_streams=2, seed=0)
+    assert dec.graph_safe
+    for name, audio in done.items():
+        torch.testing.assert_close(audio, codec.decode(streams[name]), atol=1e-4, rtol=1e-4, msg=name)
 
 
 def test_a_learned_vocoders_batched_streams_equal_offline_decode(learned_codec, tmp_path):
@@ -239,7 +259,7 @@ def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("vocoder", ["griffin_lim", "learned"])
-def test_cuda_decode_matches_the_cpu_and_replays_in_a_cuda_graph(vocoder, default_codec, learned_codec):
+def test_cuda_decode_matches_the_cpu_and_replays_in_a_cuda_graph(vocoder, default_gl_codec, learned_codec):
     """On CUDA the decoder runs wholly on the GPU. cuFFT and cuBLAS round differently from the CPU and
     Griffin-Lim amplifies that: measured on the CPU, relative input errors of 1e-7 / 1e-5 / 1e-3 move
     the samples by 1% / 2% / 20% of the signal's RMS. So the check is 5%: float32 rounding passes (TF32
@@ -248,8 +268,11 @@ def test_cuda_decode_matches_the_cpu_and_replays_in_a_cuda_graph(vocoder, defaul
     small codec) amplifies nothing: 1% (cuDNN's TF32 convolutions, on by default, round at ~1e-3). A
     CUDA graph of `decode` replays the same kernels as eager."""
     if vocoder == "griffin_lim":
-        cpu_codec, tolerance = default_codec, 0.05
-        codec = MelVQCodec.load(DEFAULT_MODEL_DIR).to("cuda")
+        cpu_codec, tolerance = default_gl_codec, 0.05
+        shipped = MelVQCodec.load(DEFAULT_MODEL_DIR)  # (its own net: the fixtures' stays on the CPU)
+        codec = MelVQCodec(shipped.net, shipped.mean, shipped.std, shipped.gl_context, shipped.gl_iters).to(
+            "cuda"
+        )
         assert codec.net.codebooks.is_cuda and codec.vocoder.inverse_fb.is_cuda
     else:
         cpu_codec, tolerance = learned_codec, 0.01
