@@ -118,9 +118,8 @@ def main() -> None:
     a.samples.mkdir(parents=True, exist_ok=True)
     from tts.audio import write_wav_atomic
 
-    codec = load_codec(
-        a.dest
-    )  # (as saved: the samples are what the runtime decodes, float16 weights and all)
+    # As saved: the samples are what the runtime decodes (the vocoder's float16 weights and all).
+    codec = load_codec(a.dest)
 
     for name, voice in bundle.voices.items():
         write_wav_atomic(a.samples / f"{name}.wav", codec.decode(voice.codes).numpy(), codec.sample_rate)
