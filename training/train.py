@@ -25,8 +25,9 @@ Resumable: `--resume DIR` starts from a weights directory written by an earlier 
 `train_state.json`: step and schedule; the optimizer moments restart, with a short warm-up) or from
 a full `checkpoint.pt` when one is there; give every run the same `--schedule-seconds` so that the
 runs make one learning-rate schedule (each call of a GPU machine is at most 10 minutes). Stops by
-itself after `--max-seconds` of wall time and then writes, into `--out`: the model weights as bf16 safetensors shards under 15 MB each, `config.json`,
-`train_state.json`, `loss.csv`; with `--full-checkpoint PATH` also a full fp32 + optimizer checkpoint.
+itself after `--max-seconds` of wall time and then writes, into `--out`: the model weights as bf16
+safetensors shards under 15 MB each, `config.json`, `train_state.json`, `loss.csv`; with
+`--full-checkpoint PATH` also a full fp32 + optimizer checkpoint.
 
     python training/train.py --data training/work/codes --codec training/work/codec --out OUT \
         --max-seconds 420 --batch-tokens 65536
