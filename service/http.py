@@ -203,15 +203,15 @@ class _Synthesis:
     """A job admitted for an HTTP request: turns its events into response bytes, keeps the metrics, and
     cancels the job unless it ended (`close`)."""
 
-    def __init__(self, front: HTTPFront, stream, started: Started, encoder: AudioEncoder, t_received: float):
+    def __init__(self, front: HTTPFront, stream, started: Started, encoder: AudioEncoder, call: CallLog):
         self.front, self.stream, self.started, self.encoder = front, stream, started, encoder
-        self.t_received = t_received
+        self.call = call  # its log line: what `speech` knew, the rest filled in as the job ends
+        self.t_received = call.received
         self.t_first: float | None = None
         self.samples = 0  # model-rate samples received from the engine
         self.ended = False  # Finished or Failed seen (the job is over on the engine side)
         self.finished = False  # Finished seen: all the audio is encoded (maybe not yet sent)
         self.input_tokens = 0
-        self.call = CallLog("http", t_received, started.request_id)  # its log line (filled in by speech)
         # Encoding compressed formats (or with a tempo change) runs on a worker thread, off the event loop
         # that also serves gRPC; the encoder's lock makes close() wait for a running encode.
         self.threaded = encoder.format.name not in ("pcm", "wav") or encoder.speed != 1.0
@@ -772,8 +772,7 @@ class HTTPFront:
             self.log_call(call, err.outcome, err.message)
             return err.response()
 
-        synthesis = _Synthesis(self, stream, event, encoder, t_received)
-        synthesis.call.text_bytes, synthesis.call.voice = call.text_bytes, call.voice
+        synthesis = _Synthesis(self, stream, event, encoder, call)
         synthesis.input_tokens = input_tokens
         headers = {
             "X-Request-Id": event.request_id,
