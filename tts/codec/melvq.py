@@ -29,8 +29,10 @@ Inference runs the decoder through `MelVQNet.decode_frames` (the same function a
 as row products with a multiple of 4 rows, continuable from each block's last inputs), so a frame's
 log-mel does not depend on how many frames or streams are decoded with it. That makes `stream()` and
 `batched_stream()` (`MelVQStreamDecoder`: per-slot decoder history plus the vocoder's per-slot state,
-`melrvq.GriffinLimSlots`) equal `decode()` bit for bit on the CPU, and within ~1e-2 (Griffin-Lim's
-chaotic amplification of rounding, see `tts.codec.melrvq`) on CUDA.
+`melrvq.GriffinLimSlots` or `vocoder.VocoderSlots`) equal `decode()`: with Griffin-Lim bit for bit on
+the CPU and within ~1e-2 on CUDA (its chaotic amplification of rounding, see `tts.codec.melrvq`); with
+the learned vocoder (the shipped default) to float rounding, its convolutions blocking differently with
+the batch (~2e-7 on the CPU).
 
 Devices: `MelVQCodec.to(device)` moves the net, codebooks, mean/std and the vocoder's constants;
 `encode`/`decode` keep CPU inputs and outputs and compute on that device, and `batched_stream(n)` builds
