@@ -7,11 +7,13 @@
 #           (h200_voice.sh STEP=vocoder: espeak-ng speaks VOC_UTT clips, 16 processes).
 #           .carry1/ holds espeak.tgz (the .espeak/ folder h200_voice.sh describes) and sentences.jsonl.gz
 #           (the first lines of training/work/sentences.jsonl: the held-out sentences, then the clips).
-#   CALL=2  carry [".carry2"]: the v2 model trains from scratch on .carry2/codes_all.tgz (the codes of
-#           `corpus.py encode --codes-dir training/work/codes_all` through the shipped codec, paragraphs
-#           included) with chunk-length history, while the vocoder goes on from the checkpoint the last
+#   CALL=2  carry [".carry2", ".whl-voice"]: the v2 model trains from scratch on .carry2/codes_all.tgz
+#           (the codes of `corpus.py encode --codes-dir training/work/codes_all` through the shipped
+#           codec, paragraphs included) with chunk-length history, while the vocoder goes on from the checkpoint the last
 #           call left on this machine (skipped on a fresh machine).
-#   CALL=3  carry nothing: both go on from the checkpoints left on this machine.
+#   CALL=3  carry [".whl-voice"]: both go on from the checkpoints left on this machine.
+# Wheels: .whl (h200_service.sh's list) for CALL=1, .whl-voice (h200_voice.sh's: train.py imports the
+# text normalizer, which needs num2words) after it; whichever was carried is installed.
 # The model's learning-rate schedule spans MODEL_SCHEDULE training seconds over calls 2 and 3, the
 # vocoder's VOC_SCHEDULE over its calls (train.py / train_vocoder.py --schedule-seconds); CALL_SECONDS is
 # each call's wall time for this script.
@@ -19,9 +21,9 @@ set -uo pipefail
 W=training/work
 CALL=${CALL:?CALL=1, 2 or 3 (see the header)} CALL_SECONDS=${CALL_SECONDS:-560}
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-if [[ ! -d /tmp/site ]]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-fi
+WHEELS=.whl; [[ $CALL == 1 ]] || WHEELS=.whl-voice
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $WHEELS/*.whl \
+  || exit 1
 mkdir -p $W /tmp/logs
 vocoder() {  # the vocoder, new or resumed, for the rest of this call
   [[ -f $W/vocoder_audio.pt || -f .carry1/espeak.tgz ]] || { echo "vocoder: no clips on this machine, skipped"; return; }
