@@ -14,6 +14,7 @@
 #     prefill_profile  the S2-Pro prefill alone and packed, timed and profiled (scripts/profile_prefill.py)
 #     s2_fp32, s2_bf16, default   the service (S2-Pro with the float32 or bfloat16 codec, or the default
 #                 voice) at LEVELS (default 1,16,64,64), 128 frames per request
+#     default_gl  the default voice as `default`, its codes decoded by Griffin-Lim instead of the learned vocoder
 #     refs        the reference modes (repeated, distinct, registered) at c = 16, float32 codec
 #     gil         the default voice at c = 64 for 768 requests while py-spy samples the GIL holder
 #     tps         `tts bench` graph batch 1 and 64 of S2-Pro
@@ -122,10 +123,15 @@ run_actions() {
           bench 50061 9465 $a${tag}_service --concurrency $levels --max-new-frames 128 --min-new-frames 128
         fi
         kill %1; wait; mv $OUT/serve_50061.log $OUT/serve_$a$tag.log ;;
-      default)
-        serve default 50063 9467 $extra
-        bench 50063 9467 default${tag}_service --concurrency $levels --max-new-frames 128 --min-new-frames 128
-        kill %1; wait; mv $OUT/serve_50063.log $OUT/serve_default$tag.log ;;
+      default|default_gl)
+        local model=default
+        if [[ $a == default_gl ]]; then  # the same bundle decoded by Griffin-Lim: codec.json without its vocoder
+          model=/tmp/default_gl; rm -rf $model; cp -r tts/assets/default $model
+          python3 -c "import json, sys; p = sys.argv[1] + '/codec.json'; c = json.load(open(p)); c.pop('vocoder'); json.dump(c, open(p, 'w'))" $model
+        fi
+        serve $model 50063 9467 $extra
+        bench 50063 9467 $a${tag}_service --concurrency $levels --max-new-frames 128 --min-new-frames 128
+        kill %1; wait; mv $OUT/serve_50063.log $OUT/serve_$a$tag.log ;;
       tps)
         [[ -d /tmp/s2 ]] || write_s2
         timeout 120 $TTS bench --model /tmp/s2 --device cuda --modes graph --batch-sizes 1,64 --frames 64 \
