@@ -132,11 +132,18 @@ class EndTokenFavoured:
     """model_runner's `F` with +1e4 on the main-token logits' last column (the end token): a model that
     stops at once, whatever its weights (`monkeypatch.setattr(model_runner, "F", EndTokenFavoured())`)."""
 
+    END_BIAS = 1e4
+
     def __getattr__(self, name):
         return getattr(torch.nn.functional, name)
 
-    @staticmethod
-    def linear(x, weight, bias=None):
+    def linear(self, x, weight, bias=None):
         out = torch.nn.functional.linear(x, weight, bias)
-        out[:, -1] += 1e4
+        out[:, -1] += self.END_BIAS
         return out
+
+
+class EndTokenNever(EndTokenFavoured):
+    """As `EndTokenFavoured` with -1e4: a model that never samples the end token, whatever its weights."""
+
+    END_BIAS = -1e4

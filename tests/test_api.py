@@ -211,3 +211,28 @@ def test_a_reference_transcript_is_normalized_by_the_models_policy(tts):
     assert prepared.text == "I am five." and prepared.warnings[0].startswith(
         "reference transcript: this model"
     )
+
+
+def test_a_chunk_cut_by_max_new_frames_is_reported(tiny_bundle, monkeypatch):
+    """A text chunk that reaches max_new_frames (not the runaway guard) ends `length` with a warning
+    that names the budget; asking for exactly that many frames (min_new_frames = max_new_frames) warns
+    of nothing."""
+    from service_helpers import EndTokenNever
+
+    from tts.engine import model_runner
+    from tts.params import FinishReason
+
+    monkeypatch.setattr(model_runner, "F", EndTokenNever())
+    tts = TTS(tiny_bundle)
+    try:
+        text = "A sentence long enough for the runaway guard."
+        r = tts.synthesize(text, seed=1, max_new_frames=6)
+        assert (r.frames, r.finish_reasons) == (6, [FinishReason.LENGTH])
+        assert r.warnings == [
+            f"the text reached max_new_frames (6 frames, 0.2 s) for {len(text)} bytes of text: "
+            "its audio may stop mid-word"
+        ]
+        r = tts.synthesize(text, seed=1, max_new_frames=6, min_new_frames=6)
+        assert (r.frames, r.finish_reasons, r.warnings) == (6, [FinishReason.LENGTH], [])
+    finally:
+        tts.close()

@@ -274,12 +274,15 @@ def test_warnings_and_normalize_over_http(server, offline):
         input="Hello 你好世界 world.",
         seed=2,
         max_new_frames=3,
+        min_new_frames=3,  # (exactly 3 frames: no warning of a chunk cut by max_new_frames)
         response_format="pcm",
         stream_format="sse",
     )
     assert status == 200 and headers["X-Warnings"] == warning
     assert sse_events(body)[-1]["warnings"] == [warning]
-    status, headers, _ = server.speech(input="Hello.", seed=2, max_new_frames=3, response_format="pcm")
+    status, headers, _ = server.speech(
+        input="Hello.", seed=2, max_new_frames=3, min_new_frames=3, response_format="pcm"
+    )
     assert status == 200 and "X-Warnings" not in headers
     # normalize: false reads the Markdown as given (the tiny model reads bytes: the audio differs)
     kw = dict(seed=2, max_new_frames=4, min_new_frames=4, temperature=0.0)

@@ -508,6 +508,13 @@ class JobRunner:
             job.warnings.append(
                 f"{where} reached {why} of {job.budget} frames ({seconds:.1f} s) for {nbytes} bytes of text"
             )
+        elif reason == FinishReason.LENGTH and spec.params.min_new_frames < spec.params.max_new_frames:
+            # (min_new_frames = max_new_frames asks for exactly that many frames: nothing was cut)
+            seconds = job.budget / self.planner.frame_rate
+            job.warnings.append(
+                f"{where} reached max_new_frames ({job.budget} frames, {seconds:.1f} s) for {nbytes} bytes "
+                "of text: its audio may stop mid-word"
+            )
         job.reasons.append(reason)
         if job.generated:
             job.history = [Turn(spec.chunks[i], torch.cat(job.generated).T)]
