@@ -8,6 +8,7 @@ from concurrent.futures import Future
 
 import numpy as np
 import pytest
+import soundfile as sf
 import torch
 
 from tts.api import TTS
@@ -237,3 +238,64 @@ def test_a_listing_between_the_file_write_and_the_registration_is_no_conflict(tm
     assert reg.add("mine", voice(4)).name == "mine"
     with pytest.raises(VoiceExists):  # a second add of the name still conflicts
         reg.add("mine", voice(5))
+
+
+def test_voices_options_go_before_or_after_the_action(tmp_path, capsys):
+    """--model, --voices-dir and -q are the same options before and after the action word; one given
+    before the action keeps its value (the action's copy of the option has no default to put over it)."""
+    from tts.cli import main
+
+    voices, clip = tmp_path / "voices", tmp_path / "clip.wav"
+    sf.write(str(clip), 0.3 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000), 16000)
+    model, where = ["--model", "tiny"], ["--voices-dir", str(voices)]
+    assert main(["voices", "add", "me", str(clip), "--text", "A tone.", *model, *where]) == 0
+    assert capsys.readouterr().out == f"added voice me: 1.00 s, kept in {voices}\n"
+    assert [p.name for p in voices.iterdir()] == ["me.safetensors"]
+
+    def listing(*argv: str) -> str:
+        assert main(["voices", *argv]) == 0
+        out, err = capsys.readouterr()
+        assert err == ""  # -q held wherever it was given
+        return out
+
+    presets = "alpha\tpreset\t25 frames\tThis is voice alpha.\nbeta\tpreset\t25 frames\tThis is voice beta.\n"
+    after = listing("list", *model, *where, "-q")
+    assert after.startswith(presets + "me\tregistered\t") and after.count("\n") == 3, after
+    assert listing(*model, *where, "-q", "list") == after
+    assert listing(*model, *where, "-q") == after  # no action lists
+    assert listing(*model, "list", *where, "-q") == after
+    assert listing("-q", *where, "list", *model) == after
+
+    assert main(["voices", *model, "list", *where]) == 0  # without -q: the directory on stderr
+    assert capsys.readouterr().err == f"(registered voices are kept in {voices})\n"
+
+    assert main(["voices", "delete", "me", *model, *where]) == 0
+    assert capsys.readouterr().out == f"deleted voice me from {voices}\n"
+    assert listing("list", *model, *where, "-q") == presets
+
+
+@pytest.mark.parametrize("action", ["list", "add", "delete"])
+def test_each_voices_action_shows_the_shared_options_in_its_help(action, capsys):
+    from tts.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["voices", action, "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and all(o in out for o in ("--model", "--voices-dir", "-q, --quiet")), out
+
+
+def test_bad_voices_options_after_the_action_are_one_line_errors(capsys):
+    from tts.cli import main
+
+    for argv, start, message in (
+        (
+            ["voices", "list", "--model"],
+            "tts voices list: error: ",
+            "argument --model: expected one argument",
+        ),
+        (["voices", "delete", "me", "--bogus"], "tts: error: ", "unrecognized arguments: --bogus"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.startswith(start) and message in err and err.count("\n") == 1, err

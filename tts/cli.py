@@ -592,6 +592,32 @@ def package_version() -> str:
         return "unknown"
 
 
+def voices_shared_options(sub_level: bool) -> argparse.ArgumentParser:
+    """The options of `tts voices` and each of its actions, as a parent parser, so that they can be given
+    before or after the action. The action's copies default to SUPPRESS: argparse copies every value of
+    the action's namespace over the outer one, so a real default there would overwrite an option given
+    before the action. A fresh parser per level, because parents share their Action objects (and so
+    their defaults)."""
+
+    def default(value):
+        return argparse.SUPPRESS if sub_level else value
+
+    shared = argparse.ArgumentParser(add_help=False)
+    shared.add_argument(
+        "--model", default=default("default"), help="'default', 'tiny' or a checkpoint directory"
+    )
+    shared.add_argument(
+        "--voices-dir",
+        default=default(None),
+        help="directory of registered voices (default: a per-user directory for the model, shown by "
+        "`tts voices`; 'none' = presets only)",
+    )
+    shared.add_argument(
+        "-q", "--quiet", action="store_true", default=default(False), help="print only the voices"
+    )
+    return shared
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog="tts", description="Dual-AR text-to-speech runtime: synthesize, serve, benchmark."
@@ -621,24 +647,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p)
     p.set_defaults(func=cmd_synthesize)
 
-    voices_dir_help = (
-        "directory of registered voices (default: a per-user directory for the model, shown by "
-        "`tts voices`; 'none' = presets only)"
-    )
     p = sub.add_parser(
         "voices",
+        parents=[voices_shared_options(sub_level=False)],
         help="list, add or delete voices",
         description="Voices a request can name: the model's presets and registered voices (a clip and its "
         "transcript encoded once and kept as codes). `tts voices` lists them; `tts voices add NAME CLIP "
         "--text T` registers one; `tts voices delete NAME` removes one. `tts synthesize --voice NAME` and "
         "`tts serve` find registered voices in the same directory.",
     )
-    p.add_argument("--model", default="default", help="'default', 'tiny' or a checkpoint directory")
-    p.add_argument("--voices-dir", help=voices_dir_help)
-    p.add_argument("-q", "--quiet", action="store_true", help="print only the voices")
     actions = p.add_subparsers(dest="action", metavar="ACTION")
-    actions.add_parser("list", help="list preset and registered voices (the default)")
-    a = actions.add_parser("add", help="register a voice from a WAV/FLAC clip and its transcript")
+    shared = [voices_shared_options(sub_level=True)]  # so they may also follow the action
+    actions.add_parser("list", parents=shared, help="list preset and registered voices (the default)")
+    a = actions.add_parser(
+        "add", parents=shared, help="register a voice from a WAV/FLAC clip and its transcript"
+    )
     a.add_argument("name", help="1-64 letters, digits, '.', '_' or '-'")
     a.add_argument("clip", help="WAV or FLAC clip (any rate, mono or stereo)")
     a.add_argument("--text", required=True, help="what the clip says")
@@ -647,7 +670,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help=argparse.SUPPRESS
     )
-    d = actions.add_parser("delete", help="remove a registered voice")
+    d = actions.add_parser("delete", parents=shared, help="remove a registered voice")
     d.add_argument("name")
     p.set_defaults(func=cmd_voices)
 
