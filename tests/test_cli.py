@@ -163,6 +163,23 @@ def test_unwritable_output_directory_is_one_line_naming_the_path_and_reason(tmp_
             directory.chmod(0o755)
 
 
+def test_an_immutable_output_file_is_refused_before_the_model_loads(tmp_path):
+    """chattr +i makes a file that even root cannot replace: the error comes before any work, and the
+    file is left as it was."""
+    out = tmp_path / "keep.wav"
+    out.write_bytes(b"original")
+    if subprocess.run(["chattr", "+i", str(out)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here (needs root and a file system that supports it)")
+    try:
+        r = run_cli("synthesize", "Hello there.", "-o", str(out), "--model", "tiny", "--max-new-frames", "3")
+        assert r.returncode == 2, r.stderr
+        assert one_error_line(r.stderr) == f"tts: error: cannot write {out}: operation not permitted"
+        assert "model:" not in r.stderr  # found before the model was loaded
+        assert out.read_bytes() == b"original" and sorted(p.name for p in tmp_path.iterdir()) == ["keep.wav"]
+    finally:
+        subprocess.run(["chattr", "-i", str(out)], check=False)
+
+
 def test_a_write_that_fails_at_the_end_names_the_output_and_leaves_nothing(tmp_path, capsys, monkeypatch):
     """The directory was writable when checked but the final rename fails (the file system went
     read-only): one line naming the output, not the temporary file, and no file left."""

@@ -8,6 +8,7 @@ Every failure a user can cause ends with one line `tts: error: <reason>` on stde
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import os
@@ -293,8 +294,9 @@ def summary_stream(args: argparse.Namespace):
 
 def check_output_path(path: str) -> Path:
     """An output file path whose directory exists and takes new files (a file is created there and
-    removed) and that is not a directory, or `-` (stdout); raises UserError naming the path and the
-    reason."""
+    removed), that is not a directory and, when it exists, is not immutable or append-only (the final
+    rename over it would fail after the synthesis), or `-` (stdout); raises UserError naming the path
+    and the reason."""
     if path == "-":
         return Path("-")
     out = Path(path)
@@ -309,6 +311,16 @@ def check_output_path(path: str) -> Path:
         raise UserError(f"cannot write {out}: {os_error_reason(exc)}") from exc
     os.close(fd)
     os.unlink(probe)
+    if out.is_file():
+        # Opening for writing without truncating changes nothing. EPERM is Linux's answer for an
+        # immutable or append-only file (chattr +i / +a), even to root; EACCES (mode bits) is not
+        # refused here, since replacing the file through its directory may still be allowed.
+        try:
+            with open(out, "r+b"):
+                pass
+        except PermissionError as exc:
+            if exc.errno == errno.EPERM:
+                raise UserError(f"cannot write {out}: {os_error_reason(exc)}") from exc
     return out
 
 
