@@ -190,3 +190,38 @@ def test_long_mode_reads_paragraphs_and_the_shipped_passages_are_long(tmp_path):
     assert tts_eval.read_sentences(path, None) == ["First line of one", "passage.", "Second passage."]
     shipped = tts_eval.read_sentences(tts_eval.PASSAGES, None, passages=True)
     assert len(shipped) >= 3 and all(150 <= len(p.split()) <= 300 for p in shipped)
+
+
+def test_a_loop_sample_shows_how_the_asr_hears_espeak_ng_read_the_same_text(tmp_path, capsys, monkeypatch):
+    """A transcript loop is reported with the ASR's transcript of espeak-ng reading the same sentence,
+    so a loop the ASR also makes of the reference (a rare word it mishears) is told from the model's.
+    The ASR and espeak-ng are stand-ins: the tiny model's audio is "heard" as a loop, espeak-ng's (at
+    its own sample rate) as a mishearing without one."""
+    espeak_rate = 12345
+
+    class ScriptedASR:
+        def __init__(self, threads):
+            pass
+
+        def transcribe(self, audio, sample_rate):
+            return "The fig leaf eye." if sample_rate == espeak_rate else "The fig, the fig, the fig."
+
+    monkeypatch.setattr(tts_eval, "ASR", ScriptedASR)
+    monkeypatch.setattr(tts_eval, "espeak_audio", lambda *a: (torch.zeros(espeak_rate).numpy(), espeak_rate))
+    monkeypatch.setattr(tts_eval.shutil, "which", lambda name: f"/usr/bin/{name}")
+    sentences = tmp_path / "s.txt"
+    sentences.write_text("The signifier is linked to the signified.\n")
+    out = tmp_path / "eval.json"
+    argv = ["eval", "--model", "tiny", "--sentences", str(sentences), "--seeds", "0", "--out", str(out), "-q"]
+    assert main([*argv, "--max-new-frames", "4"]) == 3  # the loops gate fails
+    capsys.readouterr()
+    result = json.loads(out.read_text())
+    assert result["loops"] == 1 and result["loop_samples"] == [
+        {
+            "seed": 0,
+            "text": "The signifier is linked to the signified.",
+            "loops": ["the fig x3"],
+            "espeak_transcript": "The fig leaf eye.",
+            "espeak_loops": [],
+        }
+    ]

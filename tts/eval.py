@@ -27,7 +27,9 @@ Reported (and written to `--out` as JSON):
 
 * `loops`: repetition loops in the transcripts that the text lacks (`loops`: a word said three times
   back to back, or a group of 2-4 words twice, more often than the text has it), with the samples
-  holding them; `wer_worst_seed`: the seed with the highest WER;
+  holding them and, when espeak-ng ran, the ASR's transcript of espeak-ng reading the same text
+  (`espeak_transcript`, `espeak_loops`: a rare word the ASR mishears in both is the ASR's failure,
+  not the model's); `wer_worst_seed`: the seed with the highest WER;
 * with `--voices`, also `wer_per_voice` (each voice's outputs transcribed, in `voice_samples`) and
   `espeak_wer_per_voice` (espeak-ng reading the same sentences as each voice's corpus speaker);
 * with `--long`, the texts are passages of 150-300 words (`samples/eval/passages.txt`, written for this
@@ -284,21 +286,26 @@ def evaluate(args: argparse.Namespace) -> dict:
     result["wer_worst_seed"] = {"seed": worst, "wer": per_seed[worst]}
     result["runaway"] = sum("length" in s.finish for s in samples)
     result["loops"] = sum(len(s.loops) for s in samples)
-    result["loop_samples"] = [
-        {"seed": s.seed, "text": s.text[:80], "loops": s.loops} for s in samples if s.loops
-    ]
+    looped = [(i % len(sentences), s) for i, s in enumerate(samples) if s.loops]
+    result["loop_samples"] = [{"seed": s.seed, "text": s.text[:80], "loops": s.loops} for _, s in looped]
     audio_total = sum(s.audio_seconds for s in samples)
     result["rtf"] = sum(s.wall_seconds for s in samples) / audio_total if audio_total else None
     result["audio_seconds"] = audio_total
     if shutil.which("espeak-ng") and not args.no_espeak:
         voice, rate, pitch = args.espeak_voice.split(",") if args.espeak_voice else ESPEAK_DEFAULT
-        ref_seconds, ref_hyps = [], []
+        ref_seconds, ref_transcripts = [], []
         for text in sentences:
             from .text import normalize_text
 
             audio, sr = espeak_audio(normalize_text(text), voice, int(rate), int(pitch))
             ref_seconds.append(len(audio) / sr)
-            ref_hyps.append(words(asr.transcribe(audio, sr)))
+            ref_transcripts.append(asr.transcribe(audio, sr))
+        ref_hyps = [words(t) for t in ref_transcripts]
+        # How the ASR hears espeak-ng reading a text that the model "looped" on: a loop that the ASR
+        # also hears in the reference (or a rare word it mishears in both) is the ASR's, not the model's.
+        for entry, (i, _) in zip(result["loop_samples"], looped, strict=True):
+            entry["espeak_transcript"] = ref_transcripts[i]
+            entry["espeak_loops"] = loops(refs[i], ref_hyps[i])
         ratios = [s.audio_seconds / ref_seconds[i % len(sentences)] for i, s in enumerate(samples)]
         for sample, ratio in zip(samples, ratios, strict=True):
             sample.duration_ratio = ratio
