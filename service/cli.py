@@ -199,7 +199,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--server", default=f"127.0.0.1:{DEFAULT_PORT}", help="HOST:PORT of the server")
     p.add_argument("--text-file", help="read the text from this UTF-8 file (- = stdin)")
     p.add_argument("--voice", help="preset voice name (see `tts voices`)")
-    p.add_argument("--reference-audio", help="WAV/FLAC clip of the voice to clone (with --reference-text)")
+    p.add_argument(
+        "--reference-audio", help="WAV, FLAC, MP3 or Ogg clip of the voice to clone (with --reference-text)"
+    )
     p.add_argument("--reference-text", help="transcript of --reference-audio")
     add_normalize_arg(p)
     p.add_argument(

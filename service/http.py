@@ -6,7 +6,7 @@ Endpoints:
 
 * `POST /v1/audio/speech`: OpenAI's body (`model`, `input`, `voice`, `response_format`, `speed`,
   `stream_format`, `instructions`) plus this server's extensions (`seed`, `temperature`, `top_p`, `top_k`,
-  `max_new_frames`, `min_new_frames`, `repetition_penalty`, `reference_audio` (base64, WAV/FLAC) with
+  `max_new_frames`, `min_new_frames`, `repetition_penalty`, `reference_audio` (base64 WAV, FLAC, MP3 or Ogg) with
   `reference_text`, `normalize` (default true; false reads the text as given, see tts/textpolicy.py)).
   The JSON becomes a
   `tts.v1.SynthesizeRequest` and goes through `service.server.build_job`, the gRPC path's validation.
@@ -132,7 +132,9 @@ class SpeechRequest(BaseModel):
     repetition_penalty: float | None = Field(
         None, description="(0, 2), 1 = off: fish-speech 1.5's and S1's penalty on the last 16 frames"
     )
-    reference_audio: str | None = Field(None, description="base64 WAV/FLAC clip of a voice to clone")
+    reference_audio: str | None = Field(
+        None, description="base64 WAV, FLAC, MP3 or Ogg clip of a voice to clone"
+    )
     reference_text: str | None = Field(None, description="the transcript of reference_audio")
     normalize: bool = Field(
         True,
@@ -676,7 +678,7 @@ class HTTPFront:
         return prepared, tokens
 
     async def add_voice(self, request: Request) -> Response:
-        """`POST /v1/audio/voices` (multipart/form-data): `name`, `file` (a WAV or FLAC clip), `text` (its
+        """`POST /v1/audio/voices` (multipart/form-data): `name`, `file` (a WAV, FLAC, MP3 or Ogg clip), `text` (its
         transcript), optional `replace` (true/false). The clip is checked like a request's reference clip,
         encoded on the codec stage and kept as a registered voice (persisted under the server's voices
         directory), the same registry gRPC's AddVoice fills. 201 with the voice; 400 / 409 (the name is
@@ -700,7 +702,9 @@ class HTTPFront:
             if not isinstance(text, str) or not text.strip():
                 raise APIError(400, "the form needs the clip's transcript as `text`", param="text")
             if upload is None or isinstance(upload, str):
-                raise APIError(400, "the form needs the clip as a `file` field (WAV or FLAC)", param="file")
+                raise APIError(
+                    400, "the form needs the clip as a `file` field (WAV, FLAC, MP3 or Ogg)", param="file"
+                )
             replace = str(form.get("replace", "false")).lower() in ("1", "true", "yes", "on")
             self.loop.voices.check_new(name, replace)
             data = await upload.read()

@@ -276,7 +276,7 @@ class ReferenceClip:
 
     @classmethod
     def from_bytes(cls, data: bytes, text: str) -> ReferenceClip:
-        """A clip from WAV/FLAC bytes (raises tts.codec.base.AudioError if unreadable)."""
+        """A clip from audio file bytes (raises tts.codec.base.AudioError if unreadable)."""
         from tts.audio import read_audio
 
         samples, rate = read_audio(data)
@@ -704,7 +704,10 @@ def add_arguments(p: argparse.ArgumentParser, server_required: bool = True) -> N
         help="send a voice clip: distinct (a different clip per request), repeated (the same clip), "
         f"registered (AddVoice once per level as {BENCH_VOICE!r}, named in every request); default none",
     )
-    p.add_argument("--reference-audio", help="WAV/FLAC clip for --reference (default: a generated 10 s clip)")
+    p.add_argument(
+        "--reference-audio",
+        help="WAV, FLAC, MP3 or Ogg clip for --reference (default: a generated 10 s clip)",
+    )
     p.add_argument("--reference-text", help="transcript of --reference-audio")
     p.add_argument(
         "--metrics-url",

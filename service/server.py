@@ -6,7 +6,7 @@ encoding, codec decode) happens in `EngineLoop`'s engine thread or its codec sta
 1. validates its input on a worker thread (`build_job` -> `Planner.job`): text (prepared by the model's
    text policy unless `normalize` is false, split into chunks at sentence ends, reserved tags refused;
    what was left out goes to the header's warnings), sampling values, voice name (a preset or a registered voice),
-   reference clip (size limit, decodable WAV/FLAC, length, transcript), chunk sizes, and that every
+   reference clip (size limit, decodable audio: WAV, FLAC, MP3, Ogg, length, transcript), chunk sizes, and that every
    text chunk's prompt plus its frame budget fits the context; each failure is INVALID_ARGUMENT
    (NOT_FOUND for an unknown voice) before any generation work;
 2. is admitted by the engine loop or refused with RESOURCE_EXHAUSTED (bounded queue) / UNAVAILABLE
@@ -223,7 +223,7 @@ def build_job(planner: Planner, loop: EngineLoop, request: pb.SynthesizeRequest,
 
 
 def prepare_reference(planner: Planner, ref: pb.ReferenceAudio, limits: ServiceLimits, field: str):
-    """Check a ReferenceAudio message (size, decodable WAV/FLAC, length, transcript) and key it for the
+    """Check a ReferenceAudio message (size, decodable audio: WAV, FLAC, MP3, Ogg, length, transcript) and key it for the
     reference cache. Raises AudioError / InvalidRequest naming `field`."""
     if len(ref.audio) > limits.max_reference_bytes:
         raise InvalidRequest(
@@ -237,7 +237,9 @@ def prepare_reference(planner: Planner, ref: pb.ReferenceAudio, limits: ServiceL
         audio, sample_rate = read_audio(bytes(ref.audio))
     except AudioError as exc:  # soundfile's message names an in-memory file object: drop it
         reason = re.sub(r"^cannot read reference audio: (Error opening <[^>]*>: )?", "", str(exc)).strip()
-        raise AudioError(f"cannot read reference audio ({field}.audio, WAV or FLAC): {reason}") from exc
+        raise AudioError(
+            f"cannot read reference audio ({field}.audio, WAV, FLAC, MP3 or Ogg): {reason}"
+        ) from exc
     fingerprint = planner.voices.fingerprint
     assert fingerprint is not None  # the loop's registry is opened with the codec's fingerprint
     key = reference_key(bytes(ref.audio), ref.text, fingerprint)

@@ -140,3 +140,21 @@ def test_close_without_finish_and_encode_after_finish():
     encoder.close()
     with pytest.raises(RuntimeError):
         encoder.encode(tone(0.1))
+
+
+@pytest.mark.parametrize(
+    "fmt, subtype", [("WAV", "PCM_16"), ("FLAC", "PCM_16"), ("MP3", None), ("OGG", "VORBIS")]
+)
+def test_a_reference_clip_may_be_any_format_libsndfile_reads(fmt, subtype):
+    """Reference clips (--reference-audio, `tts voices add`, the service's clips) are read by soundfile:
+    WAV, FLAC, MP3 and Ogg Vorbis all give the clip back at its rate and about its length."""
+    from tts.audio import read_audio
+
+    rate = 22050
+    tone = (0.5 * np.sin(2 * np.pi * 220 * np.arange(rate) / rate)).astype(np.float32)
+    buf = io.BytesIO()
+    sf.write(buf, tone, rate, format=fmt, subtype=subtype)
+    samples, got_rate = read_audio(buf.getvalue())
+    assert got_rate == rate and samples.shape[0] == 1
+    assert abs(samples.shape[1] - rate) <= 2 * 1152  # (MP3 and Vorbis frames pad the end)
+    assert 0.3 < float(np.sqrt(np.mean(samples**2))) < 0.4  # the tone's RMS is 0.354

@@ -84,7 +84,7 @@ BAD = [
     (["synthesize", "hi", "-o", "{d}/a.wav", "--reference-audio", "{d}/nofile.wav", "--reference-text", "x"],
      "reference audio file not found: {d}/nofile.wav"),
     (["synthesize", "hi", "-o", "{d}/a.wav", "--reference-audio", "{d}/junk.wav", "--reference-text", "x"],
-     "cannot read reference audio file {d}/junk.wav: Format not recognised (expected WAV or FLAC)"),
+     "cannot read reference audio file {d}/junk.wav: Format not recognised (expected WAV, FLAC, MP3 or Ogg)"),
     (["synthesize", "hi", "-o", "{d}/a.wav", "--reference-audio", "{d}", "--reference-text", "x"],
      "reference audio path {d} is a directory, not a file"),
     (["synthesize", "hi", "-o", "{d}/a.wav", "--reference-audio", "{d}/empty.wav", "--reference-text", "x"],

@@ -202,7 +202,7 @@ def test_voices_add_names_a_missing_or_bad_clip_in_one_line_before_loading(tmp_p
     bad = tmp_path / "notes.txt"
     bad.write_text("not audio")
     voices = tmp_path / "voices"
-    for clip, reason in ((tmp_path / "missing.wav", "not found"), (bad, "expected WAV or FLAC")):
+    for clip, reason in ((tmp_path / "missing.wav", "not found"), (bad, "expected WAV, FLAC, MP3 or Ogg")):
         argv = [
             "voices",
             "--model",

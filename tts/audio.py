@@ -1,4 +1,5 @@
-"""WAV/FLAC I/O through soundfile: atomic writes and checked reads."""
+"""Audio file I/O through soundfile: atomic WAV/FLAC writes and checked reads of any format libsndfile
+reads (WAV, FLAC, MP3, Ogg, ...)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def write_wav_atomic(path: str | Path, audio: np.ndarray, sample_rate: int, subt
 
 
 def read_audio(source: str | Path | bytes) -> tuple[np.ndarray, int]:
-    """Read WAV/FLAC (a path or the file's bytes). Returns `([channels, samples] float32, sample_rate)`.
+    """Read an audio file that libsndfile reads: WAV, FLAC, MP3, Ogg, ... (a path or the file's bytes). Returns `([channels, samples] float32, sample_rate)`.
 
     Raises AudioError for an unreadable, empty or non-finite file.
     """

@@ -353,7 +353,7 @@ def write_text_output(path: str | Path, text: str) -> None:
 
 
 def read_reference_file(path: str):
-    """The bytes of the WAV/FLAC file `path` (--reference-audio) and its decoded audio:
+    """The bytes of the audio file `path` (--reference-audio) and its decoded audio:
     `(data, [channels, samples] float32, sample_rate)`. Raises UserError naming the file and the
     reason: not found, a directory, unreadable, not decodable, empty."""
     from .audio import read_audio
@@ -374,7 +374,7 @@ def read_reference_file(path: str):
         if message.startswith("cannot read reference audio: "):  # soundfile's reason, minus its file object
             reason = re.sub(r"^cannot read reference audio: (Error opening <[^>]*>: )?", "", message)
             reason = reason.strip().rstrip(".")
-            message = f"cannot read reference audio file {path}: {reason} (expected WAV or FLAC)"
+            message = f"cannot read reference audio file {path}: {reason} (expected WAV, FLAC, MP3 or Ogg)"
         else:  # "reference audio is empty", "... contains NaN or infinite samples"
             message = message.replace("reference audio", f"reference audio file {path}", 1)
         raise UserError(message) from exc
@@ -648,7 +648,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-file", help="read the text from this UTF-8 file (- = stdin)")
     p.add_argument("--voice", help="a preset or registered voice (see `tts voices`)")
     p.add_argument("--voices-dir", help=argparse.SUPPRESS)
-    p.add_argument("--reference-audio", help="WAV/FLAC clip of the voice to clone (with --reference-text)")
+    p.add_argument(
+        "--reference-audio", help="WAV, FLAC, MP3 or Ogg clip of the voice to clone (with --reference-text)"
+    )
     p.add_argument("--reference-text", help="transcript of --reference-audio")
     add_normalize_arg(p)
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
@@ -672,10 +674,10 @@ def build_parser() -> argparse.ArgumentParser:
     shared = [voices_shared_options(sub_level=True)]  # so they may also follow the action
     actions.add_parser("list", parents=shared, help="list preset and registered voices (the default)")
     a = actions.add_parser(
-        "add", parents=shared, help="register a voice from a WAV/FLAC clip and its transcript"
+        "add", parents=shared, help="register a voice from a clip (WAV, FLAC, MP3 or Ogg) and its transcript"
     )
     a.add_argument("name", help="1-64 letters, digits, '.', '_' or '-'")
-    a.add_argument("clip", help="WAV or FLAC clip (any rate, mono or stereo)")
+    a.add_argument("clip", help="WAV, FLAC, MP3 or Ogg clip (any rate, mono or stereo)")
     a.add_argument("--text", required=True, help="what the clip says")
     a.add_argument("--replace", action="store_true", help="replace a registered voice of that name")
     a.add_argument("--device", default="cpu", help="device that runs the codec (default cpu)")
