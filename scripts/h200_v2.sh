@@ -12,6 +12,10 @@
 #           codec, paragraphs included) with chunk-length history, while the vocoder goes on from the checkpoint the last
 #           call left on this machine (skipped on a fresh machine).
 #   CALL=3  carry [".whl-voice"]: both go on from the checkpoints left on this machine.
+#   CALL=4  carry [".whl-voice", ".carry1"]: a second stage of the vocoder on a fresh machine: espeak-ng
+#           speaks the VOC_UTT clips again and training starts from the bundle's vocoder
+#           (train_vocoder.py --init tts/assets/default) with a fresh optimizer and one cosine from
+#           VOC_LR over this call (the first stage's call ended with its learning rate at 0.83 of peak).
 # Wheels: .whl (h200_service.sh's list) for CALL=1, .whl-voice (h200_voice.sh's: train.py imports the
 # text normalizer, which needs num2words) after it; whichever was carried is installed.
 # The model's learning-rate schedule spans MODEL_SCHEDULE training seconds over calls 2 and 3, the
@@ -19,19 +23,24 @@
 # each call's wall time for this script.
 set -uo pipefail
 W=training/work
-CALL=${CALL:?CALL=1, 2 or 3 (see the header)} CALL_SECONDS=${CALL_SECONDS:-560}
+CALL=${CALL:?CALL=1, 2, 3 or 4 (see the header)} CALL_SECONDS=${CALL_SECONDS:-560}
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 WHEELS=.whl; [[ $CALL == 1 ]] || WHEELS=.whl-voice
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $WHEELS/*.whl \
   || exit 1
 mkdir -p $W /tmp/logs
-vocoder() {  # the vocoder, new or resumed, for the rest of this call
+vocoder() {  # the vocoder, new or resumed, for the rest of this call (ARGS: train_vocoder.py's schedule)
   [[ -f $W/vocoder_audio.pt || -f .carry1/espeak.tgz ]] || { echo "vocoder: no clips on this machine, skipped"; return; }
+  local args=${*:-"--schedule-seconds ${VOC_SCHEDULE:-1000}"}
   SKIP_PIP=1 STEP=vocoder VOC_UTT=${VOC_UTT:-16000} CALL_SECONDS=$(( CALL_SECONDS - SECONDS )) \
-    VOC_ARGS="--schedule-seconds ${VOC_SCHEDULE:-1000}" bash scripts/h200_voice.sh > /tmp/logs/vocoder_call$CALL.log 2>&1
+    VOC_ARGS="$args" bash scripts/h200_voice.sh > /tmp/logs/vocoder_call$CALL.log 2>&1
   grep -v '"step"' /tmp/logs/vocoder_call$CALL.log | tail -12
 }
-if [[ $CALL == 1 ]]; then
+if [[ $CALL == 4 ]]; then
+  tar xzf .carry1/espeak.tgz && cp .carry1/sentences.jsonl.gz $W/ && rm -f $W/sentences.jsonl
+  vocoder --init tts/assets/default --lr ${VOC_LR:-8e-4}
+  cp /tmp/logs/vocoder_call4.log $OUT/ 2>/dev/null
+elif [[ $CALL == 1 ]]; then
   tar xzf .carry1/espeak.tgz && cp .carry1/sentences.jsonl.gz $W/ && rm -f $W/sentences.jsonl
   (SKIP_PIP=1 ACTIONS="tests synth" bash scripts/h200_service.sh > /tmp/logs/service.log 2>&1
    echo "service script exit $?" >> /tmp/logs/service.log) &

@@ -20,6 +20,10 @@ distance (the mel-cepstral distortion formula, dB; not a training loss), the dec
 time and, unless `--no-asr` (needs the eval extra), the word error rate of Whisper tiny.en
 transcripts.
 
+`--init DIR` starts a new run from a trained vocoder's weights (a run folder or a bundle such as
+tts/assets/default) with a fresh optimizer and learning-rate schedule: a second stage that anneals
+the learning rate of a run that was cut short.
+
 Resumable: every run writes into `--out` (vocoder.safetensors, vocoder.json, checkpoint.pt with the
 optimizer and the seconds trained, loss.csv, eval.json) and `--resume` continues from checkpoint.pt; a
 run stops itself after `--max-seconds`, and `--schedule-seconds` spreads one learning-rate schedule
@@ -277,6 +281,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--init",
+        type=Path,
+        default=None,
+        help="start from the vocoder.safetensors and vocoder.json of this folder (a bundle or a run) with a "
+        "fresh optimizer and schedule: a second training stage on a trained vocoder",
+    )
+    p.add_argument(
         "--resume", action="store_true", help="continue from OUT/checkpoint.pt (weights, optimizer, schedule)"
     )
     p.add_argument(
@@ -292,6 +303,10 @@ def main() -> None:
     ckpt = a.out / "checkpoint.pt"
     if a.resume and not ckpt.is_file():
         p.error(f"--resume: {ckpt} does not exist")
+    if a.init is not None and (a.resume or a.eval):
+        p.error("--init starts a new run: not with --resume or --eval")
+    if a.init is not None and not (a.init / "vocoder.safetensors").is_file():
+        p.error(f"--init: {a.init / 'vocoder.safetensors'} does not exist")
     if a.eval and not (ckpt.is_file() or (a.out / "vocoder.safetensors").is_file()):
         p.error(f"--eval: {a.out} has neither checkpoint.pt nor vocoder.safetensors")
     if a.threads:
@@ -304,9 +319,18 @@ def main() -> None:
     train_ids = [i for i, u in enumerate(rows) if u["split"] == "train"]
     device = torch.device(a.device)
     shape = {"channels": a.channels, "blocks": a.blocks}
-    if (a.resume or a.eval) and (a.out / "vocoder.json").is_file():
-        shape = {k: v for k, v in json.loads((a.out / "vocoder.json").read_text()).items() if k in shape}
+    shape_from = a.init if a.init is not None else a.out
+    if (a.resume or a.eval or a.init is not None) and (shape_from / "vocoder.json").is_file():
+        shape = {k: v for k, v in json.loads((shape_from / "vocoder.json").read_text()).items() if k in shape}
+    elif a.init is not None:  # a bundle: the shape is in codec.json's "vocoder" entry
+        entry = json.loads((a.init / "codec.json").read_text())["vocoder"]
+        shape = {k: v for k, v in entry.items() if k in shape}
     model = CausalVocoder(**shape).to(device)
+    if a.init is not None:
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(str(a.init / "vocoder.safetensors")))  # (float16 weights widen)
+        print(f"initialized from {a.init / 'vocoder.safetensors'}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.8, 0.99), weight_decay=0.01)
     step, history, trained_seconds = 0, [], 0.0
     if (a.resume or a.eval) and ckpt.is_file():
