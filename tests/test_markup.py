@@ -107,3 +107,20 @@ def test_ssml_tags_are_removed_with_a_warning(ssml, spoken):
 )
 def test_urls_are_read_as_their_host(raw, spoken):
     assert render_markup(raw).text == spoken
+
+
+@pytest.mark.parametrize("policy", ["english", "fish-s2", "fish-1.5"])
+def test_text_of_code_blocks_only_is_refused_naming_what_was_left_out(policy):
+    """Not "empty, whitespace or punctuation only": the user gave text, and the error says why none of
+    it is spoken."""
+    from tts.text import TextError
+    from tts.textpolicy import get_text_policy
+
+    code = "```python\nprint('hello world')\n```\n\n```\nmore code\n```\n"
+    with pytest.raises(TextError) as err:
+        get_text_policy(policy).prepare(code, None)
+    assert (
+        str(err.value) == "text has nothing to speak once its Markdown is read: 2 code blocks were not read"
+    )
+    # with markup off (the service's and API's normalize=false), the text is read as given
+    assert "print" in get_text_policy(policy).prepare(code, None, normalize=False).text

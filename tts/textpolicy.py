@@ -66,6 +66,17 @@ def _check_speakable(text: str) -> None:
         raise TextError(NOTHING_TO_SPEAK)
 
 
+def _render(text: str) -> tuple[str, list[str]]:
+    """Markdown rendered as read, and its warnings; raises TextError naming what was left out when
+    nothing speakable is left (a file of code blocks only is not "empty")."""
+    rendered = render_markup(text)
+    if rendered.warnings and not any(ch.isalnum() for ch in _ANY_TAG.sub("", rendered.text)):
+        raise TextError(
+            f"text has nothing to speak once its Markdown is read: {'; '.join(rendered.warnings)}"
+        )
+    return rendered.text, rendered.warnings
+
+
 def check_speakable(text: str) -> None:
     """The checks every policy makes, without a model: raises TextError for text with nothing to speak
     (empty, whitespace, punctuation or control characters only) or a lone surrogate."""
@@ -90,8 +101,7 @@ class EnglishPolicy:
         check_user_tags(text, allowed_tags)
         warnings: list[str] = []
         if normalize and markup:
-            rendered = render_markup(text)
-            text, warnings = rendered.text, rendered.warnings
+            text, warnings = _render(text)
         text, dropped = drop_other_scripts(text)
         if dropped:
             _check_english_left(text, dropped)
@@ -138,8 +148,7 @@ class FishPolicy:
         check_user_tags(text, allowed_tags)
         warnings: list[str] = []
         if normalize and markup:
-            rendered = render_markup(text)
-            text, warnings = rendered.text, rendered.warnings
+            text, warnings = _render(text)
         text = clean_text_15(text) if self.version == "1.5" else text.strip()
         _check_speakable(text)
         return PreparedText(text, warnings)
