@@ -196,9 +196,15 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("text", nargs="?", help="text to speak (or use --text-file)")
     add_output_args(p)
-    p.add_argument("--server", default=f"127.0.0.1:{DEFAULT_PORT}", help="HOST:PORT of the server")
+    p.add_argument(
+        "--server",
+        default=f"127.0.0.1:{DEFAULT_PORT}",
+        help=f"HOST:PORT of the server (default 127.0.0.1:{DEFAULT_PORT}, `tts serve`'s)",
+    )
     p.add_argument("--text-file", help="read the text from this UTF-8 file (- = stdin)")
-    p.add_argument("--voice", help="preset voice name (see `tts voices`)")
+    p.add_argument(
+        "--voice", help="a voice the server knows: a preset or a registered voice (`tts voices` lists them)"
+    )
     p.add_argument(
         "--reference-audio", help="WAV, FLAC, MP3 or Ogg clip of the voice to clone (with --reference-text)"
     )
