@@ -604,7 +604,7 @@ def package_version() -> str:
         return "unknown"
 
 
-def voices_shared_options(sub_level: bool) -> argparse.ArgumentParser:
+def voices_shared_options(sub_level: bool) -> OneLineErrorParser:
     """The options of `tts voices` and each of its actions, as a parent parser, so that they can be given
     before or after the action. The action's copies default to SUPPRESS: argparse copies every value of
     the action's namespace over the outer one, so a real default there would overwrite an option given
@@ -614,7 +614,7 @@ def voices_shared_options(sub_level: bool) -> argparse.ArgumentParser:
     def default(value):
         return argparse.SUPPRESS if sub_level else value
 
-    shared = argparse.ArgumentParser(add_help=False)
+    shared = OneLineErrorParser(add_help=False)
     shared.add_argument(
         "--model", default=default("default"), help="'default', 'tiny' or a checkpoint directory"
     )
