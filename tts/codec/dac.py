@@ -22,7 +22,6 @@ and continues them all in one call (the codec stage's batched decode, CUDA-graph
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +30,7 @@ from torch import Tensor
 
 from .base import Codec, CodecCheckpointError
 from .dac_checkpoint import fuse_weight_norm, infer_config, load_state_strict, read_codec_state
-from .dac_net import ModdedDAC, StreamState
+from .dac_net import ModdedDAC, StateStreamDecoder
 
 if TYPE_CHECKING:
     from .dac_batched import BatchedDACDecoder
@@ -119,27 +118,9 @@ class DACCodec(Codec):
         return BatchedDACDecoder(self, max_streams, max_frames)
 
 
-@dataclass
-class DACStreamingDecoder:
-    """Stateful incremental decode: `push(codes [N, t])` returns the `t * 2048` new samples; the
-    concatenation of all pushes equals `decode` of all codes (float rounding aside)."""
+class DACStreamingDecoder(StateStreamDecoder):
+    """`DACCodec.stream()`: the modded DAC's stateful incremental decode (`StateStreamDecoder`); its
+    transformers place each push at absolute RoPE positions from `frames_decoded`."""
 
-    codec: DACCodec
-    frames_decoded: int = 0
-    state: StreamState = field(default_factory=dict)
-
-    @torch.inference_mode()
-    def push(self, codes: Tensor) -> Tensor:
-        codes = self.codec.check_codes(codes)
-        t = codes.shape[1]
-        if t == 0:
-            return torch.zeros(0, dtype=torch.float32)
-        audio = self.codec.model.decode(
-            codes.unsqueeze(0).to(self.codec.device), self.frames_decoded, self.state
-        )
-        self.frames_decoded += t
-        return audio[0, 0].float().cpu()
-
-    def flush(self) -> Tensor:
-        """Nothing is held back: every pushed frame's samples were returned."""
-        return torch.zeros(0, dtype=torch.float32)
+    def _decode(self, codes: Tensor) -> Tensor:
+        return self.codec.model.decode(codes, self.frames_decoded, self.state)

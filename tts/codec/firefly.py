@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import cast
 
@@ -48,7 +48,14 @@ from torch import Tensor, nn
 
 from .base import BatchedStreamDecoder, Codec, CodecCheckpointError
 from .dac_checkpoint import fuse_weight_norm, load_state_strict, read_codec_state
-from .dac_net import CausalConv1d, CausalConvTranspose1d, ConvNeXtBlock, StreamSequential, StreamState
+from .dac_net import (
+    CausalConv1d,
+    CausalConvTranspose1d,
+    ConvNeXtBlock,
+    StateStreamDecoder,
+    StreamSequential,
+    StreamState,
+)
 from .dac_random import random_weight_normed_state
 
 FIREFLY_FILE = "firefly-gan-vq-fsq-8x1024-21hz-generator.pth"
@@ -552,28 +559,11 @@ class FireflyCodec(Codec):
         return BatchedFireflyDecoder(self, max_streams)
 
 
-@dataclass
-class FireflyStreamingDecoder:
-    """Stateful incremental decode: `push(codes [8, t])` returns the `t * 2048` new samples; the
-    concatenation of all pushes equals `decode` of all codes to float rounding."""
+class FireflyStreamingDecoder(StateStreamDecoder):
+    """`FireflyCodec.stream()`: Firefly's stateful incremental decode (`StateStreamDecoder`)."""
 
-    codec: FireflyCodec
-    frames_decoded: int = 0
-    state: StreamState = field(default_factory=dict)
-
-    @torch.inference_mode()
-    def push(self, codes: Tensor) -> Tensor:
-        codes = self.codec.check_codes(codes)
-        t = codes.shape[1]
-        if t == 0:
-            return torch.zeros(0, dtype=torch.float32)
-        audio = self.codec.model.decode(codes.unsqueeze(0).to(self.codec.device), self.state)
-        self.frames_decoded += t
-        return audio[0, 0].cpu()
-
-    def flush(self) -> Tensor:
-        """Nothing is held back: every pushed frame's samples were returned."""
-        return torch.zeros(0, dtype=torch.float32)
+    def _decode(self, codes: Tensor) -> Tensor:
+        return self.codec.model.decode(codes, self.state)
 
 
 def load_firefly(path: str | Path, device: str | torch.device = "cpu") -> FireflyCodec:
