@@ -19,7 +19,8 @@ routing, the health checks and the retries are HAProxy's.
   has exited (a replica still running `--drain-delay` + `--grace` + 10 s later is killed), HAProxy is
   stopped and the command exits 0.
 
-Replica output is printed with the prefix `[rI]`, HAProxy's warnings with `[haproxy]`.
+Replica output is printed with the prefix `[rI]`, HAProxy's warnings with `[haproxy]` (but for its
+servers' DOWN / UP news while the replicas start: the cluster's own lines say that).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ from tts.errors import UserError
 TEMPLATE = Path(__file__).resolve().parent / "deploy" / "haproxy.cfg.template"
 PROXY = "haproxy"
 PROXY_MISSING = "haproxy not found: apt-get install haproxy"
+# While the replicas load, HAProxy's health checks fail (their HTTP ports are not open yet): it reports
+# each server DOWN, then UP again. The cluster says itself when every replica serves, so these lines
+# are noise until then, and HAProxy's news after it (a replica that dies or drains).
+PROXY_STARTUP_NOISE = re.compile(r"Server \S+ is (DOWN|UP)\b|has no server available")
 # Options `tts serve --devices` sets itself on every replica (not forwarded from its own command line).
 OWN_OPTIONS = {
     "devices", "device", "host", "port", "http_port", "metrics_host", "metrics_port", "replica_name",
@@ -262,6 +267,7 @@ class Cluster:
         self.forwarded = forwarded_options(args, parser)
         self.drain_delay = args.drain_delay
         self.stopping = False
+        self.started = False  # every replica served once and HAProxy saw it (`serving ...` said)
         self.stop_signal = signal.SIGTERM
         self._wake = asyncio.Event()
         self.proxy_proc: asyncio.subprocess.Process | None = None
@@ -286,6 +292,8 @@ class Cluster:
             if not raw:
                 return
             line = raw.decode("utf-8", "replace").rstrip("\n")
+            if replica is None and not self.started and PROXY_STARTUP_NOISE.search(line):
+                continue
             self.say(f"[{prefix}] {line}")
             if replica is not None:
                 if line.startswith("serving "):
@@ -494,6 +502,7 @@ class Cluster:
             f"serving tts.v1.TextToSpeech on {a.host}:{a.port} through {PROXY} ({len(self.replicas)} replicas: "
             f"{names}; max batch {a.max_batch} each){http}{metrics}"
         )
+        self.started = True
 
     async def _serve(self) -> int:
         """Watch the replicas (restarting them) and HAProxy until a stop signal; returns the exit code."""

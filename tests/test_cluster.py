@@ -226,6 +226,19 @@ def check_complete(results: list[dict]) -> None:
 
 
 @needs_proxy
+def test_no_proxy_server_news_before_serving(running):
+    """The replicas' start makes HAProxy's health checks fail (servers DOWN, then UP): those lines are
+    held back until the cluster says it serves."""
+    start, _ = running.wait_line(r"^serving tts\.v1\.TextToSpeech")
+    noise = [
+        x
+        for x in running.lines[:start]
+        if x.startswith("[haproxy]") and re.search(r" is (DOWN|UP)|no server", x)
+    ]
+    assert noise == []
+
+
+@needs_proxy
 def test_calls_are_spread_per_request_and_health_is_the_wholes(running, tmp_path):
     # The closed loop of `tts bench-server` through the proxy: 4 clients on one channel each.
     report = tmp_path / "bench.json"
