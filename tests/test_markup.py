@@ -124,3 +124,10 @@ def test_text_of_code_blocks_only_is_refused_naming_what_was_left_out(policy):
     )
     # with markup off (the service's and API's normalize=false), the text is read as given
     assert "print" in get_text_policy(policy).prepare(code, None, normalize=False).text
+
+
+def test_a_symbol_the_english_voice_reads_after_a_code_block_is_still_read():
+    from tts.textpolicy import get_text_policy
+
+    prepared = get_text_policy("english").prepare("```\ncode\n```\n\n&", None)
+    assert (prepared.text, prepared.warnings) == ("and", ["1 code block was not read"])

@@ -66,15 +66,12 @@ def _check_speakable(text: str) -> None:
         raise TextError(NOTHING_TO_SPEAK)
 
 
-def _render(text: str) -> tuple[str, list[str]]:
-    """Markdown rendered as read, and its warnings; raises TextError naming what was left out when
-    nothing speakable is left (a file of code blocks only is not "empty")."""
-    rendered = render_markup(text)
-    if rendered.warnings and not any(ch.isalnum() for ch in _ANY_TAG.sub("", rendered.text)):
-        raise TextError(
-            f"text has nothing to speak once its Markdown is read: {'; '.join(rendered.warnings)}"
-        )
-    return rendered.text, rendered.warnings
+def _nothing_left(exc: TextError, markup_warnings: list[str]) -> TextError:
+    """A "nothing to speak" error for text that had words before its Markdown was read (a file of code
+    blocks only is not "empty"): the message says what reading it left out."""
+    if markup_warnings and str(exc) == NOTHING_TO_SPEAK:
+        return TextError(f"text has nothing to speak once its Markdown is read: {'; '.join(markup_warnings)}")
+    return exc
 
 
 def check_speakable(text: str) -> None:
@@ -101,14 +98,19 @@ class EnglishPolicy:
         check_user_tags(text, allowed_tags)
         warnings: list[str] = []
         if normalize and markup:
-            text, warnings = _render(text)
+            rendered = render_markup(text)
+            text, warnings = rendered.text, rendered.warnings
+        markup_warnings = list(warnings)
         text, dropped = drop_other_scripts(text)
         if dropped:
             _check_english_left(text, dropped)
             warnings.append(_dropped_warning(dropped))
         if normalize:
             text = _EMOJI.sub(" ", text)  # espeak-ng would name them ("grinning face")
-            text = normalize_text(text)
+            try:
+                text = normalize_text(text)  # ("&" alone is read: "and")
+            except TextError as exc:
+                raise _nothing_left(exc, markup_warnings) from exc
             check_user_tags(text, allowed_tags)  # NFKC made <| |> of their full-width forms
         else:
             text = text.strip()
@@ -148,9 +150,13 @@ class FishPolicy:
         check_user_tags(text, allowed_tags)
         warnings: list[str] = []
         if normalize and markup:
-            text, warnings = _render(text)
+            rendered = render_markup(text)
+            text, warnings = rendered.text, rendered.warnings
         text = clean_text_15(text) if self.version == "1.5" else text.strip()
-        _check_speakable(text)
+        try:
+            _check_speakable(text)
+        except TextError as exc:
+            raise _nothing_left(exc, warnings) from exc
         return PreparedText(text, warnings)
 
 
