@@ -158,6 +158,37 @@ class StreamingDecoder:
         return torch.zeros(0, dtype=torch.float32)
 
 
+class StatefulStreamingDecoder(ABC):
+    """Incremental decode through a causal net that carries its state between calls (the modded DAC's
+    and Firefly's: a dict of each module's left context, `dac_net.StreamState`): `push(codes [N, t])`
+    returns the `t * frame_length` new float32 samples, and the concatenation of all pushes equals the
+    codec's `decode` of all codes to float rounding. A codec subclasses it with `_decode`."""
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+        self.frames_decoded = 0
+        self.state: dict = {}
+
+    @abstractmethod
+    def _decode(self, codes: Tensor) -> Tensor:
+        """`[1, N, t]` int64 (checked, on the CPU) -> `[1, 1, t * frame_length]` audio on the codec's
+        device, updating `self.state`."""
+
+    @torch.inference_mode()
+    def push(self, codes: Tensor) -> Tensor:
+        codes = self.codec.check_codes(codes)
+        t = codes.shape[1]
+        if t == 0:
+            return torch.zeros(0, dtype=torch.float32)
+        audio = self._decode(codes.unsqueeze(0))
+        self.frames_decoded += t
+        return audio[0, 0].float().cpu()
+
+    def flush(self) -> Tensor:
+        """Nothing is held back: every pushed frame's samples were returned."""
+        return torch.zeros(0, dtype=torch.float32)
+
+
 class BatchedStreamDecoder(ABC):
     """Streaming decode of many independent streams in one call: the codec stage's batched decode.
 

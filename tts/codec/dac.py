@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .base import Codec, CodecCheckpointError
+from .base import Codec, CodecCheckpointError, StatefulStreamingDecoder
 from .dac_checkpoint import fuse_weight_norm, infer_config, load_state_strict, read_codec_state
-from .dac_net import ModdedDAC, StateStreamDecoder
+from .dac_net import ModdedDAC
 
 if TYPE_CHECKING:
     from .dac_batched import BatchedDACDecoder
@@ -118,9 +118,11 @@ class DACCodec(Codec):
         return BatchedDACDecoder(self, max_streams, max_frames)
 
 
-class DACStreamingDecoder(StateStreamDecoder):
-    """`DACCodec.stream()`: the modded DAC's stateful incremental decode (`StateStreamDecoder`); its
-    transformers place each push at absolute RoPE positions from `frames_decoded`."""
+class DACStreamingDecoder(StatefulStreamingDecoder):
+    """`DACCodec.stream()`: the modded DAC's stateful incremental decode (`StatefulStreamingDecoder`);
+    its transformers place each push at absolute RoPE positions from `frames_decoded`."""
+
+    codec: DACCodec
 
     def _decode(self, codes: Tensor) -> Tensor:
-        return self.codec.model.decode(codes, self.frames_decoded, self.state)
+        return self.codec.model.decode(codes.to(self.codec.device), self.frames_decoded, self.state)

@@ -36,37 +36,6 @@ from .base import CodecCheckpointError
 StreamState = dict  # module -> its carried state (tensors), one per stream
 
 
-class StateStreamDecoder:
-    """Incremental decode through a causal net that carries a `StreamState` between calls (the modded
-    DAC's and Firefly's): `push(codes [N, t])` returns the `t * frame_length` new float32 samples, and
-    the concatenation of all pushes equals the codec's `decode` of all codes to float rounding. A codec
-    subclasses it with `_decode`, its net's streaming call."""
-
-    def __init__(self, codec) -> None:
-        self.codec = codec
-        self.frames_decoded = 0
-        self.state: StreamState = {}
-
-    def _decode(self, codes: Tensor) -> Tensor:
-        """`[1, N, t]` int64 on the codec's device -> `[1, 1, t * frame_length]` audio, updating
-        `self.state`."""
-        raise NotImplementedError
-
-    @torch.inference_mode()
-    def push(self, codes: Tensor) -> Tensor:
-        codes = self.codec.check_codes(codes)
-        t = codes.shape[1]
-        if t == 0:
-            return torch.zeros(0, dtype=torch.float32)
-        audio = self._decode(codes.unsqueeze(0).to(self.codec.device))
-        self.frames_decoded += t
-        return audio[0, 0].float().cpu()
-
-    def flush(self) -> Tensor:
-        """Nothing is held back: every pushed frame's samples were returned."""
-        return torch.zeros(0, dtype=torch.float32)
-
-
 # ---- configuration -----------------------------------------------------------------------------------
 
 

@@ -46,13 +46,12 @@ import torch.nn.functional as F
 import torchaudio
 from torch import Tensor, nn
 
-from .base import BatchedStreamDecoder, Codec, CodecCheckpointError
+from .base import BatchedStreamDecoder, Codec, CodecCheckpointError, StatefulStreamingDecoder
 from .dac_checkpoint import fuse_weight_norm, load_state_strict, read_codec_state
 from .dac_net import (
     CausalConv1d,
     CausalConvTranspose1d,
     ConvNeXtBlock,
-    StateStreamDecoder,
     StreamSequential,
     StreamState,
 )
@@ -559,11 +558,13 @@ class FireflyCodec(Codec):
         return BatchedFireflyDecoder(self, max_streams)
 
 
-class FireflyStreamingDecoder(StateStreamDecoder):
-    """`FireflyCodec.stream()`: Firefly's stateful incremental decode (`StateStreamDecoder`)."""
+class FireflyStreamingDecoder(StatefulStreamingDecoder):
+    """`FireflyCodec.stream()`: Firefly's stateful incremental decode (`StatefulStreamingDecoder`)."""
+
+    codec: FireflyCodec
 
     def _decode(self, codes: Tensor) -> Tensor:
-        return self.codec.model.decode(codes, self.state)
+        return self.codec.model.decode(codes.to(self.codec.device), self.state)
 
 
 def load_firefly(path: str | Path, device: str | torch.device = "cpu") -> FireflyCodec:
