@@ -20,7 +20,8 @@ routing, the health checks and the retries are HAProxy's.
   stopped and the command exits 0.
 
 Replica output is printed with the prefix `[rI]`, HAProxy's warnings with `[haproxy]` (but for its
-servers' DOWN / UP news while the replicas start: the cluster's own lines say that).
+servers' DOWN / UP news while the replicas start or stop: the cluster's own lines say that; a failed
+start shows the last of them).
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ TEMPLATE = Path(__file__).resolve().parent / "deploy" / "haproxy.cfg.template"
 PROXY = "haproxy"
 PROXY_MISSING = "haproxy not found: apt-get install haproxy"
 # While the replicas load, HAProxy's health checks fail (their HTTP ports are not open yet): it reports
-# each server DOWN, then UP again. The cluster says itself when every replica serves, so these lines
-# are noise until then, and HAProxy's news after it (a replica that dies or drains).
-PROXY_STARTUP_NOISE = re.compile(r"Server \S+ is (DOWN|UP)\b|has no server available")
+# each server DOWN, then UP again; while they stop, DOWN again. The cluster says itself when every
+# replica serves and when it stops, so these lines are held back then (and shown if the start fails);
+# in between they are news (a replica that dies or drains).
+PROXY_SERVER_NEWS = re.compile(r"Server \S+ is (DOWN|UP)\b|has no server available")
 # Options `tts serve --devices` sets itself on every replica (not forwarded from its own command line).
 OWN_OPTIONS = {
     "devices", "device", "host", "port", "http_port", "metrics_host", "metrics_port", "replica_name",
@@ -268,6 +270,7 @@ class Cluster:
         self.drain_delay = args.drain_delay
         self.stopping = False
         self.started = False  # every replica served once and HAProxy saw it (`serving ...` said)
+        self.held_proxy_lines: list[str] = []  # PROXY_SERVER_NEWS held back during the start
         self.stop_signal = signal.SIGTERM
         self._wake = asyncio.Event()
         self.proxy_proc: asyncio.subprocess.Process | None = None
@@ -292,7 +295,9 @@ class Cluster:
             if not raw:
                 return
             line = raw.decode("utf-8", "replace").rstrip("\n")
-            if replica is None and not self.started and PROXY_STARTUP_NOISE.search(line):
+            if replica is None and (not self.started or self.stopping) and PROXY_SERVER_NEWS.search(line):
+                if not self.started:
+                    self.held_proxy_lines = [*self.held_proxy_lines[-19:], line]
                 continue
             self.say(f"[{prefix}] {line}")
             if replica is not None:
@@ -546,7 +551,10 @@ class Cluster:
                 start.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await start
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, Exception) and not self.started:  # why HAProxy never saw every replica
+                for line in self.held_proxy_lines:
+                    self.say(f"[{PROXY}] {line}")
             self.stopping = True
             self._wake.set()
             await self._stop_replicas(signal.SIGINT)
