@@ -180,6 +180,47 @@ def test_an_immutable_output_file_is_refused_before_the_model_loads(tmp_path):
         subprocess.run(["chattr", "-i", str(out)], check=False)
 
 
+@pytest.mark.parametrize("errno_name, refused", [("EPERM", True), ("EACCES", False), ("ETXTBSY", False)])
+def test_only_an_immutable_file_is_refused_by_the_write_probe(tmp_path, monkeypatch, errno_name, refused):
+    """The probe opens an existing output for writing: EPERM (immutable or append-only) is refused;
+    mode bits (EACCES) or a running program (ETXTBSY) are not, since the final rename may still replace
+    the file; a symlink is not probed (the rename replaces the link)."""
+    import builtins
+    import errno
+
+    from tts.cli import UserError, check_output_path
+
+    out = tmp_path / "x.wav"
+    out.write_bytes(b"old")
+    link = tmp_path / "link.wav"
+    link.symlink_to(out)
+    real_open = builtins.open
+
+    def refusing_open(path, mode="r", *args, **kwargs):
+        if Path(path) == out and "+" in mode:
+            raise OSError(getattr(errno, errno_name), os.strerror(getattr(errno, errno_name)), str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", refusing_open)
+    if refused:
+        with pytest.raises(UserError, match=f"^cannot write {re.escape(str(out))}: operation not permitted$"):
+            check_output_path(str(out))
+    else:
+        assert check_output_path(str(out)) == out
+    assert check_output_path(str(link)) == link and out.read_bytes() == b"old"
+
+
+def test_each_warning_is_printed_once(tmp_path):
+    """The CLI prints a synthesis's warnings itself; the API's log records of them are not printed too."""
+    text = tmp_path / "t.md"
+    text.write_text("Hello there.\n\n```\nsome code\n```\n")
+    r = run_cli("synthesize", "--text-file", str(text), "-o", str(tmp_path / "x.wav"), "--model", "tiny")
+    assert r.returncode == 0, r.stderr
+    assert [line for line in r.stderr.splitlines() if "code block" in line] == [
+        "warning: 1 code block was not read"
+    ]
+
+
 def test_a_write_that_fails_at_the_end_names_the_output_and_leaves_nothing(tmp_path, capsys, monkeypatch):
     """The directory was writable when checked but the final rename fails (the file system went
     read-only): one line naming the output, not the temporary file, and no file left."""

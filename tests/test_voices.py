@@ -272,6 +272,12 @@ def test_voices_options_go_before_or_after_the_action(tmp_path, capsys):
     assert main(["voices", "delete", "me", *model, *where]) == 0
     assert capsys.readouterr().out == f"deleted voice me from {voices}\n"
     assert listing("list", *model, *where, "-q") == presets
+    # a preset is named as one, as the service answers (not "no registered voice")
+    assert main(["voices", "delete", "alpha", *model, *where]) == 2
+    assert (
+        capsys.readouterr().err
+        == "tts: error: 'alpha' is a preset voice of the model and cannot be deleted\n"
+    )
 
 
 @pytest.mark.parametrize("action", ["list", "add", "delete"])

@@ -37,6 +37,9 @@ from .text import TextError
 from .voices import VoiceEntry, VoiceExists, VoiceNotFound, VoiceRegistry, codec_fingerprint
 
 log = logging.getLogger(__name__)
+# The attribute marking the log records of a synthesis's warnings (also in `Synthesis.warnings`), so that
+# a front end that shows those warnings itself can filter the records out.
+SYNTHESIS_WARNING = "synthesis_warning"
 
 
 @dataclass
@@ -244,8 +247,8 @@ class TTS:
                         ended = True
                         self.last_finish_reasons = list(event.finish_reasons)
                         self.last_warnings = list(event.warnings)
-                        for warning in event.warnings:
-                            log.warning("%s", warning)
+                        for warning in event.warnings:  # (marked: the CLI prints them itself)
+                            log.warning("%s", warning, extra={SYNTHESIS_WARNING: True})
                         return
                     elif isinstance(event, Failed):
                         ended = True

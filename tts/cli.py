@@ -311,14 +311,15 @@ def check_output_path(path: str) -> Path:
         raise UserError(f"cannot write {out}: {os_error_reason(exc)}") from exc
     os.close(fd)
     os.unlink(probe)
-    if out.is_file():
+    if out.is_file() and not out.is_symlink():  # (the final rename replaces a link, not its target)
         # Opening for writing without truncating changes nothing. EPERM is Linux's answer for an
-        # immutable or append-only file (chattr +i / +a), even to root; EACCES (mode bits) is not
-        # refused here, since replacing the file through its directory may still be allowed.
+        # immutable or append-only file (chattr +i / +a), even to root. Any other refusal (EACCES from
+        # mode bits, ETXTBSY for a running program) is not one: the rename through the directory may
+        # still replace the file.
         try:
             with open(out, "r+b"):
                 pass
-        except PermissionError as exc:
+        except OSError as exc:
             if exc.errno == errno.EPERM:
                 raise UserError(f"cannot write {out}: {os_error_reason(exc)}") from exc
     return out
@@ -548,16 +549,17 @@ def cmd_voices(args: argparse.Namespace) -> int:
         where = f"in {directory}" if directory is not None else "in memory only (--voices-dir none)"
         print(f"added voice {entry.name}: {entry.seconds(bundle.codec.frame_rate):.2f} s, kept {where}")
         return 0
-    if action == "delete":
-        if directory is None:
-            raise UserError("--voices-dir none holds no registered voices")
-        VoiceRegistry({}, directory, None).delete(args.name)
-        print(f"deleted voice {args.name} from {directory}")
-        return 0
     if args.model in PRESETS:
         presets = load_bundle(args.model, device="cpu").voices
     else:
         presets = load_voices(Path(args.model) / "voices") if (Path(args.model) / "voices").is_dir() else {}
+    if action == "delete":
+        if directory is None:
+            raise UserError("--voices-dir none holds no registered voices")
+        # (with the model's presets, so that deleting one says so, as the service does)
+        VoiceRegistry(presets, directory, None).delete(args.name)
+        print(f"deleted voice {args.name} from {directory}")
+        return 0
     registry = VoiceRegistry(presets, directory, None)
     entries = registry.list()
     if not entries:
@@ -625,7 +627,11 @@ def voices_shared_options(sub_level: bool) -> OneLineErrorParser:
         "`tts voices`; 'none' = presets only)",
     )
     shared.add_argument(
-        "-q", "--quiet", action="store_true", default=default(False), help="print only the voices"
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=default(False),
+        help="list: print only the voices, not where registered voices are kept",
     )
     return shared
 
@@ -688,7 +694,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("name")
     p.set_defaults(func=cmd_voices)
 
-    p = sub.add_parser("info", help="describe a model")
+    p = sub.add_parser(
+        "info",
+        help="describe a model",
+        description="Load a model and describe it, without synthesizing: its family, parameters, dtype and "
+        "device, codec (sample rate, frame rate, codebooks) and the shapes of its slow and fast AR.",
+    )
     add_model_args(p)
     p.set_defaults(func=cmd_info)
 
@@ -717,6 +728,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    # The commands print a synthesis's warnings themselves: drop the API's log records of them (marked
+    # with tts.api.SYNTHESIS_WARNING, spelled out here so that --help does not import torch).
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(lambda record: not getattr(record, "synthesis_warning", False))
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_BAD_INPUT
