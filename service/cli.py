@@ -203,7 +203,9 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--text-file", help="read the text from this UTF-8 file (- = stdin)")
     p.add_argument(
-        "--voice", help="a voice the server knows: a preset or a registered voice (`tts voices` lists them)"
+        "--voice",
+        help="a voice the server knows: a preset or a registered voice (its ListVoices call or GET "
+        "/v1/audio/voices lists them)",
     )
     p.add_argument(
         "--reference-audio", help="WAV, FLAC, MP3 or Ogg clip of the voice to clone (with --reference-text)"

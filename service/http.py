@@ -6,8 +6,8 @@ Endpoints:
 
 * `POST /v1/audio/speech`: OpenAI's body (`model`, `input`, `voice`, `response_format`, `speed`,
   `stream_format`, `instructions`) plus this server's extensions (`seed`, `temperature`, `top_p`, `top_k`,
-  `max_new_frames`, `min_new_frames`, `repetition_penalty`, `reference_audio` (base64 WAV, FLAC, MP3 or Ogg) with
-  `reference_text`, `normalize` (default true; false reads the text as given, see tts/textpolicy.py)).
+  `max_new_frames`, `min_new_frames`, `repetition_penalty`, `reference_audio` (base64 WAV, FLAC, MP3 or
+  Ogg) with `reference_text`, `normalize` (default true; false reads the text as given, see tts/textpolicy.py)).
   The JSON becomes a
   `tts.v1.SynthesizeRequest` and goes through `service.server.build_job`, the gRPC path's validation.
   The audio streams as the engine produces it (chunked transfer): encoded bytes (`stream_format`
@@ -678,8 +678,8 @@ class HTTPFront:
         return prepared, tokens
 
     async def add_voice(self, request: Request) -> Response:
-        """`POST /v1/audio/voices` (multipart/form-data): `name`, `file` (a WAV, FLAC, MP3 or Ogg clip), `text` (its
-        transcript), optional `replace` (true/false). The clip is checked like a request's reference clip,
+        """`POST /v1/audio/voices` (multipart/form-data): `name`, `file` (a WAV, FLAC, MP3 or Ogg clip),
+        `text` (its transcript), optional `replace` (true/false). The clip is checked like a request's reference clip,
         encoded on the codec stage and kept as a registered voice (persisted under the server's voices
         directory), the same registry gRPC's AddVoice fills. 201 with the voice; 400 / 409 (the name is
         taken) / 413 / 503 as OpenAI-style errors."""

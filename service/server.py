@@ -6,8 +6,8 @@ encoding, codec decode) happens in `EngineLoop`'s engine thread or its codec sta
 1. validates its input on a worker thread (`build_job` -> `Planner.job`): text (prepared by the model's
    text policy unless `normalize` is false, split into chunks at sentence ends, reserved tags refused;
    what was left out goes to the header's warnings), sampling values, voice name (a preset or a registered voice),
-   reference clip (size limit, decodable audio: WAV, FLAC, MP3, Ogg, length, transcript), chunk sizes, and that every
-   text chunk's prompt plus its frame budget fits the context; each failure is INVALID_ARGUMENT
+   reference clip (size limit, decodable audio (WAV, FLAC, MP3 or Ogg), length, transcript), chunk
+   sizes, and that every text chunk's prompt plus its frame budget fits the context; each failure is INVALID_ARGUMENT
    (NOT_FOUND for an unknown voice) before any generation work;
 2. is admitted by the engine loop or refused with RESOURCE_EXHAUSTED (bounded queue) / UNAVAILABLE
    (warming up, shutting down);
@@ -223,8 +223,8 @@ def build_job(planner: Planner, loop: EngineLoop, request: pb.SynthesizeRequest,
 
 
 def prepare_reference(planner: Planner, ref: pb.ReferenceAudio, limits: ServiceLimits, field: str):
-    """Check a ReferenceAudio message (size, decodable audio: WAV, FLAC, MP3, Ogg, length, transcript) and key it for the
-    reference cache. Raises AudioError / InvalidRequest naming `field`."""
+    """Check a ReferenceAudio message (size, decodable audio (WAV, FLAC, MP3 or Ogg), length, transcript)
+    and key it for the reference cache. Raises AudioError / InvalidRequest naming `field`."""
     if len(ref.audio) > limits.max_reference_bytes:
         raise InvalidRequest(
             f"reference audio is {format_size(len(ref.audio))}; the limit is {format_size(limits.max_reference_bytes)}"

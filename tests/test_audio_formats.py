@@ -150,6 +150,8 @@ def test_a_reference_clip_may_be_any_format_libsndfile_reads(fmt, subtype):
     WAV, FLAC, MP3 and Ogg Vorbis all give the clip back at its rate and about its length."""
     from tts.audio import read_audio
 
+    if fmt not in sf.available_formats():  # (MP3 needs libsndfile >= 1.1; soundfile's wheels bring 1.2)
+        pytest.skip(f"this libsndfile reads no {fmt}")
     rate = 22050
     tone = (0.5 * np.sin(2 * np.pi * 220 * np.arange(rate) / rate)).astype(np.float32)
     buf = io.BytesIO()

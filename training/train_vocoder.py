@@ -251,6 +251,19 @@ def learning_rate(step: int, seconds: float, peak: float, steps: int, span: floa
     return peak * min(1.0, (step + 1) / WARMUP_STEPS) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def init_vocoder_weights(folder: Path) -> tuple[Path, dict] | None:
+    """The weights file and shape of the trained vocoder in `folder` for `--init`: a run folder
+    (vocoder.json beside vocoder.safetensors) or a bundle (its codec.json's "vocoder" entry names the
+    file); None when it holds neither."""
+    if (folder / "vocoder.json").is_file():
+        return folder / "vocoder.safetensors", json.loads((folder / "vocoder.json").read_text())
+    codec = folder / "codec.json"
+    entry = json.loads(codec.read_text()).get("vocoder") if codec.is_file() else None
+    if not entry:
+        return None
+    return folder / entry.get("weights", "vocoder.safetensors"), entry
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=ROOT / "training" / "work", help="corpus work folder")
@@ -284,8 +297,8 @@ def main() -> None:
         "--init",
         type=Path,
         default=None,
-        help="start from the vocoder.safetensors and vocoder.json of this folder (a bundle or a run) with a "
-        "fresh optimizer and schedule: a second training stage on a trained vocoder",
+        help="start from the trained vocoder in this folder (a run's vocoder.safetensors and vocoder.json, or a "
+        "bundle's, named by its codec.json) with a fresh optimizer and schedule: a second training stage",
     )
     p.add_argument(
         "--resume", action="store_true", help="continue from OUT/checkpoint.pt (weights, optimizer, schedule)"
@@ -305,8 +318,13 @@ def main() -> None:
         p.error(f"--resume: {ckpt} does not exist")
     if a.init is not None and (a.resume or a.eval):
         p.error("--init starts a new run: not with --resume or --eval")
-    if a.init is not None and not (a.init / "vocoder.safetensors").is_file():
-        p.error(f"--init: {a.init / 'vocoder.safetensors'} does not exist")
+    init_weights = None
+    if a.init is not None:
+        init_weights = init_vocoder_weights(a.init)
+        if init_weights is None:
+            p.error(f"--init: {a.init} holds neither vocoder.json nor a codec.json naming a vocoder")
+        if not init_weights[0].is_file():
+            p.error(f"--init: {init_weights[0]} does not exist")
     if a.eval and not (ckpt.is_file() or (a.out / "vocoder.safetensors").is_file()):
         p.error(f"--eval: {a.out} has neither checkpoint.pt nor vocoder.safetensors")
     if a.threads:
@@ -319,18 +337,16 @@ def main() -> None:
     train_ids = [i for i, u in enumerate(rows) if u["split"] == "train"]
     device = torch.device(a.device)
     shape = {"channels": a.channels, "blocks": a.blocks}
-    shape_from = a.init if a.init is not None else a.out
-    if (a.resume or a.eval or a.init is not None) and (shape_from / "vocoder.json").is_file():
-        shape = {k: v for k, v in json.loads((shape_from / "vocoder.json").read_text()).items() if k in shape}
-    elif a.init is not None:  # a bundle: the shape is in codec.json's "vocoder" entry
-        entry = json.loads((a.init / "codec.json").read_text())["vocoder"]
-        shape = {k: v for k, v in entry.items() if k in shape}
+    if init_weights is not None:
+        shape = {k: v for k, v in init_weights[1].items() if k in shape}
+    elif (a.resume or a.eval) and (a.out / "vocoder.json").is_file():
+        shape = {k: v for k, v in json.loads((a.out / "vocoder.json").read_text()).items() if k in shape}
     model = CausalVocoder(**shape).to(device)
-    if a.init is not None:
+    if init_weights is not None:
         from safetensors.torch import load_file
 
-        model.load_state_dict(load_file(str(a.init / "vocoder.safetensors")))  # (float16 weights widen)
-        print(f"initialized from {a.init / 'vocoder.safetensors'}", flush=True)
+        model.load_state_dict(load_file(str(init_weights[0])))  # (float16 weights widen)
+        print(f"initialized from {init_weights[0]}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.8, 0.99), weight_decay=0.01)
     step, history, trained_seconds = 0, [], 0.0
     if (a.resume or a.eval) and ckpt.is_file():

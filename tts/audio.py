@@ -58,7 +58,8 @@ def write_wav_atomic(path: str | Path, audio: np.ndarray, sample_rate: int, subt
 
 
 def read_audio(source: str | Path | bytes) -> tuple[np.ndarray, int]:
-    """Read an audio file that libsndfile reads: WAV, FLAC, MP3, Ogg, ... (a path or the file's bytes). Returns `([channels, samples] float32, sample_rate)`.
+    """Read an audio file that libsndfile reads: WAV, FLAC, MP3, Ogg, ... (a path or the file's bytes).
+    Returns `([channels, samples] float32, sample_rate)`.
 
     Raises AudioError for an unreadable, empty or non-finite file.
     """
