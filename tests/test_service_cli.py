@@ -288,6 +288,20 @@ def test_client_unwritable_output_fails_before_connecting(capsys):
     )
 
 
+def test_client_names_a_server_it_cannot_reach(tmp_path, capsys):
+    with socket.socket() as s:  # a port nothing listens on (bound, then released)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "x.wav"
+    rc = main(["client", "Hi.", "--server", f"127.0.0.1:{port}", "-o", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert (
+        rc == 1
+        and err == f"tts: error: cannot reach a server at 127.0.0.1:{port} (is `tts serve` running there?)"
+    )
+    assert not out.exists()
+
+
 def test_client_prints_the_servers_text_warning_once_and_sends_no_normalize(tmp_path, capsys):
     import numpy as np
     from service_helpers import ServerThread
