@@ -58,6 +58,17 @@ def test_format_option_overrides_the_extension(tmp_path, capsys):
     assert main(["synthesize", "Hello.", "-o", str(out), "--format", "flac", *ARGS]) == 0
     frames = frames_of(capsys.readouterr().out)
     assert sf.info(str(out)).format == "FLAC" and sf.info(str(out)).frames == frames * FRAME
+    assert "warning: writing" not in capsys.readouterr().err  # (.bin names no format: nothing to warn of)
+
+
+def test_a_format_the_extension_contradicts_is_written_with_a_warning(tmp_path, capsys):
+    out = tmp_path / "audio.wav"
+    assert main(["synthesize", "Hello.", "-o", str(out), "--format", "flac", *ARGS]) == 0
+    # (the first line: the random model may also reach its 12 frames, which is warned of after it)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"warning: writing flac into {out}, whose extension says wav"
+    assert not any("writing" in line for line in err[1:])
+    assert sf.info(str(out)).format == "FLAC"
 
 
 @pytest.mark.parametrize("name", ["out.m4a", "out", "out.txt"])

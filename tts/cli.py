@@ -275,13 +275,22 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
 
 
 def output_format(args: argparse.Namespace):
-    """The AudioFormat to write `args.output` in (tts.audio_formats); raises UserError."""
-    from .audio_formats import AudioFormatError, format_for_path
+    """The AudioFormat to write `args.output` in (tts.audio_formats); raises UserError. A `--format` that
+    differs from the one the output's known extension names is written as asked, with a warning (a
+    player goes by the extension)."""
+    from .audio_formats import EXTENSIONS, AudioFormatError, format_for_path
 
     try:
-        return format_for_path(args.output, args.format)
+        fmt = format_for_path(args.output, args.format)
     except AudioFormatError as exc:
         raise UserError(str(exc)) from exc
+    suffix = Path(args.output).suffix.lower() if args.output != "-" else ""
+    if args.format is not None and suffix in EXTENSIONS and EXTENSIONS[suffix] != fmt.name:
+        print(
+            f"warning: writing {fmt.name} into {args.output}, whose extension says {EXTENSIONS[suffix]}",
+            file=sys.stderr,
+        )
+    return fmt
 
 
 def summary_stream(args: argparse.Namespace):
