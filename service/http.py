@@ -518,7 +518,7 @@ class HTTPFront:
                         "name": v.name,
                         "kind": v.kind or "preset",
                         "transcript": v.transcript,
-                        "seconds": v.seconds,
+                        "seconds": round(v.seconds, 2),  # (frames / frame rate; a float32 on the wire)
                     }
                     for v in reply.voices
                 ]
@@ -720,7 +720,7 @@ class HTTPFront:
             "name": entry.name,
             "kind": entry.kind,
             "transcript": entry.voice.text,
-            "seconds": entry.seconds(self.bundle.codec.frame_rate),
+            "seconds": round(entry.seconds(self.bundle.codec.frame_rate), 2),
         }
         return JSONResponse(body, status_code=201)
 

@@ -476,6 +476,7 @@ def test_models_voices_metrics_and_playground(server):
     voices = json.loads(body)["voices"]
     assert [(v["name"], v["kind"]) for v in voices] == [("alpha", "preset"), ("beta", "preset")]
     assert voices[0]["transcript"] and voices[0]["seconds"] > 0
+    assert all(v["seconds"] == round(v["seconds"], 2) for v in voices)  # centiseconds, not float32 noise
     assert server.request("GET", "/health")[:1] == (200,)
     assert json.loads(server.request("GET", "/health")[2]) == {"status": "serving"}
     assert server.speech(input="Count me.", seed=1, max_new_frames=2)[0] == 200  # an HTTP request counts
