@@ -143,8 +143,8 @@ def test_eval_help_documents_the_exit_codes(capsys):
     [
         (["--seeds", "0,x"], "--seeds must be comma-separated integers, got '0,x'"),
         (["--limit", "0"], "--limit must be >= 1, got 0"),
-        (["--ras-window", "11"], "ras_window must be in [0, 10], got 11"),
-        (["--repetition-penalty", "0"], "repetition_penalty must be in (0, 2) (1 = off), got 0.0"),
+        (["--ras-window", "11"], "--ras-window must be in [0, 10], got 11"),
+        (["--repetition-penalty", "0"], "--repetition-penalty must be in (0, 2) (1 = off), got 0.0"),
         pytest.param(
             ["--out", "/sys/eval.json"], "cannot write /sys/eval.json: permission denied",
             marks=pytest.mark.skipif(not sysfs_mounted(), reason="needs /sys (sysfs): nobody can write there"),

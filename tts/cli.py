@@ -597,6 +597,20 @@ def cmd_info(args: argparse.Namespace) -> int:
 # ---- parser and entry point --------------------------------------------------------------------------
 
 
+# A request field that a message starts with (the API's and the server's names; the server's may carry
+# the message path `output.`), and the option a CLI user typed for it.
+_REQUEST_FIELD = re.compile(
+    r"^(?:output\.)?(temperature|top_p|top_k|max_new_frames|min_new_frames|repetition_penalty|seed|ras_window"
+    r"|first_chunk_frames|chunk_frames)\b"
+)
+
+
+def as_options(message: str) -> str:
+    """An error message with its leading request field named as the CLI option (`top_p must be ...` ->
+    `--top-p must be ...`): on the command line the user typed the option."""
+    return _REQUEST_FIELD.sub(lambda m: "--" + m.group(1).replace("_", "-"), message, count=1)
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse with the CLI's error convention: one line on stderr (no usage block), exit code 2.
     Sub-command parsers inherit the class."""
@@ -749,7 +763,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except BAD_INPUT_ERRORS as exc:
-        print(f"tts: error: {exc}", file=sys.stderr)
+        print(f"tts: error: {as_options(str(exc))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("tts: interrupted", file=sys.stderr)
