@@ -505,3 +505,17 @@ def test_replicas_get_the_resolved_graphs_option(monkeypatch, capsys):
     assert forwarded == [["--model", "tiny", "--graphs", "startup"]]
     assert service_cli._SERVE_PARSER is not None
     assert "deprecated" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "default", "voices"], "--model goes after the command: tts voices --model default ..."),
+        (["-v", "-q", "voices", "list"], "-q goes after the command: tts -v voices -q ..."),
+        (["--seed=3", "synthesize", "hi"], "--seed=3 goes after the command: tts synthesize --seed=3 ..."),
+    ],
+)
+def test_a_command_option_before_the_command_is_named(capsys, argv, message):
+    """argparse would call the option's value an unknown command ('invalid choice: default')."""
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"tts: error: {message}\n"

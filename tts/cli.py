@@ -739,6 +739,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def misplaced_option(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The message for a command's option given before the command (`tts --model X voices`), which
+    argparse would report as the option's value being an unknown command; None when there is none."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    top_level = {o for a in parser._actions for o in a.option_strings}
+    for i, token in enumerate(argv):
+        if token in commands:
+            # (the top-level options take no value: every other token before the command is misplaced)
+            top = [t for t in argv[:i] if t in top_level]
+            moved = [t for t in argv[:i] if t not in top_level]
+            if moved:
+                return f"{moved[0]} goes after the command: tts {' '.join([*top, token, *moved])} ..."
+            return None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
@@ -747,6 +763,10 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exception(exc.__cause__, file=sys.stderr)
         print(f"tts: error: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    misplaced = misplaced_option(parser, sys.argv[1:] if argv is None else argv)
+    if misplaced is not None:
+        print(f"tts: error: {misplaced}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
