@@ -66,12 +66,12 @@ def _check_speakable(text: str) -> None:
         raise TextError(NOTHING_TO_SPEAK)
 
 
-def _nothing_left(exc: TextError, markup_warnings: list[str]) -> TextError:
-    """A "nothing to speak" error for text that had words before its Markdown was read (a file of code
-    blocks only is not "empty"): the message says what reading it left out."""
+def _nothing_left(exc: TextError, markup_warnings: list[str]) -> TextError | None:
+    """For text that had words before its Markdown was read (a file of code blocks only is not "empty"),
+    the "nothing to speak" error saying what reading it left out; None for any other TextError."""
     if markup_warnings and str(exc) == NOTHING_TO_SPEAK:
         return TextError(f"text has nothing to speak once its Markdown is read: {'; '.join(markup_warnings)}")
-    return exc
+    return None
 
 
 def check_speakable(text: str) -> None:
@@ -110,7 +110,9 @@ class EnglishPolicy:
             try:
                 text = normalize_text(text)  # ("&" alone is read: "and")
             except TextError as exc:
-                raise _nothing_left(exc, markup_warnings) from exc
+                if (named := _nothing_left(exc, markup_warnings)) is None:
+                    raise
+                raise named from exc
             check_user_tags(text, allowed_tags)  # NFKC made <| |> of their full-width forms
         else:
             text = text.strip()
@@ -156,7 +158,9 @@ class FishPolicy:
         try:
             _check_speakable(text)
         except TextError as exc:
-            raise _nothing_left(exc, warnings) from exc
+            if (named := _nothing_left(exc, warnings)) is None:
+                raise
+            raise named from exc
         return PreparedText(text, warnings)
 
 
