@@ -25,10 +25,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "training"))
 
 from corpus import SPEAKERS, read_utterances  # noqa: E402
+from train_vocoder import vocoder_entry  # noqa: E402
 
 from tts.bundle import ModelBundle, load_codec, load_weights_into, save_bundle, weight_files  # noqa: E402
 from tts.codec.melrvq import MelRVQCodec  # noqa: E402
-from tts.codec.melvq import VOCODER_TYPE, MelVQCodec, load_vocoder  # noqa: E402
+from tts.codec.melvq import MelVQCodec, load_vocoder  # noqa: E402
 from tts.config import ModelArgs  # noqa: E402
 from tts.engine.request import SamplingParams  # noqa: E402
 from tts.frontend import PhonemeFrontend  # noqa: E402
@@ -83,9 +84,7 @@ def main() -> None:
     if a.vocoder is not None:
         if not isinstance(codec, MelVQCodec):
             raise SystemExit(f"--vocoder needs a mel_vqvae codec, got {type(codec).__name__}")
-        shape = json.loads((a.vocoder / "vocoder.json").read_text())
-        entry = {"type": VOCODER_TYPE, **{k: shape[k] for k in ("channels", "blocks", "kernel")}}
-        vocoder = load_vocoder(a.vocoder, entry)
+        vocoder = load_vocoder(a.vocoder, vocoder_entry(a.vocoder))
         codec = MelVQCodec(
             codec.net, codec.mean, codec.std, codec.gl_context, codec.gl_iters, vocoder_net=vocoder
         )

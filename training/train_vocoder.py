@@ -51,7 +51,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "training"))
 
+from tts.codec.base import CodecCheckpointError  # noqa: E402
 from tts.codec.melrvq import FRAME_LENGTH, HOP, LOG_FLOOR, SUBFRAMES, LogMel  # noqa: E402
+from tts.codec.melvq import VOCODER_TYPE, load_vocoder  # noqa: E402
 from tts.codec.vocoder import ENVELOPE, TAIL, CausalVocoder, overlap_add  # noqa: E402
 
 RESOLUTIONS = ((512, 128), (1024, 256), (2048, 512))
@@ -251,17 +253,15 @@ def learning_rate(step: int, seconds: float, peak: float, steps: int, span: floa
     return peak * min(1.0, (step + 1) / WARMUP_STEPS) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def init_vocoder_weights(folder: Path) -> tuple[Path, dict] | None:
-    """The weights file and shape of the trained vocoder in `folder` for `--init`: a run folder
-    (vocoder.json beside vocoder.safetensors) or a bundle (its codec.json's "vocoder" entry names the
-    file); None when it holds neither."""
+def vocoder_entry(folder: Path) -> dict | None:
+    """codec.json's `"vocoder"` entry (`tts.codec.melvq.load_vocoder` reads it) for the trained vocoder
+    in `folder`: a run folder's (its vocoder.json's shape beside vocoder.safetensors) or a bundle's (its
+    codec.json names it); None when `folder` holds neither."""
     if (folder / "vocoder.json").is_file():
-        return folder / "vocoder.safetensors", json.loads((folder / "vocoder.json").read_text())
+        shape = json.loads((folder / "vocoder.json").read_text())
+        return {"type": VOCODER_TYPE, **{k: shape[k] for k in ("channels", "blocks", "kernel")}}
     codec = folder / "codec.json"
-    entry = json.loads(codec.read_text()).get("vocoder") if codec.is_file() else None
-    if not entry:
-        return None
-    return folder / entry.get("weights", "vocoder.safetensors"), entry
+    return json.loads(codec.read_text()).get("vocoder") if codec.is_file() else None
 
 
 def main() -> None:
@@ -318,13 +318,15 @@ def main() -> None:
         p.error(f"--resume: {ckpt} does not exist")
     if a.init is not None and (a.resume or a.eval):
         p.error("--init starts a new run: not with --resume or --eval")
-    init_weights = None
+    init = None
     if a.init is not None:
-        init_weights = init_vocoder_weights(a.init)
-        if init_weights is None:
+        entry = vocoder_entry(a.init)
+        if entry is None:
             p.error(f"--init: {a.init} holds neither vocoder.json nor a codec.json naming a vocoder")
-        if not init_weights[0].is_file():
-            p.error(f"--init: {init_weights[0]} does not exist")
+        try:
+            init = load_vocoder(a.init, entry)  # (float16 weights widen)
+        except CodecCheckpointError as exc:
+            p.error(f"--init: {exc}")
     if a.eval and not (ckpt.is_file() or (a.out / "vocoder.safetensors").is_file()):
         p.error(f"--eval: {a.out} has neither checkpoint.pt nor vocoder.safetensors")
     if a.threads:
@@ -337,16 +339,11 @@ def main() -> None:
     train_ids = [i for i, u in enumerate(rows) if u["split"] == "train"]
     device = torch.device(a.device)
     shape = {"channels": a.channels, "blocks": a.blocks}
-    if init_weights is not None:
-        shape = {k: v for k, v in init_weights[1].items() if k in shape}
-    elif (a.resume or a.eval) and (a.out / "vocoder.json").is_file():
+    if (a.resume or a.eval) and (a.out / "vocoder.json").is_file():
         shape = {k: v for k, v in json.loads((a.out / "vocoder.json").read_text()).items() if k in shape}
-    model = CausalVocoder(**shape).to(device)
-    if init_weights is not None:
-        from safetensors.torch import load_file
-
-        model.load_state_dict(load_file(str(init_weights[0])))  # (float16 weights widen)
-        print(f"initialized from {init_weights[0]}", flush=True)
+    model = (init if init is not None else CausalVocoder(**shape)).to(device)
+    if init is not None:
+        print(f"initialized from the vocoder in {a.init}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.8, 0.99), weight_decay=0.01)
     step, history, trained_seconds = 0, [], 0.0
     if (a.resume or a.eval) and ckpt.is_file():
