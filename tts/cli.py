@@ -535,7 +535,7 @@ def cmd_voices(args: argparse.Namespace) -> int:
     """`tts voices [list]`: presets (read from the model's files) and registered voices (read from the
     voices directory; no model load). `tts voices add NAME CLIP --text T`: encode the clip with the
     model's codec and register it. `tts voices delete NAME`."""
-    from .bundle import PRESETS, load_bundle, load_voices
+    from .bundle import DEFAULT_MODEL_DIR, load_bundle, load_voices
     from .voices import VoiceRegistry
 
     action = getattr(args, "action", None) or "list"
@@ -558,10 +558,12 @@ def cmd_voices(args: argparse.Namespace) -> int:
         where = f"in {directory}" if directory is not None else "in memory only (--voices-dir none)"
         print(f"added voice {entry.name}: {entry.seconds(bundle.codec.frame_rate):.2f} s, kept {where}")
         return 0
-    if args.model in PRESETS:
-        presets = load_bundle(args.model, device="cpu").voices
+    # The presets are only read (their codes and transcripts), never the model's weights: the default
+    # model's are files like a checkpoint's; the tiny model's are made in memory with it (cheap).
+    if args.model == "tiny":
+        presets = load_bundle("tiny", device="cpu").voices
     else:
-        presets = load_voices(Path(args.model) / "voices") if (Path(args.model) / "voices").is_dir() else {}
+        presets = load_voices((DEFAULT_MODEL_DIR if args.model == "default" else Path(args.model)) / "voices")
     if action == "delete":
         if directory is None:
             raise UserError("--voices-dir none holds no registered voices")
