@@ -183,6 +183,13 @@ def api_error(exc: BaseException) -> APIError:
     return APIError(status, message, type_, param, err_code)
 
 
+def _for_field(exc: BaseException, param: str) -> APIError:
+    """`api_error(exc)` naming the request field `param` as the one at fault."""
+    err = api_error(exc)
+    err.param = param
+    return err
+
+
 class StreamAborted(RuntimeError):
     """Raised into the server to cut an audio stream whose job failed after the status line was sent."""
 
@@ -706,10 +713,20 @@ class HTTPFront:
                     400, "the form needs the clip as a `file` field (WAV, FLAC, MP3 or Ogg)", param="file"
                 )
             replace = str(form.get("replace", "false")).lower() in ("1", "true", "yes", "on")
-            self.loop.voices.check_new(name, replace)
+            # Errors name the form field at fault (api_error alone would say `reference_audio`, the
+            # speech body's field, for the clip, and nothing for the name).
+            try:
+                self.loop.voices.check_new(name, replace)
+            except InvalidRequest as exc:  # a bad name or a preset's
+                raise _for_field(exc, "name") from exc
             data = await upload.read()
             ref = pb.ReferenceAudio(audio=data, text=text)
-            prepared = await asyncio.to_thread(prepare_reference, self.loop.planner, ref, self.limits, "file")
+            try:
+                prepared = await asyncio.to_thread(
+                    prepare_reference, self.loop.planner, ref, self.limits, "file"
+                )
+            except (InvalidRequest, AudioError) as exc:  # the clip: too large, empty, not audio, too long
+                raise _for_field(exc, "file") from exc
             entry = await asyncio.wrap_future(self.loop.add_voice(name, prepared, replace))
         except APIError as exc:
             return exc.response()

@@ -676,3 +676,34 @@ def test_voice_upload_use_and_delete(server):
     bad, bad_headers = multipart({"name": "x", "text": "y"}, b"not audio at all")
     status, err = error_of(*server.request("POST", "/v1/audio/voices", bad, bad_headers))
     assert status == 400 and "cannot read reference audio" in err["message"]
+
+
+def tone_wav(seconds: float = 1.0) -> bytes:
+    t = np.arange(int(16000 * seconds)) / 16000
+    clip = io.BytesIO()
+    sf.write(
+        clip, (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 16000, format="WAV", subtype="PCM_16"
+    )
+    return clip.getvalue()
+
+
+def test_voice_upload_errors_name_the_form_fields(server):
+    """An upload's errors name the documented form field at fault (`name`, `file`, `text`), not the
+    speech body's `reference_audio`."""
+
+    def upload_error(fields: dict[str, str], file: bytes) -> tuple[int, dict]:
+        return error_of(*server.request("POST", "/v1/audio/voices", *multipart(fields, file)))
+
+    status, err = upload_error({"name": "x", "text": "y"}, b"not audio at all")
+    assert (status, err["param"]) == (400, "file") and "cannot read reference audio" in err["message"]
+    status, err = upload_error({"name": "x", "text": "y"}, b"")
+    assert (status, err["param"], err["message"]) == (400, "file", "reference audio is empty")
+    # Over the 64 KiB reference limit, under the upload limit (reference limit + 64 KiB).
+    status, err = upload_error({"name": "x", "text": "y"}, b"\0" * 70_000)
+    assert (status, err["param"]) == (400, "file") and "the limit is 64.0 KiB" in err["message"]
+    status, err = upload_error({"name": "bad name!", "text": "y"}, tone_wav())
+    assert (status, err["param"]) == (400, "name") and "is not valid" in err["message"]
+    status, err = upload_error({"name": "alpha", "text": "y"}, tone_wav())
+    assert (status, err["param"]) == (400, "name") and "preset" in err["message"]
+    status, err = upload_error({"name": "x"}, tone_wav())
+    assert (status, err["param"]) == (400, "text")
