@@ -730,7 +730,14 @@ class HTTPFront:
             entry = await asyncio.wrap_future(self.loop.add_voice(name, prepared, replace))
         except APIError as exc:
             return exc.response()
-        except (InvalidRequest, AudioError, VoiceExists, LoopClosed) as exc:
+        except VoiceExists as exc:  # (its own message names the CLI's --replace)
+            err = _for_field(exc, "name")
+            err.message = (
+                f"a voice named {name!r} exists; to replace it send replace=true with the form, "
+                f"or delete it first (DELETE /v1/audio/voices/{name})"
+            )
+            return err.response()
+        except (InvalidRequest, AudioError, LoopClosed) as exc:
             return api_error(exc).response()
         log.info("voice added name=%s seconds=%.2f", entry.name, entry.seconds(self.bundle.codec.frame_rate))
         body = {

@@ -707,3 +707,21 @@ def test_voice_upload_errors_name_the_form_fields(server):
     assert (status, err["param"]) == (400, "name") and "preset" in err["message"]
     status, err = upload_error({"name": "x"}, tone_wav())
     assert (status, err["param"]) == (400, "text")
+
+
+def test_a_taken_voice_name_is_409_saying_how_to_replace_it_over_http(server):
+    """The 409 tells an HTTP client the HTTP way to replace the voice (not the CLI's --replace)."""
+    body, headers = multipart({"name": "taken", "text": "A tone."}, tone_wav())
+    assert server.request("POST", "/v1/audio/voices", body, headers)[0] == 201
+    try:
+        status, err = error_of(*server.request("POST", "/v1/audio/voices", body, headers))
+        assert (status, err["param"], err["code"]) == (409, "name", "already_exists")
+        assert err["message"] == (
+            "a voice named 'taken' exists; to replace it send replace=true with the form, "
+            "or delete it first (DELETE /v1/audio/voices/taken)"
+        )
+        body, headers = multipart({"name": "taken", "text": "Again.", "replace": "true"}, tone_wav())
+        status, _, reply = server.request("POST", "/v1/audio/voices", body, headers)
+        assert status == 201 and json.loads(reply)["transcript"] == "Again."
+    finally:
+        server.request("DELETE", "/v1/audio/voices/taken")
