@@ -26,8 +26,8 @@ Endpoints:
   `/docs`.
 
 Errors are OpenAI-style JSON, `{"error": {"message", "type", "param", "code"}}`: 400 bad input, 404 unknown
-model / voice / path, 413 body over the limit (checked before the body is parsed), 429 admission full, 503
-warming up or shutting down, 500 a bug. Statuses come from `service.server.status_for`, as on gRPC.
+model / voice / path, 413 body over the limit (checked before the body is parsed), 415 a voice upload
+that is not multipart/form-data, 429 admission full, 503 warming up or shutting down, 500 a bug. Statuses come from `service.server.status_for`, as on gRPC.
 
 Once the status line is sent the status cannot change: a request that fails later (engine failure,
 shutdown past the grace period) ends the SSE stream with an `error` event, and cuts an audio stream
@@ -87,6 +87,11 @@ HTTP_STATUS = {
     grpc.StatusCode.CANCELLED: (499, "server_error", "cancelled"),
 }
 REQUEST_ERRORS = (TextError, InvalidRequest, AudioError, VoiceNotFound, Overloaded, LoopClosed, EngineFailed)
+# What `POST /v1/audio/voices` takes, for the errors that say so.
+VOICE_FORM = (
+    "POST /v1/audio/voices takes multipart/form-data with the fields name, file (a WAV, FLAC, MP3 or Ogg "
+    "clip), text (its transcript) and optionally replace=true"
+)
 # Where a validation message names a field, the OpenAI-style error's `param` names it too.
 _PARAMS = (
     "temperature", "top_p", "top_k", "max_new_frames", "min_new_frames", "seed", "speed", "repetition_penalty",
@@ -689,7 +694,13 @@ class HTTPFront:
         `text` (its transcript), optional `replace` (true/false). The clip is checked like a request's reference clip,
         encoded on the codec stage and kept as a registered voice (persisted under the server's voices
         directory), the same registry gRPC's AddVoice fills. 201 with the voice; 400 / 409 (the name is
-        taken) / 413 / 503 as OpenAI-style errors."""
+        taken) / 413 / 415 (not multipart/form-data) / 503 as OpenAI-style errors."""
+        # Checked first: a JSON body would otherwise be read as an empty form ("the form needs a name").
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != "multipart/form-data":
+            return APIError(
+                415, f"{VOICE_FORM}; got Content-Type {media_type or '(none)'}", code="unsupported_media_type"
+            ).response()
         limit = self.limits.max_reference_bytes + 64 * 1024
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -701,8 +712,10 @@ class HTTPFront:
                 raise LoopClosed("the server is not ready; try again")
             try:
                 form = await request.form(max_files=1, max_fields=8)
-            except Exception as exc:  # noqa: BLE001 - not multipart, or broken: the client's error
-                raise APIError(400, f"expected multipart/form-data with name, file and text: {exc}") from exc
+            except Exception as exc:  # noqa: BLE001 - a broken body: the client's error
+                raise APIError(
+                    400, f"{VOICE_FORM}; the body is not valid multipart/form-data: {exc}"
+                ) from exc
             name, text, upload = form.get("name"), form.get("text"), form.get("file")
             if not isinstance(name, str) or not name:
                 raise APIError(400, "the form needs a voice `name`", param="name")

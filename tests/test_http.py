@@ -725,3 +725,23 @@ def test_a_taken_voice_name_is_409_saying_how_to_replace_it_over_http(server):
         assert status == 201 and json.loads(reply)["transcript"] == "Again."
     finally:
         server.request("DELETE", "/v1/audio/voices/taken")
+
+
+def test_a_voice_upload_that_is_not_multipart_is_415_naming_the_form_fields(server):
+    """A JSON (or url-encoded, or untyped) body gets one line saying what the endpoint takes, not a
+    complaint about a missing field of a form it never sent."""
+    expected = (
+        "POST /v1/audio/voices takes multipart/form-data with the fields name, file (a WAV, FLAC, MP3 or "
+        "Ogg clip), text (its transcript) and optionally replace=true; got Content-Type {}"
+    )
+    status, err = error_of(*server.request("POST", "/v1/audio/voices", {"name": "x", "text": "y"}))
+    assert (status, err["code"], err["message"]) == (
+        415,
+        "unsupported_media_type",
+        expected.format("application/json"),
+    )
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    status, err = error_of(*server.request("POST", "/v1/audio/voices", b"name=x&text=y", form))
+    assert (status, err["message"]) == (415, expected.format("application/x-www-form-urlencoded"))
+    status, err = error_of(*server.request("POST", "/v1/audio/voices", b"name=x"))
+    assert (status, err["message"]) == (415, expected.format("(none)"))
