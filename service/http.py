@@ -62,7 +62,7 @@ from tts.audio_formats import FORMATS, MAX_SPEED, MIN_SPEED, AudioEncoder
 from tts.codec.base import AudioError
 from tts.engine import FinishReason, InvalidRequest
 from tts.engine.loop import Audio, EngineFailed, Failed, Finished, LoopClosed, Overloaded, Started
-from tts.text import TextError
+from tts.text import TextError, shorten
 from tts_grpc.v1 import tts_pb2 as pb
 
 from .server import CallLog, build_job, prepare_reference, status_for
@@ -619,6 +619,13 @@ class HTTPFront:
             return SpeechRequest.model_validate(data)
         except ValidationError as exc:
             err = exc.errors()[0]
+            if err["loc"] == ("seed",):
+                # pydantic's messages differ by how the value is wrong ("exceeded maximum size" for 1e30);
+                # one line with the range, as the sampling checks word theirs ("top_p must be in ...").
+                got = shorten(json.dumps(err["input"]), 40)
+                raise APIError(
+                    400, f"seed must be an integer in [-2**63, 2**63), got {got}", param="seed"
+                ) from exc
             loc = ".".join(str(p) for p in err["loc"]) or "body"
             raise APIError(
                 400, f"{loc}: {err['msg']}", param=str(err["loc"][0]) if err["loc"] else None

@@ -355,6 +355,10 @@ def test_bad_input_gets_openai_style_errors_before_any_work(server):
     assert err["message"] == "text has nothing to speak (empty, whitespace or punctuation only)"
     status, err = speech_error({"input": "Hi.", "top_p": 1.5})
     assert (status, err["param"], err["message"]) == (400, "top_p", "top_p must be in (0, 1], got 1.5")
+    seed_range = "seed must be an integer in [-2**63, 2**63)"  # (a JSON number, as sent)
+    for seed, shown in ((1e30, "1e+30"), (2**64, str(2**64)), (1.5, "1.5"), ("abc", '"abc"')):
+        status, err = speech_error({"input": "Hi.", "seed": seed})
+        assert (status, err["param"], err["message"]) == (400, "seed", f"{seed_range}, got {shown}")
     status, err = speech_error({"input": "Hi.", "repetition_penalty": 2.5})
     assert (status, err["param"]) == (400, "repetition_penalty") and "(0, 2)" in err["message"]
     status, err = speech_error({"input": "Hi.", "max_new_frames": 5000})
