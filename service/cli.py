@@ -527,6 +527,10 @@ def cmd_client(args: argparse.Namespace) -> int:
         return 1
     write_output(out, result.audio, result.sample_rate, fmt, pcm_float=args.encoding == "float32")
     end = result.end
+    # Before the `wrote` line, as `tts synthesize` prints them: the summary line comes last.
+    header_warnings = list(result.header.warnings)
+    for warning in header_warnings + [w for w in end.warnings if w not in header_warnings]:
+        print(f"warning: {warning}", file=sys.stderr)
     reasons = {1: "stop", 2: "length", 3: "short"}
     ttfa = f"{result.ttfa * 1000:.0f} ms" if result.ttfa is not None else "-"
     print(
@@ -537,9 +541,6 @@ def cmd_client(args: argparse.Namespace) -> int:
         f"finish {reasons.get(end.finish_reason, '?')}, seed {result.header.seed}",
         file=summary_stream(args),
     )
-    header_warnings = list(result.header.warnings)
-    for warning in header_warnings + [w for w in end.warnings if w not in header_warnings]:
-        print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -302,7 +303,7 @@ def test_client_names_a_server_it_cannot_reach(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_client_prints_the_servers_text_warning_once_and_sends_no_normalize(tmp_path, capsys):
+def test_client_prints_the_servers_text_warning_once_before_wrote_and_sends_no_normalize(tmp_path, capsys):
     import numpy as np
     from service_helpers import ServerThread
 
@@ -314,9 +315,12 @@ def test_client_prints_the_servers_text_warning_once_and_sends_no_normalize(tmp_
     try:
         out = tmp_path / "a.wav"
         argv = ["client", "Hello 你好 world.", "--server", srv.address, "-o", str(out), "--seed", "1"]
-        assert main([*argv, "--max-new-frames", "3", "-q"]) == 0
+        with contextlib.redirect_stdout(sys.stderr):  # the `wrote` line (stdout) and the warnings, in order
+            assert main([*argv, "--max-new-frames", "3", "-q"]) == 0
         err = capsys.readouterr().err
-        assert err.count("warning: this model reads English only: 2 characters of Han text") == 1
+        warning = "warning: this model reads English only: 2 characters of Han text"
+        assert err.count(warning) == 1
+        assert err.index(warning) < err.index("wrote ")  # as `tts synthesize` orders them
         # --no-normalize: the server reads "**5** items" as given (the audio of the offline run that does)
         kw = dict(seed=1, max_new_frames=6, temperature=0.0)
         argv = ["client", "**5** items", "--server", srv.address, "-o", str(out), "--encoding", "float32"]
