@@ -180,6 +180,53 @@ def test_an_immutable_output_file_is_refused_before_the_model_loads(tmp_path):
         subprocess.run(["chattr", "-i", str(out)], check=False)
 
 
+def test_an_append_only_output_directory_is_refused_and_nothing_is_left_in_it(tmp_path):
+    """chattr +a on the directory lets files be created in it but never renamed or removed (even by
+    root): the final rename would fail, and a probe file made there could not be removed. One line before
+    the model loads, and the directory stays empty."""
+    directory = tmp_path / "append-only"
+    directory.mkdir()
+    if subprocess.run(["chattr", "+a", str(directory)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +a is not available here (needs root and a file system that supports it)")
+    try:
+        out = directory / "x.wav"
+        r = run_cli("synthesize", "Hello there.", "-o", str(out), "--model", "tiny", "--max-new-frames", "3")
+        assert r.returncode == 2, r.stderr
+        assert one_error_line(r.stderr) == (
+            f"tts: error: cannot write {out}: directory {directory} is append-only (chattr +a), "
+            "so the output cannot be renamed into place"
+        )
+        assert "model:" not in r.stderr  # found before the model was loaded
+        assert list(directory.iterdir()) == []  # nothing left behind
+    finally:
+        subprocess.run(["chattr", "-a", str(directory)], check=False)
+
+
+@pytest.mark.parametrize("o_tmpfile", [True, False], ids=["O_TMPFILE", "without-O_TMPFILE"])
+def test_the_write_probe_leaves_no_file_even_where_files_cannot_be_removed(tmp_path, monkeypatch, o_tmpfile):
+    """The directory probe makes a file with no name (O_TMPFILE): nothing is left even where a named file
+    could not be removed (here: every unlink refused). Without O_TMPFILE (not Linux, or a file system
+    without it) a named file is made and removed."""
+    import errno
+
+    from tts.cli import check_output_path
+
+    out = tmp_path / "x.wav"
+    if o_tmpfile:
+        if not hasattr(os, "O_TMPFILE"):
+            pytest.skip("no O_TMPFILE here")
+
+        def refuse_unlink(path, *args, **kwargs):
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), str(path))
+
+        monkeypatch.setattr(os, "unlink", refuse_unlink)
+        monkeypatch.setattr(os, "remove", refuse_unlink)
+    else:
+        monkeypatch.delattr(os, "O_TMPFILE", raising=False)
+    assert check_output_path(str(out)) == out
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("errno_name, refused", [("EPERM", True), ("EACCES", False), ("ETXTBSY", False)])
 def test_only_an_immutable_file_is_refused_by_the_write_probe(tmp_path, monkeypatch, errno_name, refused):
     """The probe opens an existing output for writing: EPERM (immutable or append-only) is refused;

@@ -13,6 +13,7 @@ import importlib
 import logging
 import os
 import re
+import struct
 import sys
 import tempfile
 import time
@@ -301,11 +302,58 @@ def summary_stream(args: argparse.Namespace):
 # ---- end output formats
 
 
+# Linux's inode flags that `chattr +i` / `+a` set (<linux/fs.h>), read with FS_IOC_GETFLAGS =
+# _IOR('f', 1, long) in the common (asm-generic) ioctl encoding; elsewhere the call just fails.
+_FS_IOC_GETFLAGS = 2 << 30 | struct.calcsize("l") << 16 | ord("f") << 8 | 1
+_DIRECTORY_FLAGS = {0x10: "immutable (chattr +i)", 0x20: "append-only (chattr +a)"}
+
+
+def _directory_flag(directory: Path) -> str | None:
+    """'append-only (chattr +a)' or 'immutable (chattr +i)' when `directory` has that flag: nothing in
+    it can be renamed or removed, even by root. None when it has neither, or its flags cannot be read
+    (not Linux, a file system without them)."""
+    if sys.platform != "linux":
+        return None
+    import fcntl
+
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        buf = bytearray(8)  # (the kernel writes an int; room for a long)
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, buf)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    flags = int.from_bytes(buf[:4], sys.byteorder)
+    return next((what for bit, what in _DIRECTORY_FLAGS.items() if flags & bit), None)
+
+
+def _probe_new_file(directory: Path) -> None:
+    """Raise OSError unless `directory` takes a new file. The trial file never has a name where the
+    system can make one without (O_TMPFILE, Linux): it vanishes when closed, so none is left behind even
+    where a named one could not be removed. Elsewhere a named one is made and removed."""
+    o_tmpfile = getattr(os, "O_TMPFILE", None)
+    if o_tmpfile is not None:
+        try:
+            os.close(os.open(directory, o_tmpfile | os.O_WRONLY, 0o600))
+            return
+        except OSError as exc:
+            # EOPNOTSUPP: a file system without O_TMPFILE; EISDIR: a kernel without it (before 3.11)
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR):
+                raise
+    fd, probe = tempfile.mkstemp(prefix=".tts-write-check.", dir=directory)
+    os.close(fd)
+    os.unlink(probe)
+
+
 def check_output_path(path: str) -> Path:
-    """An output file path whose directory exists and takes new files (a file is created there and
-    removed), that is not a directory and, when it exists, is not immutable or append-only (the final
-    rename over it would fail after the synthesis), or `-` (stdout); raises UserError naming the path
-    and the reason."""
+    """An output file path whose directory exists, takes new files (a trial file that leaves nothing
+    behind) and is not append-only or immutable (the final rename into it would fail after the
+    synthesis), that is not a directory and, when it exists, is not immutable or append-only (the final
+    rename over it would fail too), or `-` (stdout); raises UserError naming the path and the reason."""
     if path == "-":
         return Path("-")
     out = Path(path)
@@ -314,12 +362,16 @@ def check_output_path(path: str) -> Path:
         raise UserError(f"output directory {out.parent} does not exist")
     if out.is_dir():
         raise UserError(f"output path {out} is a directory")
+    # Checked before any trial file is made: one made in an append-only directory could not be removed.
+    flag = _directory_flag(directory)
+    if flag is not None:
+        raise UserError(
+            f"cannot write {out}: directory {directory} is {flag}, so the output cannot be renamed into place"
+        )
     try:
-        fd, probe = tempfile.mkstemp(prefix=".tts-write-check.", dir=directory)
+        _probe_new_file(directory)
     except OSError as exc:
         raise UserError(f"cannot write {out}: {os_error_reason(exc)}") from exc
-    os.close(fd)
-    os.unlink(probe)
     if out.is_file() and not out.is_symlink():  # (the final rename replaces a link, not its target)
         # Opening for writing without truncating changes nothing. EPERM is Linux's answer for an
         # immutable or append-only file (chattr +i / +a), even to root. Any other refusal (EACCES from
