@@ -187,3 +187,53 @@ def test_a_bad_vocoder_entry_in_codec_json_is_a_checkpoint_error(tmp_path, entry
     with pytest.raises(CheckpointError, match=message) as err:
         load_codec(tmp_path)
     assert str(tmp_path / "codec.json") in str(err.value)
+
+
+def test_every_discriminator_judges_a_crop_of_any_length():
+    """Five period and three resolution discriminators, each giving logits and its layers' features,
+    for crops whose length no period divides (the fold pads by reflection)."""
+    torch.manual_seed(0)
+    disc = train_vocoder.Discriminators()
+    out = disc(torch.randn(2, 3001) * 0.1)
+    assert len(out) == len(train_vocoder.PERIODS) + len(train_vocoder.RESOLUTIONS) == 8
+    for logits, feats in out:
+        assert logits.shape[0] == 2 and logits.shape[1] > 0 and torch.isfinite(logits).all()
+        assert len(feats) >= 5 and feats[-1].flatten(1).shape == logits.shape
+
+
+@torch.no_grad()
+def test_feature_matching_is_zero_only_for_the_real_audio_itself():
+    torch.manual_seed(0)
+    disc = train_vocoder.Discriminators()
+    real_audio = torch.randn(2, 4096) * 0.1
+    real = disc(real_audio)
+    adv, fm = train_vocoder.generator_losses(real, disc(real_audio))
+    assert float(fm) == 0.0 and float(adv) > 0
+    _, fm_other = train_vocoder.generator_losses(real, disc(real_audio * 0.5))
+    assert float(fm_other) > 0
+
+
+def test_the_discriminators_learn_to_tell_a_clip_from_noise():
+    """Twenty least-squares steps on one tone (real) against noise (fake) lower the discriminators'
+    loss (the adversarial step is wired end to end; the generator's side is `generator_losses`)."""
+    torch.manual_seed(2)
+    t = torch.arange(2048) / 22050
+    real_audio = (0.3 * torch.sin(2 * math.pi * 220 * t)).unsqueeze(0)
+    fake_audio = torch.randn(1, 2048) * 0.1
+    # (one of each kind, for speed)
+    nets = torch.nn.ModuleList(
+        [train_vocoder.PeriodDiscriminator(5), train_vocoder.ResolutionDiscriminator(1024, 256)]
+    )
+
+    def disc(x):
+        return [net(x) for net in nets]
+
+    opt = torch.optim.AdamW(nets.parameters(), lr=2e-4, betas=(0.8, 0.99))
+    losses = []
+    for _ in range(20):
+        loss = train_vocoder.discriminator_loss(disc(real_audio), disc(fake_audio))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses

@@ -7,11 +7,18 @@ again. The vocoder's input is what it meets at run time: the codec's round trip 
 codec`: log-mel -> codes -> the codec's causal decoder -> log-mel), or the clip's own log-mel (`--input
 mel`). Its target is the clip itself.
 
-Loss (no adversarial term): multi-resolution STFT loss at (FFT, hop) = (512, 128), (1024, 256) and
-(2048, 512), each the spectral convergence plus the L1 distance of log magnitudes (Yamamoto et al.,
-"Parallel WaveGAN", 2020, section 2.3), plus the L1 distance of the output's log-mel to the clip's
-log-mel. Training crops are `--crop-frames` mel frames with the vocoder's receptive field of true
-left context before them; the loss covers the samples that all four overlapping STFT frames reach.
+Reconstruction loss: multi-resolution STFT loss at (FFT, hop) = (512, 128), (1024, 256) and (2048,
+512), each the spectral convergence plus the L1 distance of log magnitudes (Yamamoto et al., "Parallel
+WaveGAN", 2020, section 2.3), plus the L1 distance of the output's log-mel to the clip's log-mel.
+Training crops are `--crop-frames` mel frames with the vocoder's receptive field of true left context
+before them; the loss covers the samples that all four overlapping STFT frames reach.
+
+`--adversarial` adds discriminators, as HiFi-GAN and Vocos train theirs: five period discriminators
+and three resolution discriminators (`Discriminators`), least-squares GAN losses and feature matching;
+the generator's loss is then `--rec-weight` x the reconstruction loss + the adversarial loss +
+`--fm-weight` x the feature-matching loss. Fresh discriminators first train alone for
+`--adv-warmup` steps (the generator meanwhile on reconstruction only), so that a trained generator
+(`--init`) is not pushed around by discriminators that know nothing yet.
 
 `evaluate` (`--eval`, or after training) scores held-out clips through the codec both ways, Griffin-Lim
 (what ships) and the vocoder: the multi-resolution log-spectral distance to the original clip (the
@@ -46,6 +53,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.parametrizations import weight_norm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -157,12 +166,21 @@ def spectral_losses(y: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, t
     return sc / len(RESOLUTIONS), lm / len(RESOLUTIONS)
 
 
-def compute_loss(model: CausalVocoder, batch: dict, mel_fn: LogMel) -> tuple[torch.Tensor, dict]:
-    """The training loss of one batch (module docstring) and its parts."""
+def synthesize_crops(model: CausalVocoder, batch: dict) -> torch.Tensor:
+    """The vocoder's audio for a batch's crops `[B, 256 frames - 768]`: the fully overlapped samples,
+    aligned with `batch["audio"]`."""
     R = model.receptive_frames
     frames = model.frames(batch["mel"])[:, R:]  # [B, M, 1024]
-    M = frames.shape[1]
-    y = overlap_add(frames)[:, TAIL : HOP * M] / ENVELOPE  # the fully overlapped samples
+    return overlap_add(frames)[:, TAIL : HOP * frames.shape[1]] / ENVELOPE
+
+
+def compute_loss(model: CausalVocoder, batch: dict, mel_fn: LogMel) -> tuple[torch.Tensor, dict]:
+    """The training loss of one batch (module docstring) and its parts."""
+    return reconstruction_loss(synthesize_crops(model, batch), batch, mel_fn)
+
+
+def reconstruction_loss(y: torch.Tensor, batch: dict, mel_fn: LogMel) -> tuple[torch.Tensor, dict]:
+    """The reconstruction loss of the crops' audio `y` (`synthesize_crops`) and its parts."""
     sc, lm = spectral_losses(y, batch["audio"])
     # y starts at signal sample 256 (start + 1): its log-mel frame m' is the crop's mel frame m' + 3.
     y_mel = torch.stack([log_mel_frames(mel_fn, row) for row in y])  # [B, M - 6, 80]
@@ -179,6 +197,102 @@ def log_mel_frames(mel_fn: LogMel, y: torch.Tensor) -> torch.Tensor:
     )
     fb = mel_fn.filterbank.to(y.device)  # [513, 80]
     return torch.log((spec.abs().T @ fb).clamp_min(LOG_FLOOR))
+
+
+# ---- adversarial training (`--adversarial`) ---------------------------------------------------------
+
+PERIODS = (2, 3, 5, 7, 11)  # HiFi-GAN's periods (primes, so that the folds overlap little)
+
+
+class PeriodDiscriminator(nn.Module):
+    """HiFi-GAN's period discriminator (Kong et al., "HiFi-GAN", 2020, section 2.2): audio `[B, L]`
+    folded into `[B, 1, L / p, p]` (reflection-padded to a multiple of p) and 2-D convolutions along
+    time only, so that each of the p phases is judged on its own. Narrower than HiFi-GAN's (32-256
+    channels, not 32-1024): espeak-ng's speech is simple, and the step must stay fast."""
+
+    def __init__(self, period: int, channels: tuple[int, ...] = (32, 64, 128, 256)):
+        super().__init__()
+        self.period = period
+        convs, c_in = [], 1
+        for c in channels:
+            convs.append(weight_norm(nn.Conv2d(c_in, c, (5, 1), (3, 1), padding=(2, 0))))
+            c_in = c
+        convs.append(weight_norm(nn.Conv2d(c_in, c_in, (5, 1), 1, padding=(2, 0))))
+        self.convs = nn.ModuleList(convs)
+        self.post = weight_norm(nn.Conv2d(c_in, 1, (3, 1), 1, padding=(1, 0)))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Audio `[B, L]` -> logits `[B, n]` and every layer's feature map (for feature matching)."""
+        B, L = x.shape
+        pad = (-L) % self.period
+        h = F.pad(x.unsqueeze(1), (0, pad), mode="reflect").view(B, 1, -1, self.period)
+        feats = []
+        for conv in self.convs:
+            h = F.leaky_relu(conv(h), 0.1)
+            feats.append(h)
+        h = self.post(h)
+        feats.append(h)
+        return h.flatten(1), feats
+
+
+class ResolutionDiscriminator(nn.Module):
+    """UnivNet's resolution discriminator (Jang et al., "UnivNet", 2021, section 2.3), as Vocos uses it:
+    2-D convolutions over the log-magnitude STFT `[B, 1, frames, bins]` at one (FFT, hop)."""
+
+    def __init__(self, n_fft: int, hop: int, channels: int = 32):
+        super().__init__()
+        self.n_fft, self.hop = n_fft, hop
+        c = channels
+        self.convs = nn.ModuleList(
+            [weight_norm(nn.Conv2d(1, c, (3, 9), padding=(1, 4)))]
+            + [weight_norm(nn.Conv2d(c, c, (3, 9), (1, 2), padding=(1, 4))) for _ in range(3)]
+            + [weight_norm(nn.Conv2d(c, c, (3, 3), padding=(1, 1)))]
+        )
+        self.post = weight_norm(nn.Conv2d(c, 1, (3, 3), padding=(1, 1)))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Audio `[B, L]` -> logits `[B, n]` and every layer's feature map."""
+        h = stft_mag(x, self.n_fft, self.hop).log().unsqueeze(1)
+        feats = []
+        for conv in self.convs:
+            h = F.leaky_relu(conv(h), 0.1)
+            feats.append(h)
+        h = self.post(h)
+        feats.append(h)
+        return h.flatten(1), feats
+
+
+class Discriminators(nn.Module):
+    """The period discriminators (PERIODS) and the resolution discriminators (RESOLUTIONS) together."""
+
+    def __init__(self):
+        super().__init__()
+        self.nets = nn.ModuleList(
+            [PeriodDiscriminator(p) for p in PERIODS]
+            + [ResolutionDiscriminator(n, h) for n, h in RESOLUTIONS]
+        )
+
+    def forward(self, x: torch.Tensor) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        return [net(x) for net in self.nets]
+
+
+def discriminator_loss(real: list, fake: list) -> torch.Tensor:
+    """Least-squares GAN loss of the discriminators (HiFi-GAN's eq. 1): real toward 1, fake toward 0,
+    summed over the discriminators. `fake` from audio detached from the generator."""
+    return sum(((1 - r) ** 2).mean() + (f**2).mean() for (r, _), (f, _) in zip(real, fake, strict=True))
+
+
+def generator_losses(real: list, fake: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """(adversarial, feature matching) losses of the generator (HiFi-GAN's eqs. 2 and 3): fake toward
+    1, and the L1 distance of every discriminator layer's features of the fake to the real's (detached),
+    each summed over the discriminators and their layers."""
+    adv = sum(((1 - f) ** 2).mean() for f, _ in fake)
+    fm = sum(
+        (fr.detach() - ff).abs().mean()
+        for (_, feats_r), (_, feats_f) in zip(real, fake, strict=True)
+        for fr, ff in zip(feats_r, feats_f, strict=True)
+    )
+    return adv, fm
 
 
 # ---- evaluation ------------------------------------------------------------------------------------
@@ -308,6 +422,24 @@ def main() -> None:
         action="store_true",
         help="only evaluate OUT's vocoder (checkpoint.pt, else vocoder.safetensors) on the held-out clips",
     )
+    p.add_argument(
+        "--adversarial",
+        action="store_true",
+        help="train with the period and resolution discriminators (see above); resumable with --resume",
+    )
+    p.add_argument(
+        "--rec-weight", type=float, default=15.0, help="(--adversarial) reconstruction loss weight"
+    )
+    p.add_argument(
+        "--fm-weight", type=float, default=2.0, help="(--adversarial) feature-matching loss weight"
+    )
+    p.add_argument("--disc-lr", type=float, default=2e-4, help="(--adversarial) discriminators' peak rate")
+    p.add_argument(
+        "--adv-warmup",
+        type=int,
+        default=500,
+        help="(--adversarial) steps in which fresh discriminators train alone (default 500)",
+    )
     p.add_argument("--eval-clips", type=int, default=60, help="held-out clips evaluated")
     p.add_argument("--no-asr", action="store_true", help="evaluate without Whisper (spectral distance only)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -345,12 +477,21 @@ def main() -> None:
     if init is not None:
         print(f"initialized from the vocoder in {a.init}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.8, 0.99), weight_decay=0.01)
-    step, history, trained_seconds = 0, [], 0.0
+    disc = d_opt = None
+    if a.adversarial and not a.eval:
+        disc = Discriminators().to(device)
+        d_opt = torch.optim.AdamW(disc.parameters(), lr=a.disc_lr, betas=(0.8, 0.99), weight_decay=0.01)
+    step, history, trained_seconds, adv_from = 0, [], 0.0, a.adv_warmup
     if (a.resume or a.eval) and ckpt.is_file():
         ck = torch.load(ckpt, map_location=device)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         step, history, trained_seconds = ck["step"], ck["history"], ck.get("trained_seconds", 0.0)
+        adv_from = step + a.adv_warmup  # (fresh discriminators, unless the checkpoint has them)
+        if disc is not None and d_opt is not None and "discriminators" in ck:
+            disc.load_state_dict(ck["discriminators"])
+            d_opt.load_state_dict(ck["disc_optimizer"])
+            adv_from = ck["adv_from"]
         print(f"resumed at step {step} ({trained_seconds:.0f} s trained)", flush=True)
     elif a.eval:
         from safetensors.torch import load_file
@@ -385,7 +526,22 @@ def main() -> None:
                 k: v.to(device)
                 for k, v in clips.batch(r, a.batch, a.crop_frames, model.receptive_frames).items()
             }
-            loss, info = compute_loss(model, b, mel_fn)
+            y = synthesize_crops(model, b)
+            loss, info = reconstruction_loss(y, b, mel_fn)
+            if disc is not None and d_opt is not None:
+                for g in d_opt.param_groups:
+                    g["lr"] = lr * a.disc_lr / a.lr
+                real = disc(b["audio"])
+                d_loss = discriminator_loss(real, disc(y.detach()))
+                d_opt.zero_grad(set_to_none=True)
+                d_loss.backward()
+                torch.nn.utils.clip_grad_norm_(disc.parameters(), 10.0)
+                d_opt.step()
+                info["disc"] = d_loss.detach()
+                if step >= adv_from:
+                    adv, fm = generator_losses(real, disc(y))
+                    loss = a.rec_weight * loss + adv + a.fm_weight * fm
+                    info["adv"], info["fm"] = adv.detach(), fm.detach()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -406,6 +562,10 @@ def main() -> None:
         a.out.mkdir(parents=True, exist_ok=True)
         save(model, a.out, a.input)
         state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history}
+        if disc is not None and d_opt is not None:
+            state.update(
+                discriminators=disc.state_dict(), disc_optimizer=d_opt.state_dict(), adv_from=adv_from
+            )
         torch.save({**state, "trained_seconds": trained_seconds}, ckpt)
         with open(a.out / "loss.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for rec in history for k in rec)))
