@@ -16,14 +16,18 @@
 #           speaks the VOC_UTT clips again and training starts from the bundle's vocoder
 #           (train_vocoder.py --init tts/assets/default) with a fresh optimizer and one cosine from
 #           VOC_LR over this call (the first stage's call ended with its learning rate at 0.83 of peak).
+#   CALL=5  carry [".whl-voice", ".carry1"]: an adversarial stage of the vocoder on a fresh machine, as CALL=4
+#           but with the discriminators (train_vocoder.py --adversarial, generator peak rate VOC_LR, default
+#           2e-4), while the CUDA tests and `tts synthesize --device cuda` run beside it (as CALL=1).
 # Wheels: .whl (h200_service.sh's list) for CALL=1, .whl-voice (h200_voice.sh's: train.py imports the
-# text normalizer, which needs num2words) after it; whichever was carried is installed.
+# text normalizer, which needs num2words; plus phonemizer, dlinfo and espeakng-loader for CALL=5's
+# `tts synthesize`) after it; whichever was carried is installed.
 # The model's learning-rate schedule spans MODEL_SCHEDULE training seconds over calls 2 and 3, the
 # vocoder's VOC_SCHEDULE over its calls (train.py / train_vocoder.py --schedule-seconds); CALL_SECONDS is
 # each call's wall time for this script.
 set -uo pipefail
 W=training/work
-CALL=${CALL:?CALL=1, 2, 3 or 4 (see the header)} CALL_SECONDS=${CALL_SECONDS:-560}
+CALL=${CALL:?CALL=1, 2, 3, 4 or 5 (see the header)} CALL_SECONDS=${CALL_SECONDS:-560}
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 WHEELS=.whl; [[ $CALL == 1 ]] || WHEELS=.whl-voice
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $WHEELS/*.whl \
@@ -40,6 +44,18 @@ if [[ $CALL == 4 ]]; then
   tar xzf .carry1/espeak.tgz && cp .carry1/sentences.jsonl.gz $W/ && rm -f $W/sentences.jsonl
   vocoder --init tts/assets/default --lr ${VOC_LR:-8e-4}
   cp /tmp/logs/vocoder_call4.log $OUT/ 2>/dev/null
+elif [[ $CALL == 5 ]]; then
+  tar xzf .carry1/espeak.tgz && cp .carry1/sentences.jsonl.gz $W/ && rm -f $W/sentences.jsonl
+  (SKIP_PIP=1 ACTIONS="tests synth" bash scripts/h200_service.sh > /tmp/logs/service.log 2>&1
+   echo "service script exit $?" >> /tmp/logs/service.log) &
+  vocoder --init tts/assets/default --adversarial --adv-warmup ${ADV_WARMUP:-300} --lr ${VOC_LR:-2e-4} --log-every 100
+  wait
+  cp $OUT/cuda_tests.log $OUT/env.txt /tmp/logs/ 2>/dev/null; rm -f $OUT/cuda_tests.log $OUT/env.txt
+  tail -12 /tmp/logs/service.log
+  cp /tmp/logs/vocoder_call5.log $OUT/ 2>/dev/null
+  # Only the generator comes back: checkpoint.pt, with the discriminators and both optimizers (~75 MB),
+  # is over what a call returns (the first run's last part was left out).
+  rm -f $OUT/vocoder.tgz.part-*; tar czf $OUT/vocoder.tgz -C $W --exclude checkpoint.pt vocoder
 elif [[ $CALL == 1 ]]; then
   tar xzf .carry1/espeak.tgz && cp .carry1/sentences.jsonl.gz $W/ && rm -f $W/sentences.jsonl
   (SKIP_PIP=1 ACTIONS="tests synth" bash scripts/h200_service.sh > /tmp/logs/service.log 2>&1
