@@ -16,8 +16,8 @@ before them; the loss covers the samples that all four overlapping STFT frames r
 `--adversarial` adds discriminators, as HiFi-GAN and Vocos train theirs: five period discriminators
 and three resolution discriminators (`Discriminators`), least-squares GAN losses and feature matching;
 the generator's loss is then `--rec-weight` x the reconstruction loss + the adversarial loss +
-`--fm-weight` x the feature-matching loss. Fresh discriminators first train alone for
-`--adv-warmup` steps (the generator meanwhile on reconstruction only), so that a trained generator
+`--fm-weight` x the feature-matching loss. For their first `--adv-warmup` steps, fresh discriminators
+train while the generator trains on the reconstruction loss only, so that a trained generator
 (`--init`) is not pushed around by discriminators that know nothing yet.
 
 `evaluate` (`--eval`, or after training) scores held-out clips through the codec both ways, Griffin-Lim
@@ -236,8 +236,9 @@ class PeriodDiscriminator(nn.Module):
 
 
 class ResolutionDiscriminator(nn.Module):
-    """UnivNet's resolution discriminator (Jang et al., "UnivNet", 2021, section 2.3), as Vocos uses it:
-    2-D convolutions over the log-magnitude STFT `[B, 1, frames, bins]` at one (FFT, hop)."""
+    """A resolution discriminator after UnivNet's (Jang et al., "UnivNet", 2021, section 2.3): 2-D
+    convolutions over the STFT magnitude at one (FFT, hop), here its log `[B, 1, frames, bins]` (UnivNet
+    takes the linear magnitude; the log keeps quiet frames from vanishing beside loud ones)."""
 
     def __init__(self, n_fft: int, hop: int, channels: int = 32):
         super().__init__()
@@ -274,6 +275,28 @@ class Discriminators(nn.Module):
 
     def forward(self, x: torch.Tensor) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
         return [net(x) for net in self.nets]
+
+
+def adversarial_step(
+    disc: Discriminators, d_opt: torch.optim.Optimizer, y: torch.Tensor, audio: torch.Tensor, generator: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One optimizer step of the discriminators on real `audio` against the generator's `y` (both
+    `[B, L]`), then, when `generator`, the generator's adversarial and feature-matching losses on the
+    updated discriminators (real features recomputed with them, as HiFi-GAN does, so that `y` equal to
+    `audio` matches exactly). Returns (adversarial, feature matching, discriminator loss), the first
+    two zero without `generator`."""
+    d_loss = discriminator_loss(disc(audio), disc(y.detach()))
+    d_opt.zero_grad(set_to_none=True)
+    d_loss.backward()
+    torch.nn.utils.clip_grad_norm_(disc.parameters(), 10.0)
+    d_opt.step()
+    if not generator:
+        zero = y.new_zeros(())
+        return zero, zero, d_loss.detach()
+    with torch.no_grad():
+        real = disc(audio)
+    adv, fm = generator_losses(real, disc(y))
+    return adv, fm, d_loss.detach()
 
 
 def discriminator_loss(real: list, fake: list) -> torch.Tensor:
@@ -438,7 +461,8 @@ def main() -> None:
         "--adv-warmup",
         type=int,
         default=500,
-        help="(--adversarial) steps in which fresh discriminators train alone (default 500)",
+        help="(--adversarial) steps in which fresh discriminators train and the generator has the "
+        "reconstruction loss only (default 500)",
     )
     p.add_argument("--eval-clips", type=int, default=60, help="held-out clips evaluated")
     p.add_argument("--no-asr", action="store_true", help="evaluate without Whisper (spectral distance only)")
@@ -482,12 +506,14 @@ def main() -> None:
         disc = Discriminators().to(device)
         d_opt = torch.optim.AdamW(disc.parameters(), lr=a.disc_lr, betas=(0.8, 0.99), weight_decay=0.01)
     step, history, trained_seconds, adv_from = 0, [], 0.0, a.adv_warmup
+    kept_discriminators: dict = {}
     if (a.resume or a.eval) and ckpt.is_file():
         ck = torch.load(ckpt, map_location=device)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         step, history, trained_seconds = ck["step"], ck["history"], ck.get("trained_seconds", 0.0)
         adv_from = step + a.adv_warmup  # (fresh discriminators, unless the checkpoint has them)
+        kept_discriminators = {k: ck[k] for k in ("discriminators", "disc_optimizer", "adv_from") if k in ck}
         if disc is not None and d_opt is not None and "discriminators" in ck:
             disc.load_state_dict(ck["discriminators"])
             d_opt.load_state_dict(ck["disc_optimizer"])
@@ -531,17 +557,11 @@ def main() -> None:
             if disc is not None and d_opt is not None:
                 for g in d_opt.param_groups:
                     g["lr"] = lr * a.disc_lr / a.lr
-                real = disc(b["audio"])
-                d_loss = discriminator_loss(real, disc(y.detach()))
-                d_opt.zero_grad(set_to_none=True)
-                d_loss.backward()
-                torch.nn.utils.clip_grad_norm_(disc.parameters(), 10.0)
-                d_opt.step()
-                info["disc"] = d_loss.detach()
-                if step >= adv_from:
-                    adv, fm = generator_losses(real, disc(y))
-                    loss = a.rec_weight * loss + adv + a.fm_weight * fm
-                    info["adv"], info["fm"] = adv.detach(), fm.detach()
+                adv, fm, info["disc"] = adversarial_step(disc, d_opt, y, b["audio"], step >= adv_from)
+                # (the reconstruction term is weighted from the first step, so that the loss keeps one
+                # scale when the adversarial terms join; Adam's steps do not depend on that scale)
+                loss = a.rec_weight * loss + adv + a.fm_weight * fm
+                info["adv"], info["fm"] = adv.detach(), fm.detach()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -566,6 +586,8 @@ def main() -> None:
             state.update(
                 discriminators=disc.state_dict(), disc_optimizer=d_opt.state_dict(), adv_from=adv_from
             )
+        else:  # (a resumed adversarial run continued without --adversarial keeps its discriminators)
+            state.update(kept_discriminators)
         torch.save({**state, "trained_seconds": trained_seconds}, ckpt)
         with open(a.out / "loss.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for rec in history for k in rec)))
