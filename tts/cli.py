@@ -341,8 +341,10 @@ def _probe_new_file(directory: Path) -> None:
             os.close(os.open(directory, o_tmpfile | os.O_WRONLY, 0o600))
             return
         except OSError as exc:
-            # EOPNOTSUPP: a file system without O_TMPFILE; EISDIR: a kernel without it (before 3.11)
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR):
+            # Only a refusal that says the directory takes no file is final; any other errno (EOPNOTSUPP:
+            # a file system without O_TMPFILE, EISDIR: a kernel before 3.11, EINVAL from some FUSE or 9p
+            # servers) leaves it to the named probe, which then gives the real reason if there is one.
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT):
                 raise
     fd, probe = tempfile.mkstemp(prefix=".tts-write-check.", dir=directory)
     os.close(fd)
