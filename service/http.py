@@ -26,8 +26,9 @@ Endpoints:
   `/docs`.
 
 Errors are OpenAI-style JSON, `{"error": {"message", "type", "param", "code"}}`: 400 bad input, 404 unknown
-model / voice / path, 413 body over the limit (checked before the body is parsed), 415 a voice upload
-that is not multipart/form-data, 429 admission full, 503 warming up or shutting down, 500 a bug. Statuses come from `service.server.status_for`, as on gRPC.
+model / voice / path, 409 a voice name that is taken, 413 body over the limit (checked before the body is
+parsed), 415 a voice upload that is not multipart/form-data, 429 admission full, 503 warming up or
+shutting down, 500 a bug. Statuses come from `service.server.status_for`, as on gRPC.
 
 Once the status line is sent the status cannot change: a request that fails later (engine failure,
 shutdown past the grace period) ends the SSE stream with an `error` event, and cuts an audio stream
@@ -188,7 +189,7 @@ def api_error(exc: BaseException) -> APIError:
     return APIError(status, message, type_, param, err_code)
 
 
-def _for_field(exc: BaseException, param: str) -> APIError:
+def _with_param(exc: BaseException, param: str) -> APIError:
     """`api_error(exc)` naming the request field `param` as the one at fault."""
     err = api_error(exc)
     err.param = param
@@ -712,7 +713,10 @@ class HTTPFront:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return APIError(
-                413, f"the upload is {declared} bytes; the limit is {limit}", param="file"
+                413,
+                f"the upload is {declared} bytes; the limit is {limit}",
+                param="file",
+                code="request_too_large",
             ).response()
         try:
             if not self.loop.ready or not self.loop.alive:
@@ -738,7 +742,7 @@ class HTTPFront:
             try:
                 self.loop.voices.check_new(name, replace)
             except InvalidRequest as exc:  # a bad name or a preset's
-                raise _for_field(exc, "name") from exc
+                raise _with_param(exc, "name") from exc
             data = await upload.read()
             ref = pb.ReferenceAudio(audio=data, text=text)
             try:
@@ -746,17 +750,18 @@ class HTTPFront:
                     prepare_reference, self.loop.planner, ref, self.limits, "file"
                 )
             except (InvalidRequest, AudioError) as exc:  # the clip: too large, empty, not audio, too long
-                raise _for_field(exc, "file") from exc
+                raise _with_param(exc, "file") from exc
             entry = await asyncio.wrap_future(self.loop.add_voice(name, prepared, replace))
         except APIError as exc:
             return exc.response()
-        except VoiceExists as exc:  # (its own message names the CLI's --replace)
-            err = _for_field(exc, "name")
-            err.message = (
+        except VoiceExists:  # (its own message names the CLI's --replace)
+            return APIError(
+                409,
                 f"a voice named {name!r} exists; to replace it send replace=true with the form, "
-                f"or delete it first (DELETE /v1/audio/voices/{name})"
-            )
-            return err.response()
+                f"or delete it first (DELETE /v1/audio/voices/{name})",
+                param="name",
+                code="already_exists",
+            ).response()
         except (InvalidRequest, AudioError, LoopClosed) as exc:
             return api_error(exc).response()
         log.info("voice added name=%s seconds=%.2f", entry.name, entry.seconds(self.bundle.codec.frame_rate))
