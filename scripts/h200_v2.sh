@@ -40,30 +40,33 @@ vocoder() {  # the vocoder, new or resumed, for the rest of this call (ARGS: tra
     VOC_ARGS="$args" bash scripts/h200_voice.sh > /tmp/logs/vocoder_call$CALL.log 2>&1
   grep -v '"step"' /tmp/logs/vocoder_call$CALL.log | tail -12
 }
+tests_beside() {  # the CUDA tests and `tts synthesize --device cuda` in the background (tests_collect waits)
+  (SKIP_PIP=1 ACTIONS="tests synth" bash scripts/h200_service.sh > /tmp/logs/service.log 2>&1
+   echo "service script exit $?" >> /tmp/logs/service.log) &
+}
+tests_collect() {
+  wait
+  cp $OUT/cuda_tests.log $OUT/env.txt /tmp/logs/ 2>/dev/null; rm -f $OUT/cuda_tests.log $OUT/env.txt
+  tail -12 /tmp/logs/service.log
+}
 if [[ $CALL == 4 ]]; then
   tar xzf .carry1/espeak.tgz && cp .carry1/sentences.jsonl.gz $W/ && rm -f $W/sentences.jsonl
   vocoder --init tts/assets/default --lr ${VOC_LR:-8e-4}
   cp /tmp/logs/vocoder_call4.log $OUT/ 2>/dev/null
 elif [[ $CALL == 5 ]]; then
   tar xzf .carry1/espeak.tgz && cp .carry1/sentences.jsonl.gz $W/ && rm -f $W/sentences.jsonl
-  (SKIP_PIP=1 ACTIONS="tests synth" bash scripts/h200_service.sh > /tmp/logs/service.log 2>&1
-   echo "service script exit $?" >> /tmp/logs/service.log) &
+  tests_beside
   vocoder --init tts/assets/default --adversarial --adv-warmup ${ADV_WARMUP:-300} --lr ${VOC_LR:-2e-4} --log-every 100
-  wait
-  cp $OUT/cuda_tests.log $OUT/env.txt /tmp/logs/ 2>/dev/null; rm -f $OUT/cuda_tests.log $OUT/env.txt
-  tail -12 /tmp/logs/service.log
+  tests_collect
   cp /tmp/logs/vocoder_call5.log $OUT/ 2>/dev/null
   # Only the generator comes back: checkpoint.pt, with the discriminators and both optimizers (~75 MB),
   # is over what a call returns (the first run's last part was left out).
   rm -f $OUT/vocoder.tgz.part-*; tar czf $OUT/vocoder.tgz -C $W --exclude checkpoint.pt vocoder
 elif [[ $CALL == 1 ]]; then
   tar xzf .carry1/espeak.tgz && cp .carry1/sentences.jsonl.gz $W/ && rm -f $W/sentences.jsonl
-  (SKIP_PIP=1 ACTIONS="tests synth" bash scripts/h200_service.sh > /tmp/logs/service.log 2>&1
-   echo "service script exit $?" >> /tmp/logs/service.log) &
+  tests_beside
   vocoder
-  wait
-  cp $OUT/cuda_tests.log $OUT/env.txt /tmp/logs/ 2>/dev/null; rm -f $OUT/cuda_tests.log $OUT/env.txt
-  tail -12 /tmp/logs/service.log
+  tests_collect
 else
   [[ $CALL == 2 ]] && { tar xzf .carry2/codes_all.tgz -C $W || exit 1; }
   [[ -f $W/vocoder/checkpoint.pt ]] && vocoder > /tmp/logs/vocoder_summary_call$CALL.txt &
