@@ -143,6 +143,7 @@ def test_eval_help_documents_the_exit_codes(capsys):
     [
         (["--seeds", "0,x"], "--seeds must be comma-separated integers, got '0,x'"),
         (["--limit", "0"], "--limit must be >= 1, got 0"),
+        (["--asr-beam-size", "0"], "--asr-beam-size must be >= 1, got 0"),
         (["--ras-window", "11"], "--ras-window must be in [0, 10], got 11"),
         (["--repetition-penalty", "0"], "--repetition-penalty must be in (0, 2) (1 = off), got 0.0"),
         pytest.param(
@@ -200,8 +201,8 @@ def test_a_loop_sample_shows_how_the_asr_hears_espeak_ng_read_the_same_text(tmp_
     espeak_rate = 12345
 
     class ScriptedASR:
-        def __init__(self, threads):
-            pass
+        def __init__(self, threads, beam_size):
+            assert beam_size == 1  # (greedy unless --asr-beam-size: how the gates are measured)
 
         def transcribe(self, audio, sample_rate):
             return "The fig leaf eye." if sample_rate == espeak_rate else "The fig, the fig, the fig."
@@ -222,6 +223,7 @@ def test_a_loop_sample_shows_how_the_asr_hears_espeak_ng_read_the_same_text(tmp_
     assert main([*argv, "--max-new-frames", "4"]) == 3  # the loops gate fails
     capsys.readouterr()
     result = json.loads(out.read_text())
+    assert result["asr_beam_size"] == 1
     assert result["loops"] == 1 and result["loop_samples"] == [
         {
             "seed": 0,

