@@ -295,10 +295,13 @@ def check_listen(host: str, port: int, port_option: str, host_option: str, purpo
 
 
 def check_serve_ports(args: argparse.Namespace) -> None:
-    """The gRPC and (unless off) the metrics address can be listened on; raises UserError naming them."""
+    """The gRPC and (unless off) the metrics and HTTP addresses can be listened on; raises UserError
+    naming them."""
     check_listen(args.host, args.port, "--port", "--host")
     if args.metrics_port >= 0:
         check_listen(args.metrics_host, args.metrics_port, "--metrics-port", "--metrics-host", " for metrics")
+    if args.http_port >= 0:  # (HTTP listens on --host, beside gRPC)
+        check_listen(args.host, args.http_port, "--http-port", "--host", " for HTTP")
 
 
 # ---- serve ---------------------------------------------------------------------------------------------

@@ -254,15 +254,13 @@ def _listening_socket() -> socket.socket:
     return s
 
 
-@pytest.mark.parametrize("which", ["--port", "--metrics-port"])
+@pytest.mark.parametrize("which", ["--port", "--metrics-port", "--http-port"])
 def test_a_busy_port_is_named_in_one_line(which):
+    """Before the model loads (no `model:` line), in one line naming the option."""
     with _listening_socket() as busy:
         port = busy.getsockname()[1]
-        args = (
-            ["--port", str(port), "--metrics-port", "0"]
-            if which == "--port"
-            else ["--port", "0", "--metrics-port", str(port)]
-        )
+        args = {"--port": "0", "--metrics-port": "0", "--http-port": "0", which: str(port)}
+        args = [x for option_value in args.items() for x in option_value]
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         r = subprocess.run(
             [sys.executable, "-m", "tts.cli", "serve", "--model", "tiny", *args],
@@ -272,7 +270,7 @@ def test_a_busy_port_is_named_in_one_line(which):
             cwd=ROOT,
             timeout=120,
         )
-    purpose = " for metrics" if which == "--metrics-port" else ""
+    purpose = {"--port": "", "--metrics-port": " for metrics", "--http-port": " for HTTP"}[which]
     assert r.returncode == 2, r.stderr
     assert (
         r.stderr.strip()
