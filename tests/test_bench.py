@@ -46,18 +46,30 @@ def test_bench_rejects_bad_modes(capsys):
 
 
 def test_bench_checks_its_options_before_loading_a_model(tmp_path, capsys, monkeypatch):
+    """Bad options are one line before any model loads, and leave no results folder behind."""
     import tts.bench
 
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded before the options were checked")
 
     monkeypatch.setattr(tts.bench, "load_bench_model", never)
+    monkeypatch.chdir(tmp_path)
     assert main(["bench", "--model", "tiny", "--frames", "1"]) == 2
     assert capsys.readouterr().err.strip() == "tts: error: --frames must be >= 2, got 1"
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert main(["bench", "--model", "tiny", "--out", str(blocker)]) == 2
     assert capsys.readouterr().err.startswith(f"tts: error: cannot write results to --out {blocker}")
+    assert main(["bench", "--model", "tiny", "--out", str(blocker / "sub")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"tts: error: cannot write results to --out {blocker / 'sub'}: {blocker} is not a directory"
+    )
+    assert main(["bench", "--model", "s2-pro-shape"]) == 2  # (a CPU by default)
+    assert capsys.readouterr().err.strip() == (
+        "tts: error: --model s2-pro-shape has 4.56 B parameters of random weights, for GPU benchmarks: give "
+        "--device cuda, or on a CPU bench fish-1.5-shape, small-s2-shape or the default voice"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # (no bench-out/)
 
 
 def test_bench_refuses_a_context_too_small_for_the_run(capsys):

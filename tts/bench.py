@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
@@ -26,6 +27,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from .errors import UserError
 
 DEFAULT_BANDWIDTH = 4.3e12  # bytes/s: device-to-device copy measured on an H200 here (read + write)
 
@@ -39,6 +42,33 @@ def _prompt(model, tokens: int, seed: int) -> torch.Tensor:
         codes = torch.randint(0, c.codebook_size, (c.num_codebooks,), generator=g)
         prompt[t, 0], prompt[t, 1:] = c.semantic_begin_id + codes[0], codes
     return prompt
+
+
+CPU_SHAPE_LIMIT = 1_000_000_000  # parameters: a random shape above this is for GPUs only
+
+
+def check_out_dir(out: Path) -> None:
+    """Raise UserError unless the results folder `out` exists as a writable folder or could be made
+    (its nearest existing ancestor is a writable folder); makes nothing."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"cannot write results to --out {out}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write results to --out {out}: {existing} is not writable")
+
+
+def check_shape_device(name: str, cuda: bool) -> None:
+    """Raise UserError for a random shape too large for a CPU benchmark (it would run for hours)."""
+    from .shapes import SHAPES, shape_parameters
+
+    if name in SHAPES and not cuda and (n := shape_parameters(name)) > CPU_SHAPE_LIMIT:
+        small = ", ".join(s for s in SHAPES if shape_parameters(s) <= CPU_SHAPE_LIMIT)
+        raise UserError(
+            f"--model {name} has {n / 1e9:.2f} B parameters of random weights, for GPU benchmarks: give "
+            f"--device cuda, or on a CPU bench {small or 'a preset'} or the default voice"
+        )
 
 
 def load_bench_model(name: str, device: str, dtype):
@@ -200,7 +230,6 @@ def plot(results: list[dict], path: Path, env: dict) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .cli import check_device, set_cpu_threads, torch_dtype
-    from .errors import UserError
 
     if args.server:  # the service load benchmark (service/loadtest.py)
         from service.loadtest import run_from_args
@@ -216,10 +245,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if value < least:
             raise UserError(f"--{option.replace('_', '-')} must be >= {least}, got {value}")
     out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"cannot write results to --out {out}: {exc.strerror or exc}") from exc
+    check_out_dir(out)  # (made only when the results are written: a refused run leaves no folder)
+    check_shape_device(args.model, cuda)
     model = load_bench_model(args.model, args.device, torch_dtype(args.dtype))
     needed = args.prompt_tokens + args.warmup_frames + args.frames + 1
     context = args.max_context or model.config.max_seq_len
@@ -247,6 +274,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 flush=True,
             )
     print_table(results, env)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot write results to --out {out}: {exc.strerror or exc}") from exc
     (out / "bench.json").write_text(json.dumps({"method": env, "results": results}, indent=2))
     plot(results, out / "bench.png", env)
     print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")

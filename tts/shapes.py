@@ -63,6 +63,13 @@ def shape_config(name: str) -> ModelArgs:
     return ModelArgs.from_dict(SHAPES[name])
 
 
+def shape_parameters(name: str) -> int:
+    """The parameter count of shape `name`, from a model built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = DualARTransformer(shape_config(name))
+    return sum(p.numel() for p in model.parameters())
+
+
 @torch.no_grad()
 def build_random_model(
     config: ModelArgs, device: str | torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0
