@@ -485,7 +485,7 @@ def cmd_client(args: argparse.Namespace) -> int:
 
     from tts.textpolicy import check_speakable
 
-    from .client import build_request
+    from .client import build_request, rpc_error_line
 
     text = read_text_arg(args)
     check_speakable(text)  # (every model refuses it: no need to ask a server)
@@ -519,14 +519,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         code = exc.code()
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
             raise UserError(exc.details()) from exc
-        details = exc.details() or ""
-        if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details:
-            message = f"cannot reach a server at {args.server} (is `tts serve` running there?)"
-        elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            message = f"{args.server}: the synthesis did not end within --timeout {args.timeout:g} s"
-        else:
-            message = f"{args.server}: {code.name}: {details}"
-        print(f"tts: error: {message}", file=sys.stderr)
+        print(f"tts: error: {rpc_error_line(args.server, exc, args.timeout)}", file=sys.stderr)
         return 1
     write_output(out, result.audio, result.sample_rate, fmt, pcm_float=args.encoding == "float32")
     end = result.end

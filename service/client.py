@@ -36,6 +36,17 @@ def aio_channel(server: str, **limits) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(server, options=channel_options(**limits))
 
 
+def rpc_error_line(server: str, exc: grpc.aio.AioRpcError, timeout: float | None = None) -> str:
+    """The one line a command prints for a failed call to `server`: an unreachable server and an expired
+    `timeout` (seconds, the command's --timeout) in plain words, anything else as `SERVER: CODE: details`."""
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details:
+        return f"cannot reach a server at {server} (is `tts serve` running there?)"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
+        return f"{server}: the synthesis did not end within --timeout {timeout:g} s"
+    return f"{server}: {code.name}: {details}"
+
+
 ENCODINGS = {"pcm16": pb.AUDIO_ENCODING_PCM16, "float32": pb.AUDIO_ENCODING_FLOAT32}
 
 

@@ -814,7 +814,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"tts: error: {args.server}: {exc}", file=sys.stderr)
         return 1
     except grpc.aio.AioRpcError as exc:
-        print(f"tts: error: {args.server}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        from .client import rpc_error_line
+
+        print(f"tts: error: {rpc_error_line(args.server, exc, args.timeout)}", file=sys.stderr)
         return 2 if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) else 1
     info = report["info"]
     print(

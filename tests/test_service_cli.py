@@ -287,18 +287,21 @@ def test_client_unwritable_output_fails_before_connecting(capsys):
     )
 
 
-def test_client_names_a_server_it_cannot_reach(tmp_path, capsys):
+@pytest.mark.parametrize("command", ["client", "bench-server"])
+def test_a_server_that_cannot_be_reached_is_named_in_one_line(tmp_path, capsys, monkeypatch, command):
     with socket.socket() as s:  # a port nothing listens on (bound, then released)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "x.wav"
-    rc = main(["client", "Hi.", "--server", f"127.0.0.1:{port}", "-o", str(out)])
+    monkeypatch.chdir(tmp_path)
+    argv = ["Hi.", "-o", str(out)] if command == "client" else ["--concurrency", "1", "--requests", "1"]
+    rc = main([command, "--server", f"127.0.0.1:{port}", *argv])
     err = capsys.readouterr().err.strip()
     assert (
         rc == 1
         and err == f"tts: error: cannot reach a server at 127.0.0.1:{port} (is `tts serve` running there?)"
     )
-    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []  # (no audio, no bench_server.json)
 
 
 def test_client_prints_the_servers_text_warning_once_before_wrote_and_sends_no_normalize(tmp_path, capsys):
