@@ -754,7 +754,7 @@ class HTTPFront:
             entry = await asyncio.wrap_future(self.loop.add_voice(name, prepared, replace))
         except APIError as exc:
             return exc.response()
-        except VoiceExists:  # (its own message names the CLI's --replace)
+        except VoiceExists:  # (the form field, in HTTP words)
             return APIError(
                 409,
                 f"a voice named {name!r} exists; to replace it send replace=true with the form, "

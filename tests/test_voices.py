@@ -261,6 +261,9 @@ def test_voices_options_go_before_or_after_the_action(tmp_path, capsys):
     presets = "alpha\tpreset\t25 frames\tThis is voice alpha.\nbeta\tpreset\t25 frames\tThis is voice beta.\n"
     after = listing("list", *model, *where, "-q")
     assert after.startswith(presets + "me\tregistered\t") and after.count("\n") == 3, after
+    # a taken name: one line in the CLI's words (the service's name the request field instead)
+    assert main(["voices", "add", "me", str(clip), "--text", "A tone.", *model, *where]) == 2
+    assert capsys.readouterr().err == "tts: error: a voice named 'me' exists (replace it: --replace)\n"
     assert listing(*model, *where, "-q", "list") == after
     assert listing(*model, *where, "-q") == after  # no action lists
     assert listing(*model, "list", *where, "-q") == after

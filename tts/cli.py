@@ -593,39 +593,49 @@ def cmd_voices(args: argparse.Namespace) -> int:
     from .voices import VoiceRegistry
 
     action = getattr(args, "action", None) or "list"
+    model_name(args.model)  # (a bad --model is named first, whatever else is wrong)
     directory = voices_dir_arg(args)
+
+    def model_presets() -> dict:
+        # Only read (their codes and transcripts), never the model's weights: the default model's are
+        # files like a checkpoint's; the tiny model's are made in memory with it (cheap).
+        if args.model == "tiny":
+            return load_bundle("tiny", device="cpu").voices
+        return load_voices((DEFAULT_MODEL_DIR if args.model == "default" else Path(args.model)) / "voices")
+
     if action == "add":
         from .api import TTS
-        from .voices import VOICE_NAME, VOICE_NAME_RULE
+        from .voices import VOICE_NAME, VOICE_NAME_RULE, VoiceExists
 
         if not VOICE_NAME.fullmatch(args.name):
             raise UserError(f"voice name {args.name!r} is not valid: {VOICE_NAME_RULE}")
         # (read as --reference-audio is: a bad clip is named in one line, before the model loads)
         _, audio, rate = read_reference_file(args.clip)
+        taken = f"a voice named {args.name!r} exists (replace it: --replace)"
+        try:  # a preset's or a taken name is found before the model loads
+            VoiceRegistry(model_presets(), directory, None).check_new(args.name, args.replace)
+        except VoiceExists as exc:
+            raise UserError(taken) from exc
         check_device(args.device)
         bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype))
         tts = TTS(bundle, voices_dir=directory)
         try:
             entry = tts.add_voice(args.name, audio, rate, args.text, replace=args.replace)
+        except VoiceExists as exc:  # (another process registered it meanwhile)
+            raise UserError(taken) from exc
         finally:
             tts.close()
         where = f"in {directory}" if directory is not None else "in memory only (--voices-dir none)"
         print(f"added voice {entry.name}: {entry.seconds(bundle.codec.frame_rate):.2f} s, kept {where}")
         return 0
-    # The presets are only read (their codes and transcripts), never the model's weights: the default
-    # model's are files like a checkpoint's; the tiny model's are made in memory with it (cheap).
-    if args.model == "tiny":
-        presets = load_bundle("tiny", device="cpu").voices
-    else:
-        presets = load_voices((DEFAULT_MODEL_DIR if args.model == "default" else Path(args.model)) / "voices")
     if action == "delete":
         if directory is None:
             raise UserError("--voices-dir none holds no registered voices")
         # (with the model's presets, so that deleting one says so, as the service does)
-        VoiceRegistry(presets, directory, None).delete(args.name)
+        VoiceRegistry(model_presets(), directory, None).delete(args.name)
         print(f"deleted voice {args.name} from {directory}")
         return 0
-    registry = VoiceRegistry(presets, directory, None)
+    registry = VoiceRegistry(model_presets(), directory, None)
     entries = registry.list()
     if not entries:
         print("no voices (use --reference-audio and --reference-text to clone one, or `tts voices add`)")

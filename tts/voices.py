@@ -193,7 +193,9 @@ class VoiceRegistry:
             if name in self.presets:
                 raise InvalidRequest(f"{name!r} is a preset voice of the model; choose another name")
             if name in self._registered and not replace:
-                raise VoiceExists(f"a voice named {name!r} exists (replace it: --replace, or replace=true)")
+                raise VoiceExists(
+                    f"a voice named {name!r} exists (to replace it, add it again with replace set)"
+                )
 
     def add(self, name: str, voice: VoiceReference, replace: bool = False) -> VoiceEntry:
         """Register (and persist) `voice` as `name`. Raises as `check_new` (a file another process wrote
