@@ -204,6 +204,18 @@ def log_mel_frames(mel_fn: LogMel, y: torch.Tensor) -> torch.Tensor:
 PERIODS = (2, 3, 5, 7, 11)  # HiFi-GAN's periods (primes, so that the folds overlap little)
 
 
+def judge(convs: nn.ModuleList, post: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A discriminator's stack: each conv then leaky ReLU (slope 0.1), then `post` -> logits `[B, n]`
+    and every layer's output (the features that feature matching compares)."""
+    feats = []
+    for conv in convs:
+        h = F.leaky_relu(conv(h), 0.1)
+        feats.append(h)
+    h = post(h)
+    feats.append(h)
+    return h.flatten(1), feats
+
+
 class PeriodDiscriminator(nn.Module):
     """HiFi-GAN's period discriminator (Kong et al., "HiFi-GAN", 2020, section 2.2): audio `[B, L]`
     folded into `[B, 1, L / p, p]` (reflection-padded to a multiple of p) and 2-D convolutions along
@@ -226,13 +238,7 @@ class PeriodDiscriminator(nn.Module):
         B, L = x.shape
         pad = (-L) % self.period
         h = F.pad(x.unsqueeze(1), (0, pad), mode="reflect").view(B, 1, -1, self.period)
-        feats = []
-        for conv in self.convs:
-            h = F.leaky_relu(conv(h), 0.1)
-            feats.append(h)
-        h = self.post(h)
-        feats.append(h)
-        return h.flatten(1), feats
+        return judge(self.convs, self.post, h)
 
 
 class ResolutionDiscriminator(nn.Module):
@@ -254,13 +260,7 @@ class ResolutionDiscriminator(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Audio `[B, L]` -> logits `[B, n]` and every layer's feature map."""
         h = stft_mag(x, self.n_fft, self.hop).log().unsqueeze(1)
-        feats = []
-        for conv in self.convs:
-            h = F.leaky_relu(conv(h), 0.1)
-            feats.append(h)
-        h = self.post(h)
-        feats.append(h)
-        return h.flatten(1), feats
+        return judge(self.convs, self.post, h)
 
 
 class Discriminators(nn.Module):
