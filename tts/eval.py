@@ -525,8 +525,8 @@ def add_parser(subparsers) -> None:
         "--asr-beam-size",
         type=int,
         default=1,
-        help="the ASR's beam size: 1 (default) is greedy decoding, as the default voice's gates are measured "
-        "(training/RESULTS.md); 5 is Whisper's usual beam search, less prone to hearing a rare word as a loop",
+        help="the ASR's beam size: 1 (default) is greedy decoding, as the default voice's gates are measured; "
+        "5 is Whisper's usual beam search (on the default voice it heard worse: training/RESULTS.md)",
     )
     p.add_argument(
         "--threads",
