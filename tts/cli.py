@@ -821,6 +821,13 @@ def misplaced_option(parser: argparse.ArgumentParser, argv: list[str]) -> str | 
     return None
 
 
+def _drop_synthesis_warnings(record: logging.LogRecord) -> bool:
+    """A log filter: the commands print a synthesis's warnings themselves, so the API's log records of
+    them are dropped (marked with tts.api.SYNTHESIS_WARNING, spelled out here so that --help does not
+    import torch)."""
+    return not getattr(record, "synthesis_warning", False)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
@@ -837,10 +844,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    # The commands print a synthesis's warnings themselves: drop the API's log records of them (marked
-    # with tts.api.SYNTHESIS_WARNING, spelled out here so that --help does not import torch).
     for handler in logging.getLogger().handlers:
-        handler.addFilter(lambda record: not getattr(record, "synthesis_warning", False))
+        if _drop_synthesis_warnings not in handler.filters:  # (main runs many times in one test process)
+            handler.addFilter(_drop_synthesis_warnings)
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_BAD_INPUT
