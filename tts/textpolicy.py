@@ -26,6 +26,8 @@ are dropped as well (espeak-ng would read their names, "grinning face").
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
@@ -66,12 +68,18 @@ def _check_speakable(text: str) -> None:
         raise TextError(NOTHING_TO_SPEAK)
 
 
-def _nothing_left(exc: TextError, markup_warnings: list[str]) -> TextError | None:
-    """For text that had words before its Markdown was read (a file of code blocks only is not "empty"),
-    the "nothing to speak" error saying what reading it left out; None for any other TextError."""
-    if markup_warnings and str(exc) == NOTHING_TO_SPEAK:
-        return TextError(f"text has nothing to speak once its Markdown is read: {'; '.join(markup_warnings)}")
-    return None
+@contextmanager
+def _naming_markup(markup_warnings: list[str]) -> Iterator[None]:
+    """Around a check of text whose Markdown was read: its "nothing to speak" error says what reading the
+    Markdown left out (a file of code blocks only is not "empty"); any other TextError passes as it is."""
+    try:
+        yield
+    except TextError as exc:
+        if markup_warnings and str(exc) == NOTHING_TO_SPEAK:
+            raise TextError(
+                f"text has nothing to speak once its Markdown is read: {'; '.join(markup_warnings)}"
+            ) from exc
+        raise
 
 
 def check_speakable(text: str) -> None:
@@ -107,12 +115,8 @@ class EnglishPolicy:
             warnings.append(_dropped_warning(dropped))
         if normalize:
             text = _EMOJI.sub(" ", text)  # espeak-ng would name them ("grinning face")
-            try:
+            with _naming_markup(markup_warnings):
                 text = normalize_text(text)  # ("&" alone is read: "and")
-            except TextError as exc:
-                if (named := _nothing_left(exc, markup_warnings)) is None:
-                    raise
-                raise named from exc
             check_user_tags(text, allowed_tags)  # NFKC made <| |> of their full-width forms
         else:
             text = text.strip()
@@ -155,12 +159,8 @@ class FishPolicy:
             rendered = render_markup(text)
             text, warnings = rendered.text, rendered.warnings
         text = clean_text_15(text) if self.version == "1.5" else text.strip()
-        try:
+        with _naming_markup(warnings):
             _check_speakable(text)
-        except TextError as exc:
-            if (named := _nothing_left(exc, warnings)) is None:
-                raise
-            raise named from exc
         return PreparedText(text, warnings)
 
 
