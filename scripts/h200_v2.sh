@@ -40,6 +40,9 @@ vocoder() {  # the vocoder, new or resumed, for the rest of this call (ARGS: tra
     VOC_ARGS="$args" bash scripts/h200_voice.sh > /tmp/logs/vocoder_call$CALL.log 2>&1
   grep -v '"step"' /tmp/logs/vocoder_call$CALL.log | tail -12
 }
+unpack_carry1() {  # espeak-ng (.espeak/) and the clips' text list, for the vocoder's speech
+  tar xzf .carry1/espeak.tgz && cp .carry1/sentences.jsonl.gz $W/ && rm -f $W/sentences.jsonl
+}
 tests_beside() {  # the CUDA tests and `tts synthesize --device cuda` in the background (tests_collect waits)
   (SKIP_PIP=1 ACTIONS="tests synth" bash scripts/h200_service.sh > /tmp/logs/service.log 2>&1
    echo "service script exit $?" >> /tmp/logs/service.log) &
@@ -50,11 +53,11 @@ tests_collect() {
   tail -12 /tmp/logs/service.log
 }
 if [[ $CALL == 4 ]]; then
-  tar xzf .carry1/espeak.tgz && cp .carry1/sentences.jsonl.gz $W/ && rm -f $W/sentences.jsonl
+  unpack_carry1
   vocoder --init tts/assets/default --lr ${VOC_LR:-8e-4}
   cp /tmp/logs/vocoder_call4.log $OUT/ 2>/dev/null
 elif [[ $CALL == 5 ]]; then
-  tar xzf .carry1/espeak.tgz && cp .carry1/sentences.jsonl.gz $W/ && rm -f $W/sentences.jsonl
+  unpack_carry1
   tests_beside
   vocoder --init tts/assets/default --adversarial --adv-warmup ${ADV_WARMUP:-300} --lr ${VOC_LR:-2e-4} --log-every 100
   tests_collect
@@ -63,7 +66,7 @@ elif [[ $CALL == 5 ]]; then
   # is over what a call returns (the first run's last part was left out).
   rm -f $OUT/vocoder.tgz.part-*; tar czf $OUT/vocoder.tgz -C $W --exclude checkpoint.pt vocoder
 elif [[ $CALL == 1 ]]; then
-  tar xzf .carry1/espeak.tgz && cp .carry1/sentences.jsonl.gz $W/ && rm -f $W/sentences.jsonl
+  unpack_carry1
   tests_beside
   vocoder
   tests_collect
