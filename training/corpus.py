@@ -1,4 +1,7 @@
-"""Build the default voice's training corpus: text -> espeak-ng speech -> log-mel -> codec codes.
+"""Build the default voice's training corpus: text -> teacher speech -> log-mel -> codec codes.
+
+The teacher is espeak-ng (the shipped model's) or, with `text --teacher flite`, flite: the same texts
+and speakers, spoken by CMU's voices.
 
 Stages (each resumable; outputs under --work, default `training/work/`, git-ignored):
 
@@ -11,8 +14,8 @@ Stages (each resumable; outputs under --work, default `training/work/`, git-igno
              ordinals, years and abbreviations (seeded, so always the same).
            All text goes through the runtime's normalizer `tts.text.normalize_text`, then through the
            runtime's phoneme frontend (`tts.frontend`), exactly as at inference.
-  synth    shards/mel-XXXX.pt: espeak-ng (Debian package `espeak-ng`) speaks every utterance with its
-           speaker's voice, rate and pitch at 22050 Hz; each clip becomes a log-mel `[4T, 80]` float16
+  synth    shards/mel-XXXX.pt: the teacher (Debian package `espeak-ng` or `flite`) speaks every
+           utterance with its speaker's voice, rate and pitch at 22050 Hz; each clip becomes a log-mel `[4T, 80]` float16
            (`tts.codec.melrvq.LogMel`). Audio itself is never stored.
   codec    codec/: fits the residual-VQ codebooks by k-means on a sample of training frames
            (`tts.codec.melrvq.fit_rvq`) and writes codec.json + codec.safetensors.
@@ -54,6 +57,21 @@ SPEAKERS = [
     {"name": "gwen", "voice": "en-us+f2", "pitch": 60, "rate": 170},
     {"name": "hank", "voice": "en-us+klatt2", "pitch": 42, "rate": 165},
 ]
+# The same eight speakers spoken by flite (Debian package `flite` 2.2, Carnegie Mellon University's
+# synthesizer and its CMU ARCTIC voices, under a free license: training/README.md), the teacher of
+# `--teacher flite`: a voice, a duration stretch (1.0 = the voice's own rate; larger is slower) and a
+# mean F0 target in Hz (0 = the voice's own; flite's slt and kal16 follow it, its rms and awb do not).
+FLITE_SPEAKERS = [
+    {"name": "ava", "voice": "slt", "stretch": 1.0, "f0": 0},
+    {"name": "ben", "voice": "rms", "stretch": 1.0, "f0": 0},
+    {"name": "cora", "voice": "slt", "stretch": 0.93, "f0": 215},
+    {"name": "dave", "voice": "kal16", "stretch": 1.0, "f0": 0},
+    {"name": "emma", "voice": "slt", "stretch": 1.07, "f0": 155},
+    {"name": "finn", "voice": "awb", "stretch": 1.0, "f0": 0},
+    {"name": "gwen", "voice": "slt", "stretch": 1.0, "f0": 245},
+    {"name": "hank", "voice": "kal16", "stretch": 1.1, "f0": 100},
+]
+TEACHERS = ("espeak", "flite")
 DEFAULT_SPEAKER_SHARE = 0.3
 SECOND_READING_SHARE = 0.05  # share of training sentences read a second time by another speaker
 HELDOUT = 60
@@ -189,7 +207,14 @@ def paragraphs(rows: list[dict], n: int, max_bytes: int, seed: int) -> list[dict
     return [out[t] for t in sorted(out)]
 
 
-def build_text(work: Path, n_templates: int, seed: int, n_paragraphs: int = 0, max_bytes: int = 200) -> None:
+def build_text(
+    work: Path,
+    n_templates: int,
+    seed: int,
+    n_paragraphs: int = 0,
+    max_bytes: int = 200,
+    teacher: str = "espeak",
+) -> None:
     from tts.frontend import PhonemeFrontend
     from tts.text import TextError, normalize_text
 
@@ -228,17 +253,19 @@ def build_text(work: Path, n_templates: int, seed: int, n_paragraphs: int = 0, m
         row["phonemes"] = phonemes[i]
         row["split"] = "heldout" if i < len(held) else "train"
     for row in held:  # held-out sentences are spoken by the default speaker (the espeak reference)
-        utts.append(_utterance(row, 0, r, jitter=False))
+        utts.append(_utterance(row, 0, r, teacher, jitter=False))
     for row in train:
         spk = 0 if r.random() < DEFAULT_SPEAKER_SHARE else r.randrange(1, len(SPEAKERS))
-        utts.append(_utterance(row, spk, r))
+        utts.append(_utterance(row, spk, r, teacher))
         if r.random() < SECOND_READING_SHARE:
             other = r.choice([s for s in range(len(SPEAKERS)) if s != spk])
-            utts.append(_utterance(row, other, r))
+            utts.append(_utterance(row, other, r, teacher))
     rp = random.Random(seed + 2)  # (paragraph speakers: the single-sentence utterances stay as they were)
     for row in multi:
         utts.append(
-            _utterance(row, 0 if rp.random() < DEFAULT_SPEAKER_SHARE else rp.randrange(1, len(SPEAKERS)), rp)
+            _utterance(
+                row, 0 if rp.random() < DEFAULT_SPEAKER_SHARE else rp.randrange(1, len(SPEAKERS)), rp, teacher
+            )
         )
     for i, u in enumerate(utts):
         u["id"] = i
@@ -249,14 +276,28 @@ def build_text(work: Path, n_templates: int, seed: int, n_paragraphs: int = 0, m
     log(f"wrote {len(utts)} utterances ({len(held)} held out) to {work / 'sentences.jsonl'}")
 
 
-def _utterance(row: dict, speaker: int, r: random.Random, jitter: bool = True) -> dict:
+def _utterance(row: dict, speaker: int, r: random.Random, teacher: str, jitter: bool = True) -> dict:
+    """`row` spoken by `speaker` of `teacher`, with a jittered rate and pitch. Both teachers draw the
+    same two numbers, so one seed gives the same texts and speakers whichever teacher speaks them."""
+    d_rate = r.randint(-10, 10) if jitter else 0
+    d_pitch = r.randint(-4, 4) if jitter else 0
+    if teacher == "flite":
+        spk = FLITE_SPEAKERS[speaker]
+        return {
+            **row,
+            "speaker": speaker,
+            "teacher": "flite",
+            "voice": spk["voice"],
+            "stretch": round(spk["stretch"] * (1 - d_rate / 165), 3),  # espeak's +-10 of 165 words/min
+            "f0": spk["f0"] + 3 * d_pitch if spk["f0"] else 0,
+        }
     spk = SPEAKERS[speaker]
     return {
         **row,
         "speaker": speaker,
         "voice": spk["voice"],
-        "rate": spk["rate"] + (r.randint(-10, 10) if jitter else 0),
-        "pitch": spk["pitch"] + (r.randint(-4, 4) if jitter else 0),
+        "rate": spk["rate"] + d_rate,
+        "pitch": spk["pitch"] + d_pitch,
     }
 
 
@@ -284,6 +325,31 @@ def espeak(text: str, voice: str, rate: int, pitch: int):
     return audio
 
 
+def flite(text: str, voice: str, stretch: float = 1.0, f0: int = 0):
+    """Speak `text` with the flite binary (`voice`: one of `flite -lv`, 16 kHz), resampled by
+    torchaudio to float32 mono audio at 22050 Hz. `stretch` scales durations; `f0` (Hz, 0 = the
+    voice's own) sets the mean pitch target."""
+    import soundfile as sf
+    import torch
+    import torchaudio
+
+    cmd = ["flite", "-voice", voice, "--setf", f"duration_stretch={stretch}"]
+    if f0:
+        cmd += ["--setf", f"int_f0_target_mean={f0}"]
+    with tempfile.NamedTemporaryFile(suffix=".wav") as tmp:
+        subprocess.run([*cmd, "-t", text, "-o", tmp.name], check=True, capture_output=True)
+        audio, sr = sf.read(tmp.name, dtype="float32")
+    return torchaudio.functional.resample(torch.from_numpy(audio), sr, 22050).numpy()
+
+
+def speak(u: dict):
+    """The audio (float32 at 22050 Hz) of utterance row `u` by its teacher (espeak-ng unless the row
+    names flite)."""
+    if u.get("teacher") == "flite":
+        return flite(u["text"], u["voice"], u["stretch"], u["f0"])
+    return espeak(u["text"], u["voice"], u["rate"], u["pitch"])
+
+
 def _synth_shard(args: tuple[Path, int, list[dict]]) -> str:
     import torch
 
@@ -297,7 +363,7 @@ def _synth_shard(args: tuple[Path, int, list[dict]]) -> str:
     logmel = LogMel()
     mels, ids, seconds = [], [], []
     for u in utts:
-        audio = espeak(u["text"], u["voice"], u["rate"], u["pitch"])
+        audio = speak(u)
         mels.append(logmel(torch.from_numpy(audio)).to(torch.float16))
         ids.append(u["id"])
         seconds.append(len(audio) / 22050)
@@ -422,6 +488,12 @@ def main() -> None:
         help="also this many utterances of 2-4 training sentences, up to --paragraph-bytes of text (the "
         "multi-sentence chunks long text is synthesized in; default 0, the shipped model's corpus)",
     )
+    p.add_argument(
+        "--teacher",
+        choices=TEACHERS,
+        default="espeak",
+        help="the synthesizer that speaks the corpus (text stage; default espeak, the shipped model's)",
+    )
     p.add_argument("--paragraph-bytes", type=int, default=200, help="(default 200, the chunk length)")
     p.add_argument("--num-codebooks", type=int, default=4)
     p.add_argument("--codebook-size", type=int, default=1024)
@@ -443,7 +515,7 @@ def main() -> None:
         if (a.work / "sentences.jsonl").exists():  # (resumable: an existing text list is kept)
             log(f"{a.work / 'sentences.jsonl'} exists, kept (delete it to build the text again)")
         else:
-            build_text(a.work, a.templates, a.seed, a.paragraphs, a.paragraph_bytes)
+            build_text(a.work, a.templates, a.seed, a.paragraphs, a.paragraph_bytes, a.teacher)
     if a.stage in ("synth", "all"):
         synth(a.work, a.jobs, a.max_utterances)
     if a.stage in ("codec", "all"):

@@ -73,13 +73,15 @@ DELAY = 512  # the codec's: emitted sample i is signal sample i - 512
 
 
 def speak_all(rows: list[dict], jobs: int) -> list[torch.Tensor]:
-    """espeak-ng audio (float16 `[samples]`) of every row (text, voice, rate, pitch), in order."""
-    from multiprocessing import Pool
+    """The teacher's audio (float16 `[samples]`) of every utterance row (`corpus.speak`), in order."""
+    from multiprocessing import get_context
 
-    from corpus import espeak
+    from corpus import speak
 
-    with Pool(jobs) as pool:
-        audio = pool.starmap(espeak, [(u["text"], u["voice"], u["rate"], u["pitch"]) for u in rows])
+    # Spawned, not forked: flite's resampling runs torch in the workers, and a fork of a process whose
+    # torch thread pool has run can hang there.
+    with get_context("spawn").Pool(jobs) as pool:
+        audio = pool.map(speak, rows, chunksize=16)
     return [torch.from_numpy(a).to(torch.float16) for a in audio]
 
 
