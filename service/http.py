@@ -196,6 +196,27 @@ def _with_param(exc: BaseException, param: str) -> APIError:
     return err
 
 
+_FLAG_WORDS = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+}
+
+
+def _form_flag(value: object, param: str) -> bool:
+    """A form field's true/false (1/0, true/false, yes/no, on/off, any case); APIError 400 naming
+    `param` for anything else (a mistyped `replace=ture` must not quietly read as false)."""
+    flag = _FLAG_WORDS.get(str(value).strip().lower())
+    if flag is None:
+        raise APIError(400, f"`{param}` must be true or false, got {shorten(str(value), 40)!r}", param=param)
+    return flag
+
+
 class StreamAborted(RuntimeError):
     """Raised into the server to cut an audio stream whose job failed after the status line was sent."""
 
@@ -304,8 +325,8 @@ class _Synthesis:
                 "total_tokens": self.input_tokens + finished.frames,
             },
             "frames": finished.frames,
-            "audio_seconds": self.encoder.samples_out
-            / self.encoder.output_rate,  # after tempo, before codec padding
+            # after tempo, before codec padding; to the millisecond (as `usage` counts, not a float's tail)
+            "audio_seconds": round(self.encoder.samples_out / self.encoder.output_rate, 3),
             "finish_reason": "length" if length else "stop",
             "seed": self.started.seed,
             "request_id": self.started.request_id,
@@ -701,8 +722,9 @@ class HTTPFront:
         """`POST /v1/audio/voices` (multipart/form-data): `name`, `file` (a WAV, FLAC, MP3 or Ogg clip),
         `text` (its transcript), optional `replace` (true/false). The clip is checked like a request's reference clip,
         encoded on the codec stage and kept as a registered voice (persisted under the server's voices
-        directory), the same registry gRPC's AddVoice fills. 201 with the voice; 400 / 409 (the name is
-        taken) / 413 / 415 (not multipart/form-data) / 503 as OpenAI-style errors."""
+        directory), the same registry gRPC's AddVoice fills. 201 with the voice (200 when it replaced one);
+        400 / 409 (the name is taken) / 413 / 415 (not multipart/form-data) / 503 as OpenAI-style
+        errors."""
         # Checked first: a JSON body would otherwise be read as an empty form ("the form needs a name").
         media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if media_type != "multipart/form-data":
@@ -736,7 +758,7 @@ class HTTPFront:
                 raise APIError(
                     400, "the form needs the clip as a `file` field (WAV, FLAC, MP3 or Ogg)", param="file"
                 )
-            replace = str(form.get("replace", "false")).lower() in ("1", "true", "yes", "on")
+            replace = _form_flag(form.get("replace", "false"), "replace")
             # Errors name the form field at fault (api_error alone would say `reference_audio`, the
             # speech body's field, for the clip, and nothing for the name).
             try:
@@ -771,7 +793,7 @@ class HTTPFront:
             "transcript": entry.voice.text,
             "seconds": round(entry.seconds(self.bundle.codec.frame_rate), 2),
         }
-        return JSONResponse(body, status_code=201)
+        return JSONResponse(body, status_code=200 if entry.replaced else 201)
 
     async def speech(self, request: Request) -> Response:
         """`POST /v1/audio/speech`: read (size-limited), parse and validate the body, admit the job and wait

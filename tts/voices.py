@@ -79,11 +79,13 @@ def _weights_sample(codec: Codec) -> list[torch.Tensor]:
 
 @dataclass
 class VoiceEntry:
-    """A voice as listed: `kind` is "preset" (ships with the model) or "registered"."""
+    """A voice as listed: `kind` is "preset" (ships with the model) or "registered"; `replaced` is
+    true for what `VoiceRegistry.add` returns when it replaced a registered voice of that name."""
 
     name: str
     kind: str
     voice: VoiceReference
+    replaced: bool = False
 
     def seconds(self, frame_rate: float) -> float:
         return self.voice.codes.shape[1] / frame_rate
@@ -205,6 +207,7 @@ class VoiceRegistry:
         with self._write_lock:  # adds and deletes of this registry, one at a time
             self._sync(name)
             self.check_new(name, replace)
+            replaced = name in self._registered
             stamp = None
             if self.directory is not None:
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -226,7 +229,7 @@ class VoiceRegistry:
                 self._registered[name] = voice
                 if stamp is not None:
                     self._stamps[name] = stamp  # (its own file: no re-read at the next lookup)
-        return VoiceEntry(name, "registered", voice)
+        return VoiceEntry(name, "registered", voice, replaced)
 
     def delete(self, name: str) -> None:
         """Remove a registered voice (and its file). Raises VoiceNotFound, or InvalidRequest for a preset.
