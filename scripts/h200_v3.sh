@@ -4,11 +4,15 @@
 # machine's warm window (30 s). Run from the repo root through the device tool, carry [".carry3"].
 #
 #   CALL=1  flite speaks the first CODEC_UTT utterances into log-mel shards (16 processes); a learned
-#           codec (mel VQ-VAE, the shipped shape, its encoder trained) trains on them for CODEC_SECONDS
-#           while flite speaks the rest; then every clip is encoded through it. The codec comes back.
+#           codec (mel VQ-VAE, the shipped shape and recipe: CODEC_ARGS, default --freeze-encoder) trains
+#           on them for CODEC_SECONDS while flite speaks the rest; then every clip is encoded through it.
+#           The codec comes back. (Its first run trained the encoder too, and codebook 0 collapsed to a
+#           perplexity of 22-43 of 1024: training/RESULTS.md.)
 #   CALL=2  the model trains from scratch on those codes (v2's recipe: chunk-length history for half the
-#           examples) while the vocoder trains from the shipped one (train_vocoder.py --init) on VOC_UTT
-#           clips through the new codec. Model and vocoder come back.
+#           examples), alone: in the first run the vocoder beside it (flite in 6 processes, then its
+#           training) starved the model's compile (its first step at 276 s) and never got to training
+#           itself. Set VOC=1 to run the vocoder beside it anyway (from the shipped one, train_vocoder.py
+#           --init, on VOC_UTT clips through the new codec). The model (and vocoder) come back.
 #
 # .carry3/ (git-ignored; rebuild it as training/README.md says): flite.txz (the flite binary and the
 # shared libraries it links, from Debian's flite 2.2: the GPU machine has none), sentences.jsonl.gz
@@ -33,7 +37,7 @@ if [[ $CALL == 1 ]]; then
   SYNTH=$!
   python3 training/train_codec.py --work $W --max-shards $(( ${CODEC_UTT:-20000} / 1000 )) --device cuda \
     --out $W/codec_flite --max-seconds ${CODEC_SECONDS:-200} --batch 256 --lr 2e-3 --channels 384 \
-    --decoder-dilations 1,2,4,1 > /tmp/logs/codec.log 2>&1
+    --decoder-dilations 1,2,4,1 ${CODEC_ARGS---freeze-encoder} > /tmp/logs/codec.log 2>&1
   grep -v '"step"' /tmp/logs/codec.log | tail -4; echo "codec: $SECONDS s"
   cp /tmp/logs/codec.log $W/codec_flite/train.log; tar czf $OUT/codec_flite.tgz -C $W codec_flite
   # Encode what is spoken so far while flite finishes, then the rest (encode skips finished shards).
@@ -47,17 +51,17 @@ else
   [[ -f $W/codec_flite/codec.json && -d $W/codes_flite ]] \
     || { echo "no codec or codes here: run CALL=1 first, on the same warm machine"; exit 1; }
   LEFT=$(( $(left) - 20 ))
-  timeout $LEFT python3 training/train_vocoder.py --work $W --codec $W/codec_flite --init tts/assets/default \
+  [[ -n ${VOC:-} ]] && timeout $LEFT python3 training/train_vocoder.py --work $W --codec $W/codec_flite --init tts/assets/default \
     --out $W/vocoder_flite --utterances ${VOC_UTT:-8000} --jobs 6 --batch 64 --lr ${VOC_LR:-8e-4} \
     --max-seconds $(( LEFT - 10 )) --log-every 500 --no-asr > /tmp/logs/vocoder.log 2>&1 &
   timeout $LEFT python3 training/train.py --data $W/codes_flite --codec $W/codec_flite --out /tmp/v3_model \
-    --size fast --workers 10 --batch-tokens 65536 --lr 1.5e-3 --warmup 300 --max-seconds $(( LEFT - 10 )) \
+    --size fast --workers 12 --batch-tokens 65536 --lr 1.5e-3 --warmup 300 --max-seconds $(( LEFT - 10 )) \
     --history-rate 0.5 --history-frames 320 > /tmp/logs/model.log 2>&1
   grep -E "corpus|model:|trained|wrote|Error|\"step\": [0-9]*000," /tmp/logs/model.log | cut -c1-300
   wait; grep -v '"step"' /tmp/logs/vocoder.log | tail -6
   cp /tmp/logs/model.log /tmp/v3_model/train.log
   tar czf /tmp/v3_model.tgz -C /tmp v3_model && split -b 15M /tmp/v3_model.tgz $OUT/v3_model.tgz.part-
-  tar czf $OUT/vocoder_flite.tgz -C $W --exclude checkpoint.pt vocoder_flite
+  [[ -d $W/vocoder_flite ]] && tar czf $OUT/vocoder_flite.tgz -C $W --exclude checkpoint.pt vocoder_flite
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > /tmp/logs/gpu.txt
 tar czf $OUT/logs$CALL.tgz -C /tmp logs && ls -la $OUT

@@ -239,3 +239,40 @@ def test_paragraphs_join_two_to_four_training_sentences_within_the_chunk_length(
         assert 2 <= len(parts) <= 4 and all(t in by_text for t in parts), p["text"]
         assert p["raw"] == " ".join(by_text[t]["raw"] for t in parts)
     assert corpus.paragraphs(rows, 0, 90, seed=5) == []
+
+
+def test_both_teachers_give_the_same_texts_and_speakers():
+    """`corpus.py text --teacher flite` must speak the corpus the espeak-ng teacher speaks: every
+    utterance draws the same two jitter numbers, so the speaker draws after it stay the same."""
+    import corpus
+
+    row = {"source": "wordnet", "raw": "A cat.", "text": "A cat.", "phonemes": "ɐ kˈæt."}
+    r_es, r_fl = random.Random(3), random.Random(3)
+    for speaker in range(len(corpus.SPEAKERS)):
+        es = corpus._utterance(row, speaker, r_es, "espeak")
+        fl = corpus._utterance(row, speaker, r_fl, "flite")
+        assert es["speaker"] == fl["speaker"] == speaker and fl["teacher"] == "flite" and "teacher" not in es
+        spk_es, spk_fl = corpus.SPEAKERS[speaker], corpus.FLITE_SPEAKERS[speaker]
+        assert spk_es["name"] == spk_fl["name"] and fl["voice"] == spk_fl["voice"]
+        # The rate's jitter d (words/min of 165) becomes the stretch 1 - d / 165: slower speech, longer.
+        d_rate, d_pitch = es["rate"] - spk_es["rate"], es["pitch"] - spk_es["pitch"]
+        assert fl["stretch"] == round(spk_fl["stretch"] * (1 - d_rate / 165), 3)
+        assert fl["f0"] == (spk_fl["f0"] + 3 * d_pitch if spk_fl["f0"] else 0)
+    assert r_es.random() == r_fl.random()
+    held = corpus._utterance(row, 0, random.Random(0), "flite", jitter=False)
+    assert (held["voice"], held["stretch"], held["f0"]) == ("slt", 1.0, 0)
+
+
+@pytest.mark.skipif(
+    __import__("shutil").which("flite") is None, reason="needs the flite binary (apt-get install flite)"
+)
+def test_flite_speaks_at_the_codec_rate_and_its_stretch_slows_it():
+    import corpus
+
+    row = {"teacher": "flite", "text": "Please call Stella.", "voice": "slt", "stretch": 1.0, "f0": 0}
+    audio = corpus.speak(row)
+    slow = corpus.speak({**row, "stretch": 1.3})
+    assert audio.dtype.name == "float32" and audio.ndim == 1
+    assert 0.5 < len(audio) / 22050 < 3.0 and 0.05 < float(abs(audio).max()) <= 1.0
+    # Durations scale by the stretch; the silences at both ends do not, hence the loose bounds.
+    assert 1.15 < len(slow) / len(audio) < 1.35

@@ -254,3 +254,21 @@ def test_the_adversarial_step_matches_features_on_the_updated_discriminators():
     assert y.grad is not None and float(y.grad.abs().sum()) > 0
     adv0, fm0, _ = train_vocoder.adversarial_step(disc, d_opt, y.detach() * 0.5, audio, generator=False)
     assert float(adv0) == 0.0 and float(fm0) == 0.0
+
+
+@pytest.mark.skipif(
+    __import__("shutil").which("flite") is None, reason="needs the flite binary (apt-get install flite)"
+)
+def test_clips_are_spoken_in_order_by_each_rows_teacher_in_spawned_workers():
+    """`speak_all` after torch has run in this process (a forked worker could hang in flite's
+    resampling): one float16 clip per row, in row order, each as long as the teacher speaks it."""
+    import corpus
+
+    torch.ones(64, 64) @ torch.ones(64, 64)  # torch's thread pool has run here
+    rows = [
+        {"teacher": "flite", "text": text, "voice": "slt", "stretch": 1.0, "f0": 0}
+        for text in ["Yes.", "Please call Stella and ask her to bring these things with her."]
+    ]
+    clips = train_vocoder.speak_all(rows, jobs=2)
+    assert [c.dtype for c in clips] == [torch.float16] * 2
+    assert [len(c) for c in clips] == [len(corpus.speak(r)) for r in rows] and len(clips[0]) < len(clips[1])
