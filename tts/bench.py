@@ -318,11 +318,16 @@ def add_parser(sub) -> None:
         help="tokens per request the engine is sized for, prompt + frames: the width of the block tables "
         "a graph's attention reads (default: the model's maximum, as tts serve runs)",
     )
-    p.add_argument("--frames", type=int, default=128, help="timed frames per point")
+    p.add_argument("--frames", type=int, default=128, help="timed frames per point (default 128)")
     p.add_argument(
         "--warmup-frames", type=int, default=8, help="untimed frames first: admission, prefill (default 8)"
     )
-    p.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH, help="bytes/s for the floor")
+    p.add_argument(
+        "--bandwidth",
+        type=float,
+        default=DEFAULT_BANDWIDTH,
+        help="memory bandwidth in bytes/s for the floor (default %(default).3g, the device-to-device copy rate measured on an H200)",
+    )
     p.add_argument(
         "--threads",
         type=int,
