@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Default voice, flite teacher (training/corpus.py text --teacher flite), on one H200 in two consecutive
-# calls on one warm machine: the second reads what the first left, so it must start inside the
+# Default voice, flite teacher (training/corpus.py text --teacher flite), on one H200 in consecutive
+# calls on one warm machine: each reads what the one before left, so it must start inside the
 # machine's warm window (30 s). Run from the repo root through the device tool, carry [".carry3"].
 #
 #   CALL=1  flite speaks the first CODEC_UTT utterances into log-mel shards (16 processes); a learned
@@ -13,6 +13,11 @@
 #           training) starved the model's compile (its first step at 276 s) and never got to training
 #           itself. Set VOC=1 to run the vocoder beside it anyway (from the shipped one, train_vocoder.py
 #           --init, on VOC_UTT clips through the new codec). The model (and vocoder) come back.
+#   CALL=3  the model goes on from CALL=2's checkpoint (v2 trained over two calls: MODEL_SCHEDULE, default
+#           900 s, is the one learning-rate schedule both calls share; give CALL=2 the same).
+#   CALL=4  the vocoder alone, from the shipped one, on VOC_UTT clips through the new codec (16 flite
+#           processes, then training for the rest of the call).
+# Every call after the first needs the machine CALL=1 left warm (the codes live only there).
 #
 # .carry3/ (git-ignored; rebuild it as training/README.md says): flite.txz (the flite binary and the
 # shared libraries it links, from Debian's flite 2.2: the GPU machine has none), sentences.jsonl.gz
@@ -20,7 +25,7 @@
 # (soundfile, cffi, pycparser, num2words and docopt wheels for the machine's Python 3.12).
 set -uo pipefail
 W=training/work
-CALL=${CALL:?CALL=1 or 2 (see the header)} CALL_SECONDS=${CALL_SECONDS:-560}
+CALL=${CALL:?CALL=1, 2, 3 or 4 (see the header)} CALL_SECONDS=${CALL_SECONDS:-560}
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
   .carry3/whl/*.whl || exit 1
@@ -51,16 +56,26 @@ else
   [[ -f $W/codec_flite/codec.json && -d $W/codes_flite ]] \
     || { echo "no codec or codes here: run CALL=1 first, on the same warm machine"; exit 1; }
   LEFT=$(( $(left) - 20 ))
-  [[ -n ${VOC:-} ]] && timeout $LEFT python3 training/train_vocoder.py --work $W --codec $W/codec_flite --init tts/assets/default \
-    --out $W/vocoder_flite --utterances ${VOC_UTT:-8000} --jobs 6 --batch 64 --lr ${VOC_LR:-8e-4} \
-    --max-seconds $(( LEFT - 10 )) --log-every 500 --no-asr > /tmp/logs/vocoder.log 2>&1 &
-  timeout $LEFT python3 training/train.py --data $W/codes_flite --codec $W/codec_flite --out /tmp/v3_model \
-    --size fast --workers 12 --batch-tokens 65536 --lr 1.5e-3 --warmup 300 --max-seconds $(( LEFT - 10 )) \
-    --history-rate 0.5 --history-frames 320 > /tmp/logs/model.log 2>&1
-  grep -E "corpus|model:|trained|wrote|Error|\"step\": [0-9]*000," /tmp/logs/model.log | cut -c1-300
-  wait; grep -v '"step"' /tmp/logs/vocoder.log | tail -6
-  cp /tmp/logs/model.log /tmp/v3_model/train.log
-  tar czf /tmp/v3_model.tgz -C /tmp v3_model && split -b 15M /tmp/v3_model.tgz $OUT/v3_model.tgz.part-
+  vocoder() {  # ARGS: train_vocoder.py's flite processes
+    local res=(--init tts/assets/default); [[ -f $W/vocoder_flite/checkpoint.pt ]] && res=(--resume)
+    timeout $LEFT python3 training/train_vocoder.py --work $W --codec $W/codec_flite \
+      --out $W/vocoder_flite --utterances ${VOC_UTT:-8000} --jobs $1 --batch 64 --lr ${VOC_LR:-8e-4} \
+      --max-seconds $(( LEFT - 10 )) --log-every 500 --no-asr "${res[@]}" > /tmp/logs/vocoder_call$CALL.log 2>&1
+  }
+  if [[ $CALL == 4 ]]; then
+    vocoder 16; grep -v '"step"' /tmp/logs/vocoder_call4.log | tail -6
+  else
+    [[ -n ${VOC:-} ]] && vocoder 6 &
+    RES=(); [[ $CALL == 3 ]] && RES=(--resume $W/v3_model)
+    timeout $LEFT python3 training/train.py --data $W/codes_flite --codec $W/codec_flite --out /tmp/v3_model \
+      --size fast --workers 12 --batch-tokens 65536 --lr 1.5e-3 --warmup 300 --max-seconds $(( LEFT - 10 )) \
+      --schedule-seconds ${MODEL_SCHEDULE:-900} --history-rate 0.5 --history-frames 320 \
+      --full-checkpoint $W/v3_full.pt "${RES[@]}" > /tmp/logs/model_call$CALL.log 2>&1
+    grep -E "corpus|model:|resumed|trained|wrote|Error|\"step\": [0-9]*000," /tmp/logs/model_call$CALL.log | cut -c1-300
+    wait
+    rm -rf $W/v3_model && cp -r /tmp/v3_model $W/v3_model && cp /tmp/logs/model_call$CALL.log $W/v3_model/train.log
+    tar czf /tmp/v3_model.tgz -C $W v3_model && split -b 15M /tmp/v3_model.tgz $OUT/v3_model.tgz.part-
+  fi
   [[ -d $W/vocoder_flite ]] && tar czf $OUT/vocoder_flite.tgz -C $W --exclude checkpoint.pt vocoder_flite
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > /tmp/logs/gpu.txt
