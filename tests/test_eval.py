@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torchaudio
 from helpers import sysfs_mounted
 
 from tts import eval as tts_eval
@@ -25,25 +26,31 @@ def test_espeak_speakers_are_the_corpus_speakers():
     assert tts_eval.ESPEAK_DEFAULT == tts_eval.ESPEAK_SPEAKERS[SPEAKERS[0]["name"]]
 
 
+def test_flite_speakers_are_the_corpus_flite_speakers():
+    sys.path.insert(0, str(ROOT / "training"))
+    from corpus import FLITE_SPEAKERS
+
+    assert tts_eval.FLITE_SPEAKERS == {s["name"]: (s["voice"], s["stretch"], s["f0"]) for s in FLITE_SPEAKERS}
+
+
 class _FakeTTS:
-    """Stands in for `tts.api.TTS`: every voice's preset clip is espeak-ng reading one fixed sentence
+    """Stands in for `tts.api.TTS`: every voice's preset clip is `teacher` reading one fixed sentence
     with that voice's speaker; `synthesize` speaks with `speaks(voice)`'s speaker."""
 
-    def __init__(self, speaks):
+    def __init__(self, speaks, teacher="espeak"):
         self.speaks = speaks
+        _, self.speakers, self.speak = tts_eval.VOICE_TEACHERS[teacher]
         self.bundle = SimpleNamespace(codec=SimpleNamespace(decode=self._decode, sample_rate=22050))
 
     def voice(self, name):
         return [SimpleNamespace(codes=name)]
 
     def _decode(self, name):
-        audio, _ = tts_eval.espeak_audio(
-            "The preset clip has other words in it.", *tts_eval.ESPEAK_SPEAKERS[name]
-        )
-        return torch.as_tensor(audio)
+        audio, sr = self.speak("The preset clip has other words in it.", *self.speakers[name])
+        return torchaudio.functional.resample(torch.as_tensor(audio), sr, 22050)
 
     def synthesize(self, text, voice, seed):
-        audio, sr = tts_eval.espeak_audio(normalize_text(text), *tts_eval.ESPEAK_SPEAKERS[self.speaks(voice)])
+        audio, sr = self.speak(normalize_text(text), *self.speakers[self.speaks(voice)])
         return SimpleNamespace(audio=audio, sample_rate=sr)
 
 
@@ -57,9 +64,25 @@ def test_voice_similarity_passes_a_model_that_speaks_each_voice_and_fails_one_th
     bad = tts_eval.voice_similarity(_FakeTTS(lambda v: "ava"), sentences, names, lambda _: None)
     assert bad["closest_is_own_same_text_espeak"] == pytest.approx(1 / 3) and not bad["pass"]
     preset_only = tts_eval.voice_similarity(
-        _FakeTTS(lambda v: v), sentences, names, lambda _: None, espeak=False
+        _FakeTTS(lambda v: v), sentences, names, lambda _: None, same_text=False
     )
     assert preset_only["gate_reference"] == "preset" and "closest_is_own_same_text_espeak" not in preset_only
+
+
+@pytest.mark.skipif(shutil.which("flite") is None, reason="needs the flite binary")
+def test_the_voice_check_of_a_flite_trained_model_speaks_its_references_with_flite():
+    names, sentences = ["ava", "ben", "finn"], ["Please call Stella and ask her to bring these things."]
+    good = tts_eval.voice_similarity(
+        _FakeTTS(lambda v: v, "flite"), sentences, names, lambda _: None, teacher="flite"
+    )
+    assert (
+        good["gate_reference"] == "flite" and good["closest_is_own_same_text_flite"] == 1.0 and good["pass"]
+    )
+    assert "closest_is_own_same_text_espeak" not in good
+    bad = tts_eval.voice_similarity(
+        _FakeTTS(lambda v: "ava", "flite"), sentences, names, lambda _: None, teacher="flite"
+    )
+    assert bad["closest_is_own_same_text_flite"] == pytest.approx(1 / 3) and not bad["pass"]
 
 
 class _WordsASR:

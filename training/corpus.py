@@ -326,19 +326,15 @@ def espeak(text: str, voice: str, rate: int, pitch: int):
 
 
 def flite(text: str, voice: str, stretch: float = 1.0, f0: int = 0):
-    """Speak `text` with the flite binary (`voice`: one of `flite -lv`, 16 kHz), resampled by
-    torchaudio to float32 mono audio at 22050 Hz. `stretch` scales durations; `f0` (Hz, 0 = the
-    voice's own) sets the mean pitch target."""
-    import soundfile as sf
+    """Speak `text` with the flite binary (`tts.eval.flite_audio`: `voice` one of `flite -lv`, durations
+    scaled by `stretch`, mean pitch `f0` Hz or the voice's own), resampled by torchaudio to float32 mono
+    audio at 22050 Hz."""
     import torch
     import torchaudio
 
-    cmd = ["flite", "-voice", voice, "--setf", f"duration_stretch={stretch}"]
-    if f0:
-        cmd += ["--setf", f"int_f0_target_mean={f0}"]
-    with tempfile.NamedTemporaryFile(suffix=".wav") as tmp:
-        subprocess.run([*cmd, "-t", text, "-o", tmp.name], check=True, capture_output=True)
-        audio, sr = sf.read(tmp.name, dtype="float32")
+    from tts.eval import flite_audio
+
+    audio, sr = flite_audio(text, voice, stretch, f0)
     return torchaudio.functional.resample(torch.from_numpy(audio), sr, 22050).numpy()
 
 

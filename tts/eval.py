@@ -22,7 +22,7 @@ Reported (and written to `--out` as JSON):
   vector. Two references: the preset's own clip decoded by the codec ("preset"; its text differs
   from the output's), and, for the default model's voices when espeak-ng is installed, espeak-ng
   speaking the same sentence with each voice's corpus speaker ("espeak": same text, so only the
-  speaker differs). Pass = every output is closest to its own voice, by the espeak reference when
+  speaker differs; `--voice-teacher flite` speaks it with flite, for a model trained on flite). Pass = every output is closest to its own voice, by the espeak reference when
   it ran, else by the preset one; both are reported.
 
 * `loops`: repetition loops in the transcripts that the text lacks (`loops`: a word said three times
@@ -31,7 +31,8 @@ Reported (and written to `--out` as JSON):
   (`espeak_transcript`, `espeak_loops`: a rare word the ASR mishears in both is the ASR's failure,
   not the model's); `wer_worst_seed`: the seed with the highest WER;
 * with `--voices`, also `wer_per_voice` (each voice's outputs transcribed, in `voice_samples`) and
-  `espeak_wer_per_voice` (espeak-ng reading the same sentences as each voice's corpus speaker);
+  `espeak_wer_per_voice` (espeak-ng reading the same sentences as each voice's corpus speaker; with
+  `--voice-teacher flite`, `flite_wer_per_voice` and flite's speakers: a model trained on flite);
 * with `--long`, the texts are passages of 150-300 words (`samples/eval/passages.txt`, written for this
   project and never trained on), each one request that the API splits into text chunks.
 
@@ -53,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +71,13 @@ ESPEAK_SPEAKERS = {
     "gwen": ("en-us+f2", 170, 60), "hank": ("en-us+klatt2", 165, 42),
 }  # fmt: skip
 ESPEAK_DEFAULT = ESPEAK_SPEAKERS["ava"]
+# The same voices spoken by flite (voice, duration stretch, mean F0 in Hz or 0 for the voice's own) for
+# a model trained with `training/corpus.py text --teacher flite` (its FLITE_SPEAKERS; a test keeps the
+# two equal).
+FLITE_SPEAKERS = {
+    "ava": ("slt", 1.0, 0), "ben": ("rms", 1.0, 0), "cora": ("slt", 0.93, 215), "dave": ("kal16", 1.0, 0),
+    "emma": ("slt", 1.07, 155), "finn": ("awb", 1.0, 0), "gwen": ("slt", 1.0, 245), "hank": ("kal16", 1.1, 100),
+}  # fmt: skip
 
 
 class EvalError(RuntimeError):
@@ -170,6 +179,29 @@ def espeak_audio(text: str, voice: str, rate: int, pitch: int) -> tuple[np.ndarr
         )
         audio, sr = read_audio(tmp.name)
     return audio[0], sr
+
+
+def flite_audio(text: str, voice: str, stretch: float = 1.0, f0: int = 0) -> tuple[np.ndarray, int]:
+    """flite speaking `text` (the system binary, Debian's `flite`) with `voice` (`flite -lv`), its
+    durations scaled by `stretch` and, when `f0` (Hz) is not 0, its mean pitch target set; returns
+    (float32 audio, sample rate: 16000 for its 16 kHz voices)."""
+    from .audio import read_audio
+
+    cmd = ["flite", "-voice", voice, "--setf", f"duration_stretch={stretch}"]
+    if f0:
+        cmd += ["--setf", f"int_f0_target_mean={f0}"]
+    with tempfile.NamedTemporaryFile(suffix=".wav") as tmp:
+        subprocess.run([*cmd, "-t", text, "-o", tmp.name], check=True, capture_output=True)
+        audio, sr = read_audio(tmp.name)
+    return audio[0], sr
+
+
+# The voice check's same-text references: a corpus teacher's binary, its speaker per preset voice, and
+# how it speaks (text, *speaker) -> (audio, sample rate).
+VOICE_TEACHERS: dict[str, tuple[str, dict[str, tuple], Callable[..., tuple[np.ndarray, int]]]] = {
+    "espeak": ("espeak-ng", ESPEAK_SPEAKERS, espeak_audio),
+    "flite": ("flite", FLITE_SPEAKERS, flite_audio),
+}
 
 
 def mel_statistic(audio: np.ndarray, sample_rate: int) -> torch.Tensor:
@@ -334,8 +366,9 @@ def evaluate(args: argparse.Namespace) -> dict:
             sentences[: args.voice_sentences],
             args.voices.split(","),
             log,
-            espeak=not args.no_espeak,
+            same_text=not args.no_espeak,
             asr=asr,
+            teacher=args.voice_teacher,
         )
         result["gates"]["voices"] = result["voices"]["pass"]
         if "wer_per_voice_pass" in result["voices"]:
@@ -345,7 +378,13 @@ def evaluate(args: argparse.Namespace) -> dict:
 
 
 def voice_similarity(
-    tts, sentences: list[str], names: list[str], log, espeak: bool = True, asr: ASR | None = None
+    tts,
+    sentences: list[str],
+    names: list[str],
+    log,
+    same_text: bool = True,
+    asr: ASR | None = None,
+    teacher: str = "espeak",
 ) -> dict:
     """Speaker similarity of preset voices: each voice speaks `sentences` (seeds 7000 + i) and every
     output's statistic (`mel_statistic`) is compared by cosine with one reference per voice.
@@ -353,33 +392,34 @@ def voice_similarity(
     Two references (module docstring):
     * "preset": the preset's own clip decoded by the codec, minus the average over the voices'
       clips. Its text differs from the output's, so phonetic content moves the statistic too.
-    * "espeak" (when `espeak` is true, the espeak-ng binary exists and every name is in
-      `ESPEAK_SPEAKERS`): espeak-ng speaking the *same* sentence with each voice's corpus speaker,
-      minus those renditions' average, so the text cancels and only the speaker differs.
-    The result's `pass` (the gate) uses the espeak reference when it ran, else the preset one.
+    * the teacher's, named `teacher` ("espeak" or "flite", `VOICE_TEACHERS`; when `same_text` is true,
+      its binary exists and every name is among its speakers): the teacher speaking the *same*
+      sentence with each voice's corpus speaker, minus those renditions' average, so the text cancels
+      and only the speaker differs. Its result keys carry the teacher's name
+      (`closest_is_own_same_text_espeak`, `espeak_wer_per_voice`, or the same with `flite`).
+    The result's `pass` (the gate) uses the teacher's reference when it ran, else the preset one.
     With `asr`, every output is transcribed too: `wer_per_voice` (corpus WER of each voice's outputs)
-    and `voice_samples` (text, voice, transcript); with the espeak reference as well, its renditions
-    are transcribed into `espeak_wer_per_voice` (each voice's own corpus speaker: some espeak-ng
-    variants are harder for the ASR than others) and `wer_per_voice_pass` holds the gate: every voice's
-    WER at most its espeak speaker's + `VOICE_WER_MARGIN`.
+    and `voice_samples` (text, voice, transcript); with the teacher's reference as well, its renditions
+    are transcribed into `{teacher}_wer_per_voice` (each voice's own corpus speaker: some speakers are
+    harder for the ASR than others) and `wer_per_voice_pass` holds the gate: every voice's WER at most
+    its teacher speaker's + `VOICE_WER_MARGIN`.
     """
     from .text import normalize_text
 
     codec = tts.bundle.codec
-    use_espeak = espeak and shutil.which("espeak-ng") is not None and all(n in ESPEAK_SPEAKERS for n in names)
+    binary, speakers, speak = VOICE_TEACHERS[teacher]
+    use_teacher = same_text and shutil.which(binary) is not None and all(n in speakers for n in names)
     refs = torch.stack(
         [mel_statistic(codec.decode(tts.voice(n)[0].codes).numpy(), codec.sample_rate) for n in names]
     )
     preset_centre, preset_refs = _centred(refs)
-    # espeak-ng reading each sentence as each voice's corpus speaker: clips[i][j] for sentence i, voice j.
+    # The teacher reading each sentence as each voice's corpus speaker: clips[i][j] for sentence i, voice j.
     clips = (
-        [[espeak_audio(normalize_text(t), *ESPEAK_SPEAKERS[n]) for n in names] for t in sentences]
-        if use_espeak
-        else []
+        [[speak(normalize_text(t), *speakers[n]) for n in names] for t in sentences] if use_teacher else []
     )
     matched = [_centred(torch.stack([mel_statistic(*clip) for clip in row])) for row in clips]
     table, correct, correct_matched, total = {}, 0, 0, 0
-    wer_per_voice, espeak_wer_per_voice, voice_samples = {}, {}, []
+    wer_per_voice, teacher_wer_per_voice, voice_samples = {}, {}, []
     for name in names:
         rows, hyps = [], []
         for i, text in enumerate(sentences):
@@ -395,20 +435,20 @@ def voice_similarity(
             correct += best == name
             total += 1
             line = f"voice {name}: closest {best} ({', '.join(f'{n} {s:.2f}' for n, s in zip(names, sims, strict=True))})"
-            if use_espeak:
+            if use_teacher:
                 centre, ref_mat = matched[i]
                 msims = (ref_mat @ torch.nn.functional.normalize(vec - centre, dim=0)).tolist()
                 mbest = names[int(np.argmax(msims))]
                 correct_matched += mbest == name
-                line += f"; same-text espeak: closest {mbest} (own {msims[names.index(name)]:.2f})"
+                line += f"; same-text {teacher}: closest {mbest} (own {msims[names.index(name)]:.2f})"
             log(line)
         table[name] = {n: float(np.mean([row[j] for row in rows])) for j, n in enumerate(names)}
         if asr is not None:
             wer_per_voice[name] = wer([words(t) for t in sentences], hyps)
-            if use_espeak:
+            if use_teacher:
                 j = names.index(name)
-                espeak_hyps = [words(asr.transcribe(*row[j])) for row in clips]
-                espeak_wer_per_voice[name] = wer([words(t) for t in sentences], espeak_hyps)
+                teacher_hyps = [words(asr.transcribe(*row[j])) for row in clips]
+                teacher_wer_per_voice[name] = wer([words(t) for t in sentences], teacher_hyps)
     result = {
         "statistic": "cosine of mean log-mel (voiced frames) minus the voices' average",
         "mean_similarity": table,
@@ -417,15 +457,15 @@ def voice_similarity(
     if asr is not None:
         result["wer_per_voice"] = wer_per_voice
         result["voice_samples"] = voice_samples
-        if use_espeak:
-            result["espeak_wer_per_voice"] = espeak_wer_per_voice
+        if use_teacher:
+            result[f"{teacher}_wer_per_voice"] = teacher_wer_per_voice
             result["wer_per_voice_pass"] = all(
-                wer_per_voice[n] <= espeak_wer_per_voice[n] + VOICE_WER_MARGIN for n in names
+                wer_per_voice[n] <= teacher_wer_per_voice[n] + VOICE_WER_MARGIN for n in names
             )
-    if use_espeak:
-        result["closest_is_own_same_text_espeak"] = correct_matched / total
+    if use_teacher:
+        result[f"closest_is_own_same_text_{teacher}"] = correct_matched / total
         result["pass"] = correct_matched == total
-        result["gate_reference"] = "espeak"
+        result["gate_reference"] = teacher
     else:
         result["pass"] = correct == total
         result["gate_reference"] = "preset"
@@ -509,6 +549,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--voice-sentences", type=int, default=5, help="sentences per voice for similarity")
     p.add_argument("--espeak-voice", default=None, help="VOICE,RATE,PITCH of the espeak-ng reference")
     p.add_argument("--no-espeak", action="store_true", help="skip the espeak-ng reference")
+    p.add_argument(
+        "--voice-teacher",
+        choices=sorted(VOICE_TEACHERS),
+        default="espeak",
+        help="who speaks the --voices check's same-text references: the teacher the model was trained on "
+        "(training/corpus.py text --teacher; default espeak, the shipped model's)",
+    )
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
