@@ -559,7 +559,10 @@ class HTTPFront:
             }
 
         @app.post(
-            "/v1/audio/voices", status_code=201, summary="Register a voice from a clip and its transcript"
+            "/v1/audio/voices",
+            status_code=201,
+            summary="Register a voice from a clip and its transcript",
+            responses={200: {"description": "Replaced the registered voice of that name (replace=true)"}},
         )
         async def add_voice(request: Request):
             return await self.add_voice(request)
