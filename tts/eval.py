@@ -22,8 +22,9 @@ Reported (and written to `--out` as JSON):
   vector. Two references: the preset's own clip decoded by the codec ("preset"; its text differs
   from the output's), and, for the default model's voices when espeak-ng is installed, espeak-ng
   speaking the same sentence with each voice's corpus speaker ("espeak": same text, so only the
-  speaker differs; `--voice-teacher flite` speaks it with flite, for a model trained on flite). Pass = every output is closest to its own voice, by the espeak reference when
-  it ran, else by the preset one; both are reported.
+  speaker differs; `--voice-teacher flite` speaks it with flite, for a model trained on flite). Pass =
+  every output is closest to its own voice, by the same-text reference when it ran, else by the
+  preset one; both are reported.
 
 * `loops`: repetition loops in the transcripts that the text lacks (`loops`: a word said three times
   back to back, or a group of 2-4 words twice, more often than the text has it), with the samples
@@ -548,7 +549,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--voices", default=None, help="comma-separated preset voices for the similarity check")
     p.add_argument("--voice-sentences", type=int, default=5, help="sentences per voice for similarity")
     p.add_argument("--espeak-voice", default=None, help="VOICE,RATE,PITCH of the espeak-ng reference")
-    p.add_argument("--no-espeak", action="store_true", help="skip the espeak-ng reference")
+    p.add_argument(
+        "--no-espeak",
+        action="store_true",
+        help="skip the espeak-ng reference (and the --voices check's same-text one)",
+    )
     p.add_argument(
         "--voice-teacher",
         choices=sorted(VOICE_TEACHERS),
