@@ -772,7 +772,7 @@ class HTTPFront:
             ref = pb.ReferenceAudio(audio=data, text=text)
             try:
                 prepared = await asyncio.to_thread(
-                    prepare_reference, self.loop.planner, ref, self.limits, "file"
+                    prepare_reference, self.loop.planner, ref, self.limits, "file", "text"
                 )
             except (InvalidRequest, AudioError) as exc:  # the clip: too large, empty, not audio, too long
                 raise _with_param(exc, "file") from exc

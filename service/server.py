@@ -197,7 +197,9 @@ def build_job(planner: Planner, loop: EngineLoop, request: pb.SynthesizeRequest,
     if source == "name":
         voice = request.voice.name
     elif source == "reference":
-        reference = prepare_reference(planner, request.voice.reference, limits, "voice.reference")
+        reference = prepare_reference(
+            planner, request.voice.reference, limits, "voice.reference.audio", "voice.reference.text"
+        )
 
     out = request.output
     first = out.first_chunk_frames or limits.first_chunk_frames
@@ -222,9 +224,13 @@ def build_job(planner: Planner, loop: EngineLoop, request: pb.SynthesizeRequest,
     return PreparedRequest(job, encoding, out.include_codes)
 
 
-def prepare_reference(planner: Planner, ref: pb.ReferenceAudio, limits: ServiceLimits, field: str):
+def prepare_reference(
+    planner: Planner, ref: pb.ReferenceAudio, limits: ServiceLimits, audio_field: str, text_field: str
+):
     """Check a ReferenceAudio message (size, decodable audio (WAV, FLAC, MP3 or Ogg), length, transcript)
-    and key it for the reference cache. Raises AudioError / InvalidRequest naming `field`."""
+    and key it for the reference cache. Raises AudioError / InvalidRequest naming the request's field
+    of the clip (`audio_field`, e.g. "voice.reference.audio", or an HTTP form's "file") or of its
+    transcript (`text_field`)."""
     if len(ref.audio) > limits.max_reference_bytes:
         raise InvalidRequest(
             f"reference audio is {format_size(len(ref.audio))}; the limit is {format_size(limits.max_reference_bytes)}"
@@ -232,13 +238,13 @@ def prepare_reference(planner: Planner, ref: pb.ReferenceAudio, limits: ServiceL
     if not ref.audio:
         raise AudioError("reference audio is empty")
     if not ref.text.strip():
-        raise InvalidRequest(f"reference audio needs its transcript ({field}.text)")
+        raise InvalidRequest(f"reference audio needs its transcript ({text_field})")
     try:
         audio, sample_rate = read_audio(bytes(ref.audio))
     except AudioError as exc:  # soundfile's message names an in-memory file object: drop it
         reason = re.sub(r"^cannot read reference audio: (Error opening <[^>]*>: )?", "", str(exc)).strip()
         raise AudioError(
-            f"cannot read reference audio ({field}.audio, WAV, FLAC, MP3 or Ogg): {reason}"
+            f"cannot read reference audio ({audio_field}: WAV, FLAC, MP3 or Ogg): {reason}"
         ) from exc
     fingerprint = planner.voices.fingerprint
     assert fingerprint is not None  # the loop's registry is opened with the codec's fingerprint
@@ -720,7 +726,12 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         try:
             self.loop.voices.check_new(request.name, request.replace)
             ref = await asyncio.to_thread(
-                prepare_reference, self.loop.planner, request.reference, self.limits, "reference"
+                prepare_reference,
+                self.loop.planner,
+                request.reference,
+                self.limits,
+                "reference.audio",
+                "reference.text",
             )
             entry = await asyncio.wrap_future(self.loop.add_voice(request.name, ref, request.replace))
         except (InvalidRequest, AudioError, VoiceExists) as exc:

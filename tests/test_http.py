@@ -699,7 +699,8 @@ def test_voice_upload_errors_name_the_form_fields(server):
         return error_of(*server.request("POST", "/v1/audio/voices", *multipart(fields, file)))
 
     status, err = upload_error({"name": "x", "text": "y"}, b"not audio at all")
-    assert (status, err["param"]) == (400, "file") and "cannot read reference audio" in err["message"]
+    assert (status, err["param"]) == (400, "file")
+    assert err["message"].startswith("cannot read reference audio (file: WAV, FLAC, MP3 or Ogg): ")
     status, err = upload_error({"name": "x", "text": "y"}, b"")
     assert (status, err["param"], err["message"]) == (400, "file", "reference audio is empty")
     # Over the 64 KiB reference limit, under the upload limit (reference limit + 64 KiB).

@@ -278,7 +278,7 @@ def test_bad_input_statuses_before_any_work(server, stub, bundle):
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert (
-        details.startswith("cannot read reference audio (voice.reference.audio, WAV, FLAC, MP3 or Ogg)")
+        details.startswith("cannot read reference audio (voice.reference.audio: WAV, FLAC, MP3 or Ogg)")
         and "<_io" not in details
     )
     tone = 0.3 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000).astype(np.float32)
