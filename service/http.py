@@ -55,7 +55,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tts.api import VoiceExists, VoiceNotFound
@@ -196,25 +196,19 @@ def _with_param(exc: BaseException, param: str) -> APIError:
     return err
 
 
-_FLAG_WORDS = {
-    "1": True,
-    "true": True,
-    "yes": True,
-    "on": True,
-    "0": False,
-    "false": False,
-    "no": False,
-    "off": False,
-}
+_BOOL = TypeAdapter(bool)
 
 
 def _form_flag(value: object, param: str) -> bool:
-    """A form field's true/false (1/0, true/false, yes/no, on/off, any case); APIError 400 naming
-    `param` for anything else (a mistyped `replace=ture` must not quietly read as false)."""
-    flag = _FLAG_WORDS.get(str(value).strip().lower())
-    if flag is None:
-        raise APIError(400, f"`{param}` must be true or false, got {shorten(str(value), 40)!r}", param=param)
-    return flag
+    """A form field's true/false as pydantic reads a bool (1/0, true/false, yes/no, on/off, t/f, y/n, any
+    case); APIError 400 naming `param` for anything else (a mistyped `replace=ture` must not quietly
+    read as false)."""
+    try:
+        return _BOOL.validate_python(str(value).strip())
+    except ValidationError as exc:
+        raise APIError(
+            400, f"`{param}` must be true or false, got {shorten(str(value), 40)!r}", param=param
+        ) from exc
 
 
 class StreamAborted(RuntimeError):
