@@ -33,14 +33,15 @@ import math
 import os
 import random
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from tts.eval import FLITE_SPEAKERS as FLITE_VOICES  # noqa: E402
+from tts.eval import espeak_audio, flite_audio  # noqa: E402
 
 WORDNET_DIR = Path("/usr/share/wordnet")
 SHARD_SIZE = 1000
@@ -61,15 +62,10 @@ SPEAKERS = [
 # synthesizer and its CMU ARCTIC voices, under a free license: training/README.md), the teacher of
 # `--teacher flite`: a voice, a duration stretch (1.0 = the voice's own rate; larger is slower) and a
 # mean F0 target in Hz (0 = the voice's own; flite's slt and kal16 follow it, its rms and awb do not).
+# Defined once, in `tts.eval` (its voice check speaks with them too).
 FLITE_SPEAKERS = [
-    {"name": "ava", "voice": "slt", "stretch": 1.0, "f0": 0},
-    {"name": "ben", "voice": "rms", "stretch": 1.0, "f0": 0},
-    {"name": "cora", "voice": "slt", "stretch": 0.93, "f0": 215},
-    {"name": "dave", "voice": "kal16", "stretch": 1.0, "f0": 0},
-    {"name": "emma", "voice": "slt", "stretch": 1.07, "f0": 155},
-    {"name": "finn", "voice": "awb", "stretch": 1.0, "f0": 0},
-    {"name": "gwen", "voice": "slt", "stretch": 1.0, "f0": 245},
-    {"name": "hank", "voice": "kal16", "stretch": 1.1, "f0": 100},
+    {"name": name, "voice": voice, "stretch": stretch, "f0": f0}
+    for name, (voice, stretch, f0) in FLITE_VOICES.items()
 ]
 TEACHERS = ("espeak", "flite")
 DEFAULT_SPEAKER_SHARE = 0.3
@@ -310,16 +306,9 @@ def read_utterances(work: Path) -> list[dict]:
 
 
 def espeak(text: str, voice: str, rate: int, pitch: int):
-    """Speak `text` with the espeak-ng binary; returns float32 mono audio at 22050 Hz."""
-    import soundfile as sf
-
-    with tempfile.NamedTemporaryFile(suffix=".wav") as tmp:
-        subprocess.run(
-            ["espeak-ng", "-v", voice, "-s", str(rate), "-p", str(pitch), "-w", tmp.name, "--", text],
-            check=True,
-            capture_output=True,
-        )
-        audio, sr = sf.read(tmp.name, dtype="float32")
+    """Speak `text` with the espeak-ng binary (`tts.eval.espeak_audio`); returns float32 mono audio at
+    22050 Hz."""
+    audio, sr = espeak_audio(text, voice, rate, pitch)
     if sr != 22050:
         raise RuntimeError(f"espeak-ng wrote {sr} Hz, expected 22050")
     return audio
@@ -331,8 +320,6 @@ def flite(text: str, voice: str, stretch: float = 1.0, f0: int = 0):
     audio at 22050 Hz."""
     import torch
     import torchaudio
-
-    from tts.eval import flite_audio
 
     audio, sr = flite_audio(text, voice, stretch, f0)
     return torchaudio.functional.resample(torch.from_numpy(audio), sr, 22050).numpy()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -21,25 +22,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from corpus import FLITE_SPEAKERS, SPEAKERS, speak  # noqa: E402
+from corpus import FLITE_SPEAKERS, SPEAKERS, _utterance, speak  # noqa: E402
 
 from tts.eval import ASR, HELDOUT, loops, read_sentences, wer, words  # noqa: E402
 from tts.text import normalize_text  # noqa: E402
 
 QUICK_START = "Hello there, this is a test of the default voice."
 RARE_WORDS = "The signifier is linked to the signified."
-
-
-def rows_of(speaker: dict, teacher: str) -> dict:
-    """An utterance row (without its text) of `speaker` as corpus.py's `_utterance` writes it, unjittered."""
-    if teacher == "flite":
-        return {
-            "teacher": "flite",
-            "voice": speaker["voice"],
-            "stretch": speaker["stretch"],
-            "f0": speaker["f0"],
-        }
-    return {"voice": speaker["voice"], "rate": speaker["rate"], "pitch": speaker["pitch"]}
 
 
 def main() -> None:
@@ -52,10 +41,11 @@ def main() -> None:
     texts = [normalize_text(t) for t in read_sentences(HELDOUT, None)]
     result = {"asr": "Whisper tiny.en int8, greedy (tts.eval.ASR)", "sentences": len(texts), "speakers": []}
     for teacher, table in (("espeak", SPEAKERS), ("flite", FLITE_SPEAKERS)):
-        for speaker in table:
+        for index, speaker in enumerate(table):
             if a.speakers != "all" and speaker["name"] not in a.speakers.split(","):
                 continue
-            base, t0 = rows_of(speaker, teacher), time.time()
+            # The speaker's utterance fields as the corpus writes them, unjittered (the held-out rows').
+            base, t0 = _utterance({}, index, random.Random(0), teacher, jitter=False), time.time()
             heard = [asr.transcribe(speak({**base, "text": t}), 22050) for t in texts]
             quick = asr.transcribe(speak({**base, "text": QUICK_START}), 22050)
             rare = asr.transcribe(speak({**base, "text": RARE_WORDS}), 22050)
