@@ -276,3 +276,35 @@ def test_flite_speaks_at_the_codec_rate_and_its_stretch_slows_it():
     assert 0.5 < len(audio) / 22050 < 3.0 and 0.05 < float(abs(audio).max()) <= 1.0
     # Durations scale by the stretch; the silences at both ends do not, hence the loose bounds.
     assert 1.15 < len(slow) / len(audio) < 1.35
+
+
+def test_export_averages_several_runs_weights_and_names_the_teacher(tmp_path):
+    import export
+    from safetensors.torch import load_file, save_file
+
+    a = {
+        "w": torch.tensor([1.0, 2.0, -3.0], dtype=torch.bfloat16),
+        "b": torch.tensor([0.5], dtype=torch.bfloat16),
+    }
+    b = {
+        "w": torch.tensor([3.0, 2.0, 1.0], dtype=torch.bfloat16),
+        "b": torch.tensor([1.5], dtype=torch.bfloat16),
+    }
+    for name, state in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        save_file(state, str(tmp_path / name / "model.safetensors"))
+    mean = load_file(str(export.average_weights([tmp_path / "a", tmp_path / "b"], tmp_path)))
+    assert (
+        mean["w"].dtype == torch.bfloat16
+        and mean["w"].tolist() == [2.0, 2.0, -1.0]
+        and mean["b"].tolist() == [1.0]
+    )
+    (tmp_path / "c").mkdir()
+    save_file({"w": a["w"]}, str(tmp_path / "c" / "model.safetensors"))
+    with pytest.raises(SystemExit, match="other weights"):
+        export.average_weights([tmp_path / "a", tmp_path / "c"], tmp_path)
+
+    for teacher, name in ((None, "espeak-ng"), ("flite", "flite")):
+        row = {"id": 0, "text": "Hi."} | ({"teacher": teacher} if teacher else {})
+        (tmp_path / "sentences.jsonl").write_text(json.dumps(row) + "\n")
+        assert export.teacher_name(tmp_path) == name

@@ -3,6 +3,12 @@
     python training/export.py --trained OUT --work training/work --codec training/work/codec_vq3 \
         --vocoder training/work/vocoder --codes training/work/codes_all --dest tts/assets/default
 
+`--trained` may name several outputs of one training run (e.g. the weights after each of its calls):
+the bundle then holds their element-wise mean, computed in float32 from the bf16 shards and rounded
+back to bf16 (checkpoint averaging: Vaswani et al., "Attention Is All You Need", 2017, section 6.1,
+averaged the last checkpoints of a run; Izmailov et al., "Averaging Weights Leads to Wider Optima and
+Better Generalization", 2018). train_state.json is the last output's, with the averaged steps added.
+
 Writes config.json (the model's `dual_ar` fields + `tts_runtime`: name, frontend "espeak-ipa:en-us",
 prompt format, sampling defaults), the weights as bf16 safetensors shards under 15 MB (the runtime
 casts them to its dtype), tokenizer.json, codec.json + codec.safetensors, and one preset voice per
@@ -16,6 +22,7 @@ import argparse
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -41,6 +48,31 @@ SAMPLING = SamplingParams(temperature=0.1, top_p=0.5, top_k=10, max_new_frames=6
 GL_CONTEXT, GL_ITERS = 2, 16  # k-means codec's decoder settings (no effect on the codes): see RESULTS.md
 
 
+def average_weights(folders: list[Path], tmp: Path) -> Path:
+    """The element-wise mean of the weights of several train.py outputs (same model shape), written as
+    one bf16 safetensors file in `tmp`. Raises SystemExit when their keys or shapes differ."""
+    from safetensors.torch import load_file, save_file
+
+    total: dict[str, torch.Tensor] = {}
+    for i, folder in enumerate(folders):
+        state: dict[str, torch.Tensor] = {}
+        for f in weight_files(folder):
+            state.update(load_file(str(f)))
+        if i and (state.keys() != total.keys() or any(v.shape != total[k].shape for k, v in state.items())):
+            raise SystemExit(f"--trained: {folder} holds other weights than {folders[0]}")
+        for k, v in state.items():
+            total[k] = total[k] + v.float() if i else v.float()
+    out = tmp / "averaged.safetensors"
+    save_file({k: (v / len(folders)).to(torch.bfloat16) for k, v in total.items()}, str(out))
+    return out
+
+
+def teacher_name(work: Path) -> str:
+    """The synthesizer that spoke the corpus (`corpus.py text --teacher`; rows without the field are
+    espeak-ng's)."""
+    return {"espeak": "espeak-ng"}.get(t := read_utterances(work)[0].get("teacher", "espeak"), t)
+
+
 def pick_voices(work: Path, codes_dir: Path, num_codebooks: int) -> dict[str, VoiceReference]:
     """One reference per speaker: the first training clip of 2.5-4.5 s (deterministic)."""
     utts = {u["id"]: u for u in read_utterances(work)}
@@ -58,7 +90,13 @@ def pick_voices(work: Path, codes_dir: Path, num_codebooks: int) -> dict[str, Vo
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trained", type=Path, required=True, help="train.py output folder")
+    p.add_argument(
+        "--trained",
+        type=Path,
+        nargs="+",
+        required=True,
+        help="train.py output folder; several: their weights are averaged (see above)",
+    )
     p.add_argument("--work", type=Path, default=ROOT / "training" / "work")
     p.add_argument("--codec", type=Path, default=None, help="codec folder (default: WORK/codec)")
     p.add_argument(
@@ -74,7 +112,8 @@ def main() -> None:
     p.add_argument("--dest", type=Path, default=ROOT / "tts" / "assets" / "default")
     p.add_argument("--samples", type=Path, default=ROOT / "samples" / "voices")
     a = p.parse_args()
-    raw = json.loads((a.trained / "config.json").read_text())
+    last = a.trained[-1]
+    raw = json.loads((last / "config.json").read_text())
     args = ModelArgs.from_dict(raw)
     codes_dir = a.codes or a.work / "codes"
     tokenizer = TextTokenizer.from_file(codes_dir / "tokenizer.json")
@@ -95,11 +134,13 @@ def main() -> None:
         )
     with torch.device("meta"):
         model = DualARTransformer(args)
-    load_weights_into(model, weight_files(a.trained), "cpu", torch.bfloat16)
+    with tempfile.TemporaryDirectory() as tmp:
+        files = weight_files(last) if len(a.trained) == 1 else [average_weights(a.trained, Path(tmp))]
+        load_weights_into(model, files, "cpu", torch.bfloat16)
     model.init_buffers("cpu")
     bundle = ModelBundle(
         name="default",
-        family="dual_ar (default voice, trained on espeak-ng speech)",
+        family=f"dual_ar (default voice, trained on {teacher_name(a.work)} speech)",
         model=model,
         codec=codec,
         tokenizer=tokenizer,
@@ -113,7 +154,12 @@ def main() -> None:
         shutil.rmtree(a.dest)
     save_bundle(bundle, a.dest)
     codec.save(a.dest)
-    shutil.copy(a.trained / "train_state.json", a.dest / "train_state.json")
+    state = json.loads((last / "train_state.json").read_text())
+    if len(a.trained) > 1:
+        state["averaged_steps"] = [
+            json.loads((t / "train_state.json").read_text())["step"] for t in a.trained
+        ]
+    (a.dest / "train_state.json").write_text(json.dumps(state, indent=1))
     a.samples.mkdir(parents=True, exist_ok=True)
     from tts.audio import write_wav_atomic
 
