@@ -8,16 +8,19 @@
 #           on them for CODEC_SECONDS while flite speaks the rest; then every clip is encoded through it.
 #           The codec comes back. (Its first run trained the encoder too, and codebook 0 collapsed to a
 #           perplexity of 22-43 of 1024: training/RESULTS.md.)
+#           (In its second run flite was still speaking at 518 s and the last 4 of 55 shards were not
+#           encoded before the call's end: training/runs/v3_flite/calls.txt.)
 #   CALL=2  the model trains from scratch on those codes (v2's recipe: chunk-length history for half the
-#           examples). VOC=1 also trains the vocoder beside it (from the shipped one, train_vocoder.py
-#           --init, on VOC_UTT clips through the new codec), started only once the model has taken its
-#           first step and niced: in the first run its flite processes, started together with the model,
-#           starved the model's torch.compile (its first step at 276 s). The model (and vocoder) come back.
-#   CALL=3  the model (and with VOC=1 the vocoder) go on from CALL=2's checkpoints (v2 trained over two
-#           calls: MODEL_SCHEDULE, default 900 s, and VOC_SCHEDULE, default 1000 s, are the learning-rate
-#           schedules both calls share; give CALL=2 the same).
+#           examples), alone. The model comes back as v3_model_call2.tgz.part-*.
+#   CALL=3  the model goes on from CALL=2's full checkpoint (v2 trained over two calls: MODEL_SCHEDULE,
+#           default 900 s, is the one learning-rate schedule both calls share; give CALL=2 the same), and
+#           comes back as v3_model_call3.tgz.part-*. The mean of both calls' weights
+#           (training/export.py --trained CALL2 CALL3) measured better than either (RESULTS.md).
 #   CALL=4  the vocoder alone, from the shipped one, on VOC_UTT clips through the new codec (16 flite
-#           processes, then training for the rest of the call).
+#           processes, then training for the rest of the call). Never beside the model: flite processes
+#           started with it starved its torch.compile (first step at 276 s), and started after its first
+#           step under nice 10 they were still speaking when the call ended (the model's 12 data workers
+#           take every core), in both runs that tried it.
 # Every call after the first needs the machine CALL=1 left warm (the codes live only there).
 #
 # .carry3/ (git-ignored; rebuild it as training/README.md says): flite.txz (the flite binary and the
@@ -42,7 +45,7 @@ if [[ $CALL == 1 ]]; then
   python3 training/corpus.py synth --work $W --jobs 12 > /tmp/logs/synth2.log 2>&1 &
   SYNTH=$!
   python3 training/train_codec.py --work $W --max-shards $(( ${CODEC_UTT:-20000} / 1000 )) --device cuda \
-    --out $W/codec_flite --max-seconds ${CODEC_SECONDS:-200} --batch 256 --lr 2e-3 --channels 384 \
+    --out $W/codec_flite --max-seconds ${CODEC_SECONDS:-260} --batch 256 --lr 2e-3 --channels 384 \
     --decoder-dilations 1,2,4,1 ${CODEC_ARGS---freeze-encoder} > /tmp/logs/codec.log 2>&1
   grep -v '"step"' /tmp/logs/codec.log | tail -4; echo "codec: $SECONDS s"
   cp /tmp/logs/codec.log $W/codec_flite/train.log; tar czf $OUT/codec_flite.tgz -C $W codec_flite
@@ -59,29 +62,21 @@ else
   LEFT=$(( $(left) - 20 ))
   vocoder() {  # ARGS: train_vocoder.py's flite processes
     local res=(--init tts/assets/default); [[ -f $W/vocoder_flite/checkpoint.pt ]] && res=(--resume)
-    local budget=$(( $(left) - 20 ))
-    timeout $budget nice -n 10 python3 training/train_vocoder.py --work $W --codec $W/codec_flite \
+    timeout $LEFT python3 training/train_vocoder.py --work $W --codec $W/codec_flite \
       --out $W/vocoder_flite --utterances ${VOC_UTT:-8000} --jobs $1 --batch 64 --lr ${VOC_LR:-8e-4} \
-      --max-seconds $(( budget - 10 )) --schedule-seconds ${VOC_SCHEDULE:-1000} --log-every 500 --no-asr \
-      "${res[@]}" > /tmp/logs/vocoder_call$CALL.log 2>&1
-  }
-  beside_model() {  # the vocoder, once the model's compile is done (its first step is logged)
-    until grep -q '"step"' /tmp/logs/model_call$CALL.log 2>/dev/null || (( SECONDS > 240 )); do sleep 2; done
-    echo "vocoder starts at $SECONDS s"; vocoder 6
+      --max-seconds $(( LEFT - 10 )) --log-every 500 --no-asr "${res[@]}" > /tmp/logs/vocoder_call$CALL.log 2>&1
   }
   if [[ $CALL == 4 ]]; then
     vocoder 16; grep -v '"step"' /tmp/logs/vocoder_call4.log | tail -6
   else
-    [[ -n ${VOC:-} ]] && beside_model &
     RES=(); [[ $CALL == 3 ]] && RES=(--resume $W/v3_model)
     timeout $LEFT python3 training/train.py --data $W/codes_flite --codec $W/codec_flite --out /tmp/v3_model \
       --size fast --workers 12 --batch-tokens 65536 --lr 1.5e-3 --warmup 300 --max-seconds $(( LEFT - 10 )) \
       --schedule-seconds ${MODEL_SCHEDULE:-900} --history-rate 0.5 --history-frames 320 \
       --full-checkpoint $W/v3_full.pt "${RES[@]}" > /tmp/logs/model_call$CALL.log 2>&1
     grep -E "corpus|model:|resumed|trained|wrote|Error|\"step\": [0-9]*000," /tmp/logs/model_call$CALL.log | cut -c1-300
-    wait; [[ -n ${VOC:-} ]] && grep -v '"step"' /tmp/logs/vocoder_call$CALL.log | tail -6
     rm -rf $W/v3_model && cp -r /tmp/v3_model $W/v3_model && cp /tmp/logs/model_call$CALL.log $W/v3_model/train.log
-    tar czf /tmp/v3_model.tgz -C $W v3_model && split -b 15M /tmp/v3_model.tgz $OUT/v3_model.tgz.part-
+    tar czf /tmp/v3_model.tgz -C $W v3_model && split -b 15M /tmp/v3_model.tgz $OUT/v3_model_call$CALL.tgz.part-
   fi
   [[ -d $W/vocoder_flite ]] && tar czf $OUT/vocoder_flite.tgz -C $W --exclude checkpoint.pt vocoder_flite
 fi
