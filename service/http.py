@@ -66,7 +66,7 @@ from tts.engine.loop import Audio, EngineFailed, Failed, Finished, LoopClosed, O
 from tts.text import TextError, shorten
 from tts_grpc.v1 import tts_pb2 as pb
 
-from .server import CallLog, build_job, prepare_reference, status_for
+from .server import CallLog, RequestFields, build_job, prepare_reference, status_for
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,9 @@ VOICE_FORM = (
     "POST /v1/audio/voices takes multipart/form-data with the fields name, file (a WAV, FLAC, MP3 or Ogg "
     "clip), text (its transcript) and optionally replace=true"
 )
+# The speech body's names for the fields build_job's messages name.
+HTTP_FIELDS = RequestFields("input", "reference_audio", "reference_text")
+
 # Where a validation message names a field, the OpenAI-style error's `param` names it too.
 _PARAMS = (
     "temperature", "top_p", "top_k", "max_new_frames", "min_new_frames", "seed", "speed", "repetition_penalty",
@@ -178,7 +181,7 @@ def api_error(exc: BaseException) -> APIError:
     param = None
     if isinstance(exc, VoiceNotFound):
         param, err_code = "voice", "voice_not_found"
-    elif isinstance(exc, TextError) or message.startswith("text "):
+    elif isinstance(exc, TextError) or message.startswith(("text ", "input ")):
         param = "input"
     elif isinstance(exc, AudioError) or message.startswith("reference audio"):
         param = "reference_audio"
@@ -708,7 +711,7 @@ class HTTPFront:
 
     def _prepare(self, req: pb.SynthesizeRequest, count_tokens: bool):
         """build_job (the gRPC path's validation), and the text's prompt tokens when asked (worker thread)."""
-        prepared = build_job(self.loop.planner, self.loop, req, self.limits)
+        prepared = build_job(self.loop.planner, self.loop, req, self.limits, HTTP_FIELDS)
         tokens = 0
         if count_tokens:
             fmt = self.bundle.prompt_format

@@ -162,16 +162,35 @@ class PreparedRequest:
     include_codes: bool
 
 
-def build_job(planner: Planner, loop: EngineLoop, request: pb.SynthesizeRequest, limits: ServiceLimits):
+@dataclass(frozen=True)
+class RequestFields:
+    """What a front's request calls the fields that `build_job`'s messages name: the text and the
+    reference clip with its transcript (gRPC: `GRPC_FIELDS`; the HTTP front passes its own)."""
+
+    text: str
+    reference_audio: str
+    reference_text: str
+
+
+GRPC_FIELDS = RequestFields("text", "voice.reference.audio", "voice.reference.text")
+
+
+def build_job(
+    planner: Planner,
+    loop: EngineLoop,
+    request: pb.SynthesizeRequest,
+    limits: ServiceLimits,
+    names: RequestFields = GRPC_FIELDS,
+):
     """Validate a SynthesizeRequest and plan its SynthesisJob (host work only; any thread).
 
     Raises TextError / InvalidRequest / AudioError (INVALID_ARGUMENT) or VoiceNotFound (NOT_FOUND),
-    each with a one-line reason naming the field.
+    each with a one-line reason naming the field (as `names` names it).
     """
     text = request.text
     nbytes = len(text.encode("utf-8"))
     if nbytes > limits.max_text_bytes:
-        raise InvalidRequest(f"text is {nbytes} bytes; the limit is {limits.max_text_bytes}")
+        raise InvalidRequest(f"{names.text} is {nbytes} bytes; the limit is {limits.max_text_bytes}")
 
     s = request.sampling
     fields = {
@@ -198,7 +217,7 @@ def build_job(planner: Planner, loop: EngineLoop, request: pb.SynthesizeRequest,
         voice = request.voice.name
     elif source == "reference":
         reference = prepare_reference(
-            planner, request.voice.reference, limits, "voice.reference.audio", "voice.reference.text"
+            planner, request.voice.reference, limits, names.reference_audio, names.reference_text
         )
 
     out = request.output

@@ -379,6 +379,18 @@ def test_bad_input_gets_openai_style_errors_before_any_work(server):
     assert (status, err["param"]) == (400, "reference_audio")
     status, err = speech_error({"input": "Hi.", "reference_audio": base64.b64encode(b"\0" * 1000).decode()})
     assert (status, err["param"]) == (400, "reference_text")
+    # Messages name the HTTP request's fields (input, reference_audio), not the gRPC message's.
+    long_text = "a " * (server.server.limits.max_text_bytes // 2 + 1)
+    status, err = speech_error({"input": long_text})
+    assert (status, err["param"]) == (400, "input")
+    assert (
+        err["message"]
+        == f"input is {len(long_text)} bytes; the limit is {server.server.limits.max_text_bytes}"
+    )
+    garbage = base64.b64encode(b"not audio at all" * 10).decode()
+    status, err = speech_error({"input": "Hi.", "reference_audio": garbage, "reference_text": "x"})
+    assert (status, err["param"]) == (400, "reference_audio")
+    assert err["message"].startswith("cannot read reference audio (reference_audio: WAV, FLAC, MP3 or Ogg): ")
     big = base64.b64encode(b"\0" * 70_000).decode()  # over the 64 KiB reference limit, under the body limit
     status, err = speech_error({"input": "Hi.", "reference_audio": big, "reference_text": "x"})
     assert status == 400 and "the limit is 64.0 KiB" in err["message"]
