@@ -8,19 +8,20 @@
 #           on them for CODEC_SECONDS while flite speaks the rest; then every clip is encoded through it.
 #           The codec comes back. (Its first run trained the encoder too, and codebook 0 collapsed to a
 #           perplexity of 22-43 of 1024: training/RESULTS.md.)
-#           (In its second run flite was still speaking at 518 s and the last 4 of 55 shards were not
-#           encoded before the call's end: training/runs/v3_flite/calls.txt.)
+#           (In its second run, CODEC_SECONDS=260, the default since, flite finished speaking only at
+#           518 s and the last 4 of 55 shards were not encoded before the call's end:
+#           training/runs/v3_flite/calls.txt.)
 #   CALL=2  the model trains from scratch on those codes (v2's recipe: chunk-length history for half the
-#           examples), alone. The model comes back as v3_model_call2.tgz.part-*.
+#           examples), alone. The model comes back as v3_model_call2.tgz.part-* (folder v3_model_call2/).
 #   CALL=3  the model goes on from CALL=2's full checkpoint (v2 trained over two calls: MODEL_SCHEDULE,
 #           default 900 s, is the one learning-rate schedule both calls share; give CALL=2 the same), and
-#           comes back as v3_model_call3.tgz.part-*. The mean of both calls' weights
+#           comes back as v3_model_call3.tgz.part-* (v3_model_call3/). The mean of both calls' weights
 #           (training/export.py --trained CALL2 CALL3) measured better than either (RESULTS.md).
 #   CALL=4  the vocoder alone, from the shipped one, on VOC_UTT clips through the new codec (16 flite
 #           processes, then training for the rest of the call). Never beside the model: flite processes
 #           started with it starved its torch.compile (first step at 276 s), and started after its first
 #           step under nice 10 they were still speaking when the call ended (the model's 12 data workers
-#           take every core), in both runs that tried it.
+#           take every core), in both calls that tried it.
 # Every call after the first needs the machine CALL=1 left warm (the codes live only there).
 #
 # .carry3/ (git-ignored; rebuild it as training/README.md says): flite.txz (the flite binary and the
@@ -68,6 +69,7 @@ else
   }
   if [[ $CALL == 4 ]]; then
     vocoder 16; grep -v '"step"' /tmp/logs/vocoder_call4.log | tail -6
+    tar czf $OUT/vocoder_flite.tgz -C $W --exclude checkpoint.pt vocoder_flite
   else
     RES=(); [[ $CALL == 3 ]] && RES=(--resume $W/v3_model)
     timeout $LEFT python3 training/train.py --data $W/codes_flite --codec $W/codec_flite --out /tmp/v3_model \
@@ -76,9 +78,9 @@ else
       --full-checkpoint $W/v3_full.pt "${RES[@]}" > /tmp/logs/model_call$CALL.log 2>&1
     grep -E "corpus|model:|resumed|trained|wrote|Error|\"step\": [0-9]*000," /tmp/logs/model_call$CALL.log | cut -c1-300
     rm -rf $W/v3_model && cp -r /tmp/v3_model $W/v3_model && cp /tmp/logs/model_call$CALL.log $W/v3_model/train.log
-    tar czf /tmp/v3_model.tgz -C $W v3_model && split -b 15M /tmp/v3_model.tgz $OUT/v3_model_call$CALL.tgz.part-
+    tar czf /tmp/v3_model.tgz -C $W --transform "s,^v3_model,v3_model_call$CALL," v3_model \
+      && split -b 15M /tmp/v3_model.tgz $OUT/v3_model_call$CALL.tgz.part-
   fi
-  [[ -d $W/vocoder_flite ]] && tar czf $OUT/vocoder_flite.tgz -C $W --exclude checkpoint.pt vocoder_flite
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > /tmp/logs/gpu.txt
 tar czf $OUT/logs$CALL.tgz -C /tmp logs && ls -la $OUT

@@ -181,7 +181,8 @@ def api_error(exc: BaseException) -> APIError:
     param = None
     if isinstance(exc, VoiceNotFound):
         param, err_code = "voice", "voice_not_found"
-    elif isinstance(exc, TextError) or message.startswith(("text ", "input ")):
+    elif isinstance(exc, TextError) or message.startswith(("text ", f"{HTTP_FIELDS.text} ")):
+        # ("text ...": the text policy's and the planner's messages, which name no front's field)
         param = "input"
     elif isinstance(exc, AudioError) or message.startswith("reference audio"):
         param = "reference_audio"

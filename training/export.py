@@ -95,7 +95,7 @@ def main() -> None:
         type=Path,
         nargs="+",
         required=True,
-        help="train.py output folder; several: their weights are averaged (see above)",
+        help="train.py output folder; several (the final one last): their weights are averaged (see above)",
     )
     p.add_argument("--work", type=Path, default=ROOT / "training" / "work")
     p.add_argument("--codec", type=Path, default=None, help="codec folder (default: WORK/codec)")
@@ -112,8 +112,13 @@ def main() -> None:
     p.add_argument("--dest", type=Path, default=ROOT / "tts" / "assets" / "default")
     p.add_argument("--samples", type=Path, default=ROOT / "samples" / "voices")
     a = p.parse_args()
-    last = a.trained[-1]
+    last = a.trained[-1]  # (the run's final output: its config and step describe the bundle)
     raw = json.loads((last / "config.json").read_text())
+    for t in a.trained[:-1]:
+        if json.loads((t / "config.json").read_text()) != raw:
+            raise SystemExit(
+                f"--trained: {t}/config.json differs from {last}/config.json: not one run's outputs"
+            )
     args = ModelArgs.from_dict(raw)
     codes_dir = a.codes or a.work / "codes"
     tokenizer = TextTokenizer.from_file(codes_dir / "tokenizer.json")
