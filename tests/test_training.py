@@ -308,3 +308,28 @@ def test_export_averages_several_runs_weights_and_names_the_teacher(tmp_path):
         row = {"id": 0, "text": "Hi."} | ({"teacher": teacher} if teacher else {})
         (tmp_path / "sentences.jsonl").write_text(json.dumps(row) + "\n")
         assert export.teacher_name(tmp_path) == name
+
+
+def test_residual_dropout_acts_only_in_training_mode(tmp_path):
+    corpus = train.Corpus(_codes_dir(tmp_path), 4)
+    args = train.model_config(corpus.tokenizer, 4, 64, "test")
+    torch.manual_seed(0)
+    plain = train.DualARTransformer(args)
+    dropped = train.DualARTransformer(args)
+    dropped.load_state_dict(plain.state_dict())
+    train.add_residual_dropout(dropped, 0.5)
+    b = corpus.batch(random.Random(0), 2048, "cpu")
+
+    def loss(model):
+        return float(train.compute_loss(model, b["frames"], b["mask"])[0])
+
+    plain.eval(), dropped.eval()
+    assert loss(dropped) == loss(plain)  # eval mode (held-out loss, inference): no dropout
+    plain.train(), dropped.train()
+    torch.manual_seed(1)
+    first = loss(dropped)
+    torch.manual_seed(2)
+    assert first != loss(dropped) and first != loss(plain)  # training: random masks on every branch
+    assert sorted(dropped.state_dict()) == sorted(plain.state_dict())  # the saved weights are the same
+    with pytest.raises(ValueError, match="dropout"):
+        train.add_residual_dropout(plain, 1.0)

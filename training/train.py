@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from tts.bundle import save_weights  # noqa: E402
 from tts.config import ModelArgs  # noqa: E402
-from tts.model import DualARTransformer, dense_causal_attend  # noqa: E402
+from tts.model import DualARTransformer, TransformerBlock, dense_causal_attend  # noqa: E402
 from tts.prompt import S2PromptFormat, Turn, VoiceReference  # noqa: E402
 from tts.tokenizer import TextTokenizer  # noqa: E402
 
@@ -339,6 +339,24 @@ def batch_loader(corpus: Corpus, seed: int, batch_tokens: int, workers: int):
     )
 
 
+def add_residual_dropout(model: DualARTransformer, p: float) -> None:
+    """Dropout with rate `p` on the output of every block's attention and feed-forward branch, before it is
+    added to the residual stream ("residual dropout": Vaswani et al., "Attention Is All You Need", 2017,
+    section 5.4), in the slow and the fast transformer. Forward hooks, so the model's code and its saved
+    weights are untouched; active only while the model is in training mode (the held-out loss and
+    inference see none). Raises ValueError unless 0 <= p < 1."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {p}")
+
+    def hook(module: torch.nn.Module, _args, out: torch.Tensor) -> torch.Tensor:
+        return F.dropout(out, p, module.training)
+
+    for block in model.modules():
+        if isinstance(block, TransformerBlock):
+            block.attention.register_forward_hook(hook)
+            block.feed_forward.register_forward_hook(hook)
+
+
 def init_from(model: DualARTransformer, folder: Path) -> None:
     """Copy the weights of the model in `folder` (safetensors shards) into `model` wherever a name and
     shape match; prints what was dropped (names `model` lacks) and what keeps its random init."""
@@ -410,6 +428,13 @@ def main() -> None:
     p.add_argument(
         "--full-checkpoint", type=Path, default=None, help="also save/resume fp32 + optimizer here"
     )
+    p.add_argument(
+        "--dropout",
+        type=float,
+        default=0.0,
+        help="residual dropout rate in every transformer block while training (default 0: none; the "
+        "flite model's slow head overfit without it, training/RESULTS.md)",
+    )
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--val-every", type=int, default=500, help="held-out loss every this many steps")
     p.add_argument("--seed", type=int, default=0)
@@ -473,6 +498,8 @@ def main() -> None:
         init_from(model, a.init_from)
     n_params = sum(x.numel() for x in model.parameters())
     print(f"model: {n_params / 1e6:.2f} M parameters; device {device}", flush=True)
+    if a.dropout:
+        add_residual_dropout(model, a.dropout)
     model.train()
     use_amp = device.type == "cuda"
     loss_fn = compute_loss
@@ -544,6 +571,7 @@ def main() -> None:
                 "utterances": len(corpus.items),
                 "history_rate": a.history_rate,
                 "history_frames": a.history_frames,
+                "dropout": a.dropout,
                 "hours": corpus.seconds / 3600,
                 "history": history,
             },
