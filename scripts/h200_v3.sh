@@ -12,7 +12,8 @@
 #           518 s and the last 4 of 55 shards were not encoded before the call's end:
 #           training/runs/v3_flite/calls.txt.)
 #   CALL=2  the model trains from scratch on those codes (v2's recipe: chunk-length history for half the
-#           examples), alone. The model comes back as v3_model_call2.tgz.part-* (folder v3_model_call2/).
+#           examples), alone; DROPOUT (default 0) is train.py's --dropout, for the slow head that overfit
+#           without it. The model comes back as v3_model_call2.tgz.part-* (folder v3_model_call2/).
 #   CALL=3  the model goes on from CALL=2's full checkpoint (v2 trained over two calls: MODEL_SCHEDULE,
 #           default 900 s, is the one learning-rate schedule both calls share; give CALL=2 the same), and
 #           comes back as v3_model_call3.tgz.part-* (v3_model_call3/). The mean of both calls' weights
@@ -74,7 +75,7 @@ else
     RES=(); [[ $CALL == 3 ]] && RES=(--resume $W/v3_model)
     timeout $LEFT python3 training/train.py --data $W/codes_flite --codec $W/codec_flite --out /tmp/v3_model \
       --size fast --workers 12 --batch-tokens 65536 --lr 1.5e-3 --warmup 300 --max-seconds $(( LEFT - 10 )) \
-      --schedule-seconds ${MODEL_SCHEDULE:-900} --history-rate 0.5 --history-frames 320 \
+      --schedule-seconds ${MODEL_SCHEDULE:-900} --history-rate 0.5 --history-frames 320 --dropout ${DROPOUT:-0} \
       --full-checkpoint $W/v3_full.pt "${RES[@]}" > /tmp/logs/model_call$CALL.log 2>&1
     grep -E "corpus|model:|resumed|trained|wrote|Error|\"step\": [0-9]*000," /tmp/logs/model_call$CALL.log | cut -c1-300
     rm -rf $W/v3_model && cp -r /tmp/v3_model $W/v3_model && cp /tmp/logs/model_call$CALL.log $W/v3_model/train.log
