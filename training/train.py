@@ -446,6 +446,8 @@ def main() -> None:
         help="torch.compile the loss (default: on CUDA); about 1 min to compile, then ~2x faster steps",
     )
     a = p.parse_args()
+    if not 0.0 <= a.dropout < 1.0:
+        p.error(f"--dropout must be in [0, 1), got {a.dropout}")
     t_start = time.time()
     torch.manual_seed(a.seed)
     codec_cfg = json.loads((a.codec / "codec.json").read_text())
