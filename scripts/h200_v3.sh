@@ -62,14 +62,12 @@ else
   [[ -f $W/codec_flite/codec.json && -d $W/codes_flite ]] \
     || { echo "no codec or codes here: run CALL=1 first, on the same warm machine"; exit 1; }
   LEFT=$(( $(left) - 20 ))
-  vocoder() {  # ARGS: train_vocoder.py's flite processes
-    local res=(--init tts/assets/default); [[ -f $W/vocoder_flite/checkpoint.pt ]] && res=(--resume)
-    timeout $LEFT python3 training/train_vocoder.py --work $W --codec $W/codec_flite \
-      --out $W/vocoder_flite --utterances ${VOC_UTT:-8000} --jobs $1 --batch 64 --lr ${VOC_LR:-8e-4} \
-      --max-seconds $(( LEFT - 10 )) --log-every 500 --no-asr "${res[@]}" > /tmp/logs/vocoder_call$CALL.log 2>&1
-  }
   if [[ $CALL == 4 ]]; then
-    vocoder 16; grep -v '"step"' /tmp/logs/vocoder_call4.log | tail -6
+    RES=(--init tts/assets/default); [[ -f $W/vocoder_flite/checkpoint.pt ]] && RES=(--resume)
+    timeout $LEFT python3 training/train_vocoder.py --work $W --codec $W/codec_flite \
+      --out $W/vocoder_flite --utterances ${VOC_UTT:-8000} --jobs 16 --batch 64 --lr ${VOC_LR:-8e-4} \
+      --max-seconds $(( LEFT - 10 )) --log-every 500 --no-asr "${RES[@]}" > /tmp/logs/vocoder_call4.log 2>&1
+    grep -v '"step"' /tmp/logs/vocoder_call4.log | tail -6
     tar czf $OUT/vocoder_flite.tgz -C $W --exclude checkpoint.pt vocoder_flite
   else
     RES=(); [[ $CALL == 3 ]] && RES=(--resume $W/v3_model)

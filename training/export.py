@@ -70,7 +70,8 @@ def average_weights(folders: list[Path], tmp: Path) -> Path:
 def teacher_name(work: Path) -> str:
     """The synthesizer that spoke the corpus (`corpus.py text --teacher`; rows without the field are
     espeak-ng's)."""
-    return {"espeak": "espeak-ng"}.get(t := read_utterances(work)[0].get("teacher", "espeak"), t)
+    teacher = read_utterances(work)[0].get("teacher", "espeak")
+    return "espeak-ng" if teacher == "espeak" else teacher
 
 
 def pick_voices(work: Path, codes_dir: Path, num_codebooks: int) -> dict[str, VoiceReference]:

@@ -73,8 +73,8 @@ ESPEAK_SPEAKERS = {
 }  # fmt: skip
 ESPEAK_DEFAULT = ESPEAK_SPEAKERS["ava"]
 # The same voices spoken by flite (voice, duration stretch, mean F0 in Hz or 0 for the voice's own) for
-# a model trained with `training/corpus.py text --teacher flite` (its FLITE_SPEAKERS; a test keeps the
-# two equal).
+# a model trained with `training/corpus.py text --teacher flite` (corpus.py builds its FLITE_SPEAKERS
+# from this table).
 FLITE_SPEAKERS = {
     "ava": ("slt", 1.0, 0), "ben": ("rms", 1.0, 0), "cora": ("slt", 0.93, 215), "dave": ("kal16", 1.0, 0),
     "emma": ("slt", 1.07, 155), "finn": ("awb", 1.0, 0), "gwen": ("slt", 1.0, 245), "hank": ("kal16", 1.1, 100),
