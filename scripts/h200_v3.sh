@@ -27,14 +27,16 @@
 #           and `corpus.py encode --codec-dir` a codec an earlier CALL=1 brought back) and arrive as
 #           .carry4*/*.txz, each a tar of codec_flite/ and codes_flite/ files. The tracked tree leaves
 #           about 20 MB of the 64 MiB a call may carry, so they come in parts: each call (any CALL)
-#           unpacks the parts it finds, and CALL=0 only does that and lists what is there.
+#           unpacks the parts it finds, and CALL=0 only does that and lists what is there. A model call
+#           needs only codec.json of the codec; the vocoder (CALL=4) needs codec.safetensors too.
 # Every call after the first needs the machine CALL=1 (or CALL=0) left warm (the codes live only there).
 #
 # .carry3/ (git-ignored; rebuild it as training/README.md says): flite.txz (the flite binary and the
 # shared libraries it links, from Debian's flite 2.2: the GPU machine has none), sentences.jsonl.gz
 # (`corpus.py text --paragraphs 12000 --teacher flite`, only the fields the stages read) and whl/
 # (soundfile, cffi, pycparser, num2words and docopt wheels for the machine's Python 3.12). A model call
-# (2, 3) needs only whl/, which a .carry4* part may hold instead; CALL=1 and CALL=4 need all of .carry3.
+# (2, 3) needs only whl/, which a .carry4* part may hold instead; CALL=1 and CALL=4 need the rest of
+# .carry3, carried in that call or in an earlier one on the same machine.
 set -uo pipefail
 W=training/work
 CALL=${CALL:?CALL=0, 1, 2, 3 or 4 (see the header)} CALL_SECONDS=${CALL_SECONDS:-560}
@@ -45,11 +47,12 @@ if [[ $CALL == 0 ]]; then du -sh $W/*; ls $W/codes_flite | wc -l; exit 0; fi
 WHL=$(ls -d .carry3/whl .carry4*/whl 2>/dev/null | head -1)
 [[ -f /tmp/site/.installed ]] || { python3 -m pip install -q --upgrade --no-index --no-deps --no-compile \
   --no-cache-dir --target /tmp/site ${WHL:?no whl/ carried}/*.whl && touch /tmp/site/.installed; } || exit 1
-if [[ $CALL == 1 || $CALL == 4 ]]; then
-  [[ -d .flite ]] || tar xJf .carry3/flite.txz || exit 1
+if [[ -f .carry3/flite.txz ]]; then  # unpacked where a later call finds them without .carry3
+  [[ -d $W/.flite ]] || tar xJf .carry3/flite.txz -C $W || exit 1
   [[ -f $W/sentences.jsonl ]] || gunzip -c .carry3/sentences.jsonl.gz > $W/sentences.jsonl
 fi
-export PATH=$PWD/.flite/bin:$PATH LD_LIBRARY_PATH=$PWD/.flite/lib
+[[ $CALL == [14] && ! ( -d $W/.flite && -f $W/sentences.jsonl ) ]] && { echo "CALL=$CALL needs .carry3"; exit 1; }
+export PATH=$PWD/$W/.flite/bin:$PATH LD_LIBRARY_PATH=$PWD/$W/.flite/lib
 left() { echo $(( CALL_SECONDS - SECONDS )); }
 if [[ $CALL == 1 ]]; then
   flite -lv
