@@ -272,3 +272,15 @@ def test_clips_are_spoken_in_order_by_each_rows_teacher_in_spawned_workers():
     clips = train_vocoder.speak_all(rows, jobs=2)
     assert [c.dtype for c in clips] == [torch.float16] * 2
     assert [len(c) for c in clips] == [len(corpus.speak(r)) for r in rows] and len(clips[0]) < len(clips[1])
+
+
+def test_speak_all_workers_run_torch_on_one_thread():
+    """Each worker's torch runs one thread (many workers with a thread per core each crawl)."""
+    from multiprocessing import get_context
+
+    with get_context("spawn").Pool(2, initializer=train_vocoder.one_torch_thread) as pool:
+        assert pool.map(_torch_threads, range(2)) == [1, 1]
+
+
+def _torch_threads(_: int) -> int:
+    return torch.get_num_threads()

@@ -72,6 +72,16 @@ DELAY = 512  # the codec's: emitted sample i is signal sample i - 512
 # ---- data ------------------------------------------------------------------------------------------
 
 
+def one_torch_thread() -> None:
+    """Pool initializer of `speak_all`'s workers: torch on one thread each.
+
+    flite's resampling runs torch in every worker, and torch's default is a thread per core it sees:
+    on the GPU machine, 16 workers each spawning that many threads inside a 16-CPU quota never
+    finished speaking 8,060 clips in 540 s (training/runs/v3_flite/calls.txt), where corpus.py's synth
+    workers, one thread each, speak 135 clips a second."""
+    torch.set_num_threads(1)
+
+
 def speak_all(rows: list[dict], jobs: int) -> list[torch.Tensor]:
     """The teacher's audio (float16 `[samples]`) of every utterance row (`corpus.speak`), in order."""
     from multiprocessing import get_context
@@ -80,7 +90,7 @@ def speak_all(rows: list[dict], jobs: int) -> list[torch.Tensor]:
 
     # Spawned, not forked: flite's resampling runs torch in the workers, and a fork of a process whose
     # torch thread pool has run can hang there.
-    with get_context("spawn").Pool(jobs) as pool:
+    with get_context("spawn").Pool(jobs, initializer=one_torch_thread) as pool:
         audio = pool.map(speak, rows, chunksize=16)
     return [torch.from_numpy(a).to(torch.float16) for a in audio]
 
