@@ -85,6 +85,25 @@ def test_the_voice_check_of_a_flite_trained_model_speaks_its_references_with_fli
     assert bad["closest_is_own_same_text_flite"] == pytest.approx(1 / 3) and not bad["pass"]
 
 
+def test_the_voice_check_speaks_with_the_teacher_the_model_folder_records(tmp_path):
+    """`--voice-teacher` left out: the teacher export.py wrote into train_state.json; espeak where the
+    folder records none or one the check cannot speak."""
+    for state, teacher in (
+        ({"step": 1, "teacher": "flite"}, "flite"),
+        ({"step": 1}, "espeak"),
+        ({"step": 1, "teacher": "festival"}, "espeak"),
+    ):
+        (tmp_path / "train_state.json").write_text(json.dumps(state))
+        assert tts_eval.model_teacher(str(tmp_path)) == teacher
+    assert tts_eval.model_teacher(str(tmp_path / "missing")) == "espeak"
+    # The embedded model: the teacher it records is the one its family string names.
+    from tts.bundle import DEFAULT_MODEL_DIR
+
+    family = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["tts_runtime"]["family"]
+    named = {"espeak": "espeak-ng", "flite": "flite"}[tts_eval.model_teacher("default")]
+    assert f"trained on {named} speech" in family
+
+
 class _WordsASR:
     """Stands in for the Whisper ASR: hears the sentence in anything longer than half a second."""
 

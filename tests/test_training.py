@@ -304,10 +304,11 @@ def test_export_averages_several_runs_weights_and_names_the_teacher(tmp_path):
     with pytest.raises(SystemExit, match="other weights"):
         export.average_weights([tmp_path / "a", tmp_path / "c"], tmp_path)
 
-    for teacher, name in ((None, "espeak-ng"), ("flite", "flite")):
+    for teacher, key, name in ((None, "espeak", "espeak-ng"), ("flite", "flite", "flite")):
         row = {"id": 0, "text": "Hi."} | ({"teacher": teacher} if teacher else {})
         (tmp_path / "sentences.jsonl").write_text(json.dumps(row) + "\n")
-        assert export.teacher_name(tmp_path) == name
+        assert export.corpus_teacher(tmp_path) == key
+        assert export.teacher_name(key) == name
 
 
 def test_residual_dropout_acts_only_in_training_mode(tmp_path):

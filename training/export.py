@@ -67,10 +67,14 @@ def average_weights(folders: list[Path], tmp: Path) -> Path:
     return out
 
 
-def teacher_name(work: Path) -> str:
-    """The synthesizer that spoke the corpus (`corpus.py text --teacher`; rows without the field are
-    espeak-ng's)."""
-    teacher = read_utterances(work)[0].get("teacher", "espeak")
+def corpus_teacher(work: Path) -> str:
+    """The synthesizer that spoke the corpus, as `corpus.py text --teacher` names it ("espeak" or
+    "flite"; rows without the field are espeak-ng's)."""
+    return read_utterances(work)[0].get("teacher", "espeak")
+
+
+def teacher_name(teacher: str) -> str:
+    """The teacher's name in the bundle's family string."""
     return "espeak-ng" if teacher == "espeak" else teacher
 
 
@@ -138,6 +142,7 @@ def main() -> None:
             f"codec has {codec.num_codebooks} x {codec.codebook_size} codes, the model "
             f"{args.num_codebooks} x {args.codebook_size}: export the codec the model was trained on"
         )
+    teacher = corpus_teacher(a.work)
     with torch.device("meta"):
         model = DualARTransformer(args)
     with tempfile.TemporaryDirectory() as tmp:
@@ -146,7 +151,7 @@ def main() -> None:
     model.init_buffers("cpu")
     bundle = ModelBundle(
         name="default",
-        family=f"dual_ar (default voice, trained on {teacher_name(a.work)} speech)",
+        family=f"dual_ar (default voice, trained on {teacher_name(teacher)} speech)",
         model=model,
         codec=codec,
         tokenizer=tokenizer,
@@ -161,6 +166,7 @@ def main() -> None:
     save_bundle(bundle, a.dest)
     codec.save(a.dest)
     state = json.loads((last / "train_state.json").read_text())
+    state["teacher"] = teacher  # (`tts eval --voices` speaks its same-text references with it)
     if len(a.trained) > 1:
         state["averaged_steps"] = [
             json.loads((t / "train_state.json").read_text())["step"] for t in a.trained

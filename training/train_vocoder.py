@@ -75,10 +75,10 @@ DELAY = 512  # the codec's: emitted sample i is signal sample i - 512
 def one_torch_thread() -> None:
     """Pool initializer of `speak_all`'s workers: torch on one thread each.
 
-    flite's resampling runs torch in every worker, and torch's default is a thread per core it sees:
-    on the GPU machine, 16 workers each spawning that many threads inside a 16-CPU quota never
-    finished speaking 8,060 clips in 540 s (training/runs/v3_flite/calls.txt), where corpus.py's synth
-    workers, one thread each, speak 135 clips a second."""
+    flite's resampling runs torch in every worker, and torch's default is a thread per core it sees.
+    On the GPU machine 16 workers without this never finished speaking 8,060 clips in 540 s, where
+    corpus.py's synth workers, one torch thread each, speak 135 clips a second
+    (training/runs/v4_flite/calls.txt; the cause is inferred, not yet confirmed there)."""
     torch.set_num_threads(1)
 
 

@@ -22,7 +22,8 @@ Reported (and written to `--out` as JSON):
   vector. Two references: the preset's own clip decoded by the codec ("preset"; its text differs
   from the output's), and, for the default model's voices when espeak-ng is installed, espeak-ng
   speaking the same sentence with each voice's corpus speaker ("espeak": same text, so only the
-  speaker differs; `--voice-teacher flite` speaks it with flite, for a model trained on flite). Pass =
+  speaker differs; a model trained on flite speech, as its train_state.json records, or
+  `--voice-teacher flite`, gets flite speaking it). Pass =
   every output is closest to its own voice, by the same-text reference when it ran, else by the
   preset one; both are reported.
 
@@ -32,8 +33,8 @@ Reported (and written to `--out` as JSON):
   (`espeak_transcript`, `espeak_loops`: a rare word the ASR mishears in both is the ASR's failure,
   not the model's); `wer_worst_seed`: the seed with the highest WER;
 * with `--voices`, also `wer_per_voice` (each voice's outputs transcribed, in `voice_samples`) and
-  `espeak_wer_per_voice` (espeak-ng reading the same sentences as each voice's corpus speaker; with
-  `--voice-teacher flite`, `flite_wer_per_voice` and flite's speakers: a model trained on flite);
+  `espeak_wer_per_voice` (espeak-ng reading the same sentences as each voice's corpus speaker; for a
+  model trained on flite, `flite_wer_per_voice` and flite's speakers);
 * with `--long`, the texts are passages of 150-300 words (`samples/eval/passages.txt`, written for this
   project and never trained on), each one request that the API splits into text chunks.
 
@@ -260,6 +261,20 @@ def sampling_options(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in names}
 
 
+def model_teacher(model: str) -> str:
+    """The synthesizer a model's training corpus was spoken by (`VOICE_TEACHERS`' key), as
+    `training/export.py` records it in the model folder's train_state.json ("default": the embedded
+    model's); "espeak" where the folder records none (every bundle exported before it did)."""
+    from .bundle import DEFAULT_MODEL_DIR
+
+    state = (DEFAULT_MODEL_DIR if model == "default" else Path(model)) / "train_state.json"
+    try:
+        teacher = json.loads(state.read_text()).get("teacher", "espeak")
+    except (OSError, ValueError):
+        return "espeak"
+    return teacher if teacher in VOICE_TEACHERS else "espeak"
+
+
 def evaluate(args: argparse.Namespace) -> dict:
     from .api import TTS
     from .bundle import load_bundle
@@ -369,7 +384,7 @@ def evaluate(args: argparse.Namespace) -> dict:
             log,
             same_text=not args.no_espeak,
             asr=asr,
-            teacher=args.voice_teacher,
+            teacher=args.voice_teacher or model_teacher(args.model),
         )
         result["gates"]["voices"] = result["voices"]["pass"]
         if "wer_per_voice_pass" in result["voices"]:
@@ -557,9 +572,9 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--voice-teacher",
         choices=sorted(VOICE_TEACHERS),
-        default="espeak",
+        default=None,
         help="who speaks the --voices check's same-text references: the teacher the model was trained on "
-        "(training/corpus.py text --teacher; default espeak, the shipped model's)",
+        "(default: the one its train_state.json names, as training/export.py records it; else espeak)",
     )
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
