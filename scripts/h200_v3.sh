@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Default voice, flite teacher (training/corpus.py text --teacher flite), on one H200 in consecutive
 # calls on one warm machine: each reads what the one before left, so it must start inside the
-# machine's warm window (30 s). Run from the repo root through the device tool, carry [".carry3"].
+# machine's warm window (30 s). Run from the repo root through the device tool, carrying .carry3 (or,
+# with CALL=0, the .carry4* parts: below).
 #
 #   CALL=1  flite speaks the first CODEC_UTT utterances into log-mel shards (16 processes); a learned
 #           codec (mel VQ-VAE, the shipped shape and recipe: CODEC_ARGS, default --freeze-encoder) trains
@@ -12,12 +13,13 @@
 #           518 s and the last 4 of 55 shards were not encoded before the call's end:
 #           training/runs/v3_flite/calls.txt.)
 #   CALL=2  the model trains from scratch on those codes (v2's recipe: chunk-length history for half the
-#           examples), alone; DROPOUT (default 0) is train.py's --dropout, for the slow head that overfit
-#           without it. The model comes back as v3_model_call2.tgz.part-* (folder v3_model_call2/).
+#           examples), alone; DROPOUT (default 0) is train.py's --dropout: the shipped model (v3) used
+#           0.1, for the slow head that overfit without it. The model comes back as v3_model_call2.tgz.part-* (folder v3_model_call2/).
 #   CALL=3  the model goes on from CALL=2's full checkpoint (v2 trained over two calls: MODEL_SCHEDULE,
 #           default 900 s, is the one learning-rate schedule both calls share; give CALL=2 the same), and
-#           comes back as v3_model_call3.tgz.part-* (v3_model_call3/). The mean of both calls' weights
-#           (training/export.py --trained CALL2 CALL3) measured better than either (RESULTS.md).
+#           comes back as v3_model_call3.tgz.part-* (v3_model_call3/). Without dropout the mean of both
+#           calls' weights (training/export.py --trained CALL2 CALL3) measured better than either; with
+#           DROPOUT=0.1 the weights after CALL=3 did, and ship (RESULTS.md).
 #   CALL=4  the vocoder alone, from the shipped one, on VOC_UTT clips through the new codec (16 flite
 #           processes, then training for the rest of the call). Never beside the model: flite processes
 #           started with it starved its torch.compile (first step at 276 s), and started after its first
@@ -42,8 +44,12 @@ W=training/work
 CALL=${CALL:?CALL=0, 1, 2, 3 or 4 (see the header)} CALL_SECONDS=${CALL_SECONDS:-560}
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 mkdir -p $W /tmp/logs
-for part in .carry4*/*.txz; do [[ -f $part ]] && { tar xJf "$part" -C $W || exit 1; }; done
-if [[ $CALL == 0 ]]; then du -sh $W/*; ls $W/codes_flite | wc -l; exit 0; fi
+PARTS=0
+for part in .carry4*/*.txz; do [[ -f $part ]] && { tar xJf "$part" -C $W || exit 1; PARTS=$((PARTS + 1)); }; done
+if [[ $CALL == 0 ]]; then
+  (( PARTS > 0 )) || { echo "CALL=0: no .carry4*/*.txz carried"; exit 1; }
+  du -sh $W/*; echo "$(ls $W/codes_flite/codes-*.pt | wc -l) code shards"; exit 0
+fi
 WHL=$(ls -d .carry3/whl .carry4*/whl 2>/dev/null | head -1)
 [[ -f /tmp/site/.installed ]] || { python3 -m pip install -q --upgrade --no-index --no-deps --no-compile \
   --no-cache-dir --target /tmp/site ${WHL:?no whl/ carried}/*.whl && touch /tmp/site/.installed; } || exit 1
@@ -75,6 +81,9 @@ if [[ $CALL == 1 ]]; then
 else
   [[ -f $W/codec_flite/codec.json && -d $W/codes_flite ]] \
     || { echo "no codec or codes here: run CALL=1 first, on the same warm machine"; exit 1; }
+  echo "$(ls $W/codes_flite/codes-*.pt | wc -l) code shards (55 for the whole corpus)"
+  [[ $CALL == 4 && ! -f $W/codec_flite/codec.safetensors ]] \
+    && { echo "CALL=4 needs the codec's weights (codec.safetensors; the .carry4c part)"; exit 1; }
   LEFT=$(( $(left) - 20 ))
   if [[ $CALL == 4 ]]; then
     RES=(--init tts/assets/default); [[ -f $W/vocoder_flite/checkpoint.pt ]] && RES=(--resume)

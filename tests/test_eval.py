@@ -96,6 +96,9 @@ def test_the_voice_check_speaks_with_the_teacher_the_model_folder_records(tmp_pa
         (tmp_path / "train_state.json").write_text(json.dumps(state))
         assert tts_eval.model_teacher(str(tmp_path)) == teacher
     assert tts_eval.model_teacher(str(tmp_path / "missing")) == "espeak"
+    (tmp_path / "train_state.json").write_text(json.dumps({"teacher": "flite"}))
+    assert tts_eval.voice_teacher(SimpleNamespace(voice_teacher=None, model=str(tmp_path))) == "flite"
+    assert tts_eval.voice_teacher(SimpleNamespace(voice_teacher="espeak", model=str(tmp_path))) == "espeak"
     # The embedded model: the teacher it records is the one its family string names.
     from tts.bundle import DEFAULT_MODEL_DIR
 

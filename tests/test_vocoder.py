@@ -275,10 +275,9 @@ def test_clips_are_spoken_in_order_by_each_rows_teacher_in_spawned_workers():
 
 
 def test_speak_all_workers_run_torch_on_one_thread():
-    """Each worker's torch runs one thread (many workers with a thread per core each crawl)."""
-    from multiprocessing import get_context
-
-    with get_context("spawn").Pool(2, initializer=train_vocoder.one_torch_thread) as pool:
+    """Each of `speak_all`'s workers runs torch on one thread (many workers with a thread per core each
+    crawl); without the pool's initializer they start with one per core (2 on the CI machine)."""
+    with train_vocoder.speak_pool(2) as pool:
         assert pool.map(_torch_threads, range(2)) == [1, 1]
 
 

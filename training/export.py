@@ -7,7 +7,8 @@
 the bundle then holds their element-wise mean, computed in float32 from the bf16 shards and rounded
 back to bf16 (checkpoint averaging: Vaswani et al., "Attention Is All You Need", 2017, section 6.1,
 averaged the last checkpoints of a run; Izmailov et al., "Averaging Weights Leads to Wider Optima and
-Better Generalization", 2018). train_state.json is the last output's, with the averaged steps added.
+Better Generalization", 2018). train_state.json is the last output's, with the averaged steps added,
+and with `teacher`: the corpus's (`tts eval --voices` speaks its same-text references with it).
 
 Writes config.json (the model's `dual_ar` fields + `tts_runtime`: name, frontend "espeak-ipa:en-us",
 prompt format, sampling defaults), the weights as bf16 safetensors shards under 15 MB (the runtime

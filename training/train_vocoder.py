@@ -82,15 +82,20 @@ def one_torch_thread() -> None:
     torch.set_num_threads(1)
 
 
-def speak_all(rows: list[dict], jobs: int) -> list[torch.Tensor]:
-    """The teacher's audio (float16 `[samples]`) of every utterance row (`corpus.speak`), in order."""
+def speak_pool(jobs: int):
+    """`speak_all`'s process pool: `jobs` spawned workers, torch on one thread each."""
     from multiprocessing import get_context
-
-    from corpus import speak
 
     # Spawned, not forked: flite's resampling runs torch in the workers, and a fork of a process whose
     # torch thread pool has run can hang there.
-    with get_context("spawn").Pool(jobs, initializer=one_torch_thread) as pool:
+    return get_context("spawn").Pool(jobs, initializer=one_torch_thread)
+
+
+def speak_all(rows: list[dict], jobs: int) -> list[torch.Tensor]:
+    """The teacher's audio (float16 `[samples]`) of every utterance row (`corpus.speak`), in order."""
+    from corpus import speak
+
+    with speak_pool(jobs) as pool:
         audio = pool.map(speak, rows, chunksize=16)
     return [torch.from_numpy(a).to(torch.float16) for a in audio]
 

@@ -20,10 +20,10 @@ Reported (and written to `--out` as JSON):
   mels, 22050 Hz) over frames within 40 dB of the clip's loudest frame, after removing the average
   over the references; similarity = cosine between an output's vector and each voice's reference
   vector. Two references: the preset's own clip decoded by the codec ("preset"; its text differs
-  from the output's), and, for the default model's voices when espeak-ng is installed, espeak-ng
-  speaking the same sentence with each voice's corpus speaker ("espeak": same text, so only the
-  speaker differs; a model trained on flite speech, as its train_state.json records, or
-  `--voice-teacher flite`, gets flite speaking it). Pass =
+  from the output's), and, for the default model's voices when its teacher's binary is installed,
+  the teacher (the synthesizer its corpus was spoken by, as its train_state.json records, else
+  espeak-ng; `--voice-teacher` overrides it) speaking the same sentence with each voice's corpus
+  speaker (same text, so only the speaker differs; without the binary a line says so). Pass =
   every output is closest to its own voice, by the same-text reference when it ran, else by the
   preset one; both are reported.
 
@@ -275,6 +275,11 @@ def model_teacher(model: str) -> str:
     return teacher if teacher in VOICE_TEACHERS else "espeak"
 
 
+def voice_teacher(args: argparse.Namespace) -> str:
+    """Who speaks the `--voices` check's same-text references: `--voice-teacher`, else the model's."""
+    return args.voice_teacher or model_teacher(args.model)
+
+
 def evaluate(args: argparse.Namespace) -> dict:
     from .api import TTS
     from .bundle import load_bundle
@@ -384,7 +389,7 @@ def evaluate(args: argparse.Namespace) -> dict:
             log,
             same_text=not args.no_espeak,
             asr=asr,
-            teacher=args.voice_teacher or model_teacher(args.model),
+            teacher=voice_teacher(args),
         )
         result["gates"]["voices"] = result["voices"]["pass"]
         if "wer_per_voice_pass" in result["voices"]:
@@ -425,6 +430,8 @@ def voice_similarity(
     codec = tts.bundle.codec
     binary, speakers, speak = VOICE_TEACHERS[teacher]
     use_teacher = same_text and shutil.which(binary) is not None and all(n in speakers for n in names)
+    if same_text and shutil.which(binary) is None:
+        log(f"voices: no {binary} binary here: the check compares with the presets' own clips only")
     refs = torch.stack(
         [mel_statistic(codec.decode(tts.voice(n)[0].codes).numpy(), codec.sample_rate) for n in names]
     )
