@@ -14,7 +14,8 @@
 #           training/runs/v3_flite/calls.txt.)
 #   CALL=2  the model trains from scratch on those codes (v2's recipe: chunk-length history for half the
 #           examples), alone; DROPOUT (default 0) is train.py's --dropout: the shipped model (v3) used
-#           0.1, for the slow head that overfit without it. The model comes back as v3_model_call2.tgz.part-* (folder v3_model_call2/).
+#           0.1, for the slow head that overfit without it. The model comes back as
+#           v3_model_call2.tgz.part-* (folder v3_model_call2/).
 #   CALL=3  the model goes on from CALL=2's full checkpoint (v2 trained over two calls: MODEL_SCHEDULE,
 #           default 900 s, is the one learning-rate schedule both calls share; give CALL=2 the same), and
 #           comes back as v3_model_call3.tgz.part-* (v3_model_call3/). Without dropout the mean of both
