@@ -103,7 +103,7 @@ def test_the_voice_check_speaks_with_the_teacher_the_model_folder_records(tmp_pa
     from tts.bundle import DEFAULT_MODEL_DIR
 
     family = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["tts_runtime"]["family"]
-    named = {"espeak": "espeak-ng", "flite": "flite"}[tts_eval.model_teacher("default")]
+    named = tts_eval.VOICE_TEACHERS[tts_eval.model_teacher("default")][0]
     assert f"trained on {named} speech" in family
 
 

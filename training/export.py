@@ -40,6 +40,7 @@ from tts.codec.melrvq import MelRVQCodec  # noqa: E402
 from tts.codec.melvq import MelVQCodec, load_vocoder  # noqa: E402
 from tts.config import ModelArgs  # noqa: E402
 from tts.engine.request import SamplingParams  # noqa: E402
+from tts.eval import VOICE_TEACHERS  # noqa: E402
 from tts.frontend import PhonemeFrontend  # noqa: E402
 from tts.model import DualARTransformer  # noqa: E402
 from tts.prompt import S2PromptFormat, VoiceReference  # noqa: E402
@@ -72,11 +73,6 @@ def corpus_teacher(work: Path) -> str:
     """The synthesizer that spoke the corpus, as `corpus.py text --teacher` names it ("espeak" or
     "flite"; rows without the field are espeak-ng's)."""
     return read_utterances(work)[0].get("teacher", "espeak")
-
-
-def teacher_name(teacher: str) -> str:
-    """The teacher's name in the bundle's family string."""
-    return "espeak-ng" if teacher == "espeak" else teacher
 
 
 def pick_voices(work: Path, codes_dir: Path, num_codebooks: int) -> dict[str, VoiceReference]:
@@ -152,7 +148,7 @@ def main() -> None:
     model.init_buffers("cpu")
     bundle = ModelBundle(
         name="default",
-        family=f"dual_ar (default voice, trained on {teacher_name(teacher)} speech)",
+        family=f"dual_ar (default voice, trained on {VOICE_TEACHERS[teacher][0]} speech)",  # its binary
         model=model,
         codec=codec,
         tokenizer=tokenizer,

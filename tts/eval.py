@@ -429,8 +429,9 @@ def voice_similarity(
 
     codec = tts.bundle.codec
     binary, speakers, speak = VOICE_TEACHERS[teacher]
-    use_teacher = same_text and shutil.which(binary) is not None and all(n in speakers for n in names)
-    if same_text and shutil.which(binary) is None:
+    installed = shutil.which(binary) is not None
+    use_teacher = same_text and installed and all(n in speakers for n in names)
+    if same_text and not installed:
         log(f"voices: no {binary} binary here: the check compares with the presets' own clips only")
     refs = torch.stack(
         [mel_statistic(codec.decode(tts.voice(n)[0].codes).numpy(), codec.sample_rate) for n in names]
