@@ -30,7 +30,8 @@
 #           and `corpus.py encode --codec-dir` a codec an earlier CALL=1 brought back) and arrive as
 #           .carry4*/*.txz, each a tar of codec_flite/ and codes_flite/ files. The tracked tree leaves
 #           about 20 MB of the 64 MiB a call may carry, so they come in parts: each call (any CALL)
-#           unpacks the parts it finds, and CALL=0 only does that and lists what is there. A model call
+#           unpacks the parts it has not unpacked before, and CALL=0 only does that and lists what is
+#           there. A model call
 #           needs only codec.json of the codec; the vocoder (CALL=4) needs codec.safetensors too.
 # Every call after the first needs the machine CALL=1 (or CALL=0) left warm (the codes live only there).
 #
@@ -45,11 +46,16 @@ W=training/work
 CALL=${CALL:?CALL=0, 1, 2, 3 or 4 (see the header)} CALL_SECONDS=${CALL_SECONDS:-560}
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 mkdir -p $W /tmp/logs
-PARTS=0
-for part in .carry4*/*.txz; do [[ -f $part ]] && { tar xJf "$part" -C $W || exit 1; PARTS=$((PARTS + 1)); }; done
+shards() { echo "$(ls $W/codes_flite/codes-*.pt 2>/dev/null | wc -l) code shards (55 for the whole corpus)"; }
+PARTS=0  # (a part stays on the warm machine after its call: unpacked once, by its checksum)
+for part in .carry4*/*.txz; do
+  [[ -f $part ]] || continue
+  PARTS=$((PARTS + 1)); sum=$(md5sum < "$part" | cut -c1-32)
+  [[ -f $W/.unpacked-$sum ]] || { tar xJf "$part" -C $W && touch $W/.unpacked-$sum; } || exit 1
+done
 if [[ $CALL == 0 ]]; then
   (( PARTS > 0 )) || { echo "CALL=0: no .carry4*/*.txz carried"; exit 1; }
-  du -sh $W/*; echo "$(ls $W/codes_flite/codes-*.pt | wc -l) code shards"; exit 0
+  du -sh $W/*; shards; exit 0
 fi
 WHL=$(ls -d .carry3/whl .carry4*/whl 2>/dev/null | head -1)
 [[ -f /tmp/site/.installed ]] || { python3 -m pip install -q --upgrade --no-index --no-deps --no-compile \
@@ -82,7 +88,7 @@ if [[ $CALL == 1 ]]; then
 else
   [[ -f $W/codec_flite/codec.json && -d $W/codes_flite ]] \
     || { echo "no codec or codes here: run CALL=1 first, on the same warm machine"; exit 1; }
-  echo "$(ls $W/codes_flite/codes-*.pt | wc -l) code shards (55 for the whole corpus)"
+  shards
   [[ $CALL == 4 && ! -f $W/codec_flite/codec.safetensors ]] \
     && { echo "CALL=4 needs the codec's weights (codec.safetensors; the .carry4c part)"; exit 1; }
   LEFT=$(( $(left) - 20 ))
