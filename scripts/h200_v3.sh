@@ -31,8 +31,8 @@
 #           .carry4*/*.txz, each a tar of codec_flite/ and codes_flite/ files. The tracked tree leaves
 #           about 20 MB of the 64 MiB a call may carry, so they come in parts: each call (any CALL)
 #           unpacks the parts it has not unpacked before, and CALL=0 only does that and lists what is
-#           there. A model call
-#           needs only codec.json of the codec; the vocoder (CALL=4) needs codec.safetensors too.
+#           there. A model call needs only codec.json of the codec; the vocoder (CALL=4) needs
+#           codec.safetensors too.
 # Every call after the first needs the machine CALL=1 (or CALL=0) left warm (the codes live only there).
 #
 # .carry3/ (git-ignored; rebuild it as training/README.md says): flite.txz (the flite binary and the
