@@ -33,7 +33,8 @@
 #           unpacks the parts it has not unpacked before, and CALL=0 only does that and lists what is
 #           there. A model call needs only codec.json of the codec; the vocoder (CALL=4) needs
 #           codec.safetensors too.
-# Every call after the first needs the machine CALL=1 (or CALL=0) left warm (the codes live only there).
+# Every call after the first needs the machine CALL=1 (or CALL=0) left warm (the codes live only there);
+# CALL=4 needs only the codec from it (CALL=0 carrying .carry4c alone, then CALL=4 carrying .carry3).
 #
 # .carry3/ (git-ignored; rebuild it as training/README.md says): flite.txz (the flite binary and the
 # shared libraries it links, from Debian's flite 2.2: the GPU machine has none), sentences.jsonl.gz
@@ -86,11 +87,15 @@ if [[ $CALL == 1 ]]; then
     --codes-dir $W/codes_flite --device cuda --threads 8 > /tmp/logs/encode2.log 2>&1
   tail -1 /tmp/logs/encode2.log; ls $W/codes_flite | wc -l; echo "encode: $SECONDS s"
 else
-  [[ -f $W/codec_flite/codec.json && -d $W/codes_flite ]] \
-    || { echo "no codec or codes here: run CALL=1 first, on the same warm machine"; exit 1; }
-  shards
-  [[ $CALL == 4 && ! -f $W/codec_flite/codec.safetensors ]] \
-    && { echo "CALL=4 needs the codec's weights (codec.safetensors; the .carry4c part)"; exit 1; }
+  # A model call needs the codes and the codec's codec.json; the vocoder needs only the codec, weights too.
+  if [[ $CALL == 4 ]]; then
+    [[ -f $W/codec_flite/codec.safetensors ]] \
+      || { echo "CALL=4 needs the codec's weights (codec.safetensors: CALL=1, or the .carry4c part)"; exit 1; }
+  else
+    [[ -f $W/codec_flite/codec.json && -d $W/codes_flite ]] \
+      || { echo "no codec or codes here: run CALL=1 (or CALL=0) first, on the same warm machine"; exit 1; }
+    shards
+  fi
   LEFT=$(( $(left) - 20 ))
   if [[ $CALL == 4 ]]; then
     RES=(--init tts/assets/default); [[ -f $W/vocoder_flite/checkpoint.pt ]] && RES=(--resume)

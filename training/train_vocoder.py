@@ -95,9 +95,13 @@ def speak_all(rows: list[dict], jobs: int) -> list[torch.Tensor]:
     """The teacher's audio (float16 `[samples]`) of every utterance row (`corpus.speak`), in order."""
     from corpus import speak
 
+    audio, t0 = [], time.time()
     with speak_pool(jobs) as pool:
-        audio = pool.map(speak, rows, chunksize=16)
-    return [torch.from_numpy(a).to(torch.float16) for a in audio]
+        for a in pool.imap(speak, rows, chunksize=16):  # in order, as map; the log shows progress
+            audio.append(torch.from_numpy(a).to(torch.float16))
+            if len(audio) % 1000 == 0:
+                print(f"spoke {len(audio)} of {len(rows)} clips: {time.time() - t0:.0f} s", flush=True)
+    return audio
 
 
 def load_audio(work: Path, utterances: int, jobs: int) -> tuple[list[dict], list[torch.Tensor]]:
