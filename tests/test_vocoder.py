@@ -283,3 +283,54 @@ def test_speak_all_workers_run_torch_on_one_thread():
 
 def _torch_threads(_: int) -> int:
     return torch.get_num_threads()
+
+
+def test_a_run_trains_and_evaluates_on_disjoint_rows():
+    """`choose_rows`: the held-out rows come first, then the first `utterances` training rows (trained
+    on), then with `eval_from` the evaluated training rows from there on, none of them trained on."""
+    rows = [{"id": i, "split": "heldout" if i % 10 == 0 else "train"} for i in range(100)]  # 10 held out
+    chosen, train_idx, eval_idx = train_vocoder.choose_rows(rows, utterances=20, eval_clips=5)
+    train_ids = [r["id"] for r in rows if r["split"] == "train"]
+    assert [chosen[i]["id"] for i in eval_idx] == [0, 10, 20, 30, 40]
+    assert [chosen[i]["id"] for i in train_idx] == train_ids[:20]
+    chosen, train_idx, eval_idx = train_vocoder.choose_rows(rows, utterances=20, eval_clips=5, eval_from=30)
+    assert [chosen[i]["id"] for i in train_idx] == train_ids[:20]
+    assert [chosen[i]["id"] for i in eval_idx] == train_ids[30:35]
+    assert len(chosen) == 10 + 20 + 5
+    with pytest.raises(ValueError, match="--eval-from 19 is below --utterances 20"):
+        train_vocoder.choose_rows(rows, utterances=20, eval_clips=5, eval_from=19)
+
+
+def test_evaluate_scores_both_decoders_and_the_wer_of_each_speaker(monkeypatch):
+    """`evaluate` on two clips of two speakers: spectral distances for Griffin-Lim and the vocoder, the
+    clip's length in seconds, and each decoder's WER overall and per speaker, from the transcript of
+    each speaker's own clips (a stand-in ASR hears speaker 0 right and speaker 1 wrong)."""
+    import tts.eval
+    from tts.codec.melvq import MelVQCodec, MelVQNet
+
+    torch.manual_seed(0)
+    net = MelVQNet(num_codebooks=2, codebook_size=8, channels=8, latent=4, decoder_dilations=(1,))
+    codec = MelVQCodec(net, torch.zeros(320), torch.ones(320))
+    rows = [{"text": "good morning", "speaker": 0}, {"text": "good night", "speaker": 1}]
+    audio = [torch.randn(3000) * 0.1, torch.randn(2048) * 0.1]
+    heard = []
+
+    class ASR:
+        def __init__(self, threads):
+            pass
+
+        def transcribe(self, audio, sample_rate):  # decodes come clip by clip, rows in order
+            heard.append(len(heard) % 2)
+            return rows[0]["text"] if heard[-1] == 0 else "bad words"
+
+    def wer(refs, hyps):  # the share of wrong transcripts: enough to see which pairs each speaker got
+        return sum(r != h for r, h in zip(refs, hyps, strict=True)) / len(refs)
+
+    monkeypatch.setattr(tts.eval, "ASR", ASR)
+    monkeypatch.setattr(tts.eval, "wer", wer)
+    out = train_vocoder.evaluate(untrained_vocoder(), codec, rows, audio, asr=True)
+    assert out["clips"] == 2 and out["audio_seconds"] == round((3072 + 2048) / 22050, 1)
+    for name in ("griffin_lim", "vocoder"):
+        assert out[name]["log_spectral_distance"] > 0 and out[name]["mfcc_distance_db"] > 0
+        assert out[name]["wer"] == 0.5 and out[name]["wer_per_speaker"] == {"0": 0.0, "1": 1.0}
+    assert out["clip"]["wer_per_speaker"] == {"0": 0.0, "1": 1.0} and len(heard) == 6

@@ -25,7 +25,9 @@ train while the generator trains on the reconstruction loss only, so that a trai
 loss's log-magnitude L1 term, in nats, averaged over the three resolutions; lower is better), an MFCC
 distance (the mel-cepstral distortion formula, dB; not a training loss), the decode time per audio
 time and, unless `--no-asr` (needs the eval extra), the word error rate of Whisper tiny.en
-transcripts.
+transcripts (per corpus speaker too, when the clips have several). The held-out clips are 60 sentences
+of one speaker; `--eval-from K` scores training clips from row K on instead, of every speaker (K past
+the clips the vocoder, and for an unseen round trip the codec, trained on).
 
 `--init DIR` starts a new run from a trained vocoder's weights (a run folder or a bundle such as
 tts/assets/default) with a fresh optimizer and learning-rate schedule: a second stage that anneals
@@ -104,26 +106,47 @@ def speak_all(rows: list[dict], jobs: int) -> list[torch.Tensor]:
     return audio
 
 
-def load_audio(work: Path, utterances: int, jobs: int) -> tuple[list[dict], list[torch.Tensor]]:
-    """The first `utterances` training rows of WORK/sentences.jsonl and every held-out row, with their
-    audio; cached in WORK/vocoder_audio.pt (re-spoken when the cache holds other rows)."""
-    from corpus import read_utterances
+def choose_rows(
+    rows: list[dict], utterances: int, eval_clips: int, eval_from: int | None = None
+) -> tuple[list[dict], list[int], list[int]]:
+    """The corpus rows a run speaks, and which of them it trains on and evaluates: every held-out row,
+    the first `utterances` training rows, and with `eval_from` the `eval_clips` training rows from
+    training row `eval_from` on. Returns (chosen rows, training indices, evaluation indices) into the
+    chosen rows: the evaluation ones are the first `eval_clips` held-out rows, or with `eval_from` the
+    rows from there on (clips of every corpus speaker that a vocoder trained on at most `eval_from`
+    utterances never heard; the held-out rows are fewer and of one speaker).
 
-    rows = read_utterances(work)
-    chosen = [u for u in rows if u["split"] == "heldout"] + [u for u in rows if u["split"] == "train"][
-        :utterances
-    ]
+    Raises ValueError when `eval_from` is below `utterances`: those clips are trained on."""
+    if eval_from is not None and eval_from < utterances:
+        raise ValueError(
+            f"--eval-from {eval_from} is below --utterances {utterances}: those clips are trained on"
+        )
+    train = [u for u in rows if u["split"] == "train"]
+    held = [u for u in rows if u["split"] == "heldout"]
+    unseen = [] if eval_from is None else train[eval_from : eval_from + eval_clips]
+    chosen = held + train[:utterances] + unseen
+    train_idx = list(range(len(held), len(held) + min(utterances, len(train))))
+    if eval_from is None:
+        eval_idx = list(range(min(eval_clips, len(held))))
+    else:
+        eval_idx = list(range(len(chosen) - len(unseen), len(chosen)))
+    return chosen, train_idx, eval_idx
+
+
+def load_audio(work: Path, chosen: list[dict], jobs: int) -> list[torch.Tensor]:
+    """The audio of the `chosen` rows of WORK/sentences.jsonl (`choose_rows`), in order; cached in
+    WORK/vocoder_audio.pt (re-spoken when the cache holds other rows)."""
     ids = [u["id"] for u in chosen]
     cache = work / "vocoder_audio.pt"
     if cache.is_file():
         saved = torch.load(cache)
         if saved["ids"] == ids:
-            return chosen, saved["audio"]
+            return saved["audio"]
     t0 = time.time()
     audio = speak_all(chosen, jobs)
     torch.save({"ids": ids, "audio": audio}, cache)
     print(f"spoke {len(chosen)} clips in {time.time() - t0:.0f} s -> {cache}", flush=True)
-    return chosen, audio
+    return audio
 
 
 class Clips:
@@ -362,8 +385,9 @@ def evaluate(model: CausalVocoder, codec, rows: list[dict], audio: list[torch.Te
     mfcc = torchaudio.transforms.MFCC(
         22050, n_mfcc=13, melkwargs={"n_fft": 1024, "hop_length": HOP, "n_mels": 80}, log_mels=True
     )
-    out: dict = {"clips": len(rows), "griffin_lim": {}, "vocoder": {}, "espeak": {}}
-    decodes: dict[str, list] = {"griffin_lim": [], "vocoder": [], "espeak": []}
+    # "clip": the teacher's clip itself, its WER the ASR's floor (eval.json files before the v3 vocoder: "espeak")
+    out: dict = {"clips": len(rows), "griffin_lim": {}, "vocoder": {}, "clip": {}}
+    decodes: dict[str, list] = {"griffin_lim": [], "vocoder": [], "clip": []}
     seconds = {"griffin_lim": 0.0, "vocoder": 0.0}
     for a in audio:
         a = a.float()
@@ -376,11 +400,11 @@ def evaluate(model: CausalVocoder, codec, rows: list[dict], audio: list[torch.Te
         decodes["vocoder"].append(model.synthesize(mel.unsqueeze(0))[0])
         seconds["griffin_lim"] += t1 - t0
         seconds["vocoder"] += time.perf_counter() - t1
-        decodes["espeak"].append(F.pad(a, (DELAY, 0))[: a.numel()])  # the clip with the codec's delay
-    audio_seconds = sum(y.numel() for y in decodes["espeak"]) / 22050
+        decodes["clip"].append(F.pad(a, (DELAY, 0))[: a.numel()])  # the clip with the codec's delay
+    audio_seconds = sum(y.numel() for y in decodes["clip"]) / 22050
     out["audio_seconds"] = round(audio_seconds, 1)
     for name in ("griffin_lim", "vocoder"):
-        pairs = list(zip(decodes[name], decodes["espeak"], strict=True))
+        pairs = list(zip(decodes[name], decodes["clip"], strict=True))
         lsd = [float(spectral_losses(y[None], ref[None])[1]) for y, ref in pairs]
         out[name]["log_spectral_distance"] = round(sum(lsd) / len(lsd), 4)
         out[name]["mfcc_distance_db"] = round(
@@ -392,9 +416,17 @@ def evaluate(model: CausalVocoder, codec, rows: list[dict], audio: list[torch.Te
 
         recognizer = ASR(threads=torch.get_num_threads())
         refs = [words(row["text"]) for row in rows]
+        speaker = [str(row.get("speaker", "?")) for row in rows]  # the corpus speaker's index
+        speakers = sorted(set(speaker))
         for name, clips in decodes.items():
             hyps = [words(recognizer.transcribe(y.numpy(), 22050)) for y in clips]
             out[name]["wer"] = round(wer(refs, hyps), 4)
+            if len(speakers) > 1:
+                by_speaker: dict[str, tuple[list, list]] = {sp: ([], []) for sp in speakers}
+                for ref, hyp, sp in zip(refs, hyps, speaker, strict=True):
+                    by_speaker[sp][0].append(ref)
+                    by_speaker[sp][1].append(hyp)
+                out[name]["wer_per_speaker"] = {sp: round(wer(*pair), 4) for sp, pair in by_speaker.items()}
     return out
 
 
@@ -486,6 +518,15 @@ def main() -> None:
         "reconstruction loss only (default 500)",
     )
     p.add_argument("--eval-clips", type=int, default=60, help="held-out clips evaluated")
+    p.add_argument(
+        "--eval-from",
+        type=int,
+        default=None,
+        metavar="K",
+        help="evaluate --eval-clips training clips from training row K on instead of the held-out ones "
+        "(every corpus speaker; K at least the --utterances the vocoder trained on, and past the codec's "
+        "training clips for a round trip the codec never saw)",
+    )
     p.add_argument("--no-asr", action="store_true", help="evaluate without Whisper (spectral distance only)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args()
@@ -511,9 +552,13 @@ def main() -> None:
     from tts.bundle import load_codec
 
     codec = load_codec(a.codec)
-    rows, audio = load_audio(a.work, a.utterances, a.jobs)
-    held = [i for i, u in enumerate(rows) if u["split"] == "heldout"][: a.eval_clips]
-    train_ids = [i for i, u in enumerate(rows) if u["split"] == "train"]
+    from corpus import read_utterances
+
+    try:
+        rows, train_ids, held = choose_rows(read_utterances(a.work), a.utterances, a.eval_clips, a.eval_from)
+    except ValueError as exc:
+        p.error(str(exc))
+    audio = load_audio(a.work, rows, a.jobs)
     device = torch.device(a.device)
     shape = {"channels": a.channels, "blocks": a.blocks}
     if (a.resume or a.eval) and (a.out / "vocoder.json").is_file():
