@@ -21,7 +21,9 @@
 #           comes back as v3_model_call3.tgz.part-* (v3_model_call3/). Without dropout the mean of both
 #           calls' weights (training/export.py --trained CALL2 CALL3) measured better than either; with
 #           DROPOUT=0.1 the weights after CALL=3 did, and ship (RESULTS.md).
-#   CALL=4  the vocoder alone, from the shipped one, on VOC_UTT clips through the new codec (16 flite
+#   CALL=4  the vocoder alone, from VOC_INIT's (default: the shipped bundle's; the shipped vocoder
+#           started from v2's, carried in the .carry4c part: VOC_INIT=$W/v2voc, training/README.md), on
+#           VOC_UTT clips through the new codec (16 flite
 #           processes, then training for the rest of the call). Never beside the model: flite processes
 #           started with it starved its torch.compile (first step at 276 s), and started after its first
 #           step under nice 10 they were still speaking when the call ended (the model's 12 data workers
@@ -99,7 +101,7 @@ else
   fi
   LEFT=$(( $(left) - 20 ))
   if [[ $CALL == 4 ]]; then
-    RES=(--init tts/assets/default); [[ -f $W/vocoder_flite/checkpoint.pt ]] && RES=(--resume)
+    RES=(--init ${VOC_INIT:-tts/assets/default}); [[ -f $W/vocoder_flite/checkpoint.pt ]] && RES=(--resume)
     timeout $LEFT python3 training/train_vocoder.py --work $W --codec $W/codec_flite \
       --out $W/vocoder_flite --utterances ${VOC_UTT:-8000} --jobs 16 --batch 64 --lr ${VOC_LR:-8e-4} \
       --max-seconds $(( LEFT - 10 )) --log-every 500 --no-asr "${RES[@]}" > /tmp/logs/vocoder_call4.log 2>&1

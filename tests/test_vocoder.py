@@ -301,6 +301,23 @@ def test_a_run_trains_and_evaluates_on_disjoint_rows():
         train_vocoder.choose_rows(rows, utterances=20, eval_clips=5, eval_from=19)
 
 
+@pytest.mark.parametrize(
+    "utterances, eval_clips, eval_from, message",
+    [
+        (20, 5, 88, "has 90 training rows, 2 of them from there on"),  # runs past the end
+        (200, 5, 200, "has 90 training rows, 0 of them"),  # more asked for than there are
+        (-1, 5, None, "--utterances must be >= 0"),
+        (20, 0, None, "--eval-clips >= 1"),
+    ],
+)
+def test_an_evaluation_set_shorter_than_asked_is_refused(utterances, eval_clips, eval_from, message):
+    """An evaluation on fewer clips than asked (or none, which would fail only after the training) is
+    refused before anything is spoken."""
+    rows = [{"id": i, "split": "heldout" if i % 10 == 0 else "train"} for i in range(100)]
+    with pytest.raises(ValueError, match=message):
+        train_vocoder.choose_rows(rows, utterances=utterances, eval_clips=eval_clips, eval_from=eval_from)
+
+
 def test_evaluate_scores_both_decoders_and_the_wer_of_each_speaker(monkeypatch):
     """`evaluate` on two clips of two speakers: spectral distances for Griffin-Lim and the vocoder, the
     clip's length in seconds, and each decoder's WER overall and per speaker, from the transcript of
@@ -311,8 +328,9 @@ def test_evaluate_scores_both_decoders_and_the_wer_of_each_speaker(monkeypatch):
     torch.manual_seed(0)
     net = MelVQNet(num_codebooks=2, codebook_size=8, channels=8, latent=4, decoder_dilations=(1,))
     codec = MelVQCodec(net, torch.zeros(320), torch.ones(320))
-    rows = [{"text": "good morning", "speaker": 0}, {"text": "good night", "speaker": 1}]
-    audio = [torch.randn(3000) * 0.1, torch.randn(2048) * 0.1]
+    rows = [{"text": "good night", "speaker": 1}, {"text": "good morning", "speaker": 0}]
+    rows.append({"text": "good evening", "speaker": 1})
+    audio = [torch.randn(3000) * 0.1, torch.randn(1100) * 0.1, torch.randn(1100) * 0.1]  # 0.24 s
     heard = []
 
     class ASR:
@@ -320,8 +338,9 @@ def test_evaluate_scores_both_decoders_and_the_wer_of_each_speaker(monkeypatch):
             pass
 
         def transcribe(self, audio, sample_rate):  # decodes come clip by clip, rows in order
-            heard.append(len(heard) % 2)
-            return rows[0]["text"] if heard[-1] == 0 else "bad words"
+            row = rows[len(heard) % 3]
+            heard.append(row["speaker"])
+            return row["text"] if row["speaker"] == 0 else "bad words"
 
     def wer(refs, hyps):  # the share of wrong transcripts: enough to see which pairs each speaker got
         return sum(r != h for r, h in zip(refs, hyps, strict=True)) / len(refs)
@@ -329,8 +348,11 @@ def test_evaluate_scores_both_decoders_and_the_wer_of_each_speaker(monkeypatch):
     monkeypatch.setattr(tts.eval, "ASR", ASR)
     monkeypatch.setattr(tts.eval, "wer", wer)
     out = train_vocoder.evaluate(untrained_vocoder(), codec, rows, audio, asr=True)
-    assert out["clips"] == 2 and out["audio_seconds"] == round((3072 + 2048) / 22050, 1)
+    assert out["clips"] == 3 and len(heard) == 9
+    assert out["audio_seconds"] == round((3072 + 2048 + 2048) / 22050, 1) == 0.3  # whole codec frames
     for name in ("griffin_lim", "vocoder"):
         assert out[name]["log_spectral_distance"] > 0 and out[name]["mfcc_distance_db"] > 0
-        assert out[name]["wer"] == 0.5 and out[name]["wer_per_speaker"] == {"0": 0.0, "1": 1.0}
-    assert out["clip"]["wer_per_speaker"] == {"0": 0.0, "1": 1.0} and len(heard) == 6
+        assert out[name]["wer"] == 0.6667 and out[name]["wer_per_speaker"] == {"0": 0.0, "1": 1.0}
+    assert out["clip"]["wer_per_speaker"] == {"0": 0.0, "1": 1.0}
+    one_speaker = train_vocoder.evaluate(untrained_vocoder(), codec, rows[:1], audio[:1], asr=True)
+    assert "wer_per_speaker" not in one_speaker["vocoder"] and one_speaker["vocoder"]["wer"] == 1.0

@@ -1,11 +1,11 @@
 """Train the learned causal vocoder (`tts.codec.vocoder.CausalVocoder`) and compare it with Griffin-Lim.
 
-Data: the corpus's utterances (`training/corpus.py text` writes WORK/sentences.jsonl), spoken by
-espeak-ng here (`--utterances` training ones, plus the held-out ones for `evaluate`) and kept as
-float16 audio in WORK/vocoder_audio.pt, so that a resumed run reads them back instead of speaking them
-again. The vocoder's input is what it meets at run time: the codec's round trip of the clip (`--input
-codec`: log-mel -> codes -> the codec's causal decoder -> log-mel), or the clip's own log-mel (`--input
-mel`). Its target is the clip itself.
+Data: the corpus's utterances (`training/corpus.py text` writes WORK/sentences.jsonl), spoken here by the
+teacher each row names, espeak-ng or flite (`--utterances` training ones, plus the held-out ones for
+`evaluate`) and kept as float16 audio in WORK/vocoder_audio.pt, so that a resumed run reads them back
+instead of speaking them again. The vocoder's input is what it meets at run time: the codec's round trip
+of the clip (`--input codec`: log-mel -> codes -> the codec's causal decoder -> log-mel), or the clip's
+own log-mel (`--input mel`). Its target is the clip itself.
 
 Reconstruction loss: multi-resolution STFT loss at (FFT, hop) = (512, 128), (1024, 256) and (2048,
 512), each the spectral convergence plus the L1 distance of log magnitudes (Yamamoto et al., "Parallel
@@ -21,13 +21,13 @@ train while the generator trains on the reconstruction loss only, so that a trai
 (`--init`) is not pushed around by discriminators that know nothing yet.
 
 `evaluate` (`--eval`, or after training) scores held-out clips through the codec both ways, Griffin-Lim
-(what ships) and the vocoder: the multi-resolution log-spectral distance to the original clip (the
-loss's log-magnitude L1 term, in nats, averaged over the three resolutions; lower is better), an MFCC
-distance (the mel-cepstral distortion formula, dB; not a training loss), the decode time per audio
-time and, unless `--no-asr` (needs the eval extra), the word error rate of Whisper tiny.en
-transcripts (per corpus speaker too, when the clips have several). The held-out clips are 60 sentences
-of one speaker; `--eval-from K` scores training clips from row K on instead, of every speaker (K past
-the clips the vocoder, and for an unseen round trip the codec, trained on).
+(the codec's fallback, and what shipped before v2) and the vocoder: the multi-resolution log-spectral
+distance to the original clip (the loss's log-magnitude L1 term, in nats, averaged over the three
+resolutions; lower is better), an MFCC distance (the mel-cepstral distortion formula, dB; not a training
+loss), the decode time per audio time and, unless `--no-asr` (needs the eval extra), the word error rate
+of Whisper tiny.en transcripts (per corpus speaker too, when the clips have several). The held-out clips
+are 60 sentences of one speaker; `--eval-from K` scores training clips from row K on instead, of every
+speaker (K past the clips the vocoder, and for an unseen round trip the codec, trained on).
 
 `--init DIR` starts a new run from a trained vocoder's weights (a run folder or a bundle such as
 tts/assets/default) with a fresh optimizer and learning-rate schedule: a second stage that anneals
@@ -115,7 +115,14 @@ def choose_rows(
     rows from there on (clips of every corpus speaker that a vocoder trained on at most `eval_from`
     utterances never heard; the held-out rows are fewer and of one speaker).
 
-    Raises ValueError when `eval_from` is below `utterances`: those clips are trained on."""
+    Raises ValueError for a negative `utterances`, an `eval_clips` below 1, an `eval_from` below
+    `utterances` (those clips are trained on), or fewer than `eval_clips` training rows from
+    `eval_from` on. (Fewer held-out rows than `eval_clips`, or training rows than `utterances`, give
+    what there is.)"""
+    if utterances < 0 or eval_clips < 1:
+        raise ValueError(
+            f"--utterances must be >= 0 and --eval-clips >= 1, not {utterances} and {eval_clips}"
+        )
     if eval_from is not None and eval_from < utterances:
         raise ValueError(
             f"--eval-from {eval_from} is below --utterances {utterances}: those clips are trained on"
@@ -123,6 +130,11 @@ def choose_rows(
     train = [u for u in rows if u["split"] == "train"]
     held = [u for u in rows if u["split"] == "heldout"]
     unseen = [] if eval_from is None else train[eval_from : eval_from + eval_clips]
+    if eval_from is not None and len(unseen) < eval_clips:
+        raise ValueError(
+            f"--eval-from {eval_from} --eval-clips {eval_clips}: the corpus has {len(train)} training rows, "
+            f"{len(unseen)} of them from there on"
+        )
     chosen = held + train[:utterances] + unseen
     train_idx = list(range(len(held), len(held) + min(utterances, len(train))))
     if eval_from is None:
@@ -132,18 +144,22 @@ def choose_rows(
     return chosen, train_idx, eval_idx
 
 
-def load_audio(work: Path, chosen: list[dict], jobs: int) -> list[torch.Tensor]:
+def load_audio(
+    work: Path, chosen: list[dict], jobs: int, cache_name: str = "vocoder_audio.pt"
+) -> list[torch.Tensor]:
     """The audio of the `chosen` rows of WORK/sentences.jsonl (`choose_rows`), in order; cached in
-    WORK/vocoder_audio.pt (re-spoken when the cache holds other rows)."""
-    ids = [u["id"] for u in chosen]
-    cache = work / "vocoder_audio.pt"
+    WORK/`cache_name` (re-spoken when the cache holds other rows, or the same rows spoken otherwise:
+    the key is each whole row, teacher, voice, rate and pitch included, since the espeak-ng and flite
+    corpora share ids and texts)."""
+    key = [json.dumps(u, sort_keys=True) for u in chosen]
+    cache = work / cache_name
     if cache.is_file():
         saved = torch.load(cache)
-        if saved["ids"] == ids:
+        if saved.get("rows") == key:
             return saved["audio"]
     t0 = time.time()
     audio = speak_all(chosen, jobs)
-    torch.save({"ids": ids, "audio": audio}, cache)
+    torch.save({"rows": key, "audio": audio}, cache)
     print(f"spoke {len(chosen)} clips in {time.time() - t0:.0f} s -> {cache}", flush=True)
     return audio
 
@@ -374,17 +390,19 @@ def mfcc_distance(y: torch.Tensor, ref: torch.Tensor, mfcc) -> float:
 
 @torch.no_grad()
 def evaluate(model: CausalVocoder, codec, rows: list[dict], audio: list[torch.Tensor], asr: bool) -> dict:
-    """Held-out clips through the codec, decoded by Griffin-Lim and by `model`: log-spectral distance
-    to the clip (nats, `spectral_losses`' log-magnitude term), MFCC distance (dB, `mfcc_distance`),
-    decode time per audio time on this process's threads, and, with `asr`, Whisper tiny.en WER of each
-    decode and of the clip itself. Returns the means per decoder."""
+    """Clips (the held-out ones, or `--eval-from`'s) through the codec, decoded by Griffin-Lim and by
+    `model`: log-spectral distance to the clip (nats, `spectral_losses`' log-magnitude term), MFCC
+    distance (dB, `mfcc_distance`), decode time per audio time on this process's threads, and, with
+    `asr`, Whisper tiny.en WER of each decode and of the clip itself, overall and, when the rows have
+    several corpus speakers, per speaker (`wer_per_speaker`, keyed by the speaker's index). Returns
+    the means per decoder."""
     import torchaudio
 
     model.eval()
     mfcc = torchaudio.transforms.MFCC(
         22050, n_mfcc=13, melkwargs={"n_fft": 1024, "hop_length": HOP, "n_mels": 80}, log_mels=True
     )
-    # "clip": the teacher's clip itself, its WER the ASR's floor (eval.json files before the v3 vocoder: "espeak")
+    # "clip": the teacher's clip itself, its WER the ASR's floor (older eval.json files: "espeak")
     out: dict = {"clips": len(rows), "griffin_lim": {}, "vocoder": {}, "clip": {}}
     decodes: dict[str, list] = {"griffin_lim": [], "vocoder": [], "clip": []}
     seconds = {"griffin_lim": 0.0, "vocoder": 0.0}
@@ -479,7 +497,9 @@ def main() -> None:
         "run's --max-seconds); e.g. 1650 for three resumed 10-minute calls, so that they make one cosine",
     )
     p.add_argument("--log-every", type=int, default=50)
-    p.add_argument("--jobs", type=int, default=2, help="espeak-ng processes")
+    p.add_argument(
+        "--jobs", type=int, default=2, help="teacher (espeak-ng or flite) processes speaking the clips"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -495,7 +515,8 @@ def main() -> None:
     p.add_argument(
         "--eval",
         action="store_true",
-        help="only evaluate OUT's vocoder (checkpoint.pt, else vocoder.safetensors) on the held-out clips",
+        help="only evaluate OUT's vocoder (checkpoint.pt, else vocoder.safetensors) on the held-out clips "
+        "(or --eval-from's)",
     )
     p.add_argument(
         "--adversarial",
@@ -516,7 +537,7 @@ def main() -> None:
         help="(--adversarial) steps in which fresh discriminators train and the generator has the "
         "reconstruction loss only (default 500)",
     )
-    p.add_argument("--eval-clips", type=int, default=60, help="held-out clips evaluated")
+    p.add_argument("--eval-clips", type=int, default=60, help="clips evaluated (held-out, or --eval-from's)")
     p.add_argument(
         "--eval-from",
         type=int,
@@ -553,11 +574,23 @@ def main() -> None:
     codec = load_codec(a.codec)
     from corpus import read_utterances
 
-    try:
-        rows, train_ids, held = choose_rows(read_utterances(a.work), a.utterances, a.eval_clips, a.eval_from)
+    trained_on = None  # the training clips of the vocoder that --eval scores (vocoder.json, newer runs)
+    if a.eval and (a.out / "vocoder.json").is_file():
+        trained_on = json.loads((a.out / "vocoder.json").read_text()).get("utterances")
+    if a.eval_from is not None and trained_on is not None and a.eval_from < trained_on:
+        p.error(
+            f"--eval-from {a.eval_from}: {a.out}'s vocoder trained on the first {trained_on} training clips"
+        )
+    try:  # (--eval speaks no training clips)
+        rows, train_ids, held = choose_rows(
+            read_utterances(a.work), 0 if a.eval else a.utterances, a.eval_clips, a.eval_from
+        )
     except ValueError as exc:
         p.error(str(exc))
-    audio = load_audio(a.work, rows, a.jobs)
+    if not a.eval and len(train_ids) < a.utterances:
+        print(f"the corpus has {len(train_ids)} training clips, not --utterances {a.utterances}", flush=True)
+    # (an evaluation keeps its clips apart from the training cache, which a resumed run reads back)
+    audio = load_audio(a.work, rows, a.jobs, "vocoder_audio_eval.pt" if a.eval else "vocoder_audio.pt")
     device = torch.device(a.device)
     shape = {"channels": a.channels, "blocks": a.blocks}
     if (a.resume or a.eval) and (a.out / "vocoder.json").is_file():
@@ -645,7 +678,7 @@ def main() -> None:
                 print(json.dumps(rec), flush=True)
         trained_seconds += time.time() - t_train
         a.out.mkdir(parents=True, exist_ok=True)
-        save(model, a.out, a.input)
+        save(model, a.out, a.input, len(train_ids))
         state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history}
         if disc is not None and d_opt is not None:
             state.update(
@@ -667,8 +700,9 @@ def main() -> None:
     (a.out / "eval.json").write_text(json.dumps(result, indent=1))
 
 
-def save(model: CausalVocoder, out: Path, input_kind: str) -> None:
-    """vocoder.safetensors (float32) and vocoder.json (shape, receptive field, input kind)."""
+def save(model: CausalVocoder, out: Path, input_kind: str, utterances: int) -> None:
+    """vocoder.safetensors (float32) and vocoder.json (shape, receptive field, input kind, and the
+    number of training clips, the first of the corpus: `--eval --eval-from` must start past them)."""
     from safetensors.torch import save_file
 
     save_file(
@@ -680,6 +714,7 @@ def save(model: CausalVocoder, out: Path, input_kind: str) -> None:
         "receptive_frames": model.receptive_frames,
         "input": input_kind,
         "frames_per_codec_frame": SUBFRAMES,
+        "utterances": utterances,
     }
     (out / "vocoder.json").write_text(json.dumps(info, indent=2))
 
