@@ -106,27 +106,34 @@ def speak_all(rows: list[dict], jobs: int) -> list[torch.Tensor]:
 
 
 def choose_rows(
-    rows: list[dict], utterances: int, eval_clips: int, eval_from: int | None = None
+    rows: list[dict],
+    utterances: int,
+    eval_clips: int,
+    eval_from: int | None = None,
+    trained_on: int | None = None,
 ) -> tuple[list[dict], list[int], list[int]]:
     """The corpus rows a run speaks, and which of them it trains on and evaluates: every held-out row,
     the first `utterances` training rows, and with `eval_from` the `eval_clips` training rows from
     training row `eval_from` on. Returns (chosen rows, training indices, evaluation indices) into the
     chosen rows: the evaluation ones are the first `eval_clips` held-out rows, or with `eval_from` the
     rows from there on (clips of every corpus speaker that a vocoder trained on at most `eval_from`
-    utterances never heard; the held-out rows are fewer and of one speaker).
+    utterances never heard; the held-out rows are fewer and of one speaker). `trained_on`: how many of
+    the first training rows the evaluated vocoder trained on, when that is not `utterances` (`--eval`
+    speaks none; vocoder.json records the number).
 
-    Raises ValueError for a negative `utterances`, an `eval_clips` below 1, an `eval_from` below
-    `utterances` (those clips are trained on), or fewer than `eval_clips` training rows from
-    `eval_from` on. (Fewer held-out rows than `eval_clips`, or training rows than `utterances`, give
-    what there is.)"""
+    Raises ValueError for a negative `utterances`, an `eval_clips` below 1, an `eval_from` below the
+    rows trained on, or fewer than `eval_clips` training rows from `eval_from` on. (Fewer held-out rows
+    than `eval_clips`, or training rows than `utterances`, give what there is.)"""
     if utterances < 0 or eval_clips < 1:
         raise ValueError(
             f"--utterances must be >= 0 and --eval-clips >= 1, not {utterances} and {eval_clips}"
         )
-    if eval_from is not None and eval_from < utterances:
-        raise ValueError(
-            f"--eval-from {eval_from} is below --utterances {utterances}: those clips are trained on"
+    seen = utterances if trained_on is None else trained_on
+    if eval_from is not None and eval_from < seen:
+        source = (
+            f"--utterances {utterances}" if trained_on is None else f"the {trained_on} the vocoder trained on"
         )
+        raise ValueError(f"--eval-from {eval_from} is below {source}: those clips are trained on")
     train = [u for u in rows if u["split"] == "train"]
     held = [u for u in rows if u["split"] == "heldout"]
     unseen = [] if eval_from is None else train[eval_from : eval_from + eval_clips]
@@ -577,13 +584,9 @@ def main() -> None:
     trained_on = None  # the training clips of the vocoder that --eval scores (vocoder.json, newer runs)
     if a.eval and (a.out / "vocoder.json").is_file():
         trained_on = json.loads((a.out / "vocoder.json").read_text()).get("utterances")
-    if a.eval_from is not None and trained_on is not None and a.eval_from < trained_on:
-        p.error(
-            f"--eval-from {a.eval_from}: {a.out}'s vocoder trained on the first {trained_on} training clips"
-        )
     try:  # (--eval speaks no training clips)
         rows, train_ids, held = choose_rows(
-            read_utterances(a.work), 0 if a.eval else a.utterances, a.eval_clips, a.eval_from
+            read_utterances(a.work), 0 if a.eval else a.utterances, a.eval_clips, a.eval_from, trained_on
         )
     except ValueError as exc:
         p.error(str(exc))
