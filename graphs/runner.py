@@ -12,6 +12,7 @@ graph), and it decides for each call with `n` live rows:
 * fallback: graphs disabled, n above the largest bucket, or a bucket whose capture failed run eagerly,
   and each such step is counted. A capture that raises is ended, its graph and pool dropped, logged and
   counted; the bucket stays eager and the runner keeps serving.
+* one capture at a time in the process (`CAPTURE_LOCK`), whichever thread and runner it belongs to.
 
 On CUDA the graph is a `torch.cuda.CUDAGraph`. Elsewhere a `StandInGraph` "captures" by remembering the
 call and "replays" by calling `step_fn(b)` again on the same buffers, so the bucket logic, padding,
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +34,15 @@ import torch
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+# Held for the whole of every capture (and its failure handling), by every GraphRunner of the process.
+# Why: torch supports one capture underway per process, and a capture brackets itself with device-wide
+# synchronizes (ours and `torch.cuda.graph`'s, which also empties the cache); a device-wide synchronize
+# from one thread while another thread's capture is open fails with CUDA error 900 ("operation not
+# permitted when stream is capturing") in any capture mode. Seen on an H200: the codec stage's worker
+# captured a decode graph while the engine thread captured a prefill graph, and the request's prefill
+# failed. Other threads keep launching work meanwhile (thread-local capture mode); only captures wait.
+CAPTURE_LOCK = threading.Lock()
 
 
 class StandInGraph:
@@ -213,20 +224,21 @@ class GraphRunner:
         return b
 
     def _capture(self, key: tuple) -> None:
-        t0 = time.perf_counter()
-        self.capturing = True
-        try:
-            graph = self._capture_cuda(key) if self.is_cuda else self._capture_standin(key)
-        except Exception as exc:  # noqa: BLE001 - any capture failure leaves the bucket eager
-            self.stats.failed_captures[key] = f"{type(exc).__name__}: {exc}"
-            log.warning("CUDA graph capture of bucket %s failed; it stays eager: %s", key, exc)
-            if self.is_cuda:
-                self._pool = None  # a failed capture may have poisoned the shared pool; start a new one
-                torch.cuda.synchronize(self.device)
-                torch.cuda.empty_cache()
-            return
-        finally:
-            self.capturing = False
+        with CAPTURE_LOCK:
+            t0 = time.perf_counter()
+            self.capturing = True
+            try:
+                graph = self._capture_cuda(key) if self.is_cuda else self._capture_standin(key)
+            except Exception as exc:  # noqa: BLE001 - any capture failure leaves the bucket eager
+                self.stats.failed_captures[key] = f"{type(exc).__name__}: {exc}"
+                log.warning("CUDA graph capture of bucket %s failed; it stays eager: %s", key, exc)
+                if self.is_cuda:
+                    self._pool = None  # a failed capture may have poisoned the shared pool; start a new one
+                    torch.cuda.synchronize(self.device)
+                    torch.cuda.empty_cache()
+                return
+            finally:
+                self.capturing = False
         self.graphs[key] = graph
         self.stats.capture_seconds[key] = time.perf_counter() - t0
         if self._buffer_ptrs is not None:

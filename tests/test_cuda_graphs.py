@@ -158,6 +158,58 @@ def test_injected_capture_failure_leaves_the_engine_serving(model):
     assert run_schedule(engine, [(0, "after", 12, 5, 9)])["after"].shape[0] == 5
 
 
+def test_two_threads_capture_at_once_without_breaking_each_other():
+    # The engine thread and the codec stage's worker capture lazily, each on its own stream. Without one
+    # capture at a time (graphs.runner.CAPTURE_LOCK), a device-wide synchronize around one capture broke
+    # the other's open capture (CUDA error 900 on an H200: a request's prefill failed).
+    import threading
+
+    from graphs import GraphRunner
+
+    dev = torch.device("cuda")
+    start = threading.Barrier(2)
+    errors, runners = [], []
+
+    def work(seed):
+        try:
+            g = torch.Generator(device=dev).manual_seed(seed)
+            x = torch.randn(64, 128, device=dev, generator=g)
+            w = torch.randn(128, 128, device=dev, generator=g) / 128**0.5
+            y = torch.zeros(64, 128, device=dev)
+
+            def step(b, variant):
+                h = x[:b]
+                for _ in range(8):
+                    h = torch.tanh(h @ w)
+                y[:b].copy_(h)
+
+            runner = GraphRunner(step, max_batch=64, buckets=range(1, 65), device=dev)
+            runners.append(runner)
+            with torch.cuda.stream(torch.cuda.Stream(dev)):
+                start.wait(timeout=60)
+                for b in range(1, 65):
+                    runner.run(b)  # the warm-up
+                    runner.run(b)  # the capture, then its replay
+                for b in (1, 17, 64):
+                    runner.run(b)
+                    h = x[:b]
+                    for _ in range(8):
+                        h = torch.tanh(h @ w)
+                    torch.testing.assert_close(y[:b], h)
+                torch.cuda.current_stream().synchronize()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert errors == []
+    assert [r.stats.failed_captures for r in runners] == [{}, {}]
+    assert [len(r.graphs) for r in runners] == [64, 64]
+
+
 def test_batched_vs_solo_match_length_is_measured(model):
     """bf16 kernels differ by batch size, so a request batched with others matches its solo run only
     for a while; this test measures how long (reported, not asserted beyond the first frame)."""

@@ -1,8 +1,12 @@
+import threading
+
 import pytest
 import torch
 from helpers import params, random_prompt, run_to_completion
 
+import graphs.runner
 from graphs import GraphRunner
+from graphs.runner import StandInGraph
 from tts.engine import Engine, EngineConfig
 
 
@@ -45,6 +49,57 @@ def test_failed_capture_leaves_bucket_eager_and_keeps_serving():
     assert [r.run(3) for _ in range(4)] == [4, 4, 3, 3]
     assert r.stats.failed_buckets() == {4} and "injected" in r.stats.failed_captures[(4, None)]
     assert r.stats.replays == 0 and r.stats.eager_steps == 4
+
+
+def test_captures_from_two_threads_never_overlap(monkeypatch):
+    # Runner B (another thread, as the codec stage's worker beside the engine thread) asks for a capture
+    # while runner A's is open: B's starts only after A's has ended (graphs.runner.CAPTURE_LOCK).
+    a_inside, b_waits = threading.Event(), threading.Event()
+    lock = threading.Lock()
+
+    class SignallingLock:  # CAPTURE_LOCK that says when thread "b" starts waiting for it
+        def __enter__(self):
+            if threading.current_thread().name == "b":
+                b_waits.set()
+            lock.acquire()
+
+        def __exit__(self, *exc):
+            lock.release()
+
+    monkeypatch.setattr(graphs.runner, "CAPTURE_LOCK", SignallingLock())
+    order = []
+    a = GraphRunner(lambda b, v: None, max_batch=1, buckets=(1,))
+    b = GraphRunner(lambda b, v: None, max_batch=1, buckets=(1,))
+
+    def capture(name, other, wait=None):
+        def standin(key):
+            order.append(f"{name} begins, other capturing: {other.capturing}")
+            if wait is not None:
+                a_inside.set()
+                assert wait.wait(timeout=30), "thread b never asked for the capture lock"
+            order.append(f"{name} ends")
+            return StandInGraph()
+
+        return standin
+
+    a._capture_standin = capture("a", b, wait=b_waits)
+    b._capture_standin = capture("b", a)
+    a.run(1)  # the warm-up
+    b.run(1)
+    thread_a = threading.Thread(target=a.run, args=(1,), name="a")
+    thread_a.start()
+    assert a_inside.wait(timeout=30)
+    thread_b = threading.Thread(target=b.run, args=(1,), name="b")
+    thread_b.start()
+    thread_a.join(timeout=60)
+    thread_b.join(timeout=60)
+    assert order == [
+        "a begins, other capturing: False",
+        "a ends",
+        "b begins, other capturing: False",
+        "b ends",
+    ]
+    assert set(a.graphs) == set(b.graphs) == {(1, None)}
 
 
 def _engine(model, **kw):

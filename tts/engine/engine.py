@@ -260,8 +260,8 @@ class Engine:
                 for table in reversed(tables):  # (reversed: the free list's order comes back as it was)
                     allocator.free(table)
         self.runner.prefill_passes = passes
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":  # (this stream only: a device-wide sync breaks another's capture)
+            torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter() - t0
 
     def _variants(self) -> tuple:
