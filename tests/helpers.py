@@ -4,6 +4,7 @@ decode. A helper two test files need goes here (service tests: tests/service_hel
 import torch
 
 from tts.engine import Engine, SamplingParams
+from tts.engine.aligner import RETRACT_MAX_FRAMES, Repeat
 
 
 def random_prompt(
@@ -63,3 +64,46 @@ def sysfs_mounted() -> bool:
     return mounts.exists() and any(
         line.split()[1:3] == ["/sys", "sysfs"] for line in mounts.read_text().splitlines()
     )
+
+
+class ScriptedGuard:
+    """A stand-in LoopGuard: at the k-th frame it is fed (counting every frame fed, taken back or not),
+    `script[k] = (frames, at_end)` reports a repeat of the newest `frames` frames kept; `retractable`
+    says `hold`. Records the positions it got and the rewinds."""
+
+    script: dict[int, tuple[int, bool]] = {}
+    hold = RETRACT_MAX_FRAMES  # what `retractable` says: by default, as long as any frame could be
+
+    def __init__(self, text_tokens: int):
+        self.text_tokens, self.fed, self.kept, self.repeats = text_tokens, 0, 0, 0
+        self.positions: list[int] = []
+        self.rewinds: list[int] = []
+
+    def push(self, position: int):
+        self.positions.append(position)
+        self.fed += 1
+        self.kept += 1
+        entry = self.script.get(self.fed - 1)
+        if entry is None:
+            return None
+        self.repeats += 1
+        return Repeat(first=self.kept - entry[0], at_end=entry[1])
+
+    def retractable(self) -> int:
+        return self.hold
+
+    def rewind(self, first: int) -> None:
+        self.rewinds.append(first)
+        self.kept = first
+
+
+def script_loop_guard(
+    monkeypatch, script: dict[int, tuple[int, bool]], hold: int = RETRACT_MAX_FRAMES
+) -> None:
+    """Make the engine's loop guards `ScriptedGuard`s following `script` and saying `hold` frames are
+    retractable (for this test)."""
+    import tts.engine.engine as engine_module
+
+    monkeypatch.setattr(ScriptedGuard, "script", script)
+    monkeypatch.setattr(ScriptedGuard, "hold", hold)
+    monkeypatch.setattr(engine_module, "LoopGuard", ScriptedGuard)

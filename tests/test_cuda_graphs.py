@@ -66,6 +66,16 @@ def report(key, value):
     print(f"{key}: {value}")
 
 
+def step_without_host_sync(engine, b: int) -> None:
+    """Run the captured step function eagerly for `b` rows with torch failing on any host sync."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.runner.decode_step(b)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_replay_is_bit_identical_to_eager_at_the_same_bucket(model, batch):
     schedule = [(0, f"r{i}", 20 + 37 * i, 60, i) for i in range(batch)]
@@ -127,12 +137,7 @@ def test_eager_step_has_no_host_sync_and_buffers_never_move(model):
     for i in range(3):
         engine.submit(prompt(model, 30, i), SamplingParams(max_new_frames=20, seed=i), f"r{i}")
     engine.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        engine.runner.decode_step(4)  # the very function the graphs captured, run eagerly
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    step_without_host_sync(engine, 4)  # the very function the graphs captured, run eagerly
     for _ in range(5):
         engine.step()
     assert engine.runner.buffers.data_ptrs() == ptrs
@@ -360,12 +365,7 @@ def test_replay_with_repetition_penalty_equals_eager(model, mode):
         prompt(model, 30, 5), SamplingParams(max_new_frames=20, seed=5, repetition_penalty=1.3), "s"
     )
     engine.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        engine.runner.decode_step(1)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    step_without_host_sync(engine, 1)
 
 
 def test_engine_loop_on_the_gpu_streams_the_offline_audio():
@@ -490,3 +490,47 @@ def test_varlen_attention_equals_the_block_diagonal_mask(monkeypatch):
         lambda: (fn, {name: value for name, value in options.items() if name != "enable_gqa"}),
     )
     torch.testing.assert_close(varlen_causal_attend(q, k, v, cu, max(lengths)), want, atol=2e-2, rtol=2e-2)
+
+
+def test_text_positions_and_rewinds_under_replay_equal_eager(model, monkeypatch):
+    """With aligner heads, the captured step writes each row's text position as the eager step does:
+    the same positions reach the loop guards, and the same rewinds (scripted here) leave the same codes,
+    at changing buckets; the step with the aligner makes no host sync."""
+    from helpers import script_loop_guard
+
+    from tts.engine.aligner import AlignerSpec
+
+    script_loop_guard(monkeypatch, {9: (4, False), 25: (6, False), 40: (2, False)})
+    aligner = AlignerSpec(3, (0, 5))
+
+    def run(**kw):
+        engine = make_engine(model, aligner=aligner, **kw)
+        kept, requests = {}, {}
+        for i in range(5):
+            n = 30 + 23 * i
+            p = SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_frames=50 + 5 * i, seed=i)
+            requests[f"r{i}"] = engine.submit(prompt(model, n, i), p, f"r{i}", text_span=(3, n - 2))
+        while engine.has_work():
+            for out in engine.step():
+                frames = kept.setdefault(out.request_id, [])
+                if out.retract:
+                    del frames[-out.retract :]
+                frames += list(out.codes)
+        return engine, kept, {rid: r.guard.positions for rid, r in requests.items()}
+
+    _, eager, eager_positions = run(testing_eager_buckets=True)
+    engine, replayed, positions = run()
+    assert engine.graphs.stats.replays > 0 and not engine.graphs.stats.failed_captures
+    assert engine.loop_repeats == 3 * 5
+    for rid in eager:
+        assert positions[rid] == eager_positions[rid]
+        assert all(0 <= x < 25 + 23 * int(rid[1:]) for x in positions[rid])  # inside the span
+        assert torch.equal(torch.stack(eager[rid]), torch.stack(replayed[rid])), rid
+
+    engine = make_engine(model, aligner=aligner, graphs="startup")
+    for i in range(3):
+        engine.submit(
+            prompt(model, 30, i), SamplingParams(max_new_frames=20, seed=i), f"s{i}", text_span=(0, 20)
+        )
+    engine.step()
+    step_without_host_sync(engine, 4)

@@ -463,22 +463,23 @@ def test_engine_prefills_admitted_requests_packed_and_falls_back_one_by_one(tiny
         assert torch.equal(runs["failing"][rid], runs["unpacked"][rid])
 
 
-def test_the_step_output_layout_is_frame_column_then_emitted_and_done(tiny_model):
+def test_the_step_output_layout_is_frame_column_then_emitted_done_and_text_position(tiny_model):
     """`OutLayout` names the columns of `out` that the step writes and `Engine.step` reads."""
     from tts.engine.model_runner import OutLayout
 
     cols = OutLayout(4)
-    assert (cols.token, cols.frame, cols.codes, cols.emitted, cols.done, cols.width) == (
+    assert (cols.token, cols.frame, cols.codes, cols.emitted, cols.done, cols.align, cols.width) == (
         0,
         slice(0, 5),
         slice(1, 5),
         5,
         6,
         7,
+        8,
     )
     engine = make_engine(tiny_model)
     N = tiny_model.config.num_codebooks
-    assert engine.runner.out_layout == OutLayout(N) and engine.runner.buffers.out.shape[1] == N + 3
+    assert engine.runner.out_layout == OutLayout(N) and engine.runner.buffers.out.shape[1] == N + 4
 
 
 def test_frame_steps_and_rows_count_the_batch(tiny_model):

@@ -12,8 +12,10 @@ directory format is a Fish-style directory with one extra config key:
 
 "tts_runtime" may also name a text `frontend` (tts/frontend.py; absent = the normalized text itself):
 the default model reads espeak-ng IPA phonemes ("espeak-ipa:en-us"); a `text_policy` (tts/textpolicy.py;
-absent = "english", the English normalizer); and a `default_voice`, the preset used when a request names
-none (absent = no reference, as for Fish models).
+absent = "english", the English normalizer); a `default_voice`, the preset used when a request names
+none (absent = no reference, as for Fish models); and an `aligner`, `{"layer": L, "heads": [h, ...]}`:
+slow-AR attention heads that follow the text, which the loop guard reads (tts/engine/aligner.py; absent =
+no loop guard).
 
 Directories without "tts_runtime" are Fish checkpoints, handed to `tts.fish` (separate issue).
 """
@@ -34,6 +36,7 @@ from .codec import Codec, WaveTableCodec
 from .codec.melrvq import MelRVQCodec
 from .codec.melvq import MelVQCodec
 from .config import ConfigError, ModelArgs
+from .engine.aligner import AlignerSpec
 from .frontend import get_frontend
 from .model import DualARTransformer
 from .params import FrameConvention, SamplingParams
@@ -72,6 +75,8 @@ class ModelBundle:
     # How the repetition penalty reads the recent frames (tts.engine.model_runner.REPETITION_MODES):
     # "fish-1.5", "s1", or None where the family has no penalty (the request's value is then ignored).
     repetition: str | None = None
+    # Attention heads that follow the text, for the loop guard (tts.engine.aligner); None: no guard.
+    aligner: AlignerSpec | None = None
 
     @property
     def device(self) -> torch.device:
@@ -300,6 +305,8 @@ def save_bundle(bundle: ModelBundle, directory: str | Path, codec_config: dict |
             "max_new_frames": s.max_new_frames,
         },
     }
+    if bundle.aligner is not None:
+        cfg[RUNTIME_KEY]["aligner"] = {"layer": bundle.aligner.layer, "heads": list(bundle.aligner.heads)}
     (directory / "config.json").write_text(json.dumps(cfg, indent=2))
     save_weights(bundle.model.state_dict(), directory)
     bundle.tokenizer.save(directory / "tokenizer.json")
@@ -392,6 +399,10 @@ def _load_own_bundle(directory: Path, raw: dict, device, dtype) -> ModelBundle:
     default_voice = runtime.get("default_voice")
     if default_voice is not None and default_voice not in voices:
         raise ConfigError(f"{directory / 'config.json'}: default_voice {default_voice!r} is not in voices/")
+    try:
+        aligner = AlignerSpec.from_config(runtime.get("aligner"), args.n_layer, args.n_head)
+    except ValueError as exc:
+        raise ConfigError(f"{directory / 'config.json'}: {exc}") from exc
     codec = load_codec(directory)
     if torch.device(device).type != "cpu" and hasattr(codec, "to"):
         codec.to(device)  # decode and encode on the model's device (the codec stage's batched decode too)
@@ -407,6 +418,7 @@ def _load_own_bundle(directory: Path, raw: dict, device, dtype) -> ModelBundle:
         chunk_length=runtime.get("chunk_length", 200),
         path=directory,
         default_voice=default_voice,
+        aligner=aligner,
     )
 
 

@@ -22,6 +22,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # the model emitted the end token (<|im_end|>)
     LENGTH = "length"  # the request hit its frame budget (max_new_frames, the runaway guard, a limit)
     SHORT = "short"  # ended by the end token with implausibly little audio for its text
+    LOOP = "loop"  # kept a repetition loop that the loop guard could not mend (tts.engine.aligner)
     CANCELLED = "cancelled"
     ERROR = "error"
 

@@ -232,11 +232,19 @@ class Planner:
     def prompt(self, text: str, references, history, params: SamplingParams) -> Tensor:
         """The chunk's prompt `[T, 1 + N]`; drops the previous-chunk context if it would not fit the
         context size with `params.max_new_frames`."""
+        return self.prompt_with_span(text, references, history, params)[0]
+
+    def prompt_with_span(
+        self, text: str, references, history, params: SamplingParams
+    ) -> tuple[Tensor, tuple[int, int] | None]:
+        """`prompt`, and the positions `[start, end)` of the chunk's text in it, which the engine's loop
+        guard follows (None where the prompt format does not say)."""
         fmt = self.bundle.prompt_format
-        prompt = fmt.build(text, references, history)
+        build = getattr(fmt, "build_with_span", None) or (lambda *parts: (fmt.build(*parts), None))
+        prompt, span = build(text, references, history)
         if history and prompt.shape[0] + params.max_new_frames > self.max_context:
-            prompt = fmt.build(text, references, [])
-        return prompt
+            prompt, span = build(text, references, [])
+        return prompt, span
 
     def check(self, prompt: Tensor, params: SamplingParams) -> None:
         """Raise InvalidRequest if an engine request with this prompt and params could never run."""

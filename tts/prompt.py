@@ -109,6 +109,11 @@ class PromptAssembler:
                 raise reserved_tag_error(token, allowed)
         return ids
 
+    @property
+    def length(self) -> int:
+        """Prompt positions so far (text and code columns)."""
+        return sum(c.shape[0] for c in self.columns) + len(self._text)
+
     def _ids(self, ids: Sequence[int]) -> PromptAssembler:
         self._text.extend(ids)  # one column for consecutive text parts
         return self
@@ -169,6 +174,13 @@ class S2PromptFormat:
     def build(
         self, text: str, references: Sequence[VoiceReference] = (), history: Sequence[Turn] = ()
     ) -> Tensor:
+        return self.build_with_span(text, references, history)[0]
+
+    def build_with_span(
+        self, text: str, references: Sequence[VoiceReference] = (), history: Sequence[Turn] = ()
+    ) -> tuple[Tensor, tuple[int, int]]:
+        """`build`'s prompt and the positions `[start, end)` of the target text's tokens in it (what
+        the loop guard follows, `tts.engine.aligner`)."""
         p = PromptAssembler(self.tokenizer, self.num_codebooks)
         f = self.frontend
         if f is not identity:
@@ -189,9 +201,12 @@ class S2PromptFormat:
         for turn in history:
             p.text("<|im_start|>user\n").user_text(turn.text, self.user_tags).text("<|im_end|>\n")
             p.text("<|im_start|>assistant\n<|voice|>").codes(turn.codes).text("<|im_end|>\n")
-        p.text("<|im_start|>user\n").user_text(text, self.user_tags).text("<|im_end|>\n")
-        p.text("<|im_start|>assistant\n<|voice|>")
-        return p.build()
+        p.text("<|im_start|>user\n")
+        start = p.length
+        p.user_text(text, self.user_tags)
+        span = (start, p.length)
+        p.text("<|im_end|>\n<|im_start|>assistant\n<|voice|>")
+        return p.build(), span
 
 
 _SPEAKER_TAG = re.compile(r"<\|speaker:\d+\|>")

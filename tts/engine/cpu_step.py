@@ -136,10 +136,15 @@ class CpuFrameStep:
             ]
         views = self._kv_views
 
+        aligner = r.aligner.layer if r.aligner is not None else -1
+        tables = bufs.block_tables[:b, :width]
+
         def attend(i, q, k, v):
             k_pool, v_pool, k_flat, v_flat = views[i]
             k_flat.index_copy_(0, slots, k)
             v_flat.index_copy_(0, slots, v)
+            if i == aligner:  # the text positions: spans only as long as the batch's longest
+                r.write_alignment(b, q, tables, max(1, int(bufs.align_len[:b].max())))
             return torch_attention(q, k_pool, v_pool, r.scale)
 
         (blocks, final_norm), _ = self.layers

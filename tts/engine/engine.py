@@ -31,6 +31,16 @@ from ..kernels import kernel_head_dim_ok
 from ..kv_cache import BlockAllocator, PagedKVCache, blocks_needed
 from ..model import DualARTransformer, TransformerBlock
 from ..sampling import SAMPLER_TOPK_CAP
+from .aligner import (
+    ALIGN_MAX_TOKENS,
+    MAX_REWINDS,
+    RETRY_FRAMES,
+    RETRY_TEMPERATURE,
+    RETRY_TOP_P,
+    REWIND_EXTRA_FRAMES,
+    AlignerSpec,
+    LoopGuard,
+)
 from .cpu_step import CpuFrameStep
 from .model_runner import ModelRunner, RowInit
 from .prefill_graphs import PrefillGraphs
@@ -67,6 +77,9 @@ class EngineConfig:
     repetition: how the frame step applies requests' repetition penalty ("fish-1.5", "s1"; see
     tts.engine.model_runner), None: not at all. The model family decides it (`ModelBundle.repetition`);
     the Python API and the service fill it in from the bundle.
+    aligner: the model's aligner heads (`tts.engine.aligner`; `ModelBundle.aligner`, filled in likewise),
+    None: the model has none. loop_guard: with an aligner, follow each request's position in its text
+    and rewind repeats (`submit(text_span=...)`); False: never (the aligner is then not computed).
     """
 
     max_batch: int = 8
@@ -82,6 +95,8 @@ class EngineConfig:
     packed_prefill: bool | None = None
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     repetition: str | None = None
+    aligner: AlignerSpec | None = None
+    loop_guard: bool = True
     # Benchmarking only:
     ignore_eos: bool = False  # never sample the end token (fixed-length benchmark runs)
     # Testing only (no option of the CLI or the service sets them). testing_standin_graphs: on a CPU,
@@ -124,10 +139,14 @@ class EngineConfig:
 
 
 def for_bundle(config: EngineConfig, bundle) -> EngineConfig:
-    """`config` with the model bundle's repetition mode (`ModelBundle.repetition`) where it names none."""
+    """`config` with the model bundle's repetition mode (`ModelBundle.repetition`) and aligner heads
+    (`ModelBundle.aligner`) where it names none."""
     mode = getattr(bundle, "repetition", None)
     if config.repetition is None and mode is not None:
-        return replace(config, repetition=mode)
+        config = replace(config, repetition=mode)
+    aligner = getattr(bundle, "aligner", None)
+    if config.aligner is None and aligner is not None:
+        config = replace(config, aligner=aligner)
     return config
 
 
@@ -185,6 +204,7 @@ class Engine:
             self._attention_backend(cfg.attention_backend),
             ignore_eos=cfg.ignore_eos,
             repetition=cfg.repetition,
+            aligner=self._guard_aligner(cfg),
         )
         # The frame step: the captured one, or on a CPU its eager twin (same contract and buffers).
         self.cpu_step = CpuFrameStep(self.runner) if self.device.type == "cpu" else None
@@ -211,6 +231,7 @@ class Engine:
         self.frame_steps = 0  # frame steps run (one per iteration with a running row)
         self.step_rows = 0  # running rows summed over those steps: step_rows / frame_steps = batch occupancy
         self.prefill_requests = 0  # requests admitted and prefilled (/ runner.prefill_passes: packing)
+        self.loop_repeats = 0  # repeats the loop guard found (each taken back: rewound, or its request ended)
         # Seconds spent per phase of `step` (host wall time; on CUDA "replay" lasts until the frame is on
         # the host): admitting and prefilling new requests, the frame step itself, the per-row outputs.
         self.phase_seconds = {"prefill": 0.0, "replay": 0.0, "rows": 0.0}
@@ -308,13 +329,46 @@ class Engine:
 
     # ---- API for callers (any thread) --------------------------------------------------------------
 
+    @staticmethod
+    def _guard_aligner(cfg: EngineConfig) -> AlignerSpec | None:
+        """The aligner the frame step computes: the model's, when the loop guard is on and can rewind
+        (a rewind does not rebuild the repetition penalty's history, so a model with one is unguarded)."""
+        if cfg.aligner is None or not cfg.loop_guard:
+            return None
+        if cfg.repetition is not None:
+            log.warning("the loop guard is off: it cannot rewind a model with a repetition penalty")
+            return None
+        return cfg.aligner
+
+    @property
+    def loop_guard(self) -> bool:
+        """Whether requests submitted with a text span are guarded against repetition loops."""
+        return self.runner.aligner is not None
+
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
-    def submit(self, prompt: torch.Tensor, params: SamplingParams, request_id: str | None = None) -> Request:
-        """Queue a request. Raises InvalidRequest (bad parameters or prompt, too long) or QueueFull."""
+    def submit(
+        self,
+        prompt: torch.Tensor,
+        params: SamplingParams,
+        request_id: str | None = None,
+        text_span: tuple[int, int] | None = None,
+    ) -> Request:
+        """Queue a request. text_span: the prompt positions `[start, end)` of the text it speaks, for the
+        loop guard (`tts.engine.aligner`; ignored without one, and for spans longer than
+        ALIGN_MAX_TOKENS). Raises InvalidRequest (bad parameters or prompt, too long) or QueueFull."""
         self.check_prompt(prompt)
         request = Request(request_id or self.new_request_id(), prompt, params)
+        if text_span is not None and self.loop_guard:
+            start, end = text_span
+            if not 0 <= start < end <= request.prompt_len:
+                raise ValueError(
+                    f"text_span {text_span} is not inside the prompt ({request.prompt_len} tokens)"
+                )
+            if end - start <= ALIGN_MAX_TOKENS:
+                request.text_span = (start, end)
+                request.guard = LoopGuard(end - start)
         with self._lock:
             if request.request_id in self._requests:
                 raise ValueError(f"duplicate request id {request.request_id!r}")
@@ -422,18 +476,28 @@ class Engine:
         phases["replay"] += t2 - t1
         cols = self.runner.out_layout
         # Per-row work in plain Python values and one split: this loop runs every frame for every row.
-        flags = out[:, [cols.token, cols.emitted, cols.done]].tolist()
+        flags = out[:, [cols.token, cols.emitted, cols.done, cols.align]].tolist()
+        # frame columns as Python ints, for the loop guards' rewinds (only where there can be guards)
+        columns = out[:, cols.frame].tolist() if self.runner.aligner is not None else None
         row_codes = out[:, cols.codes].split(1)
         no_codes = out[:0, cols.codes]
         # Iterate over a snapshot: finishing a request moves the last row into its place.
-        for request, (token, emitted, done), codes in zip(
-            list(self.scheduler.running), flags, row_codes, strict=True
+        for row, (request, (token, emitted, done, position), codes) in enumerate(
+            zip(list(self.scheduler.running), flags, row_codes, strict=True)
         ):
             if not emitted:  # paused: nothing emitted this step
                 continue
             request.num_generated += 1
             self.frames_generated += 1
             stop = token == self.model.config.eos_token_id
+            hold = 0
+            if request.guard is not None and not stop:
+                assert columns is not None  # (a guard exists only where the runner has an aligner)
+                retract = self._guard(request, position, columns[row], done)
+                if retract is not None:
+                    outputs.append(retract)
+                    continue
+                hold = self._hold(request)
             end_codes = None
             # The end-token frame is not audio (docs/fish_dual_ar.md §1.4 step 8), except for 1.5
             # (FrameConvention).
@@ -441,15 +505,73 @@ class Engine:
                 codes, end_codes = no_codes, codes
             if done:
                 reason = FinishReason.STOP if stop else FinishReason.LENGTH
+                if request.looped:  # a repeat stayed in its frames (tts.engine.aligner.MAX_REWINDS)
+                    reason = FinishReason.LOOP
                 with self._lock:
                     finished = self._finish(request, reason)
                 finished.codes = codes
                 finished.end_codes = end_codes
                 outputs.append(finished)
             else:
-                outputs.append(StepOutput(request.request_id, codes))
+                outputs.append(StepOutput(request.request_id, codes, hold=hold))
         phases["rows"] += time.perf_counter() - t2
         return outputs
+
+    def _guard(self, request: Request, position: int, column: list[int], done: bool) -> StepOutput | None:
+        """Feed a guarded request's new frame (its column `[token, c_0 .. c_N-1]`, text `position`) to its
+        loop guard. On a repeat that began after the text's end, the request ends there (reason STOP:
+        its text was said); on another, it is rewound to REWIND_EXTRA_FRAMES before the repeat and
+        samples RETRY_FRAMES frames hotter. Either way the returned output takes back the repeat's frames
+        already handed out (the new frame is dropped too). Past MAX_REWINDS a repeat stays, and the
+        request will end with reason LOOP. None: carry on with the frame."""
+        guard = request.guard
+        assert guard is not None  # (the caller checks)
+        request.columns.append(column)
+        if request.retry_until and request.num_generated >= request.retry_until:
+            request.retry_until = 0
+            p = request.params
+            self.runner.set_sampling(self.scheduler.running.index(request), p.temperature, p.top_p)
+        repeat = guard.push(int(position))
+        if repeat is None or done or repeat.first < 1:
+            return None
+        self.loop_repeats += 1
+        if not repeat.at_end and guard.repeats > MAX_REWINDS:
+            request.looped = True
+            return None
+        # after the text's end: cut at the repeat; else sample again from REWIND_EXTRA_FRAMES before it,
+        # or from the oldest frame not yet released (after a rewind, frames before it may have gone)
+        first = (
+            repeat.first if repeat.at_end else max(1, repeat.first - REWIND_EXTRA_FRAMES, request.released)
+        )
+        frames = len(request.columns) - first  # frames first .. newest, the newest not handed out
+        del request.columns[first:]
+        guard.rewind(first)
+        request.num_generated -= frames
+        if repeat.at_end:
+            with self._lock:
+                finished = self._finish(request, FinishReason.LOOP if request.looped else FinishReason.STOP)
+            finished.retract = frames - 1
+            return finished
+        begin = self.model.config.semantic_begin_id
+        # the RAS window: the kept frames' main tokens, all but the first frame's (as `_advance` pushes)
+        ras = [c[0] - begin for c in request.columns[1:]]
+        row = self.scheduler.running.index(request)
+        self.runner.rewind_row(row, frames, torch.tensor(request.columns[-1]), ras)
+        p = request.params
+        self.runner.set_sampling(row, max(p.temperature, RETRY_TEMPERATURE), max(p.top_p, RETRY_TOP_P))
+        request.retry_until = request.num_generated + RETRY_FRAMES
+        no_codes = torch.empty(0, self.model.config.num_codebooks, dtype=torch.int64)
+        return StepOutput(request.request_id, no_codes, retract=frames - 1)
+
+    @staticmethod
+    def _hold(request: Request) -> int:
+        """How many of a guarded request's newest frames (its latest included) its consumer must keep
+        unheard: what its guard may still take back, less frames released before (StepOutput.hold)."""
+        assert request.guard is not None  # (the caller checks)
+        kept = len(request.columns)
+        hold = min(request.guard.retractable(), kept - request.released)
+        request.released = kept - hold
+        return hold
 
     def _frame_to_host(self, n: int) -> torch.Tensor:
         """The step's `out[:n]` on the host, copied before the next step overwrites it. On CUDA through a
@@ -514,6 +636,7 @@ class Engine:
                     paused=request.paused,
                     min_frames=p.min_new_frames,
                     repetition_penalty=p.repetition_penalty,
+                    align_span=request.text_span,
                 ),
             )
         with self._lock:

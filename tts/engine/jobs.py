@@ -191,6 +191,9 @@ class _Job:
     history: list[Turn] = field(default_factory=list)
     generated: list[Tensor] = field(default_factory=list)  # [1, N] codes of the current text chunk
     pending: list[Tensor] = field(default_factory=list)  # [1, N] codes not yet sent to the codec
+    # The newest frames of `pending` that the engine's loop guard may still take back (not sent to the
+    # codec until a later frame's hold, or the chunk's end, lets them go).
+    held: int = 0
     # (sequence, frame_start, codes) being decoded
     inflight: deque[tuple[int, int, Tensor]] = field(default_factory=deque)
     frames: int = 0  # generated
@@ -438,8 +441,8 @@ class JobRunner:
         )
         engine_id = f"{job.job_id}/{i}"
         try:
-            prompt = self.planner.prompt(spec.chunks[i], job.references, job.history, params)
-            self.engine.submit(prompt, params, request_id=engine_id)
+            prompt, span = self.planner.prompt_with_span(spec.chunks[i], job.references, job.history, params)
+            self.engine.submit(prompt, params, request_id=engine_id, text_span=span)
         except InvalidRequest as exc:
             prefix = f"text chunk {i + 1} of {len(spec.chunks)}: " if len(spec.chunks) > 1 else ""
             self._end(job, Failed(InvalidRequest(f"{prefix}{exc}")))
@@ -462,10 +465,12 @@ class JobRunner:
         frames = self.frames
         if job.first_frame_at is None:
             job.first_frame_at = time.monotonic()
+        if out.retract:
+            self._retract(job, out.retract)
         if out.codes.numel():
             job.generated.append(out.codes)  # the next chunk's context: every generated frame
             if not (frames.drop_first and len(job.generated) == 1):
-                self._audio_frame(job, out.codes)
+                self._audio_frame(job, out.codes, out.hold)
         if out.finished and frames.keep_end and out.end_codes is not None and job.generated:
             self._audio_frame(job, out.end_codes)  # (an end frame that is the first frame is dropped)
         if not out.finished:
@@ -480,17 +485,29 @@ class JobRunner:
             assert out.finish_reason is not None  # a finished output has its reason
             self._chunk_done(job, out.finish_reason)
 
-    def _audio_frame(self, job: _Job, codes: Tensor) -> None:
-        """One frame `[1, N]` of the job's audio: pending until its audio chunk is due."""
+    def _audio_frame(self, job: _Job, codes: Tensor, hold: int = 0) -> None:
+        """One frame `[1, N]` of the job's audio: pending until its audio chunk is due, and while it is
+        among the newest `hold` frames, which the engine's loop guard may still take back."""
         job.pending.append(codes)
         job.frames += codes.shape[0]
+        job.held = min(hold, len(job.pending))
         progress = getattr(job.sink, "progress", None)
         if progress is not None:
             progress(job.frames, job.index, len(job.spec.chunks))
-        if len(job.pending) >= chunk_size(job.spec.first_chunk_frames, job.spec.chunk_frames, job.sequence):
+        due = chunk_size(job.spec.first_chunk_frames, job.spec.chunk_frames, job.sequence)
+        if len(job.pending) - job.held >= due:
             self._queue_audio(job)
 
+    def _retract(self, job: _Job, frames: int) -> None:
+        """The engine took back the chunk's newest `frames` frames (a repeat): forget them. They are
+        among the frames held back (`_audio_frame`), never sent to the codec."""
+        assert 0 < frames <= min(job.held, len(job.pending), len(job.generated)), (frames, job.held)
+        del job.generated[-frames:], job.pending[-frames:]
+        job.held -= frames
+        job.frames -= frames
+
     def _chunk_done(self, job: _Job, reason: FinishReason) -> None:
+        job.held = 0  # the chunk's frames are final
         spec, i = job.spec, job.index
         n = len(spec.chunks)
         frames = len(job.generated)
@@ -515,8 +532,12 @@ class JobRunner:
                 f"{where} reached max_new_frames ({job.budget} frames, {seconds:.1f} s) for {nbytes} bytes "
                 "of text: its audio may stop mid-word"
             )
+        elif reason == FinishReason.LOOP:
+            job.warnings.append(f"{where} repeats words: the loop guard could not mend a repetition loop")
         job.reasons.append(reason)
-        if job.generated:
+        if reason == FinishReason.LOOP:
+            job.history = []  # no repeat as the next chunk's context
+        elif job.generated:
             job.history = [Turn(spec.chunks[i], torch.cat(job.generated).T)]
         job.index += 1
         if job.index < n:
@@ -534,14 +555,18 @@ class JobRunner:
         self._finish_if_done(job)
 
     def _queue_audio(self, job: _Job) -> None:
-        codes = torch.cat(job.pending).T.contiguous()  # [N, frames]
-        job.pending = []
-        job.inflight.append((job.sequence, job.frames_queued, codes))
-        self.stage.decode(job.slot, (job.job_id, job.sequence), codes)
-        if job.first_chunk_at is None:
-            job.first_chunk_at = time.monotonic()
-        job.sequence += 1
-        job.frames_queued += codes.shape[1]
+        """Send the pending frames but the held ones to the codec stage, as one audio chunk (two where
+        released held frames make it longer than the codec stage takes)."""
+        while len(job.pending) > job.held:
+            n = min(len(job.pending) - job.held, MAX_PIECE_FRAMES)
+            codes = torch.cat(job.pending[:n]).T.contiguous()  # [N, frames]
+            job.pending = job.pending[n:]
+            job.inflight.append((job.sequence, job.frames_queued, codes))
+            self.stage.decode(job.slot, (job.job_id, job.sequence), codes)
+            if job.first_chunk_at is None:
+                job.first_chunk_at = time.monotonic()
+            job.sequence += 1
+            job.frames_queued += codes.shape[1]
         self._pause_if_full(job)
 
     def _audio(self, result: DecodeResult) -> None:

@@ -64,6 +64,7 @@ from ..sampling import (
     sample,
     sample_main_token,
 )
+from .aligner import ALIGN_MAX_TOKENS, AlignerSpec, text_alignment
 
 if TYPE_CHECKING:
     from .prefill_graphs import PrefillGraphs
@@ -121,8 +122,12 @@ class OutLayout:
         return self.num_codebooks + 2
 
     @property
-    def width(self) -> int:
+    def align(self) -> int:
         return self.num_codebooks + 3
+
+    @property
+    def width(self) -> int:
+        return self.num_codebooks + 4
 
 
 @dataclass
@@ -137,9 +142,10 @@ class StepBuffers:
     `ras_history [B, 10]` (last main-token indices, -1 = empty), `ras_len [B]` int64 (how many of the
     newest count: the request's `ras_window`),
     `rep_penalty [B]` float32 (1 = off), `rep_history [B, 1+N, 16]` int64 (the repetition penalty's
-    ring of recent frame columns, see the module docstring).
-    Output: `out [B, N+3]` int64 = frame column `[token, c_0..c_{N-1}]`, emitted flag, done flag
-    (`OutLayout` names the columns).
+    ring of recent frame columns, see the module docstring), `align_start, align_len [B]` int64 (the
+    row's text span for the aligner, `tts.engine.aligner`; length 0 = none).
+    Output: `out [B, N+4]` int64 = frame column `[token, c_0..c_{N-1}]`, emitted flag, done flag, text
+    position (`OutLayout` names the columns).
     Fast AR static KV: `fast_k, fast_v [n_fast_layer, B, Hkv, N, D]`, rewritten every frame.
     """
 
@@ -158,6 +164,8 @@ class StepBuffers:
     ras_len: Tensor
     rep_penalty: Tensor
     rep_history: Tensor
+    align_start: Tensor
+    align_len: Tensor
     out: Tensor
     fast_k: Tensor
     fast_v: Tensor
@@ -185,10 +193,13 @@ class StepBuffers:
             ras_len=torch.zeros(B, **i64),
             rep_penalty=torch.ones(B, dtype=torch.float32, device=device),
             rep_history=torch.zeros(B, 1 + N, REPETITION_WINDOW, **i64),
+            align_start=torch.zeros(B, **i64),
+            align_len=torch.zeros(B, **i64),
             out=torch.zeros(B, OutLayout(N).width, **i64),
             fast_k=torch.zeros(fast_kv, dtype=dtype, device=device),
             fast_v=torch.zeros(fast_kv, dtype=dtype, device=device),
         )
+        bufs.out[:, OutLayout(N).align] = -1  # (written by the step only where the model has an aligner)
         return bufs
 
     def tensors(self) -> dict[str, Tensor]:
@@ -215,6 +226,8 @@ class RowInit:
     paused: bool = False
     min_frames: int = 0
     repetition_penalty: float = 1.0
+    # the span of prompt positions holding the text the aligner follows (None: no alignment)
+    align_span: tuple[int, int] | None = None
 
 
 @dataclass
@@ -290,6 +303,7 @@ class ModelRunner:
         attention_backend=None,
         ignore_eos: bool = False,
         repetition: str | None = None,
+        aligner: AlignerSpec | None = None,
     ):
         c = model.config
         if c.eos_token_id is None:
@@ -333,6 +347,12 @@ class ModelRunner:
         self.varlen_prefill = varlen_causal_available(self.device, model.embeddings.weight.dtype, c.head_dim)
         # The prefill's captured passes (tts.engine.prefill_graphs), when the engine uses graphs.
         self.prefill_graphs: PrefillGraphs | None = None
+        # The aligner heads (tts.engine.aligner): their query heads and the KV heads they read.
+        self.aligner = aligner
+        if aligner is not None:
+            group = c.n_head // c.n_local_heads
+            self.align_heads = torch.tensor(aligner.heads, dtype=torch.int64, device=self.device)
+            self.align_kv_heads = self.align_heads // group
 
     # ---- host-side row management (between steps only) ---------------------------------------------
 
@@ -355,6 +375,9 @@ class ModelRunner:
         b.ras_len[row] = init.ras_len
         b.rep_penalty[row] = init.repetition_penalty
         b.rep_history[row] = 0
+        start, end = init.align_span or (0, 0)
+        b.align_start[row] = start
+        b.align_len[row] = end - start
         b.active[row] = not init.paused
 
     def move_row(self, src: int, dst: int) -> None:
@@ -373,6 +396,30 @@ class ModelRunner:
         b.input_columns[row].zero_()
         b.steps[row] = 0
         b.min_frames[row] = 0
+        b.align_len[row] = 0
+
+    def rewind_row(self, row: int, frames: int, last_column: Tensor, ras_window: list[int]) -> None:
+        """Take back a running row's newest `frames` frames (the loop guard's rewind, `Engine`): its
+        position goes back by that many, its next input is `last_column [1 + N]` (the newest kept
+        frame's column, or the prompt's last) and its RAS window holds `ras_window` (the kept frames'
+        main-token indices, oldest first, at most the window). Its step counter keeps counting, so the
+        frames sampled again draw new noise (and count against the budget). Only for runners without
+        a repetition penalty, whose ring of past frames is not rebuilt here."""
+        if self.repetition is not None:
+            raise ValueError("rewind_row does not restore the repetition penalty's history")
+        b = self.buffers
+        b.positions[row] -= frames
+        b.input_columns[row].copy_(last_column.to(self.device))
+        window = torch.full((b.ras_history.shape[1],), -1, dtype=torch.int64)
+        if ras_window:
+            kept = torch.tensor(ras_window[-window.shape[0] :], dtype=torch.int64)
+            window[window.shape[0] - kept.shape[0] :] = kept
+        b.ras_history[row].copy_(window.to(self.device))
+
+    def set_sampling(self, row: int, temperature: float, top_p: float) -> None:
+        """A running row's temperature and top-p from its next frame on (the loop guard's retry)."""
+        self.buffers.temperature[row] = temperature
+        self.buffers.top_p[row] = top_p
 
     def set_active(self, row: int, active: bool) -> None:
         self.buffers.active[row] = active
@@ -529,6 +576,8 @@ class ModelRunner:
             def attend(q, k, v):
                 if k is not None:  # (else the fused kernel already wrote them to kv_dest)
                     kv.write(i, slots, k[:, 0], v[:, 0])
+                if self.aligner is not None and i == self.aligner.layer:
+                    self.write_alignment(b, q[:, 0], tables)
                 return paged_attention(q[:, 0], i).unsqueeze(1)
 
             if not fused:
@@ -538,6 +587,24 @@ class ModelRunner:
         x = m.embed(bufs.input_columns[:b].unsqueeze(1))
         h_pre, h_post = m.slow_layers(x, m.freqs_cis[pos].unsqueeze(1), attend_layer)
         return h_pre[:, 0], h_post[:, 0]
+
+    def write_alignment(self, b: int, q: Tensor, tables: Tensor, tokens: int = ALIGN_MAX_TOKENS) -> None:
+        """Rows `[:b]`'s text positions into `out`'s align column, from the aligner layer's queries
+        `q [b, H, D]` (`tts.engine.aligner.text_alignment`; `tables` as the step reads them)."""
+        assert self.aligner is not None  # (callers check)
+        bufs = self.buffers
+        position = text_alignment(
+            q,
+            self.kv.k[self.aligner.layer],
+            tables,
+            bufs.align_start[:b],
+            bufs.align_len[:b],
+            self.align_heads,
+            self.align_kv_heads,
+            self.scale,
+            tokens,
+        )
+        bufs.out[:b, self.out_layout.align].copy_(position)
 
     def kv_slots(self, b: int) -> Tensor:
         """`[b]` int64: the KV pool slot each row's new K/V goes to (inactive rows: the scratch block)."""

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ..params import FinishReason, InvalidRequest, SamplingParams
+from .aligner import LoopGuard
 
 __all__ = ["FinishReason", "InvalidRequest", "Request", "RequestState", "SamplingParams", "StepOutput"]
 
@@ -27,7 +28,9 @@ class Request:
 
     prompt: `[T, 1 + N]` int64 frame columns (docs/fish_dual_ar.md §1.1) on the CPU; generation continues
     after its last column. `seed` is resolved at creation so that a request is reproducible even without a
-    user seed.
+    user seed. text_span: the prompt positions `[start, end)` of the text being spoken, which the loop
+    guard follows (None: no guard); guard: its `LoopGuard` while running, and columns: the frame columns
+    `[token, c_0 .. c_N-1]` kept so far (for a rewind), when guarded.
     """
 
     request_id: str
@@ -41,6 +44,13 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    text_span: tuple[int, int] | None = None
+    guard: LoopGuard | None = None
+    columns: list[list[int]] = field(default_factory=list)
+    looped: bool = False  # a repeat stayed in its frames (past the rewinds allowed): it ends with LOOP
+    # Frames (counted from its first) that its consumer may have let be heard: never taken back.
+    released: int = 0
+    retry_until: int = 0  # after a rewind: frames generated when its sampling returns to its own (0: is)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -67,6 +77,11 @@ class StepOutput:
     docs/fish_dual_ar.md §1.4 step 8); finished with its reason when the request ended in this iteration;
     end_codes: `[1, N]` int64 codes of that end-token frame when the end token ended it (c_0 = 0), for
     families whose reference code keeps it (`tts.params.FrameConvention`), else None.
+    retract: how many of the request's newest frames, handed out in earlier outputs, are taken back (the
+    loop guard's rewind: they repeated text already said and will be generated again); never more than
+    the previous output's `hold` allowed. hold: of a guarded request's frames handed out so far, this
+    one included, how many the engine may still take back (`tts.engine.aligner.LoopGuard.retractable`):
+    a consumer keeps that many newest frames unheard; 0 for unguarded requests.
     """
 
     request_id: str
@@ -75,3 +90,5 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     end_codes: Tensor | None = None
+    retract: int = 0
+    hold: int = 0
