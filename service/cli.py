@@ -527,7 +527,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     header_warnings = list(result.header.warnings)
     for warning in header_warnings + [w for w in end.warnings if w not in header_warnings]:
         print(f"warning: {warning}", file=sys.stderr)
-    reasons = {1: "stop", 2: "length", 3: "short"}
+    reasons = {1: "stop", 2: "length", 3: "short", 4: "loop"}
     ttfa = f"{result.ttfa * 1000:.0f} ms" if result.ttfa is not None else "-"
     print(
         f"wrote {'stdout' if args.output == '-' else out} ({fmt.name}): {end.frames} frames, "

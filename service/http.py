@@ -314,7 +314,11 @@ class _Synthesis:
             yield f"data: {json.dumps(event)}\n\n".encode()
 
     def _done_event(self, finished: Finished) -> dict:
-        length = FinishReason.LENGTH in finished.finish_reasons
+        reasons = finished.finish_reasons
+        # a repetition loop the loop guard left in is the more telling (OpenAI has no such reason)
+        reason = (
+            "loop" if FinishReason.LOOP in reasons else "length" if FinishReason.LENGTH in reasons else "stop"
+        )
         return {
             "type": "speech.audio.done",
             "usage": {
@@ -325,7 +329,7 @@ class _Synthesis:
             "frames": finished.frames,
             # after tempo, before codec padding; to the millisecond (as `usage` counts, not a float's tail)
             "audio_seconds": round(self.encoder.samples_out / self.encoder.output_rate, 3),
-            "finish_reason": "length" if length else "stop",
+            "finish_reason": reason,
             "seed": self.started.seed,
             "request_id": self.started.request_id,
             "warnings": list(finished.warnings),

@@ -453,13 +453,14 @@ _FINISH = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.SHORT: pb.FINISH_REASON_SHORT,
+    FinishReason.LOOP: pb.FINISH_REASON_LOOP,
 }
 
 
 def overall_finish_reason(reasons: Sequence[pb.FinishReason]) -> pb.FinishReason:
-    """The stream's finish reason: SHORT if any text chunk was short, else LENGTH if any hit its budget,
-    else STOP."""
-    for reason in (pb.FINISH_REASON_SHORT, pb.FINISH_REASON_LENGTH):
+    """The stream's finish reason: LOOP if any text chunk kept a repetition loop, else SHORT if any was
+    short, else LENGTH if any hit its budget, else STOP."""
+    for reason in (pb.FINISH_REASON_LOOP, pb.FINISH_REASON_SHORT, pb.FINISH_REASON_LENGTH):
         if reason in reasons:
             return reason
     return pb.FINISH_REASON_STOP

@@ -530,6 +530,15 @@ def test_one_graphs_option_and_its_deprecated_aliases(capsys, command, argv, gra
 
 
 @pytest.mark.parametrize("command", ["synthesize", "serve"])
+def test_loop_guard_is_on_unless_turned_off(command):
+    from tts.cli import build_parser, engine_kwargs
+
+    words = ["synthesize", "hi", "-o", "x.wav"] if command == "synthesize" else ["serve"]
+    assert engine_kwargs(build_parser().parse_args(words))["loop_guard"] is True
+    assert engine_kwargs(build_parser().parse_args([*words, "--loop-guard", "off"]))["loop_guard"] is False
+
+
+@pytest.mark.parametrize("command", ["synthesize", "serve"])
 def test_help_shows_graphs_off_lazy_startup_and_hides_the_deprecated_spellings(capsys, command):
     with pytest.raises(SystemExit):
         main([command, "--help"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import http.client
 import io
 import json
@@ -30,11 +31,13 @@ from tts.api import TTS
 from tts.audio import read_audio, to_pcm16
 from tts.bundle import load_bundle
 from tts.engine import EngineConfig
+from tts.engine.aligner import AlignerSpec
 from tts.engine.loop import EngineLoop
 from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
 
 pytest.importorskip("fastapi")
 av = pytest.importorskip("av")
+from helpers import script_loop_guard  # noqa: E402
 from service_helpers import HOLD_TEXT, ServerThread, wait_idle  # noqa: E402
 
 RATE = 16000  # the tiny model's codec
@@ -233,6 +236,24 @@ def test_each_http_request_logs_one_line_like_grpc(server, caplog):
     assert "voice=preset:alpha" in ok[0] and "text_bytes=9" in ok[0] and " frames=" in ok[0]
     refused = [x for x in lines if "outcome=not_found" in x]
     assert len(refused) == 1 and "rpc=http" in refused[0] and "nobody" in refused[0], lines
+
+
+def test_sse_done_event_says_loop_for_a_repetition_loop_left_in(bundle, monkeypatch):
+    """A repeat the loop guard could not mend: the done event's finish_reason is "loop", with the
+    warning."""
+    script_loop_guard(monkeypatch, {k: (2, False) for k in range(6, 400, 6)})
+    guarded = dataclasses.replace(bundle, aligner=AlignerSpec(1, (0, 3)))
+    srv = HTTPServerThread(guarded, EngineConfig(max_batch=2, ignore_eos=True))
+    try:
+        status, _, body = srv.speech(
+            input="Hello.", seed=1, max_new_frames=60, response_format="pcm", stream_format="sse"
+        )
+        done = sse_events(body)[-1]
+        assert status == 200 and done["type"] == "speech.audio.done"
+        assert done["finish_reason"] == "loop" and done["frames"] == 60 - 5 * 4
+        assert done["warnings"] == ["the text repeats words: the loop guard could not mend a repetition loop"]
+    finally:
+        srv.stop()
 
 
 def test_sse_stream_carries_the_audio_and_a_done_event(server, reference):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from helpers import script_loop_guard
 from service_helpers import (  # noqa: E402
     HOLD,
     HOLD_FRAMES,
@@ -33,6 +34,7 @@ from service.server import MAX_STATUS_CHARS, ServiceLimits, status_for
 from tts.api import TTS, VoiceNotFound
 from tts.bundle import load_bundle
 from tts.engine import EngineConfig, InvalidRequest
+from tts.engine.aligner import AlignerSpec
 from tts.engine.loop import EngineLoop
 from tts_grpc.v1 import tts_pb2 as pb
 from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
@@ -855,6 +857,30 @@ def test_a_stream_with_implausibly_little_audio_says_so(server, stub, monkeypatc
     assert list(r["end"].warnings) == [
         "the text ended after 0 frames (0.00 s) for 31 bytes of text: words may be missing"
     ]
+
+
+def test_a_stream_with_a_repetition_loop_left_in_says_loop(bundle, monkeypatch):
+    """A model with aligner heads: a repeat the loop guard cannot mend (past its rewinds) ends the text
+    chunk, and the stream, with FINISH_REASON_LOOP and a warning; the rows and blocks come back."""
+    script_loop_guard(monkeypatch, {k: (2, False) for k in range(6, 400, 6)})
+    guarded = dataclasses.replace(bundle, aligner=AlignerSpec(1, (0, 3)))
+    srv = ServerThread(guarded, EngineConfig(max_batch=2, ignore_eos=True))
+    try:
+        with srv.channel() as channel:
+            r = collect(
+                pb_grpc.TextToSpeechStub(channel).Synthesize(
+                    build_request("Hello.", max_new_frames=60, seed=1)
+                )
+            )
+        assert r["end"].finish_reason == pb.FINISH_REASON_LOOP
+        assert list(r["end"].text_chunk_finish_reasons) == [pb.FINISH_REASON_LOOP]
+        assert list(r["end"].warnings) == [
+            "the text repeats words: the loop guard could not mend a repetition loop"
+        ]
+        assert r["end"].frames == 60 - 5 * 4  # four rewinds, each 2 + 3 frames sampled again
+        wait_idle(srv.loop)
+    finally:
+        srv.stop()
 
 
 def test_one_log_line_per_request_and_cancels_are_info(server, caplog):

@@ -111,6 +111,19 @@ def add_engine_args(p: argparse.ArgumentParser, graphs: str = "lazy") -> None:
         help="CPU intra-op threads (default: 1 for models under 100 M parameters on a CPU, whose decode "
         "step is a chain of small ops that extra threads only slow down; otherwise torch's default)",
     )
+    add_loop_guard_arg(g)
+
+
+def add_loop_guard_arg(p) -> None:
+    p.add_argument(
+        "--loop-guard",
+        choices=["on", "off"],
+        default="on",
+        help="for models whose attention heads follow the text (the default voice): when the speech goes "
+        "back over words already said, take those frames back and sample them again, unheard (so the "
+        "first audio waits for a few more frames, about 20 ms on a CPU); a repeat it cannot mend ends "
+        "with finish reason loop. Other models have no guard (default on)",
+    )
 
 
 def resolve_graphs_arg(args: argparse.Namespace) -> None:
@@ -133,7 +146,12 @@ def resolve_graphs_arg(args: argparse.Namespace) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     resolve_graphs_arg(args)
     off = getattr(args, "prefill_graphs", "on") == "off"
-    return {"graphs": args.graphs, "buckets": args.buckets, "prefill_graphs": "off" if off else None}
+    return {
+        "graphs": args.graphs,
+        "buckets": args.buckets,
+        "prefill_graphs": "off" if off else None,
+        "loop_guard": getattr(args, "loop_guard", "on") == "on",
+    }
 
 
 def apply_threads(args: argparse.Namespace, bundle) -> None:

@@ -27,6 +27,9 @@ Reported (and written to `--out` as JSON):
   every output is closest to its own voice, by the same-text reference when it ran, else by the
   preset one; both are reported.
 
+* `loop_guard` (whether the model's loop guard ran, `--loop-guard`), `loop_repeats` (repeats it found),
+  `loop_finishes` (samples with a text chunk that ended "loop": a repeat left in) and
+  `unflagged_loops` (samples whose transcript has a loop though none of its chunks ended "loop");
 * `loops`: repetition loops in the transcripts that the text lacks (`loops`: a word said three times
   back to back, or a group of 2-4 words twice, more often than the text has it), with the samples
   holding them and, when espeak-ng ran, the ASR's transcript of espeak-ng reading the same text
@@ -293,13 +296,14 @@ def evaluate(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     bundle = load_bundle(args.model, device=args.device)
     apply_threads(args, bundle)  # as `tts synthesize` runs it, so the RTF below is the CLI's
-    tts = TTS(bundle, EngineConfig(max_batch=1))
+    tts = TTS(bundle, EngineConfig(max_batch=1, loop_guard=args.loop_guard == "on"))
     load_seconds = time.perf_counter() - t0
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     log(f"model: {bundle.describe()} (loaded in {load_seconds:.2f} s)")
     sampling = sampling_options(args)
     budget = args.max_new_frames or bundle.sampling.max_new_frames
     tts.synthesize("Warm up.", seed=0, max_new_frames=8, min_new_frames=8)  # (8 frames asked: no warning)
+    repeats_before = tts.engine.loop_repeats
     refs = [words(s) for s in sentences]
     samples: list[Sample] = []
     for seed in seeds:
@@ -342,6 +346,12 @@ def evaluate(args: argparse.Namespace) -> dict:
     result["wer_worst_seed"] = {"seed": worst, "wer": per_seed[worst]}
     result["runaway"] = sum("length" in s.finish for s in samples)
     result["loops"] = sum(len(s.loops) for s in samples)
+    # The loop guard (models with aligner heads): repeats it found (and took back, or left in), samples
+    # with a chunk that ended "loop", and samples whose transcript has a loop though no chunk says so.
+    result["loop_guard"] = tts.engine.loop_guard
+    result["loop_repeats"] = tts.engine.loop_repeats - repeats_before
+    result["loop_finishes"] = sum("loop" in s.finish.split(",") for s in samples)
+    result["unflagged_loops"] = sum(bool(s.loops) and "loop" not in s.finish.split(",") for s in samples)
     looped = [(i % len(sentences), s) for i, s in enumerate(samples) if s.loops]
     result["loop_samples"] = [{"seed": s.seed, "text": s.text[:80], "loops": s.loops} for _, s in looped]
     audio_total = sum(s.audio_seconds for s in samples)
@@ -546,7 +556,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers) -> None:
-    from .cli import add_model_args
+    from .cli import add_loop_guard_arg, add_model_args
 
     p = subparsers.add_parser(
         "eval",
@@ -609,6 +619,7 @@ def add_parser(subparsers) -> None:
         default=None,
         help="the model's CPU intra-op threads (default: as tts synthesize, 1 for models under 100 M parameters)",
     )
+    add_loop_guard_arg(p)
     p.add_argument("--out", default=None, help="write the full result (every sample) as JSON here")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_eval)

@@ -19,6 +19,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_SHORT: _ClassVar[FinishReason]
+    FINISH_REASON_LOOP: _ClassVar[FinishReason]
 AUDIO_ENCODING_UNSPECIFIED: AudioEncoding
 AUDIO_ENCODING_PCM16: AudioEncoding
 AUDIO_ENCODING_FLOAT32: AudioEncoding
@@ -26,6 +27,7 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_SHORT: FinishReason
+FINISH_REASON_LOOP: FinishReason
 
 class SynthesizeRequest(_message.Message):
     __slots__ = ("text", "voice", "sampling", "output", "normalize")
