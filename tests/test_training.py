@@ -311,6 +311,19 @@ def test_export_averages_several_runs_weights_and_names_the_teacher(tmp_path):
         assert export.VOICE_TEACHERS[key][0] == name  # (the family string's name)
 
 
+def test_export_parses_the_aligner_heads_of_the_model():
+    import export
+
+    from tts.bundle import load_bundle
+    from tts.engine.aligner import AlignerSpec
+
+    args = load_bundle("default").model.config  # 4 layers, 6 heads
+    assert export.parse_aligner("3:0,2", args) == AlignerSpec(3, (0, 2))
+    for bad in ("3", "3:", "x:0", "4:0", "3:6"):
+        with pytest.raises(ValueError):
+            export.parse_aligner(bad, args)
+
+
 def test_residual_dropout_acts_only_in_training_mode(tmp_path):
     corpus = train.Corpus(_codes_dir(tmp_path), 4)
     args = train.model_config(corpus.tokenizer, 4, 64, "test")

@@ -11,7 +11,7 @@ Better Generalization", 2018). train_state.json is the last output's, with the a
 and with `teacher`: the corpus's (`tts eval --voices` speaks its same-text references with it).
 
 Writes config.json (the model's `dual_ar` fields + `tts_runtime`: name, frontend "espeak-ipa:en-us",
-prompt format, sampling defaults), the weights as bf16 safetensors shards under 15 MB (the runtime
+prompt format, sampling defaults, and with `--aligner` the heads the loop guard follows), the weights as bf16 safetensors shards under 15 MB (the runtime
 casts them to its dtype), tokenizer.json, codec.json + codec.safetensors, and one preset voice per
 corpus speaker in voices/ (a 2.5-4.5 s training clip of that speaker: its codes and its normalized
 transcript), plus the clips' WAVs decoded by the codec in samples/voices/.
@@ -39,6 +39,7 @@ from tts.bundle import ModelBundle, load_codec, load_weights_into, save_bundle, 
 from tts.codec.melrvq import MelRVQCodec  # noqa: E402
 from tts.codec.melvq import MelVQCodec, load_vocoder  # noqa: E402
 from tts.config import ModelArgs  # noqa: E402
+from tts.engine.aligner import AlignerSpec  # noqa: E402
 from tts.engine.request import SamplingParams  # noqa: E402
 from tts.eval import VOICE_TEACHERS  # noqa: E402
 from tts.frontend import PhonemeFrontend  # noqa: E402
@@ -90,6 +91,21 @@ def pick_voices(work: Path, codes_dir: Path, num_codebooks: int) -> dict[str, Vo
     return dict(sorted(voices.items()))
 
 
+def parse_aligner(text: str, args: ModelArgs) -> AlignerSpec:
+    """`LAYER:HEAD,HEAD,...` -> the aligner heads of a model with `args`; ValueError if malformed or
+    not in the model."""
+    layer, sep, heads = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        raw = {"layer": int(layer), "heads": [int(h) for h in heads.split(",")]}
+    except ValueError:
+        raise ValueError(f"expected LAYER:HEAD,HEAD,..., got {text!r}") from None
+    spec = AlignerSpec.from_config(raw, args.n_layer, args.n_head)
+    assert spec is not None  # (raw is not None)
+    return spec
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -111,6 +127,13 @@ def main() -> None:
         help="a train_vocoder.py output folder (vocoder.json + vocoder.safetensors): the codec decodes with "
         "this learned vocoder instead of Griffin-Lim (the shipped bundle does)",
     )
+    p.add_argument(
+        "--aligner",
+        default=None,
+        metavar="LAYER:HEAD,HEAD",
+        help="the slow-AR attention heads that follow the text, for the runtime's loop guard (found by "
+        "training/aligner_probe.py; the shipped model's: 3:0,2); default: none, no loop guard",
+    )
     p.add_argument("--dest", type=Path, default=ROOT / "tts" / "assets" / "default")
     p.add_argument("--samples", type=Path, default=ROOT / "samples" / "voices")
     a = p.parse_args()
@@ -122,6 +145,10 @@ def main() -> None:
                 f"--trained: {t}/config.json differs from {last}/config.json: not one run's outputs"
             )
     args = ModelArgs.from_dict(raw)
+    try:
+        aligner = parse_aligner(a.aligner, args) if a.aligner is not None else None
+    except ValueError as exc:
+        p.error(f"--aligner: {exc}")
     codes_dir = a.codes or a.work / "codes"
     tokenizer = TextTokenizer.from_file(codes_dir / "tokenizer.json")
     codec = load_codec(a.codec or a.work / "codec")
@@ -157,6 +184,7 @@ def main() -> None:
         sampling=SAMPLING,
         chunk_length=200,
         default_voice="ava",  # speaker 0 of the corpus: the model reads best with a reference clip
+        aligner=aligner,
     )
     if a.dest.exists():
         shutil.rmtree(a.dest)
