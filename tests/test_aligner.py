@@ -264,6 +264,15 @@ def test_a_repeat_after_the_text_ends_the_request_there(tiny_model, scripted):
     assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_usable
 
 
+def test_a_repeat_after_the_text_keeps_the_frames_min_new_frames_asks_for(tiny_model, scripted):
+    scripted({7: (3, True)})
+    engine = guarded_engine(tiny_model)
+    p = params(max_new_frames=30, min_new_frames=30)  # exactly 30 frames (as the benchmarks ask)
+    engine.submit(random_prompt(tiny_model, 20, 1), p, "r", text_span=(0, 10))
+    kept, end, taken = drive(engine, "r")
+    assert (len(kept), taken, end.finish_reason, engine.loop_repeats) == (30, 0, FinishReason.LENGTH, 0)
+
+
 def test_past_the_rewinds_allowed_a_repeat_stays_and_the_request_ends_loop(tiny_model, scripted):
     scripted({k: (3, False) for k in range(8, 400, 8)})  # a repeat every 8 frames fed: 7 in 60
     engine = guarded_engine(tiny_model)

@@ -520,7 +520,7 @@ class Engine:
     def _guard(self, request: Request, position: int, column: list[int], done: bool) -> StepOutput | None:
         """Feed a guarded request's new frame (its column `[token, c_0 .. c_N-1]`, text `position`) to its
         loop guard. On a repeat that began after the text's end, the request ends there (reason STOP:
-        its text was said); on another, it is rewound to REWIND_EXTRA_FRAMES before the repeat and
+        its text was said), unless that leaves fewer than its min_new_frames; on another, it is rewound to REWIND_EXTRA_FRAMES before the repeat and
         samples RETRY_FRAMES frames hotter. Either way the returned output takes back the repeat's frames
         already handed out (the new frame is dropped too). Past MAX_REWINDS a repeat stays, and the
         request will end with reason LOOP. None: carry on with the frame."""
@@ -534,6 +534,8 @@ class Engine:
         repeat = guard.push(int(position))
         if repeat is None or done or repeat.first < 1:
             return None
+        if repeat.at_end and repeat.first < request.params.min_new_frames:
+            return None  # the text was said, and the caller asked for more frames: what follows stays
         self.loop_repeats += 1
         if not repeat.at_end and guard.repeats > MAX_REWINDS:
             request.looped = True
