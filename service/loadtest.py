@@ -132,6 +132,7 @@ SERVER_COUNTERS = (
         "codec_frames": "tts_codec_decode_frames_total",
         "codec_padded_frames": "tts_codec_decode_padded_frames_total",
         "first_audio_jobs": "tts_first_audio_jobs_total",
+        "loop_repeats": "tts_loop_repeats_total",
     }
     | {
         f"engine_{phase}_s": f'tts_engine_seconds_total{{phase="{phase}"}}'
@@ -169,9 +170,9 @@ def read_metrics(url: str, timeout: float = 5.0) -> dict[str, float]:
 
 def server_time_split(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
     """The server-side counters' change over a level: frame-step, codec decode and encode seconds,
-    reference-cache hits and misses, frame steps and their rows (mean_batch = rows / steps), prefill
-    passes and the requests they took (requests_per_prefill), codec decode calls and their frames
-    (codec_frames_per_call; codec_fill = frames / padded frames computed), codec_share = codec / (frame
+    reference-cache hits and misses, the loop guard's repeats, frame steps and their rows (mean_batch =
+    rows / steps), prefill passes and the requests they took (requests_per_prefill), codec decode calls
+    and their frames (codec_frames_per_call; codec_fill = frames / padded frames computed), codec_share = codec / (frame
     steps + codec), and the mean server-side time to first audio by phase
     (first_audio_{encode,first_frame,frames,codec}_ms; see `tts_first_audio_seconds_total`).
 

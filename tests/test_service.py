@@ -520,6 +520,7 @@ def test_info_voices_and_metrics(server, stub):
     )
     assert values["tts_codec_decode_padded_frames_total"] >= values["tts_codec_decode_frames_total"] > 0
     assert values["tts_prefill_replays_total"] == 0  # (a CPU has no prefill graphs)
+    assert values["tts_loop_repeats_total"] == 0  # (the test model has no aligner heads)
 
 
 def test_info_reports_captured_buckets_with_graphs_on(bundle):
@@ -879,6 +880,8 @@ def test_a_stream_with_a_repetition_loop_left_in_says_loop(bundle, monkeypatch):
         ]
         assert r["end"].frames == 60 - 5 * 4  # four rewinds, each 2 + 3 frames sampled again
         wait_idle(srv.loop)
+        # every 6th frame of 60 sampled is a repeat (the 60th ends the request): 4 rewound, 5 left in
+        assert srv.loop.stats.loop_repeats == 9
     finally:
         srv.stop()
 

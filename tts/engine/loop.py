@@ -202,6 +202,7 @@ class LoopStats:
     prefill_passes: int = 0  # prefill forward passes (one request, or several packed)
     prefill_requests: int = 0  # requests prefilled (/ prefill_passes: requests per pass)
     prefill_replays: int = 0  # prefill passes replayed from a CUDA graph (tts.engine.prefill_graphs)
+    loop_repeats: int = 0  # repeats the loop guard found (tts.engine.aligner)
     steps: int = 0
     step_failures: int = 0
     replay_share: float = 0.0
@@ -645,6 +646,7 @@ class EngineLoop:
         s.frame_steps, s.step_rows = e.frame_steps, e.step_rows
         s.prefill_passes, s.prefill_requests = e.runner.prefill_passes, e.prefill_requests
         s.prefill_replays = e.runner.prefill_graphs.graphs.stats.replays if e.runner.prefill_graphs else 0
+        s.loop_repeats = e.loop_repeats
         s.replay_share = e.graphs.stats.replay_share
         s.frame_step_seconds = r.frame_step_seconds
         s.phase_seconds = {
