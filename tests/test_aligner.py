@@ -142,6 +142,16 @@ def test_a_repeat_after_the_last_token_is_at_the_end():
     assert found == [(len(before) + 5, Repeat(first=len(before), at_end=True))]
 
 
+def test_a_glance_at_the_last_token_does_not_make_a_repeat_mid_text_one_at_the_end():
+    """Only trusted positions count for `at_end`: a two-frame glance at the last token, then a repeat
+    halfway through, is rewound (at_end False), not taken as the end of the text (which would end the
+    request with its second half unsaid)."""
+    before = reading(0, 100)
+    before = before[:60] + [199, 199] + before[60:] + [100, 100]
+    found = feed(LoopGuard(200), before + [92, 93, 95, 97, 99])
+    assert found == [(len(before) + 3, Repeat(first=len(before), at_end=False))]
+
+
 def test_a_small_dip_or_a_fall_without_a_climb_is_no_repeat():
     base = reading(0, 100)
     dip = base + [100 - FALL_TOKENS + 1, 99, 100, 101]  # less than FALL_TOKENS down
@@ -216,9 +226,9 @@ def test_a_rewind_takes_back_the_repeat_and_restores_the_row(tiny_model, scripte
     """A repeat of frames 6..9 reported at frame 9: the request goes back REWIND_EXTRA_FRAMES (3) more,
     so frames 3..8 are taken back, frame 9 never comes out, and the row is as it was after 3 frames
     (position, next input, RAS window), sampling hotter for RETRY_FRAMES frames; the budget counts
-    every frame sampled."""
+    the frames kept."""
     prompt = random_prompt(tiny_model, 20, 0)
-    p = params(max_new_frames=30, temperature=0.1, top_p=0.5)
+    p = params(max_new_frames=30, min_new_frames=20, temperature=0.1, top_p=0.5)
     bufs = None
     states = {}
 
@@ -244,15 +254,18 @@ def test_a_rewind_takes_back_the_repeat_and_restores_the_row(tiny_model, scripte
             assert (out.retract, out.codes.shape[0]) == (6, 0)  # frames 3..8 back; frame 9 dropped
             position, column, ras = states[3]
             assert int(bufs.positions[0]) == position
+            # the budget and min_new_frames count kept frames: 7 more sampled (6 taken back, 1 dropped)
+            assert (int(bufs.budgets[0]), int(bufs.min_frames[0])) == (30 + 7, 20 + 7)
             assert torch.equal(bufs.input_columns[0], column) and torch.equal(bufs.ras_history[0], ras)
 
     kept, end, taken = drive(engine, "r", check)
     assert REWIND_EXTRA_FRAMES == 3
     assert request.guard.rewinds == [3] and taken == 6 and engine.loop_repeats == 1
-    assert len(kept) == 30 - 7 and end.finish_reason == FinishReason.LENGTH
+    assert len(kept) == 30 and end.finish_reason == FinishReason.LENGTH
     hot = [n for n, t in temperatures.items() if t == pytest.approx(RETRY_TEMPERATURE)]
     assert hot == list(range(10, 10 + RETRY_FRAMES))  # set after step 10, back after RETRY_FRAMES frames
-    assert len(request.guard.positions) == 30 and all(0 <= x < 9 for x in request.guard.positions)
+    fed = request.guard.positions  # every frame fed: the 30 kept, the 6 taken back and the one dropped
+    assert len(fed) == 30 + 7 and all(0 <= x < 9 for x in fed)
 
 
 def test_a_repeat_after_the_text_ends_the_request_there(tiny_model, scripted):
@@ -274,13 +287,27 @@ def test_a_repeat_after_the_text_keeps_the_frames_min_new_frames_asks_for(tiny_m
 
 
 def test_past_the_rewinds_allowed_a_repeat_stays_and_the_request_ends_loop(tiny_model, scripted):
-    scripted({k: (3, False) for k in range(8, 400, 8)})  # a repeat every 8 frames fed: 7 in 60
+    scripted({k: (3, False) for k in range(8, 400, 8)})  # a repeat every 8 frames fed
     engine = guarded_engine(tiny_model)
     engine.submit(random_prompt(tiny_model, 20, 2), params(max_new_frames=60), "r", text_span=(0, 10))
     kept, end, taken = drive(engine, "r")
     per_rewind = 3 + REWIND_EXTRA_FRAMES  # frames sampled again per rewind, one of them never handed out
-    assert taken == (per_rewind - 1) * MAX_REWINDS and len(kept) == 60 - per_rewind * MAX_REWINDS
-    assert end.finish_reason == FinishReason.LOOP and engine.loop_repeats == 7
+    assert taken == (per_rewind - 1) * MAX_REWINDS and len(kept) == 60
+    # 60 frames kept + 4 rewinds of 6 = 84 frames fed (the last one ends the request): 10 repeats
+    assert end.finish_reason == FinishReason.LOOP and engine.loop_repeats == 10
+
+
+def test_a_finished_rows_text_span_does_not_outlive_it(tiny_model):
+    """A pad row reads an empty span at the scratch block: after a request whose span lay far into a
+    long prompt finishes, the padded steps of the others go on (stand-in graphs pad to bucket 4)."""
+    engine = guarded_engine(tiny_model, max_batch=4, graphs="lazy", testing_standin_graphs=True, buckets=(4,))
+    for i in range(2):
+        engine.submit(random_prompt(tiny_model, 20, i), params(max_new_frames=12, seed=i), f"s{i}", (2, 15))
+    engine.submit(random_prompt(tiny_model, 300, 9), params(max_new_frames=3, seed=9), "long", (200, 290))
+    ends = {}
+    while engine.has_work():
+        ends |= {o.request_id: o.finish_reason for o in engine.step() if o.finished}
+    assert ends == {"s0": FinishReason.LENGTH, "s1": FinishReason.LENGTH, "long": FinishReason.LENGTH}
 
 
 def test_no_guard_without_a_span_an_aligner_or_with_the_guard_off(tiny_model):
@@ -293,8 +320,10 @@ def test_no_guard_without_a_span_an_aligner_or_with_the_guard_off(tiny_model):
     assert (
         guarded_engine(tiny_model, aligner=None).submit(prompt, params(), "c", text_span=(0, 5)).guard is None
     )
-    with pytest.raises(ValueError, match="text_span"):
-        guarded_engine(tiny_model).submit(prompt, params(), "d", text_span=(5, 25))
+    for engine in (guarded_engine(tiny_model), guarded_engine(tiny_model, loop_guard=False)):
+        for bad in ((5, 25), (9, 3), (-1, 4), (1.5, 9.0)):  # past the prompt, reversed, negative, not ints
+            with pytest.raises(ValueError, match="text_span"):
+                engine.submit(prompt, params(), "d", text_span=bad)
     unguarded = guarded_engine(tiny_model, aligner=None)
     unguarded.submit(prompt, params(), "e")
     unguarded.step()
@@ -329,7 +358,7 @@ def test_a_synthesis_keeps_exactly_the_frames_left_after_each_take_back(tiny_bun
     chunks = list(tts.stream("A few words of text to read.", seed=5, max_new_frames=60))
     codes = torch.cat([c.codes for c in chunks], dim=1)
     assert [c.frame_start for c in chunks] == [0] + [c.frame_end for c in chunks[:-1]]
-    assert codes.shape[1] == 60 - (4 + REWIND_EXTRA_FRAMES) - (10 + REWIND_EXTRA_FRAMES)
+    assert codes.shape[1] == 60  # max_new_frames counts the frames kept
     assert torch.equal(codes, torch.stack(kept).T)
     assert sum(len(c.samples) for c in chunks) == codes.shape[1] * tiny_bundle.codec.frame_length
     assert tts.engine.loop_repeats == 2

@@ -78,7 +78,9 @@ def test_captures_from_two_threads_never_overlap(monkeypatch):
                 a_inside.set()
                 assert wait.wait(timeout=30), "thread b never asked for the capture lock"
             order.append(f"{name} ends")
-            return StandInGraph()
+            graph = StandInGraph()
+            graph.capture(lambda: None)
+            return graph
 
         return standin
 
@@ -86,13 +88,22 @@ def test_captures_from_two_threads_never_overlap(monkeypatch):
     b._capture_standin = capture("b", a)
     a.run(1)  # the warm-up
     b.run(1)
-    thread_a = threading.Thread(target=a.run, args=(1,), name="a")
+    errors = []
+
+    def run(runner):
+        try:
+            runner.run(1)  # the capture, then its replay
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread_a = threading.Thread(target=run, args=(a,), name="a")
     thread_a.start()
     assert a_inside.wait(timeout=30)
-    thread_b = threading.Thread(target=b.run, args=(1,), name="b")
+    thread_b = threading.Thread(target=run, args=(b,), name="b")
     thread_b.start()
     thread_a.join(timeout=60)
     thread_b.join(timeout=60)
+    assert errors == [] and not thread_a.is_alive() and not thread_b.is_alive()
     assert order == [
         "a begins, other capturing: False",
         "a ends",
@@ -100,6 +111,7 @@ def test_captures_from_two_threads_never_overlap(monkeypatch):
         "b ends",
     ]
     assert set(a.graphs) == set(b.graphs) == {(1, None)}
+    assert a.stats.replays == b.stats.replays == 1 and not a.stats.failed_captures
 
 
 def _engine(model, **kw):

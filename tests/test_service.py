@@ -878,10 +878,11 @@ def test_a_stream_with_a_repetition_loop_left_in_says_loop(bundle, monkeypatch):
         assert list(r["end"].warnings) == [
             "the text repeats words: the loop guard could not mend a repetition loop"
         ]
-        assert r["end"].frames == 60 - 5 * 4  # four rewinds, each 2 + 3 frames sampled again
+        assert r["end"].frames == 60  # max_new_frames counts the frames kept
         wait_idle(srv.loop)
-        # every 6th frame of 60 sampled is a repeat (the 60th ends the request): 4 rewound, 5 left in
-        assert srv.loop.stats.loop_repeats == 9
+        # 60 kept + four rewinds of 2 + 3 frames = 80 sampled, every 6th a repeat (the 80th ends the
+        # request): 4 rewound, 9 left in
+        assert srv.loop.stats.loop_repeats == 13
     finally:
         srv.stop()
 

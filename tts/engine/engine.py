@@ -231,7 +231,7 @@ class Engine:
         self.frame_steps = 0  # frame steps run (one per iteration with a running row)
         self.step_rows = 0  # running rows summed over those steps: step_rows / frame_steps = batch occupancy
         self.prefill_requests = 0  # requests admitted and prefilled (/ runner.prefill_passes: packing)
-        self.loop_repeats = 0  # repeats the loop guard found (each taken back: rewound, or its request ended)
+        self.loop_repeats = 0  # repeats the loop guard found (rewound, ending the request, or left in)
         # Seconds spent per phase of `step` (host wall time; on CUDA "replay" lasts until the frame is on
         # the host): admitting and prefilling new requests, the frame step itself, the per-row outputs.
         self.phase_seconds = {"prefill": 0.0, "replay": 0.0, "rows": 0.0}
@@ -360,13 +360,13 @@ class Engine:
         ALIGN_MAX_TOKENS). Raises InvalidRequest (bad parameters or prompt, too long) or QueueFull."""
         self.check_prompt(prompt)
         request = Request(request_id or self.new_request_id(), prompt, params)
-        if text_span is not None and self.loop_guard:
+        if text_span is not None:
             start, end = text_span
-            if not 0 <= start < end <= request.prompt_len:
+            if not (type(start) is int and type(end) is int and 0 <= start < end <= request.prompt_len):
                 raise ValueError(
                     f"text_span {text_span} is not inside the prompt ({request.prompt_len} tokens)"
                 )
-            if end - start <= ALIGN_MAX_TOKENS:
+            if self.loop_guard and end - start <= ALIGN_MAX_TOKENS:
                 request.text_span = (start, end)
                 request.guard = LoopGuard(end - start)
         with self._lock:

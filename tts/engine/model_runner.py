@@ -396,6 +396,7 @@ class ModelRunner:
         b.input_columns[row].zero_()
         b.steps[row] = 0
         b.min_frames[row] = 0
+        b.align_start[row] = 0  # (a pad row's span is empty, and its start inside the scratch block)
         b.align_len[row] = 0
 
     def rewind_row(self, row: int, frames: int, last_column: Tensor, ras_window: list[int]) -> None:
@@ -403,12 +404,15 @@ class ModelRunner:
         position goes back by that many, its next input is `last_column [1 + N]` (the newest kept
         frame's column, or the prompt's last) and its RAS window holds `ras_window` (the kept frames'
         main-token indices, oldest first, at most the window). Its step counter keeps counting, so the
-        frames sampled again draw new noise (and count against the budget). Only for runners without
-        a repetition penalty, whose ring of past frames is not rebuilt here."""
+        frames sampled again draw new noise; its budget and min_frames grow by `frames`, so that both
+        still count the frames kept (max_new_frames and min_new_frames are about the audio). Only for
+        runners without a repetition penalty, whose ring of past frames is not rebuilt here."""
         if self.repetition is not None:
             raise ValueError("rewind_row does not restore the repetition penalty's history")
         b = self.buffers
         b.positions[row] -= frames
+        b.budgets[row] += frames
+        b.min_frames[row] += frames
         b.input_columns[row].copy_(last_column.to(self.device))
         window = torch.full((b.ras_history.shape[1],), -1, dtype=torch.int64)
         if ras_window:
