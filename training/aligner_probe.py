@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tts.api import TTS  # noqa: E402
+from tts.engine.aligner import median_token  # noqa: E402
 from tts.eval import HELDOUT, read_sentences  # noqa: E402
 from tts.model import dense_causal_attend  # noqa: E402
 
@@ -70,7 +71,7 @@ def head_statistics(tts: TTS, text: str) -> tuple[dict, int]:
             probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
             text = probs[:, start:end]
             mass = text.sum(-1)
-            medians = ((text / mass[:, None]).cumsum(-1) < 0.5).sum(-1)
+            medians = median_token(text / mass[:, None])
             out[(layer, h)] = (float(mass.mean()), medians)
     return out, end - start
 

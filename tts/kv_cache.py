@@ -105,9 +105,16 @@ class PagedKVCache:
         vf.index_copy_(0, slots, v if v.dtype == vf.dtype else v.to(vf.dtype))
 
     def slots_for_positions(self, block_table: Tensor, positions: Tensor) -> Tensor:
-        """Flat slot of each position: `block_table[pos // bs] * bs + pos % bs` (int64, same shape)."""
-        bs = self.block_size
-        return block_table[positions // bs].long() * bs + positions % bs
+        """Flat slot of each position (`paged_slots` with this cache's block size)."""
+        return paged_slots(block_table, positions, self.block_size)
+
+
+def paged_slots(block_tables: Tensor, positions: Tensor, block_size: int) -> Tensor:
+    """Flat pool slot of each position, `table[pos // block_size] * block_size + pos % block_size`:
+    int64, the shape of `positions`. block_tables `[W]` with positions `[P]`, or one table per row
+    `[b, W]` with positions `[b, P]` (int64). No host sync: safe inside a captured graph."""
+    blocks = block_tables.gather(-1, positions // block_size).long()
+    return blocks * block_size + positions % block_size
 
 
 def paged_decode_attention(

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..kv_cache import paged_slots
+
 # Tokens of a text span the step reads at most (a longer span gets no alignment: no guard). The default
 # model's 200-byte chunks are 200-300 tokens of phonemes.
 ALIGN_MAX_TOKENS = 512
@@ -130,15 +132,19 @@ def text_alignment(
     t = torch.arange(tokens, device=q.device)
     last = (length - 1).clamp(min=0).unsqueeze(1)
     pos = start.unsqueeze(1) + torch.minimum(t.unsqueeze(0), last)  # [b, T], inside the span
-    blocks = block_tables.gather(1, pos // block_size).long()
-    slots = (blocks * block_size + pos % block_size).view(-1)
+    slots = paged_slots(block_tables, pos, block_size).view(-1)
     k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, slots)  # [b * T, Hkv, D]
     k = k.view(b, tokens, *k_cache.shape[2:]).index_select(2, kv_heads).float()  # [b, T, h, D]
     scores = torch.einsum("bhd,bthd->bht", q.index_select(1, heads).float(), k) * scale
     scores = scores.masked_fill((t.unsqueeze(0) >= length.unsqueeze(1)).unsqueeze(1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).mean(dim=1)  # [b, T]; NaN rows (no span) are replaced below
-    median = (probs.cumsum(dim=-1) < 0.5).sum(dim=-1)
-    return torch.where(length > 0, median, -1)
+    return torch.where(length > 0, median_token(probs), -1)
+
+
+def median_token(probs: Tensor) -> Tensor:
+    """The median token of attention distributions `probs [..., T]` (each summing to 1): the first
+    token whose cumulative attention reaches 0.5, `[...]` int64."""
+    return (probs.cumsum(dim=-1) < 0.5).sum(dim=-1)
 
 
 class LoopGuard:

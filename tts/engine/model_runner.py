@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels import fused_kernels_enabled
-from ..kv_cache import SCRATCH_BLOCK, PagedDecodeAttention, PagedKVCache, paged_decode_attention
+from ..kv_cache import SCRATCH_BLOCK, PagedDecodeAttention, PagedKVCache, paged_decode_attention, paged_slots
 from ..model import (
     Attend,
     DualARTransformer,
@@ -614,8 +614,8 @@ class ModelRunner:
         """`[b]` int64: the KV pool slot each row's new K/V goes to (inactive rows: the scratch block)."""
         bufs, bs = self.buffers, self.kv.block_size
         pos = bufs.positions[:b]
-        block = bufs.block_tables[:b].gather(1, (pos // bs).unsqueeze(1)).squeeze(1).long()
-        return torch.where(bufs.active[:b], block * bs + pos % bs, SCRATCH_BLOCK * bs)
+        slots = paged_slots(bufs.block_tables[:b], pos.unsqueeze(1), bs).squeeze(1)
+        return torch.where(bufs.active[:b], slots, SCRATCH_BLOCK * bs)
 
     def _fast_attend(self, b: int, k_pos: int):
         """attend() for fast position k_pos: write slot k_pos, attend to slots 0..k_pos of this frame.
