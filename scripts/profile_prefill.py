@@ -7,10 +7,10 @@ attention: `engine.disable_cudnn_attention`) and with cuDNN attention allowed (t
 the engine did before; on CUDA in 16 bits the packed prefill uses flash varlen attention either way, so
 its two rows measure the same kernels): host wall time of `ModelRunner.prefill` (one request) and of
 `ModelRunner.prefill_packed` of --packed requests, each followed by a device synchronization. "cold" is
-the first call at a length this process has not run yet (each variant gets its own lengths: T and
+the first prefill at a length this process has not run yet (each variant gets its own lengths: T and
 T + 1), "warm" the median of --reps calls after it. Then one profiled warm call of each: device ops per
 call, device time, and the top operators by host (CPU) time. On a GPU the service measured 70-90 ms of
-prefill per request at one client and 0.36 s per packed pass at 16 clients (BENCHMARKS.md); this shows
+prefill per request at one client and 0.36 s per packed pass at 16 clients (docs/benchmarks.md); this shows
 whether that is per-shape set-up (cuDNN builds an execution plan per new attention shape), launches,
 or device work.
 """
@@ -38,7 +38,7 @@ def sync(device: torch.device) -> None:
 
 
 def timed(fn, device: torch.device, reps: int) -> tuple[float, float]:
-    """Host wall seconds of `fn()` followed by a device synchronization: the first call, and the median
+    """Host wall seconds of `fn()` followed by a device synchronization: the first one, and the median
     of `reps` calls after it."""
     t0 = time.perf_counter()
     fn()

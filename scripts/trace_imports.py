@@ -3,7 +3,7 @@
     python scripts/trace_imports.py --modules torch._dynamo,sympy -- synthesize "Hello." --device cuda -o x.wav
 
 Why: a one-shot `tts synthesize --device cuda` spent seconds importing `torch._dynamo` (and sympy), which
-this project's own imports do not pull in (BENCHMARKS.md); the stack names the caller. Uses an audit hook
+this project's own imports do not pull in (docs/benchmarks.md); the stack names the caller. Uses an audit hook
 (`sys.addaudithook`, the "import" event), so it sees imports made anywhere, in any thread; each module's
 first import is reported once, with the seconds since start, and the command's exit code is kept.
 """

@@ -57,7 +57,7 @@ def add_parser(subparsers) -> None:
         description="Serve tts.v1.TextToSpeech over gRPC and the OpenAI-compatible HTTP API (--http-port) from "
         "one engine with continuous batching. Health reports NOT_SERVING (HTTP /health: 503) until the engine "
         "has warmed up. SIGTERM or Ctrl-C shut down gracefully. With --devices, one replica process per device "
-        "behind HAProxy on the public ports (README: Scaling out).",
+        "behind HAProxy on the public ports (docs/operations.md: Scaling out).",
     )
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)"

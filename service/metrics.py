@@ -17,7 +17,7 @@ every iteration by the engine thread); per-request figures are observed by the g
 | `tts_frame_step_seconds_total` | counter | time in engine steps (on CUDA: until the frame is on the host) |
 | `tts_frame_steps_total`, `tts_frame_step_rows_total` | counter | frame steps run, and their running rows summed (rows / steps = the mean batch, the occupancy) |
 | `tts_prefill_passes_total`, `tts_prefill_requests_total` | counter | prefill forward passes, and the requests they prefilled (requests / passes = how many a packed prefill took) |
-| `tts_loop_repeats_total` | counter | repeats the loop guard found (models with aligner heads: each one taken back, ending its text chunk, or left in one that ends `loop`; see the README's default voice section) |
+| `tts_loop_repeats_total` | counter | repeats the loop guard found (models with aligner heads: each one taken back, ending its text chunk, or left in one that ends `loop`; see docs/models.md, the default voice) |
 | `tts_prefill_replays_total` | counter | prefill passes replayed from a CUDA graph (/ passes = the prefill's replay share) |
 | `tts_engine_seconds_total{phase}` | counter | the engine thread's wall time by phase: `prefill`, `replay`, `rows` (the three parts of an engine step), `audio` (delivering decoded chunks), `route` (handling the step's outputs), `commands` (submissions, cancels), `idle` (waiting for work), `handover` (events to the asyncio loops) |
 | `tts_codec_decode_seconds_total`, `tts_codec_encode_seconds_total` | counter | codec stage time (device time on CUDA, events around each call; wall time on a CPU) |

@@ -27,7 +27,7 @@ load balancer that polls health to stop sending, then answered UNAVAILABLE while
 seconds to finish; then the rest end with UNAVAILABLE, the engine stops and the port closes (within
 `drain_delay` + `grace` + about a second).
 
-Scale-out (README "Scaling out"): every stream header and GetInfo name the replica (`--replica-name`),
+Scale-out (docs/operations.md, "Scaling out"): every stream header and GetInfo name the replica (`--replica-name`),
 `grpc.max_connection_age_ms` makes long-lived client connections reconnect (and so rebalance), and the
 health service `liveness` stays SERVING while the process and its engine thread live (warming up and
 draining included), for a liveness probe that must not restart a replica that is only busy or draining.

@@ -1,4 +1,4 @@
-"""`tts serve` as a real process: the README flow (serve, client, bench-server, metrics) and SIGTERM."""
+"""`tts serve` as a real process: the documented flow (serve, client, bench-server, metrics) and SIGTERM."""
 
 from __future__ import annotations
 

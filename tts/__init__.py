@@ -1,6 +1,6 @@
 """Inference runtime for dual-autoregressive TTS models (Fish Audio family and our own).
 
-Start with `tts.api.TTS`; the map of the code is in README.md ("Reading the code").
+Start with `tts.api.TTS`; the map of the code is in docs/DESIGN.md ("How to read the code").
 """
 
 from .api import TTS, AudioChunk, Synthesis, VoiceNotFound

@@ -107,7 +107,7 @@ class TTS:
         if self.engine.config.graphs == "startup" and self.engine.graphs.enabled:
             # the codec's graphs too, for the default chunk sizes (`stream`'s 4 growing to 16)
             self.runner.stage.capture(ramp_sizes(4, 16)).result()
-            # ... and one short synthesis for the first calls' set-up (first launches, kernel compiles),
+            # ... and one short synthesis for the one-time set-up (first launches, kernel compiles),
             # so that the first real one runs at the speed of later ones: on an H200 the default voice's
             # first `synthesize` of a process took 0.32 s against 0.04-0.06 s for the next ones.
             sink = ListSink()

@@ -129,7 +129,7 @@ class Planner:
 
     def warmup_job(self) -> SynthesisJob:
         """A short greedy job (4 frames in 2-frame audio chunks, no voice) that runs every part of the
-        pipeline once: start-up runs it so that no user request pays a first call's set-up."""
+        pipeline once: start-up runs it so that no user request pays the one-time set-up."""
         params = replace(self.bundle.sampling, temperature=0.0, max_new_frames=4, seed=0)
         return SynthesisJob(["Warm up."], params, first_chunk_frames=2, chunk_frames=2, request_id="warmup")
 

@@ -6,7 +6,7 @@ as big as the default model's weights, so the weights come from DRAM as in a dec
 Layouts: `rows` is nn.Linear's own `[out, in]` contiguous weight; `columns` is the same matrix stored
 as the transpose of a contiguous `[in, out]` one (what `DualARTransformer.use_cpu_decode_layout` does
 for projections wider than their input). Prints microseconds per product and GB/s of weight bytes.
-Results and method: benchmarks/cpu_layout.md.
+Results and method: docs/benchmarks.md, "The CPU frame step".
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Some attention heads of a text-to-speech decoder read their text in order: at ea
 attention sits on the text token being spoken, and it moves forward through the text as the frames go
 (the alignment that Tacotron-style models learn explicitly). In the default model two heads of its last
 slow layer do this (layer 3, heads 0 and 2: about 0.9 of their attention on the chunk's text, its
-median moving forward through it; found by `training/aligner_probe.py`, training/RESULTS.md "A loop
-guard that reads the text aligner"). A model names such heads in its config (`tts_runtime.aligner`); others have none,
+median moving forward through it; found by `training/aligner_probe.py`, training/RESULTS.md "The loop
+guard"). A model names such heads in its config (`tts_runtime.aligner`); others have none,
 and nothing here runs for them.
 
 * `text_alignment` runs inside the frame step (graph-capturable: fixed shapes, no host reads). For each

@@ -5,7 +5,7 @@ frame. Through the modules (`model.run_layers`) a fast-AR position of the defaul
 twice its ops' own time: module calls, kernel and dtype checks, RoPE objects, attend closures. Here
 each block's weights are gathered once into a `BlockWeights` (views of the modules' own tensors) and a
 decode position (one token per row) runs as plain torch calls: 2.1-2.5 ms a frame for the default
-model's fast AR against 4.4-4.5 ms through the modules (benchmarks/cpu_layout.md).
+model's fast AR against 4.4-4.5 ms through the modules (docs/benchmarks.md).
 
 The values are those of `model.run_layers` in fp32, bit for bit (tests/test_cpu_decode.py): the same
 ops in the same order with the same operands (norms as `rms_norm_fp32`, w1/w3 as one GEMM, each

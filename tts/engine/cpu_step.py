@@ -62,7 +62,7 @@ class CpuFrameStep:
         self.runner = runner
         model, c = runner.model, runner.config
         # The runner's semantic head as the transpose of a contiguous [dim, n] matrix: the layout a CPU
-        # matrix-vector product reads fastest (benchmarks/cpu_layout.md); same values.
+        # matrix-vector product reads fastest (docs/benchmarks.md); same values.
         runner.semantic_head = runner.semantic_head.t().contiguous().t()
         # RoPE factors built once: the fast AR's for each codebook position, `[1, 1, D]`, and the slow
         # AR's for every position, `[max_seq_len, 1, D]` fp32 (1 MB for the default model), of which a

@@ -155,7 +155,7 @@ def disable_cudnn_attention() -> None:
 
     Why: every prompt length is a new attention shape for the prefill, and torch sends causal or masked
     SDPA on a Hopper GPU to cuDNN first, which builds an execution plan per new shape. Measured on an
-    H200 (S2-Pro shape, one request; BENCHMARKS.md): the first prefill at a new length took 154-715 ms
+    H200 (S2-Pro shape, one request; docs/benchmarks.md): the first prefill at a new length took 154-715 ms
     with cuDNN and 28-80 ms without; at a length seen before 30-59 ms with, 23-55 ms without. Flash and
     memory-efficient attention need no plan. Set once, not around each prefill: the flags are global,
     and the codec stage's thread runs SDPA at the same time."""
@@ -252,7 +252,7 @@ class Engine:
     def warmup_prefill(self) -> float:
         """Run the prefill, alone and packed, on throwaway prompts (token 0 everywhere) in blocks that
         are allocated here and freed again, so that the first real prefill of each kind does not pay
-        the one-time work of its first call (kernel compiles and first launches: measured on an H200,
+        the one-time work of its first use (kernel compiles and first launches: measured on an H200,
         about 1.1 s for the first prefill of a process and 1.7 s for the first packed one). A prompt set
         that does not fit the free blocks is skipped. Afterwards the free list is as before (same
         order) and `prefill_passes` is unchanged. With prefill graphs these prompts go through them like

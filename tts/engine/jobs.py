@@ -69,7 +69,7 @@ def chunk_size(first: int, later: int, sequence: int) -> int:
     play (4x real time); doubling needs 2x. Measured on a 2-core CPU, default voice, 4 clients at
     about 2.4x real time each (four runs each way): with 4 then 16, every request had a late chunk,
     272-278 ms late at worst; with the ramp 3 to 12 of 12 requests did, 4-36 ms late at worst, at the
-    same frames/s; TTFA p50 at 4 clients rose 20% there (BENCHMARKS.md). A `later` below `first`
+    same frames/s; TTFA p50 at 4 clients rose 20% there (docs/benchmarks.md). A `later` below `first`
     gives `later` from the second chunk on, without doubling.
     """
     size = first if sequence == 0 else min(later, first << min(sequence, 16))

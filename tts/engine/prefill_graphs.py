@@ -2,10 +2,10 @@
 
 Why: on a GPU one prefill pass is bound by kernel launches. S2-Pro's slow transformer is about 2,500
 torch ops, which measured 49 ms of host time against 6.4 ms of device time for one request on an H200
-(BENCHMARKS.md), and the engine thread does nothing else meanwhile: no frame step runs and the new
+(docs/benchmarks.md), and the engine thread does nothing else meanwhile: no frame step runs and the new
 request's first frame waits. At 16 clients the prefill was about half of the server's time to first
 audio. Replaying a captured pass costs one launch (measured: the first frame 48 -> 14 ms after the
-request at one client, BENCHMARKS.md's seventh run).
+request at one client, docs/benchmarks.md).
 
 How: the prompts of one pass (a packed group of `ModelRunner.prefill_packed`, or one request) are laid
 out by `model_runner.pack_prompts`, padded to the token bucket, the smallest of `TOKEN_BUCKETS` that

@@ -74,7 +74,7 @@ FAMILIES = {
         SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_frames=1024, ras_window=10), 200,
     ),
     # S1-era defaults: temperature 0.8, top_p 0.8, repetition penalty 1.1 over 16 frames (read as
-    # d3df505 reads it, see tts.engine.model_runner), no top-k, no RAS; the whole text in one piece.
+    # fish-speech d3df505 reads it, see tts.engine.model_runner), no top-k, no RAS; the whole text in one piece.
     S1: FamilySpec(
         S1, "OpenAudio S1", S1PromptFormat,
         SamplingParams(temperature=0.8, top_p=0.8, top_k=0, max_new_frames=1024, ras_window=0,

@@ -3,7 +3,7 @@ it, and the residual sum with the conv bias before it, one pass each.
 
 Why: in torch, `Snake1d` is five full-size kernels (`alpha * x`, `sin`, `pow`, a multiply, an add), a
 conv's bias is one more pass (`add_`) and the residual sum another. Measured on an H200 for 64 streams
-x 16 frames of the S2-Pro-size decoder (BENCHMARKS.md, "The batched DAC decode alone"), those
+x 16 frames of the S2-Pro-size decoder (docs/benchmarks.md, "The batched DAC decode"), those
 elementwise kernels took 55% (float32) and 66% (bfloat16) of the device time; the convolutions took
 the rest. Each function here reads its inputs once and writes once.
 
@@ -15,9 +15,8 @@ agrees with the torch formula to float32 rounding (not bit for bit: Triton's `si
 Tensors are `[B, C, T]` with unit stride along T (the conv outputs, possibly sliced along T); outputs are
 new contiguous `[B, C, T]` tensors of the input's dtype. Reference and CPU path: the torch formula
 (`tts.codec.dac_net.Snake1d`); tested against it in tests/kernel_checks.py (Triton interpreter) and
-tests/test_dac_batched.py (`test_cuda_snake_kernels_match_the_torch_formula`, the GPU). On the H200 the
-S2-Pro-size decode of the same codes gave an audio RMS of 0.5971255 fused and 0.5971247 unfused
-(benchmarks/h200/service_2026-12-01_run5/dac_*.json).
+tests/test_dac_batched.py (`test_cuda_snake_kernels_match_the_torch_formula`, the GPU). On an H200 the
+S2-Pro-size decode of the same codes gave an audio RMS of 0.5971255 fused and 0.5971247 unfused.
 """
 
 from __future__ import annotations
