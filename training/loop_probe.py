@@ -7,7 +7,7 @@ largest share of frames t in a window of 2p frames whose code equals the code p 
 windows with more than 6 distinct codes (so silence does not count). A loop that a token check could
 catch would show a high share at the loop's period in the passages with loops and not in the others.
 
-    python training/loop_probe.py --out training/loop_probe.json
+    python training/loop_probe.py --out loop_probe.json
 """
 
 from __future__ import annotations

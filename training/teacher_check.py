@@ -1,6 +1,6 @@
 """How well the gates' ASR hears each teacher speaker itself: the ceiling a model trained on it copies.
 
-    python training/teacher_check.py --out training/runs/v3_flite_pilot/teachers.json
+    python training/teacher_check.py --out teachers.json
 
 Every speaker of both teachers (corpus.py SPEAKERS for espeak-ng, FLITE_SPEAKERS for flite, without
 jitter) reads the held-out sentences (`samples/eval/heldout.txt`, normalized as `tts eval` does), the

@@ -15,7 +15,7 @@ Method (VQ-VAE with residual VQ, as in SoundStream / EnCodec, but on log-mel ins
   are re-seeded from random residuals of the current batch; every stage starts from random residuals;
 * AdamW, linear warm-up then cosine decay, stops after `--steps` or `--max-seconds`.
 * `--freeze-encoder` keeps the encoder at its (seeded) random initialization and trains only the
-  decoder and the codebooks. The shipped codec (`runs/codec_vq3`) was trained that way, by a bug
+  decoder and the codebooks. The shipped codec was trained that way, by a bug
   that detached the encoder's gradient; this flag reproduces it.
 The held-out clips' reconstruction error (standardized L1, quantized and not) is printed at the end
 and stored in `train_state.json`.

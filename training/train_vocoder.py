@@ -78,8 +78,8 @@ def one_torch_thread() -> None:
     """Pool initializer of `speak_all`'s workers: torch on one thread each.
 
     flite's resampling runs torch in every worker, and torch's default is a thread per core it sees.
-    On the GPU machine 16 workers without this had not finished speaking 8,060 clips after 565 s; with
-    it they spoke them in 54 s (training/runs/v4_flite/calls.txt, training/runs/v5_vocoder_flite/)."""
+    On a 16-core machine 16 workers without this had not finished speaking 8,060 clips after 565 s; with
+    it they spoke them in 54 s."""
     torch.set_num_threads(1)
 
 
