@@ -78,10 +78,7 @@ def is_cited_source(path: str) -> bool:
 def is_run_record(path: str) -> bool:
     """Recorded results (JSON, logs) keep the machine path a run was made from; they point no reader
     anywhere, so the outside-path rule does not apply to them."""
-    top = path.split("/")[0]
-    return (top == "benchmarks" or path.startswith("training/runs/")) and path.endswith(
-        (".json", ".log", ".txt", ".csv")
-    )
+    return path.split("/")[0] == "benchmarks" and path.endswith((".json", ".log", ".txt", ".csv"))
 
 
 def spec_sections(text: str) -> dict[str, set[int]]:
