@@ -82,8 +82,8 @@ def model_config(tokenizer: TextTokenizer, num_codebooks: int, codebook_size: in
         "base": dict(n_layer=8, dim=448, n_head=7, n_local_heads=1, intermediate_size=1344, n_fast_layer=1),
         "test": dict(n_layer=2, dim=128, n_head=2, n_local_heads=1, intermediate_size=256, n_fast_layer=1),
     }
-    # "fast" with 3 slow layers: a quarter less slow-AR work per frame for CPU speed (issue 5's RTF
-    # gate); trained from "fast" with `--init-from` (its first 3 layers, all other weights).
+    # "fast" with 3 slow layers: a quarter less slow-AR work per frame for CPU speed (the RTF
+    # target); trained from "fast" with `--init-from` (its first 3 layers, all other weights).
     shapes["fast3"] = {**shapes["fast"], "n_layer": 3}
     shape = shapes[size]
     dim, heads = shape["dim"], shape["n_head"]

@@ -17,7 +17,7 @@ none (absent = no reference, as for Fish models); and an `aligner`, `{"layer": L
 slow-AR attention heads that follow the text, which the loop guard reads (tts/engine/aligner.py; absent =
 no loop guard).
 
-Directories without "tts_runtime" are Fish checkpoints, handed to `tts.fish` (separate issue).
+Directories without "tts_runtime" are Fish checkpoints, handed to `tts.fish`.
 """
 
 from __future__ import annotations
