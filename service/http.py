@@ -25,10 +25,22 @@ Endpoints:
   server's Prometheus registry), `GET /` (the playground, `service/static/index.html`), and FastAPI's
   `/docs`.
 
-Errors are OpenAI-style JSON, `{"error": {"message", "type", "param", "code"}}`: 400 bad input, 404 unknown
-model / voice / path, 409 a voice name that is taken, 413 body over the limit (checked before the body is
-parsed), 415 a voice upload that is not multipart/form-data, 429 admission full, 503 warming up or
-shutting down, 500 a bug. Statuses come from `service.server.status_for`, as on gRPC.
+Errors are OpenAI-style JSON, `{"error": {"message", "type", "param", "code"}}`: 400 bad input (JSON a
+parser chokes on included: integers of over 40 digits, nesting past the recursion limit, lone surrogate
+escapes), 404 unknown model / voice / path, 409 a voice name that is taken, 413 body over the limit
+(checked before the body is parsed; the rest of the body, up to DRAIN_BYTES more, is read first so that
+the client can read the answer), 415 a voice upload that is not multipart/form-data, 422 `no_audio`: the
+job ended without any audio (gRPC ends such a stream OK with finish reason `short`), 429 admission full,
+503 warming up or shutting down, 500 a bug. Statuses come from `service.server.status_for`, as on gRPC.
+
+The status line waits for the first audio (or the end of the job): a job that fails before any audio gets
+its error status. When the job ended before the status line, `X-Finish-Reason` (`stop`, `length`,
+`short`, `loop`: as gRPC's StreamEnd) and every warning (`X-Warnings`) come with it.
+
+Connections: a request's headers must arrive within `ServiceLimits.http_read_timeout` seconds of the
+connection's start (or the previous response's end), and its body may not pause longer; else the
+connection is closed. A client that leaves before its body is complete is counted `cancelled` (one INFO
+line), as a gRPC cancel is.
 
 Once the status line is sent the status cannot change: a request that fails later (engine failure,
 shutdown past the grace period) ends the SSE stream with an `error` event, and cuts an audio stream

@@ -189,6 +189,7 @@ def end_at_once(monkeypatch):
 
 @pytest.mark.parametrize("stream_format", ["audio", "sse"])
 def test_no_audio_is_not_an_empty_200(server, end_at_once, stream_format):
+    before, ok = requests_total(server, "no_audio"), requests_total(server, "ok")
     status, headers, body = server.request(
         "POST",
         "/v1/audio/speech",
@@ -199,7 +200,7 @@ def test_no_audio_is_not_an_empty_200(server, end_at_once, stream_format):
     assert err["message"].startswith("the model produced no audio for this text (finish reason short: ")
     assert headers["X-Finish-Reason"] == "short"
     assert "ended after 0 frames" in headers["X-Warnings"]
-    assert requests_total(server, "no_audio") >= 1
+    assert requests_total(server, "no_audio") == before + 1 and requests_total(server, "ok") == ok
 
 
 # ---- voice files ------------------------------------------------------------------------------------------
