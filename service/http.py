@@ -827,7 +827,7 @@ class HTTPFront:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
         except RecursionError as exc:
-            raise APIError(400, "the request body is not valid here: its JSON is nested too deeply") from exc
+            raise APIError(400, "the request body's JSON nests too deeply") from exc
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
         _check_unicode(data)
@@ -931,6 +931,9 @@ class HTTPFront:
         limit = self.limits.max_reference_bytes + 64 * 1024
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
+            if int(declared) <= limit + DRAIN_BYTES:  # (read first: see _read_body)
+                with contextlib.suppress(ClientDisconnect):
+                    await self._drain(request.stream(), 0)
             return APIError(
                 413,
                 f"the upload is {declared} bytes; the limit is {limit}",
