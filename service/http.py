@@ -1061,15 +1061,21 @@ class HTTPFront:
         # audio before then gets an error status, not a 200 with an empty or cut body.
         events = synthesis.events()
         try:
-            first = await events.__anext__()
+            first = await self._first_event(request, events)
+        except ClientDisconnect:
+            synthesis.close("cancelled")  # (counted and logged once, the job cancelled)
+            await events.aclose()
+            return Response(status_code=499)
         except BaseException:
-            synthesis.close("cancelled")  # (the client left: counted and logged once, the job cancelled)
+            synthesis.close("cancelled")
             await events.aclose()
             raise
         if first[0] == "failed":
             synthesis.close()  # (already counted and logged)
             await events.aclose()
-            err = first[1] if isinstance(first[1], APIError) else api_error(first[1])
+            failure = first[1]
+            assert isinstance(failure, BaseException), failure
+            err = failure if isinstance(failure, APIError) else api_error(failure)
             finished = synthesis.finished_event
             return err.response(self._end_headers(finished, prepared.job.warnings) if finished else None)
 
@@ -1102,6 +1108,29 @@ class HTTPFront:
         return _SynthesisResponse(
             synthesis, synthesis.audio_body(replayed()), media_type=encoder.media_type, headers=headers
         )
+
+    @staticmethod
+    async def _first_event(request: Request, events) -> tuple[str, object]:
+        """The first item of `events`; raises ClientDisconnect if the client leaves first (a job queued
+        behind others must not keep its place for a client that is gone: the streaming response, which
+        watches for that, has not started yet)."""
+
+        async def client_gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        first = asyncio.ensure_future(events.__anext__())
+        gone = asyncio.ensure_future(client_gone())
+        try:
+            await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (first, gone):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(first, gone, return_exceptions=True)
+        if first.done() and not first.cancelled():
+            return first.result()
+        raise ClientDisconnect()
 
     @staticmethod
     def _end_headers(finished: Finished, warnings: list[str]) -> dict[str, str]:

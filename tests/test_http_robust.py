@@ -18,7 +18,8 @@ from tts.engine import EngineConfig
 from tts.engine.engine import Engine
 
 pytest.importorskip("fastapi")
-from test_http import HTTPServerThread, error_of, requests_total, wait_for  # noqa: E402
+from service_helpers import wait_idle  # noqa: E402
+from test_http import HTTPServerThread, error_of, held, requests_total, wait_for  # noqa: E402
 
 READ_TIMEOUT = 0.5  # seconds: small, so that the tests of half-sent requests end quickly
 
@@ -252,3 +253,37 @@ def test_a_malformed_voice_file_is_refused_at_start_and_the_others_serve(tmp_pat
         assert srv.speech(input="Hi.", voice="good", seed=1, max_new_frames=4, min_new_frames=4)[0] == 200
     finally:
         srv.stop()
+
+
+def test_a_client_that_leaves_while_queued_is_cancelled_before_any_audio(bundle_server_1row):
+    """One row, held by a stream whose client does not read; a second request waits for the row, and its
+    client leaves: its job is cancelled (counted `cancelled`), not left to wait for a row and its first
+    audio (the status line waits for that)."""
+    srv = bundle_server_1row
+    conn, resp = srv.open_speech(rcvbuf=4096, response_format="pcm", **held(600))
+    assert resp.status == 200
+    wait_for(lambda: srv.loop.stats.paused == 1, "the first request to pause")
+    cancelled = requests_total(srv, "cancelled")
+    sock = raw_connection(srv)
+    body = json.dumps({"input": "Wait for a row, then leave."}).encode()
+    sock.sendall(
+        b"POST /v1/audio/speech HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    wait_for(lambda: srv.loop.in_flight == 2, "the second request to be queued")
+    sock.close()
+    wait_for(lambda: requests_total(srv, "cancelled") == cancelled + 1, "the queued request to be cancelled")
+    wait_for(lambda: srv.loop.in_flight == 1, "the queued job to end")
+    conn.close()
+    wait_idle(srv.loop)
+
+
+@pytest.fixture
+def bundle_server_1row():
+    srv = HTTPServerThread(
+        load_bundle("tiny"),
+        EngineConfig(max_batch=1),
+        ServiceLimits(max_waiting=2, max_queued_chunks=2, pause_timeout=None),
+    )
+    yield srv
+    srv.stop()
