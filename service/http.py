@@ -532,7 +532,9 @@ def _timed_protocol(read_timeout: float):
             self._read_timer = None
             if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
                 what = "headers" if self.conn.their_state is h11.IDLE else "body"
-                log.info("closing an HTTP connection: no complete request %s within %g s", what, read_timeout)
+                log.debug(
+                    "closing an HTTP connection: no complete request %s within %g s", what, read_timeout
+                )
                 self.transport.close()  # (a handler reading the body sees the client leave)
 
         def connection_made(self, transport) -> None:
