@@ -155,6 +155,13 @@ def add_parser(subparsers) -> None:
         "wait; then it ends with RESOURCE_EXHAUSTED (default 10; 0 = never)",
     )
     p.add_argument(
+        "--http-read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds an HTTP client may take to send a request's headers, or leave its body without a "
+        "byte, before its connection is closed (default 30)",
+    )
+    p.add_argument(
         "--max-text-bytes",
         type=int,
         default=20_000,
@@ -326,6 +333,7 @@ def check_serve_options(args: argparse.Namespace) -> None:
     )
     check_threads(args)
     check_seconds("--pause-timeout", args.pause_timeout, zero_ok=True)
+    check_seconds("--http-read-timeout", args.http_read_timeout, zero_ok=False)
     check_seconds("--max-audio-seconds", args.max_audio_seconds, zero_ok=True)
     require(
         math.isfinite(args.reference_cache_mb) and args.reference_cache_mb >= 0,
@@ -397,6 +405,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         voices_dir=voices_dir,
         max_connection_age=args.max_connection_age or None,
         max_connection_age_grace=args.max_connection_age_grace,
+        http_read_timeout=args.http_read_timeout,
     )
     # Three threads share the GIL: the engine thread (a frame every few ms), the codec stage's worker and
     # the asyncio thread of the fronts. A thread waiting for the GIL gets it within the switch interval;

@@ -161,11 +161,14 @@ def render_config(
         pattern = rf"# \[section {section}\]\n(.*?)# \[end {section}\]\n"
         text = re.sub(pattern, (lambda m: m.group(1)) if on else "", text, flags=re.S)
     # `port N` on a server line is where its health check goes: the replica's HTTP port.
+    # `disabled`: every server starts in maintenance, out of rotation and not counted by /health (HAProxy
+    # would count a server UP before its first check, while nothing listens on its ports yet); the
+    # cluster puts it in rotation when the replica says it serves (`set_replica_state`).
     grpc = [
-        f"    server {r.name} 127.0.0.1:{r.grpc_port} proto h2 port {r.http_port} check-proto h1"
+        f"    server {r.name} 127.0.0.1:{r.grpc_port} proto h2 port {r.http_port} check-proto h1 disabled"
         for r in replicas
     ]
-    http = [f"    server {r.name} 127.0.0.1:{r.http_port}" for r in replicas]
+    http = [f"    server {r.name} 127.0.0.1:{r.http_port} disabled" for r in replicas]
     routes = [f"    use_backend metrics_{r.name} if {{ path /replicas/{r.name}/metrics }}" for r in replicas]
     backends = []
     for r in replicas:
@@ -214,6 +217,16 @@ async def admin_command(socket_path: str, command: str, timeout: float = 5.0) ->
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
+
+
+async def set_replica_state(socket_path: str, replica: Replica, state: str, *, http: bool) -> None:
+    """Put `replica`'s servers (gRPC, and HTTP when `http`) in rotation (`state` "ready": HAProxy counts
+    it UP at once, then its health checks go on) or take them out ("maint"). Raises RuntimeError with
+    HAProxy's answer if it refuses."""
+    for backend in ("grpc_replicas", "http_replicas") if http else ("grpc_replicas",):
+        answer = await admin_command(socket_path, f"set server {backend}/{replica.name} state {state}")
+        if answer.strip():
+            raise RuntimeError(f"{PROXY} refused to set {backend}/{replica.name} {state}: {answer.strip()}")
 
 
 def server_states(show_stat: str) -> dict[tuple[str, str], str]:
@@ -393,6 +406,7 @@ class Cluster:
         await asyncio.wait([exited, serving], return_when=asyncio.FIRST_COMPLETED)
         if serving.done():
             exited.cancel()
+            await self._set_state(r, "ready")
             return
         serving.cancel()
         await asyncio.sleep(0.2)  # let its last lines through
@@ -400,6 +414,9 @@ class Cluster:
         reason = r.last_error or _describe_exit(code)
         error = UserError if code == 2 else RuntimeError
         raise error(f"replica {r.name} ({r.device}) failed to start: {reason}")
+
+    async def _set_state(self, r: Replica, state: str) -> None:
+        await set_replica_state(self.admin_socket, r, state, http=self.args.http_port >= 0)
 
     async def _wait_proxy_sees_all(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -420,6 +437,8 @@ class Cluster:
             code = await r.proc.wait()
             if self.stopping:
                 return
+            with contextlib.suppress(OSError, RuntimeError, asyncio.TimeoutError):
+                await self._set_state(r, "maint")  # out of rotation until it serves again
             served = r.serving.is_set()
             r.failures = 1 if served else r.failures + 1
             delay = min(RESTART_DELAYS[1], RESTART_DELAYS[0] * 2 ** (r.failures - 1))
@@ -442,6 +461,8 @@ class Cluster:
         assert proc is not None  # (_watch has just restarted it)
         await r.serving.wait()
         if r.proc is proc and not self.stopping:
+            with contextlib.suppress(OSError, RuntimeError, asyncio.TimeoutError):
+                await self._set_state(r, "ready")
             r.failures = 0
             self.say(f"replica {r.name} ({r.device}) serving again (pid {proc.pid}, start {r.starts})")
 

@@ -25,10 +25,22 @@ Endpoints:
   server's Prometheus registry), `GET /` (the playground, `service/static/index.html`), and FastAPI's
   `/docs`.
 
-Errors are OpenAI-style JSON, `{"error": {"message", "type", "param", "code"}}`: 400 bad input, 404 unknown
-model / voice / path, 409 a voice name that is taken, 413 body over the limit (checked before the body is
-parsed), 415 a voice upload that is not multipart/form-data, 429 admission full, 503 warming up or
-shutting down, 500 a bug. Statuses come from `service.server.status_for`, as on gRPC.
+Errors are OpenAI-style JSON, `{"error": {"message", "type", "param", "code"}}`: 400 bad input (JSON a
+parser chokes on included: integers of over 40 digits, nesting past the recursion limit, lone surrogate
+escapes), 404 unknown model / voice / path, 409 a voice name that is taken, 413 body over the limit
+(checked before the body is parsed; the rest of the body, up to DRAIN_BYTES more, is read first so that
+the client can read the answer), 415 a voice upload that is not multipart/form-data, 422 `no_audio`: the
+job ended without any audio (gRPC ends such a stream OK with finish reason `short`), 429 admission full,
+503 warming up or shutting down, 500 a bug. Statuses come from `service.server.status_for`, as on gRPC.
+
+The status line waits for the first audio (or the end of the job): a job that fails before any audio gets
+its error status. When the job ended before the status line, `X-Finish-Reason` (`stop`, `length`,
+`short`, `loop`: as gRPC's StreamEnd) and every warning (`X-Warnings`) come with it.
+
+Connections: a request's headers must arrive within `ServiceLimits.http_read_timeout` seconds of the
+connection's start (or the previous response's end), and its body may not pause longer; else the
+connection is closed. A client that leaves before its body is complete is counted `cancelled` (one INFO
+line), as a gRPC cancel is.
 
 Once the status line is sent the status cannot change: a request that fails later (engine failure,
 shutdown past the grace period) ends the SSE stream with an `error` event, and cuts an audio stream
@@ -57,6 +69,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from tts.api import VoiceExists, VoiceNotFound
 from tts.audio_formats import FORMATS, MAX_SPEED, MIN_SPEED, AudioEncoder
@@ -77,6 +90,9 @@ STATIC = Path(__file__).parent / "static"
 # its request pauses, as a gRPC stream does when its HTTP/2 window is full, instead of generating into
 # up to 4 MiB of autotuned buffer. 256 KiB per round trip is far above any audio bit rate served here.
 SEND_BUFFER_BYTES = 128 * KiB
+# An oversized request body is read and dropped up to this many bytes past the limit before the 413 is
+# sent (`HTTPFront._read_body`); a larger one gets its 413 at once, and the connection closes.
+DRAIN_BYTES = 64 * KiB * KiB
 # OpenAI's model names: tools that hard-code them get the served model (there is only one).
 OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 HTTP_STATUS = {
@@ -164,13 +180,19 @@ class APIError(Exception):
     @property
     def outcome(self) -> str:
         """The `tts_requests_total{outcome}` label of this error."""
-        return {400: "invalid_argument", 404: "not_found", 413: "too_large", 429: "resource_exhausted"}.get(
-            self.status, "unavailable" if self.status == 503 else "error"
-        )
+        return {
+            400: "invalid_argument",
+            404: "not_found",
+            413: "too_large",
+            422: "no_audio",
+            429: "resource_exhausted",
+        }.get(self.status, "unavailable" if self.status == 503 else "error")
 
-    def response(self) -> JSONResponse:
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        headers = dict(headers or {})
+        if self.status in (429, 503):
+            headers["Retry-After"] = "1"
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
@@ -215,6 +237,76 @@ def _form_flag(value: object, param: str) -> bool:
         ) from exc
 
 
+# JSON integers longer than this stay unconverted (no field takes one: the widest, seed, has 20 digits).
+MAX_INT_DIGITS = 40
+
+
+class _LongInt:
+    """A JSON integer of more than MAX_INT_DIGITS digits, never converted: no field validates it (it is
+    neither a number nor a string), so the error names the field; it reads as "a 5000-digit number"."""
+
+    def __init__(self, text: str):
+        self.digits = len(text.lstrip("-"))
+
+    def __str__(self) -> str:
+        return f"a {self.digits}-digit number"
+
+
+def _json_int(text: str) -> int | _LongInt:
+    return int(text) if len(text) <= MAX_INT_DIGITS else _LongInt(text)
+
+
+def _check_unicode(data: dict) -> None:
+    """Raise APIError 400 naming the top-level field of the first string (or key) in `data` holding a
+    lone surrogate (JSON's `\\ud800` escape parses to one): it cannot be encoded, so it would fail
+    later as a 500. Iterative: the parsed JSON may nest up to the recursion limit."""
+    stack: list[tuple[str | None, object]] = [(None, data)]
+    while stack:
+        field, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                top = key if field is None else field
+                _check_text(top, key)
+                stack.append((top, item))
+        elif isinstance(value, list):
+            stack.extend((field, item) for item in value)
+        elif isinstance(value, str):
+            _check_text(field, value)
+
+
+def _check_text(field: str | None, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        name = field.encode("utf-8", "backslashreplace").decode() if field is not None else "body"
+        char = text[exc.start].encode("unicode_escape").decode()
+        raise APIError(
+            400,
+            f"{name} holds a lone surrogate ({char}) at character {exc.start}: not valid Unicode",
+            param=name,
+        ) from None
+
+
+def _header_text(warnings: list[str]) -> str:
+    """Warnings as one header value: "; "-joined, ASCII (anything else as "?")."""
+    return "; ".join(warnings).encode("ascii", "replace").decode()
+
+
+def finish_reason(finished: Finished) -> str:
+    """The response's finish reason as gRPC's StreamEnd gives it: `loop` if a text chunk kept a repetition
+    loop (OpenAI has no such reason), else `short` if one ended implausibly early, else `length` if one
+    hit its budget, else `stop`."""
+    reasons = finished.finish_reasons
+    for reason, name in (
+        (FinishReason.LOOP, "loop"),
+        (FinishReason.SHORT, "short"),
+        (FinishReason.LENGTH, "length"),
+    ):
+        if reason in reasons:
+            return name
+    return "stop"
+
+
 class StreamAborted(RuntimeError):
     """Raised into the server to cut an audio stream whose job failed after the status line was sent."""
 
@@ -246,6 +338,7 @@ class _Synthesis:
         self.ended = False  # Finished or Failed seen (the job is over on the engine side)
         self.finished = False  # Finished seen: all the audio is encoded (maybe not yet sent)
         self.input_tokens = 0
+        self.finished_event: Finished | None = None
         # Encoding compressed formats (or with a tempo change) runs on a worker thread, off the event loop
         # that also serves gRPC; the encoder's lock makes close() wait for a running encode.
         self.threaded = encoder.format.name not in ("pcm", "wav") or encoder.speed != 1.0
@@ -272,6 +365,15 @@ class _Synthesis:
                     yield "audio", data
             elif isinstance(event, Finished):
                 self.ended = self.finished = True
+                self.finished_event = event
+                if self.samples == 0:
+                    # Nothing to hear: no OK for it (the status line waits for the first audio, so this
+                    # is always said before it; gRPC ends such a stream OK with finish reason `short`).
+                    err = self.no_audio(event)
+                    self.front.count(err.outcome)
+                    self.front.log_call(self.call, err.outcome, err.message, synthesis=self)
+                    yield "failed", err
+                    return
                 data = await self._finish()
                 if data:
                     yield "audio", data
@@ -288,8 +390,18 @@ class _Synthesis:
                 yield "failed", event.error
                 return
 
-    async def audio_body(self) -> AsyncGenerator[bytes, None]:
-        async for kind, payload in self.events():
+    def no_audio(self, finished: Finished) -> APIError:
+        """The 422 of a job that ended without any audio."""
+        why = "; ".join(finished.warnings) or "no frames"
+        return APIError(
+            422,
+            f"the model produced no audio for this text (finish reason {finish_reason(finished)}: {why})",
+            param="input",
+            code="no_audio",
+        )
+
+    async def audio_body(self, events) -> AsyncGenerator[bytes, None]:
+        async for kind, payload in events:
             if kind == "audio":
                 yield payload
             elif kind == "failed":
@@ -298,15 +410,15 @@ class _Synthesis:
                 )
                 raise StreamAborted(str(payload))
 
-    async def sse_body(self) -> AsyncGenerator[bytes, None]:
-        async for kind, payload in self.events():
+    async def sse_body(self, events) -> AsyncGenerator[bytes, None]:
+        async for kind, payload in events:
             event: dict[str, object]
             if kind == "audio":
                 event = {"type": "speech.audio.delta", "audio": base64.b64encode(payload).decode("ascii")}
             elif kind == "done":
                 event = self._done_event(payload)
             else:
-                err = api_error(payload)
+                err = payload if isinstance(payload, APIError) else api_error(payload)
                 event = {
                     "type": "error",
                     "error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code},
@@ -314,11 +426,7 @@ class _Synthesis:
             yield f"data: {json.dumps(event)}\n\n".encode()
 
     def _done_event(self, finished: Finished) -> dict:
-        reasons = finished.finish_reasons
-        # a repetition loop the loop guard left in is the more telling (OpenAI has no such reason)
-        reason = (
-            "loop" if FinishReason.LOOP in reasons else "length" if FinishReason.LENGTH in reasons else "stop"
-        )
+        reason = finish_reason(finished)
         return {
             "type": "speech.audio.done",
             "usage": {
@@ -394,6 +502,66 @@ class _SynthesisResponse(StreamingResponse):
         if self._task is not None and not self.aborted:
             self.aborted = True
             self._task.cancel()
+
+
+# ---- connections that stop sending ------------------------------------------------------------------------
+
+
+def _timed_protocol(read_timeout: float):
+    """uvicorn's h11 protocol with a read timeout, which uvicorn lacks (its `timeout_keep_alive` only runs
+    between a response and the next request's first byte): a connection is closed when a request's
+    headers are not complete `read_timeout` seconds after the connection opened or the previous response
+    ended, or when its body goes that long without a byte. Without it, a client that sends half a
+    request holds its connection (and a file descriptor) forever."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class TimedH11Protocol(H11Protocol):
+        _read_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._read_timer = self.loop.call_later(read_timeout, self._timed_out)
+
+        def _disarm(self) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+
+        def _timed_out(self) -> None:
+            self._read_timer = None
+            if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+                what = "headers" if self.conn.their_state is h11.IDLE else "body"
+                log.debug(
+                    "closing an HTTP connection: no complete request %s within %g s", what, read_timeout
+                )
+                self.transport.close()  # (a handler reading the body sees the client leave)
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            state = self.conn.their_state
+            if state is h11.SEND_BODY:
+                self._arm()  # the body: a deadline per pause
+            elif state is h11.IDLE:
+                if self._read_timer is None:
+                    self._arm()  # the headers: one deadline for all of them
+            else:
+                self._disarm()  # the request is in (or the connection is ending)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state in (h11.IDLE, h11.SEND_BODY):
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return TimedH11Protocol
 
 
 # ---- the app -------------------------------------------------------------------------------------------
@@ -487,6 +655,7 @@ class HTTPFront:
             ws="none",
             timeout_graceful_shutdown=5,
             timeout_keep_alive=5,
+            http=_timed_protocol(self.limits.http_read_timeout),
         )
         self._uvicorn = Server(config)
         self._task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
@@ -615,16 +784,33 @@ class HTTPFront:
     # ---- POST /v1/audio/speech ----
 
     async def _read_body(self, request: Request) -> bytes:
-        """The body, refused with 413 as soon as it is known to exceed the limit (before parsing)."""
+        """The body, refused with 413 once it is known to exceed the limit (before parsing). The rest of
+        an oversized body is read and dropped first (up to DRAIN_BYTES more): most clients send their
+        whole body before they read, and a server that answers and closes while bytes are still coming
+        makes the kernel reset the connection, which loses the 413. Raises ClientDisconnect if the
+        client leaves first."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            if int(declared) <= self.max_body + DRAIN_BYTES:
+                await self._drain(request.stream(), 0)
             raise APIError(413, self._too_large(int(declared)), param=None, code="request_too_large")
         body = bytearray()
-        async for part in request.stream():
+        stream = request.stream()
+        async for part in stream:
             body += part
             if len(body) > self.max_body:
-                raise APIError(413, self._too_large(len(body), at_least=True), code="request_too_large")
+                size = await self._drain(stream, len(body))
+                raise APIError(413, self._too_large(size, at_least=True), code="request_too_large")
         return bytes(body)
+
+    async def _drain(self, stream: AsyncGenerator[bytes, None], size: int) -> int:
+        """Read and drop the rest of a body (`size` bytes read so far) up to max_body + DRAIN_BYTES;
+        returns the bytes read in all (past that bound: where it stopped)."""
+        async for part in stream:
+            size += len(part)
+            if size > self.max_body + DRAIN_BYTES:
+                break
+        return size
 
     def _too_large(self, size: int, at_least: bool = False) -> str:
         from .server import format_size
@@ -637,11 +823,16 @@ class HTTPFront:
 
     def _parse(self, body: bytes) -> SpeechRequest:
         try:
-            data = json.loads(body)
+            # (json's own int() refuses numbers over 4,300 digits with a ValueError, and its parser
+            # recurses once per nesting level: both are the client's error, not a 500)
+            data = json.loads(body, parse_int=_json_int)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
+        except RecursionError as exc:
+            raise APIError(400, "the request body's JSON nests too deeply") from exc
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
+        _check_unicode(data)
         try:
             return SpeechRequest.model_validate(data)
         except ValidationError as exc:
@@ -649,14 +840,17 @@ class HTTPFront:
             if err["loc"] == ("seed",):
                 # pydantic's messages differ by how the value is wrong ("exceeded maximum size" for 1e30);
                 # one line with the range, as the sampling checks word theirs ("top_p must be in ...").
-                got = shorten(json.dumps(err["input"]), 40)
+                got = shorten(json.dumps(err["input"], default=str), 40)
+                if isinstance(err["input"], _LongInt):
+                    got = str(err["input"])
                 raise APIError(
                     400, f"seed must be an integer in [-2**63, 2**63), got {got}", param="seed"
                 ) from exc
             loc = ".".join(str(p) for p in err["loc"]) or "body"
-            raise APIError(
-                400, f"{loc}: {err['msg']}", param=str(err["loc"][0]) if err["loc"] else None
-            ) from exc
+            msg = err["msg"]
+            if isinstance(err.get("input"), _LongInt):
+                msg = f"{msg}, got {err['input']}"
+            raise APIError(400, f"{loc}: {msg}", param=str(err["loc"][0]) if err["loc"] else None) from exc
 
     def _check_model(self, name: str | None) -> None:
         served = self.bundle.name
@@ -739,6 +933,9 @@ class HTTPFront:
         limit = self.limits.max_reference_bytes + 64 * 1024
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
+            if int(declared) <= limit + DRAIN_BYTES:  # (read first: see _read_body)
+                with contextlib.suppress(ClientDisconnect):
+                    await self._drain(request.stream(), 0)
             return APIError(
                 413,
                 f"the upload is {declared} bytes; the limit is {limit}",
@@ -843,6 +1040,14 @@ class HTTPFront:
                 self.count("cancelled")
                 self.log_call(call, "cancelled")
             raise
+        except ClientDisconnect:
+            # The client left before its body was complete (or the server closed a body that stopped
+            # coming: `http_read_timeout`): not the server's error, and no one to answer.
+            if stream is not None:
+                stream.cancel()
+            self.count("cancelled")
+            self.log_call(call, "cancelled", "the client left before sending the whole body")
+            return Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 - a bug: 500 with its message
             log.exception("preparing an HTTP request failed")
             if stream is not None:
@@ -854,6 +1059,33 @@ class HTTPFront:
 
         synthesis = _Synthesis(self, stream, event, encoder, call)
         synthesis.input_tokens = input_tokens
+        # The status line waits for the first audio (or the end): a job that fails or ends without
+        # audio before then gets an error status, not a 200 with an empty or cut body.
+        events = synthesis.events()
+        try:
+            first = await self._first_event(request, events)
+        except ClientDisconnect:
+            synthesis.close("cancelled")  # (counted and logged once, the job cancelled)
+            await events.aclose()
+            return Response(status_code=499)
+        except BaseException:
+            synthesis.close("cancelled")
+            await events.aclose()
+            raise
+        if first[0] == "failed":
+            synthesis.close()  # (already counted and logged)
+            await events.aclose()
+            failure = first[1]
+            assert isinstance(failure, BaseException), failure
+            err = failure if isinstance(failure, APIError) else api_error(failure)
+            finished = synthesis.finished_event
+            return err.response(self._end_headers(finished, prepared.job.warnings) if finished else None)
+
+        async def replayed():
+            yield first
+            async for item in events:
+                yield item
+
         headers = {
             "X-Request-Id": event.request_id,
             "X-Seed": str(event.seed),
@@ -863,17 +1095,50 @@ class HTTPFront:
             "X-Replica": self.server.replica,
             "Cache-Control": "no-cache",
         }
-        warnings = prepared.job.warnings
-        if warnings:
-            headers["X-Warnings"] = "; ".join(warnings).encode("ascii", "replace").decode()
+        if synthesis.finished_event is not None:  # the whole result is known: as gRPC's StreamEnd says
+            headers |= self._end_headers(synthesis.finished_event, prepared.job.warnings)
+        elif prepared.job.warnings:
+            headers["X-Warnings"] = _header_text(prepared.job.warnings)
         if r.response_format == "pcm":
             headers |= {"X-Sample-Format": "s16le", "X-Channels": "1"}
         if r.stream_format == "sse":
             headers["X-Accel-Buffering"] = "no"
             return _SynthesisResponse(
-                synthesis, synthesis.sse_body(), media_type="text/event-stream", headers=headers
+                synthesis, synthesis.sse_body(replayed()), media_type="text/event-stream", headers=headers
             )
         headers["Content-Disposition"] = f'inline; filename="speech{FORMATS[r.response_format].extension}"'
         return _SynthesisResponse(
-            synthesis, synthesis.audio_body(), media_type=encoder.media_type, headers=headers
+            synthesis, synthesis.audio_body(replayed()), media_type=encoder.media_type, headers=headers
         )
+
+    @staticmethod
+    async def _first_event(request: Request, events) -> tuple[str, object]:
+        """The first item of `events`; raises ClientDisconnect if the client leaves first (a job queued
+        behind others must not keep its place for a client that is gone: the streaming response, which
+        watches for that, has not started yet)."""
+
+        async def client_gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        first = asyncio.ensure_future(events.__anext__())
+        gone = asyncio.ensure_future(client_gone())
+        try:
+            await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (first, gone):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(first, gone, return_exceptions=True)
+        if first.done() and not first.cancelled():
+            return first.result()
+        raise ClientDisconnect()
+
+    @staticmethod
+    def _end_headers(finished: Finished, warnings: list[str]) -> dict[str, str]:
+        """`X-Finish-Reason` and `X-Warnings` of a response whose job ended before its status line."""
+        headers = {"X-Finish-Reason": finish_reason(finished)}
+        every = list(dict.fromkeys([*warnings, *finished.warnings]))
+        if every:
+            headers["X-Warnings"] = _header_text(every)
+        return headers

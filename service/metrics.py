@@ -25,6 +25,7 @@ every iteration by the engine thread); per-request figures are observed by the g
 | `tts_codec_decode_padded_frames_total` | counter | frames the decode calls computed, padding included (rows bucket x frames bucket of each call; frames / padded frames = the calls' fill) |
 | `tts_first_audio_seconds_total{phase}`, `tts_first_audio_jobs_total` | counter | the time to first audio of the requests that had audio, split by phase and summed (/ jobs = the mean): `encode` (the reference clip), `first_frame` (waiting for a row, prefill, the first frame step), `frames` (the rest of the first chunk's frames), `codec` (its decode, waiting included) |
 | `tts_reference_cache_hits_total`, `tts_reference_cache_misses_total` | counter | reference clips found encoded / encoded anew |
+| `tts_voice_files_refused_total` | counter | files in the voices directory refused when read (codes of the wrong shape or range, another codec's, unreadable; each file version once; the log names the file and why) |
 | `process_resident_memory_bytes`, ... | gauge | the process collector's memory and CPU figures |
 | `tts_requests_total{outcome}` | counter | finished requests by outcome (ok, invalid_argument, ...) |
 | `tts_time_to_first_audio_seconds` | histogram | request received -> first audio chunk sent (server side) |
@@ -107,6 +108,10 @@ class _EngineCollector:
             ),
             "tts_reference_cache_hits": ("Reference clips found in the cache", s.cache_hits),
             "tts_reference_cache_misses": ("Reference clips encoded anew", s.cache_misses),
+            "tts_voice_files_refused": (
+                "Voice files refused when read (malformed codes, another codec's, unreadable)",
+                self.loop.voices.refused,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

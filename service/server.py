@@ -107,6 +107,9 @@ class ServiceLimits:
     GOAWAY; the client reconnects for its next call, through its balancer), None: never.
     max_connection_age_grace: seconds the streams open on such a connection may still run before it is
     closed (None: as long as they need).
+    http_read_timeout: seconds an HTTP client may take to send a request's headers (counted from the
+    connection's start or the previous response's end), and may leave a request body without a byte;
+    past it the connection is closed.
     """
 
     max_waiting: int = 16
@@ -124,6 +127,7 @@ class ServiceLimits:
     max_chunk_frames: int = 256
     max_connection_age: float | None = None
     max_connection_age_grace: float | None = None
+    http_read_timeout: float = 30.0
 
     @property
     def receive_bytes(self) -> int:

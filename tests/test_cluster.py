@@ -499,3 +499,79 @@ def test_server_states_parses_show_stat():
         "grpc_replicas,BACKEND,0,UP,\n"
     )
     assert cluster.server_states(text) == {("grpc_replicas", "r0"): "UP", ("grpc_replicas", "r1"): "DOWN 1/2"}
+
+
+@needs_proxy
+def test_health_says_unavailable_until_the_proxy_can_route_to_a_replica(tmp_path):
+    """The front's /health counts a replica only once the proxy can send it calls: the servers start in
+    maintenance (HAProxy would otherwise count a server UP before its first check, while nothing listens
+    on its port yet), and the cluster puts each in rotation when the replica says it serves. Checks are
+    an hour apart here, so no health check changes anything during the test."""
+    import http.server
+
+    class Replica(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = b'{"status": "serving"}' if self.path == "/health" else b"routed"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    replica_http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Replica)
+    threading.Thread(target=replica_http.serve_forever, daemon=True).start()
+    r = cluster.Replica(0, "cpu", *cluster.free_ports("127.0.0.1", 1), replica_http.server_address[1], 0)
+    front, grpc_port = cluster.free_ports("127.0.0.1", 2)
+    admin = str(tmp_path / "admin.sock")
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(
+        cluster.render_config(
+            [r],
+            grpc_bind=f"127.0.0.1:{grpc_port}",
+            http_bind=f"127.0.0.1:{front}",
+            metrics_bind=None,
+            admin_socket=admin,
+            check_interval=3600.0,
+        )
+    )
+    proxy = subprocess.Popen([HAPROXY, "-db", "-f", str(config)], stderr=subprocess.DEVNULL)
+    try:
+
+        def get(path: str) -> tuple[int, bytes]:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{front}{path}", timeout=30) as resp:
+                    return resp.status, resp.read()
+            except urllib.error.HTTPError as err:
+                return err.code, err.read()
+
+        async def answers() -> str:
+            return await cluster.admin_command(admin, "show info")
+
+        deadline = time.monotonic() + 30
+        while True:  # HAProxy's start: its admin socket answers once the configuration is loaded
+            try:
+                if "Name:" in asyncio.run(answers()):
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and proxy.poll() is None, "haproxy did not start"
+            time.sleep(0.05)
+        status, body = get("/health")
+        assert status == 503 and json.loads(body)["replicas_serving"] == 0
+        assert get("/v1/models")[0] == 503  # and nothing is routed to it
+        asyncio.run(cluster.set_replica_state(admin, r, "ready", http=True))
+        status, body = get("/health")
+        assert status == 200 and json.loads(body) == {
+            "status": "serving",
+            "replicas_serving": 1,
+            "replicas": 1,
+        }
+        assert get("/v1/models") == (200, b"routed")
+        asyncio.run(cluster.set_replica_state(admin, r, "maint", http=True))  # (a replica that exited)
+        assert get("/health")[0] == 503
+    finally:
+        proxy.terminate()
+        proxy.wait(30)
+        replica_http.shutdown()

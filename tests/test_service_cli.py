@@ -215,6 +215,7 @@ BAD_OPTIONS = [
     (["serve", "--max-queued-chunks", "0"], "--max-queued-chunks must be >= 1, got 0"),
     (["serve", "--grace", "-1"], "--grace must be a number of seconds >= 0, got -1"),
     (["serve", "--grace", "nan"], "--grace must be a number of seconds >= 0, got nan"),
+    (["serve", "--http-read-timeout", "0"], "--http-read-timeout must be a number of seconds > 0, got 0"),
     (["serve", "--max-reference-mb", "0"], "--max-reference-mb must be in (0, 2046], got 0"),
     (["serve", "--max-reference-mb", "inf"], "--max-reference-mb must be in (0, 2046], got inf"),
     (["serve", "--max-reference-mb", "5000"], "--max-reference-mb must be in (0, 2046], got 5000"),

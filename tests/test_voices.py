@@ -308,3 +308,83 @@ def test_bad_voices_options_after_the_action_are_one_line_errors(capsys):
             main(argv)
         err = capsys.readouterr().err
         assert exc.value.code == 2 and err.startswith(start) and message in err and err.count("\n") == 1, err
+
+
+def _add_after_barrier(directory: str, name: str, text: str, barrier, results) -> None:
+    """(In a child process.) Add voice `name` to a registry on `directory`, every process's writer waiting
+    at `barrier` once it has passed the name check: all of them find the name free before any writes."""
+    import tts.voices as voices
+
+    save = voices.save_file
+
+    def save_after_barrier(*args, **kwargs):
+        barrier.wait(60)
+        return save(*args, **kwargs)
+
+    voices.save_file = save_after_barrier
+    try:
+        VoiceRegistry({}, directory, "fp1").add(name, voice(5, text))
+        results.put((text, "ok"))
+    except VoiceExists:
+        results.put((text, "exists"))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        results.put((text, f"error: {exc!r}"))
+
+
+def test_two_processes_adding_one_name_one_wins_and_no_voice_is_lost(tmp_path):
+    """Two servers sharing a voices folder, both adding a new name at once (both past the name check
+    before either writes): exactly one gets OK, the other VoiceExists, and the file is the winner's."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    directory = str(tmp_path / "voices")
+    procs = [
+        ctx.Process(target=_add_after_barrier, args=(directory, "shared", text, barrier, results))
+        for text in ("first", "second")
+    ]
+    for p in procs:
+        p.start()
+    outcomes = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert sorted(outcomes.values()) == ["exists", "ok"], outcomes
+    winner = next(text for text, outcome in outcomes.items() if outcome == "ok")
+    assert VoiceRegistry({}, directory, "fp1").get("shared").text == winner
+    assert sorted(f.name for f in (tmp_path / "voices").iterdir()) == ["shared.safetensors"]  # no temp files
+
+
+def test_a_voice_file_with_wrong_shaped_codes_is_refused_at_load(tmp_path, caplog):
+    """A file whose codes this codec cannot decode (wrong rows, not 2-D, empty, out of the codebook, not
+    integers) is refused when the registry reads it: one warning naming the file and why, a count for the
+    metric, and a lookup of it says why; the other voices serve."""
+    from safetensors.torch import save_file
+
+    directory = tmp_path / "voices"
+    VoiceRegistry({}, directory, "fp1").add("good", voice(5))
+    bad = {
+        "rows": torch.zeros(3, 5, dtype=torch.int64),
+        "flat": torch.zeros(20, dtype=torch.int64),
+        "empty": torch.zeros(4, 0, dtype=torch.int64),
+        "range": torch.full((4, 5), 1000, dtype=torch.int64),
+        "floats": torch.zeros(4, 5),
+    }
+    for name, codes in bad.items():
+        save_file(
+            {"codes": codes}, str(directory / f"{name}.safetensors"), metadata={"text": "x", "codec": "fp1"}
+        )
+    with caplog.at_level("WARNING", logger="tts.voices"):
+        reg = VoiceRegistry({}, directory, "fp1", codebooks=(4, 100))
+        assert [e.name for e in reg.list()] == ["good"]
+    assert reg.refused == len(bad)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == len(bad)
+    for name in bad:
+        assert any(str(directory / f"{name}.safetensors") in line for line in lines), (name, lines)
+    assert any("codes are [3, 5]; this codec's are [4, T]" in line for line in lines), lines
+    assert any("codes outside 0..99" in line for line in lines), lines
+    with pytest.raises(VoiceNotFound, match="refused: its codes are \\[3, 5\\]"):
+        reg.get("rows")
+    assert torch.equal(reg.get("good").codes, voice(5).codes)
+    reg.list()
+    assert reg.refused == len(bad)  # counted once per file, however often it is read

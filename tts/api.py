@@ -98,7 +98,10 @@ class TTS:
     def __init__(self, bundle: ModelBundle, engine_config: EngineConfig | None = None, *, voices_dir=None):
         self.bundle = bundle
         self.engine = Engine(bundle.model, for_bundle(engine_config or EngineConfig(max_batch=4), bundle))
-        self.voice_registry = VoiceRegistry(bundle.voices, voices_dir, codec_fingerprint(bundle.codec))
+        codec = bundle.codec
+        self.voice_registry = VoiceRegistry(
+            bundle.voices, voices_dir, codec_fingerprint(codec), (codec.num_codebooks, codec.codebook_size)
+        )
         self.planner = Planner(bundle, self.engine.max_context, self.engine.check, self.voice_registry)
         self._wake = threading.Event()
         self.runner = JobRunner(

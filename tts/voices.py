@@ -97,10 +97,21 @@ class VoiceRegistry:
     presets: the bundle's voices (never replaced or deleted). directory: where registered voices are
     persisted (None: in memory only). fingerprint: `codec_fingerprint(codec)`; None reads every file
     without checking (for listing and deleting without loading the codec; `add` then refuses).
+    codebooks: (num_codebooks, codebook_size) of the codec: a file whose codes are not `[num_codebooks,
+    T]` integers in 0..codebook_size-1 (T >= 1) is refused when read (None: only the form is checked).
+    `refused` counts the file versions refused (another codec's, unreadable or malformed), each once.
+
+    Adding a new name is atomic across processes sharing the directory: the file is written under a
+    temporary name and linked to its own (create-exclusive), so of two adds of one name exactly one
+    wins and the other gets VoiceExists.
     """
 
     def __init__(
-        self, presets: dict[str, VoiceReference], directory: str | Path | None, fingerprint: str | None
+        self,
+        presets: dict[str, VoiceReference],
+        directory: str | Path | None,
+        fingerprint: str | None,
+        codebooks: tuple[int, int] | None = None,
     ):
         self.presets = dict(presets)
         self.directory = Path(directory) if directory is not None else None
@@ -110,6 +121,9 @@ class VoiceRegistry:
         self._registered: dict[str, VoiceReference] = {}
         self._stamps: dict[str, tuple[int, int]] = {}  # name -> (mtime_ns, size) of the file read
         self._skipped: set[tuple[Path, tuple[int, int]]] = set()  # files warned about once
+        self._refused: dict[str, str] = {}  # name -> why its file was refused (for lookups of it)
+        self.codebooks = codebooks
+        self.refused = 0  # file versions refused (see the class docstring)
         self._refresh()
 
     def _read_file(self, f: Path, stamp: tuple[int, int]) -> VoiceReference | None:
@@ -119,13 +133,35 @@ class VoiceRegistry:
             with safe_open(str(f), "pt") as h:
                 meta = h.metadata() or {}
                 if self.fingerprint is None or meta.get("codec") == self.fingerprint:
-                    return VoiceReference(codes=h.get_tensor("codes"), text=meta.get("text", ""))
-                problem = "made for another codec"
+                    codes = h.get_tensor("codes")
+                    problem = self._codes_problem(codes)
+                    if problem is None:
+                        self._refused.pop(f.stem, None)
+                        return VoiceReference(codes=codes, text=meta.get("text", ""))
+                else:
+                    problem = "made for another codec"
         except Exception as exc:  # noqa: BLE001 - one broken file must not stop the server
             problem = f"unreadable: {exc}"
+        self._refused[f.stem] = problem
         if (f, stamp) not in self._skipped:
             self._skipped.add((f, stamp))
-            log.warning("skipping voice file %s: %s", f, problem)
+            self.refused += 1
+            log.warning("refusing voice file %s: %s", f, problem)
+        return None
+
+    def _codes_problem(self, codes: torch.Tensor) -> str | None:
+        """Why `codes` read from a file cannot be a voice of this codec, or None."""
+        rows = self.codebooks[0] if self.codebooks is not None else None
+        form = f"[{rows if rows is not None else 'N'}, T]"
+        shape = "[" + ", ".join(map(str, codes.shape)) + "]"
+        if codes.dim() != 2 or codes.shape[1] < 1 or (rows is not None and codes.shape[0] != rows):
+            return f"its codes are {shape}; this codec's are {form} with T >= 1"
+        if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
+            return f"its codes are {codes.dtype}, not integers"
+        if self.codebooks is not None:
+            low, high = int(codes.min()), int(codes.max())
+            if low < 0 or high >= self.codebooks[1]:
+                return f"it has codes outside 0..{self.codebooks[1] - 1} (from {low} to {high})"
         return None
 
     def _sync(self, name: str) -> None:
@@ -139,6 +175,7 @@ class VoiceRegistry:
             with self._lock:
                 self._registered.pop(name, None)
                 self._stamps.pop(name, None)
+                self._refused.pop(name, None)
             return
         stamp = (st.st_mtime_ns, st.st_size)
         with self._lock:
@@ -171,6 +208,9 @@ class VoiceRegistry:
             if voice is not None:
                 return voice
             names = sorted(self.presets) + sorted(self._registered)
+        why = self._refused.get(name)
+        if why is not None and self.directory is not None:
+            raise VoiceNotFound(f"voice {name!r} is not usable: its file was refused: {why}")
         listed = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
         raise VoiceNotFound(f"unknown voice {shorten(name, 60)!r} (available: {listed or 'none'})")
 
@@ -220,7 +260,19 @@ class VoiceRegistry:
                         metadata={"text": voice.text, "codec": self.fingerprint},
                     )
                     st = os.stat(tmp)
-                    os.replace(tmp, self.directory / f"{name}.safetensors")
+                    final = self.directory / f"{name}.safetensors"
+                    if replace:
+                        os.replace(tmp, final)
+                    else:
+                        # create-exclusive: fails if another process made the name since check_new
+                        try:
+                            os.link(tmp, final)
+                        except FileExistsError:
+                            raise VoiceExists(
+                                f"a voice named {name!r} exists (to replace it, add it again with replace set)"
+                            ) from None
+                        finally:
+                            Path(tmp).unlink(missing_ok=True)
                 except BaseException:
                     Path(tmp).unlink(missing_ok=True)
                     raise

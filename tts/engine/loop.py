@@ -265,7 +265,12 @@ class EngineLoop:
         self.resume_level = max_queued_chunks // 2
         self.pause_timeout = pause_timeout
         self.fingerprint = codec_fingerprint(bundle.codec)
-        self.voices = VoiceRegistry(bundle.voices, voices_dir, self.fingerprint)
+        self.voices = VoiceRegistry(
+            bundle.voices,
+            voices_dir,
+            self.fingerprint,
+            (bundle.codec.num_codebooks, bundle.codec.codebook_size),
+        )
         self.reference_cache = ReferenceCache(reference_cache_bytes)
         self._codec_graphs = codec_graphs
         self._warmup = warmup
