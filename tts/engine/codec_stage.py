@@ -373,8 +373,12 @@ class CodecStage:
             else:
                 t = frames.get(item.slot, 0) + item.codes.shape[1]
                 n = len(rows) + (item.slot not in rows)
+                # A row is at most `max_frames` long (the staging buffers' width): a piece of a slot whose
+                # row is full (e.g. a full-size chunk, then its text chunk's short tail) waits for the
+                # next call, and so does everything queued behind it (per-slot order).
                 if rows and (
                     n > self.max_rows
+                    or t > self.max_frames
                     or _bucket(ROW_BUCKETS, n) * _bucket(FRAME_BUCKETS, max(longest, t))
                     > self.max_call_frames
                 ):
