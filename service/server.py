@@ -31,6 +31,12 @@ Scale-out (README "Scaling out"): every stream header and GetInfo name the repli
 `grpc.max_connection_age_ms` makes long-lived client connections reconnect (and so rebalance), and the
 health service `liveness` stays SERVING while the process and its engine thread live (warming up and
 draining included), for a liveness probe that must not restart a replica that is only busy or draining.
+
+A part that fails and cannot recover (the codec stage dead, engine steps failing in a row, the engine
+thread crashed: `EngineLoop.failure`) takes the whole replica out: health (the server's, the service's
+and `liveness`) turns NOT_SERVING at once, so the balancer drains it and a liveness probe restarts it;
+HTTP /health answers 503 `{"status": "failed", "reason": ...}`; new calls are UNAVAILABLE naming the
+reason; the metric `tts_replica_failed` is 1 and the reason is logged once at ERROR.
 """
 
 from __future__ import annotations
@@ -89,7 +95,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextToSpeech"].full_name  # "tts.v1.TextToSpeech"
 # The health service name for liveness probes: SERVING from start-up (warm-up included) through a drain,
-# NOT_SERVING only once the engine thread has ended.
+# NOT_SERVING once the engine thread has ended or the replica failed for good (`EngineLoop.failure`).
 LIVENESS_SERVICE = "liveness"
 MiB = 1024 * 1024
 
@@ -922,12 +928,18 @@ class TTSServer:
         def on_stopped() -> None:  # (engine thread)
             aio_loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._mark_not_serving()))
 
+        def on_failed(reason: str) -> None:  # (any thread)
+            log.error("this replica is out of service: %s; health NOT_SERVING", reason)
+            with contextlib.suppress(RuntimeError):  # (the event loop closed: nothing left to tell)
+                aio_loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._mark_not_serving()))
+
         self.loop.on_ready, self.loop.on_stopped = on_ready, on_stopped
+        self.loop.on_failed = on_failed
         self.loop.start()
         return self.port
 
     async def _mark_ready(self) -> None:
-        if self._stopping:
+        if self._stopping or self.loop.failure is not None:
             return
         from grpc_health.v1 import health_pb2
 
@@ -937,7 +949,8 @@ class TTSServer:
         self._ready.set()
 
     async def _mark_not_serving(self) -> None:
-        """The engine thread ended (shutdown, or a crash of the loop itself): report NOT_SERVING."""
+        """The engine thread ended (shutdown, or a crash of the loop itself), or the replica failed for
+        good: report NOT_SERVING (liveness too)."""
         from grpc_health.v1 import health_pb2
 
         assert self._health is not None  # start() sets it before the hooks that call this
@@ -946,8 +959,11 @@ class TTSServer:
 
     @property
     def state(self) -> str:
-        """The serving state: `warming_up`, `serving`, `draining` (stop() called) or `stopped` (the engine
-        thread ended); the HTTP front's /health answers 200 only for `serving`."""
+        """The serving state: `warming_up`, `serving`, `draining` (stop() called), `failed` (a part failed
+        and could not recover: `EngineLoop.failure` says why) or `stopped` (the engine thread ended); the
+        HTTP front's /health answers 200 only for `serving`."""
+        if self.loop.failure is not None:
+            return "failed"
         if self._stopping:
             return "draining" if self.loop.alive else "stopped"
         if not self._ready.is_set():
