@@ -99,6 +99,11 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextToSpeech"].full_name  # "tts.
 LIVENESS_SERVICE = "liveness"
 MiB = 1024 * 1024
 
+try:  # what a send on a call that has already ended raises (grpc.aio.InternalError's subclass)
+    from grpc._cython.cygrpc import ExecuteBatchError as CALL_ENDED
+except ImportError:  # pragma: no cover - another grpc build: its public base class
+    CALL_ENDED = grpc.aio.InternalError
+
 
 @dataclass
 class ServiceLimits:
@@ -489,6 +494,7 @@ class CallLog:
     first_audio: float | None = None
     outcome: str = "ok"
     detail: str = ""
+    logged: bool = False  # its line was written (and its outcome counted)
 
 
 @dataclass
@@ -558,6 +564,7 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         wall = time.monotonic() - call.received
         ttfa = f"{(call.first_audio - call.received) * 1000:.0f}" if call.first_audio is not None else "-"
         rtf = f"{wall / call.audio_seconds:.3f}" if call.audio_seconds > 0 else "-"
+        call.logged = True
         detail = f" detail={call.detail!r}" if call.detail and call.outcome != "ok" else ""
         log.info(
             "request id=%s rpc=%s text_bytes=%d voice=%s frames=%d audio_s=%.2f ttfa_ms=%s rtf=%s outcome=%s%s",
@@ -622,26 +629,28 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         self._log(call)
 
     @contextlib.asynccontextmanager
-    async def _synthesis_call(self, rpc: str, context, *, writes: bool = False):
+    async def _synthesis_call(self, rpc: str, context):
         """The `SynthesisCall` of one Synthesize or SynthesizeUnary call, as a context around the handler's
         body: a client cancel or deadline (which cancels the handler task) is counted and logged as one,
         and on the way out the job, once admitted, is cancelled (a no-op once it ended; otherwise its
         blocks, row and codec slot are freed at the next engine step).
 
-        writes: the body sends with `context.write`. A write that races with the client's cancel fails
-        inside grpc (ExecuteBatchError) instead of cancelling the task: still a cancel, counted and logged
-        as one, not an error traceback.
+        A write (or an abort's status) that races with the client's cancel fails inside grpc
+        (ExecuteBatchError: the call has already ended) instead of cancelling the task, and grpc learns
+        of the cancel only later, so it would log the error with a traceback: it is still a cancel,
+        counted and logged as one (once), and leaves as CancelledError, which grpc does not log.
         """
         call = SynthesisCall(rpc, time.monotonic())
         try:
             yield call
         except asyncio.CancelledError:
-            self._ended_by_client(context, call)
+            if not call.logged:
+                self._ended_by_client(context, call)
             raise
-        except Exception:
-            if not writes or not context.cancelled():
-                raise
-            self._ended_by_client(context, call)
+        except CALL_ENDED as exc:
+            if not call.logged:
+                self._ended_by_client(context, call)
+            raise asyncio.CancelledError from exc
         finally:
             if call.stream is not None:
                 call.stream.cancel()
@@ -673,7 +682,7 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         # Messages go out with `await context.write()` rather than by yielding: a client that cancels
         # then surfaces here as CancelledError (counted and logged as a cancel), whereas a failed write
         # of a yielded message is logged by grpc as an ERROR traceback and the generator closed late.
-        async with self._synthesis_call("Synthesize", context, writes=True) as call:
+        async with self._synthesis_call("Synthesize", context) as call:
             async for event in self._events(request, context, call):
                 prepared = call.prepared
                 if isinstance(event, Started):

@@ -959,3 +959,41 @@ def test_one_log_line_per_request_and_cancels_are_info(server, caplog):
     assert all(r.levelname == "INFO" for r in lines)
     assert "text_bytes=6 voice=none frames=4" in lines[0].message and "ttfa_ms=" in lines[0].message
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_write_that_fails_because_the_client_left_is_one_cancel_line(server, caplog):
+    """A write (or an abort's status) that races with the client's cancel fails inside grpc with
+    ExecuteBatchError before grpc has seen the cancel: the call counts and logs it once as a cancel
+    (INFO) and leaves as CancelledError (which grpc does not log), never an ERROR traceback. Also when
+    its line was already written (the end message's write failing after the call logged `ok`)."""
+    import asyncio
+
+    from service.server import CALL_ENDED
+
+    servicer = server.server.servicer
+    registry = server.server.metrics.registry
+
+    def count(outcome: str) -> float:
+        return registry.get_sample_value("tts_requests_total", {"outcome": outcome}) or 0.0
+
+    class Context:  # what `_synthesis_call` asks of a grpc context
+        def time_remaining(self):
+            return None
+
+    async def body(already_logged: bool):
+        async with servicer._synthesis_call("Synthesize", Context()) as call:
+            if already_logged:
+                call.outcome = "ok"
+                servicer._log(call)
+            raise CALL_ENDED("Failed execute_batch")
+
+    before = {o: count(o) for o in ("cancelled", "error", "ok")}
+    with caplog.at_level(logging.INFO):
+        for already_logged in (False, True):
+            with pytest.raises(asyncio.CancelledError):
+                asyncio.run(body(already_logged))
+    assert count("cancelled") == before["cancelled"] + 1
+    assert count("error") == before["error"] and count("ok") == before["ok"]  # (`_log` alone counts nothing)
+    lines = [r for r in caplog.records if r.name == "service.server" and r.message.startswith("request ")]
+    assert [r.message.split("outcome=")[1].split()[0] for r in lines] == ["cancelled", "ok"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
