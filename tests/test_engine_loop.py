@@ -542,6 +542,30 @@ def test_engine_steps_failing_in_a_row_take_the_replica_out(make_loop, monkeypat
         loop.submit(job(loop, "Again."))
 
 
+def test_a_crash_of_the_engine_thread_fails_its_jobs_and_says_why(make_loop, monkeypatch):
+    """An exception outside the engine step (a bug in the pipeline, injected) ends the engine thread:
+    it is logged once, jobs in flight fail with EngineFailed naming it, `failure` says why and
+    `on_failed` is called once (the server's health turns NOT_SERVING)."""
+    loop = make_loop()
+    reasons = []
+    loop.on_failed = reasons.append
+    stream = loop.submit(job(loop, LONG_TEXT, 200, hold=True))
+    assert isinstance(stream.get(timeout=60), Started)
+
+    def broken():
+        raise RuntimeError("pipeline bug")
+
+    monkeypatch.setattr(loop.runner, "_preempt_paused", broken)
+    events = drain(stream)
+    assert isinstance(events[-1], Failed) and isinstance(events[-1].error, EngineFailed)
+    assert "pipeline bug" in str(events[-1].error)
+    wait_until(lambda: not loop.alive, what="the engine thread ended")
+    assert loop.failure is not None and "the engine thread failed" in loop.failure
+    assert reasons == [loop.failure]
+    with pytest.raises(LoopClosed):
+        loop.submit(job(loop, "After."))
+
+
 def test_chunk_sizes_double_from_the_first_up_to_chunk_frames():
     from tts.engine.jobs import chunk_size, ramp_sizes
 
