@@ -757,10 +757,15 @@ class HTTPFront:
                 raise StarletteHTTPException(404, f"unknown model {model_id!r} (served: {self.bundle.name})")
             return self._model_card()
 
-        @app.get("/health", summary="Readiness: 200 when warm, 503 while warming up, draining or stopped")
+        @app.get(
+            "/health", summary="Readiness: 200 when warm, 503 while warming up, draining, failed or stopped"
+        )
         async def health():
             state = self.server.state
-            return JSONResponse({"status": state}, status_code=200 if state == "serving" else 503)
+            body = {"status": state}
+            if state == "failed":  # (the operator sees why the replica is out)
+                body["reason"] = self.loop.failure or ""
+            return JSONResponse(body, status_code=200 if state == "serving" else 503)
 
         @app.get("/load", summary="Load: requests in flight, running, waiting; KV blocks in use (always 200)")
         async def load():

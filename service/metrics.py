@@ -14,6 +14,8 @@ every iteration by the engine thread); per-request figures are observed by the g
 | `tts_kv_blocks_used`, `tts_kv_blocks_total` | gauge | paged KV cache blocks |
 | `tts_graph_replay_share` | gauge | share of decode steps replayed from a CUDA graph |
 | `tts_engine_step_failures_total` | counter | engine steps that raised |
+| `tts_codec_failures_total` | counter | codec stage calls (decode, stream reset, reference encode) that raised |
+| `tts_replica_failed` | gauge | 1 once a part failed and could not recover (health NOT_SERVING; the log and /health say why) |
 | `tts_frame_step_seconds_total` | counter | time in engine steps (on CUDA: until the frame is on the host) |
 | `tts_frame_steps_total`, `tts_frame_step_rows_total` | counter | frame steps run, and their running rows summed (rows / steps = the mean batch, the occupancy) |
 | `tts_prefill_passes_total`, `tts_prefill_requests_total` | counter | prefill forward passes, and the requests they prefilled (requests / passes = how many a packed prefill took) |
@@ -73,11 +75,16 @@ class _EngineCollector:
             "tts_kv_blocks_used": ("Paged KV cache blocks in use", s.kv_blocks_used),
             "tts_kv_blocks_total": ("Paged KV cache blocks available to requests", s.kv_blocks_total),
             "tts_graph_replay_share": ("Share of decode steps replayed from a CUDA graph", s.replay_share),
+            "tts_replica_failed": (
+                "1 once a part failed and could not recover (health NOT_SERVING)",
+                int(self.loop.failure is not None),
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
             "tts_engine_step_failures": ("Engine steps that raised", s.step_failures),
+            "tts_codec_failures": ("Codec stage calls that raised", s.codec_failures),
             "tts_frame_steps": ("Frame steps run", s.frame_steps),
             "tts_frame_step_rows": (
                 "Running rows summed over the frame steps (/ steps: mean batch)",

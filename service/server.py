@@ -31,6 +31,12 @@ Scale-out (docs/operations.md, "Scaling out"): every stream header and GetInfo n
 `grpc.max_connection_age_ms` makes long-lived client connections reconnect (and so rebalance), and the
 health service `liveness` stays SERVING while the process and its engine thread live (warming up and
 draining included), for a liveness probe that must not restart a replica that is only busy or draining.
+
+A part that fails and cannot recover (the codec stage dead, engine steps failing in a row, the engine
+thread crashed: `EngineLoop.failure`) takes the whole replica out: health (the server's, the service's
+and `liveness`) turns NOT_SERVING at once, so the balancer drains it and a liveness probe restarts it;
+HTTP /health answers 503 `{"status": "failed", "reason": ...}`; new calls are UNAVAILABLE naming the
+reason; the metric `tts_replica_failed` is 1 and the reason is logged once at ERROR.
 """
 
 from __future__ import annotations
@@ -89,9 +95,14 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextToSpeech"].full_name  # "tts.v1.TextToSpeech"
 # The health service name for liveness probes: SERVING from start-up (warm-up included) through a drain,
-# NOT_SERVING only once the engine thread has ended.
+# NOT_SERVING once the engine thread has ended or the replica failed for good (`EngineLoop.failure`).
 LIVENESS_SERVICE = "liveness"
 MiB = 1024 * 1024
+
+try:  # what a send on a call that has already ended raises (grpc.aio.InternalError's subclass)
+    from grpc._cython.cygrpc import ExecuteBatchError as CALL_ENDED
+except ImportError:  # pragma: no cover - another grpc build: its public base class
+    CALL_ENDED = grpc.aio.InternalError
 
 
 @dataclass
@@ -487,6 +498,7 @@ class CallLog:
     first_audio: float | None = None
     outcome: str = "ok"
     detail: str = ""
+    logged: bool = False  # its line was written (and its outcome counted)
 
 
 @dataclass
@@ -556,6 +568,7 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         wall = time.monotonic() - call.received
         ttfa = f"{(call.first_audio - call.received) * 1000:.0f}" if call.first_audio is not None else "-"
         rtf = f"{wall / call.audio_seconds:.3f}" if call.audio_seconds > 0 else "-"
+        call.logged = True
         detail = f" detail={call.detail!r}" if call.detail and call.outcome != "ok" else ""
         log.info(
             "request id=%s rpc=%s text_bytes=%d voice=%s frames=%d audio_s=%.2f ttfa_ms=%s rtf=%s outcome=%s%s",
@@ -620,26 +633,28 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         self._log(call)
 
     @contextlib.asynccontextmanager
-    async def _synthesis_call(self, rpc: str, context, *, writes: bool = False):
+    async def _synthesis_call(self, rpc: str, context):
         """The `SynthesisCall` of one Synthesize or SynthesizeUnary call, as a context around the handler's
         body: a client cancel or deadline (which cancels the handler task) is counted and logged as one,
         and on the way out the job, once admitted, is cancelled (a no-op once it ended; otherwise its
         blocks, row and codec slot are freed at the next engine step).
 
-        writes: the body sends with `context.write`. A write that races with the client's cancel fails
-        inside grpc (ExecuteBatchError) instead of cancelling the task: still a cancel, counted and logged
-        as one, not an error traceback.
+        A write (or an abort's status) that races with the client's cancel fails inside grpc
+        (ExecuteBatchError: the call has already ended) instead of cancelling the task, and grpc learns
+        of the cancel only later, so it would log the error with a traceback: it is still a cancel,
+        counted and logged as one (once), and leaves as CancelledError, which grpc does not log.
         """
         call = SynthesisCall(rpc, time.monotonic())
         try:
             yield call
         except asyncio.CancelledError:
-            self._ended_by_client(context, call)
+            if not call.logged:
+                self._ended_by_client(context, call)
             raise
-        except Exception:
-            if not writes or not context.cancelled():
-                raise
-            self._ended_by_client(context, call)
+        except CALL_ENDED as exc:
+            if not call.logged:
+                self._ended_by_client(context, call)
+            raise asyncio.CancelledError from exc
         finally:
             if call.stream is not None:
                 call.stream.cancel()
@@ -671,7 +686,7 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         # Messages go out with `await context.write()` rather than by yielding: a client that cancels
         # then surfaces here as CancelledError (counted and logged as a cancel), whereas a failed write
         # of a yielded message is logged by grpc as an ERROR traceback and the generator closed late.
-        async with self._synthesis_call("Synthesize", context, writes=True) as call:
+        async with self._synthesis_call("Synthesize", context) as call:
             async for event in self._events(request, context, call):
                 prepared = call.prepared
                 if isinstance(event, Started):
@@ -926,12 +941,18 @@ class TTSServer:
         def on_stopped() -> None:  # (engine thread)
             aio_loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._mark_not_serving()))
 
+        def on_failed(reason: str) -> None:  # (any thread)
+            log.error("this replica is out of service: %s; health NOT_SERVING", reason)
+            with contextlib.suppress(RuntimeError):  # (the event loop closed: nothing left to tell)
+                aio_loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._mark_not_serving()))
+
         self.loop.on_ready, self.loop.on_stopped = on_ready, on_stopped
+        self.loop.on_failed = on_failed
         self.loop.start()
         return self.port
 
     async def _mark_ready(self) -> None:
-        if self._stopping:
+        if self._stopping or self.loop.failure is not None:
             return
         from grpc_health.v1 import health_pb2
 
@@ -941,7 +962,8 @@ class TTSServer:
         self._ready.set()
 
     async def _mark_not_serving(self) -> None:
-        """The engine thread ended (shutdown, or a crash of the loop itself): report NOT_SERVING."""
+        """The engine thread ended (shutdown, or a crash of the loop itself), or the replica failed for
+        good: report NOT_SERVING (liveness too)."""
         from grpc_health.v1 import health_pb2
 
         assert self._health is not None  # start() sets it before the hooks that call this
@@ -950,8 +972,11 @@ class TTSServer:
 
     @property
     def state(self) -> str:
-        """The serving state: `warming_up`, `serving`, `draining` (stop() called) or `stopped` (the engine
-        thread ended); the HTTP front's /health answers 200 only for `serving`."""
+        """The serving state: `warming_up`, `serving`, `draining` (stop() called), `failed` (a part failed
+        and could not recover: `EngineLoop.failure` says why) or `stopped` (the engine thread ended); the
+        HTTP front's /health answers 200 only for `serving`."""
+        if self.loop.failure is not None:
+            return "failed"
         if self._stopping:
             return "draining" if self.loop.alive else "stopped"
         if not self._ready.is_set():

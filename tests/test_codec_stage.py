@@ -127,3 +127,36 @@ def test_a_stream_may_not_pass_the_decoders_position_limit(codec):
             stage.decode(slot, 1, codes_for(2, 4, codec))
     finally:
         stage.stop()
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_full_piece_and_a_tail_queued_together_both_decode(codec, graphs):
+    """A full-size piece (MAX_PIECE_FRAMES frames) and its stream's short tail, queued while the worker
+    is busy, may not share one row (wider than the staging buffers): both decode, in order, and the
+    stream equals its offline decode; the stage keeps serving."""
+    from tts.engine.codec_stage import MAX_PIECE_FRAMES
+
+    done = threading.Event()
+    stage = CodecStage(codec, max_streams=2, notify=done.set)
+    stage.graphs.enabled = graphs  # CPU stand-in graphs: the padded (bucketed) path
+    try:
+        a, b = stage.open(), stage.open()
+        full = codes_for(3, MAX_PIECE_FRAMES + 2, codec)
+        other = codes_for(4, 5, codec)
+        gate = threading.Event()
+        stage._tasks.append((gate.wait, Future()))  # hold the worker until every piece is queued
+        with stage._cv:
+            stage._cv.notify()
+        stage.decode(a, (a, 0), full[:, :MAX_PIECE_FRAMES])
+        stage.decode(a, (a, 1), full[:, MAX_PIECE_FRAMES:])
+        stage.decode(b, (b, 0), other)
+        gate.set()
+        results = collect(stage, done, 3)
+        assert not [r.error for r in results if r.error is not None]
+        mine = [r for r in results if r.tag[0] == a]
+        assert [r.tag[1] for r in mine] == [0, 1]
+        audio = np.concatenate([r.samples for r in mine])
+        np.testing.assert_allclose(audio, codec.decode(full).numpy(), rtol=0, atol=1e-5)
+        assert stage.dead is None and stage.stats.failures == 0
+    finally:
+        stage.stop()

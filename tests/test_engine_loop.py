@@ -414,20 +414,156 @@ def test_a_paused_stream_is_preempted_only_while_others_wait(make_loop):
     wait_until(lambda: idle(loop), what="idle")
 
 
-def test_a_dead_codec_stage_fails_jobs_instead_of_hanging(make_loop, monkeypatch):
-    """If the codec stage's worker dies (here: a reset raises), jobs waiting on it fail with a message
-    naming it, and later jobs fail at once rather than waiting forever."""
+def test_a_codec_stage_that_fails_once_recovers_and_serves_the_next_job(make_loop, bundle, monkeypatch):
+    """A decode call that raises (injected, once) fails the job whose audio it held with EngineFailed
+    naming the error, is counted, and the stage probes itself, passes and serves on: the next job's
+    audio equals its offline decode, and the replica stays in service."""
     loop = make_loop()
+    stage = loop.runner.stage
+    real_decode = stage.decoder.decode
+    calls = []
 
-    def broken_reset(slots):
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected decode failure")
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(stage.decoder, "decode", fails_once)
+    events = drain(loop.submit(job(loop, "Hello.", 8, hold=True)))
+    assert isinstance(events[-1], Failed) and isinstance(events[-1].error, EngineFailed)
+    assert "injected decode failure" in str(events[-1].error)
+    wait_until(lambda: idle(loop), what="the failed job freed")
+    events = drain(loop.submit(job(loop, LONG_TEXT, 12, seed=5, hold=True)))
+    assert isinstance(events[-1], Finished) and events[-1].frames == 12
+    audio = [e for e in events if isinstance(e, Audio)]
+    codes = torch.cat([a.codes for a in audio], dim=1)
+    pcm = np.concatenate([a.samples for a in audio])
+    np.testing.assert_allclose(pcm, bundle.codec.decode(codes).numpy(), atol=1e-6, rtol=0)
+    assert stage.stats.failures == 1 and stage.dead is None and loop.failure is None
+    loop._refresh_stats()  # (the engine thread refreshes it every iteration; be exact here)
+    assert loop.stats.codec_failures == 1 and not loop.stats.failed
+
+
+def test_a_failed_stream_reset_fails_that_job_only_and_the_stage_recovers(make_loop, monkeypatch):
+    """A reset that raises (injected, once) leaves that stream's state undefined: its job fails, the
+    stage serves on and the next job (its slot reset anew) finishes."""
+    loop = make_loop()
+    stage = loop.runner.stage
+    real_reset = stage.decoder.reset
+    calls = []
+
+    def fails_once(slots):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected reset failure")
+        return real_reset(slots)
+
+    monkeypatch.setattr(stage.decoder, "reset", fails_once)
+    events = drain(loop.submit(job(loop, "Hello.", 8, hold=True)))
+    assert isinstance(events[-1], Failed) and "injected reset failure" in str(events[-1].error)
+    events = drain(loop.submit(job(loop, "Again.", 8, hold=True)))
+    assert isinstance(events[-1], Finished) and events[-1].frames == 8
+    assert stage.stats.failures == 1 and loop.failure is None
+    wait_until(lambda: idle(loop), what="idle")
+
+
+def test_a_codec_stage_that_cannot_recover_takes_the_replica_out(make_loop, monkeypatch):
+    """A decoder that always raises (a broken device): the job it held fails with EngineFailed, the
+    probe fails too, the stage is dead and the loop out of service: `failure` names the cause,
+    `on_failed` is called once, new submissions are refused with LoopClosed (UNAVAILABLE) at once, and
+    everything the failed job held is freed."""
+    loop = make_loop()
+    reasons = []
+    loop.on_failed = reasons.append
+    stage = loop.runner.stage
+
+    def broken(*args, **kwargs):
         raise RuntimeError("device gone")
 
-    monkeypatch.setattr(loop.runner.stage.decoder, "reset", broken_reset)
+    monkeypatch.setattr(stage.decoder, "decode", broken)
     events = drain(loop.submit(job(loop, "Hello.", 8, hold=True)))
-    assert isinstance(events[-1], Failed) and "the codec stage stopped" in str(events[-1].error)
-    events = drain(loop.submit(job(loop, "Again.", 8, hold=True)))
-    assert isinstance(events[-1], Failed) and "device gone" in str(events[-1].error)
+    assert isinstance(events[-1], Failed) and isinstance(events[-1].error, EngineFailed)
+    assert "device gone" in str(events[-1].error)
+    wait_until(lambda: loop.failure is not None, what="out of service")
+    assert "codec stage is out of service" in loop.failure and "device gone" in loop.failure
+    assert reasons == [loop.failure]
+    with pytest.raises(LoopClosed, match="out of service"):
+        loop.submit(job(loop, "Again.", 8, hold=True))
     wait_until(lambda: loop.in_flight == 0 and loop.engine.kv_usage()[0] == 0, what="freed")
+    assert stage.stats.failures == 1 and loop.alive
+
+
+def test_jobs_in_flight_fail_when_the_codec_stage_dies(make_loop, monkeypatch):
+    """A job still generating when the stage dies (another job's call broke the device) fails with
+    EngineFailed naming the cause, rather than waiting for audio that will never come."""
+    import threading
+    from concurrent.futures import Future
+
+    loop = make_loop(max_queued_chunks=64)
+    stage = loop.runner.stage
+    gate = threading.Event()
+    stage._tasks.append((gate.wait, Future()))  # hold the worker until the job has queued audio
+    with stage._cv:
+        stage._cv.notify()
+    long = loop.submit(job(loop, LONG_TEXT, 200, hold=True, first_chunk_frames=1, chunk_frames=1))
+    assert isinstance(long.get(timeout=60), Started)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device gone")
+
+    monkeypatch.setattr(stage.decoder, "decode", broken)
+    gate.set()
+    events = drain(long)
+    assert isinstance(events[-1], Failed) and isinstance(events[-1].error, EngineFailed)
+    assert "device gone" in str(events[-1].error)
+    wait_until(lambda: loop.in_flight == 0 and loop.engine.kv_usage()[0] == 0, what="freed")
+    assert loop.failure is not None
+
+
+def test_engine_steps_failing_in_a_row_take_the_replica_out(make_loop, monkeypatch):
+    """One failed engine step fails the jobs in flight and the loop serves on (see above); steps failing
+    MAX_CONSECUTIVE_STEP_FAILURES times in a row (a broken device) take the replica out of service."""
+    from tts.engine.jobs import MAX_CONSECUTIVE_STEP_FAILURES
+
+    loop = make_loop()
+
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(loop.engine, "step", broken_step)
+    for i in range(MAX_CONSECUTIVE_STEP_FAILURES):
+        assert loop.failure is None
+        events = drain(loop.submit(job(loop, "Hello.", 4, seed=i)))
+        assert isinstance(events[-1], Failed) and "device lost" in str(events[-1].error)
+    wait_until(lambda: loop.failure is not None, what="out of service")
+    assert "engine steps in a row failed" in loop.failure and "device lost" in loop.failure
+    with pytest.raises(LoopClosed, match="out of service"):
+        loop.submit(job(loop, "Again."))
+
+
+def test_a_crash_of_the_engine_thread_fails_its_jobs_and_says_why(make_loop, monkeypatch):
+    """An exception outside the engine step (a bug in the pipeline, injected) ends the engine thread:
+    it is logged once, jobs in flight fail with EngineFailed naming it, `failure` says why and
+    `on_failed` is called once (the server's health turns NOT_SERVING)."""
+    loop = make_loop()
+    reasons = []
+    loop.on_failed = reasons.append
+    stream = loop.submit(job(loop, LONG_TEXT, 200, hold=True))
+    assert isinstance(stream.get(timeout=60), Started)
+
+    def broken():
+        raise RuntimeError("pipeline bug")
+
+    monkeypatch.setattr(loop.runner, "_preempt_paused", broken)
+    events = drain(stream)
+    assert isinstance(events[-1], Failed) and isinstance(events[-1].error, EngineFailed)
+    assert "pipeline bug" in str(events[-1].error)
+    wait_until(lambda: not loop.alive, what="the engine thread ended")
+    assert loop.failure is not None and "the engine thread failed" in loop.failure
+    assert reasons == [loop.failure]
+    with pytest.raises(LoopClosed):
+        loop.submit(job(loop, "After."))
 
 
 def test_chunk_sizes_double_from_the_first_up_to_chunk_frames():
@@ -439,3 +575,89 @@ def test_chunk_sizes_double_from_the_first_up_to_chunk_frames():
     assert [chunk_size(3, 8, k) for k in range(4)] == [3, 6, 8, 8]
     assert [chunk_size(16, 4, k) for k in range(3)] == [16, 4, 4]  # a large first chunk, small later ones
     assert chunk_size(1, 256, 100) == 256 and chunk_size(256, 256, 0) == 256
+
+
+SPLIT_TEXT = " ".join(
+    f"Sentence number {i} is here to make a text long enough for two chunks of audio." for i in range(4)
+)
+
+
+@pytest.fixture(scope="module")
+def boundary_loops():
+    """One loop per model (built on first use), kept for every chunk size."""
+    loops: dict[str, EngineLoop] = {}
+
+    def get(model: str) -> EngineLoop:
+        if model not in loops:
+            engine_config = EngineConfig(max_batch=2)
+            loops[model] = EngineLoop(load_bundle(model), engine_config, max_queued_chunks=16).start()
+            loops[model].wait_ready(120)
+        return loops[model]
+
+    yield get
+    for loop in loops.values():
+        loop.stop()
+
+
+@pytest.mark.parametrize("model", ["tiny", "default"])
+@pytest.mark.parametrize("chunk_frames", [1, 16, 255, 256])
+def test_every_allowed_chunk_size_streams_a_text_chunks_tail_after_a_full_piece(
+    boundary_loops, model, chunk_frames
+):
+    """Audio chunks of `chunk_frames` (1, 16, the largest allowed and one less) over two text chunks:
+    text chunk 1 has chunk_frames + 2 frames (a full piece, then a short tail that goes out with text
+    chunk 2's one frame, the request's audio limit; on a model with a loop guard the held frames move
+    the split).
+    The codec stage is held until every piece is queued for the stream, so one call could take a full
+    piece and the tail together (more than the largest piece for 255 and 256): every size decodes, in
+    order, and the audio equals the offline decode of the streamed codes."""
+    import threading
+    from concurrent.futures import Future
+
+    from tts.engine.codec_stage import MAX_PIECE_FRAMES
+
+    loop = boundary_loops(model)
+    stage = loop.runner.stage
+    c = chunk_frames
+    gate = threading.Event()
+    stage._tasks.append((gate.wait, Future()))  # hold the worker until every piece is queued
+    with stage._cv:
+        stage._cv.notify()
+    spec = job(
+        loop,
+        SPLIT_TEXT,
+        c + 2,
+        seed=3,
+        hold=True,
+        first_chunk_frames=c,
+        chunk_frames=c,
+        max_audio_seconds=(c + 3.5) / loop.planner.frame_rate,
+    )
+    assert len(spec.chunks) >= 2
+
+    def queued() -> list[int]:
+        with stage._cv:
+            return [item.codes.shape[1] for kind, item in stage._queue if kind == "decode"]
+
+    try:
+        stream = loop.submit(spec)
+        wait_until(lambda: sum(queued()) == c + 3, timeout=120, what="every piece queued")
+        pieces = queued()
+    finally:
+        gate.set()
+    if model == "tiny":  # (no loop guard: a full piece, then the tail with text chunk 2's frame)
+        assert pieces == ([c, 3] if c > 1 else [1] * 4)
+    if c >= MAX_PIECE_FRAMES - 1:
+        assert len(pieces) >= 2 and pieces[0] + pieces[1] > MAX_PIECE_FRAMES  # the case exercised
+    events = drain(stream, timeout=120)
+    fin = events[-1]
+    assert isinstance(fin, Finished), fin
+    audio = [e for e in events if isinstance(e, Audio)]
+    assert [a.frame_end - a.frame_start for a in audio] == pieces
+    assert fin.frames == c + 3 and len(fin.finish_reasons) == len(spec.chunks)
+    codes = torch.cat([a.codes for a in audio], dim=1)
+    pcm = np.concatenate([a.samples for a in audio])
+    # (within float rounding: the learned vocoder's convolutions block differently by call shape)
+    np.testing.assert_allclose(pcm, loop.bundle.codec.decode(codes).numpy(), atol=1e-5, rtol=0)
+    assert stage.stats.failures == 0 and loop.failure is None
+    wait_until(lambda: idle(loop), what="idle")

@@ -592,6 +592,55 @@ def test_health_serving_only_after_warmup(bundle, monkeypatch):
         srv.stop()
 
 
+def test_a_codec_stage_that_cannot_recover_turns_health_not_serving(bundle):
+    """A codec decoder that always raises (a broken device, injected): the request it held ends
+    INTERNAL naming the error; the stage's probe fails, so the replica is out: gRPC health NOT_SERVING
+    for the server, the service and liveness, HTTP /health 503 naming the reason, tts_replica_failed 1
+    and the failure counted; a new request is UNAVAILABLE at once."""
+    import json
+    import urllib.error
+
+    srv = ServerThread(bundle, EngineConfig(max_batch=2), metrics_port=0, http_port=0)
+    try:
+        stage = srv.loop.runner.stage
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("device gone")
+
+        stage.decoder.decode = broken
+        with srv.channel() as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            stub = pb_grpc.TextToSpeechStub(channel)
+            for name in ("", SERVICE, "liveness"):
+                status = health.Check(health_pb2.HealthCheckRequest(service=name)).status
+                assert status == health_pb2.HealthCheckResponse.SERVING
+            req = build_request("Hello.", seed=1, max_new_frames=4, min_new_frames=4)
+            err = rpc_error(lambda: collect(stub.Synthesize(req)))
+            assert err.code() == grpc.StatusCode.INTERNAL and "device gone" in err.details()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                status = health.Check(health_pb2.HealthCheckRequest(service=SERVICE)).status
+                if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                time.sleep(0.01)
+            for name in ("", SERVICE, "liveness"):
+                status = health.Check(health_pb2.HealthCheckRequest(service=name)).status
+                assert status == health_pb2.HealthCheckResponse.NOT_SERVING, name
+            err = rpc_error(lambda: collect(stub.Synthesize(req)))
+            assert err.code() == grpc.StatusCode.UNAVAILABLE and "out of service" in err.details()
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health", timeout=10)
+        assert info.value.code == 503
+        body = json.loads(info.value.read())
+        assert body["status"] == "failed" and "device gone" in body["reason"]
+        registry = srv.server.metrics.registry
+        assert registry.get_sample_value("tts_replica_failed") == 1
+        srv.loop._refresh_stats()  # (the engine thread refreshes the snapshot every iteration)
+        assert registry.get_sample_value("tts_codec_failures_total") == 1
+    finally:
+        srv.stop()
+
+
 def test_reflection_lists_the_service(server):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -909,4 +958,42 @@ def test_one_log_line_per_request_and_cancels_are_info(server, caplog):
     assert outcomes == ["ok", "cancelled", "invalid_argument"], [r.message for r in lines]
     assert all(r.levelname == "INFO" for r in lines)
     assert "text_bytes=6 voice=none frames=4" in lines[0].message and "ttfa_ms=" in lines[0].message
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_write_that_fails_because_the_client_left_is_one_cancel_line(server, caplog):
+    """A write (or an abort's status) that races with the client's cancel fails inside grpc with
+    ExecuteBatchError before grpc has seen the cancel: the call counts and logs it once as a cancel
+    (INFO) and leaves as CancelledError (which grpc does not log), never an ERROR traceback. Also when
+    its line was already written (the end message's write failing after the call logged `ok`)."""
+    import asyncio
+
+    from service.server import CALL_ENDED
+
+    servicer = server.server.servicer
+    registry = server.server.metrics.registry
+
+    def count(outcome: str) -> float:
+        return registry.get_sample_value("tts_requests_total", {"outcome": outcome}) or 0.0
+
+    class Context:  # what `_synthesis_call` asks of a grpc context
+        def time_remaining(self):
+            return None
+
+    async def body(already_logged: bool):
+        async with servicer._synthesis_call("Synthesize", Context()) as call:
+            if already_logged:
+                call.outcome = "ok"
+                servicer._log(call)
+            raise CALL_ENDED("Failed execute_batch")
+
+    before = {o: count(o) for o in ("cancelled", "error", "ok")}
+    with caplog.at_level(logging.INFO):
+        for already_logged in (False, True):
+            with pytest.raises(asyncio.CancelledError):
+                asyncio.run(body(already_logged))
+    assert count("cancelled") == before["cancelled"] + 1
+    assert count("error") == before["error"] and count("ok") == before["ok"]  # (`_log` alone counts nothing)
+    lines = [r for r in caplog.records if r.name == "service.server" and r.message.startswith("request ")]
+    assert [r.message.split("outcome=")[1].split()[0] for r in lines] == ["cancelled", "ok"]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

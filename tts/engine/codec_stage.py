@@ -106,6 +106,17 @@ class CodecStage:
     graphs: capture CUDA graphs of the decode (CUDA and a graph-safe decoder only).
     max_rows / max_call_frames: the largest decode call (rows, at most max_streams, and rows bucket x
     frames bucket); more waits for the next call. A piece may hold at most MAX_PIECE_FRAMES frames.
+    on_dead: called once (from the worker thread) with the error if the stage goes out of service.
+
+    Failures: a decode call, a reset or an encode that raises fails the work it held (its pieces'
+    results carry the error), is counted (`stats.failures`) and logged once with its traceback. The
+    streams it touched are marked broken: their state is undefined, so their later pieces fail too
+    until a new `open` resets the slot. Then the stage checks itself with a probe (a reset and a
+    one-frame decode of the scratch slot, which no stream uses): if that passes, the failure was the
+    call's own and the stage serves on (every other stream's state is untouched: a call changes only
+    its rows' slots); if it raises too (a broken device), the stage is dead: every queued job fails,
+    `open`, `decode` and `encode` raise from then on, and `on_dead` tells the owner (the engine loop
+    turns the replica's health NOT_SERVING).
     """
 
     def __init__(
@@ -118,6 +129,7 @@ class CodecStage:
         max_rows: int = 64,
         max_call_frames: int = 1024,
         name: str = "tts-codec",
+        on_dead: Callable[[Exception], None] | None = None,
     ):
         self.codec = codec
         self.max_streams = max_streams
@@ -144,7 +156,11 @@ class CodecStage:
         self.max_stream_frames: int | None = getattr(self.decoder, "max_frames", None)
         self._stopping = False
         self._busy = False
-        self.dead: Exception | None = None  # set if the worker died: every later call fails with it
+        self.dead: Exception | None = None  # set if the stage is out of service: every later call fails
+        self.on_dead = on_dead
+        # (worker thread) Slots whose state a failed call left undefined, and that call's error: their
+        # pieces fail until the slot's next reset.
+        self._broken: dict[int, Exception] = {}
         N = codec.num_codebooks
         pin = self.is_cuda
         # Staging buffers: the largest call's inputs (host, pinned on CUDA) and device copies whose
@@ -297,16 +313,59 @@ class CodecStage:
             log.exception("the codec stage stopped")
             self._fail_everything(RuntimeError(f"the codec stage stopped: {type(exc).__name__}: {exc}"))
 
-    def _fail_everything(self, error: Exception) -> None:
+    def _fail_everything(self, error: Exception, held: list[_Piece] | None = None) -> None:
+        """The stage is out of service: fail `held` (the pieces of the call in progress) and everything
+        queued with `error`, refuse all later work, tell the owner (`on_dead`, once)."""
         with self._cv:
+            first = self.dead is None
             self.dead = error
-            pieces = [item for kind, item in self._queue if kind == "decode"]
+            pieces = list(held or []) + [item for kind, item in self._queue if kind == "decode"]
             encodes, self._queue, self._encodes = list(self._encodes), deque(), deque()
             tasks, self._tasks = list(self._tasks), deque()
             self._results.extend(DecodeResult(p.tag, p.slot, p.codes.shape[1], error=error) for p in pieces)
         for _, future in encodes + tasks:
-            future.set_exception(error)
+            if not future.done():
+                future.set_exception(error)
+        if first and self.on_dead is not None:  # (before the notify: the owner wakes up knowing it)
+            try:
+                self.on_dead(error)
+            except Exception:  # noqa: BLE001 - the owner's callback must not hide the failure
+                log.exception("codec stage: on_dead callback failed")
         self._notify()
+
+    def _failed(self, what: str, exc: Exception, rows: list[list[_Piece]], slots: list[int]) -> bool:
+        """(worker) A call raised: fail its pieces, mark `slots` broken, count and log it once, then probe
+        the stage. Returns False if the probe failed too (the stage is now dead)."""
+        log.error("codec stage: %s failed; its requests fail", what, exc_info=exc)
+        self.stats.failures += 1
+        for slot in slots:
+            self._broken[slot] = exc
+        failed = [DecodeResult(p.tag, p.slot, p.codes.shape[1], error=exc) for row in rows for p in row]
+        with self._cv:
+            self._results.extend(failed)
+        try:
+            self._probe()
+        except Exception as probe_exc:  # noqa: BLE001 - the device or the decoder is broken for good
+            log.error(
+                "codec stage: the probe after that failure failed too; out of service", exc_info=probe_exc
+            )
+            self._fail_everything(
+                RuntimeError(f"the codec stage is out of service: {type(probe_exc).__name__}: {probe_exc}")
+            )
+            return False
+        log.info("codec stage: the probe after that failure passed; serving on")
+        return True
+
+    def _probe(self) -> None:
+        """(worker) Reset and decode one frame on the scratch slot (no stream's), then reset it again;
+        raises whatever the decoder or the device raises."""
+        scratch = torch.tensor([self.decoder.scratch_slot], dtype=torch.int64, device=self.device)
+        codes = torch.zeros(1, self.codec.num_codebooks, 1, dtype=torch.int64, device=self.device)
+        self.decoder.reset(scratch)
+        self.decoder.decode(scratch, codes, torch.ones(1, dtype=torch.int64, device=self.device))
+        self.decoder.reset(scratch)
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _serve(self) -> None:
         if self.is_cuda:
@@ -342,18 +401,54 @@ class CodecStage:
                     encode = self._encodes.popleft() if self._encodes and not pieces else None
                     self._busy = True
                 try:
-                    if resets:
-                        self.decoder.reset(torch.tensor(resets, dtype=torch.int64).to(self.device))
-                    if pieces:
-                        self._run_decode(pieces)
-                    if encode is not None:
-                        self._run_encode(*encode)
+                    alive = self._run_batch(resets, pieces, encode)
                 finally:
                     with self._cv:
                         self._busy = False
                 self._notify()
+                if not alive:
+                    return
         for _, future in encodes:
             future.set_exception(RuntimeError("the codec stage stopped"))
+
+    def _run_batch(
+        self, resets: list[int], rows: list[list[_Piece]], encode: tuple[Tensor, Future] | None
+    ) -> bool:
+        """(worker) One turn: the resets, the decode call, the encode. Whatever raises fails only the work
+        it held (`_failed`). Returns False once the stage is dead."""
+        if resets:
+            try:
+                self.decoder.reset(torch.tensor(resets, dtype=torch.int64).to(self.device))
+            except Exception as exc:  # noqa: BLE001 - these streams fail; the others go on
+                held = [row for row in rows if row[0].slot in resets]
+                rows = [row for row in rows if row[0].slot not in resets]
+                if not self._failed(f"reset of {len(resets)} streams", exc, held, resets):
+                    self._fail_everything(self.dead or exc, [p for row in rows for p in row])
+                    return False
+            else:
+                for slot in resets:
+                    self._broken.pop(slot, None)
+        broken = [row for row in rows if row[0].slot in self._broken]
+        if broken:  # their state is undefined since a failed call: fail their pieces too
+            with self._cv:
+                self._results.extend(
+                    DecodeResult(p.tag, p.slot, p.codes.shape[1], error=self._broken[p.slot])
+                    for row in broken
+                    for p in row
+                )
+            rows = [row for row in rows if row[0].slot not in self._broken]
+        if rows:
+            try:
+                self._run_decode(rows)
+            except Exception as exc:  # noqa: BLE001 - this call's streams fail; the others go on
+                slots = [row[0].slot for row in rows]
+                if not self._failed(f"decode of {len(rows)} streams", exc, rows, slots):
+                    return False
+        if encode is not None:
+            self._run_encode(*encode)
+            if self.dead is not None:
+                return False
+        return True
 
     def _take_batch(self) -> tuple[list[int], list[list[_Piece]]]:
         """(cv held) The resets and the rows of the next call: queued work in order, one row per slot
@@ -373,8 +468,12 @@ class CodecStage:
             else:
                 t = frames.get(item.slot, 0) + item.codes.shape[1]
                 n = len(rows) + (item.slot not in rows)
+                # A row is at most `max_frames` long (the staging buffers' width): a piece of a slot whose
+                # row is full (e.g. a full-size chunk, then its text chunk's short tail) waits for the
+                # next call, and so does everything queued behind it (per-slot order).
                 if rows and (
                     n > self.max_rows
+                    or t > self.max_frames
                     or _bucket(ROW_BUCKETS, n) * _bucket(FRAME_BUCKETS, max(longest, t))
                     > self.max_call_frames
                 ):
@@ -386,6 +485,8 @@ class CodecStage:
         return resets, list(rows.values())
 
     def _run_decode(self, rows: list[list[_Piece]]) -> None:
+        """(worker) One decode call of `rows` (one per slot, at most `max_frames` frames each); raises
+        whatever the staging or the decoder raises (`_run_batch` fails the call's pieces)."""
         L = self.codec.frame_length
         lengths = [sum(p.codes.shape[1] for p in row) for row in rows]
         n = len(rows)
@@ -408,30 +509,22 @@ class CodecStage:
         assert self._h_out is not None  # allocated together with self._out
         t0 = time.perf_counter()
         start = end = None
-        try:
-            if self.is_cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            self._slots[:B].copy_(h_slots[:B], non_blocking=True)
-            self._lengths[:B].copy_(h_lengths[:B], non_blocking=True)
-            self._codes[:B, :, :T].copy_(h_codes[:B, :, :T], non_blocking=True)
-            b = self.graphs.run(n, T)  # rows computed: n's bucket (pad rows set above) or n
-            out = self._h_out[: n * T * L].view(n, T * L)
-            out.copy_(self._out[: b * T * L].view(b, T * L)[:n], non_blocking=True)
-            if self.is_cuda:
-                assert start is not None and end is not None and self.stream is not None  # set on CUDA
-                end.record()
-                self.stream.synchronize()  # the worker's own stream only
-                seconds = start.elapsed_time(end) / 1000.0
-            else:
-                seconds = time.perf_counter() - t0
-        except Exception as exc:  # noqa: BLE001 - fail this call's pieces, keep the stage alive
-            log.exception("codec decode of %d streams failed", n)
-            self.stats.failures += 1
-            failed = [DecodeResult(p.tag, p.slot, p.codes.shape[1], error=exc) for row in rows for p in row]
-            with self._cv:
-                self._results.extend(failed)
-            return
+        if self.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        self._slots[:B].copy_(h_slots[:B], non_blocking=True)
+        self._lengths[:B].copy_(h_lengths[:B], non_blocking=True)
+        self._codes[:B, :, :T].copy_(h_codes[:B, :, :T], non_blocking=True)
+        b = self.graphs.run(n, T)  # rows computed: n's bucket (pad rows set above) or n
+        out = self._h_out[: n * T * L].view(n, T * L)
+        out.copy_(self._out[: b * T * L].view(b, T * L)[:n], non_blocking=True)
+        if self.is_cuda:
+            assert start is not None and end is not None and self.stream is not None  # set on CUDA
+            end.record()
+            self.stream.synchronize()  # the worker's own stream only
+            seconds = start.elapsed_time(end) / 1000.0
+        else:
+            seconds = time.perf_counter() - t0
         s = self.stats
         s.decode_calls += 1
         s.decode_rows += n
@@ -461,8 +554,12 @@ class CodecStage:
             codes = self.codec.encode_audio(samples)
             if self.is_cuda:
                 torch.cuda.current_stream(self.device).synchronize()
-        except Exception as exc:  # noqa: BLE001 - reported to the job that asked
+        except ValueError as exc:  # the clip (AudioError included): reported to the job that asked
             future.set_exception(exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - reported to the job that asked; the stage checks itself
+            future.set_exception(exc)
+            self._failed("reference encode", exc, [], [])
             return
         finally:
             self.stats.encode_calls += 1

@@ -28,6 +28,13 @@ engine request is paused (its row and blocks stay reserved, the batch runs on) a
 is not started; the consumer's `resume` undoes it. A job paused longer than `pause_timeout` seconds
 while others wait for a row (or were just refused admission) is ended with `Preempted`: it frees its
 row and blocks so that no client can starve the others by not reading.
+
+Failures: an engine step that raises fails every job in flight (EngineFailed) and the engine serves on
+(its requests were all freed); a codec call that raises fails the jobs whose audio it held and the
+stage checks itself (`tts.engine.codec_stage`). What cannot recover takes the whole runner out of
+service (`failure` says why, `on_failure` is called once): the codec stage dead (its probe failed), or
+MAX_CONSECUTIVE_STEP_FAILURES engine steps in a row that raised (a broken device fails every step).
+Every job in flight then fails with EngineFailed naming the cause; the owner stops admitting work.
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ from .request import FinishReason, InvalidRequest, StepOutput
 
 log = logging.getLogger(__name__)
 
+
+# Engine steps that raise in a row (no step in between succeeded) before the runner is out of service.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 # The parts of a job's time to first audio (`JobRunner.first_audio_seconds`), in order.
 FIRST_AUDIO_PHASES = ("encode", "first_frame", "frames", "codec")
@@ -249,7 +259,14 @@ class JobRunner:
         self.max_queued_chunks = max_queued_chunks
         self.pause_timeout = pause_timeout
         self.cache = reference_cache
-        self.stage = CodecStage(self.bundle.codec, max_streams, notify, graphs=codec_graphs)
+        # Why the runner is out of service (None while it serves), and who to tell (any thread may set it:
+        # the codec stage's worker does when the stage dies).
+        self.failure: str | None = None
+        self.on_failure: Callable[[str], None] | None = None
+        self.consecutive_step_failures = 0
+        self.stage = CodecStage(
+            self.bundle.codec, max_streams, notify, graphs=codec_graphs, on_dead=self._stage_dead
+        )
         self.jobs: dict[str, _Job] = {}
         self._by_engine_id: dict[str, _Job] = {}
         self._ids = itertools.count()
@@ -323,6 +340,23 @@ class JobRunner:
             job.deferred = False
             self._submit_chunk(job)
 
+    def _stage_dead(self, error: Exception) -> None:
+        """(codec stage thread) The stage went out of service."""
+        self.out_of_service(str(error))
+
+    def out_of_service(self, reason: str) -> None:
+        """Take the runner out of service (any thread; the first reason is kept): every job in flight fails
+        at the next `step`, and `on_failure(reason)` is called once."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        log.error("the synthesis pipeline is out of service: %s", reason)
+        if self.on_failure is not None:
+            try:
+                self.on_failure(reason)
+            except Exception:  # noqa: BLE001 - the owner's callback must not hide the failure
+                log.exception("on_failure callback failed")
+
     def note_refusal(self) -> None:
         """A request was just refused admission: paused jobs now stand in someone's way."""
         self._refused_at = time.monotonic()
@@ -336,7 +370,12 @@ class JobRunner:
 
     def has_work(self) -> bool:
         """Something for `step` to do now: engine work, or codec results to take."""
-        return self.engine.has_work() or self.stage.has_results or self._encodes_done()
+        return (
+            self.engine.has_work()
+            or self.stage.has_results
+            or self._encodes_done()
+            or (self.failure is not None and bool(self.jobs))
+        )
 
     def _encodes_done(self) -> bool:
         return any(j.encoding is not None and j.encoding.done() for j in self.jobs.values())
@@ -363,6 +402,9 @@ class JobRunner:
         their timeout are preempted, then one engine step if there is work. Returns whether anything
         happened (False: everything running is paused or waiting on the codec stage)."""
         progressed = False
+        if self.failure is not None and self.jobs:
+            progressed = True
+            self.fail_all(EngineFailed(f"this replica is out of service: {self.failure}"))
         for job in [j for j in self.jobs.values() if j.encoding is not None and j.encoding.done()]:
             progressed = True
             self._encoded(job)
@@ -381,10 +423,18 @@ class JobRunner:
             except Exception as exc:  # noqa: BLE001 - fail the jobs, keep serving
                 log.exception("engine step failed; failing every request in flight")
                 self.step_failures += 1
+                self.consecutive_step_failures += 1
                 outputs = self.engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 for job in list(self.jobs.values()):
                     if job.engine_id is None:
                         self._end(job, Failed(EngineFailed(f"engine step failed: {exc}")))
+                if self.consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                    self.out_of_service(
+                        f"{self.consecutive_step_failures} engine steps in a row failed, the last with "
+                        f"{type(exc).__name__}: {exc}"
+                    )
+            else:
+                self.consecutive_step_failures = 0
             t1 = time.perf_counter()
             self.frame_step_seconds += t1 - t0
             for out in outputs:

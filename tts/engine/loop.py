@@ -16,7 +16,11 @@ events:
   job, and once the consumer has read the queue down to half the cap it posts a resume;
 * `cancel()` ends the job at the next iteration and frees its blocks, row and codec slot;
 * `add_voice` / `delete_voice` / `voices` manage registered voices (encoding on the codec stage);
-* if an engine step raises, every job in flight fails with `EngineFailed` and the loop keeps serving.
+* if an engine step raises, every job in flight fails with `EngineFailed` and the loop keeps serving;
+* a part that cannot recover (the codec stage dead, engine steps failing in a row: `JobRunner.failure`)
+  or a crash of the engine thread itself takes the whole replica out of service: `failure` says why,
+  `on_failed(reason)` is called once (the server turns its health NOT_SERVING), jobs in flight fail with
+  `EngineFailed`, and `submit` raises LoopClosed (UNAVAILABLE: retry on another replica).
 
 Events a `RequestStream` yields, in order: `Started`, then `Audio` chunks (sequence 0, 1, 2, ... without
 gaps, frame ranges contiguous), then `Finished`; or `Failed` at any point (and nothing after it).
@@ -205,6 +209,8 @@ class LoopStats:
     loop_repeats: int = 0  # repeats the loop guard found (tts.engine.aligner)
     steps: int = 0
     step_failures: int = 0
+    codec_failures: int = 0  # codec stage calls (decode, reset, encode) that raised
+    failed: bool = False  # the replica is out of service (`EngineLoop.failure`)
     replay_share: float = 0.0
     frame_step_seconds: float = 0.0  # wall time of engine steps (on CUDA: until the frame is on the host)
     # The engine thread's wall time by phase: prefill, replay, rows (inside engine steps), audio, route
@@ -301,6 +307,9 @@ class EngineLoop:
         # Called on the engine thread once warm-up is done / once the thread is about to exit.
         self.on_ready: Callable[[], None] | None = None
         self.on_stopped: Callable[[], None] | None = None
+        # Called once, from any thread, with the reason when the replica goes out of service (`failure`).
+        self.on_failed: Callable[[str], None] | None = None
+        self._crash: str | None = None  # why the engine thread itself died
 
     # ---- lifecycle (any thread) ----------------------------------------------------------------------
 
@@ -368,6 +377,28 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def failure(self) -> str | None:
+        """Why this replica is out of service (a part failed and could not recover), None while it
+        serves. Once set it stays: only a restart of the process brings the replica back."""
+        if self._crash is not None:
+            return self._crash
+        runner = self._runner
+        return runner.failure if runner is not None else None
+
+    def _failed(self, reason: str) -> None:
+        """(any thread) A part went out of service: refuse new work, wake the engine thread (it fails the
+        jobs in flight), tell the owner."""
+        with self._cv:
+            self._woken = True
+            self._stalled = False
+            self._cv.notify()
+        if self.on_failed is not None:
+            try:
+                self.on_failed(reason)
+            except Exception:  # noqa: BLE001 - a broken callback must not hide the failure
+                log.exception("on_failed callback failed")
 
     # ---- work (any thread) ---------------------------------------------------------------------------
 
@@ -439,6 +470,9 @@ class EngineLoop:
             if not internal and not self._accepting:
                 reason = "shutting down" if self._ready.is_set() else "warming up"
                 raise LoopClosed(f"the server is {reason}; not accepting requests")
+            failure = self.failure
+            if not internal and failure is not None:
+                raise LoopClosed(f"this replica is out of service ({failure}); retry on another")
             if not internal and self._admitted >= self.max_jobs:
                 self._inbox.append(("refused", None))
                 self._cv.notify()
@@ -525,6 +559,7 @@ class EngineLoop:
                 codec_graphs=self._codec_graphs,
             )
             self.runner.on_end = self._job_ended
+            self.runner.on_failure = self._failed
             self.runner.before_engine_step = self._flush
             if self.engine_config.graphs == "startup" and self.engine.graphs.enabled:
                 t0 = time.perf_counter()
@@ -553,6 +588,10 @@ class EngineLoop:
         try:
             while self._iterate(block=True):
                 pass
+        except BaseException as exc:  # noqa: BLE001 - logged once, then every job fails and health says so
+            log.exception("the engine thread failed; this replica is out of service")
+            self._crash = f"the engine thread failed: {type(exc).__name__}: {exc}"
+            self._failed(self._crash)
         finally:
             self._shutdown()
             if self.on_stopped is not None:
@@ -662,6 +701,8 @@ class EngineLoop:
             "handover": self._handover_seconds,
         }
         s.step_failures = r.step_failures
+        s.codec_failures = r.stage.stats.failures
+        s.failed = self.failure is not None
         cs = r.stage.stats
         s.codec_decode_seconds, s.codec_encode_seconds = cs.decode_seconds, cs.encode_seconds
         s.codec_decode_calls, s.codec_decode_frames = cs.decode_calls, cs.decode_frames
@@ -700,7 +741,10 @@ class EngineLoop:
             self.engine.fail_all("shutdown")
         for job in list(runner.jobs.values()):
             job.engine_id = None
-        runner.fail_all(LoopClosed("the server shut down before the request finished"))
+        if self._crash is not None:
+            runner.fail_all(EngineFailed(self._crash))
+        else:
+            runner.fail_all(LoopClosed("the server shut down before the request finished"))
         with self._cv:
             inbox, self._inbox = self._inbox, []
         for kind, arg in inbox:
