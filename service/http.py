@@ -28,7 +28,8 @@ Endpoints:
 Errors are OpenAI-style JSON, `{"error": {"message", "type", "param", "code"}}`: 400 bad input, 404 unknown
 model / voice / path, 409 a voice name that is taken, 413 body over the limit (checked before the body is
 parsed), 415 a voice upload that is not multipart/form-data, 429 admission full, 503 warming up or
-shutting down, 500 a bug. Statuses come from `service.server.status_for`, as on gRPC.
+shutting down, 504 the request's preparation (text, reference clip) took longer than
+`ServiceLimits.max_prepare_seconds`, 500 a bug. Statuses come from `service.server.status_for`, as on gRPC.
 
 Once the status line is sent the status cannot change: a request that fails later (engine failure,
 shutdown past the grace period) ends the SSE stream with an `error` event, and cuts an audio stream
@@ -64,9 +65,10 @@ from tts.codec.base import AudioError
 from tts.engine import FinishReason, InvalidRequest
 from tts.engine.loop import Audio, EngineFailed, Failed, Finished, LoopClosed, Overloaded, Started
 from tts.text import TextError, shorten
+from tts.textbudget import PreparationTimeout
 from tts_grpc.v1 import tts_pb2 as pb
 
-from .server import CallLog, RequestFields, build_job, prepare_reference, status_for
+from .server import CallLog, RequestFields, build_job, prepare_off_loop, prepare_reference, status_for
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +88,11 @@ HTTP_STATUS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "server_at_capacity"),
     grpc.StatusCode.UNAVAILABLE: (503, "server_error", "unavailable"),
     grpc.StatusCode.CANCELLED: (499, "server_error", "cancelled"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "deadline_exceeded"),
 }
-REQUEST_ERRORS = (TextError, InvalidRequest, AudioError, VoiceNotFound, Overloaded, LoopClosed, EngineFailed)
+REQUEST_ERRORS = (
+    TextError, InvalidRequest, AudioError, VoiceNotFound, Overloaded, LoopClosed, EngineFailed, PreparationTimeout
+)  # fmt: skip
 # What `POST /v1/audio/voices` takes, for the errors that say so.
 VOICE_FORM = (
     "POST /v1/audio/voices takes multipart/form-data with the fields name, file (a WAV, FLAC, MP3 or Ogg "
@@ -164,9 +169,14 @@ class APIError(Exception):
     @property
     def outcome(self) -> str:
         """The `tts_requests_total{outcome}` label of this error."""
-        return {400: "invalid_argument", 404: "not_found", 413: "too_large", 429: "resource_exhausted"}.get(
-            self.status, "unavailable" if self.status == 503 else "error"
-        )
+        outcomes = {
+            400: "invalid_argument",
+            404: "not_found",
+            413: "too_large",
+            429: "resource_exhausted",
+            504: "deadline_exceeded",
+        }
+        return outcomes.get(self.status, "unavailable" if self.status == 503 else "error")
 
     def response(self) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -816,7 +826,9 @@ class HTTPFront:
                 raise LoopClosed("the server is warming up; not accepting requests")
             if not self.loop.alive:
                 raise LoopClosed("the engine has stopped; not accepting requests")
-            prepared, input_tokens = await asyncio.to_thread(self._prepare, req, r.stream_format == "sse")
+            prepared, input_tokens = await prepare_off_loop(
+                self._prepare, req, r.stream_format == "sse", timeout=self.limits.max_prepare_seconds
+            )
             prepared.job.request_id = "http"  # request ids: http-N here, job-N from gRPC
             call.voice = prepared.job.voice_kind
             stream = self.loop.submit(prepared.job, asyncio.get_running_loop())

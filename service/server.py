@@ -3,7 +3,8 @@
 Handlers only validate, enqueue and stream: every device operation (engine steps, prefill, reference
 encoding, codec decode) happens in `EngineLoop`'s engine thread or its codec stage. A `Synthesize` call:
 
-1. validates its input on a worker thread (`build_job` -> `Planner.job`): text (prepared by the model's
+1. validates its input on a worker thread (`prepare_off_loop(build_job)` -> `Planner.job`) within the
+   call's deadline and `ServiceLimits.max_prepare_seconds` (past either: DEADLINE_EXCEEDED): text (prepared by the model's
    text policy unless `normalize` is false, split into chunks at sentence ends, reserved tags refused;
    what was left out goes to the header's warnings), sampling values, voice name (a preset or a registered voice),
    reference clip (size limit, decodable audio (WAV, FLAC, MP3 or Ogg), length, transcript), chunk
@@ -42,9 +43,9 @@ import logging
 import re
 import socket
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import numpy as np
@@ -74,6 +75,7 @@ from tts.engine.loop import (
 from tts.params import MAX_CHUNK_FRAMES
 from tts.planner import Planner
 from tts.text import TextError, shorten
+from tts.textbudget import PreparationTimeout, TextBudget, text_budget
 from tts.voices import VoiceExists, VoiceNotFound, reference_key
 from tts_grpc.v1 import tts_pb2 as pb
 from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
@@ -92,6 +94,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextToSpeech"].full_name  # "tts.
 # NOT_SERVING only once the engine thread has ended.
 LIVENESS_SERVICE = "liveness"
 MiB = 1024 * 1024
+T = TypeVar("T")
 
 
 @dataclass
@@ -107,6 +110,9 @@ class ServiceLimits:
     GOAWAY; the client reconnects for its next call, through its balancer), None: never.
     max_connection_age_grace: seconds the streams open on such a connection may still run before it is
     closed (None: as long as they need).
+    max_prepare_seconds: the longest a request's preparation (text, reference clip, planning) may take
+    (a gRPC call's own deadline, when shorter, wins); past it the request ends with DEADLINE_EXCEEDED
+    (HTTP 504).
     """
 
     max_waiting: int = 16
@@ -124,6 +130,7 @@ class ServiceLimits:
     max_chunk_frames: int = 256
     max_connection_age: float | None = None
     max_connection_age_grace: float | None = None
+    max_prepare_seconds: float = 10.0
 
     @property
     def receive_bytes(self) -> int:
@@ -243,6 +250,31 @@ def build_job(
     return PreparedRequest(job, encoding, out.include_codes)
 
 
+async def prepare_off_loop(fn: Callable[..., T], *args, timeout: float | None) -> T:
+    """`fn(*args)` (a request's preparation: `build_job` and the like, host work) on a worker thread, under a
+    text budget (`tts.textbudget`) whose deadline is `timeout` seconds from now (None: none). Past the
+    deadline this raises PreparationTimeout at once and the preparation stops at its next step; if the
+    awaiting task is cancelled (the client cancelled, or its deadline passed), the preparation stops at
+    its next step as well. The worker holds the GIL only between steps that are linear in the text, so
+    the event loop and other requests go on meanwhile."""
+    budget = TextBudget(None if timeout is None else time.monotonic() + max(0.0, timeout))
+
+    def run() -> T:
+        with text_budget(budget=budget):
+            return fn(*args)
+
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(run), timeout)
+    except TimeoutError as exc:  # wait_for's, or the worker's own PreparationTimeout
+        budget.cancel()
+        raise PreparationTimeout(
+            f"preparing the request took longer than its deadline ({timeout:.3g} s)"
+        ) from exc
+    except asyncio.CancelledError:
+        budget.cancel()
+        raise
+
+
 def prepare_reference(
     planner: Planner, ref: pb.ReferenceAudio, limits: ServiceLimits, audio_field: str, text_field: str
 ):
@@ -289,6 +321,8 @@ def _status_and_details(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
         return grpc.StatusCode.ALREADY_EXISTS, str(exc), "already_exists"
     if isinstance(exc, TextError | InvalidRequest | AudioError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid_argument"
+    if isinstance(exc, PreparationTimeout):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc), "deadline_exceeded"
     if isinstance(exc, Overloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "resource_exhausted"
     if isinstance(exc, Preempted):
@@ -518,11 +552,24 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
             )
         planner = self.loop.planner
         assert planner is not None  # the engine thread sets it before the loop is ready
+        remaining = context.time_remaining()
+        timeout = self.limits.max_prepare_seconds
+        timeout = timeout if remaining is None else min(timeout, remaining)
         try:
-            prepared = await asyncio.to_thread(build_job, planner, self.loop, request, self.limits)
+            prepared = await prepare_off_loop(
+                build_job, planner, self.loop, request, self.limits, timeout=timeout
+            )
             call.voice = prepared.job.voice_kind
             stream = self.loop.submit(prepared.job, asyncio.get_running_loop())
-        except (TextError, InvalidRequest, AudioError, VoiceNotFound, Overloaded, LoopClosed) as exc:
+        except (
+            TextError,
+            InvalidRequest,
+            AudioError,
+            VoiceNotFound,
+            Overloaded,
+            LoopClosed,
+            PreparationTimeout,
+        ) as exc:
             await self._abort(context, exc, call)
         except Exception as exc:  # noqa: BLE001 - a bug: INTERNAL with its message, not a bare UNKNOWN
             log.exception("preparing a request failed")
