@@ -115,7 +115,13 @@ def test_long_numbers_are_read_digit_by_digit(raw, spoken):
 @pytest.mark.parametrize("digits", [16, 306, 307, 400, 4301, 20_000])
 def test_a_digit_run_of_any_length_reads(digits):
     """num2words overflows at 307 digits and int() refuses 4301: neither may reach a user as an error."""
-    for text in ("1" * digits, f"${'9' * digits}", f"{'1' * digits}%", f"{'2' * digits}th", f"0.{'3' * digits}"):
+    for text in (
+        "1" * digits,
+        f"${'9' * digits}",
+        f"{'1' * digits}%",
+        f"{'2' * digits}th",
+        f"0.{'3' * digits}",
+    ):
         assert len(normalize_text(text).split()) >= digits  # a word a digit
 
 
