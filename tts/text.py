@@ -344,9 +344,10 @@ def _unit(m: re.Match) -> str:
 _RULES: list[tuple[re.Pattern, object]] = [
     # host names (what tts.markup makes of a URL) and file names, not paths: "example.com" -> "example dot com".
     # Labels of at most 63 characters and at most 10 dots (DNS allows 63 and 127): a match may start after
-    # each hyphen, and unbounded, every one of them would scan to the end of a long hyphenated run.
+    # each hyphen, and unbounded, every one of them would scan to the end of a long hyphenated run. The
+    # label quantifiers are possessive (giving back a label's character can never make a dot follow it).
     (
-        re.compile(r"(?<![\w./])[a-z0-9][a-z0-9-]{0,62}(?:\.[a-z0-9-]{1,63}){0,9}\.[a-z]{2,}(?!\w|\.\w)"),
+        re.compile(r"(?<![\w./])[a-z0-9][a-z0-9-]{0,62}+(?:\.[a-z0-9-]{1,63}+){0,9}\.[a-z]{2,}+(?!\w|\.\w)"),
         lambda m: m.group(0).replace(".", " dot "),
     ),
     (
@@ -388,7 +389,8 @@ _RULES: list[tuple[re.Pattern, object]] = [
     (re.compile(r"(?<![\w.,/$£€-])" + rf"({_NUMBER})-({_NUMBER})" + _END), _hyphen_pair),
     (
         re.compile(
-            rf"(?<![\w.,/-])(-?)(\d+\s\d+/\d+|\d+/\d+|{_NUMBER})\s?"
+            # (possessive digit runs: a digit given back is followed by a digit, which starts no unit)
+            r"(?<![\w.,/-])(-?)(\d++\s\d++/\d++|\d++/\d++|(?:\d{1,3}(?:,\d{3})+|\d++)(?:\.\d++)?)\s?"
             rf"(?:{'|'.join(f'({u})' for u, _, _ in _UNITS)})(?![\w/]|[.,]\d)"
         ),
         _unit,
