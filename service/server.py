@@ -3,13 +3,13 @@
 Handlers only validate, enqueue and stream: every device operation (engine steps, prefill, reference
 encoding, codec decode) happens in `EngineLoop`'s engine thread or its codec stage. A `Synthesize` call:
 
-1. validates its input on a worker thread (`prepare_off_loop(build_job)` -> `Planner.job`) within the
-   call's deadline and `ServiceLimits.max_prepare_seconds` (past either: DEADLINE_EXCEEDED): text (prepared by the model's
+1. validates its input on a worker thread (`build_job` -> `Planner.job`): text (prepared by the model's
    text policy unless `normalize` is false, split into chunks at sentence ends, reserved tags refused;
    what was left out goes to the header's warnings), sampling values, voice name (a preset or a registered voice),
    reference clip (size limit, decodable audio (WAV, FLAC, MP3 or Ogg), length, transcript), chunk
    sizes, and that every text chunk's prompt plus its frame budget fits the context; each failure is INVALID_ARGUMENT
-   (NOT_FOUND for an unknown voice) before any generation work;
+   (NOT_FOUND for an unknown voice) before any generation work; all of it within the call's deadline and
+   `ServiceLimits.max_prepare_seconds` (`prepare_off_loop`; past either: DEADLINE_EXCEEDED);
 2. is admitted by the engine loop or refused with RESOURCE_EXHAUSTED (bounded queue) / UNAVAILABLE
    (warming up, shutting down);
 3. streams a header, audio chunks and an end message (finish reason, warnings); a client cancel or
@@ -267,9 +267,8 @@ async def prepare_off_loop(fn: Callable[..., T], *args, timeout: float | None) -
         return await asyncio.wait_for(asyncio.to_thread(run), timeout)
     except TimeoutError as exc:  # wait_for's, or the worker's own PreparationTimeout
         budget.cancel()
-        raise PreparationTimeout(
-            f"preparing the request took longer than its deadline ({timeout:.3g} s)"
-        ) from exc
+        limit = "" if timeout is None else f" ({timeout:.3g} s)"
+        raise PreparationTimeout(f"preparing the request took longer than its deadline{limit}") from exc
     except asyncio.CancelledError:
         budget.cancel()
         raise
