@@ -609,14 +609,16 @@ def _normalize_plain(text: str, allow_empty: bool = False) -> str:
 # quotative particle (「…。」と言った) does not end one. Clauses end at `,;:` followed by
 # whitespace, at CJK ，、： and the Arabic comma and semicolon, at an ellipsis and at a dash.
 _CLOSERS = "\"'\u201d\u2019\u300d\u300f\uff09)\\]\u3011\u300b\u3009\u203a\u00bb"
+# (A run of `.!?` or `,;:` is matched from its first mark only: tried from each mark of a long run that
+# no whitespace follows, the match would scan the rest of the run every time.)
 _SENTENCE_END = re.compile(
-    rf"[.!?]+[{_CLOSERS}]*(?:\s+|$)"
+    rf"(?<![.!?])[.!?]+[{_CLOSERS}]*(?:\s+|$)"
     rf"|[\u3002\uff01\uff1f\uff1b\uff0e\uff61\u061f\u06d4\u0964\u0965\u1362\u104b\u0f0d\u0589\u203c\u2047-\u2049]+"
     rf"(?:[{_CLOSERS}]+(?![\u3068\u3063])|(?![{_CLOSERS}]))\s*"
     r"|\n\s*"
 )
 _CLAUSE_END = re.compile(
-    rf"[,;:]+[{_CLOSERS}]*(?:\s+|$)|[\uff0c\u3001\uff1a\u060c\u061b\u2026]+[{_CLOSERS}]*\s*|(?:\u2014|--)\s*"
+    rf"(?<![,;:])[,;:]+[{_CLOSERS}]*(?:\s+|$)|[\uff0c\u3001\uff1a\u060c\u061b\u2026]+[{_CLOSERS}]*\s*|(?:\u2014|--)\s*"
 )
 _WORD_END = re.compile(r"\s+")
 _LEVELS = (_SENTENCE_END, _CLAUSE_END, _WORD_END)
