@@ -31,7 +31,8 @@ escapes), 404 unknown model / voice / path, 409 a voice name that is taken, 413 
 (checked before the body is parsed; the rest of the body, up to DRAIN_BYTES more, is read first so that
 the client can read the answer), 415 a voice upload that is not multipart/form-data, 422 `no_audio`: the
 job ended without any audio (gRPC ends such a stream OK with finish reason `short`), 429 admission full,
-503 warming up or shutting down, 500 a bug. Statuses come from `service.server.status_for`, as on gRPC.
+503 warming up or shutting down, 504 the request's preparation (text, reference clip) took longer than
+`ServiceLimits.max_prepare_seconds`, 500 a bug. Statuses come from `service.server.status_for`, as on gRPC.
 
 The status line waits for the first audio (or the end of the job): a job that fails before any audio gets
 its error status. When the job ended before the status line, `X-Finish-Reason` (`stop`, `length`,
@@ -77,9 +78,10 @@ from tts.codec.base import AudioError
 from tts.engine import FinishReason, InvalidRequest
 from tts.engine.loop import Audio, EngineFailed, Failed, Finished, LoopClosed, Overloaded, Started
 from tts.text import TextError, shorten
+from tts.textbudget import PreparationTimeout
 from tts_grpc.v1 import tts_pb2 as pb
 
-from .server import CallLog, RequestFields, build_job, prepare_reference, status_for
+from .server import CallLog, RequestFields, build_job, prepare_off_loop, prepare_reference, status_for
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +104,11 @@ HTTP_STATUS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "server_at_capacity"),
     grpc.StatusCode.UNAVAILABLE: (503, "server_error", "unavailable"),
     grpc.StatusCode.CANCELLED: (499, "server_error", "cancelled"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "deadline_exceeded"),
 }
-REQUEST_ERRORS = (TextError, InvalidRequest, AudioError, VoiceNotFound, Overloaded, LoopClosed, EngineFailed)
+REQUEST_ERRORS = (
+    TextError, InvalidRequest, AudioError, VoiceNotFound, Overloaded, LoopClosed, EngineFailed, PreparationTimeout
+)  # fmt: skip
 # What `POST /v1/audio/voices` takes, for the errors that say so.
 VOICE_FORM = (
     "POST /v1/audio/voices takes multipart/form-data with the fields name, file (a WAV, FLAC, MP3 or Ogg "
@@ -186,6 +191,7 @@ class APIError(Exception):
             413: "too_large",
             422: "no_audio",
             429: "resource_exhausted",
+            504: "deadline_exceeded",
         }.get(self.status, "unavailable" if self.status == 503 else "error")
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -1018,7 +1024,9 @@ class HTTPFront:
                 raise LoopClosed("the server is warming up; not accepting requests")
             if not self.loop.alive:
                 raise LoopClosed("the engine has stopped; not accepting requests")
-            prepared, input_tokens = await asyncio.to_thread(self._prepare, req, r.stream_format == "sse")
+            prepared, input_tokens = await prepare_off_loop(
+                self._prepare, req, r.stream_format == "sse", timeout=self.limits.max_prepare_seconds
+            )
             prepared.job.request_id = "http"  # request ids: http-N here, job-N from gRPC
             call.voice = prepared.job.voice_kind
             stream = self.loop.submit(prepared.job, asyncio.get_running_loop())

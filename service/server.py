@@ -8,7 +8,8 @@ encoding, codec decode) happens in `EngineLoop`'s engine thread or its codec sta
    what was left out goes to the header's warnings), sampling values, voice name (a preset or a registered voice),
    reference clip (size limit, decodable audio (WAV, FLAC, MP3 or Ogg), length, transcript), chunk
    sizes, and that every text chunk's prompt plus its frame budget fits the context; each failure is INVALID_ARGUMENT
-   (NOT_FOUND for an unknown voice) before any generation work;
+   (NOT_FOUND for an unknown voice) before any generation work; all of it within the call's deadline and
+   `ServiceLimits.max_prepare_seconds` (`prepare_off_loop`; past either: DEADLINE_EXCEEDED);
 2. is admitted by the engine loop or refused with RESOURCE_EXHAUSTED (bounded queue) / UNAVAILABLE
    (warming up, shutting down);
 3. streams a header, audio chunks and an end message (finish reason, warnings); a client cancel or
@@ -48,9 +49,9 @@ import logging
 import re
 import socket
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import numpy as np
@@ -80,6 +81,7 @@ from tts.engine.loop import (
 from tts.params import MAX_CHUNK_FRAMES
 from tts.planner import Planner
 from tts.text import TextError, shorten
+from tts.textbudget import PreparationTimeout, TextBudget, text_budget
 from tts.voices import VoiceExists, VoiceNotFound, reference_key
 from tts_grpc.v1 import tts_pb2 as pb
 from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
@@ -98,6 +100,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextToSpeech"].full_name  # "tts.
 # NOT_SERVING once the engine thread has ended or the replica failed for good (`EngineLoop.failure`).
 LIVENESS_SERVICE = "liveness"
 MiB = 1024 * 1024
+T = TypeVar("T")
 
 try:  # what a send on a call that has already ended raises (grpc.aio.InternalError's subclass)
     from grpc._cython.cygrpc import ExecuteBatchError as CALL_ENDED
@@ -121,6 +124,9 @@ class ServiceLimits:
     http_read_timeout: seconds an HTTP client may take to send a request's headers (counted from the
     connection's start or the previous response's end), and may leave a request body without a byte;
     past it the connection is closed.
+    max_prepare_seconds: the longest a request's preparation (text, reference clip, planning) may take
+    (a gRPC call's own deadline, when shorter, wins); past it the request ends with DEADLINE_EXCEEDED
+    (HTTP 504).
     """
 
     max_waiting: int = 16
@@ -139,6 +145,7 @@ class ServiceLimits:
     max_connection_age: float | None = None
     max_connection_age_grace: float | None = None
     http_read_timeout: float = 30.0
+    max_prepare_seconds: float = 10.0
 
     @property
     def receive_bytes(self) -> int:
@@ -258,6 +265,30 @@ def build_job(
     return PreparedRequest(job, encoding, out.include_codes)
 
 
+async def prepare_off_loop(fn: Callable[..., T], *args, timeout: float | None) -> T:
+    """`fn(*args)` (a request's preparation: `build_job` and the like, host work) on a worker thread, under a
+    text budget (`tts.textbudget`) whose deadline is `timeout` seconds from now (None: none). Past the
+    deadline this raises PreparationTimeout at once and the preparation stops at its next step; if the
+    awaiting task is cancelled (the client cancelled, or its deadline passed), the preparation stops at
+    its next step as well. The worker holds the GIL only between steps that are linear in the text, so
+    the event loop and other requests go on meanwhile."""
+    budget = TextBudget(None if timeout is None else time.monotonic() + max(0.0, timeout))
+
+    def run() -> T:
+        with text_budget(budget=budget):
+            return fn(*args)
+
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(run), timeout)
+    except TimeoutError as exc:  # wait_for's, or the worker's own PreparationTimeout
+        budget.cancel()
+        limit = "" if timeout is None else f" ({timeout:.3g} s)"
+        raise PreparationTimeout(f"preparing the request took longer than its deadline{limit}") from exc
+    except asyncio.CancelledError:
+        budget.cancel()
+        raise
+
+
 def prepare_reference(
     planner: Planner, ref: pb.ReferenceAudio, limits: ServiceLimits, audio_field: str, text_field: str
 ):
@@ -304,6 +335,8 @@ def _status_and_details(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
         return grpc.StatusCode.ALREADY_EXISTS, str(exc), "already_exists"
     if isinstance(exc, TextError | InvalidRequest | AudioError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid_argument"
+    if isinstance(exc, PreparationTimeout):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc), "deadline_exceeded"
     if isinstance(exc, Overloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "resource_exhausted"
     if isinstance(exc, Preempted):
@@ -534,11 +567,24 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
             )
         planner = self.loop.planner
         assert planner is not None  # the engine thread sets it before the loop is ready
+        remaining = context.time_remaining()
+        timeout = self.limits.max_prepare_seconds
+        timeout = timeout if remaining is None else min(timeout, remaining)
         try:
-            prepared = await asyncio.to_thread(build_job, planner, self.loop, request, self.limits)
+            prepared = await prepare_off_loop(
+                build_job, planner, self.loop, request, self.limits, timeout=timeout
+            )
             call.voice = prepared.job.voice_kind
             stream = self.loop.submit(prepared.job, asyncio.get_running_loop())
-        except (TextError, InvalidRequest, AudioError, VoiceNotFound, Overloaded, LoopClosed) as exc:
+        except (
+            TextError,
+            InvalidRequest,
+            AudioError,
+            VoiceNotFound,
+            Overloaded,
+            LoopClosed,
+            PreparationTimeout,
+        ) as exc:
             await self._abort(context, exc, call)
         except Exception as exc:  # noqa: BLE001 - a bug: INTERNAL with its message, not a bare UNKNOWN
             log.exception("preparing a request failed")

@@ -21,6 +21,9 @@ inserted), every other tag is removed, entities are decoded, and a warning says 
 
 URLs anywhere in the text are read as their host ("https://www.example.com/a?b=1" -> "example.com").
 `<|...|>` control tags and bracketed cues such as `[laugh]` pass through as text.
+
+Every step is linear in the text's length (markdown-it-py's parser included) and reports its work to
+`tts.textbudget.charge`.
 """
 
 from __future__ import annotations
@@ -32,13 +35,19 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from urllib.parse import urlsplit
 
+from .textbudget import charge
+
 # SSML is recognized by a <speak> root or by a tag only SSML has (p, s and w are HTML tags too).
 _SSML = re.compile(
     r"<speak\b[^<>]*>|<(?:break|prosody|say-as|sub|phoneme|audio|mark|lang|voice)\b[^<>]*/?>"
     r"|<(?:amazon|mstts|google):[\w-]+\b[^<>]*/?>",
     re.IGNORECASE,
 )
-_SUB = re.compile(r"<sub\b[^<>]*\balias\s*=\s*(['\"])(.*?)\1[^<>]*>.*?</sub\s*>", re.IGNORECASE | re.DOTALL)
+# `<sub alias="X">...</sub>` reads X. Found by a scan (`_read_sub_aliases`), not by one regex: a regex that
+# finds each open tag's alias and then its close tag rescans the rest of the text for every open tag.
+_SUB_OPEN = re.compile(r"<sub\b[^<>]*>", re.IGNORECASE)
+_SUB_CLOSE = re.compile(r"</sub\s*>", re.IGNORECASE)
+_ALIAS = re.compile(r"\balias\s*=\s*(?:'([^']*)'|\"([^\"]*)\")", re.IGNORECASE)
 _BLOCK_END = re.compile(r"</(?:p|s|paragraph|sentence|speak)\s*>", re.IGNORECASE)
 _ANY_TAG = re.compile(r"</?[A-Za-z][\w:.-]*(?:\s[^<>]*)?/?>")
 _URL = re.compile(r"\b(?:https?://|www\.)[^\s<>\"'`]+", re.IGNORECASE)
@@ -69,6 +78,7 @@ class Rendered:
 
 def render_markup(text: str) -> Rendered:
     """What a person reads from `text` rendered (see the module docstring)."""
+    charge(len(text))
     if _SSML.search(text):
         out = Rendered(_strip_ssml(text), [SSML_WARNING])
     else:
@@ -81,21 +91,45 @@ def read_urls(text: str) -> str:
     """Every URL in `text` replaced by its host without `www.` (trailing punctuation stays text)."""
 
     def host(m: re.Match) -> str:
-        url = m.group(0)
-        tail = ""
-        while url and url[-1] in _URL_TRAILING:
-            url, tail = url[:-1], url[-1] + tail
+        url = m.group(0).rstrip(_URL_TRAILING)
+        tail = m.group(0)[len(url) :]
         try:
             name = urlsplit(url if "://" in url else f"http://{url}").hostname or url
         except ValueError:
             name = url
         return name.removeprefix("www.") + tail
 
+    charge(len(text))
     return _URL.sub(host, text)
 
 
+def _read_sub_aliases(text: str) -> str:
+    """`text` with every `<sub alias="X">...</sub>` (the open tag, what follows up to the next close tag,
+    and that tag) replaced by X. An open tag without an alias or without a close tag after it stays."""
+    closes = [m.span() for m in _SUB_CLOSE.finditer(text)]
+    out: list[str] = []
+    pos = 0  # text before pos is done
+    next_close = 0  # the first close tag that may still end a <sub>
+    for m in _SUB_OPEN.finditer(text):
+        if m.start() < pos:
+            continue  # inside a <sub> already read
+        alias = _ALIAS.search(m.group(0))
+        if alias is None:
+            continue
+        while next_close < len(closes) and closes[next_close][0] < m.end():
+            next_close += 1
+        if next_close == len(closes):
+            break  # no close tag after this one, nor after any later one
+        out += [text[pos : m.start()], alias.group(1) if alias.group(1) is not None else alias.group(2)]
+        pos = closes[next_close][1]
+        next_close += 1
+    out.append(text[pos:])
+    return "".join(out)
+
+
 def _strip_ssml(text: str) -> str:
-    text = _SUB.sub(lambda m: m.group(2), text)
+    charge(len(text))
+    text = _read_sub_aliases(text)
     text = _BLOCK_END.sub("\n", text)
     text = _ANY_TAG.sub(" ", text)
     text = html.unescape(text)
@@ -128,6 +162,7 @@ _STRUCTURE = {
 
 
 def _render_markdown(text: str) -> Rendered:
+    charge(len(text))
     tokens = _parser().parse(text)
     plain = all(
         t.type in ("paragraph_open", "paragraph_close")
@@ -159,6 +194,7 @@ def _render_markdown(text: str) -> Rendered:
                 lines.append(", ".join(cells))
             row = None
         elif kind == "inline":
+            charge(len(t.content))
             content, saw_html = _inline_text(t.children or [])
             html_seen |= saw_html
             if row is not None:

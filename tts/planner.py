@@ -32,6 +32,7 @@ from .codec.base import AudioError, prepare_audio
 from .params import MAX_CHUNK_FRAMES, InvalidRequest, SamplingParams
 from .prompt import Turn, VoiceReference
 from .text import TextError
+from .textbudget import charge
 from .textpolicy import TextPlan, get_text_policy, plan_text
 from .voices import VoiceNotFound, VoiceRegistry, codec_fingerprint
 
@@ -312,6 +313,7 @@ class Planner:
             frames = max(1, math.ceil(reference.samples.numel() / codec.frame_length))
             check_refs.append(VoiceReference(_zero_codes(codec.num_codebooks, frames), reference.text))
         for i, (chunk_text, budget) in enumerate(zip(chunks, budgets, strict=True)):
+            charge(len(chunk_text))  # (and the deadline is checked before each chunk's prompt)
             prompt = self.bundle.prompt_format.build(chunk_text, check_refs, [])
             try:
                 self.check(prompt, replace(params, seed=seed + i, max_new_frames=budget, min_new_frames=0))

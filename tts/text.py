@@ -2,8 +2,10 @@
 
 Numbers, dates, times, currency, percentages, ordinals, ranges, simple fractions, units after numbers and
 common abbreviations become words (num2words does the number reading); phone numbers and other
-hyphen-joined digit groups are read digit by digit; typographic punctuation becomes ASCII; control and
-invisible characters are removed; whitespace collapses.
+hyphen-joined digit groups are read digit by digit, and so is a number of more than `MAX_WORD_DIGITS`
+digits (in its comma groups, or in groups of four: "one two three four, five six ..."); typographic
+punctuation becomes ASCII; control and invisible characters are removed; whitespace collapses.
+Every step is linear in the text's length and reports its work to `tts.textbudget.charge`.
 `split_text` cuts long text into chunks at sentence, then clause, then word boundaries.
 """
 
@@ -11,10 +13,12 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from functools import lru_cache
 
 from num2words import num2words
 
 from .params import InvalidRequest
+from .textbudget import charge
 
 
 class TextError(ValueError):
@@ -103,21 +107,62 @@ _CURRENCIES = {
 }
 
 
+# Numbers of at most this many digits (leading zeros aside) are read as words, longer ones digit by
+# digit: no one reads a 16-digit card number or a 40-digit ID as "... quadrillion ...", num2words refuses
+# numbers of 307 digits and more, and its time grows with the digits.
+MAX_WORD_DIGITS = 15
+
+
+@lru_cache(maxsize=4096)
+def _words(n: int, to: str = "cardinal") -> str:
+    return num2words(n, to=to)
+
+
+def _small(s: str) -> int | None:
+    """The value of a digit string of at most MAX_WORD_DIGITS significant digits, else None (without
+    converting it: `int` refuses strings of more than 4300 digits, and is quadratic below that)."""
+    significant = s.lstrip("0")
+    return int(significant or "0") if len(significant) <= MAX_WORD_DIGITS else None
+
+
+def _read_digits(s: str) -> str:
+    """Digit by digit, a comma between groups: its comma groups ("1,234" -> "one, two three four"), or
+    groups of four ("12345678" -> "one two three four, five six seven eight")."""
+    charge(len(s))
+    groups = [g for g in s.split(",") if g] if "," in s else [s[i : i + 4] for i in range(0, len(s), 4)]
+    return ", ".join(" ".join(_DIGITS[int(d)] for d in g) for g in groups)
+
+
+def _cardinal(s: str) -> str:
+    """A written whole number (digits, maybe comma-grouped) in words; longer than MAX_WORD_DIGITS digits:
+    digit by digit (`_read_digits`)."""
+    n = _small(s.replace(",", ""))
+    return _read_digits(s) if n is None else _words(n)
+
+
+def _ordinal(s: str) -> str:
+    """3 -> "third"; longer than MAX_WORD_DIGITS digits: digit by digit, the last one as an ordinal."""
+    n = _small(s)
+    if n is not None:
+        return _words(n, "ordinal")
+    head, _, last = _read_digits(s).rpartition(" ")
+    return f"{head} {_words(_DIGITS.index(last), 'ordinal')}"
+
+
 def _int_words(s: str) -> str:
-    return num2words(int(s.replace(",", "")))
+    return _cardinal(s)
 
 
 def _number_words(s: str) -> str:
-    s = s.replace(",", "")
-    if "." in s:
-        whole, frac = s.split(".", 1)
-        digits = " ".join(num2words(int(d)) for d in frac)
-        return f"{num2words(int(whole or '0'))} point {digits}"
-    return num2words(int(s))
+    whole, point, frac = s.partition(".")
+    if point:
+        digits = " ".join(_DIGITS[int(d)] for d in frac.replace(",", ""))
+        return f"{_cardinal(whole or '0')} point {digits}"
+    return _cardinal(whole)
 
 
 def _year_words(y: int) -> str:
-    return num2words(y, to="year") if 1100 <= y <= 2099 else num2words(y)
+    return _words(y, "year") if 1100 <= y <= 2099 else _words(y)
 
 
 def _currency(m: re.Match) -> str:
@@ -126,12 +171,11 @@ def _currency(m: re.Match) -> str:
 
 def _currency_amount(symbol: str, amount: str) -> str:
     one, many, cent, cents = _CURRENCIES[symbol]
-    amount = amount.replace(",", "")
     whole, _, frac = amount.partition(".")
-    words = f"{num2words(int(whole))} {one if int(whole) == 1 else many}"
+    words = f"{_cardinal(whole)} {one if _small(whole.replace(',', '')) == 1 else many}"
     if frac and int(frac[:2].ljust(2, "0")):
         c = int(frac[:2].ljust(2, "0"))
-        words += f" and {num2words(c)} {cent if c == 1 else cents}"
+        words += f" and {_words(c)} {cent if c == 1 else cents}"
     return words
 
 
@@ -156,10 +200,15 @@ def _meridiem(m: re.Match, group: int) -> str:
     if not marker:
         return ""
     words = " " + " ".join(marker.replace(".", "").lower())
-    rest = m.string[m.end() :]
-    if marker.endswith(".") and (not rest.strip() or re.match(r"\s+[A-Z]", rest)):
+    if marker.endswith(".") and _SENTENCE_ENDS_HERE.match(m.string, m.end()):
         words += "."
     return words
+
+
+# At a position: only whitespace up to the end, or whitespace and a capital (matched in place: a copy of
+# the rest of the text per match would make a text of many matches quadratic).
+_SENTENCE_ENDS_HERE = re.compile(r"\s*\Z|\s+[A-Z]")
+_ONLY_SPACE_LEFT = re.compile(r"\s*\Z")
 
 
 def _time(m: re.Match) -> str:
@@ -202,7 +251,7 @@ def _currency_range(m: re.Match) -> str:
 
 def _scientific(m: re.Match) -> str:
     sign = "minus " if m.group(2) in ("-", "\u2212") else ""
-    return f"{_number_words(m.group(1))} times ten to the power of {sign}{num2words(int(m.group(3)))}"
+    return f"{_number_words(m.group(1))} times ten to the power of {sign}{_cardinal(m.group(3))}"
 
 
 def _spaced(m: re.Match, words: str) -> str:
@@ -215,7 +264,7 @@ def _spaced(m: re.Match, words: str) -> str:
 
 def _version(m: re.Match) -> str:
     """2.0.1 -> "two point zero point one" (three or more dot-separated parts: a version)."""
-    return _spaced(m, " point ".join(num2words(int(p)) for p in m.group(0).split(".")))
+    return _spaced(m, " point ".join(_cardinal(p) for p in m.group(0).split(".")))
 
 
 def _month_abbreviation_date(m: re.Match) -> str:
@@ -241,7 +290,7 @@ def _hyphen_pair(m: re.Match) -> str:
     in digits for the later rules, so a unit or percent after it is still read."""
     a, b = m.group(1), m.group(2)
     plain = a.isdigit() and b.isdigit()
-    round_numbers = plain and int(a) % 100 == 0 and int(b) % 100 == 0  # 200-1000 words
+    round_numbers = plain and int(a[-2:]) == 0 and int(b[-2:]) == 0  # 200-1000 words
     leading_zero = any(len(g) > 1 and g[0] == "0" for g in (a, b))
     if plain and (((len(a), len(b)) == (3, 4) and not round_numbers) or leading_zero):
         return _digit_groups(m)
@@ -261,19 +310,21 @@ def _fraction_name(numerator: int, denominator: int) -> str:
 
 def _fraction_words(numerator: str, denominator: str) -> str | None:
     """3/4 -> "three quarters"; None unless a simple proper fraction (1 <= n < d, d a common denominator)."""
-    n, d = int(numerator), int(denominator)
-    if d not in _FRACTION_DENOMINATORS or not 1 <= n < d:
+    n, d = _small(numerator), _small(denominator)
+    if n is None or d is None or d not in _FRACTION_DENOMINATORS or not 1 <= n < d:
         return None
-    return f"{num2words(n)} {_fraction_name(n, d)}"
+    return f"{_words(n)} {_fraction_name(n, d)}"
 
 
 def _mixed_words(whole: str, numerator: str, denominator: str) -> str | None:
     """2 1/2 -> "two and a half"; None unless the fraction is simple (see `_fraction_words`)."""
     if _fraction_words(numerator, denominator) is None:
         return None
-    name = _fraction_name(int(numerator), int(denominator))
-    count = ("an" if name[0] in "aeiou" else "a") if int(numerator) == 1 else num2words(int(numerator))
-    return f"{num2words(int(whole))} and {count} {name}"
+    n, d = _small(numerator), _small(denominator)
+    assert n is not None and d is not None  # `_fraction_words` took them
+    name = _fraction_name(n, d)
+    count = ("an" if name[0] in "aeiou" else "a") if n == 1 else _words(n)
+    return f"{_cardinal(whole)} and {count} {name}"
 
 
 def _unit(m: re.Match) -> str:
@@ -291,9 +342,12 @@ def _unit(m: re.Match) -> str:
 
 
 _RULES: list[tuple[re.Pattern, object]] = [
-    # host names (what tts.markup makes of a URL) and file names, not paths: "example.com" -> "example dot com"
+    # host names (what tts.markup makes of a URL) and file names, not paths: "example.com" -> "example dot com".
+    # Labels of at most 63 characters and at most 10 dots (DNS allows 63 and 127): a match may start after
+    # each hyphen, and unbounded, every one of them would scan to the end of a long hyphenated run. The
+    # label quantifiers are possessive (giving back a label's character can never make a dot follow it).
     (
-        re.compile(r"(?<![\w./])[a-z0-9][a-z0-9-]*(?:\.[a-z0-9-]+)*\.[a-z]{2,}(?!\w|\.\w)"),
+        re.compile(r"(?<![\w./])[a-z0-9][a-z0-9-]{0,62}+(?:\.[a-z0-9-]{1,63}+){0,9}\.[a-z]{2,}+(?!\w|\.\w)"),
         lambda m: m.group(0).replace(".", " dot "),
     ),
     (
@@ -335,7 +389,8 @@ _RULES: list[tuple[re.Pattern, object]] = [
     (re.compile(r"(?<![\w.,/$£€-])" + rf"({_NUMBER})-({_NUMBER})" + _END), _hyphen_pair),
     (
         re.compile(
-            rf"(?<![\w.,/-])(-?)(\d+\s\d+/\d+|\d+/\d+|{_NUMBER})\s?"
+            # (possessive digit runs: a digit given back is followed by a digit, which starts no unit)
+            r"(?<![\w.,/-])(-?)(\d++\s\d++/\d++|\d++/\d++|(?:\d{1,3}(?:,\d{3})+|\d++)(?:\.\d++)?)\s?"
             rf"(?:{'|'.join(f'({u})' for u, _, _ in _UNITS)})(?![\w/]|[.,]\d)"
         ),
         _unit,
@@ -346,8 +401,13 @@ _RULES: list[tuple[re.Pattern, object]] = [
     ),
     (re.compile(_START + r"(\d+)/(\d+)" + _END), lambda m: _fraction_words(*m.groups()) or m.group(0)),
     (re.compile(r"([$£€])\s?(\d[\d,]*(?:\.\d+)?)"), _currency),
-    (re.compile(r"(\d[\d,]*(?:\.\d+)?)\s?%"), lambda m: f"{_number_words(m.group(1))} percent"),
-    (re.compile(r"\b(\d+)(st|nd|rd|th)\b", re.I), lambda m: num2words(int(m.group(1)), to="ordinal")),
+    # (from the start of a run of digits and commas, the commas before its first digit kept: a match tried
+    # at every digit would scan the rest of the run each time)
+    (
+        re.compile(r"(?<![\d,])(,*)(\d[\d,]*(?:\.\d+)?)\s?%"),
+        lambda m: f"{m.group(1)}{_number_words(m.group(2))} percent",
+    ),
+    (re.compile(r"\b(\d+)(st|nd|rd|th)\b", re.I), lambda m: _ordinal(m.group(1))),
     (
         re.compile(r"\b(?:in|since|by|of|from|until|year)\s+(1[1-9]\d\d|20\d\d)\b", re.I),
         lambda m: m.group(0)[:-4] + _year_words(int(m.group(1))),
@@ -363,13 +423,16 @@ _RULES: list[tuple[re.Pattern, object]] = [
 
 
 def _plural_number(s: str) -> str:
-    n = int(s)
-    words = _year_words(n) if 1100 <= n <= 2099 else num2words(n)
+    n = _small(s)
+    words = _cardinal(s) if n is None else _year_words(n) if 1100 <= n <= 2099 else _words(n)
     if words.endswith("y"):
         return words[:-1] + "ies"
     return words + ("es" if words.endswith("x") else "s")
 
 
+_ABBREVIATION_PATTERNS = [(re.compile(rf"(?<!\w){re.escape(a)}"), full) for a, full in _ABBREVIATIONS.items()]
+_SPACES = re.compile(r"\s+")
+_SPACE_BEFORE_PUNCTUATION = re.compile(r"\s+([,.!?;:])")
 _VULGAR_FRACTION = re.compile(r"(\d?)([\u00bc-\u00be\u2150-\u215e])")
 
 
@@ -397,6 +460,7 @@ def remove_control_characters(text: str, keep_joiners: bool = False) -> str:
             f"text is not valid UTF-8 (it holds the lone surrogate U+{ord(bad.group()):04X} at character "
             f"{bad.start()})"
         )
+    charge(len(text))
     text = _CONTROL.sub(" ", text)
     if text.isascii():
         return text
@@ -442,6 +506,7 @@ def reserved_tag_error(tag: str, allowed: re.Pattern | None) -> InvalidRequest:
 def check_user_tags(text: str, allowed: re.Pattern | None) -> None:
     """Raise InvalidRequest naming the first `<|...|>` tag in `text` that `allowed` does not fully match
     (None: no tag is allowed)."""
+    charge(len(text))
     for m in _ANY_TAG.finditer(text):
         if allowed is None or not allowed.fullmatch(m.group()):
             raise reserved_tag_error(m.group(), allowed)
@@ -506,22 +571,31 @@ def has_speaker_tags(text: str) -> bool:
     return bool(_SPEAKER_TAG.search(text))
 
 
+def _sub(pattern: re.Pattern, repl, text: str) -> str:
+    """`pattern.sub(repl, text)`, its scan charged to the text budget."""
+    charge(len(text))
+    return pattern.sub(repl, text)
+
+
 def _normalize_plain(text: str, allow_empty: bool = False) -> str:
+    charge(len(text))
     text = _VULGAR_FRACTION.sub(_vulgar_fraction, text)
     text = unicodedata.normalize("NFKC", text).translate(_TRANSLATE)
+    charge(len(text))
     text = _STREET.sub(
-        lambda m: f"{m.group(1)} Street" + ("." if not m.string[m.end() :].strip() else ""), text
+        lambda m: f"{m.group(1)} Street" + ("." if _ONLY_SPACE_LEFT.match(m.string, m.end()) else ""), text
     )
-    text = _NUMBER_ABBREVIATION.sub("number", text)
-    text = _ETC_SENTENCE_END.sub("et cetera.", text)
-    for abbr, full in _ABBREVIATIONS.items():
-        text = re.sub(rf"(?<!\w){re.escape(abbr)}", full, text)
+    text = _sub(_NUMBER_ABBREVIATION, "number", text)
+    text = _sub(_ETC_SENTENCE_END, "et cetera.", text)
+    for pattern, full in _ABBREVIATION_PATTERNS:
+        text = _sub(pattern, full, text)
     for pattern, repl in _RULES:
-        text = pattern.sub(repl, text)
+        text = _sub(pattern, repl, text)
     for sym, word in _SYMBOLS.items():
+        charge(len(text))
         text = text.replace(sym, word)
-    text = re.sub(r"\s+", " ", text).strip()
-    text = re.sub(r"\s+([,.!?;:])", r"\1", text)
+    text = _sub(_SPACES, " ", text).strip()
+    text = _sub(_SPACE_BEFORE_PUNCTUATION, r"\1", text)
     if not allow_empty and not any(ch.isalnum() for ch in text):
         raise TextError("text has nothing to speak (empty, whitespace or punctuation only)")
     return text
@@ -535,14 +609,16 @@ def _normalize_plain(text: str, allow_empty: bool = False) -> str:
 # quotative particle (「…。」と言った) does not end one. Clauses end at `,;:` followed by
 # whitespace, at CJK ，、： and the Arabic comma and semicolon, at an ellipsis and at a dash.
 _CLOSERS = "\"'\u201d\u2019\u300d\u300f\uff09)\\]\u3011\u300b\u3009\u203a\u00bb"
+# (A run of `.!?` or `,;:` is matched from its first mark only: tried from each mark of a long run that
+# no whitespace follows, the match would scan the rest of the run every time.)
 _SENTENCE_END = re.compile(
-    rf"[.!?]+[{_CLOSERS}]*(?:\s+|$)"
+    rf"(?<![.!?])[.!?]+[{_CLOSERS}]*(?:\s+|$)"
     rf"|[\u3002\uff01\uff1f\uff1b\uff0e\uff61\u061f\u06d4\u0964\u0965\u1362\u104b\u0f0d\u0589\u203c\u2047-\u2049]+"
     rf"(?:[{_CLOSERS}]+(?![\u3068\u3063])|(?![{_CLOSERS}]))\s*"
     r"|\n\s*"
 )
 _CLAUSE_END = re.compile(
-    rf"[,;:]+[{_CLOSERS}]*(?:\s+|$)|[\uff0c\u3001\uff1a\u060c\u061b\u2026]+[{_CLOSERS}]*\s*|(?:\u2014|--)\s*"
+    rf"(?<![,;:])[,;:]+[{_CLOSERS}]*(?:\s+|$)|[\uff0c\u3001\uff1a\u060c\u061b\u2026]+[{_CLOSERS}]*\s*|(?:\u2014|--)\s*"
 )
 _WORD_END = re.compile(r"\s+")
 _LEVELS = (_SENTENCE_END, _CLAUSE_END, _WORD_END)
@@ -579,6 +655,7 @@ def _fitting_pieces(text: str, max_bytes: int, level: int) -> list[tuple[str, bo
     """Consecutive substrings of `text` (their concatenation is `text`), each ending at a boundary of
     `_LEVELS[level]` and at most `max_bytes` once stripped; a piece too long is split at the next level.
     Each comes with True where it must start a new chunk (the first piece of a split piece)."""
+    charge(len(text))
     if level == len(_LEVELS):
         return [(p, i == 0) for i, p in enumerate(_cut(text, max_bytes))]
     out: list[tuple[str, bool]] = []

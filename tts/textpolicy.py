@@ -43,6 +43,7 @@ from .text import (
     split_speaker_turns,
     split_text,
 )
+from .textbudget import charge
 
 NOTHING_TO_SPEAK = "text has nothing to speak (empty, whitespace or punctuation only)"
 
@@ -64,6 +65,7 @@ class TextPlan:
 
 
 def _check_speakable(text: str) -> None:
+    charge(len(text))
     if not any(ch.isalnum() for ch in _ANY_TAG.sub("", text)):
         raise TextError(NOTHING_TO_SPEAK)
 
@@ -236,6 +238,7 @@ def drop_other_scripts(text: str) -> tuple[str, dict[str, int]]:
     punctuation after a run and punctuation left at the start go too), and the count of letters left
     out per script."""
     dropped: dict[str, int] = {}
+    charge(len(text))
 
     def drop(m: regex.Match) -> str:
         run = m.group(0)
