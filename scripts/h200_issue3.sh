@@ -11,7 +11,7 @@ if [[ $STEP == all || $STEP == tests ]]; then
   TTS_TEST_REPORT=$OUT/cuda_report.json timeout 230 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py 2>&1 | tail -40 | tee $OUT/cuda_tests.log
 fi
 if [[ $STEP == all || $STEP == bench ]]; then
-  timeout 250 python3 -m tts.cli bench --model s2-pro-shape --device cuda --batch-sizes ${BATCHES:-1,4,16,64} \
+  timeout 250 python3 -m tts.cli.main bench --model s2-pro-shape --device cuda --batch-sizes ${BATCHES:-1,4,16,64} \
     --frames ${FRAMES:-64} --out $OUT 2>&1 | tee $OUT/bench.log
 fi
 if [[ $STEP == all || $STEP == profile ]]; then

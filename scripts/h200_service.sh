@@ -30,7 +30,7 @@ set -uo pipefail
 [[ -n ${SKIP_PIP:-} ]] || python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export XDG_DATA_HOME=/tmp/xdg  # registered voices
-TTS="python3 -m tts.cli"
+TTS="python3 -m tts.cli.main"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/env.txt
 python3 -c "import torch, triton, grpc; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'grpc', grpc.__version__)" | tee -a $OUT/env.txt
 (git log --oneline -1 2>/dev/null || echo "commit: see the session note") | tee -a $OUT/env.txt

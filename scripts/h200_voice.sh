@@ -38,7 +38,7 @@ if [[ ${STEP} == check ]]; then  # carry [".whl-voice", "training/work/carry", "
   timeout 200 python3 training/profile_train.py --data $W/codes_vq3 --codec $W/codec_vq3_meta --compile 2>&1 | tee $OUT/profile.log
   TTS_TEST_REPORT=$OUT/cuda_report.json timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py > $OUT/cuda_tests.log 2>&1
   tail -3 $OUT/cuda_tests.log
-  timeout 150 python3 -m tts.cli bench --model s2-pro-shape --device cuda --batch-sizes 1,64 --out $OUT/bench 2>&1 | tail -15
+  timeout 150 python3 -m tts.cli.main bench --model s2-pro-shape --device cuda --batch-sizes 1,64 --out $OUT/bench 2>&1 | tail -15
 elif [[ ${STEP} == train2 ]]; then  # carry [".whl-voice", "training/work/carry", "training/work/codec_vq3_meta"]
   # The compiled, cuDNN-free training step. RESUME=1 continues from the weights in tts/assets/default
   # (put there from the previous call) and training/work/codec_vq3_meta/train_state.json.

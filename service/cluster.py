@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tts.errors import UserError
+from tts.runtime.errors import UserError
 
 TEMPLATE = Path(__file__).resolve().parent / "deploy" / "haproxy.cfg.template"
 PROXY = "haproxy"
@@ -344,7 +344,7 @@ class Cluster:
         argv = [
             sys.executable,
             "-m",
-            "tts.cli",
+            "tts.cli.main",
             *(["-v"] if getattr(a, "verbose", False) else []),
             "serve",
             "--device",
@@ -585,9 +585,9 @@ def check_cluster_options(args: argparse.Namespace) -> list[str]:
     """The checks `tts serve --devices` makes before starting anything (besides `tts serve`'s own): the
     proxy binary, the devices, the cluster options and the public ports. Returns the devices; raises
     UserError."""
-    from tts.cli import check_device
+    from tts.cli.main import check_device
 
-    from .cli import check_seconds
+    from tts.cli.serve import check_seconds
 
     find_proxy()
     devices = parse_devices(args.devices)
@@ -610,7 +610,7 @@ def check_cluster_options(args: argparse.Namespace) -> list[str]:
 
 def pick_public_ports(args: argparse.Namespace) -> None:
     """Check the public ports (busy: UserError naming the option) and replace 0 by a free port."""
-    from .cli import check_listen
+    from tts.cli.serve import check_listen
 
     fronts = [("port", "--port", args.host, "--host", "")]
     if args.http_port >= 0:

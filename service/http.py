@@ -59,14 +59,14 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tts.api import VoiceExists, VoiceNotFound
-from tts.audio_formats import FORMATS, MAX_SPEED, MIN_SPEED, AudioEncoder
+from tts.audio.formats import FORMATS, MAX_SPEED, MIN_SPEED, AudioEncoder
 from tts.codec.base import AudioError
 from tts.engine import FinishReason, InvalidRequest
-from tts.engine.loop import Audio, EngineFailed, Failed, Finished, LoopClosed, Overloaded, Started
-from tts.text import TextError, shorten
-from tts_grpc.v1 import tts_pb2 as pb
+from tts.runtime.engine_thread import Audio, EngineFailed, Failed, Finished, LoopClosed, Overloaded, Started
+from tts.text.normalize import TextError, shorten
+from service.grpc_gen.v1 import tts_pb2 as pb
 
-from .server import CallLog, RequestFields, build_job, prepare_reference, status_for
+from service.server import CallLog, RequestFields, build_job, prepare_reference, status_for
 
 log = logging.getLogger(__name__)
 
@@ -627,7 +627,7 @@ class HTTPFront:
         return bytes(body)
 
     def _too_large(self, size: int, at_least: bool = False) -> str:
-        from .server import format_size
+        from service.server import format_size
 
         what = f"at least {format_size(size)}" if at_least else format_size(size)
         return (

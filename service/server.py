@@ -50,11 +50,11 @@ import grpc
 import numpy as np
 import torch
 
-from tts.audio import read_audio, to_pcm16
-from tts.bundle import ModelBundle
+from tts.audio.files import read_audio, to_pcm16
+from tts.checkpoints.bundle import ModelBundle
 from tts.codec.base import AudioError
 from tts.engine import EngineConfig, FinishReason, InvalidRequest
-from tts.engine.loop import (
+from tts.runtime.engine_thread import (
     DEFAULT_CHUNK_FRAMES,
     DEFAULT_FIRST_CHUNK_FRAMES,
     DEFAULT_MAX_QUEUED_CHUNKS,
@@ -72,18 +72,18 @@ from tts.engine.loop import (
     SynthesisJob,
 )
 from tts.params import MAX_CHUNK_FRAMES
-from tts.planner import Planner
-from tts.text import TextError, shorten
-from tts.voices import VoiceExists, VoiceNotFound, reference_key
-from tts_grpc.v1 import tts_pb2 as pb
-from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
+from tts.runtime.planner import Planner
+from tts.text.normalize import TextError, shorten
+from tts.runtime.voices import VoiceExists, VoiceNotFound, reference_key
+from service.grpc_gen.v1 import tts_pb2 as pb
+from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
 
-from .metrics import ServiceMetrics
+from service.metrics import ServiceMetrics
 
 if TYPE_CHECKING:
     from grpc_health.v1 import health
 
-    from .http import HTTPFront
+    from service.http import HTTPFront
 
 log = logging.getLogger(__name__)
 
@@ -910,7 +910,7 @@ class TTSServer:
         if self.metrics_port is not None:
             self.metrics_port = self.metrics.serve_http(self.metrics_host, self.metrics_port)
         if self.http_port is not None:  # ---- HTTP front (service/http.py)
-            from .http import HTTPFront
+            from service.http import HTTPFront
 
             self._http = HTTPFront(self)
             self.http_port = await self._http.start(host, self.http_port)  # ---- end HTTP front

@@ -1,6 +1,6 @@
 import json
 
-from tts.cli import main
+from tts.cli.main import main
 
 
 def test_bench_runs_the_real_engine_and_writes_json_and_plot(tmp_path, capsys):
@@ -47,7 +47,7 @@ def test_bench_rejects_bad_modes(capsys):
 
 def test_bench_checks_its_options_before_loading_a_model(tmp_path, capsys, monkeypatch):
     """Bad options are one line before any model loads, and leave no results folder behind."""
-    import tts.bench
+    import tts_tools.bench
 
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded before the options were checked")

@@ -8,7 +8,7 @@ import pytest
 import soundfile as sf
 from helpers import sysfs_mounted
 
-from tts.cli import main, summarize_finish_reasons
+from tts.cli.main import main, summarize_finish_reasons
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,10 +120,10 @@ def test_bad_input_one_line_error_nonzero_exit_no_file(tmp_path, capsys, argv, m
 
 
 def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    """`python -m tts.cli ARGS` as a user runs it (this checkout first on the path)."""
+    """`python -m tts.cli.main ARGS` as a user runs it (this checkout first on the path)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(
-        [sys.executable, "-m", "tts.cli", *args], capture_output=True, text=True, env=env, cwd=cwd or ROOT
+        [sys.executable, "-m", "tts.cli.main", *args], capture_output=True, text=True, env=env, cwd=cwd or ROOT
     )
 
 
@@ -209,7 +209,7 @@ def test_the_write_probe_leaves_no_file_even_where_files_cannot_be_removed(tmp_p
     without it) a named file is made and removed."""
     import errno
 
-    from tts.cli import check_output_path
+    from tts.cli.main import check_output_path
 
     out = tmp_path / "x.wav"
     if o_tmpfile:
@@ -236,7 +236,7 @@ def test_an_unexpected_o_tmpfile_refusal_falls_back_to_a_named_probe(tmp_path, m
     FUSE or 9p server) is not taken for an unwritable directory: the named probe decides."""
     import errno
 
-    from tts.cli import check_output_path
+    from tts.cli.main import check_output_path
 
     if not hasattr(os, "O_TMPFILE"):
         pytest.skip("no O_TMPFILE here")
@@ -261,7 +261,7 @@ def test_only_an_immutable_file_is_refused_by_the_write_probe(tmp_path, monkeypa
     import builtins
     import errno
 
-    from tts.cli import UserError, check_output_path
+    from tts.cli.main import UserError, check_output_path
 
     out = tmp_path / "x.wav"
     out.write_bytes(b"old")
@@ -299,7 +299,7 @@ def test_a_write_that_fails_at_the_end_names_the_output_and_leaves_nothing(tmp_p
     read-only): one line naming the output, not the temporary file, and no file left."""
     import errno
 
-    import tts.audio
+    import tts.audio.files
 
     def read_only(src, dst):
         raise OSError(errno.EROFS, "Read-only file system", str(src))
@@ -316,11 +316,11 @@ def test_a_write_that_fails_at_the_end_names_the_output_and_leaves_nothing(tmp_p
 
 def test_console_script_help_and_exit_code():
     r = subprocess.run(
-        [sys.executable, "-m", "tts.cli", "synthesize", "--help"], capture_output=True, text=True
+        [sys.executable, "-m", "tts.cli.main", "synthesize", "--help"], capture_output=True, text=True
     )
     assert r.returncode == 0 and "--max-new-frames" in r.stdout
     r = subprocess.run(
-        [sys.executable, "-m", "tts.cli", "synthesize", "", "-o", "x.wav", "--model", "tiny"],
+        [sys.executable, "-m", "tts.cli.main", "synthesize", "", "-o", "x.wav", "--model", "tiny"],
         capture_output=True,
         text=True,
     )
@@ -444,7 +444,7 @@ def add_parser(subparsers):
 
 def add_subcommand_module(monkeypatch, tmp_path, module: str, body: str) -> None:
     """A subcommand module `module` on sys.path, listed after the real ones."""
-    import tts.cli
+    import tts.cli.main
 
     (tmp_path / f"{module}.py").write_text(body + SUBCOMMAND_SOURCE.format(name=module.replace("_", "-")))
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -452,7 +452,7 @@ def add_subcommand_module(monkeypatch, tmp_path, module: str, body: str) -> None
     monkeypatch.setattr(tts.cli, "_SUBCOMMAND_MODULES", (*tts.cli._SUBCOMMAND_MODULES, module))
 
 
-@pytest.mark.parametrize("broken", ["own-import", "service.cli"])
+@pytest.mark.parametrize("broken", ["own-import", "tts.cli.serve"])
 def test_a_subcommand_module_that_fails_to_import_our_own_code_is_an_error_not_a_missing_command(
     broken, tmp_path, monkeypatch, capsys
 ):
@@ -460,11 +460,11 @@ def test_a_subcommand_module_that_fails_to_import_our_own_code_is_an_error_not_a
     from `tts --help` in silence: every command fails with one line naming the module, and -v adds the
     traceback."""
     if broken == "own-import":
-        add_subcommand_module(monkeypatch, tmp_path, "broken_cmd", "from tts.cli import no_such_helper\n")
-        module, reason = "broken_cmd", "cannot import name 'no_such_helper' from 'tts.cli'"
+        add_subcommand_module(monkeypatch, tmp_path, "broken_cmd", "from tts.cli.main import no_such_helper\n")
+        module, reason = "broken_cmd", "cannot import name 'no_such_helper' from 'tts.cli.main'"
     else:
-        monkeypatch.setitem(sys.modules, "service.cli", None)  # importing it raises ModuleNotFoundError
-        module, reason = "service.cli", "import of service.cli halted"
+        monkeypatch.setitem(sys.modules, "tts.cli.serve", None)  # importing it raises ModuleNotFoundError
+        module, reason = "tts.cli.serve", "import of tts.cli.serve halted"
     assert main(["info", "--model", "tiny"]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith(f"tts: error: cannot load the subcommands of {module}: ")
@@ -477,7 +477,7 @@ def test_a_subcommand_module_that_fails_to_import_our_own_code_is_an_error_not_a
 def test_a_subcommand_whose_optional_extra_is_missing_is_left_out(tmp_path, monkeypatch, capsys):
     """A missing optional extra (`pip install -e '.[eval]'`) only leaves out the subcommand that needs
     it at import time; the others work."""
-    from tts.cli import build_parser
+    from tts.cli.main import build_parser
 
     monkeypatch.setitem(sys.modules, "faster_whisper", None)  # as if the eval extra were not installed
     add_subcommand_module(monkeypatch, tmp_path, "needs_extra", "import faster_whisper  # noqa\n")
@@ -488,7 +488,7 @@ def test_a_subcommand_whose_optional_extra_is_missing_is_left_out(tmp_path, monk
 
 def test_the_optional_extras_the_cli_tolerates_are_the_eval_extra_of_pyproject():
     tomllib = pytest.importorskip("tomllib")
-    import tts.cli
+    import tts.cli.main
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     eval_extra = project["optional-dependencies"]["eval"]
@@ -518,7 +518,7 @@ GRAPH_OPTIONS = [
     "argv, graphs, warning", GRAPH_OPTIONS, ids=[" ".join(a) or "-" for a, _, _ in GRAPH_OPTIONS]
 )
 def test_one_graphs_option_and_its_deprecated_aliases(capsys, command, argv, graphs, warning):
-    from tts.cli import build_parser, engine_kwargs
+    from tts.cli.main import build_parser, engine_kwargs
 
     words = ["synthesize", "hi", "-o", "x.wav"] if command == "synthesize" else ["serve"]
     args = build_parser().parse_args([*words, *argv])
@@ -531,7 +531,7 @@ def test_one_graphs_option_and_its_deprecated_aliases(capsys, command, argv, gra
 
 @pytest.mark.parametrize("command", ["synthesize", "serve"])
 def test_loop_guard_is_on_unless_turned_off(command):
-    from tts.cli import build_parser, engine_kwargs
+    from tts.cli.main import build_parser, engine_kwargs
 
     words = ["synthesize", "hi", "-o", "x.wav"] if command == "synthesize" else ["serve"]
     assert engine_kwargs(build_parser().parse_args(words))["loop_guard"] is True

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tts.cli import main
+from tts.cli.main import main
 
 av = pytest.importorskip("av")
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,7 +84,7 @@ def test_unknown_extension_is_a_one_line_error_before_any_work(tmp_path, capsys,
 def run_cli(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(
-        [sys.executable, "-m", "tts.cli", *args],
+        [sys.executable, "-m", "tts.cli.main", *args],
         input=stdin,
         capture_output=True,
         cwd=ROOT,

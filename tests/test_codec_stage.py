@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from tts.bundle import load_bundle
-from tts.engine.codec_stage import CodecStage
+from tts.checkpoints.bundle import load_bundle
+from tts.runtime.codec_stage import CodecStage
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tts.api import TTS
-from tts.bundle import load_bundle
+from tts.checkpoints.bundle import load_bundle
 from tts.engine import EngineConfig
-from tts.engine.loop import (
+from tts.runtime.engine_thread import (
     Audio,
     Cancelled,
     EngineFailed,
@@ -110,7 +110,7 @@ def test_events_and_streamed_audio_equal_offline(make_loop, bundle, offline):
 def test_a_job_frees_its_admission_before_its_client_sees_the_end(make_loop, monkeypatch):
     """When the final event reaches the consumer, the job no longer counts as in flight: a client that
     resubmits at once is not refused for a slot its own ended request still held, and /load is exact."""
-    from tts.engine.loop import RequestStream
+    from tts.runtime.engine_thread import RequestStream
 
     loop = make_loop()
     seen = []
@@ -431,7 +431,7 @@ def test_a_dead_codec_stage_fails_jobs_instead_of_hanging(make_loop, monkeypatch
 
 
 def test_chunk_sizes_double_from_the_first_up_to_chunk_frames():
-    from tts.engine.jobs import chunk_size, ramp_sizes
+    from tts.runtime.jobs import chunk_size, ramp_sizes
 
     assert [chunk_size(4, 16, k) for k in range(5)] == [4, 8, 16, 16, 16]
     assert ramp_sizes(4, 16) == (4, 8, 16) and ramp_sizes(16, 4) == (4, 16)

@@ -12,8 +12,8 @@ import torchaudio
 from helpers import sysfs_mounted
 
 from tts import eval as tts_eval
-from tts.cli import main
-from tts.text import normalize_text
+from tts.cli.main import main
+from tts.text.normalize import normalize_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,7 +100,7 @@ def test_the_voice_check_speaks_with_the_teacher_the_model_folder_records(tmp_pa
     assert tts_eval.voice_teacher(SimpleNamespace(voice_teacher=None, model=str(tmp_path))) == "flite"
     assert tts_eval.voice_teacher(SimpleNamespace(voice_teacher="espeak", model=str(tmp_path))) == "espeak"
     # The embedded model: the teacher it records is the one its family string names.
-    from tts.bundle import DEFAULT_MODEL_DIR
+    from tts.checkpoints.bundle import DEFAULT_MODEL_DIR
 
     family = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["tts_runtime"]["family"]
     named = tts_eval.VOICE_TEACHERS[tts_eval.model_teacher("default")][0]

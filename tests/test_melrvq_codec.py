@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import decode_in_pushes
 
-from tts.bundle import load_codec
+from tts.checkpoints.bundle import load_codec
 from tts.codec.melrvq import FRAME_LENGTH, SAMPLE_RATE, LogMel, MelRVQCodec, fit_rvq, stack_frames
 
 

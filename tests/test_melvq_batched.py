@@ -14,7 +14,7 @@ import pytest
 import torch
 import torchaudio
 
-from tts.bundle import DEFAULT_MODEL_DIR, load_bundle
+from tts.checkpoints.bundle import DEFAULT_MODEL_DIR, load_bundle
 from tts.codec.melrvq import FRAME_LENGTH, GriffinLim, MelRVQCodec
 from tts.codec.melvq import MelVQCodec, MelVQNet
 from tts.codec.vocoder import CausalVocoder

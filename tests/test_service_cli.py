@@ -21,10 +21,10 @@ import pytest
 import soundfile as sf
 from helpers import sysfs_mounted
 
-import tts.bundle
+import tts.checkpoints.bundle
 from service.client import build_request, channel_options
-from tts.cli import main
-from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
+from tts.cli.main import main
+from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
 
 pytest.importorskip("grpc_health")
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +36,7 @@ class ServeProcess:
         if data_home is not None:  # registered voices go under $XDG_DATA_HOME, not the user's home
             env["XDG_DATA_HOME"] = str(data_home)
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from tts.cli import main; sys.exit(main())", "serve", *args],
+            [sys.executable, "-c", "import sys; from tts.cli.main import main; sys.exit(main())", "serve", *args],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -263,7 +263,7 @@ def test_a_busy_port_is_named_in_one_line(which):
         args = [x for option_value in args.items() for x in option_value]
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         r = subprocess.run(
-            [sys.executable, "-m", "tts.cli", "serve", "--model", "tiny", *args],
+            [sys.executable, "-m", "tts.cli.main", "serve", "--model", "tiny", *args],
             capture_output=True,
             text=True,
             env=env,

@@ -177,7 +177,7 @@ def test_a_bad_vocoder_entry_in_codec_json_is_a_checkpoint_error(tmp_path, entry
     """`load_codec` names the file and what is wrong (the CLI prints it as one `tts: error:` line)."""
     import json
 
-    from tts.bundle import CheckpointError, load_codec
+    from tts.checkpoints.bundle import CheckpointError, load_codec
     from tts.codec.melvq import MelVQCodec, MelVQNet
 
     net = MelVQNet(num_codebooks=2, codebook_size=8, channels=8, latent=4, decoder_dilations=(1,))
@@ -322,7 +322,7 @@ def test_evaluate_scores_both_decoders_and_the_wer_of_each_speaker(monkeypatch):
     """`evaluate` on two clips of two speakers: spectral distances for Griffin-Lim and the vocoder, the
     clip's length in seconds, and each decoder's WER overall and per speaker, from the transcript of
     each speaker's own clips (a stand-in ASR hears speaker 0 right and speaker 1 wrong)."""
-    import tts.eval
+    import tts_tools.evaluate
     from tts.codec.melvq import MelVQCodec, MelVQNet
 
     torch.manual_seed(0)

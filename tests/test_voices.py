@@ -12,10 +12,10 @@ import soundfile as sf
 import torch
 
 from tts.api import TTS
-from tts.bundle import load_bundle
+from tts.checkpoints.bundle import load_bundle
 from tts.params import InvalidRequest
-from tts.prompt import VoiceReference
-from tts.voices import (
+from tts.text.prompt import VoiceReference
+from tts.runtime.voices import (
     ReferenceCache,
     VoiceExists,
     VoiceNotFound,
@@ -195,8 +195,8 @@ def test_registry_is_safe_to_read_while_adding(tmp_path):
 def test_voices_add_names_a_missing_or_bad_clip_in_one_line_before_loading(tmp_path, capsys, monkeypatch):
     """`tts voices add` reads its clip as `--reference-audio` is read: one `tts: error:` line naming the
     file and the reason (not soundfile's own wording), exit 2, before the model loads, nothing written."""
-    import tts.bundle
-    from tts.cli import main
+    import tts.checkpoints.bundle
+    from tts.cli.main import main
 
     monkeypatch.setattr(tts.bundle, "load_bundle", lambda *a, **k: pytest.fail("the model was loaded"))
     bad = tmp_path / "notes.txt"
@@ -225,7 +225,7 @@ def test_voices_add_names_a_missing_or_bad_clip_in_one_line_before_loading(tmp_p
 def test_a_listing_between_the_file_write_and_the_registration_is_no_conflict(tmp_path, monkeypatch):
     """A reader that lists (and so reads the directory) right after `add` wrote the voice's file must not
     make `add` see its own file as another's voice (this failed as VoiceExists under load)."""
-    import tts.voices
+    import tts.runtime.voices
 
     reg = VoiceRegistry({}, tmp_path, "fp")
     real_replace = os.replace
@@ -243,7 +243,7 @@ def test_a_listing_between_the_file_write_and_the_registration_is_no_conflict(tm
 def test_voices_options_go_before_or_after_the_action(tmp_path, capsys):
     """--model, --voices-dir and -q are the same options before and after the action word; one given
     before the action keeps its value (the action's copy of the option has no default to put over it)."""
-    from tts.cli import main
+    from tts.cli.main import main
 
     voices, clip = tmp_path / "voices", tmp_path / "clip.wav"
     sf.write(str(clip), 0.3 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000), 16000)
@@ -285,7 +285,7 @@ def test_voices_options_go_before_or_after_the_action(tmp_path, capsys):
 
 @pytest.mark.parametrize("action", ["list", "add", "delete"])
 def test_each_voices_action_shows_the_shared_options_in_its_help(action, capsys):
-    from tts.cli import main
+    from tts.cli.main import main
 
     with pytest.raises(SystemExit) as exc:
         main(["voices", action, "--help"])
@@ -294,7 +294,7 @@ def test_each_voices_action_shows_the_shared_options_in_its_help(action, capsys)
 
 
 def test_bad_voices_options_after_the_action_are_one_line_errors(capsys):
-    from tts.cli import main
+    from tts.cli.main import main
 
     for argv, start, message in (
         (

@@ -436,7 +436,7 @@ def evaluate(model: CausalVocoder, codec, rows: list[dict], audio: list[torch.Te
         )
         out[name]["decode_rtf"] = round(seconds[name] / audio_seconds, 4)
     if asr:
-        from tts.eval import ASR, wer, words
+        from tts_tools.evaluate import ASR, wer, words
 
         recognizer = ASR(threads=torch.get_num_threads())
         refs = [words(row["text"]) for row in rows]
@@ -576,7 +576,7 @@ def main() -> None:
         p.error(f"--eval: {a.out} has neither checkpoint.pt nor vocoder.safetensors")
     if a.threads:
         torch.set_num_threads(a.threads)
-    from tts.bundle import load_codec
+    from tts.checkpoints.bundle import load_codec
 
     codec = load_codec(a.codec)
     from corpus import read_utterances

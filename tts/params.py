@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 # The most frames one audio chunk may hold (first_chunk_frames, chunk_frames): the codec stage decodes
-# a chunk in one call (tts.engine.codec_stage).
+# a chunk in one call (tts.runtime.codec_stage).
 MAX_CHUNK_FRAMES = 256
 
 

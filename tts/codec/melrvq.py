@@ -47,7 +47,7 @@ import torchaudio
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from .base import BatchedStreamDecoder, Codec
+from tts.codec.base import BatchedStreamDecoder, Codec
 
 SAMPLE_RATE = 22050
 FRAME_LENGTH = 1024

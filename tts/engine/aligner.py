@@ -22,7 +22,7 @@ and nothing here runs for them.
   stopping), ends the request there. The repeated audio is never heard: with each frame the engine
   says how many of the newest frames it may still take back (`LoopGuard.retractable`: 3, more while a
   suspected repeat is under way, never more than `RETRACT_MAX_FRAMES`), and the job pipeline keeps
-  those from the codec (`tts.engine.jobs`).
+  those from the codec (`tts.runtime.jobs`).
 
 Glances are not loops: the position may jump ahead for a frame or two (at a comma, say) and come back;
 the guard only trusts positions reached by small steps and held for `HOLD_FRAMES` frames, and a glance
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..kv_cache import paged_slots
+from tts.model.kv_cache import paged_slots
 
 # Tokens of a text span the step reads at most (a longer span gets no alignment: no guard). The default
 # model's 200-byte chunks are 200-300 tokens of phonemes.

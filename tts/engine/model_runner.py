@@ -42,9 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels import fused_kernels_enabled
-from ..kv_cache import SCRATCH_BLOCK, PagedDecodeAttention, PagedKVCache, paged_decode_attention, paged_slots
-from ..model import (
+from tts.model.kernels import fused_kernels_enabled
+from tts.model.kv_cache import SCRATCH_BLOCK, PagedDecodeAttention, PagedKVCache, paged_decode_attention, paged_slots
+from tts.model.transformer import (
     Attend,
     DualARTransformer,
     KVDest,
@@ -54,7 +54,7 @@ from ..model import (
     varlen_causal_attend,
     varlen_causal_available,
 )
-from ..sampling import (
+from tts.model.sampling import (
     RAS_WINDOW,
     SAMPLER_TOPK_CAP,
     DrawSettings,
@@ -64,10 +64,10 @@ from ..sampling import (
     sample,
     sample_main_token,
 )
-from .aligner import ALIGN_MAX_TOKENS, AlignerSpec, text_alignment
+from tts.engine.aligner import ALIGN_MAX_TOKENS, AlignerSpec, text_alignment
 
 if TYPE_CHECKING:
-    from .prefill_graphs import PrefillGraphs
+    from tts.engine.prefill_graphs import PrefillGraphs
 
 # The repetition penalty's window in frames (fish-speech's `win_size`) and the ways a family reads it.
 REPETITION_WINDOW = 16
