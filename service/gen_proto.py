@@ -28,7 +28,10 @@ _RENAMES = {
     "tts_pb2.py": [("'proto.tts.v1.tts_pb2'", "'service.grpc_gen.v1.tts_pb2'")],
     "tts_pb2_grpc.py": [
         ("from proto.tts.v1 import tts_pb2 as", "from service.grpc_gen.v1 import tts_pb2 as"),
-        ("generated code in proto/tts/v1/tts_pb2_grpc.py", "generated code in service/grpc_gen/v1/tts_pb2_grpc.py"),
+        (
+            "generated code in proto/tts/v1/tts_pb2_grpc.py",
+            "generated code in service/grpc_gen/v1/tts_pb2_grpc.py",
+        ),
     ],
 }
 

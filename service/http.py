@@ -58,15 +58,14 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.grpc_gen.v1 import tts_pb2 as pb
+from service.server import CallLog, RequestFields, build_job, prepare_reference, status_for
 from tts.api import VoiceExists, VoiceNotFound
 from tts.audio.formats import FORMATS, MAX_SPEED, MIN_SPEED, AudioEncoder
 from tts.codec.base import AudioError
 from tts.engine import FinishReason, InvalidRequest
 from tts.runtime.engine_thread import Audio, EngineFailed, Failed, Finished, LoopClosed, Overloaded, Started
 from tts.text.normalize import TextError, shorten
-from service.grpc_gen.v1 import tts_pb2 as pb
-
-from service.server import CallLog, RequestFields, build_job, prepare_reference, status_for
 
 log = logging.getLogger(__name__)
 

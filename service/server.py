@@ -50,10 +50,14 @@ import grpc
 import numpy as np
 import torch
 
+from service.grpc_gen.v1 import tts_pb2 as pb
+from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
+from service.metrics import ServiceMetrics
 from tts.audio.files import read_audio, to_pcm16
 from tts.checkpoints.bundle import ModelBundle
 from tts.codec.base import AudioError
 from tts.engine import EngineConfig, FinishReason, InvalidRequest
+from tts.params import MAX_CHUNK_FRAMES
 from tts.runtime.engine_thread import (
     DEFAULT_CHUNK_FRAMES,
     DEFAULT_FIRST_CHUNK_FRAMES,
@@ -71,14 +75,9 @@ from tts.runtime.engine_thread import (
     Started,
     SynthesisJob,
 )
-from tts.params import MAX_CHUNK_FRAMES
 from tts.runtime.planner import Planner
-from tts.text.normalize import TextError, shorten
 from tts.runtime.voices import VoiceExists, VoiceNotFound, reference_key
-from service.grpc_gen.v1 import tts_pb2 as pb
-from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
-
-from service.metrics import ServiceMetrics
+from tts.text.normalize import TextError, shorten
 
 if TYPE_CHECKING:
     from grpc_health.v1 import health

@@ -8,7 +8,8 @@ import torch
 from helpers import params, random_prompt, script_loop_guard
 
 from tts.api import TTS
-from tts.checkpoints.bundle import load_bundle, save_bundle
+from tts.checkpoints.bundle import save_bundle
+from tts.checkpoints.load import load_bundle
 from tts.engine import Engine, EngineConfig, FinishReason
 from tts.engine.aligner import (
     FALL_TOKENS,
@@ -17,11 +18,11 @@ from tts.engine.aligner import (
     RETRY_FRAMES,
     RETRY_TEMPERATURE,
     REWIND_EXTRA_FRAMES,
-    AlignerSpec,
     LoopGuard,
     Repeat,
     text_alignment,
 )
+from tts.model.config import AlignerSpec
 
 # ---- the position in the text -------------------------------------------------------------------------
 

@@ -6,8 +6,8 @@ import torch
 
 from tts import TTS, InvalidRequest, VoiceNotFound
 from tts.codec import AudioError
-from tts.text.prompt import Turn, VoiceReference
 from tts.text.normalize import TextError
+from tts.text.prompt import Turn, VoiceReference
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_time_to_first_audio_is_split_into_phases_that_add_up(tts):
 def test_the_logged_voice_names_the_voice_used():
     """The server's request log shows `SynthesisJob.voice_kind`: with no voice named, the default preset
     by name (a log saying only `default` read like a voice called "default")."""
-    from tts.checkpoints.bundle import load_bundle
+    from tts.checkpoints.load import load_bundle
     from tts.runtime.planner import Planner
 
     bundle = load_bundle("default")

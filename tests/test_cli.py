@@ -123,7 +123,7 @@ def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
     """`python -m tts.cli.main ARGS` as a user runs it (this checkout first on the path)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(
-        [sys.executable, "-m", "tts.cli.main", *args], capture_output=True, text=True, env=env, cwd=cwd or ROOT
+        [sys.executable, "-m", "tts.cli", *args], capture_output=True, text=True, env=env, cwd=cwd or ROOT
     )
 
 
@@ -304,7 +304,7 @@ def test_a_write_that_fails_at_the_end_names_the_output_and_leaves_nothing(tmp_p
     def read_only(src, dst):
         raise OSError(errno.EROFS, "Read-only file system", str(src))
 
-    monkeypatch.setattr(tts.audio.os, "replace", read_only)
+    monkeypatch.setattr(tts.audio.files.os, "replace", read_only)
     out = tmp_path / "x.wav"
     rc = main(
         ["synthesize", "Hello there.", "-o", str(out), "--model", "tiny", "--max-new-frames", "3", "-q"]
@@ -316,11 +316,11 @@ def test_a_write_that_fails_at_the_end_names_the_output_and_leaves_nothing(tmp_p
 
 def test_console_script_help_and_exit_code():
     r = subprocess.run(
-        [sys.executable, "-m", "tts.cli.main", "synthesize", "--help"], capture_output=True, text=True
+        [sys.executable, "-m", "tts.cli", "synthesize", "--help"], capture_output=True, text=True
     )
     assert r.returncode == 0 and "--max-new-frames" in r.stdout
     r = subprocess.run(
-        [sys.executable, "-m", "tts.cli.main", "synthesize", "", "-o", "x.wav", "--model", "tiny"],
+        [sys.executable, "-m", "tts.cli", "synthesize", "", "-o", "x.wav", "--model", "tiny"],
         capture_output=True,
         text=True,
     )
@@ -449,7 +449,7 @@ def add_subcommand_module(monkeypatch, tmp_path, module: str, body: str) -> None
     (tmp_path / f"{module}.py").write_text(body + SUBCOMMAND_SOURCE.format(name=module.replace("_", "-")))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, module, raising=False)
-    monkeypatch.setattr(tts.cli, "_SUBCOMMAND_MODULES", (*tts.cli._SUBCOMMAND_MODULES, module))
+    monkeypatch.setattr(tts.cli.main, "_SUBCOMMAND_MODULES", (*tts.cli.main._SUBCOMMAND_MODULES, module))
 
 
 @pytest.mark.parametrize("broken", ["own-import", "tts.cli.serve"])
@@ -460,7 +460,9 @@ def test_a_subcommand_module_that_fails_to_import_our_own_code_is_an_error_not_a
     from `tts --help` in silence: every command fails with one line naming the module, and -v adds the
     traceback."""
     if broken == "own-import":
-        add_subcommand_module(monkeypatch, tmp_path, "broken_cmd", "from tts.cli.main import no_such_helper\n")
+        add_subcommand_module(
+            monkeypatch, tmp_path, "broken_cmd", "from tts.cli.main import no_such_helper\n"
+        )
         module, reason = "broken_cmd", "cannot import name 'no_such_helper' from 'tts.cli.main'"
     else:
         monkeypatch.setitem(sys.modules, "tts.cli.serve", None)  # importing it raises ModuleNotFoundError
@@ -475,11 +477,11 @@ def test_a_subcommand_module_that_fails_to_import_our_own_code_is_an_error_not_a
 
 
 def test_a_subcommand_whose_optional_extra_is_missing_is_left_out(tmp_path, monkeypatch, capsys):
-    """A missing optional extra (`pip install -e '.[eval]'`) only leaves out the subcommand that needs
+    """A missing optional extra (`pip install -e '.[tools]'`) only leaves out the subcommand that needs
     it at import time; the others work."""
     from tts.cli.main import build_parser
 
-    monkeypatch.setitem(sys.modules, "faster_whisper", None)  # as if the eval extra were not installed
+    monkeypatch.setitem(sys.modules, "faster_whisper", None)  # as if the tools extra were not installed
     add_subcommand_module(monkeypatch, tmp_path, "needs_extra", "import faster_whisper  # noqa\n")
     commands = build_parser()._subparsers._group_actions[0].choices
     assert "needs-extra" not in commands and {"synthesize", "serve", "eval", "text"} <= set(commands)
@@ -493,7 +495,7 @@ def test_the_optional_extras_the_cli_tolerates_are_the_eval_extra_of_pyproject()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     eval_extra = project["optional-dependencies"]["eval"]
     names = {re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].lower().replace("-", "_") for req in eval_extra}
-    assert set(tts.cli._OPTIONAL_EXTRA_MODULES) == names
+    assert set(tts.cli.main._OPTIONAL_EXTRA_MODULES) == names
 
 
 GRAPH_OPTIONS = [
@@ -575,7 +577,7 @@ def test_synthesize_with_a_deprecated_graph_option_warns_once_and_runs(tmp_path,
 def test_replicas_get_the_resolved_graphs_option(monkeypatch, capsys):
     """`tts serve --devices` forwards `--graphs startup`, not the deprecated spelling it was given."""
     import service.cluster
-    from service import cli as service_cli
+    from tts.cli import serve as service_cli
 
     forwarded = []
     monkeypatch.setattr(

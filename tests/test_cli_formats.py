@@ -84,7 +84,7 @@ def test_unknown_extension_is_a_one_line_error_before_any_work(tmp_path, capsys,
 def run_cli(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(
-        [sys.executable, "-m", "tts.cli.main", *args],
+        [sys.executable, "-m", "tts.cli", *args],
         input=stdin,
         capture_output=True,
         cwd=ROOT,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tts.checkpoints.bundle import load_bundle
+from tts.checkpoints.load import load_bundle
 from tts.runtime.codec_stage import CodecStage
 
 

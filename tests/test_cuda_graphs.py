@@ -375,7 +375,7 @@ def test_engine_loop_on_the_gpu_streams_the_offline_audio():
     import numpy as np
 
     from tts.api import TTS
-    from tts.checkpoints.bundle import load_bundle
+    from tts.checkpoints.load import load_bundle
     from tts.runtime.engine_thread import Audio, EngineLoop, Finished
 
     bundle = load_bundle("default", "cuda")  # (its codec runs on the GPU too)
@@ -483,7 +483,7 @@ def test_varlen_attention_equals_the_block_diagonal_mask(monkeypatch):
     want = packed_causal_attend(q, k, v, mask)
     torch.testing.assert_close(varlen_causal_attend(q, k, v, cu, max(lengths)), want, atol=2e-2, rtol=2e-2)
     # A torch whose varlen_attn has no enable_gqa: K/V heads repeated for it (same result).
-    fn, options = tts.model._varlen()
+    fn, options = tts.model.transformer._varlen()
     monkeypatch.setattr(
         tts.model,
         "_varlen",
@@ -498,7 +498,7 @@ def test_text_positions_and_rewinds_under_replay_equal_eager(model, monkeypatch)
     at changing buckets; the step with the aligner makes no host sync."""
     from helpers import script_loop_guard
 
-    from tts.engine.aligner import AlignerSpec
+    from tts.model.config import AlignerSpec
 
     script_loop_guard(monkeypatch, {9: (4, False), 25: (6, False), 40: (2, False)})
     aligner = AlignerSpec(3, (0, 5))

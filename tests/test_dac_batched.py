@@ -7,11 +7,11 @@ import torch
 from helpers import decode_in_pushes
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tts.codec.dac.codec import DACCodec
 from tts.codec.dac.batched import BatchedDACDecoder
-from tts.codec.dac.weights import fuse_weight_norm
+from tts.codec.dac.codec import DACCodec
 from tts.codec.dac.net import ModdedDAC
 from tts.codec.dac.random_init import random_codec_state, tiny_dac_config
+from tts.codec.dac.weights import fuse_weight_norm
 from tts.model.randinit import hashed_randint
 
 # Measured on a 2-core x86 CPU, float32, the tiny codec below (audio peaks near 1):

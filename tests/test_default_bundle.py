@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tts.api import TTS
-from tts.checkpoints.bundle import DEFAULT_MODEL_DIR, load_bundle, weight_files
+from tts.checkpoints.bundle import DEFAULT_MODEL_DIR, weight_files
+from tts.checkpoints.load import load_bundle
 from tts.codec.melvq import MelVQCodec
 from tts.engine import EngineConfig
 from tts.text.phonemes import PhonemeFrontend

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tts.api import TTS
-from tts.checkpoints.bundle import load_bundle
+from tts.checkpoints.load import load_bundle
 from tts.engine import EngineConfig
 from tts.runtime.engine_thread import (
     Audio,

@@ -13,11 +13,11 @@ import torch
 from fish_golden import CASES, golden
 
 from service.client import build_request
+from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
 from tts.api import TTS
-from tts.checkpoints.bundle import load_bundle
+from tts.checkpoints.load import load_bundle
 from tts.codec.firefly import FireflyCodec
 from tts.engine import Engine, EngineConfig, SamplingParams
-from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
 
 REP = CASES["repetition"]["fish-1.5"]
 TEXT = next(c for c in CASES["families"]["fish-1.5"]["prompts"] if c["name"] == "plain")["text"]
@@ -97,7 +97,7 @@ def test_cli_synthesizes_a_wav(fish_checkpoints, tmp_path):
         [
             sys.executable,
             "-m",
-            "tts.cli.main",
+            "tts.cli",
             "synthesize",
             "--model",
             str(fish_checkpoints["fish-1.5"]),

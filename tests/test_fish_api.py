@@ -9,14 +9,15 @@ import soundfile as sf
 import torch
 
 from tts.api import TTS
-from tts.checkpoints.bundle import build_tiny_bundle, load_bundle
+from tts.checkpoints.bundle import build_tiny_bundle
+from tts.checkpoints.fish.prompts import Fish15PromptFormat, S1PromptFormat, S2PromptFormat
+from tts.checkpoints.fish.tokenizer import FISH15_SPECIAL_TOKENS, TiktokenTokenizer
+from tts.checkpoints.load import load_bundle
 from tts.cli.main import main
 from tts.codec.base import AudioError
 from tts.engine import Engine, EngineConfig, InvalidRequest, SamplingParams
-from tts.checkpoints.fish.prompts import Fish15PromptFormat, S1PromptFormat, S2PromptFormat
-from tts.checkpoints.fish.tokenizer import FISH15_SPECIAL_TOKENS, TiktokenTokenizer
-from tts.text.prompt import Turn, VoiceReference
 from tts.text.normalize import normalize_text, split_speaker_turns
+from tts.text.prompt import Turn, VoiceReference
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tts.checkpoints.bundle import CheckpointError, load_bundle
-from tts.codec.dac.random_init import random_codec_state, tiny_dac_config
-from tts.codec.firefly import FIREFLY_FILE, FireflyCodec
-from tts.model.config import ConfigError
+from tts.checkpoints.bundle import CheckpointError
 from tts.checkpoints.fish.loader import load_fish_model, normalize_pth_state
 from tts.checkpoints.fish.prompts import Fish15PromptFormat, S1PromptFormat, S2PromptFormat
 from tts.checkpoints.fish.tokenizer import TiktokenTokenizer
+from tts.checkpoints.load import load_bundle
+from tts.codec.dac.random_init import random_codec_state, tiny_dac_config
+from tts.codec.firefly import FIREFLY_FILE, FireflyCodec
+from tts.model.config import ConfigError
 from tts.text.tokenizer import TextTokenizer, TokenizerError
 
 

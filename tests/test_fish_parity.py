@@ -10,8 +10,8 @@ import pytest
 import torch
 from fish_golden import CASES, golden, prompt_inputs
 
-from tts.engine import Engine, EngineConfig, SamplingParams
 from tts.checkpoints.fish.loader import FAMILIES, load_fish_model
+from tts.engine import Engine, EngineConfig, SamplingParams
 from tts.model.transformer import DualARTransformer
 
 FAMILY_KEYS = {"s2": "s2-pro", "s1": "s1", "fish-1.5": "fish-1.5"}

@@ -26,14 +26,18 @@ FLOORS = {
     "tts.checkpoints": 3,
     "tts.audio": 3,
     "tts.runtime": 4,
-    "tts.api": 5,
-    "tts": 5,
+    "tts": 5,  # the package itself and the Python API (tts.api)
     "service": 6,
     "tts.cli": 7,
     "tts_tools": 8,
 }
-SOURCES = {"tts": ROOT / "tts", "graphs": ROOT / "graphs", "service": ROOT / "service", "tts_tools": ROOT / "tools" / "tts_tools"}
-GENERATED = "service.grpc_gen"
+SOURCES = {
+    "tts": ROOT / "tts",
+    "graphs": ROOT / "graphs",
+    "service": ROOT / "service",
+    "tts_tools": ROOT / "tools" / "tts_tools",
+}
+GENERATED = "service.grpc_gen"  # protoc's output: it imports only itself
 
 
 def module_files() -> dict[str, Path]:
@@ -69,7 +73,8 @@ def _type_checking_lines(tree: ast.AST) -> set[int]:
 
 
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """The modules of ours that `name` imports (at any depth of its code, TYPE_CHECKING blocks aside)."""
+    """The modules of ours that module `name` (file `path`) imports, at any depth of its code,
+    `if TYPE_CHECKING:` blocks aside; `known` is every module name of ours."""
     tree = ast.parse(path.read_text(), str(path))
     skip = _type_checking_lines(tree)
     is_package = path.name == "__init__.py"
@@ -109,26 +114,23 @@ def test_imports_run_downhill():
         pkg = package_of(module)
         for target in targets:
             tpkg = package_of(target)
-            if tpkg == pkg:
-                continue
-            if FLOORS[tpkg] >= FLOORS[pkg]:
-                upward.append(f"{module} ({pkg}, floor {FLOORS[pkg]}) imports {target} ({tpkg}, floor {FLOORS[tpkg]})")
+            if tpkg != pkg and FLOORS[tpkg] >= FLOORS[pkg]:
+                upward.append(
+                    f"{module} ({pkg}, floor {FLOORS[pkg]}) imports {target} ({tpkg}, floor {FLOORS[tpkg]})"
+                )
     assert not upward, "imports that run sideways or up:\n" + "\n".join(sorted(upward))
 
 
-def test_no_import_circle_between_product_files():
-    graph = {m: t for m, t in import_graph().items() if not m.startswith("tts_tools")}
-    # Tarjan's strongly connected components: any component of two or more files is a circle.
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of two or more modules (Tarjan), each sorted."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     on_stack: set[str] = set()
-    circles: list[list[str]] = []
-    counter = [0]
+    found: list[list[str]] = []
 
     def visit(v: str) -> None:
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
+        index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
         for w in graph.get(v, ()):
@@ -148,18 +150,24 @@ def test_no_import_circle_between_product_files():
                 if w == v:
                     break
             if len(comp) > 1:
-                circles.append(sorted(comp))
+                found.append(sorted(comp))
 
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
+    return found
 
 
-def test_the_checker_sees_an_upward_import(tmp_path):
-    """The rule itself: a model module importing the engine is caught."""
+def test_no_import_circle_between_product_files():
+    graph = {m: t for m, t in import_graph().items() if not m.startswith("tts_tools")}
+    found = circles(graph)
+    assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_checks_catch_an_upward_import_and_a_circle(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("def f():\n    from tts.engine import engine\n")
-    found = imports_of("tts.model.m", path, {"tts.engine.engine", "tts.engine"})
+    found = imports_of("tts.model.m", path, {"tts.engine.engine", "tts.engine", "tts.model.m"})
     assert found == {"tts.engine.engine"}
     assert FLOORS[package_of("tts.engine.engine")] > FLOORS[package_of("tts.model.m")]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -8,8 +8,6 @@ import json
 import grpc
 import numpy as np
 import pytest
-
-from service.client import StreamResult, build_request
 from tts_tools.loadtest import (
     BENCH_VOICE,
     FIRST_AUDIO_PHASES,
@@ -23,9 +21,11 @@ from tts_tools.loadtest import (
     synthetic_speech,
     voice_source,
 )
-from tts.audio.files import read_audio
+
+from service.client import StreamResult, build_request
 from service.grpc_gen.v1 import tts_pb2 as pb
 from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
+from tts.audio.files import read_audio
 
 pytest.importorskip("grpc_health")
 
@@ -200,7 +200,7 @@ def test_min_new_frames_goes_on_the_wire():
 def server():
     from service_helpers import ServerThread
 
-    from tts.checkpoints.bundle import load_bundle
+    from tts.checkpoints.load import load_bundle
     from tts.engine import EngineConfig
 
     srv = ServerThread(load_bundle("tiny"), EngineConfig(max_batch=4), metrics_port=0)

@@ -2,7 +2,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tts.model.kv_cache import SCRATCH_BLOCK, BlockAllocator, OutOfBlocks, PagedKVCache, paged_decode_attention
+from tts.model.kv_cache import (
+    SCRATCH_BLOCK,
+    BlockAllocator,
+    OutOfBlocks,
+    PagedKVCache,
+    paged_decode_attention,
+)
 
 
 def dense_reference(q, k_seq, v_seq, scale):

@@ -23,8 +23,8 @@ from helpers import sysfs_mounted
 
 import tts.checkpoints.bundle
 from service.client import build_request, channel_options
-from tts.cli.main import main
 from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
+from tts.cli.main import main
 
 pytest.importorskip("grpc_health")
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +36,13 @@ class ServeProcess:
         if data_home is not None:  # registered voices go under $XDG_DATA_HOME, not the user's home
             env["XDG_DATA_HOME"] = str(data_home)
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from tts.cli.main import main; sys.exit(main())", "serve", *args],
+            [
+                sys.executable,
+                "-c",
+                "import sys; from tts.cli.main import main; sys.exit(main())",
+                "serve",
+                *args,
+            ],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -263,7 +269,7 @@ def test_a_busy_port_is_named_in_one_line(which):
         args = [x for option_value in args.items() for x in option_value]
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         r = subprocess.run(
-            [sys.executable, "-m", "tts.cli.main", "serve", "--model", "tiny", *args],
+            [sys.executable, "-m", "tts.cli", "serve", "--model", "tiny", *args],
             capture_output=True,
             text=True,
             env=env,
@@ -311,7 +317,7 @@ def test_client_prints_the_servers_text_warning_once_before_wrote_and_sends_no_n
     from tts.api import TTS
     from tts.engine import EngineConfig
 
-    bundle = tts.bundle.load_bundle("tiny")
+    bundle = tts.checkpoints.load.load_bundle("tiny")
     srv = ServerThread(bundle, EngineConfig(max_batch=2))
     try:
         out = tmp_path / "a.wav"

@@ -8,7 +8,6 @@ import json
 import math
 
 import pytest
-
 from tts_tools.soak import (
     ALLOWED,
     CANCEL_PHASES,
@@ -28,6 +27,7 @@ from tts_tools.soak import (
     parse_range,
     summarize,
 )
+
 from service.grpc_gen.v1 import tts_pb2 as pb
 
 pytest.importorskip("grpc_health")
@@ -206,7 +206,7 @@ def test_verdict_rules():
 
 @pytest.fixture(scope="module")
 def bundle():
-    from tts.checkpoints.bundle import load_bundle
+    from tts.checkpoints.load import load_bundle
 
     return load_bundle("tiny")
 

@@ -314,8 +314,8 @@ def test_export_averages_several_runs_weights_and_names_the_teacher(tmp_path):
 def test_export_parses_the_aligner_heads_of_the_model():
     import export
 
-    from tts.checkpoints.bundle import load_bundle
-    from tts.engine.aligner import AlignerSpec
+    from tts.checkpoints.load import load_bundle
+    from tts.model.config import AlignerSpec
 
     args = load_bundle("default").model.config  # 4 layers, 6 heads
     assert export.parse_aligner("3:0,2", args) == AlignerSpec(3, (0, 2))

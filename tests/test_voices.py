@@ -12,9 +12,8 @@ import soundfile as sf
 import torch
 
 from tts.api import TTS
-from tts.checkpoints.bundle import load_bundle
+from tts.checkpoints.load import load_bundle
 from tts.params import InvalidRequest
-from tts.text.prompt import VoiceReference
 from tts.runtime.voices import (
     ReferenceCache,
     VoiceExists,
@@ -23,6 +22,7 @@ from tts.runtime.voices import (
     codec_fingerprint,
     reference_key,
 )
+from tts.text.prompt import VoiceReference
 
 
 def voice(n: int, text: str = "words") -> VoiceReference:
@@ -234,7 +234,7 @@ def test_a_listing_between_the_file_write_and_the_registration_is_no_conflict(tm
         real_replace(src, dst)
         assert [e.name for e in reg.list()] == ["mine"]  # what a concurrent ListVoices sees now
 
-    monkeypatch.setattr(tts.voices.os, "replace", replace_then_list)
+    monkeypatch.setattr(tts.runtime.voices.os, "replace", replace_then_list)
     assert reg.add("mine", voice(4)).name == "mine"
     with pytest.raises(VoiceExists):  # a second add of the name still conflicts
         reg.add("mine", voice(5))

@@ -29,9 +29,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tts_tools.evaluate import HELDOUT, read_sentences  # noqa: E402
+
 from tts.api import TTS  # noqa: E402
 from tts.engine.aligner import median_token  # noqa: E402
-from tts_tools.evaluate import HELDOUT, read_sentences  # noqa: E402
 from tts.model.transformer import dense_causal_attend  # noqa: E402
 
 

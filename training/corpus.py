@@ -211,8 +211,8 @@ def build_text(
     max_bytes: int = 200,
     teacher: str = "espeak",
 ) -> None:
-    from tts.text.phonemes import PhonemeFrontend
     from tts.text.normalize import TextError, normalize_text
+    from tts.text.phonemes import PhonemeFrontend
 
     frontend = PhonemeFrontend()
     raw = [("wordnet", s) for s in wordnet_sentences()] + [
@@ -337,7 +337,7 @@ def _synth_shard(args: tuple[Path, int, list[dict]]) -> str:
     import torch
 
     torch.set_num_threads(1)
-    from tts.codec.melrvq import LogMel
+    from tts.codec.mel import LogMel
 
     work, shard, utts = args
     path = work / "shards" / f"mel-{shard:04d}.pt"
@@ -392,7 +392,8 @@ def fit_codec(
     """The k-means codec (`tts.codec.melrvq`) into work/codec (the learned one: train_codec.py)."""
     import torch
 
-    from tts.codec.melrvq import MelRVQCodec, fit_rvq, stack_frames
+    from tts.codec.mel import stack_frames
+    from tts.codec.melrvq import MelRVQCodec, fit_rvq
 
     utts = {u["id"]: u for u in read_utterances(work)}
     vecs = []

@@ -23,8 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tts.api import TTS  # noqa: E402
 from tts_tools.evaluate import ASR, loops, read_sentences, words  # noqa: E402
+
+from tts.api import TTS  # noqa: E402
 
 
 def repetition(codes: list[int], min_lag: int = 8, max_lag: int = 100) -> dict:

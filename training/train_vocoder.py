@@ -24,7 +24,7 @@ train while the generator trains on the reconstruction loss only, so that a trai
 (the codec's fallback, and what shipped before v2) and the vocoder: the multi-resolution log-spectral
 distance to the original clip (the loss's log-magnitude L1 term, in nats, averaged over the three
 resolutions; lower is better), an MFCC distance (the mel-cepstral distortion formula, dB; not a training
-loss), the decode time per audio time and, unless `--no-asr` (needs the eval extra), the word error rate
+loss), the decode time per audio time and, unless `--no-asr` (needs the tools extra), the word error rate
 of Whisper tiny.en transcripts (per corpus speaker too, when the clips have several). The held-out clips
 are 60 sentences of one speaker; `--eval-from K` scores training clips from row K on instead, of every
 speaker (K past the clips the vocoder, and for an unseen round trip the codec, trained on).
@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "training"))
 
 from tts.codec.base import CodecCheckpointError  # noqa: E402
-from tts.codec.melrvq import FRAME_LENGTH, HOP, LOG_FLOOR, SUBFRAMES, LogMel  # noqa: E402
+from tts.codec.mel import FRAME_LENGTH, HOP, LOG_FLOOR, SUBFRAMES, LogMel  # noqa: E402
 from tts.codec.melvq import VOCODER_TYPE, load_vocoder  # noqa: E402
 from tts.codec.vocoder import ENVELOPE, TAIL, CausalVocoder, overlap_add  # noqa: E402
 

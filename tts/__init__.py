@@ -4,7 +4,8 @@ Start with `tts.api.TTS`; the map of the code is in README.md ("Reading the code
 """
 
 from tts.api import TTS, AudioChunk, Synthesis, VoiceNotFound
-from tts.checkpoints.bundle import ModelBundle, load_bundle
+from tts.checkpoints.bundle import ModelBundle
+from tts.checkpoints.load import load_bundle
 from tts.engine import EngineConfig, FinishReason, InvalidRequest, SamplingParams
 from tts.text.prompt import VoiceReference
 

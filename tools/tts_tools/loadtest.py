@@ -496,10 +496,9 @@ async def run_loadtest(
     Raises BenchError (e.g. `registered` on a server without AddVoice) and grpc.aio.AioRpcError."""
     from google.protobuf.json_format import MessageToDict
 
+    from service.client import aio_channel, build_request, synthesize_stream
     from service.grpc_gen.v1 import tts_pb2 as pb
     from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
-
-    from service.client import aio_channel, build_request, synthesize_stream
 
     if reference not in REFERENCE_MODES:
         raise ValueError(f"reference must be one of {REFERENCE_MODES}, got {reference!r}")
@@ -831,3 +830,42 @@ def run_from_args(args: argparse.Namespace) -> int:
     write_json(report, out)
     print(f"wrote {out}")
     return 0
+
+
+# ---- the `tts bench-server` command --------------------------------------------------------------------
+
+
+def add_parser(subparsers) -> None:
+    """Register `tts bench-server` (the `tts.commands` entry point of the tools)."""
+    p = subparsers.add_parser(
+        "bench-server",
+        help="closed-loop load benchmark (or, with --soak, soak test) of a running server",
+        description="Closed-loop load benchmark: req/s, audio s/s, frames/s, TTFA p50/p95/p99, RTF p50/p95, "
+        "frames/s per stream once audio flows, the longest gap between chunks and playback underruns at "
+        "each concurrency level (optionally with "
+        "reference clips and the server's codec time share); prints a table and writes JSON. With --soak, "
+        "a soak test instead: many requests of mixed client kinds (cancels, slow and stalled readers, "
+        "deadlines, unary, invalid), failing on leaks, gaps, unexpected statuses or RSS growth.",
+    )
+    add_arguments(p)
+    p.set_defaults(func=cmd_bench_server)
+
+
+def cmd_bench_server(args: argparse.Namespace) -> int:
+    from tts.cli.main import require
+    from tts.cli.serve import check_chunk_options, check_sampling_options, check_seconds, check_server_address
+    from tts.runtime.errors import UserError
+
+    servers = [s.strip() for s in args.server.split(",")]
+    if not all(servers):
+        raise UserError(f"--server must be HOST:PORT or a comma-separated list of them, got {args.server!r}")
+    if len(servers) > 1 and args.soak:
+        raise UserError("--soak takes one --server (a server, or a load balancer in front of replicas)")
+    for server in servers:
+        check_server_address(server)
+    check_seconds("--timeout", args.timeout, zero_ok=False)
+    require(args.requests is None or args.requests >= 1, f"--requests must be >= 1, got {args.requests}")
+    require(args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}")
+    check_chunk_options(args)
+    check_sampling_options(args)
+    return run_from_args(args)

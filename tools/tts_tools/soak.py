@@ -465,11 +465,17 @@ async def run_soak(
     import grpc
     from google.protobuf.json_format import MessageToDict
 
+    from service.client import aio_channel, build_request, channel_options
     from service.grpc_gen.v1 import tts_pb2 as pb
     from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
-
-    from service.client import aio_channel, build_request, channel_options
-    from tts_tools.loadtest import BenchError, delete_voice, reference_clip, register_voice, request_text, voice_source
+    from tts_tools.loadtest import (
+        BenchError,
+        delete_voice,
+        reference_clip,
+        register_voice,
+        request_text,
+        voice_source,
+    )
 
     cfg = config
     async with aio_channel(server) as control:

@@ -35,19 +35,18 @@ from safetensors.torch import save_file
 from tts.codec import Codec, WaveTableCodec
 from tts.codec.melrvq import MelRVQCodec
 from tts.codec.melvq import MelVQCodec
-from tts.model.config import ConfigError, ModelArgs
-from tts.engine.aligner import AlignerSpec
-from tts.text.phonemes import get_frontend
+from tts.model.config import AlignerSpec, ConfigError, ModelArgs
 from tts.model.transformer import DualARTransformer
 from tts.params import FrameConvention, SamplingParams
-from tts.text.prompt import PromptFormat, S2PromptFormat, VoiceReference
+from tts.text.phonemes import get_frontend
 from tts.text.policy import get_text_policy
+from tts.text.prompt import PromptFormat, S2PromptFormat, VoiceReference
 from tts.text.tokenizer import TextTokenizer, TokenizerLike, build_byte_tokenizer
 
 log = logging.getLogger(__name__)
 
 RUNTIME_KEY = "tts_runtime"
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
 DEFAULT_MODEL_DIR = ASSETS / "default"
 PRESETS = ("default", "tiny")
 MAX_SHARD_BYTES = 15 * 1024 * 1024  # shipped shards stay under 16 MB
@@ -334,36 +333,6 @@ def read_config(spec: str | Path) -> tuple[Path, dict]:
         raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
 
 
-def load_bundle(
-    spec: str | Path = "default", device: str | torch.device = "cpu", dtype=None, codec_dtype=None
-) -> ModelBundle:
-    """Load a preset (`default`, `tiny`) or a checkpoint directory onto `device`.
-
-    dtype defaults to float32 on CPU and bfloat16 on CUDA. The codec runs on `device` too (its decode
-    path in `codec_dtype` where the codec supports another than float32: the modded DAC's bfloat16).
-    Raises CheckpointError / ConfigError with a one-line reason for anything that cannot be loaded.
-    """
-    device = torch.device(device)
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    if str(spec) == "tiny":
-        return build_tiny_bundle(device=device, dtype=dtype)
-    if str(spec) == "default":
-        if not (DEFAULT_MODEL_DIR / "config.json").is_file():
-            log.warning("the trained default model is not installed; using the random-weight tiny model")
-            return build_tiny_bundle(device=device, dtype=dtype)
-        spec = DEFAULT_MODEL_DIR
-    directory, raw = read_config(spec)
-    if RUNTIME_KEY not in raw:
-        try:
-            from tts import fish
-        except ImportError as exc:
-            raise CheckpointError(
-                f"{directory} looks like a Fish checkpoint; Fish loading is not available"
-            ) from exc
-        return fish.load_fish_bundle(directory, raw, device, dtype, codec_dtype=codec_dtype)
-    return _load_own_bundle(directory, raw, device, dtype)
-
-
 def _own_text_side(directory: Path, raw: dict) -> tuple[ModelArgs, TextTokenizer, S2PromptFormat]:
     """The model arguments, tokenizer and prompt format (frontend, text policy) of our own directory."""
     runtime = raw[RUNTIME_KEY]
@@ -431,39 +400,6 @@ class TextModel:
     tokenizer: TokenizerLike
     prompt_format: PromptFormat
     chunk_length: int
-
-
-def load_text_model(spec: str | Path = "default") -> TextModel:
-    """The tokenizer, prompt format and chunk length of a preset or checkpoint directory, read without
-    loading weights or codec (a Fish checkpoint's tokenizer and config only). Raises CheckpointError /
-    ConfigError / TokenizerError as `load_bundle` does."""
-    if str(spec) == "tiny" or (str(spec) == "default" and not (DEFAULT_MODEL_DIR / "config.json").is_file()):
-        b = build_tiny_bundle()
-        return TextModel(b.name, b.family, b.tokenizer, b.prompt_format, b.chunk_length)
-    directory, raw = read_config(DEFAULT_MODEL_DIR if str(spec) == "default" else spec)
-    if RUNTIME_KEY in raw:
-        runtime = raw[RUNTIME_KEY]
-        _, tokenizer, prompt_format = _own_text_side(directory, raw)
-        return TextModel(
-            runtime.get("name", directory.name),
-            runtime.get("family", "dual_ar"),
-            tokenizer,
-            prompt_format,
-            runtime.get("chunk_length", 200),
-        )
-    from tts.checkpoints.fish.loader import FAMILIES, detect_family, fish_model_args, load_fish_tokenizer
-
-    family = detect_family(raw)
-    spec_ = FAMILIES[family]
-    fish_tokenizer = load_fish_tokenizer(directory, family)
-    args = fish_model_args(raw, family, fish_tokenizer)
-    return TextModel(
-        directory.resolve().name,
-        f"{spec_.display} ({raw['model_type']})",
-        fish_tokenizer,
-        spec_.prompt_format(fish_tokenizer, args.num_codebooks),
-        spec_.chunk_length,
-    )
 
 
 # ---- the tiny preset ---------------------------------------------------------------------------------

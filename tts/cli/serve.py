@@ -1,4 +1,4 @@
-"""`tts serve`, `tts client` and `tts bench-server`: registered into the `tts` command by tts/cli.py.
+"""`tts serve` and `tts client`: registered into the `tts` command by tts.cli.main.
 
 Imports of grpc, the generated API and the server happen inside the commands, so `tts --help` and the
 engine-only commands never need grpcio-health-checking or grpcio-reflection.
@@ -232,21 +232,6 @@ def add_parser(subparsers) -> None:
     add_sampling_args(p)
     p.set_defaults(func=cmd_client)
 
-    from tts_tools.loadtest import add_arguments
-
-    p = subparsers.add_parser(
-        "bench-server",
-        help="closed-loop load benchmark (or, with --soak, soak test) of a running server",
-        description="Closed-loop load benchmark: req/s, audio s/s, frames/s, TTFA p50/p95/p99, RTF p50/p95, "
-        "frames/s per stream once audio flows, the longest gap between chunks and playback underruns at "
-        "each concurrency level (optionally with "
-        "reference clips and the server's codec time share); prints a table and writes JSON. With --soak, "
-        "a soak test instead: many requests of mixed client kinds (cancels, slow and stalled readers, "
-        "deadlines, unary, invalid), failing on leaks, gaps, unexpected statuses or RSS growth.",
-    )
-    add_arguments(p)
-    p.set_defaults(func=cmd_bench_server)
-
 
 # ---- option checks ---------------------------------------------------------------------------------------
 
@@ -349,10 +334,9 @@ def check_serve_options(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tts.checkpoints.bundle import load_bundle
-    from tts.engine import EngineConfig
-
     from service.server import MiB, ServiceLimits
+    from tts.checkpoints.load import load_bundle
+    from tts.engine import EngineConfig
 
     check_serve_options(args)
     # A server logs each request and its start-up at INFO (tts -v: everything at DEBUG).
@@ -364,7 +348,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from service.cluster import run_cluster
 
         assert _SERVE_PARSER is not None  # add_parser made the parser these args came from
-        return run_cluster(args, _SERVE_PARSER)
+        devices = check_cluster_options(args)
+        pick_public_ports(args)
+        return run_cluster(args, _SERVE_PARSER, devices)
     check_device(args.device)
     check_serve_ports(args)  # before the model loads: a busy port is found in a moment
     t0 = time.perf_counter()
@@ -483,9 +469,8 @@ def check_chunk_options(args: argparse.Namespace) -> None:
 def cmd_client(args: argparse.Namespace) -> int:
     import grpc
 
-    from tts.text.policy import check_speakable
-
     from service.client import build_request, rpc_error_line
+    from tts.text.policy import check_speakable
 
     text = read_text_arg(args)
     check_speakable(text)  # (every model refuses it: no need to ask a server)
@@ -541,30 +526,49 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 
 async def _client(server: str, request, timeout: float | None):
-    from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
-
     from service.client import aio_channel, synthesize_stream
+    from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
 
     async with aio_channel(server) as channel:
         return await synthesize_stream(pb_grpc.TextToSpeechStub(channel), request, timeout=timeout)
 
 
-# ---- bench-server ----------------------------------------------------------------------------------------
+def check_cluster_options(args: argparse.Namespace) -> list[str]:
+    """The checks `tts serve --devices` makes before starting anything (besides `tts serve`'s own): the
+    proxy binary, the devices, the cluster options and the public ports. Returns the devices; raises
+    UserError."""
+    from service.cluster import find_proxy, parse_devices
+
+    find_proxy()
+    devices = parse_devices(args.devices)
+    if args.device != "cpu":
+        raise UserError("give --device or --devices, not both")
+    if args.replica_name is not None:
+        raise UserError("--replica-name does not go with --devices (the replicas are named r0, r1, ...)")
+    for device in dict.fromkeys(devices):
+        check_device(device)
+    check_seconds("--check-interval", args.check_interval, zero_ok=False)
+    base, n = args.replica_base_port, len(devices)
+    if base and not 1024 <= base <= 65536 - 3 * n:
+        raise UserError(
+            f"--replica-base-port must be 0 or in 1024..{65536 - 3 * n} for {n} replicas, got {base}"
+        )
+    if args.drain_delay is None:
+        args.drain_delay = 5.0 * args.check_interval
+    return devices
 
 
-def cmd_bench_server(args: argparse.Namespace) -> int:
-    from tts_tools.loadtest import run_from_args
+def pick_public_ports(args: argparse.Namespace) -> None:
+    """Check the public ports (busy: UserError naming the option) and replace 0 by a free port."""
+    fronts = [("port", "--port", args.host, "--host", "")]
+    if args.http_port >= 0:
+        fronts.append(("http_port", "--http-port", args.host, "--host", " for HTTP"))
+    if args.metrics_port >= 0:
+        fronts.append(("metrics_port", "--metrics-port", args.metrics_host, "--metrics-host", " for metrics"))
+    for dest, option, host, host_option, purpose in fronts:
+        port = getattr(args, dest)
+        check_listen(host, port, option, host_option, purpose)
+        if port == 0:
+            from service.cluster import free_ports
 
-    servers = [s.strip() for s in args.server.split(",")]
-    if not all(servers):
-        raise UserError(f"--server must be HOST:PORT or a comma-separated list of them, got {args.server!r}")
-    if len(servers) > 1 and args.soak:
-        raise UserError("--soak takes one --server (a server, or a load balancer in front of replicas)")
-    for server in servers:
-        check_server_address(server)
-    check_seconds("--timeout", args.timeout, zero_ok=False)
-    require(args.requests is None or args.requests >= 1, f"--requests must be >= 1, got {args.requests}")
-    require(args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}")
-    check_chunk_options(args)
-    check_sampling_options(args)
-    return run_from_args(args)
+            setattr(args, dest, free_ports(host, 1)[0])

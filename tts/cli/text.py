@@ -76,7 +76,7 @@ def describe_text(model, text: str, normalize: bool = True, chunk_length: int | 
 
 
 def cmd_text(args: argparse.Namespace) -> int:
-    from tts.checkpoints.bundle import load_text_model
+    from tts.checkpoints.load import load_text_model
     from tts.text.policy import check_speakable, get_text_policy
 
     text = read_text_arg(args)

@@ -23,8 +23,8 @@ DTYPES = {
 def cmd_write_checkpoint(args: argparse.Namespace) -> int:
     import torch
 
-    from tts.cli.main import UserError
     from tts.checkpoints.fish.writer import SHAPES, write_checkpoint
+    from tts.cli.main import UserError
 
     if args.shards < 1:
         raise UserError("--shards must be >= 1")

@@ -47,7 +47,6 @@ import torchaudio
 from torch import Tensor, nn
 
 from tts.codec.base import BatchedStreamDecoder, Codec, CodecCheckpointError, StatefulStreamingDecoder
-from tts.codec.dac.weights import fuse_weight_norm, load_state_strict, read_codec_state
 from tts.codec.dac.net import (
     CausalConv1d,
     CausalConvTranspose1d,
@@ -56,6 +55,7 @@ from tts.codec.dac.net import (
     StreamState,
 )
 from tts.codec.dac.random_init import random_weight_normed_state
+from tts.codec.dac.weights import fuse_weight_norm, load_state_strict, read_codec_state
 
 FIREFLY_FILE = "firefly-gan-vq-fsq-8x1024-21hz-generator.pth"
 

@@ -56,7 +56,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from tts.codec.base import Codec, CodecCheckpointError
-from tts.codec.melrvq import (
+from tts.codec.mel import (
     FRAME_LENGTH,
     N_MELS,
     SAMPLE_RATE,
@@ -64,10 +64,10 @@ from tts.codec.melrvq import (
     LogMel,
     MelStreamDecoder,
     WindowedGriffinLim,
-    residual_quantize,
     stack_frames,
     unstack_frames,
 )
+from tts.codec.melrvq import residual_quantize
 from tts.codec.vocoder import CausalVocoder
 
 FEATURE_DIM = SUBFRAMES * N_MELS  # 320

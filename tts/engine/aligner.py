@@ -86,28 +86,6 @@ class Repeat:
     at_end: bool
 
 
-@dataclass(frozen=True)
-class AlignerSpec:
-    """A model's aligner heads: slow-AR `layer` and its query `heads` (indices into its n_head)."""
-
-    layer: int
-    heads: tuple[int, ...]
-
-    @classmethod
-    def from_config(cls, raw, n_layer: int, n_head: int) -> AlignerSpec | None:
-        """`{"layer": L, "heads": [h, ...]}` from a model's config (None: no aligner). Raises ValueError
-        for a layer or head the model does not have."""
-        if raw is None:
-            return None
-        try:
-            layer, heads = int(raw["layer"]), tuple(int(h) for h in raw["heads"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f'aligner must be {{"layer": int, "heads": [int, ...]}}, got {raw!r}') from exc
-        if not 0 <= layer < n_layer or not heads or any(not 0 <= h < n_head for h in heads):
-            raise ValueError(f"aligner {raw!r} names a layer or head the model lacks ({n_layer} x {n_head})")
-        return cls(layer, heads)
-
-
 def text_alignment(
     q: Tensor,
     k_cache: Tensor,

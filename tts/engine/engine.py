@@ -26,11 +26,6 @@ from typing import cast
 import torch
 
 from graphs.runner import DEFAULT_BUCKETS, GraphRunner
-
-from tts.model.kernels import kernel_head_dim_ok
-from tts.model.kv_cache import BlockAllocator, PagedKVCache, blocks_needed
-from tts.model.transformer import DualARTransformer, TransformerBlock
-from tts.model.sampling import SAMPLER_TOPK_CAP
 from tts.engine.aligner import (
     ALIGN_MAX_TOKENS,
     MAX_REWINDS,
@@ -38,7 +33,6 @@ from tts.engine.aligner import (
     RETRY_TEMPERATURE,
     RETRY_TOP_P,
     REWIND_EXTRA_FRAMES,
-    AlignerSpec,
     LoopGuard,
 )
 from tts.engine.cpu_step import CpuFrameStep
@@ -46,6 +40,11 @@ from tts.engine.model_runner import ModelRunner, RowInit
 from tts.engine.prefill_graphs import PrefillGraphs
 from tts.engine.request import FinishReason, InvalidRequest, Request, RequestState, SamplingParams, StepOutput
 from tts.engine.scheduler import RowMove, Scheduler
+from tts.model.config import AlignerSpec
+from tts.model.kernels import kernel_head_dim_ok
+from tts.model.kv_cache import BlockAllocator, PagedKVCache, blocks_needed
+from tts.model.sampling import SAMPLER_TOPK_CAP
+from tts.model.transformer import DualARTransformer, TransformerBlock
 
 log = logging.getLogger(__name__)
 

@@ -42,17 +42,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tts.engine.aligner import ALIGN_MAX_TOKENS, text_alignment
+from tts.model.config import AlignerSpec
 from tts.model.kernels import fused_kernels_enabled
-from tts.model.kv_cache import SCRATCH_BLOCK, PagedDecodeAttention, PagedKVCache, paged_decode_attention, paged_slots
-from tts.model.transformer import (
-    Attend,
-    DualARTransformer,
-    KVDest,
-    dense_causal_attend,
-    packed_causal_attend,
-    run_layers_kv_only,
-    varlen_causal_attend,
-    varlen_causal_available,
+from tts.model.kv_cache import (
+    SCRATCH_BLOCK,
+    PagedDecodeAttention,
+    PagedKVCache,
+    paged_decode_attention,
+    paged_slots,
 )
 from tts.model.sampling import (
     RAS_WINDOW,
@@ -64,7 +62,16 @@ from tts.model.sampling import (
     sample,
     sample_main_token,
 )
-from tts.engine.aligner import ALIGN_MAX_TOKENS, AlignerSpec, text_alignment
+from tts.model.transformer import (
+    Attend,
+    DualARTransformer,
+    KVDest,
+    dense_causal_attend,
+    packed_causal_attend,
+    run_layers_kv_only,
+    varlen_causal_attend,
+    varlen_causal_available,
+)
 
 if TYPE_CHECKING:
     from tts.engine.prefill_graphs import PrefillGraphs

@@ -31,9 +31,8 @@ import torch
 from torch import Tensor
 
 from graphs.runner import GraphRunner
-
-from tts.model.kv_cache import SCRATCH_BLOCK
 from tts.engine.model_runner import pack_prompts
+from tts.model.kv_cache import SCRATCH_BLOCK
 
 if TYPE_CHECKING:
     from tts.engine.model_runner import ModelRunner

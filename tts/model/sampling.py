@@ -28,12 +28,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tts.params import MIN_TEMPERATURE, RAS_HIGH_TEMPERATURE, RAS_HIGH_TOP_P
+
 RAS_WINDOW = 10
 # A batch whose rows all have 0 < top_k <= this may sample from the top candidates only (CUDA fast path).
 SAMPLER_TOPK_CAP = 64
-RAS_HIGH_TEMPERATURE = 1.0
-RAS_HIGH_TOP_P = 0.9
-MIN_TEMPERATURE = 1e-5
 
 _MASK32 = 0xFFFFFFFF
 

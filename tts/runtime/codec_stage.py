@@ -42,7 +42,6 @@ import torch
 from torch import Tensor
 
 from graphs.runner import GraphRunner
-
 from tts.codec.base import Codec
 from tts.params import MAX_CHUNK_FRAMES
 

@@ -41,10 +41,8 @@ import torch
 from torch import Tensor
 
 from tts.checkpoints.bundle import ModelBundle
-from tts.runtime.planner import Planner, PreparedReference, SynthesisJob
-from tts.text.prompt import VoiceReference
-from tts.runtime.voices import ReferenceCache, VoiceEntry, VoiceRegistry, codec_fingerprint
 from tts.engine.engine import Engine, EngineConfig, for_bundle
+from tts.engine.request import Request, SamplingParams
 from tts.runtime.jobs import (
     Audio,
     Cancelled,
@@ -58,7 +56,9 @@ from tts.runtime.jobs import (
     Started,
     ramp_sizes,
 )
-from tts.engine.request import Request, SamplingParams
+from tts.runtime.planner import Planner, PreparedReference, SynthesisJob
+from tts.runtime.voices import ReferenceCache, VoiceEntry, VoiceRegistry, codec_fingerprint
+from tts.text.prompt import VoiceReference
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -4,11 +4,11 @@ error for such a line."""
 
 from tts.checkpoints.bundle import CheckpointError
 from tts.codec.base import AudioError
-from tts.model.config import ConfigError
 from tts.engine.request import InvalidRequest
+from tts.model.config import ConfigError
+from tts.runtime.voices import VoiceExists, VoiceNotFound
 from tts.text.normalize import TextError
 from tts.text.tokenizer import TokenizerError
-from tts.runtime.voices import VoiceExists, VoiceNotFound
 
 
 class UserError(Exception):

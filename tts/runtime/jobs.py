@@ -45,13 +45,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tts.params import FrameConvention
-from tts.runtime.planner import Planner, SynthesisJob
-from tts.text.prompt import Turn, VoiceReference
-from tts.runtime.voices import ReferenceCache
-from tts.runtime.codec_stage import MAX_PIECE_FRAMES, CodecStage, DecodeResult
 from tts.engine.engine import Engine
 from tts.engine.request import FinishReason, InvalidRequest, StepOutput
+from tts.params import FrameConvention
+from tts.runtime.codec_stage import MAX_PIECE_FRAMES, CodecStage, DecodeResult
+from tts.runtime.planner import Planner, SynthesisJob
+from tts.runtime.voices import ReferenceCache
+from tts.text.prompt import Turn, VoiceReference
 
 log = logging.getLogger(__name__)
 

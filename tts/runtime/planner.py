@@ -30,10 +30,10 @@ from torch import Tensor
 from tts.checkpoints.bundle import ModelBundle
 from tts.codec.base import AudioError, prepare_audio
 from tts.params import MAX_CHUNK_FRAMES, InvalidRequest, SamplingParams
-from tts.text.prompt import Turn, VoiceReference
+from tts.runtime.voices import VoiceNotFound, VoiceRegistry, codec_fingerprint
 from tts.text.normalize import TextError
 from tts.text.policy import TextPlan, get_text_policy, plan_text
-from tts.runtime.voices import VoiceNotFound, VoiceRegistry, codec_fingerprint
+from tts.text.prompt import Turn, VoiceReference
 
 log = logging.getLogger(__name__)
 

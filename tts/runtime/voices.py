@@ -35,8 +35,8 @@ from safetensors.torch import save_file
 
 from tts.codec import Codec
 from tts.params import InvalidRequest
-from tts.text.prompt import VoiceReference
 from tts.text.normalize import shorten
+from tts.text.prompt import VoiceReference
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from tts.text.phonemes import Frontend, apply_frontend, identity
 from tts.text.normalize import SPEAKER_TAG, reserved_tag_error
+from tts.text.phonemes import Frontend, apply_frontend, identity
 from tts.text.tokenizer import TokenizerLike
 
 

@@ -30,17 +30,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tts.checkpoints.bundle import CheckpointError, ModelBundle, _assign, load_voices, load_weights_into, weight_files
+from tts.checkpoints.bundle import (
+    CheckpointError,
+    ModelBundle,
+    _assign,
+    load_voices,
+    load_weights_into,
+    weight_files,
+)
+from tts.checkpoints.fish.prompts import Fish15PromptFormat, S1PromptFormat, S2PromptFormat
+from tts.checkpoints.fish.tokenizer import FISH15_SPECIAL_TOKENS, S1_SPECIAL_TOKENS, TiktokenTokenizer
 from tts.codec.base import Codec, CodecCheckpointError
 from tts.codec.dac.codec import DACCodec
 from tts.codec.firefly import FIREFLY_FILE, FireflyCodec
 from tts.model.config import ConfigError, ModelArgs
-from tts.engine.request import SamplingParams
 from tts.model.transformer import DualARTransformer
-from tts.params import FrameConvention
+from tts.params import FrameConvention, SamplingParams
 from tts.text.tokenizer import TextTokenizer, TokenizerError, TokenizerLike
-from tts.checkpoints.fish.prompts import Fish15PromptFormat, S1PromptFormat, S2PromptFormat
-from tts.checkpoints.fish.tokenizer import FISH15_SPECIAL_TOKENS, S1_SPECIAL_TOKENS, TiktokenTokenizer
 
 log = logging.getLogger(__name__)
 

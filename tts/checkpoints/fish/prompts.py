@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from tts.text.prompt import PromptAssembler, S2PromptFormat, Turn, VoiceReference
 from tts.text.policy import clean_text_15
+from tts.text.prompt import PromptAssembler, S2PromptFormat, Turn, VoiceReference
 from tts.text.tokenizer import TokenizerLike
 
 __all__ = ["S2PromptFormat", "S1PromptFormat", "Fish15PromptFormat", "clean_text_15"]

@@ -36,14 +36,19 @@ import regex
 import torch
 from safetensors.torch import save_file
 
+from tts.checkpoints.fish.tokenizer import (
+    FISH15_SPECIAL_TOKENS,
+    FISH_TIKTOKEN_PATTERN,
+    S1_SPECIAL_TOKENS,
+    write_tiktoken_ranks,
+)
 from tts.codec.dac.net import DACConfig
 from tts.codec.dac.random_init import random_codec_state, tiny_dac_config
 from tts.codec.firefly import FIREFLY_FILE, FireflyConfig, random_firefly_state, tiny_firefly_config
 from tts.model.config import ModelArgs
-from tts.model.transformer import DualARTransformer
 from tts.model.randinit import random_like_init
 from tts.model.shapes import S2_PRO_CONFIG
-from tts.checkpoints.fish.tokenizer import FISH15_SPECIAL_TOKENS, FISH_TIKTOKEN_PATTERN, S1_SPECIAL_TOKENS, write_tiktoken_ranks
+from tts.model.transformer import DualARTransformer
 
 # Qwen2/3's pre-tokenization pattern, used in S2's tokenizer.json.
 QWEN_PATTERN = (

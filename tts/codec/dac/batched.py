@@ -34,8 +34,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tts.model.kernels import fused_kernels_enabled, snake_ops
-from tts.model.layers import Rope, precompute_freqs_cis
 from tts.codec.base import BatchedStreamDecoder
 from tts.codec.dac.net import (
     CausalConv1d,
@@ -49,6 +47,8 @@ from tts.codec.dac.net import (
     StreamSequential,
     Tanh,
 )
+from tts.model.kernels import fused_kernels_enabled, snake_ops
+from tts.model.layers import Rope, precompute_freqs_cis
 
 if TYPE_CHECKING:
     from tts.codec.dac.codec import DACCodec

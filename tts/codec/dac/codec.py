@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from tts.codec.base import Codec, CodecCheckpointError, StatefulStreamingDecoder
-from tts.codec.dac.weights import fuse_weight_norm, infer_config, load_state_strict, read_codec_state
 from tts.codec.dac.net import ModdedDAC
+from tts.codec.dac.weights import fuse_weight_norm, infer_config, load_state_strict, read_codec_state
 
 if TYPE_CHECKING:
     from tts.codec.dac.batched import BatchedDACDecoder

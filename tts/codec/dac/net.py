@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tts.codec.base import CodecCheckpointError
 from tts.model.kernels import fused_kernels_enabled, snake_ops
 from tts.model.layers import Rope, apply_rotary_emb, embedding, precompute_freqs_cis
-from tts.codec.base import CodecCheckpointError
 
 StreamState = dict  # module -> its carried state (tensors), one per stream
 

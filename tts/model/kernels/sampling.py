@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from tts.model.sampling import MIN_TEMPERATURE, RAS_HIGH_TEMPERATURE, RAS_HIGH_TOP_P
+from tts.params import MIN_TEMPERATURE, RAS_HIGH_TEMPERATURE, RAS_HIGH_TOP_P
 
 MIN_T = tl.constexpr(MIN_TEMPERATURE)
 
