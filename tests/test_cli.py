@@ -488,13 +488,13 @@ def test_a_subcommand_whose_optional_extra_is_missing_is_left_out(tmp_path, monk
     assert main(["info", "--model", "tiny"]) == 0
 
 
-def test_the_optional_extras_the_cli_tolerates_are_the_eval_extra_of_pyproject():
+def test_the_optional_extras_the_cli_tolerates_are_the_tools_extra_of_pyproject():
     tomllib = pytest.importorskip("tomllib")
     import tts.cli.main
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    eval_extra = project["optional-dependencies"]["eval"]
-    names = {re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].lower().replace("-", "_") for req in eval_extra}
+    tools_extra = project["optional-dependencies"]["tools"]
+    names = {re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].lower().replace("-", "_") for req in tools_extra}
     assert set(tts.cli.main._OPTIONAL_EXTRA_MODULES) == names
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torchaudio
 from helpers import sysfs_mounted
-
 from tts_tools import evaluate as tts_eval
+
 from tts.cli.main import main
 from tts.text.normalize import normalize_text
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMITTED = ROOT / "service.grpc_gen" / "v1"
+COMMITTED = ROOT / "service" / "grpc_gen" / "v1"
 
 
 def serialized_descriptor(path: Path) -> bytes:

@@ -21,7 +21,7 @@ import pytest
 import soundfile as sf
 from helpers import sysfs_mounted
 
-import tts.checkpoints.bundle
+import tts.checkpoints.load
 from service.client import build_request, channel_options
 from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
 from tts.cli.main import main
@@ -240,7 +240,7 @@ def test_bad_numeric_options_are_one_line_exit_2(tmp_path, capsys, monkeypatch, 
     def no_model(*args, **kwargs):  # a bad option must be found before the model is loaded (or served)
         raise AssertionError("the model was loaded before the options were checked")
 
-    monkeypatch.setattr(tts.bundle, "load_bundle", no_model)
+    monkeypatch.setattr(tts.checkpoints.load, "load_bundle", no_model)
     argv = [a.replace("{d}", str(tmp_path)) for a in argv]
     if argv[0] == "serve":
         argv += ["--model", "tiny"]

@@ -195,10 +195,12 @@ def test_registry_is_safe_to_read_while_adding(tmp_path):
 def test_voices_add_names_a_missing_or_bad_clip_in_one_line_before_loading(tmp_path, capsys, monkeypatch):
     """`tts voices add` reads its clip as `--reference-audio` is read: one `tts: error:` line naming the
     file and the reason (not soundfile's own wording), exit 2, before the model loads, nothing written."""
-    import tts.checkpoints.bundle
+    import tts.checkpoints.load
     from tts.cli.main import main
 
-    monkeypatch.setattr(tts.bundle, "load_bundle", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(
+        tts.checkpoints.load, "load_bundle", lambda *a, **k: pytest.fail("the model was loaded")
+    )
     bad = tmp_path / "notes.txt"
     bad.write_text("not audio")
     voices = tmp_path / "voices"

@@ -39,9 +39,8 @@ from tts_tools.evaluate import VOICE_TEACHERS  # noqa: E402
 from tts.checkpoints.bundle import ModelBundle, load_codec, load_weights_into, save_bundle, weight_files  # noqa: E402
 from tts.codec.melrvq import MelRVQCodec  # noqa: E402
 from tts.codec.melvq import MelVQCodec, load_vocoder  # noqa: E402
-from tts.engine.aligner import AlignerSpec  # noqa: E402
 from tts.engine.request import SamplingParams  # noqa: E402
-from tts.model.config import ModelArgs  # noqa: E402
+from tts.model.config import AlignerSpec, ModelArgs  # noqa: E402
 from tts.model.transformer import DualARTransformer  # noqa: E402
 from tts.text.phonemes import PhonemeFrontend  # noqa: E402
 from tts.text.prompt import S2PromptFormat, VoiceReference  # noqa: E402

@@ -1,5 +1,2 @@
-"""The `tts` command: one module per command, shared option groups in `tts.cli.main`."""
-
-from tts.cli.main import main
-
-__all__ = ["main"]
+"""The `tts` command: one module per command (serve, text, write_checkpoint; the tools register theirs
+through entry points), the top-level parser and the shared option groups in `tts.cli.main`."""
