@@ -502,6 +502,7 @@ class HTTPFront:
         others get up to 5 s to send what is left. Idempotent."""
         if self._task is None:
             return
+        assert self._uvicorn is not None  # set with _task, in start
         self._uvicorn.should_exit = True
         for response in list(self.active):
             if not response.synthesis.finished:

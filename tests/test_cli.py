@@ -583,7 +583,7 @@ def test_replicas_get_the_resolved_graphs_option(monkeypatch, capsys):
     monkeypatch.setattr(
         service.cluster,
         "run_cluster",
-        lambda args, parser: forwarded.append(service.cluster.forwarded_options(args, parser)) or 0,
+        lambda args, parser, devices: forwarded.append(service.cluster.forwarded_options(args, parser)) or 0,
     )
     assert main(["serve", "--devices", "cpu,cpu", "--model", "tiny", "--capture", "startup"]) == 0
     assert forwarded == [["--model", "tiny", "--graphs", "startup"]]

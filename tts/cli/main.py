@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import importlib
 import importlib.metadata
 import logging
@@ -20,6 +21,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from tts.runtime.errors import UserError, os_error_reason  # noqa: E402,F401 - `python -m tts.cli.main` raises the same class
@@ -748,6 +750,11 @@ def voices_shared_options(sub_level: bool) -> OneLineErrorParser:
     return shared
 
 
+def _module_add_parser(name: str) -> Callable:
+    """The `add_parser` of subcommand module `name` (imported now)."""
+    return importlib.import_module(name).add_parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog="tts", description="Dual-AR text-to-speech runtime: synthesize, serve, benchmark."
@@ -815,8 +822,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.set_defaults(func=cmd_info)
 
-    adders = [
-        (name, lambda name=name: importlib.import_module(name).add_parser) for name in _SUBCOMMAND_MODULES
+    adders: list[tuple[str, Callable[[], Callable]]] = [
+        (name, functools.partial(_module_add_parser, name)) for name in _SUBCOMMAND_MODULES
     ]
     adders += [(ep.value, ep.load) for ep in importlib.metadata.entry_points(group=TOOL_COMMANDS_GROUP)]
     for name, load in adders:

@@ -591,7 +591,7 @@ class ModelRunner:
                     self.write_alignment(b, q[:, 0], tables)
                 return paged_attention(q[:, 0], i).unsqueeze(1)
 
-            if not fused:
+            if slot_offset is None:  # not fused
                 return Attend(attend)
             return Attend(attend, KVDest(kv.k[i].view(-1), kv.v[i].view(-1), slot_offset, kv.k.shape[-1]))
 

@@ -324,8 +324,9 @@ class BatchedDACDecoder(BatchedStreamDecoder):
         if bias:
             y = c(x)
         else:
+            padding = cast(tuple[int, ...], c.padding)  # ConvTranspose1d pads by numbers, never 'same'
             y = F.conv_transpose1d(
-                x, c.weight, None, c.stride, c.padding, c.output_padding, c.groups, c.dilation
+                x, c.weight, None, c.stride, padding, c.output_padding, c.groups, c.dilation
             )
         if state is None:
             y = y[..., : y.shape[-1] - module.overlap]
