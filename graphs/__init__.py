@@ -1,5 +1,5 @@
 """CUDA-graph machinery: bucket choice, deferred capture, shared pool, replay, eager fallback."""
 
-from .runner import DEFAULT_BUCKETS, GraphRunner, GraphStats, StandInGraph
+from graphs.runner import DEFAULT_BUCKETS, GraphRunner, GraphStats, StandInGraph
 
 __all__ = ["DEFAULT_BUCKETS", "GraphRunner", "GraphStats", "StandInGraph"]

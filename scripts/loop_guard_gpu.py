@@ -13,7 +13,7 @@ text has no reading order: they rewind far more often than on speech).
 `speak`: `tts.api.TTS` synthesizes the held-out passages (`samples/eval/passages.txt`) at each seed as
 `tts eval --long` seeds them, and saves their 16-bit PCM, finish reasons and the guard's repeats.
 `score`: transcribes saved readings with `tts eval`'s ASR (Whisper tiny.en, one thread) and reports
-WER per reading and transcript loops (`tts.eval.loops`), for the machine where the eval extra is.
+WER per reading and transcript loops (`tts_tools.evaluate.loops`), for the machine where the tools extra is.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ PASSAGES = ROOT / "samples/eval/passages.txt"
 
 
 def bench(args) -> dict:
-    from tts.bundle import load_bundle
+    from tts.checkpoints.load import load_bundle
     from tts.engine import Engine, EngineConfig, SamplingParams, for_bundle
 
     bundle = load_bundle("default", device=args.device)
@@ -78,8 +78,9 @@ def bench(args) -> dict:
 
 
 def speak(args) -> None:
+    from tts_tools.evaluate import read_sentences
+
     from tts.api import TTS
-    from tts.eval import read_sentences
 
     tts = TTS.load("default", device=args.device, max_batch=1, loop_guard=args.loop_guard == "on")
     passages = read_sentences(PASSAGES, None, passages=True)
@@ -105,7 +106,7 @@ def speak(args) -> None:
 
 
 def score(args) -> None:
-    from tts.eval import ASR, loops, wer, words
+    from tts_tools.evaluate import ASR, loops, wer, words
 
     asr = ASR(threads=1)
     for path in args.files:

@@ -15,7 +15,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tts.bench import _prompt, load_bench_model  # noqa: E402
+from tts_tools.bench import _prompt, load_bench_model  # noqa: E402
+
 from tts.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 

@@ -40,7 +40,7 @@ def main() -> int:
         print("".join(traceback.format_list(frames[-args.depth :])), end="", file=sys.stderr)
 
     sys.addaudithook(hook)
-    from tts.cli import main as tts_main
+    from tts.cli.main import main as tts_main
 
     try:
         code = tts_main(command)

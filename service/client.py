@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from tts_grpc.v1 import tts_pb2 as pb
-from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
+from service.grpc_gen.v1 import tts_pb2 as pb
+from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
 
 MiB = 1024 * 1024
 DEFAULT_MAX_RECEIVE_BYTES = 64 * MiB  # a unary reply holds a whole clip

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tts.errors import UserError
+from tts.runtime.errors import UserError
 
 TEMPLATE = Path(__file__).resolve().parent / "deploy" / "haproxy.cfg.template"
 PROXY = "haproxy"
@@ -357,7 +357,7 @@ class Cluster:
         argv = [
             sys.executable,
             "-m",
-            "tts.cli",
+            "tts.cli.main",
             *(["-v"] if getattr(a, "verbose", False) else []),
             "serve",
             "--device",
@@ -602,53 +602,9 @@ class Cluster:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def check_cluster_options(args: argparse.Namespace) -> list[str]:
-    """The checks `tts serve --devices` makes before starting anything (besides `tts serve`'s own): the
-    proxy binary, the devices, the cluster options and the public ports. Returns the devices; raises
-    UserError."""
-    from tts.cli import check_device
-
-    from .cli import check_seconds
-
-    find_proxy()
-    devices = parse_devices(args.devices)
-    if args.device != "cpu":
-        raise UserError("give --device or --devices, not both")
-    if args.replica_name is not None:
-        raise UserError("--replica-name does not go with --devices (the replicas are named r0, r1, ...)")
-    for device in dict.fromkeys(devices):
-        check_device(device)
-    check_seconds("--check-interval", args.check_interval, zero_ok=False)
-    base, n = args.replica_base_port, len(devices)
-    if base and not 1024 <= base <= 65536 - 3 * n:
-        raise UserError(
-            f"--replica-base-port must be 0 or in 1024..{65536 - 3 * n} for {n} replicas, got {base}"
-        )
-    if args.drain_delay is None:
-        args.drain_delay = 5.0 * args.check_interval
-    return devices
-
-
-def pick_public_ports(args: argparse.Namespace) -> None:
-    """Check the public ports (busy: UserError naming the option) and replace 0 by a free port."""
-    from .cli import check_listen
-
-    fronts = [("port", "--port", args.host, "--host", "")]
-    if args.http_port >= 0:
-        fronts.append(("http_port", "--http-port", args.host, "--host", " for HTTP"))
-    if args.metrics_port >= 0:
-        fronts.append(("metrics_port", "--metrics-port", args.metrics_host, "--metrics-host", " for metrics"))
-    for dest, option, host, host_option, purpose in fronts:
-        port = getattr(args, dest)
-        check_listen(host, port, option, host_option, purpose)
-        if port == 0:
-            setattr(args, dest, free_ports(host, 1)[0])
-
-
-def run_cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """`tts serve --devices ...` (options already checked by `tts serve`): run until SIGTERM / Ctrl-C."""
-    devices = check_cluster_options(args)
-    pick_public_ports(args)
+def run_cluster(args: argparse.Namespace, parser: argparse.ArgumentParser, devices: list[str]) -> int:
+    """`tts serve --devices ...` over `devices` (options and public ports already checked by `tts serve`):
+    run until SIGTERM / Ctrl-C."""
     proxy = find_proxy()
 
     async def main() -> int:

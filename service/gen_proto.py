@@ -1,11 +1,11 @@
 """Regenerate the Python modules of the service API from `proto/tts/v1/tts.proto` (grpcio-tools).
 
-    python -m service.gen_proto            # rewrite tts_grpc/v1/tts_pb2.py, tts_pb2.pyi, tts_pb2_grpc.py
-    python -m service.gen_proto --out DIR  # write them under DIR/tts_grpc/v1/ instead (tests compare)
+    python -m service.gen_proto            # rewrite service/grpc_gen/v1/tts_pb2.py, tts_pb2.pyi, tts_pb2_grpc.py
+    python -m service.gen_proto --out DIR  # write them under DIR/service/grpc_gen/v1/ instead (tests compare)
 
 The .proto is compiled with the repository root as the include path, so its descriptor keeps the file
 name `proto/tts/v1/tts.proto` (the API's protobuf package stays `tts.v1`), and protoc names the modules
-`proto.tts.v1.*`. They are then moved into the package `tts_grpc.v1` (a top-level `proto` package would
+`proto.tts.v1.*`. They are then moved into the package `service.grpc_gen.v1` (a top-level `proto` package would
 clash with the `proto-plus` distribution's), with their own module path rewritten to match: the
 `tts_pb2` module name the messages are registered under, and `tts_pb2_grpc`'s import of `tts_pb2`. The
 generated modules are committed; `tests/test_proto.py` checks that they match the .proto.
@@ -20,21 +20,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_FILE = "proto/tts/v1/tts.proto"
-PACKAGE = "tts_grpc/v1"  # where the generated modules live (the Python package tts_grpc.v1)
+PACKAGE = "service/grpc_gen/v1"  # where the generated modules live (the Python package service.grpc_gen.v1)
 GENERATED = ("tts_pb2.py", "tts_pb2.pyi", "tts_pb2_grpc.py")
 
 # What protoc writes for PROTO_FILE -> what the modules say in PACKAGE; every pair must occur.
 _RENAMES = {
-    "tts_pb2.py": [("'proto.tts.v1.tts_pb2'", "'tts_grpc.v1.tts_pb2'")],
+    "tts_pb2.py": [("'proto.tts.v1.tts_pb2'", "'service.grpc_gen.v1.tts_pb2'")],
     "tts_pb2_grpc.py": [
-        ("from proto.tts.v1 import tts_pb2 as", "from tts_grpc.v1 import tts_pb2 as"),
-        ("generated code in proto/tts/v1/tts_pb2_grpc.py", "generated code in tts_grpc/v1/tts_pb2_grpc.py"),
+        ("from proto.tts.v1 import tts_pb2 as", "from service.grpc_gen.v1 import tts_pb2 as"),
+        (
+            "generated code in proto/tts/v1/tts_pb2_grpc.py",
+            "generated code in service/grpc_gen/v1/tts_pb2_grpc.py",
+        ),
     ],
 }
 
 
 def generate(out_root: Path = ROOT) -> list[Path]:
-    """Compile the .proto into `out_root/tts_grpc/v1/`; returns the generated files.
+    """Compile the .proto into `out_root/service/grpc_gen/v1/`; returns the generated files.
 
     Raises RuntimeError if protoc fails (its message is on stderr) or its output no longer has the module
     paths this rewrites, and ImportError without grpcio-tools.

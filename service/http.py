@@ -72,16 +72,15 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from service.grpc_gen.v1 import tts_pb2 as pb
+from service.server import CallLog, RequestFields, build_job, prepare_off_loop, prepare_reference, status_for
 from tts.api import VoiceExists, VoiceNotFound
-from tts.audio_formats import FORMATS, MAX_SPEED, MIN_SPEED, AudioEncoder
+from tts.audio.formats import FORMATS, MAX_SPEED, MIN_SPEED, AudioEncoder
 from tts.codec.base import AudioError
 from tts.engine import FinishReason, InvalidRequest
-from tts.engine.loop import Audio, EngineFailed, Failed, Finished, LoopClosed, Overloaded, Started
-from tts.text import TextError, shorten
-from tts.textbudget import PreparationTimeout
-from tts_grpc.v1 import tts_pb2 as pb
-
-from .server import CallLog, RequestFields, build_job, prepare_off_loop, prepare_reference, status_for
+from tts.runtime.engine_thread import Audio, EngineFailed, Failed, Finished, LoopClosed, Overloaded, Started
+from tts.text.budget import PreparationTimeout
+from tts.text.normalize import TextError, shorten
 
 log = logging.getLogger(__name__)
 
@@ -678,6 +677,7 @@ class HTTPFront:
         others get up to 5 s to send what is left. Idempotent."""
         if self._task is None:
             return
+        assert self._uvicorn is not None  # set with _task, in start
         self._uvicorn.should_exit = True
         for response in list(self.active):
             if not response.synthesis.finished:
@@ -824,7 +824,7 @@ class HTTPFront:
         return size
 
     def _too_large(self, size: int, at_least: bool = False) -> str:
-        from .server import format_size
+        from service.server import format_size
 
         what = f"at least {format_size(size)}" if at_least else format_size(size)
         return (

@@ -44,7 +44,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tts.engine.loop import EngineLoop
+from tts.runtime.engine_thread import EngineLoop
 
 log = logging.getLogger(__name__)
 

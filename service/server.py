@@ -57,11 +57,15 @@ import grpc
 import numpy as np
 import torch
 
-from tts.audio import read_audio, to_pcm16
-from tts.bundle import ModelBundle
+from service.grpc_gen.v1 import tts_pb2 as pb
+from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
+from service.metrics import ServiceMetrics
+from tts.audio.files import read_audio, to_pcm16
+from tts.checkpoints.bundle import ModelBundle
 from tts.codec.base import AudioError
 from tts.engine import EngineConfig, FinishReason, InvalidRequest
-from tts.engine.loop import (
+from tts.params import MAX_CHUNK_FRAMES
+from tts.runtime.engine_thread import (
     DEFAULT_CHUNK_FRAMES,
     DEFAULT_FIRST_CHUNK_FRAMES,
     DEFAULT_MAX_QUEUED_CHUNKS,
@@ -78,20 +82,15 @@ from tts.engine.loop import (
     Started,
     SynthesisJob,
 )
-from tts.params import MAX_CHUNK_FRAMES
-from tts.planner import Planner
-from tts.text import TextError, shorten
-from tts.textbudget import PreparationTimeout, TextBudget, text_budget
-from tts.voices import VoiceExists, VoiceNotFound, reference_key
-from tts_grpc.v1 import tts_pb2 as pb
-from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
-
-from .metrics import ServiceMetrics
+from tts.runtime.planner import Planner
+from tts.runtime.voices import VoiceExists, VoiceNotFound, reference_key
+from tts.text.budget import PreparationTimeout, TextBudget, text_budget
+from tts.text.normalize import TextError, shorten
 
 if TYPE_CHECKING:
     from grpc_health.v1 import health
 
-    from .http import HTTPFront
+    from service.http import HTTPFront
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +266,7 @@ def build_job(
 
 async def prepare_off_loop(fn: Callable[..., T], *args, timeout: float | None) -> T:
     """`fn(*args)` (a request's preparation: `build_job` and the like, host work) on a worker thread, under a
-    text budget (`tts.textbudget`) whose deadline is `timeout` seconds from now (None: none). Past the
+    text budget (`tts.text.budget`) whose deadline is `timeout` seconds from now (None: none). Past the
     deadline this raises PreparationTimeout at once and the preparation stops at its next step; if the
     awaiting task is cancelled (the client cancelled, or its deadline passed), the preparation stops at
     its next step as well. The worker holds the GIL only between steps that are linear in the text, so
@@ -975,7 +974,7 @@ class TTSServer:
         if self.metrics_port is not None:
             self.metrics_port = self.metrics.serve_http(self.metrics_host, self.metrics_port)
         if self.http_port is not None:  # ---- HTTP front (service/http.py)
-            from .http import HTTPFront
+            from service.http import HTTPFront
 
             self._http = HTTPFront(self)
             self.http_port = await self._http.start(host, self.http_port)  # ---- end HTTP front

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tts.bundle import build_tiny_bundle
+from tts.checkpoints.bundle import build_tiny_bundle
 
 
 def pytest_collection_modifyitems(config, items):
@@ -29,7 +29,7 @@ def fish_checkpoints(tmp_path_factory):
     """Tiny random Fish checkpoints in the real formats, as the parity goldens were made from them."""
     from fish_golden import CASES
 
-    from tts.fish.checkpoint import write_checkpoint
+    from tts.checkpoints.fish.writer import write_checkpoint
 
     root = tmp_path_factory.mktemp("fish")
     out = {}

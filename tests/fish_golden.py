@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from tts.prompt import Turn, VoiceReference
-from tts.randinit import hashed_randint, hashed_uniform
+from tts.model.randinit import hashed_randint, hashed_uniform
+from tts.text.prompt import Turn, VoiceReference
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = json.loads((GOLDEN / "fish_cases.json").read_text())

@@ -11,13 +11,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 
-import tts.kernels as K  # noqa: E402
-from tts.kernels.fused import add_rmsnorm, qk_norm_rope, rmsnorm, silu_mul  # noqa: E402
-from tts.kernels.paged_attention import triton_paged_decode_attention  # noqa: E402
-from tts.kernels.sampling import triton_sample, triton_sample_main_token  # noqa: E402
-from tts.kv_cache import paged_decode_attention  # noqa: E402
-from tts.layers import RMSNorm, apply_rotary_emb, precompute_freqs_cis  # noqa: E402
-from tts.sampling import RowParams, sample, sample_main_token  # noqa: E402
+import tts.model.kernels as K  # noqa: E402
+from tts.model.kernels.fused import add_rmsnorm, qk_norm_rope, rmsnorm, silu_mul  # noqa: E402
+from tts.model.kernels.paged_attention import triton_paged_decode_attention  # noqa: E402
+from tts.model.kernels.sampling import triton_sample, triton_sample_main_token  # noqa: E402
+from tts.model.kv_cache import paged_decode_attention  # noqa: E402
+from tts.model.layers import RMSNorm, apply_rotary_emb, precompute_freqs_cis  # noqa: E402
+from tts.model.sampling import RowParams, sample, sample_main_token  # noqa: E402
 
 
 def check_paged_attention():
@@ -104,8 +104,8 @@ def check_snake():
     with them against the same decoder without (the tiny codec, fp32, two calls of ragged rows)."""
     from test_dac_batched import _codec, _codes
 
-    from tts.codec.dac_net import Snake1d
-    from tts.kernels.snake import add_snake, snake
+    from tts.codec.dac.net import Snake1d
+    from tts.model.kernels.snake import add_snake, snake
 
     torch.manual_seed(2)
     m = Snake1d(6)
@@ -159,8 +159,8 @@ def check_engine_end_to_end():
     """The whole frame step with every kernel on gives the torch path's codes (fp32)."""
     from helpers import params, random_prompt, run_to_completion
 
-    import tts.kernels.fused as fused_module
-    from tts.bundle import build_tiny_bundle
+    import tts.model.kernels.fused as fused_module
+    from tts.checkpoints.bundle import build_tiny_bundle
     from tts.engine import Engine, EngineConfig
 
     results = []

@@ -15,7 +15,7 @@ import torch
 from service.client import channel_options, decode_audio, decode_codes
 from service.server import TTSServer
 from tts.engine import EngineConfig
-from tts.engine.loop import EngineLoop
+from tts.runtime.engine_thread import EngineLoop
 
 # A stream of exactly HOLD_FRAMES frames whatever the random weights do (the end token is held off),
 # for a text long enough that the runaway guard allows it. Sent as float32 one frame per chunk, its

@@ -8,7 +8,8 @@ import torch
 from helpers import params, random_prompt, script_loop_guard
 
 from tts.api import TTS
-from tts.bundle import load_bundle, save_bundle
+from tts.checkpoints.bundle import save_bundle
+from tts.checkpoints.load import load_bundle
 from tts.engine import Engine, EngineConfig, FinishReason
 from tts.engine.aligner import (
     FALL_TOKENS,
@@ -17,11 +18,11 @@ from tts.engine.aligner import (
     RETRY_FRAMES,
     RETRY_TEMPERATURE,
     REWIND_EXTRA_FRAMES,
-    AlignerSpec,
     LoopGuard,
     Repeat,
     text_alignment,
 )
+from tts.model.config import AlignerSpec
 
 # ---- the position in the text -------------------------------------------------------------------------
 
@@ -80,7 +81,7 @@ def test_the_text_span_is_the_chunks_text_tokens_in_its_prompt():
     """What the guard follows: the positions of the chunk's own text, after the voice reference and the
     previous chunk, as the default model reads it (phonemes)."""
     from tts.params import SamplingParams
-    from tts.prompt import Turn
+    from tts.text.prompt import Turn
 
     tts = TTS.load("default")
     fmt = tts.bundle.prompt_format

@@ -6,8 +6,8 @@ import torch
 
 from tts import TTS, InvalidRequest, VoiceNotFound
 from tts.codec import AudioError
-from tts.prompt import Turn, VoiceReference
-from tts.text import TextError
+from tts.text.normalize import TextError
+from tts.text.prompt import Turn, VoiceReference
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_stream_chunks_concatenate_to_synthesize_and_to_offline_decode(tts):
 def test_time_to_first_audio_is_split_into_phases_that_add_up(tts):
     """The runner's first-audio phases (what `tts_first_audio_seconds_total` exports) cover exactly the
     span from submission to the first audio chunk, once per job that had audio."""
-    from tts.engine.jobs import FIRST_AUDIO_PHASES, Finished, ListSink
+    from tts.runtime.jobs import FIRST_AUDIO_PHASES, Finished, ListSink
 
     runner = tts.runner
     before, jobs = dict(runner.first_audio_seconds), runner.first_audio_jobs
@@ -60,8 +60,8 @@ def test_time_to_first_audio_is_split_into_phases_that_add_up(tts):
 def test_the_logged_voice_names_the_voice_used():
     """The server's request log shows `SynthesisJob.voice_kind`: with no voice named, the default preset
     by name (a log saying only `default` read like a voice called "default")."""
-    from tts.bundle import load_bundle
-    from tts.planner import Planner
+    from tts.checkpoints.load import load_bundle
+    from tts.runtime.planner import Planner
 
     bundle = load_bundle("default")
     planner = Planner(bundle, 4096)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tts.audio_formats import (
+from tts.audio.formats import (
     FORMATS,
     AudioEncoder,
     AudioFormatError,
@@ -148,7 +148,7 @@ def test_close_without_finish_and_encode_after_finish():
 def test_a_reference_clip_may_be_any_format_libsndfile_reads(fmt, subtype):
     """Reference clips (--reference-audio, `tts voices add`, the service's clips) are read by soundfile:
     WAV, FLAC, MP3 and Ogg Vorbis all give the clip back at its rate and about its length."""
-    from tts.audio import read_audio
+    from tts.audio.files import read_audio
 
     if fmt not in sf.available_formats():  # (MP3 needs libsndfile >= 1.1; soundfile's wheels bring 1.2)
         pytest.skip(f"this libsndfile reads no {fmt}")

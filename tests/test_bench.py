@@ -1,6 +1,6 @@
 import json
 
-from tts.cli import main
+from tts.cli.main import main
 
 
 def test_bench_runs_the_real_engine_and_writes_json_and_plot(tmp_path, capsys):
@@ -47,12 +47,13 @@ def test_bench_rejects_bad_modes(capsys):
 
 def test_bench_checks_its_options_before_loading_a_model(tmp_path, capsys, monkeypatch):
     """Bad options are one line before any model loads, and leave no results folder behind."""
-    import tts.bench
 
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded before the options were checked")
 
-    monkeypatch.setattr(tts.bench, "load_bench_model", never)
+    import tts_tools.bench
+
+    monkeypatch.setattr(tts_tools.bench, "load_bench_model", never)
     monkeypatch.chdir(tmp_path)
     assert main(["bench", "--model", "tiny", "--frames", "1"]) == 2
     assert capsys.readouterr().err.strip() == "tts: error: --frames must be >= 2, got 1"

@@ -8,7 +8,7 @@ import pytest
 import soundfile as sf
 from helpers import sysfs_mounted
 
-from tts.cli import main, summarize_finish_reasons
+from tts.cli.main import main, summarize_finish_reasons
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,7 +120,7 @@ def test_bad_input_one_line_error_nonzero_exit_no_file(tmp_path, capsys, argv, m
 
 
 def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    """`python -m tts.cli ARGS` as a user runs it (this checkout first on the path)."""
+    """`python -m tts.cli.main ARGS` as a user runs it (this checkout first on the path)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(
         [sys.executable, "-m", "tts.cli", *args], capture_output=True, text=True, env=env, cwd=cwd or ROOT
@@ -209,7 +209,7 @@ def test_the_write_probe_leaves_no_file_even_where_files_cannot_be_removed(tmp_p
     without it) a named file is made and removed."""
     import errno
 
-    from tts.cli import check_output_path
+    from tts.cli.main import check_output_path
 
     out = tmp_path / "x.wav"
     if o_tmpfile:
@@ -236,7 +236,7 @@ def test_an_unexpected_o_tmpfile_refusal_falls_back_to_a_named_probe(tmp_path, m
     FUSE or 9p server) is not taken for an unwritable directory: the named probe decides."""
     import errno
 
-    from tts.cli import check_output_path
+    from tts.cli.main import check_output_path
 
     if not hasattr(os, "O_TMPFILE"):
         pytest.skip("no O_TMPFILE here")
@@ -261,7 +261,7 @@ def test_only_an_immutable_file_is_refused_by_the_write_probe(tmp_path, monkeypa
     import builtins
     import errno
 
-    from tts.cli import UserError, check_output_path
+    from tts.cli.main import UserError, check_output_path
 
     out = tmp_path / "x.wav"
     out.write_bytes(b"old")
@@ -299,12 +299,12 @@ def test_a_write_that_fails_at_the_end_names_the_output_and_leaves_nothing(tmp_p
     read-only): one line naming the output, not the temporary file, and no file left."""
     import errno
 
-    import tts.audio
+    import tts.audio.files
 
     def read_only(src, dst):
         raise OSError(errno.EROFS, "Read-only file system", str(src))
 
-    monkeypatch.setattr(tts.audio.os, "replace", read_only)
+    monkeypatch.setattr(tts.audio.files.os, "replace", read_only)
     out = tmp_path / "x.wav"
     rc = main(
         ["synthesize", "Hello there.", "-o", str(out), "--model", "tiny", "--max-new-frames", "3", "-q"]
@@ -444,15 +444,15 @@ def add_parser(subparsers):
 
 def add_subcommand_module(monkeypatch, tmp_path, module: str, body: str) -> None:
     """A subcommand module `module` on sys.path, listed after the real ones."""
-    import tts.cli
+    import tts.cli.main
 
     (tmp_path / f"{module}.py").write_text(body + SUBCOMMAND_SOURCE.format(name=module.replace("_", "-")))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, module, raising=False)
-    monkeypatch.setattr(tts.cli, "_SUBCOMMAND_MODULES", (*tts.cli._SUBCOMMAND_MODULES, module))
+    monkeypatch.setattr(tts.cli.main, "_SUBCOMMAND_MODULES", (*tts.cli.main._SUBCOMMAND_MODULES, module))
 
 
-@pytest.mark.parametrize("broken", ["own-import", "service.cli"])
+@pytest.mark.parametrize("broken", ["own-import", "tts.cli.serve"])
 def test_a_subcommand_module_that_fails_to_import_our_own_code_is_an_error_not_a_missing_command(
     broken, tmp_path, monkeypatch, capsys
 ):
@@ -460,11 +460,13 @@ def test_a_subcommand_module_that_fails_to_import_our_own_code_is_an_error_not_a
     from `tts --help` in silence: every command fails with one line naming the module, and -v adds the
     traceback."""
     if broken == "own-import":
-        add_subcommand_module(monkeypatch, tmp_path, "broken_cmd", "from tts.cli import no_such_helper\n")
-        module, reason = "broken_cmd", "cannot import name 'no_such_helper' from 'tts.cli'"
+        add_subcommand_module(
+            monkeypatch, tmp_path, "broken_cmd", "from tts.cli.main import no_such_helper\n"
+        )
+        module, reason = "broken_cmd", "cannot import name 'no_such_helper' from 'tts.cli.main'"
     else:
-        monkeypatch.setitem(sys.modules, "service.cli", None)  # importing it raises ModuleNotFoundError
-        module, reason = "service.cli", "import of service.cli halted"
+        monkeypatch.setitem(sys.modules, "tts.cli.serve", None)  # importing it raises ModuleNotFoundError
+        module, reason = "tts.cli.serve", "import of tts.cli.serve halted"
     assert main(["info", "--model", "tiny"]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith(f"tts: error: cannot load the subcommands of {module}: ")
@@ -475,25 +477,25 @@ def test_a_subcommand_module_that_fails_to_import_our_own_code_is_an_error_not_a
 
 
 def test_a_subcommand_whose_optional_extra_is_missing_is_left_out(tmp_path, monkeypatch, capsys):
-    """A missing optional extra (`pip install -e '.[eval]'`) only leaves out the subcommand that needs
+    """A missing optional extra (`pip install -e '.[tools]'`) only leaves out the subcommand that needs
     it at import time; the others work."""
-    from tts.cli import build_parser
+    from tts.cli.main import build_parser
 
-    monkeypatch.setitem(sys.modules, "faster_whisper", None)  # as if the eval extra were not installed
+    monkeypatch.setitem(sys.modules, "faster_whisper", None)  # as if the tools extra were not installed
     add_subcommand_module(monkeypatch, tmp_path, "needs_extra", "import faster_whisper  # noqa\n")
     commands = build_parser()._subparsers._group_actions[0].choices
     assert "needs-extra" not in commands and {"synthesize", "serve", "eval", "text"} <= set(commands)
     assert main(["info", "--model", "tiny"]) == 0
 
 
-def test_the_optional_extras_the_cli_tolerates_are_the_eval_extra_of_pyproject():
+def test_the_optional_extras_the_cli_tolerates_are_the_tools_extra_of_pyproject():
     tomllib = pytest.importorskip("tomllib")
-    import tts.cli
+    import tts.cli.main
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    eval_extra = project["optional-dependencies"]["eval"]
-    names = {re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].lower().replace("-", "_") for req in eval_extra}
-    assert set(tts.cli._OPTIONAL_EXTRA_MODULES) == names
+    tools_extra = project["optional-dependencies"]["tools"]
+    names = {re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].lower().replace("-", "_") for req in tools_extra}
+    assert set(tts.cli.main._OPTIONAL_EXTRA_MODULES) == names
 
 
 GRAPH_OPTIONS = [
@@ -518,7 +520,7 @@ GRAPH_OPTIONS = [
     "argv, graphs, warning", GRAPH_OPTIONS, ids=[" ".join(a) or "-" for a, _, _ in GRAPH_OPTIONS]
 )
 def test_one_graphs_option_and_its_deprecated_aliases(capsys, command, argv, graphs, warning):
-    from tts.cli import build_parser, engine_kwargs
+    from tts.cli.main import build_parser, engine_kwargs
 
     words = ["synthesize", "hi", "-o", "x.wav"] if command == "synthesize" else ["serve"]
     args = build_parser().parse_args([*words, *argv])
@@ -531,7 +533,7 @@ def test_one_graphs_option_and_its_deprecated_aliases(capsys, command, argv, gra
 
 @pytest.mark.parametrize("command", ["synthesize", "serve"])
 def test_loop_guard_is_on_unless_turned_off(command):
-    from tts.cli import build_parser, engine_kwargs
+    from tts.cli.main import build_parser, engine_kwargs
 
     words = ["synthesize", "hi", "-o", "x.wav"] if command == "synthesize" else ["serve"]
     assert engine_kwargs(build_parser().parse_args(words))["loop_guard"] is True
@@ -575,13 +577,13 @@ def test_synthesize_with_a_deprecated_graph_option_warns_once_and_runs(tmp_path,
 def test_replicas_get_the_resolved_graphs_option(monkeypatch, capsys):
     """`tts serve --devices` forwards `--graphs startup`, not the deprecated spelling it was given."""
     import service.cluster
-    from service import cli as service_cli
+    from tts.cli import serve as service_cli
 
     forwarded = []
     monkeypatch.setattr(
         service.cluster,
         "run_cluster",
-        lambda args, parser: forwarded.append(service.cluster.forwarded_options(args, parser)) or 0,
+        lambda args, parser, devices: forwarded.append(service.cluster.forwarded_options(args, parser)) or 0,
     )
     assert main(["serve", "--devices", "cpu,cpu", "--model", "tiny", "--capture", "startup"]) == 0
     assert forwarded == [["--model", "tiny", "--graphs", "startup"]]

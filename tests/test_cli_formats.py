@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tts.cli import main
+from tts.cli.main import main
 
 av = pytest.importorskip("av")
 ROOT = Path(__file__).resolve().parent.parent

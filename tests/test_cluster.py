@@ -24,13 +24,13 @@ from pathlib import Path
 import grpc
 import pytest
 from service_helpers import HOLD_FRAMES, HOLD_TEXT
+from tts_tools.loadtest import replica_shares, run_loadtest
 
 from service import cluster
 from service.client import build_request, channel_options
-from service.loadtest import replica_shares, run_loadtest
-from tts.cli import build_parser, main
-from tts_grpc.v1 import tts_pb2 as pb
-from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
+from service.grpc_gen.v1 import tts_pb2 as pb
+from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
+from tts.cli.main import build_parser, main
 
 pytest.importorskip("grpc_health")
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,7 +57,13 @@ class ClusterProcess:
     def __init__(self, *args: str):
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from tts.cli import main; sys.exit(main())", "serve", *args],
+            [
+                sys.executable,
+                "-c",
+                "import sys; from tts.cli.main import main; sys.exit(main())",
+                "serve",
+                *args,
+            ],
             cwd=ROOT,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -398,7 +404,7 @@ BAD = [
 @pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_cluster_options_are_one_line(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(cluster, "find_proxy", lambda: "haproxy")
-    monkeypatch.setattr("tts.bundle.load_bundle", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr("tts.checkpoints.load.load_bundle", lambda *a, **k: pytest.fail("loaded a model"))
     assert main(["serve", "--model", "tiny", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("tts: error: " + message) and "\n" not in err, err
@@ -427,7 +433,7 @@ def test_replicas_get_the_options_that_are_not_the_clusters():
             "60",
         ]
     )
-    from service import cli as service_cli
+    from tts.cli import serve as service_cli
 
     words = cluster.forwarded_options(args, service_cli._SERVE_PARSER)
     assert words == [

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from tts.audio import to_pcm16
+from tts.audio.files import to_pcm16
 from tts.codec import AudioError, WaveTableCodec, prepare_audio
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from tts.bundle import load_bundle
-from tts.engine.codec_stage import CodecStage
+from tts.checkpoints.load import load_bundle
+from tts.runtime.codec_stage import CodecStage
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,7 @@ def test_a_full_piece_and_a_tail_queued_together_both_decode(codec, graphs):
     """A full-size piece (MAX_PIECE_FRAMES frames) and its stream's short tail, queued while the worker
     is busy, may not share one row (wider than the staging buffers): both decode, in order, and the
     stream equals its offline decode; the stage keeps serving."""
-    from tts.engine.codec_stage import MAX_PIECE_FRAMES
+    from tts.runtime.codec_stage import MAX_PIECE_FRAMES
 
     done = threading.Event()
     stage = CodecStage(codec, max_streams=2, notify=done.set)

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from tts.config import ConfigError, ModelArgs
+from tts.model.config import ConfigError, ModelArgs
 
 S2_CONFIG = {
     "model_type": "fish_qwen3_omni",

@@ -4,11 +4,11 @@ import pytest
 import torch
 from helpers import params, random_prompt, run_to_completion
 
-from tts.bundle import build_tiny_bundle
+from tts.checkpoints.bundle import build_tiny_bundle
 from tts.engine import Engine, EngineConfig
 from tts.engine.cpu_decode import block_weights, decode_layers, decode_layers_kv_only
-from tts.layers import Rope
-from tts.model import run_layers, run_layers_kv_only
+from tts.model.layers import Rope
+from tts.model.transformer import run_layers, run_layers_kv_only
 
 
 def _model():

@@ -13,8 +13,8 @@ from helpers import random_prompt
 
 from tts.engine import Engine, EngineConfig, SamplingParams
 from tts.engine.model_runner import RowInit
-from tts.kv_cache import PagedKVCache, paged_decode_attention
-from tts.shapes import build_random_model, shape_config
+from tts.model.kv_cache import PagedKVCache, paged_decode_attention
+from tts.model.shapes import build_random_model, shape_config
 
 pytestmark = pytest.mark.cuda
 
@@ -229,7 +229,7 @@ def test_batched_vs_solo_match_length_is_measured(model):
 
 
 def test_paged_kernel_matches_torch_reference_bf16():
-    from tts.kernels.paged_attention import triton_paged_decode_attention
+    from tts.model.kernels.paged_attention import triton_paged_decode_attention
 
     torch.manual_seed(0)
     H, Hkv, D, bs, NB = 32, 8, 128, 16, 300
@@ -247,7 +247,7 @@ def test_paged_kernel_matches_torch_reference_bf16():
 def test_fused_step_matches_torch_step_in_bf16(model):
     """The whole step with Triton kernels against the plain torch step on the GPU: same first frames'
     main tokens under greedy decoding (bf16 rounding may differ later)."""
-    import tts.kernels as K
+    import tts.model.kernels as K
 
     results = []
     for fused in (True, False):
@@ -262,8 +262,8 @@ def test_fused_step_matches_torch_step_in_bf16(model):
 
 
 def test_sampler_kernel_matches_torch_sampler_on_gpu():
-    from tts.kernels.sampling import triton_sample
-    from tts.sampling import DrawSettings, SortedLogits, row_keys
+    from tts.model.kernels.sampling import triton_sample
+    from tts.model.sampling import DrawSettings, SortedLogits, row_keys
 
     torch.manual_seed(0)
     B, V = 64, 4096
@@ -278,7 +278,7 @@ def test_sampler_kernel_matches_torch_sampler_on_gpu():
 
 
 def test_topk_sampler_path_equals_full_sort_and_keeps_batch_independence(model):
-    from tts.kernels.sampling import triton_sample
+    from tts.model.kernels.sampling import triton_sample
 
     torch.manual_seed(1)
     B, V = 32, 4096
@@ -375,8 +375,8 @@ def test_engine_loop_on_the_gpu_streams_the_offline_audio():
     import numpy as np
 
     from tts.api import TTS
-    from tts.bundle import load_bundle
-    from tts.engine.loop import Audio, EngineLoop, Finished
+    from tts.checkpoints.load import load_bundle
+    from tts.runtime.engine_thread import Audio, EngineLoop, Finished
 
     bundle = load_bundle("default", "cuda")  # (its codec runs on the GPU too)
     loop = EngineLoop(bundle, EngineConfig(max_batch=4, graphs="startup")).start()
@@ -435,7 +435,7 @@ def test_graphed_prefill_matches_the_eager_prefill_in_bf16(model):
     more sequence, empty sequences after it) writes each request's K/V as the eager prefill does, to
     bf16 rounding, and pad columns touch only the scratch block. A wrong slot, position or sequence
     bound gives errors of the values' own size."""
-    from tts.kv_cache import SCRATCH_BLOCK
+    from tts.model.kv_cache import SCRATCH_BLOCK
 
     lengths = (37, 5, 120, 64)
     prompts = [prompt(model, n, i) for i, n in enumerate(lengths)]
@@ -467,8 +467,8 @@ def test_graphed_prefill_matches_the_eager_prefill_in_bf16(model):
 def test_varlen_attention_equals_the_block_diagonal_mask(monkeypatch):
     """The packed prefill's CUDA attention (flash over variable-length sequences, no mask) against the
     masked SDPA it replaces, with grouped K/V heads (4 query heads per K/V head), bf16."""
-    import tts.model
-    from tts.model import packed_causal_attend, varlen_causal_attend, varlen_causal_available
+    import tts.model.transformer
+    from tts.model.transformer import packed_causal_attend, varlen_causal_attend, varlen_causal_available
 
     assert varlen_causal_available(torch.device("cuda"), torch.bfloat16, 64)
     torch.manual_seed(3)
@@ -483,7 +483,7 @@ def test_varlen_attention_equals_the_block_diagonal_mask(monkeypatch):
     want = packed_causal_attend(q, k, v, mask)
     torch.testing.assert_close(varlen_causal_attend(q, k, v, cu, max(lengths)), want, atol=2e-2, rtol=2e-2)
     # A torch whose varlen_attn has no enable_gqa: K/V heads repeated for it (same result).
-    fn, options = tts.model._varlen()
+    fn, options = tts.model.transformer._varlen()
     monkeypatch.setattr(
         tts.model,
         "_varlen",
@@ -498,7 +498,7 @@ def test_text_positions_and_rewinds_under_replay_equal_eager(model, monkeypatch)
     at changing buckets; the step with the aligner makes no host sync."""
     from helpers import script_loop_guard
 
-    from tts.engine.aligner import AlignerSpec
+    from tts.model.config import AlignerSpec
 
     script_loop_guard(monkeypatch, {9: (4, False), 25: (6, False), 40: (2, False)})
     aligner = AlignerSpec(3, (0, 5))

@@ -7,11 +7,11 @@ import torch
 from fish_golden import CASES, encode_signal, golden
 
 from tts.codec.base import CodecCheckpointError
-from tts.codec.dac import DACCodec
-from tts.codec.dac_checkpoint import fuse_weight_norm
-from tts.codec.dac_net import ModdedDAC
-from tts.codec.dac_random import random_codec_state, tiny_dac_config
-from tts.randinit import hashed_randint
+from tts.codec.dac.codec import DACCodec
+from tts.codec.dac.net import ModdedDAC
+from tts.codec.dac.random_init import random_codec_state, tiny_dac_config
+from tts.codec.dac.weights import fuse_weight_norm
+from tts.model.randinit import hashed_randint
 
 SPEC = CASES["codec"]
 # An even smaller codec for the tests that do not compare with goldens.

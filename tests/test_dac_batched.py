@@ -7,12 +7,12 @@ import torch
 from helpers import decode_in_pushes
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tts.codec.dac import DACCodec
-from tts.codec.dac_batched import BatchedDACDecoder
-from tts.codec.dac_checkpoint import fuse_weight_norm
-from tts.codec.dac_net import ModdedDAC
-from tts.codec.dac_random import random_codec_state, tiny_dac_config
-from tts.randinit import hashed_randint
+from tts.codec.dac.batched import BatchedDACDecoder
+from tts.codec.dac.codec import DACCodec
+from tts.codec.dac.net import ModdedDAC
+from tts.codec.dac.random_init import random_codec_state, tiny_dac_config
+from tts.codec.dac.weights import fuse_weight_norm
+from tts.model.randinit import hashed_randint
 
 # Measured on a 2-core x86 CPU, float32, the tiny codec below (audio peaks near 1):
 # max |batched stream - offline decode| 9.7e-6 on SCHEDULE and 7.2e-6 on the 150-frame stream (the
@@ -335,9 +335,9 @@ def test_cuda_snake_kernels_match_the_torch_formula(dtype):
     """The fused Snake passes (tts/kernels/snake.py) against `Snake1d`'s torch formula on the GPU, on a
     conv output cut along T (rows not contiguous, T over one 1024-sample block); and the batched
     decoder with them against the same decoder without them (float32, TF32 off)."""
-    import tts.kernels as K
-    from tts.codec.dac_net import Snake1d
-    from tts.kernels.snake import add_snake, snake
+    import tts.model.kernels as K
+    from tts.codec.dac.net import Snake1d
+    from tts.model.kernels.snake import add_snake, snake
 
     torch.manual_seed(5)
     m = Snake1d(12).cuda()

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from tts.api import TTS
-from tts.bundle import DEFAULT_MODEL_DIR, load_bundle, weight_files
+from tts.checkpoints.bundle import DEFAULT_MODEL_DIR, weight_files
+from tts.checkpoints.load import load_bundle
 from tts.codec.melvq import MelVQCodec
 from tts.engine import EngineConfig
-from tts.frontend import PhonemeFrontend
+from tts.text.phonemes import PhonemeFrontend
 
 pytestmark = pytest.mark.skipif(
     not (DEFAULT_MODEL_DIR / "config.json").is_file(), reason="the default model is not installed"

@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tts.cli import build_parser
+from tts.cli.main import build_parser
 
 MANIFESTS = sorted(
     (Path(__file__).resolve().parent.parent / "service" / "deploy" / "kubernetes").glob("*.yaml")

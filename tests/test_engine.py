@@ -242,7 +242,7 @@ def test_malformed_prompts_are_rejected_at_submit(tiny_model):
 def test_cpu_noise_made_frames_ahead_equals_each_frames_own(tiny_model):
     """The CPU frame step makes the sampler noise of coming frames in one batch; every frame must get
     exactly `frame_log_noise(seeds, steps)`, also when a row stops advancing or the seeds change."""
-    from tts.sampling import frame_log_noise
+    from tts.model.sampling import frame_log_noise
 
     engine = make_engine(tiny_model)
     bufs = engine.runner.buffers
@@ -355,7 +355,7 @@ def test_graphed_prefill_writes_the_kv_of_the_eager_prefill(tiny_model):
     into their own blocks; the pad columns write only the scratch block; warm-up, capture and replay
     all write the same values. A pass longer than the largest bucket runs eagerly."""
     from tts.engine.prefill_graphs import PrefillGraphs
-    from tts.kv_cache import SCRATCH_BLOCK
+    from tts.model.kv_cache import SCRATCH_BLOCK
 
     lengths = (11, 1, 40, 3, 25)
     prompts = [random_prompt(tiny_model, n, i) for i, n in enumerate(lengths)]
@@ -388,7 +388,7 @@ def test_graphed_prefill_writes_the_kv_of_the_eager_prefill(tiny_model):
 def test_a_prefill_bucket_whose_capture_fails_runs_eagerly_at_its_padded_size(tiny_model):
     """A failed capture leaves its token bucket eager, laid out exactly as a replay would be: the K/V
     are still the eager prefill's."""
-    from tts.kv_cache import SCRATCH_BLOCK
+    from tts.model.kv_cache import SCRATCH_BLOCK
 
     assert SCRATCH_BLOCK == 0  # (the comparison below skips block 0)
     prompts = [random_prompt(tiny_model, n, i) for i, n in enumerate((11, 40))]

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tts.api import TTS
-from tts.bundle import load_bundle
+from tts.checkpoints.load import load_bundle
 from tts.engine import EngineConfig
-from tts.engine.loop import (
+from tts.runtime.engine_thread import (
     Audio,
     Cancelled,
     EngineFailed,
@@ -110,7 +110,7 @@ def test_events_and_streamed_audio_equal_offline(make_loop, bundle, offline):
 def test_a_job_frees_its_admission_before_its_client_sees_the_end(make_loop, monkeypatch):
     """When the final event reaches the consumer, the job no longer counts as in flight: a client that
     resubmits at once is not refused for a slot its own ended request still held, and /load is exact."""
-    from tts.engine.loop import RequestStream
+    from tts.runtime.engine_thread import RequestStream
 
     loop = make_loop()
     seen = []
@@ -524,7 +524,7 @@ def test_jobs_in_flight_fail_when_the_codec_stage_dies(make_loop, monkeypatch):
 def test_engine_steps_failing_in_a_row_take_the_replica_out(make_loop, monkeypatch):
     """One failed engine step fails the jobs in flight and the loop serves on (see above); steps failing
     MAX_CONSECUTIVE_STEP_FAILURES times in a row (a broken device) take the replica out of service."""
-    from tts.engine.jobs import MAX_CONSECUTIVE_STEP_FAILURES
+    from tts.runtime.jobs import MAX_CONSECUTIVE_STEP_FAILURES
 
     loop = make_loop()
 
@@ -567,7 +567,7 @@ def test_a_crash_of_the_engine_thread_fails_its_jobs_and_says_why(make_loop, mon
 
 
 def test_chunk_sizes_double_from_the_first_up_to_chunk_frames():
-    from tts.engine.jobs import chunk_size, ramp_sizes
+    from tts.runtime.jobs import chunk_size, ramp_sizes
 
     assert [chunk_size(4, 16, k) for k in range(5)] == [4, 8, 16, 16, 16]
     assert ramp_sizes(4, 16) == (4, 8, 16) and ramp_sizes(16, 4) == (4, 16)
@@ -614,7 +614,7 @@ def test_every_allowed_chunk_size_streams_a_text_chunks_tail_after_a_full_piece(
     import threading
     from concurrent.futures import Future
 
-    from tts.engine.codec_stage import MAX_PIECE_FRAMES
+    from tts.runtime.codec_stage import MAX_PIECE_FRAMES
 
     loop = boundary_loops(model)
     stage = loop.runner.stage

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torchaudio
 from helpers import sysfs_mounted
+from tts_tools import evaluate as tts_eval
 
-from tts import eval as tts_eval
-from tts.cli import main
-from tts.text import normalize_text
+from tts.cli.main import main
+from tts.text.normalize import normalize_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,7 +100,7 @@ def test_the_voice_check_speaks_with_the_teacher_the_model_folder_records(tmp_pa
     assert tts_eval.voice_teacher(SimpleNamespace(voice_teacher=None, model=str(tmp_path))) == "flite"
     assert tts_eval.voice_teacher(SimpleNamespace(voice_teacher="espeak", model=str(tmp_path))) == "espeak"
     # The embedded model: the teacher it records is the one its family string names.
-    from tts.bundle import DEFAULT_MODEL_DIR
+    from tts.checkpoints.bundle import DEFAULT_MODEL_DIR
 
     family = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["tts_runtime"]["family"]
     named = tts_eval.VOICE_TEACHERS[tts_eval.model_teacher("default")][0]
@@ -118,7 +118,7 @@ class _WordsASR:
 
 
 def _sentence_wer(refs, hyps):
-    """jiwer's WER (the eval extra, not installed for the tests) where each hypothesis is its reference
+    """jiwer's WER (the tools extra, not installed for the tests) where each hypothesis is its reference
     or empty: the share of reference words deleted."""
     assert all(h in (r, "") for r, h in zip(refs, hyps, strict=True))
     return sum(len(r.split()) for r, h in zip(refs, hyps, strict=True) if not h) / sum(
@@ -258,7 +258,7 @@ def test_a_loop_sample_shows_how_the_asr_hears_espeak_ng_read_the_same_text(tmp_
 
     monkeypatch.setattr(model_runner, "F", EndTokenNever())  # 4 frames of audio at every seed
     monkeypatch.setattr(tts_eval, "ASR", ScriptedASR)
-    monkeypatch.setattr(tts_eval, "wer", lambda refs, hyps: 1.0)  # (jiwer is in the eval extra only)
+    monkeypatch.setattr(tts_eval, "wer", lambda refs, hyps: 1.0)  # (jiwer is in the tools extra only)
     monkeypatch.setattr(tts_eval, "espeak_audio", lambda *a: (torch.zeros(espeak_rate).numpy(), espeak_rate))
     monkeypatch.setattr(tts_eval, "shutil", SimpleNamespace(which=lambda name: f"/usr/bin/{name}"))
     sentences = tmp_path / "s.txt"

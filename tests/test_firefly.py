@@ -12,7 +12,7 @@ from tts.codec.firefly import (
     random_firefly_state,
     tiny_firefly_config,
 )
-from tts.randinit import hashed_randint
+from tts.model.randinit import hashed_randint
 
 SPEC = CASES["firefly"]
 

@@ -13,11 +13,11 @@ import torch
 from fish_golden import CASES, golden
 
 from service.client import build_request
+from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
 from tts.api import TTS
-from tts.bundle import load_bundle
+from tts.checkpoints.load import load_bundle
 from tts.codec.firefly import FireflyCodec
 from tts.engine import Engine, EngineConfig, SamplingParams
-from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
 
 REP = CASES["repetition"]["fish-1.5"]
 TEXT = next(c for c in CASES["families"]["fish-1.5"]["prompts"] if c["name"] == "plain")["text"]
@@ -158,7 +158,7 @@ def test_service_streams_fish15_with_a_repetition_penalty(bundle):
 
 
 def test_tiny_shapes_fit_long_text_in_their_context(fish_checkpoints):
-    from tts.planner import Planner
+    from tts.runtime.planner import Planner
 
     for fam in ("s2", "s1", "fish-1.5"):
         b = load_bundle(fish_checkpoints[fam])

@@ -9,14 +9,15 @@ import soundfile as sf
 import torch
 
 from tts.api import TTS
-from tts.bundle import build_tiny_bundle, load_bundle
-from tts.cli import main
+from tts.checkpoints.bundle import build_tiny_bundle
+from tts.checkpoints.fish.prompts import Fish15PromptFormat, S1PromptFormat, S2PromptFormat
+from tts.checkpoints.fish.tokenizer import FISH15_SPECIAL_TOKENS, TiktokenTokenizer
+from tts.checkpoints.load import load_bundle
+from tts.cli.main import main
 from tts.codec.base import AudioError
 from tts.engine import Engine, EngineConfig, InvalidRequest, SamplingParams
-from tts.fish.prompts import Fish15PromptFormat, S1PromptFormat, S2PromptFormat
-from tts.fish.tokenizer import FISH15_SPECIAL_TOKENS, TiktokenTokenizer
-from tts.prompt import Turn, VoiceReference
-from tts.text import normalize_text, split_speaker_turns
+from tts.text.normalize import normalize_text, split_speaker_turns
+from tts.text.prompt import Turn, VoiceReference
 
 
 @pytest.fixture(scope="module")
@@ -191,8 +192,8 @@ def test_cli_reports_bad_checkpoints_in_one_line(tmp_path, capsys):
 
 
 def test_cli_lists_every_checkpoint_shape():
-    from tts.fish.checkpoint import SHAPES
-    from tts.fish.cli import SHAPE_NAMES
+    from tts.checkpoints.fish.writer import SHAPES
+    from tts.cli.write_checkpoint import SHAPE_NAMES
 
     assert set(SHAPE_NAMES) == set(SHAPES)
 

@@ -9,14 +9,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tts.bundle import CheckpointError, load_bundle
-from tts.codec.dac_random import random_codec_state, tiny_dac_config
+from tts.checkpoints.bundle import CheckpointError
+from tts.checkpoints.fish.loader import load_fish_model, normalize_pth_state
+from tts.checkpoints.fish.prompts import Fish15PromptFormat, S1PromptFormat, S2PromptFormat
+from tts.checkpoints.fish.tokenizer import TiktokenTokenizer
+from tts.checkpoints.load import load_bundle
+from tts.codec.dac.random_init import random_codec_state, tiny_dac_config
 from tts.codec.firefly import FIREFLY_FILE, FireflyCodec
-from tts.config import ConfigError
-from tts.fish.loader import load_fish_model, normalize_pth_state
-from tts.fish.prompts import Fish15PromptFormat, S1PromptFormat, S2PromptFormat
-from tts.fish.tokenizer import TiktokenTokenizer
-from tts.tokenizer import TextTokenizer, TokenizerError
+from tts.model.config import ConfigError
+from tts.text.tokenizer import TextTokenizer, TokenizerError
 
 
 @pytest.fixture
@@ -279,7 +280,7 @@ def test_special_tokens_json_gives_order_not_ids(copy_of, caplog):
 
 
 def test_modded_dac_is_a_registered_codec_type(fish_checkpoints, tmp_path):
-    from tts.bundle import load_codec
+    from tts.checkpoints.bundle import load_codec
 
     shutil.copy(fish_checkpoints["s2"] / "codec.pth", tmp_path / "codec.pth")
     (tmp_path / "codec.json").write_text(json.dumps({"type": "modded_dac", "file": "codec.pth"}))

@@ -4,9 +4,9 @@ import math
 
 import torch
 
-from tts.config import ModelArgs
-from tts.layers import precompute_freqs_cis
-from tts.model import DualARTransformer
+from tts.model.config import ModelArgs
+from tts.model.layers import precompute_freqs_cis
+from tts.model.transformer import DualARTransformer
 
 
 def _polar_table(seq_len: int, n_elem: int, base: float) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Parity with fish-speech on tiny random checkpoints in the real on-disk formats.
 
 The goldens in tests/golden were produced by running fish-speech itself (main for S2, d3df505 for S1,
-v1.5.1 for 1.5) on checkpoints written by `tts.fish.write_checkpoint` from the same seeds; README.md
+v1.5.1 for 1.5) on checkpoints written by `tts.checkpoints.fish.write_checkpoint` from the same seeds; README.md
 there says exactly how. Here the same checkpoints are regenerated (bit-identical: the weights are a
 pure function of the seed) and loaded through our loaders.
 """
@@ -10,9 +10,9 @@ import pytest
 import torch
 from fish_golden import CASES, golden, prompt_inputs
 
+from tts.checkpoints.fish.loader import FAMILIES, load_fish_model
 from tts.engine import Engine, EngineConfig, SamplingParams
-from tts.fish.loader import FAMILIES, load_fish_model
-from tts.model import DualARTransformer
+from tts.model.transformer import DualARTransformer
 
 FAMILY_KEYS = {"s2": "s2-pro", "s1": "s1", "fish-1.5": "fish-1.5"}
 GOLDEN_FILES = {"s2": "fish_s2", "s1": "fish_s1", "fish-1.5": "fish_15"}

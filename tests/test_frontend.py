@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from tts.frontend import PhonemeFrontend, apply_frontend, get_frontend, identity
-from tts.prompt import S2PromptFormat, Turn, VoiceReference
-from tts.tokenizer import build_byte_tokenizer
+from tts.text.phonemes import PhonemeFrontend, apply_frontend, get_frontend, identity
+from tts.text.prompt import S2PromptFormat, Turn, VoiceReference
+from tts.text.tokenizer import build_byte_tokenizer
 
 
 @pytest.fixture(scope="module")

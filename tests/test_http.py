@@ -25,15 +25,15 @@ import pytest
 import soundfile as sf
 
 from service.client import build_request, channel_options
+from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
 from service.http import body_limit
 from service.server import ServiceLimits
 from tts.api import TTS
-from tts.audio import read_audio, to_pcm16
-from tts.bundle import load_bundle
+from tts.audio.files import read_audio, to_pcm16
+from tts.checkpoints.load import load_bundle
 from tts.engine import EngineConfig
-from tts.engine.aligner import AlignerSpec
-from tts.engine.loop import EngineLoop
-from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
+from tts.model.config import AlignerSpec
+from tts.runtime.engine_thread import EngineLoop
 
 pytest.importorskip("fastapi")
 av = pytest.importorskip("av")

@@ -13,7 +13,7 @@ import pytest
 
 from service.http import body_limit
 from service.server import ServiceLimits
-from tts.bundle import load_bundle
+from tts.checkpoints.bundle import load_bundle
 from tts.engine import EngineConfig
 from tts.engine.engine import Engine
 
@@ -229,7 +229,7 @@ def test_a_malformed_voice_file_is_refused_at_start_and_the_others_serve(tmp_pat
     import torch
     from safetensors.torch import save_file
 
-    from tts.voices import VoiceRegistry, codec_fingerprint
+    from tts.runtime.voices import VoiceRegistry, codec_fingerprint
 
     bundle = load_bundle("tiny")
     codec, fp = bundle.codec, codec_fingerprint(bundle.codec)
@@ -238,7 +238,7 @@ def test_a_malformed_voice_file_is_refused_at_start_and_the_others_serve(tmp_pat
     VoiceRegistry({}, directory, fp).add("good", good)
     wrong = torch.zeros(codec.num_codebooks + 1, 8, dtype=torch.int64)
     save_file({"codes": wrong}, str(directory / "bad.safetensors"), metadata={"text": "x", "codec": fp})
-    with caplog.at_level(logging.WARNING, logger="tts.voices"):
+    with caplog.at_level(logging.WARNING, logger="tts.runtime.voices"):
         srv = HTTPServerThread(bundle, EngineConfig(max_batch=2), ServiceLimits(voices_dir=str(directory)))
     try:
         lines = [r.getMessage() for r in caplog.records if "bad.safetensors" in r.getMessage()]

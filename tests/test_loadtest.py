@@ -8,9 +8,7 @@ import json
 import grpc
 import numpy as np
 import pytest
-
-from service.client import StreamResult, build_request
-from service.loadtest import (
+from tts_tools.loadtest import (
     BENCH_VOICE,
     FIRST_AUDIO_PHASES,
     SERVER_COUNTERS,
@@ -23,9 +21,11 @@ from service.loadtest import (
     synthetic_speech,
     voice_source,
 )
-from tts.audio import read_audio
-from tts_grpc.v1 import tts_pb2 as pb
-from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
+
+from service.client import StreamResult, build_request
+from service.grpc_gen.v1 import tts_pb2 as pb
+from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
+from tts.audio.files import read_audio
 
 pytest.importorskip("grpc_health")
 
@@ -177,7 +177,7 @@ def test_distinct_clips_differ_repeated_and_registered_do_not():
 
 
 def test_a_given_clip_keeps_its_rate_and_channels_when_made_distinct():
-    from service.loadtest import wav_bytes
+    from tts_tools.loadtest import wav_bytes
 
     stereo = np.stack([synthetic_speech(1.0), 0.5 * synthetic_speech(1.0)])
     clip = ReferenceClip.from_bytes(wav_bytes(stereo, 16000), "its transcript")
@@ -200,7 +200,7 @@ def test_min_new_frames_goes_on_the_wire():
 def server():
     from service_helpers import ServerThread
 
-    from tts.bundle import load_bundle
+    from tts.checkpoints.load import load_bundle
     from tts.engine import EngineConfig
 
     srv = ServerThread(load_bundle("tiny"), EngineConfig(max_batch=4), metrics_port=0)
@@ -209,7 +209,7 @@ def server():
 
 
 def bench(server, tmp_path, *extra: str) -> tuple[int, dict | None]:
-    from tts.cli import main
+    from tts.cli.main import main
 
     out = tmp_path / "bench.json"
     metrics = f"http://127.0.0.1:{server.server.metrics_port}/metrics"
@@ -351,6 +351,6 @@ def test_first_audio_phases_are_mean_milliseconds_per_request_of_the_level():
         "first audio at concurrency 4 (server, mean): encode 0 ms, first_frame 100 ms, frames 100 ms, "
         "codec 50 ms; codec fill -"
     )
-    from tts.engine.jobs import FIRST_AUDIO_PHASES as runner_phases
+    from tts.runtime.jobs import FIRST_AUDIO_PHASES as runner_phases
 
     assert FIRST_AUDIO_PHASES == runner_phases  # the names the server exports

@@ -1,8 +1,8 @@
-"""Markdown, SSML and URLs in text to speak (tts.markup): read as a person reads the rendered text."""
+"""Markdown, SSML and URLs in text to speak (tts.text.markup): read as a person reads the rendered text."""
 
 import pytest
 
-from tts.markup import HTML_WARNING, SSML_WARNING, render_markup
+from tts.text.markup import HTML_WARNING, SSML_WARNING, render_markup
 
 
 @pytest.mark.parametrize(
@@ -113,8 +113,8 @@ def test_urls_are_read_as_their_host(raw, spoken):
 def test_text_of_code_blocks_only_is_refused_naming_what_was_left_out(policy):
     """Not "empty, whitespace or punctuation only": the user gave text, and the error says why none of
     it is spoken."""
-    from tts.text import TextError
-    from tts.textpolicy import get_text_policy
+    from tts.text.normalize import TextError
+    from tts.text.policy import get_text_policy
 
     code = "```python\nprint('hello world')\n```\n\n```\nmore code\n```\n"
     with pytest.raises(TextError) as err:
@@ -127,7 +127,7 @@ def test_text_of_code_blocks_only_is_refused_naming_what_was_left_out(policy):
 
 
 def test_a_symbol_the_english_voice_reads_after_a_code_block_is_still_read():
-    from tts.textpolicy import get_text_policy
+    from tts.text.policy import get_text_policy
 
     prepared = get_text_policy("english").prepare("```\ncode\n```\n\n&", None)
     assert (prepared.text, prepared.warnings) == ("and", ["1 code block was not read"])

@@ -7,8 +7,9 @@ import pytest
 import torch
 from helpers import decode_in_pushes
 
-from tts.bundle import load_codec
-from tts.codec.melrvq import FRAME_LENGTH, SAMPLE_RATE, LogMel, MelRVQCodec, fit_rvq, stack_frames
+from tts.checkpoints.bundle import load_codec
+from tts.codec.mel import FRAME_LENGTH, SAMPLE_RATE, LogMel, stack_frames
+from tts.codec.melrvq import MelRVQCodec, fit_rvq
 
 
 def _voice_like(seconds: float, f0: float, seed: int) -> torch.Tensor:

@@ -14,8 +14,10 @@ import pytest
 import torch
 import torchaudio
 
-from tts.bundle import DEFAULT_MODEL_DIR, load_bundle
-from tts.codec.melrvq import FRAME_LENGTH, GriffinLim, MelRVQCodec
+from tts.checkpoints.bundle import DEFAULT_MODEL_DIR
+from tts.checkpoints.load import load_bundle
+from tts.codec.mel import FRAME_LENGTH, GriffinLim
+from tts.codec.melrvq import MelRVQCodec
 from tts.codec.melvq import MelVQCodec, MelVQNet
 from tts.codec.vocoder import CausalVocoder
 

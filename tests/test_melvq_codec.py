@@ -11,8 +11,8 @@ import torch
 from helpers import decode_in_pushes
 from test_melrvq_codec import _voice_like
 
-from tts.bundle import load_codec
-from tts.codec.melrvq import FRAME_LENGTH, SAMPLE_RATE, LogMel
+from tts.checkpoints.bundle import load_codec
+from tts.codec.mel import FRAME_LENGTH, SAMPLE_RATE, LogMel
 from tts.codec.melvq import MelVQCodec, MelVQNet
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from helpers import random_prompt
 
-from tts.bundle import build_tiny_bundle
+from tts.checkpoints.bundle import build_tiny_bundle
 from tts.engine import Engine, EngineConfig
 from tts.engine.model_runner import RowInit
 
@@ -82,9 +82,9 @@ def test_embedding_scales_only_semantic_positions(tiny_model):
 
 
 def test_head_dims_the_triton_kernels_cannot_tile_use_the_torch_path():
-    from tts.config import ModelArgs
-    from tts.kernels import kernel_head_dim_ok
-    from tts.model import DualARTransformer
+    from tts.model.config import ModelArgs
+    from tts.model.kernels import kernel_head_dim_ok
+    from tts.model.transformer import DualARTransformer
 
     assert kernel_head_dim_ok(128) and kernel_head_dim_ok(16)
     assert not kernel_head_dim_ok(80) and not kernel_head_dim_ok(8)
@@ -100,8 +100,8 @@ def test_joint_qk_norm_and_rope_is_bit_exact_to_separate_heads():
     one gather (`cpu_decode._qkv`); the module norms and rotates them separately (`nn.RMSNorm`, a
     flip). Same per-head math, so the same bits (fp32, CPU)."""
     from tts.engine.cpu_decode import BlockWeights, _qkv
-    from tts.layers import Rope, precompute_freqs_cis
-    from tts.model import Attention
+    from tts.model.layers import Rope, precompute_freqs_cis
+    from tts.model.transformer import Attention
 
     torch.manual_seed(3)
     attn = Attention(96, 6, 2, 16, qkv_bias=False, o_bias=False, qk_norm=True, eps=1e-6).eval()

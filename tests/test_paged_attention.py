@@ -2,7 +2,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tts.kv_cache import SCRATCH_BLOCK, BlockAllocator, OutOfBlocks, PagedKVCache, paged_decode_attention
+from tts.model.kv_cache import (
+    SCRATCH_BLOCK,
+    BlockAllocator,
+    OutOfBlocks,
+    PagedKVCache,
+    paged_decode_attention,
+)
 
 
 def dense_reference(q, k_seq, v_seq, scale):
@@ -77,7 +83,7 @@ def test_step_attention_paths_are_bit_exact_to_the_reference_math():
     """PagedDecodeAttention (index_select and bmm) and the CPU frame step's SlicedDecodeAttention (a
     slice of consecutive blocks) give the same bits as the plain gather + einsum formulation."""
     from tts.engine.cpu_step import SlicedDecodeAttention
-    from tts.kv_cache import PagedDecodeAttention
+    from tts.model.kv_cache import PagedDecodeAttention
 
     torch.manual_seed(2)
     H, Hkv, D, bs = 6, 2, 64, 16

@@ -19,10 +19,10 @@ from service_helpers import ServerThread, collect, rpc_error, wait_idle
 import service.http
 import service.server
 from service.client import build_request
-from tts.bundle import load_bundle
+from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
+from tts.checkpoints.bundle import load_bundle
 from tts.engine import EngineConfig
-from tts.textbudget import PreparationTimeout
-from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
+from tts.text.budget import PreparationTimeout
 
 pytest.importorskip("fastapi")
 pytest.importorskip("grpc_health")

@@ -1,4 +1,4 @@
-"""The committed generated modules of the service API (tts_grpc/v1) match proto/tts/v1/tts.proto."""
+"""The committed generated modules of the service API (service/grpc_gen/v1) match proto/tts/v1/tts.proto."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMITTED = ROOT / "tts_grpc" / "v1"
+COMMITTED = ROOT / "service" / "grpc_gen" / "v1"
 
 
 def serialized_descriptor(path: Path) -> bytes:
@@ -33,7 +33,7 @@ def test_committed_modules_match_the_proto(tmp_path):
     assert set(fresh) == set(GENERATED)
     # Version-independent: the same descriptor and the same RPC methods.
     assert serialized_descriptor(fresh["tts_pb2.py"]) == serialized_descriptor(COMMITTED / "tts_pb2.py"), (
-        "tts_grpc/v1/tts_pb2.py is stale: run `python -m service.gen_proto`"
+        "service/grpc_gen/v1/tts_pb2.py is stale: run `python -m service.gen_proto`"
     )
     assert grpc_methods(fresh["tts_pb2_grpc.py"]) == grpc_methods(COMMITTED / "tts_pb2_grpc.py")
     # With the grpcio-tools version that generated the committed files: byte-identical files.
@@ -46,7 +46,7 @@ def test_committed_modules_match_the_proto(tmp_path):
 
 
 def test_generated_modules_describe_the_api():
-    from tts_grpc.v1 import tts_pb2 as pb
+    from service.grpc_gen.v1 import tts_pb2 as pb
 
     service = pb.DESCRIPTOR.services_by_name["TextToSpeech"]
     assert service.full_name == "tts.v1.TextToSpeech"

@@ -2,8 +2,8 @@
 
 import torch
 
-from tts.fish.checkpoint import write_checkpoint
-from tts.randinit import hashed_randint, hashed_uniform, random_like_init
+from tts.checkpoints.fish.writer import write_checkpoint
+from tts.model.randinit import hashed_randint, hashed_uniform, random_like_init
 
 
 def test_hashed_values_are_pinned():

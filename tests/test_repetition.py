@@ -5,9 +5,9 @@ import pytest
 import torch
 from helpers import random_prompt
 
+from tts.checkpoints.fish.loader import load_fish_model
 from tts.engine import Engine, EngineConfig, InvalidRequest, SamplingParams
 from tts.engine.model_runner import REPETITION_WINDOW, apply_repetition_penalty
-from tts.fish.loader import load_fish_model
 
 
 def test_penalty_divides_positive_and_multiplies_negative_logits_once_per_token():

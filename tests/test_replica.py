@@ -13,11 +13,11 @@ import pytest
 from service_helpers import HOLD, HOLD_TEXT, NO_BDP, ServerThread, collect
 
 from service.client import build_request
+from service.grpc_gen.v1 import tts_pb2 as pb
+from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
 from service.server import LIVENESS_SERVICE, SERVICE_NAME, ServiceLimits
-from tts.bundle import load_bundle
+from tts.checkpoints.load import load_bundle
 from tts.engine import EngineConfig
-from tts_grpc.v1 import tts_pb2 as pb
-from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
 
 pytest.importorskip("grpc_health")
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402

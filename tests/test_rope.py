@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from tts.layers import apply_rotary_emb, precompute_freqs_cis
+from tts.model.layers import apply_rotary_emb, precompute_freqs_cis
 
 
 def test_rope_matches_explicit_pair_formula():

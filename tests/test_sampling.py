@@ -1,6 +1,6 @@
 import torch
 
-from tts.sampling import (
+from tts.model.sampling import (
     FrameDraws,
     RowParams,
     SortedLogits,
@@ -155,7 +155,7 @@ def test_ras_switches_to_high_draw_only_for_repeated_semantic_tokens():
 def test_shared_draw_settings_give_the_same_draws():
     """One frame's noise and DrawSettings shared by several draws (as the frame step does) change no
     draw."""
-    from tts.sampling import DrawSettings
+    from tts.model.sampling import DrawSettings
 
     torch.manual_seed(4)
     B, V = 4, 300

@@ -30,14 +30,14 @@ from service_helpers import (  # noqa: E402
 )
 
 from service.client import build_request, decode_audio, decode_codes
+from service.grpc_gen.v1 import tts_pb2 as pb
+from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
 from service.server import MAX_STATUS_CHARS, ServiceLimits, status_for
 from tts.api import TTS, VoiceNotFound
-from tts.bundle import load_bundle
+from tts.checkpoints.load import load_bundle
 from tts.engine import EngineConfig, InvalidRequest
-from tts.engine.aligner import AlignerSpec
-from tts.engine.loop import EngineLoop
-from tts_grpc.v1 import tts_pb2 as pb
-from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
+from tts.model.config import AlignerSpec
+from tts.runtime.engine_thread import EngineLoop
 
 pytest.importorskip("grpc_health")
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
@@ -501,7 +501,7 @@ def test_info_voices_and_metrics(server, stub):
         'tts_requests_total{outcome="ok"}',
     ):
         assert name in text, name
-    from service.loadtest import parse_metrics
+    from tts_tools.loadtest import parse_metrics
 
     values = parse_metrics(text)
     phases = {k: v for k, v in values.items() if k.startswith("tts_engine_seconds_total{")}

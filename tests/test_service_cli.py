@@ -21,10 +21,10 @@ import pytest
 import soundfile as sf
 from helpers import sysfs_mounted
 
-import tts.bundle
+import tts.checkpoints.load
 from service.client import build_request, channel_options
-from tts.cli import main
-from tts_grpc.v1 import tts_pb2_grpc as pb_grpc
+from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
+from tts.cli.main import main
 
 pytest.importorskip("grpc_health")
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +36,13 @@ class ServeProcess:
         if data_home is not None:  # registered voices go under $XDG_DATA_HOME, not the user's home
             env["XDG_DATA_HOME"] = str(data_home)
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from tts.cli import main; sys.exit(main())", "serve", *args],
+            [
+                sys.executable,
+                "-c",
+                "import sys; from tts.cli.main import main; sys.exit(main())",
+                "serve",
+                *args,
+            ],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -235,7 +241,7 @@ def test_bad_numeric_options_are_one_line_exit_2(tmp_path, capsys, monkeypatch, 
     def no_model(*args, **kwargs):  # a bad option must be found before the model is loaded (or served)
         raise AssertionError("the model was loaded before the options were checked")
 
-    monkeypatch.setattr(tts.bundle, "load_bundle", no_model)
+    monkeypatch.setattr(tts.checkpoints.load, "load_bundle", no_model)
     argv = [a.replace("{d}", str(tmp_path)) for a in argv]
     if argv[0] == "serve":
         argv += ["--model", "tiny"]
@@ -312,7 +318,7 @@ def test_client_prints_the_servers_text_warning_once_before_wrote_and_sends_no_n
     from tts.api import TTS
     from tts.engine import EngineConfig
 
-    bundle = tts.bundle.load_bundle("tiny")
+    bundle = tts.checkpoints.load.load_bundle("tiny")
     srv = ServerThread(bundle, EngineConfig(max_batch=2))
     try:
         out = tmp_path / "a.wav"

@@ -8,8 +8,7 @@ import json
 import math
 
 import pytest
-
-from service.soak import (
+from tts_tools.soak import (
     ALLOWED,
     CANCEL_PHASES,
     DEFAULT_MIX,
@@ -28,7 +27,8 @@ from service.soak import (
     parse_range,
     summarize,
 )
-from tts_grpc.v1 import tts_pb2 as pb
+
+from service.grpc_gen.v1 import tts_pb2 as pb
 
 pytest.importorskip("grpc_health")
 
@@ -206,7 +206,7 @@ def test_verdict_rules():
 
 @pytest.fixture(scope="module")
 def bundle():
-    from tts.bundle import load_bundle
+    from tts.checkpoints.load import load_bundle
 
     return load_bundle("tiny")
 
@@ -229,7 +229,7 @@ def test_soak_of_a_tiny_server_passes_and_counts_add_up(server, tmp_path):
     """200 mixed requests from 6 clients (fewer than the max batch of 8, so stalled clients never
     hold every row). Exact: the plan's counts per kind, every request accounted for, no gap, no leak;
     timing decides e.g. whether a cancel beat the end, so those statuses are only checked to be allowed."""
-    from tts.cli import main
+    from tts.cli.main import main
 
     out = tmp_path / "soak.json"
     requests, seed = 200, 7
@@ -296,9 +296,9 @@ def test_soak_fails_with_one_line_when_a_request_stays_in_flight(bundle, tmp_pat
     the soak: exit 1, one line naming the gauge."""
     from service_helpers import ServerThread
 
-    from tts.cli import main
+    from tts.cli.main import main
     from tts.engine import EngineConfig
-    from tts.engine.loop import EngineLoop
+    from tts.runtime.engine_thread import EngineLoop
 
     refresh = EngineLoop._refresh_stats
 
@@ -339,7 +339,7 @@ def test_soak_fails_with_one_line_when_a_request_stays_in_flight(bundle, tmp_pat
 
 
 def test_soak_stops_when_the_metrics_cannot_be_read(server, tmp_path, capsys):
-    from tts.cli import main
+    from tts.cli.main import main
 
     args = [
         "bench-server",

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from tts.engine import InvalidRequest
-from tts.text import SPEAKER_TAG, TextError, normalize_text, normalize_user_text, split_text
+from tts.text.normalize import SPEAKER_TAG, TextError, normalize_text, normalize_user_text, split_text
 
 
 @pytest.mark.parametrize(

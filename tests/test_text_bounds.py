@@ -1,6 +1,6 @@
 """Text preparation is bounded: hostile texts cost work linear in their length, long numbers read (no
 overflow), and a preparation past its deadline stops at its next step. Work is counted, not timed: every
-preparation step charges the characters it scans to the text budget (`tts.textbudget`)."""
+preparation step charges the characters it scans to the text budget (`tts.text.budget`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import itertools
 
 import pytest
 
-from tts.text import SPEAKER_TAG, TextError, normalize_text
-from tts.textbudget import PreparationTimeout, TextBudget, text_budget
-from tts.textpolicy import get_text_policy, plan_text
+from tts.text.budget import PreparationTimeout, TextBudget, text_budget
+from tts.text.normalize import SPEAKER_TAG, TextError, normalize_text
+from tts.text.policy import get_text_policy, plan_text
 
 MAX_TEXT = 20_000  # the service's default text limit (bytes)
 # Characters of work per byte of text: about 60 passes over the text (the normalizer's rules), over text
@@ -140,7 +140,7 @@ def test_a_cancelled_budget_stops_preparation_at_once():
 
 def test_preparation_stops_at_the_first_step_past_its_deadline(monkeypatch):
     """A clock that passes the deadline after k checks: the next step raises, no step runs after it."""
-    import tts.textbudget as textbudget
+    import tts.text.budget as textbudget
 
     text = "On 2024-03-10 we paid $12.50 for 3 kg. " * 50
     with text_budget() as full:

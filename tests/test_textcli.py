@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from tts.cli import main
-from tts.tokenizer import TextTokenizer
+from tts.cli.main import main
+from tts.text.tokenizer import TextTokenizer
 
 ZH = "1951年，我们的村子只有一条泥路。每到下雨天，孩子们就只能光着脚去上学。"
 

@@ -1,9 +1,9 @@
-"""What each model does to text (tts.textpolicy): one table of inputs and outputs per text policy."""
+"""What each model does to text (tts.text.policy): one table of inputs and outputs per text policy."""
 
 import pytest
 
-from tts.text import SPEAKER_TAG, TextError
-from tts.textpolicy import get_text_policy, plan_text
+from tts.text.normalize import SPEAKER_TAG, TextError
+from tts.text.policy import get_text_policy, plan_text
 
 SAME = object()  # the output is the input, as the model's reference code leaves it
 HAN = "this model reads English only: {} characters of Han text were left out"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import tts.kernels as kernels
-from tts.tokenizer import build_byte_tokenizer
+import tts.model.kernels as kernels
+from tts.text.tokenizer import build_byte_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "training"))
@@ -171,8 +171,8 @@ def test_train_script_writes_a_loadable_model(tmp_path):
     assert state["step"] == 3 and len(state["history"]) == 3
     assert [("val_slow" in rec) for rec in state["history"]] == [True, True, False]  # steps 1 and 2
     assert "val_fast" in (out / "loss.csv").read_text().splitlines()[0]
-    from tts.bundle import weight_files
-    from tts.config import ModelArgs
+    from tts.checkpoints.bundle import weight_files
+    from tts.model.config import ModelArgs
 
     args = ModelArgs.from_dict(json.loads((out / "config.json").read_text()))
     assert args.num_codebooks == 4 and args.codebook_size == 64 and weight_files(out)
@@ -314,8 +314,8 @@ def test_export_averages_several_runs_weights_and_names_the_teacher(tmp_path):
 def test_export_parses_the_aligner_heads_of_the_model():
     import export
 
-    from tts.bundle import load_bundle
-    from tts.engine.aligner import AlignerSpec
+    from tts.checkpoints.load import load_bundle
+    from tts.model.config import AlignerSpec
 
     args = load_bundle("default").model.config  # 4 layers, 6 heads
     assert export.parse_aligner("3:0,2", args) == AlignerSpec(3, (0, 2))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tts.codec.melrvq import FRAME_LENGTH, HOP, N_FFT, LogMel
+from tts.codec.mel import FRAME_LENGTH, HOP, N_FFT, LogMel
 from tts.codec.vocoder import CausalVocoder, overlap_add
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,7 +177,7 @@ def test_a_bad_vocoder_entry_in_codec_json_is_a_checkpoint_error(tmp_path, entry
     """`load_codec` names the file and what is wrong (the CLI prints it as one `tts: error:` line)."""
     import json
 
-    from tts.bundle import CheckpointError, load_codec
+    from tts.checkpoints.bundle import CheckpointError, load_codec
     from tts.codec.melvq import MelVQCodec, MelVQNet
 
     net = MelVQNet(num_codebooks=2, codebook_size=8, channels=8, latent=4, decoder_dilations=(1,))
@@ -322,7 +322,7 @@ def test_evaluate_scores_both_decoders_and_the_wer_of_each_speaker(monkeypatch):
     """`evaluate` on two clips of two speakers: spectral distances for Griffin-Lim and the vocoder, the
     clip's length in seconds, and each decoder's WER overall and per speaker, from the transcript of
     each speaker's own clips (a stand-in ASR hears speaker 0 right and speaker 1 wrong)."""
-    import tts.eval
+
     from tts.codec.melvq import MelVQCodec, MelVQNet
 
     torch.manual_seed(0)
@@ -345,8 +345,10 @@ def test_evaluate_scores_both_decoders_and_the_wer_of_each_speaker(monkeypatch):
     def wer(refs, hyps):  # the share of wrong transcripts: enough to see which pairs each speaker got
         return sum(r != h for r, h in zip(refs, hyps, strict=True)) / len(refs)
 
-    monkeypatch.setattr(tts.eval, "ASR", ASR)
-    monkeypatch.setattr(tts.eval, "wer", wer)
+    import tts_tools.evaluate
+
+    monkeypatch.setattr(tts_tools.evaluate, "ASR", ASR)
+    monkeypatch.setattr(tts_tools.evaluate, "wer", wer)
     out = train_vocoder.evaluate(untrained_vocoder(), codec, rows, audio, asr=True)
     assert out["clips"] == 3 and len(heard) == 9
     assert out["audio_seconds"] == round((3072 + 2048 + 2048) / 22050, 1) == 0.3  # whole codec frames

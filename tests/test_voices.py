@@ -12,10 +12,9 @@ import soundfile as sf
 import torch
 
 from tts.api import TTS
-from tts.bundle import load_bundle
+from tts.checkpoints.load import load_bundle
 from tts.params import InvalidRequest
-from tts.prompt import VoiceReference
-from tts.voices import (
+from tts.runtime.voices import (
     ReferenceCache,
     VoiceExists,
     VoiceNotFound,
@@ -23,6 +22,7 @@ from tts.voices import (
     codec_fingerprint,
     reference_key,
 )
+from tts.text.prompt import VoiceReference
 
 
 def voice(n: int, text: str = "words") -> VoiceReference:
@@ -195,10 +195,12 @@ def test_registry_is_safe_to_read_while_adding(tmp_path):
 def test_voices_add_names_a_missing_or_bad_clip_in_one_line_before_loading(tmp_path, capsys, monkeypatch):
     """`tts voices add` reads its clip as `--reference-audio` is read: one `tts: error:` line naming the
     file and the reason (not soundfile's own wording), exit 2, before the model loads, nothing written."""
-    import tts.bundle
-    from tts.cli import main
+    import tts.checkpoints.load
+    from tts.cli.main import main
 
-    monkeypatch.setattr(tts.bundle, "load_bundle", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(
+        tts.checkpoints.load, "load_bundle", lambda *a, **k: pytest.fail("the model was loaded")
+    )
     bad = tmp_path / "notes.txt"
     bad.write_text("not audio")
     voices = tmp_path / "voices"
@@ -225,7 +227,7 @@ def test_voices_add_names_a_missing_or_bad_clip_in_one_line_before_loading(tmp_p
 def test_a_listing_between_the_file_write_and_the_registration_is_no_conflict(tmp_path, monkeypatch):
     """A reader that lists (and so reads the directory) right after `add` wrote the voice's file must not
     make `add` see its own file as another's voice (this failed as VoiceExists under load)."""
-    import tts.voices
+    import tts.runtime.voices
 
     reg = VoiceRegistry({}, tmp_path, "fp")
     real_replace = os.replace
@@ -234,7 +236,7 @@ def test_a_listing_between_the_file_write_and_the_registration_is_no_conflict(tm
         real_replace(src, dst)
         assert [e.name for e in reg.list()] == ["mine"]  # what a concurrent ListVoices sees now
 
-    monkeypatch.setattr(tts.voices.os, "replace", replace_then_list)
+    monkeypatch.setattr(tts.runtime.voices.os, "replace", replace_then_list)
     assert reg.add("mine", voice(4)).name == "mine"
     with pytest.raises(VoiceExists):  # a second add of the name still conflicts
         reg.add("mine", voice(5))
@@ -243,7 +245,7 @@ def test_a_listing_between_the_file_write_and_the_registration_is_no_conflict(tm
 def test_voices_options_go_before_or_after_the_action(tmp_path, capsys):
     """--model, --voices-dir and -q are the same options before and after the action word; one given
     before the action keeps its value (the action's copy of the option has no default to put over it)."""
-    from tts.cli import main
+    from tts.cli.main import main
 
     voices, clip = tmp_path / "voices", tmp_path / "clip.wav"
     sf.write(str(clip), 0.3 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000), 16000)
@@ -285,7 +287,7 @@ def test_voices_options_go_before_or_after_the_action(tmp_path, capsys):
 
 @pytest.mark.parametrize("action", ["list", "add", "delete"])
 def test_each_voices_action_shows_the_shared_options_in_its_help(action, capsys):
-    from tts.cli import main
+    from tts.cli.main import main
 
     with pytest.raises(SystemExit) as exc:
         main(["voices", action, "--help"])
@@ -294,7 +296,7 @@ def test_each_voices_action_shows_the_shared_options_in_its_help(action, capsys)
 
 
 def test_bad_voices_options_after_the_action_are_one_line_errors(capsys):
-    from tts.cli import main
+    from tts.cli.main import main
 
     for argv, start, message in (
         (
@@ -313,7 +315,7 @@ def test_bad_voices_options_after_the_action_are_one_line_errors(capsys):
 def _add_after_barrier(directory: str, name: str, text: str, barrier, results) -> None:
     """(In a child process.) Add voice `name` to a registry on `directory`, every process's writer waiting
     at `barrier` once it has passed the name check: all of them find the name free before any writes."""
-    import tts.voices as voices
+    import tts.runtime.voices as voices
 
     save = voices.save_file
 
@@ -373,7 +375,7 @@ def test_a_voice_file_with_wrong_shaped_codes_is_refused_at_load(tmp_path, caplo
         save_file(
             {"codes": codes}, str(directory / f"{name}.safetensors"), metadata={"text": "x", "codec": "fp1"}
         )
-    with caplog.at_level("WARNING", logger="tts.voices"):
+    with caplog.at_level("WARNING", logger="tts.runtime.voices"):
         reg = VoiceRegistry({}, directory, "fp1", codebooks=(4, 100))
         assert [e.name for e in reg.list()] == ["good"]
     assert reg.refused == len(bad)

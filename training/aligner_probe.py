@@ -29,10 +29,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tts_tools.evaluate import HELDOUT, read_sentences  # noqa: E402
+
 from tts.api import TTS  # noqa: E402
 from tts.engine.aligner import median_token  # noqa: E402
-from tts.eval import HELDOUT, read_sentences  # noqa: E402
-from tts.model import dense_causal_attend  # noqa: E402
+from tts.model.transformer import dense_causal_attend  # noqa: E402
 
 
 def head_statistics(tts: TTS, text: str) -> tuple[dict, int]:

@@ -12,8 +12,8 @@ Stages (each resumable; outputs under --work, default `training/work/`, git-igno
              purpose with the copyright notice kept; see training/README.md);
            * sentences generated here from templates with numbers, dates, times, currency, percentages,
              ordinals, years and abbreviations (seeded, so always the same).
-           All text goes through the runtime's normalizer `tts.text.normalize_text`, then through the
-           runtime's phoneme frontend (`tts.frontend`), exactly as at inference.
+           All text goes through the runtime's normalizer `tts.text.normalize.normalize_text`, then through the
+           runtime's phoneme frontend (`tts.text.phonemes`), exactly as at inference.
   synth    shards/mel-XXXX.pt: the teacher (Debian package `espeak-ng` or `flite`) speaks every
            utterance with its speaker's voice, rate and pitch at 22050 Hz; each clip becomes a log-mel `[4T, 80]` float16
            (`tts.codec.melrvq.LogMel`). Audio itself is never stored.
@@ -40,8 +40,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tts.eval import FLITE_SPEAKERS as FLITE_VOICES  # noqa: E402
-from tts.eval import espeak_audio, flite_audio  # noqa: E402
+from tts_tools.evaluate import FLITE_SPEAKERS as FLITE_VOICES  # noqa: E402
+from tts_tools.evaluate import espeak_audio, flite_audio  # noqa: E402
 
 WORDNET_DIR = Path("/usr/share/wordnet")
 SHARD_SIZE = 1000
@@ -62,7 +62,7 @@ SPEAKERS = [
 # synthesizer and its CMU ARCTIC voices, under a free license: training/README.md), the teacher of
 # `--teacher flite`: a voice, a duration stretch (1.0 = the voice's own rate; larger is slower) and a
 # mean F0 target in Hz (0 = the voice's own; flite's slt and kal16 follow it, its rms and awb do not).
-# Defined once, in `tts.eval` (its voice check speaks with them too).
+# Defined once, in `tts_tools.evaluate` (its voice check speaks with them too).
 FLITE_SPEAKERS = [
     {"name": name, "voice": voice, "stretch": stretch, "f0": f0}
     for name, (voice, stretch, f0) in FLITE_VOICES.items()
@@ -211,8 +211,8 @@ def build_text(
     max_bytes: int = 200,
     teacher: str = "espeak",
 ) -> None:
-    from tts.frontend import PhonemeFrontend
-    from tts.text import TextError, normalize_text
+    from tts.text.normalize import TextError, normalize_text
+    from tts.text.phonemes import PhonemeFrontend
 
     frontend = PhonemeFrontend()
     raw = [("wordnet", s) for s in wordnet_sentences()] + [
@@ -306,7 +306,7 @@ def read_utterances(work: Path) -> list[dict]:
 
 
 def espeak(text: str, voice: str, rate: int, pitch: int):
-    """Speak `text` with the espeak-ng binary (`tts.eval.espeak_audio`); returns float32 mono audio at
+    """Speak `text` with the espeak-ng binary (`tts_tools.evaluate.espeak_audio`); returns float32 mono audio at
     22050 Hz."""
     audio, sr = espeak_audio(text, voice, rate, pitch)
     if sr != 22050:
@@ -315,7 +315,7 @@ def espeak(text: str, voice: str, rate: int, pitch: int):
 
 
 def flite(text: str, voice: str, stretch: float = 1.0, f0: int = 0):
-    """Speak `text` with the flite binary (`tts.eval.flite_audio`: `voice` one of `flite -lv`, durations
+    """Speak `text` with the flite binary (`tts_tools.evaluate.flite_audio`: `voice` one of `flite -lv`, durations
     scaled by `stretch`, mean pitch `f0` Hz or the voice's own), resampled by torchaudio to float32 mono
     audio at 22050 Hz."""
     import torch
@@ -337,7 +337,7 @@ def _synth_shard(args: tuple[Path, int, list[dict]]) -> str:
     import torch
 
     torch.set_num_threads(1)
-    from tts.codec.melrvq import LogMel
+    from tts.codec.mel import LogMel
 
     work, shard, utts = args
     path = work / "shards" / f"mel-{shard:04d}.pt"
@@ -392,7 +392,8 @@ def fit_codec(
     """The k-means codec (`tts.codec.melrvq`) into work/codec (the learned one: train_codec.py)."""
     import torch
 
-    from tts.codec.melrvq import MelRVQCodec, fit_rvq, stack_frames
+    from tts.codec.mel import stack_frames
+    from tts.codec.melrvq import MelRVQCodec, fit_rvq
 
     utts = {u["id"]: u for u in read_utterances(work)}
     vecs = []
@@ -419,11 +420,11 @@ def fit_codec(
 def encode(
     work: Path, max_utterances: int | None, codec_dir: Path, out: Path, threads: int = 1, device: str = "cpu"
 ) -> None:
-    """Codes of every clip through the codec in `codec_dir` (any type `tts.bundle.load_codec` knows)."""
+    """Codes of every clip through the codec in `codec_dir` (any type `tts.checkpoints.bundle.load_codec` knows)."""
     import torch
 
-    from tts.bundle import load_codec
-    from tts.tokenizer import build_byte_tokenizer
+    from tts.checkpoints.bundle import load_codec
+    from tts.text.tokenizer import build_byte_tokenizer
 
     torch.set_num_threads(threads)  # several threads crawl on a busy 2-core machine
     codec = load_codec(codec_dir)

@@ -34,18 +34,17 @@ sys.path.insert(0, str(ROOT / "training"))
 
 from corpus import SPEAKERS, read_utterances  # noqa: E402
 from train_vocoder import vocoder_entry  # noqa: E402
+from tts_tools.evaluate import VOICE_TEACHERS  # noqa: E402
 
-from tts.bundle import ModelBundle, load_codec, load_weights_into, save_bundle, weight_files  # noqa: E402
+from tts.checkpoints.bundle import ModelBundle, load_codec, load_weights_into, save_bundle, weight_files  # noqa: E402
 from tts.codec.melrvq import MelRVQCodec  # noqa: E402
 from tts.codec.melvq import MelVQCodec, load_vocoder  # noqa: E402
-from tts.config import ModelArgs  # noqa: E402
-from tts.engine.aligner import AlignerSpec  # noqa: E402
 from tts.engine.request import SamplingParams  # noqa: E402
-from tts.eval import VOICE_TEACHERS  # noqa: E402
-from tts.frontend import PhonemeFrontend  # noqa: E402
-from tts.model import DualARTransformer  # noqa: E402
-from tts.prompt import S2PromptFormat, VoiceReference  # noqa: E402
-from tts.tokenizer import TextTokenizer  # noqa: E402
+from tts.model.config import AlignerSpec, ModelArgs  # noqa: E402
+from tts.model.transformer import DualARTransformer  # noqa: E402
+from tts.text.phonemes import PhonemeFrontend  # noqa: E402
+from tts.text.prompt import S2PromptFormat, VoiceReference  # noqa: E402
+from tts.text.tokenizer import TextTokenizer  # noqa: E402
 
 SAMPLING = SamplingParams(temperature=0.1, top_p=0.5, top_k=10, max_new_frames=600)
 GL_CONTEXT, GL_ITERS = 2, 16  # k-means codec's decoder settings (no effect on the codes): see RESULTS.md
@@ -198,7 +197,7 @@ def main() -> None:
         ]
     (a.dest / "train_state.json").write_text(json.dumps(state, indent=1))
     a.samples.mkdir(parents=True, exist_ok=True)
-    from tts.audio import write_wav_atomic
+    from tts.audio.files import write_wav_atomic
 
     # As saved: the samples are what the runtime decodes (the vocoder's float16 weights and all).
     codec = load_codec(a.dest)

@@ -1,7 +1,7 @@
 """Can a loop guard look at the semantic codes alone? A probe on the long held-out passages.
 
 For each passage of `samples/eval/passages.txt` and each seed, synthesize it (default voice, default
-sampling, CPU), find the transcript's loops (`tts.eval.loops`, Whisper tiny.en) and measure how much the
+sampling, CPU), find the transcript's loops (`tts_tools.evaluate.loops`, Whisper tiny.en) and measure how much the
 semantic codes (codebook 0) repeat themselves: for every lag p of 8 to 100 frames (0.4 to 4.6 s), the
 largest share of frames t in a window of 2p frames whose code equals the code p frames earlier, over
 windows with more than 6 distinct codes (so silence does not count). A loop that a token check could
@@ -23,8 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tts_tools.evaluate import ASR, loops, read_sentences, words  # noqa: E402
+
 from tts.api import TTS  # noqa: E402
-from tts.eval import ASR, loops, read_sentences, words  # noqa: E402
 
 
 def repetition(codes: list[int], min_lag: int = 8, max_lag: int = 100) -> dict:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train import Corpus, batch_loader, compute_loss, model_config  # noqa: E402
 
-from tts.model import DualARTransformer  # noqa: E402
+from tts.model.transformer import DualARTransformer  # noqa: E402
 
 
 def main() -> None:

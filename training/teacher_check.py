@@ -5,8 +5,8 @@
 Every speaker of both teachers (corpus.py SPEAKERS for espeak-ng, FLITE_SPEAKERS for flite, without
 jitter) reads the held-out sentences (`samples/eval/heldout.txt`, normalized as `tts eval` does), the
 README's quick-start sentence and "The signifier is linked to the signified." (the sentence the v2 model's
-short-text loops came from); Whisper tiny.en (`tts.eval.ASR`, greedy, as the gates) transcribes each clip,
-and WER is scored by `tts.eval.wer` on `tts.eval.words`, as in the gates. Needs the eval extra and the
+short-text loops came from); Whisper tiny.en (`tts_tools.evaluate.ASR`, greedy, as the gates) transcribes each clip,
+and WER is scored by `tts_tools.evaluate.wer` on `tts_tools.evaluate.words`, as in the gates. Needs the tools extra and the
 espeak-ng and flite binaries.
 """
 
@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from corpus import FLITE_SPEAKERS, SPEAKERS, _utterance, speak  # noqa: E402
+from tts_tools.evaluate import ASR, HELDOUT, loops, read_sentences, wer, words  # noqa: E402
 
-from tts.eval import ASR, HELDOUT, loops, read_sentences, wer, words  # noqa: E402
-from tts.text import normalize_text  # noqa: E402
+from tts.text.normalize import normalize_text  # noqa: E402
 
 QUICK_START = "Hello there, this is a test of the default voice."
 RARE_WORDS = "The signifier is linked to the signified."
@@ -39,7 +39,11 @@ def main() -> None:
     a = p.parse_args()
     asr = ASR(threads=a.threads)
     texts = [normalize_text(t) for t in read_sentences(HELDOUT, None)]
-    result = {"asr": "Whisper tiny.en int8, greedy (tts.eval.ASR)", "sentences": len(texts), "speakers": []}
+    result = {
+        "asr": "Whisper tiny.en int8, greedy (tts_tools.evaluate.ASR)",
+        "sentences": len(texts),
+        "speakers": [],
+    }
     for teacher, table in (("espeak", SPEAKERS), ("flite", FLITE_SPEAKERS)):
         for index, speaker in enumerate(table):
             if a.speakers != "all" and speaker["name"] not in a.speakers.split(","):

@@ -1,11 +1,11 @@
-"""Train the default voice: a small `tts.model.DualARTransformer` on the corpus codes (training/corpus.py).
+"""Train the default voice: a small `tts.model.transformer.DualARTransformer` on the corpus codes (training/corpus.py).
 
 Inputs (`--data`, the `codes/` folder of the corpus work directory, plus `codec/codec.json`):
 `codes-XXXX.pt` shards (per utterance: phoneme token ids, codec codes `[N, T]`, speaker, split) and
 `tokenizer.json`. Needs only torch, safetensors and tokenizers (no espeak-ng, phonemizer or soundfile),
 so it runs on a bare GPU machine.
 
-Every training example is a real inference prompt built by `tts.prompt.S2PromptFormat` (Fish S2
+Every training example is a real inference prompt built by `tts.text.prompt.S2PromptFormat` (Fish S2
 layout, docs/fish_dual_ar.md §3.2) followed by the target frames and `<|im_end|>`:
 * speaker 0 (the default voice), half the time: no reference (what `tts synthesize` without a voice
   sends);
@@ -50,11 +50,11 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tts.bundle import save_weights  # noqa: E402
-from tts.config import ModelArgs  # noqa: E402
-from tts.model import DualARTransformer, TransformerBlock, dense_causal_attend  # noqa: E402
-from tts.prompt import S2PromptFormat, Turn, VoiceReference  # noqa: E402
-from tts.tokenizer import TextTokenizer  # noqa: E402
+from tts.checkpoints.bundle import save_weights  # noqa: E402
+from tts.model.config import ModelArgs  # noqa: E402
+from tts.model.transformer import DualARTransformer, TransformerBlock, dense_causal_attend  # noqa: E402
+from tts.text.prompt import S2PromptFormat, Turn, VoiceReference  # noqa: E402
+from tts.text.tokenizer import TextTokenizer  # noqa: E402
 
 MAX_REF_FRAMES = 110  # reference clips up to ~5 s
 MAX_LEN = 1024
@@ -362,7 +362,7 @@ def init_from(model: DualARTransformer, folder: Path) -> None:
     shape match; prints what was dropped (names `model` lacks) and what keeps its random init."""
     from safetensors.torch import load_file
 
-    from tts.bundle import weight_files
+    from tts.checkpoints.bundle import weight_files
 
     source = {}
     for f in weight_files(folder):
@@ -486,7 +486,7 @@ def main() -> None:
     elif a.resume:
         from safetensors.torch import load_file
 
-        from tts.bundle import weight_files
+        from tts.checkpoints.bundle import weight_files
 
         state = {}
         for f in weight_files(a.resume):

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tts.codec.melrvq import nearest_centroid, stack_frames  # noqa: E402
+from tts.codec.mel import stack_frames  # noqa: E402
+from tts.codec.melrvq import nearest_centroid  # noqa: E402
 from tts.codec.melvq import MelVQCodec, MelVQNet  # noqa: E402
 
 

@@ -24,7 +24,7 @@ train while the generator trains on the reconstruction loss only, so that a trai
 (the codec's fallback, and what shipped before v2) and the vocoder: the multi-resolution log-spectral
 distance to the original clip (the loss's log-magnitude L1 term, in nats, averaged over the three
 resolutions; lower is better), an MFCC distance (the mel-cepstral distortion formula, dB; not a training
-loss), the decode time per audio time and, unless `--no-asr` (needs the eval extra), the word error rate
+loss), the decode time per audio time and, unless `--no-asr` (needs the tools extra), the word error rate
 of Whisper tiny.en transcripts (per corpus speaker too, when the clips have several). The held-out clips
 are 60 sentences of one speaker; `--eval-from K` scores training clips from row K on instead, of every
 speaker (K past the clips the vocoder, and for an unseen round trip the codec, trained on).
@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "training"))
 
 from tts.codec.base import CodecCheckpointError  # noqa: E402
-from tts.codec.melrvq import FRAME_LENGTH, HOP, LOG_FLOOR, SUBFRAMES, LogMel  # noqa: E402
+from tts.codec.mel import FRAME_LENGTH, HOP, LOG_FLOOR, SUBFRAMES, LogMel  # noqa: E402
 from tts.codec.melvq import VOCODER_TYPE, load_vocoder  # noqa: E402
 from tts.codec.vocoder import ENVELOPE, TAIL, CausalVocoder, overlap_add  # noqa: E402
 
@@ -436,7 +436,7 @@ def evaluate(model: CausalVocoder, codec, rows: list[dict], audio: list[torch.Te
         )
         out[name]["decode_rtf"] = round(seconds[name] / audio_seconds, 4)
     if asr:
-        from tts.eval import ASR, wer, words
+        from tts_tools.evaluate import ASR, wer, words
 
         recognizer = ASR(threads=torch.get_num_threads())
         refs = [words(row["text"]) for row in rows]
@@ -576,7 +576,7 @@ def main() -> None:
         p.error(f"--eval: {a.out} has neither checkpoint.pt nor vocoder.safetensors")
     if a.threads:
         torch.set_num_threads(a.threads)
-    from tts.bundle import load_codec
+    from tts.checkpoints.bundle import load_codec
 
     codec = load_codec(a.codec)
     from corpus import read_utterances

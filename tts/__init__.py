@@ -3,10 +3,11 @@
 Start with `tts.api.TTS`; the map of the code is in docs/DESIGN.md ("How to read the code").
 """
 
-from .api import TTS, AudioChunk, Synthesis, VoiceNotFound
-from .bundle import ModelBundle, load_bundle
-from .engine import EngineConfig, FinishReason, InvalidRequest, SamplingParams
-from .prompt import VoiceReference
+from tts.api import TTS, AudioChunk, Synthesis, VoiceNotFound
+from tts.checkpoints.bundle import ModelBundle
+from tts.checkpoints.load import load_bundle
+from tts.engine import EngineConfig, FinishReason, InvalidRequest, SamplingParams
+from tts.text.prompt import VoiceReference
 
 __all__ = [
     "TTS",

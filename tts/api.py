@@ -6,9 +6,9 @@
     for chunk in tts.stream("A longer text."):       # audio chunks as frames are generated
         play(chunk.samples, chunk.sample_rate)
 
-A synthesis is planned by `tts.planner.Planner` (text normalized and split into chunks of at most
+A synthesis is planned by `tts.runtime.planner.Planner` (text normalized and split into chunks of at most
 `chunk_length` UTF-8 bytes, the voice resolved, every chunk's prompt checked against the context) and run by
-the same job pipeline the service uses (`tts.engine.jobs.JobRunner`, driven here on the caller's thread): each
+the same job pipeline the service uses (`tts.runtime.jobs.JobRunner`, driven here on the caller's thread): each
 chunk is one engine request whose prompt carries the voice reference and the previous chunk (text and
 generated codes) as context, as fish-speech does for long text (docs/fish_dual_ar.md §3.2), and the codes flow
 through one streaming codec decode per synthesis on the codec stage's thread, so chunk boundaries are seamless
@@ -27,14 +27,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .bundle import ModelBundle, load_bundle
-from .codec.base import AudioError
-from .engine import Engine, EngineConfig, FinishReason, InvalidRequest, for_bundle
-from .engine.jobs import Audio, Failed, Finished, JobRunner, ListSink, ramp_sizes
-from .planner import Planner, PreparedReference, SynthesisJob
-from .prompt import VoiceReference
-from .text import TextError
-from .voices import VoiceEntry, VoiceExists, VoiceNotFound, VoiceRegistry, codec_fingerprint
+from tts.checkpoints.bundle import ModelBundle
+from tts.checkpoints.load import load_bundle
+from tts.codec.base import AudioError
+from tts.engine import Engine, EngineConfig, FinishReason, InvalidRequest, for_bundle
+from tts.runtime.jobs import Audio, Failed, Finished, JobRunner, ListSink, ramp_sizes
+from tts.runtime.planner import Planner, PreparedReference, SynthesisJob
+from tts.runtime.voices import VoiceEntry, VoiceExists, VoiceNotFound, VoiceRegistry, codec_fingerprint
+from tts.text.normalize import TextError
+from tts.text.prompt import VoiceReference
 
 log = logging.getLogger(__name__)
 # The attribute marking the log records of a synthesis's warnings (also in `Synthesis.warnings`), so that
@@ -191,7 +192,7 @@ class TTS:
     ) -> SynthesisJob:
         """Validate everything about a synthesis before any work (see `Planner.job`): text, sampling
         values, voice, and that every chunk's prompt plus its budget fits the context. normalize=False
-        reads the text as given (no markup reading or normalization, `tts.textpolicy`). The job's
+        reads the text as given (no markup reading or normalization, `tts.text.policy`). The job's
         `warnings` say what was left out of the text. Raises TextError, InvalidRequest, VoiceNotFound."""
         return self.planner.job(
             text,

@@ -10,8 +10,15 @@ import math
 from dataclasses import dataclass
 
 # The most frames one audio chunk may hold (first_chunk_frames, chunk_frames): the codec stage decodes
-# a chunk in one call (tts.engine.codec_stage).
+# a chunk in one call (tts.runtime.codec_stage).
 MAX_CHUNK_FRAMES = 256
+
+# Sampling constants shared by the torch sampler and its Triton kernel (tts.model.sampling,
+# tts.model.kernels.sampling): a temperature below MIN_TEMPERATURE samples greedily; repetition-aware
+# sampling resamples a repeated token at RAS_HIGH_TEMPERATURE / RAS_HIGH_TOP_P.
+RAS_HIGH_TEMPERATURE = 1.0
+RAS_HIGH_TOP_P = 0.9
+MIN_TEMPERATURE = 1e-5
 
 
 class InvalidRequest(ValueError):

@@ -43,10 +43,10 @@ import torch
 # Run this checkout's code, not whatever `tts` an environment has installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tts.codec.dac import DACCodec  # noqa: E402
-from tts.codec.dac_net import DACConfig  # noqa: E402
-from tts.codec.dac_random import random_codec_state, tiny_dac_config  # noqa: E402
-from tts.randinit import hashed_randint  # noqa: E402
+from tts.codec.dac.codec import DACCodec  # noqa: E402
+from tts.codec.dac.net import DACConfig  # noqa: E402
+from tts.codec.dac.random_init import random_codec_state, tiny_dac_config  # noqa: E402
+from tts.model.randinit import hashed_randint  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -222,7 +222,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args()
 
-    from tts.bundle import load_bundle
+    from tts.checkpoints.load import load_bundle
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)

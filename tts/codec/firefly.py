@@ -30,7 +30,7 @@ model's codebooks have 1024 entries): they are clamped to 999, as the modded DAC
 Module and parameter names follow fish-speech (`backbone.stages.{i}.{j}.dwconv.conv.weight`,
 `quantizer.residual_fsq.rvqs.{g}.project_in.weight`, `head.resblocks.{i}.blocks.{j}.convs1.{k}.conv...`),
 so the generator file loads by name; weight-normed convs (the HiFi-GAN's) may be stored as PyTorch
-parametrizations, as `weight_g/weight_v` or fused (`tts.codec.dac_checkpoint.fuse_weight_norm`).
+parametrizations, as `weight_g/weight_v` or fused (`tts.codec.dac.weights.fuse_weight_norm`).
 """
 
 from __future__ import annotations
@@ -46,16 +46,16 @@ import torch.nn.functional as F
 import torchaudio
 from torch import Tensor, nn
 
-from .base import BatchedStreamDecoder, Codec, CodecCheckpointError, StatefulStreamingDecoder
-from .dac_checkpoint import fuse_weight_norm, load_state_strict, read_codec_state
-from .dac_net import (
+from tts.codec.base import BatchedStreamDecoder, Codec, CodecCheckpointError, StatefulStreamingDecoder
+from tts.codec.dac.net import (
     CausalConv1d,
     CausalConvTranspose1d,
     ConvNeXtBlock,
     StreamSequential,
     StreamState,
 )
-from .dac_random import random_weight_normed_state
+from tts.codec.dac.random_init import random_weight_normed_state
+from tts.codec.dac.weights import fuse_weight_norm, load_state_strict, read_codec_state
 
 FIREFLY_FILE = "firefly-gan-vq-fsq-8x1024-21hz-generator.pth"
 
@@ -595,7 +595,7 @@ class BatchedFireflyDecoder(BatchedStreamDecoder):
     graph_safe = True
 
     def __init__(self, codec: FireflyCodec, max_streams: int):
-        from .dac_batched import _window
+        from tts.codec.dac.batched import _window
 
         if max_streams < 1:
             raise ValueError(f"max_streams must be at least 1, got {max_streams}")

@@ -55,8 +55,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .base import Codec, CodecCheckpointError
-from .melrvq import (
+from tts.codec.base import Codec, CodecCheckpointError
+from tts.codec.mel import (
     FRAME_LENGTH,
     N_MELS,
     SAMPLE_RATE,
@@ -64,11 +64,11 @@ from .melrvq import (
     LogMel,
     MelStreamDecoder,
     WindowedGriffinLim,
-    residual_quantize,
     stack_frames,
     unstack_frames,
 )
-from .vocoder import CausalVocoder
+from tts.codec.melrvq import residual_quantize
+from tts.codec.vocoder import CausalVocoder
 
 FEATURE_DIM = SUBFRAMES * N_MELS  # 320
 VOCODER_TYPE = "causal_vocos"  # codec.json's name for tts.codec.vocoder.CausalVocoder

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .melrvq import FRAME_LENGTH, HOP, LOG_FLOOR, N_FFT, N_MELS, SUBFRAMES
+from tts.codec.mel import FRAME_LENGTH, HOP, LOG_FLOOR, N_FFT, N_MELS, SUBFRAMES
 
 # Hann window (periodic) at hop N_FFT / 4: the squared windows overlap-add to exactly 1.5 everywhere.
 OVERLAP = N_FFT // HOP

@@ -16,7 +16,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from .base import Codec
+from tts.codec.base import Codec
 
 
 class WaveTableCodec(Codec):

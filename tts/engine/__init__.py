@@ -1,8 +1,8 @@
 """Engine: requests, scheduler, model runner (the frame step) and the iteration loop."""
 
-from .engine import Engine, EngineConfig, for_bundle
-from .request import FinishReason, InvalidRequest, Request, SamplingParams, StepOutput
-from .scheduler import QueueFull
+from tts.engine.engine import Engine, EngineConfig, for_bundle
+from tts.engine.request import FinishReason, InvalidRequest, Request, SamplingParams, StepOutput
+from tts.engine.scheduler import QueueFull
 
 __all__ = [
     "Engine",

@@ -22,7 +22,7 @@ and nothing here runs for them.
   stopping), ends the request there. The repeated audio is never heard: with each frame the engine
   says how many of the newest frames it may still take back (`LoopGuard.retractable`: 3, more while a
   suspected repeat is under way, never more than `RETRACT_MAX_FRAMES`), and the job pipeline keeps
-  those from the codec (`tts.engine.jobs`).
+  those from the codec (`tts.runtime.jobs`).
 
 Glances are not loops: the position may jump ahead for a frame or two (at a comma, say) and come back;
 the guard only trusts positions reached by small steps and held for `HOLD_FRAMES` frames, and a glance
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..kv_cache import paged_slots
+from tts.model.kv_cache import paged_slots
 
 # Tokens of a text span the step reads at most (a longer span gets no alignment: no guard). The default
 # model's 200-byte chunks are 200-300 tokens of phonemes.
@@ -84,28 +84,6 @@ class Repeat:
 
     first: int
     at_end: bool
-
-
-@dataclass(frozen=True)
-class AlignerSpec:
-    """A model's aligner heads: slow-AR `layer` and its query `heads` (indices into its n_head)."""
-
-    layer: int
-    heads: tuple[int, ...]
-
-    @classmethod
-    def from_config(cls, raw, n_layer: int, n_head: int) -> AlignerSpec | None:
-        """`{"layer": L, "heads": [h, ...]}` from a model's config (None: no aligner). Raises ValueError
-        for a layer or head the model does not have."""
-        if raw is None:
-            return None
-        try:
-            layer, heads = int(raw["layer"]), tuple(int(h) for h in raw["heads"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f'aligner must be {{"layer": int, "heads": [int, ...]}}, got {raw!r}') from exc
-        if not 0 <= layer < n_layer or not heads or any(not 0 <= h < n_head for h in heads):
-            raise ValueError(f"aligner {raw!r} names a layer or head the model lacks ({n_layer} x {n_head})")
-        return cls(layer, heads)
 
 
 def text_alignment(

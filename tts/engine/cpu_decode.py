@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..layers import RMSNorm, rms_norm_fp32
-from ..model import TransformerBlock
+from tts.model.layers import RMSNorm, rms_norm_fp32
+from tts.model.transformer import TransformerBlock
 
 # attend(i, q [B, H, D], k [B, Hkv, D], v [B, Hkv, D]) -> [B, H, D]: write layer i's K/V of this
 # position wherever the caller keeps them, and attend over the row's context.

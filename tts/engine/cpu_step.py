@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels import fused_kernels_enabled
-from ..kv_cache import PagedDecodeAttention, paged_decode_attention
-from ..layers import Rope
-from ..sampling import DrawSettings, FrameDraws, frame_log_noise, ras_counted, ras_high_settings
-from .cpu_decode import LayerWeights, block_weights, decode_layers, decode_layers_kv_only
-from .model_runner import ModelRunner
+from tts.engine.cpu_decode import LayerWeights, block_weights, decode_layers, decode_layers_kv_only
+from tts.engine.model_runner import ModelRunner
+from tts.model.kernels import fused_kernels_enabled
+from tts.model.kv_cache import PagedDecodeAttention, paged_decode_attention
+from tts.model.layers import Rope
+from tts.model.sampling import DrawSettings, FrameDraws, frame_log_noise, ras_counted, ras_high_settings
 
 # Frames of sampler noise made in one batch, and the most rows x frames of one batch.
 NOISE_FRAMES_AHEAD = 16

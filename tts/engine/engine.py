@@ -26,26 +26,25 @@ from typing import cast
 import torch
 
 from graphs.runner import DEFAULT_BUCKETS, GraphRunner
-
-from ..kernels import kernel_head_dim_ok
-from ..kv_cache import BlockAllocator, PagedKVCache, blocks_needed
-from ..model import DualARTransformer, TransformerBlock
-from ..sampling import SAMPLER_TOPK_CAP
-from .aligner import (
+from tts.engine.aligner import (
     ALIGN_MAX_TOKENS,
     MAX_REWINDS,
     RETRY_FRAMES,
     RETRY_TEMPERATURE,
     RETRY_TOP_P,
     REWIND_EXTRA_FRAMES,
-    AlignerSpec,
     LoopGuard,
 )
-from .cpu_step import CpuFrameStep
-from .model_runner import ModelRunner, RowInit
-from .prefill_graphs import PrefillGraphs
-from .request import FinishReason, InvalidRequest, Request, RequestState, SamplingParams, StepOutput
-from .scheduler import RowMove, Scheduler
+from tts.engine.cpu_step import CpuFrameStep
+from tts.engine.model_runner import ModelRunner, RowInit
+from tts.engine.prefill_graphs import PrefillGraphs
+from tts.engine.request import FinishReason, InvalidRequest, Request, RequestState, SamplingParams, StepOutput
+from tts.engine.scheduler import RowMove, Scheduler
+from tts.model.config import AlignerSpec
+from tts.model.kernels import kernel_head_dim_ok
+from tts.model.kv_cache import BlockAllocator, PagedKVCache, blocks_needed
+from tts.model.sampling import SAMPLER_TOPK_CAP
+from tts.model.transformer import DualARTransformer, TransformerBlock
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +318,7 @@ class Engine:
                 )
             return None
         try:
-            from ..kernels.paged_attention import triton_paged_decode_attention
+            from tts.model.kernels.paged_attention import triton_paged_decode_attention
         except ImportError as exc:
             if name == "triton":
                 raise

@@ -42,19 +42,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels import fused_kernels_enabled
-from ..kv_cache import SCRATCH_BLOCK, PagedDecodeAttention, PagedKVCache, paged_decode_attention, paged_slots
-from ..model import (
-    Attend,
-    DualARTransformer,
-    KVDest,
-    dense_causal_attend,
-    packed_causal_attend,
-    run_layers_kv_only,
-    varlen_causal_attend,
-    varlen_causal_available,
+from tts.engine.aligner import ALIGN_MAX_TOKENS, text_alignment
+from tts.model.config import AlignerSpec
+from tts.model.kernels import fused_kernels_enabled
+from tts.model.kv_cache import (
+    SCRATCH_BLOCK,
+    PagedDecodeAttention,
+    PagedKVCache,
+    paged_decode_attention,
+    paged_slots,
 )
-from ..sampling import (
+from tts.model.sampling import (
     RAS_WINDOW,
     SAMPLER_TOPK_CAP,
     DrawSettings,
@@ -64,10 +62,19 @@ from ..sampling import (
     sample,
     sample_main_token,
 )
-from .aligner import ALIGN_MAX_TOKENS, AlignerSpec, text_alignment
+from tts.model.transformer import (
+    Attend,
+    DualARTransformer,
+    KVDest,
+    dense_causal_attend,
+    packed_causal_attend,
+    run_layers_kv_only,
+    varlen_causal_attend,
+    varlen_causal_available,
+)
 
 if TYPE_CHECKING:
-    from .prefill_graphs import PrefillGraphs
+    from tts.engine.prefill_graphs import PrefillGraphs
 
 # The repetition penalty's window in frames (fish-speech's `win_size`) and the ways a family reads it.
 REPETITION_WINDOW = 16
@@ -584,7 +591,7 @@ class ModelRunner:
                     self.write_alignment(b, q[:, 0], tables)
                 return paged_attention(q[:, 0], i).unsqueeze(1)
 
-            if not fused:
+            if slot_offset is None:  # not fused
                 return Attend(attend)
             return Attend(attend, KVDest(kv.k[i].view(-1), kv.v[i].view(-1), slot_offset, kv.k.shape[-1]))
 

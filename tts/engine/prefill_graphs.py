@@ -31,12 +31,11 @@ import torch
 from torch import Tensor
 
 from graphs.runner import GraphRunner
-
-from ..kv_cache import SCRATCH_BLOCK
-from .model_runner import pack_prompts
+from tts.engine.model_runner import pack_prompts
+from tts.model.kv_cache import SCRATCH_BLOCK
 
 if TYPE_CHECKING:
-    from .model_runner import ModelRunner
+    from tts.engine.model_runner import ModelRunner
 
 # Prompt columns per captured pass: between the powers of two, 1.5x steps (a pad column costs a real
 # one's FLOPs, which matter little at these sizes: the pass is bound by launches). 2,048 is the engine's

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..params import FinishReason, InvalidRequest, SamplingParams
-from .aligner import LoopGuard
+from tts.engine.aligner import LoopGuard
+from tts.params import FinishReason, InvalidRequest, SamplingParams
 
 __all__ = ["FinishReason", "InvalidRequest", "Request", "RequestState", "SamplingParams", "StepOutput"]
 

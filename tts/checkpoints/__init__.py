@@ -1,0 +1,1 @@
+"""Checkpoints: files -> ModelBundle (the native format, presets, Fish checkpoints)."""

@@ -1,0 +1,5 @@
+import sys
+
+from tts.cli.main import main
+
+sys.exit(main())

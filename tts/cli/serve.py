@@ -1,0 +1,583 @@
+"""`tts serve` and `tts client`: registered into the `tts` command by tts.cli.main.
+
+Imports of grpc, the generated API and the server happen inside the commands, so `tts --help` and the
+engine-only commands never need grpcio-health-checking or grpcio-reflection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import re
+import signal
+import socket
+import sys
+import time
+
+from tts.cli.main import (
+    UserError,
+    add_codec_dtype_arg,
+    add_engine_args,
+    add_model_args,
+    add_normalize_arg,
+    add_output_args,
+    add_sampling_args,
+    apply_threads,
+    check_device,
+    check_output_path,
+    check_threads,
+    engine_kwargs,
+    output_format,
+    read_reference_file,
+    read_text_arg,
+    require,
+    resolve_graphs_arg,
+    sampling_kwargs,
+    summary_stream,
+    torch_dtype,
+    write_output,
+)
+from tts.runtime.errors import os_error_reason
+
+log = logging.getLogger("tts.serve")
+
+DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 9464
+DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible HTTP front (service/http.py)
+REPLICA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,99}")
+_SERVE_PARSER: argparse.ArgumentParser | None = None  # `tts serve --devices` forwards its options to replicas
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="run the synthesis server (gRPC and OpenAI-compatible HTTP)",
+        description="Serve tts.v1.TextToSpeech over gRPC and the OpenAI-compatible HTTP API (--http-port) from "
+        "one engine with continuous batching. Health reports NOT_SERVING (HTTP /health: 503) until the engine "
+        "has warmed up. SIGTERM or Ctrl-C shut down gracefully. With --devices, one replica process per device "
+        "behind HAProxy on the public ports (docs/operations.md: Scaling out).",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)"
+    )
+    p.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"gRPC port (default {DEFAULT_PORT}; 0 = any free)"
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help=f"HTTP port of the OpenAI-compatible API, /health, /metrics and the playground on the same host "
+        f"(default {DEFAULT_HTTP_PORT}; 0 = any free; -1 = off)",
+    )
+    add_model_args(p)
+    add_codec_dtype_arg(p)
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    p.add_argument(
+        "--max-waiting", type=int, default=16, help="requests queued beyond --max-batch (default 16)"
+    )
+    add_engine_args(p)
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the Prometheus endpoint")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help=f"Prometheus /metrics port (default {DEFAULT_METRICS_PORT}; 0 = any free; -1 = off)",
+    )
+    p.add_argument(
+        "--grace", type=float, default=10.0, help="seconds open streams get at shutdown (default 10)"
+    )
+    p.add_argument(
+        "--drain-delay",
+        type=float,
+        default=None,
+        help="on SIGTERM, seconds the server keeps admitting new calls while its health already says "
+        "NOT_SERVING, so a load balancer that polls health stops sending before calls are refused "
+        "(default 0; with --devices 5 x --check-interval); Ctrl-C (SIGINT) skips it",
+    )
+    p.add_argument(
+        "--max-connection-age",
+        type=float,
+        default=0.0,
+        help="seconds after which a client connection is asked to go away (HTTP/2 GOAWAY) so long-lived "
+        "clients reconnect and rebalance; streams on it continue (default 0 = never)",
+    )
+    p.add_argument(
+        "--max-connection-age-grace",
+        type=float,
+        default=None,
+        help="seconds streams on a connection past --max-connection-age may still run before it is closed "
+        "(default: as long as they need)",
+    )
+    p.add_argument(
+        "--replica-name",
+        default=None,
+        help="this process's name in stream headers, GetInfo, the X-Replica header and /load (default "
+        "HOSTNAME:PORT)",
+    )
+    g = p.add_argument_group("replicas on one host (--devices)")
+    g.add_argument(
+        "--devices",
+        default=None,
+        help="comma-separated devices, e.g. cuda:0,cuda:1 (or cpu,cpu): one replica process per device on "
+        "internal ports of 127.0.0.1, behind HAProxy on --host/--port/--http-port/--metrics-port",
+    )
+    g.add_argument(
+        "--replica-base-port",
+        type=int,
+        default=0,
+        help="replica i listens on BASE+3i (gRPC), BASE+3i+1 (HTTP), BASE+3i+2 (metrics) of 127.0.0.1 "
+        "(default 0: free ports picked at start)",
+    )
+    g.add_argument(
+        "--check-interval",
+        type=float,
+        default=1.0,
+        help="seconds between HAProxy's health checks of each replica (default 1)",
+    )
+    g.add_argument(
+        "--restart",
+        choices=["on", "off"],
+        default="on",
+        help="restart a replica that exits unexpectedly (default on; with off the others go on serving)",
+    )
+    p.add_argument(
+        "--max-reference-mb", type=float, default=10.0, help="reference clip size limit (default 10)"
+    )
+    p.add_argument("--max-queued-chunks", type=int, default=8, help="unread chunks before a stream pauses")
+    p.add_argument(
+        "--pause-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a stream whose client does not read may keep its batch row while other requests "
+        "wait; then it ends with RESOURCE_EXHAUSTED (default 10; 0 = never)",
+    )
+    p.add_argument(
+        "--http-read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds an HTTP client may take to send a request's headers, or leave its body without a "
+        "byte, before its connection is closed (default 30)",
+    )
+    p.add_argument(
+        "--max-text-bytes",
+        type=int,
+        default=20_000,
+        help="longest text per request in UTF-8 bytes (default 20000)",
+    )
+    p.add_argument(
+        "--max-audio-seconds",
+        type=float,
+        default=1800.0,
+        help="audio per request before it ends with finish reason length (default 1800; 0 = no limit)",
+    )
+    p.add_argument(
+        "--voices-dir",
+        default=None,
+        help="where registered voices (AddVoice, `tts voices add`) are kept (default: the per-user "
+        "directory `tts voices` shows for this model; 'none' = in memory only)",
+    )
+    p.add_argument(
+        "--reference-cache-mb",
+        type=float,
+        default=64.0,
+        help="memory for encoded reference clips, reused when the same clip comes again (default 64; 0 = off)",
+    )
+    p.add_argument(
+        "--codec-graphs",
+        choices=["on", "off"],
+        default="on",
+        help="capture the codec stage's batched decode in CUDA graphs (CUDA only; default on)",
+    )
+    p.set_defaults(func=cmd_serve)
+    global _SERVE_PARSER
+    _SERVE_PARSER = p
+
+    p = subparsers.add_parser(
+        "client",
+        help="synthesize through a running server to an audio file",
+        description="Stream a synthesis from `tts serve`, write the audio file when done (atomically), print "
+        "TTFA and RTF.",
+    )
+    p.add_argument("text", nargs="?", help="text to speak (or use --text-file)")
+    add_output_args(p)
+    p.add_argument(
+        "--server",
+        default=f"127.0.0.1:{DEFAULT_PORT}",
+        help=f"HOST:PORT of the server (default 127.0.0.1:{DEFAULT_PORT}, `tts serve`'s)",
+    )
+    p.add_argument("--text-file", help="read the text from this UTF-8 file (- = stdin)")
+    p.add_argument(
+        "--voice",
+        help="a voice the server knows: a preset or a registered voice (its ListVoices call or GET "
+        "/v1/audio/voices lists them)",
+    )
+    p.add_argument(
+        "--reference-audio", help="WAV, FLAC, MP3 or Ogg clip of the voice to clone (with --reference-text)"
+    )
+    p.add_argument("--reference-text", help="transcript of --reference-audio")
+    add_normalize_arg(p)
+    p.add_argument(
+        "--encoding",
+        choices=["pcm16", "float32"],
+        default="pcm16",
+        help="wire (and WAV / PCM file) sample format",
+    )
+    p.add_argument(
+        "--first-chunk-frames", type=int, default=0, help="frames in the first chunk (0 = server default)"
+    )
+    p.add_argument(
+        "--chunk-frames",
+        type=int,
+        default=0,
+        help="later chunks double from the first up to this many frames (0 = server default)",
+    )
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default none)")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_client)
+
+
+# ---- option checks ---------------------------------------------------------------------------------------
+
+# gRPC message sizes are int32: the receive limit (reference clip + 1 MiB) must stay below 2 GiB.
+MAX_REFERENCE_MB = 2046
+
+
+def check_seconds(option: str, value: float | None, *, zero_ok: bool) -> None:
+    """`value` (None: unset) is a finite number of seconds, > 0 or >= 0; raises UserError."""
+    if value is not None and not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+        raise UserError(f"{option} must be a number of seconds {'>=' if zero_ok else '>'} 0, got {value:g}")
+
+
+def check_sampling_options(args: argparse.Namespace) -> None:
+    """The sampling values given on the command line are valid (the server's defaults fill the rest);
+    raises InvalidRequest naming the field, as the server would."""
+    from tts.engine import SamplingParams
+
+    given = {k: v for k, v in sampling_kwargs(args).items() if v is not None}
+    SamplingParams(**given).validate()
+
+
+def check_server_address(server: str) -> None:
+    """A HOST:PORT (or [V6]:PORT) `--server` has a port in 1..65535 (gRPC would silently take it modulo
+    65536); other target forms (dns:///..., unix:...) pass as they are. Raises UserError."""
+    m = re.fullmatch(r"(\[[^\]]*\]|[^:/\[\]]*):(\d+)", server)
+    if m and not 1 <= int(m.group(2)) <= 65535:
+        raise UserError(f"--server {server}: the port must be in 1..65535")
+
+
+def check_listen(host: str, port: int, port_option: str, host_option: str, purpose: str = "") -> None:
+    """Raise UserError unless a socket can listen on host:port now (a trial bind, SO_REUSEADDR as gRPC
+    and the metrics server use): `cannot listen on 127.0.0.1:9464 for metrics: address already in use
+    (--metrics-port)`."""
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as trial:
+            trial.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            trial.bind(sockaddr)
+    except OSError as exc:
+        option = host_option if isinstance(exc, socket.gaierror) else port_option
+        raise UserError(f"cannot listen on {address}{purpose}: {os_error_reason(exc)} ({option})") from exc
+
+
+def check_serve_ports(args: argparse.Namespace) -> None:
+    """The gRPC and (unless off) the metrics and HTTP addresses can be listened on; raises UserError
+    naming them."""
+    check_listen(args.host, args.port, "--port", "--host")
+    if args.metrics_port >= 0:
+        check_listen(args.metrics_host, args.metrics_port, "--metrics-port", "--metrics-host", " for metrics")
+    if args.http_port >= 0:  # (HTTP listens on --host, beside gRPC)
+        check_listen(args.host, args.http_port, "--http-port", "--host", " for HTTP")
+
+
+# ---- serve ---------------------------------------------------------------------------------------------
+
+
+def check_serve_options(args: argparse.Namespace) -> None:
+    """`tts serve`'s option checks that need no model and no device (those of one replica and of
+    `--devices` alike); raises UserError naming the option."""
+
+    require(0 <= args.port <= 65535, f"--port must be in 0..65535 (0 = any free port), got {args.port}")
+    require(
+        args.metrics_port == -1 or 0 <= args.metrics_port <= 65535,
+        f"--metrics-port must be -1 (off) or in 0..65535 (0 = any free port), got {args.metrics_port}",
+    )
+    require(args.max_batch >= 1, f"--max-batch must be >= 1, got {args.max_batch}")
+    require(args.max_waiting >= 0, f"--max-waiting must be >= 0, got {args.max_waiting}")
+    require(args.max_queued_chunks >= 1, f"--max-queued-chunks must be >= 1, got {args.max_queued_chunks}")
+    check_seconds("--grace", args.grace, zero_ok=True)
+    require(
+        math.isfinite(args.max_reference_mb) and 0 < args.max_reference_mb <= MAX_REFERENCE_MB,
+        f"--max-reference-mb must be in (0, {MAX_REFERENCE_MB}], got {args.max_reference_mb:g}",
+    )
+    check_threads(args)
+    check_seconds("--pause-timeout", args.pause_timeout, zero_ok=True)
+    check_seconds("--http-read-timeout", args.http_read_timeout, zero_ok=False)
+    check_seconds("--max-audio-seconds", args.max_audio_seconds, zero_ok=True)
+    require(
+        math.isfinite(args.reference_cache_mb) and args.reference_cache_mb >= 0,
+        f"--reference-cache-mb must be >= 0, got {args.reference_cache_mb:g}",
+    )
+    require(args.max_text_bytes >= 1, f"--max-text-bytes must be >= 1, got {args.max_text_bytes}")
+    require(
+        args.http_port == -1 or 0 <= args.http_port <= 65535,
+        f"--http-port must be -1 (off) or in 0..65535 (0 = any free port), got {args.http_port}",
+    )
+    check_seconds("--drain-delay", args.drain_delay, zero_ok=True)
+    check_seconds("--max-connection-age", args.max_connection_age, zero_ok=True)
+    check_seconds("--max-connection-age-grace", args.max_connection_age_grace, zero_ok=True)
+    if args.max_connection_age_grace is not None and not args.max_connection_age:
+        raise UserError("--max-connection-age-grace needs --max-connection-age")
+    if args.replica_name is not None and not REPLICA_NAME.fullmatch(args.replica_name):
+        raise UserError(
+            f"--replica-name must be 1-100 characters of letters, digits and ._:@/- (starting with a letter "
+            f"or digit), got {args.replica_name!r}"
+        )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from service.server import MiB, ServiceLimits
+    from tts.checkpoints.load import load_bundle
+    from tts.engine import EngineConfig
+
+    check_serve_options(args)
+    # A server logs each request and its start-up at INFO (tts -v: everything at DEBUG).
+    if not getattr(args, "verbose", False):
+        for name in ("service", "tts"):
+            logging.getLogger(name).setLevel(logging.INFO)
+    resolve_graphs_arg(args)  # (before the replicas get the options: the deprecated ones, resolved)
+    if args.devices is not None:
+        from service.cluster import run_cluster
+
+        assert _SERVE_PARSER is not None  # add_parser made the parser these args came from
+        devices = check_cluster_options(args)
+        pick_public_ports(args)
+        return run_cluster(args, _SERVE_PARSER, devices)
+    check_device(args.device)
+    check_serve_ports(args)  # before the model loads: a busy port is found in a moment
+    t0 = time.perf_counter()
+    bundle = load_bundle(
+        args.model,
+        device=args.device,
+        dtype=torch_dtype(args.dtype),
+        codec_dtype=torch_dtype(args.codec_dtype),
+    )
+    apply_threads(args, bundle)
+    print(
+        f"model: {bundle.describe()} (loaded in {time.perf_counter() - t0:.2f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    engine_config = EngineConfig(max_batch=args.max_batch, **engine_kwargs(args))
+    voices_dir = None if (args.voices_dir or "").lower() == "none" else args.voices_dir
+    if args.voices_dir is None:
+        from tts.runtime.voices import default_voices_dir
+
+        voices_dir = default_voices_dir(bundle.name)
+    limits = ServiceLimits(
+        max_waiting=args.max_waiting,
+        max_queued_chunks=args.max_queued_chunks,
+        max_reference_bytes=int(args.max_reference_mb * MiB),
+        pause_timeout=args.pause_timeout or None,
+        max_audio_seconds=args.max_audio_seconds or None,
+        max_text_bytes=args.max_text_bytes,
+        reference_cache_bytes=int(args.reference_cache_mb * MiB),
+        voices_dir=voices_dir,
+        max_connection_age=args.max_connection_age or None,
+        max_connection_age_grace=args.max_connection_age_grace,
+        http_read_timeout=args.http_read_timeout,
+    )
+    # Three threads share the GIL: the engine thread (a frame every few ms), the codec stage's worker and
+    # the asyncio thread of the fronts. A thread waiting for the GIL gets it within the switch interval;
+    # 1 ms instead of Python's 5 keeps a frame step from waiting several ms behind the others' Python.
+    sys.setswitchinterval(0.001)
+    return asyncio.run(_serve(args, bundle, engine_config, limits))
+
+
+async def _serve(args, bundle, engine_config, limits) -> int:
+    from service.server import SERVICE_NAME, TTSServer
+
+    metrics_port = None if args.metrics_port < 0 else args.metrics_port
+    http_port = None if args.http_port < 0 else args.http_port
+    server = TTSServer(
+        bundle,
+        engine_config,
+        limits,
+        metrics_host=args.metrics_host,
+        metrics_port=metrics_port,
+        http_port=http_port,
+        codec_graphs=args.codec_graphs == "on",
+        replica=args.replica_name,
+    )
+    try:
+        port = await server.start(args.host, args.port)
+    except (RuntimeError, OSError) as exc:
+        await server.stop(0)
+        check_serve_ports(args)  # taken since the check before loading: name the port and the option
+        raise UserError(str(exc)) from exc
+    stop = asyncio.Event()
+    received: list[signal.Signals] = []
+    aio_loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aio_loop.add_signal_handler(sig, on_signal, sig)
+    ready = asyncio.ensure_future(server.wait_ready())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
+    if ready.done():
+        if ready.exception() is not None:
+            await server.stop(0)
+            raise RuntimeError(str(ready.exception()))
+        metrics = (
+            f"; metrics on http://{args.metrics_host}:{server.metrics_port}/metrics"
+            if metrics_port is not None
+            else ""
+        )
+        assert server.loop.engine is not None  # the server is ready: its engine is built
+        graphs = server.loop.engine.graphs.enabled
+        http = f"; HTTP on http://{args.host}:{server.http_port}/" if http_port is not None else ""
+        print(
+            f"serving {SERVICE_NAME} on {args.host}:{port} (replica {server.replica}, max batch "
+            f"{engine_config.max_batch}, graphs {'on' if graphs else 'off'}){http}{metrics}",
+            file=sys.stderr,
+            flush=True,
+        )
+    else:
+        ready.cancel()
+    await stopped
+    # SIGTERM (a balancer, Kubernetes, the replicas' supervisor) waits --drain-delay for balancers to see
+    # NOT_SERVING; Ctrl-C at a terminal does not.
+    delay = (args.drain_delay or 0.0) if received and received[0] == signal.SIGTERM else 0.0
+    print(f"shutting down (drain delay {delay:g} s, grace {args.grace:g} s)", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    await server.stop(args.grace, drain_delay=delay)
+    print(f"stopped in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+    return 0
+
+
+# ---- client --------------------------------------------------------------------------------------------
+
+
+def check_chunk_options(args: argparse.Namespace) -> None:
+    """--first-chunk-frames and --chunk-frames are >= 0 (0 = the server's default); raises UserError."""
+    for option in ("--first-chunk-frames", "--chunk-frames"):
+        value = getattr(args, option[2:].replace("-", "_"))
+        require(value >= 0, f"{option} must be >= 0 (0 = server default), got {value}")
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    import grpc
+
+    from service.client import build_request, rpc_error_line
+    from tts.text.policy import check_speakable
+
+    text = read_text_arg(args)
+    check_speakable(text)  # (every model refuses it: no need to ask a server)
+    check_server_address(args.server)
+    check_seconds("--timeout", args.timeout, zero_ok=False)
+    check_chunk_options(args)
+    check_sampling_options(args)
+    out = check_output_path(args.output)
+    fmt = output_format(args)
+    if (args.reference_audio is None) != (args.reference_text is None):
+        raise UserError("--reference-audio and --reference-text go together")
+    if args.voice is not None and args.reference_audio is not None:
+        raise UserError("give --voice or --reference-audio, not both")
+    reference = None
+    if args.reference_audio is not None:  # read and decoded here, so a bad file is named
+        reference = read_reference_file(args.reference_audio)[0]
+    request = build_request(
+        text,
+        voice=args.voice,
+        reference_audio=reference,
+        reference_text=args.reference_text,
+        encoding=args.encoding,
+        first_chunk_frames=args.first_chunk_frames,
+        chunk_frames=args.chunk_frames,
+        normalize=None if args.normalize else False,
+        **sampling_kwargs(args),
+    )
+    try:
+        result = asyncio.run(_client(args.server, request, args.timeout))
+    except grpc.aio.AioRpcError as exc:
+        code = exc.code()
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+            raise UserError(exc.details()) from exc
+        print(f"tts: error: {rpc_error_line(args.server, exc, args.timeout)}", file=sys.stderr)
+        return 1
+    write_output(out, result.audio, result.sample_rate, fmt, pcm_float=args.encoding == "float32")
+    end = result.end
+    # Before the `wrote` line, as `tts synthesize` prints them: the summary line comes last.
+    header_warnings = list(result.header.warnings)
+    for warning in header_warnings + [w for w in end.warnings if w not in header_warnings]:
+        print(f"warning: {warning}", file=sys.stderr)
+    reasons = {1: "stop", 2: "length", 3: "short", 4: "loop"}
+    ttfa = f"{result.ttfa * 1000:.0f} ms" if result.ttfa is not None else "-"
+    print(
+        f"wrote {'stdout' if args.output == '-' else out} ({fmt.name}): {end.frames} frames, "
+        f"{result.audio_seconds:.2f} s audio at {fmt.rate or result.sample_rate} Hz in "  # (opus: 48 kHz)
+        f"{len(result.chunks)} chunks; TTFA {ttfa}, RTF {result.rtf:.3f} "
+        f"(server: TTFA {end.time_to_first_audio_seconds * 1000:.0f} ms, RTF {end.rtf:.3f}), "
+        f"finish {reasons.get(end.finish_reason, '?')}, seed {result.header.seed}",
+        file=summary_stream(args),
+    )
+    return 0
+
+
+async def _client(server: str, request, timeout: float | None):
+    from service.client import aio_channel, synthesize_stream
+    from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
+
+    async with aio_channel(server) as channel:
+        return await synthesize_stream(pb_grpc.TextToSpeechStub(channel), request, timeout=timeout)
+
+
+def check_cluster_options(args: argparse.Namespace) -> list[str]:
+    """The checks `tts serve --devices` makes before starting anything (besides `tts serve`'s own): the
+    proxy binary, the devices, the cluster options and the public ports. Returns the devices; raises
+    UserError."""
+    from service.cluster import find_proxy, parse_devices
+
+    find_proxy()
+    devices = parse_devices(args.devices)
+    if args.device != "cpu":
+        raise UserError("give --device or --devices, not both")
+    if args.replica_name is not None:
+        raise UserError("--replica-name does not go with --devices (the replicas are named r0, r1, ...)")
+    for device in dict.fromkeys(devices):
+        check_device(device)
+    check_seconds("--check-interval", args.check_interval, zero_ok=False)
+    base, n = args.replica_base_port, len(devices)
+    if base and not 1024 <= base <= 65536 - 3 * n:
+        raise UserError(
+            f"--replica-base-port must be 0 or in 1024..{65536 - 3 * n} for {n} replicas, got {base}"
+        )
+    if args.drain_delay is None:
+        args.drain_delay = 5.0 * args.check_interval
+    return devices
+
+
+def pick_public_ports(args: argparse.Namespace) -> None:
+    """Check the public ports (busy: UserError naming the option) and replace 0 by a free port."""
+    fronts = [("port", "--port", args.host, "--host", "")]
+    if args.http_port >= 0:
+        fronts.append(("http_port", "--http-port", args.host, "--host", " for HTTP"))
+    if args.metrics_port >= 0:
+        fronts.append(("metrics_port", "--metrics-port", args.metrics_host, "--metrics-host", " for metrics"))
+    for dest, option, host, host_option, purpose in fronts:
+        port = getattr(args, dest)
+        check_listen(host, port, option, host_option, purpose)
+        if port == 0:
+            from service.cluster import free_ports
+
+            setattr(args, dest, free_ports(host, 1)[0])

@@ -1,0 +1,574 @@
+"""The codec stage: batched streaming decode (codes -> PCM) and reference encoding (PCM -> codes),
+beside the frame step.
+
+The job runner hands it work and takes results; it never waits for it. Each stream (one synthesis job)
+owns a state slot of the codec's `BatchedStreamDecoder` from `open()` to `close()`. `decode(slot, tag,
+codes)` queues frames; a worker thread takes everything queued when it is free and decodes it in ONE
+call: one row per stream, the stream's queued pieces concatenated, ragged lengths, padded to a (rows,
+frames) bucket. Under load the batch grows by itself: while one call runs, the next call's pieces
+queue up. Results (`results()`) come back per piece, in queue order per stream, as float32 numpy
+samples; `notify()` wakes the runner's thread when they are ready.
+
+Why a worker thread, not the engine thread (docs/DESIGN.md invariant 7, restated): two threads issue device
+work, each on its own CUDA stream. The engine thread runs prefill and the frame steps on the current
+stream; the codec worker runs decodes and encodes on the codec stream. They share no device tensors
+(codes go in and PCM comes out through host memory), so nothing orders them and neither waits for the
+other; the frame step's critical path has no sync on codec work. A codec call is many kernel launches
+when it is not a CUDA graph (and a reference encode always is); on the engine thread those launches
+would stall every running stream, on the worker they overlap the frame steps. On a CPU the worker is
+the second core (torch releases the GIL inside ops).
+
+On CUDA a decoder that is `graph_safe` is captured per (rows bucket, frames bucket): at start-up for the
+shapes of first chunks and later chunks (`capture`, what `tts serve --graphs startup` does), any other
+shape on its second use (`graphs.runner.GraphRunner`, one shared pool, thread-local capture mode);
+`graphs=False` keeps it eager.
+Inputs are staged in pinned host buffers and copied without blocking; the worker then waits for its
+own stream only.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from graphs.runner import GraphRunner
+from tts.codec.base import Codec
+from tts.params import MAX_CHUNK_FRAMES
+
+log = logging.getLogger(__name__)
+
+# Rows per call when the decode is a CUDA graph. A pad row costs a real one: between the powers of two,
+# buckets of 1.5x (at 64 streams a call took about 10 rows, which bucket 16 computed at 65%).
+ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+# Frames per call when the decode is a CUDA graph: few buckets, so that the start-up capture covers
+# almost every call (first chunks: 4; later chunks (8, then 16) and the end of a stream, padded: 16);
+# longer rows (pieces that queued up behind a slow call) take the larger ones. A padded frame costs a
+# real one.
+FRAME_BUCKETS = (4, 16, 32, 64, 128, 256)
+MAX_PIECE_FRAMES = MAX_CHUNK_FRAMES  # the longest piece `decode` takes (an audio chunk's frames)
+assert MAX_PIECE_FRAMES <= FRAME_BUCKETS[-1]
+
+
+def _bucket(buckets: tuple[int, ...], n: int) -> int:
+    return buckets[min(bisect.bisect_left(buckets, n), len(buckets) - 1)]
+
+
+@dataclass
+class DecodeResult:
+    """The audio of one queued piece: `samples` float32 `[frames * frame_length]`, or the `error` that
+    failed its decode call (every piece of that call fails with it)."""
+
+    tag: object
+    slot: int
+    frames: int
+    samples: np.ndarray | None = None
+    error: Exception | None = None
+
+
+@dataclass
+class _Piece:
+    slot: int
+    tag: object
+    codes: Tensor  # [N, t] int64 on the CPU
+
+
+@dataclass
+class CodecStats:
+    """Counters the metrics endpoint reports. Seconds are device time on CUDA (events around each
+    call), wall time elsewhere."""
+
+    decode_calls: int = 0
+    decode_frames: int = 0
+    decode_padded_frames: int = 0  # frames the calls computed: rows x frames of each padded call
+    decode_rows: int = 0
+    decode_seconds: float = 0.0
+    encode_calls: int = 0
+    encode_seconds: float = 0.0
+    failures: int = 0
+
+
+class CodecStage:
+    """See the module docstring.
+
+    codec: the bundle's codec (its decoder runs on the codec's device). max_streams: slots (one per job
+    in flight). notify: called (from the worker thread) whenever results or encodes are ready.
+    graphs: capture CUDA graphs of the decode (CUDA and a graph-safe decoder only).
+    max_rows / max_call_frames: the largest decode call (rows, at most max_streams, and rows bucket x
+    frames bucket); more waits for the next call. A piece may hold at most MAX_PIECE_FRAMES frames.
+    on_dead: called once (from the worker thread) with the error if the stage goes out of service.
+
+    Failures: a decode call, a reset or an encode that raises fails the work it held (its pieces'
+    results carry the error), is counted (`stats.failures`) and logged once with its traceback. The
+    streams it touched are marked broken: their state is undefined, so their later pieces fail too
+    until a new `open` resets the slot. Then the stage checks itself with a probe (a reset and a
+    one-frame decode of the scratch slot, which no stream uses): if that passes, the failure was the
+    call's own and the stage serves on (every other stream's state is untouched: a call changes only
+    its rows' slots); if it raises too (a broken device), the stage is dead: every queued job fails,
+    `open`, `decode` and `encode` raise from then on, and `on_dead` tells the owner (the engine loop
+    turns the replica's health NOT_SERVING).
+    """
+
+    def __init__(
+        self,
+        codec: Codec,
+        max_streams: int,
+        notify: Callable[[], None] = lambda: None,
+        *,
+        graphs: bool = True,
+        max_rows: int = 64,
+        max_call_frames: int = 1024,
+        name: str = "tts-codec",
+        on_dead: Callable[[Exception], None] | None = None,
+    ):
+        self.codec = codec
+        self.max_streams = max_streams
+        self.decoder = codec.batched_stream(max_streams)
+        self.device = torch.device(self.decoder.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.is_cuda = self.device.type == "cuda"
+        self._notify = notify
+        # A call holds one row per stream: more rows than streams (e.g. the Python API's few) would only
+        # cost buffers and start-up captures of graphs never replayed.
+        max_rows = self.max_rows = min(max_rows, max_streams)
+        self.max_call_frames = max(max_call_frames, MAX_PIECE_FRAMES)
+        self.max_frames = MAX_PIECE_FRAMES
+        self.stats = CodecStats()
+        self._cv = threading.Condition()
+        self._queue: deque[tuple] = deque()  # ("reset", slot) | ("decode", _Piece)
+        self._encodes: deque[tuple[Tensor, Future]] = deque()
+        self._results: deque[DecodeResult] = deque()
+        self._tasks: deque[tuple[Callable[[], object], Future]] = deque()
+        self._free = list(range(max_streams - 1, -1, -1))
+        # Frames queued per slot (host side): a stream may not pass the decoder's position limit.
+        self._frames = [0] * max_streams
+        self.max_stream_frames: int | None = getattr(self.decoder, "max_frames", None)
+        self._stopping = False
+        self._busy = False
+        self.dead: Exception | None = None  # set if the stage is out of service: every later call fails
+        self.on_dead = on_dead
+        # (worker thread) Slots whose state a failed call left undefined, and that call's error: their
+        # pieces fail until the slot's next reset.
+        self._broken: dict[int, Exception] = {}
+        N = codec.num_codebooks
+        pin = self.is_cuda
+        # Staging buffers: the largest call's inputs (host, pinned on CUDA) and device copies whose
+        # views [:rows], [:rows, :, :frames] a captured graph reads.
+        self._h_slots = torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin)
+        self._h_lengths = torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin)
+        self._h_codes = torch.zeros(max_rows, N, self.max_frames, dtype=torch.int64, pin_memory=pin)
+        self._slots = torch.zeros(max_rows, dtype=torch.int64, device=self.device)
+        self._lengths = torch.zeros(max_rows, dtype=torch.int64, device=self.device)
+        self._codes = torch.zeros(max_rows, N, self.max_frames, dtype=torch.int64, device=self.device)
+        # Output: rows x frames x frame_length float32 of the largest call, viewed as [rows, frames * L].
+        self._out: Tensor | None = None
+        self._h_out: Tensor | None = None
+        # The lowest priority (0): the engine thread's frame steps go first (EngineLoop._use_step_stream).
+        self.stream = torch.cuda.Stream(self.device, priority=0) if self.is_cuda else None
+        use_graphs = graphs and self.is_cuda and getattr(self.decoder, "graph_safe", False)
+        self.graphs = GraphRunner(
+            self._decode_step,
+            max_batch=max_rows,
+            buckets=ROW_BUCKETS,
+            enabled=use_graphs,
+            device=self.device,
+            capture_stream=torch.cuda.Stream(self.device) if use_graphs else None,
+        )
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- the runner's side (one thread) ------------------------------------------------------------
+
+    def open(self) -> int:
+        """A fresh stream: a free slot, reset before any of its decodes. Raises RuntimeError if none."""
+        with self._cv:
+            if self.dead is not None:
+                raise self.dead
+            if not self._free:
+                raise RuntimeError(f"all {self.max_streams} codec streams are in use")
+            slot = self._free.pop()
+            self._frames[slot] = 0
+            self._queue.append(("reset", slot))
+            self._cv.notify()
+        return slot
+
+    def close(self, slot: int) -> None:
+        """The stream ended: its slot may be reused (a later `open` resets it after this stream's queued
+        work, which still completes; its results are delivered and may be ignored)."""
+        with self._cv:
+            self._free.append(slot)
+
+    def decode(self, slot: int, tag: object, codes: Tensor) -> None:
+        """Queue `codes [N, t]` (int64, CPU, 1 <= t <= MAX_PIECE_FRAMES) of stream `slot`; its
+        DecodeResult carries `tag`."""
+        if not 1 <= codes.shape[1] <= MAX_PIECE_FRAMES:
+            raise ValueError(f"a decode piece holds 1 to {MAX_PIECE_FRAMES} frames, got {codes.shape[1]}")
+        limit = self.max_stream_frames
+        if limit is not None and self._frames[slot] + codes.shape[1] > limit:
+            raise ValueError(
+                f"the audio passed the codec's limit of {limit} frames per stream "
+                f"({limit / self.codec.frame_rate / 60:.0f} min)"
+            )
+        self._frames[slot] += codes.shape[1]
+        with self._cv:
+            if self.dead is not None:
+                raise self.dead
+            self._queue.append(("decode", _Piece(slot, tag, codes)))
+            self._cv.notify()
+
+    def encode(self, samples: Tensor) -> Future:
+        """Queue an encode of mono float32 `samples [S]` at the codec's rate; the future's result is the
+        codes `[N, T]` int64 on the CPU (or the exception)."""
+        future: Future = Future()
+        with self._cv:
+            if self.dead is not None:
+                future.set_exception(self.dead)
+                return future
+            self._encodes.append((samples, future))
+            self._cv.notify()
+        return future
+
+    def capture(self, frames: tuple[int, ...]) -> Future:
+        """Capture the decode graphs now (start-up capture) for calls of `frames` frames (each rounded up
+        to its bucket) at every rows bucket that fits `max_call_frames`, largest first, so that serving
+        never stops for a capture or a first eager call at these shapes. No-op without graphs. The warm-up
+        calls run on pad rows (the scratch slot, length 0): no stream's state changes. Returns a future
+        of the number of graphs captured."""
+        future: Future = Future()
+        if not self.graphs.enabled:
+            future.set_result(0)
+            return future
+        with self._cv:
+            self._tasks.append((lambda: self._capture(frames), future))
+            self._cv.notify()
+        return future
+
+    def _capture(self, frames: tuple[int, ...]) -> int:
+        L = self.codec.frame_length
+        if self._out is None:
+            size = self.max_call_frames * L
+            self._out = torch.zeros(size, dtype=torch.float32, device=self.device)
+            self._h_out = torch.zeros(size, dtype=torch.float32, pin_memory=self.is_cuda)
+        self._slots.fill_(self.decoder.scratch_slot)
+        self._lengths.zero_()
+        self._codes.zero_()
+        before = len(self.graphs.graphs)
+        for T in sorted({_bucket(FRAME_BUCKETS, f) for f in frames}, reverse=True):
+            for B in sorted(self.graphs.buckets, reverse=True):
+                if B * T > self.max_call_frames or (B, T) in self.graphs.graphs:
+                    continue
+                self.graphs.run(B, T)  # the first use runs eagerly (cuDNN plans, allocator), ...
+                self.graphs.run(B, T)  # ... the second captures and replays
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        return len(self.graphs.graphs) - before
+
+    def results(self) -> list[DecodeResult]:
+        """Decode results ready since the last call (never blocks)."""
+        with self._cv:
+            out = list(self._results)
+            self._results.clear()
+        return out
+
+    @property
+    def free_slots(self) -> int:
+        with self._cv:
+            return len(self._free)
+
+    @property
+    def has_results(self) -> bool:
+        with self._cv:
+            return bool(self._results)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, nothing running, no result waiting to be taken."""
+        with self._cv:
+            return not (self._queue or self._encodes or self._results or self._tasks or self._busy)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Finish the call in progress, fail queued encodes, end the worker."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    # ---- the worker --------------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - a dead worker must fail its work, not hang it
+            log.exception("the codec stage stopped")
+            self._fail_everything(RuntimeError(f"the codec stage stopped: {type(exc).__name__}: {exc}"))
+
+    def _fail_everything(self, error: Exception, held: list[_Piece] | None = None) -> None:
+        """The stage is out of service: fail `held` (the pieces of the call in progress) and everything
+        queued with `error`, refuse all later work, tell the owner (`on_dead`, once)."""
+        with self._cv:
+            first = self.dead is None
+            self.dead = error
+            pieces = list(held or []) + [item for kind, item in self._queue if kind == "decode"]
+            encodes, self._queue, self._encodes = list(self._encodes), deque(), deque()
+            tasks, self._tasks = list(self._tasks), deque()
+            self._results.extend(DecodeResult(p.tag, p.slot, p.codes.shape[1], error=error) for p in pieces)
+        for _, future in encodes + tasks:
+            if not future.done():
+                future.set_exception(error)
+        if first and self.on_dead is not None:  # (before the notify: the owner wakes up knowing it)
+            try:
+                self.on_dead(error)
+            except Exception:  # noqa: BLE001 - the owner's callback must not hide the failure
+                log.exception("codec stage: on_dead callback failed")
+        self._notify()
+
+    def _failed(self, what: str, exc: Exception, rows: list[list[_Piece]], slots: list[int]) -> bool:
+        """(worker) A call raised: fail its pieces, mark `slots` broken, count and log it once, then probe
+        the stage. Returns False if the probe failed too (the stage is now dead)."""
+        log.error("codec stage: %s failed; its requests fail", what, exc_info=exc)
+        self.stats.failures += 1
+        for slot in slots:
+            self._broken[slot] = exc
+        failed = [DecodeResult(p.tag, p.slot, p.codes.shape[1], error=exc) for row in rows for p in row]
+        with self._cv:
+            self._results.extend(failed)
+        try:
+            self._probe()
+        except Exception as probe_exc:  # noqa: BLE001 - the device or the decoder is broken for good
+            log.error(
+                "codec stage: the probe after that failure failed too; out of service", exc_info=probe_exc
+            )
+            self._fail_everything(
+                RuntimeError(f"the codec stage is out of service: {type(probe_exc).__name__}: {probe_exc}")
+            )
+            return False
+        log.info("codec stage: the probe after that failure passed; serving on")
+        return True
+
+    def _probe(self) -> None:
+        """(worker) Reset and decode one frame on the scratch slot (no stream's), then reset it again;
+        raises whatever the decoder or the device raises."""
+        scratch = torch.tensor([self.decoder.scratch_slot], dtype=torch.int64, device=self.device)
+        codes = torch.zeros(1, self.codec.num_codebooks, 1, dtype=torch.int64, device=self.device)
+        self.decoder.reset(scratch)
+        self.decoder.decode(scratch, codes, torch.ones(1, dtype=torch.int64, device=self.device))
+        self.decoder.reset(scratch)
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _serve(self) -> None:
+        if self.is_cuda:
+            torch.cuda.set_device(self.device)
+        with torch.inference_mode(), torch.cuda.stream(self.stream) if self.is_cuda else _null():
+            while True:
+                with self._cv:
+                    while not (self._queue or self._encodes or self._tasks or self._stopping):
+                        self._cv.wait()
+                    if self._stopping:
+                        # Only the futures are used below: encodes and tasks fail alike.
+                        encodes: list[tuple[object, Future]] = list(self._encodes)
+                        self._encodes = deque()
+                        encodes += list(self._tasks)
+                        self._tasks.clear()
+                        break
+                    if self._tasks:
+                        task, future = self._tasks.popleft()
+                        self._busy = True
+                    else:
+                        task = None
+                if task is not None:
+                    try:
+                        future.set_result(task())
+                    except Exception as exc:  # noqa: BLE001 - reported through the future
+                        future.set_exception(exc)
+                    finally:
+                        with self._cv:
+                            self._busy = False
+                    continue
+                with self._cv:
+                    resets, pieces = self._take_batch()
+                    encode = self._encodes.popleft() if self._encodes and not pieces else None
+                    self._busy = True
+                try:
+                    alive = self._run_batch(resets, pieces, encode)
+                finally:
+                    with self._cv:
+                        self._busy = False
+                self._notify()
+                if not alive:
+                    return
+        for _, future in encodes:
+            future.set_exception(RuntimeError("the codec stage stopped"))
+
+    def _run_batch(
+        self, resets: list[int], rows: list[list[_Piece]], encode: tuple[Tensor, Future] | None
+    ) -> bool:
+        """(worker) One turn: the resets, the decode call, the encode. Whatever raises fails only the work
+        it held (`_failed`). Returns False once the stage is dead."""
+        if resets:
+            try:
+                self.decoder.reset(torch.tensor(resets, dtype=torch.int64).to(self.device))
+            except Exception as exc:  # noqa: BLE001 - these streams fail; the others go on
+                held = [row for row in rows if row[0].slot in resets]
+                rows = [row for row in rows if row[0].slot not in resets]
+                if not self._failed(f"reset of {len(resets)} streams", exc, held, resets):
+                    self._fail_everything(self.dead or exc, [p for row in rows for p in row])
+                    return False
+            else:
+                for slot in resets:
+                    self._broken.pop(slot, None)
+        broken = [row for row in rows if row[0].slot in self._broken]
+        if broken:  # their state is undefined since a failed call: fail their pieces too
+            with self._cv:
+                self._results.extend(
+                    DecodeResult(p.tag, p.slot, p.codes.shape[1], error=self._broken[p.slot])
+                    for row in broken
+                    for p in row
+                )
+            rows = [row for row in rows if row[0].slot not in self._broken]
+        if rows:
+            try:
+                self._run_decode(rows)
+            except Exception as exc:  # noqa: BLE001 - this call's streams fail; the others go on
+                slots = [row[0].slot for row in rows]
+                if not self._failed(f"decode of {len(rows)} streams", exc, rows, slots):
+                    return False
+        if encode is not None:
+            self._run_encode(*encode)
+            if self.dead is not None:
+                return False
+        return True
+
+    def _take_batch(self) -> tuple[list[int], list[list[_Piece]]]:
+        """(cv held) The resets and the rows of the next call: queued work in order, one row per slot
+        (its pieces concatenated), while the padded call (rows bucket x frames bucket) stays within
+        `max_rows` rows and `max_call_frames` frames. Stops before a reset of a slot that already has a
+        row (that reset belongs after this call)."""
+        resets: list[int] = []
+        rows: dict[int, list[_Piece]] = {}
+        frames: dict[int, int] = {}
+        longest = 0
+        while self._queue:
+            kind, item = self._queue[0]
+            if kind == "reset":
+                if item in rows:
+                    break
+                resets.append(item)
+            else:
+                t = frames.get(item.slot, 0) + item.codes.shape[1]
+                n = len(rows) + (item.slot not in rows)
+                # A row is at most `max_frames` long (the staging buffers' width): a piece of a slot whose
+                # row is full (e.g. a full-size chunk, then its text chunk's short tail) waits for the
+                # next call, and so does everything queued behind it (per-slot order).
+                if rows and (
+                    n > self.max_rows
+                    or t > self.max_frames
+                    or _bucket(ROW_BUCKETS, n) * _bucket(FRAME_BUCKETS, max(longest, t))
+                    > self.max_call_frames
+                ):
+                    break
+                rows.setdefault(item.slot, []).append(item)
+                frames[item.slot] = t
+                longest = max(longest, t)
+            self._queue.popleft()
+        return resets, list(rows.values())
+
+    def _run_decode(self, rows: list[list[_Piece]]) -> None:
+        """(worker) One decode call of `rows` (one per slot, at most `max_frames` frames each); raises
+        whatever the staging or the decoder raises (`_run_batch` fails the call's pieces)."""
+        L = self.codec.frame_length
+        lengths = [sum(p.codes.shape[1] for p in row) for row in rows]
+        n = len(rows)
+        if self.graphs.enabled:  # padded to a captured shape
+            T, B = _bucket(FRAME_BUCKETS, max(lengths)), self.graphs.bucket_for(n) or n
+        else:  # eager: no padding (a padded frame costs a real frame's work)
+            T, B = max(lengths), n
+        h_codes, h_slots, h_lengths = self._h_codes, self._h_slots, self._h_lengths
+        h_slots[:B] = self.decoder.scratch_slot
+        h_lengths[:B] = 0
+        h_codes[:B, :, :T] = 0
+        for i, row in enumerate(rows):
+            h_slots[i] = row[0].slot
+            h_lengths[i] = lengths[i]
+            h_codes[i, :, : lengths[i]] = torch.cat([p.codes for p in row], dim=1)
+        if self._out is None:
+            size = self.max_call_frames * L
+            self._out = torch.zeros(size, dtype=torch.float32, device=self.device)
+            self._h_out = torch.zeros(size, dtype=torch.float32, pin_memory=self.is_cuda)
+        assert self._h_out is not None  # allocated together with self._out
+        t0 = time.perf_counter()
+        start = end = None
+        if self.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        self._slots[:B].copy_(h_slots[:B], non_blocking=True)
+        self._lengths[:B].copy_(h_lengths[:B], non_blocking=True)
+        self._codes[:B, :, :T].copy_(h_codes[:B, :, :T], non_blocking=True)
+        b = self.graphs.run(n, T)  # rows computed: n's bucket (pad rows set above) or n
+        out = self._h_out[: n * T * L].view(n, T * L)
+        out.copy_(self._out[: b * T * L].view(b, T * L)[:n], non_blocking=True)
+        if self.is_cuda:
+            assert start is not None and end is not None and self.stream is not None  # set on CUDA
+            end.record()
+            self.stream.synchronize()  # the worker's own stream only
+            seconds = start.elapsed_time(end) / 1000.0
+        else:
+            seconds = time.perf_counter() - t0
+        s = self.stats
+        s.decode_calls += 1
+        s.decode_rows += n
+        s.decode_frames += sum(lengths)
+        s.decode_padded_frames += b * T
+        s.decode_seconds += seconds
+        results = []
+        for i, row in enumerate(rows):
+            offset = 0
+            for p in row:
+                t = p.codes.shape[1]
+                samples = out[i, offset * L : (offset + t) * L].numpy().copy()
+                results.append(DecodeResult(p.tag, p.slot, t, samples))
+                offset += t
+        with self._cv:
+            self._results.extend(results)
+
+    def _decode_step(self, b: int, frames: int) -> None:
+        """The captured (or eager) call: rows `[:b]` of the staging buffers, `frames` frames."""
+        y = self.decoder.decode(self._slots[:b], self._codes[:b, :, :frames], self._lengths[:b])
+        assert self._out is not None  # _run_decode and _capture allocate it before running a step
+        self._out[: y.numel()].view(y.shape).copy_(y)
+
+    def _run_encode(self, samples: Tensor, future: Future) -> None:
+        t0 = time.perf_counter()
+        try:
+            codes = self.codec.encode_audio(samples)
+            if self.is_cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+        except ValueError as exc:  # the clip (AudioError included): reported to the job that asked
+            future.set_exception(exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - reported to the job that asked; the stage checks itself
+            future.set_exception(exc)
+            self._failed("reference encode", exc, [], [])
+            return
+        finally:
+            self.stats.encode_calls += 1
+            self.stats.encode_seconds += time.perf_counter() - t0
+        future.set_result(codes.cpu())
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

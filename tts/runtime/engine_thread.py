@@ -1,0 +1,754 @@
+"""The engine thread: one thread owns the `Engine` and drives the job pipeline (`JobRunner`).
+
+`EngineLoop` builds the engine, the request planner and the job runner inside its own thread, warms
+them up, then calls `JobRunner.step()` while there is work and sleeps on a condition variable
+otherwise (the codec stage wakes it when audio is decoded). Other threads (the gRPC and HTTP handlers'
+asyncio loop, tests, the load benchmark) only call the thread-safe methods and read `RequestStream`
+events:
+
+* `submit(job)` admits a planned `SynthesisJob` (bounded: beyond `max_batch + max_waiting` jobs in
+  flight it raises `Overloaded`) and returns its `RequestStream`; the job runs as `tts.runtime.jobs`
+  describes;
+* events reach the consumer through a thread-safe handoff: for asyncio consumers, gathered per event
+  loop and handed over in one `call_soon_threadsafe` per loop (before each engine step and at the end
+  of each iteration) into each stream's `asyncio.Queue`; a `queue.Queue` otherwise;
+* back-pressure: the stream counts unread audio chunks; at `max_queued_chunks` the runner pauses the
+  job, and once the consumer has read the queue down to half the cap it posts a resume;
+* `cancel()` ends the job at the next iteration and frees its blocks, row and codec slot;
+* `add_voice` / `delete_voice` / `voices` manage registered voices (encoding on the codec stage);
+* if an engine step raises, every job in flight fails with `EngineFailed` and the loop keeps serving;
+* a part that cannot recover (the codec stage dead, engine steps failing in a row: `JobRunner.failure`)
+  or a crash of the engine thread itself takes the whole replica out of service: `failure` says why,
+  `on_failed(reason)` is called once (the server turns its health NOT_SERVING), jobs in flight fail with
+  `EngineFailed`, and `submit` raises LoopClosed (UNAVAILABLE: retry on another replica).
+
+Events a `RequestStream` yields, in order: `Started`, then `Audio` chunks (sequence 0, 1, 2, ... without
+gaps, frame ranges contiguous), then `Finished`; or `Failed` at any point (and nothing after it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+
+from tts.checkpoints.bundle import ModelBundle
+from tts.engine.engine import Engine, EngineConfig, for_bundle
+from tts.engine.request import Request, SamplingParams
+from tts.runtime.jobs import (
+    Audio,
+    Cancelled,
+    EngineFailed,
+    Event,
+    Failed,
+    Finished,
+    JobRunner,
+    LoopClosed,
+    Preempted,
+    Started,
+    ramp_sizes,
+)
+from tts.runtime.planner import Planner, PreparedReference, SynthesisJob
+from tts.runtime.voices import ReferenceCache, VoiceEntry, VoiceRegistry, codec_fingerprint
+from tts.text.prompt import VoiceReference
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_FIRST_CHUNK_FRAMES = 4
+DEFAULT_CHUNK_FRAMES = 16
+DEFAULT_MAX_QUEUED_CHUNKS = 8
+DEFAULT_REFERENCE_CACHE_BYTES = 64 * 1024 * 1024
+
+__all__ = [
+    "Audio", "Cancelled", "EngineFailed", "EngineLoop", "Event", "Failed", "Finished", "LoopClosed",
+    "Overloaded", "Preempted", "RequestStream", "Started", "SynthesisJob",
+]  # fmt: skip
+
+
+def _built(part: T | None) -> T:
+    """`part` of the engine (EngineLoop.engine, .planner, .runner), built on the engine thread."""
+    if part is None:
+        raise RuntimeError("engine not started")
+    return part
+
+
+class Overloaded(RuntimeError):
+    """Admission refused: `max_batch + max_waiting` jobs are in flight. Maps to RESOURCE_EXHAUSTED."""
+
+
+# ---- the consumer's side of one job -------------------------------------------------------------------
+
+
+class RequestStream:
+    """The consumer's handle on one job: `await next()` (asyncio) or `get()` (threads) its events,
+    `cancel()` it. Created by `EngineLoop.submit`."""
+
+    def __init__(self, loop: EngineLoop, job_id: str, aio_loop: asyncio.AbstractEventLoop | None):
+        self.request_id = job_id
+        self._loop = loop
+        self._aio_loop = aio_loop
+        self._aq: asyncio.Queue[Event] | None = asyncio.Queue() if aio_loop is not None else None
+        self._q: queue.Queue[Event] | None = None if aio_loop is not None else queue.Queue()
+        self._lock = threading.Lock()
+        self._queued = 0  # Audio events delivered and not yet taken
+        self._paused = False  # set by the engine thread when the queue hit the cap
+        self._resume_sent = False
+        self.done = False  # the consumer has taken the final event (or cancelled)
+
+    @property
+    def queued_chunks(self) -> int:
+        """Audio chunks waiting to be read (the back-pressure count)."""
+        with self._lock:
+            return self._queued
+
+    @property
+    def paused(self) -> bool:
+        with self._lock:
+            return self._paused
+
+    async def next(self) -> Event:
+        """The next event (asyncio consumers). Cancelling the awaiting task does not cancel the job:
+        call `cancel()` (the gRPC handlers do, in a `finally`)."""
+        assert self._aq is not None, "this stream was submitted without an asyncio loop; use get()"
+        return self._took(await self._aq.get())
+
+    def get(self, timeout: float | None = None) -> Event:
+        """The next event (thread consumers); raises queue.Empty after `timeout` seconds."""
+        assert self._q is not None, "this stream was submitted with an asyncio loop; use await next()"
+        return self._took(self._q.get(timeout=timeout))
+
+    def cancel(self) -> None:
+        """Stop the job at the engine's next iteration and free its blocks and row (idempotent)."""
+        if not self.done:
+            self.done = True
+            self._loop._post(("cancel", self.request_id))
+
+    def _took(self, event: Event) -> Event:
+        if isinstance(event, Finished | Failed):
+            self.done = True
+        elif isinstance(event, Audio):
+            with self._lock:
+                self._queued -= 1
+                resume = self._paused and not self._resume_sent and self._queued <= self._loop.resume_level
+                if resume:
+                    self._resume_sent = True
+            if resume:
+                self._loop._post(("resume", self.request_id))
+        return event
+
+    # engine thread (the JobSink side)
+
+    def deliver(self, event: Event) -> bool:
+        """(engine thread only) Hand `event` to the consumer: at once to a thread consumer, at the
+        engine loop's next flush to an asyncio one. Returns False if the consumer's event loop is gone."""
+        if isinstance(event, Audio):
+            with self._lock:
+                self._queued += 1
+        if self._aio_loop is None:
+            assert self._q is not None  # (a stream without an asyncio loop has the thread queue)
+            self._q.put(event)
+            return True
+        if self._aio_loop.is_closed():  # nobody will read this stream
+            return False
+        # Handed over in one batch per event loop by EngineLoop._flush (this is the engine thread).
+        self._loop._outbox.setdefault(self._aio_loop, []).append((self, event))
+        return True
+
+    def pause_if_full(self, cap: int) -> bool:
+        """Mark the stream paused if `cap` chunks wait unread. Atomic with the consumer's count, so a
+        consumer that drains the queue meanwhile either prevents the pause or sees it and resumes."""
+        with self._lock:
+            if self._queued >= cap and not self._paused:
+                self._paused = True
+                return True
+            return False
+
+    def _set_paused(self, paused: bool) -> None:
+        with self._lock:
+            self._paused = paused
+            if not paused:
+                self._resume_sent = False
+
+
+def _put_all(batch: list[tuple[RequestStream, Event]]) -> None:
+    """(a consumer's event loop) Queue a flushed batch of events, in delivery order."""
+    for stream, event in batch:
+        assert stream._aq is not None  # (streams with an event loop have the asyncio queue)
+        stream._aq.put_nowait(event)
+
+
+@dataclass
+class LoopStats:
+    """A snapshot the engine thread refreshes every iteration (read by metrics, tests, GetInfo)."""
+
+    jobs: int = 0  # jobs in flight (admitted, not ended)
+    running: int = 0  # engine requests decoding (rows in use)
+    waiting: int = 0  # engine requests waiting for a row / blocks
+    paused: int = 0  # jobs paused by back-pressure
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    frames_total: int = 0
+    frame_steps: int = 0  # frame steps run
+    step_rows: int = 0  # running rows summed over the frame steps (/ frame_steps: mean batch)
+    prefill_passes: int = 0  # prefill forward passes (one request, or several packed)
+    prefill_requests: int = 0  # requests prefilled (/ prefill_passes: requests per pass)
+    prefill_replays: int = 0  # prefill passes replayed from a CUDA graph (tts.engine.prefill_graphs)
+    loop_repeats: int = 0  # repeats the loop guard found (tts.engine.aligner)
+    steps: int = 0
+    step_failures: int = 0
+    codec_failures: int = 0  # codec stage calls (decode, reset, encode) that raised
+    failed: bool = False  # the replica is out of service (`EngineLoop.failure`)
+    replay_share: float = 0.0
+    frame_step_seconds: float = 0.0  # wall time of engine steps (on CUDA: until the frame is on the host)
+    # The engine thread's wall time by phase: prefill, replay, rows (inside engine steps), audio, route
+    # (the job runner), commands (submissions, cancels), idle (waiting for work), handover (events to
+    # asyncio consumers).
+    phase_seconds: dict = field(default_factory=dict)
+    codec_decode_seconds: float = 0.0  # device time of codec decode calls (wall time on a CPU)
+    codec_encode_seconds: float = 0.0
+    codec_decode_calls: int = 0
+    codec_decode_frames: int = 0
+    codec_decode_padded_frames: int = 0  # rows x frames the padded calls computed
+    # The time to first audio split by phase (`JobRunner.first_audio_seconds`), summed over the jobs
+    # that had audio (`first_audio_jobs`).
+    first_audio_seconds: dict = field(default_factory=dict)
+    first_audio_jobs: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+
+
+class EngineLoop:
+    """Runs an `Engine` and its `JobRunner` in a dedicated thread (see the module docstring).
+
+    bundle: the model bundle. engine_config: the engine's sizing; its `max_waiting` is raised
+    internally so that a job's later text chunks are never refused. max_waiting: jobs admitted beyond
+    `max_batch` before `submit` raises Overloaded. max_queued_chunks: back-pressure cap of unread audio
+    chunks per job. pause_timeout: seconds a paused job may hold its row while others wait (None:
+    forever). voices_dir: where registered voices are kept (None: in memory only).
+    reference_cache_bytes: capacity of the encoded-reference cache (0: off). codec_graphs: let the
+    codec stage capture CUDA graphs. warmup: run one short synthesis before `wait_ready` returns.
+    """
+
+    def __init__(
+        self,
+        bundle: ModelBundle,
+        engine_config: EngineConfig | None = None,
+        *,
+        max_waiting: int = 16,
+        max_queued_chunks: int = DEFAULT_MAX_QUEUED_CHUNKS,
+        pause_timeout: float | None = None,
+        voices_dir=None,
+        reference_cache_bytes: int = DEFAULT_REFERENCE_CACHE_BYTES,
+        codec_graphs: bool = True,
+        warmup: bool = True,
+        name: str = "tts-engine",
+    ):
+        if max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
+        if max_queued_chunks < 1:
+            raise ValueError("max_queued_chunks must be >= 1")
+        self.bundle = bundle
+        cfg = replace(engine_config or EngineConfig())
+        cfg.validate()
+        self.max_jobs = cfg.max_batch + max_waiting
+        cfg.max_waiting = max(cfg.max_waiting, self.max_jobs)  # every job has at most one engine request
+        self.engine_config = cfg
+        self.max_waiting = max_waiting
+        self.max_queued_chunks = max_queued_chunks
+        self.resume_level = max_queued_chunks // 2
+        self.pause_timeout = pause_timeout
+        self.fingerprint = codec_fingerprint(bundle.codec)
+        self.voices = VoiceRegistry(
+            bundle.voices,
+            voices_dir,
+            self.fingerprint,
+            (bundle.codec.num_codebooks, bundle.codec.codebook_size),
+        )
+        self.reference_cache = ReferenceCache(reference_cache_bytes)
+        self._codec_graphs = codec_graphs
+        self._warmup = warmup
+        # Built on the engine thread at start-up (`engine`, `planner`, `runner` read them).
+        self._engine: Engine | None = None
+        self._planner: Planner | None = None
+        self._runner: JobRunner | None = None
+        self.stats = LoopStats()
+        self._cv = threading.Condition()
+        self._inbox: list[tuple] = []
+        self._admitted = 0  # jobs submitted and not ended (guarded by _cv)
+        self._accepting = False
+        self._closing = False
+        self._commands_seconds = 0.0  # engine thread: applying commands
+        self._idle_seconds = 0.0  # engine thread: waiting for work
+        self._handover_seconds = 0.0  # engine thread: handing events over to event loops (_flush)
+        self._stalled = False  # the last iteration made no progress: sleep until a command or a wake
+        self._woken = False
+        # Events for asyncio consumers, by event loop, since the last _flush (engine thread only).
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Event]]] = {}
+        self.handovers = 0  # call_soon_threadsafe calls made by _flush
+        self._ids = itertools.count()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._fps_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=8192)
+        self._fps_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        # Called on the engine thread once warm-up is done / once the thread is about to exit.
+        self.on_ready: Callable[[], None] | None = None
+        self.on_stopped: Callable[[], None] | None = None
+        # Called once, from any thread, with the reason when the replica goes out of service (`failure`).
+        self.on_failed: Callable[[str], None] | None = None
+        self._crash: str | None = None  # why the engine thread itself died
+
+    # ---- lifecycle (any thread) ----------------------------------------------------------------------
+
+    def start(self) -> EngineLoop:
+        """Start the engine thread (it builds the engine and warms up); returns at once."""
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the engine is built and warmed up. Re-raises a start-up failure; raises
+        TimeoutError after `timeout` seconds."""
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"the engine was not ready after {timeout} s")
+        if self._start_error is not None:
+            raise RuntimeError(f"engine start-up failed: {self._start_error}") from self._start_error
+
+    @property
+    def ready(self) -> bool:
+        """Whether start-up (engine build, warm-up) succeeded: jobs can be submitted."""
+        return self._ready.is_set() and self._start_error is None
+
+    @property
+    def started_up(self) -> bool:
+        """Whether start-up has ended, successfully or not (then `wait_ready` raises its error)."""
+        return self._ready.is_set()
+
+    @property
+    def accepting(self) -> bool:
+        with self._cv:
+            return self._accepting
+
+    @property
+    def engine(self) -> Engine:
+        """The engine; RuntimeError until the engine thread has built it."""
+        return _built(self._engine)
+
+    @property
+    def planner(self) -> Planner:
+        """The planner; RuntimeError until the engine thread has built it."""
+        return _built(self._planner)
+
+    @property
+    def runner(self) -> JobRunner:
+        """The job runner; RuntimeError until the engine thread has built it."""
+        return _built(self._runner)
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    def close_admission(self) -> None:
+        """Refuse new jobs (LoopClosed); jobs in flight go on."""
+        with self._cv:
+            self._accepting = False
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """End every job in flight (their streams get Failed(LoopClosed)), end the thread, join it."""
+        with self._cv:
+            self._accepting = False
+            self._closing = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def failure(self) -> str | None:
+        """Why this replica is out of service (a part failed and could not recover), None while it
+        serves. Once set it stays: only a restart of the process brings the replica back."""
+        if self._crash is not None:
+            return self._crash
+        runner = self._runner
+        return runner.failure if runner is not None else None
+
+    def _failed(self, reason: str) -> None:
+        """(any thread) A part went out of service: refuse new work, wake the engine thread (it fails the
+        jobs in flight), tell the owner."""
+        with self._cv:
+            self._woken = True
+            self._stalled = False
+            self._cv.notify()
+        if self.on_failed is not None:
+            try:
+                self.on_failed(reason)
+            except Exception:  # noqa: BLE001 - a broken callback must not hide the failure
+                log.exception("on_failed callback failed")
+
+    # ---- work (any thread) ---------------------------------------------------------------------------
+
+    def submit(self, job: SynthesisJob, aio_loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+        """Admit a planned `job`; returns its stream (events delivered into `aio_loop` if given).
+
+        Raises Overloaded when `max_batch + max_waiting` jobs are in flight, LoopClosed when not accepting.
+        Input errors found on the engine thread (a clip that does not encode) arrive as Failed.
+        """
+        if not job.chunks:
+            raise ValueError("SynthesisJob has no text chunk")
+        if job.params.seed is None:
+            raise ValueError("SynthesisJob.params.seed must be resolved before submission")
+        return self._admit(job, aio_loop, internal=False)
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs admitted and not ended (submitted ones the engine thread has not picked up included)."""
+        with self._cv:
+            return self._admitted
+
+    def check_request(self, prompt: Tensor, params: SamplingParams) -> None:
+        """Raise InvalidRequest if an engine request with this prompt and params could never run
+        (prompt + budget over the context size, more KV blocks than the pool). Read-only; any thread."""
+        self.engine.scheduler.check(Request("check", prompt, params))
+
+    def add_voice(self, name: str, reference: PreparedReference, replace: bool = False) -> Future:
+        """Register `reference` as voice `name`: checked now (raises InvalidRequest or VoiceExists),
+        encoded on the codec stage, then stored (and persisted). Returns a future of the VoiceEntry."""
+        runner = self.runner  # (raises if the engine is not started)
+        self.voices.check_new(name, replace)
+        result: Future = Future()
+
+        def encoded(f: Future) -> None:
+            try:
+                entry = self.voices.add(name, VoiceReference(codes=f.result(), text=reference.text), replace)
+            except Exception as exc:  # noqa: BLE001 - reported through the future
+                result.set_exception(exc)
+            else:
+                result.set_result(entry)
+
+        runner.stage.encode(reference.samples).add_done_callback(encoded)
+        return result
+
+    def delete_voice(self, name: str) -> None:
+        """Remove a registered voice (raises VoiceNotFound, or InvalidRequest for a preset)."""
+        self.voices.delete(name)
+
+    def list_voices(self) -> list[VoiceEntry]:
+        return self.voices.list()
+
+    def frames_per_second(self, window: float = 2.0) -> float:
+        """Frames generated per second over the last `window` seconds (0 when idle)."""
+        now = time.monotonic()
+        with self._fps_lock:
+            samples = list(self._fps_window)
+        if not samples:
+            return 0.0
+        latest = samples[-1][1]
+        older = [f for t, f in samples if t <= now - window]
+        base = older[-1] if older else samples[0][1]
+        span = window if older else max(now - samples[0][0], 1e-3)
+        return max(0, latest - base) / span
+
+    # ---- internals: commands -------------------------------------------------------------------------
+
+    def _admit(self, job: SynthesisJob, aio_loop, internal: bool) -> RequestStream:
+        with self._cv:
+            if not internal and not self._accepting:
+                reason = "shutting down" if self._ready.is_set() else "warming up"
+                raise LoopClosed(f"the server is {reason}; not accepting requests")
+            failure = self.failure
+            if not internal and failure is not None:
+                raise LoopClosed(f"this replica is out of service ({failure}); retry on another")
+            if not internal and self._admitted >= self.max_jobs:
+                self._inbox.append(("refused", None))
+                self._cv.notify()
+                raise Overloaded(
+                    f"server is at capacity: {self._admitted} requests in flight "
+                    f"({self.engine_config.max_batch} decoding + {self.max_waiting} queued); retry later"
+                )
+            job_id = f"{job.request_id or 'job'}-{next(self._ids)}"  # unique, whatever the caller's id
+            stream = RequestStream(self, job_id, aio_loop)
+            self._admitted += 1
+            self._inbox.append(("submit", (job_id, job, stream)))
+            self._stalled = False
+            self._cv.notify()
+        return stream
+
+    def _post(self, command: tuple) -> None:
+        with self._cv:
+            self._inbox.append(command)
+            self._stalled = False
+            self._cv.notify()
+
+    def _flush(self) -> None:
+        """(engine thread) Hand the events delivered since the last flush to their consumers' event
+        loops: one `call_soon_threadsafe` per event loop, not one per event. Each such call wakes the
+        asyncio thread (a write to its self-pipe), which then runs the consumers' Python while this
+        thread waits to take the GIL back; the runner flushes before each engine step, so that this
+        work overlaps the step's prefill and frame on the device."""
+        if not self._outbox:
+            return
+        t0 = time.perf_counter()
+        outbox, self._outbox = self._outbox, {}
+        for aio_loop, batch in outbox.items():
+            try:
+                aio_loop.call_soon_threadsafe(_put_all, batch)
+                self.handovers += 1
+            except RuntimeError:  # the event loop closed meanwhile: nobody will read these streams
+                for job_id in dict.fromkeys(stream.request_id for stream, _ in batch):
+                    try:
+                        self.runner.cancel(job_id)
+                    except Exception:  # noqa: BLE001 - the other event loops' batches still go over
+                        log.exception("cancelling %s after its event loop closed failed", job_id)
+        self._handover_seconds += time.perf_counter() - t0
+
+    def _wake(self) -> None:
+        """(codec stage thread) Results are ready: run an iteration."""
+        with self._cv:
+            self._woken = True
+            self._stalled = False
+            self._cv.notify()
+
+    # ---- internals: the engine thread ----------------------------------------------------------------
+
+    @staticmethod
+    def _use_step_stream(device: torch.device) -> None:
+        """Run this thread's GPU work (frame steps, prefills) on a high-priority stream. A frame step is
+        latency-bound (hundreds of small kernels in sequence) while the codec stage's convolutions, on
+        its own low-priority stream, fill every SM; with equal priorities each small kernel waits for
+        the codec's blocks ahead of it. Priorities only order pending blocks: nothing is preempted.
+        TTS_STEP_STREAM=default keeps the default stream (for A/B measurements)."""
+        if os.environ.get("TTS_STEP_STREAM", "high") == "default":
+            return
+        # (torch's stub declares the static `priority_range` as an instance method)
+        priority = min(torch.cuda.Stream.priority_range())  # type: ignore[call-arg]  # lower: sooner
+        stream = torch.cuda.Stream(device, priority=priority)
+        stream.wait_stream(torch.cuda.default_stream(device))  # the weights were loaded on the default one
+        torch.cuda.set_stream(stream)  # (per thread)
+
+    def _main(self) -> None:
+        try:
+            device = self.bundle.device
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+                self._use_step_stream(device)
+            self._engine = Engine(self.bundle.model, for_bundle(self.engine_config, self.bundle))
+            self._planner = Planner(self.bundle, self._engine.max_context, self._engine.check, self.voices)
+            self._runner = JobRunner(
+                self._engine,
+                self._planner,
+                max_streams=self.max_jobs + 1,
+                max_queued_chunks=self.max_queued_chunks,
+                pause_timeout=self.pause_timeout,
+                notify=self._wake,
+                reference_cache=self.reference_cache,
+                codec_graphs=self._codec_graphs,
+            )
+            self.runner.on_end = self._job_ended
+            self.runner.on_failure = self._failed
+            self.runner.before_engine_step = self._flush
+            if self.engine_config.graphs == "startup" and self.engine.graphs.enabled:
+                t0 = time.perf_counter()
+                sizes = ramp_sizes(DEFAULT_FIRST_CHUNK_FRAMES, DEFAULT_CHUNK_FRAMES)
+                captured = self.runner.stage.capture(sizes).result()
+                log.info(
+                    "codec stage: %d decode graphs captured in %.2f s", captured, time.perf_counter() - t0
+                )
+            if self._warmup:
+                self._run_warmup()
+        except BaseException as exc:  # noqa: BLE001 - reported by wait_ready
+            log.exception("engine start-up failed")
+            self._start_error = exc
+            self._ready.set()
+            if self._runner is not None:
+                self._runner.stage.stop()
+            return
+        with self._cv:
+            self._accepting = not self._closing
+        self._ready.set()
+        if self.on_ready is not None:
+            try:
+                self.on_ready()
+            except Exception:  # noqa: BLE001 - a broken callback must not stop the engine
+                log.exception("on_ready callback failed")
+        try:
+            while self._iterate(block=True):
+                pass
+        except BaseException as exc:  # noqa: BLE001 - logged once, then every job fails and health says so
+            log.exception("the engine thread failed; this replica is out of service")
+            self._crash = f"the engine thread failed: {type(exc).__name__}: {exc}"
+            self._failed(self._crash)
+        finally:
+            self._shutdown()
+            if self.on_stopped is not None:
+                try:
+                    self.on_stopped()
+                except Exception:  # noqa: BLE001 - e.g. the consumer's event loop is already closed
+                    log.debug("on_stopped callback failed", exc_info=True)
+
+    def _run_warmup(self) -> None:
+        if self.engine.device.type == "cuda":
+            log.info("prefill warm-up done in %.2f s", self.engine.warmup_prefill())
+        t0 = time.perf_counter()
+        stream = self._admit(self.planner.warmup_job(), None, internal=True)
+        while not stream.done:
+            self._iterate(block=False)
+            try:
+                while True:
+                    event = stream.get(timeout=0.001)
+                    if isinstance(event, Failed):
+                        raise RuntimeError(f"warm-up synthesis failed: {event.error}") from event.error
+            except queue.Empty:
+                pass
+        log.info("engine warm-up done in %.2f s", time.perf_counter() - t0)
+
+    def _iterate(self, block: bool) -> bool:
+        """One pass: apply commands, then one runner step. False once closing."""
+        runner = self.runner
+        with self._cv:
+            while (
+                block
+                and not self._inbox
+                and not self._closing
+                and not self._woken
+                and (self._stalled or not runner.has_work())
+            ):
+                due = runner.preempt_due()  # a paused stream's timeout must be acted on while asleep
+                if due is not None and due <= 0:
+                    break
+                t0 = time.perf_counter()
+                self._cv.wait(timeout=1.0 if due is None else min(1.0, due))
+                self._idle_seconds += time.perf_counter() - t0
+            commands, self._inbox = self._inbox, []
+            self._woken = False
+            closing = self._closing
+        t0 = time.perf_counter()
+        for command in commands:
+            try:
+                self._apply(command)
+            except Exception:  # noqa: BLE001 - a bug in one job must not stop the engine thread
+                log.exception("engine loop: %s command failed", command[0])
+        self._commands_seconds += time.perf_counter() - t0
+        if closing:
+            self._flush()
+            return False
+        try:
+            progressed = runner.step()
+        finally:
+            self._flush()
+        self.stats.steps += 1
+        with self._cv:
+            # No progress: everything running is paused or waits for the codec stage; sleep until a
+            # command, a codec result or a paused stream's timeout.
+            self._stalled = not progressed and not self._inbox and not self._woken
+        self._refresh_stats()
+        return True
+
+    def _apply(self, command: tuple) -> None:
+        kind, arg = command
+        runner = self.runner
+        if kind == "submit":
+            job_id, job, stream = arg
+            runner.submit(job, stream, job_id)
+        elif kind == "cancel":
+            runner.cancel(arg)
+        elif kind == "resume":
+            stream_paused = runner.jobs.get(arg)
+            runner.resume(arg)
+            if stream_paused is not None:
+                assert isinstance(stream_paused.sink, RequestStream)  # (this loop's jobs all have one)
+                stream_paused.sink._set_paused(False)
+        elif kind == "refused":
+            runner.note_refusal()
+
+    def _job_ended(self, job_id: str, event) -> None:
+        with self._cv:
+            self._admitted -= 1
+
+    def _refresh_stats(self) -> None:
+        e, s, r = self.engine, self.stats, self.runner
+        s.jobs = self.in_flight
+        s.running = e.num_running
+        s.waiting = e.num_waiting
+        s.paused = r.paused_jobs
+        s.kv_blocks_used, s.kv_blocks_total = e.kv_usage()
+        s.frames_total = e.frames_generated
+        s.frame_steps, s.step_rows = e.frame_steps, e.step_rows
+        s.prefill_passes, s.prefill_requests = e.runner.prefill_passes, e.prefill_requests
+        s.prefill_replays = e.runner.prefill_graphs.graphs.stats.replays if e.runner.prefill_graphs else 0
+        s.loop_repeats = e.loop_repeats
+        s.replay_share = e.graphs.stats.replay_share
+        s.frame_step_seconds = r.frame_step_seconds
+        s.phase_seconds = {
+            **e.phase_seconds,
+            **r.phase_seconds,
+            "commands": self._commands_seconds,
+            "idle": self._idle_seconds,
+            "handover": self._handover_seconds,
+        }
+        s.step_failures = r.step_failures
+        s.codec_failures = r.stage.stats.failures
+        s.failed = self.failure is not None
+        cs = r.stage.stats
+        s.codec_decode_seconds, s.codec_encode_seconds = cs.decode_seconds, cs.encode_seconds
+        s.codec_decode_calls, s.codec_decode_frames = cs.decode_calls, cs.decode_frames
+        s.codec_decode_padded_frames = cs.decode_padded_frames
+        s.first_audio_seconds, s.first_audio_jobs = dict(r.first_audio_seconds), r.first_audio_jobs
+        s.cache_hits, s.cache_misses = self.reference_cache.hits, self.reference_cache.misses
+        with self._fps_lock:
+            self._fps_window.append((time.monotonic(), e.frames_generated))
+            while len(self._fps_window) > 2 and self._fps_window[1][0] < time.monotonic() - 10.0:
+                self._fps_window.popleft()
+
+    def _shutdown(self) -> None:
+        """(engine thread, closing) End every job: free the engine's requests, tell the consumers."""
+        with self._cv:  # also reached if the loop itself crashed: refuse work from now on
+            self._accepting = False
+            self._closing = True
+        runner = self.runner
+        try:
+            self._end_all(runner)
+        finally:
+            self._flush()  # (whatever was delivered before a failure still goes over)
+        runner.stage.stop()
+        self._refresh_stats()
+
+    def _end_all(self, runner: JobRunner) -> None:
+        """(engine thread, closing) Cancel the engine's requests, fail every job and every submission
+        still in the inbox with LoopClosed."""
+        for job in list(runner.jobs.values()):
+            if job.engine_id is not None:
+                self.engine.cancel(job.engine_id)
+        try:
+            if self.engine.has_work():
+                self.engine.step()  # applies the cancels: blocks and rows are freed
+        except Exception:  # noqa: BLE001
+            log.exception("engine step failed during shutdown")
+            self.engine.fail_all("shutdown")
+        for job in list(runner.jobs.values()):
+            job.engine_id = None
+        if self._crash is not None:
+            runner.fail_all(EngineFailed(self._crash))
+        else:
+            runner.fail_all(LoopClosed("the server shut down before the request finished"))
+        with self._cv:
+            inbox, self._inbox = self._inbox, []
+        for kind, arg in inbox:
+            if kind == "submit":
+                arg[2].deliver(Failed(LoopClosed("the server shut down")))
+                with self._cv:
+                    self._admitted -= 1

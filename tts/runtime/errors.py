@@ -1,0 +1,30 @@
+"""The errors a caller's input can cause, in one place: the CLI prints them as one line with exit
+code 2, the service maps them to INVALID_ARGUMENT / NOT_FOUND. `os_error_reason` words a file or socket
+error for such a line."""
+
+from tts.checkpoints.bundle import CheckpointError
+from tts.codec.base import AudioError
+from tts.engine.request import InvalidRequest
+from tts.model.config import ConfigError
+from tts.runtime.voices import VoiceExists, VoiceNotFound
+from tts.text.normalize import TextError
+from tts.text.tokenizer import TokenizerError
+
+
+class UserError(Exception):
+    """A problem with the user's command-line input: printed as one line, exit code 2."""
+
+
+BAD_INPUT_ERRORS: tuple[type[Exception], ...] = (
+    UserError, TextError, InvalidRequest, AudioError, VoiceNotFound, VoiceExists, CheckpointError, ConfigError,
+    TokenizerError,
+)  # fmt: skip
+NOT_FOUND_ERRORS: tuple[type[Exception], ...] = (VoiceNotFound,)
+
+
+def os_error_reason(exc: OSError) -> str:
+    """Why an OSError happened, in lower-case words and without the file name it carries (which may be
+    a temporary file the user never named): "permission denied", "read-only file system",
+    "address already in use"."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    return reason[:1].lower() + reason[1:]
