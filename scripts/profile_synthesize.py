@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tts.api import TTS  # noqa: E402
-from tts.checkpoints.bundle import load_bundle  # noqa: E402
+from tts.checkpoints.load import load_bundle  # noqa: E402
 from tts.engine import EngineConfig  # noqa: E402
 
 TEXT = "Please call Stella and ask her to bring these things."

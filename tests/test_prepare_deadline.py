@@ -20,7 +20,7 @@ import service.http
 import service.server
 from service.client import build_request
 from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
-from tts.checkpoints.bundle import load_bundle
+from tts.checkpoints.load import load_bundle
 from tts.engine import EngineConfig
 from tts.text.budget import PreparationTimeout
 
