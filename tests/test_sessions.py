@@ -263,3 +263,25 @@ def test_text_without_a_boundary_is_cut_after_hold_seconds_and_an_idle_session_t
         assert ended.reason == "idle_timeout" and all_freed(tts)
     finally:
         tts._sessions = None
+
+
+def test_history_beyond_the_context_drops_the_oldest_turns_and_the_reprefill_is_counted(tiny_bundle):
+    tts = TTS(tiny_bundle, EngineConfig(max_batch=2, ignore_eos=True, block_size=8, max_context=220))
+    try:
+        s = tts.session(**FRAMES)
+        for _ in range(6):
+            s.send("The same sentence again. ")
+        s.close()
+        ends = of(list(s), ChunkEnded)
+        assert [e.reason for e in ends] == ["length"] * 6
+        expected, held = 0, 0
+        for end in ends:
+            prompt_len = end.cached_tokens + end.prefill_tokens + 1
+            assert prompt_len + 6 <= 220  # every prompt fits the context with its budget
+            expected += min(held, prompt_len - 1) - end.cached_tokens
+            held = prompt_len + end.frames - 1
+        # some chunk found its oldest turns dropped: the history after them was prefilled again, counted
+        assert expected > 0 and tts.engine.reprefill_tokens == expected
+        assert all_freed(tts)
+    finally:
+        tts.close()
