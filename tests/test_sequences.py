@@ -2,6 +2,7 @@
 cancel frees exactly the new chunk's blocks, dropped history is prefilled again and counted, idle
 sequences give way to waiting requests."""
 
+import pytest
 import torch
 from helpers import params, random_prompt, run_to_completion
 
@@ -133,3 +134,18 @@ def test_an_idle_sequence_is_evicted_for_a_waiting_request_and_released_sequence
     run_to_completion(engine)
     assert engine.release_sequence("s") == blocks_needed(p2.shape[0] + 1, BS)
     assert engine.kv_usage()[0] == 0 and "s" not in engine.sequences
+
+
+def test_a_request_cancelled_while_waiting_gives_its_prefix_back_and_a_busy_sequence_is_refused(tiny_model):
+    engine = make_engine(tiny_model)
+    p1, codes = first_chunk(engine, tiny_model)
+    held = engine.sequence_blocks("s")
+    p2 = torch.cat([p1, frame_columns(tiny_model, codes), random_prompt(tiny_model, 4, seed=6)])
+    engine.submit(p2, fixed(2), "b", sequence="s")
+    with pytest.raises(ValueError, match="in use"):
+        engine.submit(p2, fixed(2), "c", sequence="s")
+    engine.cancel("b")
+    engine.step()
+    assert engine.sequence_blocks("s") == held and engine.kv_usage()[0] == held
+    assert engine.submit(p2, fixed(2), "d", sequence="s").cached == 20 + 5 - 1
+    run_to_completion(engine)
