@@ -285,3 +285,27 @@ def test_history_beyond_the_context_drops_the_oldest_turns_and_the_reprefill_is_
         assert all_freed(tts)
     finally:
         tts.close()
+
+
+def test_a_session_whose_audio_is_not_read_is_paused_and_goes_on_when_read(tts):
+    cap = tts.runner.max_queued_chunks
+    options = SessionOptions(first_chunk_frames=1, chunk_frames=1)
+    s = tts.session(options=options, max_new_frames=40, min_new_frames=40, seed=2)
+    s.send("Nobody reads this for a while.")
+    s.flush()
+    engine = tts.engine
+    for _ in range(400):  # drive the pipeline without reading, until the chunk is paused
+        tts.runner.step()
+        tts.sessions.tick()
+        request = next(iter(engine._requests.values()), None)
+        if request is not None and request.paused:
+            break
+    else:
+        raise AssertionError("the unread session was never paused")
+    assert s.core.unread_audio() <= cap and s.core.current is not None
+    events = list(s)  # reading resumes it: the chunk ends with all its frames
+    (end,) = of(events, ChunkEnded)
+    assert end.reason == "length" and end.frames == 40
+    s.close()
+    list(s)
+    assert all_freed(tts)

@@ -390,15 +390,14 @@ class SpeechSession:
         if not self.core.events and not self.core.ended:
             self._tts.runner.step()
             self._tts._tick_sessions()
-        out = list(self.core.events)
-        self.core.events.clear()
-        return out
+        return self.core.take_events()
 
     def __iter__(self):
         tts, core = self._tts, self.core
         while True:
             while core.events:
                 yield core.events.popleft()
+            core.resume()  # (everything read: a chunk paused for back-pressure goes on)
             if core.ended or not (core.busy or core.id in tts.sessions._due):
                 return
             tts._wake.clear()

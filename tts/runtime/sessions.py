@@ -203,6 +203,12 @@ class _ChunkSink:
         return True
 
     def pause_if_full(self, cap: int) -> bool:
+        """Back-pressure: pause the chunk while `cap` audio events wait unread (`Session.take_events`
+        resumes it). A session nobody reads then holds its row only until the job pipeline's
+        `pause_timeout` preempts it while others wait (its chunk ends with reason "error", Preempted)."""
+        if self.session.unread_audio() >= cap:
+            self.session._paused = True
+            return True
         return False
 
 
@@ -243,6 +249,7 @@ class Session:
         self.ended = False
         self.last_text = manager.clock()  # the last text or command
         self.text_since: float | None = None  # when the buffer got text that waits for a boundary
+        self._paused = False  # the chunk in flight waits for the consumer (back-pressure)
 
     # ---- commands ---------------------------------------------------------------------------------
 
@@ -305,6 +312,25 @@ class Session:
         self.cancel()
         self.closing = True
         self._end("aborted")
+
+    def take_events(self) -> list[SessionEvent]:
+        """Every event not read yet, in order (and the queue emptied). Resumes a chunk paused because
+        its audio was not read (back-pressure): a front that reads `events` itself calls `resume`."""
+        out = list(self.events)
+        self.events.clear()
+        self.resume()
+        return out
+
+    def resume(self) -> None:
+        """The consumer read the audio: a chunk paused for back-pressure goes on."""
+        if self._paused:
+            self._paused = False
+            if self.current is not None and self.current.done is None:
+                self.manager.runner.resume(self.current.job_id)
+
+    def unread_audio(self) -> int:
+        """SessionAudio events waiting to be read."""
+        return sum(isinstance(e, SessionAudio) for e in self.events)
 
     # ---- state ------------------------------------------------------------------------------------
 
