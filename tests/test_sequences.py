@@ -149,3 +149,25 @@ def test_a_request_cancelled_while_waiting_gives_its_prefix_back_and_a_busy_sequ
     assert engine.sequence_blocks("s") == held and engine.kv_usage()[0] == held
     assert engine.submit(p2, fixed(2), "d", sequence="s").cached == 20 + 5 - 1
     run_to_completion(engine)
+
+
+def test_with_graphs_the_frame_step_replays_and_the_extension_prefill_runs_eagerly_with_the_same_kv(
+    tiny_model,
+):
+    """Stand-in graphs on a CPU: the frame step and a fresh prompt's prefill go through the graph runners
+    as on CUDA; a session's extension prefill does not (it reads the cached prefix), and its K/V and codes
+    equal the eager engine's."""
+    results = []
+    for graphs in ("off", "lazy"):
+        engine = make_engine(tiny_model, graphs=graphs, prefill_graphs=graphs, testing_standin_graphs=True)
+        p1, codes = first_chunk(engine, tiny_model)
+        p2 = torch.cat([p1, frame_columns(tiny_model, codes), random_prompt(tiny_model, 9, seed=2)])
+        pg = engine.runner.prefill_graphs
+        steps = (pg.graphs.stats.replays + pg.graphs.stats.eager_steps) if pg is not None else 0
+        engine.submit(p2, fixed(4), "b", sequence="s")
+        got, _ = run_to_completion(engine)
+        if pg is not None:  # the extension prefill did not go through the prefill graphs
+            assert pg.graphs.stats.replays + pg.graphs.stats.eager_steps == steps
+            assert engine.graphs.stats.replays > 0
+        results.append((codes, got["b"]))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
