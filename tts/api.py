@@ -33,6 +33,7 @@ from tts.codec.base import AudioError
 from tts.engine import Engine, EngineConfig, FinishReason, InvalidRequest, for_bundle
 from tts.runtime.jobs import Audio, Failed, Finished, JobRunner, ListSink, ramp_sizes
 from tts.runtime.planner import Planner, PreparedReference, SynthesisJob
+from tts.runtime.sessions import Session, SessionEvent, SessionManager, SessionOptions
 from tts.runtime.voices import VoiceEntry, VoiceExists, VoiceNotFound, VoiceRegistry, codec_fingerprint
 from tts.text.normalize import TextError
 from tts.text.prompt import VoiceReference
@@ -121,6 +122,7 @@ class TTS:
                     log.warning("the warm-up synthesis failed: %s", event.error)
         self.last_finish_reasons: list[FinishReason] = []
         self.last_warnings: list[str] = []
+        self._sessions: SessionManager | None = None  # made by the first `session()`
 
     @classmethod
     def load(
@@ -258,7 +260,9 @@ class TTS:
                         ended = True
                         raise event.error
                 self._wake.clear()
-                if not self.runner.step() and not sink.events:
+                stepped = self.runner.step()
+                self._tick_sessions()
+                if not stepped and not sink.events:
                     self._wake.wait(0.1)  # the codec stage sets it when audio is decoded
         finally:
             if not ended:  # the caller stopped iterating: free the job's blocks, row and codec slot now
@@ -269,8 +273,49 @@ class TTS:
         """Step the runner until job `job_id` has ended (sleeping while the codec stage works)."""
         while job_id in self.runner.jobs:
             self._wake.clear()
-            if not self.runner.step():
+            stepped = self.runner.step()
+            self._tick_sessions()
+            if not stepped:
                 self._wake.wait(0.1)
+
+    # ---- sessions (text streamed in) -----------------------------------------------------------------
+
+    @property
+    def sessions(self) -> SessionManager:
+        """The session manager (`tts.runtime.sessions`) of this TTS: at most max_batch + 4 sessions."""
+        if self._sessions is None:
+            self._sessions = SessionManager(self.runner, max_sessions=self.engine.config.max_batch + 4)
+        return self._sessions
+
+    def _tick_sessions(self) -> float | None:
+        return self._sessions.tick() if self._sessions is not None else None
+
+    def session(
+        self,
+        voice: str | VoiceReference | list[VoiceReference] | None = None,
+        *,
+        normalize: bool = True,
+        options: SessionOptions | None = None,
+        session_id: str | None = None,
+        **sampling,
+    ) -> SpeechSession:
+        """Open a streaming session: text sent in pieces, audio and word timings out (see
+        `SpeechSession`, `tts.runtime.sessions`). voice: a voice name or VoiceReference objects (None: the
+        model's default voice); sampling: temperature, top_p, top_k, max_new_frames (per chunk),
+        min_new_frames, seed (chunk i uses seed + i), ras_window, repetition_penalty; options: bounds and
+        chunking (`SessionOptions`). Raises SessionLimit, InvalidRequest, VoiceNotFound.
+
+            s = tts.session(voice="ava")
+            s.send("Hello there, how are")
+            s.send(" you today? I'm fine.")
+            s.close()                       # speak the rest, then end
+            for event in s:                 # SessionAudio, WordTimings, ChunkEnded, ..., SessionEnded
+                ...
+        """
+        core = self.sessions.open(
+            voice, session_id=session_id, normalize=normalize, options=options, **sampling
+        )
+        return SpeechSession(self, core)
 
     def synthesize(self, text: str | SynthesisJob, **options) -> Synthesis:
         """Synthesize all of `text` (or a SynthesisJob); options as for `stream`."""
@@ -296,8 +341,85 @@ class TTS:
         )
 
 
+class SpeechSession:
+    """A streaming session of a `TTS`, driven on the caller's thread (the TTS's one thread).
+
+    Commands (each returns at once; the work happens while events are read):
+    `send(text)` adds text; `flush()` speaks the buffered text without waiting for a sentence end;
+    `cancel()` (barge-in) drops the text not yet spoken and ends the chunk in flight within one frame
+    step, the session staying open; `close()` speaks the rest, then ends; `abort()` ends now.
+    Reading: `poll()` runs one step and returns the events ready; iterating yields events until the
+    session has nothing left to speak (then `send` more and iterate again) or has ended
+    (`SessionEnded`, the last event). Events are `tts.runtime.sessions` types: `ChunkStarted`,
+    `SessionAudio` (float32 samples, `sample_offset` in samples on the session clock), `WordTimings`
+    (seconds and samples on the session clock), `ChunkEnded`, `SessionWarning`, `SessionEnded`.
+    Leaving a `with` block aborts a session that has not ended.
+    """
+
+    def __init__(self, tts: TTS, session: Session):
+        self._tts = tts
+        self.core = session
+
+    @property
+    def id(self) -> str:
+        return self.core.id
+
+    @property
+    def ended(self) -> bool:
+        return self.core.ended and not self.core.events
+
+    def send(self, text: str) -> None:
+        """Add text (raises SessionClosed after close/abort, InvalidRequest for oversize text)."""
+        self.core.send(text)
+
+    def flush(self) -> None:
+        self.core.flush()
+
+    def cancel(self) -> None:
+        self.core.cancel()
+
+    def close(self) -> None:
+        self.core.close()
+
+    def abort(self) -> None:
+        """End now; returns once the chunk in flight has freed its row and blocks (one engine step)."""
+        job_id = self.core.current.job_id if self.core.current is not None else None
+        self.core.abort()
+        if job_id is not None:
+            self._tts._run_until_ended(job_id)
+
+    def poll(self) -> list[SessionEvent]:
+        """One pass of the pipeline (engine step, decoded audio, timeouts); the events ready, in order."""
+        if not self.core.events and not self.core.ended:
+            self._tts.runner.step()
+            self._tts._tick_sessions()
+        return self.core.take_events()
+
+    def __iter__(self):
+        tts, core = self._tts, self.core
+        while True:
+            while core.events:
+                yield core.events.popleft()
+            core.resume()  # (everything read: a chunk paused for back-pressure goes on)
+            if core.ended or not (core.busy or core.id in tts.sessions._due):
+                return
+            tts._wake.clear()
+            stepped = tts.runner.step()
+            tts._tick_sessions()
+            if not stepped and not core.events:
+                tts._wake.wait(0.1)  # the codec stage sets it when audio is decoded
+
+    def __enter__(self) -> SpeechSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.core.ended:
+            self.abort()
+
+
 __all__ = [
     "TTS",
+    "SpeechSession",
     "AudioChunk",
     "Synthesis",
     "SynthesisJob",

@@ -30,7 +30,7 @@ EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 
 # Modules that add subcommands: each has `add_parser(subparsers)` setting `func` on its parser.
-_SUBCOMMAND_MODULES = ("tts.cli.serve", "tts.cli.write_checkpoint", "tts.cli.text")
+_SUBCOMMAND_MODULES = ("tts.cli.serve", "tts.cli.write_checkpoint", "tts.cli.text", "tts.cli.probe_aligner")
 # The tools (`tts bench`, `tts bench-server`, `tts eval`) live outside the runtime and register their
 # commands through this entry-point group (pyproject.toml); each entry point is an `add_parser`.
 TOOL_COMMANDS_GROUP = "tts.commands"

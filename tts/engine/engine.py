@@ -40,6 +40,7 @@ from tts.engine.model_runner import ModelRunner, RowInit
 from tts.engine.prefill_graphs import PrefillGraphs
 from tts.engine.request import FinishReason, InvalidRequest, Request, RequestState, SamplingParams, StepOutput
 from tts.engine.scheduler import RowMove, Scheduler
+from tts.engine.sequences import KeptSequence, common_prefix, prefill_extend
 from tts.model.config import AlignerSpec
 from tts.model.kernels import kernel_head_dim_ok
 from tts.model.kv_cache import BlockAllocator, PagedKVCache, blocks_needed
@@ -231,6 +232,16 @@ class Engine:
         self.step_rows = 0  # running rows summed over those steps: step_rows / frame_steps = batch occupancy
         self.prefill_requests = 0  # requests admitted and prefilled (/ runner.prefill_passes: packing)
         self.loop_repeats = 0  # repeats the loop guard found (rewound, ending the request, or left in)
+        # Sessions' kept sequences (tts.engine.sequences) by id, and their counters: prompt positions
+        # prefilled in all, positions a request found already cached, positions prefilled again because
+        # the held history differed (turns dropped for the context, or the sequence evicted), extension
+        # prefills run eagerly on CUDA, idle sequences evicted for a waiting request.
+        self.sequences: dict[str, KeptSequence] = {}
+        self.prefill_tokens = 0
+        self.reused_tokens = 0
+        self.reprefill_tokens = 0
+        self.prefix_prefills_eager = 0
+        self.sequence_evictions = 0
         # Seconds spent per phase of `step` (host wall time; on CUDA "replay" lasts until the frame is on
         # the host): admitting and prefilling new requests, the frame step itself, the per-row outputs.
         self.phase_seconds = {"prefill": 0.0, "replay": 0.0, "rows": 0.0}
@@ -353,10 +364,15 @@ class Engine:
         params: SamplingParams,
         request_id: str | None = None,
         text_span: tuple[int, int] | None = None,
+        sequence: str | None = None,
     ) -> Request:
         """Queue a request. text_span: the prompt positions `[start, end)` of the text it speaks, for the
         loop guard (`tts.engine.aligner`; ignored without one, and for spans longer than
-        ALIGN_MAX_TOKENS). Raises InvalidRequest (bad parameters or prompt, too long) or QueueFull."""
+        ALIGN_MAX_TOKENS). sequence: a session's kept sequence (`tts.engine.sequences`; created when
+        new): the prompt's prefix that the sequence holds is not prefilled again, and the request's K/V
+        go back to it when it ends; `Request.cached` says how many positions were reused. Raises
+        InvalidRequest (bad parameters or prompt, too long), QueueFull, or ValueError when another
+        request holds the sequence."""
         self.check_prompt(prompt)
         request = Request(request_id or self.new_request_id(), prompt, params)
         if text_span is not None:
@@ -371,9 +387,97 @@ class Engine:
         with self._lock:
             if request.request_id in self._requests:
                 raise ValueError(f"duplicate request id {request.request_id!r}")
-            self.scheduler.add(request)
+            if sequence is not None:
+                self.scheduler.check(request)
+                self._take_sequence(request, sequence)
+            try:
+                self.scheduler.add(request)
+            except Exception:
+                if sequence is not None:
+                    self._return_sequence(request, keep=request.cached)
+                raise
             self._requests[request.request_id] = request
         return request
+
+    # ---- kept sequences (tts.engine.sequences) -------------------------------------------------------
+
+    def _take_sequence(self, request: Request, seq_id: str) -> None:
+        """(lock held) Hand the kept sequence's reusable prefix blocks to `request`; free the rest."""
+        seq = self.sequences.setdefault(seq_id, KeptSequence(seq_id))
+        if seq.busy:
+            raise ValueError(f"sequence {seq_id!r} is in use by another request")
+        cached = common_prefix(seq.columns, request.prompt)
+        held = max(seq.length, seq.dropped)  # (what it held before an eviction, if it was evicted)
+        self.reprefill_tokens += max(min(held, request.prompt_len - 1) - cached, 0)
+        seq.dropped = 0
+        keep = blocks_needed(cached, self.config.block_size)
+        if seq.blocks[keep:]:
+            self.scheduler.allocator.free(seq.blocks[keep:])
+        request.blocks, request.cached, request.sequence = seq.blocks[:keep], cached, seq_id
+        seq.blocks, seq.columns, seq.busy = [], None, True
+
+    def _return_sequence(self, request: Request, keep: int) -> None:
+        """(lock held) A session's request ends: the K/V of its first `keep` positions (their columns:
+        its prompt, then its recorded frames) go back to its kept sequence; its other blocks stay on
+        `request.blocks` for the scheduler to free."""
+        seq = self.sequences.get(request.sequence or "")
+        if seq is None:
+            return
+        bs = self.config.block_size
+        n = blocks_needed(keep, bs)
+        held = request.prompt
+        if keep > request.prompt_len:
+            frames = torch.tensor(request.columns[: keep - request.prompt_len], dtype=torch.int64)
+            held = torch.cat([held, frames.view(-1, held.shape[1])])
+        seq.columns = held[:keep].clone() if keep else None
+        seq.blocks, request.blocks = request.blocks[:n], request.blocks[n:]
+        seq.busy = False
+        seq.last_used = time.monotonic()
+        request.sequence = None
+
+    def release_sequence(self, seq_id: str) -> int:
+        """Free an idle kept sequence's blocks and forget it (a session closed or timed out). Returns the
+        blocks freed. A sequence that a request holds is forgotten when that request ends (its blocks are
+        then freed). No-op for an unknown id."""
+        with self._lock:
+            seq = self.sequences.pop(seq_id, None)
+            if seq is None:
+                return 0
+            if seq.busy:
+                for request in self._requests.values():
+                    if request.sequence == seq_id:
+                        request.sequence = None  # its blocks are freed when it ends
+                return 0
+            freed = len(seq.blocks)
+            if seq.blocks:
+                self.scheduler.allocator.free(seq.blocks)
+            seq.blocks, seq.columns = [], None
+            return freed
+
+    def sequence_blocks(self, seq_id: str) -> int:
+        """KV blocks an idle kept sequence holds now (0 when unknown or held by a request)."""
+        seq = self.sequences.get(seq_id)
+        return len(seq.blocks) if seq is not None else 0
+
+    def _evict_for_waiting(self) -> None:
+        """(lock held) When the head of the waiting queue lacks blocks, free idle kept sequences, least
+        recently used first, until it has them: a quiet session never starves others (tts.engine.sequences)."""
+        s = self.scheduler
+        if not s.waiting or s.num_running >= s.max_batch:
+            return
+        head = s.waiting[0]
+        need = s._blocks_for(head) - len(head.blocks)
+        idle = sorted(
+            (q for q in self.sequences.values() if not q.busy and q.blocks), key=lambda q: q.last_used
+        )
+        for seq in idle:
+            if s.allocator.num_free >= need:
+                return
+            s.allocator.free(seq.blocks)
+            seq.dropped = seq.length
+            seq.blocks, seq.columns = [], None
+            seq.evicted += 1
+            self.sequence_evictions += 1
 
     def check(self, prompt: torch.Tensor, params: SamplingParams) -> None:
         """Raise InvalidRequest if this prompt and parameters could never run here (no side effects)."""
@@ -459,6 +563,8 @@ class Engine:
                     request.paused = paused  # a waiting request starts paused (load_row honours it)
                     if request.state == RequestState.RUNNING:
                         self.runner.set_active(self.scheduler.running.index(request), not paused)
+            if self.sequences:
+                self._evict_for_waiting()
             admitted = self.scheduler.admit()
         phases, t0 = self.phase_seconds, time.perf_counter()
         self._start(admitted, outputs)
@@ -477,7 +583,8 @@ class Engine:
         # Per-row work in plain Python values and one split: this loop runs every frame for every row.
         flags = out[:, [cols.token, cols.emitted, cols.done, cols.align]].tolist()
         # frame columns as Python ints, for the loop guards' rewinds (only where there can be guards)
-        columns = out[:, cols.frame].tolist() if self.runner.aligner is not None else None
+        kept = any(r.sequence is not None for r in self.scheduler.running)
+        columns = out[:, cols.frame].tolist() if self.runner.aligner is not None or kept else None
         row_codes = out[:, cols.codes].split(1)
         no_codes = out[:0, cols.codes]
         # Iterate over a snapshot: finishing a request moves the last row into its place.
@@ -497,6 +604,9 @@ class Engine:
                     outputs.append(retract)
                     continue
                 hold = self._hold(request)
+            elif request.sequence is not None and columns is not None:
+                request.columns.append(columns[row])  # what goes back to the kept sequence
+            align = position if request.guard is not None and not stop else None
             end_codes = None
             # The end-token frame is not audio (docs/fish_dual_ar.md §1.4 step 8), except for 1.5
             # (FrameConvention).
@@ -510,9 +620,10 @@ class Engine:
                     finished = self._finish(request, reason)
                 finished.codes = codes
                 finished.end_codes = end_codes
+                finished.align_position = align
                 outputs.append(finished)
             else:
-                outputs.append(StepOutput(request.request_id, codes, hold=hold))
+                outputs.append(StepOutput(request.request_id, codes, hold=hold, align_position=align))
         phases["rows"] += time.perf_counter() - t2
         return outputs
 
@@ -607,15 +718,25 @@ class Engine:
         failed = []
         prefilled = False
         self.prefill_requests += len(admitted)
-        if self.packed_prefill and len(admitted) > 1:
+        for _, request in admitted:
+            request.prefill_tokens = max(request.prompt_len - 1 - request.cached, 0)
+            self.prefill_tokens += request.prefill_tokens
+            self.reused_tokens += request.cached
+        # Requests that continue a kept sequence prefill only their new positions, on their own (below).
+        fresh = [r for _, r in admitted if not r.cached]
+        if self.packed_prefill and len(fresh) > 1:
             try:
-                self.runner.prefill_packed([r.prompt for _, r in admitted], [r.blocks for _, r in admitted])
+                self.runner.prefill_packed([r.prompt for r in fresh], [r.blocks for r in fresh])
                 prefilled = True
             except Exception:  # one at a time below, so that only a bad prompt's request fails
-                log.exception("packed prefill of %d requests failed; prefilling one by one", len(admitted))
+                log.exception("packed prefill of %d requests failed; prefilling one by one", len(fresh))
         for _, request in admitted:
             try:
-                if not prefilled:
+                if request.cached:
+                    if self.device.type == "cuda":
+                        self.prefix_prefills_eager += 1
+                    prefill_extend(self.runner, request.prompt, request.blocks, request.cached)
+                elif not prefilled:
                     self.runner.prefill(request.prompt, request.blocks)
             except Exception as exc:  # a bad prompt must not take the batch down
                 log.exception("prefill failed for %s", request.request_id)
@@ -645,7 +766,16 @@ class Engine:
                 outputs.append(self._finish(request, FinishReason.ERROR, error))
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> StepOutput:
-        """(lock held) End a request, free its blocks, keep the running rows contiguous."""
+        """(lock held) End a request, free its blocks, keep the running rows contiguous. A session's
+        request first gives its kept sequence back what it keeps (tts.engine.sequences)."""
+        if request.sequence is not None:
+            if reason == FinishReason.ERROR:
+                self._return_sequence(request, keep=0)
+            elif reason == FinishReason.CANCELLED or request.state != RequestState.RUNNING:
+                self._return_sequence(request, keep=request.cached)
+            else:
+                # every position written: the prompt and each kept frame but the newest (never fed back)
+                self._return_sequence(request, keep=request.prompt_len + max(len(request.columns) - 1, 0))
         move: RowMove | None = self.scheduler.finish(request, reason, error)
         if move is not None:
             if move.src != move.dst:

@@ -51,6 +51,13 @@ class Request:
     # Frames (counted from its first) that its consumer may have let be heard: never taken back.
     released: int = 0
     retry_until: int = 0  # after a rewind: frames generated when its sampling returns to its own (0: is)
+    # A session's request (`Engine.submit(sequence=...)`, tts.engine.sequences): the kept sequence it
+    # continues; cached: its leading prompt positions whose K/V the sequence already held (not
+    # prefilled again); prefill_tokens: the positions it prefilled (set at admission). Its `columns`
+    # record every kept frame, guarded or not (what goes back to the sequence when it ends).
+    sequence: str | None = None
+    cached: int = 0
+    prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -92,3 +99,6 @@ class StepOutput:
     end_codes: Tensor | None = None
     retract: int = 0
     hold: int = 0
+    # The text position the aligner read for this frame (`tts.engine.aligner.text_alignment`: a token
+    # index into the request's text span) when the request is guarded, else None: word timings use it.
+    align_position: int | None = None

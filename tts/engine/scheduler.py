@@ -91,14 +91,15 @@ class Scheduler:
         tokens = 0
         while self.waiting and len(self.running) < self.max_batch:
             request = self.waiting[0]
-            need = self._blocks_for(request)
+            # (a session's request already holds its kept prefix's blocks: tts.engine.sequences)
+            need = self._blocks_for(request) - len(request.blocks)
             if need > self.allocator.num_free:
                 break
             tokens += request.prompt_len
             if admitted and self.max_prefill_tokens is not None and tokens > self.max_prefill_tokens:
                 break
             self.waiting.popleft()
-            request.blocks = self.allocator.allocate(need)
+            request.blocks = request.blocks + self.allocator.allocate(max(need, 0))
             request.state = RequestState.RUNNING
             self.running.append(request)
             admitted.append((len(self.running) - 1, request))

@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from tts.engine.engine import Engine
-from tts.engine.request import FinishReason, InvalidRequest, StepOutput
+from tts.engine.request import FinishReason, InvalidRequest, Request, StepOutput
 from tts.params import FrameConvention
 from tts.runtime.codec_stage import MAX_PIECE_FRAMES, CodecStage, DecodeResult
 from tts.runtime.planner import Planner, SynthesisJob
@@ -131,6 +131,10 @@ class Audio:
     frame_start: int
     frame_end: int
     codes: Tensor
+    # The aligner's text position (a token of the current text chunk's span) of each of these frames,
+    # None where it read none (unguarded requests, end frames): `[frame_end - frame_start]`, or None
+    # when no frame has one. Word timings (tts.runtime.timings) read it.
+    positions: list[int | None] | None = None
 
 
 @dataclass
@@ -144,6 +148,12 @@ class Finished:
     submitted_at: float
     first_audio_at: float | None
     warnings: list[str] = field(default_factory=list)
+    # The context the next text would continue (the turns, in order: a session's job adds its chunks to
+    # the turns it began with; another job keeps its last chunk), and per text chunk the prompt
+    # positions prefilled and those found already in the session's kept KV (tts.engine.sequences).
+    history: list[Turn] = field(default_factory=list)
+    prefill_tokens: list[int] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -204,6 +214,11 @@ class _Job:
     # The newest frames of `pending` that the engine's loop guard may still take back (not sent to the
     # codec until a later frame's hold, or the chunk's end, lets them go).
     held: int = 0
+    # the aligner's position of each audio frame so far (None: none read), for word timings
+    frame_positions: list[int | None] = field(default_factory=list)
+    request: Request | None = None  # the engine request of the current text chunk
+    prefill_tokens: list[int] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
     # (sequence, frame_start, codes) being decoded
     inflight: deque[tuple[int, int, Tensor]] = field(default_factory=deque)
     frames: int = 0  # generated
@@ -298,6 +313,7 @@ class JobRunner:
         """Start a job; its events go to `sink`. Returns its id. Input errors found now (a clip that
         does not encode, a prompt that does not fit) arrive as Failed, never as exceptions."""
         job = _Job(job_id or self.new_job_id(spec.request_id), spec, sink, time.monotonic())
+        job.history = list(spec.history)  # (a session's earlier turns; empty for other jobs)
         job.warnings = list(spec.warnings)  # the planner's (text left out, markup ignored) come first
         self.jobs[job.job_id] = job
         try:
@@ -491,8 +507,18 @@ class JobRunner:
         )
         engine_id = f"{job.job_id}/{i}"
         try:
-            prompt, span = self.planner.prompt_with_span(spec.chunks[i], job.references, job.history, params)
-            self.engine.submit(prompt, params, request_id=engine_id, text_span=span)
+            if spec.sequence is not None:  # a session's chunk: every turn that fits, its KV kept
+                prompt, span = self.planner.session_prompt(
+                    spec.chunks[i], job.references, job.history, params
+                )
+                job.request = self.engine.submit(
+                    prompt, params, request_id=engine_id, text_span=span, sequence=spec.sequence
+                )
+            else:
+                prompt, span = self.planner.prompt_with_span(
+                    spec.chunks[i], job.references, job.history, params
+                )
+                job.request = self.engine.submit(prompt, params, request_id=engine_id, text_span=span)
         except InvalidRequest as exc:
             prefix = f"text chunk {i + 1} of {len(spec.chunks)}: " if len(spec.chunks) > 1 else ""
             self._end(job, Failed(InvalidRequest(f"{prefix}{exc}")))
@@ -520,7 +546,7 @@ class JobRunner:
         if out.codes.numel():
             job.generated.append(out.codes)  # the next chunk's context: every generated frame
             if not (frames.drop_first and len(job.generated) == 1):
-                self._audio_frame(job, out.codes, out.hold)
+                self._audio_frame(job, out.codes, out.hold, out.align_position)
         if out.finished and frames.keep_end and out.end_codes is not None and job.generated:
             self._audio_frame(job, out.end_codes)  # (an end frame that is the first frame is dropped)
         if not out.finished:
@@ -535,10 +561,12 @@ class JobRunner:
             assert out.finish_reason is not None  # a finished output has its reason
             self._chunk_done(job, out.finish_reason)
 
-    def _audio_frame(self, job: _Job, codes: Tensor, hold: int = 0) -> None:
+    def _audio_frame(self, job: _Job, codes: Tensor, hold: int = 0, position: int | None = None) -> None:
         """One frame `[1, N]` of the job's audio: pending until its audio chunk is due, and while it is
-        among the newest `hold` frames, which the engine's loop guard may still take back."""
+        among the newest `hold` frames, which the engine's loop guard may still take back. position: the
+        aligner's text position of the frame (None: none)."""
         job.pending.append(codes)
+        job.frame_positions.append(position)
         job.frames += codes.shape[0]
         job.held = min(hold, len(job.pending))
         progress = getattr(job.sink, "progress", None)
@@ -552,7 +580,7 @@ class JobRunner:
         """The engine took back the chunk's newest `frames` frames (a repeat): forget them. They are
         among the frames held back (`_audio_frame`), never sent to the codec."""
         assert 0 < frames <= min(job.held, len(job.pending), len(job.generated)), (frames, job.held)
-        del job.generated[-frames:], job.pending[-frames:]
+        del job.generated[-frames:], job.pending[-frames:], job.frame_positions[-frames:]
         job.held -= frames
         job.frames -= frames
 
@@ -585,7 +613,13 @@ class JobRunner:
         elif reason == FinishReason.LOOP:
             job.warnings.append(f"{where} repeats words: the loop guard could not mend a repetition loop")
         job.reasons.append(reason)
-        if reason == FinishReason.LOOP:
+        if job.request is not None:
+            job.prefill_tokens.append(job.request.prefill_tokens)
+            job.cached_tokens.append(job.request.cached)
+        if spec.sequence is not None:  # a session's job keeps every turn (its chunks extend one sequence)
+            if reason != FinishReason.LOOP and job.generated:
+                job.history = job.history + [Turn(spec.chunks[i], torch.cat(job.generated).T)]
+        elif reason == FinishReason.LOOP:
             job.history = []  # no repeat as the next chunk's context
         elif job.generated:
             job.history = [Turn(spec.chunks[i], torch.cat(job.generated).T)]
@@ -633,7 +667,9 @@ class JobRunner:
         if job.first_audio_at is None:
             job.first_audio_at = time.monotonic()
             self._count_first_audio(job)
-        if not self._deliver(job, Audio(seq, result.samples, start, start + codes.shape[1], codes)):
+        positions = job.frame_positions[start : start + codes.shape[1]]
+        aligned = positions if any(p is not None for p in positions) else None
+        if not self._deliver(job, Audio(seq, result.samples, start, start + codes.shape[1], codes, aligned)):
             return
         self._pause_if_full(job)
         self._finish_if_done(job)
@@ -666,7 +702,16 @@ class JobRunner:
 
     def _finish_if_done(self, job: _Job) -> None:
         if job.generation_done and not job.inflight and not job.pending and job.job_id in self.jobs:
-            event = Finished(job.frames, job.reasons, job.submitted_at, job.first_audio_at, job.warnings)
+            event = Finished(
+                job.frames,
+                job.reasons,
+                job.submitted_at,
+                job.first_audio_at,
+                job.warnings,
+                job.history,
+                job.prefill_tokens,
+                job.cached_tokens,
+            )
             self._end(job, event)
 
     def _contention(self, now: float) -> bool:

@@ -93,6 +93,10 @@ class SynthesisJob:
     voice_kind: str = "none"
     text_bytes: int = 0
     warnings: list[str] = field(default_factory=list)
+    # A session's chunk (tts.runtime.sessions): the earlier turns its prompt carries (as many as fit,
+    # `Planner.session_prompt`), and the engine's kept sequence it extends (tts.engine.sequences).
+    history: list[Turn] = field(default_factory=list)
+    sequence: str | None = None
 
     def __post_init__(self) -> None:
         if not self.budgets:
@@ -246,6 +250,27 @@ class Planner:
         if history and prompt.shape[0] + params.max_new_frames > self.max_context:
             prompt, span = build(text, references, [])
         return prompt, span
+
+    def session_prompt(
+        self, text: str, references, history, params: SamplingParams
+    ) -> tuple[Tensor, tuple[int, int] | None]:
+        """A session chunk's prompt and text span (as `prompt_with_span`) with as many of the session's
+        earlier turns as fit the context with `params.max_new_frames`: the oldest are dropped first (the
+        engine then prefills the rest again, and counts it). Raises InvalidRequest when the chunk does
+        not fit even alone."""
+        fmt = self.bundle.prompt_format
+        build = getattr(fmt, "build_with_span", None) or (lambda *parts: (fmt.build(*parts), None))
+        turns = list(history)
+        while True:
+            prompt, span = build(text, references, turns)
+            if prompt.shape[0] + params.max_new_frames <= self.max_context:
+                return prompt, span
+            if not turns:
+                raise InvalidRequest(
+                    f"prompt ({prompt.shape[0]} tokens) + max_new_frames ({params.max_new_frames}) exceeds "
+                    f"the context size {self.max_context}"
+                )
+            turns = turns[1:]
 
     def check(self, prompt: Tensor, params: SamplingParams) -> None:
         """Raise InvalidRequest if an engine request with this prompt and params could never run."""

@@ -43,7 +43,7 @@ from tts.checkpoints.fish.tokenizer import FISH15_SPECIAL_TOKENS, S1_SPECIAL_TOK
 from tts.codec.base import Codec, CodecCheckpointError
 from tts.codec.dac.codec import DACCodec
 from tts.codec.firefly import FIREFLY_FILE, FireflyCodec
-from tts.model.config import ConfigError, ModelArgs
+from tts.model.config import AlignerSpec, ConfigError, ModelArgs
 from tts.model.transformer import DualARTransformer
 from tts.params import FrameConvention, SamplingParams
 from tts.text.tokenizer import TextTokenizer, TokenizerError, TokenizerLike
@@ -352,4 +352,17 @@ def load_fish_bundle(directory: str | Path, raw: Mapping, device, dtype, codec_d
         path=directory,
         frames=spec.frames,
         repetition=spec.repetition,
+        aligner=_fish_aligner(directory, raw, args),
     )
+
+
+# Where `tts probe-aligner` records a Fish checkpoint's aligner heads in its config.json (a key of its
+# own: the rest of the file keeps fish-speech's shape).
+FISH_ALIGNER_KEY = "tts_aligner"
+
+
+def _fish_aligner(directory: Path, raw: Mapping, args: ModelArgs) -> AlignerSpec | None:
+    try:
+        return AlignerSpec.from_config(raw.get(FISH_ALIGNER_KEY), args.n_layer, args.n_head)
+    except ValueError as exc:
+        raise ConfigError(f"{directory / 'config.json'}: {exc}") from exc

@@ -1,0 +1,631 @@
+"""Sessions: text streamed in, speech streamed out, one voice and one KV sequence per session.
+
+A voice agent writes its reply a few words at a time and may be interrupted. A `Session` holds a voice,
+sampling settings and an open text buffer:
+
+* `send(text)` adds a piece of text. The buffer (`tts.text.stream_cut.TextBuffer`) cuts a chunk as soon
+  as one is complete: the first chunk of a turn at its first clause end (audio starts after a few words),
+  later chunks at sentence ends, everything on `flush()`, and any chunk at the length bound. Each chunk is
+  prepared by the model's text policy (normalized, split at the planner's chunk length) and queued.
+* Chunks are spoken in order, one at a time, each as a one-chunk job of the job pipeline
+  (`tts.runtime.jobs`) while more text arrives. Its prompt carries the session's earlier turns (text and
+  codes) as context, as many as fit the model's context (the oldest dropped first:
+  `Planner.session_prompt`), and its engine request continues the session's kept KV sequence
+  (`tts.engine.sequences`): only the chunk's new tokens are prefilled, so a fifth sentence starts as fast
+  as the first and the voice does not drift at chunk boundaries.
+* `cancel()` (barge-in, Cartesia / Deepgram `clear`): the text not spoken yet is forgotten and the chunk
+  in flight ends at the engine's next frame step (its row and the blocks it added freed; the history
+  before it stays); the session stays open for the next text.
+* `close()` speaks what is left and ends the session; `abort()` ends it at once. Either frees the
+  session's KV. An idle session (nothing to speak, no text for `idle_seconds`) ends itself; text without a
+  boundary waits at most `hold_seconds` before it is cut anyway.
+
+Events (in order, per session; every time is on the session's clock: audio samples since it opened):
+`ChunkStarted`, `SessionAudio` (float32 samples with their offset), `WordTimings`, `ChunkEnded` (finish
+reason and prefill counts), `SessionWarning`, and last `SessionEnded`. Network fronts translate them:
+
+* gRPC bidi: one message per event;
+* Fish Audio's WebSocket `/v1/tts/live`: `text` -> `send`, `flush` -> `flush`, `stop` -> `close`; audio
+  events carry `SessionAudio.samples`; alignment segments `{text, start, end}` are `WordTiming.text`,
+  `.start`, `.end` (seconds);
+* Wyoming: `synthesize-start` -> open, `synthesize-chunk` -> `send`, `synthesize-stop` -> `close`; each
+  `SessionAudio` an `audio-chunk` whose `timestamp` is `sample_offset / sample_rate` in ms.
+
+Threading: a `SessionManager` and its sessions are driven on the thread that drives their `JobRunner`
+(the Python API's caller, or the service's engine thread): `send`, `flush`, `cancel`, `close`, `abort`
+and `SessionManager.tick` must all be called there, `tick` after every `JobRunner.step`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+from torch import Tensor
+
+from tts.engine.aligner import ALIGN_MAX_TOKENS
+from tts.params import InvalidRequest, SamplingParams
+from tts.runtime.jobs import Audio, Cancelled, Event, Failed, Finished, JobRunner, Started
+from tts.runtime.planner import SynthesisJob
+from tts.runtime.timings import ChunkTimer, WordTiming, word_weights
+from tts.text.normalize import TextError
+from tts.text.prompt import Turn, VoiceReference
+from tts.text.stream_cut import TextBuffer, utf8_len
+
+log = logging.getLogger(__name__)
+
+
+class SessionLimit(RuntimeError):
+    """No session can be opened now: `max_sessions` are open. Maps to RESOURCE_EXHAUSTED / HTTP 429."""
+
+
+class SessionClosed(InvalidRequest):
+    """Text or a command for a session that was closed or has ended. Maps to INVALID_ARGUMENT / HTTP 400
+    (FAILED_PRECONDITION where a front prefers it)."""
+
+
+@dataclass
+class SessionOptions:
+    """A session's bounds and chunking.
+
+    max_chunk_bytes: a chunk's length bound in UTF-8 bytes (None: the model's `chunk_length`).
+    first_words: words a turn's first chunk needs before a clause end may cut it (0: sentences only).
+    max_pending_bytes: text received and not yet spoken (buffered or queued), UTF-8 bytes; `send` beyond
+    it raises InvalidRequest and takes nothing. hold_seconds: text without a boundary is cut after this
+    long without new text. idle_seconds: a session with nothing to speak ends after this long without
+    text (None: never). first_chunk_frames / chunk_frames: audio chunk sizes, frames (as for `stream`).
+    max_history_frames: frames of earlier turns kept as context at most (None: the engine's context; the
+    prompt drops the oldest turns that do not fit anyway).
+    """
+
+    max_chunk_bytes: int | None = None
+    first_words: int = 3
+    max_pending_bytes: int = 8192
+    hold_seconds: float = 2.0
+    idle_seconds: float | None = 60.0
+    first_chunk_frames: int = 4
+    chunk_frames: int = 16
+    max_history_frames: int | None = None
+
+
+# ---- events ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ChunkStarted:
+    """Chunk `chunk` (0, 1, ... per session) of text `text` (as the model reads it, normalized) was
+    queued in the engine; its audio will start at `sample_offset` on the session clock."""
+
+    session_id: str
+    chunk: int
+    text: str
+    sample_offset: int
+
+
+@dataclass
+class SessionAudio:
+    """Audio of chunk `chunk`: float32 mono `samples [S]` in [-1, 1] at `sample_rate` Hz, starting at
+    `sample_offset` samples on the session clock (`sample_offset / sample_rate` seconds; offsets are
+    contiguous: each event starts where the previous one ended). codes: `[N, frames]` int64 it was decoded
+    from; frame_start / frame_end: its frames within the chunk."""
+
+    session_id: str
+    chunk: int
+    samples: np.ndarray
+    sample_rate: int
+    sample_offset: int
+    frame_start: int
+    frame_end: int
+    codes: Tensor
+
+
+@dataclass
+class WordTimings:
+    """Words of chunk `chunk` whose times are final, in text order (`tts.runtime.timings.WordTiming`:
+    seconds and samples on the session clock, `estimated` where not measured by the aligner). Always
+    inside audio already sent in `SessionAudio` events."""
+
+    session_id: str
+    chunk: int
+    words: list[WordTiming]
+
+
+@dataclass
+class ChunkEnded:
+    """Chunk `chunk` ended. reason: the engine's finish reason ("stop", "length", "short", "loop"),
+    "cancelled" (barge-in or abort) or "error" (then `error` says why; the session stays open).
+    frames: audio frames sent; audio_start / audio_end: its audio on the session clock, samples.
+    prefill_tokens: prompt positions prefilled for it; cached_tokens: positions reused from the session's
+    kept KV (0 for a first chunk, or after the history was dropped or evicted). warnings: for the client."""
+
+    session_id: str
+    chunk: int
+    text: str
+    reason: str
+    frames: int
+    audio_start: int
+    audio_end: int
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    warnings: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class SessionWarning:
+    """Something the client should know that ends nothing (text left out, markup ignored)."""
+
+    session_id: str
+    message: str
+
+
+@dataclass
+class SessionEnded:
+    """The session ended (the last event): reason "closed" (`close`, after speaking everything),
+    "aborted" (`abort`), "idle_timeout" or "shutdown". Its KV and every row are freed."""
+
+    session_id: str
+    reason: str
+    audio_samples: int
+
+
+SessionEvent = ChunkStarted | SessionAudio | WordTimings | ChunkEnded | SessionWarning | SessionEnded
+
+
+# ---- one session -------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Chunk:
+    index: int
+    text: str
+    job_id: str = ""
+    audio_start: int = 0
+    frames: int = 0
+    timer: ChunkTimer | None = None
+    done: Event | None = None  # the job's final event, handled at the next pump
+
+
+class _ChunkSink:
+    """The job pipeline's sink of one chunk: events go to the session."""
+
+    def __init__(self, session: Session, chunk: _Chunk):
+        self.session, self.chunk = session, chunk
+
+    def deliver(self, event: Event) -> bool:
+        self.session._job_event(self.chunk, event)
+        return True
+
+    def pause_if_full(self, cap: int) -> bool:
+        """Back-pressure: pause the chunk while `cap` audio events wait unread (`Session.take_events`
+        resumes it). A session nobody reads then holds its row only until the job pipeline's
+        `pause_timeout` preempts it while others wait (its chunk ends with reason "error", Preempted)."""
+        if self.session.unread_audio() >= cap:
+            self.session._paused = True
+            return True
+        return False
+
+
+class Session:
+    """One streaming session (see the module docstring); made by `SessionManager.open`.
+
+    `events` holds the session's events not yet read (the Python API's `SpeechSession` reads them; a
+    front may read `events` itself). `id` names the session; it is also the engine's kept sequence id.
+    """
+
+    def __init__(
+        self,
+        manager: SessionManager,
+        session_id: str,
+        references: list[VoiceReference],
+        params: SamplingParams,
+        options: SessionOptions,
+        normalize: bool,
+        voice_kind: str,
+    ):
+        self.manager = manager
+        self.id = session_id
+        self.references = references
+        self.params = params  # seed resolved: chunk i uses seed + i
+        self.options = options
+        self.normalize = normalize
+        self.voice_kind = voice_kind
+        planner = manager.runner.planner
+        self.max_chunk_bytes = options.max_chunk_bytes or planner.bundle.chunk_length or 300
+        self.buffer = TextBuffer(max(self.max_chunk_bytes, 16), options.first_words)
+        self.queue: deque[str] = deque()
+        self.history: list[Turn] = []
+        self.events: deque[SessionEvent] = deque()
+        self.current: _Chunk | None = None
+        self.chunks = 0  # chunks started
+        self.samples = 0  # the session clock: audio samples sent
+        self.closing = False
+        self.ended = False
+        self.last_text = manager.clock()  # the last text or command
+        self.text_since: float | None = None  # when the buffer got text that waits for a boundary
+        self._paused = False  # the chunk in flight waits for the consumer (back-pressure)
+
+    # ---- commands ---------------------------------------------------------------------------------
+
+    def send(self, text: str) -> None:
+        """Add a piece of text. Raises SessionClosed after `close`/`abort` or once ended, and
+        InvalidRequest (naming `text`) for a non-string or text over `max_pending_bytes` (nothing of it
+        is taken). Chunks it completes are queued and started."""
+        self._check_open("send text")
+        if not isinstance(text, str):
+            raise InvalidRequest(f"text must be a string, not {type(text).__name__}")
+        pending = len(self.buffer) + sum(utf8_len(c) for c in self.queue)
+        if pending + utf8_len(text) > self.options.max_pending_bytes:
+            raise InvalidRequest(
+                f"text: {utf8_len(text)} bytes would make {pending + utf8_len(text)} bytes waiting to be "
+                f"spoken in this session; at most {self.options.max_pending_bytes} (send less at a time, "
+                "or wait for audio)"
+            )
+        self.last_text = self.manager.clock()
+        if not text:
+            return
+        self._plan(self.buffer.push(text))
+        self.text_since = self.last_text if len(self.buffer) else None
+        self._pump()
+
+    def flush(self) -> None:
+        """Speak the text buffered so far even without a sentence end. Raises SessionClosed once ended."""
+        self._check_open("flush")
+        self.last_text = self.manager.clock()
+        self._plan(self.buffer.flush())
+        self.text_since = None
+        self._pump()
+
+    def cancel(self) -> None:
+        """Barge-in: forget the text not spoken yet and end the chunk in flight at the engine's next frame
+        step (its `ChunkEnded` says "cancelled"; its row and the KV blocks it added are freed, the earlier
+        history kept). The session stays open. No-op once ended."""
+        if self.ended:
+            return
+        self.buffer.clear()
+        self.queue.clear()
+        self.text_since = None
+        self.last_text = self.manager.clock()
+        if self.current is not None and self.current.done is None:
+            self.manager.runner.cancel(self.current.job_id)
+
+    def close(self) -> None:
+        """Speak everything received (the buffer is flushed), then end (`SessionEnded` "closed"). Later
+        `send`/`flush` raise SessionClosed. Idempotent."""
+        if self.ended or self.closing:
+            return
+        self.flush()
+        self.closing = True
+        self._pump()
+
+    def abort(self) -> None:
+        """End now: the chunk in flight is cancelled, queued text dropped, the KV freed
+        (`SessionEnded` "aborted"). Idempotent."""
+        if self.ended:
+            return
+        self.cancel()
+        self.closing = True
+        self._end("aborted")
+
+    def take_events(self) -> list[SessionEvent]:
+        """Every event not read yet, in order (and the queue emptied). Resumes a chunk paused because
+        its audio was not read (back-pressure): a front that reads `events` itself calls `resume`."""
+        out = list(self.events)
+        self.events.clear()
+        self.resume()
+        return out
+
+    def resume(self) -> None:
+        """The consumer read the audio: a chunk paused for back-pressure goes on."""
+        if self._paused:
+            self._paused = False
+            if self.current is not None and self.current.done is None:
+                self.manager.runner.resume(self.current.job_id)
+
+    def unread_audio(self) -> int:
+        """SessionAudio events waiting to be read."""
+        return sum(isinstance(e, SessionAudio) for e in self.events)
+
+    # ---- state ------------------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """A chunk is being spoken or queued."""
+        return self.current is not None or bool(self.queue)
+
+    @property
+    def pending_text(self) -> str:
+        """Text buffered that waits for a boundary (or a flush)."""
+        return self.buffer.text
+
+    def _check_open(self, what: str) -> None:
+        if self.ended or self.closing:
+            state = "has ended" if self.ended else "was closed"
+            raise SessionClosed(f"cannot {what}: session {self.id} {state}")
+
+    # ---- internals (the driving thread) ----------------------------------------------------------
+
+    def _plan(self, pieces: list[str]) -> None:
+        planner = self.manager.runner.planner
+        for piece in pieces:
+            try:
+                plan = planner.text_plan(piece, self.max_chunk_bytes, self.normalize)
+            except TextError:
+                self.events.append(SessionWarning(self.id, f"nothing to speak in {piece!r}: left out"))
+                continue
+            except InvalidRequest as exc:
+                self._chunk_error(piece, f"text: {exc}")
+                continue
+            for warning in plan.warnings:
+                self.events.append(SessionWarning(self.id, warning))
+            self.queue.extend(plan.chunks)
+
+    def _chunk_error(self, text: str, error: str) -> None:
+        """A chunk that cannot be spoken (refused text): reported as its own chunk, nothing else ends."""
+        index = self.chunks
+        self.chunks += 1
+        self.events.append(
+            ChunkEnded(self.id, index, text, "error", 0, self.samples, self.samples, error=error)
+        )
+
+    def _pump(self) -> None:
+        """Handle a finished chunk, start the next one, end a closed or idle session."""
+        if self.ended:
+            return
+        chunk = self.current
+        if chunk is not None and chunk.done is not None:
+            self.current = None
+            self._chunk_ended(chunk, chunk.done)
+        if self.current is None and self.queue:
+            self._start(self.queue.popleft())
+        if self.current is None and not self.queue:
+            if self.closing:
+                self._end("closed")
+            elif not len(self.buffer):
+                self.buffer.new_turn()  # the next text begins a new turn: its first clause goes early
+
+    def _start(self, text: str) -> None:
+        runner = self.manager.runner
+        planner = runner.planner
+        index = self.chunks
+        self.chunks += 1
+        chunk = _Chunk(index, text, audio_start=self.samples)
+        budget = min(self.params.max_new_frames, planner.guard_frames(text))
+        params = replace(self.params, seed=self._seed(index))
+        spec = SynthesisJob(
+            [text],
+            params,
+            [budget],
+            list(self.references),
+            None,
+            self.options.first_chunk_frames,
+            self.options.chunk_frames,
+            f"{self.id}#{index}",
+            voice_kind=self.voice_kind,
+            text_bytes=utf8_len(text),
+            history=list(self.history),
+            sequence=self.id,
+        )
+        words = text.split()
+        fmt = planner.bundle.prompt_format
+        span_tokens = None
+        build = getattr(fmt, "build_with_span", None)
+        if build is not None and runner.engine.loop_guard:
+            try:
+                start, end = build(text, [], [])[1]
+                span_tokens = end - start if end - start <= ALIGN_MAX_TOKENS else None
+            except Exception:  # noqa: BLE001 - the job reports bad text itself
+                span_tokens = None
+        codec = planner.bundle.codec
+        chunk.timer = ChunkTimer(
+            words,
+            word_weights(words, fmt.model_text),
+            span_tokens,
+            self.samples,
+            codec.frame_length,
+            codec.sample_rate,
+            index,
+        )
+        self.current = chunk
+        self.events.append(ChunkStarted(self.id, index, text, self.samples))
+        chunk.job_id = runner.submit(spec, _ChunkSink(self, chunk), job_id=f"{self.id}#{index}")
+
+    def _seed(self, index: int) -> int:
+        assert self.params.seed is not None  # (resolved by SessionManager.open)
+        return (self.params.seed + index) % (2**63)
+
+    def _job_event(self, chunk: _Chunk, event: Event) -> None:
+        """An event of the chunk's job (called by the job pipeline, inside `JobRunner.step`)."""
+        if isinstance(event, Started) or self.ended:  # (an ended session's late audio is dropped)
+            return
+        if isinstance(event, Audio):
+            offset = self.samples
+            n = int(event.samples.shape[0])
+            self.samples += n
+            chunk.frames = event.frame_end
+            rate = self.manager.runner.planner.sample_rate
+            self.events.append(
+                SessionAudio(
+                    self.id,
+                    chunk.index,
+                    event.samples,
+                    rate,
+                    offset,
+                    event.frame_start,
+                    event.frame_end,
+                    event.codes,
+                )
+            )
+            assert chunk.timer is not None  # (set before the job starts)
+            words = chunk.timer.audio(event.frame_end - event.frame_start, n, event.positions)
+            if words:
+                self.events.append(WordTimings(self.id, chunk.index, words))
+            return
+        chunk.done = event  # Finished or Failed: handled at the next pump (outside the runner's step)
+        self.manager._due.add(self.id)
+
+    def _chunk_ended(self, chunk: _Chunk, event: Event) -> None:
+        self.last_text = self.manager.clock()
+        if isinstance(event, Finished):
+            assert chunk.timer is not None
+            words = chunk.timer.finish()
+            if words:
+                self.events.append(WordTimings(self.id, chunk.index, words))
+            self.history = self._bounded(event.history)
+            reason = event.finish_reasons[-1].value if event.finish_reasons else "stop"
+            self.events.append(
+                ChunkEnded(
+                    self.id,
+                    chunk.index,
+                    chunk.text,
+                    reason,
+                    chunk.frames,
+                    chunk.audio_start,
+                    self.samples,
+                    sum(event.prefill_tokens),
+                    sum(event.cached_tokens),
+                    list(event.warnings),
+                )
+            )
+            return
+        assert isinstance(event, Failed)
+        cancelled = isinstance(event.error, Cancelled)
+        self.events.append(
+            ChunkEnded(
+                self.id,
+                chunk.index,
+                chunk.text,
+                "cancelled" if cancelled else "error",
+                chunk.frames,
+                chunk.audio_start,
+                self.samples,
+                error=None if cancelled else f"{type(event.error).__name__}: {event.error}",
+            )
+        )
+
+    def _bounded(self, turns: list[Turn]) -> list[Turn]:
+        """The newest turns whose frames fit `max_history_frames` (default: the engine's context)."""
+        limit = self.options.max_history_frames or self.manager.runner.engine.max_context
+        kept: list[Turn] = []
+        total = 0
+        for turn in reversed(turns):
+            total += int(turn.codes.shape[1])
+            if total > limit:
+                break
+            kept.append(turn)
+        return kept[::-1]
+
+    def _end(self, reason: str) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.closing = True
+        if self.current is not None and self.current.done is None:
+            self.manager.runner.cancel(self.current.job_id)  # its late events are dropped
+        self.current = None
+        self.queue.clear()
+        self.buffer.clear()
+        self.manager._forget(self)
+        self.events.append(SessionEnded(self.id, reason, self.samples))
+
+
+class SessionManager:
+    """The sessions of one `JobRunner` (see the module docstring).
+
+    max_sessions: open sessions at most (`open` raises SessionLimit beyond). clock: seconds, monotonic
+    (the timeouts read it; tests pass their own). options: each session's defaults.
+    """
+
+    def __init__(
+        self,
+        runner: JobRunner,
+        *,
+        max_sessions: int = 16,
+        clock: Callable[[], float] = time.monotonic,
+        options: SessionOptions | None = None,
+    ):
+        self.runner = runner
+        self.max_sessions = max_sessions
+        self.clock = clock
+        self.options = options or SessionOptions()
+        self.sessions: dict[str, Session] = {}
+        self._due: set[str] = set()
+        self._ids = itertools.count()
+
+    def open(
+        self,
+        voice: str | VoiceReference | list[VoiceReference] | None = None,
+        *,
+        session_id: str | None = None,
+        normalize: bool = True,
+        options: SessionOptions | None = None,
+        **sampling,
+    ) -> Session:
+        """Open a session. voice: a preset or registered voice name, or VoiceReference objects (None: the
+        model's default voice). sampling: temperature, top_p, top_k, max_new_frames (per chunk),
+        min_new_frames, seed (chunk i uses seed + i; random when not given), ras_window,
+        repetition_penalty. Raises SessionLimit, InvalidRequest (bad values, a duplicate id),
+        VoiceNotFound."""
+        if len(self.sessions) >= self.max_sessions:
+            raise SessionLimit(f"{self.max_sessions} sessions are open; close one or try again later")
+        planner = self.runner.planner
+        params = planner.sampling_params(**sampling)
+        if params.max_new_frames >= planner.max_context:
+            raise InvalidRequest(
+                f"max_new_frames ({params.max_new_frames}) exceeds the context size {planner.max_context}"
+            )
+        references, kind = planner._voice(voice)
+        opts = options or self.options
+        if not (1 <= opts.first_chunk_frames and 1 <= opts.chunk_frames):
+            raise InvalidRequest("first_chunk_frames and chunk_frames must be >= 1")
+        sid = session_id or f"session-{next(self._ids)}"
+        if sid in self.sessions or sid in self.runner.engine.sequences:
+            raise InvalidRequest(f"session id {sid!r} is in use")
+        params = replace(params, seed=params.seed if params.seed is not None else secrets.randbits(62))
+        session = Session(self, sid, references, params, opts, normalize, kind)
+        self.sessions[sid] = session
+        return session
+
+    def tick(self) -> float | None:
+        """Call after every `JobRunner.step` (and when woken by a deadline): finished chunks are handled
+        and the next started, text held past `hold_seconds` is cut, idle sessions end. Returns seconds
+        until the next deadline (None: none)."""
+        due, self._due = self._due, set()
+        for sid in due:
+            session = self.sessions.get(sid)
+            if session is not None:
+                session._pump()
+        now = self.clock()
+        wait: float | None = None
+        for session in list(self.sessions.values()):
+            if session.text_since is not None and not session.closing:
+                left = session.text_since + session.options.hold_seconds - now
+                if left <= 0:
+                    session.flush()
+                else:
+                    wait = left if wait is None else min(wait, left)
+            idle = session.options.idle_seconds
+            if idle is not None and not session.busy and not len(session.buffer) and not session.closing:
+                left = session.last_text + idle - now
+                if left <= 0:
+                    session._end("idle_timeout")
+                else:
+                    wait = left if wait is None else min(wait, left)
+        return wait
+
+    def close_all(self, reason: str = "shutdown") -> None:
+        """End every session now (shutdown)."""
+        for session in list(self.sessions.values()):
+            session.cancel()
+            session._end(reason)
+
+    def _forget(self, session: Session) -> None:
+        self.sessions.pop(session.id, None)
+        self._due.discard(session.id)
+        self.runner.engine.release_sequence(session.id)
