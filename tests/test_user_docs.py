@@ -4,7 +4,7 @@
   that file (GitHub's anchors: lower case, punctuation dropped, spaces as hyphens).
 * Every `tts SUBCOMMAND ... --flag` in a fenced code block names a flag that subcommand accepts, and so
   does every option in the server-options table of docs/operations.md: the help of the installed `tts`
-  entry point (`tts.cli:main`) is the reference.
+  entry point (`tts.cli.main:main`) is the reference.
 * The README stays a short page, and its CPU-only recipe takes torch and torchaudio from one index
   (a torchaudio from the default index is a CUDA build that fails to load beside a CPU torch).
 """
@@ -91,7 +91,7 @@ def helps() -> dict[str, str]:
     """`tts SUBCOMMAND --help` of every subcommand, from one process."""
     script = """
 import contextlib, io, json, sys
-from tts.cli import main
+from tts.cli.main import main
 out = {}
 for cmd in sys.argv[1:]:
     buf = io.StringIO()
