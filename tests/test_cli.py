@@ -693,9 +693,9 @@ def test_every_option_with_a_default_shows_it_in_help():
     for parser in command_parsers():
         formatter = parser._get_formatter()
         for action in parser._actions:
-            if not action.option_strings or action.help == argparse.SUPPRESS:
-                continue
-            if action.default in (None, False, argparse.SUPPRESS):
+            if not action.option_strings or action.help == argparse.SUPPRESS or action.nargs == 0:
+                continue  # (a flag's default says nothing)
+            if action.default in (None, argparse.SUPPRESS):
                 continue
             shown = formatter._expand_help(action)
             if "default" not in shown:

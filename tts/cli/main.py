@@ -58,7 +58,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default="default",
         help="'default' (the embedded model), 'tiny' (random weights, for tests) or a checkpoint directory",
     )
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    p.add_argument(
+        "--device", default="cpu", help="cpu, cuda or cuda:N (mps where torch has it; default: cpu)"
+    )
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
@@ -728,13 +730,14 @@ _STATES_ITS_DEFAULT = re.compile(r"\bdefault\b[:= ]|%\(default\)", re.IGNORECASE
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
     """Every option's help says its default: "(default: X)" is added where the help does not already
-    say one and the default means something (not None, not a flag's False)."""
+    say one and the default means something (not None, not a flag's)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         if (
             not action.option_strings
-            or action.default in (None, False, argparse.SUPPRESS)
+            or action.nargs == 0  # a flag (--no-normalize, -q): its default is not a value to show
+            or action.default in (None, argparse.SUPPRESS)
             or action.help == argparse.SUPPRESS
             or _STATES_ITS_DEFAULT.search(text)
         ):
