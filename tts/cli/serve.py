@@ -581,7 +581,8 @@ def check_cluster_options(args: argparse.Namespace) -> list[str]:
 
 
 def pick_public_ports(args: argparse.Namespace) -> None:
-    """Check the public ports (busy: UserError naming the option) and replace 0 by a free port."""
+    """Check the public ports (busy: one UserError naming every busy one and its option) and replace 0 by
+    a free port."""
     fronts = [("port", "--port", args.host, "--host", "")]
     if args.http_port >= 0:
         fronts.append(("http_port", "--http-port", args.host, "--host", " for HTTP"))
