@@ -308,6 +308,21 @@ def test_every_busy_port_is_named_in_the_one_error(capsys, monkeypatch):
     )
 
 
+def test_one_port_for_two_fronts_is_refused_before_anything_starts(capsys, monkeypatch):
+    import tts.checkpoints.load
+
+    monkeypatch.setattr(tts.checkpoints.load, "load_bundle", lambda *a, **k: pytest.fail("loaded a model"))
+    with socket.socket() as s:  # a port nothing listens on (bound, then released)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc = main(
+        ["serve", "--model", "tiny", "--port", str(port), "--http-port", str(port), "--metrics-port", "-1"]
+    )
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err == f"tts: error: --http-port {port} is also --port: give each front a port of its own"
+
+
 @pytest.mark.skipif(not sysfs_mounted(), reason="needs /sys (sysfs) as a directory nobody can write to")
 def test_client_unwritable_output_fails_before_connecting(capsys):
     rc = main(["client", "Hi.", "--server", "127.0.0.1:1", "-o", "/sys/x.wav"])

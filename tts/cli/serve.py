@@ -293,6 +293,11 @@ def check_all_listen(fronts: list[tuple[str, int, str, str, str]]) -> None:
     """`check_listen` for every (host, port, port option, host option, purpose) at once: one UserError
     naming every address that cannot be listened on (a second `tts serve` hears of all its busy ports
     in one go, not one per attempt)."""
+    taken: dict[tuple[str, int], str] = {}
+    for host, port, option, _, _ in fronts:
+        if port > 0 and (host, port) in taken:  # (each trial bind alone would pass)
+            raise UserError(f"{option} {port} is also {taken[host, port]}: give each front a port of its own")
+        taken.setdefault((host, port), option)
     problems = [p for p in (listen_problem(*front) for front in fronts) if p is not None]
     if problems:
         raise UserError("cannot listen on " + "; on ".join(problems))
