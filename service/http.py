@@ -1035,7 +1035,15 @@ class HTTPFront:
             if isinstance(event, Failed):
                 raise event.error
             assert isinstance(event, Started), event
-            encoder = AudioEncoder(FORMATS[r.response_format], self.bundle.codec.sample_rate, speed=r.speed)
+            # A wav body is sent whole once the audio is complete, with its real RIFF and data sizes (a
+            # streamed one could only say 0xFFFFFFFF, "27 hours", to a saved file's readers); pcm and sse
+            # stream.
+            encoder = AudioEncoder(
+                FORMATS[r.response_format],
+                self.bundle.codec.sample_rate,
+                speed=r.speed,
+                seekable=r.response_format == "wav" and r.stream_format == "audio",
+            )
         except APIError as exc:
             self.count(exc.outcome)
             self.log_call(call, exc.outcome, exc.message)

@@ -1,3 +1,5 @@
+import argparse
+import io
 import os
 import re
 import subprocess
@@ -603,3 +605,192 @@ def test_a_command_option_before_the_command_is_named(capsys, argv, message):
     """argparse would call the option's value an unknown command ('invalid choice: default')."""
     assert main(argv) == 2
     assert capsys.readouterr().err == f"tts: error: {message}\n"
+
+
+# ---- a light command line: help and usage errors load no heavy module -------------------------------
+
+HEAVY_MODULES = ("torch", "torchaudio", "numpy", "soundfile", "av", "grpc", "fastapi", "transformers")
+IMPORTS_PROBE = """
+import sys
+from tts.cli.main import main
+try:
+    main({argv!r})
+except SystemExit:
+    pass
+print("heavy:", " ".join(m for m in {heavy!r} if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["synthesize", "--help"],
+        ["serve", "--help"],
+        ["bench", "--help"],
+        ["eval", "--help"],
+        ["synthesize", "hi"],  # -o missing
+        ["synthesize", "hi", "-o", "x.wav", "--frobnicate"],
+        ["serve", "--port", "x"],
+    ],
+    ids=" ".join,
+)
+def test_help_and_usage_errors_import_no_heavy_module(argv):
+    """`tts --help`, a command's help and a usage error answer at once: building the parser imports no
+    torch, numpy, grpc, ... (counted in a fresh interpreter, not timed)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tools")]))
+    code = IMPORTS_PROBE.format(argv=argv, heavy=HEAVY_MODULES)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "heavy:", r.stdout[-500:]
+
+
+def test_the_cli_default_buckets_are_the_graph_runners():
+    import graphs.runner
+    import tts.cli.main
+
+    assert tts.cli.main.DEFAULT_BUCKETS == graphs.runner.DEFAULT_BUCKETS
+
+
+@pytest.mark.parametrize(
+    "argv, command",
+    [
+        (["synthesize", "hi", "-o", "x.wav", "--frobnicate"], "tts synthesize"),
+        (["serve", "--frobnicate"], "tts serve"),
+        (["voices", "add", "n", "c.wav", "--text", "t", "--frobnicate"], "tts voices add"),
+        (["--frobnicate"], "tts"),
+    ],
+)
+def test_an_unknown_option_points_at_its_commands_help(capsys, argv, command):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2
+    assert err == f"{command}: error: unrecognized arguments: --frobnicate (see {command} --help)"
+
+
+def test_a_bad_device_names_the_accepted_ones_in_one_line(capsys):
+    assert main(["info", "--model", "tiny", "--device", "tpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(r"tts: error: bad --device 'tpu': expected cpu, cuda, cuda:N( or mps)?", err), err
+
+
+def command_parsers():
+    from tts.cli.main import build_parser
+
+    def walk(parser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in dict.fromkeys(action.choices.values()):
+                    yield from walk(sub)
+
+    return list(walk(build_parser()))
+
+
+def test_every_option_with_a_default_shows_it_in_help():
+    missing = []
+    for parser in command_parsers():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or action.help == argparse.SUPPRESS or action.nargs == 0:
+                continue  # (a flag's default says nothing)
+            if action.default in (None, argparse.SUPPRESS):
+                continue
+            shown = formatter._expand_help(action)
+            if "default" not in shown:
+                missing.append(f"{parser.prog} {action.option_strings[0]}")
+    assert missing == []
+
+
+def test_help_shows_a_default_the_option_did_not_spell_out(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "address of the Prometheus endpoint (default: 127.0.0.1)" in help_text
+    assert "unread chunks before a stream pauses (default: 8)" in help_text
+
+
+# ---- text from stdin --------------------------------------------------------------------------------
+
+
+class FakeStdin(io.TextIOWrapper):
+    def __init__(self, data: bytes, tty: bool):
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("argv", [["-"], []], ids=["dash", "piped"])
+def test_text_comes_from_stdin_with_a_dash_or_a_pipe(monkeypatch, capsys, argv):
+    monkeypatch.setattr(sys, "stdin", FakeStdin(b"Read from a pipe.", tty=False))
+    assert main(["text", *argv, "--model", "tiny", "--json"]) == 0
+    assert '"text": "Read from a pipe."' in capsys.readouterr().out
+
+
+def test_no_text_at_a_terminal_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", FakeStdin(b"", tty=True))
+    assert main(["text", "--model", "tiny"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "tts: error: nothing to synthesize: give TEXT or --text-file, or pipe the text to stdin"
+
+
+def test_dash_and_a_text_file_are_both_text(monkeypatch, capsys, tmp_path):
+    (tmp_path / "t.txt").write_text("x")
+    monkeypatch.setattr(sys, "stdin", FakeStdin(b"y", tty=False))
+    assert main(["text", "-", "--text-file", str(tmp_path / "t.txt"), "--model", "tiny"]) == 2
+    assert "give TEXT or --text-file, not both" in capsys.readouterr().err
+
+
+def test_synthesize_dash_reads_stdin(tmp_path):
+    out = tmp_path / "x.wav"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tools")]))
+    argv = ["synthesize", "-", "-o", str(out), "--model", "tiny", "--max-new-frames", "4", "-q"]
+    r = subprocess.run(
+        [sys.executable, "-m", "tts.cli", *argv], input=b"Hello from stdin.", capture_output=True, env=env
+    )
+    assert r.returncode == 0, r.stderr
+    assert sf.info(str(out)).frames > 0
+
+
+# ---- a torchaudio that cannot load -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["info", "--model", "tiny"],
+        ["synthesize", "Hi.", "-o", "x.wav", "--model", "tiny"],
+        ["serve", "--model", "tiny", "--port", "0", "--http-port", "-1", "--metrics-port", "-1"],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_a_torchaudio_that_cannot_load_is_one_line_with_the_fix(tmp_path, argv):
+    """A CPU torch beside a CUDA torchaudio: `import torchaudio` fails with an OSError about
+    libc10_cuda.so. Every command says so in one line, with the fix, instead of a traceback."""
+    fake = tmp_path / "site" / "torchaudio"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        'raise OSError("libc10_cuda.so: cannot open shared object file: No such file or directory")\n'
+    )
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(ROOT), str(ROOT / "tools")])
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "tts.cli", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert r.returncode == 1, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(
+        "tts: error: torchaudio cannot load (OSError: libc10_cuda.so: cannot open shared object file: "
+        "No such file or directory; torch "
+    )
+    assert "): install torch and torchaudio from the same index, e.g. pip install" in r.stderr
+    assert not (tmp_path / "x.wav").exists()

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import threading
 import time
+import wave
 from pathlib import Path
 
 import grpc
@@ -205,6 +206,19 @@ def test_each_format_decodes_to_the_synthesized_audio(server, reference, fmt):
         assert rms(audio) > 0.25 * rms(reference.audio)
     if fmt in ("wav", "flac"):  # lossless (16-bit)
         np.testing.assert_allclose(audio[: len(reference.audio)], reference.audio, atol=1.5 / 32767)
+
+
+def test_a_saved_wav_response_has_its_real_length(server, reference):
+    """A `wav` body (stream_format audio) saved to a file says how long it is: the RIFF and data sizes are
+    the real ones, not 0xFFFFFFFF (27 hours to `soxi` and Python's `wave`)."""
+    status, headers, body = server.speech(
+        model="tiny", input=TEXT, seed=11, max_new_frames=30, response_format="wav"
+    )
+    assert status == 200, body
+    assert int.from_bytes(body[4:8], "little") == len(body) - 8
+    with wave.open(io.BytesIO(body)) as w:
+        assert w.getnframes() == len(reference.audio) and w.getframerate() == RATE
+        assert len(w.readframes(w.getnframes())) == 2 * len(reference.audio)
 
 
 def test_default_format_is_mp3_and_openai_model_names_are_accepted(server):
@@ -581,7 +595,7 @@ def test_shutdown_past_the_grace_cuts_an_open_stream(bundle):
     client gets an incomplete chunked body (an error), never what looks like a complete short file."""
     srv = HTTPServerThread(bundle, EngineConfig(max_batch=2), ServiceLimits(max_queued_chunks=2))
     try:
-        conn, resp = srv.open_speech(rcvbuf=4096, response_format="wav", **held(600))
+        conn, resp = srv.open_speech(rcvbuf=4096, response_format="pcm", **held(600))
         assert resp.status == 200
         wait_for(lambda: srv.loop.stats.paused == 1, "the request to pause")
         before = requests_total(srv, "unavailable")

@@ -131,3 +131,36 @@ def test_a_symbol_the_english_voice_reads_after_a_code_block_is_still_read():
 
     prepared = get_text_policy("english").prepare("```\ncode\n```\n\n&", None)
     assert (prepared.text, prepared.warnings) == ("and", ["1 code block was not read"])
+
+
+@pytest.mark.parametrize(
+    "raw, spoken",
+    [
+        # Markdown around SSML: the heading, emphasis and code block are read as rendered
+        ("# Title\n\n<speak>Hello **world**</speak>", "Title.\nHello world."),
+        (
+            'Intro <break time="1s"/> text.\n\n```\nprint(1)\n```\n\n- one\n- <sub alias="two">2</sub>',
+            "Intro text.\none.\ntwo.",
+        ),
+        ("<speak><p>## Part *one*</p><p>Tom &amp; Jerry</p></speak>", "Part one.\nTom & Jerry."),
+    ],
+)
+def test_ssml_and_markdown_are_read_together(raw, spoken):
+    out = render_markup(raw)
+    assert out.text == spoken
+    assert out.warnings[0] == SSML_WARNING
+    assert ("1 code block was not read" in out.warnings) == ("```" in raw)
+
+
+def test_a_tag_that_is_neither_ssml_nor_html_stays_text_beside_ssml():
+    out = render_markup('Let me <think> <break time="1s"/> about it.')
+    assert out.text == "Let me <think> about it." and out.warnings == [SSML_WARNING]
+
+
+@pytest.mark.parametrize("raw", ["2024.", "1.", " 7) "])
+def test_a_number_alone_is_read_not_taken_for_an_empty_list_item(raw):
+    assert render_markup(raw).text == raw.strip()
+
+
+def test_empty_bullets_are_still_left_out():
+    assert render_markup("- one\n-\n- two").text == "one.\ntwo."

@@ -285,6 +285,45 @@ def test_a_busy_port_is_named_in_one_line(which):
     )
 
 
+def test_every_busy_port_is_named_in_the_one_error(capsys, monkeypatch):
+    """A second `tts serve` on the same ports hears of all of them at once, before anything starts: gRPC,
+    metrics and HTTP in one line, not one per attempt."""
+    import tts.checkpoints.load
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the ports were checked")
+
+    monkeypatch.setattr(tts.checkpoints.load, "load_bundle", no_model)
+    with _listening_socket() as a, _listening_socket() as b, _listening_socket() as c:
+        grpc_port, metrics_port, http_port = (s.getsockname()[1] for s in (a, b, c))
+        rc = main(
+            ["serve", "--model", "tiny", "--port", str(grpc_port), "--metrics-port", str(metrics_port)]
+            + ["--http-port", str(http_port)]
+        )
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err == (
+        f"tts: error: cannot listen on 127.0.0.1:{grpc_port}: address already in use (--port); "
+        f"on 127.0.0.1:{metrics_port} for metrics: address already in use (--metrics-port); "
+        f"on 127.0.0.1:{http_port} for HTTP: address already in use (--http-port)"
+    )
+
+
+def test_one_port_for_two_fronts_is_refused_before_anything_starts(capsys, monkeypatch):
+    import tts.checkpoints.load
+
+    monkeypatch.setattr(tts.checkpoints.load, "load_bundle", lambda *a, **k: pytest.fail("loaded a model"))
+    with socket.socket() as s:  # a port nothing listens on (bound, then released)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc = main(
+        ["serve", "--model", "tiny", "--port", str(port), "--http-port", str(port), "--metrics-port", "-1"]
+    )
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err == f"tts: error: --http-port {port} is also --port: give each front a port of its own"
+
+
 @pytest.mark.skipif(not sysfs_mounted(), reason="needs /sys (sysfs) as a directory nobody can write to")
 def test_client_unwritable_output_fails_before_connecting(capsys):
     rc = main(["client", "Hi.", "--server", "127.0.0.1:1", "-o", "/sys/x.wav"])

@@ -158,7 +158,6 @@ def test_a_lone_surrogate_is_a_text_error_not_a_crash():
         ("An unknown <|made_up_tag|> tag.", "<|made_up_tag|>"),
         ("Empty <||> tag.", "<||>"),
         ("A lone <| before <|endoftext|>.", "<|endoftext|>"),
-        ("Spaces <| im end |> too.", "<| im end |>"),
         ("Fullwidth \uff1c\uff5cim_end\uff5c\uff1e forms.", "<|im_end|>"),  # NFKC makes them <|im_end|>
         ("Zero-width <|im_\u200bend|> inside.", "<|im_end|>"),  # invisible characters are dropped first
         ("Not a digit <|speaker:\uff11|> either.", "<|speaker:\uff11|>"),
@@ -185,6 +184,9 @@ def test_lone_tag_brackets_are_plain_text():
     assert normalize_user_text("a <| b and c", None) == "a <| b and c"
     assert normalize_user_text("c |> d", None) == "c |> d"
     assert normalize_user_text("x|>y<|z", None) == "x|>y<|z"
+    # a pair around words is text too: no special token holds white space (the prompt builder checks ids)
+    assert normalize_user_text("a lone <| and |> is ok", None) == "a lone <| and |> is ok"
+    assert normalize_user_text("Spaces <| im end |> too.", None) == "Spaces <| im end |> too."
 
 
 def test_a_long_reserved_tag_is_cut_in_the_message():

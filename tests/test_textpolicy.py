@@ -101,7 +101,8 @@ def test_normalize_off_still_leaves_out_what_the_english_voice_cannot_say():
 def test_markup_warnings_come_with_the_text():
     raw = "Run:\n\n```sh\nmake\n```\n\n<speak>Done</speak>"
     out = get_text_policy("fish-s2").prepare(raw, None)
-    assert out.warnings and "SSML" in out.warnings[0]  # SSML seen: the whole text is read as SSML text
+    assert out.text == "Run:\nDone." and "SSML" in out.warnings[0]  # SSML and Markdown both read
+    assert out.warnings[1:] == ["1 code block was not read"]
     code = get_text_policy("fish-s2").prepare("Run:\n\n```sh\nmake\n```\n\nDone.", None)
     assert code.text == "Run:\nDone." and code.warnings == ["1 code block was not read"]
 
@@ -117,3 +118,38 @@ def test_plan_text_splits_chinese_for_fish_at_sentence_ends():
 def test_unknown_policy():
     with pytest.raises(ValueError, match="unknown text policy 'klingon'"):
         get_text_policy("klingon")
+
+
+@pytest.mark.parametrize(
+    "policy, spoken",
+    [("english", "Title. Hello world. one. two."), ("fish-s2", "Title.\nHello world.\none.\ntwo.")],
+)
+def test_ssml_tags_do_not_turn_off_markdown(policy, spoken):
+    raw = '# Title\n\n<speak>Hello <break time="1s"/> **world**</speak>\n\n```\ncode\n```\n\n- one\n- two'
+    out = get_text_policy(policy).prepare(raw, None)
+    assert out.text == spoken
+    assert "number" not in out.text and "asterisk" not in out.text and "code" not in out.text
+    assert "SSML" in out.warnings[0] and "1 code block was not read" in out.warnings
+
+
+@pytest.mark.parametrize("policy", ["english", "fish-s2", "fish-1.5"])
+@pytest.mark.parametrize("raw, english", [("2024.", "two thousand and twenty-four."), ("1.", "one.")])
+def test_a_number_alone_is_spoken(policy, raw, english):
+    assert get_text_policy(policy).prepare(raw, None).text == (english if policy == "english" else raw)
+
+
+@pytest.mark.parametrize("policy", ["english", "fish-s2"])
+def test_lone_tag_brackets_around_words_are_text_and_real_tags_are_refused(policy):
+    from tts.engine import InvalidRequest
+
+    text = get_text_policy(policy).prepare("a lone <| and |> is ok", None).text
+    assert text == "a lone <| and |> is ok"
+    with pytest.raises(InvalidRequest, match=r"reserved tag '<\|im_end\|>'"):
+        get_text_policy(policy).prepare("a lone <| and <|im_end|> is not", None)
+
+
+def test_words_between_lone_tag_brackets_reach_the_phonemizer():
+    from tts.text.phonemes import apply_frontend
+
+    out = apply_frontend(str.upper, "a lone <| and |> is ok <|speaker:0|>x")
+    assert out == "A LONE <| AND |> IS OK <|speaker:0|>X"

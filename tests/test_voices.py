@@ -304,7 +304,11 @@ def test_bad_voices_options_after_the_action_are_one_line_errors(capsys):
             "tts voices list: error: ",
             "argument --model: expected one argument",
         ),
-        (["voices", "delete", "me", "--bogus"], "tts: error: ", "unrecognized arguments: --bogus"),
+        (
+            ["voices", "delete", "me", "--bogus"],
+            "tts voices delete: error: ",
+            "unrecognized arguments: --bogus",
+        ),
     ):
         with pytest.raises(SystemExit) as exc:
             main(argv)

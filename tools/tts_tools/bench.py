@@ -25,8 +25,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # (imported where used: `tts --help` loads this module)
+    import torch
+
 
 from tts.runtime.errors import UserError
 
@@ -34,6 +37,8 @@ DEFAULT_BANDWIDTH = 4.3e12  # bytes/s: device-to-device copy measured on an H200
 
 
 def _prompt(model, tokens: int, seed: int) -> torch.Tensor:
+    import torch
+
     c = model.config
     g = torch.Generator().manual_seed(seed)
     prompt = torch.zeros(tokens, 1 + c.num_codebooks, dtype=torch.int64)
@@ -73,6 +78,8 @@ def check_shape_device(name: str, cuda: bool) -> None:
 
 def load_bench_model(name: str, device: str, dtype):
     """A model for benchmarking: a random-weight shape (`s2-pro-shape`, ...), a preset, or a directory."""
+    import torch
+
     from tts.checkpoints.load import load_bundle
     from tts.model.shapes import SHAPES, build_random_model, shape_config
 
@@ -83,6 +90,8 @@ def load_bench_model(name: str, device: str, dtype):
 
 def bench_one(model, mode: str, batch: int, args) -> dict:
     """Run one (mode, batch) point; returns its measurements."""
+    import torch
+
     from tts.engine import Engine, EngineConfig, SamplingParams
 
     device = model.embeddings.weight.device
@@ -142,6 +151,8 @@ def bench_one(model, mode: str, batch: int, args) -> dict:
 
 
 def environment(model, args) -> dict:
+    import torch
+
     from tts.model.shapes import weight_bytes_per_frame
 
     c = model.config

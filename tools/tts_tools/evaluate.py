@@ -62,9 +62,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # (imported where used: `tts --help` loads this module)
+    import numpy as np
+    import torch
+
 
 HELDOUT = Path(__file__).resolve().parents[2] / "samples" / "eval" / "heldout.txt"
 PASSAGES = Path(__file__).resolve().parents[2] / "samples" / "eval" / "passages.txt"  # --long
@@ -117,6 +120,7 @@ class ASR:
     def transcribe(self, audio: np.ndarray, sample_rate: int) -> str:
         """Text of float32 mono audio at any rate (resampled to 16 kHz); greedy decoding, or beam search
         of `beam_size` (faster-whisper's default is 5; greedy, 1, is what the gates were measured with)."""
+        import torch
         import torchaudio
 
         x = torch.as_tensor(audio, dtype=torch.float32)
@@ -211,6 +215,8 @@ VOICE_TEACHERS: dict[str, tuple[str, dict[str, tuple], Callable[..., tuple[np.nd
 
 def mel_statistic(audio: np.ndarray, sample_rate: int) -> torch.Tensor:
     """Mean log-mel vector `[80]` over frames within 40 dB of the loudest frame (see module docstring)."""
+    import numpy as np
+    import torch
     import torchaudio
 
     from tts.codec.mel import SAMPLE_RATE, LogMel
@@ -284,6 +290,8 @@ def voice_teacher(args: argparse.Namespace) -> str:
 
 
 def evaluate(args: argparse.Namespace) -> dict:
+    import numpy as np
+
     from tts.api import TTS
     from tts.checkpoints.load import load_bundle
     from tts.cli.main import apply_threads
@@ -435,6 +443,9 @@ def voice_similarity(
     harder for the ASR than others) and `wer_per_voice_pass` holds the gate: every voice's WER at most
     its teacher speaker's + `VOICE_WER_MARGIN`.
     """
+    import numpy as np
+    import torch
+
     from tts.text.normalize import normalize_text
 
     codec = tts.bundle.codec
@@ -508,6 +519,8 @@ def voice_similarity(
 
 def _centred(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`stats [V, 80]` -> (their mean `[80]`, the rows minus that mean, L2-normalized `[V, 80]`)."""
+    import torch
+
     centre = stats.mean(0)
     return centre, torch.nn.functional.normalize(stats - centre, dim=1)
 

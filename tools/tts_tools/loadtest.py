@@ -49,8 +49,11 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # (imported where used: `tts --help` loads this module)
+    import numpy as np
+
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
@@ -79,6 +82,8 @@ def request_text(i: int) -> str:
 
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile of `values` (None if empty)."""
+    import numpy as np
+
     if not values:
         return None
     return float(np.percentile(np.asarray(values, dtype=np.float64), q))
@@ -220,6 +225,8 @@ def synthetic_speech(seconds: float = SYNTHETIC_SECONDS, rate: int = SYNTHETIC_R
     each a voiced source (harmonics of a gliding pitch around 120 Hz) shaped by two formants that move
     from syllable to syllable, and noise bursts (fricatives) in some pauses. Not speech, but it has
     speech's pitch, spectral envelope and rhythm, so codecs and silence checks treat it like a voice."""
+    import numpy as np
+
     n = int(round(seconds * rate))
     rng = np.random.default_rng(20261201)
     env = np.zeros(n)
@@ -255,6 +262,7 @@ def synthetic_speech(seconds: float = SYNTHETIC_SECONDS, rate: int = SYNTHETIC_R
 
 def wav_bytes(samples: np.ndarray, rate: int) -> bytes:
     """`[channels, n]` or `[n]` float samples -> 16-bit PCM WAV bytes."""
+    import numpy as np
     import soundfile as sf
 
     data = np.asarray(samples, dtype=np.float32)
@@ -293,6 +301,8 @@ class ReferenceClip:
         """Request i's own clip: the samples rotated by i * 7919 samples (7919 is prime, so the offsets of
         different i differ as long as i stays below the clip's sample count) and scaled by a gain in
         [0.55, 0.95) that also varies with i."""
+        import numpy as np
+
         n = self.samples.shape[-1]
         gain = 0.55 + 0.4 * ((i * 0.6180339887498949) % 1.0)
         return wav_bytes(np.roll(self.samples, (i * 7919) % n, axis=-1) * gain, self.rate)

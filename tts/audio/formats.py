@@ -36,8 +36,11 @@ import threading
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # (imported where used: the CLI's parser reads FORMATS without numpy)
+    import numpy as np
+
 
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
 OGG_PAGE_MICROSECONDS = 40_000  # an Ogg page holds at most this much audio: low latency when streaming
@@ -113,6 +116,8 @@ def check_speed(speed: float) -> float:
 
 def _clean(samples) -> np.ndarray:
     """float32 [S] in [-1, 1], NaN -> 0 (what every output format can hold)."""
+    import numpy as np
+
     x = np.asarray(samples, dtype=np.float32).reshape(-1)
     return np.clip(np.nan_to_num(x, nan=0.0, posinf=1.0, neginf=-1.0), -1.0, 1.0)
 
@@ -161,6 +166,8 @@ class _Tempo:
 
     def push(self, samples: np.ndarray | None) -> list[np.ndarray]:
         """Feed float32 samples (None = end of input); returns the float32 pieces the filter released."""
+        import numpy as np
+
         av = self._av
         if samples is None:
             self.graph.push(None)

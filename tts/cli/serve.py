@@ -17,6 +17,7 @@ import sys
 import time
 
 from tts.cli.main import (
+    TEXT_HELP,
     UserError,
     add_codec_dtype_arg,
     add_engine_args,
@@ -201,7 +202,7 @@ def add_parser(subparsers) -> None:
         description="Stream a synthesis from `tts serve`, write the audio file when done (atomically), print "
         "TTFA and RTF.",
     )
-    p.add_argument("text", nargs="?", help="text to speak (or use --text-file)")
+    p.add_argument("text", nargs="?", help=TEXT_HELP)
     add_output_args(p)
     p.add_argument(
         "--server",
@@ -273,6 +274,14 @@ def check_listen(host: str, port: int, port_option: str, host_option: str, purpo
     """Raise UserError unless a socket can listen on host:port now (a trial bind, SO_REUSEADDR as gRPC
     and the metrics server use): `cannot listen on 127.0.0.1:9464 for metrics: address already in use
     (--metrics-port)`."""
+    problem = listen_problem(host, port, port_option, host_option, purpose)
+    if problem is not None:
+        raise UserError(f"cannot listen on {problem}")
+
+
+def listen_problem(host: str, port: int, port_option: str, host_option: str, purpose: str = "") -> str | None:
+    """Why a socket cannot listen on host:port now (a trial bind, as `check_listen`), as
+    `127.0.0.1:9464 for metrics: address already in use (--metrics-port)`; None when it can."""
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         family, kind, proto, _, sockaddr = socket.getaddrinfo(
@@ -283,17 +292,35 @@ def check_listen(host: str, port: int, port_option: str, host_option: str, purpo
             trial.bind(sockaddr)
     except OSError as exc:
         option = host_option if isinstance(exc, socket.gaierror) else port_option
-        raise UserError(f"cannot listen on {address}{purpose}: {os_error_reason(exc)} ({option})") from exc
+        return f"{address}{purpose}: {os_error_reason(exc)} ({option})"
+    return None
+
+
+def check_all_listen(fronts: list[tuple[str, int, str, str, str]]) -> None:
+    """`check_listen` for every (host, port, port option, host option, purpose) at once: one UserError
+    naming every address that cannot be listened on (a second `tts serve` hears of all its busy ports
+    in one go, not one per attempt)."""
+    taken: dict[tuple[str, int], str] = {}
+    for host, port, option, _, _ in fronts:
+        if port > 0 and (host, port) in taken:  # (each trial bind alone would pass)
+            raise UserError(f"{option} {port} is also {taken[host, port]}: give each front a port of its own")
+        taken.setdefault((host, port), option)
+    problems = [p for p in (listen_problem(*front) for front in fronts) if p is not None]
+    if problems:
+        raise UserError("cannot listen on " + "; on ".join(problems))
 
 
 def check_serve_ports(args: argparse.Namespace) -> None:
-    """The gRPC and (unless off) the metrics and HTTP addresses can be listened on; raises UserError
-    naming them."""
-    check_listen(args.host, args.port, "--port", "--host")
+    """The gRPC and (unless off) the metrics and HTTP addresses can be listened on; raises one UserError
+    naming every one that cannot."""
+    fronts = [(args.host, args.port, "--port", "--host", "")]
     if args.metrics_port >= 0:
-        check_listen(args.metrics_host, args.metrics_port, "--metrics-port", "--metrics-host", " for metrics")
+        fronts.append(
+            (args.metrics_host, args.metrics_port, "--metrics-port", "--metrics-host", " for metrics")
+        )
     if args.http_port >= 0:  # (HTTP listens on --host, beside gRPC)
-        check_listen(args.host, args.http_port, "--http-port", "--host", " for HTTP")
+        fronts.append((args.host, args.http_port, "--http-port", "--host", " for HTTP"))
+    check_all_listen(fronts)
 
 
 # ---- serve ---------------------------------------------------------------------------------------------
@@ -568,15 +595,21 @@ def check_cluster_options(args: argparse.Namespace) -> list[str]:
 
 
 def pick_public_ports(args: argparse.Namespace) -> None:
-    """Check the public ports (busy: UserError naming the option) and replace 0 by a free port."""
+    """Check the public ports (busy: one UserError naming every busy one and its option) and replace 0 by
+    a free port."""
     fronts = [("port", "--port", args.host, "--host", "")]
     if args.http_port >= 0:
         fronts.append(("http_port", "--http-port", args.host, "--host", " for HTTP"))
     if args.metrics_port >= 0:
         fronts.append(("metrics_port", "--metrics-port", args.metrics_host, "--metrics-host", " for metrics"))
-    for dest, option, host, host_option, purpose in fronts:
+    check_all_listen(
+        [
+            (host, getattr(args, dest), option, host_option, purpose)
+            for dest, option, host, host_option, purpose in fronts
+        ]
+    )
+    for dest, _, host, _, _ in fronts:
         port = getattr(args, dest)
-        check_listen(host, port, option, host_option, purpose)
         if port == 0:
             from service.cluster import free_ports
 

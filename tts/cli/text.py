@@ -26,7 +26,11 @@ def add_parser(subparsers) -> None:
         "and print each chunk the model will read, its UTF-8 bytes and tokens, and any warning. Loads only "
         "the model's tokenizer and config; nothing is generated.",
     )
-    p.add_argument("text", nargs="?", help="text to plan (or use --text-file)")
+    p.add_argument(
+        "text",
+        nargs="?",
+        help="text to plan; - (or no TEXT with text piped in) reads stdin; or use --text-file",
+    )
     p.add_argument("--text-file", help="read the text from this UTF-8 file (- = stdin)")
     p.add_argument("--model", default="default", help="'default', 'tiny' or a checkpoint directory")
     p.add_argument(

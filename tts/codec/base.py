@@ -15,8 +15,9 @@ from typing import Protocol
 
 import numpy as np
 import torch
-import torchaudio
 from torch import Tensor
+
+from tts.codec.torchaudio_load import torchaudio
 
 
 class AudioError(ValueError):

@@ -43,7 +43,6 @@ from typing import cast
 
 import torch
 import torch.nn.functional as F
-import torchaudio
 from torch import Tensor, nn
 
 from tts.codec.base import BatchedStreamDecoder, Codec, CodecCheckpointError, StatefulStreamingDecoder
@@ -56,6 +55,7 @@ from tts.codec.dac.net import (
 )
 from tts.codec.dac.random_init import random_weight_normed_state
 from tts.codec.dac.weights import fuse_weight_norm, load_state_strict, read_codec_state
+from tts.codec.torchaudio_load import torchaudio
 
 FIREFLY_FILE = "firefly-gan-vq-fsq-8x1024-21hz-generator.pth"
 

@@ -10,10 +10,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-import torchaudio
 from torch import Tensor
 
 from tts.codec.base import BatchedStreamDecoder
+from tts.codec.torchaudio_load import torchaudio
 
 SAMPLE_RATE = 22050
 FRAME_LENGTH = 1024

@@ -2,24 +2,41 @@
 code 2, the service maps them to INVALID_ARGUMENT / NOT_FOUND. `os_error_reason` words a file or socket
 error for such a line."""
 
-from tts.checkpoints.bundle import CheckpointError
-from tts.codec.base import AudioError
-from tts.engine.request import InvalidRequest
-from tts.model.config import ConfigError
-from tts.runtime.voices import VoiceExists, VoiceNotFound
-from tts.text.normalize import TextError
-from tts.text.tokenizer import TokenizerError
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    BAD_INPUT_ERRORS: tuple[type[Exception], ...]
+    NOT_FOUND_ERRORS: tuple[type[Exception], ...]
 
 
 class UserError(Exception):
     """A problem with the user's command-line input: printed as one line, exit code 2."""
 
 
-BAD_INPUT_ERRORS: tuple[type[Exception], ...] = (
-    UserError, TextError, InvalidRequest, AudioError, VoiceNotFound, VoiceExists, CheckpointError, ConfigError,
-    TokenizerError,
-)  # fmt: skip
-NOT_FOUND_ERRORS: tuple[type[Exception], ...] = (VoiceNotFound,)
+def __getattr__(name: str):
+    """`BAD_INPUT_ERRORS` (every error a caller's input can cause) and `NOT_FOUND_ERRORS`, built on first
+    use: their classes live in modules that load torch, and `UserError` alone must not (`tts --help`)."""
+    if name not in ("BAD_INPUT_ERRORS", "NOT_FOUND_ERRORS"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from tts.checkpoints.bundle import CheckpointError
+    from tts.codec.base import AudioError
+    from tts.engine.request import InvalidRequest
+    from tts.model.config import ConfigError
+    from tts.runtime.voices import VoiceExists, VoiceNotFound
+    from tts.text.normalize import TextError
+    from tts.text.tokenizer import TokenizerError
+
+    errors = {
+        "BAD_INPUT_ERRORS": (
+            UserError, TextError, InvalidRequest, AudioError, VoiceNotFound, VoiceExists, CheckpointError,
+            ConfigError, TokenizerError,
+        ),
+        "NOT_FOUND_ERRORS": (VoiceNotFound,),
+    }  # fmt: skip
+    globals().update(errors)
+    return errors[name]
 
 
 def os_error_reason(exc: OSError) -> str:

@@ -16,8 +16,10 @@ CommonMark plus tables and strikethrough):
 * text that has no Markdown structure (only paragraphs of plain text) comes back unchanged.
 
 SSML is not interpreted. Text with SSML tags (`<speak>`, `<break>`, `<prosody>`, `<say-as>`, `<sub>`,
-...) is read as its text content: `<sub alias="X">` reads X, `<break>` becomes a space (no pause is
-inserted), every other tag is removed, entities are decoded, and a warning says so.
+...) is read as its text content, and its Markdown as above: `<sub alias="X">` reads X, `<break>` becomes
+a space (no pause is inserted), `<speak>`, `<p>` and `<s>` end a line, every other SSML tag is removed,
+and a warning says so. Tags that are not SSML are left to the Markdown reading (HTML tags removed, other
+`<name>` tags kept as text).
 
 URLs anywhere in the text are read as their host ("https://www.example.com/a?b=1" -> "example.com").
 `<|...|>` control tags and bracketed cues such as `[laugh]` pass through as text.
@@ -48,7 +50,13 @@ _SSML = re.compile(
 _SUB_OPEN = re.compile(r"<sub\b[^<>]*>", re.IGNORECASE)
 _SUB_CLOSE = re.compile(r"</sub\s*>", re.IGNORECASE)
 _ALIAS = re.compile(r"\balias\s*=\s*(?:'([^']*)'|\"([^\"]*)\")", re.IGNORECASE)
-_BLOCK_END = re.compile(r"</(?:p|s|paragraph|sentence|speak)\s*>", re.IGNORECASE)
+# Every SSML element's tag, opening or closing: group 1 a block (a paragraph or sentence of its own),
+# group 2 a break; the others (prosody, emphasis, say-as, ...) are inline and leave their text in place.
+_SSML_TAG = re.compile(
+    r"</?(?:(speak|p|s|paragraph|sentence)|(break)|prosody|say-as|sub|phoneme|audio|mark|lang|voice|emphasis"
+    r"|w|token|desc|lexicon|meta|metadata|par|seq|media|(?:amazon|mstts|google):[\w-]+)\b[^<>]*>",
+    re.IGNORECASE,
+)
 _ANY_TAG = re.compile(r"</?[A-Za-z][\w:.-]*(?:\s[^<>]*)?/?>")
 _URL = re.compile(r"\b(?:https?://|www\.)[^\s<>\"'`]+", re.IGNORECASE)
 _URL_TRAILING = ".,;:!?)]}"
@@ -79,10 +87,12 @@ class Rendered:
 def render_markup(text: str) -> Rendered:
     """What a person reads from `text` rendered (see the module docstring)."""
     charge(len(text))
-    if _SSML.search(text):
-        out = Rendered(_strip_ssml(text), [SSML_WARNING])
-    else:
-        out = _render_markdown(text)
+    ssml = _SSML.search(text) is not None
+    out = _render_markdown(_strip_ssml(text) if ssml else text)
+    if ssml:
+        lines = (re.sub(r"[ \t\f\v]+", " ", line).strip() for line in out.text.splitlines())
+        out.text = "\n".join(line for line in lines if line)
+        out.warnings.insert(0, SSML_WARNING)
     out.text = read_urls(out.text)
     return out
 
@@ -128,13 +138,12 @@ def _read_sub_aliases(text: str) -> str:
 
 
 def _strip_ssml(text: str) -> str:
+    """`text` without its SSML tags, its Markdown left as it was for `_render_markdown`: a block's tags
+    become a blank line (a paragraph break), a break a space, other SSML tags nothing (entities are
+    decoded by the Markdown reading)."""
     charge(len(text))
     text = _read_sub_aliases(text)
-    text = _BLOCK_END.sub("\n", text)
-    text = _ANY_TAG.sub(" ", text)
-    text = html.unescape(text)
-    lines = (re.sub(r"[ \t\f\v]+", " ", line).strip() for line in text.splitlines())
-    return "\n".join(line for line in lines if line)
+    return _SSML_TAG.sub(lambda m: "\n\n" if m.group(1) else " " if m.group(2) else "", text)
 
 
 @lru_cache(maxsize=1)
@@ -184,6 +193,9 @@ def _render_markdown(text: str) -> Rendered:
             item_prefix.append(f"{t.info}{t.markup} " if t.info else "")
             prefix_pending = True
         elif kind == "list_item_close":
+            # An item with no text: a number alone ("2024.", "1.") is read as it is; a bullet is nothing.
+            if prefix_pending and item_prefix[-1] and row is None:
+                lines.append(item_prefix[-1].strip())
             item_prefix.pop()
             prefix_pending = False
         elif kind == "tr_open":

@@ -475,10 +475,11 @@ _SPEAKER_TAG = re.compile(r"(<\|speaker:\d+\|>)")
 # ---- tags in user text --------------------------------------------------------------------------------
 # `<|...|>` tags are the prompt formats' control tokens (`<|im_end|>`, `<|voice|>`, `<|semantic:N|>`) and
 # the tokenizers recognize them inline, so user text may hold only the tags its prompt format documents
-# for users (a format's `user_tags`; S2's `<|speaker:N|>`). A tag is `<|`, then anything without `<|` or
-# `|>`, then `|>`; a lone `<|` or `|>` is plain text.
+# for users (a format's `user_tags`; S2's `<|speaker:N|>`). A tag is `<|`, then anything without `<|`,
+# `|>` or white space, then `|>` (no tokenizer's special token holds white space, and the prompt builder
+# checks the token ids again); a lone `<|` or `|>`, or a pair around words ("<| and |>"), is plain text.
 SPEAKER_TAG = re.compile(r"<\|speaker:[0-9]+\|>")
-_ANY_TAG = re.compile(r"<\|(?:(?!<\||\|>).)*\|>", re.DOTALL)
+_ANY_TAG = re.compile(r"<\|(?:(?!<\||\|>)\S)*\|>")
 MAX_TAG_CHARS = 40  # a longer tag is cut in the middle in error messages
 
 

@@ -71,7 +71,7 @@ def identity(text: str) -> str:
     return text
 
 
-_SPECIAL = re.compile(r"(<\|[^|<>]*\|>)")
+_SPECIAL = re.compile(r"(<\|[^|<>\s]*\|>)")  # a tag holds no white space (tts.text.normalize)
 
 
 def apply_frontend(frontend: Frontend, text: str) -> str:

@@ -90,7 +90,7 @@ def check_speakable(text: str) -> None:
     _check_speakable(remove_control_characters(text))
 
 
-_ANY_TAG = re.compile(r"<\|[^|<>]*\|>")
+_ANY_TAG = re.compile(r"<\|[^|<>\s]*\|>")  # (as tts.text.normalize: no white space inside)
 
 
 class EnglishPolicy:
