@@ -67,10 +67,11 @@ class EngineConfig:
 
     max_batch: rows decoded together (the largest bucket is capped by it).
     max_context: tokens per request, prompt + frames (default: the model's max_seq_len).
-    block_size: tokens per KV block. num_blocks: KV pool size including the scratch block (default: on
-    CUDA kv_memory_fraction of the device's free memory at construction; on a CPU enough for max_batch
-    full-context requests, capped at CPU_KV_BYTES but never below one full-context request). Requests
-    take blocks as they grow (tts.engine.scheduler), so the pool, not max_batch, bounds the tokens held.
+    block_size: tokens per KV block. num_blocks: KV pool size including the scratch block (default:
+    enough for max_batch full-context requests, capped on CUDA at kv_memory_fraction of the device's
+    free memory at construction, on a CPU at CPU_KV_BYTES but never below one full-context request).
+    Requests take blocks as they grow (tts.engine.scheduler), so the pool, not max_batch, bounds the
+    tokens held; `max_batch_for_memory` sizes max_batch from the memory.
     graphs: CUDA graphs of the frame step, one per batch-size bucket: "off" (every step eager), "lazy"
     (a bucket is captured on its second use, the default) or "startup" (every bucket is captured at
     construction, largest first). A CPU has no graphs: there it means "off".
@@ -351,16 +352,17 @@ class Engine:
         return "sort"
 
     def _default_num_blocks(self, max_blocks_per_seq: int, dtype) -> int:
-        """The pool's blocks (scratch included): on CUDA kv_memory_fraction of the free memory; on a CPU
-        max_batch full contexts, at most CPU_KV_BYTES, at least one full context."""
+        """The pool's blocks (scratch included): at most what max_batch full-context requests could ever
+        hold (more would never be used); within that, on CUDA kv_memory_fraction of the free memory, on
+        a CPU at most CPU_KV_BYTES yet one full context."""
         mc, cfg = self.model.config, self.config
         per_block = PagedKVCache.bytes_per_block(
             mc.n_layer, cfg.block_size, mc.n_local_heads, mc.head_dim, dtype
         )
+        wanted = cfg.max_batch * max_blocks_per_seq + 1
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            return max(2, int(free * cfg.kv_memory_fraction) // per_block)
-        wanted = cfg.max_batch * max_blocks_per_seq + 1
+            return max(2, min(wanted, int(free * cfg.kv_memory_fraction) // per_block))
         return min(wanted, max(max_blocks_per_seq + 1, CPU_KV_BYTES // per_block))
 
     def kv_info(self) -> dict:
