@@ -14,16 +14,16 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } | tee $OUT/env.txt
 test -f tests/test_kv_pool.py || { echo "this is not the wt-gpu tree"; exit 3; }
-timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py tests/test_dac_batched.py \
+timeout 180 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py tests/test_dac_batched.py \
   tests/test_melvq_batched.py > $OUT/cuda_tests.log 2>&1
 echo "cuda tests: rc $?"; tail -3 $OUT/cuda_tests.log
 BENCH="bench --model s2-pro-shape --device cuda --modes graph --frames 64 --warmup-frames 32"
-timeout 170 python3 -m tts.cli $BENCH --batch-sizes 1,64,128,256 --out $OUT/new > $OUT/bench_new.txt 2>&1
+timeout 160 python3 -m tts.cli $BENCH --batch-sizes 1,64,128,256 --out $OUT/new > $OUT/bench_new.txt 2>&1
 echo "bench new: rc $?"; tail -8 $OUT/bench_new.txt
-(cd .scratch/old && PYTHONPATH=/tmp/site:$PWD timeout 130 python3 -m tts.cli $BENCH --batch-sizes 1,64,128 \
+(cd .scratch/old && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m tts.cli $BENCH --batch-sizes 1,64,128 \
   --out $OUT/old > $OUT/bench_old.txt 2>&1; echo "bench old: rc $?")
 tail -6 $OUT/bench_old.txt
-timeout 60 python3 -c "
+timeout 45 python3 -c "
 import torch
 from tts.shapes import build_random_model, shape_config
 from tts.engine.engine import max_batch_for_memory, kv_bytes_per_token
