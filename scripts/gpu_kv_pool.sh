@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # KV memory on demand and batches past 64 on one GPU: the CUDA tests, then `tts bench` (S2-Pro shape,
-# graph mode) with the code before the change (OLD, a copy of the tree before the change: batches 1,
-# 64, 128) and after (this tree: batches 1, 64, 128, 256), and the max batch `tts serve --max-batch auto`
-# picks for the S2-Pro shape there. Run from the tree root; writes under $OUT: env.txt, cuda_tests.log,
-# bench_new.txt, new/bench.json, bench_old.txt, old/bench.json, auto.txt. Packages the image lacks and
-# these runs do not use (num2words: text normalization; soundfile: WAV files) are stubbed when missing.
+# graph mode) with the code before the change (OLD, default .scratch/old: batches 1, 64, 128) and after
+# (this tree: batches 1, 64, 128, 256), and the max batch `tts serve --max-batch auto` picks for the
+# S2-Pro shape there. Before the call, here: `mkdir -p .scratch/old && git archive BASE tts graphs service
+# tts_grpc | tar -x -C .scratch/old` (BASE: the commit before the change), then the device tool with
+# carry [".scratch/old"] runs `bash scripts/gpu_kv_pool.sh` from the tree root (about 9 minutes at most).
+# Writes under $OUT: env.txt, cuda_tests.log, bench_new.txt, new/bench.json, bench_old.txt,
+# old/bench.json, auto.txt. Packages the image lacks and these runs do not use (num2words: text
+# normalization; soundfile: WAV files) are stubbed when missing; the default voice's test needs its
+# frontend's wheels (phonemizer, espeakng-loader) carried and installed as for the other GPU scripts.
 set -uo pipefail
-OLD=${OLD:?the tree before the change}
+OLD=$(cd "${OLD:-.scratch/old}" && pwd) || exit 2
 mkdir -p /tmp/stub
 python3 -c "import num2words" 2>/dev/null ||
   echo "def num2words(*a, **k): raise RuntimeError('num2words is not installed here')" > /tmp/stub/num2words.py
