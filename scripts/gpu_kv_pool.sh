@@ -5,7 +5,8 @@
 # S2-Pro shape there. Before the call, here: `mkdir -p .scratch/old && git archive BASE tts graphs service
 # tts_grpc | tar -x -C .scratch/old` (BASE: the commit before the change), then the device tool with
 # carry [".scratch/old"] runs `bash scripts/gpu_kv_pool.sh` from the tree root (about 9 minutes at most).
-# Writes under $OUT: env.txt, cuda_tests.log, bench_new.txt, new/bench.json, bench_old.txt,
+# (The tree before the change had the old layout, whose `python -m tts.cli bench` needs no install.)
+# Writes under $OUT: env.txt, install.log, cuda_tests.log, bench_new.txt, new/bench.json, bench_old.txt,
 # old/bench.json, auto.txt. Packages the image lacks and these runs do not use (num2words: text
 # normalization; soundfile: WAV files) are stubbed when missing; the default voice's test needs its
 # frontend's wheels (phonemizer, espeakng-loader) carried and installed as for the other GPU scripts.
@@ -16,7 +17,9 @@ python3 -c "import num2words" 2>/dev/null ||
   echo "def num2words(*a, **k): raise RuntimeError('num2words is not installed here')" > /tmp/stub/num2words.py
 python3 -c "import soundfile" 2>/dev/null ||
   echo "def __getattr__(name): raise AttributeError('soundfile is not installed here')" > /tmp/stub/soundfile.py
-export PYTHONPATH=$PWD:/tmp/stub PYTHONUNBUFFERED=1
+# `tts bench` is registered as an entry point (tts_tools): the project installed, its dependencies as found
+python3 -m pip install -q --no-deps --no-build-isolation -e . > $OUT/install.log 2>&1 || echo "install failed"
+export PYTHONPATH=$PWD:$PWD/tools:/tmp/stub PYTHONUNBUFFERED=1
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -33,7 +36,7 @@ echo "bench new: rc $?"; tail -8 $OUT/bench_new.txt
 tail -6 $OUT/bench_old.txt
 timeout 45 python3 -c "
 import torch
-from tts.shapes import build_random_model, shape_config
+from tts.model.shapes import build_random_model, shape_config
 from tts.engine.engine import max_batch_for_memory, kv_bytes_per_token
 m = build_random_model(shape_config('s2-pro-shape'), 'cuda', torch.bfloat16)
 free, total = torch.cuda.mem_get_info()

@@ -1,9 +1,9 @@
 import json
 
 import pytest
+from tts_tools.bench import floor_line, gpu_bandwidth
 
 from tts.cli.main import main
-from tts_tools.bench import floor_line, gpu_bandwidth
 
 
 def test_bench_runs_the_real_engine_and_writes_json_and_plot(tmp_path, capsys):

@@ -9,7 +9,7 @@ from helpers import params, random_prompt, run_to_completion
 from tts.engine import Engine, EngineConfig, FinishReason, InvalidRequest
 from tts.engine import engine as engine_module
 from tts.engine.engine import kv_bytes_per_token, max_batch_for_memory
-from tts.kv_cache import SCRATCH_BLOCK, blocks_needed
+from tts.model.kv_cache import SCRATCH_BLOCK, blocks_needed
 
 BS = 8  # tokens per block in these tests
 

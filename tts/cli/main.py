@@ -83,8 +83,7 @@ def int_list(s: str) -> list[int]:
 def add_engine_args(p: argparse.ArgumentParser, graphs: str = "lazy") -> None:
     """The engine's options; `graphs` is the command's default for --graphs."""
     from graphs.runner import DEFAULT_BUCKETS
-
-    from .engine.engine import DEFAULT_KV_MEMORY_FRACTION
+    from tts.engine.engine import DEFAULT_KV_MEMORY_FRACTION
 
     g = p.add_argument_group("engine (--graphs and --buckets: CUDA only; --threads: CPU only)")
     g.add_argument(
