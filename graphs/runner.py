@@ -33,7 +33,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 # Held for the whole of every capture (and its failure handling), by every GraphRunner of the process.
 # Why: torch supports one capture underway per process, and a capture brackets itself with device-wide

@@ -12,6 +12,8 @@ every iteration by the engine thread); per-request figures are observed by the g
 | `tts_requests_in_flight` | gauge | synthesis requests admitted and not ended |
 | `tts_requests_paused` | gauge | requests paused by back-pressure (slow readers) |
 | `tts_kv_blocks_used`, `tts_kv_blocks_total` | gauge | paged KV cache blocks |
+| `tts_kv_cache_bytes` | gauge | the KV block pool's size (on CUDA `--kv-memory-fraction` of the free memory at start-up) |
+| `tts_kv_stalls_total`, `tts_kv_preemptions_total` | counter | times a stream waited for a KV block (the pool was full), and streams ended to free blocks (RESOURCE_EXHAUSTED) |
 | `tts_graph_replay_share` | gauge | share of decode steps replayed from a CUDA graph |
 | `tts_engine_step_failures_total` | counter | engine steps that raised |
 | `tts_codec_failures_total` | counter | codec stage calls (decode, stream reset, reference encode) that raised |
@@ -74,6 +76,7 @@ class _EngineCollector:
             "tts_requests_paused": ("Requests paused by back-pressure", s.paused),
             "tts_kv_blocks_used": ("Paged KV cache blocks in use", s.kv_blocks_used),
             "tts_kv_blocks_total": ("Paged KV cache blocks available to requests", s.kv_blocks_total),
+            "tts_kv_cache_bytes": ("Size of the paged KV cache's block pool (bytes)", s.kv_bytes),
             "tts_graph_replay_share": ("Share of decode steps replayed from a CUDA graph", s.replay_share),
             "tts_replica_failed": (
                 "1 once a part failed and could not recover (health NOT_SERVING)",
@@ -119,6 +122,8 @@ class _EngineCollector:
                 "Voice files refused when read (malformed codes, another codec's, unreadable)",
                 self.loop.voices.refused,
             ),
+            "tts_kv_stalls": ("Times a stream waited for a KV block (the pool was full)", s.kv_stalls),
+            "tts_kv_preemptions": ("Streams ended to free KV blocks (RESOURCE_EXHAUSTED)", s.kv_preemptions),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

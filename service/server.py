@@ -839,6 +839,7 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
             await self._abort(context, LoopClosed("the server is warming up"))
         b, e, lim = self.bundle, self.loop.engine, self.limits
         c, g = b.codec, e.graphs
+        kv = e.kv_info()
         return pb.GetInfoResponse(
             model=b.name,
             family=b.family,
@@ -868,6 +869,10 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
             reference_cache_bytes=lim.reference_cache_bytes,
             codec_dtype=_codec_dtype(c),
             replica=self.replica,
+            kv_cache_bytes=kv["bytes"],
+            kv_blocks=kv["blocks"],
+            kv_block_size=kv["block_size"],
+            kv_memory_fraction=kv["memory_fraction"] or 0.0,
         )
 
 

@@ -1,5 +1,8 @@
 import json
 
+import pytest
+from tts_tools.bench import floor_line, gpu_bandwidth
+
 from tts.cli.main import main
 
 
@@ -36,6 +39,41 @@ def test_bench_runs_the_real_engine_and_writes_json_and_plot(tmp_path, capsys):
     assert "fps/stream" in captured.out
     assert "graph mode needs CUDA" not in captured.err  # (the default modes on a CPU: eager only)
     assert m["max_context"] == 1024  # the tiny model's whole context, as tts serve sizes it
+    # a CPU has no weight-bandwidth floor; the KV the requests held: 20 prompt + 8 frames, 16-token blocks
+    assert m["floor_ms_per_frame_batch1"] is None and "no weight floor (a CPU" in captured.out
+    # (27 positions written: 2 blocks a request; the pool: batch x 1024 / 16 blocks + the scratch block)
+    for r in data["results"]:
+        assert r["kv_used_bytes"] == r["batch"] * 2 * r["kv_bytes"] // (r["batch"] * 1024 // 16 + 1)
+
+
+@pytest.mark.parametrize(
+    "name, bandwidth, label",
+    [
+        ("NVIDIA H100 80GB HBM3", 3.35e12, "H100 SXM"),
+        ("NVIDIA H100 PCIe", 2.0e12, "H100 PCIe"),
+        ("NVIDIA H200", 4.8e12, "H200"),
+        ("NVIDIA A100-SXM4-80GB", 2.039e12, "A100 80GB SXM"),
+        ("NVIDIA A100-SXM4-40GB", 1.555e12, "A100 40GB"),
+        ("NVIDIA A10", 0.6e12, "A10"),
+    ],
+)
+def test_the_floor_uses_the_gpu_it_ran_on(name, bandwidth, label):
+    assert gpu_bandwidth(name) == (bandwidth, label)
+
+
+def test_an_unknown_gpu_has_no_floor():
+    assert gpu_bandwidth("Some Future Accelerator 9000") is None
+    env = {"floor_ms_per_frame_batch1": None, "on_gpu": True}
+    assert floor_line(env).startswith("no weight floor (unknown GPU")
+    env = {
+        "floor_ms_per_frame_batch1": 15.55e9 / 3.35e12 * 1e3,
+        "weight_bytes_per_frame": 15.55e9,
+        "bandwidth_bytes_per_s": 3.35e12,
+        "bandwidth_source": "datasheet HBM bandwidth of the H100 SXM",
+    }
+    assert floor_line(env) == (
+        "weight floor 4.64 ms/frame at batch 1 (15.55 GB at 3.35 TB/s, datasheet HBM bandwidth of the H100 SXM)"
+    )
 
 
 def test_bench_rejects_bad_modes(capsys):

@@ -501,7 +501,7 @@ def test_the_optional_extras_the_cli_tolerates_are_the_tools_extra_of_pyproject(
 
 
 GRAPH_OPTIONS = [
-    ([], None, None),  # the command's default: startup for synthesize (one graph), lazy for serve
+    ([], None, None),  # the command's default: startup (synthesize: one graph; serve: as benchmarked)
     (["--graphs", "off"], "off", None),
     (["--graphs", "lazy"], "lazy", None),
     (["--graphs", "startup"], "startup", None),
@@ -526,7 +526,7 @@ def test_one_graphs_option_and_its_deprecated_aliases(capsys, command, argv, gra
 
     words = ["synthesize", "hi", "-o", "x.wav"] if command == "synthesize" else ["serve"]
     args = build_parser().parse_args([*words, *argv])
-    graphs = graphs or ("startup" if command == "synthesize" else "lazy")
+    graphs = graphs or "startup"
     assert engine_kwargs(args)["graphs"] == graphs
     assert engine_kwargs(args)["graphs"] == graphs  # (resolved once: no second warning)
     err = capsys.readouterr().err
@@ -577,7 +577,7 @@ def test_synthesize_with_a_deprecated_graph_option_warns_once_and_runs(tmp_path,
 
 
 def test_replicas_get_the_resolved_graphs_option(monkeypatch, capsys):
-    """`tts serve --devices` forwards `--graphs startup`, not the deprecated spelling it was given."""
+    """`tts serve --devices` forwards `--graphs lazy`, not the deprecated spelling it was given."""
     import service.cluster
     from tts.cli import serve as service_cli
 
@@ -587,8 +587,8 @@ def test_replicas_get_the_resolved_graphs_option(monkeypatch, capsys):
         "run_cluster",
         lambda args, parser, devices: forwarded.append(service.cluster.forwarded_options(args, parser)) or 0,
     )
-    assert main(["serve", "--devices", "cpu,cpu", "--model", "tiny", "--capture", "startup"]) == 0
-    assert forwarded == [["--model", "tiny", "--graphs", "startup"]]
+    assert main(["serve", "--devices", "cpu,cpu", "--model", "tiny", "--capture", "lazy"]) == 0
+    assert forwarded == [["--model", "tiny", "--graphs", "lazy"]]
     assert service_cli._SERVE_PARSER is not None
     assert "deprecated" in capsys.readouterr().err
 
@@ -650,6 +650,9 @@ def test_the_cli_default_buckets_are_the_graph_runners():
     import tts.cli.main
 
     assert tts.cli.main.DEFAULT_BUCKETS == graphs.runner.DEFAULT_BUCKETS
+    import tts.engine.engine
+
+    assert tts.cli.main.DEFAULT_KV_MEMORY_FRACTION == tts.engine.engine.DEFAULT_KV_MEMORY_FRACTION
 
 
 @pytest.mark.parametrize(

@@ -76,7 +76,8 @@ def test_stop_on_end_token_drops_that_frame(tiny_model):
 
 
 def test_admission_waits_for_blocks(tiny_model):
-    # 8-token blocks; each request needs ceil((prompt + budget - 1) / 8) = 3 blocks; pool holds 4.
+    # 8-token blocks, 4 in the pool. The first takes ceil(10 / 8) = 2 at admission; the second would need
+    # its 2 plus one of reserve for the first, but only 2 are free: it waits.
     engine = make_engine(tiny_model, num_blocks=5)
     engine.submit(random_prompt(tiny_model, 10, 0), params(max_new_frames=10), "first")
     engine.submit(random_prompt(tiny_model, 10, 1), params(max_new_frames=10), "second")

@@ -14,7 +14,7 @@ import torch
 
 from tts.api import TTS
 from tts.checkpoints.load import load_bundle
-from tts.engine import EngineConfig
+from tts.engine import EngineConfig, FinishReason
 from tts.runtime.engine_thread import (
     Audio,
     Cancelled,
@@ -411,6 +411,23 @@ def test_a_paused_stream_is_preempted_only_while_others_wait(make_loop):
     hog_events = drain(hog)
     assert isinstance(hog_events[-1], Failed) and isinstance(hog_events[-1].error, Preempted)
     assert "not read for 0.2 s" in str(hog_events[-1].error)
+    wait_until(lambda: idle(loop), what="idle")
+
+
+def test_a_job_whose_request_was_preempted_for_kv_blocks_fails_with_preempted(make_loop):
+    """The engine ends a request with PREEMPTED when the KV pool runs out mid-stream and no request can
+    decode (tts.engine.scheduler; the policy itself: tests/test_kv_pool.py). Its job then fails with
+    Preempted (RESOURCE_EXHAUSTED), never a stream cut without its status. (The job is held paused by
+    back-pressure, so the engine request is surely still running when it is ended.)"""
+    loop = make_loop(max_batch=2, max_queued_chunks=1)
+    stream = loop.submit(job(loop, LONG_TEXT, 200, hold=True, chunk_frames=1, first_chunk_frames=1))
+    assert isinstance(stream.get(timeout=60), Started)
+    wait_until(lambda: stream.paused and loop.stats.paused == 1, what="pause")
+    (request,) = list(loop.engine.scheduler.running)
+    loop.engine.cancel(request.request_id, FinishReason.PREEMPTED)
+    events = drain(stream)
+    assert isinstance(events[-1], Failed) and isinstance(events[-1].error, Preempted)
+    assert "KV cache is full" in str(events[-1].error)
     wait_until(lambda: idle(loop), what="idle")
 
 

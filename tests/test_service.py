@@ -482,6 +482,9 @@ def test_info_voices_and_metrics(server, stub):
     assert (info.model, info.sample_rate, info.num_codebooks, info.max_batch) == ("tiny", 16000, 4, 8)
     assert info.max_context == 1024 and info.graphs is False and info.max_reference_bytes == 64 * 1024
     assert info.capture == ""  # no graphs on a CPU: nothing is captured, lazily or at start-up
+    # the KV pool on a CPU: max_batch full contexts (8 x 1024 / 16 blocks; far under the CPU budget)
+    assert (info.kv_blocks, info.kv_block_size, info.kv_memory_fraction) == (512, 16, 0.0)
+    assert info.kv_cache_bytes == server.loop.engine.kv.nbytes > 0
     voices = stub.ListVoices(pb.ListVoicesRequest()).voices
     assert [v.name for v in voices] == ["alpha", "beta"] and voices[0].seconds > 0
     text = (
@@ -521,6 +524,8 @@ def test_info_voices_and_metrics(server, stub):
     assert values["tts_codec_decode_padded_frames_total"] >= values["tts_codec_decode_frames_total"] > 0
     assert values["tts_prefill_replays_total"] == 0  # (a CPU has no prefill graphs)
     assert values["tts_loop_repeats_total"] == 0  # (the test model has no aligner heads)
+    assert values["tts_kv_cache_bytes"] == info.kv_cache_bytes
+    assert values["tts_kv_preemptions_total"] == 0 and values["tts_kv_stalls_total"] == 0
 
 
 def test_info_reports_captured_buckets_with_graphs_on(bundle):

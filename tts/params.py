@@ -32,6 +32,9 @@ class FinishReason(str, enum.Enum):
     LOOP = "loop"  # kept a repetition loop that the loop guard could not mend (tts.engine.aligner)
     CANCELLED = "cancelled"
     ERROR = "error"
+    # Ended by the engine to free its KV blocks: the pool ran out mid-stream and no running request
+    # could decode (tts.engine.scheduler). Maps to RESOURCE_EXHAUSTED.
+    PREEMPTED = "preempted"
 
 
 # The most a repetition penalty may be (fish-speech asserts 0 < penalty < 2).

@@ -33,7 +33,34 @@ if TYPE_CHECKING:  # (imported where used: `tts --help` loads this module)
 
 from tts.runtime.errors import UserError
 
-DEFAULT_BANDWIDTH = 4.3e12  # bytes/s: device-to-device copy measured on an H200 here (read + write)
+# Datasheet HBM bandwidth (bytes/s) of known GPUs, by what `torch.cuda.get_device_name` says: the first
+# row whose words all occur in the lower-cased name. The floor of a frame at batch 1 is the weights it
+# reads over this rate (a device reaches somewhat less: a device-to-device copy measured 4.3e12 on an
+# H200 here). A GPU not listed has no floor unless --bandwidth gives one.
+GPU_BANDWIDTH: tuple[tuple[tuple[str, ...], float, str], ...] = (
+    (("h200",), 4.8e12, "H200"),
+    (("h100", "pcie"), 2.0e12, "H100 PCIe"),
+    (("h100", "nvl"), 3.9e12, "H100 NVL"),
+    (("h100",), 3.35e12, "H100 SXM"),
+    (("a100", "80gb", "pcie"), 1.935e12, "A100 80GB PCIe"),
+    (("a100", "80gb"), 2.039e12, "A100 80GB SXM"),
+    (("a100",), 1.555e12, "A100 40GB"),
+    (("b200",), 8.0e12, "B200"),
+    (("l40s",), 0.864e12, "L40S"),
+    (("a10",), 0.6e12, "A10"),  # (after the A100 rows, whose names contain "a10")
+    (("l4",), 0.3e12, "L4"),
+    (("rtx 4090",), 1.008e12, "RTX 4090"),
+)
+
+
+def gpu_bandwidth(name: str) -> tuple[float, str] | None:
+    """(bytes/s, the GPU's label) of the first GPU_BANDWIDTH row matching the device name `name` (e.g.
+    "NVIDIA H100 80GB HBM3"), or None for a GPU not listed."""
+    lowered = name.lower()
+    for words, bandwidth, label in GPU_BANDWIDTH:
+        if all(w in lowered for w in words):
+            return bandwidth, label
+    return None
 
 
 def _prompt(model, tokens: int, seed: int) -> torch.Tensor:
@@ -143,6 +170,8 @@ def bench_one(model, mode: str, batch: int, args) -> dict:
         "capture_seconds": capture_seconds,
         "graph_pool_bytes": stats.pool_bytes,
         "kv_bytes": engine.kv.nbytes,
+        # the blocks the requests held at the end of the timed window (taken as they grow)
+        "kv_used_bytes": engine.kv_usage()[0] * engine.kv.nbytes // engine.kv.num_blocks,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if cuda else 0,
         "failed_captures": stats.as_dict()["failed_captures"],
     }
@@ -181,16 +210,45 @@ def environment(model, args) -> dict:
         "python": platform.python_version(),
         "cpu_threads": torch.get_num_threads(),
         "weight_bytes_per_frame": weight_bytes_per_frame(model),
-        "bandwidth_bytes_per_s": args.bandwidth,
     }
+    # The floor's bandwidth: --bandwidth, else the datasheet rate of this GPU (none on a CPU or an unknown
+    # GPU: no floor).
+    known = gpu_bandwidth(env["device"]) if device.type == "cuda" else None
+    if args.bandwidth is not None:
+        env["bandwidth_bytes_per_s"], env["bandwidth_source"] = args.bandwidth, "--bandwidth"
+    elif known is not None:
+        env["bandwidth_bytes_per_s"], env["bandwidth_source"] = (
+            known[0],
+            f"datasheet HBM bandwidth of the {known[1]}",
+        )
+    else:
+        env["bandwidth_bytes_per_s"], env["bandwidth_source"] = None, None
     try:
         import triton
 
         env["triton"] = triton.__version__
     except ImportError:
         pass
-    env["floor_ms_per_frame_batch1"] = env["weight_bytes_per_frame"] / args.bandwidth * 1e3
+    bandwidth = env["bandwidth_bytes_per_s"]
+    env["floor_ms_per_frame_batch1"] = env["weight_bytes_per_frame"] / bandwidth * 1e3 if bandwidth else None
     return env
+
+
+def floor_line(env: dict) -> str:
+    """The header's words on the weight-bandwidth floor: its time and where its bandwidth came from."""
+    floor = env["floor_ms_per_frame_batch1"]
+    if floor is None:
+        what = "unknown GPU" if env.get("on_gpu", True) else "a CPU"
+        return f"no weight floor ({what}: give --bandwidth BYTES_PER_S for one)"
+    return (
+        f"weight floor {floor:.2f} ms/frame at batch 1 ({env['weight_bytes_per_frame'] / 1e9:.2f} GB at "
+        f"{env['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, {env['bandwidth_source']})"
+    )
+
+
+def x_floor(result: dict, floor: float | None) -> str:
+    """A point's decode step over the floor ("-" without a floor)."""
+    return f"{result['step_ms_p50'] / floor:.2f}" if floor else "-"
 
 
 def print_table(results: list[dict], env: dict) -> None:
@@ -198,17 +256,17 @@ def print_table(results: list[dict], env: dict) -> None:
     print(
         f"{env['model']} on {env['device']}, {env['dtype']}, prompt {env['prompt_tokens']} tokens, "
         f"context {env['max_context']} tokens, "
-        f"{env['timed_frames']} timed frames; weight floor {floor:.2f} ms/frame at batch 1"
+        f"{env['timed_frames']} timed frames; {floor_line(env)}"
     )
     head = f"{'mode':<6} {'batch':>5} {'fps/stream':>10} {'fps total':>10} {'p50 ms':>7} {'p99 ms':>7} "
-    head += f"{'x floor':>7} {'replay':>6} {'capture s':>9} {'pool MiB':>8} {'KV MiB':>8} {'peak GiB':>8}"
+    head += f"{'x floor':>7} {'replay':>6} {'capture s':>9} {'pool MiB':>8} {'KV MiB':>8} {'KV used':>8} {'peak GiB':>8}"
     print(head)
     for r in results:
         print(
             f"{r['mode']:<6} {r['batch']:>5} {r['frames_per_s_per_stream']:>10.1f} {r['frames_per_s_aggregate']:>10.1f} "
-            f"{r['step_ms_p50']:>7.2f} {r['step_ms_p99']:>7.2f} {r['step_ms_p50'] / floor:>7.2f} "
+            f"{r['step_ms_p50']:>7.2f} {r['step_ms_p99']:>7.2f} {x_floor(r, floor):>7} "
             f"{r['replay_share']:>6.2f} {r['capture_seconds']:>9.2f} {r['graph_pool_bytes'] / 2**20:>8.0f} "
-            f"{r['kv_bytes'] / 2**20:>8.0f} {r['peak_gpu_bytes'] / 2**30:>8.1f}"
+            f"{r['kv_bytes'] / 2**20:>8.0f} {r['kv_used_bytes'] / 2**20:>8.0f} {r['peak_gpu_bytes'] / 2**30:>8.1f}"
         )
 
 
@@ -223,7 +281,7 @@ def plot(results: list[dict], path: Path, env: dict) -> None:
         rs = [r for r in results if r["mode"] == mode]
         a.plot([r["batch"] for r in rs], [r["frames_per_s_aggregate"] for r in rs], "o-", label=mode)
         b.plot([r["batch"] for r in rs], [r["frames_per_s_per_stream"] for r in rs], "o-", label=mode)
-    if env.get("on_gpu", True):  # --bandwidth is a GPU's: on a CPU the line would be meaningless
+    if env.get("on_gpu", True) and env["floor_ms_per_frame_batch1"]:  # (a GPU's: meaningless on a CPU)
         b.axhline(
             1e3 / env["floor_ms_per_frame_batch1"], ls="--", c="gray", label="bandwidth floor (batch 1)"
         )
@@ -300,6 +358,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
+    from graphs.runner import DEFAULT_BUCKETS
     from tts.cli.main import int_list as _ints
 
     p = sub.add_parser(
@@ -324,7 +383,9 @@ def add_parser(sub) -> None:
         "--modes", default=None, help="comma list of eager, graph (default: both on CUDA, eager elsewhere)"
     )
     p.add_argument("--batch-sizes", type=_ints, default=[1, 4, 16, 64], help="comma list (default 1,4,16,64)")
-    p.add_argument("--buckets", type=_ints, default=[1, 2, 4, 8, 16, 24, 32, 48, 64], help="graph buckets")
+    p.add_argument(
+        "--buckets", type=_ints, default=list(DEFAULT_BUCKETS), help="graph buckets (default: the engine's)"
+    )
     p.add_argument("--prompt-tokens", type=int, default=200, help="tokens per request's prompt (default 200)")
     p.add_argument(
         "--max-context",
@@ -340,8 +401,9 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--bandwidth",
         type=float,
-        default=DEFAULT_BANDWIDTH,
-        help="memory bandwidth in bytes/s for the floor (default %(default).3g, the device-to-device copy rate measured on an H200)",
+        default=None,
+        help="memory bandwidth in bytes/s for the floor (default: the GPU's datasheet HBM bandwidth, "
+        "e.g. 3.35e12 for an H100 SXM, 4.8e12 for an H200; no floor for a GPU not in the table)",
     )
     p.add_argument(
         "--threads",

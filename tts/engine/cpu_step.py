@@ -23,7 +23,7 @@ from torch import Tensor
 from tts.engine.cpu_decode import LayerWeights, block_weights, decode_layers, decode_layers_kv_only
 from tts.engine.model_runner import ModelRunner
 from tts.model.kernels import fused_kernels_enabled
-from tts.model.kv_cache import PagedDecodeAttention, paged_decode_attention
+from tts.model.kv_cache import SCRATCH_BLOCK, PagedDecodeAttention, paged_decode_attention
 from tts.model.layers import Rope
 from tts.model.sampling import DrawSettings, FrameDraws, frame_log_noise, ras_counted, ras_high_settings
 
@@ -34,20 +34,26 @@ NOISE_ROWS = 64
 
 class SlicedDecodeAttention(PagedDecodeAttention):
     """`PagedDecodeAttention` that reads a single row's blocks as a slice of the pool when they are
-    consecutive (a lone request's usual layout) instead of gathering a copy: same values, the same
-    contiguous layout and alignment, so the same results, one copy less per layer. It reads the block
-    table on the host, which a captured CUDA graph must not: the CPU frame step only."""
+    consecutive (a lone request's usual layout) instead of gathering a copy: the same contiguous layout
+    and alignment, so the same results, one copy less per layer. The table's tail past the row's blocks
+    (scratch entries: blocks are taken as a request grows) is read as the pool's next blocks instead of
+    the scratch block: those positions are past the context and masked, and a masked position adds
+    exactly zero whatever finite K/V it holds (the pool only ever holds finite values). It reads the
+    block table on the host, which a captured CUDA graph must not: the CPU frame step only."""
 
     def __init__(self, block_tables: Tensor, context_lens: Tensor, block_size: int):
         super().__init__(block_tables, context_lens, block_size)
         self.first_block: int | None = None
         if block_tables.shape[0] == 1:
             ids = self.index.tolist()
-            if ids == list(range(ids[0], ids[0] + len(ids))):
+            n = len(ids)
+            while n > 1 and ids[n - 1] == SCRATCH_BLOCK:
+                n -= 1
+            if ids[0] != SCRATCH_BLOCK and ids[:n] == list(range(ids[0], ids[0] + n)):
                 self.first_block = ids[0]
 
     def _gather(self, cache: Tensor) -> Tensor:
-        if self.first_block is not None:
+        if self.first_block is not None and self.first_block + self.index.shape[0] <= cache.shape[0]:
             blocks = cache[self.first_block : self.first_block + self.index.shape[0]]
             if blocks.data_ptr() % 64 == 0:  # the alignment of a fresh CPU allocation
                 return blocks.view(1, -1, *cache.shape[2:])

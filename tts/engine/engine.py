@@ -52,6 +52,13 @@ log = logging.getLogger(__name__)
 # CUDA graphs of the frame step (`EngineConfig.graphs`, `--graphs`): none, a bucket captured on its
 # second use, or every bucket captured at start-up.
 GRAPH_SETTINGS = ("off", "lazy", "startup")
+# The KV pool's share of the free device memory at start-up (CUDA; `EngineConfig.kv_memory_fraction`).
+DEFAULT_KV_MEMORY_FRACTION = 0.5
+# The KV pool on a CPU holds at most this many bytes (yet one full-context request).
+CPU_KV_BYTES = 2 << 30
+# Context tokens a stream is assumed to hold when the batch size is sized from memory
+# (`max_batch_for_memory`): a voice-conditioned prompt and about a minute of audio (21.5 frames/s).
+AUTO_STREAM_TOKENS = 2048
 
 
 @dataclass
@@ -61,7 +68,10 @@ class EngineConfig:
     max_batch: rows decoded together (the largest bucket is capped by it).
     max_context: tokens per request, prompt + frames (default: the model's max_seq_len).
     block_size: tokens per KV block. num_blocks: KV pool size including the scratch block (default:
-    enough for max_batch full-context requests, capped on CUDA by kv_memory_fraction of free memory).
+    enough for max_batch full-context requests, capped on CUDA at kv_memory_fraction of the device's
+    free memory at construction, on a CPU at CPU_KV_BYTES but never below one full-context request).
+    Requests take blocks as they grow (tts.engine.scheduler), so the pool, not max_batch, bounds the
+    tokens held; `max_batch_for_memory` sizes max_batch from the memory.
     graphs: CUDA graphs of the frame step, one per batch-size bucket: "off" (every step eager), "lazy"
     (a bucket is captured on its second use, the default) or "startup" (every bucket is captured at
     construction, largest first). A CPU has no graphs: there it means "off".
@@ -86,7 +96,7 @@ class EngineConfig:
     max_context: int | None = None
     block_size: int = 16
     num_blocks: int | None = None
-    kv_memory_fraction: float = 0.5
+    kv_memory_fraction: float = 0.5  # (DEFAULT_KV_MEMORY_FRACTION)
     graphs: str = "lazy"
     buckets: Sequence[int] = DEFAULT_BUCKETS
     prefill_graphs: str | None = None
@@ -131,11 +141,42 @@ class EngineConfig:
             raise ValueError("max_batch must be >= 1")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
+        if not 0 < self.kv_memory_fraction < 1:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1), got {self.kv_memory_fraction}")
         if self.graphs not in GRAPH_SETTINGS:
             raise ValueError(f"graphs must be one of {', '.join(GRAPH_SETTINGS)}, got {self.graphs!r}")
         if self.prefill_graphs is not None and self.prefill_graphs not in GRAPH_SETTINGS:
             choices = ", ".join(GRAPH_SETTINGS)
             raise ValueError(f"prefill_graphs must be one of {choices} or None, got {self.prefill_graphs!r}")
+
+
+def kv_bytes_per_token(model: DualARTransformer) -> int:
+    """Bytes of the slow AR's K and V per context token (every layer), in the model's dtype."""
+    c = model.config
+    return PagedKVCache.bytes_per_block(
+        c.n_layer, 1, c.n_local_heads, c.head_dim, model.embeddings.weight.dtype
+    )
+
+
+def max_batch_for_memory(
+    model: DualARTransformer,
+    kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION,
+    *,
+    stream_tokens: int = AUTO_STREAM_TOKENS,
+    buckets: Sequence[int] = DEFAULT_BUCKETS,
+    free_bytes: int | None = None,
+) -> int:
+    """The batch size (rows decoded together) that a KV pool of `kv_memory_fraction` of the free device
+    memory holds at `stream_tokens` context tokens per stream: the largest of `buckets` not above
+    pool tokens // stream_tokens, at least the smallest bucket. free_bytes: the free memory (default:
+    `torch.cuda.mem_get_info` of the model's device, which must then be a CUDA device). Rows beyond
+    what the pool holds at once only wait for blocks (admission is by free blocks), so this sizes the
+    graphs' largest bucket to what the memory can keep busy."""
+    if free_bytes is None:
+        free_bytes, _ = torch.cuda.mem_get_info(model.embeddings.weight.device)
+    tokens = int(free_bytes * kv_memory_fraction) // kv_bytes_per_token(model)
+    fitting = [b for b in sorted(buckets) if b * stream_tokens <= tokens]
+    return fitting[-1] if fitting else min(buckets)
 
 
 def for_bundle(config: EngineConfig, bundle) -> EngineConfig:
@@ -242,6 +283,8 @@ class Engine:
         self.reprefill_tokens = 0
         self.prefix_prefills_eager = 0
         self.sequence_evictions = 0
+        self.kv_stalls = 0  # times a running request had to wait for a KV block (the pool was full)
+        self.kv_preemptions = 0  # requests ended (PREEMPTED) to free KV blocks
         # Seconds spent per phase of `step` (host wall time; on CUDA "replay" lasts until the frame is on
         # the host): admitting and prefilling new requests, the frame step itself, the per-row outputs.
         self.phase_seconds = {"prefill": 0.0, "replay": 0.0, "rows": 0.0}
@@ -309,15 +352,32 @@ class Engine:
         return "sort"
 
     def _default_num_blocks(self, max_blocks_per_seq: int, dtype) -> int:
+        """The pool's blocks (scratch included): at most what max_batch full-context requests could ever
+        hold (more would never be used); within that, on CUDA kv_memory_fraction of the free memory, on
+        a CPU at most CPU_KV_BYTES yet one full context."""
         mc, cfg = self.model.config, self.config
-        wanted = cfg.max_batch * max_blocks_per_seq + 1
-        if self.device.type != "cuda":
-            return wanted
         per_block = PagedKVCache.bytes_per_block(
             mc.n_layer, cfg.block_size, mc.n_local_heads, mc.head_dim, dtype
         )
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return max(2, min(wanted, int(free * cfg.kv_memory_fraction) // per_block))
+        wanted = cfg.max_batch * max_blocks_per_seq + 1
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return max(2, min(wanted, int(free * cfg.kv_memory_fraction) // per_block))
+        return min(wanted, max(max_blocks_per_seq + 1, CPU_KV_BYTES // per_block))
+
+    def kv_info(self) -> dict:
+        """The KV pool: `blocks` usable (the scratch block left out), `block_size` tokens, `bytes` of the
+        whole pool, `used_blocks` now, and the `memory_fraction` that sized it (None: a CPU, or
+        num_blocks given)."""
+        used, usable = self.kv_usage()
+        sized = self.device.type == "cuda" and self.config.num_blocks is None
+        return {
+            "blocks": usable,
+            "used_blocks": used,
+            "block_size": self.config.block_size,
+            "bytes": self.kv.nbytes,
+            "memory_fraction": self.config.kv_memory_fraction if sized else None,
+        }
 
     def _attention_backend(self, name: str):
         if name == "torch" or (name == "auto" and self.device.type != "cuda"):
@@ -465,13 +525,17 @@ class Engine:
         s = self.scheduler
         if not s.waiting or s.num_running >= s.max_batch:
             return
-        head = s.waiting[0]
-        need = s._blocks_for(head) - len(head.blocks)
+        self._evict_idle_sequences(s.admission_blocks(s.waiting[0]))
+
+    def _evict_idle_sequences(self, wanted: int) -> None:
+        """(lock held) Free idle kept sequences, least recently used first, until `wanted` blocks are
+        free (or none is left)."""
+        s = self.scheduler
         idle = sorted(
             (q for q in self.sequences.values() if not q.busy and q.blocks), key=lambda q: q.last_used
         )
         for seq in idle:
-            if s.allocator.num_free >= need:
+            if s.allocator.num_free >= wanted:
                 return
             s.allocator.free(seq.blocks)
             seq.dropped = seq.length
@@ -562,12 +626,14 @@ class Engine:
                 if request is not None:
                     request.paused = paused  # a waiting request starts paused (load_row honours it)
                     if request.state == RequestState.RUNNING:
-                        self.runner.set_active(self.scheduler.running.index(request), not paused)
+                        row = self.scheduler.running.index(request)
+                        self.runner.set_active(row, not (paused or request.stalled))
             if self.sequences:
                 self._evict_for_waiting()
             admitted = self.scheduler.admit()
         phases, t0 = self.phase_seconds, time.perf_counter()
         self._start(admitted, outputs)
+        self._grow(outputs)
         n = self.scheduler.num_running
         t1 = time.perf_counter()
         phases["prefill"] += t1 - t0
@@ -711,6 +777,66 @@ class Engine:
                 for r in list(self.scheduler.running) + list(self.scheduler.waiting)
             ]
 
+    def _grow(self, outputs: list[StepOutput]) -> None:
+        """Before a frame step: give every running, unpaused request the KV block its next position
+        needs (`Scheduler.grow`) and write it into its row's block table. The pool's policy when it runs
+        out: idle sessions' kept sequences are evicted first (least recently used first); then a
+        request without its block is stalled (its row inactive for the step, its blocks and row
+        kept) while the others decode and free blocks as they finish; when no running request can
+        decode, the most recently admitted stalled one ends with finish reason PREEMPTED (its blocks
+        freed), and so on until one can. Never a CUDA out-of-memory, never a stream ended without its
+        reason."""
+        scheduler = self.scheduler
+        while True:
+            stalled: set[Request] = set()
+            rows: list[int] = []
+            cols: list[int] = []
+            blocks: list[int] = []
+            for row, request in enumerate(scheduler.running):
+                if request.paused:
+                    continue
+                new = scheduler.grow(request)
+                if new is None:
+                    stalled.add(request)
+                elif new:
+                    first = len(request.blocks) - len(new)
+                    rows += [row] * len(new)
+                    cols += range(first, first + len(new))
+                    blocks += new
+            if blocks:
+                self.runner.set_table_entries(rows, cols, blocks)
+            if stalled and self.sequences:  # idle sessions' kept blocks go before a stream waits
+                free = scheduler.allocator.num_free
+                with self._lock:
+                    self._evict_idle_sequences(free + sum(scheduler.blocks_missing(r) for r in stalled))
+                if scheduler.allocator.num_free > free:
+                    continue
+            decoding = len(scheduler.running) - len(stalled) - sum(r.paused for r in scheduler.running)
+            if not stalled or decoding > 0:
+                break
+            victim = max(stalled, key=lambda r: r.admission)
+            self.kv_preemptions += 1
+            log.warning(
+                "KV cache full: ending %s (%d blocks) so that the other requests can go on",
+                victim.request_id,
+                len(victim.blocks),
+            )
+            with self._lock:
+                outputs.append(
+                    self._finish(
+                        victim,
+                        FinishReason.PREEMPTED,
+                        f"the KV cache is full ({scheduler.allocator.num_usable} blocks of "
+                        f"{self.config.block_size} tokens): request ended to free its blocks; retry later",
+                    )
+                )
+        for row, request in enumerate(scheduler.running):
+            stall = request in stalled
+            if stall != request.stalled:
+                request.stalled = stall
+                self.kv_stalls += stall
+                self.runner.set_active(row, not (request.paused or stall))
+
     def _start(self, admitted: list[tuple[int, Request]], outputs: list[StepOutput]) -> None:
         """Prefill the newly admitted requests and load their rows. A request whose prefill fails ends
         with an error; it is finished only after the others are loaded, because finishing compacts
@@ -769,7 +895,7 @@ class Engine:
         """(lock held) End a request, free its blocks, keep the running rows contiguous. A session's
         request first gives its kept sequence back what it keeps (tts.engine.sequences)."""
         if request.sequence is not None:
-            if reason == FinishReason.ERROR:
+            if reason in (FinishReason.ERROR, FinishReason.PREEMPTED):  # (preempted: to free blocks)
                 self._return_sequence(request, keep=0)
             elif reason == FinishReason.CANCELLED or request.state != RequestState.RUNNING:
                 self._return_sequence(request, keep=request.cached)

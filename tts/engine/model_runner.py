@@ -387,6 +387,14 @@ class ModelRunner:
         b.align_len[row] = end - start
         b.active[row] = not init.paused
 
+    def set_table_entries(self, rows: list[int], cols: list[int], blocks: list[int]) -> None:
+        """Write KV block ids into the rows' block tables: `block_tables[rows[i], cols[i]] = blocks[i]`
+        (a request's new blocks as it grows), in one indexed write."""
+        b = self.buffers
+        index = torch.tensor([rows, cols], dtype=torch.int64).to(self.device)
+        values = torch.tensor(blocks, dtype=b.block_tables.dtype).to(self.device)
+        b.block_tables.index_put_((index[0], index[1]), values)
+
     def move_row(self, src: int, dst: int) -> None:
         """Copy every per-row buffer of `src` into `dst` (batch compaction)."""
         for name, t in self.buffers.tensors().items():

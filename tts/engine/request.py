@@ -58,6 +58,9 @@ class Request:
     sequence: str | None = None
     cached: int = 0
     prefill_tokens: int = 0
+    # Waiting for a KV block (the pool ran out): its row is inactive until one is free (tts.engine.scheduler).
+    stalled: bool = False
+    admission: int = 0  # order of admission among requests (1, 2, ...; 0: not admitted)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -200,6 +200,9 @@ class LoopStats:
     paused: int = 0  # jobs paused by back-pressure
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    kv_bytes: int = 0  # the KV block pool's size
+    kv_stalls: int = 0  # times a request waited for a KV block (the pool was full)
+    kv_preemptions: int = 0  # requests ended to free KV blocks (RESOURCE_EXHAUSTED)
     frames_total: int = 0
     frame_steps: int = 0  # frame steps run
     step_rows: int = 0  # running rows summed over the frame steps (/ frame_steps: mean batch)
@@ -686,6 +689,7 @@ class EngineLoop:
         s.waiting = e.num_waiting
         s.paused = r.paused_jobs
         s.kv_blocks_used, s.kv_blocks_total = e.kv_usage()
+        s.kv_bytes, s.kv_stalls, s.kv_preemptions = e.kv.nbytes, e.kv_stalls, e.kv_preemptions
         s.frames_total = e.frames_generated
         s.frame_steps, s.step_rows = e.frame_steps, e.step_rows
         s.prefill_passes, s.prefill_requests = e.runner.prefill_passes, e.prefill_requests

@@ -557,6 +557,8 @@ class JobRunner:
             self._end(job, Failed(Cancelled("cancelled")))
         elif out.finish_reason == FinishReason.ERROR:
             self._end(job, Failed(EngineFailed(out.error or "engine error")))
+        elif out.finish_reason == FinishReason.PREEMPTED:  # (the KV pool ran out mid-stream)
+            self._end(job, Failed(Preempted(out.error or "preempted: the KV cache is full")))
         else:
             assert out.finish_reason is not None  # a finished output has its reason
             self._chunk_done(job, out.finish_reason)

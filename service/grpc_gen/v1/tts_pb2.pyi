@@ -228,7 +228,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "family", "parameters", "device", "dtype", "sample_rate", "frame_rate", "num_codebooks", "codebook_size", "max_context", "max_batch", "buckets", "graphs", "capture", "captured_buckets", "replay_share", "max_waiting", "max_reference_bytes", "max_message_bytes", "max_text_bytes", "max_chunk_frames", "text_chunk_bytes", "max_reference_seconds", "max_audio_seconds", "pause_timeout_seconds", "reference_cache_bytes", "codec_dtype", "replica")
+    __slots__ = ("model", "family", "parameters", "device", "dtype", "sample_rate", "frame_rate", "num_codebooks", "codebook_size", "max_context", "max_batch", "buckets", "graphs", "capture", "captured_buckets", "replay_share", "max_waiting", "max_reference_bytes", "max_message_bytes", "max_text_bytes", "max_chunk_frames", "text_chunk_bytes", "max_reference_seconds", "max_audio_seconds", "pause_timeout_seconds", "reference_cache_bytes", "codec_dtype", "replica", "kv_cache_bytes", "kv_blocks", "kv_block_size", "kv_memory_fraction")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,10 @@ class GetInfoResponse(_message.Message):
     REFERENCE_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CODEC_DTYPE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_MEMORY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     model: str
     family: str
     parameters: int
@@ -285,4 +289,8 @@ class GetInfoResponse(_message.Message):
     reference_cache_bytes: int
     codec_dtype: str
     replica: str
-    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., sample_rate: _Optional[int] = ..., frame_rate: _Optional[float] = ..., num_codebooks: _Optional[int] = ..., codebook_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_batch: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., graphs: _Optional[bool] = ..., capture: _Optional[str] = ..., captured_buckets: _Optional[_Iterable[int]] = ..., replay_share: _Optional[float] = ..., max_waiting: _Optional[int] = ..., max_reference_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_text_bytes: _Optional[int] = ..., max_chunk_frames: _Optional[int] = ..., text_chunk_bytes: _Optional[int] = ..., max_reference_seconds: _Optional[float] = ..., max_audio_seconds: _Optional[float] = ..., pause_timeout_seconds: _Optional[float] = ..., reference_cache_bytes: _Optional[int] = ..., codec_dtype: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...
+    kv_cache_bytes: int
+    kv_blocks: int
+    kv_block_size: int
+    kv_memory_fraction: float
+    def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., sample_rate: _Optional[int] = ..., frame_rate: _Optional[float] = ..., num_codebooks: _Optional[int] = ..., codebook_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_batch: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., graphs: _Optional[bool] = ..., capture: _Optional[str] = ..., captured_buckets: _Optional[_Iterable[int]] = ..., replay_share: _Optional[float] = ..., max_waiting: _Optional[int] = ..., max_reference_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_text_bytes: _Optional[int] = ..., max_chunk_frames: _Optional[int] = ..., text_chunk_bytes: _Optional[int] = ..., max_reference_seconds: _Optional[float] = ..., max_audio_seconds: _Optional[float] = ..., pause_timeout_seconds: _Optional[float] = ..., reference_cache_bytes: _Optional[int] = ..., codec_dtype: _Optional[str] = ..., replica: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_memory_fraction: _Optional[float] = ...) -> None: ...
