@@ -19,7 +19,7 @@ python3 -c "import soundfile" 2>/dev/null ||
   echo "def __getattr__(name): raise AttributeError('soundfile is not installed here')" > /tmp/stub/soundfile.py
 # `tts bench` is registered as an entry point (tts_tools): the project installed, its dependencies as found
 python3 -m pip install -q --no-deps --no-build-isolation -e . > $OUT/install.log 2>&1 || echo "install failed"
-export PYTHONPATH=$PWD:$PWD/tools:/tmp/stub PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/tools:/tmp/stub${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"

@@ -13,6 +13,11 @@ from dataclasses import dataclass
 # a chunk in one call (tts.runtime.codec_stage).
 MAX_CHUNK_FRAMES = 256
 
+# The KV block pool on CUDA: this share of the free device memory at start-up (`--kv-memory-fraction`); and
+# `--max-batch auto` sizes the batch for streams of AUTO_STREAM_TOKENS context tokens each.
+DEFAULT_KV_MEMORY_FRACTION = 0.5
+AUTO_STREAM_TOKENS = 2048
+
 # Sampling constants shared by the torch sampler and its Triton kernel (tts.model.sampling,
 # tts.model.kernels.sampling): a temperature below MIN_TEMPERATURE samples greedily; repetition-aware
 # sampling resamples a repeated token at RAS_HIGH_TEMPERATURE / RAS_HIGH_TOP_P.

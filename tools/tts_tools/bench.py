@@ -358,7 +358,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    from graphs.runner import DEFAULT_BUCKETS
+    from tts.cli.main import DEFAULT_BUCKETS
     from tts.cli.main import int_list as _ints
 
     p = sub.add_parser(

