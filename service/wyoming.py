@@ -248,7 +248,10 @@ class SentenceJobs:
     def close(self, text: str = "") -> None:
         """No more text: `text` and what is buffered go as the last piece (one job)."""
         self._count(text)
-        self._queue(self._pending + text)
+        if self.streamed:
+            self._queue(self._pending + text)
+        else:  # (the whole text, as given: the planner says what is wrong with it)
+            self._pieces.put_nowait(text)
         self._pending = ""
         self.closed = True
         self._pieces.put_nowait(None)
@@ -426,7 +429,8 @@ class _Connection:
                 timestamp = (jobs.samples - len(chunk)) * 1000 // codec.sample_rate
                 await self._send("audio-chunk", {**fmt, "timestamp": timestamp}, pcm)
             if jobs.samples == 0:
-                raise NoAudio("the model produced no audio for this text")
+                why = "for this text" if jobs.request_id != "-" else "in the streamed text: nothing to speak"
+                raise NoAudio(f"the model produced no audio {why}")
             await self._send("audio-stop", {"timestamp": jobs.samples * 1000 // codec.sample_rate})
             if streaming:
                 await self._send("synthesize-stopped")

@@ -241,6 +241,27 @@ def test_streaming_synthesize_speaks_each_sentence_in_one_audio_stream(server, o
     wait_idle(server.loop)
 
 
+def test_a_streamed_piece_with_nothing_to_speak_is_skipped(server):
+    async def stream(pieces):
+        async with AsyncTcpClient("127.0.0.1", server.server.wyoming_port) as client:
+            await client.write_event(SynthesizeStart().event())
+            for piece in pieces:
+                await client.write_event(SynthesizeChunk(text=piece).event())
+            await client.write_event(SynthesizeStop().event())
+            return await read_until(client, "synthesize-stopped", "error")
+
+    events = run(stream(["Hello there. ", "... ", "Bye."]))
+    assert SynthesizeStopped.is_type(events[-1].type)
+    assert_one_stream(events[:-1], 2 * FRAMES * 640)
+    before = count(server, "no_audio")
+    events = run(stream(["... ", "?!"]))
+    assert [e.type for e in events] == ["error"]
+    error = Error.from_event(events[0])
+    assert error.code == "no_audio" and "nothing to speak" in error.text
+    assert count(server, "no_audio") == before + 1
+    wait_idle(server.loop)
+
+
 @pytest.mark.parametrize(
     "text, cut",
     [
@@ -284,6 +305,7 @@ BAD = [
     ("unknown language", [Synthesize(text="Hi.", voice=SynthesizeVoice(language="xx")).event()],
      "invalid_argument", "voice.language 'xx' is not spoken by this model (it speaks en)"),
     ("nothing to speak", [Synthesize(text=" ... ").event()], "invalid_argument", "nothing to speak"),
+    ("empty text", [Synthesize(text="").event()], "invalid_argument", "nothing to speak"),
     ("another program", [Event("select-program", {"name": "piper"})], "invalid_argument", "unknown program 'piper'"),
 ]  # fmt: skip
 
