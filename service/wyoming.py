@@ -83,7 +83,7 @@ KiB = 1024
 # client reads events of any version; nothing acts on the field).
 PROTOCOL_VERSION = "1.10.2"
 PROGRAM = "dualar-tts"
-PROJECT_URL = "https://github.com/dualar-tts/dualar-tts"
+PROJECT_URL = ""  # (`info`'s attribution needs one; the project has no public address to name yet)
 SAMPLE_WIDTH = 2  # PCM16
 # Kernel send buffer per connection (doubled by the kernel), and asyncio's write buffer: a client that
 # stops reading fills them and then its job pauses, instead of generating into megabytes of buffers.
