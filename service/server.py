@@ -91,6 +91,7 @@ if TYPE_CHECKING:
     from grpc_health.v1 import health
 
     from service.http import HTTPFront
+    from service.wyoming import WyomingFront
 
 log = logging.getLogger(__name__)
 
@@ -900,6 +901,8 @@ class TTSServer:
     the gRPC host and submits to the same engine loop.
     replica: this process's name in stream headers, GetInfo and /load (default `HOSTNAME:PORT`, the
     gRPC port bound).
+    wyoming_port: None = no Wyoming front, 0 = a free port (see `wyoming_port` after start); the Wyoming
+    front (service/wyoming.py: Home Assistant's TTS protocol) listens on the gRPC host.
     """
 
     def __init__(
@@ -913,6 +916,7 @@ class TTSServer:
         codec_graphs: bool = True,
         http_port: int | None = None,
         replica: str | None = None,
+        wyoming_port: int | None = None,
     ):
         self.limits = limits = limits or ServiceLimits()
         cap = max(
@@ -935,6 +939,8 @@ class TTSServer:
         self.http_port = http_port  # ---- HTTP front (service/http.py)
         self.servicer: TextToSpeechServicer | None = None
         self._http: HTTPFront | None = None  # ---- end HTTP front
+        self.wyoming_port = wyoming_port  # ---- Wyoming front (service/wyoming.py)
+        self._wyoming: WyomingFront | None = None
         self.port: int | None = None
         self.replica = replica or ""
         self._server: grpc.aio.Server | None = None
@@ -983,6 +989,11 @@ class TTSServer:
 
             self._http = HTTPFront(self)
             self.http_port = await self._http.start(host, self.http_port)  # ---- end HTTP front
+        if self.wyoming_port is not None:  # ---- Wyoming front (service/wyoming.py)
+            from service.wyoming import WyomingFront
+
+            self._wyoming = WyomingFront(self)
+            self.wyoming_port = await self._wyoming.start(host, self.wyoming_port)
         aio_loop = asyncio.get_running_loop()
 
         def on_ready() -> None:  # (engine thread)
@@ -1103,6 +1114,8 @@ class TTSServer:
                 await self._server.stop(0.5)  # the handlers have their final events: let them send them
             if self._http is not None:  # ---- HTTP front: its jobs have ended; close its connections
                 await self._http.stop()
+            if self._wyoming is not None:  # ---- Wyoming front: its jobs have ended; close its connections
+                await self._wyoming.stop()
             self.metrics.close()
         finally:
             self._stopped.set()

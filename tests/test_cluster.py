@@ -392,6 +392,7 @@ BAD = [
     (["--devices", "cpu", "--device", "cuda:1"], "give --device or --devices, not both"),
     (["--devices", "cpu,nope"], "bad --device 'nope': "),
     (["--devices", "cpu", "--replica-name", "x"], "--replica-name does not go with --devices (the replicas are named r0, r1, ...)"),
+    (["--devices", "cpu", "--wyoming-port", "10200"], "--wyoming-port does not go with --devices (HAProxy does not carry Wyoming yet)"),
     (["--devices", "cpu", "--check-interval", "0"], "--check-interval must be a number of seconds > 0, got 0"),
     (["--devices", "cpu,cpu", "--replica-base-port", "80"], "--replica-base-port must be 0 or in 1024..65530 for 2 replicas, got 80"),
     (["--drain-delay", "-1"], "--drain-delay must be a number of seconds >= 0, got -1"),

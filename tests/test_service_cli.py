@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
@@ -80,6 +81,8 @@ def test_serve_client_bench_and_sigterm(tmp_path, capsys):
         "0",
         "--http-port",
         "0",
+        "--wyoming-port",
+        "0",
         "--max-batch",
         "4",
         "--grace",
@@ -101,6 +104,9 @@ def test_serve_client_bench_and_sigterm(tmp_path, capsys):
         with urllib.request.urlopen(speech, timeout=60) as resp:
             media_type, (audio, rate) = resp.headers["Content-Type"], sf.read(io.BytesIO(resp.read()))
         assert media_type == "audio/wav" and rate == 16000 and len(audio) > 0
+        # The Wyoming front of the same process (Home Assistant's protocol).
+        wyoming_port = int(re.search(r"Wyoming on tcp://[^:]+:(\d+)", line).group(1))
+        assert wyoming_voices(wyoming_port) == ["alpha", "beta"]
         out = tmp_path / "hello.wav"
         assert (
             main(
@@ -198,6 +204,21 @@ def test_serve_client_bench_and_sigterm(tmp_path, capsys):
             server.proc.wait()
 
 
+def wyoming_voices(port: int) -> list[str]:
+    """The voices the Wyoming front on `port` lists in its `info` (the wyoming package's client)."""
+    from wyoming.client import AsyncTcpClient
+    from wyoming.info import Describe, Info
+
+    async def exchange() -> list[str]:
+        async with AsyncTcpClient("127.0.0.1", port) as client:
+            await client.write_event(Describe().event())
+            event = await client.read_event()
+            assert event is not None
+            return [v.name for v in Info.from_event(event).tts[0].voices]
+
+    return asyncio.run(asyncio.wait_for(exchange(), 60))
+
+
 BAD_OPTIONS = [
     (["client", " ...", "-o", "{d}/a.wav", "--server", "127.0.0.1:1"],
      "text has nothing to speak (empty, whitespace or punctuation only)"),
@@ -216,6 +237,8 @@ BAD_OPTIONS = [
     (["serve", "--port", "-1"], "--port must be in 0..65535 (0 = any free port), got -1"),
     (["serve", "--metrics-port", "-2"], "--metrics-port must be -1 (off) or in 0..65535 (0 = any free port), got -2"),
     (["serve", "--metrics-port", "65536"], "--metrics-port must be -1 (off) or in 0..65535 (0 = any free port), got 65536"),
+    (["serve", "--wyoming-port", "-2"], "--wyoming-port must be -1 (off) or in 0..65535 (0 = any free port), got -2"),
+    (["serve", "--wyoming-port", "65536"], "--wyoming-port must be -1 (off) or in 0..65535 (0 = any free port), got 65536"),
     (["serve", "--max-batch", "0"], "--max-batch must be >= 1, got 0"),
     (["serve", "--kv-memory-fraction", "0"], "--kv-memory-fraction must be in (0, 1), got 0"),
     (["serve", "--kv-memory-fraction", "1"], "--kv-memory-fraction must be in (0, 1), got 1"),
@@ -264,7 +287,7 @@ def _listening_socket() -> socket.socket:
     return s
 
 
-@pytest.mark.parametrize("which", ["--port", "--metrics-port", "--http-port"])
+@pytest.mark.parametrize("which", ["--port", "--metrics-port", "--http-port", "--wyoming-port"])
 def test_a_busy_port_is_named_in_one_line(which):
     """Before the model loads (no `model:` line), in one line naming the option."""
     with _listening_socket() as busy:
@@ -280,7 +303,12 @@ def test_a_busy_port_is_named_in_one_line(which):
             cwd=ROOT,
             timeout=120,
         )
-    purpose = {"--port": "", "--metrics-port": " for metrics", "--http-port": " for HTTP"}[which]
+    purpose = {
+        "--port": "",
+        "--metrics-port": " for metrics",
+        "--http-port": " for HTTP",
+        "--wyoming-port": " for Wyoming",
+    }[which]
     assert r.returncode == 2, r.stderr
     assert (
         r.stderr.strip()

@@ -73,6 +73,13 @@ def add_parser(subparsers) -> None:
         help=f"HTTP port of the OpenAI-compatible API, /health, /metrics and the playground on the same host "
         f"(default {DEFAULT_HTTP_PORT}; 0 = any free; -1 = off)",
     )
+    p.add_argument(
+        "--wyoming-port",
+        type=int,
+        default=-1,
+        help="TCP port of the Wyoming protocol (Home Assistant's TTS, streaming text included) on the same "
+        "host; no authentication, for a trusted network (default -1 = off; 0 = any free)",
+    )
     add_model_args(p)
     add_codec_dtype_arg(p)
     from tts.params import AUTO_STREAM_TOKENS
@@ -329,6 +336,8 @@ def check_serve_ports(args: argparse.Namespace) -> None:
         )
     if args.http_port >= 0:  # (HTTP listens on --host, beside gRPC)
         fronts.append((args.host, args.http_port, "--http-port", "--host", " for HTTP"))
+    if args.wyoming_port >= 0:
+        fronts.append((args.host, args.wyoming_port, "--wyoming-port", "--host", " for Wyoming"))
     check_all_listen(fronts)
 
 
@@ -387,6 +396,10 @@ def check_serve_options(args: argparse.Namespace) -> None:
     require(
         args.http_port == -1 or 0 <= args.http_port <= 65535,
         f"--http-port must be -1 (off) or in 0..65535 (0 = any free port), got {args.http_port}",
+    )
+    require(
+        args.wyoming_port == -1 or 0 <= args.wyoming_port <= 65535,
+        f"--wyoming-port must be -1 (off) or in 0..65535 (0 = any free port), got {args.wyoming_port}",
     )
     check_seconds("--drain-delay", args.drain_delay, zero_ok=True)
     check_seconds("--max-connection-age", args.max_connection_age, zero_ok=True)
@@ -464,6 +477,7 @@ async def _serve(args, bundle, engine_config, limits) -> int:
 
     metrics_port = None if args.metrics_port < 0 else args.metrics_port
     http_port = None if args.http_port < 0 else args.http_port
+    wyoming_port = None if args.wyoming_port < 0 else args.wyoming_port
     server = TTSServer(
         bundle,
         engine_config,
@@ -473,6 +487,7 @@ async def _serve(args, bundle, engine_config, limits) -> int:
         http_port=http_port,
         codec_graphs=args.codec_graphs == "on",
         replica=args.replica_name,
+        wyoming_port=wyoming_port,
     )
     try:
         port = await server.start(args.host, args.port)
@@ -505,6 +520,8 @@ async def _serve(args, bundle, engine_config, limits) -> int:
         assert server.loop.engine is not None  # the server is ready: its engine is built
         graphs = server.loop.engine.graphs.enabled
         http = f"; HTTP on http://{args.host}:{server.http_port}/" if http_port is not None else ""
+        if wyoming_port is not None:
+            http += f"; Wyoming on tcp://{args.host}:{server.wyoming_port}"
         print(
             f"serving {SERVICE_NAME} on {args.host}:{port} (replica {server.replica}, max batch "
             f"{engine_config.max_batch}, graphs {'on' if graphs else 'off'}){http}{metrics}",
@@ -613,6 +630,8 @@ def check_cluster_options(args: argparse.Namespace) -> list[str]:
         raise UserError("give --device or --devices, not both")
     if args.replica_name is not None:
         raise UserError("--replica-name does not go with --devices (the replicas are named r0, r1, ...)")
+    if args.wyoming_port >= 0:
+        raise UserError("--wyoming-port does not go with --devices (HAProxy does not carry Wyoming yet)")
     for device in dict.fromkeys(devices):
         check_device(device)
     check_seconds("--check-interval", args.check_interval, zero_ok=False)
