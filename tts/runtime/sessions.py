@@ -45,13 +45,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import numpy as np
 from torch import Tensor
 
 from tts.engine.aligner import ALIGN_MAX_TOKENS
 from tts.params import InvalidRequest, SamplingParams
-from tts.runtime.jobs import Audio, Cancelled, Event, Failed, Finished, JobRunner, Started
+from tts.runtime.jobs import Audio, Cancelled, Event, Failed, Finished, JobRunner, Preempted, Started
 from tts.runtime.planner import SynthesisJob
 from tts.runtime.timings import ChunkTimer, WordTiming, word_weights
 from tts.text.normalize import TextError
@@ -190,6 +191,18 @@ class _Chunk:
     frames: int = 0
     timer: ChunkTimer | None = None
     done: Event | None = None  # the job's final event, handled at the next pump
+    cut: bool = False  # cancelled (barge-in): its later audio is dropped
+    dropped: int = 0  # audio pieces dropped after the cut
+
+
+class SessionOutlet(Protocol):
+    """Where a session's events go when its consumer is on another thread (the service's engine thread
+    moves `Session.events` there after every pass: `tts.runtime.engine_thread.SessionStream`)."""
+
+    def pause_if_full(self, cap: int, unread_here: int) -> bool:
+        """Mark the consumer paused and return True if `cap` audio events wait unread, counting those
+        queued for the consumer and `unread_here` not moved yet (atomically with the consumer's reads)."""
+        ...
 
 
 class _ChunkSink:
@@ -206,8 +219,14 @@ class _ChunkSink:
         """Back-pressure: pause the chunk while `cap` audio events wait unread (`Session.take_events`
         resumes it). A session nobody reads then holds its row only until the job pipeline's
         `pause_timeout` preempts it while others wait (its chunk ends with reason "error", Preempted)."""
-        if self.session.unread_audio() >= cap:
-            self.session._paused = True
+        session = self.session
+        outlet = session.outlet
+        if (
+            session.unread_audio() >= cap
+            if outlet is None
+            else outlet.pause_if_full(cap, session.unread_audio())
+        ):
+            session._paused = True
             return True
         return False
 
@@ -239,7 +258,9 @@ class Session:
         planner = manager.runner.planner
         self.max_chunk_bytes = options.max_chunk_bytes or planner.bundle.chunk_length or 300
         self.buffer = TextBuffer(max(self.max_chunk_bytes, 16), options.first_words)
-        self.queue: deque[str] = deque()
+        # Chunks to speak, in order: (text as the model reads it, the UTF-8 bytes of received text it
+        # accounts for in `pending_bytes`: a piece's bytes go with its last chunk).
+        self.queue: deque[tuple[str, int]] = deque()
         self.history: list[Turn] = []
         self.events: deque[SessionEvent] = deque()
         self.current: _Chunk | None = None
@@ -250,6 +271,14 @@ class Session:
         self.last_text = manager.clock()  # the last text or command
         self.text_since: float | None = None  # when the buffer got text that waits for a boundary
         self._paused = False  # the chunk in flight waits for the consumer (back-pressure)
+        # The session's codec stream (`CodecStage` slot), opened by its first chunk and kept until it ends:
+        # every chunk's audio continues the decoder state of the chunk before, as one job's text chunks do.
+        self.slot: int | None = None
+        self._reset_slot = False  # the next chunk starts a fresh stream (after a barge-in or a failure)
+        # Barge-in: the frame step count (`Engine.frame_steps`) when the last cancel was applied, and the
+        # counts a front reports (`SessionStream.barge_in`).
+        self.cancelled_at_step: int | None = None
+        self.outlet: SessionOutlet | None = None  # a consumer outside the driving thread (EngineLoop)
 
     # ---- commands ---------------------------------------------------------------------------------
 
@@ -260,7 +289,7 @@ class Session:
         self._check_open("send text")
         if not isinstance(text, str):
             raise InvalidRequest(f"text must be a string, not {type(text).__name__}")
-        pending = len(self.buffer) + sum(utf8_len(c) for c in self.queue)
+        pending = self.pending_bytes
         if pending + utf8_len(text) > self.options.max_pending_bytes:
             raise InvalidRequest(
                 f"text: {utf8_len(text)} bytes would make {pending + utf8_len(text)} bytes waiting to be "
@@ -292,7 +321,10 @@ class Session:
         self.queue.clear()
         self.text_since = None
         self.last_text = self.manager.clock()
+        self.cancelled_at_step = self.manager.runner.engine.frame_steps
         if self.current is not None and self.current.done is None:
+            self.current.cut = True  # its audio still on the codec stage is dropped, not delivered
+            self._reset_slot = True  # (the stream's state holds audio nobody will hear)
             self.manager.runner.cancel(self.current.job_id)
 
     def close(self) -> None:
@@ -329,8 +361,14 @@ class Session:
                 self.manager.runner.resume(self.current.job_id)
 
     def unread_audio(self) -> int:
-        """SessionAudio events waiting to be read."""
+        """SessionAudio events waiting to be read (here, and in the outlet's queue when there is one)."""
         return sum(isinstance(e, SessionAudio) for e in self.events)
+
+    @property
+    def pending_bytes(self) -> int:
+        """UTF-8 bytes of received text not spoken yet (buffered, or queued as chunks not started): what
+        `max_pending_bytes` bounds."""
+        return len(self.buffer) + sum(n for _, n in self.queue)
 
     # ---- state ------------------------------------------------------------------------------------
 
@@ -364,7 +402,10 @@ class Session:
                 continue
             for warning in plan.warnings:
                 self.events.append(SessionWarning(self.id, warning))
-            self.queue.extend(plan.chunks)
+            sizes = [0] * len(plan.chunks)
+            if sizes:
+                sizes[-1] = utf8_len(piece)
+            self.queue.extend(zip(plan.chunks, sizes, strict=True))
 
     def _chunk_error(self, text: str, error: str) -> None:
         """A chunk that cannot be spoken (refused text): reported as its own chunk, nothing else ends."""
@@ -383,7 +424,7 @@ class Session:
             self.current = None
             self._chunk_ended(chunk, chunk.done)
         if self.current is None and self.queue:
-            self._start(self.queue.popleft())
+            self._start(self.queue.popleft()[0])
         if self.current is None and not self.queue:
             if self.closing:
                 self._end("closed")
@@ -432,9 +473,29 @@ class Session:
             codec.sample_rate,
             index,
         )
+        slot = self._codec_slot(budget)
         self.current = chunk
         self.events.append(ChunkStarted(self.id, index, text, self.samples))
-        chunk.job_id = runner.submit(spec, _ChunkSink(self, chunk), job_id=f"{self.id}#{index}")
+        chunk.job_id = runner.submit(spec, _ChunkSink(self, chunk), job_id=f"{self.id}#{index}", slot=slot)
+
+    def _codec_slot(self, budget: int) -> int | None:
+        """The session's codec stream for a chunk of at most `budget` frames: the one the earlier chunks
+        used (their decoder state continues), a fresh one after a barge-in or a failed chunk, or where the
+        codec's frame limit per stream would be passed. None if every stream is in use (then the chunk's
+        job opens its own, and fails with that error)."""
+        stage = self.manager.runner.stage
+        if self.slot is not None:
+            left = stage.frames_left(self.slot)
+            if self._reset_slot or (left is not None and left < budget + 1):
+                stage.close(self.slot)
+                self.slot = None
+        self._reset_slot = False
+        if self.slot is None:
+            try:
+                self.slot = stage.open()
+            except RuntimeError:
+                return None
+        return self.slot
 
     def _seed(self, index: int) -> int:
         assert self.params.seed is not None  # (resolved by SessionManager.open)
@@ -445,6 +506,9 @@ class Session:
         if isinstance(event, Started) or self.ended:  # (an ended session's late audio is dropped)
             return
         if isinstance(event, Audio):
+            if chunk.cut:  # decoded after a barge-in: nobody is to hear it
+                chunk.dropped += 1
+                return
             offset = self.samples
             n = int(event.samples.shape[0])
             self.samples += n
@@ -496,6 +560,7 @@ class Session:
             return
         assert isinstance(event, Failed)
         cancelled = isinstance(event.error, Cancelled)
+        self._reset_slot = True  # (a failed decode leaves the stream's state undefined)
         self.events.append(
             ChunkEnded(
                 self.id,
@@ -508,6 +573,10 @@ class Session:
                 error=None if cancelled else f"{type(event.error).__name__}: {event.error}",
             )
         )
+        if isinstance(event.error, Preempted):
+            # Its consumer did not read while others waited for a row: the session ends as a job does (a
+            # front maps it to RESOURCE_EXHAUSTED), rather than taking a row again with its next chunk.
+            self._end("preempted")
 
     def _bounded(self, turns: list[Turn]) -> list[Turn]:
         """The newest turns whose frames fit `max_history_frames` (default: the engine's context)."""
@@ -531,8 +600,23 @@ class Session:
         self.current = None
         self.queue.clear()
         self.buffer.clear()
+        if self.slot is not None:  # (its chunk's decodes still queued complete first; their audio is dropped)
+            self.manager.runner.stage.close(self.slot)
+            self.slot = None
         self.manager._forget(self)
         self.events.append(SessionEnded(self.id, reason, self.samples))
+
+
+@dataclass
+class SessionSpec:
+    """A session's checked settings (`SessionManager.plan`): voice references, sampling (seed
+    resolved), options, whether text is normalized, the voice's kind."""
+
+    references: list[VoiceReference]
+    params: SamplingParams
+    options: SessionOptions
+    normalize: bool
+    voice_kind: str
 
 
 class SessionManager:
@@ -557,6 +641,8 @@ class SessionManager:
         self.sessions: dict[str, Session] = {}
         self._due: set[str] = set()
         self._ids = itertools.count()
+        # Called (driving thread) when a session has ended, before its SessionEnded is queued.
+        self.on_end: Callable[[Session], None] | None = None
 
     def open(
         self,
@@ -574,6 +660,19 @@ class SessionManager:
         VoiceNotFound."""
         if len(self.sessions) >= self.max_sessions:
             raise SessionLimit(f"{self.max_sessions} sessions are open; close one or try again later")
+        spec = self.plan(voice, normalize=normalize, options=options, **sampling)
+        return self.add(spec, session_id)
+
+    def plan(
+        self,
+        voice: str | VoiceReference | list[VoiceReference] | None = None,
+        *,
+        normalize: bool = True,
+        options: SessionOptions | None = None,
+        **sampling,
+    ) -> SessionSpec:
+        """Check a session's settings (as `open`; any thread: reads the planner and the voices only).
+        Raises InvalidRequest, VoiceNotFound."""
         planner = self.runner.planner
         params = planner.sampling_params(**sampling)
         if params.max_new_frames >= planner.max_context:
@@ -584,11 +683,18 @@ class SessionManager:
         opts = options or self.options
         if not (1 <= opts.first_chunk_frames and 1 <= opts.chunk_frames):
             raise InvalidRequest("first_chunk_frames and chunk_frames must be >= 1")
+        params = replace(params, seed=params.seed if params.seed is not None else secrets.randbits(62))
+        return SessionSpec(references, params, opts, normalize, kind)
+
+    def add(self, spec: SessionSpec, session_id: str | None = None) -> Session:
+        """(the driving thread) Open a session planned by `plan`. Raises InvalidRequest for an id in use
+        (the limit is the caller's to check: `open` does)."""
         sid = session_id or f"session-{next(self._ids)}"
         if sid in self.sessions or sid in self.runner.engine.sequences:
             raise InvalidRequest(f"session id {sid!r} is in use")
-        params = replace(params, seed=params.seed if params.seed is not None else secrets.randbits(62))
-        session = Session(self, sid, references, params, opts, normalize, kind)
+        session = Session(
+            self, sid, spec.references, spec.params, spec.options, spec.normalize, spec.voice_kind
+        )
         self.sessions[sid] = session
         return session
 
@@ -629,3 +735,5 @@ class SessionManager:
         self.sessions.pop(session.id, None)
         self._due.discard(session.id)
         self.runner.engine.release_sequence(session.id)
+        if self.on_end is not None:
+            self.on_end(session)
