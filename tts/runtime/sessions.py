@@ -176,6 +176,21 @@ class SessionEnded:
     audio_samples: int
 
 
+@dataclass
+class BargeIn:
+    """What the last barge-in (`cancel` of a chunk in flight) cost, counted exactly, not timed.
+    chunk: the chunk cut. frames_after: frames its engine request generated after the cancel was applied
+    (0: the row stopped before its next frame step). steps: engine frame steps run (for any row) from the
+    cancel until its row and new KV blocks were freed (0 alone; at most 1: the step that frees it may run
+    the other rows' frame). audio_after: audio pieces of it decoded after the cancel, dropped (never
+    delivered)."""
+
+    chunk: int
+    frames_after: int
+    steps: int
+    audio_after: int
+
+
 SessionEvent = ChunkStarted | SessionAudio | WordTimings | ChunkEnded | SessionWarning | SessionEnded
 
 
@@ -193,6 +208,8 @@ class _Chunk:
     done: Event | None = None  # the job's final event, handled at the next pump
     cut: bool = False  # cancelled (barge-in): its later audio is dropped
     dropped: int = 0  # audio pieces dropped after the cut
+    generated: int = 0  # audio frames its engine request generated (routed by the job pipeline)
+    generated_at_cut: int = 0
 
 
 class SessionOutlet(Protocol):
@@ -214,6 +231,10 @@ class _ChunkSink:
     def deliver(self, event: Event) -> bool:
         self.session._job_event(self.chunk, event)
         return True
+
+    def progress(self, frames: int, text_chunk: int, text_chunks: int) -> None:
+        """(the job pipeline, per frame routed) The chunk's audio frames generated so far."""
+        self.chunk.generated = frames
 
     def pause_if_full(self, cap: int) -> bool:
         """Back-pressure: pause the chunk while `cap` audio events wait unread (`Session.take_events`
@@ -278,6 +299,7 @@ class Session:
         # Barge-in: the frame step count (`Engine.frame_steps`) when the last cancel was applied, and the
         # counts a front reports (`SessionStream.barge_in`).
         self.cancelled_at_step: int | None = None
+        self.last_barge_in: BargeIn | None = None
         self.outlet: SessionOutlet | None = None  # a consumer outside the driving thread (EngineLoop)
 
     # ---- commands ---------------------------------------------------------------------------------
@@ -324,6 +346,7 @@ class Session:
         self.cancelled_at_step = self.manager.runner.engine.frame_steps
         if self.current is not None and self.current.done is None:
             self.current.cut = True  # its audio still on the codec stage is dropped, not delivered
+            self.current.generated_at_cut = self.current.generated
             self._reset_slot = True  # (the stream's state holds audio nobody will hear)
             self.manager.runner.cancel(self.current.job_id)
 
@@ -532,6 +555,13 @@ class Session:
                 self.events.append(WordTimings(self.id, chunk.index, words))
             return
         chunk.done = event  # Finished or Failed: handled at the next pump (outside the runner's step)
+        if chunk.cut and self.cancelled_at_step is not None:
+            self.last_barge_in = BargeIn(
+                chunk.index,
+                chunk.generated - chunk.generated_at_cut,
+                self.manager.runner.engine.frame_steps - self.cancelled_at_step,
+                chunk.dropped,
+            )
         self.manager._due.add(self.id)
 
     def _chunk_ended(self, chunk: _Chunk, event: Event) -> None:
