@@ -273,3 +273,23 @@ def test_an_asyncio_consumer_reads_a_session(make_loop):
     assert [e.reason for e in of(events, ChunkEnded)] == ["length", "length"]
     assert isinstance(events[-1], SessionEnded) and events[-1].reason == "closed"
     wait_until(lambda: idle(loop), what="everything freed")
+
+
+def test_a_session_nobody_reads_stays_paused_across_its_chunks(make_loop):
+    """Back-pressure holds across chunk boundaries: a chunk that ends while its audio waits unread does
+    not let the next chunks run ahead; the session generates nothing more until it is read."""
+    loop = make_loop(max_queued_chunks=2)
+    options = SessionOptions(first_chunk_frames=1, chunk_frames=1)
+    s = loop.open_session(options=options, **frames(2))
+    s.send("One is here. Two is here. Three is here. Four is here. Five is here.")
+    s.flush()
+    # chunk 0's two frames wait unread (the cap): chunk 1 waits for the reader, holding no row
+    wait_until(lambda: s.paused and s.queued_audio == 2 and loop.runner.stage.idle, what="paused")
+    generated = loop.engine.frames_generated
+    time.sleep(0.2)  # (nothing may happen meanwhile: checked below, not waited for)
+    assert s.queued_audio == 2 and loop.engine.num_running == 0 and loop.engine.frames_generated == generated
+    s.close()
+    events = drain(s)
+    assert [e.reason for e in of(events, ChunkEnded)] == ["length"] * 5
+    assert len(of(events, SessionAudio)) == 10
+    wait_until(lambda: idle(loop), what="everything freed")

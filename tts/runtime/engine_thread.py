@@ -414,7 +414,8 @@ class SessionStream:
         """(engine thread; `tts.runtime.sessions.SessionOutlet`) Mark the session paused if `cap` audio
         events wait unread, atomically with the consumer's count."""
         with self._lock:
-            if self._queued + unread_here >= cap and not self._paused:
+            # (True also when already paused: the session's next chunk must pause too)
+            if self._queued + unread_here >= cap:
                 self._paused = True
                 return True
             return False

@@ -377,11 +377,24 @@ class Session:
         return out
 
     def resume(self) -> None:
-        """The consumer read the audio: a chunk paused for back-pressure goes on."""
+        """The consumer read the audio: a chunk paused for back-pressure goes on (or the next chunk, held
+        back while the audio before it waited unread, starts)."""
         if self._paused:
             self._paused = False
             if self.current is not None and self.current.done is None:
                 self.manager.runner.resume(self.current.job_id)
+            else:
+                self.manager._due.add(self.id)  # the next tick starts the next chunk
+
+    def _over_cap(self) -> bool:
+        """Back-pressure between chunks: `max_queued_chunks` audio events wait unread, so the next chunk
+        waits (no row, no frame) until the consumer reads (`resume`)."""
+        cap = self.manager.runner.max_queued_chunks
+        unread = self.unread_audio()
+        full = unread >= cap if self.outlet is None else self.outlet.pause_if_full(cap, unread)
+        if full:
+            self._paused = True
+        return full
 
     def unread_audio(self) -> int:
         """SessionAudio events waiting to be read (here, and in the outlet's queue when there is one)."""
@@ -446,7 +459,7 @@ class Session:
         if chunk is not None and chunk.done is not None:
             self.current = None
             self._chunk_ended(chunk, chunk.done)
-        if self.current is None and self.queue:
+        if self.current is None and self.queue and not self._over_cap():
             self._start(self.queue.popleft()[0])
         if self.current is None and not self.queue:
             if self.closing:
