@@ -12,10 +12,18 @@ sampling settings and an open text buffer:
   codes) as context, as many as fit the model's context (the oldest dropped first:
   `Planner.session_prompt`), and its engine request continues the session's kept KV sequence
   (`tts.engine.sequences`): only the chunk's new tokens are prefilled, so a fifth sentence starts as fast
-  as the first and the voice does not drift at chunk boundaries.
+  as the first and the voice does not drift at chunk boundaries. Every chunk decodes on the session's one
+  codec stream (a `CodecStage` slot kept from the first chunk to the end): chunk N+1's audio continues
+  chunk N's decoder state, so the session's audio is the offline decode of all its codes, without a seam
+  at chunk boundaries (a fresh stream only after a barge-in, a failed chunk, or at the codec's frame
+  limit per stream).
+* Back-pressure: a chunk whose audio waits unread (`max_queued_chunks` of the job pipeline) pauses, and
+  the next chunk does not start (holding no row) until the consumer reads; a chunk paused longer than the
+  pipeline's `pause_timeout` while others wait for a row is preempted and the session ends ("preempted").
 * `cancel()` (barge-in, Cartesia / Deepgram `clear`): the text not spoken yet is forgotten and the chunk
-  in flight ends at the engine's next frame step (its row and the blocks it added freed; the history
-  before it stays); the session stays open for the next text.
+  in flight ends at the engine's next step, before another frame of it (its row and the blocks it added
+  freed; the history before it stays); its audio still being decoded is dropped; the session stays open
+  for the next text. `Session.last_barge_in` counts what it cost (`BargeIn`).
 * `close()` speaks what is left and ends the session; `abort()` ends it at once. Either frees the
   session's KV. An idle session (nothing to speak, no text for `idle_seconds`) ends itself; text without a
   boundary waits at most `hold_seconds` before it is cut anyway.
@@ -33,7 +41,9 @@ reason and prefill counts), `SessionWarning`, and last `SessionEnded`. Network f
 
 Threading: a `SessionManager` and its sessions are driven on the thread that drives their `JobRunner`
 (the Python API's caller, or the service's engine thread): `send`, `flush`, `cancel`, `close`, `abort`
-and `SessionManager.tick` must all be called there, `tick` after every `JobRunner.step`.
+and `SessionManager.tick` must all be called there, `tick` after every `JobRunner.step`. Network fronts
+use `tts.runtime.engine_thread.EngineLoop.open_session`, whose `SessionStream` posts the commands to the
+engine thread and delivers the events to an asyncio (or thread) consumer.
 """
 
 from __future__ import annotations
@@ -114,7 +124,8 @@ class SessionAudio:
     """Audio of chunk `chunk`: float32 mono `samples [S]` in [-1, 1] at `sample_rate` Hz, starting at
     `sample_offset` samples on the session clock (`sample_offset / sample_rate` seconds; offsets are
     contiguous: each event starts where the previous one ended). codes: `[N, frames]` int64 it was decoded
-    from; frame_start / frame_end: its frames within the chunk."""
+    from; frame_start / frame_end: its frames within the chunk. (Through a `SessionStream`, audio a
+    barge-in discarded unread still counts on the session clock: the next audio's offset leaves that gap.)"""
 
     session_id: str
     chunk: int
@@ -169,7 +180,9 @@ class SessionWarning:
 @dataclass
 class SessionEnded:
     """The session ended (the last event): reason "closed" (`close`, after speaking everything),
-    "aborted" (`abort`), "idle_timeout" or "shutdown". Its KV and every row are freed."""
+    "aborted" (`abort`), "idle_timeout", "preempted" (its audio was not read while others waited for a
+    row: RESOURCE_EXHAUSTED), "shutdown" (the server stopped or went out of service: UNAVAILABLE) or
+    "error" (it could not open). Its KV, its codec stream and every row are freed."""
 
     session_id: str
     reason: str
@@ -239,7 +252,8 @@ class _ChunkSink:
     def pause_if_full(self, cap: int) -> bool:
         """Back-pressure: pause the chunk while `cap` audio events wait unread (`Session.take_events`
         resumes it). A session nobody reads then holds its row only until the job pipeline's
-        `pause_timeout` preempts it while others wait (its chunk ends with reason "error", Preempted)."""
+        `pause_timeout` preempts it while others wait (its chunk ends with reason "error", Preempted, and
+        the session with "preempted")."""
         session = self.session
         outlet = session.outlet
         if (
