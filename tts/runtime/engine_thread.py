@@ -1189,9 +1189,15 @@ class EngineLoop:
         """(engine thread, closing) End every session ("shutdown"), cancel the engine's requests, fail
         every job and every submission still in the inbox with LoopClosed."""
         if self._sessions is not None:
-            self._sessions.close_all("shutdown")
-            for sid in list(self._session_streams):
+            try:
+                self._sessions.close_all("shutdown")
+            except Exception:  # noqa: BLE001 - the jobs below must still end
+                log.exception("ending the sessions at shutdown failed")
+            for sid, (session, stream) in list(self._session_streams.items()):
                 self._move_events(sid)
+                if sid in self._session_streams:  # (its SessionEnded was not among them: say it now)
+                    del self._session_streams[sid]
+                    stream.deliver(SessionEnded(sid, "shutdown", session.samples))
         for job in list(runner.jobs.values()):
             if job.engine_id is not None:
                 self.engine.cancel(job.engine_id)
