@@ -260,17 +260,29 @@ def test_shutdown_ends_every_session(make_loop):
         loop.open_session()
 
 
-def test_an_asyncio_consumer_reads_a_session(make_loop):
-    loop = make_loop()
+def test_an_asyncio_consumer_reads_pauses_resumes_and_barges_in(make_loop):
+    loop = make_loop(max_queued_chunks=2)
+    options = SessionOptions(first_chunk_frames=1, chunk_frames=1)
 
     async def run():
-        s = loop.open_session(aio_loop=asyncio.get_running_loop(), **frames(4))
+        s = loop.open_session(aio_loop=asyncio.get_running_loop(), options=options, **frames(12))
         s.send("One. Two.")
+        s.flush()
+        events = []
+        while len(of(events, SessionAudio)) < 3:  # (its back-pressure pauses and resumes it meanwhile)
+            events.append(await s.next())
+        s.cancel()
+        while not isinstance(events[-1], ChunkEnded):
+            events.append(await s.next())
+        s.send("Three.")
         s.close()
-        return [event async for event in s]
+        return events + [event async for event in s]
 
     events = asyncio.run(run())
-    assert [e.reason for e in of(events, ChunkEnded)] == ["length", "length"]
+    ends = of(events, ChunkEnded)
+    assert [(e.chunk, e.reason) for e in ends] == [(0, "cancelled"), (1, "length")]
+    # nothing of chunk 0 after its third audio event; chunk 1 in full; SessionEnded last
+    assert [a.chunk for a in of(events, SessionAudio)] == [0, 0, 0] + [1] * 12
     assert isinstance(events[-1], SessionEnded) and events[-1].reason == "closed"
     wait_until(lambda: idle(loop), what="everything freed")
 
