@@ -106,8 +106,12 @@ class TTS:
         )
         self.planner = Planner(bundle, self.engine.max_context, self.engine.check, self.voice_registry)
         self._wake = threading.Event()
+        # Codec streams: one per job (max_batch + 4) and one per open session (`sessions`: as many again).
         self.runner = JobRunner(
-            self.engine, self.planner, max_streams=self.engine.config.max_batch + 4, notify=self._wake.set
+            self.engine,
+            self.planner,
+            max_streams=2 * (self.engine.config.max_batch + 4),
+            notify=self._wake.set,
         )
         if self.engine.config.graphs == "startup" and self.engine.graphs.enabled:
             # the codec's graphs too, for the default chunk sizes (`stream`'s 4 growing to 16)

@@ -226,6 +226,12 @@ class CodecStage:
             self._queue.append(("decode", _Piece(slot, tag, codes)))
             self._cv.notify()
 
+    def frames_left(self, slot: int) -> int | None:
+        """Frames stream `slot` may still queue before the decoder's position limit (None: no limit). A
+        stream kept across jobs (a session's) opens a fresh one when the next job might not fit."""
+        limit = self.max_stream_frames
+        return None if limit is None else limit - self._frames[slot]
+
     def encode(self, samples: Tensor) -> Future:
         """Queue an encode of mono float32 `samples [S]` at the codec's rate; the future's result is the
         codes `[N, T]` int64 on the CPU (or the exception)."""

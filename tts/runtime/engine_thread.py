@@ -24,6 +24,16 @@ events:
 
 Events a `RequestStream` yields, in order: `Started`, then `Audio` chunks (sequence 0, 1, 2, ... without
 gaps, frame ranges contiguous), then `Finished`; or `Failed` at any point (and nothing after it).
+
+Sessions (`tts.runtime.sessions`: text streamed in, speech out; what the gRPC bidi, Fish Audio WebSocket
+and Wyoming fronts serve) run on the engine thread too: `open_session(...)` returns a `SessionStream`
+whose commands (`send`, `flush`, `cancel`, `close`, `abort`) are posted to the engine thread and whose
+events (`ChunkStarted`, `SessionAudio`, `WordTimings`, `ChunkEnded`, `SessionWarning`, last
+`SessionEnded`) reach the consumer as a job's do (the same hand-over, back-pressure and pause timeout).
+The engine thread calls `SessionManager.tick` after every runner step and wakes at the sessions' hold and
+idle deadlines. At most `max_sessions` are open (beyond: SessionLimit, RESOURCE_EXHAUSTED / HTTP 429);
+each keeps one codec stream and at most one engine request. On shutdown (or when the replica goes out of
+service) every session ends with `SessionEnded(reason="shutdown")`.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from torch import Tensor
 from tts.checkpoints.bundle import ModelBundle
 from tts.engine.engine import Engine, EngineConfig, for_bundle
 from tts.engine.request import Request, SamplingParams
+from tts.params import InvalidRequest
 from tts.runtime.jobs import (
     Audio,
     Cancelled,
@@ -61,8 +72,25 @@ from tts.runtime.jobs import (
     ramp_sizes,
 )
 from tts.runtime.planner import Planner, PreparedReference, SynthesisJob
+from tts.runtime.sessions import (
+    BargeIn,
+    ChunkEnded,
+    ChunkStarted,
+    Session,
+    SessionAudio,
+    SessionClosed,
+    SessionEnded,
+    SessionEvent,
+    SessionLimit,
+    SessionManager,
+    SessionOptions,
+    SessionSpec,
+    SessionWarning,
+    WordTimings,
+)
 from tts.runtime.voices import ReferenceCache, VoiceEntry, VoiceRegistry, codec_fingerprint
 from tts.text.prompt import VoiceReference
+from tts.text.stream_cut import utf8_len
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,7 +103,11 @@ DEFAULT_REFERENCE_CACHE_BYTES = 64 * 1024 * 1024
 __all__ = [
     "Audio", "Cancelled", "EngineFailed", "EngineLoop", "Event", "Failed", "Finished", "LoopClosed",
     "Overloaded", "Preempted", "RequestStream", "Started", "SynthesisJob",
+    "ChunkEnded", "ChunkStarted", "SessionAudio", "SessionClosed", "SessionEnded", "SessionEvent",
+    "SessionLimit", "SessionOptions", "SessionStream", "SessionWarning", "WordTimings", "BargeIn",
 ]  # fmt: skip
+
+DEFAULT_MAX_SESSIONS = 16
 
 
 def _built(part: T | None) -> T:
@@ -183,11 +215,222 @@ class RequestStream:
                 self._resume_sent = False
 
 
-def _put_all(batch: list[tuple[RequestStream, Event]]) -> None:
+def _put_all(batch: list[tuple]) -> None:
     """(a consumer's event loop) Queue a flushed batch of events, in delivery order."""
     for stream, event in batch:
         assert stream._aq is not None  # (streams with an event loop have the asyncio queue)
         stream._aq.put_nowait(event)
+
+
+# ---- the consumer's side of one session ---------------------------------------------------------------
+
+
+class _Cut:
+    """(internal) Marks, in a session's event queue, where the engine thread applied a cancel or abort:
+    audio delivered before it was generated before the barge-in and is discarded unread."""
+
+
+class SessionStream:
+    """The consumer's handle on one session of an `EngineLoop` (made by `EngineLoop.open_session`).
+
+    Commands return at once; the engine thread applies them in order:
+    * `send(text)`: add text. Raises InvalidRequest (not a string, or more than the session's
+      `max_pending_bytes` waiting to be spoken: nothing of it is taken) and SessionClosed (after
+      `close`/`abort`, or once the session ended). Text that reaches a session the engine has just ended
+      (idle timeout, shutdown) is dropped: `SessionEnded` tells why.
+    * `flush()`: speak the buffered text without waiting for a sentence end.
+    * `cancel()`: barge-in. The audio and word timings queued unread are discarded at once (`next`/`get`
+      never return them), the text not spoken is forgotten and the chunk in flight ends at the engine's
+      next step (`ChunkEnded` "cancelled"), freeing its row and new KV blocks; the session stays open.
+      The session clock counts the discarded audio: the next chunk's `sample_offset` leaves that gap.
+    * `close()`: speak what is left, then end (`SessionEnded` "closed"). `abort()`: end now ("aborted";
+      queued audio discarded as for `cancel`).
+    Events: `await next()` (asyncio; or `async for`) or `get()` (threads), in order, `SessionEnded`
+    last. Back-pressure: at `max_queued_chunks` unread audio events the chunk in flight pauses (its row
+    kept), and resumes once half are read; one paused longer than the pause timeout while others wait for
+    a row ends the session ("preempted"). `barge_in` describes the last barge-in (`BargeIn`, engine side),
+    `discarded` counts the audio events barge-ins discarded unread.
+    """
+
+    def __init__(
+        self,
+        loop: EngineLoop,
+        session_id: str,
+        aio_loop: asyncio.AbstractEventLoop | None,
+        max_pending_bytes: int,
+    ):
+        self.session_id = session_id
+        self._loop = loop
+        self._aio_loop = aio_loop
+        self._aq: asyncio.Queue | None = asyncio.Queue() if aio_loop is not None else None
+        self._q: queue.Queue | None = None if aio_loop is not None else queue.Queue()
+        self._lock = threading.Lock()
+        self._queued = 0  # SessionAudio events delivered and not yet taken
+        self._paused = False
+        self._resume_sent = False
+        self._max_pending = max_pending_bytes
+        self._pending = 0  # text bytes waiting in the session, as the engine thread last published
+        self._in_transit = 0  # text bytes sent, not yet applied by the engine thread
+        self._cutting = 0  # cancels not yet applied (their `_Cut` not yet taken): drop audio meanwhile
+        self._closed = False  # close/abort called
+        self._ended = False  # the engine thread ended the session
+        self.done = False  # the consumer has taken SessionEnded
+        self.discarded = 0  # SessionAudio events discarded unread by barge-ins (consumer side)
+        self.barge_in: BargeIn | None = None  # the last barge-in's cost (set by the engine thread)
+
+    # ---- commands (the consumer's thread) ----------------------------------------------------------
+
+    def send(self, text: str) -> None:
+        """Add a piece of text (see the class docstring for the errors)."""
+        if not isinstance(text, str):
+            raise InvalidRequest(f"text must be a string, not {type(text).__name__}")
+        n = utf8_len(text)
+        with self._lock:
+            self._check_open("send text")
+            waiting = self._pending + self._in_transit
+            if waiting + n > self._max_pending:
+                raise InvalidRequest(
+                    f"text: {n} bytes would make {waiting + n} bytes waiting to be spoken in this session; "
+                    f"at most {self._max_pending} (send less at a time, or wait for audio)"
+                )
+            self._in_transit += n
+        self._loop._post(("session", (self.session_id, "send", text)))
+
+    def flush(self) -> None:
+        """Speak the text buffered so far. Raises SessionClosed after close/abort or once ended."""
+        with self._lock:
+            self._check_open("flush")
+        self._loop._post(("session", (self.session_id, "flush", None)))
+
+    def cancel(self) -> None:
+        """Barge-in (see the class docstring). No-op once closed or ended."""
+        with self._lock:
+            if self._ended or self._closed:
+                return
+            self._cutting += 1
+        self._loop._post(("session", (self.session_id, "cancel", None)))
+
+    def close(self) -> None:
+        """Speak what is left, then end. Idempotent."""
+        with self._lock:
+            if self._ended or self._closed:
+                return
+            self._closed = True
+        self._loop._post(("session", (self.session_id, "close", None)))
+
+    def abort(self) -> None:
+        """End now, discarding the audio queued unread. Idempotent."""
+        with self._lock:
+            if self._ended:
+                return
+            self._closed = True
+            self._cutting += 1
+        self._loop._post(("session", (self.session_id, "abort", None)))
+
+    def _check_open(self, what: str) -> None:
+        if self._ended or self._closed:
+            state = "has ended" if self._ended else "was closed"
+            raise SessionClosed(f"cannot {what}: session {self.session_id} {state}")
+
+    # ---- events (the consumer's thread) ------------------------------------------------------------
+
+    @property
+    def queued_audio(self) -> int:
+        """SessionAudio events waiting to be read (the back-pressure count)."""
+        with self._lock:
+            return self._queued
+
+    @property
+    def paused(self) -> bool:
+        with self._lock:
+            return self._paused
+
+    async def next(self) -> SessionEvent:
+        """The next event (asyncio consumers); `SessionEnded` is the last."""
+        assert self._aq is not None, "this session was opened without an asyncio loop; use get()"
+        while True:
+            event = self._took(await self._aq.get())
+            if event is not None:
+                return event
+
+    def get(self, timeout: float | None = None) -> SessionEvent:
+        """The next event (thread consumers); raises queue.Empty after `timeout` seconds."""
+        assert self._q is not None, "this session was opened with an asyncio loop; use await next()"
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            event = self._took(self._q.get(timeout=left))
+            if event is not None:
+                return event
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> SessionEvent:
+        if self.done:
+            raise StopAsyncIteration
+        return await self.next()
+
+    def _took(self, event) -> SessionEvent | None:
+        """The event the consumer takes, or None for one discarded (or a cut mark)."""
+        resume = False
+        with self._lock:
+            if isinstance(event, _Cut):
+                self._cutting -= 1
+                return None
+            drop = self._cutting > 0 and isinstance(event, SessionAudio | WordTimings)
+            if isinstance(event, SessionAudio):
+                self._queued -= 1
+                self.discarded += drop
+                resume = self._paused and not self._resume_sent and self._queued <= self._loop.resume_level
+                if resume:
+                    self._resume_sent = True
+            elif isinstance(event, SessionEnded):
+                self.done = True
+        if resume:
+            self._loop._post(("session", (self.session_id, "resume", None)))
+        return None if drop else event
+
+    # ---- the engine thread's side ------------------------------------------------------------------
+
+    def deliver(self, event) -> bool:
+        """(engine thread) Hand `event` over (as `RequestStream.deliver`). False: nobody will read."""
+        if isinstance(event, SessionAudio):
+            with self._lock:
+                self._queued += 1
+        elif isinstance(event, SessionEnded):
+            with self._lock:
+                self._ended = True
+        if self._aio_loop is None:
+            assert self._q is not None
+            self._q.put(event)
+            return True
+        if self._aio_loop.is_closed():
+            return False
+        self._loop._outbox.setdefault(self._aio_loop, []).append((self, event))
+        return True
+
+    def pause_if_full(self, cap: int, unread_here: int) -> bool:
+        """(engine thread; `tts.runtime.sessions.SessionOutlet`) Mark the session paused if `cap` audio
+        events wait unread, atomically with the consumer's count."""
+        with self._lock:
+            # (True also when already paused: the session's next chunk must pause too)
+            if self._queued + unread_here >= cap:
+                self._paused = True
+                return True
+            return False
+
+    def _set_paused(self, paused: bool) -> None:
+        with self._lock:
+            self._paused = paused
+            if not paused:
+                self._resume_sent = False
+
+    def _publish(self, pending: int, applied: int = 0) -> None:
+        """(engine thread) The session's waiting text bytes now, after applying `applied` sent bytes."""
+        with self._lock:
+            self._in_transit -= applied
+            self._pending = pending
 
 
 @dataclass
@@ -231,6 +474,9 @@ class LoopStats:
     first_audio_jobs: int = 0
     cache_hits: int = 0
     cache_misses: int = 0
+    sessions: int = 0  # sessions open (opened and not ended)
+    barge_ins: int = 0  # chunks cancelled by a session's barge-in
+    barge_in_freed_steps: int = 0  # frame steps between those cancels and their rows freed, summed
 
 
 class EngineLoop:
@@ -243,6 +489,9 @@ class EngineLoop:
     forever). voices_dir: where registered voices are kept (None: in memory only).
     reference_cache_bytes: capacity of the encoded-reference cache (0: off). codec_graphs: let the
     codec stage capture CUDA graphs. warmup: run one short synthesis before `wait_ready` returns.
+    max_sessions: sessions open at most (`open_session` raises SessionLimit beyond). session_options:
+    the sessions' default bounds and chunking. session_clock: seconds, monotonic, that the sessions' hold
+    and idle timeouts read (tests pass their own, then call `wake()` after moving it).
     """
 
     def __init__(
@@ -258,16 +507,23 @@ class EngineLoop:
         codec_graphs: bool = True,
         warmup: bool = True,
         name: str = "tts-engine",
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        session_options: SessionOptions | None = None,
+        session_clock: Callable[[], float] = time.monotonic,
     ):
         if max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
         if max_queued_chunks < 1:
             raise ValueError("max_queued_chunks must be >= 1")
+        if max_sessions < 0:
+            raise ValueError("max_sessions must be >= 0")
         self.bundle = bundle
         cfg = replace(engine_config or EngineConfig())
         cfg.validate()
         self.max_jobs = cfg.max_batch + max_waiting
-        cfg.max_waiting = max(cfg.max_waiting, self.max_jobs)  # every job has at most one engine request
+        self.max_sessions = max_sessions
+        # Every job and every session has at most one engine request at a time.
+        cfg.max_waiting = max(cfg.max_waiting, self.max_jobs + max_sessions)
         self.engine_config = cfg
         self.max_waiting = max_waiting
         self.max_queued_chunks = max_queued_chunks
@@ -287,10 +543,18 @@ class EngineLoop:
         self._engine: Engine | None = None
         self._planner: Planner | None = None
         self._runner: JobRunner | None = None
+        self._sessions: SessionManager | None = None
+        self.session_options = session_options or SessionOptions()
+        self._session_clock = session_clock
+        self._sessions_open = 0  # sessions opened (or being opened) and not ended (guarded by _cv)
+        # (engine thread) The sessions with a consumer, by id, until their SessionEnded is handed over.
+        self._session_streams: dict[str, tuple[Session, SessionStream]] = {}
+        self._session_due: float | None = None  # time.monotonic() of the next hold/idle deadline
         self.stats = LoopStats()
         self._cv = threading.Condition()
         self._inbox: list[tuple] = []
         self._admitted = 0  # jobs submitted and not ended (guarded by _cv)
+        self._submitted: set[str] = set()  # (engine thread) ids of those the runner has
         self._accepting = False
         self._closing = False
         self._commands_seconds = 0.0  # engine thread: applying commands
@@ -299,7 +563,9 @@ class EngineLoop:
         self._stalled = False  # the last iteration made no progress: sleep until a command or a wake
         self._woken = False
         # Events for asyncio consumers, by event loop, since the last _flush (engine thread only).
-        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Event]]] = {}
+        self._outbox: dict[
+            asyncio.AbstractEventLoop, list[tuple]
+        ] = {}  # (RequestStream | SessionStream, event)
         self.handovers = 0  # call_soon_threadsafe calls made by _flush
         self._ids = itertools.count()
         self._ready = threading.Event()
@@ -358,6 +624,22 @@ class EngineLoop:
     def runner(self) -> JobRunner:
         """The job runner; RuntimeError until the engine thread has built it."""
         return _built(self._runner)
+
+    @property
+    def sessions(self) -> SessionManager:
+        """The session manager (engine thread only); RuntimeError until the engine thread has built it."""
+        return _built(self._sessions)
+
+    @property
+    def sessions_open(self) -> int:
+        """Sessions opened and not ended (those the engine thread has not picked up included)."""
+        with self._cv:
+            return self._sessions_open
+
+    def wake(self) -> None:
+        """(any thread) Run an iteration now: the sessions' deadlines are checked (after a test moved the
+        session clock)."""
+        self._wake()
 
     @property
     def max_context(self) -> int:
@@ -422,6 +704,54 @@ class EngineLoop:
         """Jobs admitted and not ended (submitted ones the engine thread has not picked up included)."""
         with self._cv:
             return self._admitted
+
+    def open_session(
+        self,
+        voice: str | VoiceReference | list[VoiceReference] | None = None,
+        *,
+        aio_loop: asyncio.AbstractEventLoop | None = None,
+        normalize: bool = True,
+        options: SessionOptions | None = None,
+        session_id: str | None = None,
+        **sampling,
+    ) -> SessionStream:
+        """Open a session (`tts.runtime.sessions`) on the engine thread; returns its `SessionStream`
+        (events delivered into `aio_loop` if given, else read with `get()`).
+
+        voice: a preset or registered voice name, or VoiceReference objects (None: the model's default).
+        sampling: temperature, top_p, top_k, max_new_frames (per chunk), min_new_frames, seed (chunk i
+        uses seed + i; random when not given), ras_window, repetition_penalty. options: bounds and
+        chunking (None: the loop's `session_options`). session_id: a prefix for the session's id (made
+        unique). Raises SessionLimit (`max_sessions` open: RESOURCE_EXHAUSTED / HTTP 429), LoopClosed
+        (warming up, shutting down, out of service: UNAVAILABLE), InvalidRequest / VoiceNotFound (bad
+        settings: INVALID_ARGUMENT / HTTP 400, 404 for the voice).
+        """
+        self._check_accepting()
+        opts = options or self.session_options
+        spec = self.sessions.plan(voice, normalize=normalize, options=opts, **sampling)  # (off-thread checks)
+        with self._cv:
+            self._check_accepting()
+            if self._sessions_open >= self.max_sessions:
+                raise SessionLimit(
+                    f"server is at capacity: {self._sessions_open} sessions are open (at most "
+                    f"{self.max_sessions}); close one or retry later"
+                )
+            sid = f"{session_id or 'session'}-{next(self._ids)}"
+            stream = SessionStream(self, sid, aio_loop, opts.max_pending_bytes)
+            self._sessions_open += 1
+            self._inbox.append(("open_session", (sid, spec, stream)))
+            self._stalled = False
+            self._cv.notify()
+        return stream
+
+    def _check_accepting(self) -> None:
+        """(any thread; _cv held or not) Raise LoopClosed unless new work is accepted."""
+        if not self._accepting:
+            reason = "shutting down" if self._ready.is_set() else "warming up"
+            raise LoopClosed(f"the server is {reason}; not accepting requests")
+        failure = self.failure
+        if failure is not None:
+            raise LoopClosed(f"this replica is out of service ({failure}); retry on another")
 
     def check_request(self, prompt: Tensor, params: SamplingParams) -> None:
         """Raise InvalidRequest if an engine request with this prompt and params could never run
@@ -512,11 +842,16 @@ class EngineLoop:
                 aio_loop.call_soon_threadsafe(_put_all, batch)
                 self.handovers += 1
             except RuntimeError:  # the event loop closed meanwhile: nobody will read these streams
-                for job_id in dict.fromkeys(stream.request_id for stream, _ in batch):
+                for stream in dict.fromkeys(stream for stream, _ in batch):
                     try:
-                        self.runner.cancel(job_id)
+                        if isinstance(stream, SessionStream):
+                            entry = self._session_streams.get(stream.session_id)
+                            if entry is not None:
+                                entry[0].abort()
+                        else:
+                            self.runner.cancel(stream.request_id)
                     except Exception:  # noqa: BLE001 - the other event loops' batches still go over
-                        log.exception("cancelling %s after its event loop closed failed", job_id)
+                        log.exception("ending %s after its event loop closed failed", stream)
         self._handover_seconds += time.perf_counter() - t0
 
     def _wake(self) -> None:
@@ -554,7 +889,7 @@ class EngineLoop:
             self._runner = JobRunner(
                 self._engine,
                 self._planner,
-                max_streams=self.max_jobs + 1,
+                max_streams=self.max_jobs + self.max_sessions + 1,  # one codec stream per job, per session
                 max_queued_chunks=self.max_queued_chunks,
                 pause_timeout=self.pause_timeout,
                 notify=self._wake,
@@ -563,7 +898,14 @@ class EngineLoop:
             )
             self.runner.on_end = self._job_ended
             self.runner.on_failure = self._failed
-            self.runner.before_engine_step = self._flush
+            self.runner.before_engine_step = self._hand_over
+            self._sessions = SessionManager(
+                self._runner,
+                max_sessions=self.max_sessions,
+                clock=self._session_clock,
+                options=self.session_options,
+            )
+            self._sessions.on_end = self._session_ended
             if self.engine_config.graphs == "startup" and self.engine.graphs.enabled:
                 t0 = time.perf_counter()
                 sizes = ramp_sizes(DEFAULT_FIRST_CHUNK_FRAMES, DEFAULT_CHUNK_FRAMES)
@@ -631,6 +973,9 @@ class EngineLoop:
                 and (self._stalled or not runner.has_work())
             ):
                 due = runner.preempt_due()  # a paused stream's timeout must be acted on while asleep
+                if self._session_due is not None:  # a session's hold or idle deadline
+                    left = self._session_due - time.monotonic()
+                    due = left if due is None else min(due, left)
                 if due is not None and due <= 0:
                     break
                 t0 = time.perf_counter()
@@ -651,6 +996,7 @@ class EngineLoop:
             return False
         try:
             progressed = runner.step()
+            progressed = self._tick_sessions() or progressed
         finally:
             self._flush()
         self.stats.steps += 1
@@ -664,8 +1010,13 @@ class EngineLoop:
     def _apply(self, command: tuple) -> None:
         kind, arg = command
         runner = self.runner
-        if kind == "submit":
+        if kind == "session":
+            self._apply_session(*arg)
+        elif kind == "open_session":
+            self._open_session(*arg)
+        elif kind == "submit":
             job_id, job, stream = arg
+            self._submitted.add(job_id)
             runner.submit(job, stream, job_id)
         elif kind == "cancel":
             runner.cancel(arg)
@@ -678,7 +1029,113 @@ class EngineLoop:
         elif kind == "refused":
             runner.note_refusal()
 
+    # ---- internals: sessions (engine thread) --------------------------------------------------------
+
+    def _open_session(self, sid: str, spec: SessionSpec, stream: SessionStream) -> None:
+        try:
+            session = self.sessions.add(spec, sid)
+        except Exception as exc:  # noqa: BLE001 - (ids are unique: not expected) the consumer is told
+            log.exception("opening session %s failed", sid)
+            with self._cv:
+                self._sessions_open -= 1
+            stream.deliver(SessionWarning(sid, f"the session could not open: {exc}"))
+            stream.deliver(SessionEnded(sid, "error", 0))
+            return
+        session.outlet = stream
+        self._session_streams[sid] = (session, stream)
+        stream._publish(session.pending_bytes)
+
+    def _apply_session(self, sid: str, op: str, arg) -> None:
+        """A consumer's command for session `sid` (one already ended ignores it: its SessionEnded says
+        why; text it was sent is dropped)."""
+        entry = self._session_streams.get(sid)
+        if entry is None:
+            return
+        session, stream = entry
+        applied = 0
+        try:
+            if op == "send":
+                applied = utf8_len(arg)
+                try:
+                    session.send(arg)
+                except SessionClosed:
+                    pass  # ended meanwhile (idle timeout): SessionEnded follows
+                except InvalidRequest as exc:  # (the stream checked the bound first: not expected)
+                    session.events.append(SessionWarning(sid, f"text not taken: {exc}"))
+            elif op == "flush":
+                if not (session.ended or session.closing):
+                    session.flush()
+            elif op in ("cancel", "abort"):
+                self._move_events(sid)  # (generated before the cut: the consumer discards their audio)
+                session.cancel() if op == "cancel" else session.abort()
+                stream.deliver(_Cut())
+            elif op == "close":
+                session.close()
+            elif op == "resume":
+                session.resume()
+                stream._set_paused(False)
+        finally:
+            stream._publish(session.pending_bytes, applied)
+            self._move_events(sid)
+
+    def _move_events(self, sid: str) -> bool:
+        """Hand session `sid`'s new events to its stream (in order). True if there were any."""
+        entry = self._session_streams.get(sid)
+        if entry is None:
+            return False
+        session, stream = entry
+        if not session.events:
+            return False
+        barge_in = session.last_barge_in
+        while session.events:
+            event = session.events.popleft()
+            if isinstance(event, ChunkEnded) and event.reason == "cancelled" and barge_in is not None:
+                if barge_in is not stream.barge_in and barge_in.chunk == event.chunk:
+                    stream.barge_in = barge_in
+                    self.stats.barge_ins += 1
+                    self.stats.barge_in_freed_steps += barge_in.steps
+            if not stream.deliver(event):  # its event loop is gone: nobody will read it
+                if not session.ended:
+                    session.abort()
+            if isinstance(event, SessionEnded):
+                del self._session_streams[sid]
+                session.events.clear()
+                break
+        return True
+
+    def _tick_sessions(self) -> bool:
+        """After a runner step: finished chunks handled, the next started, deadlines acted on; every
+        session's new events handed over and its waiting text published. True if anything happened."""
+        sessions = self._sessions
+        if sessions is None or not self._session_streams:
+            self._session_due = None
+            return False
+        jobs = len(self.runner.jobs)
+        if self.failure is not None:  # out of service: nothing more will be spoken
+            sessions.close_all("shutdown")
+        wait = sessions.tick()
+        self._session_due = None if wait is None else time.monotonic() + wait
+        moved = False
+        for sid in list(self._session_streams):
+            session, stream = self._session_streams[sid]
+            stream._publish(session.pending_bytes)
+            moved = self._move_events(sid) or moved
+        return moved or len(self.runner.jobs) != jobs
+
+    def _hand_over(self) -> None:
+        """(engine thread, before each engine step) Sessions' events join the jobs' in the hand-over."""
+        for sid in list(self._session_streams):
+            self._move_events(sid)
+        self._flush()
+
+    def _session_ended(self, session: Session) -> None:
+        with self._cv:
+            self._sessions_open -= 1
+
     def _job_ended(self, job_id: str, event) -> None:
+        if job_id not in self._submitted:  # a session's chunk: the session counts, not its jobs
+            return
+        self._submitted.discard(job_id)
         with self._cv:
             self._admitted -= 1
 
@@ -713,6 +1170,7 @@ class EngineLoop:
         s.codec_decode_padded_frames = cs.decode_padded_frames
         s.first_audio_seconds, s.first_audio_jobs = dict(r.first_audio_seconds), r.first_audio_jobs
         s.cache_hits, s.cache_misses = self.reference_cache.hits, self.reference_cache.misses
+        s.sessions = self.sessions_open
         with self._fps_lock:
             self._fps_window.append((time.monotonic(), e.frames_generated))
             while len(self._fps_window) > 2 and self._fps_window[1][0] < time.monotonic() - 10.0:
@@ -732,8 +1190,18 @@ class EngineLoop:
         self._refresh_stats()
 
     def _end_all(self, runner: JobRunner) -> None:
-        """(engine thread, closing) Cancel the engine's requests, fail every job and every submission
-        still in the inbox with LoopClosed."""
+        """(engine thread, closing) End every session ("shutdown"), cancel the engine's requests, fail
+        every job and every submission still in the inbox with LoopClosed."""
+        if self._sessions is not None:
+            try:
+                self._sessions.close_all("shutdown")
+            except Exception:  # noqa: BLE001 - the jobs below must still end
+                log.exception("ending the sessions at shutdown failed")
+            for sid, (session, stream) in list(self._session_streams.items()):
+                self._move_events(sid)
+                if sid in self._session_streams:  # (its SessionEnded was not among them: say it now)
+                    del self._session_streams[sid]
+                    stream.deliver(SessionEnded(sid, "shutdown", session.samples))
         for job in list(runner.jobs.values()):
             if job.engine_id is not None:
                 self.engine.cancel(job.engine_id)
@@ -756,3 +1224,7 @@ class EngineLoop:
                 arg[2].deliver(Failed(LoopClosed("the server shut down")))
                 with self._cv:
                     self._admitted -= 1
+            elif kind == "open_session":
+                arg[2].deliver(SessionEnded(arg[0], "shutdown", 0))
+                with self._cv:
+                    self._sessions_open -= 1

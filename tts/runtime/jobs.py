@@ -202,6 +202,9 @@ class _Job:
     sink: JobSink
     submitted_at: float
     slot: int = -1
+    own_slot: bool = (
+        True  # the job opened its codec stream (and closes it); False: the caller's (a session's)
+    )
     references: list[VoiceReference] = field(default_factory=list)
     encoding: Future[VoiceReference] | None = None  # the reference clip, while it encodes
     index: int = 0  # current text chunk
@@ -309,18 +312,27 @@ class JobRunner:
     def new_job_id(self, prefix: str | None = None) -> str:
         return f"{prefix or 'job'}-{next(self._ids)}"
 
-    def submit(self, spec: SynthesisJob, sink: JobSink, job_id: str | None = None) -> str:
+    def submit(
+        self, spec: SynthesisJob, sink: JobSink, job_id: str | None = None, *, slot: int | None = None
+    ) -> str:
         """Start a job; its events go to `sink`. Returns its id. Input errors found now (a clip that
-        does not encode, a prompt that does not fit) arrive as Failed, never as exceptions."""
+        does not encode, a prompt that does not fit) arrive as Failed, never as exceptions.
+
+        slot: a codec stream the caller opened (`stage.open()`) and keeps: the job's audio continues that
+        stream's decoder state and the job leaves it open when it ends (a session's chunks, one stream
+        for the whole session). None: the job opens its own stream and closes it at its end."""
         job = _Job(job_id or self.new_job_id(spec.request_id), spec, sink, time.monotonic())
         job.history = list(spec.history)  # (a session's earlier turns; empty for other jobs)
         job.warnings = list(spec.warnings)  # the planner's (text left out, markup ignored) come first
         self.jobs[job.job_id] = job
-        try:
-            job.slot = self.stage.open()
-        except RuntimeError as exc:
-            self._end(job, Failed(EngineFailed(str(exc))))
-            return job.job_id
+        if slot is not None:
+            job.slot, job.own_slot = slot, False
+        else:
+            try:
+                job.slot = self.stage.open()
+            except RuntimeError as exc:
+                self._end(job, Failed(EngineFailed(str(exc))))
+                return job.job_id
         job.references = list(spec.references)
         if spec.reference is not None:
             ref = spec.reference
@@ -775,7 +787,7 @@ class JobRunner:
             self.engine.cancel(job.engine_id)
             self._by_engine_id.pop(job.engine_id, None)
             job.engine_id = None
-        if job.slot >= 0:
+        if job.slot >= 0 and job.own_slot:
             self.stage.close(job.slot)
         if job.encoding is not None:
             job.encoding = None  # a shared encode goes on for the cache and its other jobs

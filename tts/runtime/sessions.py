@@ -12,10 +12,18 @@ sampling settings and an open text buffer:
   codes) as context, as many as fit the model's context (the oldest dropped first:
   `Planner.session_prompt`), and its engine request continues the session's kept KV sequence
   (`tts.engine.sequences`): only the chunk's new tokens are prefilled, so a fifth sentence starts as fast
-  as the first and the voice does not drift at chunk boundaries.
+  as the first and the voice does not drift at chunk boundaries. Every chunk decodes on the session's one
+  codec stream (a `CodecStage` slot kept from the first chunk to the end): chunk N+1's audio continues
+  chunk N's decoder state, so the session's audio is the offline decode of all its codes, without a seam
+  at chunk boundaries (a fresh stream only after a barge-in, a failed chunk, or at the codec's frame
+  limit per stream).
+* Back-pressure: a chunk whose audio waits unread (`max_queued_chunks` of the job pipeline) pauses, and
+  the next chunk does not start (holding no row) until the consumer reads; a chunk paused longer than the
+  pipeline's `pause_timeout` while others wait for a row is preempted and the session ends ("preempted").
 * `cancel()` (barge-in, Cartesia / Deepgram `clear`): the text not spoken yet is forgotten and the chunk
-  in flight ends at the engine's next frame step (its row and the blocks it added freed; the history
-  before it stays); the session stays open for the next text.
+  in flight ends at the engine's next step, before another frame of it (its row and the blocks it added
+  freed; the history before it stays); its audio still being decoded is dropped; the session stays open
+  for the next text. `Session.last_barge_in` counts what it cost (`BargeIn`).
 * `close()` speaks what is left and ends the session; `abort()` ends it at once. Either frees the
   session's KV. An idle session (nothing to speak, no text for `idle_seconds`) ends itself; text without a
   boundary waits at most `hold_seconds` before it is cut anyway.
@@ -33,7 +41,9 @@ reason and prefill counts), `SessionWarning`, and last `SessionEnded`. Network f
 
 Threading: a `SessionManager` and its sessions are driven on the thread that drives their `JobRunner`
 (the Python API's caller, or the service's engine thread): `send`, `flush`, `cancel`, `close`, `abort`
-and `SessionManager.tick` must all be called there, `tick` after every `JobRunner.step`.
+and `SessionManager.tick` must all be called there, `tick` after every `JobRunner.step`. Network fronts
+use `tts.runtime.engine_thread.EngineLoop.open_session`, whose `SessionStream` posts the commands to the
+engine thread and delivers the events to an asyncio (or thread) consumer.
 """
 
 from __future__ import annotations
@@ -45,13 +55,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import numpy as np
 from torch import Tensor
 
 from tts.engine.aligner import ALIGN_MAX_TOKENS
 from tts.params import InvalidRequest, SamplingParams
-from tts.runtime.jobs import Audio, Cancelled, Event, Failed, Finished, JobRunner, Started
+from tts.runtime.jobs import Audio, Cancelled, Event, Failed, Finished, JobRunner, Preempted, Started
 from tts.runtime.planner import SynthesisJob
 from tts.runtime.timings import ChunkTimer, WordTiming, word_weights
 from tts.text.normalize import TextError
@@ -113,7 +124,8 @@ class SessionAudio:
     """Audio of chunk `chunk`: float32 mono `samples [S]` in [-1, 1] at `sample_rate` Hz, starting at
     `sample_offset` samples on the session clock (`sample_offset / sample_rate` seconds; offsets are
     contiguous: each event starts where the previous one ended). codes: `[N, frames]` int64 it was decoded
-    from; frame_start / frame_end: its frames within the chunk."""
+    from; frame_start / frame_end: its frames within the chunk. (Through a `SessionStream`, audio a
+    barge-in discarded unread still counts on the session clock: the next audio's offset leaves that gap.)"""
 
     session_id: str
     chunk: int
@@ -168,11 +180,28 @@ class SessionWarning:
 @dataclass
 class SessionEnded:
     """The session ended (the last event): reason "closed" (`close`, after speaking everything),
-    "aborted" (`abort`), "idle_timeout" or "shutdown". Its KV and every row are freed."""
+    "aborted" (`abort`), "idle_timeout", "preempted" (its audio was not read while others waited for a
+    row: RESOURCE_EXHAUSTED), "shutdown" (the server stopped or went out of service: UNAVAILABLE) or
+    "error" (it could not open). Its KV, its codec stream and every row are freed."""
 
     session_id: str
     reason: str
     audio_samples: int
+
+
+@dataclass
+class BargeIn:
+    """What the last barge-in (`cancel` of a chunk in flight) cost, counted exactly, not timed.
+    chunk: the chunk cut. frames_after: frames its engine request generated after the cancel was applied
+    (0: the row stopped before its next frame step). steps: engine frame steps run (for any row) from the
+    cancel until its row and new KV blocks were freed (0 alone; at most 1: the step that frees it may run
+    the other rows' frame). audio_after: audio pieces of it decoded after the cancel, dropped (never
+    delivered)."""
+
+    chunk: int
+    frames_after: int
+    steps: int
+    audio_after: int
 
 
 SessionEvent = ChunkStarted | SessionAudio | WordTimings | ChunkEnded | SessionWarning | SessionEnded
@@ -190,6 +219,20 @@ class _Chunk:
     frames: int = 0
     timer: ChunkTimer | None = None
     done: Event | None = None  # the job's final event, handled at the next pump
+    cut: bool = False  # cancelled (barge-in): its later audio is dropped
+    dropped: int = 0  # audio pieces dropped after the cut
+    generated: int = 0  # audio frames its engine request generated (routed by the job pipeline)
+    generated_at_cut: int = 0
+
+
+class SessionOutlet(Protocol):
+    """Where a session's events go when its consumer is on another thread (the service's engine thread
+    moves `Session.events` there after every pass: `tts.runtime.engine_thread.SessionStream`)."""
+
+    def pause_if_full(self, cap: int, unread_here: int) -> bool:
+        """Mark the consumer paused and return True if `cap` audio events wait unread, counting those
+        queued for the consumer and `unread_here` not moved yet (atomically with the consumer's reads)."""
+        ...
 
 
 class _ChunkSink:
@@ -202,12 +245,23 @@ class _ChunkSink:
         self.session._job_event(self.chunk, event)
         return True
 
+    def progress(self, frames: int, text_chunk: int, text_chunks: int) -> None:
+        """(the job pipeline, per frame routed) The chunk's audio frames generated so far."""
+        self.chunk.generated = frames
+
     def pause_if_full(self, cap: int) -> bool:
         """Back-pressure: pause the chunk while `cap` audio events wait unread (`Session.take_events`
         resumes it). A session nobody reads then holds its row only until the job pipeline's
-        `pause_timeout` preempts it while others wait (its chunk ends with reason "error", Preempted)."""
-        if self.session.unread_audio() >= cap:
-            self.session._paused = True
+        `pause_timeout` preempts it while others wait (its chunk ends with reason "error", Preempted, and
+        the session with "preempted")."""
+        session = self.session
+        outlet = session.outlet
+        if (
+            session.unread_audio() >= cap
+            if outlet is None
+            else outlet.pause_if_full(cap, session.unread_audio())
+        ):
+            session._paused = True
             return True
         return False
 
@@ -239,7 +293,9 @@ class Session:
         planner = manager.runner.planner
         self.max_chunk_bytes = options.max_chunk_bytes or planner.bundle.chunk_length or 300
         self.buffer = TextBuffer(max(self.max_chunk_bytes, 16), options.first_words)
-        self.queue: deque[str] = deque()
+        # Chunks to speak, in order: (text as the model reads it, the UTF-8 bytes of received text it
+        # accounts for in `pending_bytes`: a piece's bytes go with its last chunk).
+        self.queue: deque[tuple[str, int]] = deque()
         self.history: list[Turn] = []
         self.events: deque[SessionEvent] = deque()
         self.current: _Chunk | None = None
@@ -250,6 +306,15 @@ class Session:
         self.last_text = manager.clock()  # the last text or command
         self.text_since: float | None = None  # when the buffer got text that waits for a boundary
         self._paused = False  # the chunk in flight waits for the consumer (back-pressure)
+        # The session's codec stream (`CodecStage` slot), opened by its first chunk and kept until it ends:
+        # every chunk's audio continues the decoder state of the chunk before, as one job's text chunks do.
+        self.slot: int | None = None
+        self._reset_slot = False  # the next chunk starts a fresh stream (after a barge-in or a failure)
+        # Barge-in: the frame step count (`Engine.frame_steps`) when the last cancel was applied, and the
+        # counts a front reports (`SessionStream.barge_in`).
+        self.cancelled_at_step: int | None = None
+        self.last_barge_in: BargeIn | None = None
+        self.outlet: SessionOutlet | None = None  # a consumer outside the driving thread (EngineLoop)
 
     # ---- commands ---------------------------------------------------------------------------------
 
@@ -260,7 +325,7 @@ class Session:
         self._check_open("send text")
         if not isinstance(text, str):
             raise InvalidRequest(f"text must be a string, not {type(text).__name__}")
-        pending = len(self.buffer) + sum(utf8_len(c) for c in self.queue)
+        pending = self.pending_bytes
         if pending + utf8_len(text) > self.options.max_pending_bytes:
             raise InvalidRequest(
                 f"text: {utf8_len(text)} bytes would make {pending + utf8_len(text)} bytes waiting to be "
@@ -292,7 +357,11 @@ class Session:
         self.queue.clear()
         self.text_since = None
         self.last_text = self.manager.clock()
+        self.cancelled_at_step = self.manager.runner.engine.frame_steps
         if self.current is not None and self.current.done is None:
+            self.current.cut = True  # its audio still on the codec stage is dropped, not delivered
+            self.current.generated_at_cut = self.current.generated
+            self._reset_slot = True  # (the stream's state holds audio nobody will hear)
             self.manager.runner.cancel(self.current.job_id)
 
     def close(self) -> None:
@@ -322,15 +391,34 @@ class Session:
         return out
 
     def resume(self) -> None:
-        """The consumer read the audio: a chunk paused for back-pressure goes on."""
+        """The consumer read the audio: a chunk paused for back-pressure goes on (or the next chunk, held
+        back while the audio before it waited unread, starts)."""
         if self._paused:
             self._paused = False
             if self.current is not None and self.current.done is None:
                 self.manager.runner.resume(self.current.job_id)
+            else:
+                self.manager._due.add(self.id)  # the next tick starts the next chunk
+
+    def _over_cap(self) -> bool:
+        """Back-pressure between chunks: `max_queued_chunks` audio events wait unread, so the next chunk
+        waits (no row, no frame) until the consumer reads (`resume`)."""
+        cap = self.manager.runner.max_queued_chunks
+        unread = self.unread_audio()
+        full = unread >= cap if self.outlet is None else self.outlet.pause_if_full(cap, unread)
+        if full:
+            self._paused = True
+        return full
 
     def unread_audio(self) -> int:
-        """SessionAudio events waiting to be read."""
+        """SessionAudio events waiting to be read (here, and in the outlet's queue when there is one)."""
         return sum(isinstance(e, SessionAudio) for e in self.events)
+
+    @property
+    def pending_bytes(self) -> int:
+        """UTF-8 bytes of received text not spoken yet (buffered, or queued as chunks not started): what
+        `max_pending_bytes` bounds."""
+        return len(self.buffer) + sum(n for _, n in self.queue)
 
     # ---- state ------------------------------------------------------------------------------------
 
@@ -364,7 +452,10 @@ class Session:
                 continue
             for warning in plan.warnings:
                 self.events.append(SessionWarning(self.id, warning))
-            self.queue.extend(plan.chunks)
+            sizes = [0] * len(plan.chunks)
+            if sizes:
+                sizes[-1] = utf8_len(piece)
+            self.queue.extend(zip(plan.chunks, sizes, strict=True))
 
     def _chunk_error(self, text: str, error: str) -> None:
         """A chunk that cannot be spoken (refused text): reported as its own chunk, nothing else ends."""
@@ -382,8 +473,8 @@ class Session:
         if chunk is not None and chunk.done is not None:
             self.current = None
             self._chunk_ended(chunk, chunk.done)
-        if self.current is None and self.queue:
-            self._start(self.queue.popleft())
+        if self.current is None and self.queue and not self._over_cap():
+            self._start(self.queue.popleft()[0])
         if self.current is None and not self.queue:
             if self.closing:
                 self._end("closed")
@@ -432,9 +523,29 @@ class Session:
             codec.sample_rate,
             index,
         )
+        slot = self._codec_slot(budget)
         self.current = chunk
         self.events.append(ChunkStarted(self.id, index, text, self.samples))
-        chunk.job_id = runner.submit(spec, _ChunkSink(self, chunk), job_id=f"{self.id}#{index}")
+        chunk.job_id = runner.submit(spec, _ChunkSink(self, chunk), job_id=f"{self.id}#{index}", slot=slot)
+
+    def _codec_slot(self, budget: int) -> int | None:
+        """The session's codec stream for a chunk of at most `budget` frames: the one the earlier chunks
+        used (their decoder state continues), a fresh one after a barge-in or a failed chunk, or where the
+        codec's frame limit per stream would be passed. None if every stream is in use (then the chunk's
+        job opens its own, and fails with that error)."""
+        stage = self.manager.runner.stage
+        if self.slot is not None:
+            left = stage.frames_left(self.slot)
+            if self._reset_slot or (left is not None and left < budget + 1):
+                stage.close(self.slot)
+                self.slot = None
+        self._reset_slot = False
+        if self.slot is None:
+            try:
+                self.slot = stage.open()
+            except RuntimeError:
+                return None
+        return self.slot
 
     def _seed(self, index: int) -> int:
         assert self.params.seed is not None  # (resolved by SessionManager.open)
@@ -445,6 +556,9 @@ class Session:
         if isinstance(event, Started) or self.ended:  # (an ended session's late audio is dropped)
             return
         if isinstance(event, Audio):
+            if chunk.cut:  # decoded after a barge-in: nobody is to hear it
+                chunk.dropped += 1
+                return
             offset = self.samples
             n = int(event.samples.shape[0])
             self.samples += n
@@ -468,6 +582,13 @@ class Session:
                 self.events.append(WordTimings(self.id, chunk.index, words))
             return
         chunk.done = event  # Finished or Failed: handled at the next pump (outside the runner's step)
+        if chunk.cut and self.cancelled_at_step is not None:
+            self.last_barge_in = BargeIn(
+                chunk.index,
+                chunk.generated - chunk.generated_at_cut,
+                self.manager.runner.engine.frame_steps - self.cancelled_at_step,
+                chunk.dropped,
+            )
         self.manager._due.add(self.id)
 
     def _chunk_ended(self, chunk: _Chunk, event: Event) -> None:
@@ -496,6 +617,7 @@ class Session:
             return
         assert isinstance(event, Failed)
         cancelled = isinstance(event.error, Cancelled)
+        self._reset_slot = True  # (a failed decode leaves the stream's state undefined)
         self.events.append(
             ChunkEnded(
                 self.id,
@@ -508,6 +630,10 @@ class Session:
                 error=None if cancelled else f"{type(event.error).__name__}: {event.error}",
             )
         )
+        if isinstance(event.error, Preempted):
+            # Its consumer did not read while others waited for a row: the session ends as a job does (a
+            # front maps it to RESOURCE_EXHAUSTED), rather than taking a row again with its next chunk.
+            self._end("preempted")
 
     def _bounded(self, turns: list[Turn]) -> list[Turn]:
         """The newest turns whose frames fit `max_history_frames` (default: the engine's context)."""
@@ -531,8 +657,23 @@ class Session:
         self.current = None
         self.queue.clear()
         self.buffer.clear()
+        if self.slot is not None:  # (its chunk's decodes still queued complete first; their audio is dropped)
+            self.manager.runner.stage.close(self.slot)
+            self.slot = None
         self.manager._forget(self)
         self.events.append(SessionEnded(self.id, reason, self.samples))
+
+
+@dataclass
+class SessionSpec:
+    """A session's checked settings (`SessionManager.plan`): voice references, sampling (seed
+    resolved), options, whether text is normalized, the voice's kind."""
+
+    references: list[VoiceReference]
+    params: SamplingParams
+    options: SessionOptions
+    normalize: bool
+    voice_kind: str
 
 
 class SessionManager:
@@ -557,6 +698,8 @@ class SessionManager:
         self.sessions: dict[str, Session] = {}
         self._due: set[str] = set()
         self._ids = itertools.count()
+        # Called (driving thread) when a session has ended, before its SessionEnded is queued.
+        self.on_end: Callable[[Session], None] | None = None
 
     def open(
         self,
@@ -574,6 +717,19 @@ class SessionManager:
         VoiceNotFound."""
         if len(self.sessions) >= self.max_sessions:
             raise SessionLimit(f"{self.max_sessions} sessions are open; close one or try again later")
+        spec = self.plan(voice, normalize=normalize, options=options, **sampling)
+        return self.add(spec, session_id)
+
+    def plan(
+        self,
+        voice: str | VoiceReference | list[VoiceReference] | None = None,
+        *,
+        normalize: bool = True,
+        options: SessionOptions | None = None,
+        **sampling,
+    ) -> SessionSpec:
+        """Check a session's settings (as `open`; any thread: reads the planner and the voices only).
+        Raises InvalidRequest, VoiceNotFound."""
         planner = self.runner.planner
         params = planner.sampling_params(**sampling)
         if params.max_new_frames >= planner.max_context:
@@ -584,11 +740,18 @@ class SessionManager:
         opts = options or self.options
         if not (1 <= opts.first_chunk_frames and 1 <= opts.chunk_frames):
             raise InvalidRequest("first_chunk_frames and chunk_frames must be >= 1")
+        params = replace(params, seed=params.seed if params.seed is not None else secrets.randbits(62))
+        return SessionSpec(references, params, opts, normalize, kind)
+
+    def add(self, spec: SessionSpec, session_id: str | None = None) -> Session:
+        """(the driving thread) Open a session planned by `plan`. Raises InvalidRequest for an id in use
+        (the limit is the caller's to check: `open` does)."""
         sid = session_id or f"session-{next(self._ids)}"
         if sid in self.sessions or sid in self.runner.engine.sequences:
             raise InvalidRequest(f"session id {sid!r} is in use")
-        params = replace(params, seed=params.seed if params.seed is not None else secrets.randbits(62))
-        session = Session(self, sid, references, params, opts, normalize, kind)
+        session = Session(
+            self, sid, spec.references, spec.params, spec.options, spec.normalize, spec.voice_kind
+        )
         self.sessions[sid] = session
         return session
 
@@ -629,3 +792,5 @@ class SessionManager:
         self.sessions.pop(session.id, None)
         self._due.discard(session.id)
         self.runner.engine.release_sequence(session.id)
+        if self.on_end is not None:
+            self.on_end(session)
