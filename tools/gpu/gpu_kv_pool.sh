@@ -4,7 +4,7 @@
 # (this tree: batches 1, 64, 128, 256), and the max batch `tts serve --max-batch auto` picks for the
 # S2-Pro shape there. Before the call, here: `mkdir -p .scratch/old && git archive BASE tts graphs service
 # tts_grpc | tar -x -C .scratch/old` (BASE: the commit before the change), then the device tool with
-# carry [".scratch/old"] runs `bash scripts/gpu_kv_pool.sh` from the tree root (about 9 minutes at most).
+# carry [".scratch/old"] runs `bash tools/gpu/gpu_kv_pool.sh` from the tree root (about 9 minutes at most).
 # (The tree before the change had the old layout, whose `python -m tts.cli bench` needs no install.)
 # Writes under $OUT: env.txt, install.log, cuda_tests.log, bench_new.txt, new/bench.json, bench_old.txt,
 # old/bench.json, auto.txt. Packages the image lacks and these runs do not use (num2words: text

@@ -1,8 +1,8 @@
 """Batched streaming decode of the default voice's codec (`MelVQCodec.batched_stream`) against the
 per-stream `codec.stream().push` it replaces in the codec stage.
 
-    python benchmarks/codec/melvq_batched.py --out melvq_cpu.json                 # CPU, 1 torch thread
-    python benchmarks/codec/melvq_batched.py --device cuda --out melvq_cuda.json  # + CUDA-graph replay
+    python tools/microbench/melvq_batched.py --out melvq_cpu.json                 # CPU, 1 torch thread
+    python tools/microbench/melvq_batched.py --device cuda --out melvq_cuda.json  # + CUDA-graph replay
 
 For every B (streams per call) and T (frames per stream per call) it times, on the same random codes:
 

@@ -1,6 +1,6 @@
 """Time and profile the engine's prefill, alone and packed, the way `Engine._start` runs it.
 
-    python scripts/profile_prefill.py --model s2-pro-shape --device cuda --out prefill.txt
+    python tools/profile/profile_prefill.py --model s2-pro-shape --device cuda --out prefill.txt
 
 For each prompt length in --tokens, with the prefill's attention as the engine runs it (no cuDNN
 attention: `engine.disable_cudnn_attention`) and with cuDNN attention allowed (torch's default, what
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tts_tools.bench import _prompt, load_bench_model  # noqa: E402
 

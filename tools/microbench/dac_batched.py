@@ -1,8 +1,8 @@
 """The modded DAC's batched streaming decoder (`DACCodec.batched_stream`) on one GPU: eager vs CUDA-graph
 replay, float32 vs bfloat16, over a grid of batch sizes B (streams per call) and chunk lengths T (frames).
 
-    python benchmarks/codec/dac_batched.py --device cuda                       # S2-Pro-size DAC, ~5 min
-    python benchmarks/codec/dac_batched.py --device cpu --tiny --batches 1,4 --frames 4 --iters 3
+    python tools/microbench/dac_batched.py --device cuda                       # S2-Pro-size DAC, ~5 min
+    python tools/microbench/dac_batched.py --device cpu --tiny --batches 1,4 --frames 4 --iters 3
 
 The codec is the S2-Pro-size modded DAC (`DACConfig()`) with random weights
 (`random_codec_state(cfg, seed=0)`), written to a temporary codec.pth and loaded by

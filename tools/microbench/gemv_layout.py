@@ -1,7 +1,7 @@
 """One-row matrix products (`x [1, in] @ W.T`) on a CPU in the two weight layouts, over a working set
 as big as the default model's weights, so the weights come from DRAM as in a decode step.
 
-    python benchmarks/cpu/gemv_layout.py            # 1 torch thread, as `tts synthesize` on a CPU
+    python tools/microbench/gemv_layout.py            # 1 torch thread, as `tts synthesize` on a CPU
 
 Layouts: `rows` is nn.Linear's own `[out, in]` contiguous weight; `columns` is the same matrix stored
 as the transpose of a contiguous `[in, out]` one (what `DualARTransformer.use_cpu_decode_layout` does

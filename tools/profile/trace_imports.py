@@ -1,6 +1,6 @@
 """Which call imports a module: run a `tts` command and print the stack at each named module's first import.
 
-    python scripts/trace_imports.py --modules torch._dynamo,sympy -- synthesize "Hello." --device cuda -o x.wav
+    python tools/profile/trace_imports.py --modules torch._dynamo,sympy -- synthesize "Hello." --device cuda -o x.wav
 
 Why: a one-shot `tts synthesize --device cuda` spent seconds importing `torch._dynamo` (and sympy), which
 this project's own imports do not pull in (docs/benchmarks.md); the stack names the caller. Uses an audit hook
@@ -15,7 +15,7 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main() -> int:

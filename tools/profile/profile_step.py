@@ -1,6 +1,6 @@
 """Profile one frame step of a model on CUDA: kernel count and time by kernel, eager and replayed.
 
-    python scripts/profile_step.py --model s2-pro-shape --batch 1 --out profile.txt
+    python tools/profile/profile_step.py --model s2-pro-shape --batch 1 --out profile.txt
 
 Writes a table of the top kernels by total CUDA time for one eager step and for one graph replay
 (averaged over --steps), with the kernel count per frame.
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tts_tools.bench import _prompt, load_bench_model  # noqa: E402
 

@@ -4,7 +4,7 @@
 # Needs the project installed with CUDA PyTorch (`pip install -e '.[dev]'`); `loop_guard`'s scoring needs
 # the eval extra (`pip install -e '.[eval]'`). Run from the repository root:
 #
-#   ACTIONS="tests tps s2_fp32 s2_bf16 default" bash scripts/gpu_benchmarks.sh
+#   ACTIONS="tests tps s2_fp32 s2_bf16 default" bash tools/gpu/gpu_benchmarks.sh
 #
 # Actions, run in the order given:
 #   tests       every CUDA test (stops the script if one fails)
@@ -15,7 +15,7 @@
 #               `tts bench-server` at LEVELS (default 1,16,64,64), 128 frames per request, on a fresh server
 #   refs        the reference-clip modes (repeated, distinct, registered) at 16 clients, S2-Pro, float32 codec
 #   dac         the batched DAC decode timed (graph replay) and its bfloat16 accuracy
-#   prefill     the S2-Pro prefill, alone and packed, timed cold and warm (scripts/profile_prefill.py)
+#   prefill     the S2-Pro prefill, alone and packed, timed cold and warm (tools/profile/profile_prefill.py)
 #   loop_guard  the default voice's frame step with and without its aligner, and the held-out passages
 #               read with the guard on and off (scored where the eval extra is installed)
 #   synth       `tts synthesize --device cuda` with each --graphs mode, each in a fresh process, timed
@@ -117,23 +117,23 @@ for spec in $ACTIONS; do
       bench "default$tag" --concurrency "$LEVELS" --max-new-frames 128 --min-new-frames 128
       stop_server ;;
     dac)
-      python3 benchmarks/codec/dac_batched.py --device cuda --batches 1,16,64 --frames 4,16 --cudnn-benchmark on \
+      python3 tools/microbench/dac_batched.py --device cuda --batches 1,16,64 --frames 4,16 --cudnn-benchmark on \
         --out "$OUT/dac_batched.json" 2>&1 | tail -20
-      python3 benchmarks/codec/dac_batched.py --device cuda --accuracy-only --out "$OUT/dac_accuracy.json" 2>&1 | tail -4 ;;
+      python3 tools/microbench/dac_batched.py --device cuda --accuracy-only --out "$OUT/dac_accuracy.json" 2>&1 | tail -4 ;;
     prefill)
-      python3 scripts/profile_prefill.py --model s2-pro-shape --device cuda --tokens 64,128,256 --packed 16 \
+      python3 tools/profile/profile_prefill.py --model s2-pro-shape --device cuda --tokens 64,128,256 --packed 16 \
         --out "$OUT/prefill.txt" 2>&1 | tail -12 ;;
     loop_guard)
-      python3 scripts/loop_guard_gpu.py bench --device cuda --out "$OUT/loop_guard_step.json" | tail -8
+      python3 tools/gpu/loop_guard_gpu.py bench --device cuda --out "$OUT/loop_guard_step.json" | tail -8
       for g in on off; do
-        python3 scripts/loop_guard_gpu.py speak --device cuda --seeds 0,1 --loop-guard $g \
+        python3 tools/gpu/loop_guard_gpu.py speak --device cuda --seeds 0,1 --loop-guard $g \
           --out "$OUT/long_$g.npz" > "$OUT/long_$g.log" 2>&1
         tail -2 "$OUT/long_$g.log"
       done
       if python3 -c "import faster_whisper, jiwer" 2>/dev/null; then
-        python3 scripts/loop_guard_gpu.py score "$OUT/long_on.npz" "$OUT/long_off.npz" | tee "$OUT/long_scored.txt"
+        python3 tools/gpu/loop_guard_gpu.py score "$OUT/long_on.npz" "$OUT/long_off.npz" | tee "$OUT/long_scored.txt"
       else
-        echo "(the eval extra is not installed: score the readings with scripts/loop_guard_gpu.py score)"
+        echo "(the eval extra is not installed: score the readings with tools/gpu/loop_guard_gpu.py score)"
       fi ;;
     synth)
       text="Please call Stella and ask her to bring these things."

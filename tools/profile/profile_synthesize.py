@@ -1,6 +1,6 @@
 """Where `tts synthesize` spends its wall time: load, the first synthesis, warm syntheses, and a profile.
 
-    python scripts/profile_synthesize.py --model default --device cuda --out synth.txt
+    python tools/profile/profile_synthesize.py --model default --device cuda --out synth.txt
 
 Loads the model as `tts synthesize` does (one stream, graphs captured at start-up), then synthesizes
 the same sentence --repeats times with seeds 0, 1, ... and prints each call's wall time, audio seconds,
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tts.api import TTS  # noqa: E402
 from tts.checkpoints.load import load_bundle  # noqa: E402

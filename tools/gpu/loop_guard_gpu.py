@@ -1,8 +1,8 @@
 """The loop guard on a GPU: what its aligner costs the frame step, and the long passages read there.
 
-    python scripts/loop_guard_gpu.py bench --device cuda --out bench.json     # frame step with/without
-    python scripts/loop_guard_gpu.py speak --device cuda --seeds 0,1 --out long_on.npz [--loop-guard off]
-    python scripts/loop_guard_gpu.py score long_on.npz [long_off.npz ...]     # here: Whisper WER, loops
+    python tools/gpu/loop_guard_gpu.py bench --device cuda --out bench.json     # frame step with/without
+    python tools/gpu/loop_guard_gpu.py speak --device cuda --seeds 0,1 --out long_on.npz [--loop-guard off]
+    python tools/gpu/loop_guard_gpu.py score long_on.npz [long_off.npz ...]     # here: Whisper WER, loops
 
 `bench`: the default model's engine on `--device` with CUDA graphs captured at start-up, `--batches`
 requests decoding together (prompts of 600 tokens whose last 250 are each row's text span), timed over
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 PASSAGES = ROOT / "samples/eval/passages.txt"
