@@ -13,7 +13,7 @@ import pytest
 
 from service.http import body_limit
 from service.server import ServiceLimits
-from tts.checkpoints.bundle import load_bundle
+from tts.checkpoints.load import load_bundle
 from tts.engine import EngineConfig
 from tts.engine.engine import Engine
 

@@ -91,7 +91,7 @@ def helps() -> dict[str, str]:
     """`tts SUBCOMMAND --help` of every subcommand, from one process."""
     script = """
 import contextlib, io, json, sys
-from tts.cli import main
+from tts.cli.main import main
 out = {}
 for cmd in sys.argv[1:]:
     buf = io.StringIO()
