@@ -162,6 +162,13 @@ def add_parser(subparsers) -> None:
         "byte, before its connection is closed (default 30)",
     )
     p.add_argument(
+        "--max-prepare-seconds",
+        type=float,
+        default=10.0,
+        help="the longest a request's preparation (text, reference clip, planning) may take before it ends "
+        "with DEADLINE_EXCEEDED / HTTP 504 (default 10; a gRPC call's own shorter deadline wins)",
+    )
+    p.add_argument(
         "--max-text-bytes",
         type=int,
         default=20_000,
@@ -319,6 +326,7 @@ def check_serve_options(args: argparse.Namespace) -> None:
     check_threads(args)
     check_seconds("--pause-timeout", args.pause_timeout, zero_ok=True)
     check_seconds("--http-read-timeout", args.http_read_timeout, zero_ok=False)
+    check_seconds("--max-prepare-seconds", args.max_prepare_seconds, zero_ok=False)
     check_seconds("--max-audio-seconds", args.max_audio_seconds, zero_ok=True)
     require(
         math.isfinite(args.reference_cache_mb) and args.reference_cache_mb >= 0,
@@ -392,6 +400,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_connection_age=args.max_connection_age or None,
         max_connection_age_grace=args.max_connection_age_grace,
         http_read_timeout=args.http_read_timeout,
+        max_prepare_seconds=args.max_prepare_seconds,
     )
     # Three threads share the GIL: the engine thread (a frame every few ms), the codec stage's worker and
     # the asyncio thread of the fronts. A thread waiting for the GIL gets it within the switch interval;
