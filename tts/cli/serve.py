@@ -32,6 +32,7 @@ from tts.cli.main import (
     output_format,
     read_reference_file,
     read_text_arg,
+    request_rule,
     require,
     resolve_graphs_arg,
     sampling_kwargs,
@@ -478,16 +479,22 @@ async def _serve(args, bundle, engine_config, limits) -> int:
 
 
 def check_chunk_options(args: argparse.Namespace) -> None:
-    """--first-chunk-frames and --chunk-frames are >= 0 (0 = the server's default); raises UserError."""
+    """--first-chunk-frames and --chunk-frames are >= 0 (0 = the server's default) and, when given, within
+    a request's audio chunk bounds (`tts.runtime.request.check_chunk_frames`, the rule the server applies);
+    raises UserError."""
+    from tts.runtime.request import check_chunk_frames
+
     for option in ("--first-chunk-frames", "--chunk-frames"):
         value = getattr(args, option[2:].replace("-", "_"))
         require(value >= 0, f"{option} must be >= 0 (0 = server default), got {value}")
+    request_rule(check_chunk_frames, args.first_chunk_frames or 1, args.chunk_frames or 1)
 
 
 def cmd_client(args: argparse.Namespace) -> int:
     import grpc
 
     from service.client import build_request, rpc_error_line
+    from tts.runtime.request import check_voice_source
     from tts.text.policy import check_speakable
 
     text = read_text_arg(args)
@@ -500,8 +507,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     fmt = output_format(args)
     if (args.reference_audio is None) != (args.reference_text is None):
         raise UserError("--reference-audio and --reference-text go together")
-    if args.voice is not None and args.reference_audio is not None:
-        raise UserError("give --voice or --reference-audio, not both")
+    request_rule(check_voice_source, args.voice, args.reference_audio is not None)
     reference = None
     if args.reference_audio is not None:  # read and decoded here, so a bad file is named
         reference = read_reference_file(args.reference_audio)[0]
