@@ -996,10 +996,7 @@ class HTTPFront:
                 code="already_exists",
             ).response()
         except (InvalidRequest, AudioError, LoopClosed) as exc:
-            err = api_error(exc, VOICE_FORM_FIELDS)
-            if err.param is None and isinstance(exc, InvalidRequest | AudioError):
-                err.param = "file"  # (the clip: too long, too short, silent)
-            return err.response()
+            return api_error(exc, VOICE_FORM_FIELDS).response()
         log.info("voice added name=%s seconds=%.2f", entry.name, entry.seconds(self.bundle.codec.frame_rate))
         body = {
             "name": entry.name,
