@@ -58,7 +58,8 @@ __all__ = ["LIVENESS_SERVICE", "SERVICE_NAME", "MiB", "ServiceLimits", "TTSServe
 
 
 class TTSServer:
-    """A gRPC server around one engine loop. Use from a running asyncio loop:
+    """The server process's owner: the gRPC front, the HTTP front, health and drain around one engine loop.
+    Use from a running asyncio loop:
 
         server = TTSServer(bundle, EngineConfig(max_batch=8), ServiceLimits())
         port = await server.start("127.0.0.1", 50051)   # health NOT_SERVING until warm-up is done
@@ -117,6 +118,7 @@ class TTSServer:
         self._health: health.aio.HealthServicer | None = None  # (grpc_health is untyped)
         self._ready = asyncio.Event()  # set once the state is first `serving` (wait_ready)
         self._stopped = asyncio.Event()
+        self._health_lock = asyncio.Lock()
 
     @property
     def replica(self) -> str:
@@ -134,9 +136,7 @@ class TTSServer:
         add_servicer(self.servicer, self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self._health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        await self._report_health()  # warming up: NOT_SERVING, liveness SERVING
         reflection.enable_server_reflection(
             (
                 SERVICE_NAME,
@@ -194,12 +194,11 @@ class TTSServer:
         if self._health is None:  # (not started)
             return
         status = health_pb2.HealthCheckResponse
-        serving = status.SERVING if self.replica_state.serving else status.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, serving)
-        await self._health.set(
-            LIVENESS_SERVICE, status.SERVING if self.replica_state.live else status.NOT_SERVING
-        )
+        async with self._health_lock:  # one update at a time, so the latest state is the one left
+            serving = status.SERVING if self.replica_state.serving else status.NOT_SERVING
+            live = status.SERVING if self.replica_state.live else status.NOT_SERVING
+            for name, value in (("", serving), (SERVICE_NAME, serving), (LIVENESS_SERVICE, live)):
+                await self._health.set(name, value)
 
     @property
     def state(self) -> str:

@@ -285,7 +285,8 @@ class Planner:
         try:
             params = self.sampling_params(**sampling)
         except InvalidRequest as exc:
-            raise with_field(exc, f"sampling.{exc.parameter or 'max_new_frames'}") from exc
+            field = f"sampling.{exc.parameter}" if exc.parameter else "sampling"
+            raise with_field(exc, field) from exc
         # An explicit budget that no prompt could fit is an error; the model's default budget is only a
         # ceiling (the runaway guard and the fit check below cut it to what the chunk and context allow).
         if sampling.get("max_new_frames") is not None and params.max_new_frames >= self.max_context:

@@ -126,7 +126,8 @@ class SpeechRequest:
 
     def check(self, limits: RequestLimits) -> None:
         """The rules that need no model: text size, one voice source, the reference clip's size and
-        transcript, the audio chunk sizes. Raises RequestError."""
+        transcript, the audio chunk sizes (the sampling ranges need the model's defaults: `plan`). Raises
+        RequestError."""
         nbytes = len(self.text.encode("utf-8", "replace"))
         if limits.max_text_bytes is not None and nbytes > limits.max_text_bytes:
             raise InvalidField(TEXT, Ref(TEXT), f" is {nbytes} bytes; the limit is {limits.max_text_bytes}")
@@ -134,11 +135,6 @@ class SpeechRequest:
         if self.reference is not None:
             check_reference(self.reference, limits)
         check_chunk_frames(*self.chunk_sizes(limits), limits.max_chunk_frames)
-        for name in ("max_new_frames", "min_new_frames"):  # (the rest need the model's defaults)
-            value = getattr(self.sampling, name)
-            if value is not None and value < (1 if name == "max_new_frames" else 0):
-                bound = "> 0" if name == "max_new_frames" else ">= 0"
-                raise InvalidField(f"sampling.{name}", f"{name} must be {bound}, got {value}")
 
     def chunk_sizes(self, limits: RequestLimits) -> tuple[int, int]:
         """(first_chunk_frames, chunk_frames): the request's, or the limits' defaults where None."""
