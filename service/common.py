@@ -189,7 +189,7 @@ class ReplicaState:
 
 
 class NoAudio(Exception):
-    """A job that ended without any audio (DESIGN invariant 9: no OK with empty audio). gRPC:
+    """A job that ended without any audio (docs/DESIGN.md invariant 9: no OK with empty audio). gRPC:
     FAILED_PRECONDITION; HTTP: 422 `no_audio`. `field` is the request field at fault: the text."""
 
     field = "text"

@@ -536,7 +536,7 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
                 call.chunks += 1
                 yield event
             elif isinstance(event, Finished):
-                if call.samples == 0:  # nothing to hear: no OK for it (DESIGN invariant 9)
+                if call.samples == 0:  # nothing to hear: no OK for it (docs/DESIGN.md invariant 9)
                     await self._abort(context, NoAudio(event), call)
                 yield event
                 return

@@ -899,7 +899,7 @@ def test_runaway_guard_audio_limit_and_warnings(bundle):
 
 
 def test_a_job_with_no_audio_at_all_is_failed_precondition_not_ok(server, stub, monkeypatch):
-    """DESIGN invariant 9, no OK with empty audio: a job whose text chunks all end with no frames ends
+    """docs/DESIGN.md invariant 9, no OK with empty audio: a job whose text chunks all end with no frames ends
     with FAILED_PRECONDITION saying why (the finish reason and its warning), naming the field `text`,
     counted `no_audio`, as HTTP answers 422 `no_audio`; both Synthesize forms."""
     from tts.engine import model_runner
