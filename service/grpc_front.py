@@ -78,7 +78,6 @@ from tts.runtime.request import (
     ReferenceClip,
     Sampling,
     SpeechRequest,
-    check_reference,
     plan_job,
     prepare_reference,
 )
@@ -631,8 +630,9 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
                 self.loop.voices.check_new(request.name, request.replace)
             except InvalidRequest as exc:  # a bad name or a preset's
                 raise with_field(exc, VOICE) from exc
-            check_reference(clip, self.limits.request_limits)
-            ref = await asyncio.to_thread(prepare_reference, self.loop.planner, clip)
+            ref = await asyncio.to_thread(
+                prepare_reference, self.loop.planner, clip, self.limits.request_limits
+            )
             entry = await asyncio.wrap_future(self.loop.add_voice(request.name, ref, request.replace))
         except (InvalidRequest, AudioError, VoiceExists) as exc:
             await self._abort(context, exc, names=ADD_VOICE_FIELDS)

@@ -104,7 +104,6 @@ from tts.runtime.request import (
     VOICE,
     ReferenceClip,
     Sampling,
-    check_reference,
     check_voice_source,
     plan_job,
     prepare_reference,
@@ -982,8 +981,9 @@ class HTTPFront:
             except InvalidRequest as exc:  # a bad name or a preset's
                 raise api_error(with_field(exc, VOICE), VOICE_FORM_FIELDS) from exc
             clip = ReferenceClip(await upload.read(), text)
-            check_reference(clip, self.limits.request_limits)
-            prepared = await asyncio.to_thread(prepare_reference, self.loop.planner, clip)
+            prepared = await asyncio.to_thread(
+                prepare_reference, self.loop.planner, clip, self.limits.request_limits
+            )
             entry = await asyncio.wrap_future(self.loop.add_voice(name, prepared, replace))
         except APIError as exc:
             return exc.response()

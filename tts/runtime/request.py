@@ -148,7 +148,7 @@ class SpeechRequest:
         RequestError (TextError / InvalidRequest / AudioError: invalid; VoiceNotFound: not found),
         PreparationTimeout past the budget's deadline."""
         self.check(limits)
-        reference = None if self.reference is None else prepare_reference(planner, self.reference)
+        reference = None if self.reference is None else prepare_reference(planner, self.reference, limits)
         first, chunk = self.chunk_sizes(limits)
         return planner.job(
             self.text,
@@ -208,13 +208,11 @@ def check_reference(clip: ReferenceClip, limits: RequestLimits) -> None:
         raise InvalidField(REFERENCE_TEXT, "reference audio needs its transcript (", Ref(REFERENCE_TEXT), ")")
 
 
-def prepare_reference(planner: Planner, clip: ReferenceClip) -> PreparedReference:
-    """Decode and check a reference clip (`Planner.prepare_reference`: length, loudness, transcript) and key
-    it for the reference cache (host work). Raises AudioFieldError / InvalidField."""
-    if not clip.audio:
-        raise AudioFieldError(REFERENCE_AUDIO, "reference audio is empty")
-    if not clip.text.strip():
-        raise InvalidField(REFERENCE_TEXT, "reference audio needs its transcript (", Ref(REFERENCE_TEXT), ")")
+def prepare_reference(planner: Planner, clip: ReferenceClip, limits: RequestLimits) -> PreparedReference:
+    """Check a reference clip (`check_reference`), decode it and check its audio (`Planner.prepare_reference`:
+    length, loudness) and key it for the reference cache (host work): a request's clip and a voice to
+    register alike. Raises AudioFieldError / InvalidField."""
+    check_reference(clip, limits)
     try:
         audio, sample_rate = read_audio(bytes(clip.audio))
     except AudioError as exc:  # soundfile's message names an in-memory file object: drop it
