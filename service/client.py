@@ -16,6 +16,7 @@ import numpy as np
 
 from service.grpc_gen.v1 import tts_pb2 as pb
 from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
+from tts.runtime.request import check_voice_source
 
 MiB = 1024 * 1024
 DEFAULT_MAX_RECEIVE_BYTES = 64 * MiB  # a unary reply holds a whole clip
@@ -72,12 +73,11 @@ def build_request(
     """A SynthesizeRequest; None leaves a sampling field to the server's model default.
     max_new_frames is the frame budget per text chunk; min_new_frames holds off the end token for that
     many frames per text chunk. normalize=False asks the server to read the text as given (None: unset,
-    the server normalizes)."""
+    the server normalizes). Raises InvalidRequest (a ValueError) for a voice and a clip together."""
     req = pb.SynthesizeRequest(text=text)
     if normalize is not None:
         req.normalize = normalize
-    if voice is not None and reference_audio is not None:
-        raise ValueError("give a voice name or a reference clip, not both")
+    check_voice_source(voice, reference_audio is not None)  # (InvalidRequest: a ValueError)
     if voice is not None:
         req.voice.name = voice
     if reference_audio is not None:

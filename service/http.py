@@ -8,8 +8,8 @@ Endpoints:
   `stream_format`, `instructions`) plus this server's extensions (`seed`, `temperature`, `top_p`, `top_k`,
   `max_new_frames`, `min_new_frames`, `repetition_penalty`, `reference_audio` (base64 WAV, FLAC, MP3 or
   Ogg) with `reference_text`, `normalize` (default true; false reads the text as given, see tts/textpolicy.py)).
-  The JSON becomes a
-  `tts.v1.SynthesizeRequest` and goes through `service.server.build_job`, the gRPC path's validation.
+  The JSON becomes the runtime's `tts.runtime.request.SpeechRequest`, checked and planned by the same rules
+  as a gRPC call's (this module imports no protobuf and no gRPC).
   The audio streams as the engine produces it (chunked transfer): encoded bytes (`stream_format`
   `audio`, the default) or server-sent events (`sse`): `speech.audio.delta` (`audio`: base64 of the
   next encoded bytes) and one `speech.audio.done` (`usage`: `input_tokens` = prompt tokens of the text
@@ -30,9 +30,10 @@ parser chokes on included: integers of over 40 digits, nesting past the recursio
 escapes), 404 unknown model / voice / path, 409 a voice name that is taken, 413 body over the limit
 (checked before the body is parsed; the rest of the body, up to DRAIN_BYTES more, is read first so that
 the client can read the answer), 415 a voice upload that is not multipart/form-data, 422 `no_audio`: the
-job ended without any audio (gRPC ends such a stream OK with finish reason `short`), 429 admission full,
+job ended without any audio (gRPC: FAILED_PRECONDITION), 429 admission full,
 503 warming up or shutting down, 504 the request's preparation (text, reference clip) took longer than
-`ServiceLimits.max_prepare_seconds`, 500 a bug. Statuses come from `service.server.status_for`, as on gRPC.
+`ServiceLimits.max_prepare_seconds`, 500 a bug. Statuses come from `service.common.outcome_of`, as gRPC's
+do, and `param` is the request field at fault as the error names it (`HTTP_FIELDS`), never guessed.
 
 The status line waits for the first audio (or the end of the job): a job that fails before any audio gets
 its error status. When the job ended before the status line, `X-Finish-Reason` (`stop`, `length`,
@@ -62,9 +63,8 @@ import socket
 import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -72,15 +72,49 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from service.grpc_gen.v1 import tts_pb2 as pb
-from service.server import CallLog, RequestFields, build_job, prepare_off_loop, prepare_reference, status_for
-from tts.api import VoiceExists, VoiceNotFound
+from service.common import (
+    CallLog,
+    NoAudio,
+    ReplicaState,
+    ServiceLimits,
+    error_field,
+    error_message,
+    format_size,
+    log_call,
+    outcome_of,
+    prepare_off_loop,
+)
+from service.common import finish_reason as overall_finish_reason
+from service.metrics import ServiceMetrics
 from tts.audio.formats import FORMATS, MAX_SPEED, MIN_SPEED, AudioEncoder
 from tts.codec.base import AudioError
-from tts.engine import FinishReason, InvalidRequest
-from tts.runtime.engine_thread import Audio, EngineFailed, Failed, Finished, LoopClosed, Overloaded, Started
+from tts.engine import InvalidRequest
+from tts.runtime.engine_thread import (
+    Audio,
+    EngineFailed,
+    EngineLoop,
+    Failed,
+    Finished,
+    LoopClosed,
+    Overloaded,
+    Started,
+)
+from tts.runtime.request import (
+    VOICE,
+    ReferenceClip,
+    Sampling,
+    check_voice_source,
+    plan_job,
+    prepare_reference,
+)
+from tts.runtime.request import SpeechRequest as RuntimeRequest
+from tts.runtime.request_errors import with_field
+from tts.runtime.voices import VoiceExists, VoiceNotFound
 from tts.text.budget import PreparationTimeout
 from tts.text.normalize import TextError, shorten
+
+if TYPE_CHECKING:
+    import uvicorn
 
 log = logging.getLogger(__name__)
 
@@ -96,15 +130,20 @@ SEND_BUFFER_BYTES = 128 * KiB
 DRAIN_BYTES = 64 * KiB * KiB
 # OpenAI's model names: tools that hard-code them get the served model (there is only one).
 OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+# (status, type, code) of `service.common.outcome_of`'s outcomes; others: 500 internal_error.
 HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "already_exists"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "server_at_capacity"),
-    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "unavailable"),
-    grpc.StatusCode.CANCELLED: (499, "server_error", "cancelled"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "deadline_exceeded"),
+    "invalid_argument": (400, "invalid_request_error", None),
+    "not_found": (404, "invalid_request_error", "not_found"),
+    "already_exists": (409, "invalid_request_error", "already_exists"),
+    "resource_exhausted": (429, "rate_limit_error", "server_at_capacity"),
+    "preempted": (429, "rate_limit_error", "server_at_capacity"),
+    "unavailable": (503, "server_error", "unavailable"),
+    "cancelled": (499, "server_error", "cancelled"),
+    "deadline_exceeded": (504, "server_error", "deadline_exceeded"),
+    "no_audio": (422, "invalid_request_error", "no_audio"),
 }
+# Error messages are cut to this many characters (as gRPC's status details are).
+MAX_MESSAGE_CHARS = 300
 REQUEST_ERRORS = (
     TextError, InvalidRequest, AudioError, VoiceNotFound, Overloaded, LoopClosed, EngineFailed, PreparationTimeout
 )  # fmt: skip
@@ -113,13 +152,18 @@ VOICE_FORM = (
     "POST /v1/audio/voices takes multipart/form-data with the fields name, file (a WAV, FLAC, MP3 or Ogg "
     "clip), text (its transcript) and optionally replace=true"
 )
-# The speech body's names for the fields build_job's messages name.
-HTTP_FIELDS = RequestFields("input", "reference_audio", "reference_text")
-
-# Where a validation message names a field, the OpenAI-style error's `param` names it too.
-_PARAMS = (
-    "temperature", "top_p", "top_k", "max_new_frames", "min_new_frames", "seed", "speed", "repetition_penalty",
-)  # fmt: skip
+# The speech body's names of the request fields (`tts.runtime.request.FIELDS`), in `param` and messages.
+HTTP_FIELDS = {
+    "text": "input",
+    "voice": "voice",
+    "reference.audio": "reference_audio",
+    "reference.text": "reference_text",
+    **{f"sampling.{name}": name for name in (
+        "temperature", "top_p", "top_k", "seed", "max_new_frames", "min_new_frames", "repetition_penalty",
+    )},
+}  # fmt: skip
+# The voice form's names (POST /v1/audio/voices).
+VOICE_FORM_FIELDS = {"voice": "name", "reference.audio": "file", "reference.text": "text"}
 
 
 def body_limit(limits) -> int:
@@ -201,30 +245,18 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
-def api_error(exc: BaseException) -> APIError:
-    """The APIError for an exception a request can end with (`status_for`'s mapping, in HTTP terms)."""
-    code, message, _outcome = status_for(exc)
-    status, type_, err_code = HTTP_STATUS.get(code, (500, "server_error", "internal_error"))
-    param = None
+def api_error(exc: BaseException, names: dict[str, str] = HTTP_FIELDS) -> APIError:
+    """The APIError for an exception a request can end with: its status from its outcome
+    (`service.common.outcome_of`, as gRPC's), `param` the field it names, both as `names` calls them."""
+    outcome = outcome_of(exc)
+    status, type_, err_code = HTTP_STATUS.get(outcome, (500, "server_error", "internal_error"))
+    message = shorten(error_message(exc, names), MAX_MESSAGE_CHARS)
+    param = error_field(exc, names)
     if isinstance(exc, VoiceNotFound):
-        param, err_code = "voice", "voice_not_found"
-    elif isinstance(exc, TextError) or message.startswith(("text ", f"{HTTP_FIELDS.text} ")):
-        # ("text ...": the text policy's and the planner's messages, which name no front's field)
-        param = "input"
-    elif isinstance(exc, AudioError) or message.startswith("reference audio"):
-        param = "reference_audio"
-    else:
-        param = next((p for p in _PARAMS if message.startswith(p)), None)
+        err_code = "voice_not_found"
     if isinstance(exc, EngineFailed):
         err_code = "engine_failed"
     return APIError(status, message, type_, param, err_code)
-
-
-def _with_param(exc: BaseException, param: str) -> APIError:
-    """`api_error(exc)` naming the request field `param` as the one at fault."""
-    err = api_error(exc)
-    err.param = param
-    return err
 
 
 _BOOL = TypeAdapter(bool)
@@ -301,15 +333,7 @@ def finish_reason(finished: Finished) -> str:
     """The response's finish reason as gRPC's StreamEnd gives it: `loop` if a text chunk kept a repetition
     loop (OpenAI has no such reason), else `short` if one ended implausibly early, else `length` if one
     hit its budget, else `stop`."""
-    reasons = finished.finish_reasons
-    for reason, name in (
-        (FinishReason.LOOP, "loop"),
-        (FinishReason.SHORT, "short"),
-        (FinishReason.LENGTH, "length"),
-    ):
-        if reason in reasons:
-            return name
-    return "stop"
+    return overall_finish_reason(finished.finish_reasons)
 
 
 class StreamAborted(RuntimeError):
@@ -373,8 +397,8 @@ class _Synthesis:
                 self.finished_event = event
                 if self.samples == 0:
                     # Nothing to hear: no OK for it (the status line waits for the first audio, so this
-                    # is always said before it; gRPC ends such a stream OK with finish reason `short`).
-                    err = self.no_audio(event)
+                    # is always said before it; gRPC ends such a call with FAILED_PRECONDITION).
+                    err = api_error(NoAudio(event))
                     self.front.count(err.outcome)
                     self.front.log_call(self.call, err.outcome, err.message, synthesis=self)
                     yield "failed", err
@@ -394,16 +418,6 @@ class _Synthesis:
                 self.front.log_call(self.call, err.outcome, err.message, synthesis=self)
                 yield "failed", event.error
                 return
-
-    def no_audio(self, finished: Finished) -> APIError:
-        """The 422 of a job that ended without any audio."""
-        why = "; ".join(finished.warnings) or "no frames"
-        return APIError(
-            422,
-            f"the model produced no audio for this text (finish reason {finish_reason(finished)}: {why})",
-            param="input",
-            code="no_audio",
-        )
 
     async def audio_body(self, events) -> AsyncGenerator[bytes, None]:
         async for kind, payload in events:
@@ -573,20 +587,21 @@ def _timed_protocol(read_timeout: float):
 
 
 class HTTPFront:
-    """The HTTP front of a `TTSServer` (its engine loop, limits, metrics and voice listing). `start()` binds
-    and serves uvicorn on the running asyncio loop; `stop()` ends it."""
+    """The HTTP front of a `TTSServer`: its engine loop, limits, metrics and replica state (`ReplicaState`:
+    readiness, admission, the load signal). `start()` binds and serves uvicorn on the running asyncio loop;
+    `stop()` ends it."""
 
-    def __init__(self, server):
-        self.server = server
-        self.loop = server.loop
-        self.bundle = server.loop.bundle
-        self.limits = server.limits
-        self.metrics = server.metrics
+    def __init__(self, loop: EngineLoop, limits: ServiceLimits, metrics: ServiceMetrics, state: ReplicaState):
+        self.loop = loop
+        self.state = state
+        self.bundle = loop.bundle
+        self.limits = limits
+        self.metrics = metrics
         self.max_body = body_limit(self.limits)
         self.created = int(time.time())
         self.app = self._build_app()
         self.port: int | None = None
-        self._uvicorn = None
+        self._uvicorn: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
         self.active: set[_SynthesisResponse] = set()  # responses being sent
 
@@ -612,7 +627,7 @@ class HTTPFront:
                 if finished is not None
                 else synthesis.samples // self.bundle.codec.frame_length
             )
-        self.server.servicer._log(call)
+        log_call(call)
 
     def drop_connection(self, scope) -> bool:
         """Abort (not close: a client that stopped reading would keep a closing connection open while its
@@ -722,16 +737,16 @@ class HTTPFront:
 
         @app.get("/v1/audio/voices", summary="Voices: name, kind, transcript, seconds")
         async def voices():
-            reply = await self.server.servicer.ListVoices(pb.ListVoicesRequest(), None)
+            frame_rate = self.bundle.codec.frame_rate
             return {
                 "voices": [
                     {
-                        "name": v.name,
-                        "kind": v.kind or "preset",
-                        "transcript": v.transcript,
-                        "seconds": round(v.seconds, 2),  # (frames / frame rate; a float32 on the wire)
+                        "name": e.name,
+                        "kind": e.kind or "preset",
+                        "transcript": e.voice.text,
+                        "seconds": round(e.seconds(frame_rate), 2),  # (frames / frame rate)
                     }
-                    for v in reply.voices
+                    for e in self.loop.list_voices()
                 ]
             }
 
@@ -749,7 +764,7 @@ class HTTPFront:
             try:
                 self.loop.delete_voice(name)
             except (VoiceNotFound, InvalidRequest) as exc:
-                return api_error(exc).response()
+                return api_error(with_field(exc, VOICE)).response()
             log.info("voice deleted name=%s", name)
             return {"deleted": name}
 
@@ -767,15 +782,12 @@ class HTTPFront:
             "/health", summary="Readiness: 200 when warm, 503 while warming up, draining, failed or stopped"
         )
         async def health():
-            state = self.server.state
-            body = {"status": state}
-            if state == "failed":  # (the operator sees why the replica is out)
-                body["reason"] = self.loop.failure or ""
-            return JSONResponse(body, status_code=200 if state == "serving" else 503)
+            ready, body = self.state.health()
+            return JSONResponse(body, status_code=200 if ready else 503)
 
         @app.get("/load", summary="Load: requests in flight, running, waiting; KV blocks in use (always 200)")
         async def load():
-            return JSONResponse(self.server.load(), headers={"Cache-Control": "no-cache"})
+            return JSONResponse(self.state.load(), headers={"Cache-Control": "no-cache"})
 
         @app.get("/metrics", summary="Prometheus metrics")
         async def metrics():
@@ -824,8 +836,6 @@ class HTTPFront:
         return size
 
     def _too_large(self, size: int, at_least: bool = False) -> str:
-        from service.server import format_size
-
         what = f"at least {format_size(size)}" if at_least else format_size(size)
         return (
             f"request body is {what}; the limit is {format_size(self.max_body)} "
@@ -874,59 +884,51 @@ class HTTPFront:
             code="model_not_found",
         )
 
-    def _to_proto(self, r: SpeechRequest) -> pb.SynthesizeRequest:
-        """The SynthesizeRequest the gRPC front would get for the same request (HTTP-only checks here)."""
+    def _to_request(self, r: SpeechRequest) -> RuntimeRequest:
+        """The body as the runtime's request (the rules are its own: `tts.runtime.request`); only what is
+        HTTP's is checked here (instructions, base64)."""
         if r.instructions and r.instructions.strip():
             raise APIError(400, "instructions are not supported by this model", param="instructions")
-        req = pb.SynthesizeRequest(text=r.input)
         voice = r.voice.id if isinstance(r.voice, VoiceId) else r.voice
-        if r.reference_text is not None and r.reference_audio is None:
-            raise APIError(400, "reference_text goes with reference_audio", param="reference_text")
+        check_voice_source(voice or None, r.reference_audio is not None, r.reference_text is not None)
+        reference = None
         if r.reference_audio is not None:
-            if voice:
-                raise APIError(400, "give voice or reference_audio, not both", param="voice")
-            transcript = r.reference_text or ""
-            if not transcript.strip():
-                raise APIError(
-                    400, "reference_audio needs its transcript in reference_text", param="reference_text"
-                )
             encoded = r.reference_audio
             if encoded.startswith("data:") and "," in encoded:  # a data: URL, as browsers make them
                 encoded = encoded.split(",", 1)[1]
             try:
-                req.voice.reference.audio = base64.b64decode(encoded, validate=True)
+                audio = base64.b64decode(encoded, validate=True)
             except (binascii.Error, ValueError) as exc:
                 raise APIError(
                     400, f"reference_audio is not valid base64: {exc}", param="reference_audio"
                 ) from exc
-            req.voice.reference.text = transcript
-        elif voice:
-            req.voice.name = voice
-        s = req.sampling
-        for name in (
-            "temperature",
-            "top_p",
-            "top_k",
-            "seed",
-            "max_new_frames",
-            "min_new_frames",
-            "repetition_penalty",
-        ):
-            value = getattr(r, name)
-            if value is not None:
-                setattr(s, name, value)
-        req.output.encoding = pb.AUDIO_ENCODING_FLOAT32
-        req.normalize = r.normalize
-        return req
+            reference = ReferenceClip(audio, r.reference_text or "")
+        sampling = Sampling(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            seed=r.seed,
+            max_new_frames=r.max_new_frames,
+            min_new_frames=r.min_new_frames,
+            repetition_penalty=r.repetition_penalty,
+        )
+        return RuntimeRequest(
+            r.input,
+            voice=None if reference is not None else (voice or None),
+            reference=reference,
+            sampling=sampling,
+            normalize=r.normalize,
+            request_id="http",  # request ids: http-N here, job-N from gRPC
+        )
 
-    def _prepare(self, req: pb.SynthesizeRequest, count_tokens: bool):
-        """build_job (the gRPC path's validation), and the text's prompt tokens when asked (worker thread)."""
-        prepared = build_job(self.loop.planner, self.loop, req, self.limits, HTTP_FIELDS)
+    def _prepare(self, request: RuntimeRequest, count_tokens: bool):
+        """Plan the job (the same rules as gRPC's), and the text's prompt tokens when asked (worker thread)."""
+        job = plan_job(self.loop.planner, request, self.limits.request_limits)
         tokens = 0
         if count_tokens:
             fmt = self.bundle.prompt_format
-            tokens = sum(int(fmt.build(chunk, [], []).shape[0]) for chunk in prepared.job.chunks)
-        return prepared, tokens
+            tokens = sum(int(fmt.build(chunk, [], []).shape[0]) for chunk in job.chunks)
+        return job, tokens
 
     async def add_voice(self, request: Request) -> Response:
         """`POST /v1/audio/voices` (multipart/form-data): `name`, `file` (a WAV, FLAC, MP3 or Ogg clip),
@@ -954,8 +956,9 @@ class HTTPFront:
                 code="request_too_large",
             ).response()
         try:
-            if not self.loop.ready or not self.loop.alive:
-                raise LoopClosed("the server is not ready; try again")
+            refusal = self.state.refusal()
+            if refusal is not None:
+                raise refusal
             try:
                 form = await request.form(max_files=1, max_fields=8)
             except Exception as exc:  # noqa: BLE001 - a broken body: the client's error
@@ -972,20 +975,15 @@ class HTTPFront:
                     400, "the form needs the clip as a `file` field (WAV, FLAC, MP3 or Ogg)", param="file"
                 )
             replace = _form_flag(form.get("replace", "false"), "replace")
-            # Errors name the form field at fault (api_error alone would say `reference_audio`, the
-            # speech body's field, for the clip, and nothing for the name).
+            # Errors name the form's fields (VOICE_FORM_FIELDS: the clip is `file`, the name `name`).
             try:
                 self.loop.voices.check_new(name, replace)
             except InvalidRequest as exc:  # a bad name or a preset's
-                raise _with_param(exc, "name") from exc
-            data = await upload.read()
-            ref = pb.ReferenceAudio(audio=data, text=text)
-            try:
-                prepared = await asyncio.to_thread(
-                    prepare_reference, self.loop.planner, ref, self.limits, "file", "text"
-                )
-            except (InvalidRequest, AudioError) as exc:  # the clip: too large, empty, not audio, too long
-                raise _with_param(exc, "file") from exc
+                raise api_error(with_field(exc, VOICE), VOICE_FORM_FIELDS) from exc
+            clip = ReferenceClip(await upload.read(), text)
+            prepared = await asyncio.to_thread(
+                prepare_reference, self.loop.planner, clip, self.limits.request_limits
+            )
             entry = await asyncio.wrap_future(self.loop.add_voice(name, prepared, replace))
         except APIError as exc:
             return exc.response()
@@ -998,7 +996,7 @@ class HTTPFront:
                 code="already_exists",
             ).response()
         except (InvalidRequest, AudioError, LoopClosed) as exc:
-            return api_error(exc).response()
+            return api_error(exc, VOICE_FORM_FIELDS).response()
         log.info("voice added name=%s seconds=%.2f", entry.name, entry.seconds(self.bundle.codec.frame_rate))
         body = {
             "name": entry.name,
@@ -1019,17 +1017,15 @@ class HTTPFront:
             r = self._parse(await self._read_body(request))
             call.text_bytes = len(r.input.encode("utf-8", "replace"))
             self._check_model(r.model)
-            req = self._to_proto(r)
-            if not self.loop.ready:
-                raise LoopClosed("the server is warming up; not accepting requests")
-            if not self.loop.alive:
-                raise LoopClosed("the engine has stopped; not accepting requests")
-            prepared, input_tokens = await prepare_off_loop(
-                self._prepare, req, r.stream_format == "sse", timeout=self.limits.max_prepare_seconds
+            speech = self._to_request(r)
+            refusal = self.state.refusal()
+            if refusal is not None:
+                raise refusal
+            job, input_tokens = await prepare_off_loop(
+                self._prepare, speech, r.stream_format == "sse", timeout=self.limits.max_prepare_seconds
             )
-            prepared.job.request_id = "http"  # request ids: http-N here, job-N from gRPC
-            call.voice = prepared.job.voice_kind
-            stream = self.loop.submit(prepared.job, asyncio.get_running_loop())
+            call.voice = job.voice_kind
+            stream = self.loop.submit(job, asyncio.get_running_loop())
             call.request_id = stream.request_id
             event = await stream.next()
             if isinstance(event, Failed):
@@ -1048,7 +1044,7 @@ class HTTPFront:
             self.count(exc.outcome)
             self.log_call(call, exc.outcome, exc.message)
             return exc.response()
-        except REQUEST_ERRORS as exc:
+        except REQUEST_ERRORS as exc:  # (RequestError among them: a TextError, InvalidRequest, ...)
             if stream is not None:
                 stream.cancel()  # a no-op: the job failed
             err = api_error(exc)
@@ -1100,7 +1096,7 @@ class HTTPFront:
             assert isinstance(failure, BaseException), failure
             err = failure if isinstance(failure, APIError) else api_error(failure)
             finished = synthesis.finished_event
-            return err.response(self._end_headers(finished, prepared.job.warnings) if finished else None)
+            return err.response(self._end_headers(finished, job.warnings) if finished else None)
 
         async def replayed():
             yield first
@@ -1113,13 +1109,13 @@ class HTTPFront:
             "X-Model": self.bundle.name,
             "X-Sample-Rate": str(encoder.output_rate),
             "X-Text-Chunks": str(event.text_chunks),
-            "X-Replica": self.server.replica,
+            "X-Replica": self.state.replica,
             "Cache-Control": "no-cache",
         }
         if synthesis.finished_event is not None:  # the whole result is known: as gRPC's StreamEnd says
-            headers |= self._end_headers(synthesis.finished_event, prepared.job.warnings)
-        elif prepared.job.warnings:
-            headers["X-Warnings"] = _header_text(prepared.job.warnings)
+            headers |= self._end_headers(synthesis.finished_event, job.warnings)
+        elif job.warnings:
+            headers["X-Warnings"] = _header_text(job.warnings)
         if r.response_format == "pcm":
             headers |= {"X-Sample-Format": "s16le", "X-Channels": "1"}
         if r.stream_format == "sse":

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from service.server import CallLog, prepare_off_loop, status_for
+from service.common import CallLog, error_message, log_call, outcome_of, prepare_off_loop
 from tts import __version__
 from tts.audio.files import to_pcm16
 from tts.engine import InvalidRequest
@@ -68,6 +68,7 @@ from tts.runtime.engine_thread import (
     RequestStream,
     Started,
 )
+from tts.runtime.request import SpeechRequest, plan_job
 from tts.runtime.voices import VoiceNotFound
 from tts.text.budget import PreparationTimeout
 from tts.text.normalize import _SENTENCE_END as SENTENCE_END  # the planner's sentence ends
@@ -271,8 +272,9 @@ class SentenceJobs:
         while (piece := await self._pieces.get()) is not None:
             if self.first_job_at is None:
                 self.first_job_at = time.monotonic()
-            if not loop.ready:
-                raise LoopClosed("the server is warming up; not accepting requests")
+            refusal = self.front.server.replica_state.refusal()
+            if refusal is not None:
+                raise refusal
             try:
                 job = await prepare_off_loop(self._plan, piece, timeout=self.front.limits.max_prepare_seconds)
             except TextError:
@@ -313,14 +315,9 @@ class SentenceJobs:
             self._pieces.put_nowait(piece.strip())
 
     def _plan(self, piece: str):
-        limits = self.front.limits
-        return self.front.loop.planner.job(
-            piece,
-            voice=self.voice,
-            first_chunk_frames=limits.first_chunk_frames,
-            chunk_frames=limits.chunk_frames,
-            max_audio_seconds=limits.max_audio_seconds,
-        )
+        """The job of one piece of text, through the request rules every front shares."""
+        request = SpeechRequest(text=piece, voice=self.voice)
+        return plan_job(self.front.loop.planner, request, self.front.limits.request_limits)
 
 
 # ---- one connection -----------------------------------------------------------------------------------
@@ -473,9 +470,7 @@ class _Connection:
                 if call.rpc == "wyoming":  # (a stream's pace is the client's text's)
                     m.rtf.observe((time.monotonic() - call.received) / call.audio_seconds)
         call.outcome = outcome
-        servicer = self.front.server.servicer
-        assert servicer is not None  # (TTSServer.start makes it before the fronts)
-        servicer._log(call)  # the one line per request, as gRPC and HTTP write it
+        log_call(call)  # the one line per request, as gRPC and HTTP write it
 
     async def _fail(self, exc: BaseException) -> None:
         """Answer `exc` with one error event (its outcome as the code), count it (as the synthesis in
@@ -487,7 +482,7 @@ class _Connection:
         if isinstance(exc, NoAudio):
             outcome, message = "no_audio", str(exc)
         else:
-            _, message, outcome = status_for(exc)
+            message, outcome = error_message(exc), outcome_of(exc)
         if self.call is None:
             self.call = CallLog("wyoming", time.monotonic())
         self.call.detail = message

@@ -576,6 +576,24 @@ def test_synthesize_with_a_deprecated_graph_option_warns_once_and_runs(tmp_path,
     assert lines == ["warning: --graphs on --capture startup is deprecated; use --graphs startup"]
 
 
+def test_serve_passes_max_prepare_seconds_to_the_server(monkeypatch):
+    """`tts serve --max-prepare-seconds S` is the server's preparation deadline
+    (`ServiceLimits.max_prepare_seconds`); without it, the default 10 s."""
+    from tts.cli import serve as service_cli
+
+    seen = []
+
+    async def fake_serve(args, bundle, engine_config, limits):
+        seen.append(limits.max_prepare_seconds)
+        return 0
+
+    monkeypatch.setattr(service_cli, "_serve", fake_serve)
+    base = ["serve", "--model", "tiny", "--port", "0", "--http-port", "-1", "--metrics-port", "-1"]
+    assert main([*base, "--max-prepare-seconds", "2.5"]) == 0
+    assert main(base) == 0
+    assert seen == [2.5, 10.0]
+
+
 def test_replicas_get_the_resolved_graphs_option(monkeypatch, capsys):
     """`tts serve --devices` forwards `--graphs lazy`, not the deprecated spelling it was given."""
     import service.cluster

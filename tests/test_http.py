@@ -234,7 +234,7 @@ def test_default_format_is_mp3_and_openai_model_names_are_accepted(server):
 
 def test_each_http_request_logs_one_line_like_grpc(server, caplog):
     """A finished speech request, served or refused, logs the line gRPC calls log (`rpc=http`)."""
-    caplog.set_level(logging.INFO, logger="service.server")
+    caplog.set_level(logging.INFO, logger="service.calls")
     status, headers, _ = server.speech(input="Hi there.", voice="alpha", seed=1, max_new_frames=5)
     assert status == 200
     status, _, _ = server.speech(input="Hi.", voice="nobody")

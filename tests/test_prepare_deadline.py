@@ -16,8 +16,8 @@ import grpc
 import pytest
 from service_helpers import ServerThread, collect, rpc_error, wait_idle
 
+import service.grpc_front
 import service.http
-import service.server
 from service.client import build_request
 from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
 from tts.checkpoints.load import load_bundle
@@ -32,21 +32,21 @@ HELD = "Held: "  # requests whose text starts so are held in preparation
 
 
 class HeldPreparation:
-    """`build_job` that, for texts starting with HELD, says it started (`entered`), waits for `release`,
+    """`plan_job` that, for texts starting with HELD, says it started (`entered`), waits for `release`,
     then runs the real preparation and records how it ended (`outcome`, `done`)."""
 
     def __init__(self):
-        self.original = service.server.build_job
+        self.original = service.http.plan_job
         self.entered, self.release, self.done = threading.Event(), threading.Event(), threading.Event()
         self.outcome: BaseException | str | None = None
 
-    def __call__(self, planner, loop, request, *args, **kwargs):
+    def __call__(self, planner, request, *args, **kwargs):
         if not request.text.startswith(HELD):
-            return self.original(planner, loop, request, *args, **kwargs)
+            return self.original(planner, request, *args, **kwargs)
         self.entered.set()
         try:
             assert self.release.wait(60), "the test never released the preparation"
-            result = self.original(planner, loop, request, *args, **kwargs)
+            result = self.original(planner, request, *args, **kwargs)
             self.outcome = "prepared"
             return result
         except BaseException as exc:
@@ -66,8 +66,8 @@ def server():
 @pytest.fixture
 def held(monkeypatch):
     hold = HeldPreparation()
-    monkeypatch.setattr(service.server, "build_job", hold)
-    monkeypatch.setattr(service.http, "build_job", hold)
+    monkeypatch.setattr(service.grpc_front, "plan_job", hold)
+    monkeypatch.setattr(service.http, "plan_job", hold)
     yield hold
     hold.release.set()
 

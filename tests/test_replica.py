@@ -151,7 +151,7 @@ def test_max_connection_age_sends_clients_away_without_cutting_streams(bundle):
 
 
 def test_grpc_options_carry_the_connection_age():
-    from service.server import grpc_options
+    from service.grpc_front import grpc_options
 
     options = dict(grpc_options(ServiceLimits(max_connection_age=300, max_connection_age_grace=30)))
     assert (

@@ -30,9 +30,10 @@ from service_helpers import (  # noqa: E402
 )
 
 from service.client import build_request, decode_audio, decode_codes
+from service.grpc_front import MAX_STATUS_CHARS, status_for
 from service.grpc_gen.v1 import tts_pb2 as pb
 from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
-from service.server import MAX_STATUS_CHARS, ServiceLimits, status_for
+from service.server import ServiceLimits
 from tts.api import TTS, VoiceNotFound
 from tts.checkpoints.load import load_bundle
 from tts.engine import EngineConfig, InvalidRequest
@@ -902,16 +903,33 @@ def test_runaway_guard_audio_limit_and_warnings(bundle):
         srv.stop()
 
 
-def test_a_stream_with_implausibly_little_audio_says_so(server, stub, monkeypatch):
+def test_a_job_with_no_audio_at_all_is_failed_precondition_not_ok(server, stub, monkeypatch):
+    """docs/DESIGN.md invariant 9, no OK with empty audio: a job whose text chunks all end with no frames ends
+    with FAILED_PRECONDITION saying why (the finish reason and its warning), naming the field `text`,
+    counted `no_audio`, as HTTP answers 422 `no_audio`; both Synthesize forms."""
     from tts.engine import model_runner
 
     monkeypatch.setattr(model_runner, "F", EndTokenFavoured())
-    r = collect(stub.Synthesize(build_request("Hello there, how are you today?", seed=1)))
-    assert r["end"].frames == 0 and r["end"].finish_reason == pb.FINISH_REASON_SHORT
-    assert list(r["end"].text_chunk_finish_reasons) == [pb.FINISH_REASON_SHORT]
-    assert list(r["end"].warnings) == [
-        "the text ended after 0 frames (0.00 s) for 31 bytes of text: words may be missing"
-    ]
+    registry = server.server.metrics.registry
+
+    def no_audio_total():
+        return registry.get_sample_value("tts_requests_total", {"outcome": "no_audio"}) or 0.0
+
+    for rpc in ("Synthesize", "SynthesizeUnary"):
+        before = no_audio_total()
+        request = build_request("Hello there, how are you today?", seed=1)
+        with pytest.raises(grpc.RpcError) as info:
+            reply = getattr(stub, rpc)(request)
+            if rpc == "Synthesize":
+                list(reply)
+        err = info.value
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, rpc
+        assert err.details() == (
+            "the model produced no audio for this text (finish reason short: the text ended after 0 frames "
+            "(0.00 s) for 31 bytes of text: words may be missing)"
+        )
+        assert dict(err.trailing_metadata())["tts-field"] == "text"
+        assert no_audio_total() == before + 1
 
 
 def test_a_stream_with_a_repetition_loop_left_in_says_loop(bundle, monkeypatch):
@@ -944,7 +962,7 @@ def test_a_stream_with_a_repetition_loop_left_in_says_loop(bundle, monkeypatch):
 def test_one_log_line_per_request_and_cancels_are_info(server, caplog):
     import logging
 
-    with caplog.at_level(logging.INFO, logger="service.server"):
+    with caplog.at_level(logging.INFO, logger="service.calls"):
         with server.channel(**NO_BDP) as channel:
             stub = pb_grpc.TextToSpeechStub(channel)
             collect(stub.Synthesize(build_request("Hello.", seed=1, max_new_frames=4, min_new_frames=4)))
@@ -958,7 +976,7 @@ def test_one_log_line_per_request_and_cancels_are_info(server, caplog):
         deadline = time.monotonic() + 10
         while sum("outcome=" in r.message for r in caplog.records) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
-    lines = [r for r in caplog.records if r.name == "service.server" and r.message.startswith("request ")]
+    lines = [r for r in caplog.records if r.name == "service.calls" and r.message.startswith("request ")]
     outcomes = [r.message.split("outcome=")[1].split()[0] for r in lines]
     assert outcomes == ["ok", "cancelled", "invalid_argument"], [r.message for r in lines]
     assert all(r.levelname == "INFO" for r in lines)
@@ -973,7 +991,7 @@ def test_a_write_that_fails_because_the_client_left_is_one_cancel_line(server, c
     its line was already written (the end message's write failing after the call logged `ok`)."""
     import asyncio
 
-    from service.server import CALL_ENDED
+    from service.grpc_front import CALL_ENDED
 
     servicer = server.server.servicer
     registry = server.server.metrics.registry
@@ -999,6 +1017,6 @@ def test_a_write_that_fails_because_the_client_left_is_one_cancel_line(server, c
                 asyncio.run(body(already_logged))
     assert count("cancelled") == before["cancelled"] + 1
     assert count("error") == before["error"] and count("ok") == before["ok"]  # (`_log` alone counts nothing)
-    lines = [r for r in caplog.records if r.name == "service.server" and r.message.startswith("request ")]
+    lines = [r for r in caplog.records if r.name == "service.calls" and r.message.startswith("request ")]
     assert [r.message.split("outcome=")[1].split()[0] for r in lines] == ["cancelled", "ok"]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -33,6 +33,7 @@ from tts.codec.base import AudioError
 from tts.engine import Engine, EngineConfig, FinishReason, InvalidRequest, for_bundle
 from tts.runtime.jobs import Audio, Failed, Finished, JobRunner, ListSink, ramp_sizes
 from tts.runtime.planner import Planner, PreparedReference, SynthesisJob
+from tts.runtime.request import RequestLimits, Sampling, SpeechRequest
 from tts.runtime.sessions import Session, SessionEvent, SessionManager, SessionOptions
 from tts.runtime.voices import VoiceEntry, VoiceExists, VoiceNotFound, VoiceRegistry, codec_fingerprint
 from tts.text.normalize import TextError
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 # The attribute marking the log records of a synthesis's warnings (also in `Synthesis.warnings`), so that
 # a front end that shows those warnings itself can filter the records out.
 SYNTHESIS_WARNING = "synthesis_warning"
+# The Python API's request limits: none on the text or a clip's size (the caller owns the process).
+API_LIMITS = RequestLimits()
 
 
 @dataclass
@@ -199,16 +202,18 @@ class TTS:
         """Validate everything about a synthesis before any work (see `Planner.job`): text, sampling
         values, voice, and that every chunk's prompt plus its budget fits the context. normalize=False
         reads the text as given (no markup reading or normalization, `tts.text.policy`). The job's
-        `warnings` say what was left out of the text. Raises TextError, InvalidRequest, VoiceNotFound."""
-        return self.planner.job(
+        `warnings` say what was left out of the text. Raises TextError, InvalidRequest, VoiceNotFound, each
+        naming the request field at fault (`tts.runtime.request`: the rules every front shares)."""
+        request = SpeechRequest(
             text,
             voice=voice,
-            chunk_length=chunk_length,
+            sampling=Sampling(**sampling),
             first_chunk_frames=first_chunk_frames,
             chunk_frames=chunk_frames,
             normalize=normalize,
-            **sampling,
+            chunk_length=chunk_length,
         )
+        return request.plan(self.planner, API_LIMITS)
 
     def stream(
         self,

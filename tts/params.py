@@ -27,7 +27,12 @@ MIN_TEMPERATURE = 1e-5
 
 
 class InvalidRequest(ValueError):
-    """A request that can never run (bad parameter, too long for the context). Maps to INVALID_ARGUMENT."""
+    """A request that can never run (bad parameter, too long for the context). Maps to INVALID_ARGUMENT.
+    `parameter`: the SamplingParams field at fault where one is (`SamplingParams.validate`), else None."""
+
+    def __init__(self, message: str = "", *, parameter: str | None = None):
+        super().__init__(message)
+        self.parameter = parameter
 
 
 class FinishReason(str, enum.Enum):
@@ -88,24 +93,32 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise InvalidRequest naming the first bad field."""
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}", parameter="temperature")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", parameter="top_p")
         if not 0 <= self.top_k < 2**31:
-            raise InvalidRequest(f"top_k must be in [0, 2**31) (0 = no limit), got {self.top_k}")
+            raise InvalidRequest(
+                f"top_k must be in [0, 2**31) (0 = no limit), got {self.top_k}", parameter="top_k"
+            )
         if self.max_new_frames <= 0:
-            raise InvalidRequest(f"max_new_frames must be > 0, got {self.max_new_frames}")
+            raise InvalidRequest(
+                f"max_new_frames must be > 0, got {self.max_new_frames}", parameter="max_new_frames"
+            )
         if not 0 <= self.min_new_frames <= self.max_new_frames:
             raise InvalidRequest(
-                f"min_new_frames must be in [0, max_new_frames = {self.max_new_frames}], got {self.min_new_frames}"
+                f"min_new_frames must be in [0, max_new_frames = {self.max_new_frames}], got {self.min_new_frames}",
+                parameter="min_new_frames",
             )
         if not (
             math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty < MAX_REPETITION_PENALTY
         ):
             raise InvalidRequest(
-                f"repetition_penalty must be in (0, 2) (1 = off), got {self.repetition_penalty}"
+                f"repetition_penalty must be in (0, 2) (1 = off), got {self.repetition_penalty}",
+                parameter="repetition_penalty",
             )
         if not 0 <= self.ras_window <= 10:
-            raise InvalidRequest(f"ras_window must be in [0, 10], got {self.ras_window}")
+            raise InvalidRequest(
+                f"ras_window must be in [0, 10], got {self.ras_window}", parameter="ras_window"
+            )
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            raise InvalidRequest("seed must fit in a signed 64-bit integer")
+            raise InvalidRequest("seed must fit in a signed 64-bit integer", parameter="seed")

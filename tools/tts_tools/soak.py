@@ -14,13 +14,15 @@ from a mix of client kinds (`--mix`; normal readers take the share the others le
 | unary | SynthesizeUnary | OK |
 | invalid | an invalid request (empty text, top_p 1.5, ...) | INVALID_ARGUMENT |
 
-RESOURCE_EXHAUSTED (the server's admission bound) is allowed for every valid kind. Stalled clients are
+RESOURCE_EXHAUSTED (the server's admission bound) and FAILED_PRECONDITION (the job ended without any
+audio: a random-weight model may stop at once) are allowed for every valid kind. Stalled clients are
 capped at `--max-stalled` at a time (default: the server's max batch - 1) so they cannot hold every row.
 
 Checked on every stream, whatever its status: sequence numbers 0, 1, 2, ... and contiguous frame ranges
 from frame 0 (the end's frame count included), the protocol (header first, end last), and for OK
-replies that the audio holds exactly frames x samples-per-frame samples. OK replies with no audio or a
-single frame are counted and reported (not a failure: a random-weight model may stop at once).
+replies that the audio holds exactly frames x samples-per-frame samples. Requests that ended with no
+audio (FAILED_PRECONDITION: the server never ends one OK) and OK replies with a single frame are counted
+and reported (not a failure: a random-weight model may stop at once).
 
 With the server's Prometheus endpoint (`--metrics-url`, default http://<server host>:9464/metrics,
 `off` to skip), the process's RSS (`process_resident_memory_bytes`) is sampled every second, and after
@@ -52,13 +54,14 @@ from typing import Any
 
 KINDS = ("normal", "cancel", "slow", "stall", "deadline", "unary", "invalid")
 DEFAULT_MIX = {"cancel": 0.15, "slow": 0.10, "stall": 0.05, "deadline": 0.10, "unary": 0.10, "invalid": 0.05}
+NO_AUDIO = "FAILED_PRECONDITION"  # a job that ended without any audio (never an OK with none)
 ALLOWED = {
-    "normal": {"OK", "RESOURCE_EXHAUSTED"},
-    "cancel": {"OK", "CANCELLED", "RESOURCE_EXHAUSTED"},
-    "slow": {"OK", "RESOURCE_EXHAUSTED"},
-    "stall": {"OK", "CANCELLED", "RESOURCE_EXHAUSTED"},
-    "deadline": {"OK", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"},
-    "unary": {"OK", "RESOURCE_EXHAUSTED"},
+    "normal": {"OK", "RESOURCE_EXHAUSTED", NO_AUDIO},
+    "cancel": {"OK", "CANCELLED", "RESOURCE_EXHAUSTED", NO_AUDIO},
+    "slow": {"OK", "RESOURCE_EXHAUSTED", NO_AUDIO},
+    "stall": {"OK", "CANCELLED", "RESOURCE_EXHAUSTED", NO_AUDIO},
+    "deadline": {"OK", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", NO_AUDIO},
+    "unary": {"OK", "RESOURCE_EXHAUSTED", NO_AUDIO},
     "invalid": {"INVALID_ARGUMENT"},
 }
 CANCEL_PHASES = ("before_header", "after_header", "after_chunks")
@@ -620,11 +623,10 @@ def summarize(plan: list[Spec], outcomes: list[Outcome]) -> dict:
         gaps["frame_range"] += o.frame_gaps
         gaps["streams"] += bool(o.sequence_gaps or o.frame_gaps)
         problems += [f"request {o.index} ({o.kind}): {p}" for p in o.problems]
-        if o.status == "OK":
-            if o.frames == 0:
-                short["no_audio"] += 1
-            elif o.frames == 1:
-                short["one_frame"] += 1
+        if o.status == NO_AUDIO or (o.status == "OK" and o.frames == 0):
+            short["no_audio"] += 1
+        elif o.status == "OK" and o.frames == 1:
+            short["one_frame"] += 1
     return {
         "requests": len(plan),
         "completed": sum(sum(s.values()) for s in statuses.values()),
@@ -726,8 +728,8 @@ def format_report(report: dict) -> str:
     gaps, so = report["gaps"], report["short_ok"]
     lines.append(
         f"gaps: {gaps['sequence']} sequence, {gaps['frame_range']} frame-range; protocol errors "
-        f"{report['protocol_errors']}; audio-length mismatches {report['length_mismatches']}; OK with no audio "
-        f"{so['no_audio']}, with one frame {so['one_frame']}"
+        f"{report['protocol_errors']}; audio-length mismatches {report['length_mismatches']}; no audio "
+        f"{so['no_audio']}, OK with one frame {so['one_frame']}"
     )
     g = report["gauges"]
     if g["checked"]:

@@ -510,10 +510,32 @@ def read_reference_file(path: str):
     return data, audio, sample_rate
 
 
+# The CLI's names for the request fields (tts.runtime.request.FIELDS) that its options set.
+CLI_FIELDS = {
+    "voice": "--voice",
+    "reference.audio": "--reference-audio",
+    "reference.text": "--reference-text",
+    "output.first_chunk_frames": "--first-chunk-frames",
+    "output.chunk_frames": "--chunk-frames",
+}
+
+
+def request_rule(rule, *values) -> None:
+    """Apply a rule of `tts.runtime.request` (the one every front applies) to option values; its error
+    becomes a UserError naming the options (CLI_FIELDS)."""
+    from tts.runtime.request_errors import RequestError
+
+    try:
+        rule(*values)
+    except RequestError as exc:
+        raise UserError(exc.message(CLI_FIELDS)) from exc
+
+
 def cmd_synthesize(args: argparse.Namespace) -> int:
     from tts.api import TTS
     from tts.checkpoints.load import load_bundle
     from tts.engine import EngineConfig, SamplingParams
+    from tts.runtime.request import check_voice_source
     from tts.text.policy import check_speakable
 
     # Check everything that does not need the model before loading it.
@@ -523,8 +545,7 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     fmt = output_format(args)
     if (args.reference_audio is None) != (args.reference_text is None):
         raise UserError("--reference-audio and --reference-text go together")
-    if args.voice is not None and args.reference_audio is not None:
-        raise UserError("give --voice or --reference-audio, not both")
+    request_rule(check_voice_source, args.voice, args.reference_audio is not None)
     reference_audio = read_reference_file(args.reference_audio)[1:] if args.reference_audio else None
     check_device(args.device)
     check_threads(args)

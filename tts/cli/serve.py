@@ -33,6 +33,7 @@ from tts.cli.main import (
     output_format,
     read_reference_file,
     read_text_arg,
+    request_rule,
     require,
     resolve_graphs_arg,
     sampling_kwargs,
@@ -177,6 +178,13 @@ def add_parser(subparsers) -> None:
         default=30.0,
         help="seconds an HTTP client may take to send a request's headers, or leave its body without a "
         "byte, before its connection is closed (default 30)",
+    )
+    p.add_argument(
+        "--max-prepare-seconds",
+        type=float,
+        default=10.0,
+        help="the longest a request's preparation (text, reference clip, planning) may take before it ends "
+        "with DEADLINE_EXCEEDED / HTTP 504 (default 10; a gRPC call's own shorter deadline wins)",
     )
     p.add_argument(
         "--max-text-bytes",
@@ -387,6 +395,7 @@ def check_serve_options(args: argparse.Namespace) -> None:
     check_threads(args)
     check_seconds("--pause-timeout", args.pause_timeout, zero_ok=True)
     check_seconds("--http-read-timeout", args.http_read_timeout, zero_ok=False)
+    check_seconds("--max-prepare-seconds", args.max_prepare_seconds, zero_ok=False)
     check_seconds("--max-audio-seconds", args.max_audio_seconds, zero_ok=True)
     require(
         math.isfinite(args.reference_cache_mb) and args.reference_cache_mb >= 0,
@@ -464,6 +473,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_connection_age=args.max_connection_age or None,
         max_connection_age_grace=args.max_connection_age_grace,
         http_read_timeout=args.http_read_timeout,
+        max_prepare_seconds=args.max_prepare_seconds,
     )
     # Three threads share the GIL: the engine thread (a frame every few ms), the codec stage's worker and
     # the asyncio thread of the fronts. A thread waiting for the GIL gets it within the switch interval;
@@ -545,16 +555,22 @@ async def _serve(args, bundle, engine_config, limits) -> int:
 
 
 def check_chunk_options(args: argparse.Namespace) -> None:
-    """--first-chunk-frames and --chunk-frames are >= 0 (0 = the server's default); raises UserError."""
+    """--first-chunk-frames and --chunk-frames are >= 0 (0 = the server's default) and, when given, within
+    a request's audio chunk bounds (`tts.runtime.request.check_chunk_frames`, the rule the server applies);
+    raises UserError."""
+    from tts.runtime.request import check_chunk_frames
+
     for option in ("--first-chunk-frames", "--chunk-frames"):
         value = getattr(args, option[2:].replace("-", "_"))
         require(value >= 0, f"{option} must be >= 0 (0 = server default), got {value}")
+    request_rule(check_chunk_frames, args.first_chunk_frames or 1, args.chunk_frames or 1)
 
 
 def cmd_client(args: argparse.Namespace) -> int:
     import grpc
 
     from service.client import build_request, rpc_error_line
+    from tts.runtime.request import check_voice_source
     from tts.text.policy import check_speakable
 
     text = read_text_arg(args)
@@ -567,8 +583,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     fmt = output_format(args)
     if (args.reference_audio is None) != (args.reference_text is None):
         raise UserError("--reference-audio and --reference-text go together")
-    if args.voice is not None and args.reference_audio is not None:
-        raise UserError("give --voice or --reference-audio, not both")
+    request_rule(check_voice_source, args.voice, args.reference_audio is not None)
     reference = None
     if args.reference_audio is not None:  # read and decoded here, so a bad file is named
         reference = read_reference_file(args.reference_audio)[0]

@@ -1,6 +1,11 @@
 """The errors a caller's input can cause, in one place: the CLI prints them as one line with exit
 code 2, the service maps them to INVALID_ARGUMENT / NOT_FOUND. `os_error_reason` words a file or socket
-error for such a line."""
+error for such a line.
+
+A light module (the CLI imports it for `tts --help`): the error classes of the layers below load
+torch, so the tuples are built on first use. A request's errors that carry their field are in
+`tts.runtime.request_errors`.
+"""
 
 from __future__ import annotations
 

@@ -29,7 +29,8 @@ from torch import Tensor
 
 from tts.checkpoints.bundle import ModelBundle
 from tts.codec.base import AudioError, prepare_audio
-from tts.params import MAX_CHUNK_FRAMES, InvalidRequest, SamplingParams
+from tts.params import InvalidRequest, SamplingParams
+from tts.runtime.request_errors import InvalidField, with_field
 from tts.runtime.voices import VoiceNotFound, VoiceRegistry, codec_fingerprint
 from tts.text.budget import charge
 from tts.text.normalize import TextError
@@ -302,23 +303,30 @@ class Planner:
         top_k, max_new_frames (per text chunk), min_new_frames, seed, ras_window, repetition_penalty. A
         random seed is chosen when none is given. normalize=False: the text is read as given (no markup
         reading, no normalization; see `tts.text.policy`). Raises TextError, InvalidRequest, VoiceNotFound
-        or AudioError before any work; a `reference` clip is checked for size here (its codes come later,
-        from the codec stage)."""
-        if not (1 <= first_chunk_frames <= MAX_CHUNK_FRAMES and 1 <= chunk_frames <= MAX_CHUNK_FRAMES):
-            raise InvalidRequest(
-                f"audio chunk sizes must be 1 to {MAX_CHUNK_FRAMES} frames, got {first_chunk_frames} and {chunk_frames}"
-            )
-        params = self.sampling_params(**sampling)
+        or AudioError before any work, each a `tts.runtime.errors.RequestError` naming the request field
+        at fault; a `reference` clip is checked for size here (its codes come later, from the codec
+        stage). The request's own rules (one voice source, audio chunk sizes, limits) are
+        `tts.runtime.request.SpeechRequest`'s, which calls this: callers go through it."""
+        try:
+            params = self.sampling_params(**sampling)
+        except InvalidRequest as exc:
+            field = f"sampling.{exc.parameter}" if exc.parameter else "sampling"
+            raise with_field(exc, field) from exc
         # An explicit budget that no prompt could fit is an error; the model's default budget is only a
         # ceiling (the runaway guard and the fit check below cut it to what the chunk and context allow).
         if sampling.get("max_new_frames") is not None and params.max_new_frames >= self.max_context:
-            raise InvalidRequest(
-                f"max_new_frames ({params.max_new_frames}) exceeds the context size {self.max_context}"
+            raise InvalidField(
+                "sampling.max_new_frames",
+                f"max_new_frames ({params.max_new_frames}) exceeds the context size {self.max_context}",
             )
-        if reference is not None and voice is not None:
-            raise InvalidRequest("give a voice or a reference clip, not both")
-        references, kind = self._voice(voice) if reference is None else ([], "reference")
-        text_plan = self.text_plan(text, chunk_length, normalize)
+        try:
+            references, kind = self._voice(voice) if reference is None else ([], "reference")
+        except (VoiceNotFound, InvalidRequest) as exc:
+            raise with_field(exc, "voice") from exc
+        try:
+            text_plan = self.text_plan(text, chunk_length, normalize)
+        except (TextError, InvalidRequest) as exc:
+            raise with_field(exc, "text") from exc
         chunks = text_plan.chunks
         warnings = list(text_plan.warnings) + (list(reference.warnings) if reference is not None else [])
         if params.repetition_penalty != 1.0 and getattr(self.bundle, "repetition", None) is None:
@@ -327,7 +335,10 @@ class Planner:
                 "repetition penalty (as its reference code does)"
             )
         seed = params.seed if params.seed is not None else secrets.randbits(62)
-        self.check_chunk_seeds(seed, len(chunks))
+        try:
+            self.check_chunk_seeds(seed, len(chunks))
+        except InvalidRequest as exc:
+            raise with_field(exc, "sampling.seed") from exc
         params = replace(params, seed=seed)
         budgets = [min(params.max_new_frames, self.guard_frames(c)) for c in chunks]
         # Every chunk's prompt + budget must fit before any work. A clip not encoded yet has a known
@@ -343,8 +354,9 @@ class Planner:
             try:
                 self.check(prompt, replace(params, seed=seed + i, max_new_frames=budget, min_new_frames=0))
             except InvalidRequest as exc:
+                # (the text, with the voice and the budget, is too long for the context)
                 prefix = f"text chunk {i + 1} of {len(chunks)}: " if len(chunks) > 1 else ""
-                raise InvalidRequest(f"{prefix}{exc}") from exc
+                raise InvalidField("text", f"{prefix}{exc}") from exc
         max_frames = None
         if max_audio_seconds is not None:
             max_frames = max(1, math.floor(max_audio_seconds * self.frame_rate))

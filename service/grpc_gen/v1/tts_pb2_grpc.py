@@ -76,7 +76,13 @@ class TextToSpeechServicer:
         gaps), then a StreamEnd. Errors end the stream with a gRPC status instead:
         INVALID_ARGUMENT (bad input, found before any generation), NOT_FOUND (unknown voice),
         RESOURCE_EXHAUSTED (admission queue full), UNAVAILABLE (warming up or shutting down),
-        DEADLINE_EXCEEDED / CANCELLED (the client's deadline or cancel), INTERNAL (the engine failed).
+        DEADLINE_EXCEEDED / CANCELLED (the client's deadline or cancel), INTERNAL (the engine failed),
+        FAILED_PRECONDITION (the job ended without any audio: every text chunk ended before its first
+        frame; the details give the finish reason and why, e.g. "short: the text ended after 0 frames";
+        never an OK with empty audio; HTTP answers 422 `no_audio`; a header may have come before it).
+        An INVALID_ARGUMENT or NOT_FOUND for a request field names it in the trailing metadata
+        `tts-field`, as this message names it: `text`, `voice.name`, `voice.reference.audio`,
+        `voice.reference.text`, `sampling.top_p` (any sampling field), `output.chunk_frames`, ...
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -100,7 +106,8 @@ class TextToSpeechServicer:
     def AddVoice(self, request, context):
         """Register a named voice from a clip and its transcript: the clip is encoded once and kept as codes
         (persisted under the server's voices directory when it has one). INVALID_ARGUMENT for a bad name
-        or clip; ALREADY_EXISTS if the name is taken and `replace` is false (a preset is never replaced).
+        or clip (`tts-field`: `name`, `reference.audio` or `reference.text`); ALREADY_EXISTS if the name
+        is taken and `replace` is false (a preset is never replaced).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
