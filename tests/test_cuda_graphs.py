@@ -485,7 +485,7 @@ def test_varlen_attention_equals_the_block_diagonal_mask(monkeypatch):
     # A torch whose varlen_attn has no enable_gqa: K/V heads repeated for it (same result).
     fn, options = tts.model.transformer._varlen()
     monkeypatch.setattr(
-        tts.model,
+        tts.model.transformer,
         "_varlen",
         lambda: (fn, {name: value for name, value in options.items() if name != "enable_gqa"}),
     )

@@ -31,7 +31,7 @@ echo "cuda tests: rc $?"; tail -4 $OUT/cuda_tests.log
 BENCH="bench --model s2-pro-shape --device cuda --modes graph --frames 64 --warmup-frames 32"
 timeout 160 python3 -m tts.cli $BENCH --batch-sizes 1,64,128,256 --out $OUT/new > $OUT/bench_new.txt 2>&1
 echo "bench new: rc $?"; tail -8 $OUT/bench_new.txt
-(cd $OLD && PYTHONPATH=$OLD:/tmp/stub timeout 120 python3 -m tts.cli $BENCH --batch-sizes 1,64,128 \
+(cd $OLD && PYTHONPATH=$OLD:/tmp/stub${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 -m tts.cli $BENCH --batch-sizes 1,64 \
   --out $OUT/old > $OUT/bench_old.txt 2>&1; echo "bench old: rc $?")
 tail -6 $OUT/bench_old.txt
 timeout 45 python3 -c "

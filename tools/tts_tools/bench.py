@@ -126,7 +126,8 @@ def bench_one(model, mode: str, batch: int, args) -> dict:
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    budget = args.warmup_frames + args.frames + 1
+    # + batch: the iterations admission may take (each prefills a bounded number of prompt tokens)
+    budget = args.warmup_frames + args.frames + 1 + batch
     engine = Engine(
         model,
         EngineConfig(
@@ -141,6 +142,10 @@ def bench_one(model, mode: str, batch: int, args) -> dict:
     params = SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_frames=budget, seed=0)
     for i in range(batch):
         engine.submit(_prompt(model, args.prompt_tokens, seed=i), params)
+    for _ in range(batch):
+        if engine.num_running == batch:
+            break
+        engine.step()
     for _ in range(args.warmup_frames):
         engine.step()
     assert engine.num_running == batch, "every request must be running before the timed window"
