@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -124,6 +125,7 @@ def bench_one(model, mode: str, batch: int, args) -> dict:
     device = model.embeddings.weight.device
     cuda = device.type == "cuda"
     if cuda:
+        gc.collect()  # the previous batch's engine (its graphs hold reference cycles) frees its memory now
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     # + batch: the iterations admission may take (each prefills a bounded number of prompt tokens)
