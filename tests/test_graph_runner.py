@@ -172,19 +172,6 @@ def test_unknown_graph_settings_are_refused(value):
         EngineConfig(graphs=value).validate()
 
 
-@pytest.mark.parametrize(
-    "old, new",
-    [(dict(graphs=True), "lazy"), (dict(graphs=False), "off"), (dict(capture="startup"), "startup"),
-     (dict(graphs=True, capture="startup"), "startup"), (dict(graphs=False, capture="startup"), "off"),
-     (dict(capture="lazy"), "lazy")],
-)  # fmt: skip
-def test_deprecated_graph_options_still_work(old, new):
-    with pytest.warns(DeprecationWarning, match="deprecated"):
-        cfg = EngineConfig(**old)
-    assert cfg.graphs == new
-    cfg.validate()
-
-
 def test_eager_buckets_pad_like_replay_but_never_capture(tiny_model):
     eager_codes, eager_reasons = _run_batch(_engine(tiny_model, graphs="off"))
     engine = _engine(

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # package -> floor; the longest matching prefix names a module's package.
 FLOORS = {
     "tts.params": 0,
+    "tts.environment": 0,
     "graphs": 0,
     "tts.model": 1,
     "tts.text": 1,

@@ -31,6 +31,7 @@ from tts.checkpoints.bundle import ModelBundle
 from tts.checkpoints.load import load_bundle
 from tts.codec.base import AudioError
 from tts.engine import Engine, EngineConfig, FinishReason, InvalidRequest, for_bundle
+from tts.params import DEFAULT_CHUNK_FRAMES, DEFAULT_FIRST_CHUNK_FRAMES
 from tts.runtime.jobs import Audio, Failed, Finished, JobRunner, ListSink, ramp_sizes
 from tts.runtime.planner import Planner, PreparedReference, SynthesisJob
 from tts.runtime.request import RequestLimits, Sampling, SpeechRequest
@@ -194,8 +195,8 @@ class TTS:
         *,
         voice: str | VoiceReference | list[VoiceReference] | None = None,
         chunk_length: int | None = None,
-        first_chunk_frames: int = 4,
-        chunk_frames: int = 16,
+        first_chunk_frames: int = DEFAULT_FIRST_CHUNK_FRAMES,
+        chunk_frames: int = DEFAULT_CHUNK_FRAMES,
         normalize: bool = True,
         **sampling,
     ) -> SynthesisJob:
@@ -220,8 +221,8 @@ class TTS:
         text: str | SynthesisJob,
         *,
         voice: str | VoiceReference | list[VoiceReference] | None = None,
-        first_chunk_frames: int = 4,
-        chunk_frames: int = 16,
+        first_chunk_frames: int = DEFAULT_FIRST_CHUNK_FRAMES,
+        chunk_frames: int = DEFAULT_CHUNK_FRAMES,
         chunk_length: int | None = None,
         progress: ProgressFn | None = None,
         normalize: bool = True,

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 # The most frames one audio chunk may hold (first_chunk_frames, chunk_frames): the codec stage decodes
 # a chunk in one call (tts.runtime.codec_stage).
 MAX_CHUNK_FRAMES = 256
+# An audio stream's chunks: the first of DEFAULT_FIRST_CHUNK_FRAMES frames (first audio early), then
+# doubling up to DEFAULT_CHUNK_FRAMES (tts.runtime.jobs.chunk_size says why).
+DEFAULT_FIRST_CHUNK_FRAMES = 4
+DEFAULT_CHUNK_FRAMES = 16
 
 # The KV block pool on CUDA: this share of the free device memory at start-up (`--kv-memory-fraction`); and
 # `--max-batch auto` sizes the batch for streams of AUTO_STREAM_TOKENS context tokens each.

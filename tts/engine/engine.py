@@ -18,9 +18,8 @@ import itertools
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Sequence
-from dataclasses import InitVar, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
@@ -77,7 +76,7 @@ class EngineConfig:
     prefill_graphs: CUDA graphs of the prefill, one pass per token bucket (tts.engine.prefill_graphs),
     when the frame step has graphs: "off", "lazy" or "startup" as for `graphs`; None: as `graphs` on
     CUDA, "off" elsewhere.
-    max_waiting: bound of the waiting queue (QueueFull beyond it).
+    max_waiting: bound of the waiting queue (QueueFull beyond it; the service's default too).
     max_prefill_tokens: prompt tokens prefilled per iteration at most (at least one request), so that
     new requests cannot freeze the running streams for long (None: no bound).
     packed_prefill: prefill the requests admitted in one iteration in one forward pass
@@ -99,7 +98,7 @@ class EngineConfig:
     graphs: str = "lazy"
     buckets: Sequence[int] = DEFAULT_BUCKETS
     prefill_graphs: str | None = None
-    max_waiting: int = 1024
+    max_waiting: int = 16
     max_prefill_tokens: int | None = 2048
     packed_prefill: bool | None = None
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
@@ -113,27 +112,6 @@ class EngineConfig:
     # testing_eager_buckets: pad to buckets as a replay would but run eagerly (replay tests' reference).
     testing_standin_graphs: bool = False
     testing_eager_buckets: bool = False
-    # Deprecated spelling of graphs="lazy" / "startup" (with graphs=True, which meant "lazy"):
-    capture: InitVar[str | None] = None
-
-    def __post_init__(self, capture: str | None) -> None:
-        if isinstance(self.graphs, bool):  # the former on/off switch
-            warnings.warn(
-                f"EngineConfig(graphs={self.graphs}) is deprecated; use graphs='lazy', 'startup' or 'off'",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-            self.graphs = "lazy" if self.graphs else "off"
-        if capture is not None:
-            warnings.warn(
-                f"EngineConfig(capture={capture!r}) is deprecated; use graphs={capture!r}",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-            if capture not in ("lazy", "startup"):
-                raise ValueError(f"capture must be 'lazy' or 'startup', got {capture!r}")
-            if self.graphs != "off":
-                self.graphs = capture
 
     def validate(self) -> None:
         if self.max_batch < 1:

@@ -49,8 +49,8 @@ class Scheduler:
         block_size: int,
         max_batch: int,
         max_context: int,
-        max_waiting: int = 1024,
-        max_prefill_tokens: int | None = None,
+        max_waiting: int,
+        max_prefill_tokens: int | None,
     ):
         self.allocator = allocator
         self.block_size = block_size

@@ -42,7 +42,6 @@ import asyncio
 import collections
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
@@ -57,7 +56,8 @@ from torch import Tensor
 from tts.checkpoints.bundle import ModelBundle
 from tts.engine.engine import Engine, EngineConfig, for_bundle
 from tts.engine.request import Request, SamplingParams
-from tts.params import InvalidRequest
+from tts.environment import STEP_STREAM
+from tts.params import DEFAULT_CHUNK_FRAMES, DEFAULT_FIRST_CHUNK_FRAMES, InvalidRequest
 from tts.runtime.jobs import (
     Audio,
     Cancelled,
@@ -95,8 +95,6 @@ from tts.text.stream_cut import utf8_len
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DEFAULT_FIRST_CHUNK_FRAMES = 4
-DEFAULT_CHUNK_FRAMES = 16
 DEFAULT_MAX_QUEUED_CHUNKS = 8
 DEFAULT_REFERENCE_CACHE_BYTES = 64 * 1024 * 1024
 
@@ -870,7 +868,7 @@ class EngineLoop:
         its own low-priority stream, fill every SM; with equal priorities each small kernel waits for
         the codec's blocks ahead of it. Priorities only order pending blocks: nothing is preempted.
         TTS_STEP_STREAM=default keeps the default stream (for A/B measurements)."""
-        if os.environ.get("TTS_STEP_STREAM", "high") == "default":
+        if STEP_STREAM == "default":
             return
         # (torch's stub declares the static `priority_range` as an instance method)
         priority = min(torch.cuda.Stream.priority_range())  # type: ignore[call-arg]  # lower: sooner

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from tts.checkpoints.bundle import ModelBundle
 from tts.codec.base import AudioError, prepare_audio
-from tts.params import InvalidRequest, SamplingParams
+from tts.params import DEFAULT_CHUNK_FRAMES, DEFAULT_FIRST_CHUNK_FRAMES, InvalidRequest, SamplingParams
 from tts.runtime.request_errors import InvalidField, with_field
 from tts.runtime.voices import VoiceNotFound, VoiceRegistry, codec_fingerprint
 from tts.text.budget import charge
@@ -87,8 +87,8 @@ class SynthesisJob:
     budgets: list[int] = field(default_factory=list)
     references: list[VoiceReference] = field(default_factory=list)
     reference: PreparedReference | None = None
-    first_chunk_frames: int = 4
-    chunk_frames: int = 16
+    first_chunk_frames: int = DEFAULT_FIRST_CHUNK_FRAMES
+    chunk_frames: int = DEFAULT_CHUNK_FRAMES
     request_id: str | None = None
     max_frames: int | None = None
     voice_kind: str = "none"
@@ -292,8 +292,8 @@ class Planner:
         voice: str | VoiceReference | list[VoiceReference] | None = None,
         reference: PreparedReference | None = None,
         chunk_length: int | None = None,
-        first_chunk_frames: int = 4,
-        chunk_frames: int = 16,
+        first_chunk_frames: int = DEFAULT_FIRST_CHUNK_FRAMES,
+        chunk_frames: int = DEFAULT_CHUNK_FRAMES,
         max_audio_seconds: float | None = None,
         request_id: str | None = None,
         normalize: bool = True,

@@ -23,8 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from tts.audio.files import read_audio
 from tts.codec.base import AudioError
-from tts.params import MAX_CHUNK_FRAMES, InvalidRequest
-from tts.runtime.engine_thread import DEFAULT_CHUNK_FRAMES, DEFAULT_FIRST_CHUNK_FRAMES
+from tts.params import DEFAULT_CHUNK_FRAMES, DEFAULT_FIRST_CHUNK_FRAMES, MAX_CHUNK_FRAMES, InvalidRequest
 from tts.runtime.planner import Planner, PreparedReference, SynthesisJob
 from tts.runtime.request_errors import AudioFieldError, InvalidField, Ref, RequestError, with_field
 from tts.runtime.voices import reference_key

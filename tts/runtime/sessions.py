@@ -61,7 +61,7 @@ import numpy as np
 from torch import Tensor
 
 from tts.engine.aligner import ALIGN_MAX_TOKENS
-from tts.params import InvalidRequest, SamplingParams
+from tts.params import DEFAULT_CHUNK_FRAMES, DEFAULT_FIRST_CHUNK_FRAMES, InvalidRequest, SamplingParams
 from tts.runtime.jobs import Audio, Cancelled, Event, Failed, Finished, JobRunner, Preempted, Started
 from tts.runtime.planner import SynthesisJob
 from tts.runtime.timings import ChunkTimer, WordTiming, word_weights
@@ -100,8 +100,8 @@ class SessionOptions:
     max_pending_bytes: int = 8192
     hold_seconds: float = 2.0
     idle_seconds: float | None = 60.0
-    first_chunk_frames: int = 4
-    chunk_frames: int = 16
+    first_chunk_frames: int = DEFAULT_FIRST_CHUNK_FRAMES
+    chunk_frames: int = DEFAULT_CHUNK_FRAMES
     max_history_frames: int | None = None
 
 

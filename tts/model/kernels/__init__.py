@@ -3,13 +3,13 @@ CPU path and its test reference. `TTS_FUSED_KERNELS=0` turns them off (plain tor
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-_ENABLED = os.environ.get("TTS_FUSED_KERNELS", "1") != "0"
+from tts.environment import FUSED_KERNELS
+
+_ENABLED = FUSED_KERNELS != "0"
 # Tests only: run the kernels on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1).
-_ON_CPU = os.environ.get("TTS_FUSED_KERNELS") == "interpret"
+_ON_CPU = FUSED_KERNELS == "interpret"
 
 
 def triton_available() -> bool:
