@@ -39,6 +39,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
@@ -265,10 +266,14 @@ class FishAPI:
                 if refusal is not None:
                     raise refusal
                 encoder = AudioEncoder(FORMATS[r.format], self.bundle.codec.sample_rate, speed=speed)
+                options = self.front.loop.session_options
+                if r.chunk_length is not None:  # (Fish's chunk length bounds a session's chunks)
+                    options = dataclasses.replace(options, max_chunk_bytes=r.chunk_length)
                 session = self.front.loop.open_session(
                     voice,
                     aio_loop=asyncio.get_running_loop(),
                     normalize=True if r.normalize is None else r.normalize,
+                    options=options,
                     session_id="fish",
                     **sampling.given(),
                 )

@@ -551,6 +551,7 @@ def _timed_protocol(read_timeout: float):
 
     class TimedH11Protocol(H11Protocol):
         _read_timer: asyncio.TimerHandle | None = None
+        _upgraded = False
 
         def _arm(self) -> None:
             self._disarm()
@@ -574,8 +575,15 @@ def _timed_protocol(read_timeout: float):
             super().connection_made(transport)
             self._arm()
 
+        def handle_websocket_upgrade(self, event) -> None:
+            self._upgraded = True
+            super().handle_websocket_upgrade(event)
+
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
+            if self._upgraded:  # a WebSocket's connection now (its protocol reads it): no request deadline
+                self._disarm()
+                return
             state = self.conn.their_state
             if state is h11.SEND_BODY:
                 self._arm()  # the body: a deadline per pause

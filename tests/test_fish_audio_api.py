@@ -200,7 +200,9 @@ LONG = "This sentence is long enough to keep the session speaking for a good whi
             [None, {"event": "text", "text": LONG}, {"event": "stop"}, {"event": "text", "text": "More."}],
             "after stop",
         ),
-        ([None, {"event": "text", "text": "x" * 9000}], "text"),
+        ([None, {"event": "text", "text": "x" * 9000}], "waiting to be spoken"),
+        ([None, {"event": "text", "text": 5}], "needs `text`"),
+        ([None, {"event": "start", "request": {}}], "one session per socket"),
         ([{"event": "start", "request": {"format": "flac"}}], "format"),
         ([{"event": "start", "request": {"reference_id": "nobody"}}], "nobody"),
     ],
@@ -233,6 +235,34 @@ def test_a_client_that_leaves_mid_session_aborts_it(server):
             assert first["event"] == "audio"
             assert server.loop.sessions_open == 1
     freed(server)
+
+
+def test_a_websocket_outlives_the_http_read_timeout():
+    """The HTTP request deadline (`http_read_timeout`) ends with the upgrade: a voice agent's socket may
+    wait between turns. (The sleep only gives a wrongly armed timer the time to fire.)"""
+    import httpx
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(model_runner, "F", EndTokenNever())
+    limits = ServiceLimits(max_waiting=4, http_read_timeout=0.2)
+    srv = ServerThread(load_bundle("tiny"), EngineConfig(max_batch=2), limits, http_port=0)
+    try:
+        start = {"event": "start", "request": {"text": "", "format": "pcm", "max_new_tokens": N}}
+        with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}") as http_client:
+            with connect_ws("/v1/tts/live", client=http_client) as ws:
+                ws.send_bytes(msgpack.packb(start))
+                time.sleep(1.0)
+                ws.send_bytes(msgpack.packb({"event": "text", "text": "Hello there."}))
+                ws.send_bytes(msgpack.packb({"event": "stop"}))
+                got = []
+                while not got or got[-1]["event"] != "finish":
+                    got.append(msgpack.unpackb(ws.receive_bytes()))
+        assert got[-1] == {"event": "finish", "reason": "stop"}
+        assert sum(len(e["audio"]) for e in got if e["event"] == "audio") == N * FRAME * 2
+        freed(srv)
+    finally:
+        srv.stop()
+        mp.undo()
 
 
 # ---- voices ("models") -----------------------------------------------------------------------------------
