@@ -69,6 +69,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -821,6 +822,7 @@ class HTTPFront:
         async def playground():
             return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
 
+        app.mount("/static", StaticFiles(directory=STATIC), name="static")  # the playground's scripts
         register_fish_api(app, self)  # Fish Audio's API: /v1/tts, /v1/tts/live, /model
         return app
 

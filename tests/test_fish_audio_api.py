@@ -5,10 +5,14 @@ depends on what random weights generate or on timing (waits are on states and co
 
 from __future__ import annotations
 
+import base64
 import http.client
 import io
 import json
+import shutil
+import subprocess
 import time
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -291,3 +295,55 @@ def test_voices_create_list_use_and_delete(server, client):
     with pytest.raises(NotFoundError):
         client.voices.delete("fishy")
     freed(server)
+
+
+# ---- the playground's live mode (service/static/live.js) -------------------------------------------------
+
+
+def test_the_playground_loads_the_live_mode_script(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("GET", "/")
+    page = conn.getresponse().read().decode()
+    assert page.count('<script src="/static/live.js"></script>') == 1
+    conn.request("GET", "/static/live.js")
+    resp = conn.getresponse()
+    script = resp.read().decode()
+    conn.close()
+    assert resp.status == 200 and "javascript" in resp.headers["Content-Type"]
+    assert "/v1/tts/live/with-timestamp" in script
+
+
+def test_the_live_scripts_decoder_reads_the_servers_events(server, tmp_path):
+    """The page's MessagePack decoder (run by node) against real with-timestamp events of this server."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    start = {"event": "start", "request": {"text": "", "format": "wav", "max_new_tokens": N}}
+    got = live(
+        server,
+        "/v1/tts/live/with-timestamp",
+        [start, {"event": "text", "text": "Hello there my friend."}, {"event": "stop"}],
+    )
+    extra = {"big": 2**40, "neg": -(2**35), "small": -3, "f": 0.25, "t": True, "nil": None, "arr": [1, "é"]}
+    frames = [msgpack.packb(e) for e in got] + [msgpack.packb(extra)]
+    (tmp_path / "frames.bin").write_bytes(b"".join(len(f).to_bytes(4, "big") + f for f in frames))
+    script = Path(__file__).parent.parent / "service" / "static" / "live.js"
+    program = f"""
+const vm = require("vm"), fs = require("fs");
+vm.runInThisContext(fs.readFileSync({json.dumps(str(script))}, "utf8"));
+const data = fs.readFileSync({json.dumps(str(tmp_path / "frames.bin"))});
+const out = [];
+for (let at = 0; at < data.length;) {{
+  const n = data.readUInt32BE(at); at += 4;
+  const frame = data.buffer.slice(data.byteOffset + at, data.byteOffset + at + n); at += n;
+  out.push(fishUnpack(frame));
+}}
+console.log(JSON.stringify(out, (k, v) => (v instanceof Uint8Array ? Buffer.from(v).toString("base64") : v)));
+"""
+    decoded = json.loads(
+        subprocess.run([node, "-e", program], capture_output=True, check=True, text=True).stdout
+    )
+    for mine, theirs in zip(decoded, [*got, extra], strict=True):
+        if "audio" in theirs:
+            assert base64.b64decode(mine.pop("audio")) == theirs.pop("audio")
+        assert mine == theirs
