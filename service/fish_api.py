@@ -281,7 +281,11 @@ class FishAPI:
                 await self._finish_error(ws, str(exc))
                 return
             except Exception as exc:  # noqa: BLE001 - a request error (or a refusal): the client's answer
-                await self._finish_error(ws, error_message(with_field(exc, VOICE), FISH_FIELDS))
+                if isinstance(exc, VoiceNotFound):
+                    exc = with_field(exc, VOICE)
+                elif outcome_of(exc) == "error":
+                    log.exception("opening a Fish live session failed")
+                await self._finish_error(ws, error_message(exc, FISH_FIELDS))
                 return
             reader = asyncio.ensure_future(self._read_events(ws, session))
             writer = asyncio.ensure_future(self._write_events(ws, session, encoder, gain, timestamps))
@@ -442,6 +446,12 @@ class FishAPI:
                 if ev.reason == "error":
                     log.info("a Fish live chunk failed: %s", ev.error)
             elif isinstance(ev, SessionEnded):
+                log.info(
+                    "Fish live session %s ended (%s): %.2f s of audio",
+                    ev.session_id,
+                    ev.reason,
+                    ev.audio_samples / rate,
+                )
                 tail = await encode(None)
                 if tail:
                     await send_audio(tail, last_chunk)

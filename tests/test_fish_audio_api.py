@@ -119,6 +119,25 @@ def test_v1_tts_takes_json_and_answers_errors_as_fish_does(server, client):
     freed(server)
 
 
+def test_prosody_volume_is_a_gain_and_speed_a_tempo(server, client):
+    def tts(**body) -> np.ndarray:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        request = {"text": "Hello there.", "format": "pcm", "max_new_tokens": 20, "seed": 3, **body}
+        conn.request("POST", "/v1/tts", msgpack.packb(request), {"Content-Type": "application/msgpack"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        data = resp.read()
+        conn.close()
+        return np.frombuffer(data, "<i2").astype(np.float64)
+
+    plain, half = tts(), tts(prosody={"speed": 1.0, "volume": 20 * np.log10(0.5)})
+    assert len(half) == len(plain) == 20 * FRAME
+    assert np.abs(half - plain * 0.5).max() <= 1.0  # (16-bit rounding)
+    fast = tts(prosody={"speed": 2.0, "volume": 0.0})
+    assert abs(len(fast) - len(plain) / 2) <= 0.1 * RATE
+    freed(server)
+
+
 def test_the_legacy_sdk_converts_too(server):
     from fish_audio_sdk import Session, TTSRequest
 
