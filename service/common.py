@@ -30,6 +30,7 @@ from tts.runtime.engine_thread import (
     Preempted,
 )
 from tts.runtime.request import MiB, RequestLimits, format_size
+from tts.runtime.request import SpeechRequest as RuntimeRequest
 from tts.runtime.request_errors import RequestError
 from tts.runtime.voices import VoiceExists, VoiceNotFound
 from tts.text.budget import PreparationTimeout, TextBudget, text_budget
@@ -322,3 +323,15 @@ def log_call(call: CallLog) -> None:
         call.outcome,
         detail,
     )
+
+
+@dataclass
+class SpeechOutput:
+    """A parsed synthesis request of any HTTP wire format: the runtime's request and how to send its
+    audio (format name of `tts.audio.formats.FORMATS`, tempo, `audio` or `sse`, linear gain)."""
+
+    request: RuntimeRequest
+    response_format: str = "mp3"
+    speed: float = 1.0
+    stream_format: str = "audio"
+    gain: float = 1.0

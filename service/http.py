@@ -61,13 +61,15 @@ import logging
 import math
 import socket
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -77,6 +79,7 @@ from service.common import (
     NoAudio,
     ReplicaState,
     ServiceLimits,
+    SpeechOutput,
     error_field,
     error_message,
     format_size,
@@ -85,6 +88,7 @@ from service.common import (
     prepare_off_loop,
 )
 from service.common import finish_reason as overall_finish_reason
+from service.fish_api import register as register_fish_api
 from service.metrics import ServiceMetrics
 from tts.audio.formats import FORMATS, MAX_SPEED, MIN_SPEED, AudioEncoder
 from tts.codec.base import AudioError
@@ -358,8 +362,17 @@ class _Synthesis:
     """A job admitted for an HTTP request: turns its events into response bytes, keeps the metrics, and
     cancels the job unless it ended (`close`)."""
 
-    def __init__(self, front: HTTPFront, stream, started: Started, encoder: AudioEncoder, call: CallLog):
+    def __init__(
+        self,
+        front: HTTPFront,
+        stream,
+        started: Started,
+        encoder: AudioEncoder,
+        call: CallLog,
+        gain: float = 1.0,
+    ):
         self.front, self.stream, self.started, self.encoder = front, stream, started, encoder
+        self.gain = gain  # linear volume applied before encoding (1.0: none)
         self.call = call  # its log line: what `speech` knew, the rest filled in as the job ends
         self.t_received = call.received
         self.t_first: float | None = None
@@ -373,6 +386,8 @@ class _Synthesis:
         self.threaded = encoder.format.name not in ("pcm", "wav") or encoder.speed != 1.0
 
     async def _encode(self, samples) -> bytes:
+        if self.gain != 1.0:
+            samples = np.clip(samples * self.gain, -1.0, 1.0).astype(np.float32)
         if self.threaded:
             return await asyncio.to_thread(self.encoder.encode, samples)
         return self.encoder.encode(samples)
@@ -537,6 +552,7 @@ def _timed_protocol(read_timeout: float):
 
     class TimedH11Protocol(H11Protocol):
         _read_timer: asyncio.TimerHandle | None = None
+        _upgraded = False
 
         def _arm(self) -> None:
             self._disarm()
@@ -560,8 +576,15 @@ def _timed_protocol(read_timeout: float):
             super().connection_made(transport)
             self._arm()
 
+        def handle_websocket_upgrade(self, event) -> None:
+            self._upgraded = True
+            super().handle_websocket_upgrade(event)
+
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
+            if self._upgraded:  # a WebSocket's connection now (its protocol reads it): no request deadline
+                self._disarm()
+                return
             state = self.conn.their_state
             if state is h11.SEND_BODY:
                 self._arm()  # the body: a deadline per pause
@@ -672,7 +695,7 @@ class HTTPFront:
             log_config=None,
             log_level="warning",
             access_log=False,
-            ws="none",
+            ws="wsproto",  # the Fish Audio API's WebSockets (service/fish_api.py)
             timeout_graceful_shutdown=5,
             timeout_keep_alive=5,
             http=_timed_protocol(self.limits.http_read_timeout),
@@ -799,6 +822,8 @@ class HTTPFront:
         async def playground():
             return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
 
+        app.mount("/static", StaticFiles(directory=STATIC), name="static")  # the playground's scripts
+        register_fish_api(app, self)  # Fish Audio's API: /v1/tts, /v1/tts/live, /model
         return app
 
     def _model_card(self) -> dict:
@@ -1010,19 +1035,37 @@ class HTTPFront:
         """`POST /v1/audio/speech`: read (size-limited), parse and validate the body, admit the job and wait
         for the engine thread to accept it; then a streaming response, or an OpenAI-style error (see the
         module docstring for the statuses)."""
+        return await self.synthesize(request, self._openai_output)
+
+    async def _openai_output(self, request: Request, call: CallLog) -> SpeechOutput:
+        r = self._parse(await self._read_body(request))
+        call.text_bytes = len(r.input.encode("utf-8", "replace"))
+        self._check_model(r.model)
+        return SpeechOutput(self._to_request(r), r.response_format, r.speed, r.stream_format)
+
+    async def synthesize(
+        self,
+        request: Request,
+        parse: Callable[[Request, CallLog], Awaitable[SpeechOutput]],
+        names: dict[str, str] = HTTP_FIELDS,
+        render: Callable[[APIError, dict[str, str] | None], Response] | None = None,
+    ) -> Response:
+        """Serve one synthesis request of any HTTP wire format: `parse(request, call)` reads the body into a
+        `SpeechOutput` (raising APIError or a request error), then the job is admitted and its audio
+        streamed as `speech` does. `names`: the wire's names of the request fields (errors' `param`);
+        `render(error, headers)`: the error response (default: OpenAI-style JSON)."""
+        respond = render or (lambda err, headers: err.response(headers))
         t_received = time.monotonic()
         stream = None
         call = CallLog("http", t_received)
         try:
-            r = self._parse(await self._read_body(request))
-            call.text_bytes = len(r.input.encode("utf-8", "replace"))
-            self._check_model(r.model)
-            speech = self._to_request(r)
+            out = await parse(request, call)
+            speech = out.request
             refusal = self.state.refusal()
             if refusal is not None:
                 raise refusal
             job, input_tokens = await prepare_off_loop(
-                self._prepare, speech, r.stream_format == "sse", timeout=self.limits.max_prepare_seconds
+                self._prepare, speech, out.stream_format == "sse", timeout=self.limits.max_prepare_seconds
             )
             call.voice = job.voice_kind
             stream = self.loop.submit(job, asyncio.get_running_loop())
@@ -1035,22 +1078,22 @@ class HTTPFront:
             # streamed one could only say 0xFFFFFFFF, "27 hours", to a saved file's readers); pcm and sse
             # stream.
             encoder = AudioEncoder(
-                FORMATS[r.response_format],
+                FORMATS[out.response_format],
                 self.bundle.codec.sample_rate,
-                speed=r.speed,
-                seekable=r.response_format == "wav" and r.stream_format == "audio",
+                speed=out.speed,
+                seekable=out.response_format == "wav" and out.stream_format == "audio",
             )
         except APIError as exc:
             self.count(exc.outcome)
             self.log_call(call, exc.outcome, exc.message)
-            return exc.response()
+            return respond(exc, None)
         except REQUEST_ERRORS as exc:  # (RequestError among them: a TextError, InvalidRequest, ...)
             if stream is not None:
                 stream.cancel()  # a no-op: the job failed
-            err = api_error(exc)
+            err = api_error(exc, names)
             self.count(err.outcome)
             self.log_call(call, err.outcome, err.message)
-            return err.response()
+            return respond(err, None)
         except asyncio.CancelledError:
             if stream is not None:
                 stream.cancel()
@@ -1069,12 +1112,12 @@ class HTTPFront:
             log.exception("preparing an HTTP request failed")
             if stream is not None:
                 stream.cancel()
-            err = api_error(exc)
+            err = api_error(exc, names)
             self.count(err.outcome)
             self.log_call(call, err.outcome, err.message)
-            return err.response()
+            return respond(err, None)
 
-        synthesis = _Synthesis(self, stream, event, encoder, call)
+        synthesis = _Synthesis(self, stream, event, encoder, call, gain=out.gain)
         synthesis.input_tokens = input_tokens
         # The status line waits for the first audio (or the end): a job that fails or ends without
         # audio before then gets an error status, not a 200 with an empty or cut body.
@@ -1094,9 +1137,9 @@ class HTTPFront:
             await events.aclose()
             failure = first[1]
             assert isinstance(failure, BaseException), failure
-            err = failure if isinstance(failure, APIError) else api_error(failure)
+            err = failure if isinstance(failure, APIError) else api_error(failure, names)
             finished = synthesis.finished_event
-            return err.response(self._end_headers(finished, job.warnings) if finished else None)
+            return respond(err, self._end_headers(finished, job.warnings) if finished else None)
 
         async def replayed():
             yield first
@@ -1116,14 +1159,14 @@ class HTTPFront:
             headers |= self._end_headers(synthesis.finished_event, job.warnings)
         elif job.warnings:
             headers["X-Warnings"] = _header_text(job.warnings)
-        if r.response_format == "pcm":
+        if out.response_format == "pcm":
             headers |= {"X-Sample-Format": "s16le", "X-Channels": "1"}
-        if r.stream_format == "sse":
+        if out.stream_format == "sse":
             headers["X-Accel-Buffering"] = "no"
             return _SynthesisResponse(
                 synthesis, synthesis.sse_body(replayed()), media_type="text/event-stream", headers=headers
             )
-        headers["Content-Disposition"] = f'inline; filename="speech{FORMATS[r.response_format].extension}"'
+        headers["Content-Disposition"] = f'inline; filename="speech{FORMATS[out.response_format].extension}"'
         return _SynthesisResponse(
             synthesis, synthesis.audio_body(replayed()), media_type=encoder.media_type, headers=headers
         )

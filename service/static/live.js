@@ -1,0 +1,206 @@
+// "Type as it speaks": the playground's live mode over Fish Audio's WebSocket /v1/tts/live/with-timestamp.
+// Text typed or pasted into its box is sent piece by piece, a word at a time at the chosen words per second;
+// the audio (a streamed WAV: its header, then 16-bit PCM) plays as it arrives, and each word is highlighted
+// while it is heard, from the alignment segments. Self-contained: it adds its own section to the page.
+"use strict";
+// ---- a MessagePack decoder (what the server sends: maps, strings, binary, numbers, nil, booleans, arrays)
+function fishUnpack(buf) {
+  const view = new DataView(buf), bytes = new Uint8Array(buf), utf8 = new TextDecoder();
+  let at = 0;
+  const str = (n) => { const s = utf8.decode(bytes.subarray(at, at + n)); at += n; return s; };
+  const bin = (n) => { const b = bytes.slice(at, at + n); at += n; return b; };
+  const arr = (n) => { const a = []; for (let i = 0; i < n; i++) a.push(read()); return a; };
+  const map = (n) => { const m = {}; for (let i = 0; i < n; i++) { const k = read(); m[k] = read(); } return m; };
+  function read() {
+    const t = bytes[at++];
+    if (t < 0x80) return t;
+    if (t >= 0xe0) return t - 0x100;
+    if ((t & 0xf0) === 0x80) return map(t & 0x0f);
+    if ((t & 0xf0) === 0x90) return arr(t & 0x0f);
+    if ((t & 0xe0) === 0xa0) return str(t & 0x1f);
+    let v;
+    switch (t) {
+      case 0xc0: return null;
+      case 0xc2: return false;
+      case 0xc3: return true;
+      case 0xc4: v = bytes[at]; at += 1; return bin(v);
+      case 0xc5: v = view.getUint16(at); at += 2; return bin(v);
+      case 0xc6: v = view.getUint32(at); at += 4; return bin(v);
+      case 0xca: v = view.getFloat32(at); at += 4; return v;
+      case 0xcb: v = view.getFloat64(at); at += 8; return v;
+      case 0xcc: return bytes[at++];
+      case 0xcd: v = view.getUint16(at); at += 2; return v;
+      case 0xce: v = view.getUint32(at); at += 4; return v;
+      case 0xcf: v = Number(view.getBigUint64(at)); at += 8; return v;
+      case 0xd0: v = view.getInt8(at); at += 1; return v;
+      case 0xd1: v = view.getInt16(at); at += 2; return v;
+      case 0xd2: v = view.getInt32(at); at += 4; return v;
+      case 0xd3: v = Number(view.getBigInt64(at)); at += 8; return v;
+      case 0xd9: v = bytes[at]; at += 1; return str(v);
+      case 0xda: v = view.getUint16(at); at += 2; return str(v);
+      case 0xdb: v = view.getUint32(at); at += 4; return str(v);
+      case 0xdc: v = view.getUint16(at); at += 2; return arr(v);
+      case 0xdd: v = view.getUint32(at); at += 4; return arr(v);
+      case 0xde: v = view.getUint16(at); at += 2; return map(v);
+      case 0xdf: v = view.getUint32(at); at += 4; return map(v);
+    }
+    throw new Error(`MessagePack type 0x${t.toString(16)} is not read here`);
+  }
+  return read();
+}
+
+if (typeof document !== "undefined") (() => {
+  // ---- the section
+  const section = document.createElement("section");
+  section.innerHTML = `
+    <h2 style="font-size:1.1rem;margin-top:2rem">Type as it speaks</h2>
+    <p class="sub">Text is sent a word at a time over <code>/v1/tts/live/with-timestamp</code> (Fish Audio's
+    WebSocket) as you type or paste it; each word lights up while it is heard.</p>
+    <textarea id="live-text" placeholder="Start the session, then type or paste here…"></textarea>
+    <div class="row">
+      <label>Words per second <input id="live-wps" type="number" min="0.5" max="20" step="0.5" value="3"></label>
+      <button id="live-start">Start</button>
+      <button id="live-finish" disabled>Finish</button>
+      <button id="live-stop" disabled>Stop</button>
+    </div>
+    <div id="live-status" style="color:#444;min-height:1.4em"></div>
+    <div id="live-words" style="line-height:1.9"></div>`;
+  document.body.append(section);
+  const $ = (id) => document.getElementById(id);
+
+  let ws = null, ctx = null, timer = null;
+  let sent = 0;          // characters of the box already queued
+  let queue = [];        // words waiting for their turn
+  let rate = 0, header = new Uint8Array(0), odd = null;
+  let heard = 0;         // session seconds received (the session's clock)
+  let nextAt = 0;        // audio context time where the next buffer starts
+  let spans = [];        // {seq, start, end, el}: session seconds, end exclusive
+  let pieces = [];       // {session, ctxAt, seconds}: how session time maps to the audio context
+  const chunks = {};     // chunk_seq -> its word elements (a later snapshot replaces them)
+
+  const status = (s) => { $("live-status").textContent = s; };
+  const buttons = (live) => {
+    $("live-start").disabled = live; $("live-finish").disabled = !live; $("live-stop").disabled = !live;
+  };
+
+  function pcm(bytes) {  // the streamed WAV: parse its 44-byte header once, then play 16-bit samples
+    if (!rate) {
+      const all = new Uint8Array(header.length + bytes.length);
+      all.set(header); all.set(bytes, header.length);
+      if (all.length < 44) { header = all; return; }
+      rate = new DataView(all.buffer).getUint32(24, true);
+      bytes = all.subarray(44);
+    }
+    if (odd) { const b = new Uint8Array(bytes.length + 1); b[0] = odd; b.set(bytes, 1); bytes = b; odd = null; }
+    if (bytes.length % 2) { odd = bytes[bytes.length - 1]; bytes = bytes.subarray(0, bytes.length - 1); }
+    const n = bytes.length / 2;
+    if (!n) return;
+    const data = new DataView(bytes.buffer, bytes.byteOffset, bytes.length);
+    const buf = ctx.createBuffer(1, n, rate), out = buf.getChannelData(0);
+    for (let i = 0; i < n; i++) out[i] = data.getInt16(2 * i, true) / 32768;
+    const src = ctx.createBufferSource();
+    src.buffer = buf; src.connect(ctx.destination);
+    nextAt = Math.max(nextAt, ctx.currentTime + 0.05);
+    src.start(nextAt);
+    pieces.push({ session: heard, ctxAt: nextAt, seconds: n / rate });
+    nextAt += n / rate; heard += n / rate;
+  }
+
+  function align(seq, offset, alignment) {  // replace chunk `seq`'s words with its latest snapshot
+    for (const w of chunks[seq] || []) w.el.remove();
+    spans = spans.filter((w) => w.seq !== seq);
+    const box = $("live-words");
+    chunks[seq] = alignment.segments.map((s) => {
+      const el = document.createElement("span");
+      el.textContent = s.text + " ";
+      el.style.padding = "0 .1rem";
+      box.append(el);
+      return { seq, start: s.start + offset, end: s.end + offset, el };
+    });
+    spans = spans.concat(chunks[seq]).sort((a, b) => a.start - b.start);
+  }
+
+  function sessionNow() {  // the session time being heard now (null between pieces)
+    const t = ctx.currentTime;
+    for (const p of pieces) if (t >= p.ctxAt && t < p.ctxAt + p.seconds) return p.session + (t - p.ctxAt);
+    return null;
+  }
+
+  function highlight() {
+    if (!ctx) return;
+    const now = sessionNow();
+    for (const w of spans) {
+      const on = now !== null && now >= w.start && now < w.end;
+      w.el.style.background = on ? "#ffe27a" : "";
+      w.el.style.color = now !== null && now >= w.end ? "#555" : "";
+    }
+    requestAnimationFrame(highlight);
+  }
+
+  function pump() {  // queue what was typed or pasted since; send one word per tick
+    const text = $("live-text").value;
+    if (text.length < sent) sent = text.length;  // edits behind the cursor are not unsaid
+    const fresh = text.slice(sent);
+    const cut = fresh.search(/\s\S*$/);  // hold the word being typed until a space follows it
+    if (cut >= 0) { queue.push(...fresh.slice(0, cut + 1).split(/(?<=\s)/)); sent += cut + 1; }
+    const word = queue.shift();
+    if (word && ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ event: "text", text: word }));
+  }
+
+  function reset() {
+    clearInterval(timer); timer = null; ws = null; buttons(false);
+  }
+
+  $("live-start").onclick = () => {
+    const voice = document.getElementById("voice");
+    ctx = ctx || new (window.AudioContext || window.webkitAudioContext)();
+    ctx.resume();
+    sent = $("live-text").value.length; queue = []; rate = 0; header = new Uint8Array(0); odd = null;
+    heard = 0; nextAt = 0; spans = []; pieces = [];
+    for (const k of Object.keys(chunks)) delete chunks[k];
+    $("live-words").textContent = "";
+    const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/tts/live/with-timestamp`;
+    ws = new WebSocket(url);
+    ws.binaryType = "arraybuffer";
+    ws.onopen = () => {
+      const request = { text: "", format: "wav" };
+      if (voice && voice.value) request.reference_id = voice.value;
+      ws.send(JSON.stringify({ event: "start", request }));
+      const wps = Math.min(20, Math.max(0.5, Number($("live-wps").value) || 3));
+      timer = setInterval(pump, 1000 / wps);
+      buttons(true); status("live: type or paste");
+      requestAnimationFrame(highlight);
+    };
+    ws.onmessage = (m) => {
+      if (typeof m.data === "string") return;
+      const e = fishUnpack(m.data);
+      if (e.event === "audio") {
+        if (e.audio && e.audio.length) pcm(e.audio);
+        if (e.alignment) align(e.chunk_seq, e.chunk_audio_offset_sec, e.alignment);
+      } else if (e.event === "finish") {
+        status(e.reason === "stop" ? "finished" : `error: ${e.message || "the session failed"}`);
+        reset();
+      }
+    };
+    ws.onclose = () => { if (timer) { status("disconnected"); reset(); } };
+  };
+
+  $("live-finish").onclick = () => {  // send the rest now, then stop: the server speaks what is left
+    const text = $("live-text").value.slice(sent);
+    sent = $("live-text").value.length;
+    const rest = queue.join("") + text;
+    queue = [];
+    clearInterval(timer); timer = null;
+    if (ws && ws.readyState === WebSocket.OPEN) {
+      if (rest) ws.send(JSON.stringify({ event: "text", text: rest }));
+      ws.send(JSON.stringify({ event: "flush" }));
+      ws.send(JSON.stringify({ event: "stop" }));
+      status("speaking what is left…");
+    }
+  };
+
+  $("live-stop").onclick = () => {  // leave: the server aborts the session
+    if (ws) ws.close();
+    status("stopped"); reset();
+  };
+})();
