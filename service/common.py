@@ -183,7 +183,7 @@ class ReplicaState:
             "waiting": s.waiting,
             "paused": s.paused,
             "max_batch": max_batch,
-            "sessions": s.sessions,
+            "sessions": self.loop.sessions_open,
             "max_sessions": self.limits.max_sessions,
             "kv_blocks_used": s.kv_blocks_used,
             "kv_blocks_total": s.kv_blocks_total,
