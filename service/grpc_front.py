@@ -56,6 +56,7 @@ from service.common import (
 )
 from service.grpc_gen.v1 import tts_pb2 as pb
 from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
+from service.grpc_session import Wire, run_session
 from service.metrics import ServiceMetrics
 from tts.audio.files import to_pcm16
 from tts.checkpoints.bundle import ModelBundle
@@ -618,9 +619,8 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
 
     async def SynthesizeSession(self, request_iterator, context):
         # (the messages are read with context.read(): service/grpc_session.py)
-        from service.grpc_session import run_session
-
-        await run_session(self, context)
+        wire = Wire(encode_audio, encode_codes, MAX_STATUS_CHARS, MalformedRequest, CALL_ENDED)
+        await run_session(self, context, wire)
 
     def _voice_info(self, entry) -> pb.VoiceInfo:
         return pb.VoiceInfo(

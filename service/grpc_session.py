@@ -25,6 +25,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -46,6 +48,7 @@ from tts.runtime.engine_thread import (
 )
 from tts.runtime.request_errors import InvalidField, with_field
 from tts.runtime.voices import VoiceNotFound
+from tts.text.normalize import shorten
 
 if TYPE_CHECKING:
     from service.grpc_front import TextToSpeechServicer
@@ -69,6 +72,20 @@ SAMPLING = (
     "min_new_frames",
     "repetition_penalty",
 )
+
+
+@dataclass(frozen=True)
+class Wire:
+    """What the gRPC front lends this module (it imports this one, not the other way round):
+    encode_audio(samples, encoding) -> bytes, encode_codes(codes) -> pb.Codes, the longest status or
+    warning text, the type of a request that is no valid message (with a `message` saying why), and what
+    a write on a call that has ended raises."""
+
+    encode_audio: Callable
+    encode_codes: Callable
+    max_chars: int
+    malformed: type
+    call_ended: type[BaseException]
 
 
 class SessionEndedByServer(Exception):
@@ -133,9 +150,8 @@ def session_settings(
     return kwargs, encoding, out.include_codes
 
 
-def _message(event, encoding: int, include_codes: bool, rate: int) -> pb.SessionResponse:
-    from service.grpc_front import MAX_STATUS_CHARS, encode_audio, encode_codes
-    from tts.text.normalize import shorten
+def _message(event, encoding: int, include_codes: bool, rate: int, wire: Wire) -> pb.SessionResponse:
+    encode_audio, encode_codes, MAX_STATUS_CHARS = wire.encode_audio, wire.encode_codes, wire.max_chars
 
     if isinstance(event, SessionAudio):
         audio = pb.SessionAudio(
@@ -184,10 +200,10 @@ def _message(event, encoding: int, include_codes: bool, rate: int) -> pb.Session
     )
 
 
-async def _read(context, stream: SessionStream, errors: list[BaseException]) -> None:
+async def _read(context, stream: SessionStream, errors: list[BaseException], wire: Wire) -> None:
     """Apply the client's messages to `stream` until it closes; a bad one is put on `errors` and the
     session aborted (the handler then ends the call with its status)."""
-    from service.grpc_front import MalformedRequest
+    MalformedRequest = wire.malformed
 
     closed = False
     try:
@@ -197,7 +213,7 @@ async def _read(context, stream: SessionStream, errors: list[BaseException]) -> 
                 stream.close()  # (a client that half-closes is done sending: speak what is left)
                 return
             if isinstance(request, MalformedRequest):
-                raise InvalidRequest(request.message)
+                raise InvalidRequest(getattr(request, "message", "not a valid tts.v1.SessionRequest"))
             kind = request.WhichOneof("message")
             if kind == "start":
                 raise InvalidField("start", "start may only be the first message of a session")
@@ -224,9 +240,9 @@ async def _read(context, stream: SessionStream, errors: list[BaseException]) -> 
         stream.abort()
 
 
-async def run_session(servicer: TextToSpeechServicer, context) -> None:
+async def run_session(servicer: TextToSpeechServicer, context, wire: Wire) -> None:
     """Serve one SynthesizeSession call (see the module docstring)."""
-    from service.grpc_front import CALL_ENDED, MalformedRequest
+    CALL_ENDED, MalformedRequest = wire.call_ended, wire.malformed
 
     call = CallLog("SynthesizeSession", time.monotonic())
     stream: SessionStream | None = None
@@ -276,7 +292,7 @@ async def run_session(servicer: TextToSpeechServicer, context) -> None:
             )
         )
         errors: list[BaseException] = []
-        reader = asyncio.ensure_future(_read(context, stream, errors))
+        reader = asyncio.ensure_future(_read(context, stream, errors, wire))
         samples = 0
         while True:
             event = await stream.next()
@@ -287,7 +303,7 @@ async def run_session(servicer: TextToSpeechServicer, context) -> None:
                 call.frames += event.frame_end - event.frame_start
             if isinstance(event, SessionEnded) and errors:  # a bad message ended it: its status, no end
                 await servicer._abort(context, errors[0], call)
-            await context.write(_message(event, encoding, include_codes, rate))
+            await context.write(_message(event, encoding, include_codes, rate, wire))
             if isinstance(event, SessionEnded):
                 call.audio_seconds = samples / rate
                 metrics.audio_seconds.inc(call.audio_seconds)

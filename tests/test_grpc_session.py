@@ -13,12 +13,12 @@ import time
 import grpc
 import numpy as np
 import pytest
+from service_helpers import NO_BDP, ServerThread, wait_idle
 
 from service.client import channel_options
 from service.common import ServiceLimits
 from service.grpc_gen.v1 import tts_pb2 as pb
 from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
-from tests.service_helpers import NO_BDP, ServerThread, wait_idle
 from tts.checkpoints.load import load_bundle
 from tts.engine import EngineConfig
 from tts.model.kv_cache import blocks_needed
