@@ -110,6 +110,7 @@ def test_flush_and_close_stream_chunks_audio_and_timings_on_one_clock(server, bu
         assert header.session_id and header.sample_rate == bundle.codec.sample_rate
         assert header.encoding == pb.AUDIO_ENCODING_FLOAT32
         assert server.server.load()["sessions"] == 1
+        assert server.server.metrics.registry.get_sample_value("tts_sessions_open") == 1
         for piece in ("Hello there my", " friend. And", " then more"):
             await call.write(text(piece))
         await call.write(FLUSH)
@@ -268,6 +269,26 @@ def test_bad_messages_are_invalid_argument_naming_the_field_and_free_everything(
     code, details, field = run(server, after_close, **NO_BDP)
     assert (code, field) == (grpc.StatusCode.INVALID_ARGUMENT, "text")
     assert "after close" in details
+    freed(server)
+
+    def raw_call(stub_channel):
+        return stub_channel.stream_stream(
+            "/tts.v1.TextToSpeech/SynthesizeSession",
+            request_serializer=lambda data: data,
+            response_deserializer=pb.SessionResponse.FromString,
+        )()
+
+    async def malformed(_stub):
+        options = channel_options()
+        async with grpc.aio.insecure_channel(server.address, options=options) as ch:
+            call = raw_call(ch)
+            await call.write(start(6).SerializeToString())
+            await call.read()
+            await call.write(b"\x12\x02\xff\xfe")  # field 2 (text): bytes that are not UTF-8
+            return await status_of(call)
+
+    code, details, _ = run(server, malformed)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "text must be UTF-8" in details
     freed(server)
 
     async def second_start(stub):
