@@ -21,6 +21,7 @@ from tts.runtime.engine_thread import (
     DEFAULT_CHUNK_FRAMES,
     DEFAULT_FIRST_CHUNK_FRAMES,
     DEFAULT_MAX_QUEUED_CHUNKS,
+    DEFAULT_MAX_SESSIONS,
     Cancelled,
     EngineFailed,
     EngineLoop,
@@ -28,6 +29,7 @@ from tts.runtime.engine_thread import (
     LoopClosed,
     Overloaded,
     Preempted,
+    SessionLimit,
 )
 from tts.runtime.request import MiB, RequestLimits, format_size
 from tts.runtime.request import SpeechRequest as RuntimeRequest
@@ -61,6 +63,8 @@ class ServiceLimits:
     max_prepare_seconds: the longest a request's preparation (text, reference clip, planning) may take
     (a gRPC call's own deadline, when shorter, wins); past it the request ends with DEADLINE_EXCEEDED
     (HTTP 504).
+    max_sessions: streaming sessions (gRPC SynthesizeSession, Wyoming's streamed synthesis) open at most;
+    beyond, opening one is refused with RESOURCE_EXHAUSTED.
     """
 
     max_waiting: int = 16
@@ -80,6 +84,7 @@ class ServiceLimits:
     max_connection_age_grace: float | None = None
     http_read_timeout: float = 30.0
     max_prepare_seconds: float = 10.0
+    max_sessions: int = DEFAULT_MAX_SESSIONS
 
     @property
     def receive_bytes(self) -> int:
@@ -163,7 +168,8 @@ class ReplicaState:
 
     def load(self) -> dict:
         """The load signal a balancer or autoscaler reads cheaply (HTTP `GET /load`): the replica's name and
-        state, requests in flight / running / waiting / paused against the admission limit, and KV blocks
+        state, requests in flight / running / waiting / paused against the admission limit, streaming sessions
+        open against their limit, and KV blocks
         in use (the engine loop's snapshot and its live admission count; no engine work)."""
         s, in_flight = self.loop.stats, self.loop.in_flight
         # The loop's engine config: its max_batch is the engine's, and it exists before the engine is built.
@@ -178,6 +184,8 @@ class ReplicaState:
             "waiting": s.waiting,
             "paused": s.paused,
             "max_batch": max_batch,
+            "sessions": self.loop.sessions_open,
+            "max_sessions": self.limits.max_sessions,
             "kv_blocks_used": s.kv_blocks_used,
             "kv_blocks_total": s.kv_blocks_total,
             "load": round(in_flight / limit, 4) if limit else 0.0,
@@ -224,6 +232,7 @@ def outcome_of(exc: BaseException) -> str:
     kinds: tuple[tuple[type[BaseException], str], ...] = (
         (PreparationTimeout, "deadline_exceeded"),
         (Overloaded, "resource_exhausted"),
+        (SessionLimit, "resource_exhausted"),
         (Preempted, "preempted"),
         (LoopClosed, "unavailable"),
         (Cancelled, "cancelled"),

@@ -56,6 +56,7 @@ from service.common import (
 )
 from service.grpc_gen.v1 import tts_pb2 as pb
 from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
+from service.grpc_session import Wire, run_session
 from service.metrics import ServiceMetrics
 from tts.audio.files import to_pcm16
 from tts.checkpoints.bundle import ModelBundle
@@ -316,12 +317,20 @@ def add_servicer(servicer: TextToSpeechServicer, server) -> None:
     """Register `servicer` for every method of tts.v1.TextToSpeech, as the generated
     `add_TextToSpeechServicer_to_server` does, but with request deserializers that turn bytes which are
     not a valid request (invalid UTF-8 in a string field, a truncated message) into INVALID_ARGUMENT.
-    Raises NotImplementedError if the service has a client-streaming method (it has none)."""
+    A bidi method (SynthesizeSession) reads its messages itself: a malformed one reaches it as a
+    `MalformedRequest`. Raises NotImplementedError for a client-streaming method with a unary reply."""
     kinds = {False: grpc.unary_unary_rpc_method_handler, True: grpc.unary_stream_rpc_method_handler}
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["TextToSpeech"].methods:
         if method.client_streaming:
-            raise NotImplementedError(f"{method.name}: client-streaming methods are not handled here")
+            if not method.server_streaming:
+                raise NotImplementedError(f"{method.name}: client-streaming methods are not handled here")
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                getattr(servicer, method.name),
+                request_deserializer=_tolerant_deserializer(getattr(pb, method.input_type.name)),
+                response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+            )
+            continue
         handlers[method.name] = kinds[method.server_streaming](
             _guarded(servicer, method.name, method.server_streaming),
             request_deserializer=_tolerant_deserializer(getattr(pb, method.input_type.name)),
@@ -607,6 +616,11 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
                             )
                         )
                     return reply
+
+    async def SynthesizeSession(self, request_iterator, context):
+        # (the messages are read with context.read(): service/grpc_session.py)
+        wire = Wire(encode_audio, encode_codes, MAX_STATUS_CHARS, MalformedRequest, CALL_ENDED)
+        await run_session(self, context, wire)
 
     def _voice_info(self, entry) -> pb.VoiceInfo:
         return pb.VoiceInfo(

@@ -74,6 +74,7 @@ class _EngineCollector:
             "tts_requests_waiting": ("Engine requests waiting for a row or KV blocks", s.waiting),
             "tts_requests_in_flight": ("Synthesis requests admitted and not ended", s.jobs),
             "tts_requests_paused": ("Requests paused by back-pressure", s.paused),
+            "tts_sessions_open": ("Streaming sessions open (opened and not ended)", self.loop.sessions_open),
             "tts_kv_blocks_used": ("Paged KV cache blocks in use", s.kv_blocks_used),
             "tts_kv_blocks_total": ("Paged KV cache blocks available to requests", s.kv_blocks_total),
             "tts_kv_cache_bytes": ("Size of the paged KV cache's block pool (bytes)", s.kv_bytes),

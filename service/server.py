@@ -110,6 +110,7 @@ class TTSServer:
             voices_dir=limits.voices_dir,
             reference_cache_bytes=limits.reference_cache_bytes,
             codec_graphs=codec_graphs,
+            max_sessions=limits.max_sessions,
         )
         self.metrics = ServiceMetrics(self.loop)
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
@@ -255,9 +256,14 @@ class TTSServer:
             self.loop.close_admission()
             grace = 0.0 if grace is None else grace
             deadline = time.monotonic() + grace
-            while self.loop.in_flight > 0 and self.loop.alive and time.monotonic() < deadline:
+            while (
+                (self.loop.in_flight > 0 or self.loop.sessions_open > 0)
+                and self.loop.alive
+                and time.monotonic() < deadline
+            ):
                 await asyncio.sleep(0.01)
-            # Jobs still open end with UNAVAILABLE ("the server shut down before the request finished").
+            # Jobs still open end with UNAVAILABLE ("the server shut down before the request finished"),
+            # sessions still open with SessionEnded("shutdown").
             await asyncio.to_thread(self.loop.stop, 30.0)
             if self._server is not None:
                 await self._server.stop(0.5)  # the handlers have their final events: let them send them

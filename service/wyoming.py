@@ -14,10 +14,13 @@ Events handled (client -> server):
   little-endian payload, as the engine produces them), `audio-stop`: the whole text as one job, as gRPC
   and HTTP run it.
 * streaming: `synthesize-start {voice?}`, `synthesize-chunk {text}`..., `synthesize-stop` ->
-  `audio-start`, `audio-chunk`s as the text is spoken, `audio-stop`, `synthesize-stopped`: one audio
-  stream for the whole text (`SentenceJobs` below runs each complete sentence as a job as soon as it is
-  complete, in order). The `synthesize` with the whole text that clients send inside the stream for
-  servers without streaming is ignored.
+  `audio-start`, `audio-chunk`s as the text is spoken, `audio-stop`, `synthesize-stopped`: one session
+  of the engine loop (`SessionSpeech` below: `EngineLoop.open_session`; `synthesize-chunk` -> `send`,
+  `synthesize-stop` -> `close`, a disconnect -> `abort`): each complete sentence is spoken as soon as it
+  is complete, with the earlier ones as context (their KV kept), on one codec stream, so the audio runs on
+  without a seam across sentences. Streams count against `--max-sessions` (beyond: `resource_exhausted`).
+  The `synthesize` with the whole text that clients send inside the stream for servers without
+  streaming is ignored.
 * `ping` -> `pong`; `select-program {name}` is accepted for this server's program.
 
 `voice.name` is a preset or a registered voice (`info` lists them); without a name, `voice.language` must
@@ -59,6 +62,8 @@ from tts.engine import InvalidRequest
 from tts.runtime.engine_thread import (
     Audio,
     Cancelled,
+    ChunkEnded,
+    ChunkStarted,
     EngineFailed,
     Failed,
     Finished,
@@ -66,6 +71,10 @@ from tts.runtime.engine_thread import (
     Overloaded,
     Preempted,
     RequestStream,
+    SessionAudio,
+    SessionEnded,
+    SessionLimit,
+    SessionStream,
     Started,
 )
 from tts.runtime.request import SpeechRequest, plan_job
@@ -185,7 +194,7 @@ def encode_event(kind: str, data: dict | None = None, payload: bytes = b"") -> b
     return json.dumps(header).encode("utf-8") + b"\n" + body + payload
 
 
-# ---- sentence-by-sentence jobs (to be replaced by the runtime's Session) ---------------------------------
+# ---- the one-shot synthesis: a job (and the sentence cut, for its callers) -----------------------------
 
 
 def sentence_cut(text: str) -> int:
@@ -210,9 +219,8 @@ def _speakable(text: str) -> bool:
 class SentenceJobs:
     """Streamed text in, audio out: each complete sentence (`sentence_cut`), and what is left at `close`,
     is planned and run as its own synthesis job through the engine thread, one job at a time, in order;
-    `audio()` yields their samples as one stream. A stand-in for the runtime's `Session` (one KV sequence
-    kept across the pieces), which will replace it behind the same calls: `send`, `close`, `abort`,
-    `audio`.
+    `audio()` yields their samples as one stream. The one-shot `synthesize` runs through it (the whole
+    text, one job: `close(text)`); streams are sessions (`SessionSpeech`).
 
     front: the WyomingFront (engine loop, limits). voice: a voice name (None: the model's default).
     label: what the text is called in the text limit's message. streamed: the text comes in pieces, and
@@ -304,11 +312,7 @@ class SentenceJobs:
                 self._stream = None
 
     def _count(self, text: str) -> None:
-        limit = self.front.limits.max_text_bytes
-        n = self.text_bytes + len(text.encode("utf-8", "replace"))
-        if n > limit:
-            raise InvalidRequest(f"{self.label} is {n} bytes; the limit is {limit}")
-        self.text_bytes = n
+        _count_text(self, text)
 
     def _queue(self, piece: str) -> None:
         if piece.strip():
@@ -318,6 +322,89 @@ class SentenceJobs:
         """The job of one piece of text, through the request rules every front shares."""
         request = SpeechRequest(text=piece, voice=self.voice)
         return plan_job(self.front.loop.planner, request, self.front.limits.request_limits)
+
+
+class SessionSpeech:
+    """A Wyoming stream as a session of the engine loop (`EngineLoop.open_session`), behind the calls
+    `_Connection` makes of a synthesis: `send` (synthesize-chunk), `close` (synthesize-stop), `abort` (a
+    disconnect or an error) and `audio()`. Opening it raises what `open_session` raises (SessionLimit,
+    LoopClosed, VoiceNotFound, InvalidRequest).
+
+    front: the WyomingFront (engine loop, limits). voice: a voice name (None: the model's default).
+    label: what the text is called in the text limit's message (`ServiceLimits.max_text_bytes` bounds all
+    the text of the stream together)."""
+
+    streamed = True
+
+    def __init__(self, front: WyomingFront, voice: str | None, label: str):
+        self.front = front
+        self.label = label
+        self.closed = False
+        self.text_bytes = 0
+        self.first_job_at: float | None = None  # when the first chunk of text was ready to speak
+        self.request_id = "-"  # the session's id once a chunk started
+        self.samples = 0  # samples yielded by audio()
+        self.first_audio: float | None = None  # when the owner sent the first audio (set by it)
+        self._stream: SessionStream = front.loop.open_session(
+            voice, aio_loop=asyncio.get_running_loop(), session_id="wyoming"
+        )
+        self.voice_kind = f"voice:{voice}" if voice else "default"
+
+    def send(self, text: str) -> None:
+        """Add streamed text (spoken as soon as a sentence is complete). Raises InvalidRequest past the
+        server's text limit, or past the session's bound of text waiting to be spoken."""
+        _count_text(self, text)
+        self._stream.send(text)
+
+    def close(self, text: str = "") -> None:
+        """No more text: what is buffered is spoken, then the session ends."""
+        if text:
+            self.send(text)
+        self.closed = True
+        self._stream.close()
+
+    def abort(self) -> None:
+        """End the session now: its row, KV blocks and codec stream are freed at the engine's next step.
+        Idempotent."""
+        self.closed = True
+        self._stream.abort()
+
+    async def audio(self) -> AsyncIterator[np.ndarray]:
+        """Float32 samples `[S]` at the codec's rate, in order, until the session has spoken everything
+        after `close`. Raises InvalidRequest (a chunk's text refused), EngineFailed (a chunk failed),
+        Preempted (the audio was not read while others waited), LoopClosed (shutdown)."""
+        while True:
+            event = await self._stream.next()
+            if isinstance(event, SessionAudio):
+                self.samples += len(event.samples)
+                yield event.samples
+            elif isinstance(event, ChunkStarted):
+                if self.first_job_at is None:
+                    self.first_job_at = time.monotonic()
+                    self.request_id = self._stream.session_id
+            elif isinstance(event, ChunkEnded) and event.reason == "error":
+                error = event.error or "the chunk failed"
+                # (the session's refused text says so: "text: ..."; anything else failed in the engine)
+                raise InvalidRequest(error) if error.startswith("text: ") else EngineFailed(error)
+            elif isinstance(event, SessionEnded):
+                if event.reason in ("closed", "aborted"):
+                    return
+                if event.reason == "preempted":
+                    raise Preempted("the stream was not read while other requests waited")
+                if event.reason == "idle_timeout":
+                    raise InvalidRequest(
+                        "the stream got no text for too long and ended; send synthesize-stop"
+                    )
+                raise LoopClosed(f"the server shut down before the stream finished ({event.reason})")
+
+
+def _count_text(speech, text: str) -> None:
+    """Count `text` into `speech.text_bytes`; InvalidRequest past the server's text limit."""
+    limit = speech.front.limits.max_text_bytes
+    n = speech.text_bytes + len(text.encode("utf-8", "replace"))
+    if n > limit:
+        raise InvalidRequest(f"{speech.label} is {n} bytes; the limit is {limit}")
+    speech.text_bytes = n
 
 
 # ---- one connection -----------------------------------------------------------------------------------
@@ -330,7 +417,7 @@ class _Connection:
     def __init__(self, front: WyomingFront, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.front, self.reader, self.writer = front, reader, writer
         self.peer = writer.get_extra_info("peername")
-        self.jobs: SentenceJobs | None = None  # the synthesis in progress
+        self.jobs: SentenceJobs | SessionSpeech | None = None  # the synthesis in progress
         self.streaming = False  # between synthesize-start and synthesize-stop
         self.call: CallLog | None = None
         self.speaker: asyncio.Task | None = None
@@ -405,14 +492,19 @@ class _Connection:
         if self.jobs is not None:
             raise InvalidRequest(f"{kind} while a synthesis is still speaking: one at a time per connection")
 
-    def _begin(self, rpc: str, voice: str | None, label: str) -> SentenceJobs:
-        self.call = CallLog(rpc, time.monotonic())
+    def _begin(self, rpc: str, voice: str | None, label: str) -> SentenceJobs | SessionSpeech:
+        call = CallLog(rpc, time.monotonic())
         streaming = rpc == "wyoming-stream"
-        self.jobs = SentenceJobs(self.front, voice, label, streamed=streaming)
+        if streaming:
+            self.call = call  # (a session that cannot open is counted as this request)
+            self.jobs = SessionSpeech(self.front, voice, label)
+        else:
+            self.jobs = SentenceJobs(self.front, voice, label, streamed=False)
+        self.call = call
         self.speaker = asyncio.ensure_future(self._speak(self.jobs, streaming))
         return self.jobs
 
-    async def _speak(self, jobs: SentenceJobs, streaming: bool) -> None:
+    async def _speak(self, jobs: SentenceJobs | SessionSpeech, streaming: bool) -> None:
         """Write one synthesis's audio: `audio-start` before the first chunk, the chunks, `audio-stop`
         (and `synthesize-stopped` for a stream); or an error event, then the connection is closed."""
         codec = self.front.bundle.codec
@@ -515,7 +607,7 @@ class NoAudio(RuntimeError):
 # What a request can fail with (answered without a traceback in the log).
 REQUEST_ERRORS: tuple[type[BaseException], ...] = (
     InvalidRequest, VoiceNotFound, TextError, LoopClosed, Overloaded, PreparationTimeout, EngineFailed,
-    Cancelled, Preempted, NoAudio,
+    Cancelled, Preempted, NoAudio, SessionLimit,
 )  # fmt: skip
 
 

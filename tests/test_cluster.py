@@ -462,6 +462,15 @@ def test_replicas_get_the_preparation_deadline():
     assert words == ["--max-prepare-seconds", "2.5"]
 
 
+def test_replicas_get_the_session_limit():
+    """`--max-sessions` reaches every replica (it is no cluster option)."""
+    from tts.cli import serve as service_cli
+
+    args = build_parser().parse_args(["serve", "--devices", "cpu,cpu", "--max-sessions", "3"])
+    words = cluster.forwarded_options(args, service_cli._SERVE_PARSER)
+    assert words == ["--max-sessions", "3"]
+
+
 def _replicas(n: int) -> list[cluster.Replica]:
     return [cluster.Replica(i, "cpu", 41000 + 3 * i, 41001 + 3 * i, 41002 + 3 * i) for i in range(n)]
 

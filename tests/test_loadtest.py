@@ -354,3 +354,41 @@ def test_first_audio_phases_are_mean_milliseconds_per_request_of_the_level():
     from tts.runtime.jobs import FIRST_AUDIO_PHASES as runner_phases
 
     assert FIRST_AUDIO_PHASES == runner_phases  # the names the server exports
+
+
+def test_bench_server_sessions_reports_exact_counts(server, tmp_path, capsys):
+    """`--sessions 2`: two concurrent SynthesizeSession calls fed word by word, one of which barges in;
+    the report's structure and its exact counts (sessions, chunks, frames), not its timings."""
+    from service_helpers import wait_idle
+
+    from tts.cli.main import main
+
+    out = tmp_path / "sessions.json"
+    rc = main(
+        ["bench-server", "--server", server.address, "--sessions", "2", "--words-per-second", "1000"]
+        + ["--cancel-share", "0.5", "--max-new-frames", "30", "--min-new-frames", "30", "--seed", "7"]
+        + ["--json", str(out)]
+    )
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert (report["mode"], report["sessions"], report["ok"], report["errors"]) == ("sessions", 2, 2, {})
+    assert report["barge_in_sessions"] == 1
+    # every session speaks two sentences of the pool, one chunk each (the barge-in's second one after its
+    # cancel), whether or not the cancel caught its first chunk still speaking
+    assert report["chunks"] == 4
+    plain, barged = report["per_session"]
+    assert (plain["barge_in"], barged["barge_in"]) == (False, True)
+    for s in (plain, barged):
+        assert s["ok"] and s["end_reason"] == "closed" and s["chunks"] == s["chunk_starts"] == 2
+        assert len(s["prefill_tokens"]) == len(s["cached_tokens"]) == 2
+    assert plain["audio_samples"] == 2 * 30 * 640  # 30 frames per chunk, exactly
+    assert plain["cached_tokens"][0] == 0 and plain["cached_tokens"][1] > 0  # the second reuses the KV
+    assert barged["cancelled_chunks"] == report["cancelled_chunks"] <= 1
+    for key in ("clause_to_first_audio_ms", "close_to_last_audio_ms", "cancel_to_silence_ms"):
+        assert set(report[key]) == {"p50", "p95", "n"}
+    assert report["clause_to_first_audio_ms"]["n"] == 2 and report["cancel_to_silence_ms"]["n"] == 1
+    assert report["close_to_last_audio_ms"]["n"] == 1
+    assert report["prefill_tokens_first_chunk"] > 0 and report["prefill_tokens_later_chunks"] > 0
+    assert "clause -> first audio" in capsys.readouterr().out
+    wait_idle(server.loop)
+    assert server.loop.sessions_open == 0

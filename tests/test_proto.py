@@ -58,6 +58,9 @@ def test_generated_modules_describe_the_api():
         "GetInfo",
         "AddVoice",
         "DeleteVoice",
+        "SynthesizeSession",
     }
     assert methods["Synthesize"].server_streaming and not methods["SynthesizeUnary"].server_streaming
+    session = methods["SynthesizeSession"]
+    assert session.client_streaming and session.server_streaming  # bidi
     assert pb.SynthesizeRequest().sampling.HasField("seed") is False  # optional fields keep presence

@@ -22,6 +22,7 @@ from service.server import ServiceLimits
 from tts.api import TTS
 from tts.checkpoints.load import load_bundle
 from tts.engine import EngineConfig
+from tts.runtime.sessions import ChunkEnded, SessionAudio
 
 pytest.importorskip("wyoming")
 from wyoming.audio import AudioChunk, AudioStart, AudioStop  # noqa: E402
@@ -72,8 +73,8 @@ def server(bundle):
 
 @pytest.fixture(scope="module")
 def hold():
-    """One row and no queue (one job in flight at most); every job HOLD_FRAMES frames."""
-    limits = ServiceLimits(max_waiting=0, max_queued_chunks=2, max_text_bytes=MAX_TEXT_BYTES)
+    """One row and no queue (one job in flight at most), one session; every job HOLD_FRAMES frames."""
+    limits = ServiceLimits(max_waiting=0, max_queued_chunks=2, max_text_bytes=MAX_TEXT_BYTES, max_sessions=1)
     srv = ServerThread(
         fixed_frames(load_bundle("tiny"), HOLD_FRAMES), EngineConfig(max_batch=1), limits, wyoming_port=0
     )
@@ -235,7 +236,16 @@ def test_streaming_synthesize_speaks_each_sentence_in_one_audio_stream(server, o
     assert SynthesizeStopped.is_type(events[-1].type)
     sentences = ["Hello there.", "How are you today?", "Fine"]
     assert_one_stream(events[:-1], len(sentences) * FRAMES * 640)
-    ref = np.concatenate([offline.synthesize(s, voice="beta").audio for s in sentences])
+    # One session: each sentence with the earlier ones as context, on one codec stream. The audio is what
+    # a session of the Python API makes of the same pieces (greedy), to 16-bit precision.
+    session = offline.session(voice="beta")
+    for piece in pieces:
+        session.send(piece)
+    session.close()
+    session_events = list(session)
+    ended = [e.chunk for e in session_events if isinstance(e, ChunkEnded)]
+    assert ended == [0, 1, 2]  # one chunk per sentence
+    ref = np.concatenate([e.samples for e in session_events if isinstance(e, SessionAudio)])
     assert np.abs(pcm(events) - ref).max() <= 1.5 / 32767
     assert count(server, "ok") == ok + 1  # one stream, one request
     wait_idle(server.loop)
@@ -391,7 +401,7 @@ def test_a_client_that_disconnects_frees_its_job(hold):
     async def scenario():
         reader, writer = await held_stream(hold)()
         await asyncio.to_thread(wait_for, lambda: hold.loop.stats.paused == 1, "the held job to pause")
-        assert hold.loop.in_flight == 1 and hold.loop.engine.kv_usage()[0] > 0
+        assert hold.loop.sessions_open == 1 and hold.loop.engine.kv_usage()[0] > 0
         writer.transport.abort()  # gone, with unread audio
 
     run(scenario())
@@ -401,14 +411,17 @@ def test_a_client_that_disconnects_frees_its_job(hold):
 
 
 def test_admission_is_shared_with_the_other_fronts(hold):
+    """A stream is a session of the engine loop: the server's session limit (one here) counts it as it
+    counts gRPC's SynthesizeSession calls."""
     before = count(hold, "resource_exhausted")
 
     async def scenario():
-        reader, writer = await held_stream(hold)()  # the one job the server admits
+        reader, writer = await held_stream(hold)()  # the one session the server opens
         await asyncio.to_thread(wait_for, lambda: hold.loop.stats.paused == 1, "the held job to pause")
         async with AsyncTcpClient("127.0.0.1", hold.server.wyoming_port) as client:
-            await client.write_event(Synthesize(text="Let me in.").event())
-            refused = await read_until(client, "audio-stop", "error")
+            await client.write_event(SynthesizeStart().event())
+            await client.write_event(SynthesizeChunk(text="Let me in.").event())
+            refused = await read_until(client, "synthesize-stopped", "error")
         writer.transport.abort()
         return refused
 

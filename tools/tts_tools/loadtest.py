@@ -725,6 +725,26 @@ def add_arguments(p: argparse.ArgumentParser, server_required: bool = True) -> N
         help="the server's Prometheus endpoint (http://HOST:PORT/metrics): the server-side time split per "
         "level (default: none); with --soak default http://<--server host>:9464/metrics, 'off' = none",
     )
+    p.add_argument(
+        "--sessions",
+        type=int,
+        default=None,
+        help="instead of the levels: N concurrent SynthesizeSession calls fed word by word by a synthetic "
+        "LLM (tts_tools.session_bench): clause -> first audio, close -> last audio, underruns, "
+        "cancel -> silence, prefill tokens per chunk",
+    )
+    p.add_argument(
+        "--words-per-second",
+        type=float,
+        default=15.0,
+        help="with --sessions: the synthetic LLM's writing rate (default 15)",
+    )
+    p.add_argument(
+        "--cancel-share",
+        type=float,
+        default=0.25,
+        help="with --sessions: the share of sessions that barge in mid-sentence (default 0.25)",
+    )
     add_soak_arguments(p)
 
 
@@ -862,6 +882,8 @@ def add_parser(subparsers) -> None:
 
 
 def cmd_bench_server(args: argparse.Namespace) -> int:
+    import math
+
     from tts.cli.main import require
     from tts.cli.serve import check_chunk_options, check_sampling_options, check_seconds, check_server_address
     from tts.runtime.errors import UserError
@@ -878,4 +900,15 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
     require(args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}")
     check_chunk_options(args)
     check_sampling_options(args)
+    if args.sessions is not None:
+        require(args.sessions >= 1, f"--sessions must be >= 1, got {args.sessions}")
+        require(
+            math.isfinite(args.words_per_second) and args.words_per_second > 0,
+            f"--words-per-second must be > 0, got {args.words_per_second:g}",
+        )
+        require(0 <= args.cancel_share <= 1, f"--cancel-share must be in [0, 1], got {args.cancel_share:g}")
+        require(len(servers) == 1 and not args.soak, "--sessions takes one --server and no --soak")
+        from tts_tools.session_bench import run_sessions_from_args
+
+        return run_sessions_from_args(args)
     return run_from_args(args)

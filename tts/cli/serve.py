@@ -96,6 +96,12 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--max-waiting", type=int, default=16, help="requests queued beyond --max-batch (default 16)"
     )
+    p.add_argument(
+        "--max-sessions",
+        type=int,
+        default=16,
+        help="streaming sessions (gRPC SynthesizeSession, Wyoming streaming) open at most (default 16)",
+    )
     add_engine_args(p, graphs="startup")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the Prometheus endpoint")
     p.add_argument(
@@ -386,6 +392,7 @@ def check_serve_options(args: argparse.Namespace) -> None:
         args.max_batch == "auto" or args.max_batch >= 1, f"--max-batch must be >= 1, got {args.max_batch}"
     )
     require(args.max_waiting >= 0, f"--max-waiting must be >= 0, got {args.max_waiting}")
+    require(args.max_sessions >= 0, f"--max-sessions must be >= 0, got {args.max_sessions}")
     require(args.max_queued_chunks >= 1, f"--max-queued-chunks must be >= 1, got {args.max_queued_chunks}")
     check_seconds("--grace", args.grace, zero_ok=True)
     require(
@@ -474,6 +481,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_connection_age_grace=args.max_connection_age_grace,
         http_read_timeout=args.http_read_timeout,
         max_prepare_seconds=args.max_prepare_seconds,
+        max_sessions=args.max_sessions,
     )
     # Three threads share the GIL: the engine thread (a frame every few ms), the codec stage's worker and
     # the asyncio thread of the fronts. A thread waiting for the GIL gets it within the switch interval;

@@ -20,6 +20,8 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_SHORT: _ClassVar[FinishReason]
     FINISH_REASON_LOOP: _ClassVar[FinishReason]
+    FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
 AUDIO_ENCODING_UNSPECIFIED: AudioEncoding
 AUDIO_ENCODING_PCM16: AudioEncoding
 AUDIO_ENCODING_FLOAT32: AudioEncoding
@@ -28,6 +30,8 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_SHORT: FinishReason
 FINISH_REASON_LOOP: FinishReason
+FINISH_REASON_CANCELLED: FinishReason
+FINISH_REASON_ERROR: FinishReason
 
 class SynthesizeRequest(_message.Message):
     __slots__ = ("text", "voice", "sampling", "output", "normalize")
@@ -294,3 +298,161 @@ class GetInfoResponse(_message.Message):
     kv_block_size: int
     kv_memory_fraction: float
     def __init__(self, model: _Optional[str] = ..., family: _Optional[str] = ..., parameters: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., sample_rate: _Optional[int] = ..., frame_rate: _Optional[float] = ..., num_codebooks: _Optional[int] = ..., codebook_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_batch: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., graphs: _Optional[bool] = ..., capture: _Optional[str] = ..., captured_buckets: _Optional[_Iterable[int]] = ..., replay_share: _Optional[float] = ..., max_waiting: _Optional[int] = ..., max_reference_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_text_bytes: _Optional[int] = ..., max_chunk_frames: _Optional[int] = ..., text_chunk_bytes: _Optional[int] = ..., max_reference_seconds: _Optional[float] = ..., max_audio_seconds: _Optional[float] = ..., pause_timeout_seconds: _Optional[float] = ..., reference_cache_bytes: _Optional[int] = ..., codec_dtype: _Optional[str] = ..., replica: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_memory_fraction: _Optional[float] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("start", "text", "flush", "cancel", "close")
+    START_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    start: SessionStart
+    text: str
+    flush: SessionFlush
+    cancel: SessionCancel
+    close: SessionClose
+    def __init__(self, start: _Optional[_Union[SessionStart, _Mapping]] = ..., text: _Optional[str] = ..., flush: _Optional[_Union[SessionFlush, _Mapping]] = ..., cancel: _Optional[_Union[SessionCancel, _Mapping]] = ..., close: _Optional[_Union[SessionClose, _Mapping]] = ...) -> None: ...
+
+class SessionStart(_message.Message):
+    __slots__ = ("voice", "sampling", "output", "normalize")
+    VOICE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    voice: Voice
+    sampling: SamplingOptions
+    output: OutputOptions
+    normalize: bool
+    def __init__(self, voice: _Optional[_Union[Voice, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., normalize: _Optional[bool] = ...) -> None: ...
+
+class SessionFlush(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionCancel(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionClose(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("header", "chunk_start", "audio", "timings", "chunk_end", "warning", "end")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_START_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_END_FIELD_NUMBER: _ClassVar[int]
+    WARNING_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    header: SessionHeader
+    chunk_start: SessionChunkStart
+    audio: SessionAudio
+    timings: SessionWordTimings
+    chunk_end: SessionChunkEnd
+    warning: str
+    end: SessionEnd
+    def __init__(self, header: _Optional[_Union[SessionHeader, _Mapping]] = ..., chunk_start: _Optional[_Union[SessionChunkStart, _Mapping]] = ..., audio: _Optional[_Union[SessionAudio, _Mapping]] = ..., timings: _Optional[_Union[SessionWordTimings, _Mapping]] = ..., chunk_end: _Optional[_Union[SessionChunkEnd, _Mapping]] = ..., warning: _Optional[str] = ..., end: _Optional[_Union[SessionEnd, _Mapping]] = ...) -> None: ...
+
+class SessionHeader(_message.Message):
+    __slots__ = ("session_id", "sample_rate", "channels", "encoding", "frame_rate", "num_codebooks", "model", "replica", "max_pending_bytes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    FRAME_RATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CODEBOOKS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    MAX_PENDING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    sample_rate: int
+    channels: int
+    encoding: AudioEncoding
+    frame_rate: float
+    num_codebooks: int
+    model: str
+    replica: str
+    max_pending_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., sample_rate: _Optional[int] = ..., channels: _Optional[int] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., frame_rate: _Optional[float] = ..., num_codebooks: _Optional[int] = ..., model: _Optional[str] = ..., replica: _Optional[str] = ..., max_pending_bytes: _Optional[int] = ...) -> None: ...
+
+class SessionChunkStart(_message.Message):
+    __slots__ = ("chunk", "text", "sample_offset")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    chunk: int
+    text: str
+    sample_offset: int
+    def __init__(self, chunk: _Optional[int] = ..., text: _Optional[str] = ..., sample_offset: _Optional[int] = ...) -> None: ...
+
+class SessionAudio(_message.Message):
+    __slots__ = ("chunk", "sample_offset", "audio", "frame_start", "frame_end", "codes")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    FRAME_START_FIELD_NUMBER: _ClassVar[int]
+    FRAME_END_FIELD_NUMBER: _ClassVar[int]
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    chunk: int
+    sample_offset: int
+    audio: bytes
+    frame_start: int
+    frame_end: int
+    codes: Codes
+    def __init__(self, chunk: _Optional[int] = ..., sample_offset: _Optional[int] = ..., audio: _Optional[bytes] = ..., frame_start: _Optional[int] = ..., frame_end: _Optional[int] = ..., codes: _Optional[_Union[Codes, _Mapping]] = ...) -> None: ...
+
+class WordTiming(_message.Message):
+    __slots__ = ("text", "start", "end", "estimated")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    start: float
+    end: float
+    estimated: bool
+    def __init__(self, text: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., estimated: _Optional[bool] = ...) -> None: ...
+
+class SessionWordTimings(_message.Message):
+    __slots__ = ("chunk", "words")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    WORDS_FIELD_NUMBER: _ClassVar[int]
+    chunk: int
+    words: _containers.RepeatedCompositeFieldContainer[WordTiming]
+    def __init__(self, chunk: _Optional[int] = ..., words: _Optional[_Iterable[_Union[WordTiming, _Mapping]]] = ...) -> None: ...
+
+class SessionChunkEnd(_message.Message):
+    __slots__ = ("chunk", "text", "finish_reason", "frames", "audio_start", "audio_end", "prefill_tokens", "cached_tokens", "warnings", "error")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_START_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_END_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    chunk: int
+    text: str
+    finish_reason: FinishReason
+    frames: int
+    audio_start: int
+    audio_end: int
+    prefill_tokens: int
+    cached_tokens: int
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    error: str
+    def __init__(self, chunk: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., frames: _Optional[int] = ..., audio_start: _Optional[int] = ..., audio_end: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., warnings: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class SessionEnd(_message.Message):
+    __slots__ = ("reason", "audio_samples", "audio_seconds")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    audio_samples: int
+    audio_seconds: float
+    def __init__(self, reason: _Optional[str] = ..., audio_samples: _Optional[int] = ..., audio_seconds: _Optional[float] = ...) -> None: ...

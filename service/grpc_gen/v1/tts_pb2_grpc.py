@@ -65,6 +65,11 @@ class TextToSpeechStub:
                 request_serializer=proto_dot_tts_dot_v1_dot_tts__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=proto_dot_tts_dot_v1_dot_tts__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
+        self.SynthesizeSession = channel.stream_stream(
+                '/tts.v1.TextToSpeech/SynthesizeSession',
+                request_serializer=proto_dot_tts_dot_v1_dot_tts__pb2.SessionRequest.SerializeToString,
+                response_deserializer=proto_dot_tts_dot_v1_dot_tts__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class TextToSpeechServicer:
@@ -128,6 +133,24 @@ class TextToSpeechServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SynthesizeSession(self, request_iterator, context):
+        """A session for a voice agent: text streamed in as it is written, audio and word timings streamed
+        out, barge-in. The client sends `start` first (voice, sampling, output), then any number of
+        `text` pieces, `flush` (speak what is buffered without waiting for a sentence end), `cancel`
+        (barge-in: the audio not yet sent is dropped, the text not yet spoken forgotten, the chunk in flight
+        ends; the session stays open for more text) and `close` (speak what is left, then end; the client
+        closing its side of the stream does the same). The server answers with a SessionHeader, then per
+        text chunk a SessionChunkStart, SessionAudio and SessionWordTimings, and a SessionChunkEnd, and a
+        SessionEnd last. Errors end the call with a status: INVALID_ARGUMENT naming the message field at
+        fault in the trailing metadata `tts-field` (`start` missing or repeated, `text` after close or
+        over the session's waiting-text bound, `start.sampling.top_p`, ...), NOT_FOUND (unknown voice),
+        RESOURCE_EXHAUSTED (the server's session limit, or the session's audio was not read while others
+        waited), UNAVAILABLE (warming up, shutting down: after a SessionEnd with reason "shutdown").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextToSpeechServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +183,11 @@ def add_TextToSpeechServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=proto_dot_tts_dot_v1_dot_tts__pb2.GetInfoRequest.FromString,
                     response_serializer=proto_dot_tts_dot_v1_dot_tts__pb2.GetInfoResponse.SerializeToString,
+            ),
+            'SynthesizeSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.SynthesizeSession,
+                    request_deserializer=proto_dot_tts_dot_v1_dot_tts__pb2.SessionRequest.FromString,
+                    response_serializer=proto_dot_tts_dot_v1_dot_tts__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -325,6 +353,33 @@ class TextToSpeech:
             '/tts.v1.TextToSpeech/GetInfo',
             proto_dot_tts_dot_v1_dot_tts__pb2.GetInfoRequest.SerializeToString,
             proto_dot_tts_dot_v1_dot_tts__pb2.GetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SynthesizeSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tts.v1.TextToSpeech/SynthesizeSession',
+            proto_dot_tts_dot_v1_dot_tts__pb2.SessionRequest.SerializeToString,
+            proto_dot_tts_dot_v1_dot_tts__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
