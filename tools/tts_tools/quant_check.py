@@ -1,0 +1,215 @@
+"""Accuracy and speed of weight-only quantized linear layers (`--weights fp8` / `int8`) against the
+unquantized model, on fixed inputs.
+
+    python -m tts_tools.quant_check --model s2-pro-shape --device cuda --weights fp8 --json out.json
+
+Accuracy (`compare`): one teacher-forced forward of a fixed prompt (text tokens, then frames of semantic
+tokens with their codes; every input drawn from a seeded CPU generator) through the model before and
+after quantizing it in place, with dense causal attention (no cache, no sampling):
+
+* per slow layer, the relative error of its output (the residual stream), ||h_q - h|| / ||h||;
+* the main token's logits over [semantic ids..., end token] (what the frame step samples from): their
+  relative error, and the top-1 agreement, the share of positions whose argmax is the same;
+* the fast AR's codebook logits (codebooks 1..N-1 of the next frame, teacher-forced): relative error
+  and top-1 agreement.
+
+Speed (`kernel_bench`, CUDA only): the weight-only kernel at M = 1 on each distinct linear shape of the
+model against torch's bf16 `F.linear` of the same layer, in GB/s of weights read (CUDA events,
+median of repeated launches).
+
+Random weights give flatter logits than a trained model (smaller margins between the best two
+tokens), so their top-1 agreement is a pessimistic stand-in for a real checkpoint's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def fixed_frames(config, length: int, seed: int = 0) -> Tensor:
+    """`[1, length, 1 + N]` int64: the first quarter text tokens, then semantic frames (token and codes),
+    drawn from a CPU generator seeded with `seed` (the same on every machine)."""
+    g = torch.Generator().manual_seed(seed)
+    n = config.num_codebooks
+    frames = torch.zeros(1, length, 1 + n, dtype=torch.int64)
+    text = max(1, length // 4)
+    frames[0, :text, 0] = torch.randint(0, min(config.semantic_begin_id, 4096), (text,), generator=g)
+    codes = torch.randint(0, config.codebook_size, (length - text, n), generator=g)
+    frames[0, text:, 0] = config.semantic_begin_id + codes[:, 0]
+    frames[0, text:, 1:] = codes
+    return frames
+
+
+def _relative_error(a: Tensor, ref: Tensor) -> float:
+    a, ref = a.double(), ref.double()
+    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+@torch.no_grad()
+def _forward(model, frames: Tensor) -> dict[str, Any]:
+    """Per-layer outputs, main-token logits `[T, n_sem + 1]`, fast logits `[T - 1, N - 1, codebook]`."""
+    from tts.model.transformer import dense_causal_attend
+
+    c = model.config
+    T = frames.shape[1]
+    x = model.embed(frames)
+    hidden = []
+    for layer in model.layers:
+        x = layer(x, model.freqs_cis[:T], dense_causal_attend)
+        hidden.append(x.float().cpu())
+    head = model.lm_head_weight()
+    rows = torch.cat(
+        [head[c.semantic_begin_id : c.semantic_end_id + 1], head[c.eos_token_id : c.eos_token_id + 1]]
+    )
+    main = F.linear(model.norm(x), rows)[0].float().cpu()
+    _, fast = model(frames)  # [1, T, N, codebook]: position t, fast position k predicts c_k of frame t+1
+    fast = fast[0, :-1, 1:].float().cpu()  # the last position has no next frame; k = 0 is unused
+    return {"hidden": hidden, "main": main, "fast": fast}
+
+
+def compare(model, fmt: str, frames: Tensor) -> dict[str, Any]:
+    """Quantize `model` in place (`tts.model.quant.quantize_model`) and measure it against itself
+    before; returns the metrics of this module's docstring (floats; `layers` a list, one per slow layer)
+    and `weights`, the format used. `frames`: `[1, T, 1 + N]` int64 (see `fixed_frames`)."""
+    from tts.model.quant import quantize_model
+
+    frames = frames.to(model.embeddings.weight.device)
+    ref = _forward(model, frames)
+    used = quantize_model(model, fmt)
+    out = _forward(model, frames)
+    main_top1 = (out["main"].argmax(-1) == ref["main"].argmax(-1)).double().mean()
+    fast_top1 = (out["fast"].argmax(-1) == ref["fast"].argmax(-1)).double().mean()
+    return {
+        "weights": used,
+        "positions": int(frames.shape[1]),
+        "layers": [_relative_error(a, b) for a, b in zip(out["hidden"], ref["hidden"], strict=True)],
+        "main_logits_rel_error": _relative_error(out["main"], ref["main"]),
+        "main_logits_max_abs_error": float((out["main"] - ref["main"]).abs().max()),
+        "main_top1_agreement": float(main_top1),
+        "fast_logits_rel_error": _relative_error(out["fast"], ref["fast"]),
+        "fast_top1_agreement": float(fast_top1),
+    }
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median milliseconds of one call of `fn` (CUDA events around 10 calls, `repeats` times)."""
+    for _ in range(5):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 10)
+    return sorted(samples)[len(samples) // 2]
+
+
+def kernel_bench(model, repeats: int = 20) -> list[dict[str, Any]]:
+    """Per distinct (out, in) shape of the model's quantized layers, at M = 1 (one row: batch 1): the
+    kernel's and bf16 `F.linear`'s median time per layer and the GB/s of weights each reads. Each
+    timed call runs every layer of that shape in turn (36 slow, or 4 fast, ...), so that the weights
+    come from device memory, not from the L2 cache (a single layer of S2-Pro fits in it). CUDA only."""
+    from tts.model.kernels.wquant import quant_linear
+    from tts.model.quant import QuantLinear
+
+    shapes: dict[tuple[int, int], list[QuantLinear]] = {}
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            shapes.setdefault((m.out_features, m.in_features), []).append(m)
+
+    def quant_all(x, quant):
+        for q, scale in quant:
+            quant_linear(x, q, scale)
+
+    def bf16_all(x, weights):
+        for w in weights:
+            F.linear(x, w)
+
+    rows = []
+    for (n, k), layers in shapes.items():
+        x = torch.randn(1, k, device=layers[0].qweight.device, dtype=torch.bfloat16)
+        w16 = [layer.dequantized(torch.bfloat16) for layer in layers]
+        quant = [(layer.qweight, layer.scale) for layer in layers]
+        times = {
+            "quant": _median_ms(functools.partial(quant_all, x, quant), repeats),
+            "bf16": _median_ms(functools.partial(bf16_all, x, w16), repeats),
+        }
+        del w16
+        per_layer = {name: t / len(layers) for name, t in times.items()}
+        rows.append(
+            {
+                "out": n,
+                "in": k,
+                "layers": len(layers),
+                "quant_us": per_layer["quant"] * 1e3,
+                "bf16_us": per_layer["bf16"] * 1e3,
+                "quant_GBps": n * k * layers[0].qweight.element_size() / per_layer["quant"] / 1e6,
+                "bf16_GBps": n * k * 2 / per_layer["bf16"] / 1e6,
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tts_tools.quant_check", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--model", default="tiny", help="a random shape (s2-pro-shape, ...), a preset or a directory"
+    )
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--weights", choices=["fp8", "int8"], default="fp8")
+    p.add_argument("--positions", type=int, default=256, help="prompt length of the teacher-forced pass")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kernel-bench", action="store_true", help="also time the kernel per layer shape (CUDA)")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+
+    from tts_tools.bench import load_bench_model
+
+    model = load_bench_model(args.model, args.device, None)
+    frames = fixed_frames(model.config, args.positions, args.seed)
+    result = compare(model, args.weights, frames)
+    layers = cast("list[float]", result["layers"])
+    print(f"{args.model} --weights {result['weights']} ({result['positions']} positions, seed {args.seed})")
+    print("  slow layer output rel. error: " + " ".join(f"{e:.4f}" for e in layers))
+    print(
+        f"  main-token logits: rel. error {result['main_logits_rel_error']:.4f}, top-1 agreement "
+        f"{result['main_top1_agreement']:.2%}; fast logits: rel. error {result['fast_logits_rel_error']:.4f}, "
+        f"top-1 agreement {result['fast_top1_agreement']:.2%}"
+    )
+    if args.device.startswith("cuda"):
+        from tts.model.quant import weight_bytes
+
+        torch.cuda.synchronize()
+        result["weight_bytes"] = weight_bytes(model)
+        result["device_memory_allocated"] = torch.cuda.memory_allocated()
+        print(
+            f"  weights {result['weight_bytes'] / 2**30:.2f} GiB; allocated on the device "
+            f"{result['device_memory_allocated'] / 2**30:.2f} GiB"
+        )
+        if args.kernel_bench:
+            result["kernel_bench"] = kernel_bench(model)
+            for r in result["kernel_bench"]:
+                print(
+                    f"  [{r['out']:>6} x {r['in']:>6}] x{r['layers']:<3} M=1: {result['weights']} {r['quant_us']:7.1f} us "
+                    f"{r['quant_GBps']:7.0f} GB/s | bf16 {r['bf16_us']:7.1f} us {r['bf16_GBps']:7.0f} GB/s"
+                )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
