@@ -167,6 +167,21 @@ def test_bench_loads_a_quantized_model():
     assert not is_quantized(load_bench_model("tiny", "cpu", None))
 
 
+def test_info_and_synthesize_take_weights(capsys, tmp_path):
+    from tts.cli.main import main
+
+    assert main(["info", "--model", "tiny", "--weights", "int8"]) == 0
+    assert "(int8 linear weights)" in capsys.readouterr().out
+    assert main(["info", "--model", "tiny"]) == 0
+    assert "linear weights" not in capsys.readouterr().out
+    out = tmp_path / "a.wav"
+    args = ["synthesize", "--model", "tiny", "--weights", "fp8", "--max-new-frames", "4", "--seed", "1"]
+    assert main([*args, "-o", str(out), "--quiet", "hello"]) == 0 and out.stat().st_size > 44
+    with pytest.raises(SystemExit) as exc:
+        main(["info", "--model", "tiny", "--weights", "fp4"])
+    assert exc.value.code == 2 and "--weights" in capsys.readouterr().err
+
+
 # ---- GPU -------------------------------------------------------------------------------------------
 
 

@@ -67,6 +67,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="weights and activations dtype (default: float32 on CPU, bfloat16 on CUDA)",
     )
+    p.add_argument(
+        "--weights",
+        choices=["fp8", "int8"],
+        default=None,
+        help="store the transformer's linear layers quantized, per output channel, at load: fp8 (E4M3; "
+        "int8 on a GPU without FP8) or int8; activations stay in --dtype (default: unquantized)",
+    )
 
 
 def add_codec_dtype_arg(p: argparse.ArgumentParser) -> None:
@@ -537,6 +544,7 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=torch_dtype(args.dtype),
         codec_dtype=torch_dtype(args.codec_dtype),
+        weights=args.weights,
     )
     apply_threads(args, bundle)
     tts = TTS(bundle, EngineConfig(max_batch=1, **engine_kwargs(args)), voices_dir=voices_dir_arg(args))
@@ -716,7 +724,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from tts.checkpoints.load import load_bundle
 
     check_device(args.device)
-    bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype))
+    bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype), weights=args.weights)
     print(bundle.describe())
     c = bundle.model.config
     print(

@@ -439,6 +439,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=torch_dtype(args.dtype),
         codec_dtype=torch_dtype(args.codec_dtype),
+        weights=args.weights,
     )
     apply_threads(args, bundle)
     print(

@@ -186,12 +186,11 @@ def quantized_format(model: nn.Module) -> str | None:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers (quantized codes and scales, RoPE tables included),
-    each storage counted once."""
-    tensors = [*model.parameters(), *model.buffers()]
+    """Bytes of the model's state: parameters and persistent buffers (quantized codes and scales
+    included; derived tables such as RoPE's left out), each storage counted once."""
     seen: set[int] = set()
     total = 0
-    for t in tensors:
+    for t in model.state_dict().values():
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()

@@ -82,11 +82,11 @@ def _wq_gemm_kernel(
         kk = k0 + rk
         if EVEN_K:
             x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
-            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None]).to(x.dtype)
+            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None]).to(tl.float32).to(x.dtype)
         else:
             x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk[None, :] < K), other=0.0)
             w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk[None, :] < K))
-            w = tl.where(kk[None, :] < K, w.to(x.dtype), 0.0).to(x.dtype)
+            w = tl.where(kk[None, :] < K, w.to(tl.float32), 0.0).to(x.dtype)
         if IEEE:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
