@@ -99,7 +99,11 @@ class ModelBundle:
 
         params = self.num_parameters()
         fmt = quantized_format(self.model)
-        mem = weight_bytes(self.model) if fmt else sum(p.numel() * p.element_size() for p in self.model.parameters())
+        mem = (
+            weight_bytes(self.model)
+            if fmt
+            else sum(p.numel() * p.element_size() for p in self.model.parameters())
+        )
         dtype = str(self.dtype).removeprefix("torch.") + (f" ({fmt} linear weights)" if fmt else "")
         return (
             f"{self.name} ({self.family}): {params / 1e6:.1f} M parameters, {dtype}, "
