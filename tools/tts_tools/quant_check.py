@@ -100,28 +100,49 @@ def compare(model, fmt: str, frames: Tensor) -> dict[str, Any]:
     }
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median milliseconds of one call of `fn` (CUDA events around 10 calls, `repeats` times)."""
-    for _ in range(5):
+def _median_ms(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
+    """Median milliseconds of one call of `fn` (CUDA events around `inner` calls, `repeats` times,
+    after 3 untimed calls)."""
+    for _ in range(3):
         fn()
     samples = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(10):
+        for _ in range(inner):
             fn()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) / 10)
+        samples.append(start.elapsed_time(end) / inner)
     return sorted(samples)[len(samples) // 2]
 
 
-def kernel_bench(model, repeats: int = 20) -> list[dict[str, Any]]:
-    """Per distinct (out, in) shape of the model's quantized layers, at M = 1 (one row: batch 1): the
-    kernel's and bf16 `F.linear`'s median time per layer and the GB/s of weights each reads. Each
-    timed call runs every layer of that shape in turn (36 slow, or 4 fast, ...), so that the weights
-    come from device memory, not from the L2 cache (a single layer of S2-Pro fits in it). CUDA only."""
-    from tts.model.kernels.wquant import quant_linear
+# Tile choices the sweep tries beside the default (tts.model.kernels.wquant's gemv_config / gemm_config
+# tuples): the small-M kernel at 1 row, the tensor-core kernel at 8.
+GEMV_SWEEP = [
+    (1, 4, 1024, 4),
+    (1, 8, 512, 4),
+    (1, 2, 2048, 4),
+    (1, 4, 2048, 8),
+    (1, 8, 1024, 8),
+    (1, 16, 256, 4),
+]
+GEMM_SWEEP = [
+    (16, 16, 256, 4, 4),
+    (16, 32, 128, 4, 4),
+    (16, 16, 512, 4, 3),
+    (16, 64, 128, 4, 4),
+    (16, 32, 256, 8, 3),
+]
+
+
+def kernel_bench(model, repeats: int = 10, sweep: bool = False) -> list[dict[str, Any]]:
+    """Per distinct (out, in) shape of the model's quantized layers, at 1 row (batch 1) and 8 rows: the
+    kernel's and bf16 `F.linear`'s median time per layer and the GB/s of weights each reads; with
+    `sweep`, also the fastest of the tile choices above (`best_config`, `best_us`). Each timed call
+    runs every layer of that shape in turn (36 slow, or 4 fast, ...), so that the weights come from
+    device memory, not from the L2 cache (a single layer of S2-Pro fits in it). CUDA only."""
+    from tts.model.kernels.wquant import GEMV_MAX_ROWS, quant_linear
     from tts.model.quant import QuantLinear
 
     shapes: dict[tuple[int, int], list[QuantLinear]] = {}
@@ -129,9 +150,9 @@ def kernel_bench(model, repeats: int = 20) -> list[dict[str, Any]]:
         if isinstance(m, QuantLinear):
             shapes.setdefault((m.out_features, m.in_features), []).append(m)
 
-    def quant_all(x, quant):
+    def quant_all(x, quant, config=None):
         for q, scale in quant:
-            quant_linear(x, q, scale)
+            quant_linear(x, q, scale, config=config)
 
     def bf16_all(x, weights):
         for w in weights:
@@ -139,26 +160,32 @@ def kernel_bench(model, repeats: int = 20) -> list[dict[str, Any]]:
 
     rows = []
     for (n, k), layers in shapes.items():
-        x = torch.randn(1, k, device=layers[0].qweight.device, dtype=torch.bfloat16)
         w16 = [layer.dequantized(torch.bfloat16) for layer in layers]
         quant = [(layer.qweight, layer.scale) for layer in layers]
-        times = {
-            "quant": _median_ms(functools.partial(quant_all, x, quant), repeats),
-            "bf16": _median_ms(functools.partial(bf16_all, x, w16), repeats),
-        }
-        del w16
-        per_layer = {name: t / len(layers) for name, t in times.items()}
-        rows.append(
-            {
+        for m in (1, 8):
+            x = torch.randn(m, k, device=layers[0].qweight.device, dtype=torch.bfloat16)
+            quant_ms = _median_ms(functools.partial(quant_all, x, quant), repeats) / len(layers)
+            bf16_ms = _median_ms(functools.partial(bf16_all, x, w16), repeats) / len(layers)
+            row: dict[str, Any] = {
                 "out": n,
                 "in": k,
+                "rows": m,
                 "layers": len(layers),
-                "quant_us": per_layer["quant"] * 1e3,
-                "bf16_us": per_layer["bf16"] * 1e3,
-                "quant_GBps": n * k * layers[0].qweight.element_size() / per_layer["quant"] / 1e6,
-                "bf16_GBps": n * k * 2 / per_layer["bf16"] / 1e6,
+                "quant_us": quant_ms * 1e3,
+                "bf16_us": bf16_ms * 1e3,
+                "quant_GBps": n * k * layers[0].qweight.element_size() / quant_ms / 1e6,
+                "bf16_GBps": n * k * 2 / bf16_ms / 1e6,
             }
-        )
+            if sweep:
+                configs = GEMV_SWEEP if m <= GEMV_MAX_ROWS else GEMM_SWEEP
+                timed = [
+                    (_median_ms(functools.partial(quant_all, x, quant, c), repeats) / len(layers), c)
+                    for c in configs
+                ]
+                best_ms, best = min(timed)
+                row["best_us"], row["best_config"] = best_ms * 1e3, list(best)
+            rows.append(row)
+        del w16
     return rows
 
 
@@ -172,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--positions", type=int, default=256, help="prompt length of the teacher-forced pass")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kernel-bench", action="store_true", help="also time the kernel per layer shape (CUDA)")
+    p.add_argument("--sweep", action="store_true", help="with --kernel-bench: also try other tile choices")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
 
@@ -199,11 +227,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{result['device_memory_allocated'] / 2**30:.2f} GiB"
         )
         if args.kernel_bench:
-            result["kernel_bench"] = kernel_bench(model)
+            result["kernel_bench"] = kernel_bench(model, sweep=args.sweep)
             for r in result["kernel_bench"]:
+                best = f" | best {r['best_us']:7.1f} us {r['best_config']}" if "best_us" in r else ""
                 print(
-                    f"  [{r['out']:>6} x {r['in']:>6}] x{r['layers']:<3} M=1: {result['weights']} {r['quant_us']:7.1f} us "
-                    f"{r['quant_GBps']:7.0f} GB/s | bf16 {r['bf16_us']:7.1f} us {r['bf16_GBps']:7.0f} GB/s"
+                    f"  [{r['out']:>6} x {r['in']:>6}] x{r['layers']:<3} M={r['rows']}: {result['weights']} "
+                    f"{r['quant_us']:7.1f} us {r['quant_GBps']:7.0f} GB/s | bf16 {r['bf16_us']:7.1f} us "
+                    f"{r['bf16_GBps']:7.0f} GB/s{best}"
                 )
     if args.json:
         with open(args.json, "w") as f:

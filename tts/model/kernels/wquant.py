@@ -98,29 +98,48 @@ def _wq_gemm_kernel(
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+def _pow2_divisor(k: int, limit: int) -> int:
+    """The largest power of two <= limit dividing k (1 if k is odd)."""
+    d = 1
+    while d * 2 <= limit and k % (d * 2) == 0:
+        d *= 2
+    return d
+
+
 def gemv_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the small-M kernel: rows padded to a power of two,
     few channels per program so that even a 2,560-channel layer spreads over several programs per
-    multiprocessor, 1 KiB of each weight row per step (16 bytes per thread and load)."""
+    multiprocessor, up to 1 KiB of each weight row per step (16-byte loads), a step that divides K
+    where one of at least 256 does (no masks in the loop)."""
     block_m = triton.next_power_of_2(max(M, 1))
     block_n = 4 if N <= 8192 else 8
-    block_k = min(1024 // block_m, triton.next_power_of_2(K))
+    limit = 1024 // block_m
+    block_k = _pow2_divisor(K, limit)
+    if block_k < min(256, limit):
+        block_k = min(limit, triton.next_power_of_2(K))
     return block_m, block_n, max(block_k, 16), 4
 
 
 def gemm_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the tensor-core kernel."""
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-    block_n = 64 if M <= 64 else 128
-    return block_m, block_n, 64, 4, 3
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the tensor-core kernel. Up to 64 rows (a
+    batched decode step, still bound by the weights' bandwidth) narrow tiles of output channels, so
+    that a 2,560-channel layer still spreads over 160 programs; beyond (a prefill) square-ish tiles."""
+    if M <= 64:
+        block_m = max(16, triton.next_power_of_2(M))
+        return block_m, 16 if N <= 8192 else 32, 256 if block_m <= 32 else 128, 4, 4
+    return 64, 128, 64, 4, 3
 
 
-def quant_linear(x: Tensor, qweight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+def quant_linear(
+    x: Tensor, qweight: Tensor, scale: Tensor, bias: Tensor | None = None, config: tuple | None = None
+) -> Tensor:
     """`(x @ qweight.T) * scale + bias` rounded to x's dtype.
 
     x: `[..., K]` float (bf16 / fp16 / fp32; its last dimension contiguous), qweight: `[N, K]`
     float8_e4m3fn or int8 with contiguous rows, scale: `[N]` float32, bias: `[N]` or None.
-    Returns `[..., N]` in x's dtype (a new tensor: the only allocation).
+    Returns `[..., N]` in x's dtype (a new tensor: the only allocation). `config` overrides the
+    kernel's tile choice (`gemv_config` / `gemm_config`'s tuple, for whichever kernel M selects):
+    for tuning sweeps (tts_tools.quant_check).
     """
     K = x.shape[-1]
     N = qweight.shape[0]
@@ -132,13 +151,13 @@ def quant_linear(x: Tensor, qweight: Tensor, scale: Tensor, bias: Tensor | None 
     has_bias = bias is not None
     b = bias if has_bias else scale
     if M <= GEMV_MAX_ROWS:
-        bm, bn, bk, warps = gemv_config(M, N, K)
+        bm, bn, bk, warps = config or gemv_config(M, N, K)
         _wq_gemv_kernel[(triton.cdiv(N, bn),)](
             x2, qweight, scale, b, out, M, N, K, x2.stride(0), qweight.stride(0), out.stride(0),
             HAS_BIAS=has_bias, EVEN_K=K % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
         )  # fmt: skip
     else:
-        bm, bn, bk, warps, stages = gemm_config(M, N, K)
+        bm, bn, bk, warps, stages = config or gemm_config(M, N, K)
         _wq_gemm_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
             x2, qweight, scale, b, out, M, N, K, x2.stride(0), qweight.stride(0), out.stride(0),
             HAS_BIAS=has_bias, EVEN_K=K % bk == 0, IEEE=x.dtype == torch.float32, BLOCK_M=bm,
