@@ -151,7 +151,7 @@ for spec in $ACTIONS; do
       done ;;
     fp8)
       python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_quant.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -3
-      python3 -m tts_tools.quant_check --model s2-pro-shape --device cuda --weights fp8 --kernel-bench --sweep \
+      python3 -m tts_tools.quant_check --model s2-pro-shape --device cuda --weights fp8 --baseline --kernel-bench --sweep \
         --json "$OUT/fp8_accuracy.json" 2>&1 | tee "$OUT/fp8_accuracy.txt" | tail -16
       python3 -m tts_tools.quant_check --model s2-pro-shape --device cuda --weights int8 \
         --json "$OUT/int8_accuracy.json" 2>&1 | tee "$OUT/int8_accuracy.txt" | tail -4

@@ -28,7 +28,7 @@ import functools
 import json
 import sys
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -85,11 +85,22 @@ def compare(model, fmt: str, frames: Tensor) -> dict[str, Any]:
     frames = frames.to(model.embeddings.weight.device)
     ref = _forward(model, frames)
     used = quantize_model(model, fmt)
-    out = _forward(model, frames)
+    return {"weights": used, **_metrics(_forward(model, frames), ref, frames)}
+
+
+def rounding_baseline(model, frames: Tensor) -> dict[str, Any]:
+    """The same metrics for a float32 `model` cast to bf16 (in place), against itself in float32: how
+    far plain bf16 rounding already moves them, the scale to read `compare`'s numbers on."""
+    frames = frames.to(model.embeddings.weight.device)
+    ref = _forward(model, frames)
+    model.to(torch.bfloat16)
+    return {"weights": "bf16 vs float32", **_metrics(_forward(model, frames), ref, frames)}
+
+
+def _metrics(out: dict[str, Any], ref: dict[str, Any], frames: Tensor) -> dict[str, Any]:
     main_top1 = (out["main"].argmax(-1) == ref["main"].argmax(-1)).double().mean()
     fast_top1 = (out["fast"].argmax(-1) == ref["fast"].argmax(-1)).double().mean()
     return {
-        "weights": used,
         "positions": int(frames.shape[1]),
         "layers": [_relative_error(a, b) for a, b in zip(out["hidden"], ref["hidden"], strict=True)],
         "main_logits_rel_error": _relative_error(out["main"], ref["main"]),
@@ -195,27 +206,50 @@ def main(argv: list[str] | None = None) -> int:
         "--model", default="tiny", help="a random shape (s2-pro-shape, ...), a preset or a directory"
     )
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="the unquantized model's dtype, the activations' (default: bf16 for a random shape or on CUDA, "
+        "else float32)",
+    )
     p.add_argument("--weights", choices=["fp8", "int8"], default="fp8")
     p.add_argument("--positions", type=int, default=256, help="prompt length of the teacher-forced pass")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--baseline",
+        action="store_true",
+        help="first measure bf16 against float32 the same way (loads the model in float32 too)",
+    )
     p.add_argument("--kernel-bench", action="store_true", help="also time the kernel per layer shape (CUDA)")
     p.add_argument("--sweep", action="store_true", help="with --kernel-bench: also try other tile choices")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
 
+    from tts.cli.main import torch_dtype
     from tts_tools.bench import load_bench_model
 
-    model = load_bench_model(args.model, args.device, None)
+    baseline = None
+    if args.baseline:
+        model = load_bench_model(args.model, args.device, torch.float32)
+        baseline = rounding_baseline(model, fixed_frames(model.config, args.positions, args.seed))
+        del model
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    model = load_bench_model(args.model, args.device, torch_dtype(args.dtype))
     frames = fixed_frames(model.config, args.positions, args.seed)
     result = compare(model, args.weights, frames)
-    layers = cast("list[float]", result["layers"])
-    print(f"{args.model} --weights {result['weights']} ({result['positions']} positions, seed {args.seed})")
-    print("  slow layer output rel. error: " + " ".join(f"{e:.4f}" for e in layers))
-    print(
-        f"  main-token logits: rel. error {result['main_logits_rel_error']:.4f}, top-1 agreement "
-        f"{result['main_top1_agreement']:.2%}; fast logits: rel. error {result['fast_logits_rel_error']:.4f}, "
-        f"top-1 agreement {result['fast_top1_agreement']:.2%}"
-    )
+    print(f"{args.model} ({result['positions']} positions, seed {args.seed})")
+    for r in (baseline, result):
+        if r is None:
+            continue
+        print(f"  {r['weights']}: slow layer output rel. error " + " ".join(f"{e:.4f}" for e in r["layers"]))
+        print(
+            f"    main-token logits: rel. error {r['main_logits_rel_error']:.4f}, top-1 agreement "
+            f"{r['main_top1_agreement']:.2%}; fast logits: rel. error {r['fast_logits_rel_error']:.4f}, "
+            f"top-1 agreement {r['fast_top1_agreement']:.2%}"
+        )
+    result["baseline"] = baseline
     if args.device.startswith("cuda"):
         from tts.model.quant import weight_bytes
 
