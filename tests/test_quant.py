@@ -226,3 +226,10 @@ def test_fp8_frame_step_replays_identically_to_eager():
     for rid, codes in results[0].items():
         assert codes.shape[0] == 40 and torch.equal(codes, results[1][rid]), rid
     assert engines[1].graphs.stats.replays >= 38 and not engines[1].graphs.stats.failed_captures
+    # the step function itself, quantized layers included, never waits on the device
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engines[1].runner.decode_step(2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -263,7 +263,9 @@ def x_floor(result: dict, floor: float | None) -> str:
 def print_table(results: list[dict], env: dict) -> None:
     floor = env["floor_ms_per_frame_batch1"]
     print(
-        f"{env['model']} on {env['device']}, {env['dtype']}, prompt {env['prompt_tokens']} tokens, "
+        f"{env['model']} on {env['device']}, {env['dtype']}"
+        + (f" with {env['weights']} linear weights" if env.get("weights") else "")
+        + f", prompt {env['prompt_tokens']} tokens, "
         f"context {env['max_context']} tokens, "
         f"{env['timed_frames']} timed frames; {floor_line(env)}"
     )
