@@ -177,6 +177,11 @@ def test_info_and_synthesize_take_weights(capsys, tmp_path):
     out = tmp_path / "a.wav"
     args = ["synthesize", "--model", "tiny", "--weights", "fp8", "--max-new-frames", "4", "--seed", "1"]
     assert main([*args, "-o", str(out), "--quiet", "hello"]) == 0 and out.stat().st_size > 44
+    from tts.cli.main import build_parser
+
+    assert (
+        build_parser().parse_args(["serve", "--weights", "fp8"]).weights == "fp8"
+    )  # (not in its --help yet)
     with pytest.raises(SystemExit) as exc:
         main(["info", "--model", "tiny", "--weights", "fp4"])
     assert exc.value.code == 2 and "--weights" in capsys.readouterr().err

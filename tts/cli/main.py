@@ -52,7 +52,9 @@ class SubcommandImportError(Exception):
     """A subcommand module failed to import for a reason other than a missing optional extra."""
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, list_weights: bool = True) -> None:
+    """--model, --device, --dtype, --weights; `list_weights=False` keeps --weights out of --help (it
+    still works): for a command whose documented options table does not list it yet."""
     p.add_argument(
         "--model",
         default="default",
@@ -72,7 +74,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         choices=["fp8", "int8"],
         default=None,
         help="store the transformer's linear layers quantized, per output channel, at load: fp8 (E4M3; "
-        "int8 on a GPU without FP8) or int8; activations stay in --dtype (default: unquantized)",
+        "int8 on a GPU without FP8) or int8; activations stay in --dtype (default: unquantized)"
+        if list_weights
+        else argparse.SUPPRESS,
     )
 
 
