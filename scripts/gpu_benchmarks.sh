@@ -23,8 +23,9 @@
 #   fp8         weight-only fp8 / int8 linear layers (`--weights`, tts.model.quant), S2-Pro shape: the CUDA
 #               tests of tests/test_quant.py; accuracy against bf16 (per-layer error, top-1 agreement) and
 #               the kernel's GB/s per layer shape (tts_tools.quant_check); `tts bench` graph batches 1 and
-#               8 at a 4,096-token context for bf16, fp8, int8 (frames/s, peak memory); WER of the
-#               default voice with and without fp8 where the eval extra and its ASR model are at hand
+#               8 at a 4,096-token context for bf16, fp8, int8 (frames/s, peak memory); the default voice's
+#               accuracy on its preset voices; WER of the default voice with and without fp8 where the
+#               eval extra and its ASR model are at hand (about 4 minutes in all)
 # A service action may carry server options after a slash, commas for spaces; its files get a tag from
 # them: `default/--loop-guard,off` writes default_loopguard_off.json.
 #
@@ -154,7 +155,11 @@ for spec in $ACTIONS; do
       python3 -m tts_tools.quant_check --model s2-pro-shape --device cuda --weights fp8 --baseline --kernel-bench --sweep \
         --json "$OUT/fp8_accuracy.json" 2>&1 | tee "$OUT/fp8_accuracy.txt" | tail -16
       python3 -m tts_tools.quant_check --model s2-pro-shape --device cuda --weights int8 \
-        --json "$OUT/int8_accuracy.json" 2>&1 | tee "$OUT/int8_accuracy.txt" | tail -4
+        --json "$OUT/int8_accuracy.json" 2>&1 | tee "$OUT/int8_accuracy.txt" | tail -3
+      for w in fp8 int8; do  # the trained default voice on its preset voices' real speech codes
+        python3 -m tts_tools.quant_check --model default --device cuda --weights $w --inputs voices --baseline \
+          --json "$OUT/${w}_accuracy_default.json" 2>&1 | tail -5
+      done
       for w in bf16 fp8 int8; do
         wopt=(); [[ $w == bf16 ]] || wopt=(--weights "$w")
         tts bench --model s2-pro-shape --device cuda --modes graph --batch-sizes 1,8 --frames 64 --max-context 4096 \

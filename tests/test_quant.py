@@ -131,16 +131,38 @@ def test_quantize_model_replaces_every_linear_layer_and_halves_their_bytes():
 
 
 def test_top1_agreement_of_the_tiny_model_on_fixed_inputs():
-    """Teacher-forced on a fixed 128-position prompt (tts_tools.quant_check): measured 95.3% (fp8) and
-    98.4% (int8) main-token top-1 agreement with the fp32 model, per-layer output errors 4-5% (fp8) and
-    1-1.5% (int8). Random weights have flat logits: a trained model's margins are wider."""
+    """Teacher-forced on a fixed 128-position prompt (tts_tools.quant_check), scored at the 96 positions
+    whose next frame is audio: measured 94.8% (fp8) and 97.9% (int8) main-token top-1 agreement with
+    the fp32 model, 86.1% / 97.6% for the fast AR's codebooks, per-layer output errors 4.3-5.4% (fp8)
+    and 1.0-1.5% (int8). Random weights have flat logits: a trained model's margins are wider."""
     frames = fixed_frames(build_tiny_bundle().model.config, 128, seed=0)
     fp8 = compare(build_tiny_bundle().model, "fp8", frames)
     int8 = compare(build_tiny_bundle().model, "int8", frames)
-    assert fp8["main_top1_agreement"] >= 0.95 and int8["main_top1_agreement"] >= 0.98
+    assert fp8["scored_positions"] == 96
+    assert fp8["main_top1_agreement"] >= 0.94 and int8["main_top1_agreement"] >= 0.97
     assert fp8["fast_top1_agreement"] >= 0.85 and int8["fast_top1_agreement"] >= 0.95
     assert max(fp8["layers"]) < 0.06 and max(int8["layers"]) < 0.02
     assert fp8["main_logits_rel_error"] < 0.06 and int8["main_logits_rel_error"] < 0.02
+
+
+def test_top1_agreement_of_the_default_voice_on_its_preset_voices():
+    """The trained default voice, teacher-forced on a prompt of its preset voices' real speech codes
+    (bf16 activations): measured main-token top-1 agreement with bf16 97.3% (fp8) and 95.3% (int8) at
+    149 scored positions, where bf16 itself agrees with float32 on 98.0%."""
+    from tts.checkpoints.load import load_bundle
+    from tts_tools.quant_check import voice_frames
+
+    bundle = load_bundle("default")
+    if len(bundle.voices) < 3:
+        pytest.skip("the trained default voice is not installed")
+    frames = voice_frames(bundle)
+    results = {}
+    for fmt in ("fp8", "int8"):
+        model = load_bundle("default", dtype=torch.bfloat16).model
+        results[fmt] = compare(model, fmt, frames)
+    assert results["fp8"]["scored_positions"] == 149
+    assert results["fp8"]["main_top1_agreement"] >= 0.97 and results["int8"]["main_top1_agreement"] >= 0.95
+    assert results["fp8"]["fast_top1_agreement"] >= 0.90 and results["int8"]["fast_top1_agreement"] >= 0.95
 
 
 def test_an_fp8_engine_generates_on_the_cpu():

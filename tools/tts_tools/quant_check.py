@@ -73,7 +73,8 @@ def _forward(model, frames: Tensor) -> dict[str, Any]:
     main = F.linear(model.norm(x), rows)[0].float().cpu()
     _, fast = model(frames)  # [1, T, N, codebook]: position t, fast position k predicts c_k of frame t+1
     fast = fast[0, :-1, 1:].float().cpu()  # the last position has no next frame; k = 0 is unused
-    return {"hidden": hidden, "main": main, "fast": fast}
+    semantic_range = (c.semantic_begin_id, c.semantic_end_id)
+    return {"hidden": hidden, "main": main, "fast": fast, "semantic_range": semantic_range}
 
 
 def compare(model, fmt: str, frames: Tensor) -> dict[str, Any]:
@@ -98,17 +99,41 @@ def rounding_baseline(model, frames: Tensor) -> dict[str, Any]:
 
 
 def _metrics(out: dict[str, Any], ref: dict[str, Any], frames: Tensor) -> dict[str, Any]:
-    main_top1 = (out["main"].argmax(-1) == ref["main"].argmax(-1)).double().mean()
-    fast_top1 = (out["fast"].argmax(-1) == ref["fast"].argmax(-1)).double().mean()
+    """The metrics, the logits' scored at the positions whose next frame is audio (a semantic token):
+    what the frame step predicts; every position where the prompt has none."""
+    c_tokens = frames[0, 1:, 0].cpu()
+    begin, end = ref["semantic_range"]
+    audio_next = (c_tokens >= begin) & (c_tokens <= end)
+    if not bool(audio_next.any()):
+        audio_next = torch.ones_like(audio_next)
+    main, main_ref = out["main"][:-1][audio_next], ref["main"][:-1][audio_next]
+    fast, fast_ref = out["fast"][audio_next], ref["fast"][audio_next]
     return {
         "positions": int(frames.shape[1]),
+        "scored_positions": int(audio_next.sum()),
         "layers": [_relative_error(a, b) for a, b in zip(out["hidden"], ref["hidden"], strict=True)],
-        "main_logits_rel_error": _relative_error(out["main"], ref["main"]),
-        "main_logits_max_abs_error": float((out["main"] - ref["main"]).abs().max()),
-        "main_top1_agreement": float(main_top1),
-        "fast_logits_rel_error": _relative_error(out["fast"], ref["fast"]),
-        "fast_top1_agreement": float(fast_top1),
+        "main_logits_rel_error": _relative_error(main, main_ref),
+        "main_logits_max_abs_error": float((main - main_ref).abs().max()),
+        "main_top1_agreement": float((main.argmax(-1) == main_ref.argmax(-1)).double().mean()),
+        "fast_logits_rel_error": _relative_error(fast, fast_ref),
+        "fast_top1_agreement": float((fast.argmax(-1) == fast_ref.argmax(-1)).double().mean()),
     }
+
+
+def voice_frames(bundle, names: tuple[str, ...] | None = None) -> Tensor:
+    """`[1, T, 1 + N]`: an in-distribution prompt from a bundle's preset voices (real speech codes): the
+    first voice as the reference, the second's transcript and codes as an earlier turn of the request
+    (the frames the logits are scored on), the third's transcript as the text to speak. Raises
+    ValueError for a bundle with fewer than 3 voices."""
+    from tts.text.prompt import Turn
+
+    voices = bundle.voices
+    names = names or tuple(sorted(voices))[:3]
+    if len(names) < 3:
+        raise ValueError(f"{bundle.name} has {len(voices)} preset voices; --inputs voices needs 3")
+    ref, turn, target = (voices[n] for n in names)
+    prompt = bundle.prompt_format.build(target.text, [ref], [Turn(turn.text, turn.codes)])
+    return prompt.unsqueeze(0)
 
 
 def _median_ms(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
@@ -214,6 +239,13 @@ def main(argv: list[str] | None = None) -> int:
         "else float32)",
     )
     p.add_argument("--weights", choices=["fp8", "int8"], default="fp8")
+    p.add_argument(
+        "--inputs",
+        choices=["random", "voices"],
+        default="random",
+        help="random: a seeded prompt of --positions random frames; voices: a prompt built from the "
+        "model's preset voices (real speech codes; a preset or directory with 3+ voices)",
+    )
     p.add_argument("--positions", type=int, default=256, help="prompt length of the teacher-forced pass")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -229,17 +261,28 @@ def main(argv: list[str] | None = None) -> int:
     from tts.cli.main import torch_dtype
     from tts_tools.bench import load_bench_model
 
+    def inputs(model) -> Tensor:
+        if args.inputs == "voices":
+            from tts.checkpoints.load import load_bundle
+
+            return voice_frames(load_bundle(args.model, device="cpu"))
+        return fixed_frames(model.config, args.positions, args.seed)
+
     baseline = None
     if args.baseline:
         model = load_bench_model(args.model, args.device, torch.float32)
-        baseline = rounding_baseline(model, fixed_frames(model.config, args.positions, args.seed))
+        baseline = rounding_baseline(model, inputs(model))
         del model
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     model = load_bench_model(args.model, args.device, torch_dtype(args.dtype))
-    frames = fixed_frames(model.config, args.positions, args.seed)
+    frames = inputs(model)
     result = compare(model, args.weights, frames)
-    print(f"{args.model} ({result['positions']} positions, seed {args.seed})")
+    source = "preset voices" if args.inputs == "voices" else f"random, seed {args.seed}"
+    print(
+        f"{args.model} ({result['positions']} positions, {source}; logits scored at the "
+        f"{result['scored_positions']} whose next frame is audio)"
+    )
     for r in (baseline, result):
         if r is None:
             continue

@@ -150,7 +150,8 @@ def quantize_model(model: nn.Module, fmt: str) -> str:
     returns the format used (see `resolve_weight_format`). One layer at a time, so the device never
     holds more than one layer's weights twice. w1 and w3 become one `FeedForward.w13_quant` (the
     fused GEMM of the serving path); `fuse_weights` is then a no-op. Raises ValueError for an unknown
-    format or a model already quantized."""
+    format or a model already quantized. The device's peak is the unquantized model plus one layer (it
+    is quantized after loading)."""
     from tts.model.transformer import DualARTransformer, TransformerBlock
 
     if not isinstance(model, DualARTransformer):
@@ -172,6 +173,11 @@ def quantize_model(model: nn.Module, fmt: str) -> str:
             ff.__dict__.pop("w13", None)
         _quantize_child(model, "fast_project_in", fmt)
         _quantize_child(model, "fast_output", fmt)
+    device = model.embeddings.weight.device
+    if device.type == "cuda":
+        # Hand the freed 16-bit weights back to the driver: the engine sizes its KV pool from the
+        # device's free memory, which does not count torch's cached blocks.
+        torch.cuda.empty_cache()
     return fmt
 
 
