@@ -155,6 +155,33 @@ def check_snake():
             torch.testing.assert_close(fused[row, :n], plain[row, :n], rtol=0, atol=2e-5)
 
 
+def check_quant_linear():
+    """The weight-only fp8 / int8 kernels (both: small M and tensor-core tiles; K a multiple of the
+    block and not; with and without bias) against `reference_linear` (fp32 activations: the two differ
+    only in summation order)."""
+    from tts.model.kernels.wquant import GEMV_MAX_ROWS, quant_linear
+    from tts.model.quant import quantize_weight, reference_linear
+
+    torch.manual_seed(3)
+    for fmt in ("fp8", "int8"):
+        for M, N, Kd in ((1, 10, 64), (3, 37, 80), (GEMV_MAX_ROWS + 1, 70, 96), (33, 130, 64)):
+            q, scale = quantize_weight(torch.randn(N, Kd), fmt)
+            x = torch.randn(M, Kd)
+            for bias in (None, torch.randn(N)):
+                ref = reference_linear(x, q, scale, bias)
+                torch.testing.assert_close(quant_linear(x, q, scale, bias), ref, rtol=1e-5, atol=1e-4)
+        # leading dimensions and 16-bit activations: one rounding (the kernel's) against two (the
+        # reference's product, then its scaled value): within 2 bf16 ulps. The tensor-core path in
+        # fp16 only: this interpreter's tl.dot of bf16 operands returns garbage (a plain bf16 dot
+        # kernel too); tests/test_quant.py checks it in bf16 on the GPU.
+        q, scale = quantize_weight(torch.randn(24, 48), fmt)
+        for rows, dtype in ((2, torch.bfloat16), (GEMV_MAX_ROWS + 3, torch.float16)):
+            x = torch.randn(rows, 1, 48).to(dtype)
+            out = quant_linear(x, q, scale)
+            assert out.shape == (rows, 1, 24) and out.dtype == dtype
+            torch.testing.assert_close(out, reference_linear(x, q, scale), rtol=2 * 2**-8, atol=1e-2)
+
+
 def check_engine_end_to_end():
     """The whole frame step with every kernel on gives the torch path's codes (fp32)."""
     from helpers import params, random_prompt, run_to_completion
@@ -189,10 +216,48 @@ def check_engine_end_to_end():
     assert destinations and all(destinations), "a fused decode step did not write its K/V directly"
 
 
+def check_quant_engine():
+    """A tiny model with fp8 weights: the frame step with every kernel on (the quantized linears'
+    included) gives the torch path's codes, and its quantized layers ran through the kernel."""
+    from helpers import params, random_prompt, run_to_completion
+
+    import tts.model.kernels.wquant as wquant
+    from tts.checkpoints.bundle import build_tiny_bundle
+    from tts.engine import Engine, EngineConfig
+    from tts.model.quant import quantize_model
+
+    calls = []
+    kernel = wquant.quant_linear
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return kernel(*args, **kwargs)
+
+    wquant.quant_linear = counting
+    results = []
+    for fused in (False, True):
+        K.set_fused_kernels(fused)
+        model = build_tiny_bundle().model
+        quantize_model(model, "fp8")
+        engine = Engine(
+            model, EngineConfig(max_batch=2, graphs="off", attention_backend="triton" if fused else "torch")
+        )
+        for i in range(2):
+            engine.submit(random_prompt(model, 6 + 9 * i, i + 1), params(max_new_frames=3, seed=i), f"r{i}")
+        results.append(run_to_completion(engine)[0])
+        assert bool(calls) == fused
+    wquant.quant_linear = kernel
+    K.set_fused_kernels(True)
+    for rid in results[0]:
+        assert torch.equal(results[0][rid], results[1][rid]), rid
+
+
 if __name__ == "__main__":
     check_paged_attention()
     check_norms_rope_silu()
     check_sampler()
     check_snake()
     check_engine_end_to_end()
+    check_quant_linear()
+    check_quant_engine()
     print("kernel checks passed")

@@ -20,6 +20,12 @@
 #               read with the guard on and off (scored where the eval extra is installed)
 #   synth       `tts synthesize --device cuda` with each --graphs mode, each in a fresh process, timed
 #               as a user sees it
+#   fp8         weight-only fp8 / int8 linear layers (`--weights`, tts.model.quant), S2-Pro shape: the CUDA
+#               tests of tests/test_quant.py; accuracy against bf16 (per-layer error, top-1 agreement) and
+#               the kernel's GB/s per layer shape (tts_tools.quant_check); `tts bench` graph batches 1 and
+#               8 at a 4,096-token context for bf16, fp8, int8 (frames/s, peak memory); the default voice's
+#               accuracy on its preset voices; WER of the default voice with and without fp8 where the
+#               eval extra and its ASR model are at hand (about 4 minutes in all)
 # A service action may carry server options after a slash, commas for spaces; its files get a tag from
 # them: `default/--loop-guard,off` writes default_loopguard_off.json.
 #
@@ -144,6 +150,29 @@ for spec in $ACTIONS; do
         echo "graphs $g: whole command $(python3 -c "import time; print(round(time.time() - $t0, 2))") s" \
           | tee -a "$OUT/synth.txt"
       done ;;
+    fp8)
+      python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_quant.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -3
+      python3 -m tts_tools.quant_check --model s2-pro-shape --device cuda --weights fp8 --baseline --kernel-bench --sweep \
+        --json "$OUT/fp8_accuracy.json" 2>&1 | tee "$OUT/fp8_accuracy.txt" | tail -16
+      python3 -m tts_tools.quant_check --model s2-pro-shape --device cuda --weights int8 \
+        --json "$OUT/int8_accuracy.json" 2>&1 | tee "$OUT/int8_accuracy.txt" | tail -3
+      for w in fp8 int8; do  # the trained default voice on its preset voices' real speech codes
+        python3 -m tts_tools.quant_check --model default --device cuda --weights $w --inputs voices --baseline \
+          --json "$OUT/${w}_accuracy_default.json" 2>&1 | tail -5
+      done
+      for w in bf16 fp8 int8; do
+        wopt=(); [[ $w == bf16 ]] || wopt=(--weights "$w")
+        tts bench --model s2-pro-shape --device cuda --modes graph --batch-sizes 1,8 --frames 64 --max-context 4096 \
+          "${wopt[@]}" --out "$OUT/tps_$w" 2>&1 | tail -4
+      done
+      if python3 -c "import faster_whisper, jiwer" 2>/dev/null; then
+        for w in bf16 fp8; do
+          wopt=(); [[ $w == bf16 ]] || wopt=(--weights "$w")
+          timeout 120 tts eval --device cuda --limit 20 --seeds 0,1 "${wopt[@]}" --out "$OUT/wer_$w.json" 2>&1 | tail -3
+        done
+      else
+        echo "(the eval extra is not installed: WER with and without --weights fp8 left for another run)"
+      fi ;;
     *) echo "unknown action $action (see the header of $0)"; exit 2 ;;
   esac
 done

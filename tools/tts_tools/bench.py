@@ -104,16 +104,22 @@ def check_shape_device(name: str, cuda: bool) -> None:
         )
 
 
-def load_bench_model(name: str, device: str, dtype):
-    """A model for benchmarking: a random-weight shape (`s2-pro-shape`, ...), a preset, or a directory."""
+def load_bench_model(name: str, device: str, dtype, weights: str | None = None):
+    """A model for benchmarking: a random-weight shape (`s2-pro-shape`, ...), a preset, or a directory;
+    with `weights` ("fp8", "int8") its linear layers quantized (tts.model.quant)."""
     import torch
 
     from tts.checkpoints.load import load_bundle
+    from tts.model.quant import quantize_model
     from tts.model.shapes import SHAPES, build_random_model, shape_config
 
     if name in SHAPES:
-        return build_random_model(shape_config(name), device, dtype or torch.bfloat16)
-    return load_bundle(name, device=device, dtype=dtype).model
+        model = build_random_model(shape_config(name), device, dtype or torch.bfloat16)
+    else:
+        model = load_bundle(name, device=device, dtype=dtype).model
+    if weights is not None:
+        quantize_model(model, weights)
+    return model
 
 
 def bench_one(model, mode: str, batch: int, args) -> dict:
@@ -189,6 +195,7 @@ def bench_one(model, mode: str, batch: int, args) -> dict:
 def environment(model, args) -> dict:
     import torch
 
+    from tts.model.quant import quantized_format, weight_bytes
     from tts.model.shapes import weight_bytes_per_frame
 
     c = model.config
@@ -198,6 +205,8 @@ def environment(model, args) -> dict:
         "model": args.model,
         "parameters": sum(p.numel() for p in model.parameters()),
         "dtype": str(model.embeddings.weight.dtype).removeprefix("torch."),
+        "weights": quantized_format(model),
+        "weight_bytes": weight_bytes(model),
         "shape": {
             "slow": [c.n_layer, c.dim, c.n_head, c.n_local_heads, c.head_dim],
             "fast": [c.n_fast_layer, c.fast_dim],
@@ -261,7 +270,9 @@ def x_floor(result: dict, floor: float | None) -> str:
 def print_table(results: list[dict], env: dict) -> None:
     floor = env["floor_ms_per_frame_batch1"]
     print(
-        f"{env['model']} on {env['device']}, {env['dtype']}, prompt {env['prompt_tokens']} tokens, "
+        f"{env['model']} on {env['device']}, {env['dtype']}"
+        + (f" with {env['weights']} linear weights" if env.get("weights") else "")
+        + f", prompt {env['prompt_tokens']} tokens, "
         f"context {env['max_context']} tokens, "
         f"{env['timed_frames']} timed frames; {floor_line(env)}"
     )
@@ -323,7 +334,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     check_out_dir(out)  # (made only when the results are written: a refused run leaves no folder)
     check_shape_device(args.model, cuda)
-    model = load_bench_model(args.model, args.device, torch_dtype(args.dtype))
+    model = load_bench_model(args.model, args.device, torch_dtype(args.dtype), args.weights)
     needed = args.prompt_tokens + args.warmup_frames + args.frames + 1
     context = args.max_context or model.config.max_seq_len
     if not needed <= context <= model.config.max_seq_len:
@@ -385,6 +396,13 @@ def add_parser(sub) -> None:
         choices=["float32", "bfloat16", "float16"],
         default=None,
         help="weights' dtype (default: bf16 for a random shape, else the checkpoint's)",
+    )
+    p.add_argument(
+        "--weights",
+        choices=["fp8", "int8"],
+        default=None,
+        help="weight-only quantized linear layers: fp8 (E4M3, per-channel scales; int8 on a GPU without "
+        "FP8) or int8 (default: unquantized)",
     )
     p.add_argument(
         "--modes", default=None, help="comma list of eager, graph (default: both on CUDA, eager elsewhere)"

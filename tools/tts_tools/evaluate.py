@@ -302,7 +302,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     seeds = [int(s) for s in args.seeds.split(",")]
     asr = ASR(threads=args.asr_threads, beam_size=args.asr_beam_size)
     t0 = time.perf_counter()
-    bundle = load_bundle(args.model, device=args.device)
+    bundle = load_bundle(args.model, device=args.device, weights=args.weights)
     apply_threads(args, bundle)  # as `tts synthesize` runs it, so the RTF below is the CLI's
     tts = TTS(bundle, EngineConfig(max_batch=1, loop_guard=args.loop_guard == "on"))
     load_seconds = time.perf_counter() - t0

@@ -86,14 +86,27 @@ class ModelBundle:
         return self.model.embeddings.weight.dtype
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        """Parameters, a quantized layer's weights included (tts.model.quant: buffers, not parameters)."""
+        from tts.model.quant import QuantLinear
+
+        quantized = sum(m.qweight.numel() for m in self.model.modules() if isinstance(m, QuantLinear))
+        return sum(p.numel() for p in self.model.parameters()) + quantized
 
     def describe(self) -> str:
-        """One line: name, family, parameter count, dtype, weight memory, device, codec rate."""
+        """One line: name, family, parameter count, dtype (and quantized linear weights), weight memory,
+        device, codec rate."""
+        from tts.model.quant import quantized_format, weight_bytes
+
         params = self.num_parameters()
-        mem = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        fmt = quantized_format(self.model)
+        mem = (
+            weight_bytes(self.model)
+            if fmt
+            else sum(p.numel() * p.element_size() for p in self.model.parameters())
+        )
+        dtype = str(self.dtype).removeprefix("torch.") + (f" ({fmt} linear weights)" if fmt else "")
         return (
-            f"{self.name} ({self.family}): {params / 1e6:.1f} M parameters, {str(self.dtype).removeprefix('torch.')}, "
+            f"{self.name} ({self.family}): {params / 1e6:.1f} M parameters, {dtype}, "
             f"{mem / 2**20:.1f} MiB on {self.device}; codec {self.codec.sample_rate} Hz, "
             f"{self.codec.frame_rate:.2f} frames/s, {self.codec.num_codebooks} codebooks"
         )

@@ -31,14 +31,29 @@ from tts.checkpoints.fish.loader import (
 
 
 def load_bundle(
-    spec: str | Path = "default", device: str | torch.device = "cpu", dtype=None, codec_dtype=None
+    spec: str | Path = "default",
+    device: str | torch.device = "cpu",
+    dtype=None,
+    codec_dtype=None,
+    weights: str | None = None,
 ) -> ModelBundle:
     """Load a preset (`default`, `tiny`) or a checkpoint directory onto `device`.
 
     dtype defaults to float32 on CPU and bfloat16 on CUDA. The codec runs on `device` too (its decode
     path in `codec_dtype` where the codec supports another than float32: the modded DAC's bfloat16).
+    `weights` ("fp8", "int8"; None: as loaded) quantizes the transformer's linear layers once loaded
+    (`tts.model.quant.quantize_model`: fp8 becomes int8 on a GPU without FP8).
     Raises CheckpointError / ConfigError with a one-line reason for anything that cannot be loaded.
     """
+    bundle = _load_bundle(spec, device, dtype, codec_dtype)
+    if weights is not None:
+        from tts.model.quant import quantize_model
+
+        quantize_model(bundle.model, weights)
+    return bundle
+
+
+def _load_bundle(spec: str | Path, device: str | torch.device, dtype, codec_dtype) -> ModelBundle:
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if str(spec) == "tiny":

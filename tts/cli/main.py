@@ -52,7 +52,9 @@ class SubcommandImportError(Exception):
     """A subcommand module failed to import for a reason other than a missing optional extra."""
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, list_weights: bool = True) -> None:
+    """--model, --device, --dtype, --weights; `list_weights=False` keeps --weights out of --help (it
+    still works): for a command whose documented options table does not list it yet."""
     p.add_argument(
         "--model",
         default="default",
@@ -66,6 +68,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16", "float16"],
         default=None,
         help="weights and activations dtype (default: float32 on CPU, bfloat16 on CUDA)",
+    )
+    p.add_argument(
+        "--weights",
+        choices=["fp8", "int8"],
+        default=None,
+        help="store the transformer's linear layers quantized, per output channel, at load: fp8 (E4M3; "
+        "int8 on a GPU without FP8) or int8; activations stay in --dtype (default: unquantized)"
+        if list_weights
+        else argparse.SUPPRESS,
     )
 
 
@@ -558,6 +569,7 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=torch_dtype(args.dtype),
         codec_dtype=torch_dtype(args.codec_dtype),
+        weights=args.weights,
     )
     apply_threads(args, bundle)
     tts = TTS(bundle, EngineConfig(max_batch=1, **engine_kwargs(args)), voices_dir=voices_dir_arg(args))
@@ -737,7 +749,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from tts.checkpoints.load import load_bundle
 
     check_device(args.device)
-    bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype))
+    bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype), weights=args.weights)
     print(bundle.describe())
     c = bundle.model.config
     print(

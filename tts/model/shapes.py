@@ -92,11 +92,11 @@ def weight_bytes_per_frame(model: DualARTransformer) -> int:
     """Bytes of weights one frame must read at least once per pass (the bandwidth floor at batch 1):
     every slow layer once, the semantic slice of the head once, every fast layer once per fast
     position (N positions) and the fast head once per sampled codebook (N - 1). Embedding lookups read
-    a few rows only and are left out."""
+    a few rows only and are left out. Quantized layers (tts.model.quant) count their codes and scales."""
     c = model.config
 
     def nbytes(module):
-        return sum(p.numel() * p.element_size() for p in module.parameters())
+        return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
     per_elem = model.embeddings.weight.element_size()
     slow = sum(nbytes(layer) for layer in model.layers) + nbytes(model.norm)

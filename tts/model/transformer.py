@@ -157,7 +157,10 @@ class FeedForward(nn.Module):
         """Store w1 and w3 as one `[2 * hidden, dim]` matrix (w1, w3 become views of it) so serving
         runs one GEMM for both. With `column_major` the matrix is the transpose of a contiguous
         `[dim, 2 * hidden]` one (see `DualARTransformer.use_cpu_decode_layout`). The state dict keeps
-        its keys and values."""
+        its keys and values. A no-op once the weights are quantized (`tts.model.quant`: w13 is fused
+        there)."""
+        if "w13_quant" in self._modules:
+            return
         with torch.inference_mode(False), torch.no_grad():  # plain tensors, even if called under it
             w13 = torch.cat([self.w1.weight.data, self.w3.weight.data])
             if column_major:
@@ -176,6 +179,13 @@ class FeedForward(nn.Module):
         return w13
 
     def forward(self, x: Tensor) -> Tensor:
+        quant = self._modules.get("w13_quant")  # weight-only quantized w1/w3 (tts.model.quant)
+        if quant is not None:
+            y = quant(x)
+            if fused_kernels_enabled(y):
+                return self.w2(fused_ops().silu_mul(y))
+            gate, up = y.chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
         w13 = None if torch.is_grad_enabled() else self.fused_w13()  # (autograd: gradients go to w1, w3)
         if w13 is not None and fused_kernels_enabled(x, w13):
             return self.w2(fused_ops().silu_mul(F.linear(x, w13)))
