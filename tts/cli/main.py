@@ -52,9 +52,8 @@ class SubcommandImportError(Exception):
     """A subcommand module failed to import for a reason other than a missing optional extra."""
 
 
-def add_model_args(p: argparse.ArgumentParser, list_weights: bool = True) -> None:
-    """--model, --device, --dtype, --weights; `list_weights=False` keeps --weights out of --help (it
-    still works): for a command whose documented options table does not list it yet."""
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model, --device, --dtype, --weights."""
     p.add_argument(
         "--model",
         default="default",
@@ -74,9 +73,7 @@ def add_model_args(p: argparse.ArgumentParser, list_weights: bool = True) -> Non
         choices=["fp8", "int8"],
         default=None,
         help="store the transformer's linear layers quantized, per output channel, at load: fp8 (E4M3; "
-        "int8 on a GPU without FP8) or int8; activations stay in --dtype (default: unquantized)"
-        if list_weights
-        else argparse.SUPPRESS,
+        "int8 on a GPU without FP8) or int8; activations stay in --dtype (default: unquantized)",
     )
 
 

@@ -81,7 +81,7 @@ def add_parser(subparsers) -> None:
         help="TCP port of the Wyoming protocol (Home Assistant's TTS, streaming text included) on the same "
         "host; no authentication, for a trusted network (default -1 = off; 0 = any free)",
     )
-    add_model_args(p, list_weights=False)  # (--weights: not in docs/operations.md's table yet)
+    add_model_args(p)
     add_codec_dtype_arg(p)
     from tts.params import AUTO_STREAM_TOKENS
 
