@@ -2,13 +2,15 @@
 # The GPU measurements of docs/benchmarks.md, on one machine with a CUDA GPU.
 #
 # Needs the project installed with CUDA PyTorch (`pip install -e '.[dev]'`); `loop_guard`'s scoring needs
-# the eval extra (`pip install -e '.[eval]'`). Run from the repository root:
+# the tools extra (`pip install -e '.[tools]'`). Run from the repository root:
 #
 #   ACTIONS="tests tps s2_fp32 s2_bf16 default" bash tools/gpu/gpu_benchmarks.sh
 #
 # Actions, run in the order given:
 #   tests       every CUDA test (stops the script if one fails)
 #   tps         `tts bench`, S2-Pro shape with random weights, eager and graph, batches 1, 4, 16, 64
+#   kv          `tts bench`, S2-Pro shape, graph, batches 1, 64, 128, 256 (KV blocks taken as requests
+#               grow; buckets past 64), and the max batch `tts serve --max-batch auto` picks on this card
 #   checkpoint  a real-format S2-Pro checkpoint with random weights: write it, `tts info`, `tts bench`
 #   s2_fp32, s2_bf16, default
 #               the service (S2-Pro with the float32 or the bfloat16 codec, or the default voice) under
@@ -25,7 +27,8 @@
 #               the kernel's GB/s per layer shape (tts_tools.quant_check); `tts bench` graph batches 1 and
 #               8 at a 4,096-token context for bf16, fp8, int8 (frames/s, peak memory); the default voice's
 #               accuracy on its preset voices; WER of the default voice with and without fp8 where the
-#               eval extra and its ASR model are at hand (about 4 minutes in all)
+#               tools extra and its ASR model are at hand (about 4 minutes in all; FP8_QUICK=1 skips the
+#               bf16-vs-fp32 baseline and the kernel sweep)
 # A service action may carry server options after a slash, commas for spaces; its files get a tag from
 # them: `default/--loop-guard,off` writes default_loopguard_off.json.
 #
@@ -96,10 +99,21 @@ for spec in $ACTIONS; do
   case $action in
     tests)
       python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py tests/test_dac_batched.py \
-        tests/test_melvq_batched.py tests/test_engine_loop.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -5
+        tests/test_melvq_batched.py tests/test_engine_loop.py tests/test_quant.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -5
       [[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "CUDA tests failed: $OUT/cuda_tests.log"; exit 1; } ;;
     tps)
       tts bench --model s2-pro-shape --device cuda --batch-sizes 1,4,16,64 --frames 64 --out "$OUT/tps" 2>&1 | tail -12 ;;
+    kv)
+      tts bench --model s2-pro-shape --device cuda --modes graph --frames 64 --warmup-frames 32 \
+        --batch-sizes 1,64,128,256 --out "$OUT/kv" 2>&1 | tail -8
+      python3 -c "
+import torch
+from tts.engine.engine import max_batch_for_memory, kv_bytes_per_token
+from tts.model.shapes import build_random_model, shape_config
+m = build_random_model(shape_config('s2-pro-shape'), 'cuda', torch.bfloat16)
+print('free GiB', round(torch.cuda.mem_get_info()[0] / 2**30, 1), 'KV bytes/token', kv_bytes_per_token(m),
+      'auto max batch', max_batch_for_memory(m))
+" | tee "$OUT/kv_auto.txt" ;;
     checkpoint)
       write_s2
       tts info --model "$S2_DIR" --device cuda | tee "$OUT/checkpoint_info.txt"
@@ -152,7 +166,8 @@ for spec in $ACTIONS; do
       done ;;
     fp8)
       python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_quant.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -3
-      python3 -m tts_tools.quant_check --model s2-pro-shape --device cuda --weights fp8 --baseline --kernel-bench --sweep \
+      sweep=(--baseline --kernel-bench --sweep); [[ -n ${FP8_QUICK:-} ]] && sweep=()  # (FP8_QUICK=1: ~3 min)
+      python3 -m tts_tools.quant_check --model s2-pro-shape --device cuda --weights fp8 "${sweep[@]}" \
         --json "$OUT/fp8_accuracy.json" 2>&1 | tee "$OUT/fp8_accuracy.txt" | tail -16
       python3 -m tts_tools.quant_check --model s2-pro-shape --device cuda --weights int8 \
         --json "$OUT/int8_accuracy.json" 2>&1 | tee "$OUT/int8_accuracy.txt" | tail -3
