@@ -19,7 +19,7 @@
 #   dac         the batched DAC decode timed (graph replay) and its bfloat16 accuracy
 #   prefill     the S2-Pro prefill, alone and packed, timed cold and warm (tools/profile/profile_prefill.py)
 #   loop_guard  the default voice's frame step with and without its aligner, and the held-out passages
-#               read with the guard on and off (scored where the eval extra is installed)
+#               read with the guard on and off (scored where the tools extra is installed)
 #   synth       `tts synthesize --device cuda` with each --graphs mode, each in a fresh process, timed
 #               as a user sees it
 #   fp8         weight-only fp8 / int8 linear layers (`--weights`, tts.model.quant), S2-Pro shape: the CUDA
@@ -153,7 +153,7 @@ print('free GiB', round(torch.cuda.mem_get_info()[0] / 2**30, 1), 'KV bytes/toke
       if python3 -c "import faster_whisper, jiwer" 2>/dev/null; then
         python3 tools/gpu/loop_guard_gpu.py score "$OUT/long_on.npz" "$OUT/long_off.npz" | tee "$OUT/long_scored.txt"
       else
-        echo "(the eval extra is not installed: score the readings with tools/gpu/loop_guard_gpu.py score)"
+        echo "(the tools extra is not installed: score the readings with tools/gpu/loop_guard_gpu.py score)"
       fi ;;
     synth)
       text="Please call Stella and ask her to bring these things."
@@ -186,7 +186,7 @@ print('free GiB', round(torch.cuda.mem_get_info()[0] / 2**30, 1), 'KV bytes/toke
           timeout 120 tts eval --device cuda --limit 20 --seeds 0,1 "${wopt[@]}" --out "$OUT/wer_$w.json" 2>&1 | tail -3
         done
       else
-        echo "(the eval extra is not installed: WER with and without --weights fp8 left for another run)"
+        echo "(the tools extra is not installed: WER with and without --weights fp8 left for another run)"
       fi ;;
     *) echo "unknown action $action (see the header of $0)"; exit 2 ;;
   esac
