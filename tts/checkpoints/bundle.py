@@ -93,7 +93,8 @@ class ModelBundle:
         params = self.num_parameters()
         mem = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return (
-            f"{self.name} ({self.family}): {params / 1e6:.1f} M parameters, {str(self.dtype).removeprefix('torch.')}, "
+            f"{self.name} ({self.family}): {params / 1e6:.1f} M parameters, "
+            f"{str(self.dtype).removeprefix('torch.')}, "
             f"{mem / 2**20:.1f} MiB on {self.device}; codec {self.codec.sample_rate} Hz, "
             f"{self.codec.frame_rate:.2f} frames/s, {self.codec.num_codebooks} codebooks"
         )
