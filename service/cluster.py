@@ -525,7 +525,8 @@ class Cluster:
         http = f"; HTTP on http://{a.host}:{a.http_port}/" if http_bind else ""
         metrics = f"; metrics on http://{a.metrics_host}:{a.metrics_port}/metrics" if metrics_bind else ""
         self.say(
-            f"serving tts.v1.TextToSpeech on {a.host}:{a.port} through {PROXY} ({len(self.replicas)} replicas: "
+            f"serving tts.v1.TextToSpeech on {a.host}:{a.port} through {PROXY} ({len(self.replicas)} "
+            "replicas: "
             f"{names}; max batch {a.max_batch} each){http}{metrics}"
         )
         self.started = True

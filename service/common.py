@@ -51,7 +51,8 @@ class ServiceLimits:
     max_receive_bytes: the gRPC receive limit (a request); defaults to room for the largest reference
     clip plus 1 MiB. pause_timeout: seconds a stream that is not read may hold its batch row while
     others wait (None: forever). max_audio_seconds: audio per request before it ends with `length`.
-    reference_cache_bytes: the encoded-reference cache. voices_dir: registered voices (None: in memory). max_send_bytes: the gRPC send limit (a unary reply carries the whole clip; stream
+    reference_cache_bytes: the encoded-reference cache. voices_dir: registered voices (None: in memory).
+    max_send_bytes: the gRPC send limit (a unary reply carries the whole clip; stream
     chunks stay far below it: `max_chunk_frames` is capped so that one chunk uses at most a quarter).
     max_connection_age: seconds after which the server asks a client connection to go away (HTTP/2
     GOAWAY; the client reconnects for its next call, through its balancer), None: never.

@@ -1,5 +1,5 @@
-"""Fish Audio's API on the HTTP front, so that the official `fish-audio-sdk` (`fishaudio.FishAudio(base_url=...)`
-and the older `fish_audio_sdk`) works unchanged against this server. Translation only: Fish's wire format <->
+"""Fish Audio's API on the HTTP front, so that the official `fish-audio-sdk`
+(`fishaudio.FishAudio(base_url=...)` and the older `fish_audio_sdk`) works unchanged against this server. Translation only: Fish's wire format <->
 the runtime's `SpeechRequest`, `EngineLoop.open_session` and the voice registry; the rules are the runtime's.
 
 * `POST /v1/tts`: the body as MessagePack (`Content-Type: application/msgpack`, as the SDK sends it) or JSON:
@@ -27,7 +27,8 @@ the runtime's `SpeechRequest`, `EngineLoop.open_session` and the voice registry;
   chunk's final snapshot.
 * Voices ("models"): `GET /model` (`{total, items}`, `page_size`, `page_number`, `title` filter), `GET
   /model/{id}`, `POST /model` (multipart: `title` = the voice name, one `voices` file, its transcript in
-  `texts`), `DELETE /model/{id}`, on the server's voice registry; a voice's `_id` is its name (`reference_id`).
+  `texts`), `DELETE /model/{id}`, on the server's voice registry; a voice's `_id` is its name
+  (`reference_id`).
 
 Errors are `{"status": <code>, "message": ...}` JSON, with the statuses of `/v1/audio/speech` (400 names the
 Fish field). Authentication is the app's (the routes live on the HTTP front's FastAPI app).
@@ -245,7 +246,7 @@ class FishAPI:
 
     # ---- the WebSocket ----
 
-    async def live(self, ws: WebSocket, timestamps: bool) -> None:
+    async def live(self, ws: WebSocket, timestamps: bool) -> None:  # noqa: C901 - the socket's protocol in one place; to be split
         """One session over `ws` (see the module docstring)."""
         await ws.accept()
         session = None
@@ -370,7 +371,7 @@ class FishAPI:
             else:
                 raise _Protocol(f"unknown event {kind!r} (expected text, flush or stop)")
 
-    async def _write_events(
+    async def _write_events(  # noqa: C901 - one branch per session event; to be split
         self, ws: WebSocket, session, encoder: AudioEncoder, gain: float, stamps: bool
     ) -> None:
         """Session events -> audio events, then `finish`. Returns once finished."""

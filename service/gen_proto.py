@@ -1,12 +1,12 @@
 """Regenerate the Python modules of the service API from `proto/tts/v1/tts.proto` (grpcio-tools).
 
-    python -m service.gen_proto            # rewrite service/grpc_gen/v1/tts_pb2.py, tts_pb2.pyi, tts_pb2_grpc.py
+    python -m service.gen_proto            # rewrite service/grpc_gen/v1/: tts_pb2.py, .pyi, tts_pb2_grpc.py
     python -m service.gen_proto --out DIR  # write them under DIR/service/grpc_gen/v1/ instead (tests compare)
 
 The .proto is compiled with the repository root as the include path, so its descriptor keeps the file
 name `proto/tts/v1/tts.proto` (the API's protobuf package stays `tts.v1`), and protoc names the modules
-`proto.tts.v1.*`. They are then moved into the package `service.grpc_gen.v1` (a top-level `proto` package would
-clash with the `proto-plus` distribution's), with their own module path rewritten to match: the
+`proto.tts.v1.*`. They are then moved into the package `service.grpc_gen.v1` (a top-level `proto` package
+would clash with the `proto-plus` distribution's), with their own module path rewritten to match: the
 `tts_pb2` module name the messages are registered under, and `tts_pb2_grpc`'s import of `tts_pb2`. The
 generated modules are committed; `tests/test_proto.py` checks that they match the .proto.
 """

@@ -593,7 +593,8 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
                         await self._abort(
                             context,
                             Overloaded(
-                                f"the audio exceeds the maximum message size ({self.limits.max_send_bytes} bytes); "
+                                f"the audio exceeds the maximum message size ({self.limits.max_send_bytes} "
+                                "bytes); "
                                 "use the streaming Synthesize call"
                             ),
                             call,

@@ -7,7 +7,8 @@ Endpoints:
 * `POST /v1/audio/speech`: OpenAI's body (`model`, `input`, `voice`, `response_format`, `speed`,
   `stream_format`, `instructions`) plus this server's extensions (`seed`, `temperature`, `top_p`, `top_k`,
   `max_new_frames`, `min_new_frames`, `repetition_penalty`, `reference_audio` (base64 WAV, FLAC, MP3 or
-  Ogg) with `reference_text`, `normalize` (default true; false reads the text as given, see tts/textpolicy.py)).
+  Ogg) with `reference_text`, `normalize` (default true; false reads the text as given, see
+  tts/textpolicy.py)).
   The JSON becomes the runtime's `tts.runtime.request.SpeechRequest`, checked and planned by the same rules
   as a gRPC call's (this module imports no protobuf and no gRPC).
   The audio streams as the engine produces it (chunked transfer): encoded bytes (`stream_format`
@@ -149,7 +150,8 @@ HTTP_STATUS = {
 # Error messages are cut to this many characters (as gRPC's status details are).
 MAX_MESSAGE_CHARS = 300
 REQUEST_ERRORS = (
-    TextError, InvalidRequest, AudioError, VoiceNotFound, Overloaded, LoopClosed, EngineFailed, PreparationTimeout
+    TextError, InvalidRequest, AudioError, VoiceNotFound, Overloaded, LoopClosed, EngineFailed,
+    PreparationTimeout,
 )  # fmt: skip
 # What `POST /v1/audio/voices` takes, for the errors that say so.
 VOICE_FORM = (
@@ -541,7 +543,7 @@ class _SynthesisResponse(StreamingResponse):
 # ---- connections that stop sending ------------------------------------------------------------------------
 
 
-def _timed_protocol(read_timeout: float):
+def _timed_protocol(read_timeout: float):  # noqa: C901 - uvicorn's protocol hooks in one closure
     """uvicorn's h11 protocol with a read timeout, which uvicorn lacks (its `timeout_keep_alive` only runs
     between a response and the next request's first byte): a connection is closed when a request's
     headers are not complete `read_timeout` seconds after the connection opened or the previous response
@@ -947,7 +949,8 @@ class HTTPFront:
         )
 
     def _prepare(self, request: RuntimeRequest, count_tokens: bool):
-        """Plan the job (the same rules as gRPC's), and the text's prompt tokens when asked (worker thread)."""
+        """Plan the job (the same rules as gRPC's), and the text's prompt tokens when asked (worker
+        thread)."""
         job = plan_job(self.loop.planner, request, self.limits.request_limits)
         tokens = 0
         if count_tokens:
@@ -957,7 +960,8 @@ class HTTPFront:
 
     async def add_voice(self, request: Request) -> Response:
         """`POST /v1/audio/voices` (multipart/form-data): `name`, `file` (a WAV, FLAC, MP3 or Ogg clip),
-        `text` (its transcript), optional `replace` (true/false). The clip is checked like a request's reference clip,
+        `text` (its transcript), optional `replace` (true/false). The clip is checked like a request's
+        reference clip,
         encoded on the codec stage and kept as a registered voice (persisted under the server's voices
         directory), the same registry gRPC's AddVoice fills. 201 with the voice (200 when it replaced one);
         400 / 409 (the name is taken) / 413 / 415 (not multipart/form-data) / 503 as OpenAI-style
@@ -1043,7 +1047,7 @@ class HTTPFront:
         self._check_model(r.model)
         return SpeechOutput(self._to_request(r), r.response_format, r.speed, r.stream_format)
 
-    async def synthesize(
+    async def synthesize(  # noqa: C901 - a route that validates, plans and streams; to be split
         self,
         request: Request,
         parse: Callable[[Request, CallLog], Awaitable[SpeechOutput]],

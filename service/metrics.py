@@ -36,7 +36,7 @@ every iteration by the engine thread); per-request figures are observed by the g
 | `tts_real_time_factor` | histogram | (end - request received) / audio seconds |
 | `tts_audio_seconds_total` | counter | audio produced |
 | `process_resident_memory_bytes`, ... | gauge | the server process (prometheus-client's process collector; Linux) |
-"""
+"""  # noqa: E501 (a Markdown table of the metrics; its rows cannot wrap)
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ load balancer that polls health to stop sending, then answered UNAVAILABLE while
 seconds to finish; then the rest end with UNAVAILABLE, the engine stops and the port closes (within
 `drain_delay` + `grace` + about a second).
 
-Scale-out (docs/operations.md, "Scaling out"): every stream header and GetInfo name the replica (`--replica-name`),
+Scale-out (docs/operations.md, "Scaling out"): every stream header and GetInfo name the replica
+(`--replica-name`),
 `grpc.max_connection_age_ms` makes long-lived client connections reconnect (and so rebalance), and the
 health service `liveness` stays SERVING while the process and its engine thread live (warming up and
 draining included), for a liveness probe that must not restart a replica that is only busy or draining.
@@ -68,7 +69,8 @@ class TTSServer:
         ...
         await server.stop(grace=10.0)
 
-    The server's parts: `loop` (the engine thread), `replica_state` (ReplicaState), `servicer` (the gRPC front, once
+    The server's parts: `loop` (the engine thread), `replica_state` (ReplicaState), `servicer` (the gRPC
+    front, once
     started), the HTTP front (`http_port`), `metrics`.
 
     metrics_port: None = no metrics endpoint, 0 = a free port (see `metrics_port` after start).

@@ -636,7 +636,8 @@ def _voice(front: WyomingFront, voice: object) -> str | None:
         languages = front.languages
         if not isinstance(language, str) or re.split(r"[-_]", language.lower())[0] not in languages:
             raise InvalidRequest(
-                f"voice.language {language!r:.60} is not spoken by this model (it speaks {', '.join(languages)})"
+                f"voice.language {language!r:.60} is not spoken by this model (it speaks "
+                f"{', '.join(languages)})"
             )
     return None
 

@@ -331,7 +331,7 @@ def test_no_guard_without_a_span_an_aligner_or_with_the_guard_off(tiny_model):
     assert int(unguarded.runner.buffers.out[0, unguarded.runner.out_layout.align]) == -1
 
 
-# ---- through the job pipeline -------------------------------------------------------------------------------
+# ---- through the job pipeline ------------------------------------------------------------------------------
 
 
 def guarded_tts(tiny_bundle) -> TTS:

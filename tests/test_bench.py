@@ -72,7 +72,8 @@ def test_an_unknown_gpu_has_no_floor():
         "bandwidth_source": "datasheet HBM bandwidth of the H100 SXM",
     }
     assert floor_line(env) == (
-        "weight floor 4.64 ms/frame at batch 1 (15.55 GB at 3.35 TB/s, datasheet HBM bandwidth of the H100 SXM)"
+        "weight floor 4.64 ms/frame at batch 1 (15.55 GB at 3.35 TB/s, datasheet HBM bandwidth of the H100 "
+        "SXM)"
     )
 
 

@@ -44,8 +44,8 @@ needs_proxy = pytest.mark.skipif(
 # A stream of exactly HOLD_FRAMES frames whatever the random weights do, float32 one frame per chunk: its
 # 1.5 MB cannot pass HTTP/2's windows (BDP probing off) and HAProxy's buffers unless the client reads.
 HOLD = dict(
-    temperature=0.0, max_new_frames=HOLD_FRAMES, min_new_frames=HOLD_FRAMES, first_chunk_frames=1, chunk_frames=1,
-    encoding="float32",
+    temperature=0.0, max_new_frames=HOLD_FRAMES, min_new_frames=HOLD_FRAMES, first_chunk_frames=1,
+    chunk_frames=1, encoding="float32",
 )  # fmt: skip
 SHORT_FRAMES = 6
 DRAIN_DELAY = 3.0
@@ -388,17 +388,24 @@ def test_a_missing_proxy_is_one_line(monkeypatch, capsys):
 
 BAD = [
     (["--devices", ""], "--devices must be a comma-separated list of devices like cuda:0,cuda:1, got ''"),
-    (["--devices", "cpu,,cpu"], "--devices must be a comma-separated list of devices like cuda:0,cuda:1, got 'cpu,,cpu'"),
+    (["--devices", "cpu,,cpu"],
+     "--devices must be a comma-separated list of devices like cuda:0,cuda:1, got 'cpu,,cpu'"),
     (["--devices", "cpu", "--device", "cuda:1"], "give --device or --devices, not both"),
     (["--devices", "cpu,nope"], "bad --device 'nope': "),
-    (["--devices", "cpu", "--replica-name", "x"], "--replica-name does not go with --devices (the replicas are named r0, r1, ...)"),
-    (["--devices", "cpu", "--wyoming-port", "10200"], "--wyoming-port does not go with --devices (HAProxy does not carry Wyoming yet)"),
-    (["--devices", "cpu", "--check-interval", "0"], "--check-interval must be a number of seconds > 0, got 0"),
-    (["--devices", "cpu,cpu", "--replica-base-port", "80"], "--replica-base-port must be 0 or in 1024..65530 for 2 replicas, got 80"),
+    (["--devices", "cpu", "--replica-name", "x"],
+     "--replica-name does not go with --devices (the replicas are named r0, r1, ...)"),
+    (["--devices", "cpu", "--wyoming-port", "10200"],
+     "--wyoming-port does not go with --devices (HAProxy does not carry Wyoming yet)"),
+    (["--devices", "cpu", "--check-interval", "0"],
+     "--check-interval must be a number of seconds > 0, got 0"),
+    (["--devices", "cpu,cpu", "--replica-base-port", "80"],
+     "--replica-base-port must be 0 or in 1024..65530 for 2 replicas, got 80"),
     (["--drain-delay", "-1"], "--drain-delay must be a number of seconds >= 0, got -1"),
     (["--max-connection-age", "nan"], "--max-connection-age must be a number of seconds >= 0, got nan"),
     (["--max-connection-age-grace", "5"], "--max-connection-age-grace needs --max-connection-age"),
-    (["--replica-name", "a b"], "--replica-name must be 1-100 characters of letters, digits and ._:@/- (starting with a letter or digit), got 'a b'"),
+    (["--replica-name", "a b"],
+     "--replica-name must be 1-100 characters of letters, digits and ._:@/- "
+     "(starting with a letter or digit), got 'a b'"),
 ]  # fmt: skip
 
 

@@ -160,7 +160,8 @@ def test_each_voice_wer_is_held_against_its_own_espeak_speaker(monkeypatch):
     "gates, code, line",
     [
         ({"wer": True, "runaway": True, "duration": True}, 0, ""),
-        ({"wer": False, "runaway": True, "duration": False}, 3, "tts eval: gates failed: wer, duration (exit code 3)"),
+        ({"wer": False, "runaway": True, "duration": False}, 3,
+         "tts eval: gates failed: wer, duration (exit code 3)"),
         ({"runaway": False}, 3, "tts eval: gates failed: runaway (exit code 3)"),
     ],
 )  # fmt: skip
@@ -193,7 +194,9 @@ def test_eval_help_documents_the_exit_codes(capsys):
         (["--repetition-penalty", "0"], "--repetition-penalty must be in (0, 2) (1 = off), got 0.0"),
         pytest.param(
             ["--out", "/sys/eval.json"], "cannot write /sys/eval.json: permission denied",
-            marks=pytest.mark.skipif(not sysfs_mounted(), reason="needs /sys (sysfs): nobody can write there"),
+            marks=pytest.mark.skipif(
+                not sysfs_mounted(), reason="needs /sys (sysfs): nobody can write there"
+            ),
         ),
     ],
 )  # fmt: skip

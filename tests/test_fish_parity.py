@@ -1,8 +1,8 @@
 """Parity with fish-speech on tiny random checkpoints in the real on-disk formats.
 
 The goldens in tests/golden were produced by running fish-speech itself (main for S2, d3df505 for S1,
-v1.5.1 for 1.5) on checkpoints written by `tts.checkpoints.fish.write_checkpoint` from the same seeds; README.md
-there says exactly how. Here the same checkpoints are regenerated (bit-identical: the weights are a
+v1.5.1 for 1.5) on checkpoints written by `tts.checkpoints.fish.write_checkpoint` from the same seeds;
+README.md there says exactly how. Here the same checkpoints are regenerated (bit-identical: the weights are a
 pure function of the seed) and loaded through our loaders.
 """
 

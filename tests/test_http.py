@@ -655,7 +655,7 @@ globalThis.AudioContext = class {
   createBufferSource() { return { connect() {}, start() {}, set buffer(b) { scheduledSamples += b.getChannelData(0).length; } }; }
   close() {}
 };
-"""
+"""  # noqa: E501 (JavaScript stubs run by node, kept on the lines the browser code would have)
 
 PLAYGROUND_RUN = r"""
 while (!$("voice").children.length && !$("error").textContent) await new Promise((r) => setTimeout(r, 10));  // the page's loadInfo()
@@ -677,7 +677,7 @@ console.log(JSON.stringify({
   status: $("status").textContent, error: $("error").textContent,
   scheduled_samples: scheduledSamples, model: $("model").textContent,
 }));
-"""
+"""  # noqa: E501 (see STUB_DOM)
 
 
 def multipart(fields: dict[str, str], file: bytes, filename: str = "clip.wav") -> tuple[bytes, dict]:

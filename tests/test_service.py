@@ -403,7 +403,8 @@ def _field(number: int, payload: bytes) -> bytes:
     [
         (_field(1, b"Hello \xff\xfe world"), "text"),  # invalid UTF-8 in SynthesizeRequest.text
         (_field(1, b"Hi.") + _field(2, _field(1, b"ava\xc3")), "voice.name"),
-        (_field(1, b"Hi.") + _field(2, _field(2, _field(1, b"RIFF") + _field(2, b"\xed\xa0\x80"))), "voice.reference.text"),
+        (_field(1, b"Hi.") + _field(2, _field(2, _field(1, b"RIFF") + _field(2, b"\xed\xa0\x80"))),
+         "voice.reference.text"),
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("method", ["Synthesize", "SynthesizeUnary"])

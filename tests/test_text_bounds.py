@@ -98,7 +98,8 @@ def test_the_reported_texts_read_as_a_user_expects():
          "seven hundred and eighty-nine million, twelve thousand, three hundred and forty-five"),
         ("000000000000000000007 items", "seven items"),
         # longer: digit by digit, in groups of four, or in the number's own comma groups
-        ("Card 4111111111111111.", "Card four one one one, one one one one, one one one one, one one one one."),
+        ("Card 4111111111111111.",
+         "Card four one one one, one one one one, one one one one, one one one one."),
         ("1,000,000,000,000,000,000", "one, zero zero zero, zero zero zero, zero zero zero, zero zero zero, "
          "zero zero zero, zero zero zero"),
         ("$12345678901234567", "one two three four, five six seven eight, nine zero one two, three four five "
@@ -107,7 +108,8 @@ def test_the_reported_texts_read_as_a_user_expects():
          "six, seven percent"),
         ("the 12345678901234567th", "the one two three four, five six seven eight, nine zero one two, three "
          "four five six, seventh"),
-        ("v1.2.12345678901234567", "v one point two point one two three four, five six seven eight, nine zero "
+        ("v1.2.12345678901234567",
+         "v one point two point one two three four, five six seven eight, nine zero "
          "one two, three four five six, seven"),
         ("1.25 and 0.12345678901234567890", "one point two five and zero point one two three four five six "
          "seven eight nine zero one two three four five six seven eight nine zero"),

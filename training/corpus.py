@@ -6,17 +6,18 @@ and speakers, spoken by CMU's voices.
 Stages (each resumable; outputs under --work, default `training/work/`, git-ignored):
 
   text     sentences.jsonl: every utterance (id, raw text, normalized text, phonemes, speaker, rate,
-           pitch, split); with --paragraphs N also N utterances of 2-4 training sentences each. Sources, both reproducible and legally clean:
+           pitch, split); with --paragraphs N also N utterances of 2-4 training sentences each. Sources, both
+           reproducible and legally clean:
            * the example sentences in WordNet 3.0's glosses (Debian package `wordnet-base`,
              /usr/share/wordnet/data.*; WordNet 3.0 license: use, copy, modify and distribute for any
              purpose with the copyright notice kept; see training/README.md);
            * sentences generated here from templates with numbers, dates, times, currency, percentages,
              ordinals, years and abbreviations (seeded, so always the same).
-           All text goes through the runtime's normalizer `tts.text.normalize.normalize_text`, then through the
-           runtime's phoneme frontend (`tts.text.phonemes`), exactly as at inference.
+           All text goes through the runtime's normalizer `tts.text.normalize.normalize_text`, then through
+           the runtime's phoneme frontend (`tts.text.phonemes`), exactly as at inference.
   synth    shards/mel-XXXX.pt: the teacher (Debian package `espeak-ng` or `flite`) speaks every
-           utterance with its speaker's voice, rate and pitch at 22050 Hz; each clip becomes a log-mel `[4T, 80]` float16
-           (`tts.codec.melrvq.LogMel`). Audio itself is never stored.
+           utterance with its speaker's voice, rate and pitch at 22050 Hz; each clip becomes a log-mel
+           `[4T, 80]` float16 (`tts.codec.melrvq.LogMel`). Audio itself is never stored.
   codec    codec/: fits the residual-VQ codebooks by k-means on a sample of training frames
            (`tts.codec.melrvq.fit_rvq`) and writes codec.json + codec.safetensors.
   encode   codes/: per shard, codes `[N, T]` int16 and token ids, the training input of train.py
@@ -102,7 +103,10 @@ def wordnet_sentences() -> list[str]:
     return out
 
 
-_NAMES = "Alice Bob Carla David Elena Frank Grace Henry Irene Jack Karen Leo Maria Nick Olga Peter Rosa Sam Tina Victor".split()
+_NAMES = (
+    "Alice Bob Carla David Elena Frank Grace Henry Irene Jack Karen Leo Maria Nick Olga Peter Rosa Sam Tina "
+    "Victor"
+).split()
 _CITIES = "Boston Denver Chicago Seattle Houston Portland Dallas Atlanta Miami Phoenix Austin Detroit".split()
 _THINGS = "tickets chairs books apples boxes bottles lamps pencils shirts plates cups bikes".split()
 _MONTHS = "January February March April May June July August September October November December".split()
@@ -172,7 +176,8 @@ def template_sentences(n: int, seed: int = 0) -> list[str]:
         lambda: f"In {r.randint(1900, 2030)}, the town had {num()} people and {r.randint(2, 40)} schools.",
         lambda: f"Flight {r.randint(10, 999)} to {r.choice(_CITIES)} is delayed until {time_()}.",
         lambda: (
-            f"{person()} scored {r.randint(50, 100)}% on the test, and {r.choice(_NAMES)} scored {r.randint(40, 100)}%."
+            f"{person()} scored {r.randint(50, 100)}% on the test, and {r.choice(_NAMES)} scored "
+            f"{r.randint(40, 100)}%."
         ),
         lambda: f"Your appointment is {date()} at {time_()}; please arrive early.",
         lambda: f"The bill was {money()} plus a tip of {money()}.",
@@ -306,8 +311,8 @@ def read_utterances(work: Path) -> list[dict]:
 
 
 def espeak(text: str, voice: str, rate: int, pitch: int):
-    """Speak `text` with the espeak-ng binary (`tts_tools.evaluate.espeak_audio`); returns float32 mono audio at
-    22050 Hz."""
+    """Speak `text` with the espeak-ng binary (`tts_tools.evaluate.espeak_audio`); returns float32 mono audio
+    at 22050 Hz."""
     audio, sr = espeak_audio(text, voice, rate, pitch)
     if sr != 22050:
         raise RuntimeError(f"espeak-ng wrote {sr} Hz, expected 22050")
@@ -315,9 +320,9 @@ def espeak(text: str, voice: str, rate: int, pitch: int):
 
 
 def flite(text: str, voice: str, stretch: float = 1.0, f0: int = 0):
-    """Speak `text` with the flite binary (`tts_tools.evaluate.flite_audio`: `voice` one of `flite -lv`, durations
-    scaled by `stretch`, mean pitch `f0` Hz or the voice's own), resampled by torchaudio to float32 mono
-    audio at 22050 Hz."""
+    """Speak `text` with the flite binary (`tts_tools.evaluate.flite_audio`: `voice` one of `flite -lv`,
+    durations scaled by `stretch`, mean pitch `f0` Hz or the voice's own), resampled by torchaudio to float32
+    mono audio at 22050 Hz."""
     import torch
     import torchaudio
 
@@ -420,7 +425,8 @@ def fit_codec(
 def encode(
     work: Path, max_utterances: int | None, codec_dir: Path, out: Path, threads: int = 1, device: str = "cpu"
 ) -> None:
-    """Codes of every clip through the codec in `codec_dir` (any type `tts.checkpoints.bundle.load_codec` knows)."""
+    """Codes of every clip through the codec in `codec_dir` (any type `tts.checkpoints.bundle.load_codec`
+    knows)."""
     import torch
 
     from tts.checkpoints.bundle import load_codec

@@ -11,10 +11,11 @@ Better Generalization", 2018). train_state.json is the last output's, with the a
 and with `teacher`: the corpus's (`tts eval --voices` speaks its same-text references with it).
 
 Writes config.json (the model's `dual_ar` fields + `tts_runtime`: name, frontend "espeak-ipa:en-us",
-prompt format, sampling defaults, and with `--aligner` the heads the loop guard follows), the weights as bf16 safetensors shards under 15 MB (the runtime
-casts them to its dtype), tokenizer.json, codec.json + codec.safetensors, and one preset voice per
-corpus speaker in voices/ (a 2.5-4.5 s training clip of that speaker: its codes and its normalized
-transcript), plus the clips' WAVs decoded by the codec in samples/voices/.
+prompt format, sampling defaults, and with `--aligner` the heads the loop guard follows), the weights as bf16
+safetensors shards under 15 MB (the runtime casts them to its dtype), tokenizer.json, codec.json +
+codec.safetensors, and one preset voice per corpus speaker in voices/ (a 2.5-4.5 s training clip of that
+speaker: its codes and its normalized transcript), plus the clips' WAVs decoded by the codec in
+samples/voices/.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Can a loop guard look at the semantic codes alone? A probe on the long held-out passages.
 
 For each passage of `samples/eval/passages.txt` and each seed, synthesize it (default voice, default
-sampling, CPU), find the transcript's loops (`tts_tools.evaluate.loops`, Whisper tiny.en) and measure how much the
-semantic codes (codebook 0) repeat themselves: for every lag p of 8 to 100 frames (0.4 to 4.6 s), the
-largest share of frames t in a window of 2p frames whose code equals the code p frames earlier, over
-windows with more than 6 distinct codes (so silence does not count). A loop that a token check could
-catch would show a high share at the loop's period in the passages with loops and not in the others.
+sampling, CPU), find the transcript's loops (`tts_tools.evaluate.loops`, Whisper tiny.en) and measure how much
+the semantic codes (codebook 0) repeat themselves: for every lag p of 8 to 100 frames (0.4 to 4.6 s), the
+largest share of frames t in a window of 2p frames whose code equals the code p frames earlier, over windows
+with more than 6 distinct codes (so silence does not count). A loop that a token check could catch would show
+a high share at the loop's period in the passages with loops and not in the others.
 
     python training/loop_probe.py --out loop_probe.json
 """

@@ -5,9 +5,9 @@
 Every speaker of both teachers (corpus.py SPEAKERS for espeak-ng, FLITE_SPEAKERS for flite, without
 jitter) reads the held-out sentences (`samples/eval/heldout.txt`, normalized as `tts eval` does), the
 README's quick-start sentence and "The signifier is linked to the signified." (the sentence the v2 model's
-short-text loops came from); Whisper tiny.en (`tts_tools.evaluate.ASR`, greedy, as the gates) transcribes each clip,
-and WER is scored by `tts_tools.evaluate.wer` on `tts_tools.evaluate.words`, as in the gates. Needs the tools extra and the
-espeak-ng and flite binaries.
+short-text loops came from); Whisper tiny.en (`tts_tools.evaluate.ASR`, greedy, as the gates) transcribes each
+clip, and WER is scored by `tts_tools.evaluate.wer` on `tts_tools.evaluate.words`, as in the gates. Needs the
+tools extra and the espeak-ng and flite binaries.
 """
 
 from __future__ import annotations

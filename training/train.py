@@ -1,4 +1,5 @@
-"""Train the default voice: a small `tts.model.transformer.DualARTransformer` on the corpus codes (training/corpus.py).
+"""Train the default voice: a small `tts.model.transformer.DualARTransformer` on the corpus codes
+(training/corpus.py).
 
 Inputs (`--data`, the `codes/` folder of the corpus work directory, plus `codec/codec.json`):
 `codes-XXXX.pt` shards (per utterance: phoneme token ids, codec codes `[N, T]`, speaker, split) and
@@ -415,7 +416,8 @@ def main() -> None:
         "--history-frames",
         type=int,
         default=MAX_REF_FRAMES,
-        help=f"longest earlier turn, in frames (default {MAX_REF_FRAMES}, ~5 s; a 200-byte chunk is up to ~15 s, 320)",
+        help=f"longest earlier turn, in frames (default {MAX_REF_FRAMES}, ~5 s; a 200-byte chunk is up to "
+        "~15 s, 320)",
     )
     p.add_argument("--resume", type=Path, default=None)
     p.add_argument(

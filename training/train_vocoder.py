@@ -513,8 +513,9 @@ def main() -> None:
         "--init",
         type=Path,
         default=None,
-        help="start from the trained vocoder in this folder (a run's vocoder.safetensors and vocoder.json, or a "
-        "bundle's, named by its codec.json) with a fresh optimizer and schedule: a second training stage",
+        help="start from the trained vocoder in this folder (a run's vocoder.safetensors and vocoder.json, "
+        "or a bundle's, named by its codec.json) with a fresh optimizer and schedule: "
+        "a second training stage",
     )
     p.add_argument(
         "--resume", action="store_true", help="continue from OUT/checkpoint.pt (weights, optimizer, schedule)"

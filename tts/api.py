@@ -8,8 +8,8 @@
 
 A synthesis is planned by `tts.runtime.planner.Planner` (text normalized and split into chunks of at most
 `chunk_length` UTF-8 bytes, the voice resolved, every chunk's prompt checked against the context) and run by
-the same job pipeline the service uses (`tts.runtime.jobs.JobRunner`, driven here on the caller's thread): each
-chunk is one engine request whose prompt carries the voice reference and the previous chunk (text and
+the same job pipeline the service uses (`tts.runtime.jobs.JobRunner`, driven here on the caller's thread):
+each chunk is one engine request whose prompt carries the voice reference and the previous chunk (text and
 generated codes) as context, as fish-speech does for long text (docs/fish_dual_ar.md §3.2), and the codes flow
 through one streaming codec decode per synthesis on the codec stage's thread, so chunk boundaries are seamless
 and decoding overlaps generation.

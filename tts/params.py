@@ -110,7 +110,8 @@ class SamplingParams:
             )
         if not 0 <= self.min_new_frames <= self.max_new_frames:
             raise InvalidRequest(
-                f"min_new_frames must be in [0, max_new_frames = {self.max_new_frames}], got {self.min_new_frames}",
+                f"min_new_frames must be in [0, max_new_frames = {self.max_new_frames}], got "
+                f"{self.min_new_frames}",
                 parameter="min_new_frames",
             )
         if not (

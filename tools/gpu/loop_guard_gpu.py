@@ -123,7 +123,8 @@ def score(args) -> None:
             found += len(lp)
             flagged += "loop" in m["finish"]
             print(
-                f"{path} {m['key']}: WER {wer([ref], [hyp]):.3f} repeats {m['repeats']} finish {m['finish']} loops {lp}"
+                f"{path} {m['key']}: WER {wer([ref], [hyp]):.3f} repeats {m['repeats']} finish "
+                f"{m['finish']} loops {lp}"
             )
         print(f"{path}: WER {wer(refs, hyps):.4f} over {len(meta)} readings, {found} transcript loops, "
               f"{flagged} readings with a chunk ending loop")  # fmt: skip

@@ -396,7 +396,8 @@ def run_profile(bench: Bench, codec: DACCodec, dec, dtype: str, cudnn_bm: bool, 
         print(f"  {e['self_us'] / 1e3:8.3f} ms {100 * e['share']:5.1f}% x{e['count']:<4} {e['name'][:90]}")
     for e in out.get("top_kernels", [])[:6]:
         print(
-            f"  kernel {e['self_us'] / 1e3:8.3f} ms {100 * e['share']:5.1f}% x{e['count']:<4} {e['name'][:80]}"
+            f"  kernel {e['self_us'] / 1e3:8.3f} ms {100 * e['share']:5.1f}% x{e['count']:<4} "
+            f"{e['name'][:80]}"
         )
     return out
 
@@ -481,7 +482,8 @@ def run_all(bench: Bench, codecs: dict[str, DACCodec], modes: list[bool]) -> Non
                         r = bench.guarded(f"graph {tag}", run_graph, bench, codec, dec, name, bm, B, T)
                         if r:
                             print(
-                                f"graph {tag}: {r['ms_median']:.3f} ms (vs eager {r['graph_vs_eager_max_abs']:.2g})"
+                                f"graph {tag}: {r['ms_median']:.3f} ms (vs eager "
+                                f"{r['graph_vs_eager_max_abs']:.2g})"
                             )
             bench.guarded(f"per-stream {name} {bm}", run_per_stream, bench, codec, name, bm)
             if not a.no_profile:

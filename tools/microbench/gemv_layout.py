@@ -60,7 +60,8 @@ def main() -> None:
         mb = s[0] * s[1] * 4 / 1e3  # kB -> GB/s with microseconds
         us = {n: seconds[n][s] / a.rounds * 1e6 for n in layouts}
         print(
-            f"{s[0]:>5} x {s[1]:<5} {us['rows']:8.0f} {mb / us['rows']:5.1f} {us['columns']:10.0f} {mb / us['columns']:5.1f}"
+            f"{s[0]:>5} x {s[1]:<5} {us['rows']:8.0f} {mb / us['rows']:5.1f} {us['columns']:10.0f} "
+            f"{mb / us['columns']:5.1f}"
         )
 
 

@@ -36,7 +36,8 @@ def profile_engine(engine, steps, label, out):
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     total_us = sum(e.self_device_time_total for e in events)
     lines = [
-        f"== {label}: {len(kernels) / steps:.0f} device ops per frame, {total_us / steps / 1e3:.3f} ms device time per frame"
+        f"== {label}: {len(kernels) / steps:.0f} device ops per frame, {total_us / steps / 1e3:.3f} ms "
+        "device time per frame"
     ]
     table = prof.key_averages().table(
         sort_by="self_device_time_total", row_limit=40, max_name_column_width=90

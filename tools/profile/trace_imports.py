@@ -1,6 +1,7 @@
 """Which call imports a module: run a `tts` command and print the stack at each named module's first import.
 
-    python tools/profile/trace_imports.py --modules torch._dynamo,sympy -- synthesize "Hello." --device cuda -o x.wav
+    python tools/profile/trace_imports.py --modules torch._dynamo,sympy \\
+        -- synthesize "Hello." --device cuda -o x.wav
 
 Why: a one-shot `tts synthesize --device cuda` spent seconds importing `torch._dynamo` (and sympy), which
 this project's own imports do not pull in (docs/benchmarks.md); the stack names the caller. Uses an audit hook

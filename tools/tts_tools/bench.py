@@ -277,14 +277,17 @@ def print_table(results: list[dict], env: dict) -> None:
         f"{env['timed_frames']} timed frames; {floor_line(env)}"
     )
     head = f"{'mode':<6} {'batch':>5} {'fps/stream':>10} {'fps total':>10} {'p50 ms':>7} {'p99 ms':>7} "
-    head += f"{'x floor':>7} {'replay':>6} {'capture s':>9} {'pool MiB':>8} {'KV MiB':>8} {'KV used':>8} {'peak GiB':>8}"
+    head += f"{'x floor':>7} {'replay':>6} {'capture s':>9} {'pool MiB':>8} "
+    head += f"{'KV MiB':>8} {'KV used':>8} {'peak GiB':>8}"
     print(head)
     for r in results:
         print(
-            f"{r['mode']:<6} {r['batch']:>5} {r['frames_per_s_per_stream']:>10.1f} {r['frames_per_s_aggregate']:>10.1f} "
+            f"{r['mode']:<6} {r['batch']:>5} {r['frames_per_s_per_stream']:>10.1f} "
+            f"{r['frames_per_s_aggregate']:>10.1f} "
             f"{r['step_ms_p50']:>7.2f} {r['step_ms_p99']:>7.2f} {x_floor(r, floor):>7} "
             f"{r['replay_share']:>6.2f} {r['capture_seconds']:>9.2f} {r['graph_pool_bytes'] / 2**20:>8.0f} "
-            f"{r['kv_bytes'] / 2**20:>8.0f} {r['kv_used_bytes'] / 2**20:>8.0f} {r['peak_gpu_bytes'] / 2**30:>8.1f}"
+            f"{r['kv_bytes'] / 2**20:>8.0f} {r['kv_used_bytes'] / 2**20:>8.0f} "
+            f"{r['peak_gpu_bytes'] / 2**30:>8.1f}"
         )
 
 
@@ -434,7 +437,8 @@ def add_parser(sub) -> None:
         "--threads",
         type=int,
         default=None,
-        help="CPU intra-op threads (default: 1 for models under 100 M parameters on a CPU, as tts synthesize)",
+        help="CPU intra-op threads (default: 1 for models under 100 M parameters on a CPU, as tts "
+        "synthesize)",
     )
     p.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
     try:

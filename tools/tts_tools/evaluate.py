@@ -84,7 +84,8 @@ ESPEAK_DEFAULT = ESPEAK_SPEAKERS["ava"]
 # from this table).
 FLITE_SPEAKERS = {
     "ava": ("slt", 1.0, 0), "ben": ("rms", 1.0, 0), "cora": ("slt", 0.93, 215), "dave": ("kal16", 1.0, 0),
-    "emma": ("slt", 1.07, 155), "finn": ("awb", 1.0, 0), "gwen": ("slt", 1.0, 245), "hank": ("kal16", 1.1, 100),
+    "emma": ("slt", 1.07, 155), "finn": ("awb", 1.0, 0), "gwen": ("slt", 1.0, 245),
+    "hank": ("kal16", 1.1, 100),
 }  # fmt: skip
 
 
@@ -332,7 +333,8 @@ def evaluate(args: argparse.Namespace) -> dict:
             samples.append(s)
             loop_note = f" LOOPS {s.loops}" if s.loops else ""
             log(
-                f"seed {seed} [{i + 1}/{len(sentences)}] RTF {r.rtf:.2f} {s.finish}{loop_note}: {s.transcript}"
+                f"seed {seed} [{i + 1}/{len(sentences)}] RTF {r.rtf:.2f} {s.finish}{loop_note}: "
+                f"{s.transcript}"
             )
     result: dict = {
         "model": str(args.model),
@@ -479,7 +481,8 @@ def voice_similarity(
             best = names[int(np.argmax(sims))]
             correct += best == name
             total += 1
-            line = f"voice {name}: closest {best} ({', '.join(f'{n} {s:.2f}' for n, s in zip(names, sims, strict=True))})"
+            scores = ", ".join(f"{n} {s:.2f}" for n, s in zip(names, sims, strict=True))
+            line = f"voice {name}: closest {best} ({scores})"
             if use_teacher:
                 centre, ref_mat = matched[i]
                 msims = (ref_mat @ torch.nn.functional.normalize(vec - centre, dim=0)).tolist()
@@ -623,14 +626,16 @@ def add_parser(subparsers) -> None:
         "--asr-beam-size",
         type=int,
         default=1,
-        help="the ASR's beam size: 1 (default) is greedy decoding, as the default voice's gates are measured; "
-        "5 is Whisper's usual beam search (on the default voice it heard worse: training/RESULTS.md)",
+        help="the ASR's beam size: 1 (default) is greedy decoding, as the default voice's gates are "
+        "measured; 5 is Whisper's usual beam search "
+        "(on the default voice it heard worse: training/RESULTS.md)",
     )
     p.add_argument(
         "--threads",
         type=int,
         default=None,
-        help="the model's CPU intra-op threads (default: as tts synthesize, 1 for models under 100 M parameters)",
+        help="the model's CPU intra-op threads (default: as tts synthesize, 1 for models under 100 M "
+        "parameters)",
     )
     add_loop_guard_arg(p)
     p.add_argument("--out", default=None, help="write the full result (every sample) as JSON here")

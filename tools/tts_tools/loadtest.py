@@ -177,7 +177,8 @@ def server_time_split(before: dict[str, float] | None, after: dict[str, float] |
     """The server-side counters' change over a level: frame-step, codec decode and encode seconds,
     reference-cache hits and misses, the loop guard's repeats, frame steps and their rows (mean_batch =
     rows / steps), prefill passes and the requests they took (requests_per_prefill), codec decode calls
-    and their frames (codec_frames_per_call; codec_fill = frames / padded frames computed), codec_share = codec / (frame
+    and their frames (codec_frames_per_call; codec_fill = frames / padded frames computed), codec_share =
+    codec / (frame
     steps + codec), and the mean server-side time to first audio by phase
     (first_audio_{encode,first_frame,frames,codec}_ms; see `tts_first_audio_seconds_total`).
 
@@ -378,7 +379,8 @@ def reference_clip(mode: str, data: bytes | None, text: str | None, info) -> Ref
             raise BenchError(f"--reference-audio: {exc}") from exc
     if info.max_reference_bytes and len(clip.raw) > info.max_reference_bytes:
         raise BenchError(
-            f"the reference clip is {len(clip.raw)} bytes; the server accepts at most {info.max_reference_bytes}"
+            f"the reference clip is {len(clip.raw)} bytes; the server accepts at most "
+            f"{info.max_reference_bytes}"
         )
     return clip
 
@@ -819,7 +821,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     def progress(level: LevelResult) -> None:
         errors = f", errors {level.errors}" if level.errors else ""
         print(
-            f"concurrency {level.concurrency}: {level.ok}/{level.requests} ok in {level.wall_s:.1f} s{errors}",
+            f"concurrency {level.concurrency}: {level.ok}/{level.requests} ok in {level.wall_s:.1f} "
+            f"s{errors}",
             file=sys.stderr,
         )
 
@@ -850,7 +853,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 2 if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) else 1
     info = report["info"]
     print(
-        f"server {args.server}: model {info.get('model')} on {info.get('device')}, max batch {info.get('max_batch')}, "
+        f"server {args.server}: model {info.get('model')} on {info.get('device')}, max batch "
+        f"{info.get('max_batch')}, "
         f"graphs {'on' if info.get('graphs') else 'off'}, replay share {report['replay_share_after']:.3f}"
     )
     print(format_table(report))

@@ -70,7 +70,7 @@ def barge_in_sessions(n: int, share: float) -> set[int]:
     return set(range(n - k, n))
 
 
-async def _one_session(stub, pb, i: int, barge_in: bool, options: dict, wps: float, timeout: float | None):
+async def _one_session(stub, pb, i: int, barge_in: bool, options: dict, wps: float, timeout: float | None):  # noqa: C901 - one session's script; to be split
     """Run session i; returns its SessionResult."""
     import grpc
 

@@ -39,7 +39,7 @@ fills the allocator's pools and the server's caches first, so what remains is gr
 the number of requests; the percentage absorbs allocator fragmentation that scales with the process
 (glibc arenas, torch's CPU caches), the 50 MiB the fixed overheads of a small process. A leak of L bytes
 per request shows once N x L passes that; `rss.growth_per_1000_requests` reports the trend below it.
-"""
+"""  # noqa: E501 (a Markdown table; its rows cannot wrap)
 
 from __future__ import annotations
 
@@ -691,7 +691,8 @@ def failures(report: dict) -> list[str]:
         out.append(f"protocol: {report['protocol_errors']} errors (first: {report['protocol_examples'][0]})")
     if report["length_mismatches"]:
         out.append(
-            f"audio length: {report['length_mismatches']} OK replies whose audio is not frames x samples per frame"
+            f"audio length: {report['length_mismatches']} OK replies whose audio is not frames x samples "
+            "per frame"
         )
     rss = report["rss"]
     if rss["checked"] and rss["final_bytes"] > rss["bound_bytes"]:
@@ -759,7 +760,8 @@ def parse_mix(text: str) -> dict[str, float]:
         name = name.strip()
         if name not in KINDS or name == "normal":
             raise argparse.ArgumentTypeError(
-                f"--mix takes KIND=SHARE with KIND one of {', '.join(KINDS[1:])} (normal readers take the rest); "
+                f"--mix takes KIND=SHARE with KIND one of {', '.join(KINDS[1:])} (normal readers take the "
+                "rest); "
                 f"got {part!r}"
             )
         try:
@@ -913,7 +915,8 @@ def run_soak_from_args(args: argparse.Namespace) -> int:
     info = report["info"]
     print(
         f"soak of {args.server} (model {info.get('model')}, max batch {info.get('max_batch')}): "
-        f"{report['requests']} requests from {config.concurrency} clients in {report['wall_s']:.1f} s, seed {config.seed}"
+        f"{report['requests']} requests from {config.concurrency} clients in {report['wall_s']:.1f} s, seed "
+        f"{config.seed}"
     )
     print(format_report(report))
     write_json(report, Path(out))

@@ -248,7 +248,8 @@ class AudioEncoder:
         )
 
     def _supported_rate(self, rates) -> int:
-        """The input rate if the codec takes it, else the lowest supported rate above it (else the highest)."""
+        """The input rate if the codec takes it, else the lowest supported rate above it (else the
+        highest)."""
         if not rates or self.sample_rate in rates:
             return self.sample_rate
         higher = [r for r in rates if r >= self.sample_rate]

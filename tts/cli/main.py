@@ -82,7 +82,8 @@ def add_codec_dtype_arg(p: argparse.ArgumentParser) -> None:
         "--codec-dtype",
         choices=["float32", "bfloat16"],
         default=None,
-        help="the codec's decode dtype where it has a choice (the modded DAC of S1 / S2-Pro; default float32)",
+        help="the codec's decode dtype where it has a choice (the modded DAC of S1 / S2-Pro; default "
+        "float32)",
     )
 
 
@@ -330,7 +331,8 @@ def read_text_arg(args) -> str:
 # ---- output formats (audio formats change) ----
 
 OUTPUT_HELP = (
-    "output file, written atomically; its extension picks the format (.wav .mp3 .opus/.ogg .aac .flac .pcm/.raw) "
+    "output file, written atomically; its extension picks the format "
+    "(.wav .mp3 .opus/.ogg .aac .flac .pcm/.raw) "
     "unless --format is given; - writes to stdout (WAV unless --format)"
 )
 
@@ -750,8 +752,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(bundle.describe())
     c = bundle.model.config
     print(
-        f"slow AR: {c.n_layer} layers, dim {c.dim}, heads {c.n_head}/{c.n_local_heads}, max_seq_len {c.max_seq_len}; "
-        f"fast AR: {c.n_fast_layer} layer{'s' if c.n_fast_layer != 1 else ''}, dim {c.fast_dim}; codebooks {c.num_codebooks} x {c.codebook_size}"
+        f"slow AR: {c.n_layer} layers, dim {c.dim}, heads {c.n_head}/{c.n_local_heads}, "
+        f"max_seq_len {c.max_seq_len}; "
+        f"fast AR: {c.n_fast_layer} layer{'s' if c.n_fast_layer != 1 else ''}, dim {c.fast_dim}; "
+        f"codebooks {c.num_codebooks} x {c.codebook_size}"
     )
     return 0
 

@@ -183,7 +183,8 @@ def cmd_probe_aligner(args: argparse.Namespace) -> int:
         tts.close()
     for h in table:
         print(
-            f"layer {h.layer} head {h.head}: mass {h.mass:.3f}  backward {h.backward:.3f}  reach {h.reach:.3f}"
+            f"layer {h.layer} head {h.head}: mass {h.mass:.3f}  backward {h.backward:.3f}  reach "
+            f"{h.reach:.3f}"
         )
     chosen = choose(table, args.min_mass, args.max_backward, args.min_reach, args.max_heads)
     if chosen is None:

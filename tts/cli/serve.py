@@ -56,9 +56,10 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "serve",
         help="run the synthesis server (gRPC and OpenAI-compatible HTTP)",
-        description="Serve tts.v1.TextToSpeech over gRPC and the OpenAI-compatible HTTP API (--http-port) from "
-        "one engine with continuous batching. Health reports NOT_SERVING (HTTP /health: 503) until the engine "
-        "has warmed up. SIGTERM or Ctrl-C shut down gracefully. With --devices, one replica process per device "
+        description="Serve tts.v1.TextToSpeech over gRPC and the OpenAI-compatible HTTP API (--http-port) "
+        "from one engine with continuous batching. Health reports NOT_SERVING (HTTP /health: 503) until "
+        "the engine has warmed up. SIGTERM or Ctrl-C shut down gracefully. With --devices, one replica "
+        "process per device "
         "behind HAProxy on the public ports (docs/operations.md: Scaling out).",
     )
     p.add_argument(
@@ -214,7 +215,8 @@ def add_parser(subparsers) -> None:
         "--reference-cache-mb",
         type=float,
         default=64.0,
-        help="memory for encoded reference clips, reused when the same clip comes again (default 64; 0 = off)",
+        help="memory for encoded reference clips, reused when the same clip comes again (default 64; 0 = "
+        "off)",
     )
     p.add_argument(
         "--codec-graphs",

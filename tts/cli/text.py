@@ -22,9 +22,9 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "text",
         help="show what a model will read: normalized chunks, bytes, tokens, warnings",
-        description="Plan TEXT as a synthesis would (the model's text policy, then splitting at sentence ends) "
-        "and print each chunk the model will read, its UTF-8 bytes and tokens, and any warning. Loads only "
-        "the model's tokenizer and config; nothing is generated.",
+        description="Plan TEXT as a synthesis would (the model's text policy, then splitting at sentence "
+        "ends) and print each chunk the model will read, its UTF-8 bytes and tokens, and any warning. "
+        "Loads only the model's tokenizer and config; nothing is generated.",
     )
     p.add_argument(
         "text",
@@ -45,8 +45,8 @@ def add_parser(subparsers) -> None:
 
 
 def describe_text(model, text: str, normalize: bool = True, chunk_length: int | None = None) -> dict:
-    """The plan of `text` for `model` (a `tts.checkpoints.bundle.TextModel`) as a JSON-ready dict: model, text policy,
-    chunk length, chunks (text, bytes, tokens of what the model reads, prompt tokens without a voice,
+    """The plan of `text` for `model` (a `tts.checkpoints.bundle.TextModel`) as a JSON-ready dict: model, text
+    policy, chunk length, chunks (text, bytes, tokens of what the model reads, prompt tokens without a voice,
     phonemes for a phoneme model) and warnings. Raises TextError / InvalidRequest as a synthesis would."""
     from tts.text.phonemes import identity
     from tts.text.policy import get_text_policy, plan_text

@@ -62,7 +62,8 @@ def add_parser(subparsers) -> None:
         description="Write a Fish checkpoint directory with random weights in the real on-disk format: same "
         "file names, key names, dtypes and config fields. s2-pro: Fish Audio S2-Pro's exact sizes "
         "(4,561,852,416 parameters, sharded safetensors, full codec.pth); s1-mini: approximate OpenAudio "
-        "S1-mini sizes (model.pth, tiktoken); fish-1.5: fish-speech 1.5's sizes (Firefly-GAN codec); tiny-*: the "
+        "S1-mini sizes (model.pth, tiktoken); fish-1.5: fish-speech 1.5's sizes (Firefly-GAN codec); "
+        "tiny-*: the "
         "same formats with small widths, for tests.",
     )
     p.add_argument("--shape", required=True, choices=SHAPE_NAMES, help="which model to imitate")

@@ -277,7 +277,8 @@ class GroupedFSQ(nn.Module):
         return (z + shift).tanh() * half_l - offset
 
     def codes_to_values(self, codes: Tensor) -> Tensor:
-        """codes `[...]` int64 in [0, codebook_size) -> level values `[..., len(levels)]` float32 in [-1, 1]."""
+        """codes `[...]` int64 in [0, codebook_size) -> level values `[..., len(levels)]`
+        float32 in [-1, 1]."""
         half_width = self.levels // 2
         level_indices = (codes.unsqueeze(-1) // self.basis) % self.levels
         return (level_indices - half_width) / half_width
@@ -323,7 +324,8 @@ class DownsampleFSQ(nn.Module):
 
 
 class LogMelSpectrogram(nn.Module):
-    """fish-speech's `LogMelSpectrogram` (no parameters): audio `[B, L]` -> log mels `[B, n_mels, L // hop]`."""
+    """fish-speech's `LogMelSpectrogram` (no parameters): audio `[B, L]` ->
+    log mels `[B, n_mels, L // hop]`."""
 
     # Buffers (declared for the type checker: `register_buffer` attributes are `Tensor | Module` to it).
     window: Tensor
@@ -443,7 +445,8 @@ def infer_firefly_config(shapes: dict[str, tuple[int, ...]]) -> FireflyConfig:
     ups = _indices(shapes, "head.ups.")
     if len(ups) != len(FireflyConfig.upsample_rates):
         raise CodecCheckpointError(
-            f"the generator has {len(ups)} upsampling stages; fish-speech 1.5's has {len(FireflyConfig.upsample_rates)}"
+            f"the generator has {len(ups)} upsampling stages; fish-speech 1.5's has "
+            f"{len(FireflyConfig.upsample_rates)}"
         )
     kernels = tuple(shape(f"head.ups.{i}.conv.weight")[2] for i in ups)
     res_kernels = tuple(

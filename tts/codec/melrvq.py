@@ -21,14 +21,14 @@ Frame layout (22050 Hz, 1024 samples per frame = 21.53 frames/s, the Fish frame 
 
 Streaming. The base `StreamingDecoder` (decode a window of left context, keep the new frames' samples)
 and `MelStreamDecoder` (`batched_stream`: many streams per call, each continuing from per-slot state,
-`GriffinLimSlots`: the last C frames' magnitudes and the previous window's cross-fade tail) both equal `decode()` of all
-codes **bit for bit on the CPU**: every window is computed by the same operations whatever the batch
-around it (FFTs and element-wise ops are per row; the one matrix product has a multiple of 4 rows, see
-`melvq.rows_linear`). Measured with 1, 2 and 8 torch threads on the development machine (MKL, AVX-512);
-this rests on the BLAS computing a row independently of the other rows, which it does not promise. That exactness matters because Griffin-Lim's 16-32 momentum iterations are
-chaotic: a 1-ulp change of one magnitude moves samples by up to ~1e-2 (~1% of the signal's RMS). So
-on CUDA (cuFFT and cuBLAS round differently from the CPU, and cuBLAS by batch shape) streamed,
-batched and offline audio agree to that level, not bit for bit.
+`GriffinLimSlots`: the last C frames' magnitudes and the previous window's cross-fade tail) both equal
+`decode()` of all codes **bit for bit on the CPU**: every window is computed by the same operations whatever
+the batch around it (FFTs and element-wise ops are per row; the one matrix product has a multiple of 4 rows,
+see `melvq.rows_linear`). Measured with 1, 2 and 8 torch threads on the development machine (MKL, AVX-512);
+this rests on the BLAS computing a row independently of the other rows, which it does not promise. That
+exactness matters because Griffin-Lim's 16-32 momentum iterations are chaotic: a 1-ulp change of one magnitude
+moves samples by up to ~1e-2 (~1% of the signal's RMS). So on CUDA (cuFFT and cuBLAS round differently from
+the CPU, and cuBLAS by batch shape) streamed, batched and offline audio agree to that level, not bit for bit.
 
 Devices: `to(device)` moves the codebooks, mean/std and the vocoder's constants; `decode` still takes
 and returns CPU tensors. All windows of one `decode` call run as one batch (on a CPU in chunks of 24

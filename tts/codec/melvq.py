@@ -155,7 +155,8 @@ class MelVQNet(nn.Module):
         return self.enc_out(F.gelu(self.enc_blocks(self.enc_in(features))))
 
     def quantize(self, z: Tensor) -> tuple[Tensor, Tensor]:
-        """Residual VQ of latents `[B, latent, T]` -> (codes `[B, N, T]` int64, quantized `[B, latent, T]`)."""
+        """Residual VQ of latents `[B, latent, T]` -> (codes `[B, N, T]` int64,
+        quantized `[B, latent, T]`)."""
         B, D, T = z.shape
         codes, total = residual_quantize(z.transpose(1, 2).reshape(-1, D), self.codebooks)
         codes_t = codes.reshape(self.num_codebooks, B, T).transpose(0, 1)

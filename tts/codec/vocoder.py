@@ -1,12 +1,12 @@
 """A learned causal vocoder for the mel codecs: log-mel frames -> STFT frames -> audio.
 
-Why: without it, a mel codec turns its log-mel frames into audio with Griffin-Lim (`melrvq.WindowedGriffinLim`),
-whose phase estimate on short windows sounds phasey and costs 16 FFT round trips per window; the default
-codec names this vocoder in its codec.json (training/RESULTS.md: lower WER and spectral distance). This
-model predicts each STFT frame's magnitude and phase directly from the log-mel frames, in the manner of
-Vocos (Siuzdenko, "Vocos: Closing the gap between time-domain and Fourier-based neural vocoders",
-2023: a ConvNeXt stack over mel frames, a linear head to log-magnitude and phase, an inverse STFT), made
-causal so that it streams with bounded left context.
+Why: without it, a mel codec turns its log-mel frames into audio with Griffin-Lim
+(`melrvq.WindowedGriffinLim`), whose phase estimate on short windows sounds phasey and costs 16 FFT round
+trips per window; the default codec names this vocoder in its codec.json (training/RESULTS.md: lower WER and
+spectral distance). This model predicts each STFT frame's magnitude and phase directly from the log-mel
+frames, in the manner of Vocos (Siuzdenko, "Vocos: Closing the gap between time-domain and Fourier-based
+neural vocoders", 2023: a ConvNeXt stack over mel frames, a linear head to log-magnitude and phase, an inverse
+STFT), made causal so that it streams with bounded left context.
 
 Layout (the codec's, `melrvq`): 22050 Hz, log-mel of 80 Slaney mels, n_fft 1024, hop 256, centred
 frames (mel frame j is centred on signal sample 256 j), four mel frames per codec frame.

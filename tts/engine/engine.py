@@ -362,7 +362,8 @@ class Engine:
         if not kernel_head_dim_ok(self.model.config.head_dim):
             if name == "triton":
                 raise ValueError(
-                    f"the Triton paged attention needs a power-of-two head_dim >= 16, not {self.model.config.head_dim}"
+                    "the Triton paged attention needs a power-of-two head_dim >= 16, not "
+                    f"{self.model.config.head_dim}"
                 )
             return None
         try:
@@ -498,7 +499,8 @@ class Engine:
 
     def _evict_for_waiting(self) -> None:
         """(lock held) When the head of the waiting queue lacks blocks, free idle kept sequences, least
-        recently used first, until it has them: a quiet session never starves others (tts.engine.sequences)."""
+        recently used first, until it has them: a quiet session never starves others
+        (tts.engine.sequences)."""
         s = self.scheduler
         if not s.waiting or s.num_running >= s.max_batch:
             return
@@ -590,7 +592,7 @@ class Engine:
             self._carried = outputs
             raise
 
-    def _step(self, outputs: list[StepOutput]) -> list[StepOutput]:
+    def _step(self, outputs: list[StepOutput]) -> list[StepOutput]:  # noqa: C901 (the engine step's phases in one place; to be split)
         with self._lock:
             cancels, self._pending_cancel = self._pending_cancel, {}
             pauses, self._pending_pause = self._pending_pause, {}
@@ -673,7 +675,8 @@ class Engine:
     def _guard(self, request: Request, position: int, column: list[int], done: bool) -> StepOutput | None:
         """Feed a guarded request's new frame (its column `[token, c_0 .. c_N-1]`, text `position`) to its
         loop guard. On a repeat that began after the text's end, the request ends there (reason STOP:
-        its text was said), unless that leaves fewer than its min_new_frames; on another, it is rewound to REWIND_EXTRA_FRAMES before the repeat and
+        its text was said), unless that leaves fewer than its min_new_frames; on another, it is rewound to
+        REWIND_EXTRA_FRAMES before the repeat and
         samples RETRY_FRAMES frames hotter. Either way the returned output takes back the repeat's frames
         already handed out (the new frame is dropped too). Past MAX_REWINDS a repeat stays, and the
         request will end with reason LOOP. None: carry on with the frame."""

@@ -488,11 +488,11 @@ class ModelRunner:
     def prefill_packed(self, prompts: list[Tensor], block_tables: list[list[int]]) -> None:
         """`prefill` of several requests in one forward pass: their prompt columns (all but each one's
         last) packed into one sequence of at most PACKED_PREFILL_TOKENS positions per pass (with prefill
-        graphs, the largest token bucket's; a longer prompt alone), attention causal within each request (on CUDA flash attention over the
-        variable-length sequences, elsewhere a block-diagonal mask). On a GPU one
-        request's eager prefill is bound by kernel launches (a few hundred per layer stack), so packing
-        many costs about as much as one. The K/V equal `prefill`'s up to float rounding (the matrix
-        products have other shapes). prompts: `[T_i, 1 + N]` int64 each.
+        graphs, the largest token bucket's; a longer prompt alone), attention causal within each request (on
+        CUDA flash attention over the variable-length sequences, elsewhere a block-diagonal mask). On a GPU
+        one request's eager prefill is bound by kernel launches (a few hundred per layer stack), so packing
+        many costs about as much as one. The K/V equal `prefill`'s up to float rounding (the matrix products
+        have other shapes). prompts: `[T_i, 1 + N]` int64 each.
         """
         group: list[tuple[Tensor, list[int]]] = []
         size = 0

@@ -114,7 +114,8 @@ class ModelArgs:
             raise ConfigError(f"n_head={self.n_head} is not a multiple of n_local_heads={self.n_local_heads}")
         if self.fast_n_head % self.fast_n_local_heads:
             raise ConfigError(
-                f"fast_n_head={self.fast_n_head} is not a multiple of fast_n_local_heads={self.fast_n_local_heads}"
+                f"fast_n_head={self.fast_n_head} is not a multiple of "
+                f"fast_n_local_heads={self.fast_n_local_heads}"
             )
         if self.head_dim % 2 or self.fast_head_dim % 2:
             raise ConfigError("head_dim and fast_head_dim must be even for RoPE")

@@ -1,6 +1,6 @@
-"""Layers shared by the slow / fast transformer (`tts.model.transformer`) and the modded DAC's window transformer
-(`tts.codec.dac.net`): RMSNorm, the RoPE table and rotation, the embedding constructor. A leaf module:
-it imports only torch and the kernels, so both sides import it without importing each other.
+"""Layers shared by the slow / fast transformer (`tts.model.transformer`) and the modded DAC's window
+transformer (`tts.codec.dac.net`): RMSNorm, the RoPE table and rotation, the embedding constructor. A leaf
+module: it imports only torch and the kernels, so both sides import it without importing each other.
 """
 
 from __future__ import annotations

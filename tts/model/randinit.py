@@ -1,9 +1,9 @@
 """Deterministic random weights for random-weight checkpoints, identical on every machine.
 
-Values come from the counter-based integer hash of `tts.model.sampling.hash32` keyed by (seed, tensor name, element
-index), so a checkpoint written from a seed is bit-identical on any platform, torch version or thread
-count (torch's own generators make no such promise). The tests rely on this: they regenerate tiny
-checkpoints from a seed and compare them with golden outputs computed once from the same weights.
+Values come from the counter-based integer hash of `tts.model.sampling.hash32` keyed by (seed, tensor name,
+element index), so a checkpoint written from a seed is bit-identical on any platform, torch version or thread
+count (torch's own generators make no such promise). The tests rely on this: they regenerate tiny checkpoints
+from a seed and compare them with golden outputs computed once from the same weights.
 """
 
 from __future__ import annotations

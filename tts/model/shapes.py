@@ -50,8 +50,9 @@ SMALL_S2_CONFIG: dict[str, Any] = {
     **S2_PRO_CONFIG,
     "text_config": {**S2_PRO_CONFIG["text_config"], "dim": 512, "n_layer": 4, "n_head": 8, "n_local_heads": 2,
                     "head_dim": 64, "intermediate_size": 1024, "max_seq_len": 4096},
-    "audio_decoder_config": {**S2_PRO_CONFIG["audio_decoder_config"], "dim": 512, "text_dim": 512, "n_layer": 2,
-                             "n_head": 8, "n_local_heads": 2, "head_dim": 64, "intermediate_size": 1024},
+    "audio_decoder_config": {**S2_PRO_CONFIG["audio_decoder_config"], "dim": 512, "text_dim": 512,
+                             "n_layer": 2, "n_head": 8, "n_local_heads": 2, "head_dim": 64,
+                             "intermediate_size": 1024},
 }  # fmt: skip
 
 SHAPES = {"s2-pro-shape": S2_PRO_CONFIG, "fish-1.5-shape": FISH_15_CONFIG, "small-s2-shape": SMALL_S2_CONFIG}

@@ -484,7 +484,8 @@ class DualARTransformer(nn.Module):
         On the 2-core CI machine MKL's single-thread kernel reads a contiguous `[out, in]` W at 4-5
         GB/s when out > in, and the same matrix stored `[in, out]` at 7-9 GB/s (DRAM: about 10 GB/s);
         narrow projections (w2, a square wo) are as fast or faster as they are. Measured in
-        docs/benchmarks.md ("The CPU frame step"). Values, shapes and state-dict keys do not change, only strides;
+        docs/benchmarks.md ("The CPU frame step"). Values, shapes and state-dict keys do not change, only
+        strides;
         results differ from the row-major layout in the last bits (another summation order).
         Idempotent. Saving needs `.contiguous()` tensors (safetensors), as `save_weights` makes.
         """

@@ -1,9 +1,9 @@
 """The job pipeline: text chunks -> engine requests -> codes -> codec stage -> audio events.
 
 One `JobRunner` runs every synthesis job of one engine, whoever asked for it: the Python API
-(`tts.api.TTS` drives it on the caller's thread) and the service (`tts.runtime.engine_thread.EngineLoop` drives it
-on the engine thread). It is single-threaded: one thread calls `submit`, `cancel`, `resume` and `step`.
-The codec stage's worker (tts.runtime.codec_stage) decodes beside it.
+(`tts.api.TTS` drives it on the caller's thread) and the service (`tts.runtime.engine_thread.EngineLoop`
+drives it on the engine thread). It is single-threaded: one thread calls `submit`, `cancel`, `resume` and
+`step`. The codec stage's worker (tts.runtime.codec_stage) decodes beside it.
 
 A job (`tts.runtime.planner.SynthesisJob`) runs like this:
 

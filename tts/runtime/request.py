@@ -37,7 +37,8 @@ REFERENCE_TEXT = "reference.text"
 FIRST_CHUNK_FRAMES = "output.first_chunk_frames"
 CHUNK_FRAMES = "output.chunk_frames"
 SAMPLING = (
-    "temperature", "top_p", "top_k", "seed", "max_new_frames", "min_new_frames", "repetition_penalty", "ras_window",
+    "temperature", "top_p", "top_k", "seed", "max_new_frames", "min_new_frames", "repetition_penalty",
+    "ras_window",
 )  # fmt: skip
 FIELDS = (
     TEXT, VOICE, REFERENCE_AUDIO, REFERENCE_TEXT, *(f"sampling.{n}" for n in SAMPLING), FIRST_CHUNK_FRAMES,

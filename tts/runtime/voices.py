@@ -269,7 +269,8 @@ class VoiceRegistry:
                             os.link(tmp, final)
                         except FileExistsError:
                             raise VoiceExists(
-                                f"a voice named {name!r} exists (to replace it, add it again with replace set)"
+                                f"a voice named {name!r} exists (to replace it, add it again with replace "
+                                "set)"
                             ) from None
                         finally:
                             Path(tmp).unlink(missing_ok=True)

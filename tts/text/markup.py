@@ -180,59 +180,81 @@ def _render_markdown(text: str) -> Rendered:
     )
     if plain:
         return Rendered(text)
-    lines: list[str] = []
-    warnings: list[str] = []
-    code_blocks = 0
-    html_seen = False
-    item_prefix: list[str] = []  # the number of each open list item ("" for a bullet)
-    prefix_pending = False
-    row: list[str] | None = None
+    walk = _MarkdownWalk()
     for t in tokens:
-        kind = t.type
-        if kind == "list_item_open":
-            item_prefix.append(f"{t.info}{t.markup} " if t.info else "")
-            prefix_pending = True
-        elif kind == "list_item_close":
-            # An item with no text: a number alone ("2024.", "1.") is read as it is; a bullet is nothing.
-            if prefix_pending and item_prefix[-1] and row is None:
-                lines.append(item_prefix[-1].strip())
-            item_prefix.pop()
-            prefix_pending = False
-        elif kind == "tr_open":
-            row = []
-        elif kind == "tr_close":
-            cells = [c for c in (row or []) if c]
-            if cells:
-                lines.append(", ".join(cells))
-            row = None
-        elif kind == "inline":
-            charge(len(t.content))
-            content, saw_html = _inline_text(t.children or [])
-            html_seen |= saw_html
-            if row is not None:
-                row.append(content.strip())
-                continue
-            if prefix_pending:
-                content = item_prefix[-1] + content
-                prefix_pending = False
-            if content.strip():
-                lines.append(content.strip())
-        elif kind == "fence":
-            code_blocks += 1
-        elif kind == "html_block":
-            inner = _ANY_TAG.sub(lambda m: " " if _is_html_tag(m.group(0)) else m.group(0), t.content)
-            html_seen |= inner != t.content
-            inner = html.unescape(inner).strip()
-            if inner:
-                lines.append(re.sub(r"\s+", " ", inner))
-    if code_blocks:
-        warnings.append(f"{code_blocks} code block{'s were' if code_blocks > 1 else ' was'} not read")
-    if html_seen:
+        walk.feed(t)
+    warnings: list[str] = []
+    if walk.code_blocks:
+        n = walk.code_blocks
+        warnings.append(f"{n} code block{'s were' if n > 1 else ' was'} not read")
+    if walk.html_seen:
         warnings.append(HTML_WARNING)
+    lines = walk.lines
     structured = any(t.type in _STRUCTURE for t in tokens)
     if len(lines) > 1 or structured:
         lines = [_with_stop(line) for line in lines]
     return Rendered("\n".join(lines), warnings)
+
+
+class _MarkdownWalk:
+    """The lines read from a Markdown token stream (`feed` each token in order), the code blocks left
+    out and whether HTML tags were seen."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.code_blocks = 0
+        self.html_seen = False
+        self.item_prefix: list[str] = []  # the number of each open list item ("" for a bullet)
+        self.prefix_pending = False
+        self.row: list[str] | None = None
+
+    def feed(self, t) -> None:
+        kind = t.type
+        if kind == "list_item_open":
+            self.item_prefix.append(f"{t.info}{t.markup} " if t.info else "")
+            self.prefix_pending = True
+        elif kind == "list_item_close":
+            self._close_item()
+        elif kind == "tr_open":
+            self.row = []
+        elif kind == "tr_close":
+            cells = [c for c in (self.row or []) if c]
+            if cells:
+                self.lines.append(", ".join(cells))
+            self.row = None
+        elif kind == "inline":
+            self._inline(t)
+        elif kind == "fence":
+            self.code_blocks += 1
+        elif kind == "html_block":
+            self._html_block(t)
+
+    def _close_item(self) -> None:
+        # An item with no text: a number alone ("2024.", "1.") is read as it is; a bullet is nothing.
+        if self.prefix_pending and self.item_prefix[-1] and self.row is None:
+            self.lines.append(self.item_prefix[-1].strip())
+        self.item_prefix.pop()
+        self.prefix_pending = False
+
+    def _inline(self, t) -> None:
+        charge(len(t.content))
+        content, saw_html = _inline_text(t.children or [])
+        self.html_seen |= saw_html
+        if self.row is not None:
+            self.row.append(content.strip())
+            return
+        if self.prefix_pending:
+            content = self.item_prefix[-1] + content
+            self.prefix_pending = False
+        if content.strip():
+            self.lines.append(content.strip())
+
+    def _html_block(self, t) -> None:
+        inner = _ANY_TAG.sub(lambda m: " " if _is_html_tag(m.group(0)) else m.group(0), t.content)
+        self.html_seen |= inner != t.content
+        inner = html.unescape(inner).strip()
+        if inner:
+            self.lines.append(re.sub(r"\s+", " ", inner))
 
 
 def _inline_text(children) -> tuple[str, bool]:

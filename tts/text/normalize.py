@@ -194,7 +194,8 @@ def _date_us(m: re.Match) -> str:
 
 
 def _meridiem(m: re.Match, group: int) -> str:
-    """The words " a m" / " p m" for the a.m./p.m. in `group` ("" when it did not match); a period that also ends
+    """The words " a m" / " p m" for the a.m./p.m. in `group` ("" when it did not match); a period that also
+    ends
     the sentence (text ends, or a capital follows) is kept."""
     marker = m.group(group)
     if not marker:
@@ -342,7 +343,8 @@ def _unit(m: re.Match) -> str:
 
 
 _RULES: list[tuple[re.Pattern, object]] = [
-    # host names (what tts.text.markup makes of a URL) and file names, not paths: "example.com" -> "example dot com".
+    # host names (what tts.text.markup makes of a URL) and file names, not paths: "example.com" -> "example
+    # dot com".
     # Labels of at most 63 characters and at most 10 dots (DNS allows 63 and 127): a match may start after
     # each hyphen, and unbounded, every one of them would scan to the end of a long hyphenated run. The
     # label quantifiers are possessive (giving back a label's character can never make a dot follow it).
@@ -500,7 +502,8 @@ def reserved_tag_error(tag: str, allowed: re.Pattern | None) -> InvalidRequest:
     else:
         accepted = f"only tags matching {allowed.pattern}"
     return InvalidRequest(
-        f"text contains the reserved tag {shorten(tag, MAX_TAG_CHARS)!r} (this model accepts {accepted} in text)"
+        f"text contains the reserved tag {shorten(tag, MAX_TAG_CHARS)!r} (this model accepts {accepted} in "
+        "text)"
     )
 
 

@@ -21,7 +21,7 @@ are left out with a warning that names the scripts, and text with no English lef
 (TextError), rather than spelling each character ("Chinese letter, Chinese letter, ..."). This holds
 with `normalize` off too: it is what the voice can say, not a normalization. With `normalize` on, emoji
 are dropped as well (espeak-ng would read their names, "grinning face").
-"""
+"""  # noqa: E501 (a Markdown table; its rows cannot wrap)
 
 from __future__ import annotations
 

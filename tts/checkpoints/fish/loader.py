@@ -9,13 +9,14 @@ Three families, told apart by `config.json`:
 | fish-speech 1.5 | `dual_ar`, 8 codebooks | `model.pth` | `tokenizer.tiktoken` | Firefly-GAN (`firefly-gan-vq-fsq-8x1024-21hz-generator.pth`) |
 
 Weights load one tensor at a time straight to the target device and dtype into a model built on the meta
-device, so no second copy is ever held: safetensors shard by shard (`tts.checkpoints.bundle.load_weights_into`),
-`model.pth` memory-mapped (`torch.load(mmap=True, weights_only=True)`). Key mapping follows fish-speech:
+device, so no second copy is ever held: safetensors shard by shard
+(`tts.checkpoints.bundle.load_weights_into`), `model.pth` memory-mapped
+(`torch.load(mmap=True, weights_only=True)`). Key mapping follows fish-speech:
 S2's `text_model.model.X -> X`, `audio_decoder.codebook_embeddings.* -> codebook_embeddings.*`, other
 `audio_decoder.Y -> fast_Y`; `model.pth` may be wrapped in a Lightning `state_dict` and prefixed with
 `model.`, keys containing `audio_` are dropped, and separate `wq/wk/wv` are concatenated into `wqkv`.
 Every missing or unexpected key and every shape mismatch is an error that names the key.
-"""
+"""  # noqa: E501 (a Markdown table; its rows cannot wrap)
 
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ FAMILIES = {
         SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_frames=1024, ras_window=10), 200,
     ),
     # S1-era defaults: temperature 0.8, top_p 0.8, repetition penalty 1.1 over 16 frames (read as
-    # fish-speech d3df505 reads it, see tts.engine.model_runner), no top-k, no RAS; the whole text in one piece.
+    # fish-speech d3df505 reads it, see tts.engine.model_runner), no top-k, no RAS; the whole text in one
+    # piece.
     S1: FamilySpec(
         S1, "OpenAudio S1", S1PromptFormat,
         SamplingParams(temperature=0.8, top_p=0.8, top_k=0, max_new_frames=1024, ras_window=0,
@@ -322,8 +324,8 @@ def _load_firefly(directory: Path, args: ModelArgs, device, dtype) -> FireflyCod
 
 
 def load_fish_bundle(directory: str | Path, raw: Mapping, device, dtype, codec_dtype=None) -> ModelBundle:
-    """A servable bundle for a Fish checkpoint directory (called by `tts.checkpoints.bundle.load_bundle` for any
-    directory whose config.json has no "tts_runtime" key). Raises CheckpointError / ConfigError /
+    """A servable bundle for a Fish checkpoint directory (called by `tts.checkpoints.bundle.load_bundle`
+    for any directory whose config.json has no "tts_runtime" key). Raises CheckpointError / ConfigError /
     TokenizerError with a one-line reason."""
     directory = Path(directory)
     family = detect_family(raw)

@@ -1,7 +1,8 @@
 """Tokenizers of Fish checkpoints (docs/fish_dual_ar.md §3.1).
 
-* S2-Pro ships a Hugging Face `tokenizer.json` (Qwen3 BPE plus added tokens): `tts.text.tokenizer.TextTokenizer`
-  reads it, exactly as fish-speech's `AutoTokenizer` does for encoding purposes.
+* S2-Pro ships a Hugging Face `tokenizer.json` (Qwen3 BPE plus added tokens):
+  `tts.text.tokenizer.TextTokenizer` reads it, exactly as fish-speech's `AutoTokenizer` does for encoding
+  purposes.
 * OpenAudio S1 and fish-speech 1.5 ship `tokenizer.tiktoken` (base64 byte sequences with their BPE
   ranks) and, for S1, `special_tokens.json`; `TiktokenTokenizer` reads them with the `tiktoken` library
   and fish-speech's pre-tokenization regex. Special tokens take the ids right after the mergeable ranks,

@@ -14,8 +14,8 @@ the real release, with random weights and a small synthetic BPE vocabulary:
   `firefly-gan-vq-fsq-8x1024-21hz-generator.pth` (fish-speech's `firefly_gan_vq.yaml` sizes; `tiny-1.5`:
   `tts.codec.firefly.tiny_firefly_config`).
 * `tiny-s2`, `tiny-s1`, `tiny-1.5`: the same formats with small widths (and a narrow codec), used by the
-  tests and the parity goldens. Their weights are a pure function of the seed (`tts.model.randinit`), so a test
-  regenerates exactly the checkpoint the goldens were computed from.
+  tests and the parity goldens. Their weights are a pure function of the seed (`tts.model.randinit`), so a
+  test regenerates exactly the checkpoint the goldens were computed from.
 
 Large shapes are written shard by shard (S2) or tensor by tensor into one `model.pth`, never holding
 more than one shard plus one tensor at a time, into a temporary directory that is renamed to `out` only
@@ -241,7 +241,8 @@ S2_AUDIO = {
 }  # fmt: skip
 TINY_TEXT = dict(
     dim=64, n_layer=2, n_head=4, n_local_heads=2, head_dim=16, intermediate_size=128, max_seq_len=1024,
-    rope_base=1000000, norm_eps=1e-6, attention_qk_norm=True, attention_qkv_bias=False, attention_o_bias=False,
+    rope_base=1000000, norm_eps=1e-6, attention_qk_norm=True, attention_qkv_bias=False,
+    attention_o_bias=False,
     tie_word_embeddings=True,
 )  # fmt: skip
 TINY_AUDIO = dict(
@@ -260,7 +261,8 @@ SHAPES: dict[str, Shape] = {
         "s1-mini", "s1",
         dict(
             model_type="dual_ar", dim=1024, n_layer=28, n_head=16, n_local_heads=8, head_dim=128,
-            intermediate_size=3072, max_seq_len=8192, rope_base=1000000, norm_eps=1e-6, attention_qk_norm=True,
+            intermediate_size=3072, max_seq_len=8192, rope_base=1000000, norm_eps=1e-6,
+            attention_qk_norm=True,
             tie_word_embeddings=True, codebook_size=4096, num_codebooks=10, n_fast_layer=4, fast_dim=1024,
             fast_n_head=16, fast_n_local_heads=8, fast_head_dim=64, fast_intermediate_size=3072,
             fast_attention_qk_norm=False, scale_codebook_embeddings=False,
@@ -391,10 +393,10 @@ def write_checkpoint(
 
     dtype: weight dtype (default: the shape's, bf16); codec: "full" (fish-speech's sizes: the modded DAC,
     or Firefly-GAN for 1.5), "tiny" (tiny_dac_config / tiny_firefly_config) or "none" (default: the
-    shape's); codec_config: a DACConfig or FireflyConfig overriding those sizes; num_shards: safetensors shards for S2
-    shapes. Raises FileExistsError if `out` exists and is not empty (unless overwrite), ValueError for an
-    unknown shape or codec. Writes into a sibling temporary directory first, so `out` holds either
-    nothing new or a complete checkpoint.
+    shape's); codec_config: a DACConfig or FireflyConfig overriding those sizes; num_shards: safetensors
+    shards for S2 shapes. Raises FileExistsError if `out` exists and is not empty (unless overwrite),
+    ValueError for an unknown shape or codec. Writes into a sibling temporary directory first, so `out` holds
+    either nothing new or a complete checkpoint.
     """
     spec = SHAPES[shape] if isinstance(shape, str) and shape in SHAPES else shape
     if not isinstance(spec, Shape):

@@ -1,6 +1,7 @@
 """Random-weight modded DACs (tts/codec/dac_net.py) for tests, benchmarks and tiny checkpoints: a tiny
 config with the real rates and codebooks (`tiny_dac_config`), and deterministic random weights in any
-of a checkpoint's storage forms (`random_codec_state`; `tts.checkpoints.fish.writer` writes them as `codec.pth`).
+of a checkpoint's storage forms (`random_codec_state`; `tts.checkpoints.fish.writer` writes them as
+`codec.pth`).
 """
 
 from __future__ import annotations

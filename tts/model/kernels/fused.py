@@ -118,7 +118,8 @@ def qk_norm_rope(
     """Split `qkv [B, (H + 2 Hkv) * D]` (one token per row), qk-norm q and k when weights are given,
     rotate with `freqs [B, D/2, 2]` (bf16 table rows for each row's position). Returns q `[B, 1, H, D]`,
     k and v `[B, 1, Hkv, D]`, matching `Attention.forward`'s layout; with `kv_dest` (a
-    `tts.model.transformer.KVDest`) K and V go straight into the cache instead and None is returned for them."""
+    `tts.model.transformer.KVDest`) K and V go straight into the cache instead and None is returned for them.
+    """
     B = qkv.shape[0]
     qkv = qkv.reshape(B, -1)
     q = torch.empty(B, 1, n_head, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -132,7 +133,8 @@ def qk_norm_rope(
     stride_f = 0 if freqs.shape[0] == 1 else freqs.stride(0)
     qk_norm = q_weight is not None
     _qk_norm_rope_kernel[(B, n_head + 2 * n_kv)](
-        qkv, q_weight if qk_norm else qkv, k_weight if qk_norm else qkv, freqs, q, k, v, row_off, qkv.stride(0),
+        qkv, q_weight if qk_norm else qkv, k_weight if qk_norm else qkv, freqs, q, k, v, row_off,
+        qkv.stride(0),
         stride_f, eps, head_stride, H=n_head, HKV=n_kv, D=head_dim, QK_NORM=qk_norm,
         TO_CACHE=kv_dest is not None, num_warps=1,
     )  # fmt: skip

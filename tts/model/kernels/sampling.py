@@ -156,7 +156,8 @@ def _launch(
         cand_keys = torch.topk(keys, kc, dim=-1, sorted=False).values
     _sample_kernel[(B,)](
         logits, logits.stride(0), V, cand_keys, cand_keys.stride(0), temperature, top_p, top_k, seeds,
-        steps, out, stream, window if ras else out, window_len if ras else out, window.stride(0) if ras else 0,
+        steps, out, stream, window if ras else out, window_len if ras else out,
+        window.stride(0) if ras else 0,
         n_sem, high, VP2=vp2, KC=kc, RAS=ras, W=window.shape[1] if ras else 1,
         WP2=triton.next_power_of_2(window.shape[1]) if ras else 1, HIGH_T=RAS_HIGH_TEMPERATURE,
         HIGH_P=RAS_HIGH_TOP_P, num_warps=8 if (kc == 0 and vp2 >= 8192) else 4,
