@@ -1,6 +1,7 @@
 """Fish Audio's API on the HTTP front, so that the official `fish-audio-sdk`
 (`fishaudio.FishAudio(base_url=...)` and the older `fish_audio_sdk`) works unchanged against this server.
-Translation only: Fish's wire format <-> the runtime's `SpeechRequest`, `EngineLoop.open_session` and the voice registry; the rules are the runtime's.
+Translation only: Fish's wire format <-> the runtime's `SpeechRequest`, `EngineLoop.open_session` and the
+voice registry; the rules are the runtime's.
 
 * `POST /v1/tts`: the body as MessagePack (`Content-Type: application/msgpack`, as the SDK sends it) or JSON:
   `text`, `references` (at most one `{audio: bytes, text}`; base64 in JSON), `reference_id` (a voice name),

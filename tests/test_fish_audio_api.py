@@ -1,7 +1,7 @@
 """Fish Audio's API (service/fish_api.py) judged by the official `fish-audio-sdk`, unchanged, pointed at a
 real local server (tiny model, ephemeral ports). Every chunk runs to exactly its `max_new_tokens` frames
-(the model never samples its end token: `EndTokenNever`), so durations are exact: frames x frame length. No assertion
-depends on what random weights generate or on timing (waits are on states and counts)."""
+(the model never samples its end token: `EndTokenNever`), so durations are exact: frames x frame length. No
+assertion depends on what random weights generate or on timing (waits are on states and counts)."""
 
 from __future__ import annotations
 
