@@ -63,7 +63,7 @@ import socket
 import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -72,6 +72,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from service.access import Access, AccessMiddleware, is_loopback
 from service.common import (
     CallLog,
     NoAudio,
@@ -128,6 +129,8 @@ SEND_BUFFER_BYTES = 128 * KiB
 # An oversized request body is read and dropped up to this many bytes past the limit before the 413 is
 # sent (`HTTPFront._read_body`); a larger one gets its 413 at once, and the connection closes.
 DRAIN_BYTES = 64 * KiB * KiB
+# The Content-Types a browser sends cross-site without a CORS preflight (the speech route wants JSON).
+FORM_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
 # OpenAI's model names: tools that hard-code them get the served model (there is only one).
 OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 # (status, type, code) of `service.common.outcome_of`'s outcomes; others: 500 internal_error.
@@ -232,6 +235,7 @@ class APIError(Exception):
             400: "invalid_argument",
             404: "not_found",
             413: "too_large",
+            415: "invalid_argument",
             422: "no_audio",
             429: "resource_exhausted",
             504: "deadline_exceeded",
@@ -591,8 +595,16 @@ class HTTPFront:
     readiness, admission, the load signal). `start()` binds and serves uvicorn on the running asyncio loop;
     `stop()` ends it."""
 
-    def __init__(self, loop: EngineLoop, limits: ServiceLimits, metrics: ServiceMetrics, state: ReplicaState):
+    def __init__(
+        self,
+        loop: EngineLoop,
+        limits: ServiceLimits,
+        metrics: ServiceMetrics,
+        state: ReplicaState,
+        access: Access | None = None,
+    ):
         self.loop = loop
+        self.access = access or Access()
         self.state = state
         self.bundle = loop.bundle
         self.limits = limits
@@ -667,7 +679,7 @@ class HTTPFront:
             raise RuntimeError(f"cannot listen on {address} (HTTP): {exc.strerror or exc}") from exc
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.app,
+            self.asgi(host),
             lifespan="off",
             log_config=None,
             log_level="warning",
@@ -676,6 +688,8 @@ class HTTPFront:
             timeout_graceful_shutdown=5,
             timeout_keep_alive=5,
             http=_timed_protocol(self.limits.http_read_timeout),
+            ssl_certfile=self.access.tls_cert,
+            ssl_keyfile=self.access.tls_key,
         )
         self._uvicorn = Server(config)
         self._task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
@@ -685,6 +699,34 @@ class HTTPFront:
                 raise RuntimeError("the HTTP server stopped during start-up")
             await asyncio.sleep(0.005)
         return self.port
+
+    def asgi(self, host: str):
+        """The app as served on `host`: inside `AccessMiddleware` (keys, Origin, and the Host check when
+        `host` is loopback) and, when origins are allowed (`Access.cors_origins`), Starlette's CORS
+        middleware outermost, so preflights are answered and refusals carry CORS headers."""
+        app: Any = AccessMiddleware(self.app, self.access, check_host=is_loopback(host))
+        if self.access.cors_origins:
+            from starlette.middleware.cors import CORSMiddleware
+
+            app = CORSMiddleware(
+                app,
+                allow_origins=list(self.access.cors_origins),
+                allow_methods=["GET", "POST", "DELETE"],
+                allow_headers=["Authorization", "Content-Type"],
+                expose_headers=[
+                    "X-Request-Id",
+                    "X-Replica",
+                    "X-Seed",
+                    "X-Sample-Rate",
+                    "X-Model",
+                    "X-Text-Chunks",
+                    "X-Warnings",
+                    "X-Finish-Reason",
+                    "X-Sample-Format",
+                    "X-Channels",
+                ],  # fmt: skip
+            )
+        return app
 
     async def stop(self) -> None:
         """Stop listening and close connections. Call it once the engine loop has stopped: responses whose
@@ -1014,6 +1056,15 @@ class HTTPFront:
         stream = None
         call = CallLog("http", t_received)
         try:
+            # A browser sends a text/plain or form POST to any site without asking it first (no CORS
+            # preflight): refusing the types a form can send keeps other sites' pages out, whatever Origin.
+            media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if media_type in FORM_TYPES:
+                raise APIError(
+                    415,
+                    f"the body must be JSON (Content-Type: application/json), got Content-Type {media_type}",
+                    code="unsupported_media_type",
+                )
             r = self._parse(await self._read_body(request))
             call.text_bytes = len(r.input.encode("utf-8", "replace"))
             self._check_model(r.model)
