@@ -841,10 +841,25 @@ class HTTPFront:
         async def playground():
             return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
 
+        @app.get("/favicon.ico", include_in_schema=False)
+        async def favicon():  # (an SVG: browsers take an icon by its Content-Type, whatever the name)
+            return Response(
+                (STATIC / "favicon.svg").read_bytes(),
+                media_type="image/svg+xml",
+                headers={"Cache-Control": "max-age=86400"},
+            )
+
         return app
 
     def _model_card(self) -> dict:
-        return {"id": self.bundle.name, "object": "model", "created": self.created, "owned_by": "dualar-tts"}
+        """OpenAI's model object, plus `max_input_bytes`: the longest `input` accepted (UTF-8 bytes)."""
+        return {
+            "id": self.bundle.name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "dualar-tts",
+            "max_input_bytes": self.limits.max_text_bytes,
+        }
 
     # ---- POST /v1/audio/speech ----
 

@@ -546,6 +546,10 @@ def test_models_voices_metrics_and_playground(server):
     assert status == 200 and headers["Content-Type"].startswith("text/html")
     for ref in ("/v1/audio/speech", "/v1/audio/voices", "/v1/models", "X-Sample-Rate"):
         assert ref in page, ref
+    status, headers, body = server.request("GET", "/favicon.ico")
+    assert status == 200 and headers["Content-Type"] == "image/svg+xml" and body.startswith(b"<svg")
+    card = json.loads(server.request("GET", "/v1/models/tiny")[2])
+    assert card["max_input_bytes"] == server.server.limits.max_text_bytes
 
 
 def test_health_is_503_while_warming_up_and_while_draining(bundle, monkeypatch, offline):
@@ -642,6 +646,9 @@ class El {
   append(child) { this.children.push(child); }
   addEventListener(kind, fn) { this.listeners[kind] = fn; }
   play() { return Promise.resolve(); }
+  pause() {}
+  load() {}
+  removeAttribute() {}
 }
 globalThis.document = {
   getElementById: (id) => (elements[id] ??= new El(id)),
