@@ -169,6 +169,61 @@ HTTP_FIELDS = {
 VOICE_FORM_FIELDS = {"voice": "name", "reference.audio": "file", "reference.text": "text"}
 
 
+# Swagger UI's files /docs serves, from the `swagger-ui-py` package when it is installed (it bundles them).
+SWAGGER_FILES = ("swagger-ui-bundle.js", "swagger-ui.css")
+
+
+def swagger_assets() -> Path | None:
+    """The folder holding Swagger UI's SWAGGER_FILES (package `swagger_ui`'s `static`, found without
+    importing it), or None where it is not installed."""
+    import importlib.util
+
+    with contextlib.suppress(ImportError, ValueError):
+        spec = importlib.util.find_spec("swagger_ui")
+        for location in (spec.submodule_search_locations or []) if spec is not None else []:
+            folder = Path(location) / "static"
+            if all((folder / name).is_file() for name in SWAGGER_FILES):
+                return folder
+    return None
+
+
+def docs_page(app: FastAPI) -> HTMLResponse:
+    """`GET /docs`, with nothing from another host (it works offline): Swagger UI from the installed
+    `swagger-ui-py` package's files (served under /docs/assets/); without it, a page listing every
+    operation of the OpenAPI schema, linking `/openapi.json`."""
+    if swagger_assets() is not None:
+        from fastapi.openapi.docs import get_swagger_ui_html
+
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json",
+            title=f"{app.title}: API",
+            swagger_js_url="/docs/assets/swagger-ui-bundle.js",
+            swagger_css_url="/docs/assets/swagger-ui.css",
+            swagger_favicon_url="/favicon.ico",
+            swagger_ui_parameters={"validatorUrl": None},  # (its default calls validator.swagger.io)
+        )
+    from html import escape
+
+    rows = []
+    for path, operations in app.openapi().get("paths", {}).items():
+        for method, op in operations.items():
+            rows.append(
+                f"<tr><td><code>{escape(method.upper())}</code></td><td><code>{escape(path)}</code></td>"
+                f"<td>{escape(op.get('summary', ''))}</td></tr>"
+            )
+    page = (
+        f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{escape(app.title)}: API</title>"
+        "<link rel='icon' href='/favicon.ico' type='image/svg+xml'><style>body{font:15px/1.4 system-ui,"
+        "sans-serif;max-width:56rem;margin:2rem auto;padding:0 1rem}td{padding:.2rem .8rem .2rem 0;"
+        "vertical-align:top}</style></head><body>"
+        f"<h1>{escape(app.title)}: API</h1><p>The OpenAPI schema: <a href='/openapi.json'>/openapi.json</a> "
+        "(load it into any OpenAPI viewer). The reference: docs/api-http.md. Install the Python package "
+        "<code>swagger-ui-py</code> for the browsable Swagger UI here, served from this server.</p>"
+        f"<table>{''.join(rows)}</table><p><a href='/'>The playground</a></p></body></html>"
+    )
+    return HTMLResponse(page)
+
+
 def body_limit(limits) -> int:
     """Largest request body accepted (bytes): the gRPC receive limit (reference clip limit + 1 MiB) grown
     by a third for base64, plus 64 KiB for JSON."""
@@ -751,6 +806,7 @@ class HTTPFront:
             summary="OpenAI-compatible text-to-speech over the dual-AR engine",
             version="1",
             redoc_url=None,
+            docs_url=None,  # (FastAPI's loads Swagger UI from a CDN: /docs below works offline)
         )
 
         @app.exception_handler(StarletteHTTPException)
@@ -840,6 +896,18 @@ class HTTPFront:
         @app.get("/", response_class=HTMLResponse, include_in_schema=False)
         async def playground():
             return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
+
+        @app.get("/docs", response_class=HTMLResponse, include_in_schema=False)
+        async def docs():
+            return docs_page(app)
+
+        @app.get("/docs/assets/{name}", include_in_schema=False)
+        async def docs_asset(name: str):
+            folder = swagger_assets()
+            if folder is None or name not in SWAGGER_FILES:
+                raise StarletteHTTPException(404, f"no docs asset {name!r}")
+            media = "text/css" if name.endswith(".css") else "text/javascript"
+            return Response((folder / name).read_bytes(), media_type=media)
 
         @app.get("/favicon.ico", include_in_schema=False)
         async def favicon():  # (an SVG: browsers take an icon by its Content-Type, whatever the name)

@@ -12,6 +12,7 @@ import http.client
 import io
 import json
 import logging
+import re
 import shutil
 import socket
 import subprocess
@@ -808,3 +809,33 @@ def test_a_voice_upload_that_is_not_multipart_is_415_naming_the_form_fields(serv
     assert (status, err["message"]) == (415, expected.format("application/x-www-form-urlencoded"))
     status, err = error_of(*server.request("POST", "/v1/audio/voices", b"name=x"))
     assert (status, err["message"]) == (415, expected.format("(none)"))
+
+
+def external_references(page: str) -> list[str]:
+    """Every absolute or protocol-relative URL in a page (a browser offline could not load them)."""
+    return re.findall(r"""(?:https?:)?//[A-Za-z0-9.-]+\.[A-Za-z]{2,}[^\s'"<>)]*""", page)
+
+
+def test_docs_load_nothing_from_another_host(server, monkeypatch, tmp_path):
+    """FastAPI's own /docs loads Swagger UI from a CDN (blank offline): ours serves it from the installed
+    package, or lists the operations and links the schema when it is not installed."""
+    import service.http
+
+    monkeypatch.setattr(service.http, "swagger_assets", lambda: None)
+    status, headers, body = server.request("GET", "/docs")
+    page = body.decode()
+    assert status == 200 and headers["Content-Type"].startswith("text/html")
+    assert external_references(page) == [], external_references(page)
+    assert "/openapi.json" in page and "/v1/audio/speech" in page
+    assert server.request("GET", "/openapi.json")[0] == 200
+    for name in service.http.SWAGGER_FILES:
+        (tmp_path / name).write_text(f"/* {name} */", encoding="utf-8")
+    monkeypatch.setattr(service.http, "swagger_assets", lambda: tmp_path)
+    status, _, body = server.request("GET", "/docs")
+    page = body.decode()
+    assert status == 200 and external_references(page) == [], external_references(page)
+    for name in service.http.SWAGGER_FILES:
+        assert f"/docs/assets/{name}" in page
+        status, _, asset = server.request("GET", f"/docs/assets/{name}")
+        assert status == 200 and asset == f"/* {name} */".encode()
+    assert server.request("GET", "/docs/assets/index.html")[0] == 404
