@@ -129,6 +129,30 @@ SEND_BUFFER_BYTES = 128 * KiB
 # An oversized request body is read and dropped up to this many bytes past the limit before the 413 is
 # sent (`HTTPFront._read_body`); a larger one gets its 413 at once, and the connection closes.
 DRAIN_BYTES = 64 * KiB * KiB
+# OpenAI's voice names, in OpenAI's order, for tools that hard-code them. A voice of this server with the
+# same name wins; else the model's table below; else the model's presets in name order, the i-th OpenAI
+# name taking preset i modulo their count; a model without presets uses its default voice.
+OPENAI_VOICES = (
+    "alloy",
+    "ash",
+    "ballad",
+    "coral",
+    "echo",
+    "fable",
+    "onyx",
+    "nova",
+    "sage",
+    "shimmer",
+    "verse",
+)
+OPENAI_VOICE_PRESETS = {
+    # The default voice's presets (docs/models.md): ava, cora, emma, gwen one US female voice at different
+    # pitches and rates; ben, dave US male; hank dave's voice slower; finn a Scottish male voice.
+    "default": {
+        "alloy": "ava", "ash": "ben", "ballad": "hank", "coral": "cora", "echo": "dave", "fable": "finn",
+        "onyx": "hank", "nova": "emma", "sage": "gwen", "shimmer": "emma", "verse": "ben",
+    },
+}  # fmt: skip
 # The Content-Types a browser sends cross-site without a CORS preflight (the speech route wants JSON).
 FORM_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
 # OpenAI's model names: tools that hard-code them get the served model (there is only one).
@@ -919,6 +943,21 @@ class HTTPFront:
 
         return app
 
+    def openai_voice(self, name: str) -> str | None:
+        """The voice an OpenAI voice name (OPENAI_VOICES) means here: this server's voice of that name,
+        else the model's OPENAI_VOICE_PRESETS entry, else the presets in name order by the name's position
+        (modulo), else None (the model's default voice)."""
+        entries = self.loop.list_voices()
+        if any(e.name == name for e in entries):
+            return name
+        presets = [e.name for e in entries if (e.kind or "preset") == "preset"]
+        table = OPENAI_VOICE_PRESETS.get(self.bundle.name, {})
+        if table.get(name) in presets:
+            return table[name]
+        if not presets:
+            return None
+        return presets[OPENAI_VOICES.index(name) % len(presets)]
+
     def _model_card(self) -> dict:
         """OpenAI's model object, plus `max_input_bytes`: the longest `input` accepted (UTF-8 bytes)."""
         return {
@@ -1015,6 +1054,8 @@ class HTTPFront:
         if r.instructions and r.instructions.strip():
             raise APIError(400, "instructions are not supported by this model", param="instructions")
         voice = r.voice.id if isinstance(r.voice, VoiceId) else r.voice
+        if voice in OPENAI_VOICES:
+            voice = self.openai_voice(voice)
         check_voice_source(voice or None, r.reference_audio is not None, r.reference_text is not None)
         reference = None
         if r.reference_audio is not None:

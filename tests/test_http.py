@@ -89,6 +89,11 @@ class HTTPServerThread(ServerThread):
     def speech(self, **body):
         return self.request("POST", "/v1/audio/speech", body)
 
+    def front_voice(self, name: str) -> str | None:
+        """The voice the HTTP front takes an OpenAI voice name for."""
+        assert self.server._http is not None
+        return self.server._http.openai_voice(name)
+
     def open_speech(self, rcvbuf: int | None = None, **body):
         """Start a speech request and return (connection, response) once the status line arrived."""
         conn = self.connect(rcvbuf)
@@ -839,3 +844,37 @@ def test_docs_load_nothing_from_another_host(server, monkeypatch, tmp_path):
         status, _, asset = server.request("GET", f"/docs/assets/{name}")
         assert status == 200 and asset == f"/* {name} */".encode()
     assert server.request("GET", "/docs/assets/index.html")[0] == 404
+
+
+def test_openai_voice_names_mean_presets(server):
+    """Tools that hard-code OpenAI's voices get a preset, not a 404: the tiny model's presets in name order
+    (alpha, beta) by the name's position in OpenAI's list; a voice of this server by that name wins."""
+    from service.http import OPENAI_VOICES
+
+    kw = dict(
+        input="Hello.", seed=3, max_new_frames=4, min_new_frames=4, temperature=0.0, response_format="pcm"
+    )
+    alpha = server.speech(voice="alpha", **kw)[2]
+    beta = server.speech(voice="beta", **kw)[2]
+    assert alpha != beta
+    for name, preset in (("alloy", alpha), ("ash", beta), ("coral", beta), ("verse", alpha)):
+        status, _, audio = server.speech(voice=name, **kw)
+        assert status == 200 and audio == preset, name
+    assert server.front_voice("shimmer") == ["alpha", "beta"][OPENAI_VOICES.index("shimmer") % 2]
+    body, headers = multipart({"name": "nova", "text": "A tone."}, tone_wav())
+    assert server.request("POST", "/v1/audio/voices", body, headers)[0] == 201
+    try:
+        assert server.front_voice("nova") == "nova"
+    finally:
+        assert server.request("DELETE", "/v1/audio/voices/nova")[0] == 200
+
+
+def test_the_default_models_openai_voice_table_names_its_presets():
+    from service.http import OPENAI_VOICE_PRESETS, OPENAI_VOICES
+
+    presets = {
+        p.stem
+        for p in (Path(__file__).resolve().parent.parent / "tts/assets/default/voices").glob("*.safetensors")
+    }
+    table = OPENAI_VOICE_PRESETS["default"]
+    assert set(table) == set(OPENAI_VOICES) and set(table.values()) <= presets
