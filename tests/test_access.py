@@ -22,6 +22,7 @@ from service.server import ServiceLimits
 from tts.checkpoints.load import load_bundle
 
 pytest.importorskip("fastapi")
+from fastapi import WebSocket  # noqa: E402  (module level: the route's annotation must resolve)
 from service_helpers import ServerThread  # noqa: E402
 from test_http import multipart, tone_wav  # noqa: E402
 
@@ -330,3 +331,45 @@ def test_bad_access_options_are_one_line_exit_2(argv, message, capsys, monkeypat
     assert main(["serve", "--model", "tiny", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("tts: error: ") and message in err and "\n" not in err
+
+
+# ---- routes added later ----------------------------------------------------------------------------------
+
+
+def test_routes_and_websockets_added_later_are_covered_without_code_of_their_own():
+    """AccessMiddleware wraps the whole app: a route or WebSocket another module adds later needs the key
+    and is refused from a foreign origin with no check of its own."""
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+    from starlette.websockets import WebSocketDisconnect
+
+    from service.access import AccessMiddleware
+
+    app = FastAPI()
+
+    @app.post("/v1/tts")  # (as a Fish-API module might add)
+    async def fish(request_body: dict):
+        return {"ok": True}
+
+    @app.websocket("/v1/live")
+    async def live(ws: WebSocket):
+        await ws.accept()
+        await ws.send_text("hello")
+        await ws.close()
+
+    client = TestClient(
+        AccessMiddleware(app, Access(api_keys=(KEY,)), check_host=True), base_url="http://127.0.0.1"
+    )
+    assert client.post("/v1/tts", json={}).status_code == 401
+    assert client.post("/v1/tts", json={}, headers=bearer(KEY)).status_code == 200
+    foreign = {**bearer(KEY), "Origin": "http://evil.example"}
+    assert client.post("/v1/tts", json={}, headers=foreign).status_code == 403
+    for headers in ({}, foreign, {**bearer(KEY), "Host": "evil.example"}):
+        with (
+            pytest.raises(WebSocketDisconnect) as info,
+            client.websocket_connect("ws://127.0.0.1/v1/live", headers=headers),
+        ):
+            pass
+        assert info.value.code == 1008
+    with client.websocket_connect("ws://127.0.0.1/v1/live", headers=bearer(KEY)) as ws:
+        assert ws.receive_text() == "hello"
