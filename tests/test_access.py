@@ -373,3 +373,18 @@ def test_routes_and_websockets_added_later_are_covered_without_code_of_their_own
         assert info.value.code == 1008
     with client.websocket_connect("ws://127.0.0.1/v1/live", headers=bearer(KEY)) as ws:
         assert ws.receive_text() == "hello"
+
+
+def test_tts_client_sends_the_key(keyed, tmp_path, capsys, monkeypatch):
+    from tts.cli.main import main
+
+    monkeypatch.delenv("TTS_API_KEY", raising=False)
+    out = tmp_path / "hi.wav"
+    argv = ["client", "Hi.", "--server", keyed.address, "-o", str(out), "--max-new-frames", "3", "-q"]
+    assert main(argv) == 1  # (a call the server refused, as any server error)
+    err = capsys.readouterr().err.strip()
+    assert "UNAUTHENTICATED" in err and "API key" in err and "\n" not in err
+    assert main([*argv, "--api-key", KEY]) == 0 and out.stat().st_size > 44
+    monkeypatch.setenv("TTS_API_KEY", OTHER_KEY)
+    out.unlink()
+    assert main(argv) == 0 and out.exists()

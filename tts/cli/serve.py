@@ -261,6 +261,11 @@ def add_parser(subparsers) -> None:
         help="later chunks double from the first up to this many frames (0 = server default)",
     )
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default none)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="the server's API key (sent as 'authorization: Bearer KEY'; default: the environment's TTS_API_KEY)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
     add_sampling_args(p)
     p.set_defaults(func=cmd_client)
@@ -708,7 +713,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         **sampling_kwargs(args),
     )
     try:
-        result = asyncio.run(_client(args.server, request, args.timeout))
+        result = asyncio.run(_client(args.server, request, args.timeout, args.api_key))
     except grpc.aio.AioRpcError as exc:
         code = exc.code()
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
@@ -734,11 +739,11 @@ def cmd_client(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _client(server: str, request, timeout: float | None):
+async def _client(server: str, request, timeout: float | None, api_key: str | None = None):
     from service.client import aio_channel, synthesize_stream
     from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
 
-    async with aio_channel(server) as channel:
+    async with aio_channel(server, api_key) as channel:
         return await synthesize_stream(pb_grpc.TextToSpeechStub(channel), request, timeout=timeout)
 
 
