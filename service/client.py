@@ -8,6 +8,7 @@ intervals between consecutive audio chunks (the first gap is measured from the f
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -33,8 +34,48 @@ def channel_options(
     ]
 
 
-def aio_channel(server: str, **limits) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(server, options=channel_options(**limits))
+# The environment variable of the key client commands send (a server with --api-key wants one).
+CLIENT_KEY_ENV = "TTS_API_KEY"
+
+
+class _BearerKey:
+    """Adds `authorization: Bearer KEY` to a call's metadata (grpc.aio takes one call kind per interceptor
+    object: `bearer_interceptors` makes one of each)."""
+
+    def __init__(self, key: str):
+        self.entry = ("authorization", f"Bearer {key}")
+
+    def _details(self, details):
+        metadata = grpc.aio.Metadata(*(tuple(details.metadata) if details.metadata else ()), self.entry)
+        return details._replace(metadata=metadata)
+
+
+class _BearerUnaryUnary(_BearerKey, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details), request)
+
+
+class _BearerUnaryStream(_BearerKey, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details), request)
+
+
+class _BearerStreamStream(_BearerKey, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(self._details(client_call_details), request_iterator)
+
+
+def bearer_interceptors(key: str) -> list:
+    """grpc.aio client interceptors sending `authorization: Bearer KEY` on every call."""
+    return [kind(key) for kind in (_BearerUnaryUnary, _BearerUnaryStream, _BearerStreamStream)]
+
+
+def aio_channel(server: str, api_key: str | None = None, **limits) -> grpc.aio.Channel:
+    """An asyncio channel to `server` whose calls carry `api_key` (default: the environment's
+    TTS_API_KEY, when set) as `authorization: Bearer KEY`."""
+    key = api_key if api_key is not None else os.environ.get(CLIENT_KEY_ENV)
+    interceptors = bearer_interceptors(key) if key else None
+    return grpc.aio.insecure_channel(server, options=channel_options(**limits), interceptors=interceptors)
 
 
 def rpc_error_line(server: str, exc: grpc.aio.AioRpcError, timeout: float | None = None) -> str:

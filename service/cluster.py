@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from service.access import KEYS_ENV, is_loopback, parse_keys
 from tts.runtime.errors import UserError
 
 TEMPLATE = Path(__file__).resolve().parent / "deploy" / "haproxy.cfg.template"
@@ -57,7 +58,10 @@ PROXY_SERVER_NEWS = re.compile(r"Server \S+ is (DOWN|UP)\b|has no server availab
 OWN_OPTIONS = {
     "devices", "device", "host", "port", "http_port", "metrics_host", "metrics_port", "replica_name",
     "drain_delay", "replica_base_port", "check_interval", "restart", "func", "command",
+    "api_key", "api_key_file", "allowed_host",
 }  # fmt: skip
+# The Host HAProxy's health checks send to a replica (service/deploy/haproxy.cfg.template).
+CHECK_HOST = "tts-replica"
 RESTART_DELAYS = (1.0, 30.0)  # the first restart delay, the longest (doubling in between)
 
 
@@ -280,6 +284,12 @@ class Cluster:
         self.config_path = self.workdir / "haproxy.cfg"
         self.admin_socket = str(self.workdir / "admin.sock")
         self.forwarded = forwarded_options(args, parser)
+        # Keys reach the replicas in their environment, not their command line (which `ps` shows).
+        self.api_keys = parse_keys(args.api_key, os.environ.get(KEYS_ENV), args.api_key_file)
+        # A replica (on loopback) sees the Host clients sent HAProxy: the public names, checked like a
+        # single server's (loopback's and --allowed-host) when the public side is loopback; any otherwise.
+        hosts = ["*"] if not is_loopback(args.host) else [*args.allowed_host, CHECK_HOST]
+        self.forwarded += ["--allowed-host", ",".join(hosts)]
         self.drain_delay = args.drain_delay
         self.stopping = False
         self.started = False  # every replica served once and HAProxy saw it (`serving ...` said)
@@ -323,9 +333,11 @@ class Cluster:
 
     def _env(self) -> dict[str, str]:
         root = str(Path(__file__).resolve().parent.parent)  # the folder holding the tts and service packages
-        return dict(
-            os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-        )
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        env.pop(KEYS_ENV, None)
+        if self.api_keys:
+            env[KEYS_ENV] = ",".join(self.api_keys)
+        return env
 
     async def _start_proxy(self) -> None:
         self.proxy_proc = proc = await asyncio.create_subprocess_exec(

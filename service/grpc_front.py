@@ -43,6 +43,7 @@ import grpc
 import numpy as np
 import torch
 
+from service.access import OPEN_GRPC_PREFIXES, UNAUTHENTICATED_MESSAGE, Access
 from service.common import (
     CallLog,
     NoAudio,
@@ -711,3 +712,50 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
 def _codec_dtype(codec) -> str:
     dtype = getattr(codec, "dtype", torch.float32)
     return str(dtype).removeprefix("torch.")
+
+
+# ---- API keys ----
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call without an accepted key with UNAUTHENTICATED before its handler runs (health
+    and reflection excepted)."""
+
+    def __init__(self, access: Access):
+        self.access = access
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method or ""
+        if handler is None or method.startswith(OPEN_GRPC_PREFIXES):
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        if self.access.key_ok(metadata.get("authorization")):
+            return handler
+        return _refusing(handler)
+
+
+def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that ends the call with UNAUTHENTICATED."""
+
+    async def refuse(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+
+    async def refuse_stream(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+        yield  # (an async generator, as a streaming handler is)
+
+    kinds = (
+        (handler.unary_unary, grpc.unary_unary_rpc_method_handler, refuse),
+        (handler.unary_stream, grpc.unary_stream_rpc_method_handler, refuse_stream),
+        (handler.stream_unary, grpc.stream_unary_rpc_method_handler, refuse),
+        (handler.stream_stream, grpc.stream_stream_rpc_method_handler, refuse_stream),
+    )
+    for present, make, behaviour in kinds:
+        if present is not None:
+            return make(
+                behaviour,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+    return handler

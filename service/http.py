@@ -64,7 +64,7 @@ import socket
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -75,6 +75,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from service.access import Access, AccessMiddleware, is_loopback
 from service.common import (
     CallLog,
     NoAudio,
@@ -133,6 +134,32 @@ SEND_BUFFER_BYTES = 128 * KiB
 # An oversized request body is read and dropped up to this many bytes past the limit before the 413 is
 # sent (`HTTPFront._read_body`); a larger one gets its 413 at once, and the connection closes.
 DRAIN_BYTES = 64 * KiB * KiB
+# OpenAI's voice names, in OpenAI's order, for tools that hard-code them. A voice of this server with the
+# same name wins; else the model's table below; else the model's presets in name order, the i-th OpenAI
+# name taking preset i modulo their count; a model without presets uses its default voice.
+OPENAI_VOICES = (
+    "alloy",
+    "ash",
+    "ballad",
+    "coral",
+    "echo",
+    "fable",
+    "onyx",
+    "nova",
+    "sage",
+    "shimmer",
+    "verse",
+)
+OPENAI_VOICE_PRESETS = {
+    # The default voice's presets (docs/models.md): ava, cora, emma, gwen one US female voice at different
+    # pitches and rates; ben, dave US male; hank dave's voice slower; finn a Scottish male voice.
+    "default": {
+        "alloy": "ava", "ash": "ben", "ballad": "hank", "coral": "cora", "echo": "dave", "fable": "finn",
+        "onyx": "hank", "nova": "emma", "sage": "gwen", "shimmer": "emma", "verse": "ben",
+    },
+}  # fmt: skip
+# The Content-Types a browser sends cross-site without a CORS preflight (the speech route wants JSON).
+FORM_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
 # OpenAI's model names: tools that hard-code them get the served model (there is only one).
 OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 # (status, type, code) of `service.common.outcome_of`'s outcomes; others: 500 internal_error.
@@ -170,6 +197,61 @@ HTTP_FIELDS = {
 }  # fmt: skip
 # The voice form's names (POST /v1/audio/voices).
 VOICE_FORM_FIELDS = {"voice": "name", "reference.audio": "file", "reference.text": "text"}
+
+
+# Swagger UI's files /docs serves, from the `swagger-ui-py` package when it is installed (it bundles them).
+SWAGGER_FILES = ("swagger-ui-bundle.js", "swagger-ui.css")
+
+
+def swagger_assets() -> Path | None:
+    """The folder holding Swagger UI's SWAGGER_FILES (package `swagger_ui`'s `static`, found without
+    importing it), or None where it is not installed."""
+    import importlib.util
+
+    with contextlib.suppress(ImportError, ValueError):
+        spec = importlib.util.find_spec("swagger_ui")
+        for location in (spec.submodule_search_locations or []) if spec is not None else []:
+            folder = Path(location) / "static"
+            if all((folder / name).is_file() for name in SWAGGER_FILES):
+                return folder
+    return None
+
+
+def docs_page(app: FastAPI) -> HTMLResponse:
+    """`GET /docs`, with nothing from another host (it works offline): Swagger UI from the installed
+    `swagger-ui-py` package's files (served under /docs/assets/); without it, a page listing every
+    operation of the OpenAPI schema, linking `/openapi.json`."""
+    if swagger_assets() is not None:
+        from fastapi.openapi.docs import get_swagger_ui_html
+
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json",
+            title=f"{app.title}: API",
+            swagger_js_url="/docs/assets/swagger-ui-bundle.js",
+            swagger_css_url="/docs/assets/swagger-ui.css",
+            swagger_favicon_url="/favicon.ico",
+            swagger_ui_parameters={"validatorUrl": None},  # (its default calls validator.swagger.io)
+        )
+    from html import escape
+
+    rows = []
+    for path, operations in app.openapi().get("paths", {}).items():
+        for method, op in operations.items():
+            rows.append(
+                f"<tr><td><code>{escape(method.upper())}</code></td><td><code>{escape(path)}</code></td>"
+                f"<td>{escape(op.get('summary', ''))}</td></tr>"
+            )
+    page = (
+        f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{escape(app.title)}: API</title>"
+        "<link rel='icon' href='/favicon.ico' type='image/svg+xml'><style>body{font:15px/1.4 system-ui,"
+        "sans-serif;max-width:56rem;margin:2rem auto;padding:0 1rem}td{padding:.2rem .8rem .2rem 0;"
+        "vertical-align:top}</style></head><body>"
+        f"<h1>{escape(app.title)}: API</h1><p>The OpenAPI schema: <a href='/openapi.json'>/openapi.json</a> "
+        "(load it into any OpenAPI viewer). The reference: docs/api-http.md. Install the Python package "
+        "<code>swagger-ui-py</code> for the browsable Swagger UI here, served from this server.</p>"
+        f"<table>{''.join(rows)}</table><p><a href='/'>The playground</a></p></body></html>"
+    )
+    return HTMLResponse(page)
 
 
 def body_limit(limits) -> int:
@@ -238,6 +320,7 @@ class APIError(Exception):
             400: "invalid_argument",
             404: "not_found",
             413: "too_large",
+            415: "invalid_argument",
             422: "no_audio",
             429: "resource_exhausted",
             504: "deadline_exceeded",
@@ -616,8 +699,16 @@ class HTTPFront:
     readiness, admission, the load signal). `start()` binds and serves uvicorn on the running asyncio loop;
     `stop()` ends it."""
 
-    def __init__(self, loop: EngineLoop, limits: ServiceLimits, metrics: ServiceMetrics, state: ReplicaState):
+    def __init__(
+        self,
+        loop: EngineLoop,
+        limits: ServiceLimits,
+        metrics: ServiceMetrics,
+        state: ReplicaState,
+        access: Access | None = None,
+    ):
         self.loop = loop
+        self.access = access or Access()
         self.state = state
         self.bundle = loop.bundle
         self.limits = limits
@@ -692,7 +783,7 @@ class HTTPFront:
             raise RuntimeError(f"cannot listen on {address} (HTTP): {exc.strerror or exc}") from exc
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.app,
+            self.asgi(host),
             lifespan="off",
             log_config=None,
             log_level="warning",
@@ -701,6 +792,8 @@ class HTTPFront:
             timeout_graceful_shutdown=5,
             timeout_keep_alive=5,
             http=_timed_protocol(self.limits.http_read_timeout),
+            ssl_certfile=self.access.tls_cert,
+            ssl_keyfile=self.access.tls_key,
         )
         self._uvicorn = Server(config)
         self._task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
@@ -710,6 +803,34 @@ class HTTPFront:
                 raise RuntimeError("the HTTP server stopped during start-up")
             await asyncio.sleep(0.005)
         return self.port
+
+    def asgi(self, host: str):
+        """The app as served on `host`: inside `AccessMiddleware` (keys, Origin, and the Host check when
+        `host` is loopback) and, when origins are allowed (`Access.cors_origins`), Starlette's CORS
+        middleware outermost, so preflights are answered and refusals carry CORS headers."""
+        app: Any = AccessMiddleware(self.app, self.access, check_host=is_loopback(host))
+        if self.access.cors_origins:
+            from starlette.middleware.cors import CORSMiddleware
+
+            app = CORSMiddleware(
+                app,
+                allow_origins=list(self.access.cors_origins),
+                allow_methods=["GET", "POST", "DELETE"],
+                allow_headers=["Authorization", "Content-Type"],
+                expose_headers=[
+                    "X-Request-Id",
+                    "X-Replica",
+                    "X-Seed",
+                    "X-Sample-Rate",
+                    "X-Model",
+                    "X-Text-Chunks",
+                    "X-Warnings",
+                    "X-Finish-Reason",
+                    "X-Sample-Format",
+                    "X-Channels",
+                ],  # fmt: skip
+            )
+        return app
 
     async def stop(self) -> None:
         """Stop listening and close connections. Call it once the engine loop has stopped: responses whose
@@ -734,6 +855,7 @@ class HTTPFront:
             summary="OpenAI-compatible text-to-speech over the dual-AR engine",
             version="1",
             redoc_url=None,
+            docs_url=None,  # (FastAPI's loads Swagger UI from a CDN: /docs below works offline)
         )
 
         @app.exception_handler(StarletteHTTPException)
@@ -826,10 +948,53 @@ class HTTPFront:
 
         app.mount("/static", StaticFiles(directory=STATIC), name="static")  # the playground's scripts
         register_fish_api(app, self)  # Fish Audio's API: /v1/tts, /v1/tts/live, /model
+
+        @app.get("/docs", response_class=HTMLResponse, include_in_schema=False)
+        async def docs():
+            return docs_page(app)
+
+        @app.get("/docs/assets/{name}", include_in_schema=False)
+        async def docs_asset(name: str):
+            folder = swagger_assets()
+            if folder is None or name not in SWAGGER_FILES:
+                raise StarletteHTTPException(404, f"no docs asset {name!r}")
+            media = "text/css" if name.endswith(".css") else "text/javascript"
+            return Response((folder / name).read_bytes(), media_type=media)
+
+        @app.get("/favicon.ico", include_in_schema=False)
+        async def favicon():  # (an SVG: browsers take an icon by its Content-Type, whatever the name)
+            return Response(
+                (STATIC / "favicon.svg").read_bytes(),
+                media_type="image/svg+xml",
+                headers={"Cache-Control": "max-age=86400"},
+            )
+
         return app
 
+    def openai_voice(self, name: str) -> str | None:
+        """The voice an OpenAI voice name (OPENAI_VOICES) means here: this server's voice of that name,
+        else the model's OPENAI_VOICE_PRESETS entry, else the presets in name order by the name's position
+        (modulo), else None (the model's default voice)."""
+        entries = self.loop.list_voices()
+        if any(e.name == name for e in entries):
+            return name
+        presets = [e.name for e in entries if (e.kind or "preset") == "preset"]
+        table = OPENAI_VOICE_PRESETS.get(self.bundle.name, {})
+        if table.get(name) in presets:
+            return table[name]
+        if not presets:
+            return None
+        return presets[OPENAI_VOICES.index(name) % len(presets)]
+
     def _model_card(self) -> dict:
-        return {"id": self.bundle.name, "object": "model", "created": self.created, "owned_by": "dualar-tts"}
+        """OpenAI's model object, plus `max_input_bytes`: the longest `input` accepted (UTF-8 bytes)."""
+        return {
+            "id": self.bundle.name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "dualar-tts",
+            "max_input_bytes": self.limits.max_text_bytes,
+        }
 
     # ---- POST /v1/audio/speech ----
 
@@ -917,6 +1082,8 @@ class HTTPFront:
         if r.instructions and r.instructions.strip():
             raise APIError(400, "instructions are not supported by this model", param="instructions")
         voice = r.voice.id if isinstance(r.voice, VoiceId) else r.voice
+        if voice in OPENAI_VOICES:
+            voice = self.openai_voice(voice)
         check_voice_source(voice or None, r.reference_audio is not None, r.reference_text is not None)
         reference = None
         if r.reference_audio is not None:
@@ -1063,6 +1230,15 @@ class HTTPFront:
         stream = None
         call = CallLog("http", t_received)
         try:
+            # A browser sends a text/plain or form POST to any site without asking it first (no CORS
+            # preflight): refusing the types a form can send keeps other sites' pages out, whatever Origin.
+            media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if media_type in FORM_TYPES:
+                raise APIError(
+                    415,
+                    f"the body must be JSON (Content-Type: application/json), got Content-Type {media_type}",
+                    code="unsupported_media_type",
+                )
             out = await parse(request, call)
             speech = out.request
             refusal = self.state.refusal()

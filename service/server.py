@@ -33,10 +33,12 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from service.access import Access
 from service.common import MiB, ReplicaState, ServiceLimits, format_size
 from service.grpc_front import (
     LIVENESS_SERVICE,
     SERVICE_NAME,
+    AuthInterceptor,
     TextToSpeechServicer,
     add_servicer,
     grpc_options,
@@ -82,6 +84,9 @@ class TTSServer:
     gRPC port bound).
     wyoming_port: None = no Wyoming front, 0 = a free port (see `wyoming_port` after start); the Wyoming
     front (service/wyoming.py: Home Assistant's TTS protocol) listens on the gRPC host.
+    access: API keys, TLS and the HTTP front's browser rules (service/access.py; default: no key, no TLS).
+    gRPC and HTTP/WebSocket calls need a key when keys are set; Wyoming has no authentication (a trusted
+    network only).
     """
 
     def __init__(
@@ -96,7 +101,9 @@ class TTSServer:
         http_port: int | None = None,
         replica: str | None = None,
         wyoming_port: int | None = None,
+        access: Access | None = None,
     ):
+        self.access = access or Access()
         self.limits = limits = limits or ServiceLimits()
         cap = max(
             1,
@@ -140,7 +147,8 @@ class TTSServer:
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
         from grpc_reflection.v1alpha import reflection
 
-        self._server = grpc.aio.server(options=grpc_options(self.limits))
+        interceptors = [AuthInterceptor(self.access)] if self.access.api_keys else []
+        self._server = grpc.aio.server(options=grpc_options(self.limits), interceptors=interceptors)
         self.servicer = TextToSpeechServicer(self.loop, self.limits, self.metrics, self.replica_state)
         add_servicer(self.servicer, self._server)
         self._health = health.aio.HealthServicer()
@@ -156,7 +164,10 @@ class TTSServer:
         )
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            self.port = self._server.add_insecure_port(address)
+            if self.access.tls:
+                self.port = self._server.add_secure_port(address, self._credentials())
+            else:
+                self.port = self._server.add_insecure_port(address)
         except RuntimeError as exc:
             raise RuntimeError(f"cannot listen on {address}: {exc}") from exc
         if self.port == 0:
@@ -169,7 +180,7 @@ class TTSServer:
         if self.http_port is not None:  # (FastAPI and uvicorn are imported only for it)
             from service.http import HTTPFront
 
-            self._http = HTTPFront(self.loop, self.limits, self.metrics, self.replica_state)
+            self._http = HTTPFront(self.loop, self.limits, self.metrics, self.replica_state, self.access)
             self.http_port = await self._http.start(host, self.http_port)
         if self.wyoming_port is not None:
             from service.wyoming import WyomingFront
@@ -193,6 +204,15 @@ class TTSServer:
         self.loop.on_failed = on_failed
         self.loop.start()
         return self.port
+
+    def _credentials(self) -> grpc.ServerCredentials:
+        """gRPC's TLS credentials from `access.tls_cert` / `tls_key` (PEM files); RuntimeError if unreadable."""
+        assert self.access.tls_cert is not None and self.access.tls_key is not None
+        try:
+            with open(self.access.tls_key, "rb") as key, open(self.access.tls_cert, "rb") as cert:
+                return grpc.ssl_server_credentials([(key.read(), cert.read())])
+        except OSError as exc:
+            raise RuntimeError(f"cannot read {exc.filename}: {exc.strerror}") from exc
 
     def _warmed_up(self) -> None:
         self.replica_state.warm = True

@@ -607,3 +607,48 @@ def test_health_says_unavailable_until_the_proxy_can_route_to_a_replica(tmp_path
         proxy.terminate()
         proxy.wait(30)
         replica_http.shutdown()
+
+
+@needs_proxy
+def test_keys_reach_every_replica_by_environment_not_command_line():
+    """`--api-key` with `--devices`: calls through HAProxy need the key (HTTP and gRPC), health stays open,
+    the public Host passes each replica's Host check, and no replica's command line shows the key."""
+    key = "cluster-key-123"
+    c = ClusterProcess(
+        "--devices", "cpu,cpu", "--model", "tiny", "--port", "0", "--http-port", "0", "--metrics-port", "-1",
+        "--check-interval", "0.2", "--grace", "1", "--max-batch", "2", "--voices-dir", "none", "--api-key", key,
+    )  # fmt: skip
+    try:
+        _, m = c.wait_line(r"^serving tts\.v1\.TextToSpeech on (\S+) through haproxy .*HTTP on (\S+)")
+        address, http = m.groups()
+
+        def get(path, headers=None):
+            try:
+                with urllib.request.urlopen(
+                    urllib.request.Request(http + path, headers=headers or {}), timeout=30
+                ) as r:
+                    return r.status
+            except urllib.error.HTTPError as exc:
+                return exc.code
+
+        assert get("health") == 200
+        assert get("v1/models") == 401
+        assert get("v1/models", {"Authorization": f"Bearer {key}"}) == 200
+        with grpc.insecure_channel(address, options=channel_options()) as channel:
+            stub = pb_grpc.TextToSpeechStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.GetInfo(pb.GetInfoRequest(), timeout=30)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert stub.GetInfo(
+                pb.GetInfoRequest(), metadata=(("authorization", f"Bearer {key}"),), timeout=30
+            )
+        for name in ("r0", "r1"):
+            cmdline = Path(f"/proc/{c.pid(name)}/cmdline").read_bytes()
+            assert key.encode() not in cmdline
+    finally:
+        c.proc.send_signal(signal.SIGINT)
+        try:
+            c.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()

@@ -12,6 +12,7 @@ import http.client
 import io
 import json
 import logging
+import re
 import shutil
 import socket
 import subprocess
@@ -87,6 +88,11 @@ class HTTPServerThread(ServerThread):
 
     def speech(self, **body):
         return self.request("POST", "/v1/audio/speech", body)
+
+    def front_voice(self, name: str) -> str | None:
+        """The voice the HTTP front takes an OpenAI voice name for."""
+        assert self.server._http is not None
+        return self.server._http.openai_voice(name)
 
     def open_speech(self, rcvbuf: int | None = None, **body):
         """Start a speech request and return (connection, response) once the status line arrived."""
@@ -546,6 +552,10 @@ def test_models_voices_metrics_and_playground(server):
     assert status == 200 and headers["Content-Type"].startswith("text/html")
     for ref in ("/v1/audio/speech", "/v1/audio/voices", "/v1/models", "X-Sample-Rate"):
         assert ref in page, ref
+    status, headers, body = server.request("GET", "/favicon.ico")
+    assert status == 200 and headers["Content-Type"] == "image/svg+xml" and body.startswith(b"<svg")
+    card = json.loads(server.request("GET", "/v1/models/tiny")[2])
+    assert card["max_input_bytes"] == server.server.limits.max_text_bytes
 
 
 def test_health_is_503_while_warming_up_and_while_draining(bundle, monkeypatch, offline):
@@ -642,6 +652,9 @@ class El {
   append(child) { this.children.push(child); }
   addEventListener(kind, fn) { this.listeners[kind] = fn; }
   play() { return Promise.resolve(); }
+  pause() {}
+  load() {}
+  removeAttribute() {}
 }
 globalThis.document = {
   getElementById: (id) => (elements[id] ??= new El(id)),
@@ -801,3 +814,67 @@ def test_a_voice_upload_that_is_not_multipart_is_415_naming_the_form_fields(serv
     assert (status, err["message"]) == (415, expected.format("application/x-www-form-urlencoded"))
     status, err = error_of(*server.request("POST", "/v1/audio/voices", b"name=x"))
     assert (status, err["message"]) == (415, expected.format("(none)"))
+
+
+def external_references(page: str) -> list[str]:
+    """Every absolute or protocol-relative URL in a page (a browser offline could not load them)."""
+    return re.findall(r"""(?:https?:)?//[A-Za-z0-9.-]+\.[A-Za-z]{2,}[^\s'"<>)]*""", page)
+
+
+def test_docs_load_nothing_from_another_host(server, monkeypatch, tmp_path):
+    """FastAPI's own /docs loads Swagger UI from a CDN (blank offline): ours serves it from the installed
+    package, or lists the operations and links the schema when it is not installed."""
+    import service.http
+
+    monkeypatch.setattr(service.http, "swagger_assets", lambda: None)
+    status, headers, body = server.request("GET", "/docs")
+    page = body.decode()
+    assert status == 200 and headers["Content-Type"].startswith("text/html")
+    assert external_references(page) == [], external_references(page)
+    assert "/openapi.json" in page and "/v1/audio/speech" in page
+    assert server.request("GET", "/openapi.json")[0] == 200
+    for name in service.http.SWAGGER_FILES:
+        (tmp_path / name).write_text(f"/* {name} */", encoding="utf-8")
+    monkeypatch.setattr(service.http, "swagger_assets", lambda: tmp_path)
+    status, _, body = server.request("GET", "/docs")
+    page = body.decode()
+    assert status == 200 and external_references(page) == [], external_references(page)
+    for name in service.http.SWAGGER_FILES:
+        assert f"/docs/assets/{name}" in page
+        status, _, asset = server.request("GET", f"/docs/assets/{name}")
+        assert status == 200 and asset == f"/* {name} */".encode()
+    assert server.request("GET", "/docs/assets/index.html")[0] == 404
+
+
+def test_openai_voice_names_mean_presets(server):
+    """Tools that hard-code OpenAI's voices get a preset, not a 404: the tiny model's presets in name order
+    (alpha, beta) by the name's position in OpenAI's list; a voice of this server by that name wins."""
+    from service.http import OPENAI_VOICES
+
+    kw = dict(
+        input="Hello.", seed=3, max_new_frames=4, min_new_frames=4, temperature=0.0, response_format="pcm"
+    )
+    alpha = server.speech(voice="alpha", **kw)[2]
+    beta = server.speech(voice="beta", **kw)[2]
+    assert alpha != beta
+    for name, preset in (("alloy", alpha), ("ash", beta), ("coral", beta), ("verse", alpha)):
+        status, _, audio = server.speech(voice=name, **kw)
+        assert status == 200 and audio == preset, name
+    assert server.front_voice("shimmer") == ["alpha", "beta"][OPENAI_VOICES.index("shimmer") % 2]
+    body, headers = multipart({"name": "nova", "text": "A tone."}, tone_wav())
+    assert server.request("POST", "/v1/audio/voices", body, headers)[0] == 201
+    try:
+        assert server.front_voice("nova") == "nova"
+    finally:
+        assert server.request("DELETE", "/v1/audio/voices/nova")[0] == 200
+
+
+def test_the_default_models_openai_voice_table_names_its_presets():
+    from service.http import OPENAI_VOICE_PRESETS, OPENAI_VOICES
+
+    presets = {
+        p.stem
+        for p in (Path(__file__).resolve().parent.parent / "tts/assets/default/voices").glob("*.safetensors")
+    }
+    table = OPENAI_VOICE_PRESETS["default"]
+    assert set(table) == set(OPENAI_VOICES) and set(table.values()) <= presets

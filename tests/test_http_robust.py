@@ -108,7 +108,9 @@ def test_a_body_over_the_limit_gets_a_readable_413_naming_the_limit(server, decl
     limit = body_limit(server.server.limits)
     body = b"x" * (limit + 16 * 1024 * 1024)  # more than the kernel buffers between client and server
     sock = raw_connection(server)
-    head = b"POST /v1/audio/speech HTTP/1.1\r\nHost: t\r\n" + (b"Connection: close\r\n" if close else b"")
+    head = b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\n" + (
+        b"Connection: close\r\n" if close else b""
+    )
     if declared:
         sock.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
     else:
@@ -129,8 +131,8 @@ def test_a_body_over_the_limit_gets_a_readable_413_naming_the_limit(server, decl
     "sent",
     [
         b"",  # connected, nothing sent
-        b"POST /v1/audio/speech HTTP/1.1\r\nHost: t\r\nContent-Le",  # headers cut off
-        b'POST /v1/audio/speech HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n{"input": ',  # body cut
+        b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le",  # headers cut off
+        b'POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{"input": ',  # body cut
     ],
     ids=["idle", "half-sent-headers", "half-sent-body"],
 )
@@ -146,7 +148,7 @@ def test_a_voice_upload_over_the_limit_gets_a_readable_413(server):
     size = server.server.limits.max_reference_bytes + 16 * 1024 * 1024
     sock = raw_connection(server)
     head = (
-        b"POST /v1/audio/voices HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
+        b"POST /v1/audio/voices HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
         b"Content-Type: multipart/form-data; boundary=b\r\n"
         b"Content-Length: %d\r\n\r\n" % size
     )
@@ -158,7 +160,7 @@ def test_a_voice_upload_over_the_limit_gets_a_readable_413(server):
 
 def test_an_idle_kept_alive_connection_is_closed_by_the_server(server):
     sock = raw_connection(server)
-    sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     import http.client
 
     resp = http.client.HTTPResponse(sock)
@@ -174,7 +176,9 @@ def test_a_client_that_leaves_mid_body_is_cancelled_not_an_error(server, caplog)
     errors, cancelled = requests_total(server, "error"), requests_total(server, "cancelled")
     sock = raw_connection(server)
     with caplog.at_level(logging.INFO):
-        sock.sendall(b'POST /v1/audio/speech HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n{"input": ')
+        sock.sendall(
+            b'POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{"input": '
+        )
         sock.close()  # gone before the rest of the body
         wait_for(lambda: requests_total(server, "cancelled") == cancelled + 1, "the cancel to be counted")
     assert requests_total(server, "error") == errors
@@ -267,7 +271,7 @@ def test_a_client_that_leaves_while_queued_is_cancelled_before_any_audio(bundle_
     sock = raw_connection(srv)
     body = json.dumps({"input": "Wait for a row, then leave."}).encode()
     sock.sendall(
-        b"POST /v1/audio/speech HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
     )
     wait_for(lambda: srv.loop.in_flight == 2, "the second request to be queued")

@@ -224,6 +224,7 @@ def add_parser(subparsers) -> None:
         default="on",
         help="capture the codec stage's batched decode in CUDA graphs (CUDA only; default on)",
     )
+    add_access_args(p)
     p.set_defaults(func=cmd_serve)
     global _SERVE_PARSER
     _SERVE_PARSER = p
@@ -268,6 +269,11 @@ def add_parser(subparsers) -> None:
         help="later chunks double from the first up to this many frames (0 = server default)",
     )
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default none)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="the server's API key (sent as 'authorization: Bearer KEY'; default: the environment's TTS_API_KEY)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
     add_sampling_args(p)
     p.set_defaults(func=cmd_client)
@@ -437,6 +443,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tts.engine import EngineConfig
 
     check_serve_options(args)
+    access = serve_access(args)
     # A server logs each request and its start-up at INFO (tts -v: everything at DEBUG).
     if not getattr(args, "verbose", False):
         for name in ("service", "tts"):
@@ -448,6 +455,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         assert _SERVE_PARSER is not None  # add_parser made the parser these args came from
         devices = check_cluster_options(args)
         pick_public_ports(args)
+        warning = unauthenticated_warning(args.host, access)
+        if warning is not None:
+            print(warning, file=sys.stderr, flush=True)
         return run_cluster(args, _SERVE_PARSER, devices)
     check_device(args.device)
     check_serve_ports(args)  # before the model loads: a busy port is found in a moment
@@ -490,10 +500,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # the asyncio thread of the fronts. A thread waiting for the GIL gets it within the switch interval;
     # 1 ms instead of Python's 5 keeps a frame step from waiting several ms behind the others' Python.
     sys.setswitchinterval(0.001)
-    return asyncio.run(_serve(args, bundle, engine_config, limits))
+    return asyncio.run(_serve(args, bundle, engine_config, limits, access))
 
 
-async def _serve(args, bundle, engine_config, limits) -> int:
+async def _serve(args, bundle, engine_config, limits, access) -> int:
     from service.server import SERVICE_NAME, TTSServer
 
     metrics_port = None if args.metrics_port < 0 else args.metrics_port
@@ -509,7 +519,11 @@ async def _serve(args, bundle, engine_config, limits) -> int:
         codec_graphs=args.codec_graphs == "on",
         replica=args.replica_name,
         wyoming_port=wyoming_port,
+        access=access,
     )
+    warning = unauthenticated_warning(args.host, access)
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
     try:
         port = await server.start(args.host, args.port)
     except (RuntimeError, OSError) as exc:
@@ -540,7 +554,8 @@ async def _serve(args, bundle, engine_config, limits) -> int:
         )
         assert server.loop.engine is not None  # the server is ready: its engine is built
         graphs = server.loop.engine.graphs.enabled
-        http = f"; HTTP on http://{args.host}:{server.http_port}/" if http_port is not None else ""
+        scheme = "https" if access.tls else "http"
+        http = f"; HTTP on {scheme}://{args.host}:{server.http_port}/" if http_port is not None else ""
         if wyoming_port is not None:
             http += f"; Wyoming on tcp://{args.host}:{server.wyoming_port}"
         print(
@@ -563,6 +578,105 @@ async def _serve(args, bundle, engine_config, limits) -> int:
 
 
 # ---- client --------------------------------------------------------------------------------------------
+
+
+def add_access_args(p: argparse.ArgumentParser) -> None:
+    """`tts serve`'s options of who may call it (service/access.py)."""
+    g = p.add_argument_group("access (docs/operations.md: Securing the server)")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a key clients must send (gRPC metadata / HTTP header 'authorization: Bearer KEY'); repeat for "
+        "several; also from the environment's TTS_API_KEYS (comma-separated). Without any key the server is "
+        "open to whoever reaches it",
+    )
+    g.add_argument(
+        "--api-key-file",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a file of keys, one a line (blank lines and # comments skipped); repeatable",
+    )
+    g.add_argument(
+        "--metrics-auth",
+        action="store_true",
+        help="/metrics and /load on the HTTP port need a key too (default: open, like /health; the separate "
+        "--metrics-port has no authentication: keep it on loopback or off)",
+    )
+    g.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="an origin (https://app.example) whose web pages may call the HTTP API (CORS) and send it "
+        "state-changing requests; repeatable or comma-separated; * = any (default: none)",
+    )
+    g.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host name the HTTP front answers besides localhost/127.0.0.1/::1 while bound to loopback "
+        "(a reverse proxy's public name); repeatable or comma-separated; * = any (default: none)",
+    )
+    g.add_argument(
+        "--tls-cert", metavar="PEM", help="serve gRPC and HTTP over TLS with this certificate chain"
+    )
+    g.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+
+
+def _listed(values: list[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(v.strip() for value in values for v in value.split(",") if v.strip()))
+
+
+def serve_access(args: argparse.Namespace):
+    """The `service.access.Access` of `tts serve`'s options (keys from --api-key, TTS_API_KEYS and
+    --api-key-file); raises UserError naming the option at fault."""
+    import os
+
+    from service.access import KEYS_ENV, Access, parse_keys
+
+    try:
+        keys = parse_keys(args.api_key, os.environ.get(KEYS_ENV), args.api_key_file)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UserError("--tls-cert and --tls-key go together")
+    for option, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path is not None:
+            try:
+                with open(path, "rb") as f:
+                    if b"-----BEGIN" not in f.read():
+                        raise UserError(f"{option} {path}: not a PEM file")
+            except OSError as exc:
+                raise UserError(f"{option} {path}: {os_error_reason(exc)}") from exc
+    for origin in _listed(args.cors_origin):
+        if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin.rstrip("/")):
+            raise UserError(
+                f"--cors-origin must be an origin like https://app.example (or *), got {origin!r}"
+            )
+    return Access(
+        api_keys=keys,
+        metrics_auth=args.metrics_auth,
+        cors_origins=_listed(args.cors_origin),
+        allowed_hosts=_listed(args.allowed_host),
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+    )
+
+
+def unauthenticated_warning(host: str, access) -> str | None:
+    """The start-up warning of a server open to a network: no key, bound beyond loopback."""
+    from service.access import is_loopback
+
+    if access.api_keys or is_loopback(host):
+        return None
+    return (
+        f"warning: no API key: anyone who can reach {host} can synthesize, read metrics and add, replace or "
+        "delete voices (give --api-key or TTS_API_KEYS, or listen on 127.0.0.1)"
+    )
 
 
 def check_chunk_options(args: argparse.Namespace) -> None:
@@ -610,7 +724,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         **sampling_kwargs(args),
     )
     try:
-        result = asyncio.run(_client(args.server, request, args.timeout))
+        result = asyncio.run(_client(args.server, request, args.timeout, args.api_key))
     except grpc.aio.AioRpcError as exc:
         code = exc.code()
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
@@ -636,11 +750,11 @@ def cmd_client(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _client(server: str, request, timeout: float | None):
+async def _client(server: str, request, timeout: float | None, api_key: str | None = None):
     from service.client import aio_channel, synthesize_stream
     from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
 
-    async with aio_channel(server) as channel:
+    async with aio_channel(server, api_key) as channel:
         return await synthesize_stream(pb_grpc.TextToSpeechStub(channel), request, timeout=timeout)
 
 
@@ -658,6 +772,8 @@ def check_cluster_options(args: argparse.Namespace) -> list[str]:
         raise UserError("--replica-name does not go with --devices (the replicas are named r0, r1, ...)")
     if args.wyoming_port >= 0:
         raise UserError("--wyoming-port does not go with --devices (HAProxy does not carry Wyoming yet)")
+    if args.tls_cert is not None:
+        raise UserError("--tls-cert does not go with --devices: terminate TLS in a proxy in front")
     for device in dict.fromkeys(devices):
         check_device(device)
     check_seconds("--check-interval", args.check_interval, zero_ok=False)
