@@ -92,6 +92,9 @@ class ScriptedGuard:
     def retractable(self) -> int:
         return self.hold
 
+    def said_all(self) -> bool:  # (the text is said: the end token is never refused for its position)
+        return True
+
     def rewind(self, first: int) -> None:
         self.rewinds.append(first)
         self.kept = first

@@ -388,7 +388,9 @@ def test_a_guarded_chunk_keeps_the_frames_its_guard_may_take_back_from_the_codec
     16 while one is under way); unguarded, at once. The frames held are released when the chunk ends."""
     for hold in (REWIND_EXTRA_FRAMES, RETRACT_MAX_FRAMES):
         scripted({}, hold=hold)
-        sent, frames = codec_pieces(guarded_tts(tiny_bundle), "Words.", seed=1, max_new_frames=40)
+        # (a text long enough that its paced budget, tts.runtime.planner.PACE_BUDGET, is over 40 frames)
+        text = "A few words of text to read."
+        sent, frames = codec_pieces(guarded_tts(tiny_bundle), text, seed=1, max_new_frames=40)
         assert sent[0] == (4 + hold, 4) and sum(n for _, n in sent) == frames == 40
     sent, frames = codec_pieces(TTS(tiny_bundle), "Words.", seed=1, max_new_frames=40)
     assert sent[0] == (4, 4) and sum(n for _, n in sent) == frames == 40

@@ -68,6 +68,10 @@ START_FRAME = 2  # no position is trusted before this frame (the heads settle on
 # the 111 readings this agrees with "any position at the last token" but for two such glances.
 END_TOKENS = 2
 assert HOLD_FRAMES == 3  # (LoopGuard.push compares the last three steps directly)
+# The end token sampled while the furthest trusted position is short of the text's end (its last
+# END_TOKENS tokens) is refused: the frame is taken back and that step sampled again without it, at most
+# this many times per request; past that the request ends there, with finish reason "short".
+MAX_END_REFUSALS = 24
 MAX_REWINDS = 4  # rewinds per request; a repeat after that stays, and the request ends with reason "loop"
 # After a rewind the row samples this many frames at a higher temperature and top-p (at least its own):
 # at the default model's temperature 0.1 the same state would draw the same repeat again.
@@ -184,6 +188,15 @@ class LoopGuard:
         else:
             self.climb = 0
         return None
+
+    def reached(self) -> int:
+        """The furthest trusted position of the frames kept (-1: none yet)."""
+        return max(self.trusted, default=-1)
+
+    def said_all(self) -> bool:
+        """Whether a trusted position reached the text's end (one of its last END_TOKENS tokens): the
+        end token before that leaves words unsaid."""
+        return self.reached() >= self.text_tokens - END_TOKENS
 
     def retractable(self) -> int:
         """How many of the newest frames (the last one pushed included) a later repeat could take back:

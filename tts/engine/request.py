@@ -51,6 +51,12 @@ class Request:
     # Frames (counted from its first) that its consumer may have let be heard: never taken back.
     released: int = 0
     retry_until: int = 0  # after a rewind: frames generated when its sampling returns to its own (0: is)
+    sampled: int = 0  # frames sampled, taken back or not (the frame step's step counter)
+    # An end token before this many frames kept is refused (`Engine._refuse_end`): far fewer frames than
+    # its text's length predicts (0: no such floor).
+    end_floor: int = 0
+    end_refusals: int = 0  # end tokens refused so far
+    end_masked: bool = False  # the next step samples without the end token (a refusal)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
