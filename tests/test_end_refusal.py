@@ -152,3 +152,40 @@ def test_a_synthesis_that_ends_before_its_text_is_said_is_short_with_a_warning(t
     result = guarded_tts(tiny_bundle).synthesize("A few words of text to read.", seed=3)
     assert result.finish_reasons == [FinishReason.SHORT]
     assert any("before its text was said" in w for w in result.warnings)
+
+
+@pytest.fixture
+def guarded_tiny(monkeypatch, tiny_bundle):
+    """`--model tiny` loads the tiny bundle with aligner heads (so that its requests are guarded)."""
+    import tts.checkpoints.load as load
+
+    bundle = dataclasses.replace(tiny_bundle, aligner=AlignerSpec(1, (0, 3)))
+    monkeypatch.setattr(load, "load_bundle", lambda *a, **kw: bundle)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_cli_writes_no_short_file_and_exits_3_unless_keep_partial(
+    tmp_path, capsys, script, guarded_tiny, keep
+):
+    from tts.cli.main import EXIT_INCOMPLETE, main
+
+    script(set(range(3, 1000)), said_at=10**6)  # every end token early: the text ends `short`
+    out = tmp_path / "out.wav"
+    argv = ["synthesize", "A few words of text to read.", "-o", str(out), "--model", "tiny", "--seed", "1"]
+    code = main([*argv, "--keep-partial"] if keep else argv)
+    err = capsys.readouterr().err
+    assert "before its text was said" in err
+    if keep:
+        assert code == 0 and out.is_file()
+    else:
+        assert code == EXIT_INCOMPLETE and not out.exists()
+        assert "tts: error: the speech ended before the text was said" in err
+
+
+def test_the_cli_exits_0_when_the_text_is_said(tmp_path, script, guarded_tiny):
+    from tts.cli.main import main
+
+    script({3, 30}, said_at=5)  # refused at 3, said by 30
+    out = tmp_path / "out.wav"
+    assert main(["synthesize", "A few words.", "-o", str(out), "--model", "tiny", "--seed", "1", "-q"]) == 0
+    assert out.is_file()
