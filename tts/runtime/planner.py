@@ -237,7 +237,7 @@ class Planner:
 
     def paced_budget(self, text_tokens: int) -> int:
         """A paced model's runaway budget for a chunk of `text_tokens` tokens, in frames."""
-        return math.ceil(PACE_BUDGET * self.expected_frames(text_tokens))
+        return math.floor(PACE_BUDGET * self.expected_frames(text_tokens))  # (never over PACE_BUDGET x)
 
     def end_floor(self, span: tuple[int, int] | None) -> int:
         """Frames before which a paced model's end token is refused for a chunk whose text is the
