@@ -74,7 +74,7 @@ class ScriptedGuard:
     script: dict[int, tuple[int, bool]] = {}
     hold = RETRACT_MAX_FRAMES  # what `retractable` says: by default, as long as any frame could be
 
-    def __init__(self, text_tokens: int):
+    def __init__(self, text_tokens: int, tokens=None):
         self.text_tokens, self.fed, self.kept, self.repeats = text_tokens, 0, 0, 0
         self.positions: list[int] = []
         self.rewinds: list[int] = []

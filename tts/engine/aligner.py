@@ -135,10 +135,13 @@ class LoopGuard:
     `push(position)` takes frame i's position (frames counted from 0, as generated and kept) and returns
     None, or the `Repeat` seen at this frame: frames `first .. i` go over text already said. `rewind(first)`
     forgets frames `first` onwards (the engine took them back). `repeats` counts the repeats found.
-    text_tokens: the length of the text span (its last token is `text_tokens - 1`)."""
+    text_tokens: the length of the text span (its last token is `text_tokens - 1`); tokens: its token ids,
+    when known: a climb over tokens that the text also has where the speech is (the text repeats
+    itself: "three, five, three") is the heads taking one for the other, not a repeat."""
 
-    def __init__(self, text_tokens: int) -> None:
+    def __init__(self, text_tokens: int, tokens: list[int] | None = None) -> None:
         self.text_tokens = text_tokens
+        self.tokens = tokens
         self.positions: list[int] = []
         self.trusted: list[int] = []  # the trusted position after each frame (-1: none yet)
         self.fall: int | None = None  # the frame where a suspected repeat began
@@ -183,11 +186,25 @@ class LoopGuard:
             self.climb += 1
             if self.climb >= CLIMB_FRAMES and position - self.bottom >= CLIMB_TOKENS:
                 first, self.fall = self.fall, None
+                if self._in_text_ahead(self.bottom, position, trusted):
+                    return None
                 self.repeats += 1
                 return Repeat(first, max(self.trusted[:first]) >= self.text_tokens - END_TOKENS)
         else:
             self.climb = 0
         return None
+
+    def _in_text_ahead(self, bottom: int, top: int, trusted: int) -> bool:
+        """Whether the tokens `bottom .. top` climbed over after a fall (their first CLIMB_TOKENS + 1) are also
+        in the text where the speech is (from a little before the trusted position to as far past it as the climb is long, and
+        a trusted step more): then the text itself repeats them, and the heads looked at the earlier copy."""
+        if self.tokens is None:
+            return False
+        # (the climb's first tokens: the heads' median may run a token or two past the copy's end)
+        climbed = self.tokens[bottom : min(top + 1, bottom + CLIMB_TOKENS + 1)]
+        n = len(climbed)
+        lo, hi = max(top + 1, trusted - n), min(len(self.tokens), trusted + 2 * n + TRUST_STEP)
+        return any(self.tokens[i : i + n] == climbed for i in range(lo, hi - n + 1))
 
     def reached(self) -> int:
         """The furthest trusted position of the frames kept (-1: none yet)."""

@@ -372,7 +372,7 @@ class Engine:
                 )
             if self.loop_guard and end - start <= ALIGN_MAX_TOKENS:
                 request.text_span = (start, end)
-                request.guard = LoopGuard(end - start)
+                request.guard = LoopGuard(end - start, request.prompt[start:end, 0].tolist())
                 request.end_floor = end_floor
         with self._lock:
             if request.request_id in self._requests:
