@@ -521,6 +521,7 @@ def test_info_voices_and_metrics(server, stub):
     assert values["tts_codec_decode_padded_frames_total"] >= values["tts_codec_decode_frames_total"] > 0
     assert values["tts_prefill_replays_total"] == 0  # (a CPU has no prefill graphs)
     assert values["tts_loop_repeats_total"] == 0  # (the test model has no aligner heads)
+    assert values["tts_end_refusals_total"] == 0  # (nor any end token refused)
 
 
 def test_info_reports_captured_buckets_with_graphs_on(bundle):
