@@ -95,6 +95,9 @@ class ScriptedGuard:
     def said_all(self) -> bool:  # (the text is said: the end token is never refused for its position)
         return True
 
+    def reached(self) -> int:  # (the position goes on with every frame kept)
+        return self.kept - 1
+
     def rewind(self, first: int) -> None:
         self.rewinds.append(first)
         self.kept = first

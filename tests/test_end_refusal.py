@@ -11,7 +11,7 @@ from helpers import ScriptedGuard, params, random_prompt
 
 from tts.api import TTS
 from tts.engine import Engine, EngineConfig, FinishReason
-from tts.engine.aligner import MAX_END_REFUSALS, LoopGuard
+from tts.engine.aligner import MAX_END_REFUSALS, MAX_STALLED_REFUSALS, LoopGuard
 from tts.engine.model_runner import ModelRunner
 from tts.model.config import AlignerSpec
 
@@ -110,6 +110,18 @@ def test_refusals_are_bounded_and_an_end_that_stays_early_is_short(tiny_model, s
     codes, end = drive(e)
     assert end.finish_reason == FinishReason.SHORT
     assert e.end_refusals == MAX_END_REFUSALS and codes.shape[0] == 3 + MAX_END_REFUSALS
+
+
+def test_refusals_stop_when_the_speech_does_not_go_on_through_the_text(tiny_model, script, monkeypatch):
+    """With the text position stuck, refusing more would only add babble: after MAX_STALLED_REFUSALS
+    refusals in a row that found it no further on, the end token ends the request `short`."""
+    script(set(range(3, 1000)), said_at=10**6)
+    monkeypatch.setattr(SaidAfter, "reached", lambda self: 1)
+    e = engine(tiny_model)
+    e.submit(random_prompt(tiny_model, 20, 1), params(max_new_frames=200), "r", text_span=(2, 12))
+    codes, end = drive(e)
+    assert end.finish_reason == FinishReason.SHORT
+    assert e.end_refusals == MAX_STALLED_REFUSALS and codes.shape[0] == 3 + MAX_STALLED_REFUSALS
 
 
 def test_an_end_far_earlier_than_the_end_floor_is_refused(tiny_model, script):

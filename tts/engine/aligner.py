@@ -72,6 +72,9 @@ assert HOLD_FRAMES == 3  # (LoopGuard.push compares the last three steps directl
 # END_TOKENS tokens) is refused: the frame is taken back and that step sampled again without it, at most
 # this many times per request; past that the request ends there, with finish reason "short".
 MAX_END_REFUSALS = 24
+# ... and no more once this many refusals in a row found the trusted position no further than at the
+# refusal before (the speech is not going on through the text: what follows would be babble).
+MAX_STALLED_REFUSALS = 2
 MAX_REWINDS = 4  # rewinds per request; a repeat after that stays, and the request ends with reason "loop"
 # After a rewind the row samples this many frames at a higher temperature and top-p (at least its own):
 # at the default model's temperature 0.1 the same state would draw the same repeat again.

@@ -30,6 +30,7 @@ from tts.engine.aligner import (
     ALIGN_MAX_TOKENS,
     MAX_END_REFUSALS,
     MAX_REWINDS,
+    MAX_STALLED_REFUSALS,
     RETRY_FRAMES,
     RETRY_TEMPERATURE,
     RETRY_TOP_P,
@@ -587,13 +588,20 @@ class Engine:
 
     def _refuse_end(self, request: Request, row: int) -> bool:
         """The end token was sampled for a guarded request: if that is before its text was said
-        (`_ends_early`), refuse it, at most MAX_END_REFUSALS times per request: the end-token frame is
+        (`_ends_early`), refuse it, at most MAX_END_REFUSALS times per request (and no more once
+        MAX_STALLED_REFUSALS in a row found the text position no further on): the end-token frame is
         taken back (it is never audio, so nothing handed out changes) and the step is sampled again with
         the end token masked, through the same buffers as min_new_frames (`ModelRunner.set_min_frames`).
         Its step counter keeps counting, so the draw is new and the request stays reproducible. Returns
         whether it was refused (False: the request ends; `short` if it ends early)."""
         if request.end_refusals >= MAX_END_REFUSALS or not self._ends_early(request):
             return False
+        reached = request.guard.reached() if request.guard is not None else -1
+        stalled = request.end_refusals > 0 and reached <= request.end_reached
+        if stalled and request.end_stalls + 1 >= MAX_STALLED_REFUSALS:
+            return False
+        request.end_stalls = request.end_stalls + 1 if stalled else 0
+        request.end_reached = reached
         request.end_refusals += 1
         self.end_refusals += 1
         request.num_generated -= 1

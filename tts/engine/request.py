@@ -56,6 +56,8 @@ class Request:
     # its text's length predicts (0: no such floor).
     end_floor: int = 0
     end_refusals: int = 0  # end tokens refused so far
+    end_reached: int = -1  # the guard's furthest trusted position at the last refusal
+    end_stalls: int = 0  # refusals in a row that found it no further on
     end_masked: bool = False  # the next step samples without the end token (a refusal)
 
     def __post_init__(self) -> None:
