@@ -920,7 +920,10 @@ def test_a_stream_with_a_repetition_loop_left_in_says_loop(bundle, monkeypatch):
         with srv.channel() as channel:
             r = collect(
                 pb_grpc.TextToSpeechStub(channel).Synthesize(
-                    build_request("Hello.", max_new_frames=60, seed=1)
+                    # (a text long enough that its paced budget is over 60 frames)
+                    build_request(
+                        "Hello, this is a text long enough for sixty frames.", max_new_frames=60, seed=1
+                    )
                 )
             )
         assert r["end"].finish_reason == pb.FINISH_REASON_LOOP
