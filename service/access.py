@@ -5,8 +5,9 @@ browser rules of the HTTP front (the Origin of state-changing requests, CORS, th
   HTTP header, as the OpenAI and Fish Audio SDKs send it). Every key is compared in constant time
   (`hmac.compare_digest`), and all of them every time, so neither the time to refuse nor to admit tells
   which key came close. No keys: everything is open (and `tts serve` warns when it listens beyond loopback).
-  gRPC: `service.grpc_front.AuthInterceptor`, a server interceptor, so every method of every service, present and future, is
-  covered; the health service and reflection stay open (balancers and probes call them without a key).
+  gRPC: `service.grpc_front.AuthInterceptor`, a server interceptor, so every method of every service,
+  present and future, is covered; the health service and reflection stay open (balancers and probes call
+  them without a key).
   HTTP: `AccessMiddleware`, ASGI middleware around the whole app, so routes added later are covered
   without code of their own; open without a key are `/health`, the playground's static page and assets
   (`/`, `/favicon.ico`, `/static/...`), the API's description (`/docs`, `/docs/...`, `/openapi.json`) and,

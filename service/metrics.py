@@ -22,6 +22,7 @@ every iteration by the engine thread); per-request figures are observed by the g
 | `tts_frame_steps_total`, `tts_frame_step_rows_total` | counter | frame steps run, and their running rows summed (rows / steps = the mean batch, the occupancy) |
 | `tts_prefill_passes_total`, `tts_prefill_requests_total` | counter | prefill forward passes, and the requests they prefilled (requests / passes = how many a packed prefill took) |
 | `tts_loop_repeats_total` | counter | repeats the loop guard found (models with aligner heads: each one taken back, ending its text chunk, or left in one that ends `loop`; see docs/models.md, the default voice) |
+| `tts_end_refusals_total` | counter | end tokens refused because the text was not said yet (models with aligner heads: the step is sampled again without it; a text chunk that still ends early ends `short`) |
 | `tts_prefill_replays_total` | counter | prefill passes replayed from a CUDA graph (/ passes = the prefill's replay share) |
 | `tts_engine_seconds_total{phase}` | counter | the engine thread's wall time by phase: `prefill`, `replay`, `rows` (the three parts of an engine step), `audio` (delivering decoded chunks), `route` (handling the step's outputs), `commands` (submissions, cancels), `idle` (waiting for work), `handover` (events to the asyncio loops) |
 | `tts_codec_decode_seconds_total`, `tts_codec_encode_seconds_total` | counter | codec stage time (device time on CUDA, events around each call; wall time on a CPU) |
@@ -104,6 +105,7 @@ class _EngineCollector:
                 "Repeats the loop guard found (taken back, ending a chunk, or left in)",
                 s.loop_repeats,
             ),
+            "tts_end_refusals": ("End tokens refused before the text was said", s.end_refusals),
             "tts_frame_step_seconds": ("Time in engine steps (seconds)", s.frame_step_seconds),
             "tts_codec_decode_seconds": ("Codec stage decode time (seconds)", s.codec_decode_seconds),
             "tts_codec_encode_seconds": ("Codec stage encode time (seconds)", s.codec_encode_seconds),

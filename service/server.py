@@ -206,7 +206,8 @@ class TTSServer:
         return self.port
 
     def _credentials(self) -> grpc.ServerCredentials:
-        """gRPC's TLS credentials from `access.tls_cert` / `tls_key` (PEM files); RuntimeError if unreadable."""
+        """gRPC's TLS credentials from `access.tls_cert` / `tls_key` (PEM files); RuntimeError
+        if unreadable."""
         assert self.access.tls_cert is not None and self.access.tls_key is not None
         try:
             with open(self.access.tls_key, "rb") as key, open(self.access.tls_cert, "rb") as cert:

@@ -74,7 +74,7 @@ class ScriptedGuard:
     script: dict[int, tuple[int, bool]] = {}
     hold = RETRACT_MAX_FRAMES  # what `retractable` says: by default, as long as any frame could be
 
-    def __init__(self, text_tokens: int):
+    def __init__(self, text_tokens: int, tokens=None):
         self.text_tokens, self.fed, self.kept, self.repeats = text_tokens, 0, 0, 0
         self.positions: list[int] = []
         self.rewinds: list[int] = []
@@ -91,6 +91,12 @@ class ScriptedGuard:
 
     def retractable(self) -> int:
         return self.hold
+
+    def said_all(self) -> bool:  # (the text is said: the end token is never refused for its position)
+        return True
+
+    def reached(self) -> int:  # (the position goes on with every frame kept)
+        return self.kept - 1
 
     def rewind(self, first: int) -> None:
         self.rewinds.append(first)

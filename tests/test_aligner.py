@@ -126,6 +126,18 @@ def test_a_repeat_mid_text_is_found_where_it_began():
     assert found == [(len(before) + 3, Repeat(first=len(before), at_end=False))]
 
 
+def test_a_repeat_that_the_text_itself_has_is_no_loop():
+    """The same fall and climb over tokens 204..207 as above, where the text repeats them just past the
+    trusted position (212..215 are the same tokens: "three, five, three"): the heads looked at the
+    first copy while the second was said. With other tokens there, it is a repeat."""
+    before = reading(150, 212) + [212, 212]
+    again = [204, 205, 207, 209, 211, 212, 213]
+    tokens = list(range(220))
+    repeated = tokens[:212] + tokens[204:212]  # tokens 212.. are tokens 204.. again
+    assert feed(LoopGuard(220, repeated), before + again) == []
+    assert feed(LoopGuard(220, tokens), before + again) == [(len(before) + 3, Repeat(len(before), False))]
+
+
 def test_a_glance_ahead_does_not_hide_a_repeat():
     """Positions read on the default model as it said "with a basket with a basket" (chunk positions
     83-85, "with a basket", then a fall to 73 broken by a three-frame glance to 94-96): still a repeat,
@@ -388,7 +400,9 @@ def test_a_guarded_chunk_keeps_the_frames_its_guard_may_take_back_from_the_codec
     16 while one is under way); unguarded, at once. The frames held are released when the chunk ends."""
     for hold in (REWIND_EXTRA_FRAMES, RETRACT_MAX_FRAMES):
         scripted({}, hold=hold)
-        sent, frames = codec_pieces(guarded_tts(tiny_bundle), "Words.", seed=1, max_new_frames=40)
+        # (a text long enough that its paced budget, tts.runtime.planner.PACE_BUDGET, is over 40 frames)
+        text = "A few words of text to read."
+        sent, frames = codec_pieces(guarded_tts(tiny_bundle), text, seed=1, max_new_frames=40)
         assert sent[0] == (4 + hold, 4) and sum(n for _, n in sent) == frames == 40
     sent, frames = codec_pieces(TTS(tiny_bundle), "Words.", seed=1, max_new_frames=40)
     assert sent[0] == (4, 4) and sum(n for _, n in sent) == frames == 40

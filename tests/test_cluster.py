@@ -616,7 +616,8 @@ def test_keys_reach_every_replica_by_environment_not_command_line():
     key = "cluster-key-123"
     c = ClusterProcess(
         "--devices", "cpu,cpu", "--model", "tiny", "--port", "0", "--http-port", "0", "--metrics-port", "-1",
-        "--check-interval", "0.2", "--grace", "1", "--max-batch", "2", "--voices-dir", "none", "--api-key", key,
+        "--check-interval", "0.2", "--grace", "1", "--max-batch", "2", "--voices-dir", "none",
+        "--api-key", key,
     )  # fmt: skip
     try:
         _, m = c.wait_line(r"^serving tts\.v1\.TextToSpeech on (\S+) through haproxy .*HTTP on (\S+)")

@@ -265,8 +265,10 @@ def test_sse_done_event_says_loop_for_a_repetition_loop_left_in(bundle, monkeypa
     guarded = dataclasses.replace(bundle, aligner=AlignerSpec(1, (0, 3)))
     srv = HTTPServerThread(guarded, EngineConfig(max_batch=2, ignore_eos=True))
     try:
+        # (a text long enough that its paced budget, tts.runtime.planner.PACE_BUDGET, is over 60 frames)
+        text = "Hello, this is a text long enough for sixty frames."
         status, _, body = srv.speech(
-            input="Hello.", seed=1, max_new_frames=60, response_format="pcm", stream_format="sse"
+            input=text, seed=1, max_new_frames=60, response_format="pcm", stream_format="sse"
         )
         done = sse_events(body)[-1]
         assert status == 200 and done["type"] == "speech.audio.done"

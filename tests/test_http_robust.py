@@ -132,7 +132,8 @@ def test_a_body_over_the_limit_gets_a_readable_413_naming_the_limit(server, decl
     [
         b"",  # connected, nothing sent
         b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le",  # headers cut off
-        b'POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{"input": ',  # body cut
+        b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n"
+        b'{"input": ',  # body cut
     ],
     ids=["idle", "half-sent-headers", "half-sent-body"],
 )

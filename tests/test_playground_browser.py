@@ -89,7 +89,8 @@ def test_speak_plays_the_audio_and_shows_warnings_and_the_finish_reason(server, 
     assert browser.find_element(By.ID, "bytes").text.startswith("25 / 20,000 bytes")
     browser.execute_script(BUDGET)
     browser.execute_script(
-        "window.played = false; document.getElementById('player').addEventListener('playing', () => { window.played = true; });"
+        "window.played = false; document.getElementById('player')"
+        ".addEventListener('playing', () => { window.played = true; });"
     )
     browser.find_element(By.ID, "speak").click()
     wait(
@@ -122,7 +123,8 @@ def test_the_byte_counter_disables_speak_over_the_limit(server, browser):
     open_page(browser, server)
     limit = server.server.limits.max_text_bytes
     browser.execute_script(
-        "const t = document.getElementById('text'); t.value = 'é'.repeat(arguments[0]); t.dispatchEvent(new Event('input'));",
+        "const t = document.getElementById('text'); t.value = 'é'.repeat(arguments[0]);"
+        " t.dispatchEvent(new Event('input'));",
         limit // 2 + 1,
     )
     assert "over" in browser.find_element(By.ID, "bytes").get_attribute("class")

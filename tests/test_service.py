@@ -528,6 +528,7 @@ def test_info_voices_and_metrics(server, stub):
     assert values["tts_loop_repeats_total"] == 0  # (the test model has no aligner heads)
     assert values["tts_kv_cache_bytes"] == info.kv_cache_bytes
     assert values["tts_kv_preemptions_total"] == 0 and values["tts_kv_stalls_total"] == 0
+    assert values["tts_end_refusals_total"] == 0  # (nor any end token refused)
 
 
 def test_info_reports_captured_buckets_with_graphs_on(bundle):
@@ -943,7 +944,10 @@ def test_a_stream_with_a_repetition_loop_left_in_says_loop(bundle, monkeypatch):
         with srv.channel() as channel:
             r = collect(
                 pb_grpc.TextToSpeechStub(channel).Synthesize(
-                    build_request("Hello.", max_new_frames=60, seed=1)
+                    # (a text long enough that its paced budget is over 60 frames)
+                    build_request(
+                        "Hello, this is a text long enough for sixty frames.", max_new_frames=60, seed=1
+                    )
                 )
             )
         assert r["end"].finish_reason == pb.FINISH_REASON_LOOP

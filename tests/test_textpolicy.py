@@ -10,9 +10,11 @@ HAN = "this model reads English only: {} characters of Han text were left out"
 
 # input, then what each policy makes of it: english (the default voice), fish-s2 / fish-s1 (fish-speech
 # main and d3df505 pass text as it is), fish-1.5 (fish-speech 1.5's clean_text)
+REFUSED = object()  # the English voice refuses the text (TextError)
+
 CASES = [
     # the issue's cases
-    ("1951年，我们的村子只有一条泥路。", "one thousand, nine hundred and fifty-one", SAME, SAME),
+    ("1951年，我们的村子只有一条泥路。", REFUSED, SAME, SAME),
     ("25 Euro am 3. Mai", "twenty-five Euro am three. Mai", SAME, SAME),
     ("$5.3 billion", "five point three billion dollars", SAME, SAME),
     ("221B", "two hundred and twenty-one B", SAME, SAME),
@@ -33,9 +35,11 @@ CASES = [
         SAME,
     ),
     ("¿Cuánto cuesta? ¡Sólo 3 pesos!", "¿Cuánto cuesta? ¡Sólo three pesos!", SAME, SAME),
-    ("今日は2024年5月3日です。", "two thousand and twenty-four five three", SAME, SAME),
-    ("안녕하세요, 3명입니다.", "three.", SAME, SAME),
-    ("مرحبا، عندي 3 قطط.", "three.", SAME, SAME),
+    # ... and text whose only "English" would be the numbers written in it is refused, not read as a
+    # salad of numbers out of their sentences
+    ("今日は2024年5月3日です。", REFUSED, SAME, SAME),
+    ("안녕하세요, 3명입니다.", REFUSED, SAME, SAME),
+    ("مرحبا، عندي 3 قطط.", REFUSED, SAME, SAME),
     ("Привет, мир! Hello world.", "Hello world.", SAME, SAME),
     # quotes and emoji: fish-speech 1.5 cleans them, S2 and S1 keep them
     ("It\u2019s great \U0001f600,,, really", "It's great,,, really", SAME, "It's great , really"),
@@ -61,7 +65,11 @@ CASES = [
 @pytest.mark.parametrize("raw, english, fish, fish15", CASES, ids=[c[0][:24] for c in CASES])
 def test_what_each_model_reads(raw, english, fish, fish15):
     tags = SPEAKER_TAG if raw.startswith("<|") else None
-    assert get_text_policy("english").prepare(raw, SPEAKER_TAG).text == english
+    if english is REFUSED:
+        with pytest.raises(TextError, match="reads English only, and the text is .* with nothing English"):
+            get_text_policy("english").prepare(raw, SPEAKER_TAG)
+    else:
+        assert get_text_policy("english").prepare(raw, SPEAKER_TAG).text == english
     expected = raw if fish is SAME else fish
     assert get_text_policy("fish-s2").prepare(raw, SPEAKER_TAG).text == expected
     if tags is None:  # S1 and 1.5 take no speaker tags
@@ -70,8 +78,13 @@ def test_what_each_model_reads(raw, english, fish, fish15):
 
 
 def test_the_english_voice_warns_about_text_it_leaves_out():
-    out = get_text_policy("english").prepare("1951年，我们的村子只有一条泥路。", None)
-    assert out.warnings == [HAN.format(12) + " (a multilingual model such as Fish Audio S2-Pro reads them)"]
+    out = get_text_policy("english").prepare("In 1951年，我们的村子只有一条泥路。", None)
+    assert out.text == "In" and out.warnings == [
+        HAN.format(12).replace(" text were", " text, with the 4 digits written in it, were")
+        + " (a multilingual model such as Fish Audio S2-Pro reads them)"
+    ]
+    spaced = get_text_policy("english").prepare("Room 12 東京 tour", None)  # (a number apart stays)
+    assert spaced.text == "Room twelve tour"
     mixed = get_text_policy("english").prepare("Tokyo 東京 and Seoul 서울.", None)
     assert mixed.text == "Tokyo and Seoul." and "4 characters of Han and Hangul" in mixed.warnings[0]
     assert get_text_policy("english").prepare("π is 3.14", None).warnings == []  # a Greek letter is kept

@@ -71,6 +71,10 @@ if TYPE_CHECKING:  # (imported where used: `tts --help` loads this module)
 
 HELDOUT = Path(__file__).resolve().parents[2] / "samples" / "eval" / "heldout.txt"
 PASSAGES = Path(__file__).resolve().parents[2] / "samples" / "eval" / "passages.txt"  # --long
+EVERYDAY = Path(__file__).resolve().parents[2] / "samples" / "eval" / "everyday.txt"  # --everyday
+# The completeness gate: the share of samples in which the ASR hears every word of the text (no word
+# of the text deleted in the alignment of its transcript; a misheard word is not a missing one).
+COMPLETE_SHARE = 0.995
 # The espeak-ng speakers (voice, rate in words/min, pitch 0-99) of the default model's corpus, one per
 # preset voice (training/corpus.py SPEAKERS; a test keeps the two equal). ava is the default speaker.
 ESPEAK_SPEAKERS = {
@@ -177,6 +181,39 @@ def wer(refs: list[str], hyps: list[str]) -> float:
     return float(jiwer.wer([r for r, _ in pairs], [h if h else "<empty>" for _, h in pairs]))
 
 
+def missing_words(ref: str, hyp: str) -> list[str]:
+    """The words of `ref` (as `words` gives them) that the transcript `hyp` lacks: the deletions of
+    jiwer's word alignment (substituted words were heard, if misheard)."""
+    import jiwer
+
+    if not ref:
+        return []
+    if not hyp:
+        return ref.split()
+    out = jiwer.process_words(ref, hyp)
+    refs = out.references[0]
+    return [w for a in out.alignments[0] if a.type == "delete" for w in refs[a.ref_start_idx : a.ref_end_idx]]
+
+
+def expected_seconds(tts, text: str, voice: str | None) -> float | None:
+    """How long `text` is expected to take, for a model whose budgets follow its text tokens
+    (`tts.runtime.planner.PACE_FRAMES`: the default voice), else None."""
+    planner = tts.planner
+    if getattr(planner.bundle, "aligner", None) is None:
+        return None
+    try:
+        from tts.runtime.planner import PACE_FRAMES, PACE_FRAMES_PER_TOKEN
+    except ImportError:  # (a runtime from before paced budgets: the same pace)
+        PACE_FRAMES, PACE_FRAMES_PER_TOKEN = 8.0, 0.8
+    references, frames = tts.voice(voice), 0.0
+    for chunk in tts.plan(text):
+        _, span = planner.prompt_with_span(chunk, references, [], planner.sampling_params())
+        if span is None:
+            return None
+        frames += PACE_FRAMES + PACE_FRAMES_PER_TOKEN * (span[1] - span[0])
+    return frames / planner.frame_rate
+
+
 def espeak_audio(text: str, voice: str, rate: int, pitch: int) -> tuple[np.ndarray, int]:
     """espeak-ng speaking `text` (the system binary); returns (float32 audio, sample rate)."""
     from tts.audio.files import read_audio
@@ -239,7 +276,10 @@ class Sample:
     wall_seconds: float
     frames: int
     finish: str
+    request_seed: int = 0  # the seed of this synthesis: `tts synthesize --seed` gives the same audio
     transcript: str = ""
+    missing: list[str] = field(default_factory=list)  # words of the text the ASR did not hear
+    expected_seconds: float | None = None  # `expected_seconds`
     duration_ratio: float | None = None  # audio_seconds / espeak-ng's seconds for the same sentence
     # repetition loops in the transcript that the text lacks (`loops`)
     loops: list[str] = field(default_factory=list)
@@ -298,7 +338,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     from tts.cli.main import apply_threads
     from tts.engine import EngineConfig
 
-    path = args.sentences or (PASSAGES if args.long else HELDOUT)
+    path = args.sentences or (PASSAGES if args.long else EVERYDAY if args.everyday else HELDOUT)
     sentences = read_sentences(Path(path), args.limit, passages=args.long)
     seeds = [int(s) for s in args.seeds.split(",")]
     asr = ASR(threads=args.asr_threads, beam_size=args.asr_beam_size)
@@ -314,12 +354,12 @@ def evaluate(args: argparse.Namespace) -> dict:
     tts.synthesize("Warm up.", seed=0, max_new_frames=8, min_new_frames=8)  # (8 frames asked: no warning)
     repeats_before = tts.engine.loop_repeats
     refs = [words(s) for s in sentences]
+    expected = [expected_seconds(tts, s, args.voice) for s in sentences]
     samples: list[Sample] = []
     for seed in seeds:
         for i, text in enumerate(sentences):
-            r = tts.synthesize(
-                text, seed=seed * 1000 + i, voice=args.voice, max_new_frames=budget, **sampling
-            )
+            request_seed = seed * 1000 + i
+            r = tts.synthesize(text, seed=request_seed, voice=args.voice, max_new_frames=budget, **sampling)
             s = Sample(
                 text,
                 seed,
@@ -327,20 +367,26 @@ def evaluate(args: argparse.Namespace) -> dict:
                 r.wall_seconds,
                 r.frames,
                 ",".join(f.value for f in r.finish_reasons),
+                request_seed,
             )
             s.transcript = asr.transcribe(r.audio, r.sample_rate) if r.audio.size else ""
             s.loops = loops(refs[i], words(s.transcript))
+            s.missing = missing_words(refs[i], words(s.transcript))
+            s.expected_seconds = expected[i]
             samples.append(s)
             loop_note = f" LOOPS {s.loops}" if s.loops else ""
+            missing_note = f" MISSING {s.missing}" if s.missing else ""
             log(
-                f"seed {seed} [{i + 1}/{len(sentences)}] RTF {r.rtf:.2f} {s.finish}{loop_note}: "
-                f"{s.transcript}"
+                f"seed {seed} (--seed {request_seed}) [{i + 1}/{len(sentences)}] RTF {r.rtf:.2f} "
+                f"{s.finish}{loop_note}{missing_note}: {s.transcript}"
             )
     result: dict = {
         "model": str(args.model),
         "describe": bundle.describe(),
         "sentences": len(sentences),
         "seeds": seeds,
+        # each sample's own seed (`tts synthesize --seed` gives its audio): seed * 1000 + sentence index
+        "request_seeds": "seed * 1000 + sentence index (each sample's request_seed)",
         "voice": args.voice,
         "sampling": {**{k: v for k, v in sampling.items() if v is not None}, "max_new_frames": budget},
         "load_seconds": round(load_seconds, 3),
@@ -355,6 +401,17 @@ def evaluate(args: argparse.Namespace) -> dict:
     worst = max(per_seed, key=per_seed.__getitem__)
     result["wer_worst_seed"] = {"seed": worst, "wer": per_seed[worst]}
     result["runaway"] = sum("length" in s.finish for s in samples)
+    # Completeness: every word heard; a sample with words missing whose chunks all ended `stop` is one
+    # the engine did not flag; audio more than twice as long as expected (models with a pace).
+    incomplete = [s for s in samples if s.missing]
+    result["complete"] = 1 - len(incomplete) / len(samples) if samples else None
+    result["missing_unflagged"] = sum(set(s.finish.split(",")) == {"stop"} for s in incomplete)
+    result["incomplete_samples"] = [
+        {"seed": s.request_seed, "text": s.text[:80], "finish": s.finish, "missing": s.missing}
+        for s in incomplete
+    ]
+    paced = [s for s in samples if s.expected_seconds]
+    result["over_twice_expected"] = sum(s.audio_seconds > 2 * s.expected_seconds for s in paced)  # type: ignore[operator]
     result["loops"] = sum(len(s.loops) for s in samples)
     # The loop guard (models with aligner heads): repeats it found (and took back, or left in), samples
     # with a chunk that ended "loop", and samples whose transcript has a loop though no chunk says so.
@@ -363,7 +420,9 @@ def evaluate(args: argparse.Namespace) -> dict:
     result["loop_finishes"] = sum("loop" in s.finish.split(",") for s in samples)
     result["unflagged_loops"] = sum(bool(s.loops) and "loop" not in s.finish.split(",") for s in samples)
     looped = [(i % len(sentences), s) for i, s in enumerate(samples) if s.loops]
-    result["loop_samples"] = [{"seed": s.seed, "text": s.text[:80], "loops": s.loops} for _, s in looped]
+    result["loop_samples"] = [
+        {"seed": s.request_seed, "text": s.text[:80], "loops": s.loops} for _, s in looped
+    ]
     audio_total = sum(s.audio_seconds for s in samples)
     result["rtf"] = sum(s.wall_seconds for s in samples) / audio_total if audio_total else None
     result["audio_seconds"] = audio_total
@@ -401,6 +460,10 @@ def evaluate(args: argparse.Namespace) -> dict:
     else:
         result["espeak"] = None
         result["gates"] = {"runaway": result["runaway"] == 0, "loops": result["loops"] == 0}
+    if args.everyday:
+        result["gates"]["complete"] = result["complete"] is not None and result["complete"] >= COMPLETE_SHARE
+        result["gates"]["missing_unflagged"] = result["missing_unflagged"] == 0
+        result["gates"]["over_twice_expected"] = result["over_twice_expected"] == 0
     if args.voices:
         result["voices"] = voice_similarity(
             tts,
@@ -591,6 +654,14 @@ def add_parser(subparsers) -> None:
         "--long",
         action="store_true",
         help="long-text mode: each passage is one request (split into text chunks as `tts synthesize` does)",
+    )
+    p.add_argument(
+        "--everyday",
+        action="store_true",
+        help="the completeness check: the quick-start sentence and 20 everyday texts "
+        "(samples/eval/everyday.txt), "
+        "gated on every word heard in 99.5%% of samples, none missing with finish stop, none over twice "
+        "its expected length",
     )
     p.add_argument("--limit", type=int, default=None, help="use only the first N sentences")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")

@@ -30,6 +30,9 @@ from tts.runtime.errors import UserError, os_error_reason  # noqa: F401 - `pytho
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
+# A synthesis that ended before its text was said (finish reason short): no file is written, unless
+# --keep-partial asks for what was said.
+EXIT_INCOMPLETE = 3
 
 # Modules that add subcommands: each has `add_parser(subparsers)` setting `func` on its parser.
 _SUBCOMMAND_MODULES = ("tts.cli.serve", "tts.cli.write_checkpoint", "tts.cli.text", "tts.cli.probe_aligner")
@@ -348,6 +351,27 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="output format (default: from the extension of --output); pcm = raw 16-bit little-endian mono",
     )
+    p.add_argument(
+        "--keep-partial",
+        action="store_true",
+        help="write the audio even when the text ended before all of it was said (finish reason short: "
+        "its last words are missing); without it no file is written and the exit code is 3",
+    )
+
+
+def refuse_partial(args: argparse.Namespace, short: bool, warnings: list[str]) -> bool:
+    """Whether to refuse writing the output of a synthesis that ended `short` (not --keep-partial):
+    then prints its warnings and one `tts: error:` line, and the caller exits EXIT_INCOMPLETE."""
+    if not short or args.keep_partial:
+        return False
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    print(
+        "tts: error: the speech ended before the text was said (finish reason short); nothing written "
+        "(--keep-partial writes what was said)",
+        file=sys.stderr,
+    )
+    return True
 
 
 def output_format(args: argparse.Namespace):
@@ -544,7 +568,7 @@ def request_rule(rule, *values) -> None:
 def cmd_synthesize(args: argparse.Namespace) -> int:
     from tts.api import TTS
     from tts.checkpoints.load import load_bundle
-    from tts.engine import EngineConfig, SamplingParams
+    from tts.engine import EngineConfig, FinishReason, SamplingParams
     from tts.runtime.request import check_voice_source
     from tts.text.policy import check_speakable
 
@@ -603,6 +627,9 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     if progress_bar is not None:
         progress_bar.n = len(plan.chunks)
         progress_bar.close()
+    short = FinishReason.SHORT in result.finish_reasons
+    if refuse_partial(args, short, [w for w in result.warnings if w not in plan.warnings]):
+        return EXIT_INCOMPLETE
     write_output(out, result.audio, result.sample_rate, fmt)
     for warning in result.warnings:
         if warning not in plan.warnings:

@@ -17,6 +17,7 @@ import sys
 import time
 
 from tts.cli.main import (
+    EXIT_INCOMPLETE,
     TEXT_HELP,
     UserError,
     add_codec_dtype_arg,
@@ -33,6 +34,7 @@ from tts.cli.main import (
     output_format,
     read_reference_file,
     read_text_arg,
+    refuse_partial,
     request_rule,
     require,
     resolve_graphs_arg,
@@ -272,7 +274,8 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help="the server's API key (sent as 'authorization: Bearer KEY'; default: the environment's TTS_API_KEY)",
+        help="the server's API key (sent as 'authorization: Bearer KEY'; default: the environment's "
+        "TTS_API_KEY)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
     add_sampling_args(p)
@@ -731,10 +734,13 @@ def cmd_client(args: argparse.Namespace) -> int:
             raise UserError(exc.details()) from exc
         print(f"tts: error: {rpc_error_line(args.server, exc, args.timeout)}", file=sys.stderr)
         return 1
-    write_output(out, result.audio, result.sample_rate, fmt, pcm_float=args.encoding == "float32")
     end = result.end
-    # Before the `wrote` line, as `tts synthesize` prints them: the summary line comes last.
     header_warnings = list(result.header.warnings)
+    short = 3 in end.text_chunk_finish_reasons  # (tts.v1.FINISH_REASON_SHORT)
+    if refuse_partial(args, short, header_warnings + [w for w in end.warnings if w not in header_warnings]):
+        return EXIT_INCOMPLETE
+    write_output(out, result.audio, result.sample_rate, fmt, pcm_float=args.encoding == "float32")
+    # Before the `wrote` line, as `tts synthesize` prints them: the summary line comes last.
     for warning in header_warnings + [w for w in end.warnings if w not in header_warnings]:
         print(f"warning: {warning}", file=sys.stderr)
     reasons = {1: "stop", 2: "length", 3: "short", 4: "loop"}

@@ -68,6 +68,13 @@ START_FRAME = 2  # no position is trusted before this frame (the heads settle on
 # the 111 readings this agrees with "any position at the last token" but for two such glances.
 END_TOKENS = 2
 assert HOLD_FRAMES == 3  # (LoopGuard.push compares the last three steps directly)
+# The end token sampled while the furthest trusted position is short of the text's end (its last
+# END_TOKENS tokens) is refused: the frame is taken back and that step sampled again without it, at most
+# this many times per request; past that the request ends there, with finish reason "short".
+MAX_END_REFUSALS = 24
+# ... and no more once this many refusals in a row found the trusted position no further than at the
+# refusal before (the speech is not going on through the text: what follows would be babble).
+MAX_STALLED_REFUSALS = 2
 MAX_REWINDS = 4  # rewinds per request; a repeat after that stays, and the request ends with reason "loop"
 # After a rewind the row samples this many frames at a higher temperature and top-p (at least its own):
 # at the default model's temperature 0.1 the same state would draw the same repeat again.
@@ -131,10 +138,13 @@ class LoopGuard:
     `push(position)` takes frame i's position (frames counted from 0, as generated and kept) and returns
     None, or the `Repeat` seen at this frame: frames `first .. i` go over text already said. `rewind(first)`
     forgets frames `first` onwards (the engine took them back). `repeats` counts the repeats found.
-    text_tokens: the length of the text span (its last token is `text_tokens - 1`)."""
+    text_tokens: the length of the text span (its last token is `text_tokens - 1`); tokens: its token ids,
+    when known: a climb over tokens that the text also has where the speech is (the text repeats
+    itself: "three, five, three") is the heads taking one for the other, not a repeat."""
 
-    def __init__(self, text_tokens: int) -> None:
+    def __init__(self, text_tokens: int, tokens: list[int] | None = None) -> None:
         self.text_tokens = text_tokens
+        self.tokens = tokens
         self.positions: list[int] = []
         self.trusted: list[int] = []  # the trusted position after each frame (-1: none yet)
         self.fall: int | None = None  # the frame where a suspected repeat began
@@ -179,11 +189,35 @@ class LoopGuard:
             self.climb += 1
             if self.climb >= CLIMB_FRAMES and position - self.bottom >= CLIMB_TOKENS:
                 first, self.fall = self.fall, None
+                if self._in_text_ahead(self.bottom, position, trusted):
+                    return None
                 self.repeats += 1
                 return Repeat(first, max(self.trusted[:first]) >= self.text_tokens - END_TOKENS)
         else:
             self.climb = 0
         return None
+
+    def _in_text_ahead(self, bottom: int, top: int, trusted: int) -> bool:
+        """Whether the tokens `bottom .. top` climbed over after a fall (their first CLIMB_TOKENS + 1) are
+        also in the text where the speech is (from a little before the trusted position to as far past it as
+        the climb is long, and a trusted step more): then the text itself repeats them, and the heads looked
+        at the earlier copy."""
+        if self.tokens is None:
+            return False
+        # (the climb's first tokens: the heads' median may run a token or two past the copy's end)
+        climbed = self.tokens[bottom : min(top + 1, bottom + CLIMB_TOKENS + 1)]
+        n = len(climbed)
+        lo, hi = max(top + 1, trusted - n), min(len(self.tokens), trusted + 2 * n + TRUST_STEP)
+        return any(self.tokens[i : i + n] == climbed for i in range(lo, hi - n + 1))
+
+    def reached(self) -> int:
+        """The furthest trusted position of the frames kept (-1: none yet)."""
+        return max(self.trusted, default=-1)
+
+    def said_all(self) -> bool:
+        """Whether a trusted position reached the text's end (one of its last END_TOKENS tokens): the
+        end token before that leaves words unsaid."""
+        return self.reached() >= self.text_tokens - END_TOKENS
 
     def retractable(self) -> int:
         """How many of the newest frames (the last one pushed included) a later repeat could take back:

@@ -27,7 +27,9 @@ import torch
 from graphs.runner import DEFAULT_BUCKETS, GraphRunner
 from tts.engine.aligner import (
     ALIGN_MAX_TOKENS,
+    MAX_END_REFUSALS,
     MAX_REWINDS,
+    MAX_STALLED_REFUSALS,
     RETRY_FRAMES,
     RETRY_TEMPERATURE,
     RETRY_TOP_P,
@@ -262,6 +264,7 @@ class Engine:
         self.sequence_evictions = 0
         self.kv_stalls = 0  # times a running request had to wait for a KV block (the pool was full)
         self.kv_preemptions = 0  # requests ended (PREEMPTED) to free KV blocks
+        self.end_refusals = 0  # end tokens refused before the text's end (`_refuse_end`)
         # Seconds spent per phase of `step` (host wall time; on CUDA "replay" lasts until the frame is on
         # the host): admitting and prefilling new requests, the frame step itself, the per-row outputs.
         self.phase_seconds = {"prefill": 0.0, "replay": 0.0, "rows": 0.0}
@@ -403,14 +406,16 @@ class Engine:
         request_id: str | None = None,
         text_span: tuple[int, int] | None = None,
         sequence: str | None = None,
+        end_floor: int = 0,
     ) -> Request:
         """Queue a request. text_span: the prompt positions `[start, end)` of the text it speaks, for the
         loop guard (`tts.engine.aligner`; ignored without one, and for spans longer than
-        ALIGN_MAX_TOKENS). sequence: a session's kept sequence (`tts.engine.sequences`; created when
-        new): the prompt's prefix that the sequence holds is not prefilled again, and the request's K/V
-        go back to it when it ends; `Request.cached` says how many positions were reused. Raises
-        InvalidRequest (bad parameters or prompt, too long), QueueFull, or ValueError when another
-        request holds the sequence."""
+        ALIGN_MAX_TOKENS); a guarded request's end token is refused before its text is said, or before
+        `end_floor` frames (`Engine._refuse_end`). sequence: a session's kept sequence
+        (`tts.engine.sequences`; created when new): the prompt's prefix that the sequence holds is not
+        prefilled again, and the request's K/V go back to it when it ends; `Request.cached` says how many
+        positions were reused. Raises InvalidRequest (bad parameters or prompt, too long), QueueFull, or
+        ValueError when another request holds the sequence."""
         self.check_prompt(prompt)
         request = Request(request_id or self.new_request_id(), prompt, params)
         if text_span is not None:
@@ -421,7 +426,8 @@ class Engine:
                 )
             if self.loop_guard and end - start <= ALIGN_MAX_TOKENS:
                 request.text_span = (start, end)
-                request.guard = LoopGuard(end - start)
+                request.guard = LoopGuard(end - start, request.prompt[start:end, 0].tolist())
+                request.end_floor = end_floor
         with self._lock:
             if request.request_id in self._requests:
                 raise ValueError(f"duplicate request id {request.request_id!r}")
@@ -639,8 +645,13 @@ class Engine:
             if not emitted:  # paused: nothing emitted this step
                 continue
             request.num_generated += 1
+            request.sampled += 1
             self.frames_generated += 1
+            if request.end_masked:  # the step after a refused end token: the end token may come again
+                self._unmask_end(request, row)
             stop = token == self.model.config.eos_token_id
+            if stop and request.guard is not None and self._refuse_end(request, row):
+                continue
             hold = 0
             if request.guard is not None and not stop:
                 assert columns is not None  # (a guard exists only where the runner has an aligner)
@@ -659,6 +670,8 @@ class Engine:
                 codes, end_codes = no_codes, codes
             if done:
                 reason = FinishReason.STOP if stop else FinishReason.LENGTH
+                if stop and request.guard is not None and self._ends_early(request):
+                    reason = FinishReason.SHORT  # (refusals spent: words are missing; never `stop`)
                 if request.looped:  # a repeat stayed in its frames (tts.engine.aligner.MAX_REWINDS)
                     reason = FinishReason.LOOP
                 with self._lock:
@@ -720,6 +733,49 @@ class Engine:
         request.retry_until = request.num_generated + RETRY_FRAMES
         no_codes = torch.empty(0, self.model.config.num_codebooks, dtype=torch.int64)
         return StepOutput(request.request_id, no_codes, retract=frames - 1)
+
+    @staticmethod
+    def _ends_early(request: Request) -> bool:
+        """Whether a guarded request's end token, sampled now, comes before its text was said: its
+        furthest trusted position short of the text's last tokens (`LoopGuard.said_all`), or fewer
+        frames than its `end_floor` (far fewer than its text's length predicts)."""
+        assert request.guard is not None  # (the caller checks)
+        return request.num_generated - 1 < request.end_floor or not request.guard.said_all()
+
+    def _refuse_end(self, request: Request, row: int) -> bool:
+        """The end token was sampled for a guarded request: if that is before its text was said
+        (`_ends_early`), refuse it, at most MAX_END_REFUSALS times per request (and no more once
+        MAX_STALLED_REFUSALS in a row found the text position no further on): the end-token frame is
+        taken back (it is never audio, so nothing handed out changes) and the step is sampled again with
+        the end token masked, through the same buffers as min_new_frames (`ModelRunner.set_min_frames`).
+        Its step counter keeps counting, so the draw is new and the request stays reproducible. Returns
+        whether it was refused (False: the request ends; `short` if it ends early)."""
+        if request.end_refusals >= MAX_END_REFUSALS or not self._ends_early(request):
+            return False
+        reached = request.guard.reached() if request.guard is not None else -1
+        stalled = request.end_refusals > 0 and reached <= request.end_reached
+        if stalled and request.end_stalls + 1 >= MAX_STALLED_REFUSALS:
+            return False
+        request.end_stalls = request.end_stalls + 1 if stalled else 0
+        request.end_reached = reached
+        request.end_refusals += 1
+        self.end_refusals += 1
+        request.num_generated -= 1
+        begin = self.model.config.semantic_begin_id
+        last = request.columns[-1] if request.columns else request.prompt[-1].tolist()
+        ras = [c[0] - begin for c in request.columns[1:]]
+        self.runner.rewind_row(row, 1, torch.tensor(last), ras)
+        self.runner.set_min_frames(row, request.sampled + 1)  # the next step's counter is `sampled`
+        self.runner.set_active(row, not request.paused)  # (the step deactivated it: it was done)
+        request.end_masked = True
+        return True
+
+    def _unmask_end(self, request: Request, row: int) -> None:
+        """After the step that a refused end token masked: the row's min_frames back to the caller's
+        min_new_frames plus every frame taken back (as `ModelRunner.rewind_row` keeps it)."""
+        request.end_masked = False
+        taken = request.sampled - request.num_generated
+        self.runner.set_min_frames(row, request.params.min_new_frames + taken)
 
     @staticmethod
     def _hold(request: Request) -> int:

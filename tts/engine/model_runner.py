@@ -435,6 +435,11 @@ class ModelRunner:
             window[window.shape[0] - kept.shape[0] :] = kept
         b.ras_history[row].copy_(window.to(self.device))
 
+    def set_min_frames(self, row: int, frames: int) -> None:
+        """A running row's min_frames: the end token is masked while its step counter is below it (a
+        refused end token masks the next step; `Engine._refuse_end`)."""
+        self.buffers.min_frames[row] = frames
+
     def set_sampling(self, row: int, temperature: float, top_p: float) -> None:
         """A running row's temperature and top-p from its next frame on (the loop guard's retry)."""
         self.buffers.temperature[row] = temperature

@@ -61,6 +61,14 @@ class Request:
     # Waiting for a KV block (the pool ran out): its row is inactive until one is free (tts.engine.scheduler).
     stalled: bool = False
     admission: int = 0  # order of admission among requests (1, 2, ...; 0: not admitted)
+    sampled: int = 0  # frames sampled, taken back or not (the frame step's step counter)
+    # An end token before this many frames kept is refused (`Engine._refuse_end`): far fewer frames than
+    # its text's length predicts (0: no such floor).
+    end_floor: int = 0
+    end_refusals: int = 0  # end tokens refused so far
+    end_reached: int = -1  # the guard's furthest trusted position at the last refusal
+    end_stalls: int = 0  # refusals in a row that found it no further on
+    end_masked: bool = False  # the next step samples without the end token (a refusal)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

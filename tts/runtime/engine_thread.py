@@ -451,6 +451,7 @@ class LoopStats:
     prefill_requests: int = 0  # requests prefilled (/ prefill_passes: requests per pass)
     prefill_replays: int = 0  # prefill passes replayed from a CUDA graph (tts.engine.prefill_graphs)
     loop_repeats: int = 0  # repeats the loop guard found (tts.engine.aligner)
+    end_refusals: int = 0  # end tokens refused before the text was said (tts.engine.Engine._refuse_end)
     steps: int = 0
     step_failures: int = 0
     codec_failures: int = 0  # codec stage calls (decode, reset, encode) that raised
@@ -1150,6 +1151,7 @@ class EngineLoop:
         s.prefill_passes, s.prefill_requests = e.runner.prefill_passes, e.prefill_requests
         s.prefill_replays = e.runner.prefill_graphs.graphs.stats.replays if e.runner.prefill_graphs else 0
         s.loop_repeats = e.loop_repeats
+        s.end_refusals = e.end_refusals
         s.replay_share = e.graphs.stats.replay_share
         s.frame_step_seconds = r.frame_step_seconds
         s.phase_seconds = {

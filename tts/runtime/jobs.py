@@ -523,14 +523,19 @@ class JobRunner:
                 prompt, span = self.planner.session_prompt(
                     spec.chunks[i], job.references, job.history, params
                 )
-                job.request = self.engine.submit(
-                    prompt, params, request_id=engine_id, text_span=span, sequence=spec.sequence
-                )
             else:
                 prompt, span = self.planner.prompt_with_span(
                     spec.chunks[i], job.references, job.history, params
                 )
-                job.request = self.engine.submit(prompt, params, request_id=engine_id, text_span=span)
+            end_floor = self.planner.end_floor(span)
+            job.request = self.engine.submit(
+                prompt,
+                params,
+                request_id=engine_id,
+                text_span=span,
+                sequence=spec.sequence,
+                end_floor=end_floor,
+            )
         except InvalidRequest as exc:
             prefix = f"text chunk {i + 1} of {len(spec.chunks)}: " if len(spec.chunks) > 1 else ""
             self._end(job, Failed(InvalidRequest(f"{prefix}{exc}")))
@@ -605,7 +610,13 @@ class JobRunner:
         frames = len(job.generated)
         where = f"text chunk {i + 1} of {n}" if n > 1 else "the text"
         nbytes = len(spec.chunks[i].encode("utf-8"))
-        if reason == FinishReason.STOP and frames < self.planner.short_frames(spec.chunks[i]):
+        if reason == FinishReason.SHORT:  # the engine's: the end token came before the text was said
+            job.warnings.append(
+                f"{where} ended after {frames} frame{'s' if frames != 1 else ''} "
+                f"({frames / self.planner.frame_rate:.2f} s) before its text was said: "
+                "its last words are missing"
+            )
+        elif reason == FinishReason.STOP and frames < self.planner.short_frames(spec.chunks[i]):
             reason = FinishReason.SHORT
             job.warnings.append(
                 f"{where} ended after {frames} frame{'s' if frames != 1 else ''} "

@@ -51,6 +51,15 @@ GUARD_SECONDS_PER_BYTE = 0.25
 # A chunk that the end token ends with fewer frames than `frame_rate * bytes / SHORT_BYTES_PER_SECOND`
 # (at least 2 frames) is implausibly short: no one speaks 40 bytes of text a second.
 SHORT_BYTES_PER_SECOND = 40.0
+# Models that read phonemes and follow their text with aligner heads (the default voice): a chunk of T
+# text tokens (phonemes, punctuation and spaces) is expected to take PACE_FRAMES + PACE_FRAMES_PER_TOKEN * T
+# frames (its 8 preset voices on three sentences of 11-175 tokens: 0.9-1.35x of that). Its runaway budget
+# is PACE_BUDGET times that (a text of one or two words cannot babble on for seconds), and its end token
+# is refused before PACE_END_FLOOR times that (tts.engine.Engine._refuse_end).
+PACE_FRAMES = 8.0
+PACE_FRAMES_PER_TOKEN = 0.8
+PACE_BUDGET = 2.0
+PACE_END_FLOOR = 0.4
 
 CheckFn = Callable[[Tensor, SamplingParams], None]
 
@@ -222,6 +231,26 @@ class Planner:
         nbytes = len(chunk_text.encode("utf-8"))
         return math.ceil(self.frame_rate * (GUARD_SECONDS + GUARD_SECONDS_PER_BYTE * nbytes))
 
+    def paced(self) -> bool:
+        """Whether chunk budgets and end floors follow the text's tokens (`PACE_FRAMES`): models with
+        aligner heads, whose text tokens are what is spoken (the default voice's phonemes)."""
+        return getattr(self.bundle, "aligner", None) is not None
+
+    def expected_frames(self, text_tokens: int) -> float:
+        """Frames a chunk of `text_tokens` text tokens is expected to take (a paced model's)."""
+        return PACE_FRAMES + PACE_FRAMES_PER_TOKEN * text_tokens
+
+    def paced_budget(self, text_tokens: int) -> int:
+        """A paced model's runaway budget for a chunk of `text_tokens` tokens, in frames."""
+        return math.floor(PACE_BUDGET * self.expected_frames(text_tokens))  # (never over PACE_BUDGET x)
+
+    def end_floor(self, span: tuple[int, int] | None) -> int:
+        """Frames before which a paced model's end token is refused for a chunk whose text is the
+        prompt's `span` (0: no floor)."""
+        if span is None or not self.paced():
+            return 0
+        return math.floor(PACE_END_FLOOR * self.expected_frames(span[1] - span[0]))
+
     def short_frames(self, chunk_text: str) -> int:
         """Fewer frames than this, ended by the end token, is implausibly little audio for the text."""
         nbytes = len(chunk_text.encode("utf-8"))
@@ -348,9 +377,16 @@ class Planner:
             codec = self.bundle.codec
             frames = max(1, math.ceil(reference.samples.numel() / codec.frame_length))
             check_refs.append(VoiceReference(_zero_codes(codec.num_codebooks, frames), reference.text))
+        fmt = self.bundle.prompt_format
         for i, (chunk_text, budget) in enumerate(zip(chunks, budgets, strict=True)):
             charge(len(chunk_text))  # (and the deadline is checked before each chunk's prompt)
-            prompt = self.bundle.prompt_format.build(chunk_text, check_refs, [])
+            with_span = getattr(fmt, "build_with_span", None)  # (formats that say where the text is)
+            if self.paced() and with_span is not None:
+                prompt, (start, end) = with_span(chunk_text, check_refs, [])
+                paced = max(self.paced_budget(end - start), params.min_new_frames)  # (as many as asked)
+                budgets[i] = budget = min(budget, paced)
+            else:
+                prompt = fmt.build(chunk_text, check_refs, [])
             try:
                 self.check(prompt, replace(params, seed=seed + i, max_new_frames=budget, min_new_frames=0))
             except InvalidRequest as exc:

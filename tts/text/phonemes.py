@@ -63,7 +63,18 @@ class PhonemeFrontend:
         return [" ".join(s.split()) for s in out]
 
     def __call__(self, text: str) -> str:
-        return self.phonemize_batch([text])[0]
+        """The phonemes of `text` as a sentence: ending with terminal punctuation (a full stop where the
+        text has none, in place of a trailing comma, colon or semicolon). The default model learned
+        from punctuated sentences; without it a text of a word or two ("hi", "OK") was read on into
+        babble before the end token came, and with it ("Hi.") it ends."""
+        phonemes = self.phonemize_batch([text])[0]
+        if phonemes and phonemes[-1] not in _TERMINAL:
+            phonemes = phonemes.rstrip(",;: ") + "."
+        return phonemes
+
+
+# Punctuation that ends a sentence as espeak-ng keeps it (with closing quotes and brackets after it).
+_TERMINAL = frozenset(".!?…\"')]")
 
 
 def identity(text: str) -> str:

@@ -209,8 +209,12 @@ _OTHER = r"[^\p{Latin}\p{Common}\p{Inherited}\s]"
 # Clause punctuation after a run goes with it; what is left at the start of the text is dropped too.
 _AFTER_RUN = r"(?:\s*[,;:\u060c\u061b\u3001\uff0c\uff1b\uff1a])?"
 _LEADING_PUNCTUATION = regex.compile(r"^[\s,;:.!?\u060c\u061f\u3001\u3002\uff0c\uff01\uff1f]+")
+# Digits written inside such a run, or against it ("今天是2024年3月5日"), are part of that text (a date
+# read by its language), not English: they go with the run (a number after a Latin letter stays, "A4").
+_NUMBER = r"[\d\uff10-\uff19](?:[\d\uff10-\uff19]|[.,:/][\d\uff10-\uff19])*"
 _OTHER_RUN = regex.compile(
-    rf"{_OTHER}(?:{_OTHER}|[\p{{Lm}}\p{{M}}\u3000-\u303f\uff01-\uff0f\uff1a-\uff20\uff5b-\uff65])*"
+    rf"(?:(?<!\p{{Latin}}){_NUMBER})?{_OTHER}"
+    rf"(?:{_OTHER}|{_NUMBER}|[\p{{Lm}}\p{{M}}\u3000-\u303f\uff01-\uff0f\uff1a-\uff20\uff5b-\uff65])*"
     + _AFTER_RUN
 )
 _GREEK_LETTER = regex.compile(r"\p{Greek}")
@@ -245,9 +249,11 @@ def drop_other_scripts(text: str) -> tuple[str, dict[str, int]]:
         if len(run) == 1 and _GREEK_LETTER.match(run):
             return run
         for ch in run:
-            if ch.isalnum():
+            if ch.isalpha() or (ch.isalnum() and not ch.isdigit()):  # (digits: counted apart)
                 script = script_of(ch)
                 dropped[script] = dropped.get(script, 0) + 1
+            elif ch.isdigit():
+                dropped[DIGITS] = dropped.get(DIGITS, 0) + 1
         return " "
 
     out = _OTHER_RUN.sub(drop, text)
@@ -256,21 +262,29 @@ def drop_other_scripts(text: str) -> tuple[str, dict[str, int]]:
     return out, dropped
 
 
+# The key of `drop_other_scripts`' counts for digits written inside or against a dropped run.
+DIGITS = "digits"
+
+
 def _script_list(dropped: dict[str, int]) -> str:
-    names = sorted(dropped, key=lambda s: -dropped[s])
+    names = sorted((s for s in dropped if s != DIGITS), key=lambda s: -dropped[s]) or ["other-script"]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def _dropped_warning(dropped: dict[str, int]) -> str:
-    n = sum(dropped.values())
+    n = sum(v for k, v in dropped.items() if k != DIGITS)
+    digits = dropped.get(DIGITS, 0)
+    with_digits = f", with the {digits} digit{'s' if digits != 1 else ''} written in it," if digits else ""
     return (
         f"this model reads English only: {n} character{'s' if n != 1 else ''} of {_script_list(dropped)} "
-        "text were left out (a multilingual model such as Fish Audio S2-Pro reads them)"
+        f"text{with_digits} were left out (a multilingual model such as Fish Audio S2-Pro reads them)"
     )
 
 
 def _check_english_left(text: str, dropped: dict[str, int]) -> None:
-    if not any(ch.isalnum() for ch in _ANY_TAG.sub("", text)):
+    """Refuse text whose other-script runs were dropped and that has no English word left: nothing, or
+    only numbers and symbols (read alone they would be a salad of numbers out of their sentences)."""
+    if not any(ch.isalpha() for ch in _ANY_TAG.sub("", text)):
         raise TextError(
             f"this model reads English only, and the text is {_script_list(dropped)} text with nothing "
             "English to read; use a multilingual model such as Fish Audio S2-Pro"
