@@ -24,7 +24,7 @@ from tts.runtime.engine_thread import (
     DEFAULT_MAX_SESSIONS,
     Cancelled,
     EngineFailed,
-    EngineLoop,
+    EngineThread,
     Finished,
     LoopClosed,
     Overloaded,
@@ -114,13 +114,13 @@ class ReplicaState:
     * `serving`: warm and admitting (health SERVING; HTTP /health 200);
     * `draining`: shutdown began (health NOT_SERVING at once; calls are still admitted until admission
       closes, then refused UNAVAILABLE / 503; liveness SERVING);
-    * `failed`: a part failed and cannot recover (`EngineLoop.failure` says why; health and liveness
+    * `failed`: a part failed and cannot recover (`EngineThread.failure` says why; health and liveness
       NOT_SERVING);
     * `stopped`: the engine thread ended (health and liveness NOT_SERVING).
 
     `refusal()` says why a call cannot be admitted now (the same words on both fronts)."""
 
-    def __init__(self, loop: EngineLoop, limits: ServiceLimits, replica: str = ""):
+    def __init__(self, loop: EngineThread, limits: ServiceLimits, replica: str = ""):
         self.loop, self.limits, self.replica = loop, limits, replica
         self.warm = False  # warm-up done (set by the server's on_ready hook)
         self.stopping = False  # stop() called

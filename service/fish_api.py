@@ -1,6 +1,6 @@
 """Fish Audio's API on the HTTP front, so that the official `fish-audio-sdk`
 (`fishaudio.FishAudio(base_url=...)` and the older `fish_audio_sdk`) works unchanged against this server.
-Translation only: Fish's wire format <-> the runtime's `SpeechRequest`, `EngineLoop.open_session` and the
+Translation only: Fish's wire format <-> the runtime's `SpeechRequest`, `EngineThread.open_session` and the
 voice registry; the rules are the runtime's.
 
 * `POST /v1/tts`: the body as MessagePack (`Content-Type: application/msgpack`, as the SDK sends it) or JSON:

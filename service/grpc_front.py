@@ -2,7 +2,7 @@
 the runtime's `SpeechRequest`, and the map from errors to gRPC statuses. `service.server.TTSServer` owns it.
 
 Handlers only translate, enqueue and stream: every device operation (engine steps, prefill, reference
-encoding, codec decode) happens in `EngineLoop`'s engine thread or its codec stage. A `Synthesize` call:
+encoding, codec decode) happens in `EngineThread`'s engine thread or its codec stage. A `Synthesize` call:
 
 1. becomes a `SpeechRequest` (`speech_request`) and is checked and planned on a worker thread
    (`tts.runtime.request`: text (prepared by the model's text policy unless `normalize` is false, split
@@ -66,7 +66,7 @@ from tts.engine import FinishReason, InvalidRequest
 from tts.runtime.engine_thread import (
     Audio,
     EngineFailed,
-    EngineLoop,
+    EngineThread,
     Failed,
     Finished,
     Overloaded,
@@ -90,7 +90,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextToSpeech"].full_name  # "tts.v1.TextToSpeech"
 # The health service name for liveness probes: SERVING from start-up (warm-up included) through a drain,
-# NOT_SERVING once the engine thread has ended or the replica failed for good (`EngineLoop.failure`).
+# NOT_SERVING once the engine thread has ended or the replica failed for good (`EngineThread.failure`).
 LIVENESS_SERVICE = "liveness"
 # The trailing metadata key that names the request field at fault in an INVALID_ARGUMENT / NOT_FOUND status.
 FIELD_METADATA = "tts-field"
@@ -392,7 +392,9 @@ class SynthesisCall(CallLog):
 class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
     """tts.v1.TextToSpeech over one engine loop; `state` is the replica's (admission, its name)."""
 
-    def __init__(self, loop: EngineLoop, limits: ServiceLimits, metrics: ServiceMetrics, state: ReplicaState):
+    def __init__(
+        self, loop: EngineThread, limits: ServiceLimits, metrics: ServiceMetrics, state: ReplicaState
+    ):
         self.loop = loop
         self.limits = limits
         self.metrics = metrics

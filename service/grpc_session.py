@@ -1,5 +1,5 @@
 """The gRPC front's `SynthesizeSession` (bidi streaming): the translation between its messages and an
-`EngineLoop` session (`tts.runtime.engine_thread.SessionStream`). `TextToSpeechServicer.SynthesizeSession`
+`EngineThread` session (`tts.runtime.engine_thread.SessionStream`). `TextToSpeechServicer.SynthesizeSession`
 calls `run_session`, so the call goes through the servicer's registration (`add_servicer`) like every
 other method, and a server interceptor covers it.
 
@@ -95,7 +95,7 @@ class SessionEndedByServer(Exception):
 def session_settings(
     servicer: TextToSpeechServicer, start: pb.SessionStart
 ) -> tuple[dict, pb.AudioEncoding, bool]:
-    """A SessionStart as `EngineLoop.open_session` keyword arguments, the encoding and include_codes.
+    """A SessionStart as `EngineThread.open_session` keyword arguments, the encoding and include_codes.
     Raises InvalidField naming the field at fault (`start.sampling.top_p`, `start.output.chunk_frames`,
     ...), as the session's own checks would find it but with the field named."""
     planner = servicer.loop.planner

@@ -1,5 +1,5 @@
 """The HTTP front (FastAPI on uvicorn): an OpenAI-compatible `/v1/audio/speech`, voices, models, health,
-Prometheus metrics and the playground page, served by the same process, asyncio loop and `EngineLoop`
+Prometheus metrics and the playground page, served by the same process, asyncio loop and `EngineThread`
 as the gRPC server (`TTSServer` starts it beside grpc.aio), so both fronts share one admission limit.
 
 Endpoints:
@@ -98,7 +98,7 @@ from tts.engine import InvalidRequest
 from tts.runtime.engine_thread import (
     Audio,
     EngineFailed,
-    EngineLoop,
+    EngineThread,
     Failed,
     Finished,
     LoopClosed,
@@ -701,7 +701,7 @@ class HTTPFront:
 
     def __init__(
         self,
-        loop: EngineLoop,
+        loop: EngineThread,
         limits: ServiceLimits,
         metrics: ServiceMetrics,
         state: ReplicaState,

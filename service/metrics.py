@@ -1,6 +1,6 @@
 """Prometheus metrics of the synthesis service (prometheus-client), served over HTTP.
 
-Engine state is read at scrape time from the engine loop's snapshot (`EngineLoop.stats`, refreshed
+Engine state is read at scrape time from the engine loop's snapshot (`EngineThread.stats`, refreshed
 every iteration by the engine thread); per-request figures are observed by the gRPC handlers:
 
 | metric | type | meaning |
@@ -47,7 +47,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tts.runtime.engine_thread import EngineLoop
+from tts.runtime.engine_thread import EngineThread
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 class _EngineCollector:
     """Reads the engine loop's snapshot at scrape time."""
 
-    def __init__(self, loop: EngineLoop):
+    def __init__(self, loop: EngineThread):
         self.loop = loop
 
     def collect(self):
@@ -149,7 +149,7 @@ class _EngineCollector:
 class ServiceMetrics:
     """The service's metrics in their own registry (several servers can live in one process)."""
 
-    def __init__(self, loop: EngineLoop):
+    def __init__(self, loop: EngineThread):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(loop))
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends (Linux)

@@ -1,5 +1,5 @@
 """The server process: `TTSServer` owns both fronts (gRPC: service/grpc_front.py; HTTP: service/http.py),
-the engine thread (`tts.runtime.engine_thread.EngineLoop`), the metrics endpoint, the replica's state
+the engine thread (`tts.runtime.engine_thread.EngineThread`), the metrics endpoint, the replica's state
 (`service.common.ReplicaState`: the one definition of warming_up / serving / draining / failed / stopped
 that gRPC health, HTTP /health and /load report) and the drain.
 
@@ -16,7 +16,7 @@ health service `liveness` stays SERVING while the process and its engine thread 
 draining included), for a liveness probe that must not restart a replica that is only busy or draining.
 
 A part that fails and cannot recover (the codec stage dead, engine steps failing in a row, the engine
-thread crashed: `EngineLoop.failure`) takes the whole replica out: health (the server's, the service's
+thread crashed: `EngineThread.failure`) takes the whole replica out: health (the server's, the service's
 and `liveness`) turns NOT_SERVING at once, so the balancer drains it and a liveness probe restarts it;
 HTTP /health answers 503 `{"status": "failed", "reason": ...}`; new calls are UNAVAILABLE naming the
 reason; the metric `tts_replica_failed` is 1 and the reason is logged once at ERROR.
@@ -47,7 +47,7 @@ from service.metrics import ServiceMetrics
 from tts.checkpoints.bundle import ModelBundle
 from tts.engine import EngineConfig
 from tts.params import MAX_CHUNK_FRAMES
-from tts.runtime.engine_thread import EngineLoop
+from tts.runtime.engine_thread import EngineThread
 
 if TYPE_CHECKING:
     from grpc_health.v1 import health
@@ -110,7 +110,7 @@ class TTSServer:
             (limits.max_send_bytes // 4) // (bundle.codec.frame_length * 4 + bundle.codec.num_codebooks * 5),
         )
         limits.max_chunk_frames = min(limits.max_chunk_frames, cap, MAX_CHUNK_FRAMES)
-        self.loop = EngineLoop(
+        self.loop = EngineThread(
             bundle,
             engine_config,
             max_waiting=limits.max_waiting,
@@ -238,7 +238,7 @@ class TTSServer:
     @property
     def state(self) -> str:
         """The replica's state: `warming_up`, `serving`, `draining` (stop() called), `failed` (a part failed
-        and could not recover: `EngineLoop.failure` says why) or `stopped` (`ReplicaState.state`)."""
+        and could not recover: `EngineThread.failure` says why) or `stopped` (`ReplicaState.state`)."""
         return self.replica_state.state
 
     async def wait_ready(self, timeout: float | None = None) -> None:

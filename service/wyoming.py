@@ -1,5 +1,5 @@
 """The Wyoming front: Home Assistant's TTS protocol over TCP, served from the same process, asyncio loop and
-`EngineLoop` as the gRPC and HTTP fronts (`TTSServer` starts and stops it; `tts serve --wyoming-port`).
+`EngineThread` as the gRPC and HTTP fronts (`TTSServer` starts and stops it; `tts serve --wyoming-port`).
 
 Wyoming (the `wyoming` package on PyPI is the reference client) frames each event as one JSON line
 `{"type", "data", "data_length", "payload_length", "version"}`, then `data_length` bytes of JSON merged
@@ -15,7 +15,7 @@ Events handled (client -> server):
   and HTTP run it.
 * streaming: `synthesize-start {voice?}`, `synthesize-chunk {text}`..., `synthesize-stop` ->
   `audio-start`, `audio-chunk`s as the text is spoken, `audio-stop`, `synthesize-stopped`: one session
-  of the engine loop (`SessionSpeech` below: `EngineLoop.open_session`; `synthesize-chunk` -> `send`,
+  of the engine loop (`SessionSpeech` below: `EngineThread.open_session`; `synthesize-chunk` -> `send`,
   `synthesize-stop` -> `close`, a disconnect -> `abort`): each complete sentence is spoken as soon as it
   is complete, with the earlier ones as context (their KV kept), on one codec stream, so the audio runs on
   without a seam across sentences. Streams count against `--max-sessions` (beyond: `resource_exhausted`).
@@ -325,7 +325,7 @@ class SentenceJobs:
 
 
 class SessionSpeech:
-    """A Wyoming stream as a session of the engine loop (`EngineLoop.open_session`), behind the calls
+    """A Wyoming stream as a session of the engine loop (`EngineThread.open_session`), behind the calls
     `_Connection` makes of a synthesis: `send` (synthesize-chunk), `close` (synthesize-stop), `abort` (a
     disconnect or an error) and `audio()`. Opening it raises what `open_session` raises (SessionLimit,
     LoopClosed, VoiceNotFound, InvalidRequest).

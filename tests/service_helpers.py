@@ -15,7 +15,7 @@ import torch
 from service.client import channel_options, decode_audio, decode_codes
 from service.server import TTSServer
 from tts.engine import EngineConfig
-from tts.runtime.engine_thread import EngineLoop
+from tts.runtime.engine_thread import EngineThread
 
 # A stream of exactly HOLD_FRAMES frames whatever the random weights do (the end token is held off),
 # for a text long enough that the runaway guard allows it. Sent as float32 one frame per chunk, its
@@ -67,7 +67,7 @@ class ServerThread:
             self._thread.join(30)
 
     @property
-    def loop(self) -> EngineLoop:
+    def loop(self) -> EngineThread:
         return self.server.loop
 
     def channel(self, **options):
@@ -104,7 +104,7 @@ def collect(call) -> dict:
     }
 
 
-def wait_idle(loop: EngineLoop, timeout: float = 30.0) -> None:
+def wait_idle(loop: EngineThread, timeout: float = 30.0) -> None:
     """Wait until no job, engine request, KV block or active row is left (the baseline)."""
     deadline = time.monotonic() + timeout
     engine = loop.engine

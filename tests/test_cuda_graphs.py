@@ -376,10 +376,10 @@ def test_engine_loop_on_the_gpu_streams_the_offline_audio():
 
     from tts.api import TTS
     from tts.checkpoints.load import load_bundle
-    from tts.runtime.engine_thread import Audio, EngineLoop, Finished
+    from tts.runtime.engine_thread import Audio, EngineThread, Finished
 
     bundle = load_bundle("default", "cuda")  # (its codec runs on the GPU too)
-    loop = EngineLoop(bundle, EngineConfig(max_batch=4, graphs="startup")).start()
+    loop = EngineThread(bundle, EngineConfig(max_batch=4, graphs="startup")).start()
     try:
         loop.wait_ready(120)
         assert loop.runner.stage.is_cuda

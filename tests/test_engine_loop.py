@@ -1,4 +1,4 @@
-"""EngineLoop: the engine thread driving the job pipeline: streamed audio, back-pressure, preemption of
+"""EngineThread: the engine thread driving the job pipeline: streamed audio, back-pressure, preemption of
 paused streams, cancel, failures."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tts.runtime.engine_thread import (
     Audio,
     Cancelled,
     EngineFailed,
-    EngineLoop,
+    EngineThread,
     Failed,
     Finished,
     LoopClosed,
@@ -46,7 +46,7 @@ def make_loop(bundle):
 
     def make(**options):
         engine_config = EngineConfig(max_batch=options.pop("max_batch", 4))
-        loop = EngineLoop(bundle, engine_config, **options).start()
+        loop = EngineThread(bundle, engine_config, **options).start()
         loop.wait_ready(60)
         loops.append(loop)
         return loop
@@ -142,7 +142,7 @@ def test_asyncio_consumer(make_loop):
 
 def test_events_for_an_event_loop_go_over_in_one_handover_per_flush(bundle):
     # Not started: this thread plays the engine thread, which delivers and flushes.
-    loop = EngineLoop(bundle, EngineConfig(max_batch=1), warmup=False)
+    loop = EngineThread(bundle, EngineConfig(max_batch=1), warmup=False)
     aio = asyncio.new_event_loop()
     try:
         a, b = RequestStream(loop, "a", aio), RequestStream(loop, "b", aio)
@@ -602,12 +602,12 @@ SPLIT_TEXT = " ".join(
 @pytest.fixture(scope="module")
 def boundary_loops():
     """One loop per model (built on first use), kept for every chunk size."""
-    loops: dict[str, EngineLoop] = {}
+    loops: dict[str, EngineThread] = {}
 
-    def get(model: str) -> EngineLoop:
+    def get(model: str) -> EngineThread:
         if model not in loops:
             engine_config = EngineConfig(max_batch=2)
-            loops[model] = EngineLoop(load_bundle(model), engine_config, max_queued_chunks=16).start()
+            loops[model] = EngineThread(load_bundle(model), engine_config, max_queued_chunks=16).start()
             loops[model].wait_ready(120)
         return loops[model]
 

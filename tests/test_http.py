@@ -35,7 +35,7 @@ from tts.audio.files import read_audio, to_pcm16
 from tts.checkpoints.load import load_bundle
 from tts.engine import EngineConfig
 from tts.model.config import AlignerSpec
-from tts.runtime.engine_thread import EngineLoop
+from tts.runtime.engine_thread import EngineThread
 
 pytest.importorskip("fastapi")
 av = pytest.importorskip("av")
@@ -562,13 +562,13 @@ def test_models_voices_metrics_and_playground(server):
 
 def test_health_is_503_while_warming_up_and_while_draining(bundle, monkeypatch, offline):
     release = threading.Event()
-    original = EngineLoop._run_warmup
+    original = EngineThread._run_warmup
 
     def slow_warmup(self):
         assert release.wait(60)
         original(self)
 
-    monkeypatch.setattr(EngineLoop, "_run_warmup", slow_warmup)
+    monkeypatch.setattr(EngineThread, "_run_warmup", slow_warmup)
     srv = HTTPServerThread(
         bundle, EngineConfig(max_batch=2), ServiceLimits(max_queued_chunks=2), wait_ready=False
     )

@@ -38,7 +38,7 @@ from tts.api import TTS, VoiceNotFound
 from tts.checkpoints.load import load_bundle
 from tts.engine import EngineConfig, InvalidRequest
 from tts.model.config import AlignerSpec
-from tts.runtime.engine_thread import EngineLoop
+from tts.runtime.engine_thread import EngineThread
 
 pytest.importorskip("grpc_health")
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
@@ -572,13 +572,13 @@ def test_overload_gives_resource_exhausted(bundle):
 
 def test_health_serving_only_after_warmup(bundle, monkeypatch):
     release = threading.Event()
-    original = EngineLoop._run_warmup
+    original = EngineThread._run_warmup
 
     def slow_warmup(self):
         assert release.wait(60)
         original(self)
 
-    monkeypatch.setattr(EngineLoop, "_run_warmup", slow_warmup)
+    monkeypatch.setattr(EngineThread, "_run_warmup", slow_warmup)
     srv = ServerThread(bundle, EngineConfig(max_batch=2), wait_ready=False)
     try:
         with srv.channel() as channel:

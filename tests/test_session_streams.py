@@ -1,4 +1,4 @@
-"""Sessions on the service's engine thread (`EngineLoop.open_session` -> `SessionStream`): commands posted
+"""Sessions on the service's engine thread (`EngineThread.open_session` -> `SessionStream`): commands posted
 to the engine thread, events in order to thread and asyncio consumers, one codec stream per session,
 barge-in counted in frame steps, the session limit, hold and idle timeouts on a test clock,
 back-pressure and preemption of a session nobody reads, shutdown. Deterministic: exact frame counts
@@ -21,7 +21,7 @@ from tts.params import InvalidRequest
 from tts.runtime.engine_thread import (
     ChunkEnded,
     ChunkStarted,
-    EngineLoop,
+    EngineThread,
     Finished,
     LoopClosed,
     SessionAudio,
@@ -46,7 +46,7 @@ def make_loop(bundle):
 
     def make(**options):
         engine_config = EngineConfig(max_batch=options.pop("max_batch", 2), ignore_eos=True, block_size=BLOCK)
-        loop = EngineLoop(bundle, engine_config, **options).start()
+        loop = EngineThread(bundle, engine_config, **options).start()
         loop.wait_ready(60)
         loops.append(loop)
         return loop

@@ -298,15 +298,15 @@ def test_soak_fails_with_one_line_when_a_request_stays_in_flight(bundle, tmp_pat
 
     from tts.cli.main import main
     from tts.engine import EngineConfig
-    from tts.runtime.engine_thread import EngineLoop
+    from tts.runtime.engine_thread import EngineThread
 
-    refresh = EngineLoop._refresh_stats
+    refresh = EngineThread._refresh_stats
 
     def one_too_many(self):
         refresh(self)
         self.stats.jobs += 1
 
-    monkeypatch.setattr(EngineLoop, "_refresh_stats", one_too_many)
+    monkeypatch.setattr(EngineThread, "_refresh_stats", one_too_many)
     srv = ServerThread(bundle, EngineConfig(max_batch=2), metrics_port=0)
     try:
         args = [

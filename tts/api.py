@@ -8,7 +8,7 @@
 
 A synthesis is planned by `tts.runtime.planner.Planner` (text normalized and split into chunks of at most
 `chunk_length` UTF-8 bytes, the voice resolved, every chunk's prompt checked against the context) and run by
-the same job pipeline the service uses (`tts.runtime.jobs.JobRunner`, driven here on the caller's thread):
+the same job pipeline the service uses (`tts.runtime.jobs.JobPipeline`, driven here on the caller's thread):
 each chunk is one engine request whose prompt carries the voice reference and the previous chunk (text and
 generated codes) as context, as fish-speech does for long text (docs/fish_dual_ar.md §3.2), and the codes flow
 through one streaming codec decode per synthesis on the codec stage's thread, so chunk boundaries are seamless
@@ -32,7 +32,7 @@ from tts.checkpoints.load import load_bundle
 from tts.codec.base import AudioError
 from tts.engine import Engine, EngineConfig, FinishReason, InvalidRequest, for_bundle
 from tts.params import DEFAULT_CHUNK_FRAMES, DEFAULT_FIRST_CHUNK_FRAMES
-from tts.runtime.jobs import Audio, Failed, Finished, JobRunner, ListSink, ramp_sizes
+from tts.runtime.jobs import Audio, Failed, Finished, JobPipeline, ListSink, ramp_sizes
 from tts.runtime.planner import Planner, PreparedReference, SynthesisJob
 from tts.runtime.request import RequestLimits, Sampling, SpeechRequest
 from tts.runtime.sessions import Session, SessionEvent, SessionManager, SessionOptions
@@ -111,7 +111,7 @@ class TTS:
         self.planner = Planner(bundle, self.engine.max_context, self.engine.check, self.voice_registry)
         self._wake = threading.Event()
         # Codec streams: one per job (max_batch + 4) and one per open session (`sessions`: as many again).
-        self.runner = JobRunner(
+        self.runner = JobPipeline(
             self.engine,
             self.planner,
             max_streams=2 * (self.engine.config.max_batch + 4),

@@ -173,7 +173,7 @@ class CodecStage:
         # Output: rows x frames x frame_length float32 of the largest call, viewed as [rows, frames * L].
         self._out: Tensor | None = None
         self._h_out: Tensor | None = None
-        # The lowest priority (0): the engine thread's frame steps go first (EngineLoop._use_step_stream).
+        # The lowest priority (0): the engine thread's frame steps go first (EngineThread._use_step_stream).
         self.stream = torch.cuda.Stream(self.device, priority=0) if self.is_cuda else None
         use_graphs = graphs and self.is_cuda and getattr(self.decoder, "graph_safe", False)
         self.graphs = GraphRunner(

@@ -1,7 +1,7 @@
-"""The engine thread: one thread owns the `Engine` and drives the job pipeline (`JobRunner`).
+"""The engine thread: one thread owns the `Engine` and drives the job pipeline (`JobPipeline`).
 
-`EngineLoop` builds the engine, the request planner and the job runner inside its own thread, warms
-them up, then calls `JobRunner.step()` while there is work and sleeps on a condition variable
+`EngineThread` builds the engine, the request planner and the job runner inside its own thread, warms
+them up, then calls `JobPipeline.step()` while there is work and sleeps on a condition variable
 otherwise (the codec stage wakes it when audio is decoded). Other threads (the gRPC and HTTP handlers'
 asyncio loop, tests, the load benchmark) only call the thread-safe methods and read `RequestStream`
 events:
@@ -17,7 +17,7 @@ events:
 * `cancel()` ends the job at the next iteration and frees its blocks, row and codec slot;
 * `add_voice` / `delete_voice` / `voices` manage registered voices (encoding on the codec stage);
 * if an engine step raises, every job in flight fails with `EngineFailed` and the loop keeps serving;
-* a part that cannot recover (the codec stage dead, engine steps failing in a row: `JobRunner.failure`)
+* a part that cannot recover (the codec stage dead, engine steps failing in a row: `JobPipeline.failure`)
   or a crash of the engine thread itself takes the whole replica out of service: `failure` says why,
   `on_failed(reason)` is called once (the server turns its health NOT_SERVING), jobs in flight fail with
   `EngineFailed`, and `submit` raises LoopClosed (UNAVAILABLE: retry on another replica).
@@ -65,7 +65,7 @@ from tts.runtime.jobs import (
     Event,
     Failed,
     Finished,
-    JobRunner,
+    JobPipeline,
     LoopClosed,
     Preempted,
     Started,
@@ -99,7 +99,7 @@ DEFAULT_MAX_QUEUED_CHUNKS = 8
 DEFAULT_REFERENCE_CACHE_BYTES = 64 * 1024 * 1024
 
 __all__ = [
-    "Audio", "Cancelled", "EngineFailed", "EngineLoop", "Event", "Failed", "Finished", "LoopClosed",
+    "Audio", "Cancelled", "EngineFailed", "EngineThread", "Event", "Failed", "Finished", "LoopClosed",
     "Overloaded", "Preempted", "RequestStream", "Started", "SynthesisJob",
     "ChunkEnded", "ChunkStarted", "SessionAudio", "SessionClosed", "SessionEnded", "SessionEvent",
     "SessionLimit", "SessionOptions", "SessionStream", "SessionWarning", "WordTimings", "BargeIn",
@@ -109,7 +109,7 @@ DEFAULT_MAX_SESSIONS = 16
 
 
 def _built(part: T | None) -> T:
-    """`part` of the engine (EngineLoop.engine, .planner, .runner), built on the engine thread."""
+    """`part` of the engine (EngineThread.engine, .planner, .runner), built on the engine thread."""
     if part is None:
         raise RuntimeError("engine not started")
     return part
@@ -124,9 +124,9 @@ class Overloaded(RuntimeError):
 
 class RequestStream:
     """The consumer's handle on one job: `await next()` (asyncio) or `get()` (threads) its events,
-    `cancel()` it. Created by `EngineLoop.submit`."""
+    `cancel()` it. Created by `EngineThread.submit`."""
 
-    def __init__(self, loop: EngineLoop, job_id: str, aio_loop: asyncio.AbstractEventLoop | None):
+    def __init__(self, loop: EngineThread, job_id: str, aio_loop: asyncio.AbstractEventLoop | None):
         self.request_id = job_id
         self._loop = loop
         self._aio_loop = aio_loop
@@ -193,7 +193,7 @@ class RequestStream:
             return True
         if self._aio_loop.is_closed():  # nobody will read this stream
             return False
-        # Handed over in one batch per event loop by EngineLoop._flush (this is the engine thread).
+        # Handed over in one batch per event loop by EngineThread._flush (this is the engine thread).
         self._loop._outbox.setdefault(self._aio_loop, []).append((self, event))
         return True
 
@@ -229,7 +229,7 @@ class _Cut:
 
 
 class SessionStream:
-    """The consumer's handle on one session of an `EngineLoop` (made by `EngineLoop.open_session`).
+    """The consumer's handle on one session of an `EngineThread` (made by `EngineThread.open_session`).
 
     Commands return at once; the engine thread applies them in order:
     * `send(text)`: add text. Raises InvalidRequest (not a string, or more than the session's
@@ -252,7 +252,7 @@ class SessionStream:
 
     def __init__(
         self,
-        loop: EngineLoop,
+        loop: EngineThread,
         session_id: str,
         aio_loop: asyncio.AbstractEventLoop | None,
         max_pending_bytes: int,
@@ -455,7 +455,7 @@ class LoopStats:
     steps: int = 0
     step_failures: int = 0
     codec_failures: int = 0  # codec stage calls (decode, reset, encode) that raised
-    failed: bool = False  # the replica is out of service (`EngineLoop.failure`)
+    failed: bool = False  # the replica is out of service (`EngineThread.failure`)
     replay_share: float = 0.0
     frame_step_seconds: float = 0.0  # wall time of engine steps (on CUDA: until the frame is on the host)
     # The engine thread's wall time by phase: prefill, replay, rows (inside engine steps), audio, route
@@ -467,7 +467,7 @@ class LoopStats:
     codec_decode_calls: int = 0
     codec_decode_frames: int = 0
     codec_decode_padded_frames: int = 0  # rows x frames the padded calls computed
-    # The time to first audio split by phase (`JobRunner.first_audio_seconds`), summed over the jobs
+    # The time to first audio split by phase (`JobPipeline.first_audio_seconds`), summed over the jobs
     # that had audio (`first_audio_jobs`).
     first_audio_seconds: dict = field(default_factory=dict)
     first_audio_jobs: int = 0
@@ -478,8 +478,8 @@ class LoopStats:
     barge_in_freed_steps: int = 0  # frame steps between those cancels and their rows freed, summed
 
 
-class EngineLoop:
-    """Runs an `Engine` and its `JobRunner` in a dedicated thread (see the module docstring).
+class EngineThread:
+    """Runs an `Engine` and its `JobPipeline` in a dedicated thread (see the module docstring).
 
     bundle: the model bundle. engine_config: the engine's sizing; its `max_waiting` is raised
     internally so that a job's later text chunks are never refused. max_waiting: jobs admitted beyond
@@ -541,7 +541,7 @@ class EngineLoop:
         # Built on the engine thread at start-up (`engine`, `planner`, `runner` read them).
         self._engine: Engine | None = None
         self._planner: Planner | None = None
-        self._runner: JobRunner | None = None
+        self._runner: JobPipeline | None = None
         self._sessions: SessionManager | None = None
         self.session_options = session_options or SessionOptions()
         self._session_clock = session_clock
@@ -581,7 +581,7 @@ class EngineLoop:
 
     # ---- lifecycle (any thread) ----------------------------------------------------------------------
 
-    def start(self) -> EngineLoop:
+    def start(self) -> EngineThread:
         """Start the engine thread (it builds the engine and warms up); returns at once."""
         self._thread.start()
         return self
@@ -620,7 +620,7 @@ class EngineLoop:
         return _built(self._planner)
 
     @property
-    def runner(self) -> JobRunner:
+    def runner(self) -> JobPipeline:
         """The job runner; RuntimeError until the engine thread has built it."""
         return _built(self._runner)
 
@@ -885,7 +885,7 @@ class EngineLoop:
                 self._use_step_stream(device)
             self._engine = Engine(self.bundle.model, for_bundle(self.engine_config, self.bundle))
             self._planner = Planner(self.bundle, self._engine.max_context, self._engine.check, self.voices)
-            self._runner = JobRunner(
+            self._runner = JobPipeline(
                 self._engine,
                 self._planner,
                 max_streams=self.max_jobs + self.max_sessions + 1,  # one codec stream per job, per session
@@ -1189,7 +1189,7 @@ class EngineLoop:
         runner.stage.stop()
         self._refresh_stats()
 
-    def _end_all(self, runner: JobRunner) -> None:
+    def _end_all(self, runner: JobPipeline) -> None:
         """(engine thread, closing) End every session ("shutdown"), cancel the engine's requests, fail
         every job and every submission still in the inbox with LoopClosed."""
         if self._sessions is not None:

@@ -1,7 +1,7 @@
 """The job pipeline: text chunks -> engine requests -> codes -> codec stage -> audio events.
 
-One `JobRunner` runs every synthesis job of one engine, whoever asked for it: the Python API
-(`tts.api.TTS` drives it on the caller's thread) and the service (`tts.runtime.engine_thread.EngineLoop`
+One `JobPipeline` runs every synthesis job of one engine, whoever asked for it: the Python API
+(`tts.api.TTS` drives it on the caller's thread) and the service (`tts.runtime.engine_thread.EngineThread`
 drives it on the engine thread). It is single-threaded: one thread calls `submit`, `cancel`, `resume` and
 `step`. The codec stage's worker (tts.runtime.codec_stage) decodes beside it.
 
@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 # Engine steps that raise in a row (no step in between succeeded) before the runner is out of service.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
-# The parts of a job's time to first audio (`JobRunner.first_audio_seconds`), in order.
+# The parts of a job's time to first audio (`JobPipeline.first_audio_seconds`), in order.
 FIRST_AUDIO_PHASES = ("encode", "first_frame", "frames", "codec")
 
 
@@ -246,7 +246,7 @@ class _Job:
         return self.paused_at
 
 
-class JobRunner:
+class JobPipeline:
     """The job pipeline of one engine (see the module docstring).
 
     planner: plans prompts (and holds the voices). max_streams: jobs in flight at most (codec slots).

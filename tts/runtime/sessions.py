@@ -39,10 +39,10 @@ reason and prefill counts), `SessionWarning`, and last `SessionEnded`. Network f
 * Wyoming: `synthesize-start` -> open, `synthesize-chunk` -> `send`, `synthesize-stop` -> `close`; each
   `SessionAudio` an `audio-chunk` whose `timestamp` is `sample_offset / sample_rate` in ms.
 
-Threading: a `SessionManager` and its sessions are driven on the thread that drives their `JobRunner`
+Threading: a `SessionManager` and its sessions are driven on the thread that drives their `JobPipeline`
 (the Python API's caller, or the service's engine thread): `send`, `flush`, `cancel`, `close`, `abort`
-and `SessionManager.tick` must all be called there, `tick` after every `JobRunner.step`. Network fronts
-use `tts.runtime.engine_thread.EngineLoop.open_session`, whose `SessionStream` posts the commands to the
+and `SessionManager.tick` must all be called there, `tick` after every `JobPipeline.step`. Network fronts
+use `tts.runtime.engine_thread.EngineThread.open_session`, whose `SessionStream` posts the commands to the
 engine thread and delivers the events to an asyncio (or thread) consumer.
 """
 
@@ -62,7 +62,7 @@ from torch import Tensor
 
 from tts.engine.aligner import ALIGN_MAX_TOKENS
 from tts.params import DEFAULT_CHUNK_FRAMES, DEFAULT_FIRST_CHUNK_FRAMES, InvalidRequest, SamplingParams
-from tts.runtime.jobs import Audio, Cancelled, Event, Failed, Finished, JobRunner, Preempted, Started
+from tts.runtime.jobs import Audio, Cancelled, Event, Failed, Finished, JobPipeline, Preempted, Started
 from tts.runtime.planner import SynthesisJob
 from tts.runtime.timings import ChunkTimer, WordTiming, word_weights
 from tts.text.normalize import TextError
@@ -314,7 +314,7 @@ class Session:
         # counts a front reports (`SessionStream.barge_in`).
         self.cancelled_at_step: int | None = None
         self.last_barge_in: BargeIn | None = None
-        self.outlet: SessionOutlet | None = None  # a consumer outside the driving thread (EngineLoop)
+        self.outlet: SessionOutlet | None = None  # a consumer outside the driving thread (EngineThread)
 
     # ---- commands ---------------------------------------------------------------------------------
 
@@ -552,7 +552,7 @@ class Session:
         return (self.params.seed + index) % (2**63)
 
     def _job_event(self, chunk: _Chunk, event: Event) -> None:
-        """An event of the chunk's job (called by the job pipeline, inside `JobRunner.step`)."""
+        """An event of the chunk's job (called by the job pipeline, inside `JobPipeline.step`)."""
         if isinstance(event, Started) or self.ended:  # (an ended session's late audio is dropped)
             return
         if isinstance(event, Audio):
@@ -677,7 +677,7 @@ class SessionSpec:
 
 
 class SessionManager:
-    """The sessions of one `JobRunner` (see the module docstring).
+    """The sessions of one `JobPipeline` (see the module docstring).
 
     max_sessions: open sessions at most (`open` raises SessionLimit beyond). clock: seconds, monotonic
     (the timeouts read it; tests pass their own). options: each session's defaults.
@@ -685,7 +685,7 @@ class SessionManager:
 
     def __init__(
         self,
-        runner: JobRunner,
+        runner: JobPipeline,
         *,
         max_sessions: int = 16,
         clock: Callable[[], float] = time.monotonic,
@@ -756,7 +756,7 @@ class SessionManager:
         return session
 
     def tick(self) -> float | None:
-        """Call after every `JobRunner.step` (and when woken by a deadline): finished chunks are handled
+        """Call after every `JobPipeline.step` (and when woken by a deadline): finished chunks are handled
         and the next started, text held past `hold_seconds` is cut, idle sessions end. Returns seconds
         until the next deadline (None: none)."""
         due, self._due = self._due, set()
