@@ -586,7 +586,7 @@ def test_serve_passes_max_prepare_seconds_to_the_server(monkeypatch):
 
     seen = []
 
-    async def fake_serve(args, bundle, engine_config, limits):
+    async def fake_serve(args, bundle, engine_config, limits, access):
         seen.append(limits.max_prepare_seconds)
         return 0
 
