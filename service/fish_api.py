@@ -576,7 +576,13 @@ def register(app: FastAPI, front) -> FishAPI:
 
     @app.post("/v1/tts", response_class=Response, summary="Fish Audio TTS (MessagePack or JSON body)")
     async def fish_tts(request: Request):
-        return await front.synthesize(request, api.tts_output, FISH_FIELDS, api.render)
+        return await front.synthesize(
+            request,
+            api.tts_output,
+            FISH_FIELDS,
+            api.render,
+            accepts="MessagePack (application/msgpack) or JSON",
+        )
 
     @app.websocket("/v1/tts/live")
     async def fish_live(ws: WebSocket):

@@ -308,7 +308,9 @@ async def run_session(servicer: TextToSpeechServicer, context, wire: Wire) -> No
                 call.audio_seconds = samples / rate
                 metrics.audio_seconds.inc(call.audio_seconds)
                 failure = {
-                    "preempted": Preempted("the session's audio was not read while other requests waited"),
+                    "preempted": Preempted(
+                        event.detail or "the session's audio was not read while other requests waited"
+                    ),
                     "shutdown": LoopClosed("the server shut down; the session ended"),
                     "error": SessionEndedByServer("the session could not open"),
                 }.get(event.reason)

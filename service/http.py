@@ -1220,11 +1220,13 @@ class HTTPFront:
         parse: Callable[[Request, CallLog], Awaitable[SpeechOutput]],
         names: dict[str, str] = HTTP_FIELDS,
         render: Callable[[APIError, dict[str, str] | None], Response] | None = None,
+        accepts: str = "JSON (Content-Type: application/json)",
     ) -> Response:
         """Serve one synthesis request of any HTTP wire format: `parse(request, call)` reads the body into a
         `SpeechOutput` (raising APIError or a request error), then the job is admitted and its audio
         streamed as `speech` does. `names`: the wire's names of the request fields (errors' `param`);
-        `render(error, headers)`: the error response (default: OpenAI-style JSON)."""
+        `render(error, headers)`: the error response (default: OpenAI-style JSON); `accepts`: the body
+        types the wire takes (named in the 415 for a form or text body)."""
         respond = render or (lambda err, headers: err.response(headers))
         t_received = time.monotonic()
         stream = None
@@ -1236,7 +1238,7 @@ class HTTPFront:
             if media_type in FORM_TYPES:
                 raise APIError(
                     415,
-                    f"the body must be JSON (Content-Type: application/json), got Content-Type {media_type}",
+                    f"the body must be {accepts}, got Content-Type {media_type}",
                     code="unsupported_media_type",
                 )
             out = await parse(request, call)

@@ -294,8 +294,8 @@ class TTSServer:
                 await self._http.stop()
             if self._wyoming is not None:  # ---- Wyoming front: likewise
                 await self._wyoming.stop()
-            self.metrics.close()
         finally:
+            self.metrics.close()
             self._stopped.set()
 
     async def wait_for_termination(self) -> None:

@@ -384,13 +384,15 @@ class SessionSpeech:
                     self.request_id = self._stream.session_id
             elif isinstance(event, ChunkEnded) and event.reason == "error":
                 error = event.error or "the chunk failed"
+                if error.startswith("Preempted: "):
+                    continue  # (the SessionEnded that follows says so: RESOURCE_EXHAUSTED, not an error)
                 # (the session's refused text says so: "text: ..."; anything else failed in the engine)
                 raise InvalidRequest(error) if error.startswith("text: ") else EngineFailed(error)
             elif isinstance(event, SessionEnded):
                 if event.reason in ("closed", "aborted"):
                     return
                 if event.reason == "preempted":
-                    raise Preempted("the stream was not read while other requests waited")
+                    raise Preempted(event.detail or "the stream was not read while other requests waited")
                 if event.reason == "idle_timeout":
                     raise InvalidRequest(
                         "the stream got no text for too long and ended; send synthesize-stop"

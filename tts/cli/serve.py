@@ -527,6 +527,13 @@ async def _serve(args, bundle, engine_config, limits, access) -> int:
     warning = unauthenticated_warning(args.host, access)
     if warning is not None:
         print(warning, file=sys.stderr, flush=True)
+    if wyoming_port is not None and not _loopback(args.host):  # (API keys do not cover Wyoming)
+        print(
+            f"warning: Wyoming has no authentication: anyone who can reach {args.host} can synthesize "
+            "through --wyoming-port (keep it on a trusted network)",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         port = await server.start(args.host, args.port)
     except (RuntimeError, OSError) as exc:
@@ -668,6 +675,12 @@ def serve_access(args: argparse.Namespace):
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
     )
+
+
+def _loopback(host: str) -> bool:
+    from service.access import is_loopback
+
+    return is_loopback(host)
 
 
 def unauthenticated_warning(host: str, access) -> str | None:

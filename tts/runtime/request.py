@@ -3,7 +3,7 @@ about it, checked here once.
 
 A front translates its wire format into a `SpeechRequest` and calls `SpeechRequest.plan(planner, limits)`,
 which checks the request against its `RequestLimits` and the model and returns the `SynthesisJob` (through
-`tts.runtime.planner.Planner.job`). What is wrong comes back as a `tts.runtime.errors.RequestError`
+`tts.runtime.planner.Planner.job`). What is wrong comes back as a `tts.runtime.request_errors.RequestError`
 (a TextError, InvalidRequest, AudioError or VoiceNotFound as well) whose `field` is a canonical field name
 and whose message names fields as `Ref`s: each front maps both to its own names (`FIELDS` lists the
 canonical ones) and the error type to its status, and guesses nothing from the message's text.

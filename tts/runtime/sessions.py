@@ -182,11 +182,13 @@ class SessionEnded:
     """The session ended (the last event): reason "closed" (`close`, after speaking everything),
     "aborted" (`abort`), "idle_timeout", "preempted" (its audio was not read while others waited for a
     row: RESOURCE_EXHAUSTED), "shutdown" (the server stopped or went out of service: UNAVAILABLE) or
-    "error" (it could not open). Its KV, its codec stream and every row are freed."""
+    "error" (it could not open). Its KV, its codec stream and every row are freed. detail: why, in one
+    line, where the reason alone does not say (a preemption: a reader too slow, or the KV cache full)."""
 
     session_id: str
     reason: str
     audio_samples: int
+    detail: str = ""
 
 
 @dataclass
@@ -633,7 +635,7 @@ class Session:
         if isinstance(event.error, Preempted):
             # Its consumer did not read while others waited for a row: the session ends as a job does (a
             # front maps it to RESOURCE_EXHAUSTED), rather than taking a row again with its next chunk.
-            self._end("preempted")
+            self._end("preempted", str(event.error))
 
     def _bounded(self, turns: list[Turn]) -> list[Turn]:
         """The newest turns whose frames fit `max_history_frames` (default: the engine's context)."""
@@ -647,7 +649,7 @@ class Session:
             kept.append(turn)
         return kept[::-1]
 
-    def _end(self, reason: str) -> None:
+    def _end(self, reason: str, detail: str = "") -> None:
         if self.ended:
             return
         self.ended = True
@@ -661,7 +663,7 @@ class Session:
             self.manager.runner.stage.close(self.slot)
             self.slot = None
         self.manager._forget(self)
-        self.events.append(SessionEnded(self.id, reason, self.samples))
+        self.events.append(SessionEnded(self.id, reason, self.samples, detail))
 
 
 @dataclass
