@@ -333,8 +333,8 @@ class Planner:
         random seed is chosen when none is given. normalize=False: the text is read as given (no markup
         reading, no normalization; see `tts.text.policy`). Raises TextError, InvalidRequest, VoiceNotFound
         or AudioError before any work, each a `tts.runtime.request_errors.RequestError` naming the
-        request field at fault; a `reference` clip is checked for size here (its codes come later, from the codec
-        stage). The request's own rules (one voice source, audio chunk sizes, limits) are
+        request field at fault; a `reference` clip is checked for size here (its codes come later, from
+        the codec stage). The request's own rules (one voice source, audio chunk sizes, limits) are
         `tts.runtime.request.SpeechRequest`'s, which calls this: callers go through it."""
         try:
             params = self.sampling_params(**sampling)
