@@ -26,12 +26,13 @@ def test_bench_runs_the_real_engine_and_writes_json_and_plot(tmp_path, capsys):
         ]
     )
     assert rc == 0
+    captured = capsys.readouterr()
     data = json.loads((tmp_path / "bench.json").read_text())
     if importlib.util.find_spec("matplotlib") is not None:  # the plot comes with the tools extra
         assert (tmp_path / "bench.png").stat().st_size > 1000
     else:
         assert not (tmp_path / "bench.png").exists()
-        assert "pip install -e '.[tools]'" in capsys.readouterr().out
+        assert "pip install -e '.[tools]'" in captured.out
     assert [(r["mode"], r["batch"]) for r in data["results"]] == [("eager", 1), ("eager", 3)]
     for r in data["results"]:
         assert r["frames_per_s_per_stream"] > 0
@@ -40,7 +41,6 @@ def test_bench_runs_the_real_engine_and_writes_json_and_plot(tmp_path, capsys):
     m = data["method"]
     assert m["prompt_tokens"] == 20 and m["timed_frames"] == 6 and m["torch"]
     assert m["cpu_threads"] == 1  # a small model on a CPU: one intra-op thread, as tts synthesize
-    captured = capsys.readouterr()
     assert "fps/stream" in captured.out
     assert "graph mode needs CUDA" not in captured.err  # (the default modes on a CPU: eager only)
     assert m["max_context"] == 1024  # the tiny model's whole context, as tts serve sizes it

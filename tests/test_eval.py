@@ -262,6 +262,7 @@ def test_a_loop_sample_shows_how_the_asr_hears_espeak_ng_read_the_same_text(tmp_
     monkeypatch.setattr(model_runner, "F", EndTokenNever())  # 4 frames of audio at every seed
     monkeypatch.setattr(tts_eval, "ASR", ScriptedASR)
     monkeypatch.setattr(tts_eval, "wer", lambda refs, hyps: 1.0)  # (jiwer is in the tools extra only)
+    monkeypatch.setattr(tts_eval, "missing_words", lambda ref, hyp: [])  # (likewise)
     monkeypatch.setattr(tts_eval, "espeak_audio", lambda *a: (torch.zeros(espeak_rate).numpy(), espeak_rate))
     monkeypatch.setattr(tts_eval, "shutil", SimpleNamespace(which=lambda name: f"/usr/bin/{name}"))
     sentences = tmp_path / "s.txt"
