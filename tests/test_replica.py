@@ -47,7 +47,8 @@ def test_the_replica_is_named_in_headers_info_http_and_load(bundle):
             assert stub.SynthesizeUnary(short()).header.replica == "gpu-7"
             assert stub.GetInfo(pb.GetInfoRequest()).replica == "gpu-7"
         base = f"http://127.0.0.1:{srv.server.http_port}"
-        body = json.dumps({"input": "Hi.", "response_format": "pcm", "max_new_frames": 3}).encode()
+        body = {"input": "Hi.", "response_format": "pcm", "max_new_frames": 3, "min_new_frames": 3}
+        body = json.dumps(body).encode()  # (3 frames whatever the random weights sample)
         request = urllib.request.Request(
             base + "/v1/audio/speech", body, {"Content-Type": "application/json"}
         )
