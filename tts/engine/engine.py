@@ -766,7 +766,9 @@ class Engine:
         ras = [c[0] - begin for c in request.columns[1:]]
         self.runner.rewind_row(row, 1, torch.tensor(last), ras)
         self.runner.set_min_frames(row, request.sampled + 1)  # the next step's counter is `sampled`
-        self.runner.set_active(row, not request.paused)  # (the step deactivated it: it was done)
+        self.runner.set_active(
+            row, not (request.paused or request.stalled)
+        )  # (the step deactivated it: it was done)
         request.end_masked = True
         return True
 
