@@ -15,6 +15,10 @@
 #   s2_fp32, s2_bf16, default
 #               the service (S2-Pro with the float32 or the bfloat16 codec, or the default voice) under
 #               `tts bench-server` at LEVELS (default 1,16,64,64), 128 frames per request, on a fresh server
+#   sessions    the voice-agent benchmark: S2-Pro (bfloat16 codec) serving SESSIONS (default 64) concurrent
+#               SynthesizeSession calls, each fed by a synthetic LLM at WPS (default 15) words/s, 64 frames
+#               per chunk (`tts bench-server --sessions`: clause -> first audio, underruns, cancel -> silence,
+#               prefill tokens per chunk)
 #   refs        the reference-clip modes (repeated, distinct, registered) at 16 clients, S2-Pro, float32 codec
 #   dac         the batched DAC decode timed (graph replay) and its bfloat16 accuracy
 #   prefill     the S2-Pro prefill, alone and packed, timed cold and warm (tools/profile/profile_prefill.py)
@@ -32,7 +36,7 @@
 # A service action may carry server options after a slash, commas for spaces; its files get a tag from
 # them: `default/--loop-guard,off` writes default_loopguard_off.json.
 #
-# Environment: OUT (results folder, default gpu-results), LEVELS, PORT (gRPC, default 50061; the metrics
+# Environment: OUT (results folder, default gpu-results), LEVELS, SESSIONS, WPS, PORT (gRPC, default 50061; the metrics
 # port is PORT + 1), S2_DIR (where the S2-Pro checkpoint is written, default /tmp/tts-s2-pro).
 set -uo pipefail
 [[ -n ${ACTIONS:-} ]] || { echo "usage: ACTIONS=\"tests tps s2_fp32 ...\" bash $0 (see the header)"; exit 2; }
@@ -131,6 +135,13 @@ print('free GiB', round(torch.cuda.mem_get_info()[0] / 2**30, 1), 'KV bytes/toke
       else
         bench "$action$tag" --concurrency "$LEVELS" --max-new-frames 128 --min-new-frames 128
       fi
+      stop_server ;;
+    sessions)
+      write_s2
+      n=${SESSIONS:-64}
+      serve "sessions$tag" "$S2_DIR" --codec-dtype bfloat16 --max-batch $((n * 2)) --max-sessions "$n" "${extra[@]}"
+      bench "sessions_${n}$tag" --sessions "$n" --words-per-second "${WPS:-15}" --max-new-frames 64 \
+        --min-new-frames 64 --seed 1
       stop_server ;;
     default)
       serve "default$tag" default "${extra[@]}"
