@@ -64,3 +64,20 @@ def test_generated_modules_describe_the_api():
     session = methods["SynthesizeSession"]
     assert session.client_streaming and session.server_streaming  # bidi
     assert pb.SynthesizeRequest().sampling.HasField("seed") is False  # optional fields keep presence
+
+
+def test_the_grpcio_floor_runs_the_generated_modules():
+    """The committed modules refuse a grpcio older than the grpcio-tools that generated them, so the
+    requirement in pyproject.toml must be at least that version (a user installing the floor gets a
+    server that cannot start otherwise)."""
+    import tomllib
+
+    generated = re.search(r"GRPC_GENERATED_VERSION = '([^']+)'", (COMMITTED / "tts_pb2_grpc.py").read_text())
+    assert generated
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    floor = next(d for d in deps if re.match(r"grpcio>=", d)).split(">=")[1]
+
+    def as_tuple(v: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in v.split("."))
+
+    assert as_tuple(floor) >= as_tuple(generated.group(1)), (floor, generated.group(1))
