@@ -32,7 +32,9 @@ server-side cache cannot hit; `repeated`: the same clip every time; `registered`
 once per level with AddVoice and named in every request), to measure what cloning costs.
 
 The table goes to stdout and everything (with the server's GetInfo) to a JSON file. `--soak` runs the
-soak test of `service/soak.py` instead.
+soak test of `service/soak.py` instead; `--ramp` the real-time ramp of `tts_tools.ramp` (levels of growing
+concurrency until streams fall below real time: the most concurrent real-time streams, or the server
+setting that stopped the ramp first).
 """
 
 from __future__ import annotations
