@@ -19,6 +19,12 @@
 #               SynthesizeSession calls, each fed by a synthetic LLM at WPS (default 15) words/s, 64 frames
 #               per chunk (`tts bench-server --sessions`: clause -> first audio, underruns, cancel -> silence,
 #               prefill tokens per chunk)
+#   ramp        how many concurrent S2-Pro streams stay real time (`tts bench-server --ramp`): S2-Pro, bfloat16
+#               codec, a server of --max-batch 256 --max-waiting 512; levels of 4 x C requests of 128 frames
+#               from RAMP_START (default 64) doubling to RAMP_MAX (default 512), then bisected to RAMP_STEP
+#               (default 16) streams; a level is real time with no playback underrun, TTFA p95 <= 300 ms and
+#               no error. Reports the most real-time streams, or that the server's max batch, queue or KV
+#               pool stopped the ramp first (ramp.json: `ramp.real_time_streams`, `ramp.stopped_by`)
 #   refs        the reference-clip modes (repeated, distinct, registered) at 16 clients, S2-Pro, float32 codec
 #   dac         the batched DAC decode timed (graph replay) and its bfloat16 accuracy
 #   prefill     the S2-Pro prefill, alone and packed, timed cold and warm (tools/profile/profile_prefill.py)
@@ -36,8 +42,9 @@
 # A service action may carry server options after a slash, commas for spaces; its files get a tag from
 # them: `default/--loop-guard,off` writes default_loopguard_off.json.
 #
-# Environment: OUT (results folder, default gpu-results), LEVELS, SESSIONS, WPS, PORT (gRPC, default 50061; the metrics
-# port is PORT + 1), S2_DIR (where the S2-Pro checkpoint is written, default /tmp/tts-s2-pro).
+# Environment: OUT (results folder, default gpu-results), LEVELS, SESSIONS, WPS, RAMP_START, RAMP_MAX, RAMP_STEP,
+# PORT (gRPC, default 50061; the metrics port is PORT + 1), S2_DIR (where the S2-Pro checkpoint is written,
+# default /tmp/tts-s2-pro).
 set -uo pipefail
 [[ -n ${ACTIONS:-} ]] || { echo "usage: ACTIONS=\"tests tps s2_fp32 ...\" bash $0 (see the header)"; exit 2; }
 OUT=${OUT:-gpu-results}
@@ -142,6 +149,12 @@ print('free GiB', round(torch.cuda.mem_get_info()[0] / 2**30, 1), 'KV bytes/toke
       serve "sessions$tag" "$S2_DIR" --codec-dtype bfloat16 --max-batch $((n * 2)) --max-sessions "$n" "${extra[@]}"
       bench "sessions_${n}$tag" --sessions "$n" --words-per-second "${WPS:-15}" --max-new-frames 64 \
         --min-new-frames 64 --seed 1
+      stop_server ;;
+    ramp)
+      write_s2
+      serve "ramp$tag" "$S2_DIR" --codec-dtype bfloat16 --max-batch 256 --max-waiting 512 "${extra[@]}"
+      bench "ramp$tag" --ramp --ramp-start "${RAMP_START:-64}" --ramp-max "${RAMP_MAX:-512}" \
+        --ramp-step "${RAMP_STEP:-16}" --max-new-frames 128 --min-new-frames 128
       stop_server ;;
     default)
       serve "default$tag" default "${extra[@]}"

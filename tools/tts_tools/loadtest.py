@@ -32,7 +32,9 @@ server-side cache cannot hit; `repeated`: the same clip every time; `registered`
 once per level with AddVoice and named in every request), to measure what cloning costs.
 
 The table goes to stdout and everything (with the server's GetInfo) to a JSON file. `--soak` runs the
-soak test of `service/soak.py` instead.
+soak test of `service/soak.py` instead; `--ramp` the real-time ramp of `tts_tools.ramp` (levels of growing
+concurrency until streams fall below real time: the most concurrent real-time streams, or the server
+setting that stopped the ramp first).
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (imported where used: `tts --help` loads this module)
     import numpy as np
+
+    from tts_tools.ramp import RampSettings, Verdict
 
 
 SENTENCES = [
@@ -138,6 +142,8 @@ SERVER_COUNTERS = (
         "codec_padded_frames": "tts_codec_decode_padded_frames_total",
         "first_audio_jobs": "tts_first_audio_jobs_total",
         "loop_repeats": "tts_loop_repeats_total",
+        "kv_stalls": "tts_kv_stalls_total",
+        "kv_preemptions": "tts_kv_preemptions_total",
     }
     | {
         f"engine_{phase}_s": f'tts_engine_seconds_total{{phase="{phase}"}}'
@@ -175,7 +181,8 @@ def read_metrics(url: str, timeout: float = 5.0) -> dict[str, float]:
 
 def server_time_split(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
     """The server-side counters' change over a level: frame-step, codec decode and encode seconds,
-    reference-cache hits and misses, the loop guard's repeats, frame steps and their rows (mean_batch =
+    reference-cache hits and misses, the loop guard's repeats, waits for KV blocks and streams preempted
+    to free them (kv_stalls, kv_preemptions), frame steps and their rows (mean_batch =
     rows / steps), prefill passes and the requests they took (requests_per_prefill), codec decode calls
     and their frames (codec_frames_per_call; codec_fill = frames / padded frames computed), codec_share =
     codec / (frame
@@ -412,6 +419,7 @@ class LevelResult:
     server: dict = field(default_factory=dict)  # server_time_split of the level (None values: not exported)
     register_s: float | None = None  # --reference registered: the AddVoice call before the level
     replicas: dict[str, int] = field(default_factory=dict)  # OK requests per replica (StreamHeader.replica)
+    verdict: Verdict | None = None  # --ramp: real time or not, and what limited it (tts_tools.ramp)
 
 
 async def _run_level(stubs, concurrency: int, total: int, counter, make_request, timeout: float | None):
@@ -497,6 +505,7 @@ async def run_loadtest(
     reference_audio: bytes | None = None,
     reference_text: str | None = None,
     metrics_url: str | None = None,
+    ramp: RampSettings | None = None,
     **request_options,
 ) -> dict:
     """Run the benchmark; returns the report dict (see `format_table`). `server`: HOST:PORT, or several
@@ -505,7 +514,11 @@ async def run_loadtest(
     (None: the synthetic clip); `metrics_url`: the server's Prometheus endpoint for the server-side time
     split (None: those fields stay None); `request_options`: build_request keywords (voice, temperature,
     top_p, top_k, max_new_frames, min_new_frames, encoding, first_chunk_frames, chunk_frames).
-    Raises BenchError (e.g. `registered` on a server without AddVoice) and grpc.aio.AioRpcError."""
+    `ramp`: instead of the levels of `concurrency` (ignored, as is `requests`), the real-time ramp of
+    `tts_tools.ramp` (levels of ramp.rounds x C requests); the report then has `mode` "ramp", a `ramp`
+    section (`ramp_report`) and a `verdict` per level.
+    Raises BenchError (e.g. `registered` on a server without AddVoice), ValueError (bad ramp settings)
+    and grpc.aio.AioRpcError."""
     from google.protobuf.json_format import MessageToDict
 
     from service.client import aio_channel, build_request, synthesize_stream
@@ -542,17 +555,30 @@ async def run_loadtest(
             for _ in range(warmup):
                 i = next(counter)
                 await synthesize_stream(stubs[i % len(stubs)], make_request(i), timeout)
-            levels = []
-            for c in concurrency:
-                n = requests if requests is not None else max(8, 4 * c)
+
+            async def run_level(c: int, n: int) -> LevelResult:
                 register_s = await register() if reference == "registered" else None
                 before = await _scrape(metrics_url)
                 level = await _run_level(stubs, c, n, counter, make_request, timeout)
                 level.server = server_time_split(before, await _scrape(metrics_url))
                 level.register_s = register_s
-                levels.append(level)
-                if progress is not None:
-                    progress(level)
+                return level
+
+            outcome = None
+            if ramp is None:
+                levels = []
+                for c in concurrency:
+                    levels.append(await run_level(c, requests if requests is not None else max(8, 4 * c)))
+                    if progress is not None:
+                        progress(levels[-1])
+            else:
+                from tts_tools.ramp import ramp_search
+
+                rounds = ramp.rounds
+                outcome = await ramp_search(
+                    lambda c: run_level(c, rounds * c), ramp, server_rows(infos), progress
+                )
+                levels = outcome.levels
             info_after = await stubs[0].GetInfo(pb.GetInfoRequest(), timeout=30)
         finally:
             if registered:
@@ -568,7 +594,8 @@ async def run_loadtest(
         "metrics_url": metrics_url,
         **request_options,
     }
-    return {
+    report = {
+        "mode": "levels" if ramp is None else "ramp",
         "server": server,
         "servers": servers,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -578,6 +605,16 @@ async def run_loadtest(
         "settings": settings,
         "levels": [asdict(level) for level in levels],
     }
+    if ramp is not None and outcome is not None:
+        from tts_tools.ramp import ramp_report
+
+        report["ramp"] = ramp_report(ramp, outcome, server_rows(infos), sum(i.max_waiting for i in infos))
+    return report
+
+
+def server_rows(infos) -> int | None:
+    """The batch rows of the listed servers: the sum of their GetInfo.max_batch (None if one lacks it)."""
+    return sum(i.max_batch for i in infos) if all(i.max_batch for i in infos) else None
 
 
 def format_table(report: dict) -> str:
@@ -747,7 +784,95 @@ def add_arguments(p: argparse.ArgumentParser, server_required: bool = True) -> N
         default=0.25,
         help="with --sessions: the share of sessions that barge in mid-sentence (default 0.25)",
     )
+    add_ramp_arguments(p)
     add_soak_arguments(p)
+
+
+def add_ramp_arguments(p) -> None:
+    """The options of `--ramp` (in a group of their own unless `p` already is a group)."""
+    from tts_tools import ramp
+
+    if isinstance(p, argparse.ArgumentParser):
+        p = p.add_argument_group("real-time ramp (with --ramp)")
+    p.add_argument(
+        "--ramp",
+        action="store_true",
+        help="instead of --concurrency levels: ramp the concurrency (from --ramp-start, doubling, then "
+        "bisecting between the last real-time level and the first that is not, to --ramp-step) and report "
+        "the most concurrent streams that stay real time (no playback underrun, TTFA p95 <= --ramp-ttfa-p95, "
+        "no error), or, when the server's max batch, queue bound or KV pool stopped the ramp, say so; fix "
+        "the request length with --max-new-frames and --min-new-frames",
+    )
+    p.add_argument(
+        "--ramp-start",
+        type=int,
+        default=None,
+        help=f"--ramp: the first level's concurrency (default {ramp.DEFAULT_START})",
+    )
+    p.add_argument(
+        "--ramp-max",
+        type=int,
+        default=None,
+        help=f"--ramp: the highest concurrency tried; the ramp stops there (default {ramp.DEFAULT_MAX})",
+    )
+    p.add_argument(
+        "--ramp-step",
+        type=int,
+        default=None,
+        help=f"--ramp: the bisection's resolution in streams (default {ramp.DEFAULT_STEP})",
+    )
+    p.add_argument(
+        "--ramp-rounds",
+        type=int,
+        default=None,
+        help=f"--ramp: requests per stream per level: a level is ROUNDS x C requests (default "
+        f"{ramp.DEFAULT_ROUNDS})",
+    )
+    p.add_argument(
+        "--ramp-ttfa-p95",
+        type=float,
+        default=None,
+        help=f"--ramp: the highest TTFA p95 of a real-time level, ms (default {ramp.DEFAULT_TTFA_P95_MS:g})",
+    )
+
+
+RAMP_OPTIONS = ("ramp_start", "ramp_max", "ramp_step", "ramp_rounds", "ramp_ttfa_p95")
+
+
+def ramp_settings(args: argparse.Namespace) -> RampSettings | None:
+    """The RampSettings of parsed `add_arguments` options (None without --ramp). Raises BenchError with a
+    one-line reason for ramp options without --ramp, options the ramp replaces (--concurrency,
+    --requests, --soak, --sessions) and values out of range."""
+    from tts_tools.ramp import RampSettings
+
+    given = [f"--{name.replace('_', '-')}" for name in RAMP_OPTIONS if getattr(args, name, None) is not None]
+    if not getattr(args, "ramp", False):
+        if given:
+            raise BenchError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --ramp")
+        return None
+    for option, replaced in (
+        ("concurrency", "the ramp chooses the levels"),
+        ("requests", "a level is --ramp-rounds x C requests"),
+        ("soak", "a different mode"),
+        ("sessions", "a different mode"),
+    ):
+        if getattr(args, option, None) not in (None, False):
+            raise BenchError(f"--ramp takes no --{option} ({replaced})")
+    defaults = RampSettings()
+    settings = RampSettings(
+        start=args.ramp_start if args.ramp_start is not None else defaults.start,
+        stop=args.ramp_max if args.ramp_max is not None else defaults.stop,
+        step=args.ramp_step if args.ramp_step is not None else defaults.step,
+        rounds=args.ramp_rounds if args.ramp_rounds is not None else defaults.rounds,
+        ttfa_p95_ms=args.ramp_ttfa_p95 if args.ramp_ttfa_p95 is not None else defaults.ttfa_p95_ms,
+    )
+    if args.ramp_start is not None and args.ramp_max is None:
+        settings.stop = max(settings.stop, settings.start)
+    try:
+        settings.check()
+    except ValueError as exc:
+        raise BenchError(str(exc)) from exc
+    return settings
 
 
 def request_options(args: argparse.Namespace) -> dict:
@@ -806,6 +931,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     table, writes the JSON. Exit codes: 0 done, 1 server-side failure, 2 bad options or input."""
     import grpc
 
+    try:
+        ramp = ramp_settings(args)
+    except BenchError as exc:
+        print(f"tts: error: {exc}", file=sys.stderr)
+        return 2
     if getattr(args, "soak", False):
         from tts_tools.soak import run_soak_from_args
 
@@ -820,9 +950,14 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     def progress(level: LevelResult) -> None:
         errors = f", errors {level.errors}" if level.errors else ""
+        verdict = ""
+        if level.verdict is not None:
+            v = level.verdict
+            why = "; ".join(v.failures)
+            verdict = ": real time" if v.passed else f": not real time ({v.limited_by}: {why})"
         print(
             f"concurrency {level.concurrency}: {level.ok}/{level.requests} ok in {level.wall_s:.1f} "
-            f"s{errors}",
+            f"s{errors}{verdict}",
             file=sys.stderr,
         )
 
@@ -840,6 +975,7 @@ def run_from_args(args: argparse.Namespace) -> int:
                 reference_audio=data,
                 reference_text=args.reference_text,
                 metrics_url=args.metrics_url,
+                ramp=ramp,
                 **request_options(args),
             )
         )
@@ -861,6 +997,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     if first_audio := format_first_audio(report):
         print(first_audio)
     print(format_shares(report))
+    if "ramp" in report:
+        from tts_tools.ramp import format_ramp
+
+        print(format_ramp(report))
     write_json(report, out)
     print(f"wrote {out}")
     return 0
@@ -879,7 +1019,10 @@ def add_parser(subparsers) -> None:
         "each concurrency level (optionally with "
         "reference clips and the server's codec time share); prints a table and writes JSON. With --soak, "
         "a soak test instead: many requests of mixed client kinds (cancels, slow and stalled readers, "
-        "deadlines, unary, invalid), failing on leaks, gaps, unexpected statuses or RSS growth.",
+        "deadlines, unary, invalid), failing on leaks, gaps, unexpected statuses or RSS growth. With --ramp, "
+        "the real-time ramp: levels of growing concurrency until streams fall below real time (an underrun, "
+        "TTFA p95 over --ramp-ttfa-p95, an error), reporting the most real-time streams and whether the "
+        "server's max batch, queue or KV pool stopped it instead.",
     )
     add_arguments(p)
     p.set_defaults(func=cmd_bench_server)
@@ -904,6 +1047,10 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
     require(args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}")
     check_chunk_options(args)
     check_sampling_options(args)
+    try:
+        ramp_settings(args)  # (before the modes part ways: --ramp with --sessions is refused, not ignored)
+    except BenchError as exc:
+        raise UserError(str(exc)) from exc
     if args.sessions is not None:
         require(args.sessions >= 1, f"--sessions must be >= 1, got {args.sessions}")
         require(
