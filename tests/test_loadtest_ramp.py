@@ -370,3 +370,37 @@ def test_bench_server_ramp_end_to_end_report_shape(server, tmp_path, capsys):
     assert ramp["conclusion"] in printed
     assert ramp["conclusion"].startswith(f"real-time streams: {ramp['real_time_streams']}")
     wait_idle(server.loop)
+
+
+def test_spread_arrivals_delay_worker_k_by_k_over_c_of_the_spread(monkeypatch):
+    """--ramp-arrivals spread: worker k's first request waits k x spread / C (counted through the sleeps
+    asked for, not timed); burst (spread 0) asks for none."""
+    import service.client
+    import tts_tools.loadtest as lt
+
+    class Reply:
+        def __init__(self):
+            self.header = type("H", (), {"replica": ""})()
+            self.end = type("E", (), {"frames": 4})()
+            self.audio_seconds, self.ttfa, self.rtf, self.max_gap = 0.2, 0.01, 0.1, 0.0
+            self.stream_frames_per_s, self.arrivals, self.chunk_samples, self.sample_rate = None, [], [], 1
+
+    async def fake_stream(stub, request, timeout=None):
+        return Reply()
+
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recording_sleep(delay, *args):
+        slept.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr(service.client, "synthesize_stream", fake_stream)
+    monkeypatch.setattr(lt, "playback_underruns", lambda *a: (0, 0.0))
+    monkeypatch.setattr(lt.asyncio, "sleep", recording_sleep)
+    for spread, expected in ((2.0, [0.5, 1.0, 1.5]), (0.0, [])):
+        slept.clear()
+        counter = iter(range(100))
+        level = asyncio.run(lt._run_level([None], 4, 8, counter, lambda i: i, None, spread))
+        assert sorted(slept) == expected
+        assert level.ok == 8

@@ -422,7 +422,12 @@ class LevelResult:
     verdict: Verdict | None = None  # --ramp: real time or not, and what limited it (tts_tools.ramp)
 
 
-async def _run_level(stubs, concurrency: int, total: int, counter, make_request, timeout: float | None):
+async def _run_level(
+    stubs, concurrency: int, total: int, counter, make_request, timeout: float | None, spread_s: float = 0.0
+):
+    """One level: `concurrency` closed-loop workers issue `total` requests in all. spread_s > 0: worker k
+    sends its first request k x spread_s / concurrency seconds after the start, so the streams arrive
+    spread over that time (as independent callers do) instead of all at once."""
     import grpc
 
     from service.client import synthesize_stream
@@ -437,8 +442,10 @@ async def _run_level(stubs, concurrency: int, total: int, counter, make_request,
     frames = 0
     issued = itertools.count()
 
-    async def worker():
+    async def worker(k: int):
         nonlocal frames
+        if spread_s > 0 and k:
+            await asyncio.sleep(k * spread_s / concurrency)
         while next(issued) < total:
             i = next(counter)
             try:
@@ -462,7 +469,7 @@ async def _run_level(stubs, concurrency: int, total: int, counter, make_request,
             late.append(playback_underruns(r.arrivals, r.chunk_samples, r.sample_rate))
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await asyncio.gather(*(worker(k) for k in range(concurrency)))
     result.wall_s = time.perf_counter() - t0
     result.req_per_s = result.ok / result.wall_s
     result.audio_s_per_s = sum(audio_s) / result.wall_s
@@ -556,10 +563,15 @@ async def run_loadtest(
                 i = next(counter)
                 await synthesize_stream(stubs[i % len(stubs)], make_request(i), timeout)
 
+            # --ramp with spread arrivals: first requests spread over one request's playback time.
+            spread_s = 0.0
+            if ramp is not None and ramp.spread and request_options.get("max_new_frames") and info.frame_rate:
+                spread_s = request_options["max_new_frames"] / info.frame_rate
+
             async def run_level(c: int, n: int) -> LevelResult:
                 register_s = await register() if reference == "registered" else None
                 before = await _scrape(metrics_url)
-                level = await _run_level(stubs, c, n, counter, make_request, timeout)
+                level = await _run_level(stubs, c, n, counter, make_request, timeout, spread_s)
                 level.server = server_time_split(before, await _scrape(metrics_url))
                 level.register_s = register_s
                 return level
@@ -834,9 +846,17 @@ def add_ramp_arguments(p) -> None:
         default=None,
         help=f"--ramp: the highest TTFA p95 of a real-time level, ms (default {ramp.DEFAULT_TTFA_P95_MS:g})",
     )
+    p.add_argument(
+        "--ramp-arrivals",
+        choices=("spread", "burst"),
+        default=None,
+        help="--ramp: spread (default): a level's streams start spread over one request's playback time "
+        "(--max-new-frames / the frame rate), as independent callers arrive; burst: all at once (TTFA then "
+        "measures C simultaneous prefills, the worst case)",
+    )
 
 
-RAMP_OPTIONS = ("ramp_start", "ramp_max", "ramp_step", "ramp_rounds", "ramp_ttfa_p95")
+RAMP_OPTIONS = ("ramp_start", "ramp_max", "ramp_step", "ramp_rounds", "ramp_ttfa_p95", "ramp_arrivals")
 
 
 def ramp_settings(args: argparse.Namespace) -> RampSettings | None:
@@ -865,6 +885,7 @@ def ramp_settings(args: argparse.Namespace) -> RampSettings | None:
         step=args.ramp_step if args.ramp_step is not None else defaults.step,
         rounds=args.ramp_rounds if args.ramp_rounds is not None else defaults.rounds,
         ttfa_p95_ms=args.ramp_ttfa_p95 if args.ramp_ttfa_p95 is not None else defaults.ttfa_p95_ms,
+        spread=args.ramp_arrivals != "burst",
     )
     if args.ramp_start is not None and args.ramp_max is None:
         settings.stop = max(settings.stop, settings.start)

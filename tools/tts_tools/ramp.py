@@ -56,6 +56,9 @@ class RampSettings:
     step: int = DEFAULT_STEP
     rounds: int = DEFAULT_ROUNDS
     ttfa_p95_ms: float = DEFAULT_TTFA_P95_MS
+    # Streams' first requests spread over one request's playback time (independent callers) rather than
+    # all sent at once (a burst of C prefills, the worst case).
+    spread: bool = True
 
     def check(self) -> None:
         """Raise ValueError (naming the option) unless 1 <= start <= stop, step >= 1, rounds >= 1 and
@@ -185,6 +188,7 @@ def ramp_report(settings: RampSettings, outcome: RampOutcome, rows: int | None, 
         "step": settings.step,
         "rounds": settings.rounds,
         "ttfa_p95_ms": settings.ttfa_p95_ms,
+        "arrivals": "spread" if settings.spread else "burst",
         "server_rows": rows,
         "max_waiting": max_waiting,
         "visited": [lv.concurrency for lv in outcome.levels],
