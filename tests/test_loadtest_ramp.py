@@ -375,8 +375,9 @@ def test_bench_server_ramp_end_to_end_report_shape(server, tmp_path, capsys):
 def test_spread_arrivals_delay_worker_k_by_k_over_c_of_the_spread(monkeypatch):
     """--ramp-arrivals spread: worker k's first request waits k x spread / C (counted through the sleeps
     asked for, not timed); burst (spread 0) asks for none."""
-    import service.client
     import tts_tools.loadtest as lt
+
+    import service.client
 
     class Reply:
         def __init__(self):
