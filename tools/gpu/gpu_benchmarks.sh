@@ -154,7 +154,7 @@ print('free GiB', round(torch.cuda.mem_get_info()[0] / 2**30, 1), 'KV bytes/toke
       write_s2
       serve "ramp$tag" "$S2_DIR" --codec-dtype bfloat16 --max-batch 256 --max-waiting 512 "${extra[@]}"
       bench "ramp$tag" --ramp --ramp-start "${RAMP_START:-64}" --ramp-max "${RAMP_MAX:-512}" \
-        --ramp-step "${RAMP_STEP:-16}" --max-new-frames 128 --min-new-frames 128
+        --ramp-step "${RAMP_STEP:-16}" --ramp-rounds "${RAMP_ROUNDS:-4}" --max-new-frames 128 --min-new-frames 128
       stop_server ;;
     default)
       serve "default$tag" default "${extra[@]}"
