@@ -5,13 +5,11 @@ timeouts. Deterministic: fixed frame counts (min_new_frames = max_new_frames, th
 a test clock for the timeouts."""
 
 import dataclasses
-import io
 from concurrent.futures import Future
 
-import numpy as np
 import pytest
-import soundfile as sf
 import torch
+from helpers import tone_wav
 
 from tts import TTS, EngineConfig, InvalidRequest
 from tts.engine.sequences import common_prefix
@@ -372,14 +370,6 @@ def test_the_next_chunk_waits_while_the_audio_before_it_is_unread(tts):
 
 
 # ---- a reference clip sent with the session ------------------------------------------------------------
-
-
-def tone_wav(rate: int, seconds: float) -> bytes:
-    buf = io.BytesIO()
-    t = np.arange(int(seconds * rate)) / rate
-    tone = (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
-    sf.write(buf, tone, rate, format="WAV", subtype="PCM_16")
-    return buf.getvalue()
 
 
 def prepared_clip(tts, seconds: float = 2.0):
