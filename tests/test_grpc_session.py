@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import Future
 
 import grpc
 import numpy as np
@@ -461,3 +462,28 @@ def test_a_bad_reference_clip_in_start_gets_the_one_shot_error_and_frees_everyth
         rename = lambda t: t.replace("voice.reference.", "start.voice.reference.")  # noqa: E731
         assert in_session(ref) == (code, rename(details), rename(field))
         freed(server)
+
+
+def test_a_clip_the_codec_cannot_encode_ends_the_session_with_why_and_frees_everything(
+    server, bundle, monkeypatch
+):
+    def broken(samples):
+        future: Future = Future()
+        future.set_exception(RuntimeError("codec exploded"))
+        return future
+
+    monkeypatch.setattr(server.loop.runner.stage, "encode", broken)
+    # (a clip no other test sends: the reference cache cannot answer it)
+    voice = pb.Voice(reference=pb.ReferenceAudio(audio=tone_wav(bundle.codec.sample_rate, 1.5), text="Once."))
+
+    async def body(stub):
+        call = stub.SynthesizeSession()
+        await call.write(start(6, voice=voice))
+        messages = await read_until(call, lambda m: kind(m) == "end")
+        return messages, await status_of(call)
+
+    messages, (code, details, _) = run(server, body)
+    assert [kind(m) for m in messages] == ["header", "warning", "end"] and messages[-1].end.reason == "error"
+    assert code == grpc.StatusCode.INTERNAL
+    assert details.endswith("the reference clip could not be encoded: codec exploded")
+    freed(server)
