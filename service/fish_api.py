@@ -13,7 +13,9 @@ voice registry; the rules are the runtime's.
   `condition_on_previous_chunks`, `early_stop_threshold`, `seed` (an extension). The `model` header may name
   any model: this server serves one. The response is the encoded audio, streamed as `/v1/audio/speech`'s.
 * WebSocket `/v1/tts/live` (MessagePack binary frames; JSON text frames are read too), one session per socket:
-  `{"event": "start", "request": <the /v1/tts body, text ignored>}`, `{"event": "text", "text"}` ->
+  `{"event": "start", "request": <the /v1/tts body, text ignored>}` (its `references` clip, checked as
+  `/v1/tts`'s, is encoded once and is the session's voice; the start event may be as large as a `/v1/tts`
+  body, the others at most MAX_EVENT_BYTES), `{"event": "text", "text"}` ->
   `SessionStream.send`, `{"event": "flush"}` -> `flush`, `{"event": "stop"}` -> `close`; the server sends
   `{"event": "audio", "audio": <bytes>}` as audio is made (all of them together: one file of the format) and
   `{"event": "finish", "reason": "stop"}` once everything is spoken. A bad event (not MessagePack, no start
@@ -55,9 +57,17 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.websockets import WebSocketDisconnect
 
-from service.common import SpeechOutput, error_message, outcome_of
+from service.common import SpeechOutput, error_message, outcome_of, prepare_off_loop
 from tts.audio.formats import FORMATS, AudioEncoder
-from tts.runtime.request import VOICE, ReferenceClip, Sampling, check_voice_source, prepare_reference
+from tts.runtime.planner import PreparedReference
+from tts.runtime.request import (
+    VOICE,
+    ReferenceClip,
+    Sampling,
+    check_voice_source,
+    prepare_reference,
+    prepare_session_voice,
+)
 from tts.runtime.request import SpeechRequest as RuntimeRequest
 from tts.runtime.request_errors import InvalidField, with_field
 from tts.runtime.sessions import (
@@ -96,7 +106,8 @@ STATUS = {
     "no_audio": 422,
 }
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack")
-MAX_EVENT_BYTES = 1024 * 1024  # one WebSocket event (a start event may carry a reference clip)
+# One WebSocket event after start (start may carry a reference clip: as large as a /v1/tts body).
+MAX_EVENT_BYTES = 1024 * 1024
 
 
 class FishReference(BaseModel):
@@ -254,25 +265,22 @@ class FishAPI:
         encoder = None
         try:
             try:
-                start = await self._receive(ws)
+                start = await self._receive(ws, self.front.max_body)  # (as large as a /v1/tts body)
                 if start.get("event") != "start":
                     raise _Protocol(f"the first event must be start, got {start.get('event')!r}")
                 r = parse_request(start.get("request"))
                 sampling, clip, voice, speed, gain = self.settings(r)
-                if clip is not None:
-                    raise _Protocol(
-                        "references are not supported on /v1/tts/live: register the voice (POST /model) "
-                        "and send its reference_id"
-                    )
                 refusal = self.front.state.refusal()
                 if refusal is not None:
                     raise refusal
+                reference = await self.session_reference(voice, clip)
                 encoder = AudioEncoder(FORMATS[r.format], self.bundle.codec.sample_rate, speed=speed)
                 options = self.front.loop.session_options
                 if r.chunk_length is not None:  # (Fish's chunk length bounds a session's chunks)
                     options = dataclasses.replace(options, max_chunk_bytes=r.chunk_length)
                 session = self.front.loop.open_session(
                     voice,
+                    reference=reference,
                     aio_loop=asyncio.get_running_loop(),
                     normalize=True if r.normalize is None else r.normalize,
                     options=options,
@@ -321,15 +329,33 @@ class FishAPI:
             with contextlib.suppress(Exception):
                 await ws.close()
 
-    async def _receive(self, ws: WebSocket) -> dict:
-        """The next event (a dict). Raises WebSocketDisconnect, _Protocol."""
+    async def session_reference(
+        self, voice: str | None, clip: ReferenceClip | None
+    ) -> PreparedReference | None:
+        """A live session's reference clip checked and decoded as `/v1/tts`'s (`prepare_session_voice`) on a
+        worker thread within `max_prepare_seconds` (None without a clip). Raises its request errors."""
+        if clip is None:
+            return None
+        front = self.front
+        limits = front.limits
+        return await prepare_off_loop(
+            prepare_session_voice,
+            front.loop.planner,
+            voice,
+            clip,
+            limits.request_limits,
+            timeout=limits.max_prepare_seconds,
+        )
+
+    async def _receive(self, ws: WebSocket, limit: int = MAX_EVENT_BYTES) -> dict:
+        """The next event (a dict) of at most `limit` bytes. Raises WebSocketDisconnect, _Protocol."""
         message = await ws.receive()
         if message["type"] == "websocket.disconnect":
             raise WebSocketDisconnect(message.get("code", 1000))
         data, text = message.get("bytes"), message.get("text")
         raw = data if data is not None else (text or "").encode()
-        if len(raw) > MAX_EVENT_BYTES:
-            raise _Protocol(f"an event is {len(raw)} bytes; the limit is {MAX_EVENT_BYTES}")
+        if len(raw) > limit:
+            raise _Protocol(f"an event is {len(raw)} bytes; the limit is {limit}")
         try:
             event = decode_body(raw, MSGPACK_TYPES[0] if data is not None else "application/json")
         except InvalidField as exc:

@@ -5,9 +5,11 @@ other method, and a server interceptor covers it.
 
 One call is one session:
 
-1. the first client message must be `start` (voice, sampling, output); it is checked (INVALID_ARGUMENT
-   naming the field, NOT_FOUND for an unknown voice) and the session opened (RESOURCE_EXHAUSTED at the
-   server's `--max-sessions`, UNAVAILABLE while warming up or draining); a `SessionHeader` goes out;
+1. the first client message must be `start` (voice: a name or a reference clip; sampling, output); it is
+   checked (INVALID_ARGUMENT naming the field, NOT_FOUND for an unknown voice; a clip by a one-shot
+   request's rules, on a worker thread within `max_prepare_seconds`) and the session opened
+   (RESOURCE_EXHAUSTED at the server's `--max-sessions`, UNAVAILABLE while warming up or draining; a clip
+   is encoded once, on the codec stage, before the first chunk); a `SessionHeader` goes out;
 2. a reader task applies the client's messages in order: `text` -> `send`, `flush`, `cancel` (barge-in),
    `close` (also the client half-closing its side); a bad message (a second `start`, text after close,
    text over the session's waiting bound, bytes that are no valid message) aborts the session and ends
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from service.common import CallLog, log_call
+from service.common import CallLog, log_call, prepare_off_loop
 from service.grpc_gen.v1 import tts_pb2 as pb
 from tts.params import InvalidRequest
 from tts.runtime.engine_thread import (
@@ -46,6 +48,7 @@ from tts.runtime.engine_thread import (
     SessionWarning,
     WordTimings,
 )
+from tts.runtime.request import ReferenceClip, prepare_session_voice
 from tts.runtime.request_errors import InvalidField, with_field
 from tts.runtime.voices import VoiceNotFound
 from tts.text.normalize import shorten
@@ -62,6 +65,12 @@ _FINISH = {
     "loop": pb.FINISH_REASON_LOOP,
     "cancelled": pb.FINISH_REASON_CANCELLED,
     "error": pb.FINISH_REASON_ERROR,
+}
+# The session's names of the request fields (`tts.runtime.request.FIELDS`) that a SessionStart holds.
+SESSION_FIELDS = {
+    "voice": "start.voice.name",
+    "reference.audio": "start.voice.reference.audio",
+    "reference.text": "start.voice.reference.text",
 }
 SAMPLING = (
     "temperature",
@@ -100,11 +109,6 @@ def session_settings(
     ...), as the session's own checks would find it but with the field named."""
     planner = servicer.loop.planner
     source = start.voice.WhichOneof("source")
-    if source == "reference":
-        raise InvalidField(
-            "start.voice.reference",
-            "start.voice.reference: sessions take a voice name; register the clip with AddVoice and name it",
-        )
     s = start.sampling
     sampling = {name: getattr(s, name) for name in SAMPLING if s.HasField(name)}
     for name, value in sampling.items():  # each value alone, so that the error names its field
@@ -148,6 +152,26 @@ def session_settings(
         **sampling,
     )
     return kwargs, encoding, out.include_codes
+
+
+async def open_stream(servicer: TextToSpeechServicer, context, start: pb.SessionStart, kwargs: dict):
+    """Open the session of `start` (`kwargs`: its `session_settings`): its reference clip, if any, checked
+    and decoded on a worker thread (a one-shot request's rules and limits, within the call's deadline and
+    `max_prepare_seconds`), then encoded once by the engine thread. Raises the request's errors (fields as
+    `tts.runtime.request` names them: map with SESSION_FIELDS), SessionLimit, LoopClosed."""
+    clip = None
+    if start.voice.WhichOneof("source") == "reference":
+        clip = ReferenceClip(bytes(start.voice.reference.audio), start.voice.reference.text)
+    reference = None
+    if clip is not None:
+        remaining = context.time_remaining()
+        timeout = servicer.limits.max_prepare_seconds
+        timeout = timeout if remaining is None else min(timeout, remaining)
+        planner, limits = servicer.loop.planner, servicer.limits.request_limits
+        reference = await prepare_off_loop(
+            prepare_session_voice, planner, kwargs["voice"], clip, limits, timeout=timeout
+        )
+    return servicer.loop.open_session(reference=reference, aio_loop=asyncio.get_running_loop(), **kwargs)
 
 
 def _message(event, encoding: int, include_codes: bool, rate: int, wire: Wire) -> pb.SessionResponse:
@@ -267,14 +291,14 @@ async def run_session(servicer: TextToSpeechServicer, context, wire: Wire) -> No
             await servicer._abort(context, refusal, call)
         try:
             kwargs, encoding, include_codes = session_settings(servicer, first.start)
-            stream = servicer.loop.open_session(aio_loop=asyncio.get_running_loop(), **kwargs)
+            stream = await open_stream(servicer, context, first.start, kwargs)
         except VoiceNotFound as exc:
             await servicer._abort(context, with_field(exc, "start.voice.name"), call)
-        except Exception as exc:  # noqa: BLE001 - a bad start, the session limit, a closed loop
-            await servicer._abort(context, exc, call)
+        except Exception as exc:  # noqa: BLE001 - a bad start or clip, the session limit, a closed loop
+            await servicer._abort(context, exc, call, SESSION_FIELDS)
         assert stream is not None
         call.request_id = stream.session_id
-        call.voice = kwargs["voice"] or "default"
+        call.voice = kwargs["voice"] or first.start.voice.WhichOneof("source") or "default"
         codec = servicer.bundle.codec
         await context.write(
             pb.SessionResponse(
@@ -312,7 +336,7 @@ async def run_session(servicer: TextToSpeechServicer, context, wire: Wire) -> No
                         event.detail or "the session's audio was not read while other requests waited"
                     ),
                     "shutdown": LoopClosed("the server shut down; the session ended"),
-                    "error": SessionEndedByServer("the session could not open"),
+                    "error": SessionEndedByServer(event.detail or "the session could not open"),
                 }.get(event.reason)
                 if failure is not None:
                     await servicer._abort(context, failure, call)

@@ -789,6 +789,8 @@ class HTTPFront:
             log_level="warning",
             access_log=False,
             ws="wsproto",  # the Fish Audio API's WebSockets (service/fish_api.py)
+            # (a live session's start event may carry a reference clip: room for the largest one)
+            ws_max_size=max(16 * 1024 * KiB, self.max_body + 64 * KiB),
             timeout_graceful_shutdown=5,
             timeout_keep_alive=5,
             http=_timed_protocol(self.limits.http_read_timeout),

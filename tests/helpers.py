@@ -1,10 +1,23 @@
 """Shared test helpers: random prompts for any model config, a synchronous engine driver, streamed codec
 decode. A helper two test files need goes here (service tests: tests/service_helpers.py)."""
 
+import io
+
+import numpy as np
+import soundfile as sf
 import torch
 
 from tts.engine import Engine, SamplingParams
 from tts.engine.aligner import RETRACT_MAX_FRAMES, Repeat
+
+
+def tone_wav(rate: int, seconds: float = 2.0) -> bytes:
+    """A 220 Hz tone of `seconds` at `rate` Hz as 16-bit WAV bytes (a reference clip the checks take)."""
+    t = np.arange(int(seconds * rate)) / rate
+    buf = io.BytesIO()
+    tone = (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+    sf.write(buf, tone, rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
 
 
 def random_prompt(

@@ -25,13 +25,16 @@ av = pytest.importorskip("av")
 
 from fishaudio import FishAudio  # noqa: E402
 from fishaudio.exceptions import APIError, NotFoundError, WebSocketError  # noqa: E402
-from fishaudio.types import FlushEvent, TTSConfig  # noqa: E402
+from fishaudio.types import FlushEvent, ReferenceAudio, TTSConfig  # noqa: E402
+from helpers import tone_wav  # noqa: E402
 from httpx_ws import connect_ws  # noqa: E402
 from service_helpers import EndTokenNever, ServerThread, wait_idle  # noqa: E402
 
 from service.server import ServiceLimits  # noqa: E402
 from tts.checkpoints.load import load_bundle  # noqa: E402
 from tts.engine import EngineConfig, model_runner  # noqa: E402
+from tts.runtime.request import ReferenceClip, prepare_reference  # noqa: E402
+from tts.text.prompt import VoiceReference  # noqa: E402
 
 RATE = 16000  # the tiny model's codec
 FRAME = 640  # samples per frame
@@ -286,6 +289,69 @@ def test_a_websocket_outlives_the_http_read_timeout():
     finally:
         srv.stop()
         mp.undo()
+
+
+# ---- a reference clip in the live session's start ------------------------------------------------------
+
+
+def test_stream_websocket_with_a_reference_clip_speaks_in_its_voice(server, client):
+    clip = ReferenceClip(tone_wav(RATE), "A tone to clone.")
+    engine = server.loop.engine
+    before = engine.prefill_tokens
+    references = [ReferenceAudio(audio=clip.audio, text=clip.text)]
+    data = b"".join(client.tts.stream_websocket(iter(PIECES), references=references, config=config("pcm")))
+    assert len(data) == CHUNKS * N * FRAME * 2  # every chunk, each of its frames
+    freed(server)
+    with_reference = engine.prefill_tokens - before
+    before = engine.prefill_tokens
+    assert len(b"".join(client.tts.stream_websocket(iter(PIECES), config=config("pcm")))) == len(data)
+    freed(server)
+    plain = engine.prefill_tokens - before
+    # the clip's prompt (its transcript and codes) was prefilled once, for the first chunk only
+    ref = prepare_reference(server.loop.planner, clip, server.server.limits.request_limits)
+    voice = VoiceReference(server.loop.bundle.codec.encode_audio(ref.samples), ref.text)
+    fmt = server.loop.bundle.prompt_format
+    extra = fmt.build("Hi.", [voice], []).shape[0] - fmt.build("Hi.", [], []).shape[0]
+    assert extra > voice.codes.shape[1] and with_reference == plain + extra
+
+
+def v1_tts_error(server, body: dict) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/tts", msgpack.packb(body), {"Content-Type": "application/msgpack"})
+    resp = conn.getresponse()
+    status, message = resp.status, json.loads(resp.read())["message"]
+    conn.close()
+    return status, message
+
+
+@pytest.mark.parametrize(
+    ("reference", "reference_id"),
+    [
+        ({"audio": b"not audio at all" * 10, "text": "x"}, None),
+        ({"audio": tone_wav(RATE), "text": " "}, None),  # no transcript
+        ({"audio": tone_wav(RATE, 0.2), "text": "Too short."}, None),
+        ({"audio": b"x" * (1024 * 1024 + 300 * 1024), "text": "x"}, None),  # over the server's 256 KiB
+        ({"audio": tone_wav(RATE), "text": "A tone."}, "fishy"),  # a voice and a clip
+    ],
+)
+def test_a_bad_reference_clip_gets_v1_ttss_error_and_frees_everything(
+    server, client, reference, reference_id
+):
+    request = {"text": "", "format": "pcm", "max_new_tokens": N, "references": [reference]}
+    if reference_id is not None:
+        request["reference_id"] = reference_id
+    status, message = v1_tts_error(server, {**request, "text": "Hi."})
+    assert status == 400 and message
+    got = live(
+        server, "/v1/tts/live", [{"event": "start", "request": request}, {"event": "text", "text": "Hi."}]
+    )
+    assert got == [{"event": "finish", "reason": "error", "message": message}]
+    freed(server)
+    with pytest.raises(WebSocketError):
+        refs = [ReferenceAudio(**reference)]
+        voice = {"references": refs, "reference_id": reference_id}
+        list(client.tts.stream_websocket(iter(["Hi."]), **voice, config=config("pcm")))
+    freed(server)
 
 
 # ---- voices ("models") -----------------------------------------------------------------------------------

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import Future
 
 import grpc
 import numpy as np
 import pytest
+from helpers import tone_wav
 from service_helpers import NO_BDP, ServerThread, wait_idle
 
 from service.client import channel_options
@@ -22,6 +24,8 @@ from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
 from tts.checkpoints.load import load_bundle
 from tts.engine import EngineConfig
 from tts.model.kv_cache import blocks_needed
+from tts.runtime.request import ReferenceClip, prepare_reference
+from tts.text.prompt import VoiceReference
 
 BLOCK = 8
 
@@ -41,9 +45,17 @@ def server(bundle):
     srv.stop()
 
 
-def start(frames: int, seed: int = 3, encoding=pb.AUDIO_ENCODING_FLOAT32, chunk_frames: int = 0, **sampling):
+def start(
+    frames: int,
+    seed: int = 3,
+    encoding=pb.AUDIO_ENCODING_FLOAT32,
+    chunk_frames: int = 0,
+    voice: pb.Voice | None = None,
+    **sampling,
+):
     return pb.SessionRequest(
         start=pb.SessionStart(
+            voice=voice,
             sampling=pb.SamplingOptions(seed=seed, max_new_frames=frames, min_new_frames=frames, **sampling),
             output=pb.OutputOptions(
                 encoding=encoding, first_chunk_frames=chunk_frames, chunk_frames=chunk_frames
@@ -367,3 +379,111 @@ def test_drain_ends_an_open_session_with_shutdown_then_unavailable(bundle):
     finally:
         if not srv.server.replica_state.stopping:
             srv.stop()
+
+
+# ---- a reference clip in `start` ----------------------------------------------------------------------
+
+
+def session_ends(server, voice: pb.Voice | None, pieces: list[str]) -> tuple[list, pb.SessionEnd]:
+    """Run a session of 6-frame chunks over `pieces` (then close): its chunk ends and its end."""
+
+    async def body(stub):
+        call = stub.SynthesizeSession()
+        await call.write(start(6, voice=voice))
+        assert kind(await call.read()) == "header"
+        for piece in pieces:
+            await call.write(text(piece))
+        await call.write(CLOSE)
+        messages = await read_until(call, lambda m: kind(m) == "end")
+        assert await call.code() == grpc.StatusCode.OK
+        return messages
+
+    messages = run(server, body)
+    return [m.chunk_end for m in messages if kind(m) == "chunk_end"], messages[-1].end
+
+
+def test_a_reference_clip_in_start_is_the_sessions_voice_prefilled_with_the_first_chunk_only(server, bundle):
+    rate, frame_length = bundle.codec.sample_rate, bundle.codec.frame_length
+    clip = ReferenceClip(tone_wav(rate), "A tone to clone.")
+    voice = pb.Voice(reference=pb.ReferenceAudio(audio=clip.audio, text=clip.text))
+    pieces = ["Hello there my friend. ", "And then more words."]
+    encodes = server.loop.runner.stage.stats.encode_calls
+    ends, end = session_ends(server, voice, pieces)
+    freed(server)
+    plain, _ = session_ends(server, None, pieces)
+    freed(server)
+    assert [(e.finish_reason, e.frames) for e in ends] == [(pb.FINISH_REASON_LENGTH, 6)] * 2
+    assert end.reason == "closed" and end.audio_samples == 2 * 6 * frame_length
+    assert server.loop.runner.stage.stats.encode_calls == encodes + 1
+    # the first chunk's prompt holds the reference (its transcript and codes) besides the plain prompt's
+    ref = prepare_reference(server.loop.planner, clip, server.server.limits.request_limits)
+    codes = bundle.codec.encode_audio(ref.samples)
+    fmt = bundle.prompt_format
+    extra = (
+        fmt.build(ends[0].text, [VoiceReference(codes, ref.text)], []).shape[0]
+        - fmt.build(ends[0].text, [], []).shape[0]
+    )
+    assert extra > codes.shape[1]
+    assert ends[0].cached_tokens == plain[0].cached_tokens == 0
+    assert ends[0].prefill_tokens == plain[0].prefill_tokens + extra
+    # the next chunk reuses all of it: it prefills only its own new tokens, as a session without one
+    assert ends[1].cached_tokens == ends[0].prefill_tokens + 1 + 6 - 1
+    assert ends[1].prefill_tokens == plain[1].prefill_tokens
+
+
+def test_a_bad_reference_clip_in_start_gets_the_one_shot_error_and_frees_everything(server, bundle):
+    def one_shot(ref: pb.ReferenceAudio) -> tuple[grpc.StatusCode, str, str | None]:
+        request = pb.SynthesizeRequest(text="Hi.", voice=pb.Voice(reference=ref))
+        with grpc.insecure_channel(server.address) as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                pb_grpc.TextToSpeechStub(channel).SynthesizeUnary(request, timeout=60)
+        err = info.value
+        return err.code(), err.details(), dict(err.trailing_metadata() or ()).get("tts-field")
+
+    def in_session(ref: pb.ReferenceAudio) -> tuple[grpc.StatusCode, str, str | None]:
+        async def body(stub):
+            call = stub.SynthesizeSession()
+            await call.write(start(6, voice=pb.Voice(reference=ref)))
+            return await status_of(call)
+
+        return run(server, body)
+
+    rate = bundle.codec.sample_rate
+    bad = [
+        pb.ReferenceAudio(audio=b"not audio at all" * 10, text="x"),  # not a clip
+        pb.ReferenceAudio(audio=tone_wav(rate), text=" "),  # no transcript
+        pb.ReferenceAudio(audio=tone_wav(rate, 0.2), text="Too short."),
+        pb.ReferenceAudio(audio=tone_wav(rate, 1.0)[:44] + bytes(2 * rate), text="Silent."),
+    ]
+    for ref in bad:
+        code, details, field = one_shot(ref)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and field is not None
+        assert field.startswith("voice.reference.")
+        rename = lambda t: t.replace("voice.reference.", "start.voice.reference.")  # noqa: E731
+        assert in_session(ref) == (code, rename(details), rename(field))
+        freed(server)
+
+
+def test_a_clip_the_codec_cannot_encode_ends_the_session_with_why_and_frees_everything(
+    server, bundle, monkeypatch
+):
+    def broken(samples):
+        future: Future = Future()
+        future.set_exception(RuntimeError("codec exploded"))
+        return future
+
+    monkeypatch.setattr(server.loop.runner.stage, "encode", broken)
+    # (a clip no other test sends: the reference cache cannot answer it)
+    voice = pb.Voice(reference=pb.ReferenceAudio(audio=tone_wav(bundle.codec.sample_rate, 1.5), text="Once."))
+
+    async def body(stub):
+        call = stub.SynthesizeSession()
+        await call.write(start(6, voice=voice))
+        messages = await read_until(call, lambda m: kind(m) == "end")
+        return messages, await status_of(call)
+
+    messages, (code, details, _) = run(server, body)
+    assert [kind(m) for m in messages] == ["header", "warning", "end"] and messages[-1].end.reason == "error"
+    assert code == grpc.StatusCode.INTERNAL
+    assert details.endswith("the reference clip could not be encoded: codec exploded")
+    freed(server)

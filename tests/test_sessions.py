@@ -5,13 +5,18 @@ timeouts. Deterministic: fixed frame counts (min_new_frames = max_new_frames, th
 a test clock for the timeouts."""
 
 import dataclasses
+from concurrent.futures import Future
 
 import pytest
 import torch
+from helpers import tone_wav
 
 from tts import TTS, EngineConfig, InvalidRequest
+from tts.engine.sequences import common_prefix
 from tts.model.config import AlignerSpec
 from tts.model.kv_cache import blocks_needed
+from tts.runtime.request import ReferenceClip, RequestLimits, prepare_reference
+from tts.runtime.request_errors import InvalidField
 from tts.runtime.sessions import (
     ChunkEnded,
     ChunkStarted,
@@ -21,9 +26,10 @@ from tts.runtime.sessions import (
     SessionLimit,
     SessionManager,
     SessionOptions,
+    SessionWarning,
     WordTimings,
 )
-from tts.text.prompt import Turn
+from tts.text.prompt import Turn, VoiceReference
 from tts.text.stream_cut import TextBuffer
 
 FRAMES = dict(max_new_frames=6, min_new_frames=6, seed=3)
@@ -361,3 +367,102 @@ def test_the_next_chunk_waits_while_the_audio_before_it_is_unread(tts):
     s.close()
     list(s)
     assert all_freed(tts)
+
+
+# ---- a reference clip sent with the session ------------------------------------------------------------
+
+
+def prepared_clip(tts, seconds: float = 2.0):
+    """A clip checked as a one-shot request's is, and the voice it encodes to (the codec, called here)."""
+    clip = ReferenceClip(tone_wav(tts.sample_rate, seconds), "A tone to clone.")
+    ref = prepare_reference(tts.planner, clip, RequestLimits())
+    return ref, VoiceReference(tts.bundle.codec.encode_audio(ref.samples), ref.text)
+
+
+def reference_prefix(tts, voice) -> int:
+    """Prompt positions up to the end of the voice reference (where two texts' prompts first differ)."""
+    fmt = tts.bundle.prompt_format
+    return common_prefix(fmt.build("One.", [voice], []), fmt.build("Two.", [voice], []))
+
+
+def test_a_reference_clip_is_encoded_once_and_is_the_prefix_every_chunk_reuses(tts):
+    ref, voice = prepared_clip(tts)
+    encodes = tts.runner.stage.stats.encode_calls
+    s = tts.session(reference=ref, **FRAMES)
+    for _ in range(3):
+        s.send("The same sentence again. ")
+    s.flush()
+    events = list(s)
+    ends = of(events, ChunkEnded)
+    assert [e.reason for e in ends] == ["length"] * 3
+    assert tts.runner.stage.stats.encode_calls == encodes + 1  # once for the session, not per chunk
+    (got,) = s.core.references
+    assert torch.equal(got.codes, voice.codes) and got.text == voice.text
+    fmt = tts.bundle.prompt_format
+    codes = {}
+    for a in of(events, SessionAudio):
+        codes.setdefault(a.chunk, []).append(a.codes)
+    turns: list[Turn] = []
+    held = 0
+    for k, end in enumerate(ends):
+        prompt = fmt.build(end.text, [voice], turns)
+        assert end.cached_tokens == held  # the reference and the history, reused
+        assert end.prefill_tokens == prompt.shape[0] - 1 - held  # only the new tokens
+        held = prompt.shape[0] + end.frames - 1
+        turns = turns + [Turn(end.text, torch.cat(codes[k], dim=1))]
+    # the first chunk prefilled the reference (its transcript and every frame of its codes) ...
+    plain = fmt.build(ends[0].text, [], [])
+    assert ends[0].prefill_tokens > plain.shape[0] - 1 + voice.codes.shape[1]
+    # ... and later chunks only their own turn: the same count as a session without a reference
+    assert len({e.prefill_tokens for e in ends[1:]}) == 1 < ends[0].prefill_tokens
+    # the session's kept KV starts with the reference's prompt
+    P = reference_prefix(tts, voice)
+    columns = tts.engine.sequences[s.id].columns
+    assert torch.equal(columns[:P], fmt.build(ends[0].text, [voice], [])[:P])
+    s.close()
+    assert isinstance(list(s)[-1], SessionEnded) and all_freed(tts)
+
+
+def test_the_reference_stays_in_the_kept_prefix_when_the_oldest_turns_are_dropped(tiny_bundle):
+    tts = TTS(tiny_bundle, EngineConfig(max_batch=2, ignore_eos=True, block_size=8, max_context=300))
+    try:
+        ref, voice = prepared_clip(tts, seconds=1.0)
+        s = tts.session(reference=ref, **FRAMES)
+        for _ in range(8):
+            s.send("The same sentence again. ")
+        s.close()
+        ends = of(list(s), ChunkEnded)
+        assert [e.reason for e in ends] == ["length"] * 8
+        P = reference_prefix(tts, voice)
+        expected, held = 0, 0
+        for end in ends:
+            prompt_len = end.cached_tokens + end.prefill_tokens + 1
+            assert prompt_len + 6 <= 300
+            expected += min(held, prompt_len - 1) - end.cached_tokens
+            held = prompt_len + end.frames - 1
+        assert expected > 0 and tts.engine.reprefill_tokens == expected  # turns were dropped ...
+        assert all(e.cached_tokens >= P for e in ends[1:])  # ... never the reference
+        assert all_freed(tts)
+    finally:
+        tts.close()
+
+
+def test_a_voice_and_a_reference_or_a_clip_that_does_not_encode_frees_everything(tts, monkeypatch):
+    ref, _ = prepared_clip(tts)
+    with pytest.raises(InvalidField, match="not both") as info:
+        tts.session("default", reference=ref, **FRAMES)
+    assert info.value.field == "voice" and not tts.sessions.sessions
+
+    encode: Future = Future()  # the codec stage's encode of the clip, failing after the text came
+    monkeypatch.setattr(tts.runner.stage, "encode", lambda samples: encode)
+    s = tts.session(reference=ref, **FRAMES)
+    s.send("Never spoken at all. ")
+    s.flush()
+    assert s.core.busy and not s.core.current  # the chunk waits for the voice
+    encode.set_exception(RuntimeError("codec exploded"))
+    events = list(s)
+    assert not of(events, ChunkStarted)
+    (warning,) = of(events, SessionWarning)
+    assert "the reference clip could not be encoded: codec exploded" in warning.message
+    assert events[-1] == SessionEnded(s.id, "error", 0, warning.message)
+    assert all_freed(tts) and not tts.sessions.sessions

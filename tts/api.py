@@ -304,6 +304,7 @@ class TTS:
         self,
         voice: str | VoiceReference | list[VoiceReference] | None = None,
         *,
+        reference: PreparedReference | None = None,
         normalize: bool = True,
         options: SessionOptions | None = None,
         session_id: str | None = None,
@@ -311,9 +312,10 @@ class TTS:
     ) -> SpeechSession:
         """Open a streaming session: text sent in pieces, audio and word timings out (see
         `SpeechSession`, `tts.runtime.sessions`). voice: a voice name or VoiceReference objects (None: the
-        model's default voice); sampling: temperature, top_p, top_k, max_new_frames (per chunk),
-        min_new_frames, seed (chunk i uses seed + i), ras_window, repetition_penalty; options: bounds and
-        chunking (`SessionOptions`). Raises SessionLimit, InvalidRequest, VoiceNotFound.
+        model's default voice); or reference: a clip from `planner.prepare_reference(audio, rate, text)`,
+        encoded once as the session opens (not both); sampling: temperature, top_p, top_k, max_new_frames
+        (per chunk), min_new_frames, seed (chunk i uses seed + i), ras_window, repetition_penalty; options:
+        bounds and chunking (`SessionOptions`). Raises SessionLimit, InvalidRequest, VoiceNotFound.
 
             s = tts.session(voice="ava")
             s.send("Hello there, how are")
@@ -323,7 +325,12 @@ class TTS:
                 ...
         """
         core = self.sessions.open(
-            voice, session_id=session_id, normalize=normalize, options=options, **sampling
+            voice,
+            reference=reference,
+            session_id=session_id,
+            normalize=normalize,
+            options=options,
+            **sampling,
         )
         return SpeechSession(self, core)
 

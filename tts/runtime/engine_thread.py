@@ -708,6 +708,7 @@ class EngineThread:
         self,
         voice: str | VoiceReference | list[VoiceReference] | None = None,
         *,
+        reference: PreparedReference | None = None,
         aio_loop: asyncio.AbstractEventLoop | None = None,
         normalize: bool = True,
         options: SessionOptions | None = None,
@@ -717,17 +718,21 @@ class EngineThread:
         """Open a session (`tts.runtime.sessions`) on the engine thread; returns its `SessionStream`
         (events delivered into `aio_loop` if given, else read with `get()`).
 
-        voice: a preset or registered voice name, or VoiceReference objects (None: the model's default).
+        voice: a preset or registered voice name, or VoiceReference objects (None: the model's default);
+        or reference: a clip checked by `tts.runtime.request.prepare_reference` (host work: the caller's
+        worker thread), encoded once on the codec stage when the session opens (its first chunk waits).
         sampling: temperature, top_p, top_k, max_new_frames (per chunk), min_new_frames, seed (chunk i
         uses seed + i; random when not given), ras_window, repetition_penalty. options: bounds and
         chunking (None: the loop's `session_options`). session_id: a prefix for the session's id (made
         unique). Raises SessionLimit (`max_sessions` open: RESOURCE_EXHAUSTED / HTTP 429), LoopClosed
         (warming up, shutting down, out of service: UNAVAILABLE), InvalidRequest / VoiceNotFound (bad
-        settings: INVALID_ARGUMENT / HTTP 400, 404 for the voice).
+        settings, a voice and a reference: INVALID_ARGUMENT / HTTP 400, 404 for the voice).
         """
         self._check_accepting()
         opts = options or self.session_options
-        spec = self.sessions.plan(voice, normalize=normalize, options=opts, **sampling)  # (off-thread checks)
+        spec = self.sessions.plan(  # (off-thread checks)
+            voice, reference=reference, normalize=normalize, options=opts, **sampling
+        )
         with self._cv:
             self._check_accepting()
             if self._sessions_open >= self.max_sessions:

@@ -56,7 +56,7 @@ from tts.engine.engine import Engine
 from tts.engine.request import FinishReason, InvalidRequest, Request, StepOutput
 from tts.params import FrameConvention
 from tts.runtime.codec_stage import MAX_PIECE_FRAMES, CodecStage, DecodeResult
-from tts.runtime.planner import Planner, SynthesisJob
+from tts.runtime.planner import Planner, PreparedReference, SynthesisJob
 from tts.runtime.voices import ReferenceCache
 from tts.text.prompt import Turn, VoiceReference
 
@@ -335,15 +335,19 @@ class JobPipeline:
                 return job.job_id
         job.references = list(spec.references)
         if spec.reference is not None:
-            ref = spec.reference
-            encode = lambda: self.stage.encode(ref.samples)  # noqa: E731
-            if self.cache is not None and ref.key is not None:
-                job.encoding = self.cache.get_or_encode(ref.key, lambda: _as_voice(encode(), ref.text))
-            else:
-                job.encoding = _as_voice(encode(), ref.text)
+            job.encoding = self.encode_reference(spec.reference)
         else:
             self._start(job)
         return job.job_id
+
+    def encode_reference(self, ref: PreparedReference) -> Future[VoiceReference]:
+        """Encode a checked reference clip (`Planner.prepare_reference`) on the codec stage, through the
+        reference cache (a clip seen before is not encoded again): a future of its VoiceReference (codes
+        `[N, T]` int64 on the CPU, the normalized transcript), or of the encode's exception. Any thread."""
+        encode = lambda: self.stage.encode(ref.samples)  # noqa: E731
+        if self.cache is not None and ref.key is not None:
+            return self.cache.get_or_encode(ref.key, lambda: _as_voice(encode(), ref.text))
+        return _as_voice(encode(), ref.text)
 
     def cancel(self, job_id: str) -> None:
         """End the job at the next step, freeing its blocks, row and codec slot (idempotent)."""

@@ -226,6 +226,18 @@ def prepare_reference(planner: Planner, clip: ReferenceClip, limits: RequestLimi
         raise with_field(exc, REFERENCE_AUDIO) from exc
 
 
+def prepare_session_voice(
+    planner: Planner, voice: str | None, clip: ReferenceClip | None, limits: RequestLimits
+) -> PreparedReference | None:
+    """A streaming session's voice source, by a one-shot request's rules: a voice name or a reference clip,
+    not both (`check_voice_source`), the clip checked, decoded and keyed (`prepare_reference`: size,
+    transcript, format, length, loudness). Host work: a front runs it on a worker thread before it opens
+    the session (`EngineThread.open_session(reference=...)`, which encodes the clip once). Returns the
+    prepared clip, None without one. Raises InvalidField / AudioFieldError naming the field at fault."""
+    check_voice_source(voice, clip is not None)
+    return None if clip is None else prepare_reference(planner, clip, limits)
+
+
 __all__ = [
     "CHUNK_FRAMES",
     "FIELDS",
@@ -245,4 +257,5 @@ __all__ = [
     "format_size",
     "plan_job",
     "prepare_reference",
+    "prepare_session_voice",
 ]

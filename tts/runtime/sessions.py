@@ -7,6 +7,12 @@ sampling settings and an open text buffer:
   as one is complete: the first chunk of a turn at its first clause end (audio starts after a few words),
   later chunks at sentence ends, everything on `flush()`, and any chunk at the length bound. Each chunk is
   prepared by the model's text policy (normalized, split at the planner's chunk length) and queued.
+* The voice: a preset or registered voice, reference objects, or a reference clip sent with the session
+  (`SessionManager.open(reference=...)`, checked by `tts.runtime.request.prepare_reference` as a one-shot
+  request's clip is). The clip is encoded once, on the codec stage (through the reference cache), when the
+  session opens; its chunks wait for it. Every chunk's prompt starts with the voice references, so the
+  session's kept KV holds them as its prefix: they are prefilled with the first chunk only, and stay when
+  the oldest turns are dropped for the context. A clip that fails to encode ends the session ("error").
 * Chunks are spoken in order, one at a time, each as a one-chunk job of the job pipeline
   (`tts.runtime.jobs`) while more text arrives. Its prompt carries the session's earlier turns (text and
   codes) as context, as many as fit the model's context (the oldest dropped first:
@@ -54,6 +60,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -63,7 +70,8 @@ from torch import Tensor
 from tts.engine.aligner import ALIGN_MAX_TOKENS
 from tts.params import DEFAULT_CHUNK_FRAMES, DEFAULT_FIRST_CHUNK_FRAMES, InvalidRequest, SamplingParams
 from tts.runtime.jobs import Audio, Cancelled, Event, Failed, Finished, JobPipeline, Preempted, Started
-from tts.runtime.planner import SynthesisJob
+from tts.runtime.planner import PreparedReference, SynthesisJob
+from tts.runtime.request import check_voice_source
 from tts.runtime.timings import ChunkTimer, WordTiming, word_weights
 from tts.text.normalize import TextError
 from tts.text.prompt import Turn, VoiceReference
@@ -182,8 +190,9 @@ class SessionEnded:
     """The session ended (the last event): reason "closed" (`close`, after speaking everything),
     "aborted" (`abort`), "idle_timeout", "preempted" (its audio was not read while others waited for a
     row: RESOURCE_EXHAUSTED), "shutdown" (the server stopped or went out of service: UNAVAILABLE) or
-    "error" (it could not open). Its KV, its codec stream and every row are freed. detail: why, in one
-    line, where the reason alone does not say (a preemption: a reader too slow, or the KV cache full)."""
+    "error" (it could not open, or its reference clip could not be encoded). Its KV, its codec stream and
+    every row are freed. detail: why, in one line, where the reason alone does not say (a preemption: a
+    reader too slow, or the KV cache full; a clip that did not encode)."""
 
     session_id: str
     reason: str
@@ -284,6 +293,7 @@ class Session:
         options: SessionOptions,
         normalize: bool,
         voice_kind: str,
+        reference: PreparedReference | None = None,
     ):
         self.manager = manager
         self.id = session_id
@@ -317,6 +327,12 @@ class Session:
         self.cancelled_at_step: int | None = None
         self.last_barge_in: BargeIn | None = None
         self.outlet: SessionOutlet | None = None  # a consumer outside the driving thread (EngineThread)
+        # A reference clip sent with the session, while the codec stage encodes it (once, for every chunk):
+        # no chunk starts before its voice is the first of `references` (`_encoded`).
+        self.encoding: Future[VoiceReference] | None = None
+        if reference is not None:
+            self.encoding = manager.runner.encode_reference(reference)
+            self.events.extend(SessionWarning(session_id, w) for w in reference.warnings)
 
     # ---- commands ---------------------------------------------------------------------------------
 
@@ -426,8 +442,8 @@ class Session:
 
     @property
     def busy(self) -> bool:
-        """A chunk is being spoken or queued."""
-        return self.current is not None or bool(self.queue)
+        """A chunk is being spoken or queued, or the session's reference clip is being encoded."""
+        return self.current is not None or bool(self.queue) or self.encoding is not None
 
     @property
     def pending_text(self) -> str:
@@ -471,6 +487,8 @@ class Session:
         """Handle a finished chunk, start the next one, end a closed or idle session."""
         if self.ended:
             return
+        if self.encoding is not None and not (self.encoding.done() and self._encoded()):
+            return  # (`SessionManager.tick` pumps again once the clip is encoded)
         chunk = self.current
         if chunk is not None and chunk.done is not None:
             self.current = None
@@ -482,6 +500,21 @@ class Session:
                 self._end("closed")
             elif not len(self.buffer):
                 self.buffer.new_turn()  # the next text begins a new turn: its first clause goes early
+
+    def _encoded(self) -> bool:
+        """The reference clip's encode is done: its voice becomes the session's (the prefix of every
+        chunk's prompt). False if it failed: the session has ended ("error", saying why)."""
+        future, self.encoding = self.encoding, None
+        assert future is not None  # (_pump calls this for a done encode only)
+        try:
+            voice = future.result()
+        except Exception as exc:  # noqa: BLE001 - the codec failed on the clip: this session cannot speak
+            message = f"the reference clip could not be encoded: {exc}"
+            self.events.append(SessionWarning(self.id, message))
+            self._end("error", message)
+            return False
+        self.references = [voice, *self.references]
+        return True
 
     def _start(self, text: str) -> None:
         runner = self.manager.runner
@@ -654,6 +687,7 @@ class Session:
             return
         self.ended = True
         self.closing = True
+        self.encoding = None  # (an encode in flight completes for the reference cache; nobody waits)
         if self.current is not None and self.current.done is None:
             self.manager.runner.cancel(self.current.job_id)  # its late events are dropped
         self.current = None
@@ -669,13 +703,15 @@ class Session:
 @dataclass
 class SessionSpec:
     """A session's checked settings (`SessionManager.plan`): voice references, sampling (seed
-    resolved), options, whether text is normalized, the voice's kind."""
+    resolved), options, whether text is normalized, the voice's kind, and a reference clip to encode when
+    the session opens (None: none; then `references` is empty)."""
 
     references: list[VoiceReference]
     params: SamplingParams
     options: SessionOptions
     normalize: bool
     voice_kind: str
+    reference: PreparedReference | None = None
 
 
 class SessionManager:
@@ -707,43 +743,51 @@ class SessionManager:
         self,
         voice: str | VoiceReference | list[VoiceReference] | None = None,
         *,
+        reference: PreparedReference | None = None,
         session_id: str | None = None,
         normalize: bool = True,
         options: SessionOptions | None = None,
         **sampling,
     ) -> Session:
         """Open a session. voice: a preset or registered voice name, or VoiceReference objects (None: the
-        model's default voice). sampling: temperature, top_p, top_k, max_new_frames (per chunk),
-        min_new_frames, seed (chunk i uses seed + i; random when not given), ras_window,
-        repetition_penalty. Raises SessionLimit, InvalidRequest (bad values, a duplicate id),
-        VoiceNotFound."""
+        model's default voice); or reference: a clip checked by `tts.runtime.request.prepare_reference`
+        (not both), encoded once as the session opens. sampling: temperature, top_p, top_k,
+        max_new_frames (per chunk), min_new_frames, seed (chunk i uses seed + i; random when not given),
+        ras_window, repetition_penalty. Raises SessionLimit, InvalidRequest (bad values, a voice and a
+        reference, a duplicate id), VoiceNotFound."""
         if len(self.sessions) >= self.max_sessions:
             raise SessionLimit(f"{self.max_sessions} sessions are open; close one or try again later")
-        spec = self.plan(voice, normalize=normalize, options=options, **sampling)
+        spec = self.plan(voice, reference=reference, normalize=normalize, options=options, **sampling)
         return self.add(spec, session_id)
 
     def plan(
         self,
         voice: str | VoiceReference | list[VoiceReference] | None = None,
         *,
+        reference: PreparedReference | None = None,
         normalize: bool = True,
         options: SessionOptions | None = None,
         **sampling,
     ) -> SessionSpec:
         """Check a session's settings (as `open`; any thread: reads the planner and the voices only).
-        Raises InvalidRequest, VoiceNotFound."""
+        Raises InvalidRequest (InvalidField `voice` for a voice and a reference), VoiceNotFound."""
         planner = self.runner.planner
         params = planner.sampling_params(**sampling)
         if params.max_new_frames >= planner.max_context:
             raise InvalidRequest(
                 f"max_new_frames ({params.max_new_frames}) exceeds the context size {planner.max_context}"
             )
-        references, kind = planner._voice(voice)
+        references: list[VoiceReference] = []
+        if reference is not None:
+            check_voice_source(voice, True)  # (a voice name or a clip, as one-shot requests)
+            kind = "reference"
+        else:
+            references, kind = planner._voice(voice)
         opts = options or self.options
         if not (1 <= opts.first_chunk_frames and 1 <= opts.chunk_frames):
             raise InvalidRequest("first_chunk_frames and chunk_frames must be >= 1")
         params = replace(params, seed=params.seed if params.seed is not None else secrets.randbits(62))
-        return SessionSpec(references, params, opts, normalize, kind)
+        return SessionSpec(references, params, opts, normalize, kind, reference)
 
     def add(self, spec: SessionSpec, session_id: str | None = None) -> Session:
         """(the driving thread) Open a session planned by `plan`. Raises InvalidRequest for an id in use
@@ -752,7 +796,14 @@ class SessionManager:
         if sid in self.sessions or sid in self.runner.engine.sequences:
             raise InvalidRequest(f"session id {sid!r} is in use")
         session = Session(
-            self, sid, spec.references, spec.params, spec.options, spec.normalize, spec.voice_kind
+            self,
+            sid,
+            spec.references,
+            spec.params,
+            spec.options,
+            spec.normalize,
+            spec.voice_kind,
+            spec.reference,
         )
         self.sessions[sid] = session
         return session
@@ -766,6 +817,8 @@ class SessionManager:
             session = self.sessions.get(sid)
             if session is not None:
                 session._pump()
+        for session in [s for s in self.sessions.values() if s.encoding is not None and s.encoding.done()]:
+            session._pump()  # its reference clip is encoded: its first chunk may start
         now = self.clock()
         wait: float | None = None
         for session in list(self.sessions.values()):

@@ -135,17 +135,18 @@ class TextToSpeechServicer:
 
     def SynthesizeSession(self, request_iterator, context):
         """A session for a voice agent: text streamed in as it is written, audio and word timings streamed
-        out, barge-in. The client sends `start` first (voice, sampling, output), then any number of
-        `text` pieces, `flush` (speak what is buffered without waiting for a sentence end), `cancel`
-        (barge-in: the audio not yet sent is dropped, the text not yet spoken forgotten, the chunk in flight
-        ends; the session stays open for more text) and `close` (speak what is left, then end; the client
-        closing its side of the stream does the same). The server answers with a SessionHeader, then per
-        text chunk a SessionChunkStart, SessionAudio and SessionWordTimings, and a SessionChunkEnd, and a
-        SessionEnd last. Errors end the call with a status: INVALID_ARGUMENT naming the message field at
-        fault in the trailing metadata `tts-field` (`start` missing or repeated, `text` after close or
-        over the session's waiting-text bound, `start.sampling.top_p`, ...), NOT_FOUND (unknown voice),
-        RESOURCE_EXHAUSTED (the server's session limit, or the session's audio was not read while others
-        waited), UNAVAILABLE (warming up, shutting down: after a SessionEnd with reason "shutdown").
+        out, barge-in. The client sends `start` first (voice: a name or a reference clip; sampling, output),
+        then any number of `text` pieces, `flush` (speak what is buffered without waiting for a sentence
+        end), `cancel` (barge-in: the audio not yet sent is dropped, the text not yet spoken forgotten, the
+        chunk in flight ends; the session stays open for more text) and `close` (speak what is left, then
+        end; the client closing its side of the stream does the same). The server answers with a
+        SessionHeader, then per text chunk a SessionChunkStart, SessionAudio and SessionWordTimings, and a
+        SessionChunkEnd, and a SessionEnd last. Errors end the call with a status: INVALID_ARGUMENT naming
+        the message field at fault in the trailing metadata `tts-field` (`start` missing or repeated, `text`
+        after close or over the session's waiting-text bound, `start.sampling.top_p`,
+        `start.voice.reference.audio`, ...), NOT_FOUND (unknown voice), RESOURCE_EXHAUSTED (the server's
+        session limit, or the session's audio was not read while others waited), UNAVAILABLE (warming up,
+        shutting down: after a SessionEnd with reason "shutdown").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
