@@ -109,11 +109,6 @@ class EngineConfig:
     loop_guard: bool = True
     # Benchmarking only:
     ignore_eos: bool = False  # never sample the end token (fixed-length benchmark runs)
-    # Testing only (no option of the CLI or the service sets them). testing_standin_graphs: on a CPU,
-    # "lazy" / "startup" use stand-in graphs (`graphs.runner.StandInGraph`) instead of none.
-    # testing_eager_buckets: pad to buckets as a replay would but run eagerly (replay tests' reference).
-    testing_standin_graphs: bool = False
-    testing_eager_buckets: bool = False
 
     def validate(self) -> None:
         if self.max_batch < 1:
@@ -184,7 +179,12 @@ def disable_cudnn_attention() -> None:
 
 class Engine:
     """The engine: scheduler, KV pool, model runner and frame-step graphs. On CUDA it calls
-    `disable_cudnn_attention` (a process-wide SDPA setting; see there)."""
+    `disable_cudnn_attention` (a process-wide SDPA setting; see there).
+
+    A subclass may change how the frame step runs: `graph_runner_class` (the frame step's graph runner,
+    a `graphs.runner.GraphRunner`) and `graphs_supported` (whether the device runs graphs at all)."""
+
+    graph_runner_class: type[GraphRunner] = GraphRunner
 
     def __init__(self, model: DualARTransformer, config: EngineConfig | None = None):
         self.config = cfg = config or EngineConfig()
@@ -229,15 +229,14 @@ class Engine:
         # The frame step: the captured one, or on a CPU its eager twin (same contract and buffers).
         self.cpu_step = CpuFrameStep(self.runner) if self.device.type == "cpu" else None
         step_fn = self.cpu_step.decode_step if self.cpu_step is not None else self.runner.decode_step
-        use_graphs = cfg.graphs != "off" and (self.device.type == "cuda" or cfg.testing_standin_graphs)
-        self.graphs = GraphRunner(
+        use_graphs = cfg.graphs != "off" and self.graphs_supported()
+        self.graphs = self.graph_runner_class(
             step_fn,
             max_batch=cfg.max_batch,
             buckets=cfg.buckets,
             enabled=use_graphs,
             device=self.device,
             buffer_ptrs=self.runner.buffers.data_ptrs,
-            eager_buckets=cfg.testing_eager_buckets,
         )
         self._lock = threading.Lock()
         self._pending_cancel: dict[str, FinishReason] = {}
@@ -277,6 +276,11 @@ class Engine:
             self.graphs.capture_all(variants=self._variants())
         if self.runner.prefill_graphs is not None and prefill_graphs == "startup":
             self.runner.prefill_graphs.capture_all()
+
+    def graphs_supported(self) -> bool:
+        """Whether the frame step and the prefill may run as graphs here (`EngineConfig.graphs`): CUDA
+        graphs on a CUDA device; a CPU has none (its graphs setting means "off")."""
+        return self.device.type == "cuda"
 
     # Prompt lengths the prefill warm-up runs: alone (one position, short, and lengths on both sides of
     # a multiple of 16, where Triton specializes integer arguments) and packed (totals likewise).
