@@ -602,7 +602,28 @@ class Engine:
             self._carried = outputs
             raise
 
-    def _step(self, outputs: list[StepOutput]) -> list[StepOutput]:  # noqa: C901 (the engine step's phases in one place; to be split)
+    def _step(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """One iteration (see the module docstring), its outputs appended to `outputs`."""
+        admitted = self._apply_pending(outputs)
+        phases, t0 = self.phase_seconds, time.perf_counter()
+        self._start(admitted, outputs)
+        self._grow(outputs)
+        n = self.scheduler.num_running
+        t1 = time.perf_counter()
+        phases["prefill"] += t1 - t0
+        if n == 0:
+            return outputs
+        out = self._frame_step(n)
+        t2 = time.perf_counter()
+        phases["replay"] += t2 - t1
+        self._row_outputs(out, outputs)
+        phases["rows"] += time.perf_counter() - t2
+        return outputs
+
+    def _apply_pending(self, outputs: list[StepOutput]) -> list[tuple[int, Request]]:
+        """Apply the cancellations and pauses requested since the last iteration (cancelled requests'
+        outputs appended to `outputs`), then admit waiting requests (idle kept sequences evicted first
+        where the head of the queue lacks blocks). Returns the admitted (row, request) pairs."""
         with self._lock:
             cancels, self._pending_cancel = self._pending_cancel, {}
             pauses, self._pending_pause = self._pending_pause, {}
@@ -619,23 +640,20 @@ class Engine:
                         self.runner.set_active(row, not (paused or request.stalled))
             if self.sequences:
                 self._evict_for_waiting()
-            admitted = self.scheduler.admit()
-        phases, t0 = self.phase_seconds, time.perf_counter()
-        self._start(admitted, outputs)
-        self._grow(outputs)
-        n = self.scheduler.num_running
-        t1 = time.perf_counter()
-        phases["prefill"] += t1 - t0
-        if n == 0:
-            return outputs
+            return self.scheduler.admit()
+
+    def _frame_step(self, n: int) -> torch.Tensor:
+        """One frame step for the `n` running rows (graph replay or eager); returns its `out[:n]` on the
+        host."""
         self.graphs.run(n, self._sampler_variant())
         self.frame_steps += 1
         self.step_rows += n
-        out = self._frame_to_host(n)
-        t2 = time.perf_counter()
-        phases["replay"] += t2 - t1
+        return self._frame_to_host(n)
+
+    def _row_outputs(self, out: torch.Tensor, outputs: list[StepOutput]) -> None:
+        """Hand each running request its row of the step's `out` (`_row_output`), appended to `outputs`.
+        Per-row work in plain Python values and one split: this runs every frame for every row."""
         cols = self.runner.out_layout
-        # Per-row work in plain Python values and one split: this loop runs every frame for every row.
         flags = out[:, [cols.token, cols.emitted, cols.done, cols.align]].tolist()
         # frame columns as Python ints, for the loop guards' rewinds (only where there can be guards)
         kept = any(r.sequence is not None for r in self.scheduler.running)
@@ -648,46 +666,74 @@ class Engine:
         ):
             if not emitted:  # paused: nothing emitted this step
                 continue
-            request.num_generated += 1
-            request.sampled += 1
-            self.frames_generated += 1
-            if request.end_masked:  # the step after a refused end token: the end token may come again
-                self._unmask_end(request, row)
-            stop = token == self.model.config.eos_token_id
-            if stop and request.guard is not None and self._refuse_end(request, row):
-                continue
-            hold = 0
-            if request.guard is not None and not stop:
-                assert columns is not None  # (a guard exists only where the runner has an aligner)
-                retract = self._guard(request, position, columns[row], done)
-                if retract is not None:
-                    outputs.append(retract)
-                    continue
-                hold = self._hold(request)
-            elif request.sequence is not None and columns is not None:
-                request.columns.append(columns[row])  # what goes back to the kept sequence
-            align = position if request.guard is not None and not stop else None
-            end_codes = None
-            # The end-token frame is not audio (docs/fish_dual_ar.md §1.4 step 8), except for 1.5
-            # (FrameConvention).
-            if stop:
-                codes, end_codes = no_codes, codes
-            if done:
-                reason = FinishReason.STOP if stop else FinishReason.LENGTH
-                if stop and request.guard is not None and self._ends_early(request):
-                    reason = FinishReason.SHORT  # (refusals spent: words are missing; never `stop`)
-                if request.looped:  # a repeat stayed in its frames (tts.engine.aligner.MAX_REWINDS)
-                    reason = FinishReason.LOOP
-                with self._lock:
-                    finished = self._finish(request, reason)
-                finished.codes = codes
-                finished.end_codes = end_codes
-                finished.align_position = align
-                outputs.append(finished)
-            else:
-                outputs.append(StepOutput(request.request_id, codes, hold=hold, align_position=align))
-        phases["rows"] += time.perf_counter() - t2
-        return outputs
+            column = columns[row] if columns is not None else None
+            output = self._row_output(request, row, token, done, position, codes, column, no_codes)
+            if output is not None:
+                outputs.append(output)
+
+    def _row_output(
+        self,
+        request: Request,
+        row: int,
+        token: int,
+        done: int,
+        position: int,
+        codes: torch.Tensor,
+        column: list[int] | None,
+        no_codes: torch.Tensor,
+    ) -> StepOutput | None:
+        """The output of a request whose row emitted a frame: `token` (its main token), `done` (the step
+        ended it), `position` (its text position, with an aligner), `codes` `[1, N]`, `column` (the frame
+        column as Python ints; None where no guard or kept sequence needs it), `no_codes` `[0, N]`. None:
+        its end token was refused (nothing to hand out)."""
+        request.num_generated += 1
+        request.sampled += 1
+        self.frames_generated += 1
+        if request.end_masked:  # the step after a refused end token: the end token may come again
+            self._unmask_end(request, row)
+        stop = token == self.model.config.eos_token_id
+        if stop and request.guard is not None and self._refuse_end(request, row):
+            return None
+        hold = 0
+        if request.guard is not None and not stop:
+            assert column is not None  # (a guard exists only where the runner has an aligner)
+            retract = self._guard(request, position, column, bool(done))
+            if retract is not None:
+                return retract
+            hold = self._hold(request)
+        elif request.sequence is not None and column is not None:
+            request.columns.append(column)  # what goes back to the kept sequence
+        align = position if request.guard is not None and not stop else None
+        end_codes = None
+        # The end-token frame is not audio (docs/fish_dual_ar.md §1.4 step 8), except for 1.5
+        # (FrameConvention).
+        if stop:
+            codes, end_codes = no_codes, codes
+        if done:
+            return self._finished_row(request, stop, codes, end_codes, align)
+        return StepOutput(request.request_id, codes, hold=hold, align_position=align)
+
+    def _finished_row(
+        self,
+        request: Request,
+        stop: bool,
+        codes: torch.Tensor,
+        end_codes: torch.Tensor | None,
+        align: int | None,
+    ) -> StepOutput:
+        """The step ended `request` (its end token, `stop`, or its budget): finish it with its last
+        frame's `codes`, the end-token frame's `end_codes` and text position `align`."""
+        reason = FinishReason.STOP if stop else FinishReason.LENGTH
+        if stop and request.guard is not None and self._ends_early(request):
+            reason = FinishReason.SHORT  # (refusals spent: words are missing; never `stop`)
+        if request.looped:  # a repeat stayed in its frames (tts.engine.aligner.MAX_REWINDS)
+            reason = FinishReason.LOOP
+        with self._lock:
+            finished = self._finish(request, reason)
+        finished.codes = codes
+        finished.end_codes = end_codes
+        finished.align_position = align
+        return finished
 
     def _guard(self, request: Request, position: int, column: list[int], done: bool) -> StepOutput | None:
         """Feed a guarded request's new frame (its column `[token, c_0 .. c_N-1]`, text `position`) to its
