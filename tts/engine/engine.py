@@ -660,21 +660,21 @@ class Engine:
         columns = out[:, cols.frame].tolist() if self.runner.aligner is not None or kept else None
         row_codes = out[:, cols.codes].split(1)
         no_codes = out[:0, cols.codes]
-        # Iterate over a snapshot: finishing a request moves the last row into its place.
+        # Iterate over a snapshot: finishing a request moves the last row into its place, so `row` (the
+        # index into this step's `out`) is not always the request's row by then (`running.index` is).
         for row, (request, (token, emitted, done, position), codes) in enumerate(
             zip(list(self.scheduler.running), flags, row_codes, strict=True)
         ):
             if not emitted:  # paused: nothing emitted this step
                 continue
             column = columns[row] if columns is not None else None
-            output = self._row_output(request, row, token, done, position, codes, column, no_codes)
+            output = self._row_output(request, token, done, position, codes, column, no_codes)
             if output is not None:
                 outputs.append(output)
 
     def _row_output(
         self,
         request: Request,
-        row: int,
         token: int,
         done: int,
         position: int,
@@ -690,9 +690,9 @@ class Engine:
         request.sampled += 1
         self.frames_generated += 1
         if request.end_masked:  # the step after a refused end token: the end token may come again
-            self._unmask_end(request, row)
+            self._unmask_end(request)
         stop = token == self.model.config.eos_token_id
-        if stop and request.guard is not None and self._refuse_end(request, row):
+        if stop and request.guard is not None and self._refuse_end(request):
             return None
         hold = 0
         if request.guard is not None and not stop:
@@ -792,7 +792,7 @@ class Engine:
         assert request.guard is not None  # (the caller checks)
         return request.num_generated - 1 < request.end_floor or not request.guard.said_all()
 
-    def _refuse_end(self, request: Request, row: int) -> bool:
+    def _refuse_end(self, request: Request) -> bool:
         """The end token was sampled for a guarded request: if that is before its text was said
         (`_ends_early`), refuse it, at most MAX_END_REFUSALS times per request (and no more once
         MAX_STALLED_REFUSALS in a row found the text position no further on): the end-token frame is
@@ -814,6 +814,7 @@ class Engine:
         begin = self.model.config.semantic_begin_id
         last = request.columns[-1] if request.columns else request.prompt[-1].tolist()
         ras = [c[0] - begin for c in request.columns[1:]]
+        row = self.scheduler.running.index(request)  # (now: a request finished this step may have moved it)
         self.runner.rewind_row(row, 1, torch.tensor(last), ras)
         self.runner.set_min_frames(row, request.sampled + 1)  # the next step's counter is `sampled`
         self.runner.set_active(
@@ -822,11 +823,12 @@ class Engine:
         request.end_masked = True
         return True
 
-    def _unmask_end(self, request: Request, row: int) -> None:
+    def _unmask_end(self, request: Request) -> None:
         """After the step that a refused end token masked: the row's min_frames back to the caller's
         min_new_frames plus every frame taken back (as `ModelRunner.rewind_row` keeps it)."""
         request.end_masked = False
         taken = request.sampled - request.num_generated
+        row = self.scheduler.running.index(request)  # (now: a request finished this step may have moved it)
         self.runner.set_min_frames(row, request.params.min_new_frames + taken)
 
     @staticmethod
