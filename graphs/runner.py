@@ -112,8 +112,6 @@ class GraphRunner:
     device: where the buffers live; CUDA graphs on a CUDA device, stand-ins elsewhere.
     buffer_ptrs: optional callable returning `{name: data_ptr}` of the persistent buffers; checked after
     every capture and replay so that a reallocated buffer fails loudly instead of replaying stale memory.
-    eager_buckets: pad to buckets exactly as replay would but always run eagerly (the reference that
-    tests compare replays with).
     capture_stream: the CUDA stream captures record on (default: one of this runner's own). Captures
     use CUDA's thread-local capture mode, so another thread may keep launching work (e.g. a second
     GraphRunner's replays) while this one captures.
@@ -128,7 +126,6 @@ class GraphRunner:
         enabled: bool = True,
         device: torch.device | str = "cpu",
         buffer_ptrs: Callable[[], dict[str, int]] | None = None,
-        eager_buckets: bool = False,
         capture_stream: torch.cuda.Stream | None = None,
     ):
         self.step_fn = step_fn
@@ -145,7 +142,6 @@ class GraphRunner:
         self._buffer_ptrs = buffer_ptrs
         self._ptrs_at_capture: dict[str, int] | None = None
         self.capturing = False  # True while a capture is being recorded (for fault injection / checks)
-        self.eager_buckets = eager_buckets
         self._capture_stream = capture_stream
 
     @property
@@ -172,8 +168,6 @@ class GraphRunner:
         key = (b, variant)
         if key in self.stats.failed_captures:
             return self._eager(n, variant)
-        if self.eager_buckets:
-            return self._eager(b, variant)
         if key not in self.graphs:
             if key not in self._warmed:
                 self._warmed.add(key)
@@ -201,7 +195,7 @@ class GraphRunner:
         """Warm up (uncounted) and capture bucket `b` now, unless it is captured or failed already or
         graphs are off; a failure is handled as in `run`. The caller lays out the buffers the warm-up
         and the capture run on (inert rows)."""
-        if not self.enabled or self.eager_buckets:
+        if not self.enabled:
             return
         key = (b, variant)
         if key in self.graphs or key in self.stats.failed_captures:

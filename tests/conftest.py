@@ -13,6 +13,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def standin_graphs(monkeypatch):
+    """Every engine this test builds on a CPU runs its "lazy" / "startup" graphs (`EngineConfig.graphs`,
+    `prefill_graphs`) as stand-ins (`graphs.runner.StandInGraph`: a replay runs the step again on the
+    same buffers) instead of none, so that bucket choice, padding, capture and replay run without CUDA.
+    (On a CUDA device engines have real graphs anyway.)"""
+    from tts.engine.engine import Engine
+
+    monkeypatch.setattr(Engine, "graphs_supported", lambda self: True)
+
+
 @pytest.fixture(scope="session")
 def tiny_bundle():
     """The tiny random-weight model in fp32 on CPU (shared; tests must not modify it)."""

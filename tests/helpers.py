@@ -1,5 +1,6 @@
-"""Shared test helpers: random prompts for any model config, a synchronous engine driver, streamed codec
-decode. A helper two test files need goes here (service tests: tests/service_helpers.py)."""
+"""Shared test helpers: random prompts for any model config, a synchronous engine driver, the replay
+tests' eager-bucket engine, streamed codec decode. A helper two test files need goes here (service
+tests: tests/service_helpers.py; the `standin_graphs` fixture: tests/conftest.py)."""
 
 import io
 
@@ -7,6 +8,7 @@ import numpy as np
 import soundfile as sf
 import torch
 
+from graphs.runner import GraphRunner
 from tts.engine import Engine, SamplingParams
 from tts.engine.aligner import RETRACT_MAX_FRAMES, Repeat
 
@@ -51,6 +53,27 @@ def run_to_completion(engine: Engine, max_iters: int = 10_000):
         raise AssertionError("engine did not finish")
     N = engine.model.config.num_codebooks
     return {k: torch.cat(v) if v else torch.zeros(0, N) for k, v in codes.items()}, reasons
+
+
+class EagerBucketsGraphRunner(GraphRunner):
+    """A graph runner that pads every step to its bucket exactly as a replay would, but always runs it
+    eagerly and never captures (at start-up neither): the reference that replays are compared with."""
+
+    def run(self, n: int, variant=None) -> int:
+        b = self.bucket_for(n) if self.enabled and n > 0 else None
+        if b is None:  # (nothing to run, graphs off, or n above the largest bucket: as any runner does)
+            return super().run(n, variant)
+        return self._eager(b, variant)
+
+    def capture(self, b: int, variant=None) -> None:
+        return None
+
+
+class EagerBucketsEngine(Engine):
+    """An engine whose frame step pads to its bucket as a replay would but runs eagerly
+    (`EagerBucketsGraphRunner`); its prefill graphs, if any, are the product's."""
+
+    graph_runner_class = EagerBucketsGraphRunner
 
 
 def params(**kw) -> SamplingParams:

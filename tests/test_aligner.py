@@ -310,10 +310,10 @@ def test_past_the_rewinds_allowed_a_repeat_stays_and_the_request_ends_loop(tiny_
     assert end.finish_reason == FinishReason.LOOP and engine.loop_repeats == 10
 
 
-def test_a_finished_rows_text_span_does_not_outlive_it(tiny_model):
+def test_a_finished_rows_text_span_does_not_outlive_it(tiny_model, standin_graphs):
     """A pad row reads an empty span at the scratch block: after a request whose span lay far into a
     long prompt finishes, the padded steps of the others go on (stand-in graphs pad to bucket 4)."""
-    engine = guarded_engine(tiny_model, max_batch=4, graphs="lazy", testing_standin_graphs=True, buckets=(4,))
+    engine = guarded_engine(tiny_model, max_batch=4, graphs="lazy", buckets=(4,))
     for i in range(2):
         engine.submit(random_prompt(tiny_model, 20, i), params(max_new_frames=12, seed=i), f"s{i}", (2, 15))
     engine.submit(random_prompt(tiny_model, 300, 9), params(max_new_frames=3, seed=9), "long", (200, 290))

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from helpers import random_prompt
+from helpers import EagerBucketsEngine, random_prompt
 
 from tts.engine import Engine, EngineConfig, SamplingParams
 from tts.engine.model_runner import RowInit
@@ -30,10 +30,11 @@ def prompt(model, n, seed):
     return random_prompt(model, n, seed, text_high=50_000)
 
 
-def make_engine(model, **kw):
+def make_engine(model, eager_buckets=False, **kw):
+    """eager_buckets: the replays' reference, each step padded to its bucket but run eagerly."""
     cfg = dict(max_batch=8, block_size=16, buckets=BUCKETS, ignore_eos=True)
     cfg.update(kw)
-    return Engine(model, EngineConfig(**cfg))
+    return (EagerBucketsEngine if eager_buckets else Engine)(model, EngineConfig(**cfg))
 
 
 def run_schedule(engine, schedule, params=None):
@@ -79,7 +80,7 @@ def step_without_host_sync(engine, b: int) -> None:
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_replay_is_bit_identical_to_eager_at_the_same_bucket(model, batch):
     schedule = [(0, f"r{i}", 20 + 37 * i, 60, i) for i in range(batch)]
-    eager = run_schedule(make_engine(model, testing_eager_buckets=True), schedule)
+    eager = run_schedule(make_engine(model, eager_buckets=True), schedule)
     engine = make_engine(model)
     replayed = run_schedule(engine, schedule)
     for rid in eager:
@@ -99,7 +100,7 @@ def test_bucket_switching_mid_generation_matches_eager_schedule(model):
         (12, "f", 33, 30, 6),
         (30, "g", 48, 25, 7),
     ]
-    eager = run_schedule(make_engine(model, testing_eager_buckets=True), schedule)
+    eager = run_schedule(make_engine(model, eager_buckets=True), schedule)
     engine = make_engine(model)
     replayed = run_schedule(engine, schedule)
     for rid in eager:
@@ -145,7 +146,7 @@ def test_eager_step_has_no_host_sync_and_buffers_never_move(model):
 
 def test_injected_capture_failure_leaves_the_engine_serving(model):
     schedule = [(0, f"r{i}", 20 + 9 * i, 25, i) for i in range(3)]
-    reference = run_schedule(make_engine(model, testing_eager_buckets=True), schedule)
+    reference = run_schedule(make_engine(model, eager_buckets=True), schedule)
     engine = make_engine(model)
     real_step = engine.graphs.step_fn
 
@@ -351,7 +352,7 @@ def test_replay_with_repetition_penalty_equals_eager(model, mode):
                 break
         return {k: torch.cat(v) for k, v in codes.items()}
 
-    eager = run(make_engine(model, testing_eager_buckets=True, repetition=mode))
+    eager = run(make_engine(model, eager_buckets=True, repetition=mode))
     engine = make_engine(model, repetition=mode)
     replayed = run(engine)
     for rid in eager:
@@ -518,7 +519,7 @@ def test_text_positions_and_rewinds_under_replay_equal_eager(model, monkeypatch)
                 frames += list(out.codes)
         return engine, kept, {rid: r.guard.positions for rid, r in requests.items()}
 
-    _, eager, eager_positions = run(testing_eager_buckets=True)
+    _, eager, eager_positions = run(eager_buckets=True)
     engine, replayed, positions = run()
     assert engine.graphs.stats.replays > 0 and not engine.graphs.stats.failed_captures
     assert engine.loop_repeats == 3 * 5

@@ -144,6 +144,34 @@ def test_a_refusal_masks_the_end_token_for_one_step_only(tiny_model, script):
     assert (end.finish_reason, codes.shape[0]) == (FinishReason.STOP, 4)
 
 
+def test_a_refusal_in_the_step_where_an_earlier_row_finishes_goes_on_in_the_row_it_moved_to(
+    tiny_model, script
+):
+    """Row 0 ends at step 4 while row 1's end token at step 4 is refused: finishing row 0 moves row 1's
+    request into row 0, and the refusal rewinds and reactivates that row (not the vacated one), so the
+    request goes on and ends at step 20 with the codes it has alone."""
+    script({4, 20}, said_at=10)
+    prompt, p = random_prompt(tiny_model, 20, 1), params(max_new_frames=40)
+    alone, _ = drive_one(tiny_model, prompt, p)
+    e = engine(tiny_model)
+    e.submit(random_prompt(tiny_model, 20, 0), params(max_new_frames=40), "a")  # unguarded: ends at 4
+    e.submit(prompt, p, "r", text_span=(2, 12))
+    kept, ends = [], {}
+    for _ in range(100):  # (bounded: a request left on an inactive row would never end)
+        if not e.has_work():
+            break
+        for out in e.step():
+            if out.request_id == "r":
+                if out.retract:
+                    del kept[-out.retract :]
+                kept += list(out.codes)
+            if out.finished:
+                ends[out.request_id] = out.finish_reason
+    assert ends == {"a": FinishReason.STOP, "r": FinishReason.STOP} and e.end_refusals == 1
+    assert torch.equal(torch.stack(kept), alone) and alone.shape[0] == 19
+    assert e.scheduler.allocator.num_free == e.scheduler.allocator.num_usable
+
+
 def test_the_guard_says_whether_the_text_was_said():
     guard = LoopGuard(10)
     for position in [0, 1, 2, 3, 4, 5, 6, 6, 6]:

@@ -197,8 +197,8 @@ def test_outputs_produced_before_a_failing_step_are_not_lost(tiny_model):
     assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_usable
 
 
-def test_buckets_above_max_batch_are_clamped_to_it(tiny_model):
-    engine = make_engine(tiny_model, max_batch=12, testing_standin_graphs=True, graphs="lazy")
+def test_buckets_above_max_batch_are_clamped_to_it(tiny_model, standin_graphs):
+    engine = make_engine(tiny_model, max_batch=12, graphs="lazy")
     assert engine.graphs.buckets == [1, 2, 4, 8, 12]
     assert engine.graphs.bucket_for(10) == 12
 
@@ -337,20 +337,13 @@ def test_packed_prefill_writes_the_kv_of_one_request_prefills(tiny_model, monkey
 
 
 def prefill_engine(model, graphed: bool):
-    """An engine of 8 rows with the packed prefill, its prefill captured lazily on stand-in graphs
-    (graphed) or eager."""
+    """An engine of 8 rows with the packed prefill, its prefill captured lazily (graphed; on a CPU the
+    test needs the `standin_graphs` fixture) or eager."""
     setting = "lazy" if graphed else "off"
-    return make_engine(
-        model,
-        max_batch=8,
-        packed_prefill=True,
-        graphs=setting,
-        testing_standin_graphs=graphed,
-        prefill_graphs=setting,
-    )
+    return make_engine(model, max_batch=8, packed_prefill=True, graphs=setting, prefill_graphs=setting)
 
 
-def test_graphed_prefill_writes_the_kv_of_the_eager_prefill(tiny_model):
+def test_graphed_prefill_writes_the_kv_of_the_eager_prefill(tiny_model, standin_graphs):
     """The prefill as replayed graphs (stand-in graphs on the CPU: the same padded buffers, bucket
     choice and masked attention): prompts padded to a token bucket write the K/V of the eager prefill
     into their own blocks; the pad columns write only the scratch block; warm-up, capture and replay
@@ -386,7 +379,7 @@ def test_graphed_prefill_writes_the_kv_of_the_eager_prefill(tiny_model):
         assert (a != 0.5).any()  # (something was written)
 
 
-def test_a_prefill_bucket_whose_capture_fails_runs_eagerly_at_its_padded_size(tiny_model):
+def test_a_prefill_bucket_whose_capture_fails_runs_eagerly_at_its_padded_size(tiny_model, standin_graphs):
     """A failed capture leaves its token bucket eager, laid out exactly as a replay would be: the K/V
     are still the eager prefill's."""
     from tts.model.kv_cache import SCRATCH_BLOCK
@@ -416,13 +409,11 @@ def test_a_prefill_bucket_whose_capture_fails_runs_eagerly_at_its_padded_size(ti
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
-def test_start_up_capture_of_the_prefill_leaves_no_autograd_state_and_no_counts(tiny_model):
+def test_start_up_capture_of_the_prefill_leaves_no_autograd_state_and_no_counts(tiny_model, standin_graphs):
     """Capturing every token bucket at start-up (stand-in graphs on the CPU) runs each bucket's warm-up
     on pad columns in inference mode: the KV cache keeps no autograd history (the tiny model's weights
     require grad), nothing real was written, and the replay and eager counters start at zero."""
-    engine = make_engine(
-        tiny_model, max_batch=8, graphs="startup", testing_standin_graphs=True, prefill_graphs="startup"
-    )
+    engine = make_engine(tiny_model, max_batch=8, graphs="startup", prefill_graphs="startup")
     graphs = engine.runner.prefill_graphs
     assert graphs is not None and len(graphs.graphs.graphs) == len(graphs.buckets)
     assert any(p.requires_grad for p in tiny_model.parameters())

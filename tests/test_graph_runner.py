@@ -2,7 +2,7 @@ import threading
 
 import pytest
 import torch
-from helpers import params, random_prompt, run_to_completion
+from helpers import EagerBucketsEngine, params, random_prompt, run_to_completion
 
 import graphs.runner
 from graphs import GraphRunner
@@ -114,8 +114,8 @@ def test_captures_from_two_threads_never_overlap(monkeypatch):
     assert a.stats.replays == b.stats.replays == 1 and not a.stats.failed_captures
 
 
-def _engine(model, **kw):
-    return Engine(model, EngineConfig(max_batch=4, block_size=8, **kw))
+def _engine(model, cls=Engine, **kw):
+    return cls(model, EngineConfig(max_batch=4, block_size=8, **kw))
 
 
 def _run_batch(engine, n=3):
@@ -126,9 +126,9 @@ def _run_batch(engine, n=3):
     return run_to_completion(engine)
 
 
-def test_standin_graph_replay_equals_eager_with_pad_rows(tiny_model):
+def test_standin_graph_replay_equals_eager_with_pad_rows(tiny_model, standin_graphs):
     eager_codes, eager_reasons = _run_batch(_engine(tiny_model, graphs="off"))
-    engine = _engine(tiny_model, graphs="lazy", testing_standin_graphs=True, buckets=(1, 2, 4))
+    engine = _engine(tiny_model, graphs="lazy", buckets=(1, 2, 4))
     ptrs = engine.runner.buffers.data_ptrs()
     codes, reasons = _run_batch(engine)
     assert reasons == eager_reasons
@@ -141,9 +141,9 @@ def test_standin_graph_replay_equals_eager_with_pad_rows(tiny_model):
     assert (engine.runner.buffers.block_tables == 0).all()
 
 
-def test_pad_rows_never_touch_real_kv_blocks(tiny_model):
+def test_pad_rows_never_touch_real_kv_blocks(tiny_model, standin_graphs):
     """A batch of 3 on the bucket-4 step: the pad row writes only the scratch block."""
-    engine = _engine(tiny_model, graphs="lazy", testing_standin_graphs=True, buckets=(4,))
+    engine = _engine(tiny_model, graphs="lazy", buckets=(4,))
     for i in range(3):
         engine.submit(random_prompt(tiny_model, 7, i), params(max_new_frames=30, seed=i), f"r{i}")
     engine.step()  # admit + warm-up step at bucket 4
@@ -159,10 +159,12 @@ def test_pad_rows_never_touch_real_kv_blocks(tiny_model):
     "setting, standin, enabled, captured",
     [("off", True, False, 0), ("lazy", True, True, 0), ("startup", True, True, 3), ("lazy", False, False, 0)],
 )
-def test_the_graph_setting(tiny_model, setting, standin, enabled, captured):
+def test_the_graph_setting(tiny_model, request, setting, standin, enabled, captured):
     """graphs: "off" never captures, "lazy" captures later, "startup" every bucket at construction; a
     CPU has none (the testing stand-ins excepted)."""
-    engine = _engine(tiny_model, graphs=setting, testing_standin_graphs=standin, buckets=(1, 2, 4))
+    if standin:
+        request.getfixturevalue("standin_graphs")
+    engine = _engine(tiny_model, graphs=setting, buckets=(1, 2, 4))
     assert engine.graphs.enabled is enabled and len(engine.graphs.graphs) == captured
 
 
@@ -172,11 +174,9 @@ def test_unknown_graph_settings_are_refused(value):
         EngineConfig(graphs=value).validate()
 
 
-def test_eager_buckets_pad_like_replay_but_never_capture(tiny_model):
+def test_eager_buckets_pad_like_replay_but_never_capture(tiny_model, standin_graphs):
     eager_codes, eager_reasons = _run_batch(_engine(tiny_model, graphs="off"))
-    engine = _engine(
-        tiny_model, graphs="startup", testing_standin_graphs=True, testing_eager_buckets=True, buckets=(4,)
-    )
+    engine = _engine(tiny_model, graphs="startup", buckets=(4,), cls=EagerBucketsEngine)
     assert not engine.graphs.graphs  # no start-up capture either
     codes, reasons = _run_batch(engine)
     assert reasons == eager_reasons

@@ -6,7 +6,7 @@ run through Triton's interpreter in tests/kernel_checks.py (check_quant_linear, 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import params, random_prompt, run_to_completion
+from helpers import EagerBucketsEngine, params, random_prompt, run_to_completion
 from torch import nn
 from tts_tools.quant_check import compare, fixed_frames
 
@@ -240,11 +240,8 @@ def test_fp8_frame_step_replays_identically_to_eager():
     quantize_model(model, "fp8")
     results, engines = [], []
     for eager in (True, False):
-        engine = Engine(
-            model,
-            EngineConfig(
-                max_batch=4, block_size=16, buckets=(1, 2, 4), ignore_eos=True, testing_eager_buckets=eager
-            ),
+        engine = (EagerBucketsEngine if eager else Engine)(
+            model, EngineConfig(max_batch=4, block_size=16, buckets=(1, 2, 4), ignore_eos=True)
         )
         for i in range(3):
             p = SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_frames=40, seed=i)

@@ -153,14 +153,14 @@ def test_a_request_cancelled_while_waiting_gives_its_prefix_back_and_a_busy_sequ
 
 
 def test_with_graphs_the_frame_step_replays_and_the_extension_prefill_runs_eagerly_with_the_same_kv(
-    tiny_model,
+    tiny_model, standin_graphs
 ):
     """Stand-in graphs on a CPU: the frame step and a fresh prompt's prefill go through the graph runners
     as on CUDA; a session's extension prefill does not (it reads the cached prefix), and its K/V and codes
     equal the eager engine's."""
     results = []
     for graphs in ("off", "lazy"):
-        engine = make_engine(tiny_model, graphs=graphs, prefill_graphs=graphs, testing_standin_graphs=True)
+        engine = make_engine(tiny_model, graphs=graphs, prefill_graphs=graphs)
         p1, codes = first_chunk(engine, tiny_model)
         p2 = torch.cat([p1, frame_columns(tiny_model, codes), random_prompt(tiny_model, 9, seed=2)])
         pg = engine.runner.prefill_graphs

@@ -531,9 +531,9 @@ def test_info_voices_and_metrics(server, stub):
     assert values["tts_end_refusals_total"] == 0  # (nor any end token refused)
 
 
-def test_info_reports_captured_buckets_with_graphs_on(bundle):
+def test_info_reports_captured_buckets_with_graphs_on(bundle, standin_graphs):
     """GetInfo with graphs enabled (CPU stand-in graphs): captured buckets are plain batch sizes."""
-    srv = ServerThread(bundle, EngineConfig(max_batch=4, testing_standin_graphs=True, buckets=(1, 2, 4)))
+    srv = ServerThread(bundle, EngineConfig(max_batch=4, buckets=(1, 2, 4)))
     try:
         stub = pb_grpc.TextToSpeechStub(srv.channel())
         for _ in range(3):  # warm-up, then capture + replay of bucket 1

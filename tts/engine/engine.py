@@ -109,11 +109,6 @@ class EngineConfig:
     loop_guard: bool = True
     # Benchmarking only:
     ignore_eos: bool = False  # never sample the end token (fixed-length benchmark runs)
-    # Testing only (no option of the CLI or the service sets them). testing_standin_graphs: on a CPU,
-    # "lazy" / "startup" use stand-in graphs (`graphs.runner.StandInGraph`) instead of none.
-    # testing_eager_buckets: pad to buckets as a replay would but run eagerly (replay tests' reference).
-    testing_standin_graphs: bool = False
-    testing_eager_buckets: bool = False
 
     def validate(self) -> None:
         if self.max_batch < 1:
@@ -184,7 +179,12 @@ def disable_cudnn_attention() -> None:
 
 class Engine:
     """The engine: scheduler, KV pool, model runner and frame-step graphs. On CUDA it calls
-    `disable_cudnn_attention` (a process-wide SDPA setting; see there)."""
+    `disable_cudnn_attention` (a process-wide SDPA setting; see there).
+
+    A subclass may change how the frame step runs: `graph_runner_class` (the frame step's graph runner,
+    a `graphs.runner.GraphRunner`) and `graphs_supported` (whether the device runs graphs at all)."""
+
+    graph_runner_class: type[GraphRunner] = GraphRunner
 
     def __init__(self, model: DualARTransformer, config: EngineConfig | None = None):
         self.config = cfg = config or EngineConfig()
@@ -229,15 +229,14 @@ class Engine:
         # The frame step: the captured one, or on a CPU its eager twin (same contract and buffers).
         self.cpu_step = CpuFrameStep(self.runner) if self.device.type == "cpu" else None
         step_fn = self.cpu_step.decode_step if self.cpu_step is not None else self.runner.decode_step
-        use_graphs = cfg.graphs != "off" and (self.device.type == "cuda" or cfg.testing_standin_graphs)
-        self.graphs = GraphRunner(
+        use_graphs = cfg.graphs != "off" and self.graphs_supported()
+        self.graphs = self.graph_runner_class(
             step_fn,
             max_batch=cfg.max_batch,
             buckets=cfg.buckets,
             enabled=use_graphs,
             device=self.device,
             buffer_ptrs=self.runner.buffers.data_ptrs,
-            eager_buckets=cfg.testing_eager_buckets,
         )
         self._lock = threading.Lock()
         self._pending_cancel: dict[str, FinishReason] = {}
@@ -277,6 +276,11 @@ class Engine:
             self.graphs.capture_all(variants=self._variants())
         if self.runner.prefill_graphs is not None and prefill_graphs == "startup":
             self.runner.prefill_graphs.capture_all()
+
+    def graphs_supported(self) -> bool:
+        """Whether the frame step and the prefill may run as graphs here (`EngineConfig.graphs`): CUDA
+        graphs on a CUDA device; a CPU has none (its graphs setting means "off")."""
+        return self.device.type == "cuda"
 
     # Prompt lengths the prefill warm-up runs: alone (one position, short, and lengths on both sides of
     # a multiple of 16, where Triton specializes integer arguments) and packed (totals likewise).
@@ -598,7 +602,28 @@ class Engine:
             self._carried = outputs
             raise
 
-    def _step(self, outputs: list[StepOutput]) -> list[StepOutput]:  # noqa: C901 (the engine step's phases in one place; to be split)
+    def _step(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """One iteration (see the module docstring), its outputs appended to `outputs`."""
+        admitted = self._apply_pending(outputs)
+        phases, t0 = self.phase_seconds, time.perf_counter()
+        self._start(admitted, outputs)
+        self._grow(outputs)
+        n = self.scheduler.num_running
+        t1 = time.perf_counter()
+        phases["prefill"] += t1 - t0
+        if n == 0:
+            return outputs
+        out = self._frame_step(n)
+        t2 = time.perf_counter()
+        phases["replay"] += t2 - t1
+        self._row_outputs(out, outputs)
+        phases["rows"] += time.perf_counter() - t2
+        return outputs
+
+    def _apply_pending(self, outputs: list[StepOutput]) -> list[tuple[int, Request]]:
+        """Apply the cancellations and pauses requested since the last iteration (cancelled requests'
+        outputs appended to `outputs`), then admit waiting requests (idle kept sequences evicted first
+        where the head of the queue lacks blocks). Returns the admitted (row, request) pairs."""
         with self._lock:
             cancels, self._pending_cancel = self._pending_cancel, {}
             pauses, self._pending_pause = self._pending_pause, {}
@@ -615,75 +640,100 @@ class Engine:
                         self.runner.set_active(row, not (paused or request.stalled))
             if self.sequences:
                 self._evict_for_waiting()
-            admitted = self.scheduler.admit()
-        phases, t0 = self.phase_seconds, time.perf_counter()
-        self._start(admitted, outputs)
-        self._grow(outputs)
-        n = self.scheduler.num_running
-        t1 = time.perf_counter()
-        phases["prefill"] += t1 - t0
-        if n == 0:
-            return outputs
+            return self.scheduler.admit()
+
+    def _frame_step(self, n: int) -> torch.Tensor:
+        """One frame step for the `n` running rows (graph replay or eager); returns its `out[:n]` on the
+        host."""
         self.graphs.run(n, self._sampler_variant())
         self.frame_steps += 1
         self.step_rows += n
-        out = self._frame_to_host(n)
-        t2 = time.perf_counter()
-        phases["replay"] += t2 - t1
+        return self._frame_to_host(n)
+
+    def _row_outputs(self, out: torch.Tensor, outputs: list[StepOutput]) -> None:
+        """Hand each running request its row of the step's `out` (`_row_output`), appended to `outputs`.
+        Per-row work in plain Python values and one split: this runs every frame for every row."""
         cols = self.runner.out_layout
-        # Per-row work in plain Python values and one split: this loop runs every frame for every row.
         flags = out[:, [cols.token, cols.emitted, cols.done, cols.align]].tolist()
         # frame columns as Python ints, for the loop guards' rewinds (only where there can be guards)
         kept = any(r.sequence is not None for r in self.scheduler.running)
         columns = out[:, cols.frame].tolist() if self.runner.aligner is not None or kept else None
         row_codes = out[:, cols.codes].split(1)
         no_codes = out[:0, cols.codes]
-        # Iterate over a snapshot: finishing a request moves the last row into its place.
+        # Iterate over a snapshot: finishing a request moves the last row into its place, so `row` (the
+        # index into this step's `out`) is not always the request's row by then (`running.index` is).
         for row, (request, (token, emitted, done, position), codes) in enumerate(
             zip(list(self.scheduler.running), flags, row_codes, strict=True)
         ):
             if not emitted:  # paused: nothing emitted this step
                 continue
-            request.num_generated += 1
-            request.sampled += 1
-            self.frames_generated += 1
-            if request.end_masked:  # the step after a refused end token: the end token may come again
-                self._unmask_end(request, row)
-            stop = token == self.model.config.eos_token_id
-            if stop and request.guard is not None and self._refuse_end(request, row):
-                continue
-            hold = 0
-            if request.guard is not None and not stop:
-                assert columns is not None  # (a guard exists only where the runner has an aligner)
-                retract = self._guard(request, position, columns[row], done)
-                if retract is not None:
-                    outputs.append(retract)
-                    continue
-                hold = self._hold(request)
-            elif request.sequence is not None and columns is not None:
-                request.columns.append(columns[row])  # what goes back to the kept sequence
-            align = position if request.guard is not None and not stop else None
-            end_codes = None
-            # The end-token frame is not audio (docs/fish_dual_ar.md §1.4 step 8), except for 1.5
-            # (FrameConvention).
-            if stop:
-                codes, end_codes = no_codes, codes
-            if done:
-                reason = FinishReason.STOP if stop else FinishReason.LENGTH
-                if stop and request.guard is not None and self._ends_early(request):
-                    reason = FinishReason.SHORT  # (refusals spent: words are missing; never `stop`)
-                if request.looped:  # a repeat stayed in its frames (tts.engine.aligner.MAX_REWINDS)
-                    reason = FinishReason.LOOP
-                with self._lock:
-                    finished = self._finish(request, reason)
-                finished.codes = codes
-                finished.end_codes = end_codes
-                finished.align_position = align
-                outputs.append(finished)
-            else:
-                outputs.append(StepOutput(request.request_id, codes, hold=hold, align_position=align))
-        phases["rows"] += time.perf_counter() - t2
-        return outputs
+            column = columns[row] if columns is not None else None
+            output = self._row_output(request, token, done, position, codes, column, no_codes)
+            if output is not None:
+                outputs.append(output)
+
+    def _row_output(
+        self,
+        request: Request,
+        token: int,
+        done: int,
+        position: int,
+        codes: torch.Tensor,
+        column: list[int] | None,
+        no_codes: torch.Tensor,
+    ) -> StepOutput | None:
+        """The output of a request whose row emitted a frame: `token` (its main token), `done` (the step
+        ended it), `position` (its text position, with an aligner), `codes` `[1, N]`, `column` (the frame
+        column as Python ints; None where no guard or kept sequence needs it), `no_codes` `[0, N]`. None:
+        its end token was refused (nothing to hand out)."""
+        request.num_generated += 1
+        request.sampled += 1
+        self.frames_generated += 1
+        if request.end_masked:  # the step after a refused end token: the end token may come again
+            self._unmask_end(request)
+        stop = token == self.model.config.eos_token_id
+        if stop and request.guard is not None and self._refuse_end(request):
+            return None
+        hold = 0
+        if request.guard is not None and not stop:
+            assert column is not None  # (a guard exists only where the runner has an aligner)
+            retract = self._guard(request, position, column, bool(done))
+            if retract is not None:
+                return retract
+            hold = self._hold(request)
+        elif request.sequence is not None and column is not None:
+            request.columns.append(column)  # what goes back to the kept sequence
+        align = position if request.guard is not None and not stop else None
+        end_codes = None
+        # The end-token frame is not audio (docs/fish_dual_ar.md §1.4 step 8), except for 1.5
+        # (FrameConvention).
+        if stop:
+            codes, end_codes = no_codes, codes
+        if done:
+            return self._finished_row(request, stop, codes, end_codes, align)
+        return StepOutput(request.request_id, codes, hold=hold, align_position=align)
+
+    def _finished_row(
+        self,
+        request: Request,
+        stop: bool,
+        codes: torch.Tensor,
+        end_codes: torch.Tensor | None,
+        align: int | None,
+    ) -> StepOutput:
+        """The step ended `request` (its end token, `stop`, or its budget): finish it with its last
+        frame's `codes`, the end-token frame's `end_codes` and text position `align`."""
+        reason = FinishReason.STOP if stop else FinishReason.LENGTH
+        if stop and request.guard is not None and self._ends_early(request):
+            reason = FinishReason.SHORT  # (refusals spent: words are missing; never `stop`)
+        if request.looped:  # a repeat stayed in its frames (tts.engine.aligner.MAX_REWINDS)
+            reason = FinishReason.LOOP
+        with self._lock:
+            finished = self._finish(request, reason)
+        finished.codes = codes
+        finished.end_codes = end_codes
+        finished.align_position = align
+        return finished
 
     def _guard(self, request: Request, position: int, column: list[int], done: bool) -> StepOutput | None:
         """Feed a guarded request's new frame (its column `[token, c_0 .. c_N-1]`, text `position`) to its
@@ -742,7 +792,7 @@ class Engine:
         assert request.guard is not None  # (the caller checks)
         return request.num_generated - 1 < request.end_floor or not request.guard.said_all()
 
-    def _refuse_end(self, request: Request, row: int) -> bool:
+    def _refuse_end(self, request: Request) -> bool:
         """The end token was sampled for a guarded request: if that is before its text was said
         (`_ends_early`), refuse it, at most MAX_END_REFUSALS times per request (and no more once
         MAX_STALLED_REFUSALS in a row found the text position no further on): the end-token frame is
@@ -764,6 +814,7 @@ class Engine:
         begin = self.model.config.semantic_begin_id
         last = request.columns[-1] if request.columns else request.prompt[-1].tolist()
         ras = [c[0] - begin for c in request.columns[1:]]
+        row = self.scheduler.running.index(request)  # (now: a request finished this step may have moved it)
         self.runner.rewind_row(row, 1, torch.tensor(last), ras)
         self.runner.set_min_frames(row, request.sampled + 1)  # the next step's counter is `sampled`
         self.runner.set_active(
@@ -772,11 +823,12 @@ class Engine:
         request.end_masked = True
         return True
 
-    def _unmask_end(self, request: Request, row: int) -> None:
+    def _unmask_end(self, request: Request) -> None:
         """After the step that a refused end token masked: the row's min_frames back to the caller's
         min_new_frames plus every frame taken back (as `ModelRunner.rewind_row` keeps it)."""
         request.end_masked = False
         taken = request.sampled - request.num_generated
+        row = self.scheduler.running.index(request)  # (now: a request finished this step may have moved it)
         self.runner.set_min_frames(row, request.params.min_new_frames + taken)
 
     @staticmethod

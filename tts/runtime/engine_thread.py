@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -94,6 +94,7 @@ from tts.text.stream_cut import utf8_len
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+E = TypeVar("E")
 
 DEFAULT_MAX_QUEUED_CHUNKS = 8
 DEFAULT_REFERENCE_CACHE_BYTES = 64 * 1024 * 1024
@@ -119,28 +120,37 @@ class Overloaded(RuntimeError):
     """Admission refused: `max_batch + max_waiting` jobs are in flight. Maps to RESOURCE_EXHAUSTED."""
 
 
-# ---- the consumer's side of one job -------------------------------------------------------------------
+# ---- the consumer's side of a stream of events ------------------------------------------------------
 
 
-class RequestStream:
-    """The consumer's handle on one job: `await next()` (asyncio) or `get()` (threads) its events,
-    `cancel()` it. Created by `EngineThread.submit`."""
+class _EventStream(Generic[E]):
+    """The consumer's side of the events of one job (`RequestStream`) or one session (`SessionStream`):
+    the engine thread `deliver`s them, the consumer takes them with `await next()` (asyncio) or `get()`
+    (threads). Back-pressure: audio events (of class `_audio`) delivered and not yet taken are counted;
+    the engine thread marks the stream paused once `cap` wait unread (`pause_if_full`), and the consumer
+    posts one resume (`_post_resume`) once it has read them down to the loop's `resume_level`; the
+    engine thread then clears the mark (`_set_paused`)."""
 
-    def __init__(self, loop: EngineThread, job_id: str, aio_loop: asyncio.AbstractEventLoop | None):
-        self.request_id = job_id
+    _audio: type  # the audio event class: what back-pressure counts
+    # Whether `pause_if_full` answers True again while the stream is paused (a session's next chunk, a
+    # new job, must pause too); False: a job pauses once, until resumed.
+    _pause_again = False
+
+    def __init__(self, loop: EngineThread, aio_loop: asyncio.AbstractEventLoop | None):
         self._loop = loop
         self._aio_loop = aio_loop
-        self._aq: asyncio.Queue[Event] | None = asyncio.Queue() if aio_loop is not None else None
-        self._q: queue.Queue[Event] | None = None if aio_loop is not None else queue.Queue()
+        # (Any: the events, and a session's `_Cut` marks)
+        self._aq: asyncio.Queue[Any] | None = asyncio.Queue() if aio_loop is not None else None
+        self._q: queue.Queue[Any] | None = None if aio_loop is not None else queue.Queue()
         self._lock = threading.Lock()
-        self._queued = 0  # Audio events delivered and not yet taken
+        self._queued = 0  # audio events delivered and not yet taken
         self._paused = False  # set by the engine thread when the queue hit the cap
         self._resume_sent = False
-        self.done = False  # the consumer has taken the final event (or cancelled)
+        self.done = False  # the consumer has taken the last event (a job: or cancelled it)
 
     @property
-    def queued_chunks(self) -> int:
-        """Audio chunks waiting to be read (the back-pressure count)."""
+    def queued_audio(self) -> int:
+        """Audio events waiting to be read (the back-pressure count)."""
         with self._lock:
             return self._queued
 
@@ -149,64 +159,79 @@ class RequestStream:
         with self._lock:
             return self._paused
 
-    async def next(self) -> Event:
-        """The next event (asyncio consumers). Cancelling the awaiting task does not cancel the job:
-        call `cancel()` (the gRPC handlers do, in a `finally`)."""
-        assert self._aq is not None, "this stream was submitted without an asyncio loop; use get()"
-        return self._took(await self._aq.get())
+    async def next(self) -> E:
+        """The next event (asyncio consumers)."""
+        assert self._aq is not None, "this stream has no asyncio loop; use get()"
+        while True:
+            event = self._took(await self._aq.get())
+            if event is not None:
+                return event
 
-    def get(self, timeout: float | None = None) -> Event:
+    def get(self, timeout: float | None = None) -> E:
         """The next event (thread consumers); raises queue.Empty after `timeout` seconds."""
-        assert self._q is not None, "this stream was submitted with an asyncio loop; use await next()"
-        return self._took(self._q.get(timeout=timeout))
+        assert self._q is not None, "this stream has an asyncio loop; use await next()"
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            event = self._took(self._q.get(timeout=left))
+            if event is not None:
+                return event
 
-    def cancel(self) -> None:
-        """Stop the job at the engine's next iteration and free its blocks and row (idempotent)."""
-        if not self.done:
-            self.done = True
-            self._loop._post(("cancel", self.request_id))
-
-    def _took(self, event: Event) -> Event:
-        if isinstance(event, Finished | Failed):
-            self.done = True
-        elif isinstance(event, Audio):
-            with self._lock:
+    def _took(self, event: Any) -> E | None:
+        """The event the consumer takes (None: one it skips), its audio counted; posts the resume when
+        the paused stream's unread audio is down to `resume_level` (once per pause)."""
+        with self._lock:
+            taken = self._taking(event)
+            resume = False
+            if isinstance(event, self._audio):
                 self._queued -= 1
                 resume = self._paused and not self._resume_sent and self._queued <= self._loop.resume_level
                 if resume:
                     self._resume_sent = True
-            if resume:
-                self._loop._post(("resume", self.request_id))
-        return event
+        if resume:
+            self._post_resume()
+        return taken
 
-    # engine thread (the JobSink side)
+    def _taking(self, event: Any) -> E | None:
+        """(lock held) What the consumer gets for `event` (None: skip it); marks `done` at the last."""
+        raise NotImplementedError
 
-    def deliver(self, event: Event) -> bool:
+    def _post_resume(self) -> None:
+        """Ask the engine thread to resume the paused stream."""
+        raise NotImplementedError
+
+    # ---- the engine thread's side ------------------------------------------------------------------
+
+    def deliver(self, event: Any) -> bool:
         """(engine thread only) Hand `event` to the consumer: at once to a thread consumer, at the
-        engine loop's next flush to an asyncio one. Returns False if the consumer's event loop is gone."""
-        if isinstance(event, Audio):
+        engine loop's next flush to an asyncio one. Returns False if the consumer's event loop is gone
+        (nobody will read this stream)."""
+        if isinstance(event, self._audio):
             with self._lock:
                 self._queued += 1
         if self._aio_loop is None:
             assert self._q is not None  # (a stream without an asyncio loop has the thread queue)
             self._q.put(event)
             return True
-        if self._aio_loop.is_closed():  # nobody will read this stream
+        if self._aio_loop.is_closed():
             return False
         # Handed over in one batch per event loop by EngineThread._flush (this is the engine thread).
         self._loop._outbox.setdefault(self._aio_loop, []).append((self, event))
         return True
 
-    def pause_if_full(self, cap: int) -> bool:
-        """Mark the stream paused if `cap` chunks wait unread. Atomic with the consumer's count, so a
-        consumer that drains the queue meanwhile either prevents the pause or sees it and resumes."""
+    def pause_if_full(self, cap: int, unread_here: int = 0) -> bool:
+        """(engine thread) Mark the stream paused and return True if `cap` audio events wait unread:
+        those delivered and not taken, plus `unread_here` not delivered yet (a session's). Atomic with
+        the consumer's count, so a consumer that drains the queue meanwhile either prevents the pause or
+        sees it and resumes. While paused: True again only for a session (`_pause_again`)."""
         with self._lock:
-            if self._queued >= cap and not self._paused:
+            if self._queued + unread_here >= cap and (self._pause_again or not self._paused):
                 self._paused = True
                 return True
             return False
 
     def _set_paused(self, paused: bool) -> None:
+        """(engine thread) The stream is paused or, after its resume, no longer."""
         with self._lock:
             self._paused = paused
             if not paused:
@@ -220,6 +245,38 @@ def _put_all(batch: list[tuple]) -> None:
         stream._aq.put_nowait(event)
 
 
+# ---- the consumer's side of one job -------------------------------------------------------------------
+
+
+class RequestStream(_EventStream[Event]):
+    """The consumer's handle on one job: `await next()` (asyncio) or `get()` (threads) its events,
+    `cancel()` it. Created by `EngineThread.submit`. Cancelling a task that awaits `next()` does not
+    cancel the job: call `cancel()` (the gRPC handlers do, in a `finally`). `queued_chunks`: the audio
+    chunks waiting to be read (the back-pressure count)."""
+
+    _audio = Audio
+
+    def __init__(self, loop: EngineThread, job_id: str, aio_loop: asyncio.AbstractEventLoop | None):
+        super().__init__(loop, aio_loop)
+        self.request_id = job_id
+
+    queued_chunks = _EventStream.queued_audio
+
+    def cancel(self) -> None:
+        """Stop the job at the engine's next iteration and free its blocks and row (idempotent)."""
+        if not self.done:
+            self.done = True
+            self._loop._post(("cancel", self.request_id))
+
+    def _taking(self, event: Event) -> Event:
+        if isinstance(event, Finished | Failed):
+            self.done = True
+        return event
+
+    def _post_resume(self) -> None:
+        self._loop._post(("resume", self.request_id))
+
+
 # ---- the consumer's side of one session ---------------------------------------------------------------
 
 
@@ -228,7 +285,7 @@ class _Cut:
     audio delivered before it was generated before the barge-in and is discarded unread."""
 
 
-class SessionStream:
+class SessionStream(_EventStream[SessionEvent]):
     """The consumer's handle on one session of an `EngineThread` (made by `EngineThread.open_session`).
 
     Commands return at once; the engine thread applies them in order:
@@ -250,6 +307,9 @@ class SessionStream:
     `discarded` counts the audio events barge-ins discarded unread.
     """
 
+    _audio = SessionAudio
+    _pause_again = True
+
     def __init__(
         self,
         loop: EngineThread,
@@ -257,22 +317,14 @@ class SessionStream:
         aio_loop: asyncio.AbstractEventLoop | None,
         max_pending_bytes: int,
     ):
+        super().__init__(loop, aio_loop)
         self.session_id = session_id
-        self._loop = loop
-        self._aio_loop = aio_loop
-        self._aq: asyncio.Queue | None = asyncio.Queue() if aio_loop is not None else None
-        self._q: queue.Queue | None = None if aio_loop is not None else queue.Queue()
-        self._lock = threading.Lock()
-        self._queued = 0  # SessionAudio events delivered and not yet taken
-        self._paused = False
-        self._resume_sent = False
         self._max_pending = max_pending_bytes
         self._pending = 0  # text bytes waiting in the session, as the engine thread last published
         self._in_transit = 0  # text bytes sent, not yet applied by the engine thread
         self._cutting = 0  # cancels not yet applied (their `_Cut` not yet taken): drop audio meanwhile
         self._closed = False  # close/abort called
         self._ended = False  # the engine thread ended the session
-        self.done = False  # the consumer has taken SessionEnded
         self.discarded = 0  # SessionAudio events discarded unread by barge-ins (consumer side)
         self.barge_in: BargeIn | None = None  # the last barge-in's cost (set by the engine thread)
 
@@ -332,35 +384,6 @@ class SessionStream:
 
     # ---- events (the consumer's thread) ------------------------------------------------------------
 
-    @property
-    def queued_audio(self) -> int:
-        """SessionAudio events waiting to be read (the back-pressure count)."""
-        with self._lock:
-            return self._queued
-
-    @property
-    def paused(self) -> bool:
-        with self._lock:
-            return self._paused
-
-    async def next(self) -> SessionEvent:
-        """The next event (asyncio consumers); `SessionEnded` is the last."""
-        assert self._aq is not None, "this session was opened without an asyncio loop; use get()"
-        while True:
-            event = self._took(await self._aq.get())
-            if event is not None:
-                return event
-
-    def get(self, timeout: float | None = None) -> SessionEvent:
-        """The next event (thread consumers); raises queue.Empty after `timeout` seconds."""
-        assert self._q is not None, "this session was opened with an asyncio loop; use await next()"
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            event = self._took(self._q.get(timeout=left))
-            if event is not None:
-                return event
-
     def __aiter__(self):
         return self
 
@@ -369,60 +392,30 @@ class SessionStream:
             raise StopAsyncIteration
         return await self.next()
 
-    def _took(self, event) -> SessionEvent | None:
-        """The event the consumer takes, or None for one discarded (or a cut mark)."""
-        resume = False
-        with self._lock:
-            if isinstance(event, _Cut):
-                self._cutting -= 1
-                return None
-            drop = self._cutting > 0 and isinstance(event, SessionAudio | WordTimings)
-            if isinstance(event, SessionAudio):
-                self._queued -= 1
-                self.discarded += drop
-                resume = self._paused and not self._resume_sent and self._queued <= self._loop.resume_level
-                if resume:
-                    self._resume_sent = True
-            elif isinstance(event, SessionEnded):
-                self.done = True
-        if resume:
-            self._loop._post(("session", (self.session_id, "resume", None)))
-        return None if drop else event
+    def _taking(self, event) -> SessionEvent | None:
+        """(lock held) None for a cut mark, and for audio and word timings generated before a barge-in
+        whose cut mark is not taken yet (discarded unread)."""
+        if isinstance(event, _Cut):
+            self._cutting -= 1
+            return None
+        if isinstance(event, SessionEnded):
+            self.done = True
+        elif self._cutting > 0 and isinstance(event, SessionAudio | WordTimings):
+            self.discarded += isinstance(event, SessionAudio)
+            return None
+        return event
+
+    def _post_resume(self) -> None:
+        self._loop._post(("session", (self.session_id, "resume", None)))
 
     # ---- the engine thread's side ------------------------------------------------------------------
 
     def deliver(self, event) -> bool:
-        """(engine thread) Hand `event` over (as `RequestStream.deliver`). False: nobody will read."""
-        if isinstance(event, SessionAudio):
-            with self._lock:
-                self._queued += 1
-        elif isinstance(event, SessionEnded):
+        """(engine thread) Hand `event` over (see `_EventStream.deliver`). False: nobody will read."""
+        if isinstance(event, SessionEnded):
             with self._lock:
                 self._ended = True
-        if self._aio_loop is None:
-            assert self._q is not None
-            self._q.put(event)
-            return True
-        if self._aio_loop.is_closed():
-            return False
-        self._loop._outbox.setdefault(self._aio_loop, []).append((self, event))
-        return True
-
-    def pause_if_full(self, cap: int, unread_here: int) -> bool:
-        """(engine thread; `tts.runtime.sessions.SessionOutlet`) Mark the session paused if `cap` audio
-        events wait unread, atomically with the consumer's count."""
-        with self._lock:
-            # (True also when already paused: the session's next chunk must pause too)
-            if self._queued + unread_here >= cap:
-                self._paused = True
-                return True
-            return False
-
-    def _set_paused(self, paused: bool) -> None:
-        with self._lock:
-            self._paused = paused
-            if not paused:
-                self._resume_sent = False
+        return super().deliver(event)
 
     def _publish(self, pending: int, applied: int = 0) -> None:
         """(engine thread) The session's waiting text bytes now, after applying `applied` sent bytes."""
