@@ -822,3 +822,33 @@ def test_a_torchaudio_that_cannot_load_is_one_line_with_the_fix(tmp_path, argv):
     )
     assert "): install torch and torchaudio from the same index, e.g. pip install" in r.stderr
     assert not (tmp_path / "x.wav").exists()
+
+
+def test_each_request_field_has_one_option_that_a_command_takes():
+    """CLI_OPTIONS maps canonical request fields (tts.runtime.request.FIELDS) to options the commands have."""
+    from tts.cli.main import CLI_OPTIONS
+    from tts.runtime.request import FIELDS
+
+    options = {o for parser in command_parsers() for a in parser._actions for o in a.option_strings}
+    assert set(CLI_OPTIONS) <= set(FIELDS)
+    assert {field: option for field, option in CLI_OPTIONS.items() if option not in options} == {}
+
+
+def test_an_error_names_the_option_of_its_field_not_of_its_words():
+    """The option comes from the field the error is about, never from words of its message that look like
+    a field's name."""
+    from tts.cli.main import error_line
+    from tts.params import InvalidRequest
+    from tts.runtime.request_errors import InvalidField, Ref, TextFieldError
+
+    # a sampling range (its `parameter`), a request error's field, a message naming fields as Refs
+    assert error_line(InvalidRequest("top_k must be >= 0", parameter="top_k")) == "--top-k must be >= 0"
+    budget = InvalidField("sampling.max_new_frames", "max_new_frames (5000) exceeds the context size 4096")
+    assert error_line(budget) == "--max-new-frames (5000) exceeds the context size 4096"
+    chunks = InvalidField("output.chunk_frames", Ref("output.chunk_frames"), " must be at most 256, got 300")
+    assert error_line(chunks) == "--chunk-frames must be at most 256, got 300"
+    # a message that starts with a word spelled like a field, about another field or about none: as it is
+    assert error_line(TextFieldError("text", "seed words are not text")) == "seed words are not text"
+    assert error_line(InvalidRequest("temperature of the room")) == "temperature of the room"
+    # a field the message does not open with: the message as it is
+    assert error_line(InvalidField("voice", "unknown voice 'x'")) == "unknown voice 'x'"
