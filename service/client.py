@@ -89,6 +89,18 @@ def rpc_error_line(server: str, exc: grpc.aio.AioRpcError, timeout: float | None
     return f"{server}: {code.name}: {details}"
 
 
+def error_field(exc: grpc.RpcError) -> str | None:
+    """The request field a refused call names (its trailing metadata `tts-field`, in this API's names) by
+    its canonical name (`tts.runtime.request.FIELDS`: `voice` for `voice.name`); None when it names none."""
+    from service.grpc_front import FIELD_METADATA, GRPC_FIELDS  # (on a refusal only: the server's module)
+
+    field = dict(exc.trailing_metadata() or ()).get(FIELD_METADATA)
+    if not field:
+        return None
+    canonical = {wire: name for name, wire in GRPC_FIELDS.items()}
+    return canonical.get(field, field)
+
+
 ENCODINGS = {"pcm16": pb.AUDIO_ENCODING_PCM16, "float32": pb.AUDIO_ENCODING_FLOAT32}
 
 

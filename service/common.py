@@ -199,15 +199,20 @@ class ReplicaState:
 
 
 class NoAudio(Exception):
-    """A job that ended without any audio (docs/DESIGN.md invariant 9: no OK with empty audio). gRPC:
-    FAILED_PRECONDITION; HTTP: 422 `no_audio`. `field` is the request field at fault: the text."""
+    """A synthesis that ended without any audio (docs/DESIGN.md invariant 9: no OK with empty audio). gRPC:
+    FAILED_PRECONDITION; HTTP: 422 `no_audio`; Wyoming: an error event `no_audio`. `field` is the request
+    field at fault: the text. `finished`: the job's end (its finish reason and warnings make the message),
+    None where no one job ended it (a Wyoming stream of sentences: `message` says why)."""
 
     field = "text"
 
-    def __init__(self, finished: Finished):
-        why = "; ".join(finished.warnings) or "no frames"
-        reason = finish_reason(finished.finish_reasons)
-        super().__init__(f"the model produced no audio for this text (finish reason {reason}: {why})")
+    def __init__(self, finished: Finished | None = None, *, message: str | None = None):
+        if message is None:
+            assert finished is not None, "NoAudio needs the job's end or a message"
+            why = "; ".join(finished.warnings) or "no frames"
+            reason = finish_reason(finished.finish_reasons)
+            message = f"the model produced no audio for this text (finish reason {reason}: {why})"
+        super().__init__(message)
         self.finished = finished
 
 

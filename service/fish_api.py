@@ -258,73 +258,20 @@ class FishAPI:
 
     # ---- the WebSocket ----
 
-    async def live(self, ws: WebSocket, timestamps: bool) -> None:  # noqa: C901 - the socket's protocol in one place; to be split
+    async def live(self, ws: WebSocket, timestamps: bool) -> None:
         """One session over `ws` (see the module docstring)."""
         await ws.accept()
-        session = None
-        encoder = None
+        opened = None
         try:
-            try:
-                start = await self._receive(ws, self.front.max_body)  # (as large as a /v1/tts body)
-                if start.get("event") != "start":
-                    raise _Protocol(f"the first event must be start, got {start.get('event')!r}")
-                r = parse_request(start.get("request"))
-                sampling, clip, voice, speed, gain = self.settings(r)
-                refusal = self.front.state.refusal()
-                if refusal is not None:
-                    raise refusal
-                reference = await self.session_reference(voice, clip)
-                encoder = AudioEncoder(FORMATS[r.format], self.bundle.codec.sample_rate, speed=speed)
-                options = self.front.loop.session_options
-                if r.chunk_length is not None:  # (Fish's chunk length bounds a session's chunks)
-                    options = dataclasses.replace(options, max_chunk_bytes=r.chunk_length)
-                session = self.front.loop.open_session(
-                    voice,
-                    reference=reference,
-                    aio_loop=asyncio.get_running_loop(),
-                    normalize=True if r.normalize is None else r.normalize,
-                    options=options,
-                    session_id="fish",
-                    **sampling.given(),
-                )
-            except _Protocol as exc:
-                await self._finish_error(ws, str(exc))
-                return
-            except Exception as exc:  # noqa: BLE001 - a request error (or a refusal): the client's answer
-                if isinstance(exc, VoiceNotFound):
-                    exc = with_field(exc, VOICE)
-                elif outcome_of(exc) == "error":
-                    log.exception("opening a Fish live session failed")
-                await self._finish_error(ws, error_message(exc, FISH_FIELDS))
-                return
-            reader = asyncio.ensure_future(self._read_events(ws, session))
-            writer = asyncio.ensure_future(self._write_events(ws, session, encoder, gain, timestamps))
-            try:
-                await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for task in (reader, writer):
-                    if not task.done():
-                        task.cancel()
-                await asyncio.gather(reader, writer, return_exceptions=True)
-            if writer.done() and not writer.cancelled() and writer.exception() is None:
-                return  # finished: everything spoken and sent
-            session.abort()
-            failure = reader.exception() if reader.done() and not reader.cancelled() else None
-            if isinstance(failure, _Protocol):
-                await self._finish_error(ws, str(failure))
-            elif writer.done() and not writer.cancelled() and writer.exception() is not None:
-                broke = writer.exception()
-                if not isinstance(
-                    broke, WebSocketDisconnect | OSError
-                ):  # (OSError: uvicorn's ClientDisconnected)
-                    log.warning("a Fish live session failed: %s", broke)
-                    await self._finish_error(ws, f"{type(broke).__name__}: {broke}")
+            opened = await self._open(ws)
+            if opened is not None:
+                await self._serve(ws, *opened, timestamps)
         except WebSocketDisconnect:
             pass
         finally:
-            if session is not None:
+            if opened is not None:
+                session, encoder, _ = opened
                 session.abort()  # (a no-op once ended)
-            if encoder is not None:
                 encoder.close()
             with contextlib.suppress(Exception):
                 await ws.close()
@@ -347,8 +294,80 @@ class FishAPI:
             timeout=limits.max_prepare_seconds,
         )
 
+    async def _open(self, ws: WebSocket) -> tuple[Any, AudioEncoder, float] | None:
+        """The session the client's start event asks for, with its encoder and linear gain; None when it is
+        refused (the client has its `finish` error)."""
+        try:
+            return await self._start(ws)
+        except _Protocol as exc:
+            await self._finish_error(ws, str(exc))
+        except Exception as exc:  # noqa: BLE001 - a request error (or a refusal): the client's answer
+            if isinstance(exc, VoiceNotFound):
+                exc = with_field(exc, VOICE)
+            elif outcome_of(exc) == "error":
+                log.exception("opening a Fish live session failed")
+            await self._finish_error(ws, error_message(exc, FISH_FIELDS))
+        return None
+
+    async def _start(self, ws: WebSocket) -> tuple[Any, AudioEncoder, float]:
+        """Read the start event and open its session: (session, encoder, linear gain). Raises _Protocol,
+        a request error (naming the Fish field) or the server's refusal."""
+        start = await self._receive(ws, self.front.max_body)  # (as large as a /v1/tts body)
+        if start.get("event") != "start":
+            raise _Protocol(f"the first event must be start, got {start.get('event')!r}")
+        r = parse_request(start.get("request"))
+        sampling, clip, voice, speed, gain = self.settings(r)
+        refusal = self.front.state.refusal()
+        if refusal is not None:
+            raise refusal
+        reference = await self.session_reference(voice, clip)
+        options = self.front.loop.session_options
+        if r.chunk_length is not None:  # (Fish's chunk length bounds a session's chunks)
+            options = dataclasses.replace(options, max_chunk_bytes=r.chunk_length)
+        encoder = AudioEncoder(FORMATS[r.format], self.bundle.codec.sample_rate, speed=speed)
+        try:
+            session = self.front.loop.open_session(
+                voice,
+                reference=reference,
+                aio_loop=asyncio.get_running_loop(),
+                normalize=True if r.normalize is None else r.normalize,
+                options=options,
+                session_id="fish",
+                **sampling.given(),
+            )
+        except BaseException:
+            encoder.close()
+            raise
+        return session, encoder, gain
+
+    async def _serve(self, ws: WebSocket, session, encoder: AudioEncoder, gain: float, stamps: bool) -> None:
+        """Run an open session: client events in (`_read_events`), audio events out (`_write_events`),
+        until everything is spoken and sent, or either side fails (the session is then aborted, and a bad
+        client event or a failure of ours ends the socket with its `finish` error)."""
+        reader = asyncio.ensure_future(self._read_events(ws, session))
+        writer = asyncio.ensure_future(self._write_events(ws, session, encoder, gain, stamps))
+        try:
+            await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (reader, writer):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(reader, writer, return_exceptions=True)
+        if writer.done() and not writer.cancelled() and writer.exception() is None:
+            return  # finished: everything spoken and sent
+        session.abort()
+        failure = reader.exception() if reader.done() and not reader.cancelled() else None
+        broke = writer.exception() if writer.done() and not writer.cancelled() else None
+        if isinstance(failure, _Protocol):
+            await self._finish_error(ws, str(failure))
+        elif broke is not None and not isinstance(broke, WebSocketDisconnect | OSError):
+            # (OSError: uvicorn's ClientDisconnected: the client left, no one to tell)
+            log.warning("a Fish live session failed: %s", broke)
+            await self._finish_error(ws, f"{type(broke).__name__}: {broke}")
+
     async def _receive(self, ws: WebSocket, limit: int = MAX_EVENT_BYTES) -> dict:
         """The next event (a dict) of at most `limit` bytes. Raises WebSocketDisconnect, _Protocol."""
+
         message = await ws.receive()
         if message["type"] == "websocket.disconnect":
             raise WebSocketDisconnect(message.get("code", 1000))
@@ -398,100 +417,13 @@ class FishAPI:
             else:
                 raise _Protocol(f"unknown event {kind!r} (expected text, flush or stop)")
 
-    async def _write_events(  # noqa: C901 - one branch per session event; to be split
+    async def _write_events(
         self, ws: WebSocket, session, encoder: AudioEncoder, gain: float, stamps: bool
     ) -> None:
         """Session events -> audio events, then `finish`. Returns once finished."""
-        rate = self.bundle.codec.sample_rate
-        threaded = encoder.format.name not in ("pcm", "wav") or encoder.speed != 1.0
-        opened = time.monotonic()
-        chunks: dict[int, dict] = {}  # chunk -> {text, offset, words, sent, samples}
-
-        async def encode(samples: np.ndarray | None) -> bytes:
-            if samples is None:
-                return await asyncio.to_thread(encoder.finish) if threaded else encoder.finish()
-            if gain != 1.0:
-                samples = np.clip(samples * gain, -1.0, 1.0).astype(np.float32)
-            return await asyncio.to_thread(encoder.encode, samples) if threaded else encoder.encode(samples)
-
-        async def send_audio(data: bytes, chunk: int | None) -> None:
-            event: dict[str, Any] = {"event": "audio", "audio": data}
-            if stamps:
-                c = chunks.get(chunk) if chunk is not None else None
-                event |= {
-                    "content": "",
-                    "alignment": None,
-                    "chunk_seq": chunk,
-                    "chunk_audio_offset_sec": None,
-                }
-                if c is not None:
-                    event["content"] = c["text"]
-                    event["chunk_audio_offset_sec"] = c["offset"] / rate
-                    if not c["sent"]:
-                        c["sent"] = True
-                        event["alignment"] = {
-                            "segments": [
-                                {
-                                    "text": w.text,
-                                    "start": w.start - c["offset"] / rate,
-                                    "end": w.end - c["offset"] / rate,
-                                }
-                                for w in c["words"]
-                            ],
-                            "audio_duration": c["samples"] / rate,
-                        }
-                event["time"] = round((time.monotonic() - opened) * 1000)
-            await ws.send_bytes(msgpack.packb(event, use_bin_type=True))
-
-        last_chunk: int | None = None
-        while True:
-            ev = await session.next()
-            if isinstance(ev, ChunkStarted):
-                chunks[ev.chunk] = {
-                    "text": ev.text,
-                    "offset": ev.sample_offset,
-                    "words": [],
-                    "sent": True,
-                    "samples": 0,
-                }
-                last_chunk = ev.chunk
-            elif isinstance(ev, SessionAudio):
-                c = chunks.get(ev.chunk)
-                if c is not None:
-                    c["samples"] = ev.sample_offset + len(ev.samples) - c["offset"]
-                data = await encode(ev.samples)
-                if data or (stamps and c is not None and not c["sent"]):
-                    await send_audio(data, ev.chunk)
-            elif isinstance(ev, WordTimings):
-                c = chunks.get(ev.chunk)
-                if c is not None:
-                    c["words"].extend(ev.words)
-                    c["sent"] = False
-            elif isinstance(ev, ChunkEnded):
-                c = chunks.get(ev.chunk)
-                if stamps and c is not None and not c["sent"]:
-                    await send_audio(b"", ev.chunk)  # the chunk's final alignment
-                if ev.reason == "error":
-                    log.info("a Fish live chunk failed: %s", ev.error)
-            elif isinstance(ev, SessionEnded):
-                log.info(
-                    "Fish live session %s ended (%s): %.2f s of audio",
-                    ev.session_id,
-                    ev.reason,
-                    ev.audio_samples / rate,
-                )
-                tail = await encode(None)
-                if tail:
-                    await send_audio(tail, last_chunk)
-                if ev.reason == "closed":
-                    await ws.send_bytes(msgpack.packb({"event": "finish", "reason": "stop"}))
-                else:
-                    await ws.send_bytes(
-                        msgpack.packb(
-                            {"event": "finish", "reason": "error", "message": f"session {ev.reason}"}
-                        )
-                    )
-                return
+        writer = _LiveWriter(ws, encoder, gain, stamps, self.bundle.codec.sample_rate)
+        while not await writer.write(await session.next()):
+            pass
 
     @staticmethod
     async def _finish_error(ws: WebSocket, message: str) -> None:
@@ -594,6 +526,121 @@ class FishAPI:
             return fish_error(_status(exc), error_message(exc))
         log.info("voice deleted (Fish API) name=%s", voice_id)
         return JSONResponse({})
+
+
+@dataclasses.dataclass
+class _LiveChunk:
+    """A session chunk as the timestamped socket reports it: its text, where its audio starts (samples on
+    the session's clock), its words so far, whether the client has its latest alignment, and its audio's
+    length (samples)."""
+
+    text: str
+    offset: int
+    words: list = dataclasses.field(default_factory=list)
+    sent: bool = True
+    samples: int = 0
+
+
+class _LiveWriter:
+    """The audio events of one `/v1/tts/live` socket: a session's events encoded (one file of the format
+    over all of them; `gain`: linear volume) and sent, with each chunk's text and alignment when `stamps`
+    (the `with-timestamp` socket), then `finish`."""
+
+    def __init__(self, ws: WebSocket, encoder: AudioEncoder, gain: float, stamps: bool, rate: int):
+        self.ws, self.encoder, self.gain, self.stamps, self.rate = ws, encoder, gain, stamps, rate
+        # Compressed formats (or a tempo change) encode on a worker thread, off the event loop.
+        self.threaded = encoder.format.name not in ("pcm", "wav") or encoder.speed != 1.0
+        self.opened = time.monotonic()
+        self.chunks: dict[int, _LiveChunk] = {}
+        self.last_chunk: int | None = None
+
+    async def write(self, ev) -> bool:
+        """Send what session event `ev` makes; True once the session ended (`finish` sent)."""
+        if isinstance(ev, ChunkStarted):
+            self.chunks[ev.chunk] = _LiveChunk(ev.text, ev.sample_offset)
+            self.last_chunk = ev.chunk
+        elif isinstance(ev, SessionAudio):
+            await self._audio(ev)
+        elif isinstance(ev, WordTimings):
+            c = self.chunks.get(ev.chunk)
+            if c is not None:
+                c.words.extend(ev.words)
+                c.sent = False
+        elif isinstance(ev, ChunkEnded):
+            c = self.chunks.get(ev.chunk)
+            if self.stamps and c is not None and not c.sent:
+                await self._send_audio(b"", ev.chunk)  # the chunk's final alignment
+            if ev.reason == "error":
+                log.info("a Fish live chunk failed: %s", ev.error)
+        elif isinstance(ev, SessionEnded):
+            await self._end(ev)
+            return True
+        return False
+
+    async def _audio(self, ev: SessionAudio) -> None:
+        c = self.chunks.get(ev.chunk)
+        if c is not None:
+            c.samples = ev.sample_offset + len(ev.samples) - c.offset
+        data = await self._encode(ev.samples)
+        if data or (self.stamps and c is not None and not c.sent):
+            await self._send_audio(data, ev.chunk)
+
+    async def _end(self, ev: SessionEnded) -> None:
+        log.info(
+            "Fish live session %s ended (%s): %.2f s of audio",
+            ev.session_id,
+            ev.reason,
+            ev.audio_samples / self.rate,
+        )
+        tail = await self._encode(None)
+        if tail:
+            await self._send_audio(tail, self.last_chunk)
+        if ev.reason == "closed":
+            finish = {"event": "finish", "reason": "stop"}
+        else:
+            finish = {"event": "finish", "reason": "error", "message": f"session {ev.reason}"}
+        await self.ws.send_bytes(msgpack.packb(finish))
+
+    async def _encode(self, samples: np.ndarray | None) -> bytes:
+        """`samples` encoded (None: the encoder's tail)."""
+        encoder = self.encoder
+        if samples is None:
+            return await asyncio.to_thread(encoder.finish) if self.threaded else encoder.finish()
+        if self.gain != 1.0:
+            samples = np.clip(samples * self.gain, -1.0, 1.0).astype(np.float32)
+        return await asyncio.to_thread(encoder.encode, samples) if self.threaded else encoder.encode(samples)
+
+    async def _send_audio(self, data: bytes, chunk: int | None) -> None:
+        event: dict[str, Any] = {"event": "audio", "audio": data}
+        if self.stamps:
+            event |= self._stamps(chunk)
+        await self.ws.send_bytes(msgpack.packb(event, use_bin_type=True))
+
+    def _stamps(self, chunk: int | None) -> dict[str, Any]:
+        """A timestamped audio event's fields: the chunk's text, number and offset, the time, and the
+        chunk's alignment when the client does not have its latest yet."""
+        rate = self.rate
+        stamps: dict[str, Any] = {
+            "content": "",
+            "alignment": None,
+            "chunk_seq": chunk,
+            "chunk_audio_offset_sec": None,
+        }
+        c = self.chunks.get(chunk) if chunk is not None else None
+        if c is not None:
+            stamps["content"] = c.text
+            stamps["chunk_audio_offset_sec"] = c.offset / rate
+            if not c.sent:
+                c.sent = True
+                stamps["alignment"] = {
+                    "segments": [
+                        {"text": w.text, "start": w.start - c.offset / rate, "end": w.end - c.offset / rate}
+                        for w in c.words
+                    ],
+                    "audio_duration": c.samples / rate,
+                }
+        stamps["time"] = round((time.monotonic() - self.opened) * 1000)
+        return stamps
 
 
 def register(app: FastAPI, front) -> FishAPI:

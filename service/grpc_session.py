@@ -264,23 +264,56 @@ async def _read(context, stream: SessionStream, errors: list[BaseException], wir
         stream.abort()
 
 
-async def run_session(servicer: TextToSpeechServicer, context, wire: Wire) -> None:  # noqa: C901 - the call's protocol in one place; to be split
+async def run_session(servicer: TextToSpeechServicer, context, wire: Wire) -> None:
     """Serve one SynthesizeSession call (see the module docstring)."""
-    CALL_ENDED, MalformedRequest = wire.call_ended, wire.malformed
-
-    call = CallLog("SynthesizeSession", time.monotonic())
-    stream: SessionStream | None = None
+    session = _SessionCall(servicer, context, wire)
     reader: asyncio.Task | None = None
-    metrics = servicer.metrics
-    rate = servicer.bundle.codec.sample_rate
     try:
+        stream = await session.open()
+        errors: list[BaseException] = []
+        reader = asyncio.ensure_future(_read(context, stream, errors, wire))
+        await session.relay(errors)
+    except asyncio.CancelledError:
+        session.ended_by_client()
+        raise
+    except wire.call_ended as exc:  # a write that raced with the client's cancel: a cancel (as Synthesize)
+        session.ended_by_client()
+        raise asyncio.CancelledError from exc
+    finally:
+        if reader is not None:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+        if session.stream is not None:
+            session.stream.abort()  # (a no-op once ended) the row, KV blocks and codec stream are freed
+
+
+class _SessionCall:
+    """One SynthesizeSession call on the server side: its session (once open), how its audio is written
+    (encoding, codes or not) and its one log line. Each step that refuses the call ends it with its status
+    (`TextToSpeechServicer._abort`, which raises)."""
+
+    def __init__(self, servicer: TextToSpeechServicer, context, wire: Wire):
+        self.servicer, self.context, self.wire = servicer, context, wire
+        self.call = CallLog("SynthesizeSession", time.monotonic())
+        self.stream: SessionStream | None = None
+        self.encoding: pb.AudioEncoding = pb.AUDIO_ENCODING_PCM16
+        self.include_codes = False
+        self.rate = servicer.bundle.codec.sample_rate
+        self.samples = 0
+
+    async def open(self) -> SessionStream:
+        """Read the first message (it must be `start`), check it, open its session and write the header.
+        Ends the call with INVALID_ARGUMENT (naming the field), NOT_FOUND (an unknown voice),
+        RESOURCE_EXHAUSTED (the session limit) or UNAVAILABLE (warming up, draining)."""
+        servicer, context, call = self.servicer, self.context, self.call
         first = await context.read()
         if (
             first is grpc.aio.EOF
-            or isinstance(first, MalformedRequest)
+            or isinstance(first, self.wire.malformed)
             or first.WhichOneof("message") != "start"
         ):
-            what = "a malformed message" if isinstance(first, MalformedRequest) else "no start"
+            what = "a malformed message" if isinstance(first, self.wire.malformed) else "no start"
             await servicer._abort(
                 context,
                 InvalidField("start", f"start must be the first message of a session (got {what})"),
@@ -290,72 +323,75 @@ async def run_session(servicer: TextToSpeechServicer, context, wire: Wire) -> No
         if refusal is not None:
             await servicer._abort(context, refusal, call)
         try:
-            kwargs, encoding, include_codes = session_settings(servicer, first.start)
-            stream = await open_stream(servicer, context, first.start, kwargs)
+            kwargs, self.encoding, self.include_codes = session_settings(servicer, first.start)
+            self.stream = await open_stream(servicer, context, first.start, kwargs)
         except VoiceNotFound as exc:
             await servicer._abort(context, with_field(exc, "start.voice.name"), call)
         except Exception as exc:  # noqa: BLE001 - a bad start or clip, the session limit, a closed loop
             await servicer._abort(context, exc, call, SESSION_FIELDS)
-        assert stream is not None
-        call.request_id = stream.session_id
+        assert self.stream is not None
+        call.request_id = self.stream.session_id
         call.voice = kwargs["voice"] or first.start.voice.WhichOneof("source") or "default"
-        codec = servicer.bundle.codec
-        await context.write(
-            pb.SessionResponse(
-                header=pb.SessionHeader(
-                    session_id=stream.session_id,
-                    sample_rate=codec.sample_rate,
-                    channels=1,
-                    encoding=encoding,
-                    frame_rate=codec.frame_rate,
-                    num_codebooks=codec.num_codebooks,
-                    model=servicer.bundle.name,
-                    replica=servicer.replica,
-                    max_pending_bytes=kwargs["options"].max_pending_bytes,
-                )
-            )
+        await context.write(pb.SessionResponse(header=self._header(kwargs["options"].max_pending_bytes)))
+        return self.stream
+
+    def _header(self, max_pending_bytes: int) -> pb.SessionHeader:
+        assert self.stream is not None
+        servicer, codec = self.servicer, self.servicer.bundle.codec
+        return pb.SessionHeader(
+            session_id=self.stream.session_id,
+            sample_rate=codec.sample_rate,
+            channels=1,
+            encoding=self.encoding,
+            frame_rate=codec.frame_rate,
+            num_codebooks=codec.num_codebooks,
+            model=servicer.bundle.name,
+            replica=servicer.replica,
+            max_pending_bytes=max_pending_bytes,
         )
-        errors: list[BaseException] = []
-        reader = asyncio.ensure_future(_read(context, stream, errors, wire))
-        samples = 0
+
+    async def relay(self, errors: list[BaseException]) -> None:
+        """Write one message per session event until `SessionEnd`; a bad client message (on `errors`:
+        the reader aborted the session) ends the call with its status instead of the end message."""
+        assert self.stream is not None
         while True:
-            event = await stream.next()
+            event = await self.stream.next()
             if isinstance(event, SessionAudio):
-                samples += len(event.samples)
-                if call.first_audio is None:
-                    call.first_audio = time.monotonic()
-                call.frames += event.frame_end - event.frame_start
+                self._count_audio(event)
             if isinstance(event, SessionEnded) and errors:  # a bad message ended it: its status, no end
-                await servicer._abort(context, errors[0], call)
-            await context.write(_message(event, encoding, include_codes, rate, wire))
+                await self.servicer._abort(self.context, errors[0], self.call)
+            await self.context.write(_message(event, self.encoding, self.include_codes, self.rate, self.wire))
             if isinstance(event, SessionEnded):
-                call.audio_seconds = samples / rate
-                metrics.audio_seconds.inc(call.audio_seconds)
-                failure = {
-                    "preempted": Preempted(
-                        event.detail or "the session's audio was not read while other requests waited"
-                    ),
-                    "shutdown": LoopClosed("the server shut down; the session ended"),
-                    "error": SessionEndedByServer(event.detail or "the session could not open"),
-                }.get(event.reason)
-                if failure is not None:
-                    await servicer._abort(context, failure, call)
-                metrics.requests.labels("ok").inc()
-                call.outcome = "ok" if event.reason == "closed" else event.reason
-                log_call(call)
+                await self._end(event)
                 return
-    except asyncio.CancelledError:
-        if not call.logged:
-            servicer._ended_by_client(context, call)
-        raise
-    except CALL_ENDED as exc:  # a write that raced with the client's cancel: a cancel (as Synthesize)
-        if not call.logged:
-            servicer._ended_by_client(context, call)
-        raise asyncio.CancelledError from exc
-    finally:
-        if reader is not None:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await reader
-        if stream is not None:
-            stream.abort()  # (a no-op once ended) the row, KV blocks and codec stream are freed
+
+    def _count_audio(self, event: SessionAudio) -> None:
+        call = self.call
+        self.samples += len(event.samples)
+        if call.first_audio is None:
+            call.first_audio = time.monotonic()
+        call.frames += event.frame_end - event.frame_start
+
+    async def _end(self, event: SessionEnded) -> None:
+        """The session ended (its end message written): count and log the call; a session the server ended
+        ("preempted", "shutdown", "error") ends the call with RESOURCE_EXHAUSTED / UNAVAILABLE / INTERNAL."""
+        call, metrics = self.call, self.servicer.metrics
+        call.audio_seconds = self.samples / self.rate
+        metrics.audio_seconds.inc(call.audio_seconds)
+        failure = {
+            "preempted": Preempted(
+                event.detail or "the session's audio was not read while other requests waited"
+            ),
+            "shutdown": LoopClosed("the server shut down; the session ended"),
+            "error": SessionEndedByServer(event.detail or "the session could not open"),
+        }.get(event.reason)
+        if failure is not None:
+            await self.servicer._abort(self.context, failure, self.call)
+        metrics.requests.labels("ok").inc()
+        call.outcome = "ok" if event.reason == "closed" else event.reason
+        log_call(call)
+
+    def ended_by_client(self) -> None:
+        """The client cancelled (or its deadline passed): counted and logged as that, once."""
+        if not self.call.logged:
+            self.servicer._ended_by_client(self.context, self.call)

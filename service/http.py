@@ -63,6 +63,7 @@ import math
 import socket
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -103,6 +104,7 @@ from tts.runtime.engine_thread import (
     Finished,
     LoopClosed,
     Overloaded,
+    RequestStream,
     Started,
 )
 from tts.runtime.request import (
@@ -582,6 +584,19 @@ class _Synthesis:
         self.encoder.close()
 
 
+@dataclass
+class _Admitted:
+    """A speech request whose job the engine thread started (`HTTPFront._admit`): the parsed request, the
+    job's warnings, the text's prompt tokens (SSE's usage), its stream, Started event and encoder."""
+
+    output: SpeechOutput
+    warnings: list[str]
+    input_tokens: int
+    stream: RequestStream
+    started: Started
+    encoder: AudioEncoder
+
+
 class _SynthesisResponse(StreamingResponse):
     """A StreamingResponse that cancels its job however the response ends: a client that disconnects
     cancels the sending task, which may be suspended anywhere; `abort()` (at shutdown) cuts a response
@@ -626,66 +641,90 @@ class _SynthesisResponse(StreamingResponse):
 # ---- connections that stop sending ------------------------------------------------------------------------
 
 
-def _timed_protocol(read_timeout: float):  # noqa: C901 - uvicorn's protocol hooks in one closure
+class _ReadDeadline:
+    """The read deadline of one HTTP/1.1 connection of `_timed_protocol` (`protocol`: its uvicorn h11
+    protocol, whose `loop`, `conn` and `transport` it reads): armed while the client owes the request's
+    headers (one deadline for all of them) or its body (a deadline per pause); past it the connection is
+    closed. A connection upgraded to a WebSocket has none (its protocol reads it)."""
+
+    def __init__(self, protocol, read_timeout: float):
+        import h11
+
+        self._h11 = h11
+        self.protocol, self.read_timeout = protocol, read_timeout
+        self.upgraded = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        self.disarm()
+        self._timer = self.protocol.loop.call_later(self.read_timeout, self._expired)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _owed(self) -> str | None:
+        """What the client still owes of its request: "headers", "body", or None (it is in)."""
+        state = self.protocol.conn.their_state
+        if state is self._h11.IDLE:
+            return "headers"
+        return "body" if state is self._h11.SEND_BODY else None
+
+    def _expired(self) -> None:
+        self._timer = None
+        what = self._owed()
+        if what is not None and not self.protocol.transport.is_closing():
+            log.debug(
+                "closing an HTTP connection: no complete request %s within %g s", what, self.read_timeout
+            )
+            self.protocol.transport.close()  # (a handler reading the body sees the client leave)
+
+    def after_data(self) -> None:
+        """Bytes came in: a new deadline per pause of a body, the headers' one kept, none once the request
+        is in (or the connection is a WebSocket's)."""
+        what = None if self.upgraded else self._owed()
+        if what == "body" or (what == "headers" and self._timer is None):
+            self.arm()
+        elif what is None:
+            self.disarm()
+
+    def after_response(self) -> None:
+        """A response ended: the next request's deadline starts now."""
+        if not self.protocol.transport.is_closing() and self._owed() is not None:
+            self.arm()
+
+
+def _timed_protocol(read_timeout: float):
     """uvicorn's h11 protocol with a read timeout, which uvicorn lacks (its `timeout_keep_alive` only runs
     between a response and the next request's first byte): a connection is closed when a request's
     headers are not complete `read_timeout` seconds after the connection opened or the previous response
-    ended, or when its body goes that long without a byte. Without it, a client that sends half a
-    request holds its connection (and a file descriptor) forever."""
-    import h11
+    ended, or when its body goes that long without a byte (`_ReadDeadline`). Without it, a client that
+    sends half a request holds its connection (and a file descriptor) forever."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class TimedH11Protocol(H11Protocol):
-        _read_timer: asyncio.TimerHandle | None = None
-        _upgraded = False
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._read_timer = self.loop.call_later(read_timeout, self._timed_out)
-
-        def _disarm(self) -> None:
-            if self._read_timer is not None:
-                self._read_timer.cancel()
-                self._read_timer = None
-
-        def _timed_out(self) -> None:
-            self._read_timer = None
-            if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
-                what = "headers" if self.conn.their_state is h11.IDLE else "body"
-                log.debug(
-                    "closing an HTTP connection: no complete request %s within %g s", what, read_timeout
-                )
-                self.transport.close()  # (a handler reading the body sees the client leave)
+        _deadline: _ReadDeadline
 
         def connection_made(self, transport) -> None:
+            self._deadline = _ReadDeadline(self, read_timeout)
             super().connection_made(transport)
-            self._arm()
+            self._deadline.arm()
 
         def handle_websocket_upgrade(self, event) -> None:
-            self._upgraded = True
+            self._deadline.upgraded = True
             super().handle_websocket_upgrade(event)
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self._upgraded:  # a WebSocket's connection now (its protocol reads it): no request deadline
-                self._disarm()
-                return
-            state = self.conn.their_state
-            if state is h11.SEND_BODY:
-                self._arm()  # the body: a deadline per pause
-            elif state is h11.IDLE:
-                if self._read_timer is None:
-                    self._arm()  # the headers: one deadline for all of them
-            else:
-                self._disarm()  # the request is in (or the connection is ending)
+            self._deadline.after_data()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing() and self.conn.their_state in (h11.IDLE, h11.SEND_BODY):
-                self._arm()
+            self._deadline.after_response()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
+            self._deadline.disarm()
             super().connection_lost(exc)
 
     return TimedH11Protocol
@@ -851,7 +890,9 @@ class HTTPFront:
 
     # ---- routes ----
 
-    def _build_app(self) -> FastAPI:  # noqa: C901 - one place registers every route; to be split
+    def _build_app(self) -> FastAPI:
+        """The FastAPI app: its error handlers, then every route (speech, voices, model and server state,
+        the pages, Fish Audio's API)."""
         app = FastAPI(
             title="dualar-tts",
             summary="OpenAI-compatible text-to-speech over the dual-AR engine",
@@ -859,6 +900,16 @@ class HTTPFront:
             redoc_url=None,
             docs_url=None,  # (FastAPI's loads Swagger UI from a CDN: /docs below works offline)
         )
+        self._add_error_handlers(app)
+        self._add_speech_routes(app)
+        self._add_state_routes(app)
+        self._add_pages(app)
+        register_fish_api(app, self)  # Fish Audio's API: /v1/tts, /v1/tts/live, /model
+        return app
+
+    @staticmethod
+    def _add_error_handlers(app: FastAPI) -> None:
+        """FastAPI's own errors (unknown path, a body its validation refuses) as OpenAI-style errors."""
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, exc: StarletteHTTPException):
@@ -870,6 +921,8 @@ class HTTPFront:
         async def validation_error(request: Request, exc: RequestValidationError):
             return APIError(400, str(exc)).response()
 
+    def _add_speech_routes(self, app: FastAPI) -> None:
+        """`POST /v1/audio/speech` and the voices: list, register, delete."""
         schema = {
             "content": {"application/json": {"schema": SpeechRequest.model_json_schema()}},
             "required": True,
@@ -886,18 +939,7 @@ class HTTPFront:
 
         @app.get("/v1/audio/voices", summary="Voices: name, kind, transcript, seconds")
         async def voices():
-            frame_rate = self.bundle.codec.frame_rate
-            return {
-                "voices": [
-                    {
-                        "name": e.name,
-                        "kind": e.kind or "preset",
-                        "transcript": e.voice.text,
-                        "seconds": round(e.seconds(frame_rate), 2),  # (frames / frame rate)
-                    }
-                    for e in self.loop.list_voices()
-                ]
-            }
+            return {"voices": [self._voice_json(e) for e in self.loop.list_voices()]}
 
         @app.post(
             "/v1/audio/voices",
@@ -916,6 +958,9 @@ class HTTPFront:
                 return api_error(with_field(exc, VOICE)).response()
             log.info("voice deleted name=%s", name)
             return {"deleted": name}
+
+    def _add_state_routes(self, app: FastAPI) -> None:
+        """The served model, health, load and metrics."""
 
         @app.get("/v1/models", summary="The served model")
         async def models():
@@ -944,12 +989,15 @@ class HTTPFront:
 
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @staticmethod
+    def _add_pages(app: FastAPI) -> None:
+        """The playground (`/`, its scripts under /static), the API docs (`/docs`) and the icon."""
+
         @app.get("/", response_class=HTMLResponse, include_in_schema=False)
         async def playground():
             return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
 
         app.mount("/static", StaticFiles(directory=STATIC), name="static")  # the playground's scripts
-        register_fish_api(app, self)  # Fish Audio's API: /v1/tts, /v1/tts/live, /model
 
         @app.get("/docs", response_class=HTMLResponse, include_in_schema=False)
         async def docs():
@@ -971,7 +1019,15 @@ class HTTPFront:
                 headers={"Cache-Control": "max-age=86400"},
             )
 
-        return app
+    def _voice_json(self, entry) -> dict:
+        """A voice as `GET /v1/audio/voices` lists it: name, kind, transcript, seconds (frames / frame
+        rate)."""
+        return {
+            "name": entry.name,
+            "kind": entry.kind or "preset",
+            "transcript": entry.voice.text,
+            "seconds": round(entry.seconds(self.bundle.codec.frame_rate), 2),
+        }
 
     def openai_voice(self, name: str) -> str | None:
         """The voice an OpenAI voice name (OPENAI_VOICES) means here: this server's voice of that name,
@@ -1216,7 +1272,7 @@ class HTTPFront:
         self._check_model(r.model)
         return SpeechOutput(self._to_request(r), r.response_format, r.speed, r.stream_format)
 
-    async def synthesize(  # noqa: C901 - a route that validates, plans and streams; to be split
+    async def synthesize(
         self,
         request: Request,
         parse: Callable[[Request, CallLog], Awaitable[SpeechOutput]],
@@ -1230,34 +1286,58 @@ class HTTPFront:
         `render(error, headers)`: the error response (default: OpenAI-style JSON); `accepts`: the body
         types the wire takes (named in the 415 for a form or text body)."""
         respond = render or (lambda err, headers: err.response(headers))
-        t_received = time.monotonic()
-        stream = None
-        call = CallLog("http", t_received)
+        call = CallLog("http", time.monotonic())
         try:
-            # A browser sends a text/plain or form POST to any site without asking it first (no CORS
-            # preflight): refusing the types a form can send keeps other sites' pages out, whatever Origin.
-            media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-            if media_type in FORM_TYPES:
-                raise APIError(
-                    415,
-                    f"the body must be {accepts}, got Content-Type {media_type}",
-                    code="unsupported_media_type",
-                )
-            out = await parse(request, call)
-            speech = out.request
-            refusal = self.state.refusal()
-            if refusal is not None:
-                raise refusal
-            job, input_tokens = await prepare_off_loop(
-                self._prepare, speech, out.stream_format == "sse", timeout=self.limits.max_prepare_seconds
+            admitted = await self._admit(request, parse, call, accepts)
+        except ClientDisconnect:
+            # The client left before its body was complete (or the server closed a body that stopped
+            # coming: `http_read_timeout`): not the server's error, and no one to answer.
+            self.count("cancelled")
+            self.log_call(call, "cancelled", "the client left before sending the whole body")
+            return Response(status_code=499)
+        except Exception as exc:  # noqa: BLE001 - its status (a bug: 500 with its message)
+            return respond(self._refused(exc, call, names), None)
+        return await self._stream(request, admitted, call, names, respond)
+
+    @staticmethod
+    def _check_media_type(request: Request, accepts: str) -> None:
+        """A browser sends a text/plain or form POST to any site without asking it first (no CORS
+        preflight): refusing the types a form can send keeps other sites' pages out, whatever Origin.
+        Raises APIError 415 naming what the wire `accepts`."""
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type in FORM_TYPES:
+            raise APIError(
+                415,
+                f"the body must be {accepts}, got Content-Type {media_type}",
+                code="unsupported_media_type",
             )
-            call.voice = job.voice_kind
-            stream = self.loop.submit(job, asyncio.get_running_loop())
-            call.request_id = stream.request_id
-            event = await stream.next()
-            if isinstance(event, Failed):
-                raise event.error
-            assert isinstance(event, Started), event
+
+    async def _admit(
+        self,
+        request: Request,
+        parse: Callable[[Request, CallLog], Awaitable[SpeechOutput]],
+        call: CallLog,
+        accepts: str,
+    ) -> _Admitted:
+        """Read and plan the request, submit its job and wait for the engine thread to start it. Raises
+        what refuses it (APIError, a request error, a refusal, ClientDisconnect); a job already submitted is
+        cancelled first (and counted `cancelled` when the request's task is)."""
+        self._check_media_type(request, accepts)
+        out = await parse(request, call)
+        refusal = self.state.refusal()
+        if refusal is not None:
+            raise refusal
+        job, input_tokens = await prepare_off_loop(
+            self._prepare, out.request, out.stream_format == "sse", timeout=self.limits.max_prepare_seconds
+        )
+        call.voice = job.voice_kind
+        stream = self.loop.submit(job, asyncio.get_running_loop())
+        call.request_id = stream.request_id
+        try:
+            started = await stream.next()
+            if isinstance(started, Failed):
+                raise started.error
+            assert isinstance(started, Started), started
             # A wav body is sent whole once the audio is complete, with its real RIFF and data sizes (a
             # streamed one could only say 0xFFFFFFFF, "27 hours", to a saved file's readers); pcm and sse
             # stream.
@@ -1267,44 +1347,44 @@ class HTTPFront:
                 speed=out.speed,
                 seekable=out.response_format == "wav" and out.stream_format == "audio",
             )
-        except APIError as exc:
-            self.count(exc.outcome)
-            self.log_call(call, exc.outcome, exc.message)
-            return respond(exc, None)
-        except REQUEST_ERRORS as exc:  # (RequestError among them: a TextError, InvalidRequest, ...)
-            if stream is not None:
-                stream.cancel()  # a no-op: the job failed
-            err = api_error(exc, names)
-            self.count(err.outcome)
-            self.log_call(call, err.outcome, err.message)
-            return respond(err, None)
         except asyncio.CancelledError:
-            if stream is not None:
-                stream.cancel()
-                self.count("cancelled")
-                self.log_call(call, "cancelled")
-            raise
-        except ClientDisconnect:
-            # The client left before its body was complete (or the server closed a body that stopped
-            # coming: `http_read_timeout`): not the server's error, and no one to answer.
-            if stream is not None:
-                stream.cancel()
+            stream.cancel()
             self.count("cancelled")
-            self.log_call(call, "cancelled", "the client left before sending the whole body")
-            return Response(status_code=499)
-        except Exception as exc:  # noqa: BLE001 - a bug: 500 with its message
-            log.exception("preparing an HTTP request failed")
-            if stream is not None:
-                stream.cancel()
-            err = api_error(exc, names)
-            self.count(err.outcome)
-            self.log_call(call, err.outcome, err.message)
-            return respond(err, None)
+            self.log_call(call, "cancelled")
+            raise
+        except BaseException:
+            stream.cancel()  # (a no-op once the job failed)
+            raise
+        return _Admitted(out, job.warnings, input_tokens, stream, started, encoder)
 
-        synthesis = _Synthesis(self, stream, event, encoder, call, gain=out.gain)
-        synthesis.input_tokens = input_tokens
-        # The status line waits for the first audio (or the end): a job that fails or ends without
-        # audio before then gets an error status, not a 200 with an empty or cut body.
+    def _refused(self, exc: Exception, call: CallLog, names: dict[str, str]) -> APIError:
+        """The error answering a request refused before its job started (counted and logged): an APIError
+        as it is, any other with the status of its outcome (`api_error`; a bug: 500, its traceback
+        logged)."""
+        if isinstance(exc, APIError):
+            err = exc
+        else:
+            if not isinstance(exc, REQUEST_ERRORS):  # (RequestError among them: a TextError, ...)
+                log.error("preparing an HTTP request failed", exc_info=exc)
+            err = api_error(exc, names)
+        self.count(err.outcome)
+        self.log_call(call, err.outcome, err.message)
+        return err
+
+    async def _stream(
+        self,
+        request: Request,
+        admitted: _Admitted,
+        call: CallLog,
+        names: dict[str, str],
+        respond: Callable[[APIError, dict[str, str] | None], Response],
+    ) -> Response:
+        """The response of a started job: its status line waits for the first audio (or the end), so a job
+        that fails or ends without audio before then gets an error status, not a 200 with an empty or cut
+        body; then its audio streams (`_SynthesisResponse`)."""
+        out = admitted.output
+        synthesis = _Synthesis(self, admitted.stream, admitted.started, admitted.encoder, call, gain=out.gain)
+        synthesis.input_tokens = admitted.input_tokens
         events = synthesis.events()
         try:
             first = await self._first_event(request, events)
@@ -1323,37 +1403,50 @@ class HTTPFront:
             assert isinstance(failure, BaseException), failure
             err = failure if isinstance(failure, APIError) else api_error(failure, names)
             finished = synthesis.finished_event
-            return respond(err, self._end_headers(finished, job.warnings) if finished else None)
+            return respond(err, self._end_headers(finished, admitted.warnings) if finished else None)
 
         async def replayed():
             yield first
             async for item in events:
                 yield item
 
+        headers = self._stream_headers(admitted, synthesis)
+        if out.stream_format == "sse":
+            return _SynthesisResponse(
+                synthesis, synthesis.sse_body(replayed()), media_type="text/event-stream", headers=headers
+            )
+        return _SynthesisResponse(
+            synthesis,
+            synthesis.audio_body(replayed()),
+            media_type=admitted.encoder.media_type,
+            headers=headers,
+        )
+
+    def _stream_headers(self, admitted: _Admitted, synthesis: _Synthesis) -> dict[str, str]:
+        """The headers of a streamed response (see the module docstring)."""
+        started, out = admitted.started, admitted.output
         headers = {
-            "X-Request-Id": event.request_id,
-            "X-Seed": str(event.seed),
+            "X-Request-Id": started.request_id,
+            "X-Seed": str(started.seed),
             "X-Model": self.bundle.name,
-            "X-Sample-Rate": str(encoder.output_rate),
-            "X-Text-Chunks": str(event.text_chunks),
+            "X-Sample-Rate": str(admitted.encoder.output_rate),
+            "X-Text-Chunks": str(started.text_chunks),
             "X-Replica": self.state.replica,
             "Cache-Control": "no-cache",
         }
         if synthesis.finished_event is not None:  # the whole result is known: as gRPC's StreamEnd says
-            headers |= self._end_headers(synthesis.finished_event, job.warnings)
-        elif job.warnings:
-            headers["X-Warnings"] = _header_text(job.warnings)
+            headers |= self._end_headers(synthesis.finished_event, admitted.warnings)
+        elif admitted.warnings:
+            headers["X-Warnings"] = _header_text(admitted.warnings)
         if out.response_format == "pcm":
             headers |= {"X-Sample-Format": "s16le", "X-Channels": "1"}
         if out.stream_format == "sse":
             headers["X-Accel-Buffering"] = "no"
-            return _SynthesisResponse(
-                synthesis, synthesis.sse_body(replayed()), media_type="text/event-stream", headers=headers
+        else:
+            headers["Content-Disposition"] = (
+                f'inline; filename="speech{FORMATS[out.response_format].extension}"'
             )
-        headers["Content-Disposition"] = f'inline; filename="speech{FORMATS[out.response_format].extension}"'
-        return _SynthesisResponse(
-            synthesis, synthesis.audio_body(replayed()), media_type=encoder.media_type, headers=headers
-        )
+        return headers
 
     @staticmethod
     async def _first_event(request: Request, events) -> tuple[str, object]:

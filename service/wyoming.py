@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from service.common import CallLog, error_message, log_call, outcome_of, prepare_off_loop
+from service.common import CallLog, NoAudio, error_message, log_call, outcome_of, prepare_off_loop
 from tts import __version__
 from tts.audio.files import to_pcm16
 from tts.engine import InvalidRequest
@@ -521,7 +521,7 @@ class _Connection:
                 await self._send("audio-chunk", {**fmt, "timestamp": timestamp}, pcm)
             if jobs.samples == 0:
                 why = "for this text" if jobs.request_id != "-" else "in the streamed text: nothing to speak"
-                raise NoAudio(f"the model produced no audio {why}")
+                raise NoAudio(message=f"the model produced no audio {why}")
             await self._send("audio-stop", {"timestamp": jobs.samples * 1000 // codec.sample_rate})
             if streaming:
                 await self._send("synthesize-stopped")
@@ -573,10 +573,7 @@ class _Connection:
         if self.ended:
             return
         self.ended = True
-        if isinstance(exc, NoAudio):
-            outcome, message = "no_audio", str(exc)
-        else:
-            message, outcome = error_message(exc), outcome_of(exc)
+        message, outcome = error_message(exc), outcome_of(exc)  # (NoAudio: `no_audio`)
         if self.call is None:
             self.call = CallLog("wyoming", time.monotonic())
         self.call.detail = message
@@ -600,10 +597,6 @@ class _Connection:
             raise ClientGone()
         self.writer.write(encode_event(kind, data, payload))  # (one write: events never interleave)
         await self.writer.drain()
-
-
-class NoAudio(RuntimeError):
-    """A synthesis ended without any audio (no OK for nothing to hear)."""
 
 
 # What a request can fail with (answered without a traceback in the log).

@@ -292,7 +292,10 @@ def test_each_warning_is_printed_once(tmp_path):
     """The CLI prints a synthesis's warnings itself; the API's log records of them are not printed too."""
     text = tmp_path / "t.md"
     text.write_text("Hello there.\n\n```\nsome code\n```\n")
-    r = run_cli("synthesize", "--text-file", str(text), "-o", str(tmp_path / "x.wav"), "--model", "tiny")
+    # (a fixed seed: the same frames every run, not a `short` ending by chance)
+    frames = ["--seed", "1", "--max-new-frames", "3"]
+    out = str(tmp_path / "x.wav")
+    r = run_cli("synthesize", "--text-file", str(text), "-o", out, "--model", "tiny", *frames)
     assert r.returncode == 0, r.stderr
     assert [line for line in r.stderr.splitlines() if "code block" in line] == [
         "warning: 1 code block was not read"
@@ -770,7 +773,9 @@ def test_dash_and_a_text_file_are_both_text(monkeypatch, capsys, tmp_path):
 def test_synthesize_dash_reads_stdin(tmp_path):
     out = tmp_path / "x.wav"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tools")]))
-    argv = ["synthesize", "-", "-o", str(out), "--model", "tiny", "--max-new-frames", "4", "-q"]
+    # (a fixed seed: the same frames every run, not a `short` ending by chance)
+    frames = ["--seed", "1", "--max-new-frames", "4"]
+    argv = ["synthesize", "-", "-o", str(out), "--model", "tiny", *frames, "-q"]
     r = subprocess.run(
         [sys.executable, "-m", "tts.cli", *argv], input=b"Hello from stdin.", capture_output=True, env=env
     )
@@ -817,3 +822,33 @@ def test_a_torchaudio_that_cannot_load_is_one_line_with_the_fix(tmp_path, argv):
     )
     assert "): install torch and torchaudio from the same index, e.g. pip install" in r.stderr
     assert not (tmp_path / "x.wav").exists()
+
+
+def test_each_request_field_has_one_option_that_a_command_takes():
+    """CLI_OPTIONS maps canonical request fields (tts.runtime.request.FIELDS) to options the commands have."""
+    from tts.cli.main import CLI_OPTIONS
+    from tts.runtime.request import FIELDS
+
+    options = {o for parser in command_parsers() for a in parser._actions for o in a.option_strings}
+    assert set(CLI_OPTIONS) <= set(FIELDS)
+    assert {field: option for field, option in CLI_OPTIONS.items() if option not in options} == {}
+
+
+def test_an_error_names_the_option_of_its_field_not_of_its_words():
+    """The option comes from the field the error is about, never from words of its message that look like
+    a field's name."""
+    from tts.cli.main import error_line
+    from tts.params import InvalidRequest
+    from tts.runtime.request_errors import InvalidField, Ref, TextFieldError
+
+    # a sampling range (its `parameter`), a request error's field, a message naming fields as Refs
+    assert error_line(InvalidRequest("top_k must be >= 0", parameter="top_k")) == "--top-k must be >= 0"
+    budget = InvalidField("sampling.max_new_frames", "max_new_frames (5000) exceeds the context size 4096")
+    assert error_line(budget) == "--max-new-frames (5000) exceeds the context size 4096"
+    chunks = InvalidField("output.chunk_frames", Ref("output.chunk_frames"), " must be at most 256, got 300")
+    assert error_line(chunks) == "--chunk-frames must be at most 256, got 300"
+    # a message that starts with a word spelled like a field, about another field or about none: as it is
+    assert error_line(TextFieldError("text", "seed words are not text")) == "seed words are not text"
+    assert error_line(InvalidRequest("temperature of the room")) == "temperature of the room"
+    # a field the message does not open with: the message as it is
+    assert error_line(InvalidField("voice", "unknown voice 'x'")) == "unknown voice 'x'"

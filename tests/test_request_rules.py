@@ -121,7 +121,7 @@ def test_a_frame_budget_that_is_not_positive(server, api, capsys, tmp_path):
     assert on_the_command_line(capsys, argv) == "--max-new-frames must be > 0, got 0"
 
 
-def test_a_frame_budget_past_the_context(server, api):
+def test_a_frame_budget_past_the_context(server, api, capsys, tmp_path):
     message = f"max_new_frames (5000) exceeds the context size {api.max_context}"
     assert server.loop.max_context == api.max_context
     assert over_grpc(server, text="Hi.", max_new_frames=5000) == (
@@ -134,6 +134,13 @@ def test_a_frame_budget_past_the_context(server, api):
         message,
         "sampling.max_new_frames",
     )
+    # The command line names the option, from the field: the API's error, and the server's (`tts-field`).
+    cli = f"--max-new-frames (5000) exceeds the context size {api.max_context}"
+    out = str(tmp_path / "a.wav")
+    argv = ["synthesize", "Hi.", "-o", out, "--model", "tiny", "--max-new-frames", "5000"]
+    assert on_the_command_line(capsys, argv) == cli
+    argv = ["client", "Hi.", "-o", out, "--server", server.address, "--max-new-frames", "5000"]
+    assert on_the_command_line(capsys, argv) == cli
 
 
 def test_text_with_nothing_to_speak(server, api, capsys, tmp_path):

@@ -70,54 +70,13 @@ def barge_in_sessions(n: int, share: float) -> set[int]:
     return set(range(n - k, n))
 
 
-async def _one_session(stub, pb, i: int, barge_in: bool, options: dict, wps: float, timeout: float | None):  # noqa: C901 - one session's script; to be split
+async def _one_session(stub, pb, i: int, barge_in: bool, options: dict, wps: float, timeout: float | None):
     """Run session i; returns its SessionResult."""
-    import grpc
+    return await _SessionScript(stub, pb, i, barge_in, options, wps, timeout).run()
 
-    result = SessionResult(i, barge_in)
-    call = stub.SynthesizeSession(timeout=timeout)
-    arrivals: list[float] = []
-    samples: list[int] = []
-    chunks_of: list[int] = []
-    first_audio = asyncio.Event()
-    marks: dict[str, float] = {}
-    rate = 0
-    width = 2 if options.get("encoding", "pcm16") == "pcm16" else 4
 
-    async def read() -> None:
-        nonlocal rate
-        while (m := await call.read()) is not grpc.aio.EOF:
-            kind = m.WhichOneof("message")
-            now = time.monotonic()
-            if kind == "header":
-                rate = m.header.sample_rate
-            elif kind == "audio":
-                n = len(m.audio.audio) // width
-                arrivals.append(now)
-                samples.append(n)
-                chunks_of.append(m.audio.chunk)
-                result.audio_messages += 1
-                result.audio_samples += n
-                first_audio.set()
-            elif kind == "chunk_start":
-                result.chunk_starts += 1
-            elif kind == "chunk_end":
-                e = m.chunk_end
-                result.chunks += 1
-                result.cancelled_chunks += e.finish_reason == pb.FINISH_REASON_CANCELLED
-                result.prefill_tokens.append(e.prefill_tokens)
-                result.cached_tokens.append(e.cached_tokens)
-            elif kind == "end":
-                result.end_reason = m.end.reason
-
-    async def write_words(sentence: str) -> None:
-        words = sentence.split()
-        for k, word in enumerate(words):
-            await call.write(pb.SessionRequest(text=word + " "))
-            if k == len(words) - 1 and "clause" not in marks:
-                marks["clause"] = time.monotonic()  # this word completes the first chunk
-            await asyncio.sleep(1.0 / wps)
-
+def _session_start(pb, options: dict):
+    """The `SessionStart` message of a session run with `options` (see `run_sessions`)."""
     sampling = pb.SamplingOptions(
         **{
             k: options[k]
@@ -138,48 +97,126 @@ async def _one_session(stub, pb, i: int, barge_in: bool, options: dict, wps: flo
     )
     if options.get("voice"):
         start.voice.name = options["voice"]
-    reader = asyncio.ensure_future(read())
-    try:
-        await call.write(pb.SessionRequest(start=start))
-        sentences = session_text(i)
-        if barge_in:
-            await write_words(sentences[0])
-            await asyncio.wait(
-                {reader, asyncio.ensure_future(first_audio.wait())}, return_when="FIRST_COMPLETED"
-            )
-            marks["cancel"] = time.monotonic()
-            before_cancel = len(arrivals)
-            await call.write(pb.SessionRequest(cancel=pb.SessionCancel()))
-            started_before = result.chunk_starts
-            await write_words(sentences[1])
-        else:
-            for sentence in sentences:
-                await write_words(sentence)
-        marks["close"] = time.monotonic()
-        await call.write(pb.SessionRequest(close=pb.SessionClose()))
-        await call.done_writing()
-        await reader
-        result.ok = await call.code() == grpc.StatusCode.OK
-    except grpc.aio.AioRpcError as exc:
-        result.error = exc.code().name
-        reader.cancel()
+    return start
+
+
+class _SessionScript:
+    """Session i as its client plays it (see the module docstring): start, the sentences word by word at
+    `wps` words per second (with a barge-in: the first sentence, a cancel once its first audio came, the
+    second), close; meanwhile every server message is read and timed. `run` returns its SessionResult."""
+
+    def __init__(self, stub, pb, i: int, barge_in: bool, options: dict, wps: float, timeout: float | None):
+        self.pb, self.wps = pb, wps
+        self.result = SessionResult(i, barge_in)
+        self.call = stub.SynthesizeSession(timeout=timeout)
+        self.start = _session_start(pb, options)
+        self.width = 2 if options.get("encoding", "pcm16") == "pcm16" else 4  # bytes per sample
+        self.rate = 0  # the header's sample rate
+        self.arrivals: list[float] = []  # per audio message: when it came, its samples, its chunk
+        self.samples: list[int] = []
+        self.chunks_of: list[int] = []
+        self.first_audio = asyncio.Event()
+        self.marks: dict[str, float] = {}  # clause (the first chunk's text complete), cancel, close
+        self.before_cancel = 0  # audio messages before the cancel
+        self.started_before = 0  # chunks started before the cancel
+
+    async def run(self) -> SessionResult:
+        import grpc
+
+        pb, call, result = self.pb, self.call, self.result
+        reader = asyncio.ensure_future(self._read())
+        try:
+            await call.write(pb.SessionRequest(start=self.start))
+            await self._write_text(reader)
+            self.marks["close"] = time.monotonic()
+            await call.write(pb.SessionRequest(close=pb.SessionClose()))
+            await call.done_writing()
+            await reader
+            result.ok = await call.code() == grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as exc:
+            result.error = exc.code().name
+            reader.cancel()
+            return result
+        self._measure()
         return result
-    if arrivals and "clause" in marks:
-        result.clause_to_first_audio = max(0.0, arrivals[0] - marks["clause"])
-    if arrivals:
-        result.close_to_last_audio = max(0.0, arrivals[-1] - marks["close"])
-    if barge_in:
-        # audio of the chunks that started before the cancel, arriving after it
-        late = [
-            t
-            for t, c in zip(arrivals[before_cancel:], chunks_of[before_cancel:], strict=True)
-            if c < started_before
-        ]
-        result.audio_after_cancel = len(late)
-        result.cancel_to_silence = max(late) - marks["cancel"] if late else 0.0
-    elif rate:
-        result.underruns, result.worst_lateness = playback_underruns(arrivals, samples, rate)
-    return result
+
+    async def _write_text(self, reader: asyncio.Future) -> None:
+        """The session's sentences; with a barge-in, `cancel` between them once the first audio came (or
+        the call ended)."""
+        sentences = session_text(self.result.index)
+        if not self.result.barge_in:
+            for sentence in sentences:
+                await self._write_words(sentence)
+            return
+        await self._write_words(sentences[0])
+        await asyncio.wait(
+            {reader, asyncio.ensure_future(self.first_audio.wait())}, return_when="FIRST_COMPLETED"
+        )
+        self.marks["cancel"] = time.monotonic()
+        self.before_cancel = len(self.arrivals)
+        await self.call.write(self.pb.SessionRequest(cancel=self.pb.SessionCancel()))
+        self.started_before = self.result.chunk_starts
+        await self._write_words(sentences[1])
+
+    async def _write_words(self, sentence: str) -> None:
+        words = sentence.split()
+        for k, word in enumerate(words):
+            await self.call.write(self.pb.SessionRequest(text=word + " "))
+            if k == len(words) - 1 and "clause" not in self.marks:
+                self.marks["clause"] = time.monotonic()  # this word completes the first chunk
+            await asyncio.sleep(1.0 / self.wps)
+
+    async def _read(self) -> None:
+        import grpc
+
+        while (m := await self.call.read()) is not grpc.aio.EOF:
+            self._receive(m, time.monotonic())
+
+    def _receive(self, m, now: float) -> None:
+        """Count server message `m`, which came at `now`."""
+        result = self.result
+        kind = m.WhichOneof("message")
+        if kind == "header":
+            self.rate = m.header.sample_rate
+        elif kind == "audio":
+            n = len(m.audio.audio) // self.width
+            self.arrivals.append(now)
+            self.samples.append(n)
+            self.chunks_of.append(m.audio.chunk)
+            result.audio_messages += 1
+            result.audio_samples += n
+            self.first_audio.set()
+        elif kind == "chunk_start":
+            result.chunk_starts += 1
+        elif kind == "chunk_end":
+            e = m.chunk_end
+            result.chunks += 1
+            result.cancelled_chunks += e.finish_reason == self.pb.FINISH_REASON_CANCELLED
+            result.prefill_tokens.append(e.prefill_tokens)
+            result.cached_tokens.append(e.cached_tokens)
+        elif kind == "end":
+            result.end_reason = m.end.reason
+
+    def _measure(self) -> None:
+        """The session's latencies, and its underruns (or, with a barge-in, what came after the cancel)."""
+        result, arrivals, marks = self.result, self.arrivals, self.marks
+        if arrivals and "clause" in marks:
+            result.clause_to_first_audio = max(0.0, arrivals[0] - marks["clause"])
+        if arrivals:
+            result.close_to_last_audio = max(0.0, arrivals[-1] - marks["close"])
+        if result.barge_in:
+            # audio of the chunks that started before the cancel, arriving after it
+            late = [
+                t
+                for t, c in zip(
+                    arrivals[self.before_cancel :], self.chunks_of[self.before_cancel :], strict=True
+                )
+                if c < self.started_before
+            ]
+            result.audio_after_cancel = len(late)
+            result.cancel_to_silence = max(late) - marks["cancel"] if late else 0.0
+        elif self.rate:
+            result.underruns, result.worst_lateness = playback_underruns(arrivals, self.samples, self.rate)
 
 
 def _stats(values: list[float], scale: float = 1000.0) -> dict:

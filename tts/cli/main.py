@@ -544,25 +544,57 @@ def read_reference_file(path: str):
     return data, audio, sample_rate
 
 
-# The CLI's names for the request fields (tts.runtime.request.FIELDS) that its options set.
-CLI_FIELDS = {
+# The option that sets each request field (canonical names: `tts.runtime.request.FIELDS`). An error about a
+# field (`tts.runtime.request_errors.field_of`) names the option instead (`error_line`). The text is TEXT or
+# --text-file, so its errors say `text`.
+CLI_OPTIONS = {
     "voice": "--voice",
     "reference.audio": "--reference-audio",
     "reference.text": "--reference-text",
     "output.first_chunk_frames": "--first-chunk-frames",
     "output.chunk_frames": "--chunk-frames",
-}
+    **{
+        f"sampling.{name}": "--" + name.replace("_", "-")
+        for name in (
+            "temperature", "top_p", "top_k", "seed", "max_new_frames", "min_new_frames", "repetition_penalty",
+            "ras_window",
+        )
+    },
+}  # fmt: skip
+
+
+def as_options(message: str, field: str | None) -> str:
+    """`message`, an error about request field `field` (canonical; None: none), as the command line says
+    it: where the message opens with the field's name, as the runtime (`top_p must be in (0, 1]`) or a
+    server (`output.chunk_frames must be at most 256`) words a value out of range, it opens with the option
+    that sets the field (CLI_OPTIONS) instead: the user typed the option."""
+    if field is None or field not in CLI_OPTIONS:
+        return message
+    for name in (field, field.rpartition(".")[2]):
+        if message.startswith(name + " "):
+            return CLI_OPTIONS[field] + message[len(name) :]
+    return message
+
+
+def error_line(exc: BaseException) -> str:
+    """What `tts: error: ` is followed by for a bad-input error: a request error's message with the fields
+    it names as the options that set them (CLI_OPTIONS), its own field's option first where the message
+    opens with that field (`as_options`); any other error's message as it is."""
+    from tts.runtime.request_errors import RequestError, field_of
+
+    message = exc.message(CLI_OPTIONS) if isinstance(exc, RequestError) else str(exc)
+    return as_options(message, field_of(exc))
 
 
 def request_rule(rule, *values) -> None:
     """Apply a rule of `tts.runtime.request` (the one every front applies) to option values; its error
-    becomes a UserError naming the options (CLI_FIELDS)."""
+    becomes a UserError naming the options (`error_line`)."""
     from tts.runtime.request_errors import RequestError
 
     try:
         rule(*values)
     except RequestError as exc:
-        raise UserError(exc.message(CLI_FIELDS)) from exc
+        raise UserError(error_line(exc)) from exc
 
 
 def cmd_synthesize(args: argparse.Namespace) -> int:
@@ -788,20 +820,6 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 # ---- parser and entry point --------------------------------------------------------------------------
-
-
-# A request field that a message starts with (the API's and the server's names; the server's may carry
-# the message path `output.`), and the option a CLI user typed for it.
-_REQUEST_FIELD = re.compile(
-    r"^(?:output\.)?(temperature|top_p|top_k|max_new_frames|min_new_frames|repetition_penalty|seed|ras_window"
-    r"|first_chunk_frames|chunk_frames)\b"
-)
-
-
-def as_options(message: str) -> str:
-    """An error message with its leading request field named as the CLI option (`top_p must be ...` ->
-    `--top-p must be ...`): on the command line the user typed the option."""
-    return _REQUEST_FIELD.sub(lambda m: "--" + m.group(1).replace("_", "-"), message, count=1)
 
 
 _STATES_ITS_DEFAULT = re.compile(r"\bdefault\b[:= ]|%\(default\)", re.IGNORECASE)
@@ -1047,7 +1065,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except BAD_INPUT_ERRORS as exc:
-        print(f"tts: error: {as_options(str(exc))}", file=sys.stderr)
+        print(f"tts: error: {error_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("tts: interrupted", file=sys.stderr)

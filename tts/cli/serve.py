@@ -27,6 +27,7 @@ from tts.cli.main import (
     add_output_args,
     add_sampling_args,
     apply_threads,
+    as_options,
     check_device,
     check_output_path,
     check_threads,
@@ -710,7 +711,7 @@ def check_chunk_options(args: argparse.Namespace) -> None:
 def cmd_client(args: argparse.Namespace) -> int:
     import grpc
 
-    from service.client import build_request, rpc_error_line
+    from service.client import build_request, error_field, rpc_error_line
     from tts.runtime.request import check_voice_source
     from tts.text.policy import check_speakable
 
@@ -744,7 +745,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     except grpc.aio.AioRpcError as exc:
         code = exc.code()
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
-            raise UserError(exc.details()) from exc
+            raise UserError(as_options(exc.details() or "", error_field(exc))) from exc
         print(f"tts: error: {rpc_error_line(args.server, exc, args.timeout)}", file=sys.stderr)
         return 1
     end = result.end

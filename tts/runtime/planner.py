@@ -30,7 +30,7 @@ from torch import Tensor
 from tts.checkpoints.bundle import ModelBundle
 from tts.codec.base import AudioError, prepare_audio
 from tts.params import DEFAULT_CHUNK_FRAMES, DEFAULT_FIRST_CHUNK_FRAMES, InvalidRequest, SamplingParams
-from tts.runtime.request_errors import InvalidField, with_field
+from tts.runtime.request_errors import InvalidField, field_of, with_field
 from tts.runtime.voices import VoiceNotFound, VoiceRegistry, codec_fingerprint
 from tts.text.budget import charge
 from tts.text.normalize import TextError
@@ -339,8 +339,7 @@ class Planner:
         try:
             params = self.sampling_params(**sampling)
         except InvalidRequest as exc:
-            field = f"sampling.{exc.parameter}" if exc.parameter else "sampling"
-            raise with_field(exc, field) from exc
+            raise with_field(exc, field_of(exc) or "sampling") from exc
         # An explicit budget that no prompt could fit is an error; the model's default budget is only a
         # ceiling (the runaway guard and the fit check below cut it to what the chunk and context allow).
         if sampling.get("max_new_frames") is not None and params.max_new_frames >= self.max_context:

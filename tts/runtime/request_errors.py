@@ -84,3 +84,13 @@ def with_field(exc: Exception, field: str) -> Exception:
         if isinstance(exc, base):
             return kind(field, str(exc))
     return exc
+
+
+def field_of(exc: BaseException) -> str | None:
+    """The canonical request field `exc` is about: a RequestError's `field`; `sampling.<parameter>` for an
+    InvalidRequest of a sampling range (`tts.params.SamplingParams.validate` sets its `parameter`); None for
+    any other error."""
+    if isinstance(exc, RequestError):
+        return exc.field
+    parameter = getattr(exc, "parameter", None) if isinstance(exc, InvalidRequest) else None
+    return f"sampling.{parameter}" if parameter else None
