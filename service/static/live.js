@@ -52,7 +52,10 @@ function fishUnpack(buf) {
 if (typeof document !== "undefined") (() => {
   // ---- the section
   const section = document.createElement("section");
+  // A word is "on" while it is heard and "heard" once its end has been played.
   section.innerHTML = `
+    <style>#live-words span { padding: 0 .1rem; } #live-words .on { background: #ffe27a; }
+    #live-words .heard { color: #555; }</style>
     <h2 style="font-size:1.1rem;margin-top:2rem">Type as it speaks</h2>
     <p class="sub">Text is sent a word at a time over <code>/v1/tts/live/with-timestamp</code> (Fish Audio's
     WebSocket) as you type or paste it; each word lights up while it is heard.</p>
@@ -63,7 +66,7 @@ if (typeof document !== "undefined") (() => {
       <button id="live-finish" disabled>Finish</button>
       <button id="live-stop" disabled>Stop</button>
     </div>
-    <div id="live-status" style="color:#444;min-height:1.4em"></div>
+    <div class="row" style="color:#444;min-height:1.4em"><span id="live-status"></span><span id="live-audio"></span></div>
     <div id="live-words" style="line-height:1.9"></div>`;
   document.body.append(section);
   const $ = (id) => document.getElementById(id);
@@ -104,6 +107,7 @@ if (typeof document !== "undefined") (() => {
     src.start(nextAt);
     pieces.push({ session: heard, ctxAt: nextAt, seconds: n / rate });
     nextAt += n / rate; heard += n / rate;
+    $("live-audio").textContent = `${heard.toFixed(2)} s of audio received`;
   }
 
   function align(seq, offset, alignment) {  // replace chunk `seq`'s words with its latest snapshot
@@ -113,7 +117,6 @@ if (typeof document !== "undefined") (() => {
     chunks[seq] = alignment.segments.map((s) => {
       const el = document.createElement("span");
       el.textContent = s.text + " ";
-      el.style.padding = "0 .1rem";
       box.append(el);
       return { seq, start: s.start + offset, end: s.end + offset, el };
     });
@@ -130,9 +133,8 @@ if (typeof document !== "undefined") (() => {
     if (!ctx) return;
     const now = sessionNow();
     for (const w of spans) {
-      const on = now !== null && now >= w.start && now < w.end;
-      w.el.style.background = on ? "#ffe27a" : "";
-      w.el.style.color = now !== null && now >= w.end ? "#555" : "";
+      w.el.classList.toggle("on", now !== null && now >= w.start && now < w.end);
+      w.el.classList.toggle("heard", now !== null && now >= w.end);
     }
     requestAnimationFrame(highlight);
   }
@@ -158,7 +160,7 @@ if (typeof document !== "undefined") (() => {
     sent = $("live-text").value.length; queue = []; rate = 0; header = new Uint8Array(0); odd = null;
     heard = 0; nextAt = 0; spans = []; pieces = [];
     for (const k of Object.keys(chunks)) delete chunks[k];
-    $("live-words").textContent = "";
+    $("live-words").textContent = ""; $("live-audio").textContent = "";
     const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/tts/live/with-timestamp`;
     ws = new WebSocket(url);
     ws.binaryType = "arraybuffer";
