@@ -5,6 +5,7 @@ against a real TTSServer (tiny model). Skipped where `selenium`, `chromium` or `
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 
@@ -208,3 +209,182 @@ def test_a_voice_uploaded_through_the_page_is_listed_and_chosen(server, browser,
         == "page-voice"
     )
     server.loop.delete_voice("page-voice")
+
+
+# ---- the live mode ("type as it speaks", service/static/live.js) ------------------------------------------
+
+LIVE_FRAMES = 20  # frames per text chunk (max_new_tokens); the end token is held off: exactly that many
+FRAME_SAMPLES = 640  # the tiny model's codec: 640 samples per frame at 16 kHz
+# Records what the page does through the browser's own objects: the events it sends (the start request
+# gets the test's frame budget), the events it receives (decoded with the page's own fishUnpack), every
+# audio buffer it schedules (and whether it played out or was stopped), its AudioContext, its animation
+# frames and which word indices gain the classes "on" (heard now) and "heard" (played), in order.
+LIVE_HOOK = """
+const rec = window.rec = { sent: [], got: [], sockets: [], sources: [], contexts: [], marks: [],
+                           raf: 0, rafMax: 0, holdClose: false, held: [] };
+const Context = window.AudioContext;
+window.AudioContext = class extends Context { constructor(...a) { super(...a); rec.contexts.push(this); } };
+const Socket = window.WebSocket;
+window.WebSocket = class extends Socket {
+  constructor(...a) {
+    super(...a);
+    rec.sockets.push(this);
+    this.addEventListener("message", (m) => {
+      if (typeof m.data !== "string") rec.got.push(fishUnpack(m.data));
+    });
+    // The page's onclose, run at once or, while rec.holdClose, when the test says (a close reported late).
+    super.onclose = (e) => {
+      const run = () => { if (this.pageOnclose) this.pageOnclose(e); };
+      if (rec.holdClose) rec.held.push(run); else run();
+    };
+  }
+  get onclose() { return this.pageOnclose; }
+  set onclose(f) { this.pageOnclose = f; }
+  send(data) {
+    const event = JSON.parse(data);
+    if (event.event === "start") event.request.max_new_tokens = FRAMES;
+    rec.sent.push(event);
+    return super.send(JSON.stringify(event));
+  }
+};
+const start = AudioBufferSourceNode.prototype.start, stop = AudioBufferSourceNode.prototype.stop;
+AudioBufferSourceNode.prototype.start = function (when = 0) {
+  const b = this.buffer;
+  const r = { when, end: when + b.duration, samples: b.length, rate: b.sampleRate };
+  r.ended = r.stopped = false;
+  this.rec = r;
+  rec.sources.push(r);
+  this.addEventListener("ended", () => { r.ended = true; });
+  return start.call(this, when);
+};
+AudioBufferSourceNode.prototype.stop = function (...a) {
+  if (this.rec) this.rec.stopped = true;
+  return stop.apply(this, a);
+};
+const frame = window.requestAnimationFrame;
+window.requestAnimationFrame = (f) => {
+  rec.raf += 1; rec.rafMax = Math.max(rec.rafMax, rec.raf);
+  return frame((t) => { rec.raf -= 1; f(t); });
+};
+new MutationObserver((records) => {
+  // each record's new class is the next record's old one for that element (or its class now)
+  const after = new Map(), rows = [];
+  for (const m of [...records].reverse()) {
+    const now = after.get(m.target) ?? m.target.className;
+    rows.push([m.target, (m.oldValue || "").split(" "), now.split(" ")]);
+    after.set(m.target, m.oldValue || "");
+  }
+  for (const [el, before, now] of rows.reverse()) {
+    const i = el.parentNode ? [...el.parentNode.children].indexOf(el) : -1;
+    for (const c of ["on", "heard"]) if (now.includes(c) && !before.includes(c)) rec.marks.push([c, i]);
+  }
+}).observe(document.getElementById("live-words"),
+           { subtree: true, attributes: true, attributeFilter: ["class"], attributeOldValue: true });
+"""
+
+
+@pytest.fixture(scope="module")
+def live_server(bundle):
+    """A server whose model never samples its end token: every chunk is exactly LIVE_FRAMES frames."""
+    from service_helpers import EndTokenNever
+
+    from tts.engine import model_runner
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(model_runner, "F", EndTokenNever())
+    srv = start(bundle)
+    yield srv
+    srv.stop()
+    mp.undo()
+
+
+def open_live(driver, srv):
+    open_page(driver, srv)
+    driver.execute_script(f"const FRAMES = {LIVE_FRAMES};" + LIVE_HOOK)
+    wps = driver.find_element(By.ID, "live-wps")
+    wps.clear()
+    wps.send_keys("20")  # (the fastest: the test waits less)
+
+
+def js(driver, script: str, *args):
+    return driver.execute_script(script, *args)
+
+
+def live_status(driver) -> str:
+    return driver.find_element(By.ID, "live-status").text
+
+
+def start_live(driver):
+    driver.find_element(By.ID, "live-start").click()
+    wait(driver, lambda d: live_status(d) == "live: type or paste", "the live session to open")
+    assert not driver.find_element(By.ID, "live-start").is_enabled()
+    assert driver.find_element(By.ID, "live-stop").is_enabled()
+
+
+def sent_text(driver, since: int = 0) -> str:
+    return "".join(e["text"] for e in js(driver, "return rec.sent")[since:] if e["event"] == "text")
+
+
+def speak_live(driver, text: str) -> tuple[int, int]:
+    """Types `text` into the live box of an open session, waits until every word but the last (held until
+    a space follows it) was sent a word at a time, then presses Finish and waits for the session's end.
+    Returns where this session's records start: (index in rec.sources, index in rec.got)."""
+    first = (js(driver, "return rec.sources.length"), js(driver, "return rec.got.length"))
+    first_sent = len(js(driver, "return rec.sent"))
+    driver.find_element(By.ID, "live-text").send_keys(text)
+    head = text[: text.rindex(" ") + 1]
+    wait(driver, lambda d: sent_text(d, first_sent) == head, "the typed words to be sent")
+    pieces = [e["text"] for e in js(driver, "return rec.sent")[first_sent:]]
+    assert pieces == [w + " " for w in head.split()], pieces  # a word at a time
+    driver.find_element(By.ID, "live-finish").click()
+    wait(driver, lambda d: live_status(d) == "finished" or live_status(d).startswith("error"), "the finish")
+    assert live_status(driver) == "finished"
+    assert sent_text(driver, first_sent) == text  # the last word went with Finish
+    assert [e["event"] for e in js(driver, "return rec.sent")[-2:]] == ["flush", "stop"]
+    return first
+
+
+def sessions_freed(srv) -> None:
+    deadline = time.monotonic() + 30
+    while srv.loop.sessions_open and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert srv.loop.sessions_open == 0
+
+
+def check_played(driver, first: tuple[int, int], text: str) -> None:
+    """Every buffer of the utterance played out at the model's rate, every received sample was played,
+    and every word is shown, heard in text order. first: where the utterance's records start."""
+    first_source, first_got = first
+    wait(
+        driver,
+        lambda d: js(d, "return rec.sources.slice(arguments[0]).every((s) => s.ended)", first_source),
+        "the audio to play out",
+    )
+    sources = js(driver, "return rec.sources")[first_source:]
+    assert sources and {s["rate"] for s in sources} == {16000}
+    played = sum(s["samples"] for s in sources)
+    got = [e for e in js(driver, "return rec.got")[first_got:] if e["event"] == "audio"]
+    chunks = {e["chunk_seq"] for e in got}
+    assert played == len(chunks) * LIVE_FRAMES * FRAME_SAMPLES  # every frame of every chunk, once
+    assert driver.find_element(By.ID, "live-audio").text == f"{played / 16000:.2f} s of audio received"
+    assert js(driver, "return rec.contexts.at(-1).state") == "running"
+    words = driver.find_elements(By.CSS_SELECTOR, "#live-words span")
+    assert [w.text for w in words] == text.split()
+    # all heard, none still lit, once playback is over
+    assert [w.get_attribute("class") for w in words] == ["heard"] * len(words)
+    marks = js(driver, "return rec.marks")
+    lit = [i for c, i in marks if c == "on"]
+    assert lit and lit == sorted(lit), marks  # lit while heard, in text order
+    assert [i for c, i in marks if c == "heard"] == list(range(len(words))), marks  # up to the last word
+
+
+TEXT1 = "Hello there, my friend. This is the live mode of the playground."
+
+
+def test_live_mode_sends_typed_words_plays_the_audio_and_lights_the_words_in_order(live_server, browser):
+    open_live(browser, live_server)
+    start_live(browser)
+    assert js(browser, "return rec.sent[0]")["event"] == "start"
+    first = speak_live(browser, TEXT1)
+    check_played(browser, first, TEXT1)
+    sessions_freed(live_server)

@@ -123,10 +123,14 @@ if (typeof document !== "undefined") (() => {
     spans = spans.concat(chunks[seq]).sort((a, b) => a.start - b.start);
   }
 
-  function sessionNow() {  // the session time being heard now (null between pieces)
+  function sessionNow() {  // the session time heard so far (null before the first piece plays)
     const t = ctx.currentTime;
-    for (const p of pieces) if (t >= p.ctxAt && t < p.ctxAt + p.seconds) return p.session + (t - p.ctxAt);
-    return null;
+    let now = null;  // (between pieces and after the last one: where the last piece heard ended)
+    for (const p of pieces) {
+      if (t < p.ctxAt) break;
+      now = p.session + Math.min(t - p.ctxAt, p.seconds);
+    }
+    return now;
   }
 
   function highlight() {
