@@ -148,7 +148,10 @@ if (typeof document !== "undefined") (() => {
     if (text.length < sent) sent = text.length;  // edits behind the cursor are not unsaid
     const fresh = text.slice(sent);
     const cut = fresh.search(/\s\S*$/);  // hold the word being typed until a space follows it
-    if (cut >= 0) { queue.push(...fresh.slice(0, cut + 1).split(/(?<=\s)/)); sent += cut + 1; }
+    if (cut >= 0) {  // one piece per word, with the spaces around it (never a piece of spaces alone)
+      queue.push(...(fresh.slice(0, cut + 1).match(/\s*\S+\s+/g) || []));
+      sent += cut + 1;
+    }
     const word = queue.shift();
     if (word && ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ event: "text", text: word }));
   }
