@@ -261,7 +261,7 @@ AudioBufferSourceNode.prototype.stop = function (...a) {
   if (this.rec) this.rec.stopped = true;
   return stop.apply(this, a);
 };
-const frame = window.requestAnimationFrame;
+const frame = rec.frame = window.requestAnimationFrame.bind(window);
 window.requestAnimationFrame = (f) => {
   rec.raf += 1; rec.rafMax = Math.max(rec.rafMax, rec.raf);
   return frame((t) => { rec.raf -= 1; f(t); });
@@ -321,15 +321,23 @@ def start_live(driver):
     assert driver.find_element(By.ID, "live-stop").is_enabled()
 
 
+def marks(driver) -> dict[str, int]:
+    """How many of each record the page has made so far."""
+    return js(
+        driver,
+        "return Object.fromEntries(['sent', 'got', 'sources', 'marks'].map((k) => [k, rec[k].length]))",
+    )
+
+
 def sent_text(driver, since: int = 0) -> str:
     return "".join(e["text"] for e in js(driver, "return rec.sent")[since:] if e["event"] == "text")
 
 
-def speak_live(driver, text: str) -> tuple[int, int]:
+def speak_live(driver, text: str) -> dict[str, int]:
     """Types `text` into the live box of an open session, waits until every word but the last (held until
     a space follows it) was sent a word at a time, then presses Finish and waits for the session's end.
-    Returns where this session's records start: (index in rec.sources, index in rec.got)."""
-    first = (js(driver, "return rec.sources.length"), js(driver, "return rec.got.length"))
+    Returns where this utterance's records start (`marks`)."""
+    first = marks(driver)
     first_sent = len(js(driver, "return rec.sent"))
     driver.find_element(By.ID, "live-text").send_keys(text)
     head = text[: text.rindex(" ") + 1]
@@ -351,19 +359,18 @@ def sessions_freed(srv) -> None:
     assert srv.loop.sessions_open == 0
 
 
-def check_played(driver, first: tuple[int, int], text: str) -> None:
+def check_played(driver, first: dict[str, int], text: str) -> None:
     """Every buffer of the utterance played out at the model's rate, every received sample was played,
     and every word is shown, heard in text order. first: where the utterance's records start."""
-    first_source, first_got = first
     wait(
         driver,
-        lambda d: js(d, "return rec.sources.slice(arguments[0]).every((s) => s.ended)", first_source),
+        lambda d: js(d, "return rec.sources.slice(arguments[0]).every((s) => s.ended)", first["sources"]),
         "the audio to play out",
     )
-    sources = js(driver, "return rec.sources")[first_source:]
+    sources = js(driver, "return rec.sources")[first["sources"] :]
     assert sources and {s["rate"] for s in sources} == {16000}
     played = sum(s["samples"] for s in sources)
-    got = [e for e in js(driver, "return rec.got")[first_got:] if e["event"] == "audio"]
+    got = [e for e in js(driver, "return rec.got")[first["got"] :] if e["event"] == "audio"]
     chunks = {e["chunk_seq"] for e in got}
     assert played == len(chunks) * LIVE_FRAMES * FRAME_SAMPLES  # every frame of every chunk, once
     assert driver.find_element(By.ID, "live-audio").text == f"{played / 16000:.2f} s of audio received"
@@ -372,10 +379,10 @@ def check_played(driver, first: tuple[int, int], text: str) -> None:
     assert [w.text for w in words] == text.split()
     # all heard, none still lit, once playback is over
     assert [w.get_attribute("class") for w in words] == ["heard"] * len(words)
-    marks = js(driver, "return rec.marks")
-    lit = [i for c, i in marks if c == "on"]
-    assert lit and lit == sorted(lit), marks  # lit while heard, in text order
-    assert [i for c, i in marks if c == "heard"] == list(range(len(words))), marks  # up to the last word
+    shown = js(driver, "return rec.marks")[first["marks"] :]
+    lit = [i for c, i in shown if c == "on"]
+    assert lit and lit == sorted(lit), shown  # lit while heard, in text order
+    assert [i for c, i in shown if c == "heard"] == list(range(len(words))), shown  # up to the last word
 
 
 TEXT1 = "Hello there, my friend. This is the live mode of the playground."
@@ -387,4 +394,76 @@ def test_live_mode_sends_typed_words_plays_the_audio_and_lights_the_words_in_ord
     assert js(browser, "return rec.sent[0]")["event"] == "start"
     first = speak_live(browser, "\n" + TEXT1)  # (pasted after a line break: no piece of spaces alone)
     check_played(browser, first, TEXT1)
+    sessions_freed(live_server)
+
+
+# Clicks a button of the live mode in the same task as it finds audio still to be heard (so that there
+# is some, whatever the timing); returns how many of the buffers then pending were neither stopped by the
+# click nor played out, or null (nothing pending yet: the wait tries again).
+CLICK_WHILE_PENDING = """
+const t = rec.contexts.at(-1).currentTime;
+const pending = rec.sources.filter((s) => s.end > t && !s.ended);
+if (!pending.length) return null;
+document.getElementById(arguments[0]).click();
+return pending.filter((s) => !s.stopped && !s.ended).length;
+"""
+
+
+def click_while_pending(driver, button: str) -> int:
+    got: list[int] = []
+
+    def clicked(d) -> bool:
+        left = js(d, CLICK_WHILE_PENDING, button)
+        if left is not None:
+            got.append(left)
+        return bool(got)
+
+    wait(driver, clicked, f"audio still to be heard, to press {button}")
+    return got[0]
+
+
+def next_frame(driver) -> None:
+    """Returns after the page has drawn two more animation frames."""
+    driver.execute_async_script("const done = arguments[0]; rec.frame(() => rec.frame(done));")
+
+
+def test_live_stop_cancels_the_session_and_its_playback_then_a_second_utterance_works(live_server, browser):
+    open_live(browser, live_server)
+    start_live(browser)
+    # the first sentence is spoken while the session is open (the second is never ended)
+    browser.find_element(By.ID, "live-text").send_keys("Hello there, my friend. And then ")
+    assert click_while_pending(browser, "live-stop") == 0  # what was still to be heard is stopped
+    assert live_status(browser) == "stopped"
+    wait(browser, lambda d: js(d, "return rec.sockets[0].readyState") == 3, "the socket to close")
+    sessions_freed(live_server)  # the server ended the session
+    next_frame(browser)
+    assert browser.find_elements(By.CSS_SELECTOR, "#live-words .on") == []  # nothing lit any more
+    assert browser.find_element(By.ID, "live-start").is_enabled()
+    assert not browser.find_element(By.ID, "live-stop").is_enabled()
+    assert not browser.find_element(By.ID, "live-finish").is_enabled()
+    start_live(browser)
+    first = speak_live(browser, " " + TEXT1)
+    check_played(browser, first, TEXT1)
+    sessions_freed(live_server)
+
+
+def test_live_stop_after_finish_cuts_what_is_still_to_be_heard(live_server, browser):
+    open_live(browser, live_server)
+    start_live(browser)
+    speak_live(browser, TEXT1)  # (generated faster than it plays: audio is still to be heard)
+    assert click_while_pending(browser, "live-stop") == 0
+    next_frame(browser)
+    assert browser.find_elements(By.CSS_SELECTOR, "#live-words .on") == []
+    assert not browser.find_element(By.ID, "live-stop").is_enabled()
+    sessions_freed(live_server)
+
+
+def test_live_start_again_cuts_the_previous_playback(live_server, browser):
+    open_live(browser, live_server)
+    start_live(browser)
+    speak_live(browser, TEXT1)
+    assert click_while_pending(browser, "live-start") == 0  # a new session is not heard over the old one
+    wait(browser, lambda d: live_status(d) == "live: type or paste", "the second session to open")
+    first = speak_live(browser, " Once more with feeling.")
+    check_played(browser, first, "Once more with feeling.")
     sessions_freed(live_server)

@@ -79,11 +79,13 @@ if (typeof document !== "undefined") (() => {
   let nextAt = 0;        // audio context time where the next buffer starts
   let spans = [];        // {seq, start, end, el}: session seconds, end exclusive
   let pieces = [];       // {session, ctxAt, seconds}: how session time maps to the audio context
+  const sources = new Set();  // buffers scheduled and not played out yet
   const chunks = {};     // chunk_seq -> its word elements (a later snapshot replaces them)
 
   const status = (s) => { $("live-status").textContent = s; };
-  const buttons = (live) => {
-    $("live-start").disabled = live; $("live-finish").disabled = !live; $("live-stop").disabled = !live;
+  const buttons = () => {  // Stop also while audio is still to be heard (generation runs ahead of playback)
+    const live = ws !== null;
+    $("live-start").disabled = live; $("live-finish").disabled = !live; $("live-stop").disabled = !live && !sources.size;
   };
 
   function pcm(bytes) {  // the streamed WAV: parse its 44-byte header once, then play 16-bit samples
@@ -103,6 +105,8 @@ if (typeof document !== "undefined") (() => {
     for (let i = 0; i < n; i++) out[i] = data.getInt16(2 * i, true) / 32768;
     const src = ctx.createBufferSource();
     src.buffer = buf; src.connect(ctx.destination);
+    sources.add(src);
+    src.onended = () => { sources.delete(src); buttons(); };
     nextAt = Math.max(nextAt, ctx.currentTime + 0.05);
     src.start(nextAt);
     pieces.push({ session: heard, ctxAt: nextAt, seconds: n / rate });
@@ -156,14 +160,22 @@ if (typeof document !== "undefined") (() => {
     if (word && ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ event: "text", text: word }));
   }
 
+  function cutPlayback() {  // stop what is still to be heard; the words stay as shown, none lit
+    for (const src of sources) { src.onended = null; src.stop(); }
+    sources.clear(); pieces = []; nextAt = 0;
+    for (const w of spans) w.el.classList.remove("on");
+    spans = [];
+  }
+
   function reset() {
-    clearInterval(timer); timer = null; ws = null; buttons(false);
+    clearInterval(timer); timer = null; ws = null; buttons();
   }
 
   $("live-start").onclick = () => {
     const voice = document.getElementById("voice");
     ctx = ctx || new (window.AudioContext || window.webkitAudioContext)();
     ctx.resume();
+    cutPlayback();  // (a new session is not heard over the last one)
     sent = $("live-text").value.length; queue = []; rate = 0; header = new Uint8Array(0); odd = null;
     heard = 0; nextAt = 0; spans = []; pieces = [];
     for (const k of Object.keys(chunks)) delete chunks[k];
@@ -177,7 +189,7 @@ if (typeof document !== "undefined") (() => {
       ws.send(JSON.stringify({ event: "start", request }));
       const wps = Math.min(20, Math.max(0.5, Number($("live-wps").value) || 3));
       timer = setInterval(pump, 1000 / wps);
-      buttons(true); status("live: type or paste");
+      buttons(); status("live: type or paste");
       requestAnimationFrame(highlight);
     };
     ws.onmessage = (m) => {
@@ -192,6 +204,7 @@ if (typeof document !== "undefined") (() => {
       }
     };
     ws.onclose = () => { if (timer) { status("disconnected"); reset(); } };
+    buttons(); status("connecting…");
   };
 
   $("live-finish").onclick = () => {  // send the rest now, then stop: the server speaks what is left
@@ -208,8 +221,8 @@ if (typeof document !== "undefined") (() => {
     }
   };
 
-  $("live-stop").onclick = () => {  // leave: the server aborts the session
+  $("live-stop").onclick = () => {  // leave (the server aborts the session) and cut the playback
     if (ws) ws.close();
-    status("stopped"); reset();
+    reset(); cutPlayback(); buttons(); status("stopped");
   };
 })();
