@@ -467,3 +467,30 @@ def test_live_start_again_cuts_the_previous_playback(live_server, browser):
     first = speak_live(browser, " Once more with feeling.")
     check_played(browser, first, "Once more with feeling.")
     sessions_freed(live_server)
+
+
+def test_live_a_stopped_sessions_close_reported_late_does_not_end_the_next(live_server, browser):
+    open_live(browser, live_server)
+    js(browser, "rec.holdClose = true;")  # the first socket's close reaches the page only when released
+    start_live(browser)
+    browser.find_element(By.ID, "live-stop").click()
+    start_live(browser)
+    wait(browser, lambda d: js(d, "return rec.held.length") == 1, "the first socket to close")
+    js(browser, "rec.holdClose = false; for (const run of rec.held.splice(0)) run();")
+    assert live_status(browser) == "live: type or paste"  # the second session goes on
+    assert not browser.find_element(By.ID, "live-start").is_enabled()
+    first = speak_live(browser, "Once more with feeling.")
+    check_played(browser, first, "Once more with feeling.")
+    sessions_freed(live_server)
+
+
+def test_live_finish_pressed_twice_ends_the_session_once(live_server, browser):
+    open_live(browser, live_server)
+    start_live(browser)
+    browser.find_element(By.ID, "live-text").send_keys("Hello there, my friend.")
+    js(browser, "const f = document.getElementById('live-finish'); f.click(); f.click();")
+    assert not browser.find_element(By.ID, "live-finish").is_enabled()
+    wait(browser, lambda d: live_status(d) == "finished" or live_status(d).startswith("error"), "the finish")
+    assert live_status(browser) == "finished"
+    assert [e["event"] for e in js(browser, "return rec.sent")].count("stop") == 1
+    sessions_freed(live_server)

@@ -71,7 +71,8 @@ if (typeof document !== "undefined") (() => {
   document.body.append(section);
   const $ = (id) => document.getElementById(id);
 
-  let ws = null, ctx = null, timer = null;
+  let ws = null, ctx = null, timer = null;  // ws: this session's socket (null: none live)
+  let finishing = false; // Finish was pressed: the rest is sent, the server speaks it
   let sent = 0;          // characters of the box already queued
   let queue = [];        // words waiting for their turn
   let rate = 0, header = new Uint8Array(0), odd = null;
@@ -85,7 +86,9 @@ if (typeof document !== "undefined") (() => {
   const status = (s) => { $("live-status").textContent = s; };
   const buttons = () => {  // Stop also while audio is still to be heard (generation runs ahead of playback)
     const live = ws !== null;
-    $("live-start").disabled = live; $("live-finish").disabled = !live; $("live-stop").disabled = !live && !sources.size;
+    $("live-start").disabled = live;
+    $("live-finish").disabled = !live || finishing || ws.readyState !== WebSocket.OPEN;
+    $("live-stop").disabled = !live && !sources.size;
   };
 
   function pcm(bytes) {  // the streamed WAV: parse its 44-byte header once, then play 16-bit samples
@@ -176,24 +179,27 @@ if (typeof document !== "undefined") (() => {
     ctx = ctx || new (window.AudioContext || window.webkitAudioContext)();
     ctx.resume();
     cutPlayback();  // (a new session is not heard over the last one)
-    sent = $("live-text").value.length; queue = []; rate = 0; header = new Uint8Array(0); odd = null;
+    sent = $("live-text").value.length; queue = []; finishing = false;
+    rate = 0; header = new Uint8Array(0); odd = null;
     heard = 0; nextAt = 0; spans = []; pieces = [];
     for (const k of Object.keys(chunks)) delete chunks[k];
     $("live-words").textContent = ""; $("live-audio").textContent = "";
     const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/tts/live/with-timestamp`;
-    ws = new WebSocket(url);
-    ws.binaryType = "arraybuffer";
-    ws.onopen = () => {
+    // A socket's events count only while it is this session's: a stopped one may report its close late.
+    const socket = ws = new WebSocket(url);
+    socket.binaryType = "arraybuffer";
+    socket.onopen = () => {
+      if (ws !== socket) return;
       const request = { text: "", format: "wav" };
       if (voice && voice.value) request.reference_id = voice.value;
-      ws.send(JSON.stringify({ event: "start", request }));
+      socket.send(JSON.stringify({ event: "start", request }));
       const wps = Math.min(20, Math.max(0.5, Number($("live-wps").value) || 3));
       timer = setInterval(pump, 1000 / wps);
       buttons(); status("live: type or paste");
       requestAnimationFrame(highlight);
     };
-    ws.onmessage = (m) => {
-      if (typeof m.data === "string") return;
+    socket.onmessage = (m) => {
+      if (ws !== socket || typeof m.data === "string") return;
       const e = fishUnpack(m.data);
       if (e.event === "audio") {
         if (e.audio && e.audio.length) pcm(e.audio);
@@ -203,22 +209,22 @@ if (typeof document !== "undefined") (() => {
         reset();
       }
     };
-    ws.onclose = () => { if (timer) { status("disconnected"); reset(); } };
+    socket.onclose = () => { if (ws === socket) { status("disconnected"); reset(); } };
     buttons(); status("connecting…");
   };
 
   $("live-finish").onclick = () => {  // send the rest now, then stop: the server speaks what is left
+    if (!ws || ws.readyState !== WebSocket.OPEN || finishing) return;
     const text = $("live-text").value.slice(sent);
     sent = $("live-text").value.length;
     const rest = queue.join("") + text;
     queue = [];
     clearInterval(timer); timer = null;
-    if (ws && ws.readyState === WebSocket.OPEN) {
-      if (rest) ws.send(JSON.stringify({ event: "text", text: rest }));
-      ws.send(JSON.stringify({ event: "flush" }));
-      ws.send(JSON.stringify({ event: "stop" }));
-      status("speaking what is left…");
-    }
+    finishing = true; buttons();
+    if (rest) ws.send(JSON.stringify({ event: "text", text: rest }));
+    ws.send(JSON.stringify({ event: "flush" }));
+    ws.send(JSON.stringify({ event: "stop" }));
+    status("speaking what is left…");
   };
 
   $("live-stop").onclick = () => {  // leave (the server aborts the session) and cut the playback
