@@ -383,6 +383,9 @@ def check_played(driver, first: dict[str, int], text: str) -> None:
     lit = [i for c, i in shown if c == "on"]
     assert lit and lit == sorted(lit), shown  # lit while heard, in text order
     assert [i for c, i in shown if c == "heard"] == list(range(len(words))), shown  # up to the last word
+    # one animation loop at a time, ended once everything is heard and the session is over
+    assert js(driver, "return rec.rafMax") == 1
+    wait(driver, lambda d: js(d, "return rec.raf") == 0, "the page to stop drawing")
 
 
 TEXT1 = "Hello there, my friend. This is the live mode of the playground."

@@ -73,6 +73,7 @@ if (typeof document !== "undefined") (() => {
 
   let ws = null, ctx = null, timer = null;  // ws: this session's socket (null: none live)
   let finishing = false; // Finish was pressed: the rest is sent, the server speaks it
+  let drawing = false;   // the highlight loop runs (one at a time, while there is something to hear)
   let sent = 0;          // characters of the box already queued
   let queue = [];        // words waiting for their turn
   let rate = 0, header = new Uint8Array(0), odd = null;
@@ -141,13 +142,18 @@ if (typeof document !== "undefined") (() => {
   }
 
   function highlight() {
-    if (!ctx) return;
-    const now = sessionNow();
+    const playing = ws !== null || sources.size > 0;
+    const now = playing ? sessionNow() : heard;  // (the session over and its audio played: all of it heard)
     for (const w of spans) {
       w.el.classList.toggle("on", now !== null && now >= w.start && now < w.end);
       w.el.classList.toggle("heard", now !== null && now >= w.end);
     }
-    requestAnimationFrame(highlight);
+    drawing = playing;
+    if (playing) requestAnimationFrame(highlight);
+  }
+
+  function draw() {
+    if (!drawing) { drawing = true; requestAnimationFrame(highlight); }
   }
 
   function pump() {  // queue what was typed or pasted since; send one word per tick
@@ -196,7 +202,7 @@ if (typeof document !== "undefined") (() => {
       const wps = Math.min(20, Math.max(0.5, Number($("live-wps").value) || 3));
       timer = setInterval(pump, 1000 / wps);
       buttons(); status("live: type or paste");
-      requestAnimationFrame(highlight);
+      draw();
     };
     socket.onmessage = (m) => {
       if (ws !== socket || typeof m.data === "string") return;
