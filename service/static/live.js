@@ -49,6 +49,29 @@ function fishUnpack(buf) {
   return read();
 }
 
+// ---- the streamed WAV the page asks for (16-bit mono PCM), read piece by piece: push(bytes: Uint8Array)
+// returns {rate (Hz; 0 until the header is whole), samples (Float32Array in [-1, 1): those the piece completes)}
+function wavReader() {
+  let header = new Uint8Array(0), rate = 0, odd = null;
+  return {
+    push(bytes) {
+      if (!rate) {
+        const all = new Uint8Array(header.length + bytes.length);
+        all.set(header); all.set(bytes, header.length);
+        if (all.length < 44) { header = all; return { rate, samples: new Float32Array(0) }; }
+        rate = new DataView(all.buffer).getUint32(24, true);
+        bytes = all.subarray(44);
+      }
+      if (odd) { const b = new Uint8Array(bytes.length + 1); b[0] = odd; b.set(bytes, 1); bytes = b; odd = null; }
+      if (bytes.length % 2) { odd = bytes[bytes.length - 1]; bytes = bytes.subarray(0, bytes.length - 1); }
+      const n = bytes.length / 2, samples = new Float32Array(n);
+      const data = new DataView(bytes.buffer, bytes.byteOffset, bytes.length);
+      for (let i = 0; i < n; i++) samples[i] = data.getInt16(2 * i, true) / 32768;
+      return { rate, samples };
+    },
+  };
+}
+
 if (typeof document !== "undefined") (() => {
   // ---- the section
   const section = document.createElement("section");
@@ -76,7 +99,7 @@ if (typeof document !== "undefined") (() => {
   let drawing = false;   // the highlight loop runs (one at a time, while there is something to hear)
   let sent = 0;          // characters of the box already queued
   let queue = [];        // words waiting for their turn
-  let rate = 0, header = new Uint8Array(0), odd = null;
+  let wav = wavReader();  // this session's audio stream
   let heard = 0;         // session seconds received (the session's clock)
   let nextAt = 0;        // audio context time where the next buffer starts
   let spans = [];        // {seq, start, end, el}: session seconds, end exclusive
@@ -92,21 +115,12 @@ if (typeof document !== "undefined") (() => {
     $("live-stop").disabled = !live && !sources.size;
   };
 
-  function pcm(bytes) {  // the streamed WAV: parse its 44-byte header once, then play 16-bit samples
-    if (!rate) {
-      const all = new Uint8Array(header.length + bytes.length);
-      all.set(header); all.set(bytes, header.length);
-      if (all.length < 44) { header = all; return; }
-      rate = new DataView(all.buffer).getUint32(24, true);
-      bytes = all.subarray(44);
-    }
-    if (odd) { const b = new Uint8Array(bytes.length + 1); b[0] = odd; b.set(bytes, 1); bytes = b; odd = null; }
-    if (bytes.length % 2) { odd = bytes[bytes.length - 1]; bytes = bytes.subarray(0, bytes.length - 1); }
-    const n = bytes.length / 2;
+  function pcm(bytes) {  // play the samples this piece of the streamed WAV completes
+    const { rate, samples } = wav.push(bytes);
+    const n = samples.length;
     if (!n) return;
-    const data = new DataView(bytes.buffer, bytes.byteOffset, bytes.length);
-    const buf = ctx.createBuffer(1, n, rate), out = buf.getChannelData(0);
-    for (let i = 0; i < n; i++) out[i] = data.getInt16(2 * i, true) / 32768;
+    const buf = ctx.createBuffer(1, n, rate);
+    buf.getChannelData(0).set(samples);
     const src = ctx.createBufferSource();
     src.buffer = buf; src.connect(ctx.destination);
     sources.add(src);
@@ -186,7 +200,7 @@ if (typeof document !== "undefined") (() => {
     ctx.resume();
     cutPlayback();  // (a new session is not heard over the last one)
     sent = $("live-text").value.length; queue = []; finishing = false;
-    rate = 0; header = new Uint8Array(0); odd = null;
+    wav = wavReader();
     heard = 0; nextAt = 0; spans = []; pieces = [];
     for (const k of Object.keys(chunks)) delete chunks[k];
     $("live-words").textContent = ""; $("live-audio").textContent = "";
