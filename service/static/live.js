@@ -50,19 +50,35 @@ function fishUnpack(buf) {
 }
 
 // ---- the streamed WAV the page asks for (16-bit mono PCM), read piece by piece: push(bytes: Uint8Array)
-// returns {rate (Hz; 0 until the header is whole), samples (Float32Array in [-1, 1): those the piece completes)}
+// returns {rate (Hz; 0 until the header is whole), samples (Float32Array in [-1, 1): those the piece completes)}.
+// The header's chunks are walked to `data` (a LIST chunk may come first); a sample cut between two pieces
+// waits for its second byte.
 function wavReader() {
   let header = new Uint8Array(0), rate = 0, odd = null;
+  const none = () => ({ rate, samples: new Float32Array(0) });
+  function dataStart(b) {  // where the samples begin once `fmt ` and the `data` chunk's head are in b, else -1
+    const view = new DataView(b.buffer, b.byteOffset, b.length);
+    let found = 0;
+    for (let at = 12; at + 8 <= b.length;) {
+      const id = String.fromCharCode(...b.subarray(at, at + 4)), size = view.getUint32(at + 4, true);
+      if (id === "data") { rate = found; return at + 8; }
+      if (at + 8 + size > b.length) return -1;
+      if (id === "fmt ") found = view.getUint32(at + 12, true);
+      at += 8 + size + (size % 2);  // (a chunk of odd size is padded to an even one)
+    }
+    return -1;
+  }
   return {
     push(bytes) {
       if (!rate) {
         const all = new Uint8Array(header.length + bytes.length);
         all.set(header); all.set(bytes, header.length);
-        if (all.length < 44) { header = all; return { rate, samples: new Float32Array(0) }; }
-        rate = new DataView(all.buffer).getUint32(24, true);
-        bytes = all.subarray(44);
+        const at = dataStart(all);
+        if (at < 0) { header = all; return none(); }
+        if (!rate) throw new Error("the WAV stream has no fmt chunk before its data");
+        bytes = all.subarray(at); header = null;
       }
-      if (odd) { const b = new Uint8Array(bytes.length + 1); b[0] = odd; b.set(bytes, 1); bytes = b; odd = null; }
+      if (odd !== null) { const b = new Uint8Array(bytes.length + 1); b[0] = odd; b.set(bytes, 1); bytes = b; odd = null; }
       if (bytes.length % 2) { odd = bytes[bytes.length - 1]; bytes = bytes.subarray(0, bytes.length - 1); }
       const n = bytes.length / 2, samples = new Float32Array(n);
       const data = new DataView(bytes.buffer, bytes.byteOffset, bytes.length);
