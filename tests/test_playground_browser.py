@@ -497,3 +497,21 @@ def test_live_finish_pressed_twice_ends_the_session_once(live_server, browser):
     assert live_status(browser) == "finished"
     assert [e["event"] for e in js(browser, "return rec.sent")].count("stop") == 1
     sessions_freed(live_server)
+
+
+def test_live_text_pasted_before_start_is_spoken_and_not_again_by_the_next_session(live_server, browser):
+    open_live(browser, live_server)
+    browser.find_element(By.ID, "live-text").send_keys(TEXT1)
+    first = marks(browser)
+    start_live(browser)
+    head = TEXT1[: TEXT1.rindex(" ") + 1]
+    wait(browser, lambda d: sent_text(d, first["sent"]) == head, "the pasted words to be sent")
+    browser.find_element(By.ID, "live-finish").click()
+    wait(browser, lambda d: live_status(d) == "finished" or live_status(d).startswith("error"), "the finish")
+    assert sent_text(browser, first["sent"]) == TEXT1
+    check_played(browser, first, TEXT1)
+    start_live(browser)  # what the last session said is not said again
+    first = speak_live(browser, " Once more with feeling.")
+    assert sent_text(browser, first["sent"]) == " Once more with feeling."
+    check_played(browser, first, "Once more with feeling.")
+    sessions_freed(live_server)

@@ -98,7 +98,7 @@ if (typeof document !== "undefined") (() => {
     <h2 style="font-size:1.1rem;margin-top:2rem">Type as it speaks</h2>
     <p class="sub">Text is sent a word at a time over <code>/v1/tts/live/with-timestamp</code> (Fish Audio's
     WebSocket) as you type or paste it; each word lights up while it is heard.</p>
-    <textarea id="live-text" placeholder="Start the session, then type or paste here…"></textarea>
+    <textarea id="live-text" placeholder="Type or paste here, before or after Start…"></textarea>
     <div class="row">
       <label>Words per second <input id="live-wps" type="number" min="0.5" max="20" step="0.5" value="3"></label>
       <button id="live-start">Start</button>
@@ -113,7 +113,7 @@ if (typeof document !== "undefined") (() => {
   let ws = null, ctx = null, timer = null;  // ws: this session's socket (null: none live)
   let finishing = false; // Finish was pressed: the rest is sent, the server speaks it
   let drawing = false;   // the highlight loop runs (one at a time, while there is something to hear)
-  let sent = 0;          // characters of the box already queued
+  let sent = 0;          // characters of the box already queued (by this session or an earlier one)
   let queue = [];        // words waiting for their turn
   let wav = wavReader();  // this session's audio stream
   let heard = 0;         // session seconds received (the session's clock)
@@ -215,7 +215,7 @@ if (typeof document !== "undefined") (() => {
     ctx = ctx || new (window.AudioContext || window.webkitAudioContext)();
     ctx.resume();
     cutPlayback();  // (a new session is not heard over the last one)
-    sent = $("live-text").value.length; queue = []; finishing = false;
+    queue = []; finishing = false;  // (what is in the box and not sent yet is spoken: typed before Start)
     wav = wavReader();
     heard = 0; nextAt = 0; spans = []; pieces = [];
     for (const k of Object.keys(chunks)) delete chunks[k];
