@@ -94,7 +94,7 @@ if (typeof document !== "undefined") (() => {
   // A word is "on" while it is heard and "heard" once its end has been played.
   section.innerHTML = `
     <style>#live-words span { padding: 0 .1rem; } #live-words .on { background: #ffe27a; }
-    #live-words .heard { color: #555; }</style>
+    #live-words .heard { color: #888; }</style>
     <h2 style="font-size:1.1rem;margin-top:2rem">Type as it speaks</h2>
     <p class="sub">Text is sent a word at a time over <code>/v1/tts/live/with-timestamp</code> (Fish Audio's
     WebSocket) as you type or paste it; each word lights up while it is heard.</p>
