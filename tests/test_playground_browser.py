@@ -221,9 +221,15 @@ FRAME_SAMPLES = 640  # the tiny model's codec: 640 samples per frame at 16 kHz
 # frames and which word indices gain the classes "on" (heard now) and "heard" (played), in order.
 LIVE_HOOK = """
 const rec = window.rec = { sent: [], got: [], sockets: [], sources: [], contexts: [], marks: [],
-                           raf: 0, rafMax: 0, holdClose: false, held: [] };
+                           raf: 0, rafMax: 0, holdClose: false, held: [], hold: false };
+// While rec.hold, the page's AudioContext stays suspended: what it schedules waits (holdAudio / playAudio).
 const Context = window.AudioContext;
-window.AudioContext = class extends Context { constructor(...a) { super(...a); rec.contexts.push(this); } };
+window.AudioContext = class extends Context {
+  constructor(...a) { super(...a); rec.contexts.push(this); if (rec.hold) this.suspend(); }
+  resume() { return rec.hold ? Promise.resolve() : super.resume(); }
+};
+rec.holdAudio = () => { rec.hold = true; return Promise.all(rec.contexts.map((c) => c.suspend())); };
+rec.playAudio = () => { rec.hold = false; return Promise.all(rec.contexts.map((c) => c.resume())); };
 const Socket = window.WebSocket;
 window.WebSocket = class extends Socket {
   constructor(...a) {
@@ -333,10 +339,21 @@ def sent_text(driver, since: int = 0) -> str:
     return "".join(e["text"] for e in js(driver, "return rec.sent")[since:] if e["event"] == "text")
 
 
+def hold_audio(driver) -> None:
+    """Suspends the page's audio (what it schedules waits) until play_audio."""
+    driver.execute_async_script("rec.holdAudio().then(() => arguments[0]());")
+
+
+def play_audio(driver) -> None:
+    driver.execute_async_script("rec.playAudio().then(() => arguments[0]());")
+
+
 def speak_live(driver, text: str) -> dict[str, int]:
     """Types `text` into the live box of an open session, waits until every word but the last (held until
     a space follows it) was sent a word at a time, then presses Finish and waits for the session's end.
-    Returns where this utterance's records start (`marks`)."""
+    The audio is held until then: every word's timing is known before it is heard, however fast the
+    model. Returns where this utterance's records start (`marks`)."""
+    hold_audio(driver)
     first = marks(driver)
     first_sent = len(js(driver, "return rec.sent"))
     driver.find_element(By.ID, "live-text").send_keys(text)
@@ -349,6 +366,7 @@ def speak_live(driver, text: str) -> dict[str, int]:
     assert live_status(driver) == "finished"
     assert sent_text(driver, first_sent) == text  # the last word went with Finish
     assert [e["event"] for e in js(driver, "return rec.sent")[-2:]] == ["flush", "stop"]
+    play_audio(driver)
     return first
 
 
@@ -367,6 +385,9 @@ def check_played(driver, first: dict[str, int], text: str) -> None:
         lambda d: js(d, "return rec.sources.slice(arguments[0]).every((s) => s.ended)", first["sources"]),
         "the audio to play out",
     )
+    # one animation loop at a time, ended (after its last frame) once everything is heard and the session over
+    wait(driver, lambda d: js(d, "return rec.raf") == 0, "the page to stop drawing")
+    assert js(driver, "return rec.rafMax") == 1
     sources = js(driver, "return rec.sources")[first["sources"] :]
     assert sources and {s["rate"] for s in sources} == {16000}
     played = sum(s["samples"] for s in sources)
@@ -383,9 +404,6 @@ def check_played(driver, first: dict[str, int], text: str) -> None:
     lit = [i for c, i in shown if c == "on"]
     assert lit and lit == sorted(lit), shown  # lit while heard, in text order
     assert [i for c, i in shown if c == "heard"] == list(range(len(words))), shown  # up to the last word
-    # one animation loop at a time, ended once everything is heard and the session is over
-    assert js(driver, "return rec.rafMax") == 1
-    wait(driver, lambda d: js(d, "return rec.raf") == 0, "the page to stop drawing")
 
 
 TEXT1 = "Hello there, my friend. This is the live mode of the playground."
@@ -503,12 +521,14 @@ def test_live_text_pasted_before_start_is_spoken_and_not_again_by_the_next_sessi
     open_live(browser, live_server)
     browser.find_element(By.ID, "live-text").send_keys(TEXT1)
     first = marks(browser)
+    js(browser, "rec.hold = true;")  # (the page's AudioContext, made by Start, starts suspended)
     start_live(browser)
     head = TEXT1[: TEXT1.rindex(" ") + 1]
     wait(browser, lambda d: sent_text(d, first["sent"]) == head, "the pasted words to be sent")
     browser.find_element(By.ID, "live-finish").click()
     wait(browser, lambda d: live_status(d) == "finished" or live_status(d).startswith("error"), "the finish")
     assert sent_text(browser, first["sent"]) == TEXT1
+    play_audio(browser)
     check_played(browser, first, TEXT1)
     start_live(browser)  # what the last session said is not said again
     first = speak_live(browser, " Once more with feeling.")
