@@ -10,6 +10,7 @@ import http.client
 import io
 import json
 import shutil
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -432,3 +433,58 @@ console.log(JSON.stringify(out, (k, v) => (v instanceof Uint8Array ? Buffer.from
         if "audio" in theirs:
             assert base64.b64decode(mine.pop("audio")) == theirs.pop("audio")
         assert mine == theirs
+
+
+def wav_stream(rate: int, samples: np.ndarray, extra: bytes = b"") -> bytes:
+    """A streamed 16-bit mono WAV (RIFF and data sizes 0xFFFFFFFF), with `extra` chunks before its data."""
+    fmt = b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16)
+    unknown = b"\xff\xff\xff\xff"
+    return b"RIFF" + unknown + b"WAVE" + fmt + extra + b"data" + unknown + samples.astype("<i2").tobytes()
+
+
+def test_the_live_scripts_wav_reader_reads_the_stream_cut_anywhere(server, tmp_path):
+    """The page's streamed-WAV reader (run by node) fed in pieces of 1, 3, 7 and 1000 bytes (a sample and the
+    header cut anywhere): this server's WAV stream, and one with a LIST chunk (odd size, padded) before its
+    data and samples whose bytes are 0 (a zero byte carried from one piece to the next)."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    start = {"event": "start", "request": {"text": "", "format": "wav", "max_new_tokens": N}}
+    got = live(
+        server,
+        "/v1/tts/live",
+        [start, {"event": "text", "text": "Hello there my friend."}, {"event": "stop"}],
+    )
+    served = b"".join(e["audio"] for e in got if e["event"] == "audio")
+    served_samples, served_rate = sf.read(io.BytesIO(served), dtype="int16")
+    assert served_rate == RATE and len(served_samples) == N * FRAME
+    made = np.array([0, 256, -256, 1, -1, 32767, -32768, 512, 0, 3] * 5, np.int16)
+    listed = b"LIST" + struct.pack("<I", 9) + b"INFOabcde" + b"\0"
+    streams = [(served, RATE, served_samples), (wav_stream(22050, made, listed), 22050, made)]
+    (tmp_path / "streams.json").write_text(json.dumps([base64.b64encode(s).decode() for s, _, _ in streams]))
+    script = Path(__file__).parent.parent / "service" / "static" / "live.js"
+    program = f"""
+const vm = require("vm"), fs = require("fs");
+vm.runInThisContext(fs.readFileSync({json.dumps(str(script))}, "utf8"));
+const out = [];
+for (const text of JSON.parse(fs.readFileSync({json.dumps(str(tmp_path / "streams.json"))}, "utf8"))) {{
+  const bytes = new Uint8Array(Buffer.from(text, "base64"));
+  for (const size of [1, 3, 7, 1000]) {{
+    const reader = wavReader(), rates = new Set(), samples = [];
+    for (let at = 0; at < bytes.length; at += size) {{
+      const got = reader.push(bytes.slice(at, at + size));
+      if (got.samples.length) rates.add(got.rate);
+      for (const x of got.samples) samples.push(Math.round(x * 32768));
+    }}
+    out.push({{ rates: [...rates], samples }});
+  }}
+}}
+console.log(JSON.stringify(out));
+"""
+    decoded = json.loads(
+        subprocess.run([node, "-e", program], capture_output=True, check=True, text=True).stdout
+    )
+    for k, got_back in enumerate(decoded):
+        _, rate, samples = streams[k // 4]
+        assert got_back["rates"] == [rate], k
+        assert got_back["samples"] == samples.tolist(), k
