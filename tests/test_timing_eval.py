@@ -4,6 +4,7 @@ tools extra (faster-whisper and the Whisper weights) is installed."""
 
 import importlib.util
 import json
+import shutil
 
 import pytest
 from tts_tools import timing_eval
@@ -111,7 +112,51 @@ def test_timings_end_to_end_on_the_default_voice(tmp_path, capsys):
     for w in sample["words"]:  # every pair holds the same word on both sides, each inside the audio
         assert 0 <= w["start"] <= w["end"] <= sample["audio_seconds"] + 1e-6
         assert 0 <= w["heard"]["start"] <= w["heard"]["end"]
+    if shutil.which("flite"):  # the ASR's own error on flite's reading of the sentence
+        assert result["asr_reference"]["start"]["n"] >= 1
     assert result["gates"]["timing_start"] == (
         result["measured"]["start"]["mean_abs_ms"] is not None
         and result["measured"]["start"]["mean_abs_ms"] <= 100
     )
+
+
+# flite's `-psdur` output for a sentence and for each of its words alone (phone:end in seconds)
+FLITE = {
+    "Hello there, friend.": "pau:0.164 hh:0.255 ax:0.304 l:0.412 ow:0.523 dh:0.616 eh:0.800 r:0.867 "
+    "pau:0.978 f:1.060 r:1.109 eh:1.249 n:1.277 d:1.314 pau:1.500",
+    "Hello": "pau:0.1 hh:0.2 ax:0.3 l:0.4 ow:0.5 pau:0.6",
+    "there,": "pau:0.1 dh:0.2 eh:0.3 r:0.4 pau:0.5",
+    "friend.": "pau:0.1 f:0.2 r:0.3 eh:0.4 n:0.5 d:0.6 pau:0.7",
+    "Hi there, friend.": "pau:0.1 hh:0.2 ay:0.3 dh:0.4 eh:0.5 r:0.6 f:0.7 r:0.8 eh:0.9 n:1.0 d:1.1 pau:1.2",
+    "Hi": "pau:0.1 hh:0.2 ay:0.3 iy:0.4 pau:0.5",  # (one phone more alone than in the sentence)
+}
+
+
+@pytest.fixture
+def fake_flite(monkeypatch):
+    def run(text, voice, stretch, f0, *flags):
+        assert flags == ("-psdur",)
+        return [0.0] * 8, 16000, FLITE[text]
+
+    monkeypatch.setattr(timing_eval, "flite_run", run)
+
+
+def test_flites_words_start_at_their_first_phone_and_end_at_their_last(fake_flite):
+    audio, rate, spoken = timing_eval.flite_words("Hello there, friend.", ("slt", 1.0, 0))
+    assert rate == 16000 and [(w.text, w.start, w.end) for w in spoken] == [
+        ("Hello", 0.164, 0.523),
+        ("there,", 0.523, 0.867),
+        ("friend.", 0.978, 1.314),  # after the pause at the comma
+    ]
+    assert timing_eval.flite_words("Hi there, friend.", ("slt", 1.0, 0)) is None  # counts do not add up
+
+
+def test_the_asr_reference_compares_the_asrs_starts_with_flites_after_the_first_word(fake_flite):
+    class FakeASR:
+        def transcribe_words(self, audio, rate):
+            return [("Hello", 0.0, 0.5), ("there", 0.60, 0.9), ("friends", 1.0, 1.3)]
+
+    ref = timing_eval.asr_reference(FakeASR(), ["Hello there, friend.", "Hi there, friend."], ("slt", 1.0, 0))
+    # "Hello" is the first word, "friend." was misheard: "there," alone, heard 77 ms late
+    assert ref["skipped_texts"] == 1 and ref["start"]["n"] == 1 and ref["start"]["mean_signed_ms"] == 77.0
+    assert ref["speaker"] == "slt,1.0,0"

@@ -253,15 +253,24 @@ def flite_audio(text: str, voice: str, stretch: float = 1.0, f0: int = 0) -> tup
     """flite speaking `text` (the system binary, Debian's `flite`) with `voice` (`flite -lv`), its
     durations scaled by `stretch` and, when `f0` (Hz) is not 0, its mean pitch target set; returns
     (float32 audio, sample rate: 16000 for its 16 kHz voices)."""
+    audio, sr, _ = flite_run(text, voice, stretch, f0)
+    return audio, sr
+
+
+def flite_run(
+    text: str, voice: str, stretch: float = 1.0, f0: int = 0, *flags: str
+) -> tuple[np.ndarray, int, str]:
+    """`flite_audio` with more flite options (`flags`, e.g. `-psdur`): (audio, sample rate, what flite
+    printed)."""
     from tts.audio.files import read_audio
 
-    cmd = ["flite", "-voice", voice, "--setf", f"duration_stretch={stretch}"]
+    cmd = ["flite", "-voice", voice, "--setf", f"duration_stretch={stretch}", *flags]
     if f0:
         cmd += ["--setf", f"int_f0_target_mean={f0}"]
     with tempfile.NamedTemporaryFile(suffix=".wav") as tmp:
-        subprocess.run([*cmd, "-t", text, "-o", tmp.name], check=True, capture_output=True)
+        done = subprocess.run([*cmd, "-t", text, "-o", tmp.name], check=True, capture_output=True, text=True)
         audio, sr = read_audio(tmp.name)
-    return audio[0], sr
+    return audio[0], sr, done.stdout
 
 
 # The voice check's same-text references: a corpus teacher's binary, its speaker per preset voice, and
@@ -697,7 +706,8 @@ def add_parser(subparsers) -> None:
         action="store_true",
         help="the word-timing check instead: each text spoken by a session, its word timings held against "
         "the ASR's word timestamps (mean / median / p90 of the differences, ms; gated on a mean start "
-        "difference of the measured words <= 100 ms; see tts_tools/timing_eval.py)",
+        "difference of the measured words <= 100 ms; with flite installed, the ASR's own error on flite's "
+        "speech of the same texts, whose word starts are known; see tts_tools/timing_eval.py)",
     )
     p.add_argument("--limit", type=int, default=None, help="use only the first N sentences")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")

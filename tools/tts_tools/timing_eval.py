@@ -26,21 +26,41 @@ ASR ends a word where its sound ends, so the ends differ more than the starts by
 
 Gate (`timing_start`): the mean absolute start difference of the measured words is at most
 `START_GATE_MS` (the target of the default voice on a CPU). The ASR's word timestamps are not ground
-truth either (Whisper's come from its cross-attention, in 20 ms steps); the comparison bounds the sum of
-both errors.
+truth either (Whisper's come from its cross-attention, in 20 ms steps): the differences are the sum of
+both errors. So, for a model trained on flite's speech (the default voice) speaking as one of flite's
+speakers, and when the `flite` binary is installed (`--no-espeak` skips it), `asr_reference` measures
+the ASR alone on the same texts: flite speaks each, its own segment times (`-psdur`) say where every
+word begins, and the ASR's starts are compared with those (row `asr-flite start`; positive: the ASR
+hears words later than they begin).
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import shutil
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tts_tools.evaluate import ASR, EVERYDAY, HELDOUT, PASSAGES, read_sentences, sampling_options, words
+from tts_tools.evaluate import (
+    ASR,
+    EVERYDAY,
+    FLITE_SPEAKERS,
+    HELDOUT,
+    PASSAGES,
+    flite_run,
+    read_sentences,
+    sampling_options,
+    voice_teacher,
+    words,
+)
+
+if TYPE_CHECKING:
+    import numpy as np
 
 START_GATE_MS = 100.0  # the gate on the mean absolute start difference of measured words
 
@@ -172,17 +192,74 @@ def table(summary: dict) -> str:
     """The short table of `summarize`'s result (ms)."""
     cols = ("n", "mean_abs_ms", "median_abs_ms", "p90_abs_ms", "mean_signed_ms")
     lines = [f"{'words':<16}" + "".join(f"{c.replace('_ms', ''):>14}" for c in cols)]
-    for kind in ("measured", "all"):
-        for edge in ("start", "end"):
-            row = summary[kind][edge]
-            cells = "".join(f"{'-' if row[c] is None else row[c]:>14}" for c in cols)
-            lines.append(f"{kind + ' ' + edge:<16}{cells}")
+    rows = [
+        (f"{kind} {edge}", summary[kind][edge]) for kind in ("measured", "all") for edge in ("start", "end")
+    ]
+    if summary.get("asr_reference"):
+        rows.append(("asr-flite start", summary["asr_reference"]["start"]))
+    for name, row in rows:
+        lines.append(f"{name:<16}" + "".join(f"{'-' if row[c] is None else row[c]:>14}" for c in cols))
     w = summary["words"]
     lines.append(
         f"words reported {w['reported']} (measured {w['measured']}), heard {w['heard']}, "
         f"matched {w['matched']} (measured {w['measured_matched']})"
     )
     return "\n".join(lines)
+
+
+def flite_words(text: str, speaker: tuple[str, float, int]) -> tuple[np.ndarray, int, list[TimedWord]] | None:
+    """flite speaking `text` as `speaker` (a `FLITE_SPEAKERS` entry) and where each of its words lies, by
+    flite's own segment times (`-psdur`: every phone's end): a word starts where its first phone starts
+    and ends where its last one ends. The phones go to the words by how many each word has spoken alone;
+    returns (float32 audio, its rate, the words), or None where those counts do not add up to the
+    sentence's phones (flite read a word otherwise in context)."""
+    audio, rate, printed = flite_run(text, *speaker, "-psdur")
+    phones, previous = [], 0.0
+    for name, end in _segments(printed):
+        if name != "pau":
+            phones.append((previous, end))
+        previous = end
+    counts = [
+        sum(name != "pau" for name, _ in _segments(flite_run(w, *speaker, "-psdur")[2])) for w in text.split()
+    ]
+    if 0 in counts or sum(counts) != len(phones):
+        return None
+    out, k = [], 0
+    for word, n in zip(text.split(), counts, strict=True):
+        out.append(TimedWord(word, phones[k][0], phones[k + n - 1][1]))
+        k += n
+    return audio, rate, out
+
+
+def _segments(printed: str) -> list[tuple[str, float]]:
+    """flite's `-psdur` output, `pau:0.161 hh:0.250 ...` -> [(phone, end in seconds)]."""
+    out = []
+    for item in printed.split():
+        name, _, end = item.rpartition(":")
+        out.append((name, float(end)))
+    return out
+
+
+def asr_reference(asr: ASR, texts: Sequence[str], speaker: tuple[str, float, int]) -> dict:
+    """How far the ASR's word starts are from known ones: flite (`flite_words`) speaks each text, the ASR
+    transcribes it, and for every matched word but each text's first (the ASR tends to start that one
+    at the audio's start, before flite's leading pause), the ASR's start minus flite's
+    (`difference_stats`, ms; positive: the ASR hears words later than they begin). texts: normalized."""
+    diffs: list[float] = []
+    skipped = 0
+    for text in texts:
+        spoken = flite_words(text, speaker)
+        if spoken is None:
+            skipped += 1
+            continue
+        audio, rate, truth = spoken
+        heard = [TimedWord(*w) for w in asr.transcribe_words(audio, rate)]
+        diffs += [1000 * (heard[j].start - truth[i].start) for i, j in match_words(truth, heard) if i > 0]
+    return {
+        "speaker": ",".join(map(str, speaker)),
+        "skipped_texts": skipped,
+        "start": difference_stats(diffs),
+    }
 
 
 def speak(tts, text: str, seed: int, voice: str | None, sampling: dict) -> tuple:
@@ -252,6 +329,18 @@ def evaluate_timings(args: argparse.Namespace) -> dict:
             )
     summary = summarize(samples)
     measured = summary["measured"]["start"]["mean_abs_ms"]
+    # The ASR's own error, on the speech the default voice was trained on (flite), where word starts are
+    # known: what part of the differences above is the ASR's.
+    reference: dict | None = None
+    speaker = FLITE_SPEAKERS.get(args.voice or bundle.default_voice or "")
+    if args.no_espeak or speaker is None or voice_teacher(args) != "flite":
+        log("asr reference: none (a model trained on flite speech, and --voice one of its speakers, has one)")
+    elif shutil.which("flite") is None:
+        log("asr reference: no flite binary here")
+    else:
+        from tts.text.normalize import normalize_text
+
+        reference = asr_reference(asr, [normalize_text(t) for t in sentences], speaker)
     return {
         "mode": "timings",
         "model": str(args.model),
@@ -265,6 +354,7 @@ def evaluate_timings(args: argparse.Namespace) -> dict:
         "asr_beam_size": args.asr_beam_size,
         "wall_seconds": round(time.perf_counter() - t0, 1),
         **summary,
+        "asr_reference": reference,
         "gates": {"timing_start": measured is not None and measured <= START_GATE_MS},
         "samples": [_sample_report(s) for s in samples],
     }
