@@ -11,7 +11,7 @@ import torch
 from helpers import decode_in_pushes
 from test_melrvq_codec import _voice_like
 
-from tts.checkpoints.bundle import load_codec
+from tts.checkpoints.bundle import DEFAULT_MODEL_DIR, load_codec
 from tts.codec.mel import FRAME_LENGTH, SAMPLE_RATE, LogMel
 from tts.codec.melvq import MelVQCodec, MelVQNet
 
@@ -160,3 +160,26 @@ def test_train_codec_learns_and_writes_a_loadable_codec(tmp_path):
     codes = codec.encode_audio(_voice_like(1.0, 150, 3))
     assert codes.shape[0] == 2 and int(codes.max()) < 16
     assert codec.decode(codes).shape == (codes.shape[1] * FRAME_LENGTH,)
+
+
+def _envelope_lag(x: torch.Tensor, y: torch.Tensor, hop: int = 16, max_lag: int = 2048) -> int:
+    """Samples by which `y` lags `x`: the peak of the cross-correlation of their amplitude envelopes."""
+    ex, ey = (torch.nn.functional.avg_pool1d(s.abs()[None, None], 4 * hop, hop)[0, 0] for s in (x, y))
+    n = min(len(ex), len(ey))
+    ex, ey = ex[:n] - ex[:n].mean(), ey[:n] - ey[:n].mean()
+
+    def corr(lag: int) -> float:
+        return float((ex[max(0, -lag) : n - max(0, lag)] * ey[max(0, lag) : n - max(0, -lag)]).sum())
+
+    return hop * max(range(-max_lag // hop, max_lag // hop + 1), key=corr)
+
+
+@pytest.mark.skipif(
+    not (DEFAULT_MODEL_DIR / "codec.json").is_file(), reason="the default model is not installed"
+)
+def test_the_default_codecs_audio_lags_its_input_by_its_delay():
+    # word timings put frame t's sound at t * frame_length + delay on the audio's clock
+    codec = load_codec(DEFAULT_MODEL_DIR)
+    assert codec.delay == 512
+    x = _voice_like(2.0, 150, 3)
+    assert abs(_envelope_lag(x, codec.decode(codec.encode(x, SAMPLE_RATE))) - codec.delay) <= 64

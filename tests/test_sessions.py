@@ -205,6 +205,33 @@ def test_word_timings_from_the_aligner_are_measured_monotonic_and_inside_the_aud
     assert all_freed(aligned_tts)
 
 
+def test_measured_words_start_mid_frame_on_the_codecs_audio_clock(aligned_tts, monkeypatch):
+    codec = aligned_tts.bundle.codec
+    monkeypatch.setattr(codec, "delay", 7, raising=False)  # (the tiny codec's own is 0)
+    s = aligned_tts.session(max_new_frames=12, min_new_frames=12, seed=5)
+    s.send("Hello there, my good friend. How are you today? Fine.")
+    s.close()
+    events = list(s)
+    words = _check_timings(events, aligned_tts.sample_rate)
+    starts = {e.chunk: e.sample_offset for e in of(events, ChunkStarted)}
+    # a measured word starts in the middle of the frame the aligner found it in, `delay` samples on
+    # (unless held inside the audio at the chunk's end); a chunk's first word starts with its audio
+    ends = {e.chunk: e.audio_end for e in of(events, ChunkEnded)}
+    inner = [w for w in words if not w.estimated and w.start_sample not in (starts[w.chunk], ends[w.chunk])]
+    assert inner and all(
+        (w.start_sample - starts[w.chunk]) % codec.frame_length == codec.frame_length // 2 + 7 for w in inner
+    )
+    assert all(ws[0].start_sample == starts[c] for c, ws in _by_chunk(words).items())
+    assert all_freed(aligned_tts)
+
+
+def _by_chunk(words):
+    out = {}
+    for w in words:
+        out.setdefault(w.chunk, []).append(w)
+    return out
+
+
 def test_bad_use_gets_a_clear_error_and_frees_everything(tts):
     s = tts.session(options=SessionOptions(max_pending_bytes=40), **FRAMES)
     with pytest.raises(InvalidRequest, match="text: 41 bytes"):

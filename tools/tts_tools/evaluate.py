@@ -125,16 +125,37 @@ class ASR:
     def transcribe(self, audio: np.ndarray, sample_rate: int) -> str:
         """Text of float32 mono audio at any rate (resampled to 16 kHz); greedy decoding, or beam search
         of `beam_size` (faster-whisper's default is 5; greedy, 1, is what the gates were measured with)."""
-        import torch
-        import torchaudio
-
-        x = torch.as_tensor(audio, dtype=torch.float32)
-        if sample_rate != 16000:
-            x = torchaudio.functional.resample(x, sample_rate, 16000)
         segments, _ = self.model.transcribe(
-            x.numpy(), language="en", beam_size=self.beam_size, condition_on_previous_text=False
+            _at_16k(audio, sample_rate),
+            language="en",
+            beam_size=self.beam_size,
+            condition_on_previous_text=False,
         )
         return " ".join(s.text.strip() for s in segments)
+
+    def transcribe_words(self, audio: np.ndarray, sample_rate: int) -> list[tuple[str, float, float]]:
+        """The words heard in float32 mono audio at any rate, as `transcribe` decodes it, with their
+        times (faster-whisper's `word_timestamps=True`): `(text, start, end)`, seconds from the audio's
+        first sample, in order."""
+        segments, _ = self.model.transcribe(
+            _at_16k(audio, sample_rate),
+            language="en",
+            beam_size=self.beam_size,
+            condition_on_previous_text=False,
+            word_timestamps=True,
+        )
+        return [(w.word.strip(), float(w.start), float(w.end)) for s in segments for w in s.words or []]
+
+
+def _at_16k(audio: np.ndarray, sample_rate: int) -> np.ndarray:
+    """float32 mono audio resampled to the ASR's 16 kHz."""
+    import torch
+    import torchaudio
+
+    x = torch.as_tensor(audio, dtype=torch.float32)
+    if sample_rate != 16000:
+        x = torchaudio.functional.resample(x, sample_rate, 16000)
+    return x.numpy()
 
 
 VOICE_WER_MARGIN = 0.15  # a preset voice's WER may exceed its espeak-ng speaker's by this much (the gate)
@@ -232,15 +253,24 @@ def flite_audio(text: str, voice: str, stretch: float = 1.0, f0: int = 0) -> tup
     """flite speaking `text` (the system binary, Debian's `flite`) with `voice` (`flite -lv`), its
     durations scaled by `stretch` and, when `f0` (Hz) is not 0, its mean pitch target set; returns
     (float32 audio, sample rate: 16000 for its 16 kHz voices)."""
+    audio, sr, _ = flite_run(text, voice, stretch, f0)
+    return audio, sr
+
+
+def flite_run(
+    text: str, voice: str, stretch: float = 1.0, f0: int = 0, *flags: str
+) -> tuple[np.ndarray, int, str]:
+    """`flite_audio` with more flite options (`flags`, e.g. `-psdur`): (audio, sample rate, what flite
+    printed)."""
     from tts.audio.files import read_audio
 
-    cmd = ["flite", "-voice", voice, "--setf", f"duration_stretch={stretch}"]
+    cmd = ["flite", "-voice", voice, "--setf", f"duration_stretch={stretch}", *flags]
     if f0:
         cmd += ["--setf", f"int_f0_target_mean={f0}"]
     with tempfile.NamedTemporaryFile(suffix=".wav") as tmp:
-        subprocess.run([*cmd, "-t", text, "-o", tmp.name], check=True, capture_output=True)
+        done = subprocess.run([*cmd, "-t", text, "-o", tmp.name], check=True, capture_output=True, text=True)
         audio, sr = read_audio(tmp.name)
-    return audio[0], sr
+    return audio[0], sr, done.stdout
 
 
 # The voice check's same-text references: a corpus teacher's binary, its speaker per preset voice, and
@@ -607,6 +637,8 @@ def check_eval_args(args: argparse.Namespace) -> None:
         require(value is None or value >= 1, f"--{option.replace('_', '-')} must be >= 1, got {value}")
     from tts.engine import SamplingParams
 
+    if args.timings:
+        require(not args.voices, "--timings cannot be combined with --voices")
     given = {k: v for k, v in sampling_options(args).items() if v is not None}
     SamplingParams(**given).validate()  # raises InvalidRequest (a bad-input error: exit 2)
     check_threads(args)
@@ -620,7 +652,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     check_eval_args(args)
     try:
-        result = evaluate(args)
+        if args.timings:
+            from tts_tools.timing_eval import evaluate_timings, table
+
+            result = evaluate_timings(args)
+            print(table(result), file=sys.stderr)
+        else:
+            result = evaluate(args)
     except EvalError as exc:
         raise UserError(str(exc)) from exc
     summary = {k: v for k, v in result.items() if k != "samples"}
@@ -662,6 +700,14 @@ def add_parser(subparsers) -> None:
         "(samples/eval/everyday.txt), "
         "gated on every word heard in 99.5%% of samples, none missing with finish stop, none over twice "
         "its expected length",
+    )
+    p.add_argument(
+        "--timings",
+        action="store_true",
+        help="the word-timing check instead: each text spoken by a session, its word timings held against "
+        "the ASR's word timestamps (mean / median / p90 of the differences, ms; gated on a mean start "
+        "difference of the measured words <= 100 ms; with flite installed, the ASR's own error on flite's "
+        "speech of the same texts, whose word starts are known; see tts_tools/timing_eval.py)",
     )
     p.add_argument("--limit", type=int, default=None, help="use only the first N sentences")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")

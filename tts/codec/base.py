@@ -66,13 +66,18 @@ def prepare_audio(audio, sample_rate: int, target_rate: int) -> Tensor:
 
 class Codec(ABC):
     """Frame codec. Subclasses set `sample_rate` (Hz), `frame_length` (samples per frame),
-    `num_codebooks`, `codebook_size` and `context_frames`, and implement `encode_audio` / `decode`."""
+    `num_codebooks`, `codebook_size` and `context_frames`, and implement `encode_audio` / `decode`.
+
+    delay: samples by which decoded audio lags the audio its codes were encoded from (sample i of
+    `decode(encode(x))` carries x's sample i - delay; frame t's sound is at `t * frame_length + delay`).
+    Word timings place words on the audio's clock with it (`tts.runtime.timings`)."""
 
     sample_rate: int
     frame_length: int
     num_codebooks: int
     codebook_size: int
     context_frames: int = 0
+    delay: int = 0
 
     @property
     def frame_rate(self) -> float:

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from tts.codec.base import Codec
 from tts.codec.mel import (
+    DELAY,
     FRAME_LENGTH,
     SAMPLE_RATE,
     LogMel,
@@ -132,6 +133,7 @@ class MelRVQCodec(Codec):
 
     sample_rate = SAMPLE_RATE
     frame_length = FRAME_LENGTH
+    delay = DELAY  # (Griffin-Lim's: `tts.codec.mel`)
 
     def __init__(
         self,

@@ -57,6 +57,7 @@ from torch import Tensor, nn
 
 from tts.codec.base import Codec, CodecCheckpointError
 from tts.codec.mel import (
+    DELAY,
     FRAME_LENGTH,
     N_MELS,
     SAMPLE_RATE,
@@ -208,6 +209,7 @@ class MelVQCodec(Codec):
 
     sample_rate = SAMPLE_RATE
     frame_length = FRAME_LENGTH
+    delay = DELAY  # (the vocoder's, Griffin-Lim or learned: `tts.codec.mel`)
 
     def __init__(
         self,

@@ -54,6 +54,7 @@ engine thread and delivers the events to an asyncio (or thread) consumer.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import secrets
@@ -72,7 +73,7 @@ from tts.params import DEFAULT_CHUNK_FRAMES, DEFAULT_FIRST_CHUNK_FRAMES, Invalid
 from tts.runtime.jobs import Audio, Cancelled, Event, Failed, Finished, JobPipeline, Preempted, Started
 from tts.runtime.planner import PreparedReference, SynthesisJob
 from tts.runtime.request import check_voice_source
-from tts.runtime.timings import ChunkTimer, WordTiming, word_weights
+from tts.runtime.timings import ChunkTimer, WordTiming, word_first_tokens, word_weights
 from tts.text.normalize import TextError
 from tts.text.prompt import Turn, VoiceReference
 from tts.text.stream_cut import TextBuffer, utf8_len
@@ -549,14 +550,25 @@ class Session:
             except Exception:  # noqa: BLE001 - the job reports bad text itself
                 span_tokens = None
         codec = planner.bundle.codec
+        model_text = functools.cache(fmt.model_text)  # (each word's, read twice below)
+        first_tokens = None
+        if span_tokens is not None:
+            try:
+                chunk_text = model_text(text)
+                encode = planner.bundle.tokenizer.encode
+                first_tokens = word_first_tokens(words, model_text, chunk_text, encode, span_tokens)
+            except Exception:  # noqa: BLE001 - the words then take their shares of the span
+                first_tokens = None
         chunk.timer = ChunkTimer(
             words,
-            word_weights(words, fmt.model_text),
+            word_weights(words, model_text),
             span_tokens,
             self.samples,
             codec.frame_length,
             codec.sample_rate,
             index,
+            first_tokens,
+            codec.delay,
         )
         slot = self._codec_slot(budget)
         self.current = chunk

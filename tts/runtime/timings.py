@@ -5,18 +5,23 @@ back, all inside the audio sent):
 
 * **measured**, for a model whose bundle names aligner heads and whose engine runs the loop guard
   (`tts.engine.aligner`): every frame comes with the aligner's text position, a token index into the
-  chunk's text span. A word owns a share of the span's tokens (its share of the chunk's model text:
-  phonemes for the default model, characters for Fish models); it starts at the first frame whose
-  position (the running maximum: the aligner may glance back) reaches its first token, and ends where the
-  next word starts (the last word: at the chunk's end). A word is final, and sent, as soon as the next
-  word's start frame has been heard. Words the aligner never reached (a chunk cut by its budget, say)
-  share the rest of the chunk by their model text and are marked `estimated`;
+  chunk's text span. A word begins at the span token where its model text begins (phonemes for the
+  default model, characters for Fish models; `word_first_tokens`, else its share of the span). It starts
+  in the first frame whose position (the running maximum: the aligner may glance back) reaches that
+  token: at the middle of that frame (its onset lies somewhere in it), on the audio's clock (the codec's
+  audio lags its frames by `Codec.delay` samples); the first word of a chunk starts with the chunk's
+  audio. A word ends where the next word starts (the last word: at the chunk's end), and is final, and
+  sent, as soon as the audio sent reaches the next word's start. Words the aligner never reached (a
+  chunk cut by its budget, say) share the rest of the chunk by their model text and are marked
+  `estimated`;
 * **estimated**, without aligner positions: at the chunk's end, whose audio length is then exact, each
   word gets its share of the chunk's audio in proportion to its share of the chunk's model text.
 """
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,17 +42,73 @@ class WordTiming:
     chunk: int
 
 
+def _letters(text: str) -> int:
+    """Characters of `text` that are neither white space nor punctuation (what a word's length is
+    counted in when words are matched to the pieces of a model text)."""
+    return sum(1 for ch in text if not ch.isspace() and not unicodedata.category(ch).startswith("P"))
+
+
+def _model_words(words: list[str], model_text: Callable[[str], str]) -> list[str]:
+    """What the model reads for each word alone; a frontend that fails gives the word itself."""
+    out = []
+    for word in words:
+        try:
+            out.append(model_text(word).strip())
+        except Exception:  # noqa: BLE001 - a frontend that cannot run: characters
+            out.append(word)
+    return out
+
+
 def word_weights(words: list[str], model_text: Callable[[str], str]) -> list[int]:
     """Each word's weight: the length of what the model reads for it (phonemes or characters), >= 1.
     A frontend that fails falls back to the word's characters."""
-    weights = []
-    for word in words:
-        try:
-            n = len(model_text(word).strip())
-        except Exception:  # noqa: BLE001 - a frontend that cannot run: characters
-            n = len(word)
-        weights.append(max(n, 1))
-    return weights
+    return [max(len(m), 1) for m in _model_words(words, model_text)]
+
+
+def word_first_tokens(
+    words: list[str],
+    model_text: Callable[[str], str],
+    chunk_text: str,
+    encode: Callable[[str], list[int]],
+    span_tokens: int,
+) -> list[int] | None:
+    """Each word's first token in the chunk's text span: the tokens of `chunk_text` (what the model reads
+    for the whole chunk, the span's text) before the word's first character.
+
+    A frontend reads a chunk as a whole and may join words ("of the" -> "ʌvðə"); it never splits one.
+    So the whitespace-separated pieces of `chunk_text` are matched to runs of consecutive words, the
+    grouping whose pieces' lengths best fit their words' own lengths (`model_text` of each word alone,
+    letters only; least total difference), and words that share a piece split it by those lengths.
+    None (the caller falls back to shares of the span) when `chunk_text` has more pieces than there are
+    words, none, or is not `span_tokens` tokens long (then it is not the span's text)."""
+    pieces = [(m.start(), m.end()) for m in re.finditer(r"\S+", chunk_text)]
+    n, k = len(words), len(pieces)
+    if not 0 < k <= n or len(encode(chunk_text)) != span_tokens:
+        return None
+    own = [max(_letters(m), 1) for m in _model_words(words, model_text)]
+    size = [max(_letters(chunk_text[a:b]), 1) for a, b in pieces]
+    # cost[j][i]: the best fit of words [0, i) to pieces [0, j); run[j][i]: the words of piece j - 1
+    inf = float("inf")
+    cost = [[inf] * (n + 1) for _ in range(k + 1)]
+    run = [[0] * (n + 1) for _ in range(k + 1)]
+    cost[0][0] = 0.0
+    for j in range(1, k + 1):
+        for i in range(j, n - (k - j) + 1):  # (every piece holds one word at least)
+            for g in range(1, i - j + 2):
+                c = cost[j - 1][i - g] + abs(size[j - 1] - sum(own[i - g : i]))
+                if c < cost[j][i]:
+                    cost[j][i], run[j][i] = c, g
+    starts = [0] * n
+    i = n
+    for j in range(k, 0, -1):
+        g = run[j][i]
+        a, b = pieces[j - 1]
+        total, acc = sum(own[i - g : i]), 0
+        for w in range(i - g, i):
+            starts[w] = a + round((b - a) * acc / total)
+            acc += own[w]
+        i -= g
+    return [len(encode(chunk_text[:c])) for c in starts]
 
 
 class ChunkTimer:
@@ -55,8 +116,10 @@ class ChunkTimer:
 
     words: the chunk's words (its normalized text split at whitespace); weights: `word_weights`;
     span_tokens: the text span's tokens the aligner positions index (None: no measured timings);
-    start_sample: the session clock where the chunk's audio begins; frame_length: samples per frame;
-    sample_rate: Hz; chunk: the chunk's number.
+    first_tokens: each word's first span token (`word_first_tokens`; None: by its share of the span,
+    from `weights`); start_sample: the session clock where the chunk's audio begins; frame_length:
+    samples per frame; sample_rate: Hz; chunk: the chunk's number; delay: samples by which the codec's
+    audio lags the frames it was decoded from (`Codec.delay`).
     """
 
     def __init__(
@@ -68,6 +131,8 @@ class ChunkTimer:
         frame_length: int,
         sample_rate: int,
         chunk: int,
+        first_tokens: list[int] | None = None,
+        delay: int = 0,
     ):
         self.words, self.weights = words, weights
         self.start_sample, self.frame_length, self.rate, self.chunk = (
@@ -82,24 +147,34 @@ class ChunkTimer:
             cum.append(cum[-1] + w)
         self.cum, self.total = cum, total
         # the first span token of each word
-        self.first_token = [(span_tokens or 0) * c // total for c in cum[:-1]]
+        if first_tokens is not None and len(first_tokens) == len(words):
+            self.first_token = list(first_tokens)
+        else:
+            self.first_token = [(span_tokens or 0) * c // total for c in cum[:-1]]
         self.span_tokens = span_tokens
-        self.starts: list[int] = [0] if words else []  # start frame of each word reached so far
+        # A word found at frame f starts in the middle of that frame's sound: the aligner says the word
+        # had begun by frame f and not by frame f - 1, so its onset lies somewhere in frame f (the middle
+        # is the estimate that is off by half a frame at most), and that frame's sound reaches the
+        # session clock `delay` samples after the frame's own place.
+        self.offset = frame_length // 2 + delay
+        self.starts: list[int] = [0] if words else []  # start of each word reached so far, chunk samples
         self.reach = -1  # the running maximum of the aligner's positions
         self.frames = 0  # frames heard so far
         self.samples = 0  # samples of the chunk sent so far
         self.sent = 0  # words handed out
         self.measured = False
 
-    def _timing(self, k: int, start_frame: float, end_frame: float, estimated: bool) -> WordTiming:
+    def _timing(self, k: int, start: float, end: float, estimated: bool) -> WordTiming:
+        """Word k from `start` to `end` (samples into the chunk), held inside the audio sent."""
         end_cap = self.start_sample + self.samples
-        a = min(self.start_sample + round(start_frame * self.frame_length), end_cap)
-        b = min(max(self.start_sample + round(end_frame * self.frame_length), a), end_cap)
+        a = min(self.start_sample + round(start), end_cap)
+        b = min(max(self.start_sample + round(end), a), end_cap)
         return WordTiming(self.words[k], a / self.rate, b / self.rate, a, b, estimated, self.chunk)
 
     def audio(self, frames: int, samples: int, positions: list[int | None] | None) -> list[WordTiming]:
         """The chunk's next `frames` audio frames (`samples` samples) were sent, with the aligner's
-        position of each (None: none). Returns the words that became final, in order."""
+        position of each (None: none). Returns the words that became final (the next word's start lies
+        in the audio sent), in order."""
         if positions is not None and self.span_tokens:
             self.measured = True
             for i, p in enumerate(positions):
@@ -107,12 +182,12 @@ class ChunkTimer:
                     continue
                 self.reach = max(self.reach, p)
                 while len(self.starts) < len(self.words) and self.reach >= self.first_token[len(self.starts)]:
-                    self.starts.append(self.frames + i)
+                    self.starts.append((self.frames + i) * self.frame_length + self.offset)
         self.frames += frames
         self.samples += samples
         out = []
         if self.measured:
-            while self.sent + 1 < len(self.starts):
+            while self.sent + 1 < len(self.starts) and self.starts[self.sent + 1] <= self.samples:
                 k = self.sent
                 out.append(self._timing(k, self.starts[k], self.starts[k + 1], False))
                 self.sent += 1
@@ -125,12 +200,14 @@ class ChunkTimer:
         if not self.measured:
             self.starts = [0]  # every word by its share of the whole chunk
         last = len(self.starts) - 1  # the last word whose start was measured (or 0)
-        if self.sent <= last and last < n:
+        if self.sent < n:
+            for k in range(self.sent, last):  # measured, but the next word's start came at the very end
+                out.append(self._timing(k, self.starts[k], self.starts[k + 1], False))
             # word `last` and those never reached share [its start, the end] by their weights
-            a = self.starts[last]
-            span = self.frames - a
+            a = min(self.starts[last], self.samples)
+            span = self.samples - a
             w = self.cum[n] - self.cum[last]
-            for k in range(max(self.sent, last), n):
+            for k in range(last, n):
                 s = a + span * (self.cum[k] - self.cum[last]) / (w or 1)
                 e = a + span * (self.cum[k + 1] - self.cum[last]) / (w or 1)
                 estimated = not self.measured or last < n - 1  # (word `last` then ends by its share)
