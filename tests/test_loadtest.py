@@ -367,11 +367,12 @@ def test_bench_server_sessions_reports_exact_counts(server, tmp_path, capsys):
     rc = main(
         ["bench-server", "--server", server.address, "--sessions", "2", "--words-per-second", "1000"]
         + ["--cancel-share", "0.5", "--max-new-frames", "30", "--min-new-frames", "30", "--seed", "7"]
-        + ["--json", str(out)]
+        + ["--session-spread", "0.05", "--json", str(out)]
     )
     assert rc == 0
     report = json.loads(out.read_text())
     assert (report["mode"], report["sessions"], report["ok"], report["errors"]) == ("sessions", 2, 2, {})
+    assert report["spread_seconds"] == 0.05
     assert report["barge_in_sessions"] == 1
     # every session speaks two sentences of the pool, one chunk each (the barge-in's second one after its
     # cancel), whether or not the cancel caught its first chunk still speaking

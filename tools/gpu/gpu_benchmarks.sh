@@ -148,6 +148,7 @@ print('free GiB', round(torch.cuda.mem_get_info()[0] / 2**30, 1), 'KV bytes/toke
       n=${SESSIONS:-64}
       serve "sessions$tag" "$S2_DIR" --codec-dtype bfloat16 --max-batch $((n * 2)) --max-sessions "$n" "${extra[@]}"
       bench "sessions_${n}$tag" --sessions "$n" --words-per-second "${WPS:-15}" --max-new-frames 64 \
+        --session-spread "${SESSION_SPREAD:-0}" \
         --min-new-frames 64 --seed 1
       stop_server ;;
     ramp)

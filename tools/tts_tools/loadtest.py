@@ -796,6 +796,13 @@ def add_arguments(p: argparse.ArgumentParser, server_required: bool = True) -> N
         default=0.25,
         help="with --sessions: the share of sessions that barge in mid-sentence (default 0.25)",
     )
+    p.add_argument(
+        "--session-spread",
+        type=float,
+        default=0.0,
+        help="with --sessions: session i starts i x SPREAD / N seconds after the first, as independent "
+        "callers arrive (default 0: all at once, so their first clauses complete together: the worst case)",
+    )
     add_ramp_arguments(p)
     add_soak_arguments(p)
 
@@ -1079,6 +1086,10 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
             f"--words-per-second must be > 0, got {args.words_per_second:g}",
         )
         require(0 <= args.cancel_share <= 1, f"--cancel-share must be in [0, 1], got {args.cancel_share:g}")
+        require(
+            0 <= args.session_spread < float("inf"),
+            f"--session-spread must be >= 0 seconds, got {args.session_spread:g}",
+        )
         require(len(servers) == 1 and not args.soak, "--sessions takes one --server and no --soak")
         from tts_tools.session_bench import run_sessions_from_args
 

@@ -237,11 +237,13 @@ async def run_sessions(
     *,
     words_per_second: float = 15.0,
     cancel_share: float = 0.25,
+    spread_seconds: float = 0.0,
     timeout: float | None = None,
     **options,
 ) -> dict:
     """Run `sessions` concurrent sessions against `server` (HOST:PORT); returns the report (see the
-    module docstring). options: seed (session i uses seed + i), max_new_frames, min_new_frames,
+    module docstring). spread_seconds: session i starts i x spread_seconds / sessions after the first
+    (0: all at once). options: seed (session i uses seed + i), max_new_frames, min_new_frames,
     temperature, voice, encoding ("pcm16" / "float32"), first_chunk_frames, chunk_frames."""
     import grpc
 
@@ -254,21 +256,15 @@ async def run_sessions(
     async with grpc.aio.insecure_channel(server, options=channel_options()) as channel:
         stub = pb_grpc.TextToSpeechStub(channel)
         info = await stub.GetInfo(pb.GetInfoRequest(), timeout=30)
+
+        async def session(i: int) -> SessionResult:
+            if spread_seconds > 0 and i:
+                await asyncio.sleep(i * spread_seconds / sessions)
+            options_i = {**options, "seed": None if seed is None else seed + i}
+            return await _one_session(stub, pb, i, i in cancelling, options_i, words_per_second, timeout)
+
         t0 = time.monotonic()
-        results = await asyncio.gather(
-            *(
-                _one_session(
-                    stub,
-                    pb,
-                    i,
-                    i in cancelling,
-                    {**options, "seed": None if seed is None else seed + i},
-                    words_per_second,
-                    timeout,
-                )
-                for i in range(sessions)
-            )
-        )
+        results = await asyncio.gather(*(session(i) for i in range(sessions)))
         wall = time.monotonic() - t0
     ok = [r for r in results if r.ok]
     errors: dict[str, int] = {}
@@ -287,6 +283,7 @@ async def run_sessions(
         "wall_s": wall,
         "words_per_second": words_per_second,
         "cancel_share": cancel_share,
+        "spread_seconds": spread_seconds,
         "barge_in_sessions": len(barged),
         "chunks": sum(r.chunks for r in ok),
         "cancelled_chunks": sum(r.cancelled_chunks for r in ok),
@@ -362,6 +359,7 @@ def run_sessions_from_args(args) -> int:
                 args.sessions,
                 words_per_second=args.words_per_second,
                 cancel_share=args.cancel_share,
+                spread_seconds=args.session_spread,
                 timeout=args.timeout,
                 seed=args.seed,
                 max_new_frames=args.max_new_frames,
