@@ -236,3 +236,16 @@ def test_a_chunk_cut_by_max_new_frames_is_reported(tiny_bundle, monkeypatch):
         assert (r.frames, r.finish_reasons, r.warnings) == (6, [FinishReason.LENGTH], [])
     finally:
         tts.close()
+
+
+def test_startup_graphs_construct_and_warm_up(tiny_bundle, standin_graphs):
+    """`graphs="startup"` (the CLI's default on CUDA) captures and runs a warm-up synthesis inside the
+    constructor: every attribute that synthesis reads must exist by then (stand-in graphs on a CPU run the
+    same path)."""
+    from tts.api import TTS
+    from tts.engine import EngineConfig
+
+    tts = TTS(tiny_bundle, EngineConfig(max_batch=2, graphs="startup", buckets=(1, 2)))
+    assert tts.engine.graphs.enabled
+    result = tts.synthesize("Hello.", seed=1, max_new_frames=6, min_new_frames=6)
+    assert result.frames == 6

@@ -110,6 +110,9 @@ class TTS:
         )
         self.planner = Planner(bundle, self.engine.max_context, self.engine.check, self.voice_registry)
         self._wake = threading.Event()
+        self.last_finish_reasons: list[FinishReason] = []
+        self.last_warnings: list[str] = []
+        self._sessions: SessionManager | None = None  # made by the first `session()`
         # Codec streams: one per job (max_batch + 4) and one per open session (`sessions`: as many again).
         self.runner = JobPipeline(
             self.engine,
@@ -118,8 +121,8 @@ class TTS:
             notify=self._wake.set,
         )
         if self.engine.config.graphs == "startup" and self.engine.graphs.enabled:
-            # the codec's graphs too, for the default chunk sizes (`stream`'s 4 growing to 16)
-            self.runner.stage.capture(ramp_sizes(4, 16)).result()
+            # the codec's graphs too, for the default chunk sizes (`stream`'s first chunk growing)
+            self.runner.stage.capture(ramp_sizes(DEFAULT_FIRST_CHUNK_FRAMES, DEFAULT_CHUNK_FRAMES)).result()
             # ... and one short synthesis for the one-time set-up (first launches, kernel compiles),
             # so that the first real one runs at the speed of later ones: on an H200 the default voice's
             # first `synthesize` of a process took 0.32 s against 0.04-0.06 s for the next ones.
@@ -128,9 +131,6 @@ class TTS:
             for event in sink.events:
                 if isinstance(event, Failed):
                     log.warning("the warm-up synthesis failed: %s", event.error)
-        self.last_finish_reasons: list[FinishReason] = []
-        self.last_warnings: list[str] = []
-        self._sessions: SessionManager | None = None  # made by the first `session()`
 
     @classmethod
     def load(
