@@ -249,3 +249,52 @@ def test_startup_graphs_construct_and_warm_up(tiny_bundle, standin_graphs):
     assert tts.engine.graphs.enabled
     result = tts.synthesize("Hello.", seed=1, max_new_frames=6, min_new_frames=6)
     assert result.frames == 6
+
+
+def test_synthesize_many_gives_each_job_its_solo_codes_in_order(tiny_bundle):
+    """Jobs run together (more than fit at once: the next starts as one ends) give, in the order given,
+    the codes and finish reasons each has alone, and audio within the codec's batched-decode rounding."""
+    from tts.engine import EngineConfig
+
+    texts = ["Hello there.", "A second, longer sentence to read.", "Third.", "Four.", "And the fifth one."]
+    budgets = [6, 20, 12, 9, 15]
+    # max_waiting 2 < max_batch 4: submitting all five at once would overflow the waiting queue
+    many = TTS(tiny_bundle, EngineConfig(max_batch=4, max_waiting=2))
+    solo = TTS(tiny_bundle, EngineConfig(max_batch=1))
+    try:
+        jobs = [
+            many.prepare(t, seed=100 + k, max_new_frames=b)
+            for k, (t, b) in enumerate(zip(texts, budgets, strict=True))
+        ]
+        steps, rows = many.engine.frame_steps, many.engine.step_rows
+        together = many.synthesize_many(jobs)
+        assert many.engine.step_rows - rows > many.engine.frame_steps - steps  # some steps ran 2+ rows
+        for k, (text, budget) in enumerate(zip(texts, budgets, strict=True)):
+            alone = solo.synthesize(text, seed=100 + k, max_new_frames=budget)
+            assert torch.equal(together[k].codes, alone.codes)
+            assert together[k].finish_reasons == alone.finish_reasons
+            np.testing.assert_allclose(together[k].audio, alone.audio, atol=1e-5)
+            assert together[k].sample_rate == alone.sample_rate
+        assert all(0 < (r.first_audio_seconds or 0) <= r.wall_seconds for r in together)
+        assert many.engine.num_running == 0
+        assert many.engine.scheduler.allocator.num_free == many.engine.scheduler.allocator.num_usable
+        assert many.synthesize_many([]) == []
+    finally:
+        many.close()
+        solo.close()
+
+
+def test_synthesize_many_raises_a_failed_jobs_error_and_frees_the_others(tiny_bundle):
+    from tts.engine import EngineConfig
+
+    many = TTS(tiny_bundle, EngineConfig(max_batch=2))
+    try:
+        good = many.prepare("Hello there.", seed=1, max_new_frames=30)
+        bad = many.prepare("Hello there.", seed=2, max_new_frames=30)
+        bad.chunks = ["word " * 2000]  # (a prompt over the context: refused when its chunk is submitted)
+        with pytest.raises(InvalidRequest):
+            many.synthesize_many([good, bad, good])
+        assert many.engine.num_running == 0 and not many.runner.jobs
+        assert many.engine.scheduler.allocator.num_free == many.engine.scheduler.allocator.num_usable
+    finally:
+        many.close()

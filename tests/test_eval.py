@@ -187,7 +187,7 @@ def test_eval_help_documents_the_exit_codes(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--seeds", "0,x"], "--seeds must be comma-separated integers, got '0,x'"),
+        (["--seeds", "0,x"], "--seeds must be comma-separated integers or ranges A-B, got '0,x'"),
         (["--limit", "0"], "--limit must be >= 1, got 0"),
         (["--asr-beam-size", "0"], "--asr-beam-size must be >= 1, got 0"),
         (["--ras-window", "11"], "--ras-window must be in [0, 10], got 11"),

@@ -160,3 +160,13 @@ def test_the_asr_reference_compares_the_asrs_starts_with_flites_after_the_first_
     # "Hello" is the first word, "friend." was misheard: "there," alone, heard 77 ms late
     assert ref["skipped_texts"] == 1 and ref["start"]["n"] == 1 and ref["start"]["mean_signed_ms"] == 77.0
     assert ref["speaker"] == "slt,1.0,0"
+
+
+@pytest.mark.parametrize("extra", [["--batch", "4"], ["--synthesize-only", "--audio-dir", "{tmp}/a"]])
+def test_timings_refuses_the_two_phase_and_batched_modes(extra, capsys, monkeypatch, tmp_path):
+    def never(args):
+        raise AssertionError("evaluated before the options were checked")
+
+    monkeypatch.setattr(timing_eval, "evaluate_timings", never)
+    assert main(["eval", "--timings", *[e.format(tmp=tmp_path) for e in extra]]) == 2
+    assert capsys.readouterr().err.strip().startswith("tts: error: --timings runs in one phase")

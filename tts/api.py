@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -342,19 +342,85 @@ class TTS:
         for chunk in self.stream(text, **options):
             first = first if first is not None else time.perf_counter() - t0
             chunks.append(chunk)
-        N = self.bundle.codec.num_codebooks
-        audio = np.concatenate([c.samples for c in chunks]) if chunks else np.zeros(0, np.float32)
-        codes = (
-            torch.cat([c.codes for c in chunks], dim=1) if chunks else torch.zeros(N, 0, dtype=torch.int64)
+        return self._synthesis(
+            [c.samples for c in chunks],
+            [c.codes for c in chunks],
+            self.last_finish_reasons,
+            self.last_warnings,
+            time.perf_counter() - t0,
+            first,
         )
+
+    def synthesize_many(self, jobs: Sequence[SynthesisJob]) -> list[Synthesis]:
+        """Synthesize several jobs (from `prepare`) at once: they run concurrently in the engine's batch,
+        at most min(max_batch, max_waiting) in flight (the next starts as one ends). Returns one Synthesis
+        per job, in the order given; each one's `wall_seconds` runs from this call to that job's end and
+        its `first_audio_seconds` from this call to its first audio. A seeded job gets the codes it has
+        alone through `synthesize` up to float rounding: a lone row's matrix products can round otherwise
+        than a batch's (on a CPU, a matrix-vector product; on a GPU, see docs/usage.md on packed prefill),
+        which flips a near-tie token now and then (the default voice on a CPU: 1 sample in 42 at batch 8,
+        from its 88th frame); its audio may also differ by the float rounding of the codec's batched
+        decode (float32 within 1e-5). Raises the error of the first job that fails (InvalidRequest,
+        AudioError, ...), once the others are cancelled and freed.
+        """
+        t0, t0_monotonic = time.perf_counter(), time.monotonic()
+        config = self.engine.config
+        width = max(1, min(config.max_batch, config.max_waiting))
+        sinks = [ListSink() for _ in jobs]
+        running: dict[int, str] = {}  # job index -> job id
+        ended: dict[int, float] = {}  # job index -> seconds from t0 to its end
+        started = 0
+        try:
+            while len(ended) < len(jobs):
+                while started < len(jobs) and len(running) < width:
+                    running[started] = self.runner.submit(jobs[started], sinks[started])
+                    started += 1
+                self._wake.clear()
+                stepped = self.runner.step()
+                self._tick_sessions()
+                now = time.perf_counter() - t0
+                for k in [k for k, job_id in running.items() if job_id not in self.runner.jobs]:
+                    del running[k]
+                    ended[k] = now
+                    failed = [e for e in sinks[k].events if isinstance(e, Failed)]
+                    if failed:
+                        raise failed[0].error
+                if not stepped:
+                    self._wake.wait(0.1)  # the codec stage sets it when audio is decoded
+        finally:  # (a failure or an interrupt: the jobs still running free their rows, blocks and slots)
+            for job_id in running.values():
+                self.runner.cancel(job_id)
+                self._run_until_ended(job_id)
+        results = []
+        for k, sink in enumerate(sinks):
+            audio = [e for e in sink.events if isinstance(e, Audio)]
+            (finished,) = [e for e in sink.events if isinstance(e, Finished)]
+            for warning in finished.warnings:  # (marked: the CLI prints them itself)
+                log.warning("%s", warning, extra={SYNTHESIS_WARNING: True})
+            first = finished.first_audio_at
+            results.append(
+                self._synthesis(
+                    [e.samples for e in audio],
+                    [e.codes for e in audio],
+                    finished.finish_reasons,
+                    finished.warnings,
+                    ended[k],
+                    None if first is None else first - t0_monotonic,
+                )
+            )
+        return results
+
+    def _synthesis(self, samples, codes, finish_reasons, warnings, wall_seconds, first) -> Synthesis:
+        """A Synthesis from a job's audio chunks (float32 `[S]` each) and their codes (`[N, frames]`)."""
+        N = self.bundle.codec.num_codebooks
         return Synthesis(
-            audio=audio,
+            audio=np.concatenate(samples) if samples else np.zeros(0, np.float32),
             sample_rate=self.sample_rate,
-            codes=codes,
-            finish_reasons=list(self.last_finish_reasons),
-            wall_seconds=time.perf_counter() - t0,
+            codes=torch.cat(codes, dim=1) if codes else torch.zeros(N, 0, dtype=torch.int64),
+            finish_reasons=list(finish_reasons),
+            wall_seconds=wall_seconds,
             first_audio_seconds=first,
-            warnings=list(self.last_warnings),
+            warnings=list(warnings),
         )
 
 

