@@ -299,6 +299,8 @@ class FishAPI:
         refused (the client has its `finish` error)."""
         try:
             return await self._start(ws)
+        except WebSocketDisconnect:  # gone before its start: no one to answer, nothing to log
+            raise
         except _Protocol as exc:
             await self._finish_error(ws, str(exc))
         except Exception as exc:  # noqa: BLE001 - a request error (or a refusal): the client's answer

@@ -488,3 +488,25 @@ console.log(JSON.stringify(out));
         _, rate, samples = streams[k // 4]
         assert got_back["rates"] == [rate], k
         assert got_back["samples"] == samples.tolist(), k
+
+
+def test_a_client_gone_before_its_start_is_no_server_error(caplog):
+    """A socket that closes before sending `start` ends quietly: `_open` lets the disconnect through (the
+    socket handler ends there) instead of logging an internal error with a traceback."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from starlette.websockets import WebSocketDisconnect
+
+    from service.fish_api import FishAPI
+
+    class GoneSocket:
+        async def receive(self):
+            return {"type": "websocket.disconnect", "code": 1001}
+
+    api = FishAPI(SimpleNamespace(bundle=None, max_body=1 << 20))
+    with caplog.at_level(logging.INFO, logger="service.fish_api"):
+        with pytest.raises(WebSocketDisconnect):
+            asyncio.run(api._open(GoneSocket()))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
