@@ -83,8 +83,8 @@ class EngineConfig:
     new requests cannot freeze the running streams for long (None: no bound).
     packed_prefill: prefill the requests admitted in one iteration in one forward pass
     (`ModelRunner.prefill_packed`; those continuing kept sequences in another,
-    `tts.engine.sequences.prefill_extend_packed`; None: on CUDA, where one request's prefill is bound by kernel
-    launches; off on a CPU, where it is bound by arithmetic and the per-request K/V are bit-stable).
+    `tts.engine.sequences.prefill_extend_packed`; None: on CUDA, where one request's prefill is bound by
+    kernel launches; off on a CPU, where it is bound by arithmetic and the per-request K/V are bit-stable).
     repetition: how the frame step applies requests' repetition penalty ("fish-1.5", "s1"; see
     tts.engine.model_runner), None: not at all. The model family decides it (`ModelBundle.repetition`);
     the Python API and the service fill it in from the bundle.
