@@ -192,8 +192,8 @@ def prefill_extend_packed(runner, extensions: list[Extension]) -> int:
 
 @torch.inference_mode()
 def _extend_pass(runner, group: list[Extension], varlen: bool) -> None:
-    """One packed extension pass over `group` (two or more sequences with new columns)."""
-    runner.prefill_passes += 1
+    """One packed extension pass over `group` (two or more sequences with new columns); counted in
+    `runner.prefill_passes` once it has run."""
     m, kv, dev = runner.model, runner.kv, runner.device
     lengths, news, frames, positions, key_slots, slots = [], [], [], [], [], []
     for prompt, table, start in group:
@@ -238,3 +238,4 @@ def _extend_pass(runner, group: list[Extension], varlen: bool) -> None:
 
     x = m.embed(torch.cat(frames).to(dev).unsqueeze(0))
     run_layers_kv_only(m.layers, x, m.freqs_cis[new_positions], attend_layer, write_kv)
+    runner.prefill_passes += 1
