@@ -107,6 +107,9 @@ def test_later_chunks_admitted_together_prefill_in_one_packed_pass_with_the_kv_a
         # new columns x keys: [9, 1] 10 x (33 + 25) = 580; + 12: 22 x 94 = 2068; [12, 6]: 18 x 66 = 1188
         ("PACKED_EXTEND_MASK_ELEMENTS", 1200, 2),
         ("PACKED_EXTEND_MASK_ELEMENTS", 1000, 3),
+        # keys: 33 + 25 fit 70, + 36 do not; 36 + 30 do: [9, 1], [12, 6]
+        ("PACKED_EXTEND_KEYS", 70, 2),
+        ("PACKED_EXTEND_KEYS", 60, 3),
     ],
 )
 def test_a_pass_holds_at_most_the_bound_and_the_kv_stay_those_of_one_by_one(

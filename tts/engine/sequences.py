@@ -57,8 +57,12 @@ from tts.model.transformer import (
 )
 
 # A packed extension pass's SDPA mask (new columns x the keys of their sequences) holds at most this many
-# elements; flash varlen attention needs no mask and is bound by the new columns alone.
+# elements (flash varlen attention needs no mask).
 PACKED_EXTEND_MASK_ELEMENTS = model_runner.PACKED_PREFILL_TOKENS**2
+# Keys (cached and new positions of its sequences) one packed extension pass reads at most: each layer
+# gathers them from the pool into one K and one V tensor (S2-Pro in bf16: 2 KiB a position each, 128 MiB
+# each at the bound).
+PACKED_EXTEND_KEYS = 16 * model_runner.PACKED_PREFILL_TOKENS
 
 
 @dataclass(eq=False)
@@ -150,9 +154,10 @@ Extension = tuple[Tensor, list[int], int]
 
 def prefill_extend_packed(runner, extensions: list[Extension]) -> int:
     """`prefill_extend` of several kept sequences, packed: their new columns (positions `start_i ..
-    T_i - 2`) run through the layers together, at most `PACKED_PREFILL_TOKENS` of them per pass (and, for
-    the SDPA mask, at most `PACKED_EXTEND_MASK_ELEMENTS` new columns x keys); a sequence whose new
-    columns alone exceed that runs alone. Each new column attends causally to its own sequence only: the
+    T_i - 2`) run through the layers together, at most `PACKED_PREFILL_TOKENS` of them per pass, reading
+    at most `PACKED_EXTEND_KEYS` keys (positions `0 .. T_i - 2` of each sequence) and, for the SDPA mask,
+    at most `PACKED_EXTEND_MASK_ELEMENTS` new columns x keys; a sequence that alone exceeds a bound runs
+    alone. Each new column attends causally to its own sequence only: the
     cached prefix (positions `0 .. start_i - 1`, read from the paged pool through its block table) and
     its own new columns before it. The K/V equal `prefill_extend`'s up to float rounding (other matrix
     shapes). Counts every pass in `runner.prefill_passes`; returns how many sequences ran alone (one
@@ -180,7 +185,11 @@ def prefill_extend_packed(runner, extensions: list[Extension]) -> int:
         n = T - start
         if n <= 0:
             continue
-        fits = size + n <= limit and (varlen or (size + n) * (keys + T) <= PACKED_EXTEND_MASK_ELEMENTS)
+        fits = (
+            size + n <= limit
+            and keys + T <= PACKED_EXTEND_KEYS
+            and (varlen or (size + n) * (keys + T) <= PACKED_EXTEND_MASK_ELEMENTS)
+        )
         if group and not fits:
             flush()
             group, size, keys = [], 0, 0
