@@ -157,9 +157,9 @@ def prefill_extend_packed(runner, extensions: list[Extension]) -> int:
     T_i - 2`) run through the layers together, at most `PACKED_PREFILL_TOKENS` of them per pass, reading
     at most `PACKED_EXTEND_KEYS` keys (positions `0 .. T_i - 2` of each sequence) and, for the SDPA mask,
     at most `PACKED_EXTEND_MASK_ELEMENTS` new columns x keys; a sequence that alone exceeds a bound runs
-    alone. Each new column attends causally to its own sequence only: the
-    cached prefix (positions `0 .. start_i - 1`, read from the paged pool through its block table) and
-    its own new columns before it. The K/V equal `prefill_extend`'s up to float rounding (other matrix
+    alone. Each new column attends causally to its own sequence only: the cached prefix (positions
+    `0 .. start_i - 1`, read from the paged pool through its block table) and its own new columns before
+    it. The K/V equal `prefill_extend`'s up to float rounding (other matrix
     shapes). Counts every pass in `runner.prefill_passes`; returns how many sequences ran alone (one
     sequence per pass). Raises whatever a pass raises; passes already run have written their K/V, so a
     caller that retries one by one prefills those positions again (same values). `runner`: the engine's

@@ -339,8 +339,8 @@ def varlen_causal_available(
     cached_prefix: with keys longer than the queries (`cu_seqlens_k`). Only builds that take causal as
     `window_size=(-1, 0)` qualify: that always runs the flash kernel, whose causal mask is aligned to
     the bottom right (it offsets each query by the sequence's key length minus its query length). The
-    older `is_causal=True` builds may pick cuDNN, whose causal mask is aligned to the top left (a query
-    would not see the cached prefix beyond its own index)."""
+    older `is_causal=True` builds may pick cuDNN instead, and SDPA's own convention is the top left (a
+    query would not see the cached prefix beyond its own index): not relied on."""
     if cached_prefix and "window_size" not in _varlen()[1]:
         return False
     return (
