@@ -110,7 +110,8 @@ for spec in $ACTIONS; do
   case $action in
     tests)
       python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_graphs.py tests/test_dac_batched.py \
-        tests/test_melvq_batched.py tests/test_engine_loop.py tests/test_quant.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -5
+        tests/test_melvq_batched.py tests/test_engine_loop.py tests/test_quant.py tests/test_packed_extend.py \
+        2>&1 | tee "$OUT/cuda_tests.log" | tail -5
       [[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "CUDA tests failed: $OUT/cuda_tests.log"; exit 1; } ;;
     tps)
       tts bench --model s2-pro-shape --device cuda --batch-sizes 1,4,16,64 --frames 64 --out "$OUT/tps" 2>&1 | tail -12 ;;

@@ -41,7 +41,7 @@ from tts.engine.model_runner import ModelRunner, RowInit
 from tts.engine.prefill_graphs import PrefillGraphs
 from tts.engine.request import FinishReason, InvalidRequest, Request, RequestState, SamplingParams, StepOutput
 from tts.engine.scheduler import RowMove, Scheduler
-from tts.engine.sequences import KeptSequence, common_prefix, prefill_extend
+from tts.engine.sequences import KeptSequence, common_prefix, prefill_extend, prefill_extend_packed
 from tts.model.config import AlignerSpec
 from tts.model.kernels import kernel_head_dim_ok
 from tts.model.kv_cache import BlockAllocator, PagedKVCache, blocks_needed
@@ -82,8 +82,9 @@ class EngineConfig:
     max_prefill_tokens: prompt tokens prefilled per iteration at most (at least one request), so that
     new requests cannot freeze the running streams for long (None: no bound).
     packed_prefill: prefill the requests admitted in one iteration in one forward pass
-    (`ModelRunner.prefill_packed`; None: on CUDA, where one request's prefill is bound by kernel
-    launches; off on a CPU, where it is bound by arithmetic and the per-request K/V are bit-stable).
+    (`ModelRunner.prefill_packed`; those continuing kept sequences in another,
+    `tts.engine.sequences.prefill_extend_packed`; None: on CUDA, where one request's prefill is bound by
+    kernel launches; off on a CPU, where it is bound by arithmetic and the per-request K/V are bit-stable).
     repetition: how the frame step applies requests' repetition penalty ("fish-1.5", "s1"; see
     tts.engine.model_runner), None: not at all. The model family decides it (`ModelBundle.repetition`);
     the Python API and the service fill it in from the bundle.
@@ -254,7 +255,8 @@ class Engine:
         # Sessions' kept sequences (tts.engine.sequences) by id, and their counters: prompt positions
         # prefilled in all, positions a request found already cached, positions prefilled again because
         # the held history differed (turns dropped for the context, or the sequence evicted), extension
-        # prefills run eagerly on CUDA, idle sequences evicted for a waiting request.
+        # prefills run on CUDA one sequence per pass (not packed with others: packing off, one such
+        # request admitted, a packed pass failed), idle sequences evicted for a waiting request.
         self.sequences: dict[str, KeptSequence] = {}
         self.prefill_tokens = 0
         self.reused_tokens = 0
@@ -938,7 +940,8 @@ class Engine:
             request.prefill_tokens = max(request.prompt_len - 1 - request.cached, 0)
             self.prefill_tokens += request.prefill_tokens
             self.reused_tokens += request.cached
-        # Requests that continue a kept sequence prefill only their new positions, on their own (below).
+        # Requests that continue a kept sequence prefill only their new positions, packed apart from the
+        # fresh ones (their columns also attend to a cached prefix).
         fresh = [r for _, r in admitted if not r.cached]
         if self.packed_prefill and len(fresh) > 1:
             try:
@@ -946,12 +949,23 @@ class Engine:
                 prefilled = True
             except Exception:  # one at a time below, so that only a bad prompt's request fails
                 log.exception("packed prefill of %d requests failed; prefilling one by one", len(fresh))
+        kept = [r for _, r in admitted if r.cached]
+        extended = False
+        if self.packed_prefill and len(kept) > 1:
+            try:
+                alone = prefill_extend_packed(self.runner, [(r.prompt, r.blocks, r.cached) for r in kept])
+                self.prefix_prefills_eager += alone if self.device.type == "cuda" else 0
+                extended = True
+            except Exception:  # one at a time below, as for the fresh requests
+                log.exception(
+                    "packed extension prefill of %d requests failed; prefilling one by one", len(kept)
+                )
         for _, request in admitted:
             try:
                 if request.cached:
-                    if self.device.type == "cuda":
-                        self.prefix_prefills_eager += 1
-                    prefill_extend(self.runner, request.prompt, request.blocks, request.cached)
+                    if not extended:
+                        self.prefix_prefills_eager += self.device.type == "cuda"
+                        prefill_extend(self.runner, request.prompt, request.blocks, request.cached)
                 elif not prefilled:
                     self.runner.prefill(request.prompt, request.blocks)
             except Exception as exc:  # a bad prompt must not take the batch down

@@ -279,7 +279,9 @@ def packed_causal_attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tenso
     """Causal SDPA over several sequences packed into one row (a batched prefill).
 
     q: `[1, S, heads, head_dim]`, k / v: `[1, S, kv_heads, head_dim]`; mask: `[S, S]` bool, True where
-    query i may attend key j (same sequence and j's position <= i's): block-diagonal and causal.
+    query i may attend key j (same sequence and j's position <= i's): block-diagonal and causal. Keys
+    may outnumber the queries (k / v `[1, K, ...]`, mask `[S, K]`: queries that also see a cached
+    prefix); every query must see at least one key.
     """
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
@@ -287,7 +289,15 @@ def packed_causal_attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tenso
     return o.transpose(1, 2)
 
 
-def varlen_causal_attend(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_len: int) -> Tensor:
+def varlen_causal_attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_len: int,
+    cu_seqlens_k: Tensor | None = None,
+    max_len_k: int = 0,
+) -> Tensor:
     """`packed_causal_attend` without a mask, for CUDA: flash attention over variable-length sequences
     (`torch.nn.attention.varlen.varlen_attn`), each sequence causal on its own.
 
@@ -297,6 +307,12 @@ def varlen_causal_attend(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, ma
     time for 16 x 256 packed positions of S2-Pro on an H200; this costs about what the sequences cost
     alone. Call it only where `varlen_causal_available` says so (else torch raises, or this raises
     RuntimeError when the torch build has no varlen attention).
+
+    cu_seqlens_k / max_len_k: key sequences longer than the query sequences (k / v `[1, K, kv_heads,
+    head_dim]`, sequence i's keys at `cu_seqlens_k[i] .. cu_seqlens_k[i + 1] - 1`): the queries are the
+    last positions of their sequence, and the causal mask is aligned to the bottom right (flash
+    attention's convention since 2.1): query j of a sequence with q_i queries and k_i keys sees keys
+    `0 .. k_i - q_i + j`. Only where `varlen_causal_available(..., cached_prefix=True)`.
     """
     fn, options = _varlen()
     if fn is None:
@@ -305,14 +321,28 @@ def varlen_causal_attend(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, ma
     if "enable_gqa" not in options:  # torch builds whose varlen_attn wants as many K/V heads as queries
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out = fn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **options)
+    if cu_seqlens_k is None:
+        cu_seqlens_k, max_len_k = cu_seqlens, max_len
+    elif "window_size" not in options:
+        raise RuntimeError("this torch build's varlen attention does not say how it aligns a causal mask")
+    out = fn(q, k, v, cu_seqlens, cu_seqlens_k, max_len, max_len_k, **options)
     return out.unsqueeze(0)
 
 
-def varlen_causal_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+def varlen_causal_available(
+    device: torch.device, dtype: torch.dtype, head_dim: int, cached_prefix: bool = False
+) -> bool:
     """True when `varlen_causal_attend` can run here: a torch with varlen attention, and what its flash
     kernel needs (a CUDA device of compute capability 8.0 or newer, 16-bit floats, a head size that is a
-    multiple of 8 and at most 256; it does not pad heads as SDPA does)."""
+    multiple of 8 and at most 256; it does not pad heads as SDPA does).
+
+    cached_prefix: with keys longer than the queries (`cu_seqlens_k`). Only builds that take causal as
+    `window_size=(-1, 0)` qualify: that always runs the flash kernel, whose causal mask is aligned to
+    the bottom right (it offsets each query by the sequence's key length minus its query length). The
+    older `is_causal=True` builds may pick cuDNN instead, and SDPA's own convention is the top left (a
+    query would not see the cached prefix beyond its own index): not relied on."""
+    if cached_prefix and "window_size" not in _varlen()[1]:
+        return False
     return (
         device.type == "cuda"
         and dtype in (torch.bfloat16, torch.float16)
