@@ -170,3 +170,23 @@ def test_timings_refuses_the_two_phase_and_batched_modes(extra, capsys, monkeypa
     monkeypatch.setattr(timing_eval, "evaluate_timings", never)
     assert main(["eval", "--timings", *[e.format(tmp=tmp_path) for e in extra]]) == 2
     assert capsys.readouterr().err.strip().startswith("tts: error: --timings runs in one phase")
+
+
+def test_timings_takes_a_seed_range(monkeypatch, capsys):
+    """`--seeds 0-1` (accepted by the option check) reaches the run as seeds 0 and 1: the run gets as far
+    as building the ASR (stopped there), with no ValueError from the seed text on the way."""
+
+    class Reached(Exception):
+        pass
+
+    seen = {}
+
+    def stop(*args, **kwargs):
+        raise Reached("stopped at the ASR")
+
+    real = timing_eval.parse_seeds
+    monkeypatch.setattr(timing_eval, "parse_seeds", lambda text: seen.setdefault("seeds", real(text)))
+    monkeypatch.setattr(timing_eval, "ASR", stop)
+    assert main(["eval", "--timings", "--seeds", "0-1", "--limit", "1"]) == 1
+    assert capsys.readouterr().err.strip() == "tts: error: Reached: stopped at the ASR"
+    assert seen["seeds"] == [0, 1]

@@ -39,21 +39,18 @@ from __future__ import annotations
 import argparse
 import difflib
 import shutil
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tts_tools.evaluate import (
     ASR,
-    EVERYDAY,
     FLITE_SPEAKERS,
-    HELDOUT,
-    PASSAGES,
+    eval_log,
+    eval_texts,
     flite_run,
-    read_sentences,
+    parse_seeds,
     sampling_options,
     voice_teacher,
     words,
@@ -299,14 +296,13 @@ def evaluate_timings(args: argparse.Namespace) -> dict:
     from tts.cli.main import apply_threads
     from tts.engine import EngineConfig
 
-    path = args.sentences or (PASSAGES if args.long else EVERYDAY if args.everyday else HELDOUT)
-    sentences = read_sentences(Path(path), args.limit, passages=args.long)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    sentences = eval_texts(args)
+    seeds = parse_seeds(args.seeds)
     asr = ASR(threads=args.asr_threads, beam_size=args.asr_beam_size)
     bundle = load_bundle(args.model, device=args.device, weights=args.weights)
     apply_threads(args, bundle)
     tts = TTS(bundle, EngineConfig(max_batch=1, loop_guard=args.loop_guard == "on"))
-    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    log = eval_log(args)
     log(f"model: {bundle.describe()}")
     sampling = {k: v for k, v in sampling_options(args).items() if v is not None}
     if args.max_new_frames:
