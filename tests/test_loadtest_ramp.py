@@ -405,3 +405,15 @@ def test_spread_arrivals_delay_worker_k_by_k_over_c_of_the_spread(monkeypatch):
         level = asyncio.run(lt._run_level([None], 4, 8, counter, lambda i: i, None, spread))
         assert sorted(slept) == expected
         assert level.ok == 8
+
+
+def test_spread_arrivals_need_a_known_request_length():
+    """Spread arrivals span one request's playback time; without --max-new-frames the length is unknown,
+    so the streams arrive at once and the settings (hence the report) say burst."""
+    from tts_tools.loadtest import ramp_arrivals
+    from tts_tools.ramp import RampSettings
+
+    assert ramp_arrivals(RampSettings(), 128, 21.5) == (RampSettings(), 128 / 21.5)
+    assert ramp_arrivals(RampSettings(), None, 21.5) == (RampSettings(spread=False), 0.0)
+    assert ramp_arrivals(RampSettings(spread=False), 128, 21.5) == (RampSettings(spread=False), 0.0)
+    assert ramp_arrivals(None, 128, 21.5) == (None, 0.0)

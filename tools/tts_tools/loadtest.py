@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import io
 import itertools
 import json
@@ -499,6 +500,19 @@ async def _scrape(url: str | None) -> dict[str, float] | None:
         return None
 
 
+def ramp_arrivals(
+    ramp: RampSettings | None, max_new_frames: int | None, frame_rate: float
+) -> tuple[RampSettings | None, float]:
+    """The ramp's settings as they will run and the spread of a level's first requests, seconds: one
+    request's playback time (`max_new_frames` / `frame_rate`) with spread arrivals; without a known
+    request length (no `max_new_frames`) the streams arrive at once, and the settings say so."""
+    if ramp is None or not ramp.spread:
+        return ramp, 0.0
+    if not max_new_frames or not frame_rate:
+        return dataclasses.replace(ramp, spread=False), 0.0
+    return ramp, max_new_frames / frame_rate
+
+
 async def run_loadtest(
     server: str,
     concurrency: list[int],
@@ -564,9 +578,7 @@ async def run_loadtest(
                 await synthesize_stream(stubs[i % len(stubs)], make_request(i), timeout)
 
             # --ramp with spread arrivals: first requests spread over one request's playback time.
-            spread_s = 0.0
-            if ramp is not None and ramp.spread and request_options.get("max_new_frames") and info.frame_rate:
-                spread_s = request_options["max_new_frames"] / info.frame_rate
+            ramp, spread_s = ramp_arrivals(ramp, request_options.get("max_new_frames"), info.frame_rate)
 
             async def run_level(c: int, n: int) -> LevelResult:
                 register_s = await register() if reference == "registered" else None
