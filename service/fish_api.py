@@ -600,7 +600,8 @@ class _LiveWriter:
         if ev.reason == "closed":
             finish = {"event": "finish", "reason": "stop"}
         else:
-            finish = {"event": "finish", "reason": "error", "message": f"session {ev.reason}"}
+            why = f": {ev.detail}" if ev.detail else ""
+            finish = {"event": "finish", "reason": "error", "message": f"session {ev.reason}{why}"}
         await self.ws.send_bytes(msgpack.packb(finish))
 
     async def _encode(self, samples: np.ndarray | None) -> bytes:

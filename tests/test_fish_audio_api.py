@@ -510,3 +510,24 @@ def test_a_client_gone_before_its_start_is_no_server_error(caplog):
         with pytest.raises(WebSocketDisconnect):
             asyncio.run(api._open(GoneSocket()))
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_clip_the_codec_cannot_encode_finishes_with_why(server, monkeypatch):
+    """The session's reference clip passes the checks but the codec fails on it: the socket's `finish`
+    error says why (not only "session error"), and everything is freed."""
+    from concurrent.futures import Future
+
+    def broken(samples):
+        future: Future = Future()
+        future.set_exception(RuntimeError("codec exploded"))
+        return future
+
+    monkeypatch.setattr(server.loop.runner.stage, "encode", broken)
+    rate = server.loop.bundle.codec.sample_rate
+    # (a clip no other test sends: the reference cache cannot answer it)
+    reference = {"audio": tone_wav(rate, 1.7), "text": "Only here."}
+    start = {"event": "start", "request": {"text": "", "format": "pcm", "references": [reference]}}
+    got = live(server, "/v1/tts/live", [start, {"event": "text", "text": "Hello."}, {"event": "stop"}])
+    assert got[-1]["event"] == "finish" and got[-1]["reason"] == "error"
+    assert got[-1]["message"].endswith("the reference clip could not be encoded: codec exploded")
+    freed(server)
