@@ -298,3 +298,24 @@ def test_synthesize_many_raises_a_failed_jobs_error_and_frees_the_others(tiny_bu
         assert many.engine.scheduler.allocator.num_free == many.engine.scheduler.allocator.num_usable
     finally:
         many.close()
+
+
+def test_synthesize_many_raises_the_first_error_not_a_cleanup_one(tiny_bundle, monkeypatch):
+    """When a step fails while jobs run, freeing them may fail too (the engine is broken): the caller gets
+    the step's error, not the cleanup's."""
+    from tts.api import TTS
+    from tts.engine import EngineConfig
+
+    tts = TTS(tiny_bundle, EngineConfig(max_batch=2))
+    jobs = [tts.prepare("Hello there.", seed=i, max_new_frames=8, min_new_frames=8) for i in range(2)]
+
+    def step_fails():
+        raise RuntimeError("the step failed")
+
+    def cleanup_fails(job_id):
+        raise RuntimeError("the cleanup failed too")
+
+    monkeypatch.setattr(tts.runner, "step", step_fails)
+    monkeypatch.setattr(tts, "_run_until_ended", cleanup_fails)
+    with pytest.raises(RuntimeError, match="the step failed"):
+        tts.synthesize_many(jobs)

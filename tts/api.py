@@ -389,8 +389,11 @@ class TTS:
                     self._wake.wait(0.1)  # the codec stage sets it when audio is decoded
         finally:  # (a failure or an interrupt: the jobs still running free their rows, blocks and slots)
             for job_id in running.values():
-                self.runner.cancel(job_id)
-                self._run_until_ended(job_id)
+                try:
+                    self.runner.cancel(job_id)
+                    self._run_until_ended(job_id)
+                except Exception:  # (logged: the error that brought us here is the one to raise)
+                    log.exception("freeing job %s after a failure failed", job_id)
         results = []
         for k, sink in enumerate(sinks):
             audio = [e for e in sink.events if isinstance(e, Audio)]
