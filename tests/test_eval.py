@@ -285,3 +285,13 @@ def test_a_loop_sample_shows_how_the_asr_hears_espeak_ng_read_the_same_text(tmp_
             "espeak_loops": [],
         }
     ]
+
+
+def test_words_the_asr_also_loses_on_espeak_are_not_the_models():
+    from tts_tools.evaluate import beyond_asr
+
+    assert beyond_asr(["an"], ["an"]) == []  # the ASR hears "and agent" on espeak-ng too
+    assert beyond_asr(["three", "an"], ["an"]) == ["three"]
+    assert beyond_asr(["the", "the"], ["the"]) == ["the"]  # counted: one of two is the ASR's
+    assert beyond_asr([], ["an"]) == []
+    assert beyond_asr(["of", "costs"], []) == ["of", "costs"]

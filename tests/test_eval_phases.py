@@ -170,6 +170,8 @@ def test_from_audio_reports_what_a_one_phase_run_reports(tmp_path, texts, monkey
     assert b == a
     # (the stand-ins made every part of the report run)
     assert a["loops"] > 0 and a["incomplete_samples"] and a["espeak"] and "complete" in a["gates"]
+    assert 0 <= a["complete"] <= a["complete_beyond_asr"] <= 1
+    assert all("espeak_missing" in entry for entry in a["incomplete_samples"])
     assert ("rtf_batched" in b) == (batch != "1")
 
 
