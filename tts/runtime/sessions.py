@@ -555,8 +555,8 @@ class Session:
         if span_tokens is not None:
             try:
                 chunk_text = model_text(text)
-                encode = planner.bundle.tokenizer.encode
-                first_tokens = word_first_tokens(words, model_text, chunk_text, encode, span_tokens)
+                ends = planner.bundle.tokenizer.token_ends
+                first_tokens = word_first_tokens(words, model_text, chunk_text, ends, span_tokens)
             except Exception:  # noqa: BLE001 - the words then take their shares of the span
                 first_tokens = None
         chunk.timer = ChunkTimer(

@@ -20,6 +20,8 @@ back, all inside the audio sent):
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import re
 import unicodedata
 from collections.abc import Callable
@@ -65,50 +67,103 @@ def word_weights(words: list[str], model_text: Callable[[str], str]) -> list[int
     return [max(len(m), 1) for m in _model_words(words, model_text)]
 
 
+MAX_JOINED = 4  # words one piece of a chunk's model text may hold (espeak joins short ones: "of the")
+JOIN_BAND = 12  # how far the words joined so far may stray from an even spread of all the chunk's joins
+
+
+def _group(own: list[int], size: list[int]) -> list[int] | None:
+    """How many consecutive words each piece holds: the grouping of words (lengths `own`) into pieces
+    (lengths `size`, in order; each holds 1 to `MAX_JOINED` words) with the least total difference
+    between a piece's length and its words' (on a tie, the later piece holds fewer words). None where
+    the words cannot be grouped so (too many or too few).
+
+    A grouping is a path of states d: the words joined to the pieces before (piece j's words start at
+    word j + d). Only d within `JOIN_BAND` of an even spread of the chunk's n - k joins are tried (all
+    of them when n - k <= `JOIN_BAND`; the even spread itself is always a grouping), so the work is
+    O(k * JOIN_BAND * MAX_JOINED), linear in the words."""
+    n, k = len(own), len(size)
+    joins = n - k
+    if not 0 <= joins <= k * (MAX_JOINED - 1):
+        return None
+    pre = [0]
+    for w in own:
+        pre.append(pre[-1] + w)
+    inf = float("inf")
+    lo, cost = 0, [0.0]  # the states before piece j: d in [lo, lo + len(cost)), their best fits
+    runs: list[tuple[int, list[int]]] = []  # per piece: its states' lo and each state's words
+    for j in range(1, k + 1):
+        centre = (2 * j * joins + k) // (2 * k)  # round(j * joins / k)
+        new_lo = max(0, joins - (MAX_JOINED - 1) * (k - j), centre - JOIN_BAND)
+        new_hi = min(joins, (MAX_JOINED - 1) * j, centre + JOIN_BAND)
+        fit, run = [inf] * (new_hi - new_lo + 1), [0] * (new_hi - new_lo + 1)
+        piece = size[j - 1]
+        for d in range(new_lo, new_hi + 1):
+            i = j + d  # words through piece j
+            best, best_g = inf, 0
+            for g in range(1, MAX_JOINED + 1):
+                p = d - g + 1 - lo  # the state before: d - (g - 1), in the last piece's list
+                if p < 0:
+                    break
+                if p >= len(cost) or cost[p] == inf:
+                    continue
+                c = cost[p] + abs(piece - (pre[i] - pre[i - g]))
+                if c < best:
+                    best, best_g = c, g
+            fit[d - new_lo], run[d - new_lo] = best, best_g
+        runs.append((new_lo, run))
+        lo, cost = new_lo, fit
+    if lo != joins or cost[0] == inf:
+        return None
+    groups, d = [0] * k, joins
+    for j in range(k, 0, -1):
+        run_lo, run = runs[j - 1]
+        groups[j - 1] = run[d - run_lo]
+        d -= groups[j - 1] - 1
+    return groups
+
+
 def word_first_tokens(
     words: list[str],
     model_text: Callable[[str], str],
     chunk_text: str,
-    encode: Callable[[str], list[int]],
+    token_ends: Callable[[str], list[int]],
     span_tokens: int,
 ) -> list[int] | None:
-    """Each word's first token in the chunk's text span: the tokens of `chunk_text` (what the model reads
-    for the whole chunk, the span's text) before the word's first character.
+    """Each word's first token in the chunk's text span: the token of `chunk_text` (what the model reads
+    for the whole chunk, the span's text) that holds the word's first character. token_ends: the
+    tokenizer's `token_ends` (each token's end, in characters of its text), so a token that carries the
+    space before a word (" do" of BPE vocabularies) is that word's first token, and a byte tokenizer's
+    space token is not.
 
     A frontend reads a chunk as a whole and may join words ("of the" -> "ʌvðə"); it never splits one.
-    So the whitespace-separated pieces of `chunk_text` are matched to runs of consecutive words, the
-    grouping whose pieces' lengths best fit their words' own lengths (`model_text` of each word alone,
-    letters only; least total difference), and words that share a piece split it by those lengths.
-    None (the caller falls back to shares of the span) when `chunk_text` has more pieces than there are
-    words, none, or is not `span_tokens` tokens long (then it is not the span's text)."""
+    So the whitespace-separated pieces of `chunk_text` are matched to runs of consecutive words (at most
+    `MAX_JOINED` a piece), the grouping whose pieces' lengths best fit their words' own lengths
+    (`model_text` of each word alone, letters only; least total difference; `_group`), and words that
+    share a piece split it by those lengths. None (the caller falls back to shares of the span) when
+    `chunk_text` has more pieces than there are words, none, too few for the words, or is not
+    `span_tokens` tokens long (then it is not the span's text)."""
     pieces = [(m.start(), m.end()) for m in re.finditer(r"\S+", chunk_text)]
     n, k = len(words), len(pieces)
-    if not 0 < k <= n or len(encode(chunk_text)) != span_tokens:
+    if not 0 < k <= n:
+        return None
+    # (running maximum: a tokenizer that trims a space token's offsets may end it before the last)
+    ends = list(itertools.accumulate(token_ends(chunk_text), max))
+    if len(ends) != span_tokens:
         return None
     own = [max(_letters(m), 1) for m in _model_words(words, model_text)]
     size = [max(_letters(chunk_text[a:b]), 1) for a, b in pieces]
-    # cost[j][i]: the best fit of words [0, i) to pieces [0, j); run[j][i]: the words of piece j - 1
-    inf = float("inf")
-    cost = [[inf] * (n + 1) for _ in range(k + 1)]
-    run = [[0] * (n + 1) for _ in range(k + 1)]
-    cost[0][0] = 0.0
-    for j in range(1, k + 1):
-        for i in range(j, n - (k - j) + 1):  # (every piece holds one word at least)
-            for g in range(1, i - j + 2):
-                c = cost[j - 1][i - g] + abs(size[j - 1] - sum(own[i - g : i]))
-                if c < cost[j][i]:
-                    cost[j][i], run[j][i] = c, g
-    starts = [0] * n
-    i = n
-    for j in range(k, 0, -1):
-        g = run[j][i]
-        a, b = pieces[j - 1]
-        total, acc = sum(own[i - g : i]), 0
-        for w in range(i - g, i):
-            starts[w] = a + round((b - a) * acc / total)
-            acc += own[w]
-        i -= g
-    return [len(encode(chunk_text[:c])) for c in starts]
+    groups = _group(own, size)
+    if groups is None:
+        return None
+    starts, w = [], 0
+    for (a, b), g in zip(pieces, groups, strict=True):
+        total, acc = sum(own[w : w + g]), 0
+        for x in range(w, w + g):
+            starts.append(a + round((b - a) * acc / total))
+            acc += own[x]
+        w += g
+    # the token holding each word's first character: the first whose end lies past it
+    return [bisect.bisect_right(ends, c) for c in starts]
 
 
 class ChunkTimer:

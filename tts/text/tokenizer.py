@@ -34,7 +34,9 @@ class TokenizerLike(Protocol):
     `<|semantic:i|>` id range, the `<|im_end|>` id, and `special_tokens`: every id that `encode` makes of
     such an inline token (prompts use it to keep user text from producing them). `TextTokenizer` (Hugging
     Face tokenizer.json) and `tts.checkpoints.fish.tokenizer.TiktokenTokenizer` (fish-speech's tiktoken files)
-    implement it."""
+    implement it. `token_ends`: for each token of `encode(text)`, the character offset in `text` where it
+    ends; a token that ends inside a character (byte-level tokens may split one) ends after it, so the
+    token holding a character's first byte is the first whose end passes that character's offset."""
 
     semantic_begin_id: int
     semantic_end_id: int
@@ -47,6 +49,8 @@ class TokenizerLike(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def token_ends(self, text: str) -> list[int]: ...
 
     def token_id(self, token: str) -> int: ...
 
@@ -87,6 +91,11 @@ class TextTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def token_ends(self, text: str) -> list[int]:
+        """For each token of `encode(text)`, the character offset in `text` where it ends (the
+        tokenizer's own offsets: every token of a character split into several ends after it)."""
+        return [end for _, end in self.tokenizer.encode(text, add_special_tokens=False).offsets]
 
     def token_id(self, token: str) -> int:
         i = self.tokenizer.token_to_id(token)

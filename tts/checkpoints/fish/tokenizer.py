@@ -186,6 +186,16 @@ class TiktokenTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(list(ids))
 
+    def token_ends(self, text: str) -> list[int]:
+        """For each token of `encode(text)`, the character offset in `text` where it ends: the characters
+        whose first byte lies in it or before it (a token of a character's later bytes only ends after
+        that character too)."""
+        ends, chars = [], 0
+        for piece in self._enc.decode_tokens_bytes(self.encode(text)):
+            chars += sum(1 for b in piece if not 0x80 <= b < 0xC0)  # (not a UTF-8 continuation byte)
+            ends.append(chars)
+        return ends
+
     def token_id(self, token: str) -> int:
         """The id of a special token, or of text that encodes to exactly one token."""
         if token in self.special_ids:
