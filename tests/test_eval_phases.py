@@ -314,3 +314,25 @@ def test_from_audio_refuses_a_missing_or_broken_manifest_with_one_line(
         assert err.startswith(expected[:-3])
     else:
         assert err.strip() == expected
+
+
+def test_eval_loads_the_model_in_the_dtype_asked_for(monkeypatch, capsys, tmp_path):
+    """`tts eval --dtype bfloat16` loads the weights in bfloat16 (the option was parsed and then not
+    passed on): the load is stopped there, the dtype it was asked for recorded."""
+    import torch
+
+    import tts.checkpoints.load
+    from tts.cli.main import main
+
+    asked = {}
+
+    def load(spec, device="cpu", dtype=None, **kwargs):
+        asked["dtype"] = dtype
+        raise RuntimeError("stopped at the load")
+
+    monkeypatch.setattr(tts.checkpoints.load, "load_bundle", load)
+    out = tmp_path / "audio"  # (the synthesis phase: no ASR needed)
+    argv = ["eval", "--dtype", "bfloat16", "--limit", "1", "--seeds", "0", "--synthesize-only"]
+    assert main([*argv, "--audio-dir", str(out)]) == 1
+    assert asked["dtype"] == torch.bfloat16
+    assert "stopped at the load" in capsys.readouterr().err

@@ -475,11 +475,11 @@ def load_for_eval(args: argparse.Namespace, n_texts: int, seeds: list[int], log)
     up. Returns (the TTS, the run's settings: the report's and the manifest's first keys)."""
     from tts.api import TTS
     from tts.checkpoints.load import load_bundle
-    from tts.cli.main import apply_threads
+    from tts.cli.main import apply_threads, torch_dtype
     from tts.engine import EngineConfig
 
     t0 = time.perf_counter()
-    bundle = load_bundle(args.model, device=args.device, weights=args.weights)
+    bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype), weights=args.weights)
     apply_threads(args, bundle)  # as `tts synthesize` runs it, so the RTF below is the CLI's
     config = EngineConfig(
         max_batch=args.batch,

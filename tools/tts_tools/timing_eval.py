@@ -293,13 +293,13 @@ def evaluate_timings(args: argparse.Namespace) -> dict:
     """Run the comparison (module docstring); returns the report, every sample under `samples`."""
     from tts.api import TTS
     from tts.checkpoints.load import load_bundle
-    from tts.cli.main import apply_threads
+    from tts.cli.main import apply_threads, torch_dtype
     from tts.engine import EngineConfig
 
     sentences = eval_texts(args)
     seeds = parse_seeds(args.seeds)
     asr = ASR(threads=args.asr_threads, beam_size=args.asr_beam_size)
-    bundle = load_bundle(args.model, device=args.device, weights=args.weights)
+    bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype), weights=args.weights)
     apply_threads(args, bundle)
     tts = TTS(bundle, EngineConfig(max_batch=1, loop_guard=args.loop_guard == "on"))
     log = eval_log(args)
