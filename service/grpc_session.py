@@ -374,7 +374,9 @@ class _SessionCall:
 
     async def _end(self, event: SessionEnded) -> None:
         """The session ended (its end message written): count and log the call; a session the server ended
-        ("preempted", "shutdown", "error") ends the call with RESOURCE_EXHAUSTED / UNAVAILABLE / INTERNAL."""
+        ("preempted", "shutdown", "error") ends the call with RESOURCE_EXHAUSTED / UNAVAILABLE / INTERNAL,
+        or, for an error the client's clip caused (`SessionEnded.error`), that error's status (as for a
+        one-shot request: INVALID_ARGUMENT for an AudioError)."""
         call, metrics = self.call, self.servicer.metrics
         call.audio_seconds = self.samples / self.rate
         metrics.audio_seconds.inc(call.audio_seconds)
@@ -383,7 +385,7 @@ class _SessionCall:
                 event.detail or "the session's audio was not read while other requests waited"
             ),
             "shutdown": LoopClosed("the server shut down; the session ended"),
-            "error": SessionEndedByServer(event.detail or "the session could not open"),
+            "error": event.error or SessionEndedByServer(event.detail or "the session could not open"),
         }.get(event.reason)
         if failure is not None:
             await self.servicer._abort(self.context, failure, self.call)

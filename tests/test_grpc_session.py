@@ -487,3 +487,32 @@ def test_a_clip_the_codec_cannot_encode_ends_the_session_with_why_and_frees_ever
     assert code == grpc.StatusCode.INTERNAL
     assert details.endswith("the reference clip could not be encoded: codec exploded")
     freed(server)
+
+
+def test_a_clip_the_codec_refuses_as_bad_audio_is_the_clients_error(server, bundle, monkeypatch):
+    """The codec refuses the clip with an AudioError (bad input, as a one-shot request's would be): the
+    session ends, the call with INVALID_ARGUMENT saying why (not INTERNAL), and everything is freed."""
+    from tts.codec.base import AudioError
+
+    def refused(samples):
+        future: Future = Future()
+        future.set_exception(AudioError("the clip is silent once decoded"))
+        return future
+
+    monkeypatch.setattr(server.loop.runner.stage, "encode", refused)
+    # (a clip no other test sends: the reference cache cannot answer it)
+    voice = pb.Voice(
+        reference=pb.ReferenceAudio(audio=tone_wav(bundle.codec.sample_rate, 1.6), text="Twice.")
+    )
+
+    async def body(stub):
+        call = stub.SynthesizeSession()
+        await call.write(start(6, voice=voice))
+        messages = await read_until(call, lambda m: kind(m) == "end")
+        return messages, await status_of(call)
+
+    messages, (code, details, _) = run(server, body)
+    assert [kind(m) for m in messages] == ["header", "warning", "end"] and messages[-1].end.reason == "error"
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.endswith("the clip is silent once decoded")
+    freed(server)

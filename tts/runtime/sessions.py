@@ -193,12 +193,15 @@ class SessionEnded:
     row: RESOURCE_EXHAUSTED), "shutdown" (the server stopped or went out of service: UNAVAILABLE) or
     "error" (it could not open, or its reference clip could not be encoded). Its KV, its codec stream and
     every row are freed. detail: why, in one line, where the reason alone does not say (a preemption: a
-    reader too slow, or the KV cache full; a clip that did not encode)."""
+    reader too slow, or the KV cache full; a clip that did not encode). error: for "error", the exception
+    behind it where the client's input may have caused it (the codec's ValueError on the clip, e.g.
+    AudioError), so that a front answers it as it answers the same error of a one-shot request."""
 
     session_id: str
     reason: str
     audio_samples: int
     detail: str = ""
+    error: Exception | None = None
 
 
 @dataclass
@@ -512,7 +515,7 @@ class Session:
         except Exception as exc:  # noqa: BLE001 - the codec failed on the clip: this session cannot speak
             message = f"the reference clip could not be encoded: {exc}"
             self.events.append(SessionWarning(self.id, message))
-            self._end("error", message)
+            self._end("error", message, exc if isinstance(exc, ValueError) else None)
             return False
         self.references = [voice, *self.references]
         return True
@@ -694,7 +697,7 @@ class Session:
             kept.append(turn)
         return kept[::-1]
 
-    def _end(self, reason: str, detail: str = "") -> None:
+    def _end(self, reason: str, detail: str = "", error: Exception | None = None) -> None:
         if self.ended:
             return
         self.ended = True
@@ -709,7 +712,7 @@ class Session:
             self.manager.runner.stage.close(self.slot)
             self.slot = None
         self.manager._forget(self)
-        self.events.append(SessionEnded(self.id, reason, self.samples, detail))
+        self.events.append(SessionEnded(self.id, reason, self.samples, detail, error))
 
 
 @dataclass
