@@ -57,7 +57,7 @@ from service.common import (
 )
 from service.grpc_gen.v1 import tts_pb2 as pb
 from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
-from service.grpc_session import Wire, run_session
+from service.grpc_session import Wire, given_sampling, run_session
 from service.metrics import ServiceMetrics
 from tts.audio.files import to_pcm16
 from tts.checkpoints.bundle import ModelBundle
@@ -147,23 +147,11 @@ class PreparedRequest:
     include_codes: bool
 
 
-PROTO_SAMPLING = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "max_new_frames",
-    "min_new_frames",
-    "repetition_penalty",
-)
-
-
 def speech_request(request: pb.SynthesizeRequest) -> tuple[SpeechRequest, pb.AudioEncoding, bool]:
     """A SynthesizeRequest as the runtime's SpeechRequest, with the reply's encoding and whether it carries
     the codes (0 chunk sizes: the server's defaults; an unset field: the model's default). Raises
     InvalidField for an unknown encoding; every other rule is the SpeechRequest's."""
-    s = request.sampling
-    sampling = Sampling(**{name: getattr(s, name) for name in PROTO_SAMPLING if s.HasField(name)})
+    sampling = Sampling(**given_sampling(request.sampling))
     source = request.voice.WhichOneof("source")
     ref = request.voice.reference
     out = request.output

@@ -83,6 +83,11 @@ SAMPLING = (
 )
 
 
+def given_sampling(s: pb.SamplingOptions) -> dict:
+    """The sampling options a request or session start sets (an unset field: the model's default)."""
+    return {name: getattr(s, name) for name in SAMPLING if s.HasField(name)}
+
+
 @dataclass(frozen=True)
 class Wire:
     """What the gRPC front lends this module (it imports this one, not the other way round):
@@ -109,8 +114,7 @@ def session_settings(
     ...), as the session's own checks would find it but with the field named."""
     planner = servicer.loop.planner
     source = start.voice.WhichOneof("source")
-    s = start.sampling
-    sampling = {name: getattr(s, name) for name in SAMPLING if s.HasField(name)}
+    sampling = given_sampling(start.sampling)
     for name, value in sampling.items():  # each value alone, so that the error names its field
         alone = {name: value}
         if name == "min_new_frames" and "max_new_frames" in sampling:  # (bounded by it)
