@@ -22,6 +22,7 @@ from service.common import ServiceLimits
 from service.grpc_gen.v1 import tts_pb2 as pb
 from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
 from tts.checkpoints.load import load_bundle
+from tts.codec.base import AudioError
 from tts.engine import EngineConfig
 from tts.model.kv_cache import blocks_needed
 from tts.runtime.request import ReferenceClip, prepare_reference
@@ -464,17 +465,37 @@ def test_a_bad_reference_clip_in_start_gets_the_one_shot_error_and_frees_everyth
         freed(server)
 
 
+@pytest.mark.parametrize(
+    "error, duration, code, why",
+    [
+        # a failure of the codec: the server's (INTERNAL)
+        (
+            RuntimeError("codec exploded"),
+            1.5,
+            grpc.StatusCode.INTERNAL,
+            "could not be encoded: codec exploded",
+        ),
+        # bad audio (an AudioError): the client's, as for a one-shot request (INVALID_ARGUMENT)
+        (
+            AudioError("the clip is silent once decoded"),
+            1.6,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "silent once decoded",
+        ),
+    ],
+)
 def test_a_clip_the_codec_cannot_encode_ends_the_session_with_why_and_frees_everything(
-    server, bundle, monkeypatch
+    server, bundle, monkeypatch, error, duration, code, why
 ):
     def broken(samples):
         future: Future = Future()
-        future.set_exception(RuntimeError("codec exploded"))
+        future.set_exception(error)
         return future
 
     monkeypatch.setattr(server.loop.runner.stage, "encode", broken)
     # (a clip no other test sends: the reference cache cannot answer it)
-    voice = pb.Voice(reference=pb.ReferenceAudio(audio=tone_wav(bundle.codec.sample_rate, 1.5), text="Once."))
+    clip = tone_wav(bundle.codec.sample_rate, duration)
+    voice = pb.Voice(reference=pb.ReferenceAudio(audio=clip, text="Once."))
 
     async def body(stub):
         call = stub.SynthesizeSession()
@@ -482,37 +503,8 @@ def test_a_clip_the_codec_cannot_encode_ends_the_session_with_why_and_frees_ever
         messages = await read_until(call, lambda m: kind(m) == "end")
         return messages, await status_of(call)
 
-    messages, (code, details, _) = run(server, body)
+    messages, (got, details, _) = run(server, body)
     assert [kind(m) for m in messages] == ["header", "warning", "end"] and messages[-1].end.reason == "error"
-    assert code == grpc.StatusCode.INTERNAL
-    assert details.endswith("the reference clip could not be encoded: codec exploded")
-    freed(server)
-
-
-def test_a_clip_the_codec_refuses_as_bad_audio_is_the_clients_error(server, bundle, monkeypatch):
-    """The codec refuses the clip with an AudioError (bad input, as a one-shot request's would be): the
-    session ends, the call with INVALID_ARGUMENT saying why (not INTERNAL), and everything is freed."""
-    from tts.codec.base import AudioError
-
-    def refused(samples):
-        future: Future = Future()
-        future.set_exception(AudioError("the clip is silent once decoded"))
-        return future
-
-    monkeypatch.setattr(server.loop.runner.stage, "encode", refused)
-    # (a clip no other test sends: the reference cache cannot answer it)
-    voice = pb.Voice(
-        reference=pb.ReferenceAudio(audio=tone_wav(bundle.codec.sample_rate, 1.6), text="Twice.")
-    )
-
-    async def body(stub):
-        call = stub.SynthesizeSession()
-        await call.write(start(6, voice=voice))
-        messages = await read_until(call, lambda m: kind(m) == "end")
-        return messages, await status_of(call)
-
-    messages, (code, details, _) = run(server, body)
-    assert [kind(m) for m in messages] == ["header", "warning", "end"] and messages[-1].end.reason == "error"
-    assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert details.endswith("the clip is silent once decoded")
+    assert got == code
+    assert details.endswith(why)
     freed(server)
