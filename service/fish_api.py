@@ -196,12 +196,17 @@ class FishAPI:
     # ---- the request ----
 
     def output_rate(self, fmt: str) -> int:
-        return AudioEncoder(fmt, self.bundle.codec.sample_rate).output_rate
+        """The sample rate `fmt` is written at (a probe encoder, closed at once)."""
+        probe = AudioEncoder(fmt, self.bundle.codec.sample_rate)
+        try:
+            return probe.output_rate
+        finally:
+            probe.close()
 
     def settings(self, r: FishTTSRequest) -> tuple[Sampling, ReferenceClip | None, str | None, float, float]:
         """(sampling, reference clip, voice name, speed, linear gain) of a request; raises InvalidField."""
-        rate = self.output_rate(r.format)
-        if r.sample_rate is not None and r.sample_rate != rate:
+        # (checked only where the client names a rate: the probe builds an encoder)
+        if r.sample_rate is not None and r.sample_rate != (rate := self.output_rate(r.format)):
             raise InvalidField(
                 "sample_rate", f"sample_rate {r.sample_rate} is not available for {r.format}: {rate} Hz only"
             )

@@ -438,11 +438,6 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         field = error_field(exc, names)
         await context.abort(code, details, trailing_metadata=((FIELD_METADATA, field),) if field else ())
 
-    @staticmethod
-    def _log(call: CallLog) -> None:
-        """The call's one log line (`service.common.log_call`)."""
-        log_call(call)
-
     def _header(self, started: Started, prepared: PreparedRequest) -> pb.StreamHeader:
         codec = self.bundle.codec
         return pb.StreamHeader(

@@ -1252,13 +1252,7 @@ class HTTPFront:
         except (InvalidRequest, AudioError, LoopClosed) as exc:
             return api_error(exc, VOICE_FORM_FIELDS).response()
         log.info("voice added name=%s seconds=%.2f", entry.name, entry.seconds(self.bundle.codec.frame_rate))
-        body = {
-            "name": entry.name,
-            "kind": entry.kind,
-            "transcript": entry.voice.text,
-            "seconds": round(entry.seconds(self.bundle.codec.frame_rate), 2),
-        }
-        return JSONResponse(body, status_code=200 if entry.replaced else 201)
+        return JSONResponse(self._voice_json(entry), status_code=200 if entry.replaced else 201)
 
     async def speech(self, request: Request) -> Response:
         """`POST /v1/audio/speech`: read (size-limited), parse and validate the body, admit the job and wait

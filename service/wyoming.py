@@ -497,12 +497,11 @@ class _Connection:
     def _begin(self, rpc: str, voice: str | None, label: str) -> SentenceJobs | SessionSpeech:
         call = CallLog(rpc, time.monotonic())
         streaming = rpc == "wyoming-stream"
+        self.call = call  # (before opening: a session that cannot open is counted as this request)
         if streaming:
-            self.call = call  # (a session that cannot open is counted as this request)
             self.jobs = SessionSpeech(self.front, voice, label)
         else:
             self.jobs = SentenceJobs(self.front, voice, label, streamed=False)
-        self.call = call
         self.speaker = asyncio.ensure_future(self._speak(self.jobs, streaming))
         return self.jobs
 

@@ -997,6 +997,7 @@ def test_a_write_that_fails_because_the_client_left_is_one_cancel_line(server, c
     its line was already written (the end message's write failing after the call logged `ok`)."""
     import asyncio
 
+    from service.common import log_call
     from service.grpc_front import CALL_ENDED
 
     servicer = server.server.servicer
@@ -1013,7 +1014,7 @@ def test_a_write_that_fails_because_the_client_left_is_one_cancel_line(server, c
         async with servicer._synthesis_call("Synthesize", Context()) as call:
             if already_logged:
                 call.outcome = "ok"
-                servicer._log(call)
+                log_call(call)
             raise CALL_ENDED("Failed execute_batch")
 
     before = {o: count(o) for o in ("cancelled", "error", "ok")}

@@ -254,10 +254,8 @@ def expected_seconds(tts, text: str, voice: str | None) -> float | None:
     planner = tts.planner
     if getattr(planner.bundle, "aligner", None) is None:
         return None
-    try:
-        from tts.runtime.planner import PACE_FRAMES, PACE_FRAMES_PER_TOKEN
-    except ImportError:  # (a runtime from before paced budgets: the same pace)
-        PACE_FRAMES, PACE_FRAMES_PER_TOKEN = 8.0, 0.8
+    from tts.runtime.planner import PACE_FRAMES, PACE_FRAMES_PER_TOKEN
+
     references, frames = tts.voice(voice), 0.0
     for chunk in tts.plan(text):
         _, span = planner.prompt_with_span(chunk, references, [], planner.sampling_params())

@@ -50,6 +50,7 @@ from tts_tools.evaluate import (
     eval_log,
     eval_texts,
     flite_run,
+    load_for_eval,
     parse_seeds,
     sampling_options,
     voice_teacher,
@@ -291,19 +292,12 @@ def speak(tts, text: str, seed: int, voice: str | None, sampling: dict) -> tuple
 
 def evaluate_timings(args: argparse.Namespace) -> dict:
     """Run the comparison (module docstring); returns the report, every sample under `samples`."""
-    from tts.api import TTS
-    from tts.checkpoints.load import load_bundle
-    from tts.cli.main import apply_threads, torch_dtype
-    from tts.engine import EngineConfig
-
     sentences = eval_texts(args)
     seeds = parse_seeds(args.seeds)
     asr = ASR(threads=args.asr_threads, beam_size=args.asr_beam_size)
-    bundle = load_bundle(args.model, device=args.device, dtype=torch_dtype(args.dtype), weights=args.weights)
-    apply_threads(args, bundle)
-    tts = TTS(bundle, EngineConfig(max_batch=1, loop_guard=args.loop_guard == "on"))
     log = eval_log(args)
-    log(f"model: {bundle.describe()}")
+    tts, _ = load_for_eval(args, len(sentences), seeds, log)  # (--timings runs at --batch 1)
+    bundle = tts.bundle
     sampling = {k: v for k, v in sampling_options(args).items() if v is not None}
     if args.max_new_frames:
         sampling["max_new_frames"] = args.max_new_frames
