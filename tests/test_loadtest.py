@@ -393,3 +393,25 @@ def test_bench_server_sessions_reports_exact_counts(server, tmp_path, capsys):
     assert "clause -> first audio" in capsys.readouterr().out
     wait_idle(server.loop)
     assert server.loop.sessions_open == 0
+
+
+def test_a_session_start_carries_every_request_option():
+    """`--sessions` starts its sessions with the options a one-shot request would carry (top-p and top-k
+    were dropped before)."""
+    from tts_tools.session_bench import _session_start
+
+    from service.grpc_gen.v1 import tts_pb2 as pb
+
+    options = {"seed": 3, "top_p": 0.8, "top_k": 5, "temperature": 0.7, "max_new_frames": 64}
+    options |= {"min_new_frames": None, "voice": "ava", "encoding": "float32"}
+    start = _session_start(pb, options | {"first_chunk_frames": None, "chunk_frames": 8})
+    s = start.sampling
+    assert (s.seed, round(s.top_p, 6), s.top_k, round(s.temperature, 6)) == (3, 0.8, 5, 0.7)
+    assert s.max_new_frames == 64 and not s.HasField("min_new_frames")
+    assert start.voice.name == "ava"
+    output = start.output
+    assert (output.encoding, output.first_chunk_frames, output.chunk_frames) == (
+        pb.AUDIO_ENCODING_FLOAT32,
+        0,
+        8,
+    )

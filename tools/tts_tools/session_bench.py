@@ -76,28 +76,12 @@ async def _one_session(stub, pb, i: int, barge_in: bool, options: dict, wps: flo
 
 
 def _session_start(pb, options: dict):
-    """The `SessionStart` message of a session run with `options` (see `run_sessions`)."""
-    sampling = pb.SamplingOptions(
-        **{
-            k: options[k]
-            for k in ("seed", "max_new_frames", "min_new_frames", "temperature")
-            if options.get(k) is not None
-        }
-    )
-    encoding = (
-        pb.AUDIO_ENCODING_PCM16 if options.get("encoding", "pcm16") == "pcm16" else pb.AUDIO_ENCODING_FLOAT32
-    )
-    start = pb.SessionStart(
-        sampling=sampling,
-        output=pb.OutputOptions(
-            encoding=encoding,
-            first_chunk_frames=options.get("first_chunk_frames") or 0,
-            chunk_frames=options.get("chunk_frames") or 0,
-        ),
-    )
-    if options.get("voice"):
-        start.voice.name = options["voice"]
-    return start
+    """The `SessionStart` message of a session run with `options` (see `run_sessions`): voice, sampling
+    and output as `service.client.build_request` sets them for a one-shot request."""
+    from service.client import build_request
+
+    request = build_request("", **{k: v for k, v in options.items() if v is not None})
+    return pb.SessionStart(voice=request.voice, sampling=request.sampling, output=request.output)
 
 
 class _SessionScript:
@@ -244,7 +228,7 @@ async def run_sessions(
     """Run `sessions` concurrent sessions against `server` (HOST:PORT); returns the report (see the
     module docstring). spread_seconds: session i starts i x spread_seconds / sessions after the first
     (0: all at once). options: seed (session i uses seed + i), max_new_frames, min_new_frames,
-    temperature, voice, encoding ("pcm16" / "float32"), first_chunk_frames, chunk_frames."""
+    temperature, top_p, top_k, voice, encoding ("pcm16" / "float32"), first_chunk_frames, chunk_frames."""
     import grpc
 
     from service.client import channel_options
@@ -365,6 +349,8 @@ def run_sessions_from_args(args) -> int:
                 max_new_frames=args.max_new_frames,
                 min_new_frames=args.min_new_frames,
                 temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
                 voice=args.voice,
                 encoding=args.encoding,
                 first_chunk_frames=args.first_chunk_frames,
