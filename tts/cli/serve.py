@@ -312,18 +312,10 @@ def check_server_address(server: str) -> None:
         raise UserError(f"--server {server}: the port must be in 1..65535")
 
 
-def check_listen(host: str, port: int, port_option: str, host_option: str, purpose: str = "") -> None:
-    """Raise UserError unless a socket can listen on host:port now (a trial bind, SO_REUSEADDR as gRPC
-    and the metrics server use): `cannot listen on 127.0.0.1:9464 for metrics: address already in use
-    (--metrics-port)`."""
-    problem = listen_problem(host, port, port_option, host_option, purpose)
-    if problem is not None:
-        raise UserError(f"cannot listen on {problem}")
-
-
 def listen_problem(host: str, port: int, port_option: str, host_option: str, purpose: str = "") -> str | None:
-    """Why a socket cannot listen on host:port now (a trial bind, as `check_listen`), as
-    `127.0.0.1:9464 for metrics: address already in use (--metrics-port)`; None when it can."""
+    """Why a socket cannot listen on host:port now (a trial bind, SO_REUSEADDR as gRPC and the metrics
+    server use), as `127.0.0.1:9464 for metrics: address already in use (--metrics-port)`; None when it
+    can."""
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         family, kind, proto, _, sockaddr = socket.getaddrinfo(
@@ -339,7 +331,7 @@ def listen_problem(host: str, port: int, port_option: str, host_option: str, pur
 
 
 def check_all_listen(fronts: list[tuple[str, int, str, str, str]]) -> None:
-    """`check_listen` for every (host, port, port option, host option, purpose) at once: one UserError
+    """`listen_problem` for every (host, port, port option, host option, purpose) at once: one UserError
     naming every address that cannot be listened on (a second `tts serve` hears of all its busy ports
     in one go, not one per attempt)."""
     taken: dict[tuple[str, int], str] = {}
@@ -750,14 +742,21 @@ def cmd_client(args: argparse.Namespace) -> int:
         return 1
     end = result.end
     header_warnings = list(result.header.warnings)
-    short = 3 in end.text_chunk_finish_reasons  # (tts.v1.FINISH_REASON_SHORT)
+    from service.grpc_gen.v1 import tts_pb2 as pb
+
+    short = pb.FINISH_REASON_SHORT in end.text_chunk_finish_reasons
     if refuse_partial(args, short, header_warnings + [w for w in end.warnings if w not in header_warnings]):
         return EXIT_INCOMPLETE
     write_output(out, result.audio, result.sample_rate, fmt, pcm_float=args.encoding == "float32")
     # Before the `wrote` line, as `tts synthesize` prints them: the summary line comes last.
     for warning in header_warnings + [w for w in end.warnings if w not in header_warnings]:
         print(f"warning: {warning}", file=sys.stderr)
-    reasons = {1: "stop", 2: "length", 3: "short", 4: "loop"}
+    reasons = {
+        pb.FINISH_REASON_STOP: "stop",
+        pb.FINISH_REASON_LENGTH: "length",
+        pb.FINISH_REASON_SHORT: "short",
+        pb.FINISH_REASON_LOOP: "loop",
+    }
     ttfa = f"{result.ttfa * 1000:.0f} ms" if result.ttfa is not None else "-"
     print(
         f"wrote {'stdout' if args.output == '-' else out} ({fmt.name}): {end.frames} frames, "

@@ -64,9 +64,6 @@ class TextFieldError(RequestError, TextError):
 class UnknownVoice(RequestError, VoiceNotFound):
     """A voice name that no preset or registered voice has (NOT_FOUND, HTTP 404)."""
 
-    def __str__(self) -> str:
-        return self.message()
-
 
 def with_field(exc: Exception, field: str) -> Exception:
     """`exc` (a TextError, InvalidRequest, AudioError or VoiceNotFound: raised by the layers below, which
