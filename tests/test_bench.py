@@ -121,3 +121,30 @@ def test_bench_refuses_a_context_too_small_for_the_run(capsys):
     assert main(["bench", "--model", "tiny", "--max-context", "5", "--modes", "eager"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("tts: error: the context (--max-context") and err.endswith("got 5")
+
+
+def test_bench_runs_batches_larger_than_the_engines_default_queue(tmp_path):
+    # Every request of a batch is submitted before the first step, so the queue must hold them all
+    # (the engine's default bound is 16 waiting requests).
+    rc = main(
+        [
+            "bench",
+            "--model",
+            "tiny",
+            "--modes",
+            "eager",
+            "--batch-sizes",
+            "17",
+            "--frames",
+            "2",
+            "--warmup-frames",
+            "1",
+            "--prompt-tokens",
+            "8",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert rc == 0
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["batch"] for r in data["results"]] == [17]

@@ -140,6 +140,7 @@ def bench_one(model, mode: str, batch: int, args) -> dict:
         model,
         EngineConfig(
             max_batch=batch,
+            max_waiting=batch,  # every request is submitted before the first step
             graphs="startup" if mode == "graph" else "off",
             buckets=args.buckets,
             max_context=args.max_context,
