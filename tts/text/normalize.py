@@ -470,18 +470,16 @@ def remove_control_characters(text: str, keep_joiners: bool = False) -> str:
     return "".join(ch for ch in text if ch in keep or unicodedata.category(ch) != "Cf")
 
 
-# Inline control tags (`<|speaker:0|>` and the like) pass through normalization untouched.
-_TAG = re.compile(r"<\|[^|<>\s]{1,64}\|>")
-_SPEAKER_TAG = re.compile(r"(<\|speaker:\d+\|>)")
-
 # ---- tags in user text --------------------------------------------------------------------------------
 # `<|...|>` tags are the prompt formats' control tokens (`<|im_end|>`, `<|voice|>`, `<|semantic:N|>`) and
 # the tokenizers recognize them inline, so user text may hold only the tags its prompt format documents
 # for users (a format's `user_tags`; S2's `<|speaker:N|>`). A tag is `<|`, then anything without `<|`,
 # `|>` or white space, then `|>` (no tokenizer's special token holds white space, and the prompt builder
 # checks the token ids again); a lone `<|` or `|>`, or a pair around words ("<| and |>"), is plain text.
+# Inline tags pass through normalization untouched. Every module that looks for tags uses these two.
+TAG = re.compile(r"<\|(?:(?!<\||\|>)\S)*\|>")
 SPEAKER_TAG = re.compile(r"<\|speaker:[0-9]+\|>")
-_ANY_TAG = re.compile(r"<\|(?:(?!<\||\|>)\S)*\|>")
+_SPEAKER_TURN = re.compile(f"({SPEAKER_TAG.pattern})")  # (split keeps the tags)
 MAX_TAG_CHARS = 40  # a longer tag is cut in the middle in error messages
 
 
@@ -511,7 +509,7 @@ def check_user_tags(text: str, allowed: re.Pattern | None) -> None:
     """Raise InvalidRequest naming the first `<|...|>` tag in `text` that `allowed` does not fully match
     (None: no tag is allowed)."""
     charge(len(text))
-    for m in _ANY_TAG.finditer(text):
+    for m in TAG.finditer(text):
         if allowed is None or not allowed.fullmatch(m.group()):
             raise reserved_tag_error(m.group(), allowed)
 
@@ -532,10 +530,10 @@ def normalize_text(text: str) -> str:
     first (`remove_control_characters`), inline tags such as `<|speaker:1|>` are kept as they are.
     Raises TextError if nothing speakable remains or the text holds a lone surrogate."""
     text = remove_control_characters(text)
-    tags = _TAG.findall(text)
+    tags = TAG.findall(text)
     if not tags:
         return _normalize_plain(text)
-    pieces = [_normalize_plain(p, allow_empty=True) for p in _TAG.split(text)]
+    pieces = [_normalize_plain(p, allow_empty=True) for p in TAG.split(text)]
     out = pieces[0]
     for tag, piece in zip(tags, pieces[1:], strict=True):
         out = f"{out} {tag}{piece}" if out else f"{tag}{piece}"
@@ -550,7 +548,7 @@ def split_speaker_turns(text: str, max_bytes: int, max_speakers: int = 5) -> lis
     `split_text_by_speaker` / `group_turns_into_batches`, docs/fish_dual_ar.md §3.2). Text before the first
     tag is kept as a turn of its own (fish-speech drops it); a turn longer than `max_bytes` is split like
     plain text, each piece keeping its tag."""
-    parts = _SPEAKER_TAG.split(text)
+    parts = _SPEAKER_TURN.split(text)
     turns = [parts[0].strip()] if parts[0].strip() else []
     for tag, body in zip(parts[1::2], parts[2::2], strict=True):
         body = body.strip()
@@ -572,7 +570,7 @@ def split_speaker_turns(text: str, max_bytes: int, max_speakers: int = 5) -> lis
 
 
 def has_speaker_tags(text: str) -> bool:
-    return bool(_SPEAKER_TAG.search(text))
+    return bool(SPEAKER_TAG.search(text))
 
 
 def _sub(pattern: re.Pattern, repl, text: str) -> str:

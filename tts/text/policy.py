@@ -36,6 +36,7 @@ import regex
 from tts.text.budget import charge
 from tts.text.markup import render_markup
 from tts.text.normalize import (
+    TAG,
     TextError,
     check_user_tags,
     has_speaker_tags,
@@ -66,7 +67,7 @@ class TextPlan:
 
 def _check_speakable(text: str) -> None:
     charge(len(text))
-    if not any(ch.isalnum() for ch in _ANY_TAG.sub("", text)):
+    if not any(ch.isalnum() for ch in TAG.sub("", text)):
         raise TextError(NOTHING_TO_SPEAK)
 
 
@@ -88,9 +89,6 @@ def check_speakable(text: str) -> None:
     """The checks every policy makes, without a model: raises TextError for text with nothing to speak
     (empty, whitespace, punctuation or control characters only) or a lone surrogate."""
     _check_speakable(remove_control_characters(text))
-
-
-_ANY_TAG = re.compile(r"<\|[^|<>\s]*\|>")  # (as tts.text.normalize: no white space inside)
 
 
 class EnglishPolicy:
@@ -284,7 +282,7 @@ def _dropped_warning(dropped: dict[str, int]) -> str:
 def _check_english_left(text: str, dropped: dict[str, int]) -> None:
     """Refuse text whose other-script runs were dropped and that has no English word left: nothing, or
     only numbers and symbols (read alone they would be a salad of numbers out of their sentences)."""
-    if not any(ch.isalpha() for ch in _ANY_TAG.sub("", text)):
+    if not any(ch.isalpha() for ch in TAG.sub("", text)):
         raise TextError(
             f"this model reads English only, and the text is {_script_list(dropped)} text with nothing "
             "English to read; use a multilingual model such as Fish Audio S2-Pro"

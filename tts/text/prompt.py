@@ -209,9 +209,6 @@ class S2PromptFormat:
         return p.build(), span
 
 
-_SPEAKER_TAG = re.compile(r"<\|speaker:\d+\|>")
-
-
 def _with_speaker(text: str, i: int) -> str:
     """fish-speech main tags the i-th reference text `<|speaker:i|>` unless it has a tag anywhere."""
-    return text if _SPEAKER_TAG.search(text) else f"<|speaker:{i}|>{text}"
+    return text if SPEAKER_TAG.search(text) else f"<|speaker:{i}|>{text}"
