@@ -53,3 +53,24 @@ def test_prompt_reads_phonemes_everywhere(frontend):
     )
     assert torch.equal(built, expected)
     assert "sˈeɪ ðɪs nˈaʊ." in tok.decode(built[:, 0].tolist())
+
+
+def test_phonemes_of_a_text_seen_before_come_from_the_cache(monkeypatch):
+    # A session's prompt repeats its earlier turns for every chunk: each text goes to espeak once.
+    f = PhonemeFrontend("en-us")
+    calls: list[list[str]] = []
+    real = f.phonemize_batch
+
+    def counted(texts):
+        calls.append(list(texts))
+        return real(texts)
+
+    monkeypatch.setattr(f, "phonemize_batch", counted)
+    monkeypatch.setattr(PhonemeFrontend, "CACHE_TEXTS", 2)
+    first = f("See you tomorrow")
+    assert f("See you tomorrow") == first and first.endswith(".")
+    assert calls == [["See you tomorrow"]]
+    f("one")
+    f("two")  # the cache holds two texts: "See you tomorrow" is the oldest, and goes
+    f("See you tomorrow")
+    assert calls[-1] == ["See you tomorrow"] and len(calls) == 4

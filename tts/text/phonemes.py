@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 
 Frontend = Callable[[str], str]
@@ -25,8 +26,11 @@ class PhonemeFrontend:
     """espeak-ng IPA phonemes (phonemizer + espeakng-loader), `language` an espeak voice such as en-us.
 
     `__call__(text)` -> phoneme string; thread-safe (one espeak instance behind a lock). Raises
-    FrontendError when phonemizer or espeakng-loader is not installed.
+    FrontendError when phonemizer or espeakng-loader is not installed. The last CACHE_TEXTS texts' phonemes
+    are kept: a session's prompt holds its earlier turns, rebuilt for every chunk on the engine thread.
     """
+
+    CACHE_TEXTS = 4096
 
     name = "espeak-ipa"
 
@@ -35,6 +39,7 @@ class PhonemeFrontend:
         self.spec = f"{self.name}:{language}"  # what `get_frontend` turns back into this object
         self._backend = None
         self._lock = threading.Lock()
+        self._cache: OrderedDict[str, str] = OrderedDict()
 
     def _get_backend(self):
         if self._backend is None:
@@ -67,9 +72,18 @@ class PhonemeFrontend:
         text has none, in place of a trailing comma, colon or semicolon). The default model learned
         from punctuated sentences; without it a text of a word or two ("hi", "OK") was read on into
         babble before the end token came, and with it ("Hi.") it ends."""
+        with self._lock:
+            cached = self._cache.get(text)
+            if cached is not None:
+                self._cache.move_to_end(text)
+                return cached
         phonemes = self.phonemize_batch([text])[0]
         if phonemes and phonemes[-1] not in _TERMINAL:
             phonemes = phonemes.rstrip(",;: ") + "."
+        with self._lock:
+            self._cache[text] = phonemes
+            if len(self._cache) > self.CACHE_TEXTS:
+                self._cache.popitem(last=False)
         return phonemes
 
 
