@@ -493,3 +493,21 @@ def test_a_voice_and_a_reference_or_a_clip_that_does_not_encode_frees_everything
     assert "the reference clip could not be encoded: codec exploded" in warning.message
     assert events[-1] == SessionEnded(s.id, "error", 0, warning.message)
     assert all_freed(tts) and not tts.sessions.sessions
+
+
+def test_a_session_chunk_gets_the_budget_a_one_shot_request_of_its_text_gets(aligned_tts, monkeypatch):
+    # A paced model (aligner heads) budgets a chunk from its text's tokens, in a session as in a request:
+    # "Hi." must not get the whole runaway guard's seconds to babble in.
+    runner = aligned_tts.runner
+    specs = []
+    real = runner.submit
+    monkeypatch.setattr(runner, "submit", lambda spec, *a, **k: specs.append(spec) or real(spec, *a, **k))
+    s = aligned_tts.session(max_new_frames=400, seed=5)
+    s.send("Hi.")
+    s.close()
+    list(s)
+    one_shot = runner.planner.job("Hi.", max_new_frames=400, seed=5)
+    assert runner.planner.paced()
+    assert one_shot.budgets[0] < runner.planner.guard_frames("Hi.")  # (the paced budget is the smaller)
+    assert [spec.budgets for spec in specs] == [one_shot.budgets]
+    assert all_freed(aligned_tts)

@@ -526,7 +526,18 @@ class Session:
         index = self.chunks
         self.chunks += 1
         chunk = _Chunk(index, text, audio_start=self.samples)
+        fmt = planner.bundle.prompt_format
+        build = getattr(fmt, "build_with_span", None)
+        text_tokens = None
+        if build is not None:
+            try:
+                start, end = build(text, [], [])[1]
+                text_tokens = end - start
+            except Exception:  # noqa: BLE001 - the job reports bad text itself
+                text_tokens = None
         budget = min(self.params.max_new_frames, planner.guard_frames(text))
+        if text_tokens is not None and planner.paced():  # (as `Planner.job` budgets a request's chunk)
+            budget = min(budget, max(planner.paced_budget(text_tokens), self.params.min_new_frames))
         params = replace(self.params, seed=self._seed(index))
         spec = SynthesisJob(
             [text],
@@ -543,15 +554,9 @@ class Session:
             sequence=self.id,
         )
         words = text.split()
-        fmt = planner.bundle.prompt_format
         span_tokens = None
-        build = getattr(fmt, "build_with_span", None)
-        if build is not None and runner.engine.loop_guard:
-            try:
-                start, end = build(text, [], [])[1]
-                span_tokens = end - start if end - start <= ALIGN_MAX_TOKENS else None
-            except Exception:  # noqa: BLE001 - the job reports bad text itself
-                span_tokens = None
+        if text_tokens is not None and runner.engine.loop_guard and text_tokens <= ALIGN_MAX_TOKENS:
+            span_tokens = text_tokens
         codec = planner.bundle.codec
         model_text = functools.cache(fmt.model_text)  # (each word's, read twice below)
         first_tokens = None
