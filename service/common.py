@@ -31,9 +31,9 @@ from tts.runtime.engine_thread import (
     Preempted,
     SessionLimit,
 )
-from tts.runtime.request import MiB, RequestLimits, format_size
+from tts.runtime.request import VOICE, MiB, ReferenceClip, RequestLimits, format_size, prepare_reference
 from tts.runtime.request import SpeechRequest as RuntimeRequest
-from tts.runtime.request_errors import RequestError
+from tts.runtime.request_errors import RequestError, with_field
 from tts.runtime.voices import VoiceExists, VoiceNotFound
 from tts.text.budget import PreparationTimeout, TextBudget, text_budget
 from tts.text.normalize import TextError
@@ -196,6 +196,26 @@ class ReplicaState:
 
 
 # ---- outcomes -----------------------------------------------------------------------------------------
+
+
+async def register_voice(front, name: str, clip: ReferenceClip, replace: bool):
+    """What every front does to register a voice (gRPC AddVoice, HTTP `POST /v1/audio/voices`, Fish
+    `POST /model`): refused while the replica takes no new work, the name checked, the clip checked and
+    encoded on the codec stage (its own thread: the event loop goes on), then kept in the registry.
+    `front` has `state` (ReplicaState), `loop` (EngineThread) and `limits` (ServiceLimits). Returns the
+    registry's entry. Raises LoopClosed, InvalidRequest (a bad or preset name, field `voice`), AudioError
+    (the clip) or VoiceExists."""
+    refusal = front.state.refusal()
+    if refusal is not None:
+        raise refusal
+    try:
+        front.loop.voices.check_new(name, replace)
+    except InvalidRequest as exc:
+        raise with_field(exc, VOICE) from exc
+    prepared = await asyncio.to_thread(
+        prepare_reference, front.loop.planner, clip, front.limits.request_limits
+    )
+    return await asyncio.wrap_future(front.loop.add_voice(name, prepared, replace))
 
 
 class NoAudio(Exception):

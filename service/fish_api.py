@@ -57,7 +57,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.websockets import WebSocketDisconnect
 
-from service.common import SpeechOutput, error_message, outcome_of, prepare_off_loop
+from service.common import SpeechOutput, error_message, outcome_of, prepare_off_loop, register_voice
 from tts.audio.formats import FORMATS, AudioEncoder
 from tts.runtime.planner import PreparedReference
 from tts.runtime.request import (
@@ -65,7 +65,6 @@ from tts.runtime.request import (
     ReferenceClip,
     Sampling,
     check_voice_source,
-    prepare_reference,
     prepare_session_voice,
 )
 from tts.runtime.request import SpeechRequest as RuntimeRequest
@@ -503,12 +502,8 @@ class FishAPI:
             return fish_error(400, "texts: the clip's transcript is needed (one text)")
         names = {"voice": "title", "reference.audio": "voices", "reference.text": "texts"}
         try:
-            self.front.loop.voices.check_new(title, False)
             clip = ReferenceClip(await files[0].read(), texts[0])
-            prepared = await asyncio.to_thread(
-                prepare_reference, self.front.loop.planner, clip, self.front.limits.request_limits
-            )
-            entry = await asyncio.wrap_future(self.front.loop.add_voice(title, prepared, False))
+            entry = await register_voice(self.front, title, clip, False)
         except VoiceExists:
             return fish_error(
                 409, f"a voice titled {title!r} exists; delete it first (DELETE /model/{title})"

@@ -54,6 +54,7 @@ from service.common import (
     log_call,
     outcome_of,
     prepare_off_loop,
+    register_voice,
 )
 from service.grpc_gen.v1 import tts_pb2 as pb
 from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
@@ -69,6 +70,7 @@ from tts.runtime.engine_thread import (
     EngineThread,
     Failed,
     Finished,
+    LoopClosed,
     Overloaded,
     RequestStream,
     Started,
@@ -80,7 +82,6 @@ from tts.runtime.request import (
     Sampling,
     SpeechRequest,
     plan_job,
-    prepare_reference,
 )
 from tts.runtime.request_errors import InvalidField, with_field
 from tts.runtime.voices import VoiceExists, VoiceNotFound
@@ -621,21 +622,11 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         return pb.ListVoicesResponse(voices=[self._voice_info(e) for e in self.loop.list_voices()])
 
     async def AddVoice(self, request, context):
-        """Register a voice: checked here, encoded on the codec stage, persisted under the voices dir."""
-        refusal = self.state.refusal()
-        if refusal is not None:
-            await self._abort(context, refusal)
+        """Register a voice (`register_voice`), persisted under the voices dir."""
         clip = ReferenceClip(bytes(request.reference.audio), request.reference.text)
         try:
-            try:
-                self.loop.voices.check_new(request.name, request.replace)
-            except InvalidRequest as exc:  # a bad name or a preset's
-                raise with_field(exc, VOICE) from exc
-            ref = await asyncio.to_thread(
-                prepare_reference, self.loop.planner, clip, self.limits.request_limits
-            )
-            entry = await asyncio.wrap_future(self.loop.add_voice(request.name, ref, request.replace))
-        except (InvalidRequest, AudioError, VoiceExists) as exc:
+            entry = await register_voice(self, request.name, clip, request.replace)
+        except (InvalidRequest, AudioError, VoiceExists, LoopClosed) as exc:
             await self._abort(context, exc, names=ADD_VOICE_FIELDS)
         except Exception as exc:  # noqa: BLE001 - encoding or the voice file failed: INTERNAL, said once
             log.exception("adding voice %r failed", shorten(request.name, 60))

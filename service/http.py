@@ -89,6 +89,7 @@ from service.common import (
     log_call,
     outcome_of,
     prepare_off_loop,
+    register_voice,
 )
 from service.common import finish_reason as overall_finish_reason
 from service.fish_api import register as register_fish_api
@@ -113,7 +114,6 @@ from tts.runtime.request import (
     Sampling,
     check_voice_source,
     plan_job,
-    prepare_reference,
 )
 from tts.runtime.request import SpeechRequest as RuntimeRequest
 from tts.runtime.request_errors import with_field
@@ -1211,7 +1211,7 @@ class HTTPFront:
             ).response()
         try:
             refusal = self.state.refusal()
-            if refusal is not None:
+            if refusal is not None:  # (before reading the body)
                 raise refusal
             try:
                 form = await request.form(max_files=1, max_fields=8)
@@ -1230,15 +1230,7 @@ class HTTPFront:
                 )
             replace = _form_flag(form.get("replace", "false"), "replace")
             # Errors name the form's fields (VOICE_FORM_FIELDS: the clip is `file`, the name `name`).
-            try:
-                self.loop.voices.check_new(name, replace)
-            except InvalidRequest as exc:  # a bad name or a preset's
-                raise api_error(with_field(exc, VOICE), VOICE_FORM_FIELDS) from exc
-            clip = ReferenceClip(await upload.read(), text)
-            prepared = await asyncio.to_thread(
-                prepare_reference, self.loop.planner, clip, self.limits.request_limits
-            )
-            entry = await asyncio.wrap_future(self.loop.add_voice(name, prepared, replace))
+            entry = await register_voice(self, name, ReferenceClip(await upload.read(), text), replace)
         except APIError as exc:
             return exc.response()
         except VoiceExists:  # (the form field, in HTTP words)

@@ -383,6 +383,18 @@ def test_voices_create_list_use_and_delete(server, client):
     freed(server)
 
 
+def test_a_voice_is_not_created_while_the_server_is_shutting_down(server, client, monkeypatch):
+    # Every front refuses new work while the server drains, voice registrations included.
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(RATE, np.float32) + 0.1, RATE, format="WAV", subtype="PCM_16")
+    monkeypatch.setattr(server.loop, "_accepting", False)
+    with pytest.raises(APIError) as info:
+        client.voices.create(title="late", voices=[buf.getvalue()], texts=["Too late."])
+    assert info.value.status == 503 and "shutting down" in str(info.value)
+    monkeypatch.undo()
+    assert "late" not in [v.id for v in client.voices.list(page_size=100).items]
+
+
 # ---- the playground's live mode (service/static/live.js) -------------------------------------------------
 
 
