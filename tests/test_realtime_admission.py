@@ -206,3 +206,65 @@ def test_bad_settings_are_refused():
         EngineConfig(realtime_margin=-0.1).validate()
     with pytest.raises(ValueError, match="realtime_max_wait"):
         EngineConfig(realtime_max_wait=float("nan")).validate()
+
+
+def test_the_engine_sees_the_chunks_the_job_runner_releases(tiny_bundle, monkeypatch):
+    """A job of several text chunks through the job runner: the engine's playback clock released exactly
+    the audio chunks the job runner sent (all but a last one that the job's end flushes)."""
+    from tts.api import TTS
+
+    tts = TTS(tiny_bundle, EngineConfig(max_batch=4, realtime_admission=True))
+    clocks = []
+    submit = tts.engine.submit
+
+    def recording_submit(*args, **kw):
+        clocks.append(kw.get("playback"))
+        return submit(*args, **kw)
+
+    monkeypatch.setattr(tts.engine, "submit", recording_submit)
+    chunks = list(
+        tts.stream(
+            "First sentence here. Second one there.",
+            chunk_length=12,
+            first_chunk_frames=2,
+            chunk_frames=8,
+            max_new_frames=11,
+            min_new_frames=11,
+            seed=3,
+        )
+    )
+    assert len(clocks) > 1 and all(c is clocks[0] for c in clocks)  # one clock for the job's requests
+    clock, total = clocks[0], 11 * len(clocks)
+    expected, end = [], 0
+    while end + chunk_size(2, 8, len(expected)) <= total:
+        end += chunk_size(2, 8, len(expected))
+        expected.append(end)
+    ends = [c.frame_end for c in chunks]
+    assert ends == expected + ([total] if end < total else [])
+    assert (clock.frames, clock.released, clock.chunks) == (total, end, len(expected))
+
+
+def test_the_server_reports_the_policy(tiny_bundle):
+    """/metrics with real-time admission on: the deferrals by reason, the forced admissions and the
+    frame step's estimate the policy predicts from (one request: nothing deferred)."""
+    import urllib.request
+
+    from service_helpers import ServerThread, collect
+    from tts_tools.loadtest import parse_metrics
+
+    from service.client import build_request
+    from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
+
+    srv = ServerThread(tiny_bundle, EngineConfig(max_batch=4, realtime_admission=True), metrics_port=0)
+    try:
+        stub = pb_grpc.TextToSpeechStub(srv.channel())
+        collect(stub.Synthesize(build_request("Metrics.", seed=1, max_new_frames=6, min_new_frames=6)))
+        url = f"http://127.0.0.1:{srv.server.metrics_port}/metrics"
+        values = parse_metrics(urllib.request.urlopen(url, timeout=10).read().decode())
+    finally:
+        srv.stop()
+    assert values['tts_realtime_deferred_total{reason="slack"}'] == 0
+    assert values['tts_realtime_deferred_total{reason="speed"}'] == 0
+    assert values["tts_realtime_forced_total"] == 0
+    assert values["tts_frame_step_estimate_seconds"] > 0
+    assert "tts_realtime_min_slack_seconds" not in values  # (no stream plays now)

@@ -50,7 +50,13 @@ from tts.model.kernels import kernel_head_dim_ok
 from tts.model.kv_cache import BlockAllocator, PagedKVCache, blocks_needed
 from tts.model.sampling import SAMPLER_TOPK_CAP
 from tts.model.transformer import DualARTransformer, TransformerBlock
-from tts.params import AUTO_STREAM_TOKENS, DEFAULT_KV_MEMORY_FRACTION
+from tts.params import (
+    AUTO_STREAM_TOKENS,
+    DEFAULT_KV_MEMORY_FRACTION,
+    DEFAULT_MAX_PREFILL_TOKENS,
+    DEFAULT_REALTIME_MARGIN,
+    DEFAULT_REALTIME_MAX_WAIT,
+)
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +116,11 @@ class EngineConfig:
     buckets: Sequence[int] = DEFAULT_BUCKETS
     prefill_graphs: str | None = None
     max_waiting: int = 16
-    max_prefill_tokens: int | None = 2048
+    max_prefill_tokens: int | None = DEFAULT_MAX_PREFILL_TOKENS
     packed_prefill: bool | None = None
     realtime_admission: bool = False
-    realtime_margin: float = 0.05
-    realtime_max_wait: float = 0.15
+    realtime_margin: float = DEFAULT_REALTIME_MARGIN
+    realtime_max_wait: float = DEFAULT_REALTIME_MAX_WAIT
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     repetition: str | None = None
     aligner: AlignerSpec | None = None
@@ -656,7 +662,7 @@ class Engine:
             self._time_iteration(admitted, n, t1 - t0, t2 - t1, captured, t2)
         return outputs
 
-    def _rows(self, n: int) -> int:
+    def rows_for(self, n: int) -> int:
         """Rows a frame step for `n` running requests computes (its graph bucket, or n when eager)."""
         bucket = self.graphs.bucket_for(n) if self.graphs.enabled else None
         return bucket or n
@@ -675,7 +681,7 @@ class Engine:
         average: on CUDA a prefill's device time may show in the step's sync); then the streams' chunks.
         A step that ran a graph's warm-up or capture is no sample."""
         assert self.realtime is not None  # (the caller checks)
-        times, rows = self.realtime.times, self._rows(n)
+        times, rows = self.realtime.times, self.rows_for(n)
         if admitted:
             usual = times.step_seconds(rows)
             extra = prefill if usual is None else prefill + step - usual
@@ -714,7 +720,7 @@ class Engine:
         now, running = self.clock(), self.scheduler.running
 
         def gate(request: Request, admitted: list[Request]) -> bool:
-            return realtime.admits(request, admitted, running, self._rows(len(running) + 1), now)
+            return realtime.admits(request, admitted, running, self.rows_for(len(running) + 1), now)
 
         return gate
 
@@ -1081,7 +1087,9 @@ class Engine:
                 # every position written: the prompt and each kept frame but the newest (never fed back)
                 self._return_sequence(request, keep=request.prompt_len + max(len(request.columns) - 1, 0))
         if request.playback is not None and request.state == RequestState.RUNNING:
-            request.playback.end_request(request.num_generated)  # (every frame final now)
+            # every frame is final now, the last one too: what its consumer releases with it
+            request.playback.advance(request.num_generated, self.clock())
+            request.playback.end_request(request.num_generated)
         move: RowMove | None = self.scheduler.finish(request, reason, error)
         if move is not None:
             if move.src != move.dst:
