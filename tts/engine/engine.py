@@ -642,6 +642,7 @@ class Engine:
     def _step(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """One iteration (see the module docstring), its outputs appended to `outputs`."""
         admitted = self._apply_pending(outputs)
+        firsts = self._graph_firsts() if self.realtime is not None else 0
         phases, t0 = self.phase_seconds, self.clock()
         self._start(admitted, outputs)
         self._grow(outputs)
@@ -650,17 +651,21 @@ class Engine:
         phases["prefill"] += t1 - t0
         if n == 0:
             return outputs
-        graphs = self.graphs
-        new_graphs = graphs.stats.eager_warmup + len(graphs.graphs)
         out = self._frame_step(n)
         t2 = self.clock()
         phases["replay"] += t2 - t1
         self._row_outputs(out, outputs)
         phases["rows"] += self.clock() - t2
         if self.realtime is not None:
-            captured = graphs.stats.eager_warmup + len(graphs.graphs) != new_graphs
+            captured = self._graph_firsts() != firsts
             self._time_iteration(admitted, n, t1 - t0, t2 - t1, captured, t2)
         return outputs
+
+    def _graph_firsts(self) -> int:
+        """Graph warm-ups and captures so far, the frame step's and the prefill's (first uses, whose
+        times say nothing of the next ones)."""
+        runners = [self.graphs] + ([self.runner.prefill_graphs.graphs] if self.runner.prefill_graphs else [])
+        return sum(g.stats.eager_warmup + len(g.graphs) + len(g.stats.failed_captures) for g in runners)
 
     def rows_for(self, n: int) -> int:
         """Rows a frame step for `n` running requests computes (its graph bucket, or n when eager)."""
@@ -679,16 +684,16 @@ class Engine:
         """Real-time admission's bookkeeping after a frame step that ended at `now`: the step's seconds,
         or when requests were admitted, the prefill's extra seconds (the iteration's, less the step's
         average: on CUDA a prefill's device time may show in the step's sync); then the streams' chunks.
-        A step that ran a graph's warm-up or capture is no sample."""
+        An iteration whose step ran a graph's warm-up or capture is no sample."""
         assert self.realtime is not None  # (the caller checks)
         times, rows = self.realtime.times, self.rows_for(n)
-        if admitted:
+        if admitted and not captured:
             usual = times.step_seconds(rows)
             extra = prefill if usual is None else prefill + step - usual
             times.observe_prefill(sum(r.prefill_tokens for _, r in admitted), max(extra, 0.0))
         elif not captured:
             times.observe_step(rows, step)
-        self.realtime.after_step(self.scheduler.running, rows, now)
+        self.realtime.after_step(self.scheduler.running, now)
 
     def _apply_pending(self, outputs: list[StepOutput]) -> list[tuple[int, Request]]:
         """Apply the cancellations and pauses requested since the last iteration (cancelled requests'

@@ -53,7 +53,8 @@ class Playback:
     rate: audio frames per second. first, later: its chunk sizes (`tts.params.chunk_size`). The engine
     keeps the rest up to date (its own clock): base, the audio frames of the stream's finished requests;
     frames, those its consumer may release now; released and chunks, what it released (the frames of
-    whole chunks, and how many); started, when the first chunk was released (None: not yet).
+    whole chunks, and how many); next_at, the frames at which the next chunk is due; started, when the
+    first chunk was released (None: not yet).
     The loop guard's held frames are not counted until released. A finished request counts its frames
     as the engine generated them, its end-token frame included, so a stream of several text chunks is
     counted about a frame ahead per chunk (`tts.params.FrameConvention` decides what is audio).
@@ -66,7 +67,11 @@ class Playback:
     frames: int = 0
     released: int = 0
     chunks: int = 0
+    next_at: int = 0
     started: float | None = None
+
+    def __post_init__(self) -> None:
+        self.next_at = self.released + self.due()
 
     def due(self) -> int:
         """Frames of the next chunk."""
@@ -76,11 +81,12 @@ class Playback:
         """The running request has `frames` releasable audio frames at time `now`: release what its
         consumer would (a due chunk, and with it any held frames let go: pieces of MAX_CHUNK_FRAMES)."""
         self.frames = self.base + frames
-        if self.frames - self.released < self.due():
+        if self.frames < self.next_at:  # (every frame step, every stream: the quick way out first)
             return
         while self.frames > self.released:
             self.released += min(self.frames - self.released, MAX_CHUNK_FRAMES)
             self.chunks += 1
+        self.next_at = self.released + self.due()
         if self.started is None:
             self.started = now
 
@@ -94,7 +100,7 @@ class Playback:
         `now` (inf before its first chunk: nothing plays yet)."""
         if self.started is None:
             return math.inf
-        need = self.due() - (self.frames - self.released)
+        need = self.next_at - self.frames
         return self.started + self.released / self.rate - now - need * step
 
     def ramp_slack(self, step: float) -> float:
@@ -156,7 +162,7 @@ class RealtimeAdmission:
     """The admission rules of the module docstring. margin, max_wait: seconds. Counters: `deferred`,
     requests deferred at least once, by the first reason (`DEFERRAL_REASONS`); `forced`, requests
     admitted on `max_wait` while a stream lacked slack; `min_slack`, the least slack of the playing
-    streams after the last frame step (None: none plays)."""
+    streams (before a prefill) when a request last waited (None: none played)."""
 
     margin: float
     max_wait: float
@@ -188,22 +194,19 @@ class RealtimeAdmission:
             return True  # its player runs: waiting only makes it later
         tokens = sum(r.prompt_len - r.cached for r in admitted) + request.prompt_len - request.cached
         cost = self.times.prefill(tokens)
-        lacking = any(p.slack(now, step) - cost < self.margin for p in self._playing(running))
-        if not lacking:
+        self.min_slack = min((p.slack(now, step) for p in self._playing(running)), default=None)
+        if self.min_slack is None or self.min_slack - cost >= self.margin:
             return True
         if now - request.arrival_time >= self.max_wait:
             self.forced += 1
             return True
         return self._defer(request, "slack")
 
-    def after_step(self, running: Sequence[Request], rows: int, now: float) -> None:
-        """After a frame step that ended at `now`: release the streams' due chunks, note the least slack
-        at the step time of `rows` rows."""
-        step = self.times.step_seconds(rows) or 0.0
+    def after_step(self, running: Sequence[Request], now: float) -> None:
+        """After a frame step that ended at `now`: the streams' chunks that came due are released."""
         for r in running:
             if r.playback is not None:
                 r.playback.advance(r.released if r.guard is not None else r.num_generated, now)
-        self.min_slack = min((p.slack(now, step) for p in self._playing(running)), default=None)
 
     @staticmethod
     def _playing(running: Sequence[Request]) -> list[Playback]:

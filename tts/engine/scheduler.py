@@ -17,7 +17,10 @@ its blocks). A request whose whole budget (prompt + max_new_frames) is larger th
 at submission. Each admitted request is prefilled before the next frame step, so one iteration admits
 prompts of at most `max_prefill_tokens` tokens in all (at least one request): a burst of new requests
 then delays the running streams' next frame by a bounded amount instead of by every queued prefill at
-once.
+once. The engine may also pass a gate that the head must pass (`admit(gate)`): its real-time admission
+(tts.engine.realtime) keeps the head waiting while a playing stream would fall behind its player for
+the prefill and the slower step, and while the step is too slow for a new stream; the frame steps go on
+meanwhile, and the streams get ahead.
 """
 
 from __future__ import annotations
