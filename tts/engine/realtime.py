@@ -162,7 +162,7 @@ class RealtimeAdmission:
     """The admission rules of the module docstring. margin, max_wait: seconds. Counters: `deferred`,
     requests deferred at least once, by the first reason (`DEFERRAL_REASONS`); `forced`, requests
     admitted on `max_wait` while a stream lacked slack; `min_slack`, the least slack of the playing
-    streams (before a prefill) when a request last waited (None: none played)."""
+    streams (before a prefill) at the last admission decision while any played (None: none yet)."""
 
     margin: float
     max_wait: float
