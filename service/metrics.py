@@ -14,6 +14,10 @@ every iteration by the engine thread); per-request figures are observed by the g
 | `tts_kv_blocks_used`, `tts_kv_blocks_total` | gauge | paged KV cache blocks |
 | `tts_kv_cache_bytes` | gauge | the KV block pool's size (on CUDA `--kv-memory-fraction` of the free memory at start-up) |
 | `tts_kv_stalls_total`, `tts_kv_preemptions_total` | counter | times a stream waited for a KV block (the pool was full), and streams ended to free blocks (RESOURCE_EXHAUSTED) |
+| `tts_realtime_deferred_total{reason}` | counter | requests whose admission real-time admission deferred at least once (`--realtime-admission`), by the first reason: `slack` (a playing stream would have fallen within `--realtime-margin` of its player), `speed` (the frame step at the larger batch is too slow for a new stream's chunks) |
+| `tts_realtime_forced_total` | counter | requests admitted after `--realtime-max-wait` although a playing stream lacked the margin |
+| `tts_realtime_min_slack_seconds` | gauge | at the last admission decision while streams played: the least audio one had ahead of its player, counting the frames its next chunk still needed (absent before, or with the policy off) |
+| `tts_frame_step_estimate_seconds` | gauge | the frame step's moving average at the running batch, which real-time admission predicts from (absent until measured, or with the policy off) |
 | `tts_graph_replay_share` | gauge | share of decode steps replayed from a CUDA graph |
 | `tts_engine_step_failures_total` | counter | engine steps that raised |
 | `tts_codec_failures_total` | counter | codec stage calls (decode, stream reset, reference encode) that raised |
@@ -47,6 +51,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tts.engine.realtime import DEFERRAL_REASONS
 from tts.runtime.engine_thread import EngineThread
 
 log = logging.getLogger(__name__)
@@ -85,6 +90,17 @@ class _EngineCollector:
                 int(self.loop.failure is not None),
             ),
         }
+        optional = {
+            "tts_realtime_min_slack_seconds": (
+                "Least audio a playing stream has ahead of its player, its next chunk's frames counted",
+                s.realtime_min_slack,
+            ),
+            "tts_frame_step_estimate_seconds": (
+                "Frame step's moving average at the running batch (real-time admission)",
+                s.step_estimate,
+            ),
+        }
+        gauges.update({name: (doc, value) for name, (doc, value) in optional.items() if value is not None})
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
@@ -127,6 +143,10 @@ class _EngineCollector:
             ),
             "tts_kv_stalls": ("Times a stream waited for a KV block (the pool was full)", s.kv_stalls),
             "tts_kv_preemptions": ("Streams ended to free KV blocks (RESOURCE_EXHAUSTED)", s.kv_preemptions),
+            "tts_realtime_forced": (
+                "Requests admitted after --realtime-max-wait although a stream lacked the margin",
+                s.realtime_forced,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
@@ -136,6 +156,14 @@ class _EngineCollector:
         for phase, value in s.phase_seconds.items():
             phases.add_metric([phase], value)
         yield phases
+        deferred = CounterMetricFamily(
+            "tts_realtime_deferred",
+            "Requests whose admission real-time admission deferred, by the first reason",
+            labels=["reason"],
+        )
+        for reason in DEFERRAL_REASONS:
+            deferred.add_metric([reason], s.realtime_deferred.get(reason, 0))
+        yield deferred
         first = CounterMetricFamily(
             "tts_first_audio_seconds",
             "Time to first audio by phase, summed over requests (seconds; see tts_first_audio_jobs)",

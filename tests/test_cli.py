@@ -600,6 +600,31 @@ def test_serve_passes_max_prepare_seconds_to_the_server(monkeypatch):
     assert seen == [2.5, 10.0]
 
 
+def test_serve_admission_options_reach_the_engine(monkeypatch, capsys):
+    """`tts serve`'s admission options are the engine's: real-time admission auto (off on a CPU) or on,
+    its margin and wait, the prefill budget; a negative margin exits 2 naming the option."""
+    from tts.cli import serve as service_cli
+
+    seen = []
+
+    async def fake_serve(args, bundle, engine_config, limits, access):
+        c = engine_config
+        seen.append((c.realtime_admission, c.realtime_margin, c.realtime_max_wait, c.max_prefill_tokens))
+        return 0
+
+    monkeypatch.setattr(service_cli, "_serve", fake_serve)
+    base = ["serve", "--model", "tiny", "--port", "0", "--http-port", "-1", "--metrics-port", "-1"]
+    assert main(base) == 0
+    on = ["--realtime-admission", "on", "--realtime-margin", "0.02", "--realtime-max-wait", "0.3"]
+    assert main([*base, *on, "--max-prefill-tokens", "512"]) == 0
+    assert seen == [(False, 0.05, 0.15, 2048), (True, 0.02, 0.3, 512)]
+    assert service_cli.realtime_admission(argparse.Namespace(realtime_admission="auto"), "cuda")
+    capsys.readouterr()
+    assert main([*base, "--realtime-margin", "-1"]) == 2
+    error = "tts: error: --realtime-margin must be a number of seconds >= 0, got -1\n"
+    assert capsys.readouterr().err == error
+
+
 def test_replicas_get_the_resolved_graphs_option(monkeypatch, capsys):
     """`tts serve --devices` forwards `--graphs lazy`, not the deprecated spelling it was given."""
     import service.cluster

@@ -13,9 +13,35 @@ from dataclasses import dataclass
 # a chunk in one call (tts.runtime.codec_stage).
 MAX_CHUNK_FRAMES = 256
 # An audio stream's chunks: the first of DEFAULT_FIRST_CHUNK_FRAMES frames (first audio early), then
-# doubling up to DEFAULT_CHUNK_FRAMES (tts.runtime.jobs.chunk_size says why).
+# doubling up to DEFAULT_CHUNK_FRAMES (`chunk_size` says why).
 DEFAULT_FIRST_CHUNK_FRAMES = 4
 DEFAULT_CHUNK_FRAMES = 16
+
+
+def chunk_size(first: int, later: int, sequence: int) -> int:
+    """Frames in audio chunk `sequence` (0, 1, 2, ...) of a job: `first`, then doubling up to `later`
+    (4, 8, 16, 16, ... by default), at most MAX_CHUNK_FRAMES. The job runner releases a job's audio in
+    these chunks (tts.runtime.jobs); the engine's real-time admission predicts the releases from them
+    (tts.engine.realtime).
+
+    Why a ramp: a player starts on chunk 0 and must have chunk k before the audio of chunks 0..k-1
+    has played. Jumping from 4 frames to 16 needs the job to generate 16 frames in the time 4 frames
+    play (4x real time); doubling needs 2x. Measured on a 2-core CPU, default voice, 4 clients at
+    about 2.4x real time each (four runs each way): with 4 then 16, every request had a late chunk,
+    272-278 ms late at worst; with the ramp 3 to 12 of 12 requests did, 4-36 ms late at worst, at the
+    same frames/s; TTFA p50 at 4 clients rose 20% there (docs/benchmarks.md). A `later` below `first`
+    gives `later` from the second chunk on, without doubling.
+    """
+    size = first if sequence == 0 else min(later, first << min(sequence, 16))
+    return min(max(size, 1), MAX_CHUNK_FRAMES)
+
+
+# Admission (tts.engine.scheduler, tts.engine.realtime; `tts serve`'s defaults): prompt tokens prefilled per
+# engine iteration at most; the seconds of audio a playing stream keeps ahead of its player when a request
+# is admitted, and the longest a request waits for that before it is admitted anyway.
+DEFAULT_MAX_PREFILL_TOKENS = 2048
+DEFAULT_REALTIME_MARGIN = 0.05
+DEFAULT_REALTIME_MAX_WAIT = 0.15
 
 # The KV block pool on CUDA: this share of the free device memory at start-up (`--kv-memory-fraction`); and
 # `--max-batch auto` sizes the batch for streams of AUTO_STREAM_TOKENS context tokens each.

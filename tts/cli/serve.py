@@ -107,6 +107,7 @@ def add_parser(subparsers) -> None:
         help="streaming sessions (gRPC SynthesizeSession, Wyoming streaming) open at most (default 16)",
     )
     add_engine_args(p, graphs="startup")
+    add_admission_args(p)
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the Prometheus endpoint")
     p.add_argument(
         "--metrics-port",
@@ -283,6 +284,67 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=cmd_client)
 
 
+def add_admission_args(p: argparse.ArgumentParser) -> None:
+    from tts.params import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_REALTIME_MARGIN, DEFAULT_REALTIME_MAX_WAIT
+
+    g = p.add_argument_group("admission (when a waiting request joins the batch)")
+    g.add_argument(
+        "--realtime-admission",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="admit a waiting request only while every stream already playing keeps --realtime-margin of "
+        "audio ahead of its player after paying for the newcomer's prefill and the slower frame step, "
+        "and only while the step is fast enough for a new stream's chunks to come in time (the frame "
+        "steps run on meanwhile and the streams get ahead); off: admit whenever a row and KV blocks are "
+        "free. auto: on on CUDA, off on a CPU (default auto)",
+    )
+    g.add_argument(
+        "--realtime-margin",
+        type=float,
+        metavar="SECONDS",
+        default=DEFAULT_REALTIME_MARGIN,
+        help="seconds of audio each playing stream must keep ahead of its player when a request is "
+        f"admitted (default {DEFAULT_REALTIME_MARGIN:g})",
+    )
+    g.add_argument(
+        "--realtime-max-wait",
+        type=float,
+        metavar="SECONDS",
+        default=DEFAULT_REALTIME_MAX_WAIT,
+        help="seconds a request waits for the streams' margin at most: then it is admitted anyway (its time "
+        "to first audio is at stake too). A batch too slow for one more stream still takes none until one "
+        f"ends (default {DEFAULT_REALTIME_MAX_WAIT:g})",
+    )
+    g.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        metavar="N",
+        default=DEFAULT_MAX_PREFILL_TOKENS,
+        help="prompt tokens prefilled per engine iteration at most (at least one request), so that a burst "
+        f"of new requests holds the running streams' next frame back by a bounded time (default "
+        f"{DEFAULT_MAX_PREFILL_TOKENS})",
+    )
+
+
+def realtime_admission(args: argparse.Namespace, device_type: str) -> bool:
+    """`--realtime-admission`: on, off, or auto (on on CUDA). Why off on a CPU by default: there the
+    prefill and the frame step share the cores with the codec stage and the fronts, so the measured times
+    that the policy predicts from swing with everything else, and small batches run near real time, where
+    it would mostly make requests wait."""
+    choice = getattr(args, "realtime_admission", "off")
+    return choice == "on" or (choice == "auto" and device_type == "cuda")
+
+
+def engine_admission_kwargs(args: argparse.Namespace, device_type: str) -> dict:
+    """The EngineConfig fields of the admission options."""
+    return {
+        "realtime_admission": realtime_admission(args, device_type),
+        "realtime_margin": args.realtime_margin,
+        "realtime_max_wait": args.realtime_max_wait,
+        "max_prefill_tokens": args.max_prefill_tokens,
+    }
+
+
 # ---- option checks ---------------------------------------------------------------------------------------
 
 # gRPC message sizes are int32: the receive limit (reference clip + 1 MiB) must stay below 2 GiB.
@@ -398,6 +460,9 @@ def check_serve_options(args: argparse.Namespace) -> None:
     require(args.max_waiting >= 0, f"--max-waiting must be >= 0, got {args.max_waiting}")
     require(args.max_sessions >= 0, f"--max-sessions must be >= 0, got {args.max_sessions}")
     require(args.max_queued_chunks >= 1, f"--max-queued-chunks must be >= 1, got {args.max_queued_chunks}")
+    check_seconds("--realtime-margin", args.realtime_margin, zero_ok=True)
+    check_seconds("--realtime-max-wait", args.realtime_max_wait, zero_ok=True)
+    require(args.max_prefill_tokens >= 1, f"--max-prefill-tokens must be >= 1, got {args.max_prefill_tokens}")
     check_seconds("--grace", args.grace, zero_ok=True)
     require(
         math.isfinite(args.max_reference_mb) and 0 < args.max_reference_mb <= MAX_REFERENCE_MB,
@@ -471,7 +536,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    engine_config = EngineConfig(max_batch=serve_max_batch(args, bundle), **engine_kwargs(args))
+    engine_config = EngineConfig(
+        max_batch=serve_max_batch(args, bundle),
+        **engine_kwargs(args),
+        **engine_admission_kwargs(args, bundle.device.type),
+    )
     voices_dir = None if (args.voices_dir or "").lower() == "none" else args.voices_dir
     if args.voices_dir is None:
         from tts.runtime.voices import default_voices_dir

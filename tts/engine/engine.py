@@ -2,7 +2,9 @@
 
 `Engine.step()` is one iteration of the continuous-batching loop:
 1. apply cancellations and pause/resume requests made since the last iteration;
-2. admit waiting requests (rows and KV blocks permitting), prefill each, load its row;
+2. admit waiting requests (rows and KV blocks permitting, and with `EngineConfig.realtime_admission`
+   only when no playing stream would fall behind for them: tts.engine.realtime), prefill each, load
+   its row;
 3. one frame step for all running rows (graph replay or eager: the same `decode_step`; on a CPU its
    eager twin `CpuFrameStep`);
 4. read the step's `out` buffer once, hand each request its frame, finish requests that emitted the
@@ -18,7 +20,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import cast
 
@@ -39,15 +41,22 @@ from tts.engine.aligner import (
 from tts.engine.cpu_step import CpuFrameStep
 from tts.engine.model_runner import ModelRunner, RowInit
 from tts.engine.prefill_graphs import PrefillGraphs
+from tts.engine.realtime import Playback, RealtimeAdmission
 from tts.engine.request import FinishReason, InvalidRequest, Request, RequestState, SamplingParams, StepOutput
-from tts.engine.scheduler import RowMove, Scheduler
+from tts.engine.scheduler import Gate, RowMove, Scheduler
 from tts.engine.sequences import KeptSequence, common_prefix, prefill_extend, prefill_extend_packed
 from tts.model.config import AlignerSpec
 from tts.model.kernels import kernel_head_dim_ok
 from tts.model.kv_cache import BlockAllocator, PagedKVCache, blocks_needed
 from tts.model.sampling import SAMPLER_TOPK_CAP
 from tts.model.transformer import DualARTransformer, TransformerBlock
-from tts.params import AUTO_STREAM_TOKENS, DEFAULT_KV_MEMORY_FRACTION
+from tts.params import (
+    AUTO_STREAM_TOKENS,
+    DEFAULT_KV_MEMORY_FRACTION,
+    DEFAULT_MAX_PREFILL_TOKENS,
+    DEFAULT_REALTIME_MARGIN,
+    DEFAULT_REALTIME_MAX_WAIT,
+)
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +94,11 @@ class EngineConfig:
     (`ModelRunner.prefill_packed`; those continuing kept sequences in another,
     `tts.engine.sequences.prefill_extend_packed`; None: on CUDA, where one request's prefill is bound by
     kernel launches; off on a CPU, where it is bound by arithmetic and the per-request K/V are bit-stable).
+    realtime_admission: admit a waiting request only while every playing stream (a request submitted
+    with a `Playback`) keeps `realtime_margin` seconds of slack after paying for its prefill and the
+    slower step, and only if the step stays fast enough for it to keep real time itself; a request
+    that waited `realtime_max_wait` seconds is admitted whatever the slack (tts.engine.realtime).
+    Off by default here (admission by rows and blocks only); `tts serve` turns it on on CUDA.
     repetition: how the frame step applies requests' repetition penalty ("fish-1.5", "s1"; see
     tts.engine.model_runner), None: not at all. The model family decides it (`ModelBundle.repetition`);
     the Python API and the service fill it in from the bundle.
@@ -102,8 +116,11 @@ class EngineConfig:
     buckets: Sequence[int] = DEFAULT_BUCKETS
     prefill_graphs: str | None = None
     max_waiting: int = 16
-    max_prefill_tokens: int | None = 2048
+    max_prefill_tokens: int | None = DEFAULT_MAX_PREFILL_TOKENS
     packed_prefill: bool | None = None
+    realtime_admission: bool = False
+    realtime_margin: float = DEFAULT_REALTIME_MARGIN
+    realtime_max_wait: float = DEFAULT_REALTIME_MAX_WAIT
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     repetition: str | None = None
     aligner: AlignerSpec | None = None
@@ -123,6 +140,10 @@ class EngineConfig:
         if self.prefill_graphs is not None and self.prefill_graphs not in GRAPH_SETTINGS:
             choices = ", ".join(GRAPH_SETTINGS)
             raise ValueError(f"prefill_graphs must be one of {choices} or None, got {self.prefill_graphs!r}")
+        for name in ("realtime_margin", "realtime_max_wait"):
+            value = getattr(self, name)
+            if not (value >= 0 and value != float("inf")):  # (False for nan)
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
 
 
 def kv_bytes_per_token(model: DualARTransformer) -> int:
@@ -187,9 +208,20 @@ class Engine:
 
     graph_runner_class: type[GraphRunner] = GraphRunner
 
-    def __init__(self, model: DualARTransformer, config: EngineConfig | None = None):
+    def __init__(
+        self,
+        model: DualARTransformer,
+        config: EngineConfig | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        """clock: seconds, monotonic: the phases' wall times, and the real-time admission's step times
+        and playback clocks (a test passes its own)."""
         self.config = cfg = config or EngineConfig()
         cfg.validate()
+        self.clock = clock
+        self.realtime = (
+            RealtimeAdmission(cfg.realtime_margin, cfg.realtime_max_wait) if cfg.realtime_admission else None
+        )
         self.model = model.eval()
         mc = model.config
         self.device = model.embeddings.weight.device
@@ -413,6 +445,7 @@ class Engine:
         text_span: tuple[int, int] | None = None,
         sequence: str | None = None,
         end_floor: int = 0,
+        playback: Playback | None = None,
     ) -> Request:
         """Queue a request. text_span: the prompt positions `[start, end)` of the text it speaks, for the
         loop guard (`tts.engine.aligner`; ignored without one, and for spans longer than
@@ -420,10 +453,12 @@ class Engine:
         `end_floor` frames (`Engine._refuse_end`). sequence: a session's kept sequence
         (`tts.engine.sequences`; created when new): the prompt's prefix that the sequence holds is not
         prefilled again, and the request's K/V go back to it when it ends; `Request.cached` says how many
-        positions were reused. Raises InvalidRequest (bad parameters or prompt, too long), QueueFull, or
-        ValueError when another request holds the sequence."""
+        positions were reused. playback: the stream's playback clock, shared by a job's requests (for
+        real-time admission; None: not a stream). Raises InvalidRequest (bad parameters or prompt, too
+        long), QueueFull, or ValueError when another request holds the sequence."""
         self.check_prompt(prompt)
-        request = Request(request_id or self.new_request_id(), prompt, params)
+        request = Request(request_id or self.new_request_id(), prompt, params, playback=playback)
+        request.arrival_time = self.clock()
         if text_span is not None:
             start, end = text_span
             if not (type(start) is int and type(end) is int and 0 <= start < end <= request.prompt_len):
@@ -607,20 +642,58 @@ class Engine:
     def _step(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """One iteration (see the module docstring), its outputs appended to `outputs`."""
         admitted = self._apply_pending(outputs)
-        phases, t0 = self.phase_seconds, time.perf_counter()
+        firsts = self._graph_firsts() if self.realtime is not None else 0
+        phases, t0 = self.phase_seconds, self.clock()
         self._start(admitted, outputs)
         self._grow(outputs)
         n = self.scheduler.num_running
-        t1 = time.perf_counter()
+        t1 = self.clock()
         phases["prefill"] += t1 - t0
         if n == 0:
             return outputs
         out = self._frame_step(n)
-        t2 = time.perf_counter()
+        t2 = self.clock()
         phases["replay"] += t2 - t1
         self._row_outputs(out, outputs)
-        phases["rows"] += time.perf_counter() - t2
+        phases["rows"] += self.clock() - t2
+        if self.realtime is not None:
+            captured = self._graph_firsts() != firsts
+            self._time_iteration(admitted, n, t1 - t0, t2 - t1, captured, t2)
         return outputs
+
+    def _graph_firsts(self) -> int:
+        """Graph warm-ups and captures so far, the frame step's and the prefill's (first uses, whose
+        times say nothing of the next ones)."""
+        runners = [self.graphs] + ([self.runner.prefill_graphs.graphs] if self.runner.prefill_graphs else [])
+        return sum(g.stats.eager_warmup + len(g.graphs) + len(g.stats.failed_captures) for g in runners)
+
+    def rows_for(self, n: int) -> int:
+        """Rows a frame step for `n` running requests computes (its graph bucket, or n when eager)."""
+        bucket = self.graphs.bucket_for(n) if self.graphs.enabled else None
+        return bucket or n
+
+    def _time_iteration(
+        self,
+        admitted: list[tuple[int, Request]],
+        n: int,
+        prefill: float,
+        step: float,
+        captured: bool,
+        now: float,
+    ) -> None:
+        """Real-time admission's bookkeeping after a frame step that ended at `now`: the step's seconds,
+        or when requests were admitted, the prefill's extra seconds (the iteration's, less the step's
+        average: on CUDA a prefill's device time may show in the step's sync); then the streams' chunks.
+        An iteration whose step ran a graph's warm-up or capture is no sample."""
+        assert self.realtime is not None  # (the caller checks)
+        times, rows = self.realtime.times, self.rows_for(n)
+        if admitted and not captured:
+            usual = times.step_seconds(rows)
+            extra = prefill if usual is None else prefill + step - usual
+            times.observe_prefill(sum(r.prefill_tokens for _, r in admitted), max(extra, 0.0))
+        elif not captured:
+            times.observe_step(rows, step)
+        self.realtime.after_step(self.scheduler.running, now)
 
     def _apply_pending(self, outputs: list[StepOutput]) -> list[tuple[int, Request]]:
         """Apply the cancellations and pauses requested since the last iteration (cancelled requests'
@@ -642,7 +715,19 @@ class Engine:
                         self.runner.set_active(row, not (paused or request.stalled))
             if self.sequences:
                 self._evict_for_waiting()
-            return self.scheduler.admit()
+            return self.scheduler.admit(self._realtime_gate())
+
+    def _realtime_gate(self) -> Gate | None:
+        """The scheduler's admission gate with real-time admission on (tts.engine.realtime), else None."""
+        realtime = self.realtime
+        if realtime is None or not self.scheduler.waiting:
+            return None
+        now, running = self.clock(), self.scheduler.running
+
+        def gate(request: Request, admitted: list[Request]) -> bool:
+            return realtime.admits(request, admitted, running, self.rows_for(len(running) + 1), now)
+
+        return gate
 
     def _frame_step(self, n: int) -> torch.Tensor:
         """One frame step for the `n` running rows (graph replay or eager); returns its `out[:n]` on the
@@ -1006,6 +1091,10 @@ class Engine:
             else:
                 # every position written: the prompt and each kept frame but the newest (never fed back)
                 self._return_sequence(request, keep=request.prompt_len + max(len(request.columns) - 1, 0))
+        if request.playback is not None and request.state == RequestState.RUNNING:
+            # every frame is final now, the last one too: what its consumer releases with it
+            request.playback.advance(request.num_generated, self.clock())
+            request.playback.end_request(request.num_generated)
         move: RowMove | None = self.scheduler.finish(request, reason, error)
         if move is not None:
             if move.src != move.dst:

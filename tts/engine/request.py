@@ -6,12 +6,16 @@ import enum
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from tts.engine.aligner import LoopGuard
 from tts.params import FinishReason, InvalidRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from tts.engine.realtime import Playback
 
 __all__ = ["FinishReason", "InvalidRequest", "Request", "RequestState", "SamplingParams", "StepOutput"]
 
@@ -43,7 +47,7 @@ class Request:
     paused: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=time.monotonic)  # (`Engine.submit`: the engine's clock)
     text_span: tuple[int, int] | None = None
     guard: LoopGuard | None = None
     columns: list[list[int]] = field(default_factory=list)
@@ -69,6 +73,10 @@ class Request:
     end_reached: int = -1  # the guard's furthest trusted position at the last refusal
     end_stalls: int = 0  # refusals in a row that found it no further on
     end_masked: bool = False  # the next step samples without the end token (a refusal)
+    # A stream's playback clock (tts.engine.realtime; shared by a job's requests), None: not a stream;
+    # deferred: real-time admission kept it waiting at least once.
+    playback: Playback | None = None
+    deferred: bool = False
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

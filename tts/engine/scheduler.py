@@ -17,17 +17,25 @@ its blocks). A request whose whole budget (prompt + max_new_frames) is larger th
 at submission. Each admitted request is prefilled before the next frame step, so one iteration admits
 prompts of at most `max_prefill_tokens` tokens in all (at least one request): a burst of new requests
 then delays the running streams' next frame by a bounded amount instead of by every queued prefill at
-once.
+once. The engine may also pass a gate that the head must pass (`admit(gate)`): its real-time admission
+(tts.engine.realtime) keeps the head waiting while a playing stream would fall behind its player for
+the prefill and the slower step, and while the step is too slow for a new stream; the frame steps go on
+meanwhile, and the streams get ahead.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tts.engine.request import FinishReason, InvalidRequest, Request, RequestState
 from tts.model.kv_cache import BlockAllocator, blocks_needed
+
+# An admission gate: whether the head of the queue may join now, given those admitted before it in
+# this iteration.
+Gate = Callable[[Request, list[Request]], bool]
 
 
 class QueueFull(RuntimeError):
@@ -121,12 +129,13 @@ class Scheduler:
 
     # ---- admission and removal ----------------------------------------------------------------------
 
-    def admit(self) -> list[tuple[int, Request]]:
+    def admit(self, gate: Gate | None = None) -> list[tuple[int, Request]]:
         """Move waiting requests to running while a row is free and the free blocks cover the head's
         first blocks (`blocks_for_next_step`: its prompt and first frame) plus one block per request
         already running (FCFS), up to `max_prefill_tokens` prompt tokens in all (the first request is
-        admitted whatever its length). Nothing is admitted while a running request is stalled (waits for
-        a block): those come first.
+        admitted whatever its length), and while `gate(head, admitted so far)` allows it (the engine's
+        real-time admission, tts.engine.realtime). Nothing is admitted while a running request is
+        stalled (waits for a block): those come first.
 
         Returns `(row, request)` for each admitted request, its first blocks allocated.
         """
@@ -142,6 +151,8 @@ class Scheduler:
                 break
             tokens += request.prompt_len
             if admitted and self.max_prefill_tokens is not None and tokens > self.max_prefill_tokens:
+                break
+            if gate is not None and not gate(request, [r for _, r in admitted]):
                 break
             self.waiting.popleft()
             request.blocks = request.blocks + self.allocator.allocate(max(need, 0))

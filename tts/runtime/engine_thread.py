@@ -468,6 +468,13 @@ class LoopStats:
     cache_misses: int = 0
     sessions: int = 0  # sessions open (opened and not ended)
     barge_ins: int = 0  # chunks cancelled by a session's barge-in
+    # Real-time admission (tts.engine.realtime; None / zeros when off): requests deferred at least once
+    # by reason, requests admitted on their wait budget, the playing streams' least slack (seconds; None:
+    # none plays) and the frame step's moving average at the running batch (seconds; None: unmeasured).
+    realtime_deferred: dict = field(default_factory=dict)
+    realtime_forced: int = 0
+    realtime_min_slack: float | None = None
+    step_estimate: float | None = None
     barge_in_freed_steps: int = 0  # frame steps between those cancels and their rows freed, summed
 
 
@@ -1169,6 +1176,10 @@ class EngineThread:
         s.first_audio_seconds, s.first_audio_jobs = dict(r.first_audio_seconds), r.first_audio_jobs
         s.cache_hits, s.cache_misses = self.reference_cache.hits, self.reference_cache.misses
         s.sessions = self.sessions_open
+        if e.realtime is not None:
+            s.realtime_deferred, s.realtime_forced = dict(e.realtime.deferred), e.realtime.forced
+            s.realtime_min_slack = e.realtime.min_slack
+            s.step_estimate = e.realtime.times.step_seconds(e.rows_for(max(e.num_running, 1)))
         with self._fps_lock:
             self._fps_window.append((time.monotonic(), e.frames_generated))
             while len(self._fps_window) > 2 and self._fps_window[1][0] < time.monotonic() - 10.0:

@@ -53,8 +53,9 @@ import torch
 from torch import Tensor
 
 from tts.engine.engine import Engine
+from tts.engine.realtime import Playback
 from tts.engine.request import FinishReason, InvalidRequest, Request, StepOutput
-from tts.params import FrameConvention
+from tts.params import FrameConvention, chunk_size
 from tts.runtime.codec_stage import MAX_PIECE_FRAMES, CodecStage, DecodeResult
 from tts.runtime.planner import Planner, PreparedReference, SynthesisJob
 from tts.runtime.voices import ReferenceCache
@@ -68,22 +69,6 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 # The parts of a job's time to first audio (`JobPipeline.first_audio_seconds`), in order.
 FIRST_AUDIO_PHASES = ("encode", "first_frame", "frames", "codec")
-
-
-def chunk_size(first: int, later: int, sequence: int) -> int:
-    """Frames in audio chunk `sequence` (0, 1, 2, ...) of a job: `first`, then doubling up to `later`
-    (4, 8, 16, 16, ... by default), at most MAX_PIECE_FRAMES.
-
-    Why a ramp: a player starts on chunk 0 and must have chunk k before the audio of chunks 0..k-1
-    has played. Jumping from 4 frames to 16 needs the job to generate 16 frames in the time 4 frames
-    play (4x real time); doubling needs 2x. Measured on a 2-core CPU, default voice, 4 clients at
-    about 2.4x real time each (four runs each way): with 4 then 16, every request had a late chunk,
-    272-278 ms late at worst; with the ramp 3 to 12 of 12 requests did, 4-36 ms late at worst, at the
-    same frames/s; TTFA p50 at 4 clients rose 20% there (docs/benchmarks.md). A `later` below `first`
-    gives `later` from the second chunk on, without doubling.
-    """
-    size = first if sequence == 0 else min(later, first << min(sequence, 16))
-    return min(max(size, 1), MAX_PIECE_FRAMES)
 
 
 def ramp_sizes(first: int, later: int) -> tuple[int, ...]:
@@ -220,6 +205,9 @@ class _Job:
     # the aligner's position of each audio frame so far (None: none read), for word timings
     frame_positions: list[int | None] = field(default_factory=list)
     request: Request | None = None  # the engine request of the current text chunk
+    # Its audio's playback clock, which the engine keeps for real-time admission (tts.engine.realtime):
+    # one for all its text chunks, so that a later chunk's request knows how far ahead the job is.
+    playback: Playback | None = None
     prefill_tokens: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
     # (sequence, frame_start, codes) being decoded
@@ -324,6 +312,8 @@ class JobPipeline:
         job = _Job(job_id or self.new_job_id(spec.request_id), spec, sink, time.monotonic())
         job.history = list(spec.history)  # (a session's earlier turns; empty for other jobs)
         job.warnings = list(spec.warnings)  # the planner's (text left out, markup ignored) come first
+        if self.engine.realtime is not None:
+            job.playback = Playback(self.planner.frame_rate, spec.first_chunk_frames, spec.chunk_frames)
         self.jobs[job.job_id] = job
         if slot is not None:
             job.slot, job.own_slot = slot, False
@@ -539,6 +529,7 @@ class JobPipeline:
                 text_span=span,
                 sequence=spec.sequence,
                 end_floor=end_floor,
+                playback=job.playback,
             )
         except InvalidRequest as exc:
             prefix = f"text chunk {i + 1} of {len(spec.chunks)}: " if len(spec.chunks) > 1 else ""

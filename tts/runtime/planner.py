@@ -84,7 +84,7 @@ class SynthesisJob:
     budgets: frames per text chunk (`params.max_new_frames` capped by the runaway guard).
     references: resolved voice references; reference: a clip still to be encoded (cache key inside).
     first_chunk_frames / chunk_frames: the first audio chunk's frames, and the size later chunks double
-    up to (`tts.runtime.jobs.chunk_size`; >= 1).
+    up to (`tts.params.chunk_size`; >= 1).
     max_frames: the request's total audio limit in frames (None: none).
     voice_kind: which voice, for logs: "none", "default:NAME" (the bundle's default preset, no voice
     named), "preset:NAME", "registered:NAME", "reference" (a clip in the request) or "objects".

@@ -1,0 +1,270 @@
+"""Real-time admission (tts.engine.realtime): a request waits while a playing stream lacks slack, and is
+admitted once the streams built it, after its wait budget, or when nothing runs.
+
+The engine's clock is a test clock that only the frame step and the prefill move (by fixed amounts:
+a device of known speed), so every admission happens at an iteration these tests count exactly.
+"""
+
+import math
+
+import pytest
+import torch
+from helpers import params, random_prompt, run_to_completion
+
+from tts.engine import Engine, EngineConfig
+from tts.engine.realtime import Playback, StepTimes
+from tts.params import chunk_size
+
+STEP = 0.04  # seconds per frame step, whatever the batch
+PREFILL = 0.05  # seconds per iteration that prefills
+RATE = 10.0  # frames of audio per second: a frame plays for 0.1 s
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TimedEngine(Engine):
+    """An engine whose clock moves only by the device's time: STEP per frame step, PREFILL per
+    prefill."""
+
+    def _start(self, admitted, outputs):
+        if admitted:
+            self.clock.now += PREFILL
+        super()._start(admitted, outputs)
+
+    def _frame_step(self, n):
+        self.clock.now += STEP
+        return super()._frame_step(n)
+
+
+def timed_engine(model, **kw) -> TimedEngine:
+    cfg = dict(max_batch=4, graphs="off", block_size=8, realtime_admission=True, realtime_margin=0.02)
+    cfg.update(kw)
+    return TimedEngine(model, EngineConfig(**cfg), clock=Clock())
+
+
+def stream(engine, model, rid, seed, frames=40):
+    """Submit a stream of `frames` frames (no end token before): chunks of 2, then 4 frames."""
+    return engine.submit(
+        random_prompt(model, 9, seed),
+        params(max_new_frames=frames, min_new_frames=frames, seed=seed),
+        rid,
+        playback=Playback(RATE, first=2, later=4),
+    )
+
+
+def steps_until_running(engine, request, limit=50) -> int:
+    for i in range(1, limit + 1):
+        engine.step()
+        if engine.is_running(request.request_id):
+            return i
+    raise AssertionError(f"{request.request_id} was not admitted in {limit} iterations")
+
+
+def test_playback_releases_chunks_as_the_job_runner_does():
+    p = Playback(RATE, first=4, later=16)
+    p.advance(3, now=1.0)
+    assert (p.released, p.chunks, p.started) == (0, 0, None)
+    p.advance(4, now=1.5)  # chunk 0: 4 frames; the player starts
+    assert (p.released, p.chunks, p.started) == (4, 1, 1.5)
+    p.advance(11, now=2.0)
+    assert p.released == 4 and p.due() == 8
+    p.advance(12, now=2.1)  # chunk 1: 8 frames
+    assert (p.released, p.chunks) == (12, 2)
+    p.end_request(20)  # a text chunk ends: its frames stay pending (12 of them released)
+    p.advance(7, now=3.0)  # the next text chunk's request: 27 frames, 15 pending: chunk 2 (16) not due
+    assert (p.frames, p.released) == (27, 12)
+    p.advance(8, now=3.1)
+    assert (p.released, p.chunks) == (28, 3)
+    # the player runs dry at 1.5 + 28 / 10 = 4.3 s; the next chunk (16 frames) needs 16 steps
+    assert p.slack(now=3.1, step=0.05) == pytest.approx(4.3 - 3.1 - 16 * 0.05)
+    assert [chunk_size(4, 16, k) for k in range(4)] == [4, 8, 16, 16]
+
+
+def test_a_held_back_chunk_goes_out_whole():
+    """Frames the loop guard held go out with the chunk that comes due, as one release."""
+    p = Playback(RATE, first=4, later=16)
+    p.advance(4, now=0.0)
+    p.advance(30, now=1.0)  # 26 pending at once (a hold let go): one release of all of them
+    assert (p.released, p.chunks) == (30, 2)
+
+
+def test_ramp_slack_is_the_tightest_chunk_of_the_ramp():
+    p = Playback(RATE, first=4, later=16)
+    # chunk 1 (8 frames) must come within chunk 0's 0.4 s of audio; chunk 2 within 1.2 s of 24 frames
+    assert p.ramp_slack(0.02) == pytest.approx(min(0.4 - 8 * 0.02, 1.2 - 24 * 0.02, 2.8 - 40 * 0.02))
+    assert p.ramp_slack(0.05) == pytest.approx(0.0)  # twice real time: exactly in time
+    assert p.ramp_slack(0.051) < 0
+    assert p.ramp_slack(0.1) == -math.inf  # not faster than real time
+
+
+def test_step_times_fall_back_to_the_nearest_measured_rows():
+    t = StepTimes()
+    assert t.step_seconds(8) is None and t.prefill(100) == 0.0
+    t.observe_step(4, 0.02)
+    t.observe_step(16, 0.03)
+    assert t.step_seconds(8) == 0.02 and t.step_seconds(64) == 0.03 and t.step_seconds(2) == 0.02
+    t.observe_prefill(100, 0.05)
+    assert t.prefill(50) == 0.05 and t.prefill(200) == pytest.approx(0.1)
+
+
+def test_a_request_waits_until_the_playing_stream_built_slack(tiny_model):
+    """A's first chunk (2 frames, 0.2 s of audio) is out after its second step, at 0.13 s; its next
+    (4 frames) needs 0.16 s: 0.04 s of slack, less B's prefill (0.05 s) is below the margin. B waits
+    four iterations, until A's second chunk is out (0.29 s; the player has 0.6 s), then joins."""
+    engine = timed_engine(tiny_model, realtime_max_wait=10.0)
+    a = stream(engine, tiny_model, "a", 1)
+    assert steps_until_running(engine, a) == 1
+    engine.step()
+    assert a.playback.started == pytest.approx(PREFILL + 2 * STEP)
+    b = stream(engine, tiny_model, "b", 2)
+    assert steps_until_running(engine, b) == 5  # four deferred, admitted on the fifth
+    assert a.num_generated == 7  # frames 3-6 ran while B waited; the seventh with B
+    assert engine.realtime.deferred == {"slack": 1, "speed": 0} and engine.realtime.forced == 0
+    assert b.deferred
+
+
+def test_without_the_policy_the_request_joins_at_once(tiny_model):
+    engine = timed_engine(tiny_model, realtime_admission=False)
+    a = stream(engine, tiny_model, "a", 1)
+    engine.step()
+    engine.step()
+    b = stream(engine, tiny_model, "b", 2)
+    assert steps_until_running(engine, b) == 1
+    assert a.playback is not None and a.playback.started is None  # (no policy: nothing kept up to date)
+
+
+def test_a_request_that_waited_its_budget_is_admitted(tiny_model):
+    """B arrives at 0.13 s with a 0.1 s budget: deferred at 0.13, 0.17, 0.21; at 0.25 s it has
+    waited 0.12 s and joins although A still lacks slack."""
+    engine = timed_engine(tiny_model, realtime_max_wait=0.1)
+    a = stream(engine, tiny_model, "a", 1)
+    engine.step()
+    engine.step()
+    b = stream(engine, tiny_model, "b", 2)
+    assert steps_until_running(engine, b) == 4
+    assert engine.realtime.forced == 1 and engine.realtime.deferred["slack"] == 1
+    assert a.num_generated == 6  # B joined before the step of A's sixth frame (its second chunk)
+
+
+def test_nothing_running_admits_at_once(tiny_model):
+    """A request finds nothing running: it is admitted in the first iteration, however slow the step."""
+    engine = timed_engine(tiny_model)
+    engine.realtime.times.observe_step(1, 10.0)  # (a step slower than real time)
+    a = stream(engine, tiny_model, "a", 1)
+    assert steps_until_running(engine, a) == 1
+    assert engine.realtime.deferred == {"slack": 0, "speed": 0}
+
+
+def test_a_batch_too_slow_for_a_new_stream_takes_none_until_one_ends(tiny_model):
+    """At 0.06 s a step, a new stream of chunks 2, 4 cannot be in time (4 frames within 0.2 s of
+    audio): B waits, whatever its budget, until A ends, then is admitted in the next iteration."""
+    global STEP
+    engine = timed_engine(tiny_model, realtime_max_wait=0.0)
+    old, STEP = STEP, 0.06
+    try:
+        a = stream(engine, tiny_model, "a", 1, frames=6)
+        engine.step()
+        engine.step()  # (a step measured)
+        b = stream(engine, tiny_model, "b", 2)
+        iterations = steps_until_running(engine, b)
+    finally:
+        STEP = old
+    assert a.num_generated == 6 and iterations == 5  # A's 4 more frames, then B with nothing running
+    assert engine.realtime.deferred == {"slack": 0, "speed": 1} and engine.realtime.forced == 0
+
+
+def test_the_policy_changes_no_codes(tiny_model):
+    """CPU, same seeds, requests one after another: the same codes with the policy on and off."""
+    outputs = []
+    for on in (False, True):
+        engine = Engine(
+            tiny_model, EngineConfig(max_batch=4, graphs="off", block_size=8, realtime_admission=on)
+        )
+        codes = {}
+        for i in range(3):
+            engine.submit(
+                random_prompt(tiny_model, 7 + 5 * i, i),
+                params(max_new_frames=12, seed=10 + i),
+                f"r{i}",
+                playback=Playback(RATE),
+            )
+            codes.update(run_to_completion(engine)[0])
+        outputs.append(codes)
+    off, on = outputs
+    assert off.keys() == on.keys() and all(off[k].shape[0] > 0 for k in off)
+    assert all(torch.equal(off[k], on[k]) for k in off)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="realtime_margin"):
+        EngineConfig(realtime_margin=-0.1).validate()
+    with pytest.raises(ValueError, match="realtime_max_wait"):
+        EngineConfig(realtime_max_wait=float("nan")).validate()
+
+
+def test_the_engine_sees_the_chunks_the_job_runner_releases(tiny_bundle, monkeypatch):
+    """A job of several text chunks through the job runner: the engine's playback clock released exactly
+    the audio chunks the job runner sent (all but a last one that the job's end flushes)."""
+    from tts.api import TTS
+
+    tts = TTS(tiny_bundle, EngineConfig(max_batch=4, realtime_admission=True))
+    clocks = []
+    submit = tts.engine.submit
+
+    def recording_submit(*args, **kw):
+        clocks.append(kw.get("playback"))
+        return submit(*args, **kw)
+
+    monkeypatch.setattr(tts.engine, "submit", recording_submit)
+    chunks = list(
+        tts.stream(
+            "First sentence here. Second one there.",
+            chunk_length=12,
+            first_chunk_frames=2,
+            chunk_frames=8,
+            max_new_frames=11,
+            min_new_frames=11,
+            seed=3,
+        )
+    )
+    assert len(clocks) > 1 and all(c is clocks[0] for c in clocks)  # one clock for the job's requests
+    clock, total = clocks[0], 11 * len(clocks)
+    expected, end = [], 0
+    while end + chunk_size(2, 8, len(expected)) <= total:
+        end += chunk_size(2, 8, len(expected))
+        expected.append(end)
+    ends = [c.frame_end for c in chunks]
+    assert ends == expected + ([total] if end < total else [])
+    assert (clock.frames, clock.released, clock.chunks) == (total, end, len(expected))
+
+
+def test_the_server_reports_the_policy(tiny_bundle):
+    """/metrics with real-time admission on: the deferrals by reason, the forced admissions and the
+    frame step's estimate the policy predicts from (one request: nothing deferred)."""
+    import urllib.request
+
+    from service_helpers import ServerThread, collect
+    from tts_tools.loadtest import parse_metrics
+
+    from service.client import build_request
+    from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
+
+    srv = ServerThread(tiny_bundle, EngineConfig(max_batch=4, realtime_admission=True), metrics_port=0)
+    try:
+        stub = pb_grpc.TextToSpeechStub(srv.channel())
+        collect(stub.Synthesize(build_request("Metrics.", seed=1, max_new_frames=6, min_new_frames=6)))
+        url = f"http://127.0.0.1:{srv.server.metrics_port}/metrics"
+        values = parse_metrics(urllib.request.urlopen(url, timeout=10).read().decode())
+    finally:
+        srv.stop()
+    assert values['tts_realtime_deferred_total{reason="slack"}'] == 0
+    assert values['tts_realtime_deferred_total{reason="speed"}'] == 0
+    assert values["tts_realtime_forced_total"] == 0
+    assert values["tts_frame_step_estimate_seconds"] > 0
+    assert "tts_realtime_min_slack_seconds" not in values  # (no stream plays now)

@@ -1,0 +1,225 @@
+"""Real-time admission: a waiting request is admitted only when no playing stream falls behind for it.
+
+A stream is a request submitted with a `Playback`. Its consumer releases its audio in chunks
+(`tts.params.chunk_size`: 4, 8, 16, 16, ... frames, as tts.runtime.jobs does), and a player starts on
+the first chunk and plays `rate` frames a second. So the player runs dry at
+`deadline = started + released / rate` (started: when the first chunk was released; released: the
+frames of the chunks released so far), and the next chunk is released `need` frames later. At a frame
+step of `s` seconds the stream's SLACK is
+
+    slack(s) = deadline - now - need * s
+
+the time by which its next chunk beats the player. Admitting requests stops every running row for
+their prefill `p` (each admitted prompt is prefilled before the next frame step) and makes the step
+slower (`s'`, the batch grows). The head of the queue is admitted in an iteration only if
+
+1. (speed) it would keep real time itself: at `s'` each chunk of its ramp is released before the
+   audio before it has played (`Playback.ramp_slack(s') >= 0`; the doubling ramp needs twice real
+   time at its start, half the frame period per step);
+2. (slack) every playing stream keeps `slack(s') - p >= margin` -- unless the request has waited
+   `max_wait` seconds (the time-to-first-audio budget) or continues a stream whose player already
+   runs (a job's next text chunk).
+
+With nothing running a request is always admitted (nothing to protect; its steps are measured). A
+deferred request waits while the frame steps go on and the streams build slack (a stream at 2.7x real
+time gains 1.7 s of slack a second); the next iteration asks again. Rule 1 never gives way to
+`max_wait`: a batch too slow for one more stream takes none until a stream ends (the bounded queue
+refuses the excess, RESOURCE_EXHAUSTED, so that a load balancer sends it elsewhere).
+
+`StepTimes` gives `s'` and `p`: moving averages of the engine's own host wall times (the frame step up
+to its frame on the host, the sync the engine does anyway: no new one), per rows computed (a graph's
+bucket, or the batch size when eager), and of the prefill's extra time per iteration that prefilled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tts.engine.request import Request
+from tts.params import DEFAULT_CHUNK_FRAMES, DEFAULT_FIRST_CHUNK_FRAMES, MAX_CHUNK_FRAMES, chunk_size
+
+# Weight of a new measurement in the moving averages (about the last 10 frame steps count).
+STEP_EMA = 0.1
+PREFILL_EMA = 0.25
+DEFERRAL_REASONS = ("slack", "speed")
+
+
+@dataclass(eq=False)
+class Playback:
+    """The playback clock of one stream (a job: the requests of its text chunks share one).
+
+    rate: audio frames per second. first, later: its chunk sizes (`tts.params.chunk_size`). The engine
+    keeps the rest up to date (its own clock): base, the audio frames of the stream's finished requests;
+    frames, those its consumer may release now; released and chunks, what it released (the frames of
+    whole chunks, and how many); next_at, the frames at which the next chunk is due; started, when the
+    first chunk was released (None: not yet).
+    The loop guard's held frames are not counted until released. A finished request counts its frames
+    as the engine generated them, its end-token frame included, so a stream of several text chunks is
+    counted about a frame ahead per chunk (`tts.params.FrameConvention` decides what is audio).
+    """
+
+    rate: float
+    first: int = DEFAULT_FIRST_CHUNK_FRAMES
+    later: int = DEFAULT_CHUNK_FRAMES
+    base: int = 0
+    frames: int = 0
+    released: int = 0
+    chunks: int = 0
+    next_at: int = 0
+    started: float | None = None
+
+    def __post_init__(self) -> None:
+        self.next_at = self.released + self.due()
+
+    def due(self) -> int:
+        """Frames of the next chunk."""
+        return chunk_size(self.first, self.later, self.chunks)
+
+    def advance(self, frames: int, now: float) -> None:
+        """The running request has `frames` releasable audio frames at time `now`: release what its
+        consumer would (a due chunk, and with it any held frames let go: pieces of MAX_CHUNK_FRAMES)."""
+        self.frames = self.base + frames
+        if self.frames < self.next_at:  # (every frame step, every stream: the quick way out first)
+            return
+        while self.frames > self.released:
+            self.released += min(self.frames - self.released, MAX_CHUNK_FRAMES)
+            self.chunks += 1
+        self.next_at = self.released + self.due()
+        if self.started is None:
+            self.started = now
+
+    def end_request(self, frames: int) -> None:
+        """The stream's request ended with `frames` audio frames (all final)."""
+        self.base += frames
+        self.frames = self.base
+
+    def slack(self, now: float, step: float) -> float:
+        """Seconds by which its next chunk, `need` steps of `step` seconds away, beats the player at
+        `now` (inf before its first chunk: nothing plays yet)."""
+        if self.started is None:
+            return math.inf
+        need = self.next_at - self.frames
+        return self.started + self.released / self.rate - now - need * step
+
+    def ramp_slack(self, step: float) -> float:
+        """A new stream's least slack over its chunks at a step of `step` seconds (clock started at its
+        first chunk): chunk k + 1 is released after the frames of chunks 1..k+1 and must come before
+        the audio of chunks 0..k has played. -inf when `step` is not faster than real time."""
+        if step * self.rate >= 1:
+            return -math.inf
+        k, heard, worst = 0, 0, math.inf
+        while True:
+            size, after = chunk_size(self.first, self.later, k), chunk_size(self.first, self.later, k + 1)
+            heard += size
+            worst = min(worst, heard / self.rate - (heard + after - self.first) * step)
+            if after <= size:  # from here each chunk gains (1 / rate - step) * size: the least is found
+                return worst
+            k += 1
+
+
+class StepTimes:
+    """Moving averages of the frame step's seconds per rows computed, and of the prefill's extra
+    seconds and prompt tokens per iteration that prefilled."""
+
+    def __init__(self) -> None:
+        self.step: dict[int, float] = {}
+        self.prefill_seconds: float | None = None
+        self.prefill_tokens = 0.0
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        old = self.step.get(rows)
+        self.step[rows] = seconds if old is None else old + STEP_EMA * (seconds - old)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if self.prefill_seconds is None:
+            self.prefill_seconds, self.prefill_tokens = seconds, float(tokens)
+            return
+        self.prefill_seconds += PREFILL_EMA * (seconds - self.prefill_seconds)
+        self.prefill_tokens += PREFILL_EMA * (tokens - self.prefill_tokens)
+
+    def step_seconds(self, rows: int) -> float | None:
+        """The step at `rows` rows: measured, else the nearest measured rows below (else above); None
+        before any step was measured."""
+        if rows in self.step:
+            return self.step[rows]
+        below = [r for r in self.step if r < rows]
+        if below:
+            return self.step[max(below)]
+        return self.step[min(self.step)] if self.step else None
+
+    def prefill(self, tokens: int) -> float:
+        """Predicted extra seconds of prefilling `tokens` prompt tokens in one iteration: the average
+        iteration's, scaled up for more tokens than it had (a short prompt costs as much: launch-bound)."""
+        if self.prefill_seconds is None:
+            return 0.0
+        return self.prefill_seconds * max(1.0, tokens / max(self.prefill_tokens, 1.0))
+
+
+@dataclass
+class RealtimeAdmission:
+    """The admission rules of the module docstring. margin, max_wait: seconds. Counters: `deferred`,
+    requests deferred at least once, by the first reason (`DEFERRAL_REASONS`); `forced`, requests
+    admitted on `max_wait` while a stream lacked slack; `min_slack`, the least slack of the playing
+    streams (before a prefill) at the last admission decision while any played (None: none yet)."""
+
+    margin: float
+    max_wait: float
+    times: StepTimes = field(default_factory=StepTimes)
+    deferred: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DEFERRAL_REASONS, 0))
+    forced: int = 0
+    min_slack: float | None = None
+
+    def admits(
+        self,
+        request: Request,
+        admitted: Sequence[Request],
+        running: Sequence[Request],
+        rows: int,
+        now: float,
+    ) -> bool:
+        """Whether `request` (the head of the queue) may join `running` now (`admitted`: those of
+        `running` admitted in this iteration, not prefilled yet; `rows`: the rows the step then
+        computes). A deferral is counted once per request."""
+        if not running:
+            return True
+        step = self.times.step_seconds(rows)
+        if step is None:
+            return True
+        playback = request.playback
+        if playback is not None and playback.started is None and playback.ramp_slack(step) < 0:
+            return self._defer(request, "speed")
+        if playback is not None and playback.started is not None:
+            return True  # its player runs: waiting only makes it later
+        tokens = sum(r.prompt_len - r.cached for r in admitted) + request.prompt_len - request.cached
+        cost = self.times.prefill(tokens)
+        self.min_slack = min((p.slack(now, step) for p in self._playing(running)), default=None)
+        if self.min_slack is None or self.min_slack - cost >= self.margin:
+            return True
+        if now - request.arrival_time >= self.max_wait:
+            self.forced += 1
+            return True
+        return self._defer(request, "slack")
+
+    def after_step(self, running: Sequence[Request], now: float) -> None:
+        """After a frame step that ended at `now`: the streams' chunks that came due are released."""
+        for r in running:
+            if r.playback is not None:
+                r.playback.advance(r.released if r.guard is not None else r.num_generated, now)
+
+    @staticmethod
+    def _playing(running: Sequence[Request]) -> list[Playback]:
+        """The playback clocks of the streams whose player runs and whose row decodes (a paused one is
+        ahead of its reader; a stalled one waits for a block, and admission waits for it anyway)."""
+        return [
+            r.playback
+            for r in running
+            if r.playback is not None and r.playback.started is not None and not (r.paused or r.stalled)
+        ]
+
+    def _defer(self, request: Request, reason: str) -> bool:
+        if not request.deferred:
+            request.deferred = True
+            self.deferred[reason] += 1
+        return False
