@@ -877,3 +877,14 @@ def test_an_error_names_the_option_of_its_field_not_of_its_words():
     assert error_line(InvalidRequest("temperature of the room")) == "temperature of the room"
     # a field the message does not open with: the message as it is
     assert error_line(InvalidField("voice", "unknown voice 'x'")) == "unknown voice 'x'"
+
+
+@pytest.mark.parametrize(("command", "default"), [("synthesize", "off"), ("serve", None)])
+def test_the_prefill_is_captured_by_the_server_not_by_a_one_shot_synthesize(command, default):
+    # `tts synthesize` prefills once per text chunk: capturing the prefill's graphs only costs start-up.
+    from tts.cli.main import build_parser, engine_kwargs
+
+    words = ["synthesize", "hi", "-o", "x.wav"] if command == "synthesize" else ["serve"]
+    assert engine_kwargs(build_parser().parse_args(words))["prefill_graphs"] == default
+    on = engine_kwargs(build_parser().parse_args([*words, "--prefill-graphs", "on"]))
+    assert on["prefill_graphs"] is None  # (the engine's default: as --graphs)

@@ -101,8 +101,9 @@ def int_list(s: str) -> list[int]:
     return values
 
 
-def add_engine_args(p: argparse.ArgumentParser, graphs: str = "lazy") -> None:
-    """The engine's options; `graphs` is the command's default for --graphs."""
+def add_engine_args(p: argparse.ArgumentParser, graphs: str = "lazy", prefill_graphs: str = "on") -> None:
+    """The engine's options; `graphs` and `prefill_graphs` are the command's defaults for --graphs and
+    --prefill-graphs."""
     from tts.params import DEFAULT_KV_MEMORY_FRACTION
 
     g = p.add_argument_group("engine (--graphs and --buckets: CUDA only; --threads: CPU only)")
@@ -118,9 +119,10 @@ def add_engine_args(p: argparse.ArgumentParser, graphs: str = "lazy") -> None:
     g.add_argument(
         "--prefill-graphs",
         choices=["on", "off"],
-        default="on",
+        default=prefill_graphs,
         help="with --graphs lazy or startup, also capture the prefill (a new request's prompt pass, one "
-        "graph per token bucket, captured as --graphs says); off: the prefill runs eagerly (default on)",
+        "graph per token bucket, captured as --graphs says); off: the prefill runs eagerly (default "
+        f"{prefill_graphs})",
     )
     # Deprecated (`--graphs on` too): kept working for old scripts, folded into --graphs by
     # `resolve_graphs_arg` with a one-line warning.
@@ -954,8 +956,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary line")
     add_model_args(p)
     add_codec_dtype_arg(p)
-    # startup: the one graph of batch 1 is captured while loading, so the synthesis itself runs replays
-    add_engine_args(p, graphs="startup")
+    # startup: the one graph of batch 1 is captured while loading, so the synthesis itself runs replays.
+    # The prefill stays eager: it runs once per text chunk, and capturing its graphs costs more start-up
+    # (their packed attention's first call imports torch's compiler, seconds) than it saves.
+    add_engine_args(p, graphs="startup", prefill_graphs="off")
     add_sampling_args(p)
     p.set_defaults(func=cmd_synthesize)
 
