@@ -67,10 +67,20 @@ class PhonemeFrontend:
         text has none, in place of a trailing comma, colon or semicolon). The default model learned
         from punctuated sentences; without it a text of a word or two ("hi", "OK") was read on into
         babble before the end token came, and with it ("Hi.") it ends."""
-        phonemes = self.phonemize_batch([text])[0]
-        if phonemes and phonemes[-1] not in _TERMINAL:
-            phonemes = phonemes.rstrip(",;: ") + "."
-        return phonemes
+        return self.sentences([text])[0]
+
+    def sentences(self, texts: list[str]) -> list[str]:
+        """`__call__` of each text, with one espeak call for the whole list (what a training corpus
+        needs to give its texts exactly as the runtime prompts them)."""
+        return [as_sentence(p) for p in self.phonemize_batch(texts)]
+
+
+def as_sentence(phonemes: str) -> str:
+    """`phonemes` ending with terminal punctuation: a full stop appended (in place of a trailing comma,
+    colon or semicolon) where it has none; "" stays ""."""
+    if phonemes and phonemes[-1] not in _TERMINAL:
+        phonemes = phonemes.rstrip(",;: ") + "."
+    return phonemes
 
 
 # Punctuation that ends a sentence as espeak-ng keeps it (with closing quotes and brackets after it).
