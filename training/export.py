@@ -149,6 +149,12 @@ def main() -> None:
         help="keep the preset voices of this bundle (its voices/ folder; e.g. tts/assets/default when "
         "fine-tuning it) instead of picking training clips from --codes",
     )
+    p.add_argument(
+        "--teacher",
+        choices=sorted(VOICE_TEACHERS),
+        default=None,
+        help="the synthesizer that spoke the corpus (default: WORK/sentences.jsonl's)",
+    )
     p.add_argument("--dest", type=Path, default=ROOT / "tts" / "assets" / "default")
     p.add_argument("--samples", type=Path, default=ROOT / "samples" / "voices")
     a = p.parse_args()
@@ -181,7 +187,7 @@ def main() -> None:
             f"codec has {codec.num_codebooks} x {codec.codebook_size} codes, the model "
             f"{args.num_codebooks} x {args.codebook_size}: export the codec the model was trained on"
         )
-    teacher = corpus_teacher(a.work)
+    teacher = a.teacher or corpus_teacher(a.work)
     if a.voices_from is not None:
         voices = load_voices(a.voices_from / "voices")
         if not voices:
