@@ -367,3 +367,5 @@ def test_reference_clips_have_a_floor(tmp_path, monkeypatch):
     for _ in range(300):
         shipped.example(r.randrange(len(shipped.items)), r)
     assert min(ref.codes.shape[1] for refs, _ in seen for ref in refs) == 5  # (the default: no floor)
+    with pytest.raises(ValueError, match=r"speakers \[0, 1\] have no reference clip of 80-110 frames"):
+        train.Corpus(data, 4, ref_min_frames=80)

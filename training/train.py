@@ -164,6 +164,10 @@ class Corpus:
             s: [i for i in ids if self.items[i]["codes"].shape[1] >= ref_min_frames]
             for s, ids in self._up_to(MAX_REF_FRAMES).items()
         }
+        if split == "train" and (none := sorted(s for s, ids in self.short.items() if not ids)):
+            raise ValueError(
+                f"speakers {none} have no reference clip of {ref_min_frames}-{MAX_REF_FRAMES} frames"
+            )
         self.history_pool = self._up_to(history_frames)
         self.seconds = sum(u["seconds"] for u in self.items)
 
