@@ -603,9 +603,9 @@ def build_addon(
 ) -> None:
     """The add-on corpus in work/sentences.jsonl (then `synth` and `encode` as for any corpus): the
     sentences of samples/eval/heldout.txt (split "heldout": train.py's held-out loss), `n_short` short
-    and `n_everyday` everyday utterances (`short_texts`,
-    `everyday_texts`: normalized and phonemized exactly as the runtime prompts them, so a text without
-    terminal punctuation gets the runtime's full stop), spoken by the base corpus's teacher and speakers
+    and `n_everyday` everyday utterances (`short_texts`, `everyday_texts`: normalized and phonemized
+    exactly as the runtime prompts them, so a text without terminal punctuation gets the runtime's full
+    stop), spoken by the base corpus's teacher and speakers
     (speaker 0 with its DEFAULT_SPEAKER_SHARE), and a replay of `n_replay` base training utterances, of
     which `n_paragraphs` are paragraphs, as the base corpus has them (voice, jitter). Seeded. Raises
     SystemExit when a row would have a held-out text."""
@@ -623,8 +623,9 @@ def build_addon(
     new = [("short", t) for t in short_texts(n_short, seed + 10)]
     new += [("everyday", t) for t in everyday_texts(n_everyday, seed + 11)]
     norms = [normalize_text(t) for _, t in new]
-    phonemes = PhonemeFrontend().sentences(norms)  # (the runtime's frontend: a full stop where none is)
-    held_phonemes = {_phoneme_key(p) for p in PhonemeFrontend().sentences(_heldout_norms())}
+    frontend = PhonemeFrontend()
+    phonemes = frontend.sentences(norms)  # (the runtime's frontend: a full stop where none is)
+    held_phonemes = {_phoneme_key(p) for p in frontend.sentences(_heldout_norms())}
     # The held-out rows are samples/eval/heldout.txt itself, spoken as build_text speaks its held-out
     # sentences (speaker 0, no jitter): a base rebuilt with another normalizer holds out other sentences.
     held_text = _heldout_norms(everyday=False)
@@ -636,7 +637,7 @@ def build_addon(
             teacher,
             False,
         )
-        for t, ph in zip(held_text, PhonemeFrontend().sentences(held_text), strict=True)
+        for t, ph in zip(held_text, frontend.sentences(held_text), strict=True)
     ]
     added = []
     for (source, raw), norm, ph in zip(new, norms, phonemes, strict=True):
