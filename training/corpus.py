@@ -15,6 +15,9 @@ Stages (each resumable; outputs under --work, default `training/work/`, git-igno
              ordinals, years and abbreviations (seeded, so always the same).
            All text goes through the runtime's normalizer `tts.text.normalize.normalize_text`, then through
            the runtime's phoneme frontend (`tts.text.phonemes`), exactly as at inference.
+  addon    sentences.jsonl of a corpus to fine-tune a trained model with (`--base` names the corpus it
+           was trained on): short utterances, everyday sentences with varied final phrases, a replay of
+           the base; never a text of samples/eval/ (`build_addon`; training/README.md).
   synth    shards/mel-XXXX.pt: the teacher (Debian package `espeak-ng` or `flite`) speaks every
            utterance with its speaker's voice, rate and pitch at 22050 Hz; each clip becomes a log-mel
            `[4T, 80]` float16 (`tts.codec.melrvq.LogMel`). Audio itself is never stored.
