@@ -87,13 +87,13 @@ def test_addon_rows(tmp_path):
     base = tmp_path / "base"
     base.mkdir()
     held_text = normalize_text(_eval_lines("heldout.txt")[0])
-    rows = [
+    rows: list[dict] = [
         {"source": "wordnet", "text": f"Sentence number {i} is here.", "split": "train"} for i in range(6)
     ] + [{"source": "paragraph", "text": f"First {i}. Second {i}.", "split": "train"} for i in range(4)]
     rows.append({"source": "wordnet", "text": held_text, "split": "train"})  # a base built otherwise
     for i, row in enumerate(rows):
-        row.update(id=i, raw=row["text"], phonemes="x.", speaker=1, teacher="flite", voice="rms", stretch=1.0)
-        row["f0"] = 0
+        row.update(id=i, raw=row["text"], phonemes="x.", speaker=1, teacher="flite", voice="rms")
+        row.update(stretch=1.0, f0=0)
     (base / "sentences.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     corpus.build_addon(tmp_path / "ft", base, 40, 30, 7, 2, seed=0)
     out = corpus.read_utterances(tmp_path / "ft")
