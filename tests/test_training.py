@@ -347,3 +347,25 @@ def test_residual_dropout_acts_only_in_training_mode(tmp_path):
     assert sorted(dropped.state_dict()) == sorted(plain.state_dict())  # the saved weights are the same
     with pytest.raises(ValueError, match="dropout"):
         train.add_residual_dropout(plain, 1.0)
+
+
+def test_reference_clips_have_a_floor(tmp_path, monkeypatch):
+    """`--ref-min-frames`: a corpus of one-word utterances gives references like the preset voices, never
+    its shortest clips; earlier turns (history) may still be short."""
+    data = _codes_dir(tmp_path, frames=lambda i: 5 + 10 * (i % 8))  # 5-75 frames
+    seen = []
+    monkeypatch.setattr(train.Corpus, "columns", lambda self, i, refs, history: seen.append((refs, history)))
+    r = random.Random(0)
+    floor = train.Corpus(data, 4, history_rate=1.0, ref_min_frames=40)
+    for _ in range(300):
+        floor.example(r.randrange(len(floor.items)), r)
+    refs = [ref.codes.shape[1] for refs, _ in seen for ref in refs]
+    history = [h.codes.shape[1] for _, hs in seen for h in hs]
+    assert refs and min(refs) == 45 and min(history) == 5
+    seen.clear()
+    shipped = train.Corpus(data, 4)
+    for _ in range(300):
+        shipped.example(r.randrange(len(shipped.items)), r)
+    assert min(ref.codes.shape[1] for refs, _ in seen for ref in refs) == 5  # (the default: no floor)
+    with pytest.raises(ValueError, match=r"speakers \[0, 1\] have no reference clip of 80-110 frames"):
+        train.Corpus(data, 4, ref_min_frames=80)

@@ -15,6 +15,9 @@ Stages (each resumable; outputs under --work, default `training/work/`, git-igno
              ordinals, years and abbreviations (seeded, so always the same).
            All text goes through the runtime's normalizer `tts.text.normalize.normalize_text`, then through
            the runtime's phoneme frontend (`tts.text.phonemes`), exactly as at inference.
+  addon    sentences.jsonl of a corpus to fine-tune a trained model with (`--base` names the corpus it
+           was trained on): short utterances, everyday sentences with varied final phrases, a replay of
+           the base; never a text of samples/eval/ (`build_addon`; training/README.md).
   synth    shards/mel-XXXX.pt: the teacher (Debian package `espeak-ng` or `flite`) speaks every
            utterance with its speaker's voice, rate and pitch at 22050 Hz; each clip becomes a log-mel
            `[4T, 80]` float16 (`tts.codec.melrvq.LogMel`). Audio itself is never stored.
@@ -206,6 +209,485 @@ def paragraphs(rows: list[dict], n: int, max_bytes: int, seed: int) -> list[dict
         if len(text.encode()) <= max_bytes and text not in out:
             out[text] = {"source": "paragraph", "raw": " ".join(p["raw"] for p in picked), "text": text}
     return [out[t] for t in sorted(out)]
+
+
+# ---- add-on corpus for fine-tuning the shipped model --------------------------------------------------
+# Short utterances (1-4 words, with and without terminal punctuation) and everyday sentences whose last
+# phrase varies (prices, "order of N things", "an" + a vowel-initial noun, lists, times, weekdays and
+# dates at the end, phone-menu phrases, questions), plus a replay of the base corpus so that long
+# reading is not forgotten. Never any text of the held-out evaluation (samples/eval/everyday.txt,
+# samples/eval/heldout.txt): see `heldout_keys`.
+
+_GREETINGS = [
+    "Hello", "Hey", "Hi there", "Hey there", "Hello again", "Good morning", "Good afternoon",
+    "Good evening", "Good night", "Morning", "Evening", "Welcome back", "Welcome home", "Howdy",
+    "Greetings", "Bye", "Bye bye", "Goodbye for now", "See you", "See you later", "See you soon",
+    "Take care", "Cheers", "Farewell", "Nice to meet you", "Hello everyone", "Hi everyone", "Hi folks",
+    "Good to see you", "Long time no see", "Welcome aboard", "Safe travels", "Sleep well", "Sweet dreams",
+    "Get well soon", "Happy holidays", "Happy new year", "Happy anniversary", "Happy Friday",
+    "Merry Christmas", "Have a nice day", "Have fun", "Enjoy",
+]  # fmt: skip
+_REPLIES = [
+    "Sure", "Okay then", "Alright", "All right", "Got it", "Thank you", "Thanks a lot", "Thank you so much",
+    "Many thanks", "You're welcome", "No problem", "Of course", "Sounds good", "Great", "Perfect", "Fine",
+    "Right", "Understood", "I see", "Absolutely", "Certainly", "Sorry", "I'm sorry", "Excuse me",
+    "Pardon me", "Please", "Yes please", "No thanks", "No thank you", "Maybe", "Maybe later", "Not yet",
+    "Never mind", "Exactly", "Agreed", "Done", "All done", "Ready", "I'm ready", "Wait", "Stop", "Help",
+    "Well done", "Congratulations", "Good luck", "Bless you", "Good job", "Nice work", "One moment",
+    "Just a second", "Hold on", "No", "Yeah", "Nope", "Yes indeed", "No way", "Not really",
+    "Of course not", "I agree", "I don't know", "I think so", "I hope so", "Me too", "Same here", "Cool",
+    "Awesome", "Wonderful", "Excellent", "Amazing", "Oops", "Wow", "Indeed", "Correct", "Wrong", "True",
+    "False", "Enough", "Again", "Next", "Finished", "Cancel", "Confirm", "Continue", "Try again",
+    "Not bad", "Fair enough", "Why not", "Good idea", "My pleasure", "Anytime", "Lunch is ready",
+    "Coffee is ready", "It's done", "It works", "All good", "Almost there", "On my way", "Be right back",
+]  # fmt: skip
+_COMMANDS = [
+    "Hurry up", "Come in", "Sit down", "Listen", "Look out", "Be careful", "Watch out", "Let's go",
+    "Let me see", "Follow me", "Go ahead", "Keep going", "Come here", "Call me", "Wait here",
+    "Open the door", "Close the window", "Turn it off", "Turn it on", "Read this", "Sign here",
+    "Stay there", "Don't move", "Take a seat", "Slow down", "Speak up", "Look at this", "Pick one",
+    "Try this", "Go left", "Turn right", "Press start", "Hang up", "Check again", "Lock the door",
+]  # fmt: skip
+_QUESTIONS = [
+    "Are you sure", "Who is it", "What time is it", "Where are you", "Ready", "Really", "Why", "How much",
+    "How many", "What's up", "How are you", "Can I help", "Is it done", "Anyone home", "Are you there",
+    "What happened", "Any news", "Which one", "When", "Where", "Who", "What", "Are you okay",
+    "Is that right", "Can you help me", "What's next", "Did it work", "Any questions", "Shall we",
+    "Coffee or tea", "Ready to go", "What's your name", "How was it", "Is everything okay", "Where to",
+    "How long", "How far", "Seriously", "Right now", "Is that all", "Need help", "Got a minute",
+    "Can you hear me", "Do you copy", "Is anyone there", "Yes or no", "Which way",
+]  # fmt: skip
+_WORDS = (
+    "Coffee Tea Water Music Pizza Breakfast Lunch Dinner Today Tonight Tomorrow Yesterday Weekend Apples "
+    "Bread Milk Hospital Station Airport Kitchen Garden Window Umbrella Weather Traffic Schedule Password "
+    "Message Email Receipt Invoice Delivery Ticket Library Office Meeting Appointment Holiday Vacation "
+    "Doctor Teacher Family Friends Everyone Nobody Somebody Anything Everything Nothing Always Never "
+    "Sometimes Definitely Probably Hopefully Actually Finally Quickly Slowly Quietly Carefully Beautiful "
+    "Delicious Interesting Important Impossible Incredible Fantastic Terrible Brilliant Lovely Hungry "
+    "Tired Busy Late Early Open Closed Left Up Down Forward North South East West Upstairs Downstairs "
+    "Inside Outside Here There Now Later Soon Almost Attention Silence Action Surprise Cheese Dessert "
+    "Elevator Exit Entrance Agent Operator Billing Support Sales Emergency Reception Checkout"
+).split()
+_WEEKDAYS = "Monday Tuesday Wednesday Thursday Friday Saturday Sunday".split()
+_GROCERIES = (
+    "milk eggs bread butter cheese rice pasta coffee tea sugar flour onions carrots potatoes tomatoes "
+    "bananas oranges grapes yogurt cereal juice chicken beans lettuce peppers cookies soap napkins"
+).split()
+_UNITS = "pounds bags boxes bottles cans packs jars cartons kilos liters gallons loaves".split()
+_AN_NOUNS = [
+    "agent", "engineer", "email", "hour", "update", "order", "apple", "umbrella", "invoice", "account",
+    "appointment", "error", "offer", "answer", "idea", "item", "envelope", "elevator", "exit", "airport",
+    "office", "operator", "assistant", "alarm", "application", "estimate", "interview", "issue", "outage",
+    "owner", "extra towel", "old friend", "open seat", "easy question", "early flight", "empty box",
+    "honest mistake", "orange", "uncle", "electrician", "usher", "editor", "officer", "hour or two",
+]  # fmt: skip
+_A_NOUNS = [
+    "manager", "technician", "receipt", "driver", "doctor", "nurse", "ticket", "table", "refund",
+    "package", "parking spot", "new card", "quick question", "short delay", "message", "window seat",
+]  # fmt: skip
+_SENT = ["email", "invoice", "update", "estimate", "application", "envelope", "order", "alarm", "offer"]
+_COMPANIES = [
+    "Acme Bank", "City Water", "Blue Sky Airlines", "Green Valley Clinic", "Metro Gas",
+    "North Star Insurance", "Sunrise Dental", "River Phone", "Harbor Hotel", "Pine Street Pharmacy",
+    "Lakeside Library",
+]  # fmt: skip
+_LABELS = (
+    "Room Gate Page Table Platform Chapter Number Level Floor Flight Bus Line Option Press Aisle".split()
+)
+_PLACES = "store bank pharmacy library museum pool gym bakery post office clinic cafe".split(" ")
+
+
+def _words_key(text: str) -> str:
+    """The words of a normalized text, lowercased, without punctuation: "Hi!" and "hi" share one key."""
+    return " ".join(re.sub(r"[^a-z0-9']+", " ", text.lower()).split())
+
+
+def heldout_keys() -> set[str]:
+    """`_words_key` of every text of the held-out evaluation (samples/eval/everyday.txt and heldout.txt,
+    normalized as the runtime does): no add-on text may have one of them, whatever its punctuation."""
+    return {_words_key(t) for t in _heldout_norms()}
+
+
+def short_texts(n: int, seed: int) -> list[str]:
+    """`n` distinct short texts (1-4 words once normalized) as users type them: greetings,
+    acknowledgements, single words, yes/no, names, numbers, short questions and commands, about a third
+    without terminal punctuation and some in lower case. Seeded; held-out texts are never among them."""
+    r = random.Random(seed)
+    keys = heldout_keys()
+
+    def name():
+        return r.choice([r.choice(_NAMES), r.choice(_NAMES), f"{r.choice(_TITLES)} {r.choice(_SURNAMES)}"])
+
+    def number():
+        k = r.randint(1, 99) if r.random() < 0.7 else r.randint(100, 2030)
+        return r.choice(
+            [
+                str(k),
+                f"{r.choice(_LABELS)} {k}",
+                f"{r.choice(_LABELS)} {k}",
+                f"${r.randint(1, 99)}" + (f".{r.randint(0, 99):02d}" if r.random() < 0.3 else ""),
+                f"{r.randint(1, 12)}:{r.choice([0, 15, 30, 45]):02d}" + r.choice(["", " a.m.", " p.m."]),
+                f"{r.randint(1, 99)}%",
+                f"{r.choice(_WEEKDAYS)}",
+                f"{r.choice(_MONTHS)} {r.randint(1, 28)}",
+                f"In {r.randint(2, 59)} minutes",
+                f"{r.randint(2, 12)} hours",
+            ]
+        )
+
+    kinds = [
+        (0.22, lambda: r.choice(_WORDS + _NAMES + _CITIES)),
+        (0.14, lambda: r.choice(_GREETINGS)),
+        (0.16, lambda: r.choice(_REPLIES)),
+        (0.14, lambda: r.choice(_QUESTIONS) + "?"),
+        (0.06, lambda: r.choice(_COMMANDS)),
+        (0.14, lambda: f"{r.choice(_GREETINGS + _REPLIES[:40])}, {name()}"),
+        (0.04, lambda: r.choice([f"This is {name()}", f"{name()} here", f"Call {name()}", f"{name()}?"])),
+        (0.10, number),
+    ]
+    weights = [w for w, _ in kinds]
+    out: dict[str, None] = {}
+    for _ in range(200 * n):
+        if len(out) >= n:
+            break
+        text = r.choices(kinds, weights)[0][1]()
+        q = text.endswith("?")
+        text = text.rstrip("?")
+        roll = r.random()
+        if roll < 0.35:
+            pass  # no terminal punctuation, as typed in a chat box
+        elif q:
+            text += "?"
+        else:
+            text += r.choice([".", ".", "!", "..."])
+        if r.random() < 0.15:
+            text = text.lower()
+        if _short_ok(text, keys):
+            out[text] = None
+    return list(out)
+
+
+def _short_ok(text: str, keys: set[str]) -> bool:
+    from tts.text.normalize import TextError, normalize_text
+
+    try:
+        norm = normalize_text(text)
+    except TextError:
+        return False
+    return 1 <= len(norm.split()) <= 4 and _words_key(norm) not in keys
+
+
+def everyday_texts(n: int, seed: int, max_bytes: int = 200) -> list[str]:
+    """`n` distinct everyday sentences of up to about 25 words (at most `max_bytes` once normalized)
+    whose last phrase varies: prices inside longer sentences, "order of N things", "an" + vowel-initial
+    nouns, lists ending "and N units of X", times "in N minutes", weekdays and dates at the end,
+    phone-menu phrases, questions, "see you ...". Seeded; held-out texts are never among them."""
+    from tts.text.normalize import TextError, normalize_text
+
+    r = random.Random(seed)
+    keys = heldout_keys()
+    ch = r.choice
+
+    def n_(lo: int = 1, hi: int = 20) -> str:
+        k = r.randint(lo, hi) if r.random() < 0.8 else r.randint(lo, 10 * hi)
+        return str(k) if r.random() < 0.6 else _NUMBER_WORDS.get(k, str(k))
+
+    def money() -> str:
+        return ch(["$", "$", "$", "£", "€"]) + ch(
+            [f"{r.randint(1, 99)}.{r.randint(0, 99):02d}", str(r.randint(1, 500)), f"{r.randint(1, 9)}.99"]
+        )
+
+    def ordinal() -> str:
+        d = r.randint(1, 31)
+        return f"{d}{'th' if 10 <= d % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(d % 10, 'th')}"
+
+    def day() -> str:  # a weekday and/or a date, the way a sentence ends with it
+        return ch(
+            [
+                f"{ch(_WEEKDAYS)}, {ch(_MONTHS)} {ordinal()}",
+                f"{ch(_WEEKDAYS)}",
+                f"{ch(_MONTHS)} {ordinal()}",
+                f"{ch(_WEEKDAYS)} the {ordinal()}",
+                f"{ch(_WEEKDAYS)} morning",
+                f"{ch(_WEEKDAYS)} afternoon",
+                f"{ch(_WEEKDAYS)} at {time_()}",
+            ]
+        )
+
+    def time_() -> str:
+        return f"{r.randint(1, 12)}:{ch([0, 5, 10, 15, 20, 30, 45, 50]):02d}" + ch(["", " a.m.", " p.m."])
+
+    def when() -> str:  # a final phrase of time
+        return ch(
+            [
+                f"on {day()}",
+                f"by {ch(_WEEKDAYS)}",
+                f"in {n_(2, 59)} minutes",
+                f"in {n_(2, 12)} hours",
+                f"in about {n_(2, 30)} minutes",
+                "in an hour",
+                f"at {time_()}",
+                f"at {time_()} on {ch(_WEEKDAYS)}",
+                f"next {ch(_WEEKDAYS + ['week', 'month', 'year'])}",
+                f"this {ch(['morning', 'afternoon', 'evening', 'weekend'])}",
+                "tonight",
+                "tomorrow morning",
+                "later today",
+                "right away",
+                "as soon as possible",
+                f"before {time_()}",
+                f"within {n_(2, 10)} business days",
+            ]
+        )
+
+    def things() -> str:
+        return ch(_THINGS + ["bags of rice", "jars of honey", "notebooks", "towels", "packs of paper"])
+
+    def an_noun() -> str:
+        return f"an {ch(_AN_NOUNS)}"
+
+    def grocery_list() -> str:
+        a, b, c, d = r.sample(_GROCERIES, 4)
+        return f"{a}, {b}, {c} and {n_(2, 6)} {ch(_UNITS)} of {d}"
+
+    def person() -> str:
+        return ch([ch(_NAMES), f"{ch(_TITLES)} {ch(_SURNAMES)}"])
+
+    def of(*options: str) -> str:
+        return ch(options)
+
+    def weekday() -> str:
+        return ch(_WEEKDAYS)
+
+    def a_or_an() -> str:
+        return ch([f"a {ch(_A_NOUNS)}", an_noun()])
+
+    templates = [
+        lambda: f"Your order of {n_()} {things()} costs {money()} and will arrive {when()}.",
+        lambda: f"Your order of {n_()} {things()} has shipped and should arrive {when()}.",
+        lambda: f"We received an order of {n_()} {things()} {when()}.",
+        lambda: f"An order of {n_()} {things()} comes to {money()} with shipping.",
+        lambda: f"The order of {n_()} {things()} will be ready for pickup {when()}.",
+        lambda: f"{of('I', 'We', 'She', 'He', 'They')} ordered {n_()} {things()} for {money()}.",
+        lambda: f"That comes to {money()}; would you like {of('a receipt', 'a bag', 'to pay by card')}?",
+        lambda: f"Tickets cost {money()} for adults and {money()} for children under {n_(5, 16)}.",
+        lambda: f"Add {money()} for shipping, and the total is {money()}.",
+        lambda: (
+            f"The {of('repair', 'taxi', 'dinner', 'room', 'course', 'jacket')} cost {money()} in the end."
+        ),
+        lambda: f"Please wait, {an_noun()} will be with you {of('shortly', 'in a moment', 'soon', when())}.",
+        lambda: f"We sent you an {ch(_SENT)} {when()}.",
+        lambda: f"There is {an_noun()} waiting for you at the {of('front desk', 'door', 'counter', 'gate')}.",
+        lambda: f"I need {an_noun()} and {a_or_an()} for {of('the trip', 'tomorrow', 'the meeting', 'Sam')}.",
+        lambda: (
+            f"{of('She', 'He', 'Grace')} left {an_noun()} {of('on the bus', 'at the office', 'in the car')}."
+        ),
+        lambda: f"Can you get me {an_noun()}, please?",
+        lambda: f"We need {grocery_list()}{of('', ' from the market', ' on the way home', ' for tonight')}.",
+        lambda: (
+            f"Please pick up {grocery_list()}{of('', ' after work', ' if they have any', ' for Saturday')}."
+        ),
+        lambda: f"The list says {grocery_list()}.",
+        lambda: (
+            f"{of('We will', 'She will', 'They will', 'The driver will', 'Dinner will')} be "
+            f"{of('there', 'here', 'ready', 'back', 'home', 'done')} in {n_(2, 59)} "
+            f"{of('minutes', 'minutes', 'hours', 'seconds')}."
+        ),
+        lambda: f"I'll be {of('back', 'home', 'ready', 'done', 'outside')} in {n_(2, 59)} minutes.",
+        lambda: (
+            f"The {of('bus', 'store', 'shuttle', 'show', 'game')} "
+            f"{of('comes', 'closes', 'opens', 'starts', 'ends')} in {n_(2, 59)} minutes."
+        ),
+        lambda: f"Your appointment with {person()} is on {day()}.",
+        lambda: f"The {of('meeting', 'call', 'class', 'party', 'interview')} moved to {time_()} on {day()}.",
+        lambda: f"The package will arrive on {day()}.",
+        lambda: f"{of('We', 'I', 'They')} fly to {ch(_CITIES)} on {day()}.",
+        lambda: (
+            f"Could you send me the {of('invoice', 'slides', 'photos', 'contract', 'notes', 'tickets')} by "
+            f"{of(weekday(), 'tonight', 'noon', 'the end of the day')}?"
+        ),
+        lambda: (
+            "See you "
+            + of(
+                f"on {weekday()}",
+                "next week",
+                "at noon",
+                f"at {time_()}",
+                "in the morning",
+                "tonight",
+                "this weekend",
+                "at the station",
+                "soon",
+                "after lunch",
+                f"on the {ordinal()}",
+                f"in {ch(_MONTHS)}",
+                f"later, {ch(_NAMES)}",
+                "there",
+            )  # fmt: skip
+            + "."
+        ),
+        lambda: f"Thank you for calling {ch(_COMPANIES)}, {ch(_MENU)}.",
+        lambda: f"{ch(_MENU).capitalize()}, and {ch(_MENU)}.",
+        lambda: (
+            f"Press {n_(1, 9)} for {of('billing', 'sales', 'support', 'a new account')}, or press "
+            f"{n_(1, 9)} for {of('appointments', 'an operator', 'an agent', 'anything else')}."
+        ),
+        lambda: f"Your estimated wait time is {n_(2, 30)} minutes.",
+        lambda: (
+            f"Please {of('call me back', 'text me', 'email me', 'let me know')} "
+            f"{of('when you get a chance', 'after lunch', 'before five', 'as soon as you can', when())}."
+        ),
+        lambda: (
+            f"Don't forget to {of('pay the rent', 'water the plants', 'call your mother', 'feed the cat')} "
+            f"{when()}."
+        ),
+        lambda: (
+            f"It's going to {of('snow', 'be sunny', 'be windy', 'be cold', 'storm', 'rain')} "
+            f"{of('tonight', 'this afternoon', f'on {weekday()}', 'later')}, so "
+            f"{of('bring a jacket', 'wear boots', 'take a hat', 'drive carefully', 'stay inside')}."
+        ),
+        lambda: (
+            f"Turn {of('left', 'right')} at the {of('bank', 'church', 'gas station', 'corner')}, then "
+            f"{of('go straight', 'keep going', 'drive')} for {n_(2, 9)} {of('blocks', 'miles', 'minutes')}."
+        ),
+        lambda: (
+            f"The {of('train', 'bus', 'ferry', 'flight')} to {ch(_CITIES)} leaves from "
+            f"{of('platform', 'gate', 'stop', 'pier')} {n_(1, 30)} at {time_()}"
+            f"{of('', ' tonight', ' in the evening', f' on {weekday()}')}."
+        ),
+        lambda: f"What time does the {ch(_PLACES)} open on {weekday()}?",
+        lambda: f"How much does {a_or_an()} cost?",
+        lambda: f"Is {person()} coming to the {of('party', 'meeting', 'game', 'dinner')} on {weekday()}?",
+        lambda: f"Do you want {ch(_GROCERIES)} or {ch(_GROCERIES)}?",
+        lambda: f"Have you seen my {of('keys', 'phone', 'glasses', 'wallet', 'umbrella', 'charger')}?",
+        lambda: f"Would you like {a_or_an()} with that?",
+        lambda: f"{ch(_NAMES)} will meet you at the {ch(_PLACES)} {when()}.",
+        lambda: f"The {ch(_PLACES)} is open from {time_()} to {time_()}.",
+        lambda: f"{of('Hi', 'Hello', 'Hey')} {ch(_NAMES)}, {of('are you free', 'can we talk')} {when()}?",
+    ]
+    out: dict[str, None] = {}
+    for _ in range(50 * n):
+        if len(out) >= n:
+            break
+        text = ch(templates)()
+        text = text[:-1] if text.endswith("..") else text  # ("... at 5 p.m.")
+        try:
+            norm = normalize_text(text)
+        except TextError:
+            continue
+        if len(norm.split()) <= 25 and len(norm.encode()) <= max_bytes and _words_key(norm) not in keys:
+            out[text] = None
+    return list(out)
+
+
+_NUMBER_WORDS = dict(
+    enumerate(
+        "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+        "sixteen seventeen eighteen nineteen twenty".split()
+    )
+)
+_MENU = [
+    "your call is important to us",
+    "please listen carefully as our options have changed",
+    "please hold and the next available agent will take your call",
+    "all of our agents are busy right now",
+    "calls may be recorded for training purposes",
+    "you can also visit our website",
+    "an operator will answer in a moment",
+    "stay on the line to speak with an agent",
+    "press zero at any time to return to the main menu",
+    "we will call you back within the hour",
+    "our office is open Monday to Friday",
+]
+
+
+def build_addon(
+    work: Path, base: Path, n_short: int, n_everyday: int, n_replay: int, n_paragraphs: int, seed: int
+) -> None:
+    """The add-on corpus in work/sentences.jsonl (then `synth` and `encode` as for any corpus): the
+    sentences of samples/eval/heldout.txt (split "heldout": train.py's held-out loss), `n_short` short
+    and `n_everyday` everyday utterances (`short_texts`, `everyday_texts`: normalized and phonemized
+    exactly as the runtime prompts them, so a text without terminal punctuation gets the runtime's full
+    stop), spoken by the base corpus's teacher and speakers
+    (speaker 0 with its DEFAULT_SPEAKER_SHARE), and a replay of `n_replay` base training utterances, of
+    which `n_paragraphs` are paragraphs, as the base corpus has them (voice, jitter). Seeded. Raises
+    SystemExit when a row would have a held-out text."""
+    from tts.text.normalize import normalize_text
+    from tts.text.phonemes import PhonemeFrontend
+
+    base_rows = read_utterances(base)  # (`text --paragraphs N --teacher T` of the model's corpus)
+    teacher = base_rows[0].get("teacher", "espeak")
+    keys = heldout_keys()
+    r = random.Random(seed)
+    singles = [u for u in base_rows if u["split"] == "train" and u["source"] != "paragraph"]
+    multi = [u for u in base_rows if u["split"] == "train" and u["source"] == "paragraph"]
+    replay = r.sample(singles, n_replay - n_paragraphs) + r.sample(multi, n_paragraphs)
+    replay = [u for u in replay if _words_key(u["text"]) not in keys]
+    new = [("short", t) for t in short_texts(n_short, seed + 10)]
+    new += [("everyday", t) for t in everyday_texts(n_everyday, seed + 11)]
+    norms = [normalize_text(t) for _, t in new]
+    frontend = PhonemeFrontend()
+    phonemes = frontend.sentences(norms)  # (the runtime's frontend: a full stop where none is)
+    held_phonemes = {_phoneme_key(p) for p in frontend.sentences(_heldout_norms())}
+    # The held-out rows are samples/eval/heldout.txt itself, spoken as build_text speaks its held-out
+    # sentences (speaker 0, no jitter): a base rebuilt with another normalizer holds out other sentences.
+    held_text = _heldout_norms(everyday=False)
+    utts = [
+        _utterance(
+            {"source": "heldout", "raw": t, "text": t, "phonemes": ph, "split": "heldout"},
+            0,
+            r,
+            teacher,
+            False,
+        )
+        for t, ph in zip(held_text, frontend.sentences(held_text), strict=True)
+    ]
+    added = []
+    for (source, raw), norm, ph in zip(new, norms, phonemes, strict=True):
+        if _phoneme_key(ph) in held_phonemes:
+            continue  # ("Okay." reads as the held-out "OK")
+        row = {"source": source, "raw": raw, "text": norm, "phonemes": ph, "split": "train"}
+        spk = 0 if r.random() < DEFAULT_SPEAKER_SHARE else r.randrange(1, len(SPEAKERS))
+        added.append(_utterance(row, spk, r, teacher))
+    train = added + [{**u, "base_id": u["id"]} for u in replay]
+    r.shuffle(train)
+    utts += train
+    bad = [
+        u["raw"]
+        for u in train
+        if _words_key(u["text"]) in keys or _phoneme_key(u["phonemes"]) in held_phonemes
+    ]
+    if bad:
+        raise SystemExit(f"held-out texts in the add-on corpus: {bad[:5]}")
+    for i, u in enumerate(utts):
+        u["id"] = i
+    work.mkdir(parents=True, exist_ok=True)
+    with open(work / "sentences.jsonl", "w") as f:
+        for u in utts:
+            f.write(json.dumps(u) + "\n")
+    counts = {k: sum(u["source"] == k for u in train) for k in ("short", "everyday", "paragraph")}
+    log(
+        f"wrote {len(utts)} utterances to {work / 'sentences.jsonl'}: {len(held_text)} held out, "
+        f"{counts['short']} short, {counts['everyday']} everyday, {len(replay)} replayed "
+        f"({counts['paragraph']} paragraphs)"
+    )
+
+
+def _heldout_norms(everyday: bool = True) -> list[str]:
+    """Every text of samples/eval/heldout.txt (and, with `everyday`, of everyday.txt), normalized as the
+    runtime does."""
+    from tts_tools.evaluate import EVERYDAY, HELDOUT, read_sentences
+
+    from tts.text.normalize import normalize_text
+
+    paths = (HELDOUT, EVERYDAY) if everyday else (HELDOUT,)
+    return [normalize_text(t) for path in paths for t in read_sentences(path, None)]
+
+
+def _phoneme_key(phonemes: str) -> str:
+    """Phonemes without punctuation, stress marks or spaces: what no add-on text may share with a
+    held-out text ("Okay" and "OK" read alike)."""
+    return re.sub(r"[\s.,;:!?…\"'()\[\]\-ˈˌ]+", "", phonemes)
 
 
 def build_text(
@@ -467,7 +949,7 @@ def encode(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["text", "synth", "codec", "encode", "all"])
+    p.add_argument("stage", choices=["text", "addon", "synth", "codec", "encode", "all"])
     p.add_argument("--work", type=Path, default=ROOT / "training" / "work")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--templates", type=int, default=6000, help="number of templated sentences")
@@ -485,6 +967,13 @@ def main() -> None:
         help="the synthesizer that speaks the corpus (text stage; default espeak, the shipped model's)",
     )
     p.add_argument("--paragraph-bytes", type=int, default=200, help="(default 200, the chunk length)")
+    p.add_argument(
+        "--base", type=Path, default=None, help="addon: the corpus work folder whose text is replayed"
+    )
+    p.add_argument("--short", type=int, default=4500, help="addon: short utterances (1-4 words)")
+    p.add_argument("--everyday", type=int, default=4500, help="addon: everyday sentences")
+    p.add_argument("--replay", type=int, default=5500, help="addon: base training utterances replayed")
+    p.add_argument("--replay-paragraphs", type=int, default=1500, help="addon: of them, paragraphs")
     p.add_argument("--num-codebooks", type=int, default=4)
     p.add_argument("--codebook-size", type=int, default=1024)
     p.add_argument("--sample-frames", type=int, default=60_000, help="frames used to fit the codebooks")
@@ -506,6 +995,13 @@ def main() -> None:
             log(f"{a.work / 'sentences.jsonl'} exists, kept (delete it to build the text again)")
         else:
             build_text(a.work, a.templates, a.seed, a.paragraphs, a.paragraph_bytes, a.teacher)
+    if a.stage == "addon":
+        if a.base is None:
+            p.error("addon needs --base (the work folder of the corpus the model was trained on)")
+        if (a.work / "sentences.jsonl").exists():
+            log(f"{a.work / 'sentences.jsonl'} exists, kept (delete it to build the text again)")
+        else:
+            build_addon(a.work, a.base, a.short, a.everyday, a.replay, a.replay_paragraphs, a.seed)
     if a.stage in ("synth", "all"):
         synth(a.work, a.jobs, a.max_utterances)
     if a.stage in ("codec", "all"):

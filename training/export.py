@@ -14,8 +14,8 @@ Writes config.json (the model's `dual_ar` fields + `tts_runtime`: name, frontend
 prompt format, sampling defaults, and with `--aligner` the heads the loop guard follows), the weights as bf16
 safetensors shards under 15 MB (the runtime casts them to its dtype), tokenizer.json, codec.json +
 codec.safetensors, and one preset voice per corpus speaker in voices/ (a 2.5-4.5 s training clip of that
-speaker: its codes and its normalized transcript), plus the clips' WAVs decoded by the codec in
-samples/voices/.
+speaker: its codes and its normalized transcript; with `--voices-from BUNDLE`, that bundle's voices),
+plus the clips' WAVs decoded by the codec in samples/voices/ (`--samples`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,14 @@ from corpus import SPEAKERS, read_utterances  # noqa: E402
 from train_vocoder import vocoder_entry  # noqa: E402
 from tts_tools.evaluate import VOICE_TEACHERS  # noqa: E402
 
-from tts.checkpoints.bundle import ModelBundle, load_codec, load_weights_into, save_bundle, weight_files  # noqa: E402
+from tts.checkpoints.bundle import (  # noqa: E402
+    ModelBundle,
+    load_codec,
+    load_voices,
+    load_weights_into,
+    save_bundle,
+    weight_files,
+)
 from tts.codec.melrvq import MelRVQCodec  # noqa: E402
 from tts.codec.melvq import MelVQCodec, load_vocoder  # noqa: E402
 from tts.engine.request import SamplingParams  # noqa: E402
@@ -134,6 +141,20 @@ def main() -> None:
         help="the slow-AR attention heads that follow the text, for the runtime's loop guard (found by "
         "training/aligner_probe.py; the shipped model's: 3:0,2); default: none, no loop guard",
     )
+    p.add_argument(
+        "--voices-from",
+        type=Path,
+        default=None,
+        metavar="BUNDLE",
+        help="keep the preset voices of this bundle (its voices/ folder; e.g. tts/assets/default when "
+        "fine-tuning it) instead of picking training clips from --codes",
+    )
+    p.add_argument(
+        "--teacher",
+        choices=sorted(VOICE_TEACHERS),
+        default=None,
+        help="the synthesizer that spoke the corpus (default: WORK/sentences.jsonl's)",
+    )
     p.add_argument("--dest", type=Path, default=ROOT / "tts" / "assets" / "default")
     p.add_argument("--samples", type=Path, default=ROOT / "samples" / "voices")
     a = p.parse_args()
@@ -166,7 +187,13 @@ def main() -> None:
             f"codec has {codec.num_codebooks} x {codec.codebook_size} codes, the model "
             f"{args.num_codebooks} x {args.codebook_size}: export the codec the model was trained on"
         )
-    teacher = corpus_teacher(a.work)
+    teacher = a.teacher or corpus_teacher(a.work)
+    if a.voices_from is not None:
+        voices = load_voices(a.voices_from / "voices")
+        if not voices:
+            raise SystemExit(f"--voices-from: no voices in {a.voices_from / 'voices'}")
+    else:
+        voices = pick_voices(a.work, codes_dir, args.num_codebooks)
     with torch.device("meta"):
         model = DualARTransformer(args)
     with tempfile.TemporaryDirectory() as tmp:
@@ -180,7 +207,7 @@ def main() -> None:
         codec=codec,
         tokenizer=tokenizer,
         prompt_format=S2PromptFormat(tokenizer, args.num_codebooks, PhonemeFrontend("en-us"), "english"),
-        voices=pick_voices(a.work, codes_dir, args.num_codebooks),
+        voices=voices,
         sampling=SAMPLING,
         chunk_length=200,
         default_voice="ava",  # speaker 0 of the corpus: the model reads best with a reference clip

@@ -134,11 +134,12 @@ class Corpus:
         utterances: list[dict] | None = None,
         history_rate: float = 0.15,
         history_frames: int = MAX_REF_FRAMES,
+        ref_min_frames: int = 0,
     ):
         """The first `limit` utterances of `split` in the shards of `data` (read lazily, up to the limit),
         or in `utterances` when the caller read the shards already (`iter_shards`). history_rate: the
         share of examples with an earlier turn; history_frames: that turn's longest utterance, in
-        frames (the defaults are the shipped model's)."""
+        frames; ref_min_frames: a reference clip's shortest (the defaults are the shipped model's)."""
         if not 0.0 <= history_rate <= 1.0:
             raise ValueError(f"history_rate must be within [0, 1], got {history_rate}")
         self.history_rate = history_rate
@@ -159,8 +160,15 @@ class Corpus:
         self.by_speaker: dict[int, list[int]] = {}
         for i, u in enumerate(self.items):
             self.by_speaker.setdefault(u["speaker"], []).append(i)
-        self.short = self._up_to(MAX_REF_FRAMES)  # reference candidates
-        self.history_pool = self.short if history_frames == MAX_REF_FRAMES else self._up_to(history_frames)
+        self.short = {  # reference candidates
+            s: [i for i in ids if self.items[i]["codes"].shape[1] >= ref_min_frames]
+            for s, ids in self._up_to(MAX_REF_FRAMES).items()
+        }
+        if split == "train" and (none := sorted(s for s, ids in self.short.items() if not ids)):
+            raise ValueError(
+                f"speakers {none} have no reference clip of {ref_min_frames}-{MAX_REF_FRAMES} frames"
+            )
+        self.history_pool = self._up_to(history_frames)
         self.seconds = sum(u["seconds"] for u in self.items)
 
     def example(self, i: int, r: random.Random) -> tuple[torch.Tensor, int]:
@@ -419,6 +427,13 @@ def main() -> None:
         help=f"longest earlier turn, in frames (default {MAX_REF_FRAMES}, ~5 s; a 200-byte chunk is up to "
         "~15 s, 320)",
     )
+    p.add_argument(
+        "--ref-min-frames",
+        type=int,
+        default=0,
+        help="shortest reference clip, in frames (default 0, the shipped model's; a corpus of one-word "
+        "utterances wants references like the preset voices' 2.5-4.5 s, e.g. 43 = 2 s)",
+    )
     p.add_argument("--resume", type=Path, default=None)
     p.add_argument(
         "--init-from",
@@ -462,6 +477,7 @@ def main() -> None:
         utterances=utterances,
         history_rate=a.history_rate,
         history_frames=a.history_frames,
+        ref_min_frames=a.ref_min_frames,
     )
     heldout = Corpus(a.data, N, split="heldout", utterances=utterances)
     print(f"corpus: {len(corpus.items)} utterances, {corpus.seconds / 3600:.1f} h, {N} codebooks", flush=True)
@@ -575,6 +591,8 @@ def main() -> None:
                 "utterances": len(corpus.items),
                 "history_rate": a.history_rate,
                 "history_frames": a.history_frames,
+                "ref_min_frames": a.ref_min_frames,
+                "init_from": str(a.init_from) if a.init_from else None,
                 "dropout": a.dropout,
                 "hours": corpus.seconds / 3600,
                 "history": history,

@@ -77,14 +77,25 @@ class PhonemeFrontend:
             if cached is not None:
                 self._cache.move_to_end(text)
                 return cached
-        phonemes = self.phonemize_batch([text])[0]
-        if phonemes and phonemes[-1] not in _TERMINAL:
-            phonemes = phonemes.rstrip(",;: ") + "."
+        phonemes = self.sentences([text])[0]
         with self._lock:
             self._cache[text] = phonemes
             if len(self._cache) > self.CACHE_TEXTS:
                 self._cache.popitem(last=False)
         return phonemes
+
+    def sentences(self, texts: list[str]) -> list[str]:
+        """`__call__` of each text, with one espeak call for the whole list (what a training corpus
+        needs to give its texts exactly as the runtime prompts them)."""
+        return [as_sentence(p) for p in self.phonemize_batch(texts)]
+
+
+def as_sentence(phonemes: str) -> str:
+    """`phonemes` ending with terminal punctuation: a full stop appended (in place of a trailing comma,
+    colon or semicolon) where it has none; "" stays ""."""
+    if phonemes and phonemes[-1] not in _TERMINAL:
+        phonemes = phonemes.rstrip(",;: ") + "."
+    return phonemes
 
 
 # Punctuation that ends a sentence as espeak-ng keeps it (with closing quotes and brackets after it).
