@@ -32,6 +32,8 @@ every iteration by the engine thread); per-request figures are observed by the g
 | `tts_codec_decode_seconds_total`, `tts_codec_encode_seconds_total` | counter | codec stage time (device time on CUDA, events around each call; wall time on a CPU) |
 | `tts_codec_decode_calls_total`, `tts_codec_decode_frames_total` | counter | batched decode calls and the frames they decoded (frames / calls = batch) |
 | `tts_codec_decode_padded_frames_total` | counter | frames the decode calls computed, padding included (rows bucket x frames bucket of each call; frames / padded frames = the calls' fill) |
+| `tts_codec_gather_seconds` | gauge | `--codec-gather-ms` in seconds: how long a later audio chunk may wait in the codec stage for others to share its decode call (0: off) |
+| `tts_codec_gathered_calls_total` | counter | codec decode calls that waited for more work before they started (gathering; calls / this = how many waited) |
 | `tts_first_audio_seconds_total{phase}`, `tts_first_audio_jobs_total` | counter | the time to first audio of the requests that had audio, split by phase and summed (/ jobs = the mean): `encode` (the reference clip), `first_frame` (waiting for a row, prefill, the first frame step), `frames` (the rest of the first chunk's frames), `codec` (its decode, waiting included) |
 | `tts_reference_cache_hits_total`, `tts_reference_cache_misses_total` | counter | reference clips found encoded / encoded anew |
 | `tts_voice_files_refused_total` | counter | files in the voices directory refused when read (codes of the wrong shape or range, another codec's, unreadable; each file version once; the log names the file and why) |
@@ -85,6 +87,10 @@ class _EngineCollector:
             "tts_kv_blocks_total": ("Paged KV cache blocks available to requests", s.kv_blocks_total),
             "tts_kv_cache_bytes": ("Size of the paged KV cache's block pool (bytes)", s.kv_bytes),
             "tts_graph_replay_share": ("Share of decode steps replayed from a CUDA graph", s.replay_share),
+            "tts_codec_gather_seconds": (
+                "How long a later audio chunk may wait for others to share its codec decode call (seconds)",
+                self.loop.codec_gather,
+            ),
             "tts_replica_failed": (
                 "1 once a part failed and could not recover (health NOT_SERVING)",
                 int(self.loop.failure is not None),
@@ -130,6 +136,10 @@ class _EngineCollector:
             "tts_codec_decode_padded_frames": (
                 "Frames the codec decode calls computed, padding included",
                 s.codec_decode_padded_frames,
+            ),
+            "tts_codec_gathered_calls": (
+                "Codec decode calls that waited for more work (--codec-gather-ms)",
+                s.codec_gathered_calls,
             ),
             "tts_first_audio_jobs": (
                 "Requests whose first audio is in tts_first_audio_seconds",

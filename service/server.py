@@ -76,7 +76,8 @@ class TTSServer:
     started), the HTTP front (`http_port`), `metrics`.
 
     metrics_port: None = no metrics endpoint, 0 = a free port (see `metrics_port` after start).
-    codec_graphs: let the codec stage capture CUDA graphs of its decode.
+    codec_graphs: let the codec stage capture CUDA graphs of its decode. codec_gather: seconds a later
+    audio chunk may wait in the codec stage for more work to share its decode call (0: none).
     http_port: None = no HTTP front, 0 = a free port (see `http_port` after start); the HTTP front
     (service/http.py: OpenAI-style /v1/audio/speech, /health, /load, /metrics, the playground) listens on
     the gRPC host and submits to the same engine loop.
@@ -98,6 +99,7 @@ class TTSServer:
         metrics_host: str = "127.0.0.1",
         metrics_port: int | None = None,
         codec_graphs: bool = True,
+        codec_gather: float = 0.0,
         http_port: int | None = None,
         replica: str | None = None,
         wyoming_port: int | None = None,
@@ -119,6 +121,7 @@ class TTSServer:
             voices_dir=limits.voices_dir,
             reference_cache_bytes=limits.reference_cache_bytes,
             codec_graphs=codec_graphs,
+            codec_gather=codec_gather,
             max_sessions=limits.max_sessions,
         )
         self.metrics = ServiceMetrics(self.loop)

@@ -625,6 +625,37 @@ def test_serve_admission_options_reach_the_engine(monkeypatch, capsys):
     assert capsys.readouterr().err == error
 
 
+def test_serve_codec_gather_ms_reaches_the_server(monkeypatch, capsys):
+    """`tts serve --codec-gather-ms MS` is the server's codec_gather in seconds (default 0: off); a
+    negative or huge value exits 2 naming the option."""
+    import service.server
+
+    seen = []
+
+    class Recorded(RuntimeError):
+        pass
+
+    class FakeServer:
+        def __init__(self, *args, **kwargs):
+            seen.append(kwargs["codec_gather"])
+
+        async def start(self, host, port):
+            raise Recorded("recorded")  # (a start that fails: _serve stops the server, exits 2)
+
+        async def stop(self, grace):
+            return None
+
+    monkeypatch.setattr(service.server, "TTSServer", FakeServer)
+    base = ["serve", "--model", "tiny", "--port", "0", "--http-port", "-1", "--metrics-port", "-1"]
+    assert main([*base, "--codec-gather-ms", "30"]) == 2
+    assert main(base) == 2
+    assert seen == [0.03, 0.0]
+    capsys.readouterr()
+    for bad in ("-1", "1001", "nan"):
+        assert main([*base, "--codec-gather-ms", bad]) == 2
+        assert capsys.readouterr().err == (f"tts: error: --codec-gather-ms must be in 0..1000, got {bad}\n")
+
+
 def test_replicas_get_the_resolved_graphs_option(monkeypatch, capsys):
     """`tts serve --devices` forwards `--graphs lazy`, not the deprecated spelling it was given."""
     import service.cluster

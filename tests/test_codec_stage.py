@@ -1,8 +1,10 @@
-"""The codec stage (tts/engine/codec_stage.py): batching of queued pieces, order per stream, start-up
-capture (stand-in graphs on the CPU), the per-stream frame limit."""
+"""The codec stage (tts/runtime/codec_stage.py): batching of queued pieces, order per stream, start-up
+capture (stand-in graphs on the CPU), the per-stream frame limit, gathering (a later piece waits for
+more work to share its call)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent.futures import Future
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from tts.checkpoints.load import load_bundle
-from tts.runtime.codec_stage import CodecStage
+from tts.runtime.codec_stage import CodecStage, _Piece, gather_wait
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +162,180 @@ def test_a_full_piece_and_a_tail_queued_together_both_decode(codec, graphs):
         assert stage.dead is None and stage.stats.failures == 0
     finally:
         stage.stop()
+
+
+# ---- gathering (`gather`: a later piece may wait for more work to share its call) -----------------------
+
+
+def piece(slot: int, frames: int, queued_at: float, first: bool = False) -> _Piece:
+    return _Piece(slot, None, torch.zeros(1, frames, dtype=torch.int64), first, queued_at)
+
+
+def test_gather_wait_decides_when_the_next_call_starts():
+    """The decision alone: the seconds still to wait before a call of the queued pieces (0: now)."""
+    wait = functools.partial(gather_wait, gather=0.5, target_frames=32, max_rows=4)
+    later = [piece(0, 8, 1.0), piece(1, 8, 1.125)]
+    assert wait(later, 1.25) == 0.25  # the oldest's bound: queued at 1.0, may wait until 1.5
+    assert wait(later, 1.5) == 0.0 and wait(later, 9.0) == 0.0  # the bound passed
+    assert wait([*later, piece(2, 4, 1.25, first=True)], 1.25) == 0.0  # a stream's first piece: now
+    assert wait([*later, piece(0, 15, 1.25)], 1.25) == 0.25  # 31 frames: under the target ...
+    assert wait([*later, piece(0, 16, 1.25)], 1.25) == 0.0  # ... 32: the call is worth it
+    assert wait([*later, piece(2, 1, 1.25), piece(3, 1, 1.25)], 1.25) == 0.0  # a row for every stream
+    assert wait([], 1.25) == 0.0  # nothing to gather (resets only)
+    assert gather_wait(later, 1.25, gather=0.0, target_frames=32, max_rows=4) == 0.0  # gathering off
+
+
+class Clock:
+    """A clock the test moves; `read` is set when the codec worker reads it (it decided, and waits)."""
+
+    def __init__(self):
+        self.now = 100.0
+        self.read = threading.Event()
+
+    def __call__(self) -> float:
+        if threading.current_thread().name == "gather-test":
+            self.read.set()
+        return self.now
+
+
+def gathering_stage(codec, done: threading.Event, clock: Clock, **options) -> CodecStage:
+    # (an hour's bound on a clock that stands still: only the size, a first piece or the test's clock
+    # moving starts a call)
+    return CodecStage(
+        codec, max_streams=4, notify=done.set, gather=3600.0, clock=clock, name="gather-test", **options
+    )
+
+
+def test_first_pieces_go_at_once_later_pieces_gather_until_the_target(codec):
+    """Each stream's first piece is decoded without waiting (the time to first audio), as is a piece
+    marked first (a session's next job); later pieces wait until they hold `gather_frames` frames, then
+    go in ONE call, counted as gathered; the audio equals the offline decode."""
+    done, clock = threading.Event(), Clock()
+    stage = gathering_stage(codec, done, clock, gather_frames=32)
+    try:
+        a, b = stage.open(), stage.open()
+        streams = {s: codes_for(s + 20, 36, codec) for s in (a, b)}
+        stage.decode(a, (a, 0), streams[a][:, :4])
+        stage.decode(b, (b, 0), streams[b][:, :4])
+        collect(stage, done, 2)
+        assert stage.stats.gathered_calls == 0
+        calls, rows = stage.stats.decode_calls, stage.stats.decode_rows
+        clock.read.clear()
+        stage.decode(a, (a, 1), streams[a][:, 4:12])
+        stage.decode(b, (b, 1), streams[b][:, 4:12])  # 16 frames queued: under the target
+        assert clock.read.wait(30), "the worker did not look at the queue"
+        stage.decode(a, (a, 2), streams[a][:, 12:28])  # 32: the call goes
+        results = collect(stage, done, 3)
+        assert stage.stats.decode_calls == calls + 1 and stage.stats.decode_rows == rows + 2
+        assert stage.stats.gathered_calls == 1
+        stage.decode(b, (b, 2), streams[b][:, 12:20], first=True)  # a new job's first chunk: at once
+        results += collect(stage, done, 1)
+        assert stage.stats.decode_calls == calls + 2
+        for s, n in ((a, 28), (b, 20)):
+            mine = sorted((r for r in results if r.tag[0] == s), key=lambda r: r.tag[1])
+            audio = np.concatenate([r.samples for r in mine])
+            full = codec.decode(streams[s][:, :n]).numpy()
+            np.testing.assert_allclose(audio, full[len(full) - len(audio) :], rtol=0, atol=1e-5)
+    finally:
+        stage.stop()
+
+
+def test_later_pieces_go_when_the_oldest_has_waited_the_bound(codec):
+    """Pieces under the target wait; once the oldest has waited `gather` seconds (the stage's clock),
+    they go together in one call."""
+    done, clock = threading.Event(), Clock()
+    stage = gathering_stage(codec, done, clock)
+    try:
+        a, b = stage.open(), stage.open()
+        stage.decode(a, (a, 0), codes_for(1, 4, codec))
+        stage.decode(b, (b, 0), codes_for(2, 4, codec))
+        collect(stage, done, 2)
+        calls = stage.stats.decode_calls
+        clock.read.clear()
+        stage.decode(a, (a, 1), codes_for(3, 8, codec))
+        clock.now += 1800.0
+        stage.decode(b, (b, 1), codes_for(4, 8, codec))
+        assert clock.read.wait(30), "the worker did not look at the queue"
+        clock.now += 1800.0  # the oldest has waited the bound: the next look starts the call
+        with stage._cv:
+            stage._cv.notify()
+        results = collect(stage, done, 2)
+        assert sorted(r.tag for r in results) == [(a, 1), (b, 1)]
+        assert stage.stats.decode_calls == calls + 1 and stage.stats.gathered_calls == 1
+    finally:
+        stage.stop()
+
+
+def test_an_encode_runs_while_pieces_gather_and_stop_ends_the_wait(codec):
+    """A reference encode queued while pieces gather runs at once (the pieces keep waiting: no decode
+    call); `stop` ends the wait without waiting out the bound."""
+    done, clock = threading.Event(), Clock()
+    stage = gathering_stage(codec, done, clock)
+    try:
+        a = stage.open()
+        stage.decode(a, (a, 0), codes_for(1, 4, codec))
+        collect(stage, done, 1)
+        calls = stage.stats.decode_calls
+        clock.read.clear()
+        stage.decode(a, (a, 1), codes_for(2, 8, codec))
+        assert clock.read.wait(30), "the worker did not look at the queue"
+        samples = torch.sin(torch.arange(codec.sample_rate // 2) * 0.05).float()
+        codes = stage.encode(samples).result(60)
+        assert codes.shape[0] == codec.num_codebooks and stage.stats.encode_calls == 1
+        assert stage.stats.decode_calls == calls  # the later piece still gathers
+    finally:
+        stage.stop(timeout=60)
+    assert not stage._thread.is_alive()
+
+
+def test_gathering_changes_no_sample(codec):
+    """The same pieces in the same calls give identical PCM with gathering on and off: three streams'
+    first pieces in one call, then their later pieces in one call (held back by a busy worker without
+    gathering; by the size target with it)."""
+    first = {s: codes_for(s + 40, 4, codec) for s in range(3)}
+    later = {s: [codes_for(s + 50, 16, codec), codes_for(s + 60, 8, codec)] for s in range(3)}
+
+    def run(stage: CodecStage, done: threading.Event, hold_later: bool) -> dict:
+        slots = [stage.open() for _ in range(3)]
+        gate = threading.Event()
+        stage._tasks.append((gate.wait, Future()))  # hold the worker until every first piece is queued
+        with stage._cv:
+            stage._cv.notify()
+        for i, s in enumerate(slots):
+            stage.decode(s, (i, 0), first[i])
+        gate.set()
+        results = collect(stage, done, 3)
+        if hold_later:
+            gate = threading.Event()
+            stage._tasks.append((gate.wait, Future()))
+            with stage._cv:
+                stage._cv.notify()
+        for k in range(2):
+            for i, s in enumerate(slots):
+                stage.decode(s, (i, k + 1), later[i][k])
+        gate.set()
+        results += collect(stage, done, 6)
+        assert stage.stats.decode_calls == 2 and stage.stats.decode_rows == 6
+        return {r.tag: r.samples for r in results}
+
+    done = threading.Event()
+    off = CodecStage(codec, max_streams=4, notify=done.set)
+    try:
+        without = run(off, done, hold_later=True)
+    finally:
+        off.stop()
+    done, clock = threading.Event(), Clock()
+    on = gathering_stage(codec, done, clock, gather_frames=3 * 24)
+    try:
+        gathered = run(on, done, hold_later=False)
+        assert on.stats.gathered_calls <= 1
+    finally:
+        on.stop()
+    assert sorted(without) == sorted(gathered)
+    for tag, samples in without.items():
+        np.testing.assert_array_equal(gathered[tag], samples)
+
+
+def test_gather_must_be_seconds_at_least_zero(codec):
+    with pytest.raises(ValueError, match="gather must be a number of seconds >= 0, got -1"):
+        CodecStage(codec, max_streams=2, gather=-1)

@@ -649,6 +649,37 @@ def test_a_codec_stage_that_cannot_recover_turns_health_not_serving(bundle):
         srv.stop()
 
 
+def test_codec_gather_reaches_the_stage_keeps_the_audio_and_is_reported(bundle):
+    """TTSServer(codec_gather=S) is the codec stage's gathering bound (what `tts serve
+    --codec-gather-ms` sets): a stream's later chunks may wait for others, its audio is still the
+    offline decode of its codes, and /metrics reports the setting and the calls it delayed."""
+    srv = ServerThread(bundle, EngineConfig(max_batch=2), metrics_port=0, codec_gather=0.05)
+    try:
+        assert srv.loop.runner.stage.gather == 0.05
+        with srv.channel() as channel:
+            req = build_request(
+                "Hello there, this is a streaming test.",
+                seed=11,
+                max_new_frames=40,
+                temperature=0.0,
+                encoding="float32",
+                include_codes=True,
+                first_chunk_frames=4,
+                chunk_frames=16,
+            )
+            r = collect(pb_grpc.TextToSpeechStub(channel).Synthesize(req))
+        assert [c.frame_end - c.frame_start for c in r["chunks"]] == [4, 8, 16, 12]
+        full = bundle.codec.decode(torch.as_tensor(r["codes"])).numpy()
+        np.testing.assert_allclose(r["audio"], full, atol=1e-6, rtol=0)
+        srv.loop._refresh_stats()  # (the engine thread refreshes the snapshot every iteration)
+        registry = srv.server.metrics.registry
+        assert registry.get_sample_value("tts_codec_gather_seconds") == 0.05
+        gathered = registry.get_sample_value("tts_codec_gathered_calls_total")
+        assert gathered == srv.loop.runner.stage.stats.gathered_calls
+    finally:
+        srv.stop()
+
+
 def test_reflection_lists_the_service(server):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 

@@ -228,6 +228,14 @@ def add_parser(subparsers) -> None:
         default="on",
         help="capture the codec stage's batched decode in CUDA graphs (CUDA only; default on)",
     )
+    p.add_argument(
+        "--codec-gather-ms",
+        type=float,
+        default=0.0,
+        help="how long a later audio chunk may wait in the codec stage for others to share its decode "
+        "call (a call's cost is mostly fixed); a job's first chunk never waits, nor does a call of 256 "
+        "frames or more (default 0 = no waiting: each call takes what is queued)",
+    )
     add_access_args(p)
     p.set_defaults(func=cmd_serve)
     global _SERVE_PARSER
@@ -349,6 +357,9 @@ def engine_admission_kwargs(args: argparse.Namespace, device_type: str) -> dict:
 
 # gRPC message sizes are int32: the receive limit (reference clip + 1 MiB) must stay below 2 GiB.
 MAX_REFERENCE_MB = 2046
+# A later chunk carries 370-740 ms of audio (8-16 frames at 21.5 frames/s): a gathering bound of more
+# than a second would starve the players it is meant to serve.
+MAX_CODEC_GATHER_MS = 1000
 
 
 def check_seconds(option: str, value: float | None, *, zero_ok: bool) -> None:
@@ -474,6 +485,10 @@ def check_serve_options(args: argparse.Namespace) -> None:
     check_seconds("--max-prepare-seconds", args.max_prepare_seconds, zero_ok=False)
     check_seconds("--max-audio-seconds", args.max_audio_seconds, zero_ok=True)
     require(
+        math.isfinite(args.codec_gather_ms) and 0 <= args.codec_gather_ms <= MAX_CODEC_GATHER_MS,
+        f"--codec-gather-ms must be in 0..{MAX_CODEC_GATHER_MS}, got {args.codec_gather_ms:g}",
+    )
+    require(
         math.isfinite(args.reference_cache_mb) and args.reference_cache_mb >= 0,
         f"--reference-cache-mb must be >= 0, got {args.reference_cache_mb:g}",
     )
@@ -582,6 +597,7 @@ async def _serve(args, bundle, engine_config, limits, access) -> int:
         metrics_port=metrics_port,
         http_port=http_port,
         codec_graphs=args.codec_graphs == "on",
+        codec_gather=args.codec_gather_ms / 1000.0,
         replica=args.replica_name,
         wyoming_port=wyoming_port,
         access=access,

@@ -460,6 +460,7 @@ class LoopStats:
     codec_decode_calls: int = 0
     codec_decode_frames: int = 0
     codec_decode_padded_frames: int = 0  # rows x frames the padded calls computed
+    codec_gathered_calls: int = 0  # decode calls the codec stage's gathering delayed
     # The time to first audio split by phase (`JobPipeline.first_audio_seconds`), summed over the jobs
     # that had audio (`first_audio_jobs`).
     first_audio_seconds: dict = field(default_factory=dict)
@@ -487,7 +488,9 @@ class EngineThread:
     chunks per job. pause_timeout: seconds a paused job may hold its row while others wait (None:
     forever). voices_dir: where registered voices are kept (None: in memory only).
     reference_cache_bytes: capacity of the encoded-reference cache (0: off). codec_graphs: let the
-    codec stage capture CUDA graphs. warmup: run one short synthesis before `wait_ready` returns.
+    codec stage capture CUDA graphs. codec_gather: seconds a later audio chunk may wait in the codec
+    stage for more work to share its decode call (0: none; `CodecStage`'s gather). warmup: run one
+    short synthesis before `wait_ready` returns.
     max_sessions: sessions open at most (`open_session` raises SessionLimit beyond). session_options:
     the sessions' default bounds and chunking. session_clock: seconds, monotonic, that the sessions' hold
     and idle timeouts read (tests pass their own, then call `wake()` after moving it).
@@ -504,6 +507,7 @@ class EngineThread:
         voices_dir=None,
         reference_cache_bytes: int = DEFAULT_REFERENCE_CACHE_BYTES,
         codec_graphs: bool = True,
+        codec_gather: float = 0.0,
         warmup: bool = True,
         name: str = "tts-engine",
         max_sessions: int = DEFAULT_MAX_SESSIONS,
@@ -537,6 +541,7 @@ class EngineThread:
         )
         self.reference_cache = ReferenceCache(reference_cache_bytes)
         self._codec_graphs = codec_graphs
+        self.codec_gather = codec_gather
         self._warmup = warmup
         # Built on the engine thread at start-up (`engine`, `planner`, `runner` read them).
         self._engine: Engine | None = None
@@ -899,6 +904,7 @@ class EngineThread:
                 notify=self._wake,
                 reference_cache=self.reference_cache,
                 codec_graphs=self._codec_graphs,
+                codec_gather=self.codec_gather,
             )
             self.runner.on_end = self._job_ended
             self.runner.on_failure = self._failed
@@ -1173,6 +1179,7 @@ class EngineThread:
         s.codec_decode_seconds, s.codec_encode_seconds = cs.decode_seconds, cs.encode_seconds
         s.codec_decode_calls, s.codec_decode_frames = cs.decode_calls, cs.decode_frames
         s.codec_decode_padded_frames = cs.decode_padded_frames
+        s.codec_gathered_calls = cs.gathered_calls
         s.first_audio_seconds, s.first_audio_jobs = dict(r.first_audio_seconds), r.first_audio_jobs
         s.cache_hits, s.cache_misses = self.reference_cache.hits, self.reference_cache.misses
         s.sessions = self.sessions_open

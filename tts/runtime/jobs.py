@@ -241,7 +241,8 @@ class JobPipeline:
     max_queued_chunks: back-pressure cap of unread audio chunks per job. pause_timeout: seconds a paused
     job may hold its row while others wait (None: forever). notify: called from the codec stage's
     thread when results are ready (wakes the driving thread). reference_cache: encoded clips by content
-    (None: no cache). codec_graphs: let the codec stage capture CUDA graphs.
+    (None: no cache). codec_graphs: let the codec stage capture CUDA graphs. codec_gather: seconds a
+    later audio chunk may wait in the codec stage for more work to share its decode call (0: none).
     """
 
     def __init__(
@@ -255,6 +256,7 @@ class JobPipeline:
         notify: Callable[[], None] = lambda: None,
         reference_cache: ReferenceCache | None = None,
         codec_graphs: bool = True,
+        codec_gather: float = 0.0,
     ):
         if max_queued_chunks < 1:
             raise ValueError("max_queued_chunks must be >= 1")
@@ -271,7 +273,12 @@ class JobPipeline:
         self.on_failure: Callable[[str], None] | None = None
         self.consecutive_step_failures = 0
         self.stage = CodecStage(
-            self.bundle.codec, max_streams, notify, graphs=codec_graphs, on_dead=self._stage_dead
+            self.bundle.codec,
+            max_streams,
+            notify,
+            graphs=codec_graphs,
+            on_dead=self._stage_dead,
+            gather=codec_gather,
         )
         self.jobs: dict[str, _Job] = {}
         self._by_engine_id: dict[str, _Job] = {}
@@ -666,7 +673,8 @@ class JobPipeline:
             codes = torch.cat(job.pending[:n]).T.contiguous()  # [N, frames]
             job.pending = job.pending[n:]
             job.inflight.append((job.sequence, job.frames_queued, codes))
-            self.stage.decode(job.slot, (job.job_id, job.sequence), codes)
+            # (a job's first chunk is its time to first audio: the codec stage decodes it at once)
+            self.stage.decode(job.slot, (job.job_id, job.sequence), codes, first=job.first_chunk_at is None)
             if job.first_chunk_at is None:
                 job.first_chunk_at = time.monotonic()
             job.sequence += 1
