@@ -36,7 +36,7 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -51,6 +51,7 @@ from service.common import (
     ServiceLimits,
     error_field,
     error_message,
+    finish_reason,
     log_call,
     outcome_of,
     prepare_off_loop,
@@ -354,15 +355,6 @@ _FINISH = {
 }
 
 
-def overall_finish_reason(reasons: Sequence[pb.FinishReason]) -> pb.FinishReason:
-    """The stream's finish reason: LOOP if any text chunk kept a repetition loop, else SHORT if any was
-    short, else LENGTH if any hit its budget, else STOP."""
-    for reason in (pb.FINISH_REASON_LOOP, pb.FINISH_REASON_SHORT, pb.FINISH_REASON_LENGTH):
-        if reason in reasons:
-            return reason
-    return pb.FINISH_REASON_STOP
-
-
 # ---- the servicer -------------------------------------------------------------------------------------
 
 
@@ -470,7 +462,7 @@ class TextToSpeechServicer(pb_grpc.TextToSpeechServicer):
         call.outcome = "ok" if pb.FINISH_REASON_SHORT not in reasons else "ok_short"
         log_call(call)
         return pb.StreamEnd(
-            finish_reason=overall_finish_reason(reasons),
+            finish_reason=_FINISH[FinishReason(finish_reason(finished.finish_reasons))],
             frames=finished.frames,
             audio_seconds=audio_seconds,
             time_to_first_audio_seconds=ttfa,
