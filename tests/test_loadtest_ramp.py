@@ -203,6 +203,22 @@ def test_bad_settings_name_the_option(settings, message):
             None,
         ),
         (level(8, underruns=4, server={"kv_stalls": None}), 16, False, "real_time", None),  # not exported
+        # The server held newcomers because its step was too slow for one more stream (real-time
+        # admission's speed rule), and the queue overflowed behind them: real time, not the queue bound.
+        (
+            level(16, errors={"RESOURCE_EXHAUSTED": 5}, server={"realtime_deferred_speed": 7.0}),
+            32,
+            False,
+            "real_time",
+            ["errors RESOURCE_EXHAUSTED 5"],
+        ),
+        (
+            level(16, errors={"RESOURCE_EXHAUSTED": 5}, server={"realtime_deferred_speed": 0.0}),
+            32,
+            False,
+            "queue",
+            None,
+        ),
         (level(32, underruns=1), None, False, "real_time", None),  # rows unknown
     ],
 )

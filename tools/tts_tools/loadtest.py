@@ -145,6 +145,9 @@ SERVER_COUNTERS = (
         "loop_repeats": "tts_loop_repeats_total",
         "kv_stalls": "tts_kv_stalls_total",
         "kv_preemptions": "tts_kv_preemptions_total",
+        "realtime_deferred_speed": 'tts_realtime_deferred_total{reason="speed"}',
+        "realtime_deferred_slack": 'tts_realtime_deferred_total{reason="slack"}',
+        "realtime_forced": "tts_realtime_forced_total",
     }
     | {
         f"engine_{phase}_s": f'tts_engine_seconds_total{{phase="{phase}"}}'

@@ -8,8 +8,10 @@ to back, so a level is rounds x C requests) at growing concurrency C, and judges
   at most `--ramp-ttfa-p95` ms (default 300), and no error of any kind;
 * otherwise the level failed, and the report says what limited it (`limited_by`, first match):
   `queue`: requests refused with RESOURCE_EXHAUSTED (the server's admission bound, max batch + max
-  waiting); `kv_cache`: the same, or waits for KV blocks, with the server's counters showing the paged
-  KV pool ran out (needs `--metrics-url`); `max_batch`: C above the rows the server decodes at once (the
+  waiting), unless the server's real-time admission held requests back because its frame step was too
+  slow for one more stream (`tts_realtime_deferred_total{reason="speed"}`): that is `real_time`;
+  `kv_cache`: the same, or waits for KV blocks, with the server's counters showing the paged KV pool ran
+  out (needs `--metrics-url`); `max_batch`: C above the rows the server decodes at once (the
   sum of GetInfo.max_batch over the listed servers), so streams waited in its queue; `errors`: any
   other error; `real_time`: none of those, the streams fell below real time.
   The first three are limits of the server's settings, a different finding than "fell below real time".
@@ -88,8 +90,8 @@ class Verdict:
 def judge_level(level: LevelResult, ttfa_p95_ms: float, rows: int | None) -> Verdict:
     """Judge one level (see the module docstring for the criteria and the order of `limited_by`).
     `rows`: the batch rows of the server(s) (the sum of GetInfo.max_batch; None or 0: unknown).
-    The KV-pool label reads the level's server counters (`level.server["kv_stalls"]`,
-    `["kv_preemptions"]`), absent without --metrics-url."""
+    The KV-pool and real-time labels read the level's server counters (`level.server["kv_stalls"]`,
+    `["kv_preemptions"]`, `["realtime_deferred_speed"]`), absent without --metrics-url."""
     failures = []
     if level.underruns:
         failures.append(f"{level.underruns} underruns")
@@ -105,7 +107,12 @@ def judge_level(level: LevelResult, ttfa_p95_ms: float, rows: int | None) -> Ver
     server = level.server or {}
     kv = (server.get("kv_stalls") or 0) + (server.get("kv_preemptions") or 0) > 0
     if level.errors.get("RESOURCE_EXHAUSTED"):
-        limited = "kv_cache" if (server.get("kv_preemptions") or 0) > 0 else "queue"
+        if (server.get("kv_preemptions") or 0) > 0:
+            limited = "kv_cache"
+        elif (server.get("realtime_deferred_speed") or 0) > 0:
+            limited = "real_time"  # (admission held newcomers: the step was too slow for one more stream)
+        else:
+            limited = "queue"
     elif rows and level.concurrency > rows:
         limited = "max_batch"
     elif kv:
