@@ -81,8 +81,9 @@ def test_playback_releases_chunks_as_the_job_runner_does():
     assert (p.frames, p.released) == (27, 12)
     p.advance(8, now=3.1)
     assert (p.released, p.chunks) == (28, 3)
-    # the player runs dry at 1.5 + 28 / 10 = 4.3 s; the next chunk (16 frames) needs 16 steps
-    assert p.slack(now=3.1, step=0.05) == pytest.approx(4.3 - 3.1 - 16 * 0.05)
+    # the player ran dry at 1.9 s (chunk 1 came at 2.1 s) and at 2.9 s (chunk 2 came at 3.1 s): it plays
+    # chunk 2 from 3.1 s to 4.7 s; the next chunk (16 frames) needs 16 steps
+    assert p.slack(now=3.1, step=0.05) == pytest.approx(4.7 - 3.1 - 16 * 0.05)
     assert [chunk_size(4, 16, k) for k in range(4)] == [4, 8, 16, 16]
 
 
@@ -92,6 +93,17 @@ def test_a_held_back_chunk_goes_out_whole():
     p.advance(4, now=0.0)
     p.advance(30, now=1.0)  # 26 pending at once (a hold let go): one release of all of them
     assert (p.released, p.chunks) == (30, 2)
+
+
+def test_a_player_that_ran_dry_starts_again_on_the_next_chunk():
+    """A chunk that comes after the player ran dry is played from its release on: the stream owes
+    nothing for the gap (its slack is not negative for the rest of its life)."""
+    p = Playback(RATE, first=4, later=16)
+    p.advance(4, now=0.0)  # chunk 0: played until 0.4 s
+    p.advance(12, now=1.0)  # chunk 1 (8 frames), 0.6 s late: played from 1.0 s to 1.8 s
+    assert p.slack(now=1.0, step=0.01) == pytest.approx(1.8 - 1.0 - 16 * 0.01)
+    p.advance(28, now=1.2)  # in time: played after chunk 1, until 3.4 s
+    assert p.slack(now=1.2, step=0.01) == pytest.approx(3.4 - 1.2 - 16 * 0.01)
 
 
 def test_ramp_slack_is_the_tightest_chunk_of_the_ramp():
@@ -268,3 +280,4 @@ def test_the_server_reports_the_policy(tiny_bundle):
     assert values["tts_realtime_forced_total"] == 0
     assert values["tts_frame_step_estimate_seconds"] > 0
     assert "tts_realtime_min_slack_seconds" not in values  # (no stream plays now)
+
