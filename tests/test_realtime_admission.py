@@ -281,3 +281,36 @@ def test_the_server_reports_the_policy(tiny_bundle):
     assert values["tts_frame_step_estimate_seconds"] > 0
     assert "tts_realtime_min_slack_seconds" not in values  # (no stream plays now)
 
+
+def test_a_sessions_chunks_of_one_turn_are_one_stream(tiny_bundle, monkeypatch):
+    """A session's later chunks continue the audio its player plays: the engine gets them with the
+    turn's playback clock, already started (admitted at once, as a job's next text chunk is); the next
+    turn, after the session went quiet, is a new stream."""
+    from tts.api import TTS
+
+    tts = TTS(tiny_bundle, EngineConfig(max_batch=2, ignore_eos=True, block_size=8, realtime_admission=True))
+    try:
+        seen = []
+        submit = tts.engine.submit
+
+        def recording_submit(*args, **kw):
+            clock = kw.get("playback")
+            seen.append((clock, clock is not None and clock.started is not None))
+            return submit(*args, **kw)
+
+        monkeypatch.setattr(tts.engine, "submit", recording_submit)
+        s = tts.session(max_new_frames=6, min_new_frames=6, seed=3)
+        s.send("First sentence here. Second one follows. And a third.")
+        s.flush()
+        list(s)
+        s.send("Another turn.")
+        s.close()
+        list(s)
+        assert len(seen) == 4 and all(clock is not None for clock, _ in seen)
+        assert seen[1][0] is seen[0][0] and seen[2][0] is seen[0][0] and seen[3][0] is not seen[0][0]
+        assert [started for _, started in seen] == [False, True, True, False]
+        turn = seen[0][0]
+        # every frame of the three chunks; released: all but the last chunk's tail (its job's end flushes it)
+        assert (turn.frames, turn.released) == (18, 16)
+    finally:
+        tts.close()
