@@ -81,8 +81,9 @@ def test_playback_releases_chunks_as_the_job_runner_does():
     assert (p.frames, p.released) == (27, 12)
     p.advance(8, now=3.1)
     assert (p.released, p.chunks) == (28, 3)
-    # the player runs dry at 1.5 + 28 / 10 = 4.3 s; the next chunk (16 frames) needs 16 steps
-    assert p.slack(now=3.1, step=0.05) == pytest.approx(4.3 - 3.1 - 16 * 0.05)
+    # the player ran dry at 1.9 s (chunk 1 came at 2.1 s) and at 2.9 s (chunk 2 came at 3.1 s): it plays
+    # chunk 2 from 3.1 s to 4.7 s; the next chunk (16 frames) needs 16 steps
+    assert p.slack(now=3.1, step=0.05) == pytest.approx(4.7 - 3.1 - 16 * 0.05)
     assert [chunk_size(4, 16, k) for k in range(4)] == [4, 8, 16, 16]
 
 
@@ -92,6 +93,17 @@ def test_a_held_back_chunk_goes_out_whole():
     p.advance(4, now=0.0)
     p.advance(30, now=1.0)  # 26 pending at once (a hold let go): one release of all of them
     assert (p.released, p.chunks) == (30, 2)
+
+
+def test_a_player_that_ran_dry_starts_again_on_the_next_chunk():
+    """A chunk that comes after the player ran dry is played from its release on: the stream owes
+    nothing for the gap (its slack is not negative for the rest of its life)."""
+    p = Playback(RATE, first=4, later=16)
+    p.advance(4, now=0.0)  # chunk 0: played until 0.4 s
+    p.advance(12, now=1.0)  # chunk 1 (8 frames), 0.6 s late: played from 1.0 s to 1.8 s
+    assert p.slack(now=1.0, step=0.01) == pytest.approx(1.8 - 1.0 - 16 * 0.01)
+    p.advance(28, now=1.2)  # in time: played after chunk 1, until 3.4 s
+    assert p.slack(now=1.2, step=0.01) == pytest.approx(3.4 - 1.2 - 16 * 0.01)
 
 
 def test_ramp_slack_is_the_tightest_chunk_of_the_ramp():
@@ -268,3 +280,37 @@ def test_the_server_reports_the_policy(tiny_bundle):
     assert values["tts_realtime_forced_total"] == 0
     assert values["tts_frame_step_estimate_seconds"] > 0
     assert "tts_realtime_min_slack_seconds" not in values  # (no stream plays now)
+
+
+def test_a_sessions_chunks_of_one_turn_are_one_stream(tiny_bundle, monkeypatch):
+    """A session's later chunks continue the audio its player plays: the engine gets them with the
+    turn's playback clock, already started (admitted at once, as a job's next text chunk is); the next
+    turn, after the session went quiet, is a new stream."""
+    from tts.api import TTS
+
+    tts = TTS(tiny_bundle, EngineConfig(max_batch=2, ignore_eos=True, block_size=8, realtime_admission=True))
+    try:
+        seen = []
+        submit = tts.engine.submit
+
+        def recording_submit(*args, **kw):
+            clock = kw.get("playback")
+            seen.append((clock, clock is not None and clock.started is not None))
+            return submit(*args, **kw)
+
+        monkeypatch.setattr(tts.engine, "submit", recording_submit)
+        s = tts.session(max_new_frames=6, min_new_frames=6, seed=3)
+        s.send("First sentence here. Second one follows. And a third.")
+        s.flush()
+        list(s)
+        s.send("Another turn.")
+        s.close()
+        list(s)
+        assert len(seen) == 4 and all(clock is not None for clock, _ in seen)
+        assert seen[1][0] is seen[0][0] and seen[2][0] is seen[0][0] and seen[3][0] is not seen[0][0]
+        assert [started for _, started in seen] == [False, True, True, False]
+        turn = seen[0][0]
+        # every frame of the three chunks; released: all but the last chunk's tail (its job's end flushes it)
+        assert (turn.frames, turn.released) == (18, 16)
+    finally:
+        tts.close()

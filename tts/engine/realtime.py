@@ -3,9 +3,10 @@
 A stream is a request submitted with a `Playback`. Its consumer releases its audio in chunks
 (`tts.params.chunk_size`: 4, 8, 16, 16, ... frames, as tts.runtime.jobs does), and a player starts on
 the first chunk and plays `rate` frames a second. So the player runs dry at
-`deadline = started + released / rate` (started: when the first chunk was released; released: the
-frames of the chunks released so far), and the next chunk is released `need` frames later. At a frame
-step of `s` seconds the stream's SLACK is
+`deadline = started + released / rate` (started: when the first chunk was released, moved on by any
+gap where the player ran dry and waited for a late chunk; released: the frames of the chunks released
+so far), and the next chunk is released `need` frames later. At a frame step of `s` seconds the
+stream's SLACK is
 
     slack(s) = deadline - now - need * s
 
@@ -54,7 +55,9 @@ class Playback:
     keeps the rest up to date (its own clock): base, the audio frames of the stream's finished requests;
     frames, those its consumer may release now; released and chunks, what it released (the frames of
     whole chunks, and how many); next_at, the frames at which the next chunk is due; started, when the
-    first chunk was released (None: not yet).
+    first chunk was released (None: not yet), moved later by the gaps where the player ran dry (it
+    plays a late chunk from its release on). A session's chunks of one turn share one clock too
+    (`next_job`: each chunk's job starts the ramp again).
     The loop guard's held frames are not counted until released. A finished request counts its frames
     as the engine generated them, its end-token frame included, so a stream of several text chunks is
     counted about a frame ahead per chunk (`tts.params.FrameConvention` decides what is audio).
@@ -83,12 +86,27 @@ class Playback:
         self.frames = self.base + frames
         if self.frames < self.next_at:  # (every frame step, every stream: the quick way out first)
             return
+        self._release(now)
+
+    def next_job(self, now: float) -> None:
+        """A job that continues this stream starts at `now` (a session's next chunk): the job before it
+        released its last frames at its end, and the new job's chunks start the ramp again."""
+        if self.frames > self.released:
+            self._release(now)
+        self.chunks = 0
+        self.next_at = self.released + self.due()
+
+    def _release(self, now: float) -> None:
+        """Release every frame not released yet at `now`. A player that ran dry before (a late chunk)
+        plays this audio from `now` on: the gap is heard once, not owed for the rest of the stream."""
+        if self.started is None:
+            self.started = now
+        elif (dry := self.started + self.released / self.rate) < now:
+            self.started += now - dry
         while self.frames > self.released:
             self.released += min(self.frames - self.released, MAX_CHUNK_FRAMES)
             self.chunks += 1
         self.next_at = self.released + self.due()
-        if self.started is None:
-            self.started = now
 
     def end_request(self, frames: int) -> None:
         """The stream's request ended with `frames` audio frames (all final)."""

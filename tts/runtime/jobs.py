@@ -308,19 +308,31 @@ class JobPipeline:
         return f"{prefix or 'job'}-{next(self._ids)}"
 
     def submit(
-        self, spec: SynthesisJob, sink: JobSink, job_id: str | None = None, *, slot: int | None = None
+        self,
+        spec: SynthesisJob,
+        sink: JobSink,
+        job_id: str | None = None,
+        *,
+        slot: int | None = None,
+        playback: Playback | None = None,
     ) -> str:
         """Start a job; its events go to `sink`. Returns its id. Input errors found now (a clip that
         does not encode, a prompt that does not fit) arrive as Failed, never as exceptions.
 
         slot: a codec stream the caller opened (`stage.open()`) and keeps: the job's audio continues that
         stream's decoder state and the job leaves it open when it ends (a session's chunks, one stream
-        for the whole session). None: the job opens its own stream and closes it at its end."""
+        for the whole session). None: the job opens its own stream and closes it at its end.
+        playback: the playback clock of a stream whose audio the job continues (a session's turn: the
+        clock its earlier chunks' jobs had; for real-time admission, tts.engine.realtime). None: a new
+        stream (with real-time admission on, the job gets its own)."""
         job = _Job(job_id or self.new_job_id(spec.request_id), spec, sink, time.monotonic())
         job.history = list(spec.history)  # (a session's earlier turns; empty for other jobs)
         job.warnings = list(spec.warnings)  # the planner's (text left out, markup ignored) come first
-        if self.engine.realtime is not None:
-            job.playback = Playback(self.planner.frame_rate, spec.first_chunk_frames, spec.chunk_frames)
+        if playback is not None:
+            playback.next_job(self.engine.clock())
+        elif self.engine.realtime is not None:
+            playback = Playback(self.planner.frame_rate, spec.first_chunk_frames, spec.chunk_frames)
+        job.playback = playback
         self.jobs[job.job_id] = job
         if slot is not None:
             job.slot, job.own_slot = slot, False

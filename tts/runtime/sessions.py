@@ -69,6 +69,7 @@ import numpy as np
 from torch import Tensor
 
 from tts.engine.aligner import ALIGN_MAX_TOKENS
+from tts.engine.realtime import Playback
 from tts.params import DEFAULT_CHUNK_FRAMES, DEFAULT_FIRST_CHUNK_FRAMES, InvalidRequest, SamplingParams
 from tts.runtime.jobs import Audio, Cancelled, Event, Failed, Finished, JobPipeline, Preempted, Started
 from tts.runtime.planner import PreparedReference, SynthesisJob
@@ -326,6 +327,9 @@ class Session:
         # every chunk's audio continues the decoder state of the chunk before, as one job's text chunks do.
         self.slot: int | None = None
         self._reset_slot = False  # the next chunk starts a fresh stream (after a barge-in or a failure)
+        # The turn's playback clock (real-time admission on; tts.engine.realtime): its chunks are one
+        # stream to the player, so a later chunk continues a playing stream. None: the next chunk starts one.
+        self.playback: Playback | None = None
         # Barge-in: the frame step count (`Engine.frame_steps`) when the last cancel was applied, and the
         # counts a front reports (`SessionStream.barge_in`).
         self.cancelled_at_step: int | None = None
@@ -384,6 +388,7 @@ class Session:
             self.current.cut = True  # its audio still on the codec stage is dropped, not delivered
             self.current.generated_at_cut = self.current.generated
             self._reset_slot = True  # (the stream's state holds audio nobody will hear)
+            self.playback = None  # (and the player drops what it holds)
             self.manager.runner.cancel(self.current.job_id)
 
     def close(self) -> None:
@@ -504,6 +509,7 @@ class Session:
                 self._end("closed")
             elif not len(self.buffer):
                 self.buffer.new_turn()  # the next text begins a new turn: its first clause goes early
+                self.playback = None  # (and a new stream: the player may have run dry meanwhile)
 
     def _encoded(self) -> bool:
         """The reference clip's encode is done: its voice becomes the session's (the prefix of every
@@ -579,9 +585,13 @@ class Session:
             codec.delay,
         )
         slot = self._codec_slot(budget)
+        if self.playback is None and runner.engine.realtime is not None:
+            self.playback = Playback(planner.frame_rate, spec.first_chunk_frames, spec.chunk_frames)
         self.current = chunk
         self.events.append(ChunkStarted(self.id, index, text, self.samples))
-        chunk.job_id = runner.submit(spec, _ChunkSink(self, chunk), job_id=f"{self.id}#{index}", slot=slot)
+        chunk.job_id = runner.submit(
+            spec, _ChunkSink(self, chunk), job_id=f"{self.id}#{index}", slot=slot, playback=self.playback
+        )
 
     def _codec_slot(self, budget: int) -> int | None:
         """The session's codec stream for a chunk of at most `budget` frames: the one the earlier chunks
@@ -673,6 +683,7 @@ class Session:
         assert isinstance(event, Failed)
         cancelled = isinstance(event.error, Cancelled)
         self._reset_slot = True  # (a failed decode leaves the stream's state undefined)
+        self.playback = None
         self.events.append(
             ChunkEnded(
                 self.id,
