@@ -12,7 +12,7 @@ import torch
 from helpers import params, random_prompt, run_to_completion
 
 from tts.engine import Engine, EngineConfig
-from tts.engine.realtime import Playback, StepTimes
+from tts.engine.realtime import STEP_STALE, Playback, StepTimes
 from tts.params import chunk_size
 
 STEP = 0.04  # seconds per frame step, whatever the batch
@@ -123,6 +123,20 @@ def test_step_times_fall_back_to_the_nearest_measured_rows():
     assert t.step_seconds(8) == 0.02 and t.step_seconds(64) == 0.03 and t.step_seconds(2) == 0.02
     t.observe_prefill(100, 0.05)
     assert t.prefill(50) == 0.05 and t.prefill(200) == pytest.approx(0.1)
+
+
+def test_a_step_time_not_measured_for_a_while_gives_way_to_a_fresh_one():
+    # One slow step at 16 rows must not keep the batch below 16 for good: once that estimate is
+    # STEP_STALE seconds old and the batch runs smaller, the nearest fresh one stands in (and the
+    # next step at 16 rows measures it again).
+    t = StepTimes()
+    t.observe_step(8, 0.02, now=0.0)
+    t.observe_step(16, 0.5, now=0.0)  # (a step slowed by something else on the GPU)
+    assert t.step_seconds(16, now=1.0) == 0.5
+    t.observe_step(8, 0.02, now=STEP_STALE + 1.0)
+    assert t.step_seconds(16, now=STEP_STALE + 1.0) == 0.02
+    t.observe_step(16, 0.03, now=STEP_STALE + 2.0)  # measured again: a fresh estimate
+    assert t.step_seconds(16, now=STEP_STALE + 2.0) == 0.03
 
 
 def test_a_request_waits_until_the_playing_stream_built_slack(tiny_model):

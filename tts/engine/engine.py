@@ -688,11 +688,11 @@ class Engine:
         assert self.realtime is not None  # (the caller checks)
         times, rows = self.realtime.times, self.rows_for(n)
         if admitted and not captured:
-            usual = times.step_seconds(rows)
+            usual = times.step_seconds(rows, now)
             extra = prefill if usual is None else prefill + step - usual
             times.observe_prefill(sum(r.prefill_tokens for _, r in admitted), max(extra, 0.0))
         elif not captured:
-            times.observe_step(rows, step)
+            times.observe_step(rows, step, now)
         self.realtime.after_step(self.scheduler.running, now)
 
     def _apply_pending(self, outputs: list[StepOutput]) -> list[tuple[int, Request]]:

@@ -45,6 +45,10 @@ from tts.params import DEFAULT_CHUNK_FRAMES, DEFAULT_FIRST_CHUNK_FRAMES, MAX_CHU
 STEP_EMA = 0.1
 PREFILL_EMA = 0.25
 DEFERRAL_REASONS = ("slack", "speed")
+# Seconds after which a step time not measured again gives way to a fresher one: a batch size whose only
+# sample was slow (another load on the GPU at that moment) would otherwise never be reached again to be
+# measured anew, since the speed rule keeps the batch below it.
+STEP_STALE = 5.0
 
 
 @dataclass(eq=False)
@@ -143,12 +147,19 @@ class StepTimes:
 
     def __init__(self) -> None:
         self.step: dict[int, float] = {}
+        self.measured: dict[int, float] = {}  # rows -> when the step at those rows was last measured
         self.prefill_seconds: float | None = None
         self.prefill_tokens = 0.0
 
-    def observe_step(self, rows: int, seconds: float) -> None:
+    def observe_step(self, rows: int, seconds: float, now: float = 0.0) -> None:
+        """A frame step at `rows` rows took `seconds`, ending at `now` (the engine's clock); a stale
+        estimate (STEP_STALE) starts again from this sample."""
         old = self.step.get(rows)
-        self.step[rows] = seconds if old is None else old + STEP_EMA * (seconds - old)
+        if old is None or now - self.measured[rows] > STEP_STALE:
+            self.step[rows] = seconds
+        else:
+            self.step[rows] = old + STEP_EMA * (seconds - old)
+        self.measured[rows] = now
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if self.prefill_seconds is None:
@@ -157,15 +168,19 @@ class StepTimes:
         self.prefill_seconds += PREFILL_EMA * (seconds - self.prefill_seconds)
         self.prefill_tokens += PREFILL_EMA * (tokens - self.prefill_tokens)
 
-    def step_seconds(self, rows: int) -> float | None:
+    def step_seconds(self, rows: int, now: float | None = None) -> float | None:
         """The step at `rows` rows: measured, else the nearest measured rows below (else above); None
-        before any step was measured."""
-        if rows in self.step:
-            return self.step[rows]
-        below = [r for r in self.step if r < rows]
+        before any step was measured. With `now`, estimates older than STEP_STALE seconds count only
+        when there is no fresher one."""
+        step = self.step
+        if now is not None:
+            step = {r: s for r, s in step.items() if now - self.measured[r] <= STEP_STALE} or step
+        if rows in step:
+            return step[rows]
+        below = [r for r in step if r < rows]
         if below:
-            return self.step[max(below)]
-        return self.step[min(self.step)] if self.step else None
+            return step[max(below)]
+        return step[min(step)] if step else None
 
     def prefill(self, tokens: int) -> float:
         """Predicted extra seconds of prefilling `tokens` prompt tokens in one iteration: the average
@@ -202,7 +217,7 @@ class RealtimeAdmission:
         computes). A deferral is counted once per request."""
         if not running:
             return True
-        step = self.times.step_seconds(rows)
+        step = self.times.step_seconds(rows, now)
         if step is None:
             return True
         playback = request.playback
