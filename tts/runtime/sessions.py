@@ -535,7 +535,7 @@ class Session:
         fmt = planner.bundle.prompt_format
         build = getattr(fmt, "build_with_span", None)
         text_tokens = None
-        if build is not None:
+        if build is not None and (planner.paced() or runner.engine.loop_guard):  # (who reads the span)
             try:
                 start, end = build(text, [], [])[1]
                 text_tokens = end - start

@@ -15,6 +15,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
+from tts.text.normalize import TAG
+
 Frontend = Callable[[str], str]
 
 
@@ -107,7 +109,7 @@ def identity(text: str) -> str:
     return text
 
 
-_SPECIAL = re.compile(r"(<\|[^|<>\s]*\|>)")  # a tag holds no white space (tts.text.normalize)
+_SPECIAL = re.compile(f"({TAG.pattern})")  # (split keeps the tags)
 
 
 def apply_frontend(frontend: Frontend, text: str) -> str:
