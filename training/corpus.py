@@ -621,14 +621,23 @@ def build_addon(
     r = random.Random(seed)
     singles = [u for u in base_rows if u["split"] == "train" and u["source"] != "paragraph"]
     multi = [u for u in base_rows if u["split"] == "train" and u["source"] == "paragraph"]
+    if not 0 <= n_paragraphs <= min(n_replay, len(multi)) or n_replay - n_paragraphs > len(singles):
+        raise SystemExit(
+            f"--replay {n_replay} with --replay-paragraphs {n_paragraphs}: the base has {len(singles)} "
+            f"single sentences and {len(multi)} paragraphs to replay"
+        )
+    frontend = PhonemeFrontend()
+    held_phonemes = {_phoneme_key(p) for p in frontend.sentences(_heldout_norms())}
     replay = r.sample(singles, n_replay - n_paragraphs) + r.sample(multi, n_paragraphs)
-    replay = [u for u in replay if _words_key(u["text"]) not in keys]
+    replay = [
+        u
+        for u in replay
+        if _words_key(u["text"]) not in keys and _phoneme_key(u["phonemes"]) not in held_phonemes
+    ]
     new = [("short", t) for t in short_texts(n_short, seed + 10)]
     new += [("everyday", t) for t in everyday_texts(n_everyday, seed + 11)]
     norms = [normalize_text(t) for _, t in new]
-    frontend = PhonemeFrontend()
     phonemes = frontend.sentences(norms)  # (the runtime's frontend: a full stop where none is)
-    held_phonemes = {_phoneme_key(p) for p in frontend.sentences(_heldout_norms())}
     # The held-out rows are samples/eval/heldout.txt itself, spoken as build_text speaks its held-out
     # sentences (speaker 0, no jitter): a base rebuilt with another normalizer holds out other sentences.
     held_text = _heldout_norms(everyday=False)
