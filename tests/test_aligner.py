@@ -383,9 +383,9 @@ def codec_pieces(tts: TTS, text: str, **options) -> tuple[list[tuple[int, int]],
     generated, sent = [0], []
     decode = tts.runner.stage.decode
 
-    def spy(slot, tag, codes):
+    def spy(slot, tag, codes, **kwargs):
         sent.append((generated[0], codes.shape[1]))
-        return decode(slot, tag, codes)
+        return decode(slot, tag, codes, **kwargs)
 
     def progress(frames, chunk, chunks):
         generated[0] = frames
