@@ -147,8 +147,9 @@ def test_top1_agreement_of_the_tiny_model_on_fixed_inputs():
 
 def test_top1_agreement_of_the_default_voice_on_its_preset_voices():
     """The trained default voice, teacher-forced on a prompt of its preset voices' real speech codes
-    (bf16 activations): measured main-token top-1 agreement with bf16 97.3% (fp8) and 95.3% (int8) at
-    149 scored positions, where bf16 itself agrees with float32 on 98.0%."""
+    (bf16 activations), 149 scored positions (one is 0.7%): main-token top-1 agreement with bf16 measured
+    on the shipped v4 95.3% (fp8) and 99.3% (int8), first fast codebook 91.9% and 95.7% (v3: 97.3% and
+    95.3% main), where bf16 itself agreed with float32 on 98.0% (v3)."""
     from tts_tools.quant_check import voice_frames
 
     from tts.checkpoints.load import load_bundle
@@ -162,7 +163,7 @@ def test_top1_agreement_of_the_default_voice_on_its_preset_voices():
         model = load_bundle("default", dtype=torch.bfloat16).model
         results[fmt] = compare(model, fmt, frames)
     assert results["fp8"]["scored_positions"] == 149
-    assert results["fp8"]["main_top1_agreement"] >= 0.97 and results["int8"]["main_top1_agreement"] >= 0.95
+    assert results["fp8"]["main_top1_agreement"] >= 0.95 and results["int8"]["main_top1_agreement"] >= 0.99
     assert results["fp8"]["fast_top1_agreement"] >= 0.90 and results["int8"]["fast_top1_agreement"] >= 0.95
 
 
