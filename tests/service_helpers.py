@@ -104,6 +104,12 @@ def collect(call) -> dict:
     }
 
 
+def engine_work(loop: EngineThread) -> tuple[int, int]:
+    """The engine's work so far: requests admitted and prefilled, and frame steps run. (The loop's own
+    iteration count is no measure: an idle loop wakes once a second.)"""
+    return loop.engine.prefill_requests, loop.engine.frame_steps
+
+
 def wait_idle(loop: EngineThread, timeout: float = 30.0) -> None:
     """Wait until no job, engine request, KV block or active row is left (the baseline)."""
     deadline = time.monotonic() + timeout

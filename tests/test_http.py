@@ -40,7 +40,7 @@ from tts.runtime.engine_thread import EngineThread
 pytest.importorskip("fastapi")
 av = pytest.importorskip("av")
 from helpers import script_loop_guard  # noqa: E402
-from service_helpers import HOLD_TEXT, ServerThread, wait_idle  # noqa: E402
+from service_helpers import HOLD_TEXT, ServerThread, engine_work, wait_idle  # noqa: E402
 
 RATE = 16000  # the tiny model's codec
 FRAME = 640  # samples per frame
@@ -382,7 +382,7 @@ def test_reference_audio_as_base64(server, offline):
 
 def test_bad_input_gets_openai_style_errors_before_any_work(server):
     wait_idle(server.loop)
-    steps = server.loop.stats.steps
+    work = engine_work(server.loop)
 
     def speech_error(body, raw=False):
         status, headers, data = server.request(
@@ -443,7 +443,7 @@ def test_bad_input_gets_openai_style_errors_before_any_work(server):
     status, err = speech_error({"input": "Hi.", "model": "whisper-1"})
     assert (status, err["param"], err["code"]) == (404, "model", "model_not_found")
     assert error_of(*server.request("GET", "/v1/nothing"))[0] == 404
-    assert server.loop.stats.steps == steps  # nothing reached the engine
+    assert engine_work(server.loop) == work  # nothing reached the engine
     wait_idle(server.loop)
 
 

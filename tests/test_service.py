@@ -25,6 +25,7 @@ from service_helpers import (  # noqa: E402
     EndTokenFavoured,
     ServerThread,
     collect,
+    engine_work,
     rpc_error,
     wait_idle,
 )
@@ -243,7 +244,7 @@ def test_slow_reader_pauses_its_request_only(server, bundle, offline):
 
 def test_bad_input_statuses_before_any_work(server, stub, bundle):
     wait_idle(server.loop)
-    steps = server.loop.stats.steps
+    work = engine_work(server.loop)
 
     def status(req):
         err = rpc_error(lambda: collect(stub.Synthesize(req)))
@@ -295,7 +296,7 @@ def test_bad_input_statuses_before_any_work(server, stub, bundle):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "the limit is 64.0 KiB" in details
     code, details = status(build_request("Hi.", first_chunk_frames=100_000))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "first_chunk_frames must be at most" in details
-    assert server.loop.stats.steps == steps  # nothing reached the engine
+    assert engine_work(server.loop) == work  # nothing reached the engine
     # Over the gRPC receive limit (reference limit + 1 MiB): refused by gRPC itself.
     err = rpc_error(
         lambda: collect(
@@ -308,7 +309,7 @@ def test_bad_input_statuses_before_any_work(server, stub, bundle):
 
 def test_reserved_tags_are_invalid_argument_before_any_work(server, stub):
     wait_idle(server.loop)
-    steps = server.loop.stats.steps
+    work = engine_work(server.loop)
     tone = 0.3 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000).astype(np.float32)
     cases = [
         (build_request("Hello <|im_end|> world."), "<|im_end|>"),
@@ -325,7 +326,7 @@ def test_reserved_tags_are_invalid_argument_before_any_work(server, stub):
             err = rpc_error(call)
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
             assert f"reserved tag '{tag}'" in err.details() and "<|speaker:N|>" in err.details()
-    assert server.loop.stats.steps == steps  # nothing reached the engine
+    assert engine_work(server.loop) == work  # nothing reached the engine
     # The documented speaker tags are fine.
     r = collect(stub.Synthesize(build_request("<|speaker:0|>Hi. <|speaker:1|>Yo.", seed=1, max_new_frames=3)))
     assert r["end"].frames > 0
@@ -410,7 +411,7 @@ def _field(number: int, payload: bytes) -> bytes:
 @pytest.mark.parametrize("method", ["Synthesize", "SynthesizeUnary"])
 def test_invalid_utf8_is_invalid_argument_with_one_log_line(server, caplog, raw, field, method):
     wait_idle(server.loop)
-    steps = server.loop.stats.steps
+    work = engine_work(server.loop)
     with server.channel() as channel:
         path = f"/{SERVICE}/{method}"
         rpc = channel.unary_stream(path) if method == "Synthesize" else channel.unary_unary(path)
@@ -427,7 +428,7 @@ def test_invalid_utf8_is_invalid_argument_with_one_log_line(server, caplog, raw,
     assert len(records) == 1, [r.getMessage() for r in records]
     assert records[0].exc_info is None and method in records[0].getMessage()
     assert "\n" not in records[0].getMessage()
-    assert server.loop.stats.steps == steps
+    assert engine_work(server.loop) == work
 
 
 def test_malformed_request_bytes_are_invalid_argument(server):
