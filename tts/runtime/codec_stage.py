@@ -9,7 +9,7 @@ frames) bucket. Under load the batch grows by itself: while one call runs, the n
 queue up.
 
 Gathering (`gather` seconds, `tts serve --codec-gather-ms`; 0, the default: off): a call's cost is
-mostly fixed (the modded DAC in bfloat16 on an H100, graph replay: 16.1 ms for 1 stream x 16 frames,
+mostly fixed (S2-Pro's DAC decode in bfloat16, graph replay, docs/benchmarks.md: 16.1 ms for 1 x 16 frames,
 19.0 ms for 16 x 16, 56.5 ms for 64 x 16), so many small calls back to back take the GPU from the frame
 steps for little audio. With gathering the worker starts the next decode call only when the queued
 work is worth a call (`gather_wait`): a stream's first piece is queued (the time to first audio is
