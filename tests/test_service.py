@@ -80,8 +80,9 @@ def wav_bytes(samples: np.ndarray, rate: int) -> bytes:
 # ---- streaming correctness ----------------------------------------------------------------------------
 
 
-def test_stream_equals_offline_decode_and_unary(server, stub, bundle, offline):
-    req = build_request(
+def streaming_test_request():
+    """A greedy, seeded request of 40 frames in chunks of 4 then up to 16, with its codes."""
+    return build_request(
         "Hello there, this is a streaming test.",
         seed=11,
         max_new_frames=40,
@@ -91,6 +92,10 @@ def test_stream_equals_offline_decode_and_unary(server, stub, bundle, offline):
         first_chunk_frames=4,
         chunk_frames=16,
     )
+
+
+def test_stream_equals_offline_decode_and_unary(server, stub, bundle, offline):
+    req = streaming_test_request()
     r = collect(stub.Synthesize(req))
     h, end, chunks = r["header"], r["end"], r["chunks"]
     assert (h.sample_rate, h.channels, h.num_codebooks, h.seed) == (16000, 1, 4, 11)
@@ -658,16 +663,7 @@ def test_codec_gather_reaches_the_stage_keeps_the_audio_and_is_reported(bundle):
     try:
         assert srv.loop.runner.stage.gather == 0.05
         with srv.channel() as channel:
-            req = build_request(
-                "Hello there, this is a streaming test.",
-                seed=11,
-                max_new_frames=40,
-                temperature=0.0,
-                encoding="float32",
-                include_codes=True,
-                first_chunk_frames=4,
-                chunk_frames=16,
-            )
+            req = streaming_test_request()
             r = collect(pb_grpc.TextToSpeechStub(channel).Synthesize(req))
         assert [c.frame_end - c.frame_start for c in r["chunks"]] == [4, 8, 16, 12]
         full = bundle.codec.decode(torch.as_tensor(r["codes"])).numpy()

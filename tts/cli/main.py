@@ -958,7 +958,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_codec_dtype_arg(p)
     # startup: the one graph of batch 1 is captured while loading, so the synthesis itself runs replays.
     # The prefill stays eager: it runs once per text chunk, and capturing its graphs costs more start-up
-    # (their packed attention's first call imports torch's compiler, seconds) than it saves.
+    # than it saves (their packed attention's first call imports torch's compiler).
     add_engine_args(p, graphs="startup", prefill_graphs="off")
     add_sampling_args(p)
     p.set_defaults(func=cmd_synthesize)
