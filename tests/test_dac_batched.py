@@ -119,6 +119,25 @@ def test_streams_joining_and_leaving_equal_offline_decode(codec):
         torch.testing.assert_close(audio[s], pushed, rtol=0, atol=ATOL_STREAM)
 
 
+def test_convs_with_padded_output_channels_decode_the_same_audio(codec):
+    """On CUDA the last conv (to 1 channel) runs padded to 8 output channels (tensor-core kernels); forced
+    on here, the schedule's audio is the unpadded decoder's."""
+    from tts.codec.dac.batched import _pad_out_channels
+    from tts.codec.dac.net import CausalConv1d
+
+    plain, padded = codec.batched_stream(3), codec.batched_stream(3)
+    last = [m for m in codec.model.decoder.modules() if isinstance(m, CausalConv1d)][-1]
+    assert last.conv.out_channels == 1 and plain._padded_out == {}  # (only on CUDA by itself)
+    weight, bias = _pad_out_channels(last.conv, 8)
+    assert weight.shape == (8, *last.conv.weight.shape[1:]) and bias is not None and bias.shape == (8,)
+    assert torch.equal(weight[:1], last.conv.weight) and not weight[1:].any() and not bias[1:].any()
+    padded._padded_out[last] = (weight, bias)
+    expected, _ = run_schedule(plain)
+    audio, _ = run_schedule(padded)
+    for s in STREAMS:
+        torch.testing.assert_close(audio[s], expected[s], rtol=0, atol=1e-6)
+
+
 def test_stream_past_the_128_frame_window_equals_offline():
     # The real 128-frame window: 150 frames in chunks of 16, next to a second stream 5 frames ahead.
     codec = _codec(window=128)

@@ -150,6 +150,19 @@ class BatchedDACDecoder(BatchedStreamDecoder):
         for module in self.model.decoder.model:
             self._decoder_ops += list(module.block) if isinstance(module, DecoderBlock) else [module]
         self.positions = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        # cuDNN's tensor-core conv kernels want output channels in multiples of 8; the decoder's last conv
+        # (to 1 channel) would run a generic kernel instead, a quarter of a one-stream call's device time
+        # (tools/profile/dac_profile.py). Such a conv runs with its weight and bias padded with zero
+        # channels, and the padded outputs are dropped.
+        self._padded_out: dict[nn.Module, tuple[Tensor, Tensor | None]] = {}
+        if self.device.type == "cuda":
+            for module in self._decode_modules():
+                if (
+                    isinstance(module, CausalConv1d)
+                    and module.conv.groups == 1
+                    and module.conv.out_channels % 8
+                ):
+                    self._padded_out[module] = _pad_out_channels(module.conv, 8)
         # Row p depends only on p, so this equals every slice `WindowTransformer._freqs` takes.
         self._rope = precompute_freqs_cis(max_frames, post.head_dim, post.rope_base).to(self.device)
 
@@ -304,9 +317,14 @@ class BatchedDACDecoder(BatchedStreamDecoder):
         if state is not None:  # (kernel 1: no context)
             x = torch.cat([state.index_select(0, rows.slots), x], dim=-1)
             state.index_copy_(0, rows.slots, _window(x, rows.ends(), module.padding, dim=2))
-        if bias:
-            return module.conv(x)
         c = module.conv
+        padded = self._padded_out.get(module)
+        if padded is not None:
+            weight, padded_bias = padded
+            y = F.conv1d(x, weight, padded_bias if bias else None, c.stride, c.padding, c.dilation, c.groups)
+            return y[:, : c.out_channels]
+        if bias:
+            return c(x)
         return F.conv1d(x, c.weight, None, c.stride, c.padding, c.dilation, c.groups)
 
     def _conv_transpose(
@@ -335,6 +353,21 @@ class BatchedDACDecoder(BatchedStreamDecoder):
             y = y[..., skip : skip + T * stride]
         rows.rate *= stride
         return y
+
+
+def _pad_out_channels(conv: nn.Conv1d, multiple: int) -> tuple[Tensor, Tensor | None]:
+    """`conv`'s weight `[out, in / groups, k]` and bias `[out]` with zero output channels appended up to
+    a multiple of `multiple` (same dtype and device): the first `out` channels of the padded conv are
+    the conv's own, exactly."""
+    out = conv.out_channels
+    size = -(-out // multiple) * multiple
+    weight = conv.weight.detach().new_zeros(size, *conv.weight.shape[1:])
+    weight[:out] = conv.weight.detach()
+    bias = None
+    if conv.bias is not None:
+        bias = conv.bias.detach().new_zeros(size)
+        bias[:out] = conv.bias.detach()
+    return weight, bias
 
 
 def _first_snake(module: nn.Module | None) -> Snake1d | None:

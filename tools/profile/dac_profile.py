@@ -1,0 +1,196 @@
+"""Where a batched DAC decode call's time goes (S2-Pro-size modded DAC, random weights, one GPU).
+
+    python tools/profile/dac_profile.py --device cuda --shapes 1x16,16x16,64x16 --out dac_profile.json
+
+For each (B streams x T frames) and each cudnn.benchmark setting: the graph replay's latency (CUDA
+events, median); the eager call split by stage (post transformer, quantizer upsampling, decoder; CUDA
+events around each, synchronized, so a stage's number is its own latency); and a torch.profiler table of
+one eager call's kernels (count and device time per kernel name, top `--top`). A call's cost that does
+not grow with B is launch- or kernel-shape-bound; one that grows with B x T is arithmetic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tts.codec.dac.codec import DACCodec  # noqa: E402
+from tts.codec.dac.net import DACConfig  # noqa: E402
+from tts.codec.dac.random_init import random_codec_state, tiny_dac_config  # noqa: E402
+from tts.model.kernels import fused_kernels_enabled  # noqa: E402
+from tts.model.randinit import hashed_randint  # noqa: E402
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    return [(int(b), int(t)) for b, t in (s.split("x") for s in text.split(",") if s)]
+
+
+def _codes(codec: DACCodec, B: int, T: int) -> torch.Tensor:
+    c = codec.cfg
+    semantic = hashed_randint((B, 1, T), 1, "semantic", c.semantic_codebook_size)
+    residual = hashed_randint((B, c.n_codebooks, T), 1, "residual", c.codebook_size)
+    return torch.cat([semantic, residual], dim=1)
+
+
+def _median_ms(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    if not torch.cuda.is_available():  # a CPU smoke run (--tiny --device cpu)
+        ms = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            fn()
+            ms.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(ms)
+    torch.cuda.synchronize()
+    ms = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ms.append(a.elapsed_time(b))
+    return statistics.median(ms)
+
+
+def stages(dec, slots, codes, lengths, iters: int) -> dict[str, float]:
+    """Each stage of `BatchedDACDecoder.decode` timed on its own (eager)."""
+    from tts.codec.dac.batched import _Rows
+
+    model = dec.model
+    out: dict[str, float] = {}
+    rows = _Rows(slots, lengths)
+    positions = dec.positions.index_select(0, slots)
+    z0 = model.lookup(codes)
+    out["lookup"] = _median_ms(lambda: model.lookup(codes), iters)
+    out["transformer"] = _median_ms(lambda: dec._transformer(z0, _Rows(slots, lengths), positions), iters)
+    z = dec._transformer(z0, rows, positions)
+
+    def upsample():
+        r = _Rows(slots, lengths)
+        x = z
+        for stage in model.quantizer.upsample:
+            x = dec._run(stage, x, r)
+        return x, r
+
+    out["upsample"] = _median_ms(upsample, iters)
+    zu, r = upsample()
+
+    def decoder():
+        rr = _Rows(slots, lengths)
+        rr.rate = r.rate
+        if fused_kernels_enabled(zu):
+            return dec._decoder_fused(zu, rr)
+        return dec._run(model.decoder, zu, rr)
+
+    out["decoder"] = _median_ms(decoder, iters)
+    # The decoder's ops one by one (fused path): time each top-level module of the decoder.
+    return out
+
+
+def kernels(fn, top: int) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    agg: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            a = agg[e.name]
+            a[0] += 1
+            a[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][1])
+    total = sum(v[1] for v in agg.values())
+    print(f"    device time {total / 1e3:.2f} ms in {sum(v[0] for v in agg.values())} kernels")
+    out = []
+    for name, (n, us) in rows[:top]:
+        print(f"    {us / 1e3:8.3f} ms {n:5d}x  {name[:110]}")
+        out.append({"name": name, "count": n, "us": us})
+    return [{"total_us": total}] + out
+
+
+@torch.inference_mode()
+def graph_ms(dec, slots, codes, lengths, iters: int) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            dec.decode(slots, codes, lengths)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        dec.decode(slots, codes, lengths)
+    ms = _median_ms(g.replay, iters)
+    del g
+    return ms
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--shapes", type=_shapes, default=_shapes("1x16,16x16,64x16"))
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--benchmark", default="off,on", help="cudnn.benchmark settings to run")
+    p.add_argument("--pad", default="off,on", help="padded output channels (the last conv) settings")
+    p.add_argument("--detail", type=_shapes, default=_shapes("16x16"), help="shapes to split and profile")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", default="dac_profile.json")
+    a = p.parse_args()
+    cfg = tiny_dac_config() if a.tiny else DACConfig()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "codec.pth"
+        torch.save(random_codec_state(cfg, seed=0), path)
+        codec = DACCodec.from_file(path, device=a.device, dtype=getattr(torch, a.dtype))
+    gpu = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
+    report: dict = {"gpu": gpu, "torch": torch.__version__, "runs": []}
+    cuda = a.device.startswith("cuda")
+    for bm in a.benchmark.split(","):
+        torch.backends.cudnn.benchmark = bm == "on"
+        for pad in a.pad.split(","):
+            for B, T in a.shapes:
+                dec = codec.batched_stream(max(B, 1))
+                if pad == "off":
+                    dec._padded_out.clear()
+                slots = torch.arange(B, device=a.device)
+                codes = _codes(codec, B, T).to(a.device)
+                lengths = torch.full((B,), T, dtype=torch.int64, device=a.device)
+                call = torch.inference_mode()(partial(dec.decode, slots, codes, lengths))
+                print(f"== cudnn.benchmark {bm}, padded out channels {pad}, B={B} T={T}")
+                run: dict = {"benchmark": bm, "pad": pad, "B": B, "T": T}
+                run["graph_ms"] = graph_ms(dec, slots, codes, lengths, a.iters) if cuda else float("nan")
+                run["eager_ms"] = _median_ms(call, a.iters)
+                print(f"  graph {run['graph_ms']:.2f} ms, eager {run['eager_ms']:.2f} ms")
+                if (B, T) in a.detail:
+                    with torch.inference_mode():
+                        run["stages_ms"] = stages(dec, slots, codes, lengths, a.iters)
+                    print("  stages " + ", ".join(f"{k} {v:.2f}" for k, v in run["stages_ms"].items()))
+                    run["kernels"] = kernels(call, a.top)
+                report["runs"].append(run)
+                Path(a.out).write_text(json.dumps(report, indent=1))
+                del dec, call
+                if cuda:
+                    torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
