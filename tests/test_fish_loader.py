@@ -69,6 +69,7 @@ def test_s2_directory_has_the_real_layout_and_loads(fish_checkpoints):
     assert not c.fast_attention_qk_norm and c.residual_codebook_size is None
     assert bundle.sampling.top_k == 30 and bundle.sampling.ras_window == 10 and bundle.chunk_length == 200
     assert bundle.dtype == torch.float32 and bundle.codec.sample_rate == 44100
+    assert bundle.codec.model.decode_dtype == torch.float32  # on a CPU; bfloat16 by default on CUDA
     text = bundle.describe()
     assert "Fish Audio S2-Pro" in text and "M parameters" in text and "float32" in text and "MiB" in text
     # The model's weights are the checkpoint's, key-mapped: compare two of them directly.
@@ -91,6 +92,13 @@ def test_s2_loads_in_bf16_and_from_a_single_safetensors_file(copy_of):
     save_file(merged, str(d / "model.safetensors"))
     model, _, family = load_fish_model(d, "cpu", torch.bfloat16)
     assert family == "s2-pro" and model.embeddings.weight.dtype == torch.bfloat16
+
+
+def test_the_dac_decodes_in_bfloat16_by_default_on_cuda_only():
+    from tts.checkpoints.fish.loader import default_dac_dtype
+
+    assert default_dac_dtype("cuda") == default_dac_dtype(torch.device("cuda", 1)) == torch.bfloat16
+    assert default_dac_dtype("cpu") == default_dac_dtype(torch.device("cpu")) == torch.float32
 
 
 def test_s1_directory_loads_with_tiktoken_and_s1_settings(fish_checkpoints):

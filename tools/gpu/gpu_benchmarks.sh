@@ -23,7 +23,8 @@
 #               codec, a server of --max-batch 256 --max-waiting 512; levels of 4 x C requests of 128 frames
 #               from RAMP_START (default 64) doubling to RAMP_MAX (default 512), then bisected to RAMP_STEP
 #               (default 16) streams; a level is real time with no playback underrun, TTFA p95 <= 300 ms and
-#               no error. Reports the most real-time streams, or that the server's max batch, queue or KV
+#               no error (RAMP_BENCH: more `tts bench-server` options, e.g. "--chunk-frames 4" for chunks
+#               of 4, 4, 4, ... frames). Reports the most real-time streams, or that the server's max batch, queue or KV
 #               pool stopped the ramp first (ramp.json: `ramp.real_time_streams`, `ramp.stopped_by`)
 #   refs        the reference-clip modes (repeated, distinct, registered) at 16 clients, S2-Pro, float32 codec
 #   dac         the batched DAC decode timed (graph replay) and its bfloat16 accuracy
@@ -156,7 +157,8 @@ print('free GiB', round(torch.cuda.mem_get_info()[0] / 2**30, 1), 'KV bytes/toke
       write_s2
       serve "ramp$tag" "$S2_DIR" --codec-dtype bfloat16 --max-batch 256 --max-waiting 512 "${extra[@]}"
       bench "ramp$tag" --ramp --ramp-start "${RAMP_START:-64}" --ramp-max "${RAMP_MAX:-512}" \
-        --ramp-step "${RAMP_STEP:-16}" --ramp-rounds "${RAMP_ROUNDS:-4}" --max-new-frames 128 --min-new-frames 128
+        --ramp-step "${RAMP_STEP:-16}" --ramp-rounds "${RAMP_ROUNDS:-4}" --max-new-frames 128 --min-new-frames 128 \
+        ${RAMP_BENCH:-}
       stop_server ;;
     default)
       serve "default$tag" default "${extra[@]}"

@@ -86,7 +86,7 @@ def add_codec_dtype_arg(p: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16"],
         default=None,
         help="the codec's decode dtype where it has a choice (the modded DAC of S1 / S2-Pro; default "
-        "float32)",
+        "bfloat16 on CUDA, as fish-speech decodes, float32 on a CPU)",
     )
 
 

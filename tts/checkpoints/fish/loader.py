@@ -283,9 +283,16 @@ def load_fish_model(
     return _build_model(directory, args, device, dtype), tokenizer, family
 
 
+def default_dac_dtype(device: str | torch.device) -> torch.dtype:
+    """The modded DAC's decode dtype when none is asked for: bfloat16 on CUDA (what fish-speech's own
+    server decodes in, under autocast; 1.3-1.6x the float32 decode's speed on a GPU, docs/benchmarks.md,
+    at 31.7 dB SNR against it), float32 elsewhere (a CPU has no fast bfloat16 convs)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
 def load_fish_codec(directory: Path, args: ModelArgs, family: str, device, dtype=None) -> Codec:
     """The family's codec, checked against the model's codebooks: the modded DAC from `codec.pth` (its
-    decode path in `dtype`, default float32) or, for 1.5, Firefly-GAN from its generator file (float32
+    decode path in `dtype`, default `default_dac_dtype(device)`) or, for 1.5, Firefly-GAN from its generator file (float32
     always: `dtype` other than float32 is ignored with a warning). Raises CheckpointError."""
     if family == FISH15:
         return _load_firefly(directory, args, device, dtype)
@@ -293,7 +300,7 @@ def load_fish_codec(directory: Path, args: ModelArgs, family: str, device, dtype
     if not path.is_file():
         raise CheckpointError(f"{directory} has no codec.pth")
     try:
-        codec = DACCodec.from_file(path, device=device, dtype=dtype or torch.float32)
+        codec = DACCodec.from_file(path, device=device, dtype=dtype or default_dac_dtype(device))
     except CodecCheckpointError as exc:
         raise CheckpointError(f"codec.pth: {exc}") from exc
     if codec.num_codebooks != args.num_codebooks or codec.codebook_size != args.num_semantic_tokens:
