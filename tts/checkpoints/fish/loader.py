@@ -292,8 +292,9 @@ def default_dac_dtype(device: str | torch.device) -> torch.dtype:
 
 def load_fish_codec(directory: Path, args: ModelArgs, family: str, device, dtype=None) -> Codec:
     """The family's codec, checked against the model's codebooks: the modded DAC from `codec.pth` (its
-    decode path in `dtype`, default `default_dac_dtype(device)`) or, for 1.5, Firefly-GAN from its generator file (float32
-    always: `dtype` other than float32 is ignored with a warning). Raises CheckpointError."""
+    decode path in `dtype`, default `default_dac_dtype(device)`) or, for 1.5, Firefly-GAN from its
+    generator file (float32 always: `dtype` other than float32 is ignored with a warning). Raises
+    CheckpointError."""
     if family == FISH15:
         return _load_firefly(directory, args, device, dtype)
     path = directory / "codec.pth"
