@@ -128,6 +128,62 @@ def kernels(fn, top: int) -> list[dict]:
 
 
 @torch.inference_mode()
+def record_convs(call) -> list[tuple]:
+    """The convolutions one decode call makes, in order: (kind, input shape, weight, bias, stride,
+    padding, dilation, groups, output_padding)."""
+    import torch.nn.functional as F
+
+    seen: list[tuple] = []
+    conv1d, conv_t = F.conv1d, F.conv_transpose1d
+
+    def rec1(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
+        seen.append(("conv", tuple(x.shape), w, b, stride, padding, dilation, groups, 0))
+        return conv1d(x, w, b, stride, padding, dilation, groups)
+
+    def rect(x, w, b=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+        seen.append(("convT", tuple(x.shape), w, b, stride, padding, dilation, groups, output_padding))
+        return conv_t(x, w, b, stride, padding, output_padding, groups, dilation)
+
+    F.conv1d, F.conv_transpose1d = rec1, rect
+    try:
+        call()
+    finally:
+        F.conv1d, F.conv_transpose1d = conv1d, conv_t
+    return seen
+
+
+def _one(v):
+    return v[0] if isinstance(v, tuple | list) else v
+
+
+def conv_variants(convs: list[tuple], iters: int) -> dict:
+    """Each recorded conv timed alone: as called ([B, C, L], "ncl"), and as a 2-D conv over a
+    channels-last `[B, C, 1, L]` input and weight ("nhwc", layout conversion not counted)."""
+    import torch.nn.functional as F
+
+    total = {"ncl": 0.0, "nhwc": 0.0}
+    rows = []
+    for kind, shape, w, b, stride, padding, dilation, groups, opad in convs:
+        x = torch.randn(shape, device=w.device, dtype=w.dtype)
+        s, p, d, op = _one(stride), _one(padding), _one(dilation), _one(opad)
+        x2 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+        w2 = w.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+        if kind == "conv":
+            f1 = partial(F.conv1d, x, w, b, s, p, d, groups)
+            f2 = partial(F.conv2d, x2, w2, b, (1, s), (0, p), (1, d), groups)
+        else:
+            f1 = partial(F.conv_transpose1d, x, w, b, s, p, op, groups, d)
+            f2 = partial(F.conv_transpose2d, x2, w2, b, (1, s), (0, p), (0, op), groups, (1, d))
+        with torch.inference_mode():
+            a, c = _median_ms(f1, iters), _median_ms(f2, iters)
+        total["ncl"] += a
+        total["nhwc"] += c
+        rows.append({"kind": kind, "x": shape, "w": tuple(w.shape), "dilation": d, "ncl_ms": a, "nhwc_ms": c})
+        print(f"    {kind:5s} x {shape} w {tuple(w.shape)} d {d}: ncl {a:.3f} ms, nhwc {c:.3f} ms")
+    print(f"  convs alone: ncl {total['ncl']:.2f} ms, nhwc {total['nhwc']:.2f} ms")
+    return {"total_ms": total, "convs": rows}
+
+
 def graph_ms(dec, slots, codes, lengths, iters: int) -> float:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -153,6 +209,7 @@ def main() -> None:
     p.add_argument("--pad", default="off,on", help="padded output channels (the last conv) settings")
     p.add_argument("--detail", type=_shapes, default=_shapes("16x16"), help="shapes to split and profile")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--convs", action="store_true", help="time each conv alone, NCL vs channels-last")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", default="dac_profile.json")
     a = p.parse_args()
@@ -185,6 +242,8 @@ def main() -> None:
                         run["stages_ms"] = stages(dec, slots, codes, lengths, a.iters)
                     print("  stages " + ", ".join(f"{k} {v:.2f}" for k, v in run["stages_ms"].items()))
                     run["kernels"] = kernels(call, a.top)
+                    if a.convs:
+                        run["convs"] = conv_variants(record_convs(call), a.iters)
                 report["runs"].append(run)
                 Path(a.out).write_text(json.dumps(report, indent=1))
                 del dec, call
