@@ -95,7 +95,8 @@ def test_events_and_streamed_audio_equal_offline(make_loop, bundle, offline):
     assert isinstance(events[0], Started) and events[0].seed == 7 and events[0].text_chunks == 1
     audio = [e for e in events if isinstance(e, Audio)]
     assert [a.sequence for a in audio] == list(range(len(audio)))
-    assert [a.frame_end - a.frame_start for a in audio[:3]] == [3, 6, 8]  # doubling up to chunk_frames
+    # the first size twice, then doubling up to chunk_frames
+    assert [a.frame_end - a.frame_start for a in audio[:4]] == [3, 3, 6, 8]
     fin = events[-1]
     assert isinstance(fin, Finished) and fin.frames == audio[-1].frame_end
     pcm = np.concatenate([a.samples for a in audio])
@@ -583,13 +584,13 @@ def test_a_crash_of_the_engine_thread_fails_its_jobs_and_says_why(make_loop, mon
         loop.submit(job(loop, "After."))
 
 
-def test_chunk_sizes_double_from_the_first_up_to_chunk_frames():
+def test_chunk_sizes_repeat_the_first_then_double_up_to_chunk_frames():
     from tts.runtime.jobs import chunk_size, ramp_sizes
 
-    assert [chunk_size(4, 16, k) for k in range(5)] == [4, 8, 16, 16, 16]
+    assert [chunk_size(4, 16, k) for k in range(6)] == [4, 4, 8, 16, 16, 16]
     assert ramp_sizes(4, 16) == (4, 8, 16) and ramp_sizes(16, 4) == (4, 16)
     assert ramp_sizes(1, 256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    assert [chunk_size(3, 8, k) for k in range(4)] == [3, 6, 8, 8]
+    assert [chunk_size(3, 8, k) for k in range(5)] == [3, 3, 6, 8, 8]
     assert [chunk_size(16, 4, k) for k in range(3)] == [16, 4, 4]  # a large first chunk, small later ones
     assert chunk_size(1, 256, 100) == 256 and chunk_size(256, 256, 0) == 256
 

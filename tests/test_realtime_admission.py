@@ -49,7 +49,7 @@ def timed_engine(model, **kw) -> TimedEngine:
 
 
 def stream(engine, model, rid, seed, frames=40):
-    """Submit a stream of `frames` frames (no end token before): chunks of 2, then 4 frames."""
+    """Submit a stream of `frames` frames (no end token before): chunks of 2, 2, then 4 frames."""
     return engine.submit(
         random_prompt(model, 9, seed),
         params(max_new_frames=frames, min_new_frames=frames, seed=seed),
@@ -72,19 +72,19 @@ def test_playback_releases_chunks_as_the_job_runner_does():
     assert (p.released, p.chunks, p.started) == (0, 0, None)
     p.advance(4, now=1.5)  # chunk 0: 4 frames; the player starts
     assert (p.released, p.chunks, p.started) == (4, 1, 1.5)
-    p.advance(11, now=2.0)
-    assert p.released == 4 and p.due() == 8
-    p.advance(12, now=2.1)  # chunk 1: 8 frames
-    assert (p.released, p.chunks) == (12, 2)
-    p.end_request(20)  # a text chunk ends: its frames stay pending (12 of them released)
-    p.advance(7, now=3.0)  # the next text chunk's request: 27 frames, 15 pending: chunk 2 (16) not due
-    assert (p.frames, p.released) == (27, 12)
-    p.advance(8, now=3.1)
-    assert (p.released, p.chunks) == (28, 3)
-    # the player ran dry at 1.9 s (chunk 1 came at 2.1 s) and at 2.9 s (chunk 2 came at 3.1 s): it plays
-    # chunk 2 from 3.1 s to 4.7 s; the next chunk (16 frames) needs 16 steps
-    assert p.slack(now=3.1, step=0.05) == pytest.approx(4.7 - 3.1 - 16 * 0.05)
-    assert [chunk_size(4, 16, k) for k in range(4)] == [4, 8, 16, 16]
+    p.advance(7, now=2.0)
+    assert p.released == 4 and p.due() == 4  # chunk 1 is the first size again
+    p.advance(8, now=2.1)  # chunk 1: 4 frames
+    assert (p.released, p.chunks) == (8, 2) and p.due() == 8
+    p.end_request(12)  # a text chunk ends: its frames stay pending (8 of them released)
+    p.advance(3, now=2.9)  # the next text chunk's request: 15 frames, 7 pending: chunk 2 (8) not due
+    assert (p.frames, p.released) == (15, 8)
+    p.advance(4, now=3.1)
+    assert (p.released, p.chunks) == (16, 3) and p.due() == 16
+    # the player ran dry at 1.9 s (chunk 1 came at 2.1 s) and at 2.5 s (chunk 2 came at 3.1 s): it plays
+    # chunk 2 from 3.1 s to 3.9 s; the next chunk (16 frames) needs 16 steps
+    assert p.slack(now=3.1, step=0.02) == pytest.approx(3.9 - 3.1 - 16 * 0.02)
+    assert [chunk_size(4, 16, k) for k in range(5)] == [4, 4, 8, 16, 16]
 
 
 def test_a_held_back_chunk_goes_out_whole():
@@ -100,19 +100,36 @@ def test_a_player_that_ran_dry_starts_again_on_the_next_chunk():
     nothing for the gap (its slack is not negative for the rest of its life)."""
     p = Playback(RATE, first=4, later=16)
     p.advance(4, now=0.0)  # chunk 0: played until 0.4 s
-    p.advance(12, now=1.0)  # chunk 1 (8 frames), 0.6 s late: played from 1.0 s to 1.8 s
-    assert p.slack(now=1.0, step=0.01) == pytest.approx(1.8 - 1.0 - 16 * 0.01)
-    p.advance(28, now=1.2)  # in time: played after chunk 1, until 3.4 s
-    assert p.slack(now=1.2, step=0.01) == pytest.approx(3.4 - 1.2 - 16 * 0.01)
+    p.advance(8, now=1.0)  # chunk 1 (4 frames), 0.6 s late: played from 1.0 s to 1.4 s
+    assert p.slack(now=1.0, step=0.01) == pytest.approx(1.4 - 1.0 - 8 * 0.01)  # chunk 2: 8 frames
+    p.advance(16, now=1.2)  # in time: played after chunk 1, until 2.2 s
+    assert p.slack(now=1.2, step=0.01) == pytest.approx(2.2 - 1.2 - 16 * 0.01)
 
 
 def test_ramp_slack_is_the_tightest_chunk_of_the_ramp():
     p = Playback(RATE, first=4, later=16)
-    # chunk 1 (8 frames) must come within chunk 0's 0.4 s of audio; chunk 2 within 1.2 s of 24 frames
-    assert p.ramp_slack(0.02) == pytest.approx(min(0.4 - 8 * 0.02, 1.2 - 24 * 0.02, 2.8 - 40 * 0.02))
-    assert p.ramp_slack(0.05) == pytest.approx(0.0)  # twice real time: exactly in time
-    assert p.ramp_slack(0.051) < 0
+    # Chunks 4, 4, 8, 16, 16: chunk k + 1 comes after the steps of chunks 1..k+1 and must come before
+    # the audio of chunks 0..k has played: chunk 1 (4 steps) within 0.4 s, chunk 2 (12) within 0.8 s,
+    # chunk 3 (28) within 1.6 s, chunk 4 (44) within 3.2 s. At 0.02 s a step chunk 1 is the tightest.
+    slacks = [0.4 - 4 * 0.02, 0.8 - 12 * 0.02, 1.6 - 28 * 0.02, 3.2 - 44 * 0.02]
+    assert p.ramp_slack(0.02) == pytest.approx(min(slacks)) == pytest.approx(0.32)
+    # At 0.055 s chunk 3 is: 0.18, 0.14, 0.06, 0.78 (the ramp's chunks of equal size 4, 4 do not end
+    # the search: the chunks after them are bigger).
+    assert p.ramp_slack(0.055) == pytest.approx(1.6 - 28 * 0.055)
+    # 1.75x real time (28 frames in 1.6 s of audio): exactly in time
+    assert p.ramp_slack(0.1 / 1.75) == pytest.approx(0.0, abs=1e-12)
+    assert p.ramp_slack(0.058) < 0  # (chunks 1 and 2 alone would still be in time)
     assert p.ramp_slack(0.1) == -math.inf  # not faster than real time
+
+
+def test_ramp_slack_of_ramps_that_do_not_grow():
+    # Equal sizes from the first chunk on: every chunk gains, chunk 1 is the tightest.
+    assert Playback(RATE, first=8, later=8).ramp_slack(0.05) == pytest.approx(0.8 - 8 * 0.05)
+    # A large first chunk, then small ones (16, 4, 4, ...): chunk 1 is the tightest.
+    assert Playback(RATE, first=16, later=4).ramp_slack(0.05) == pytest.approx(1.6 - 4 * 0.05)
+    # 1, 1, 2, 4, ..., 128, 256, 256: below twice real time the tightest is the last chunk of the ramp,
+    # chunk 9 (chunks 1..9: 511 steps) before the 256 frames of chunks 0..8 have played.
+    assert Playback(RATE, first=1, later=256).ramp_slack(0.06) == pytest.approx(25.6 - 511 * 0.06)
 
 
 def test_step_times_fall_back_to_the_nearest_measured_rows():
@@ -141,16 +158,18 @@ def test_a_step_time_not_measured_for_a_while_gives_way_to_a_fresh_one():
 
 def test_a_request_waits_until_the_playing_stream_built_slack(tiny_model):
     """A's first chunk (2 frames, 0.2 s of audio) is out after its second step, at 0.13 s; its next
-    (4 frames) needs 0.16 s: 0.04 s of slack, less B's prefill (0.05 s) is below the margin. B waits
-    four iterations, until A's second chunk is out (0.29 s; the player has 0.6 s), then joins."""
-    engine = timed_engine(tiny_model, realtime_max_wait=10.0)
+    (2 frames) needs 0.08 s: 0.12 s of slack, less B's prefill (0.05 s a prompt like A's, 9/8 of
+    that for one token more: 0.056 s) is below the margin (0.08 s). B waits two iterations, until
+    A's second chunk is out (0.21 s; the player has 0.32 s, the next chunk of 4 frames needs 0.16 s:
+    0.16 s of slack, 0.104 s after the prefill), then joins."""
+    engine = timed_engine(tiny_model, realtime_max_wait=10.0, realtime_margin=0.08)
     a = stream(engine, tiny_model, "a", 1)
     assert steps_until_running(engine, a) == 1
     engine.step()
     assert a.playback.started == pytest.approx(PREFILL + 2 * STEP)
     b = stream(engine, tiny_model, "b", 2)
-    assert steps_until_running(engine, b) == 5  # four deferred, admitted on the fifth
-    assert a.num_generated == 7  # frames 3-6 ran while B waited; the seventh with B
+    assert steps_until_running(engine, b) == 3  # two deferred, admitted on the third
+    assert a.num_generated == 5  # frames 3-4 ran while B waited; the fifth with B
     assert engine.realtime.deferred == {"slack": 1, "speed": 0} and engine.realtime.forced == 0
     assert b.deferred
 
@@ -167,15 +186,16 @@ def test_without_the_policy_the_request_joins_at_once(tiny_model):
 
 def test_a_request_that_waited_its_budget_is_admitted(tiny_model):
     """B arrives at 0.13 s with a 0.1 s budget: deferred at 0.13, 0.17, 0.21; at 0.25 s it has
-    waited 0.12 s and joins although A still lacks slack."""
-    engine = timed_engine(tiny_model, realtime_max_wait=0.1)
+    waited 0.12 s and joins although A still lacks slack (0.16 s from its second chunk on, less B's
+    prefill, 0.056 s, is below the margin of 0.15 s until its third chunk, at 0.37 s)."""
+    engine = timed_engine(tiny_model, realtime_max_wait=0.1, realtime_margin=0.15)
     a = stream(engine, tiny_model, "a", 1)
     engine.step()
     engine.step()
     b = stream(engine, tiny_model, "b", 2)
     assert steps_until_running(engine, b) == 4
     assert engine.realtime.forced == 1 and engine.realtime.deferred["slack"] == 1
-    assert a.num_generated == 6  # B joined before the step of A's sixth frame (its second chunk)
+    assert a.num_generated == 6  # B joined before the step of A's sixth frame (in its third chunk)
 
 
 def test_nothing_running_admits_at_once(tiny_model):
@@ -188,11 +208,12 @@ def test_nothing_running_admits_at_once(tiny_model):
 
 
 def test_a_batch_too_slow_for_a_new_stream_takes_none_until_one_ends(tiny_model):
-    """At 0.06 s a step, a new stream of chunks 2, 4 cannot be in time (4 frames within 0.2 s of
-    audio): B waits, whatever its budget, until A ends, then is admitted in the next iteration."""
+    """At 0.07 s a step, a new stream of chunks 2, 2, 4 cannot be in time (chunks 1 and 2, 6 frames,
+    within the 0.4 s of audio of chunks 0 and 1: 1.5x real time): B waits, whatever its budget, until
+    A ends, then is admitted in the next iteration."""
     global STEP
     engine = timed_engine(tiny_model, realtime_max_wait=0.0)
-    old, STEP = STEP, 0.06
+    old, STEP = STEP, 0.07
     try:
         a = stream(engine, tiny_model, "a", 1, frames=6)
         engine.step()

@@ -81,7 +81,7 @@ def wav_bytes(samples: np.ndarray, rate: int) -> bytes:
 
 
 def streaming_test_request():
-    """A greedy, seeded request of 40 frames in chunks of 4 then up to 16, with its codes."""
+    """A greedy, seeded request of 40 frames in chunks of 4, 4, then doubling up to 16, with its codes."""
     return build_request(
         "Hello there, this is a streaming test.",
         seed=11,
@@ -101,9 +101,9 @@ def test_stream_equals_offline_decode_and_unary(server, stub, bundle, offline):
     assert (h.sample_rate, h.channels, h.num_codebooks, h.seed) == (16000, 1, 4, 11)
     assert h.encoding == pb.AUDIO_ENCODING_FLOAT32 and h.frame_rate == pytest.approx(25.0)
     assert end.frames == 40 and end.finish_reason == pb.FINISH_REASON_LENGTH
-    # First chunk small, later chunks doubling to 16 frames, the rest in the last one.
+    # The first size twice (4, 4), then doubling to 16 frames (8, 16), the rest (8) in the last one.
     sizes = [c.frame_end - c.frame_start for c in chunks]
-    assert sizes == [4, 8, 16, 12] and chunks[-1].frame_end == 40
+    assert sizes == [4, 4, 8, 16, 8] and chunks[-1].frame_end == 40
     assert len(r["audio"]) == 40 * bundle.codec.frame_length
     assert end.audio_seconds == pytest.approx(40 / 25.0)
     # Streamed PCM == offline decode of the same codes. Tolerance 1e-6 absolute (float32): the
@@ -665,7 +665,7 @@ def test_codec_gather_reaches_the_stage_keeps_the_audio_and_is_reported(bundle):
         with srv.channel() as channel:
             req = streaming_test_request()
             r = collect(pb_grpc.TextToSpeechStub(channel).Synthesize(req))
-        assert [c.frame_end - c.frame_start for c in r["chunks"]] == [4, 8, 16, 12]
+        assert [c.frame_end - c.frame_start for c in r["chunks"]] == [4, 4, 8, 16, 8]
         full = bundle.codec.decode(torch.as_tensor(r["codes"])).numpy()
         np.testing.assert_allclose(r["audio"], full, atol=1e-6, rtol=0)
         srv.loop._refresh_stats()  # (the engine thread refreshes the snapshot every iteration)

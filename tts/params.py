@@ -12,27 +12,29 @@ from dataclasses import dataclass
 # The most frames one audio chunk may hold (first_chunk_frames, chunk_frames): the codec stage decodes
 # a chunk in one call (tts.runtime.codec_stage).
 MAX_CHUNK_FRAMES = 256
-# An audio stream's chunks: the first of DEFAULT_FIRST_CHUNK_FRAMES frames (first audio early), then
-# doubling up to DEFAULT_CHUNK_FRAMES (`chunk_size` says why).
+# An audio stream's chunks: the first two of DEFAULT_FIRST_CHUNK_FRAMES frames (first audio early),
+# then doubling up to DEFAULT_CHUNK_FRAMES (`chunk_size` says why).
 DEFAULT_FIRST_CHUNK_FRAMES = 4
 DEFAULT_CHUNK_FRAMES = 16
 
 
 def chunk_size(first: int, later: int, sequence: int) -> int:
-    """Frames in audio chunk `sequence` (0, 1, 2, ...) of a job: `first`, then doubling up to `later`
-    (4, 8, 16, 16, ... by default), at most MAX_CHUNK_FRAMES. The job runner releases a job's audio in
-    these chunks (tts.runtime.jobs); the engine's real-time admission predicts the releases from them
-    (tts.engine.realtime).
+    """Frames in audio chunk `sequence` (0, 1, 2, ...) of a job: `first` twice, then doubling up to
+    `later` (4, 4, 8, 16, 16, ... by default), at most MAX_CHUNK_FRAMES. The job runner releases a
+    job's audio in these chunks (tts.runtime.jobs); the engine's real-time admission predicts the
+    releases from them (tts.engine.realtime).
 
     Why a ramp: a player starts on chunk 0 and must have chunk k before the audio of chunks 0..k-1
-    has played. Jumping from 4 frames to 16 needs the job to generate 16 frames in the time 4 frames
-    play (4x real time); doubling needs 2x. Measured on a 2-core CPU, default voice, 4 clients at
+    has played, so a job must generate at sum(sizes 1..k) / sum(sizes 0..k-1) times real time.
+    Jumping from 4 frames to 16 needs 4x; doubling from the first chunk (4, 8, 16) 2x; repeating the
+    first size once (4, 4, 8, 16) 1.75x, the tightest chunk being chunk 3 (16 frames: 28 frames
+    generated while the 16 of chunks 0-2 play). Measured on a 2-core CPU, default voice, 4 clients at
     about 2.4x real time each (four runs each way): with 4 then 16, every request had a late chunk,
-    272-278 ms late at worst; with the ramp 3 to 12 of 12 requests did, 4-36 ms late at worst, at the
-    same frames/s; TTFA p50 at 4 clients rose 20% there (docs/benchmarks.md). A `later` below `first`
-    gives `later` from the second chunk on, without doubling.
+    272-278 ms late at worst; with doubling from the first chunk 3 to 12 of 12 requests did, 4-36 ms
+    late at worst, at the same frames/s (docs/benchmarks.md). A `later` below `first` gives `later`
+    from the second chunk on, without doubling.
     """
-    size = first if sequence == 0 else min(later, first << min(sequence, 16))
+    size = first if sequence == 0 else min(later, first << min(sequence - 1, 16))
     return min(max(size, 1), MAX_CHUNK_FRAMES)
 
 

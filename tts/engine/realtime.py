@@ -132,13 +132,17 @@ class Playback:
         if step * self.rate >= 1:
             return -math.inf
         k, heard, worst = 0, 0, math.inf
+        size, after = chunk_size(self.first, self.later, 0), chunk_size(self.first, self.later, 1)
         while True:
-            size, after = chunk_size(self.first, self.later, k), chunk_size(self.first, self.later, k + 1)
             heard += size
             worst = min(worst, heard / self.rate - (heard + after - self.first) * step)
-            if after <= size:  # from here each chunk gains (1 / rate - step) * size: the least is found
+            then = chunk_size(self.first, self.later, k + 2)
+            # From chunk 1 on the sizes never fall; once two follow of one size, all after them have
+            # it, and each further chunk gains (1 / rate - step) * size: the least is found. (Not
+            # `after <= size`: the ramp may repeat its first size before it grows.)
+            if then <= after:
                 return worst
-            k += 1
+            k, size, after = k + 1, after, then
 
 
 class StepTimes:
