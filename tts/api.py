@@ -228,9 +228,9 @@ class TTS:
         normalize: bool = True,
         **sampling,
     ) -> Iterator[AudioChunk]:
-        """Yield audio chunks as frames are generated: the first after `first_chunk_frames` frames,
-        then chunks doubling in size up to `chunk_frames` (4, 8, 16, 16, ... by default; decoded on the
-        codec stage's thread while the engine runs on).
+        """Yield audio chunks as frames are generated: the first two of `first_chunk_frames` frames,
+        then chunks doubling in size up to `chunk_frames` (4, 4, 8, 16, 16, ... by default; decoded on
+        the codec stage's thread while the engine runs on).
         `sampling`: temperature, top_p, top_k, max_new_frames (per text chunk), min_new_frames,
         repetition_penalty, seed, ras_window. normalize=False reads the text as given (see `prepare`).
         `text` may be a SynthesisJob from `prepare`. Raises TextError, InvalidRequest, VoiceNotFound

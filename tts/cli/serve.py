@@ -280,7 +280,7 @@ def add_parser(subparsers) -> None:
         "--chunk-frames",
         type=int,
         default=0,
-        help="later chunks double from the first up to this many frames (0 = server default)",
+        help="chunks after the first two double up to this many frames (0 = server default)",
     )
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default none)")
     p.add_argument(
@@ -359,7 +359,7 @@ def engine_admission_kwargs(args: argparse.Namespace, device_type: str) -> dict:
 
 # gRPC message sizes are int32: the receive limit (reference clip + 1 MiB) must stay below 2 GiB.
 MAX_REFERENCE_MB = 2046
-# A later chunk carries 370-740 ms of audio (8-16 frames at 21.5 frames/s): a gathering bound of more
+# A later chunk carries 186-744 ms of audio (4-16 frames at 21.5 frames/s): a gathering bound of more
 # than a second would starve the players it is meant to serve.
 MAX_CODEC_GATHER_MS = 1000
 

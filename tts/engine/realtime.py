@@ -1,7 +1,7 @@
 """Real-time admission: a waiting request is admitted only when no playing stream falls behind for it.
 
 A stream is a request submitted with a `Playback`. Its consumer releases its audio in chunks
-(`tts.params.chunk_size`: 4, 8, 16, 16, ... frames, as tts.runtime.jobs does), and a player starts on
+(`tts.params.chunk_size`: 4, 4, 8, 16, 16, ... frames, as tts.runtime.jobs does), and a player starts on
 the first chunk and plays `rate` frames a second. So the player runs dry at
 `deadline = started + released / rate` (started: when the first chunk was released, moved on by any
 gap where the player ran dry and waited for a late chunk; released: the frames of the chunks released
@@ -15,8 +15,8 @@ their prefill `p` (each admitted prompt is prefilled before the next frame step)
 slower (`s'`, the batch grows). The head of the queue is admitted in an iteration only if
 
 1. (speed) it would keep real time itself: at `s'` each chunk of its ramp is released before the
-   audio before it has played (`Playback.ramp_slack(s') >= 0`; the doubling ramp needs twice real
-   time at its start, half the frame period per step);
+   audio before it has played (`Playback.ramp_slack(s') >= 0`; the default ramp needs 1.75x real
+   time, at its fourth chunk: a step of at most 4/7 of the frame period);
 2. (slack) every playing stream keeps `slack(s') - p >= margin` -- unless the request has waited
    `max_wait` seconds (the time-to-first-audio budget) or continues a stream whose player already
    runs (a job's next text chunk).

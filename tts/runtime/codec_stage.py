@@ -15,7 +15,7 @@ steps for little audio. With gathering the worker starts the next decode call on
 work is worth a call (`gather_wait`): a stream's first piece is queued (the time to first audio is
 never delayed), or the queued pieces hold `gather_frames` frames (256 by default: about the knee of
 that cost, 16 rows of 16 frames; below it a call costs nearly its fixed part) or a row for each of
-`max_rows` streams, or the oldest has waited `gather` seconds (later chunks carry 8-16 frames, 370-740
+`max_rows` streams, or the oldest has waited `gather` seconds (later chunks carry 4-16 frames, 186-744
 ms of audio at S2-Pro's 21.5 frames/s: the player has that slack). It waits on its condition variable
 with that timeout; new work wakes it to decide again. A queued reference encode runs while pieces
 gather (it never waits longer than without gathering); `stop` ends the wait at once.

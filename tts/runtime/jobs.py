@@ -15,10 +15,9 @@ A job (`tts.runtime.planner.SynthesisJob`) runs like this:
 3. every frame the engine emits goes to the job's pending codes (as the model family's reference
    returns frames, `tts.params.FrameConvention`: fish-speech 1.5 drops each text chunk's first frame
    and keeps its end-token frame); when `chunk_size` frames are pending (`first_chunk_frames` for the
-   first chunk, then twice the last size up to `chunk_frames`) and at the end, the pending codes go to
-   the codec stage as one piece; the decoded
-   audio comes back in order and is delivered as `Audio` (sequence 0, 1, 2, ... without gaps, frame
-   ranges contiguous);
+   first two chunks, then twice the last size up to `chunk_frames`) and at the end, the pending codes
+   go to the codec stage as one piece; the decoded audio comes back in order and is delivered as
+   `Audio` (sequence 0, 1, 2, ... without gaps, frame ranges contiguous);
 4. when a chunk ends its finish reason is kept (`short` if the end token came with implausibly little
    audio for its text, with a warning), then the next chunk is submitted; after the last one and its
    audio, `Finished` (or `Failed` at any point, and nothing after it).
@@ -72,8 +71,10 @@ FIRST_AUDIO_PHASES = ("encode", "first_frame", "frames", "codec")
 
 
 def ramp_sizes(first: int, later: int) -> tuple[int, ...]:
-    """The distinct sizes `chunk_size` gives a job's chunks, ascending (4, 8, 16 by default): what a
-    start-up capture of the codec stage's graphs must cover."""
+    """The distinct sizes `chunk_size` gives a job's chunks, ascending (4, 8, 16 by default, from
+    chunks of 4, 4, 8, 16, 16, ...): what a start-up capture of the codec stage's graphs must cover."""
+    # Chunk k >= 1 has first << (k - 1) frames until it reaches `later`: from first = 1 the largest
+    # piece (MAX_PIECE_FRAMES, a power of two) is chunk MAX_PIECE_FRAMES.bit_length(), the last k here.
     return tuple(sorted({chunk_size(first, later, k) for k in range(MAX_PIECE_FRAMES.bit_length() + 1)}))
 
 
