@@ -119,23 +119,31 @@ def test_streams_joining_and_leaving_equal_offline_decode(codec):
         torch.testing.assert_close(audio[s], pushed, rtol=0, atol=ATOL_STREAM)
 
 
-def test_convs_with_padded_output_channels_decode_the_same_audio(codec):
-    """On CUDA the last conv (to 1 channel) runs padded to 8 output channels (tensor-core kernels); forced
-    on here, the schedule's audio is the unpadded decoder's."""
-    from tts.codec.dac.batched import _pad_out_channels
-    from tts.codec.dac.net import CausalConv1d
+def test_dilated_convs_by_phases_equal_the_dilated_conv():
+    from tts.codec.dac.batched import _conv_by_phases
 
-    plain, padded = codec.batched_stream(3), codec.batched_stream(3)
-    last = [m for m in codec.model.decoder.modules() if isinstance(m, CausalConv1d)][-1]
-    assert last.conv.out_channels == 1 and plain._padded_out == {}  # (only on CUDA by itself)
-    weight, bias = _pad_out_channels(last.conv, 8)
-    assert weight.shape == (8, *last.conv.weight.shape[1:]) and bias is not None and bias.shape == (8,)
-    assert torch.equal(weight[:1], last.conv.weight) and not weight[1:].any() and not bias[1:].any()
-    padded._padded_out[last] = (weight, bias)
+    torch.manual_seed(0)
+    for dilation, length in ((3, 18 + 40), (9, 54 + 64), (9, 54 + 5), (2, 12 + 1)):
+        x, w, b = torch.randn(3, 5, length), torch.randn(4, 5, 7), torch.randn(4)
+        expected = torch.nn.functional.conv1d(x, w, b, dilation=dilation)
+        got = _conv_by_phases(x, w, b, dilation)
+        assert got.shape == expected.shape and got.is_contiguous()
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            _conv_by_phases(x, w, None, dilation), expected - b.view(4, 1), rtol=1e-5, atol=1e-5
+        )
+
+
+def test_dilated_convs_by_phases_decode_the_same_audio(codec):
+    """On CUDA the residual units' dilated convs run by phases; forced on here, the schedule's audio is
+    the plain decoder's."""
+    plain, phased = codec.batched_stream(3), codec.batched_stream(3)
+    assert not plain.dilated_by_phases  # (on a CPU)
+    phased.dilated_by_phases = True
     expected, _ = run_schedule(plain)
-    audio, _ = run_schedule(padded)
+    audio, _ = run_schedule(phased)
     for s in STREAMS:
-        torch.testing.assert_close(audio[s], expected[s], rtol=0, atol=1e-6)
+        torch.testing.assert_close(audio[s], expected[s], rtol=0, atol=1e-5)
 
 
 def test_stream_past_the_128_frame_window_equals_offline():

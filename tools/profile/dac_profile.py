@@ -206,7 +206,7 @@ def main() -> None:
     p.add_argument("--shapes", type=_shapes, default=_shapes("1x16,16x16,64x16"))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--benchmark", default="off,on", help="cudnn.benchmark settings to run")
-    p.add_argument("--pad", default="off,on", help="padded output channels (the last conv) settings")
+    p.add_argument("--phases", default="off,on", help="dilated convs by phases (BatchedDACDecoder)")
     p.add_argument("--detail", type=_shapes, default=_shapes("16x16"), help="shapes to split and profile")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--convs", action="store_true", help="time each conv alone, NCL vs channels-last")
@@ -223,17 +223,16 @@ def main() -> None:
     cuda = a.device.startswith("cuda")
     for bm in a.benchmark.split(","):
         torch.backends.cudnn.benchmark = bm == "on"
-        for pad in a.pad.split(","):
+        for phases in a.phases.split(","):
             for B, T in a.shapes:
                 dec = codec.batched_stream(max(B, 1))
-                if pad == "off":
-                    dec._padded_out.clear()
+                dec.dilated_by_phases = phases == "on"
                 slots = torch.arange(B, device=a.device)
                 codes = _codes(codec, B, T).to(a.device)
                 lengths = torch.full((B,), T, dtype=torch.int64, device=a.device)
                 call = torch.inference_mode()(partial(dec.decode, slots, codes, lengths))
-                print(f"== cudnn.benchmark {bm}, padded out channels {pad}, B={B} T={T}")
-                run: dict = {"benchmark": bm, "pad": pad, "B": B, "T": T}
+                print(f"== cudnn.benchmark {bm}, dilated convs by phases {phases}, B={B} T={T}")
+                run: dict = {"benchmark": bm, "phases": phases, "B": B, "T": T}
                 run["graph_ms"] = graph_ms(dec, slots, codes, lengths, a.iters) if cuda else float("nan")
                 run["eager_ms"] = _median_ms(call, a.iters)
                 print(f"  graph {run['graph_ms']:.2f} ms, eager {run['eager_ms']:.2f} ms")

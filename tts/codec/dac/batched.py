@@ -150,19 +150,10 @@ class BatchedDACDecoder(BatchedStreamDecoder):
         for module in self.model.decoder.model:
             self._decoder_ops += list(module.block) if isinstance(module, DecoderBlock) else [module]
         self.positions = torch.zeros(slots, dtype=torch.int64, device=self.device)
-        # cuDNN's tensor-core conv kernels want output channels in multiples of 8; the decoder's last conv
-        # (to 1 channel) would run a generic kernel instead, a quarter of a one-stream call's device time
-        # (tools/profile/dac_profile.py). Such a conv runs with its weight and bias padded with zero
-        # channels, and the padded outputs are dropped.
-        self._padded_out: dict[nn.Module, tuple[Tensor, Tensor | None]] = {}
-        if self.device.type == "cuda":
-            for module in self._decode_modules():
-                if (
-                    isinstance(module, CausalConv1d)
-                    and module.conv.groups == 1
-                    and module.conv.out_channels % 8
-                ):
-                    self._padded_out[module] = _pad_out_channels(module.conv, 8)
+        # Dilated convs by phases on CUDA (`_conv_by_phases`): cuDNN runs some dilated shapes of the
+        # decoder's residual units in a generic kernel, 10x slower than the same conv undilated
+        # (docs/benchmarks.md, "Where a codec call's time goes").
+        self.dilated_by_phases = self.device.type == "cuda"
         # Row p depends only on p, so this equals every slice `WindowTransformer._freqs` takes.
         self._rope = precompute_freqs_cis(max_frames, post.head_dim, post.rope_base).to(self.device)
 
@@ -318,11 +309,9 @@ class BatchedDACDecoder(BatchedStreamDecoder):
             x = torch.cat([state.index_select(0, rows.slots), x], dim=-1)
             state.index_copy_(0, rows.slots, _window(x, rows.ends(), module.padding, dim=2))
         c = module.conv
-        padded = self._padded_out.get(module)
-        if padded is not None:
-            weight, padded_bias = padded
-            y = F.conv1d(x, weight, padded_bias if bias else None, c.stride, c.padding, c.dilation, c.groups)
-            return y[:, : c.out_channels]
+        dilation = cast(tuple[int, ...], c.dilation)[0]
+        if self.dilated_by_phases and dilation > 1 and c.padding == (0,) and c.groups == 1:
+            return _conv_by_phases(x, c.weight, c.bias if bias else None, dilation)
         if bias:
             return c(x)
         return F.conv1d(x, c.weight, None, c.stride, c.padding, c.dilation, c.groups)
@@ -355,19 +344,23 @@ class BatchedDACDecoder(BatchedStreamDecoder):
         return y
 
 
-def _pad_out_channels(conv: nn.Conv1d, multiple: int) -> tuple[Tensor, Tensor | None]:
-    """`conv`'s weight `[out, in / groups, k]` and bias `[out]` with zero output channels appended up to
-    a multiple of `multiple` (same dtype and device): the first `out` channels of the padded conv are
-    the conv's own, exactly."""
-    out = conv.out_channels
-    size = -(-out // multiple) * multiple
-    weight = conv.weight.detach().new_zeros(size, *conv.weight.shape[1:])
-    weight[:out] = conv.weight.detach()
-    bias = None
-    if conv.bias is not None:
-        bias = conv.bias.detach().new_zeros(size)
-        bias[:out] = conv.bias.detach()
-    return weight, bias
+def _conv_by_phases(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int) -> Tensor:
+    """`F.conv1d(x, weight, bias, dilation=dilation)` (stride 1, no padding) computed as an undilated
+    conv over the `dilation` phases of x: output sample `q * d + r` only reads input samples `(q + j) *
+    d + r`, so phase r (every d-th sample from r) convolved with the kernel undilated gives every d-th
+    output from r. x: `[B, C, L]`; weight: `[O, C, k]`; returns `[B, O, L - (k - 1) * d]` in x's dtype,
+    the same sums in another order (equal up to float rounding). The phases are a reshape of x padded
+    on the right to a multiple of d (the pad's outputs are dropped); shapes only, no host sync."""
+    B, C, L = x.shape
+    k = weight.shape[-1]
+    n = L - (k - 1) * dilation  # outputs
+    q = -(-n // dilation)  # outputs per phase
+    x = F.pad(x, (0, (q + k - 1) * dilation - L))
+    phases = x.view(B, C, q + k - 1, dilation).permute(0, 3, 1, 2).reshape(B * dilation, C, q + k - 1)
+    y = F.conv1d(phases, weight, bias)  # [B * d, O, q]
+    out = y.shape[1]
+    y = y.view(B, dilation, out, q).permute(0, 2, 3, 1).reshape(B, out, q * dilation)
+    return y if q * dilation == n else y[..., :n].contiguous()
 
 
 def _first_snake(module: nn.Module | None) -> Snake1d | None:
