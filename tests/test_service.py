@@ -824,12 +824,10 @@ def test_repeated_reference_is_encoded_once_and_gives_the_same_codes(server, stu
     assert (loop.reference_cache.hits, loop.reference_cache.misses) == (hits + 1, misses + 1)
     assert loop.runner.stage.stats.encode_calls == encodes + 1
     assert np.array_equal(first["codes"], second["codes"]) and first["raw"] == second["raw"]
-    # Another transcript is another key: encoded again.
-    collect(
-        stub.Synthesize(
-            build_request("Hello.", reference_audio=clip, reference_text="Other.", max_new_frames=2)
-        )
-    )
+    # Another transcript is another key: encoded again. (min_new_frames: audio whatever the weights
+    # sample; with none the request could end with no audio, FAILED_PRECONDITION.)
+    other = dict(seed=5, max_new_frames=2, min_new_frames=2)
+    collect(stub.Synthesize(build_request("Hello.", reference_audio=clip, reference_text="Other.", **other)))
     assert loop.reference_cache.misses == misses + 2
 
 
