@@ -3,6 +3,7 @@ tests' eager-bucket engine, streamed codec decode. A helper two test files need 
 tests: tests/service_helpers.py; the `standin_graphs` fixture: tests/conftest.py)."""
 
 import io
+import time
 
 import numpy as np
 import soundfile as sf
@@ -80,6 +81,19 @@ def params(**kw) -> SamplingParams:
     base = dict(temperature=0.9, top_p=0.9, top_k=20, max_new_frames=12, seed=7)
     base.update(kw)
     return SamplingParams(**base)
+
+
+def run_iterations(loop, n: int = 3, timeout: float = 60.0) -> None:
+    """Wake an EngineThread `loop` until it has run `n` more iterations (each looks at every job): what a
+    test that checks that nothing happens waits for, rather than a sleep (a loaded machine may not run
+    the loop at all within a short sleep)."""
+    deadline = time.monotonic() + timeout
+    for _ in range(n):
+        steps = loop.stats.steps
+        loop.wake()
+        while loop.stats.steps == steps:
+            assert time.monotonic() < deadline, "the engine thread ran no iteration"
+            time.sleep(0.005)
 
 
 def decode_in_pushes(codec, codes: torch.Tensor, sizes) -> torch.Tensor:

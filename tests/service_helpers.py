@@ -110,7 +110,7 @@ def engine_work(loop: EngineThread) -> tuple[int, int]:
     return loop.engine.prefill_requests, loop.engine.frame_steps
 
 
-def wait_idle(loop: EngineThread, timeout: float = 30.0) -> None:
+def wait_idle(loop: EngineThread, timeout: float = 60.0) -> None:
     """Wait until no job, engine request, KV block or active row is left (the baseline)."""
     deadline = time.monotonic() + timeout
     engine = loop.engine

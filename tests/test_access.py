@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.access import Access, parse_keys
-from service.client import channel_options
+from service.client import build_request, channel_options
 from service.grpc_gen.v1 import tts_pb2 as pb
 from service.grpc_gen.v1 import tts_pb2_grpc as pb_grpc
 from service.server import ServiceLimits
@@ -129,12 +129,10 @@ def test_grpc_calls_need_the_key_health_and_reflection_do_not(keyed):
                 list(stub.Synthesize(pb.SynthesizeRequest(text="Hello."), metadata=metadata))
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert stub.GetInfo(pb.GetInfoRequest(), metadata=(("authorization", f"Bearer {KEY}"),)).model
-        chunks = list(
-            stub.Synthesize(
-                pb.SynthesizeRequest(text="Hello."), metadata=(("authorization", f"Bearer {OTHER_KEY}"),)
-            )
-        )
-        assert chunks
+        # (a fixed seed: a random one could draw the end token at once, no audio: FAILED_PRECONDITION)
+        request = build_request("Hello.", seed=1, max_new_frames=3)
+        chunks = list(stub.Synthesize(request, metadata=(("authorization", f"Bearer {OTHER_KEY}"),)))
+        assert chunks[-1].end.frames > 0
         health = health_pb2_grpc.HealthStub(channel)
         reply = health.Check(health_pb2.HealthCheckRequest(service=""))
         assert reply.status == health_pb2.HealthCheckResponse.SERVING

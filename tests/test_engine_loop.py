@@ -11,6 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from helpers import run_iterations
 
 from tts.api import TTS
 from tts.checkpoints.load import load_bundle
@@ -290,7 +291,7 @@ def test_pause_across_text_chunks_stops_generation_until_read(make_loop, offline
 
     wait_until(stopped, what="paused generation")
     frames = loop.engine.frames_generated
-    time.sleep(0.2)
+    run_iterations(loop)
     assert loop.engine.frames_generated == frames
     events = drain(stream)
     audio = np.concatenate([e.samples for e in events if isinstance(e, Audio)])
@@ -404,7 +405,8 @@ def test_a_paused_stream_is_preempted_only_while_others_wait(make_loop):
     hog = loop.submit(job(loop, LONG_TEXT, 200, hold=True, chunk_frames=1, first_chunk_frames=1))
     assert isinstance(hog.get(timeout=60), Started)
     wait_until(lambda: hog.paused and loop.stats.paused == 1, what="pause")
-    time.sleep(0.5)  # past the timeout, but nobody waits: it keeps its row
+    time.sleep(0.5)  # past the (wall-clock) timeout, but nobody waits: it keeps its row
+    run_iterations(loop)  # (iterations that saw the timeout passed)
     assert loop.engine.num_running == 1 and loop.in_flight == 1
     other = loop.submit(job(loop, "Hello.", 5, seed=2, hold=True))
     events = drain(other)  # runs once the hog is preempted

@@ -168,7 +168,9 @@ def test_cli_write_checkpoint_info_and_synthesize(tmp_path, capsys):
     assert "Fish Audio S2-Pro (fish_qwen3_omni)" in info and "float32" in info and "MiB" in info
     assert "codebooks 10 x 4096" in info
     wav = tmp_path / "out.wav"
-    rc = main(["synthesize", "Hi there.", "--model", str(out), "-o", str(wav), "--max-new-frames", "5", "-q"])
+    # (a fixed seed: a random one could draw the end token before 5 frames)
+    frames = ["--seed", "1", "--max-new-frames", "5"]
+    rc = main(["synthesize", "Hi there.", "--model", str(out), "-o", str(wav), *frames, "-q"])
     assert rc == 0
     audio, rate = sf.read(wav)
     assert rate == 44100 and audio.shape == (5 * 2048,)

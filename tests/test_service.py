@@ -147,8 +147,12 @@ def test_long_text_streams_across_text_chunks(stub, bundle, offline):
 
 
 def test_concurrent_streams_equal_solo_runs(server, stub):
+    # A batch's matrix products round differently from one row's (about 1e-7 on a CPU), which can flip a
+    # near-tie draw, and which rows share a step here depends on timing. These seeds have no near-tie:
+    # each one's codes stay the same with every linear output of the model perturbed by up to 3e-4
+    # (relative, at random), so any batching gives the solo codes.
     reqs = [
-        build_request(f"Concurrent request number {i}.", seed=100 + i, max_new_frames=16, include_codes=True)
+        build_request(f"Concurrent request number {i}.", seed=108 + i, max_new_frames=16, include_codes=True)
         for i in range(8)
     ]
     solo = [collect(stub.Synthesize(r)) for r in reqs]
@@ -184,7 +188,7 @@ def test_cancel_after_first_chunk_frees_everything(server):
         call.cancel()
         assert rpc_error(lambda call=call: next(call)).code() == grpc.StatusCode.CANCELLED
         wait_idle(server.loop)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while cancelled() < before + 50 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert cancelled() == before + 50  # every handler saw the cancellation
@@ -195,10 +199,11 @@ def test_deadline_exceeded_frees_resources(server):
     wait_idle(server.loop)
     stub = pb_grpc.TextToSpeechStub(server.channel(**NO_BDP))
     req = build_request(HOLD_TEXT, encoding="float32", first_chunk_frames=1, chunk_frames=1, **HOLD)
-    # The deadline passes while the client is not reading: the stream cannot have ended by then.
-    call = stub.Synthesize(req, timeout=1.0)
+    # The deadline passes while the client is not reading: the stream cannot have ended by then. (The
+    # header must come before the deadline: 5 s leaves a loaded machine time for it.)
+    call = stub.Synthesize(req, timeout=5.0)
     assert next(call).WhichOneof("message") == "header"
-    time.sleep(1.0)
+    wait_idle(server.loop, timeout=60)  # the server ends the call at its deadline and frees everything
     err = rpc_error(lambda: list(call))
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_idle(server.loop)
@@ -222,17 +227,17 @@ def test_slow_reader_pauses_its_request_only(server, bundle, offline):
             assert time.monotonic() < deadline and loop.in_flight == 1, f"never paused: {loop.stats}"
             time.sleep(0.02)
         frames = loop.engine.frames_generated
-        time.sleep(0.3)
-        assert loop.engine.frames_generated == frames  # paused: no frames for it
         assert loop.stats.running == 1  # its row stays reserved
-        # Another request runs to completion meanwhile (the batch is not paused).
+        # Another request runs to completion meanwhile (the batch is not paused): its 8 frames are all
+        # the engine makes, none for the paused one.
         with server.channel() as other:
             r = collect(
                 pb_grpc.TextToSpeechStub(other).Synthesize(
-                    build_request("Meanwhile.", seed=1, max_new_frames=8)
+                    build_request("Meanwhile.", seed=1, max_new_frames=8, min_new_frames=8)
                 )
             )
-        assert r["end"].frames > 0
+        assert r["end"].frames == 8
+        assert loop.engine.frames_generated == frames + 8  # paused: no frames for it
         rest = [next(slow)]  # the first audio chunk
         rest += list(slow)
     audio = np.concatenate(
@@ -423,7 +428,7 @@ def test_invalid_utf8_is_invalid_argument_with_one_log_line(server, caplog, raw,
         with caplog.at_level(logging.INFO):
             caplog.clear()
             err = rpc_error(lambda: list(rpc(raw)) if method == "Synthesize" else rpc(raw))
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60
             while not caplog.records and time.monotonic() < deadline:  # the server thread logs
                 time.sleep(0.01)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
@@ -631,7 +636,7 @@ def test_a_codec_stage_that_cannot_recover_turns_health_not_serving(bundle):
             req = build_request("Hello.", seed=1, max_new_frames=4, min_new_frames=4)
             err = rpc_error(lambda: collect(stub.Synthesize(req)))
             assert err.code() == grpc.StatusCode.INTERNAL and "device gone" in err.details()
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
                 status = health.Check(health_pb2.HealthCheckRequest(service=SERVICE)).status
                 if status == health_pb2.HealthCheckResponse.NOT_SERVING:
@@ -710,7 +715,9 @@ def test_shutdown_drains_within_grace(bundle):
     )
     assert next(short_call).WhichOneof("message") == "header"  # queued: both rows are held
     assert srv.loop.stats.running == 2 and srv.loop.in_flight == 3
-    grace, margin = 5.0, 2.0
+    # (B can never end by itself, so stop returning at all shows the grace cut it off; the margin is
+    # for the work after the grace, generous for a loaded machine)
+    grace, margin = 5.0, 15.0
     elapsed: list[float] = []
 
     def stop():
@@ -720,7 +727,7 @@ def test_shutdown_drains_within_grace(bundle):
 
     stopper = threading.Thread(target=stop)
     stopper.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while (
         health.Check(health_pb2.HealthCheckRequest(service=SERVICE)).status
         != health_pb2.HealthCheckResponse.NOT_SERVING
@@ -732,7 +739,7 @@ def test_shutdown_drains_within_grace(bundle):
     a.cancel()
     rest = list(short_call)  # gets A's row, runs its 5 frames, ends normally within the grace period
     assert rest[-1].WhichOneof("message") == "end" and rest[-1].end.frames == 5
-    stopper.join(60)
+    stopper.join(grace + margin + 60)
     assert rpc_error(lambda: list(b)).code() == grpc.StatusCode.UNAVAILABLE
     channel.close()
     assert elapsed and elapsed[0] < grace + margin, elapsed
@@ -824,12 +831,10 @@ def test_repeated_reference_is_encoded_once_and_gives_the_same_codes(server, stu
     assert (loop.reference_cache.hits, loop.reference_cache.misses) == (hits + 1, misses + 1)
     assert loop.runner.stage.stats.encode_calls == encodes + 1
     assert np.array_equal(first["codes"], second["codes"]) and first["raw"] == second["raw"]
-    # Another transcript is another key: encoded again.
-    collect(
-        stub.Synthesize(
-            build_request("Hello.", reference_audio=clip, reference_text="Other.", max_new_frames=2)
-        )
-    )
+    # Another transcript is another key: encoded again. (min_new_frames: audio whatever the weights
+    # sample; with none the request could end with no audio, FAILED_PRECONDITION.)
+    other = dict(seed=5, max_new_frames=2, min_new_frames=2)
+    collect(stub.Synthesize(build_request("Hello.", reference_audio=clip, reference_text="Other.", **other)))
     assert loop.reference_cache.misses == misses + 2
 
 
@@ -1007,7 +1012,7 @@ def test_one_log_line_per_request_and_cancels_are_info(server, caplog):
             call.cancel()
             rpc_error(lambda: collect(stub.Synthesize(build_request(""))))
         wait_idle(server.loop)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while sum("outcome=" in r.message for r in caplog.records) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
     lines = [r for r in caplog.records if r.name == "service.calls" and r.message.startswith("request ")]

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import run_iterations
 
 from tts.checkpoints.load import load_bundle
 from tts.engine import EngineConfig
@@ -298,7 +299,7 @@ def test_a_session_nobody_reads_stays_paused_across_its_chunks(make_loop):
     # chunk 0's two frames wait unread (the cap): chunk 1 waits for the reader, holding no row
     wait_until(lambda: s.paused and s.queued_audio == 2 and loop.runner.stage.idle, what="paused")
     generated = loop.engine.frames_generated
-    time.sleep(0.2)  # (nothing may happen meanwhile: checked below, not waited for)
+    run_iterations(loop)  # (nothing may happen meanwhile)
     assert s.queued_audio == 2 and loop.engine.num_running == 0 and loop.engine.frames_generated == generated
     s.close()
     events = drain(s)
