@@ -309,7 +309,7 @@ class BatchedDACDecoder(BatchedStreamDecoder):
             x = torch.cat([state.index_select(0, rows.slots), x], dim=-1)
             state.index_copy_(0, rows.slots, _window(x, rows.ends(), module.padding, dim=2))
         c = module.conv
-        dilation = cast(tuple[int, ...], c.dilation)[0]
+        dilation = c.dilation[0]
         if self.dilated_by_phases and dilation > 1 and c.padding == (0,) and c.groups == 1:
             return _conv_by_phases(x, c.weight, c.bias if bias else None, dilation)
         if bias:
