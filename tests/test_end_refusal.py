@@ -4,6 +4,7 @@ token's logit is forced up at chosen step counters and down everywhere else (nev
 weights), and the loop guard says when the text is said."""
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -229,3 +230,41 @@ def test_the_cli_exits_0_when_the_text_is_said(tmp_path, script, guarded_tiny):
     out = tmp_path / "out.wav"
     assert main(["synthesize", "A few words.", "-o", str(out), "--model", "tiny", "--seed", "1", "-q"]) == 0
     assert out.is_file()
+
+
+def test_a_pass_whose_step_refused_an_end_token_made_progress(tiny_bundle, script):
+    """The service's job pipeline: a pass whose only event is a frame step that refused an end token
+    (its frame taken back, so no output) must report progress, or the engine loop sleeps on a request
+    that still has work and its stream hangs. No audio chunk is due before the refusal at step 5 (the
+    first chunk has 16 frames), so no codec result can stand in for the progress."""
+    from tts.engine import for_bundle
+    from tts.runtime.jobs import Finished, JobPipeline, ListSink
+    from tts.runtime.planner import Planner
+
+    script({5, 20}, said_at=12)
+    bundle = dataclasses.replace(tiny_bundle, aligner=AlignerSpec(1, (0, 3)))
+    engine = Engine(bundle.model, for_bundle(EngineConfig(max_batch=2, graphs="off"), bundle))
+    pipeline = JobPipeline(engine, Planner(bundle, engine.max_context, engine.check), max_streams=2)
+    try:
+        spec = Planner(bundle, engine.max_context, engine.check).job(
+            "A few words of text to read.", seed=1, max_new_frames=40, first_chunk_frames=16
+        )
+        sink = ListSink()
+        pipeline.submit(spec, sink)
+        passes = 0
+        while engine.end_refusals == 0:
+            assert engine.has_work() and passes < 50
+            frames = engine.frames_generated
+            progressed = pipeline.step()
+            passes += 1
+            if engine.end_refusals:  # this pass refused the end token
+                assert engine.frames_generated == frames + 1 and progressed
+        deadline = time.monotonic() + 60  # a safety bound: the rest waits on the codec worker
+        while not any(isinstance(e, Finished) for e in sink.events):
+            assert time.monotonic() < deadline, "the job did not finish"
+            if not pipeline.step():
+                time.sleep(0.001)
+        [finished] = [e for e in sink.events if isinstance(e, Finished)]
+        assert finished.finish_reasons == [FinishReason.STOP] and engine.end_refusals == 1
+    finally:
+        pipeline.stage.stop()

@@ -8,17 +8,17 @@ call: one row per stream, the stream's queued pieces concatenated, ragged length
 frames) bucket. Under load the batch grows by itself: while one call runs, the next call's pieces
 queue up.
 
-Gathering (`gather` seconds, `tts serve --codec-gather-ms`; 0, the default: off): a call has a fixed
-cost (S2-Pro's DAC decode in bfloat16, graph replay on an H100, docs/benchmarks.md: about 3 ms plus 0.05
-ms a frame; 3.5 ms for 1 x 16 frames, 15.6 ms for 16 x 16, 53 ms for 64 x 16), so many small calls back
-to back take the GPU from the frame steps for little audio. With gathering the worker starts the next decode call only when the queued
-work is worth a call (`gather_wait`): a stream's first piece is queued (the time to first audio is
-never delayed), or the queued pieces hold `gather_frames` frames (256 by default, 16 rows of 16 frames:
-there the fixed part is down to a fifth of the call) or a row for each of
-`max_rows` streams, or the oldest has waited `gather` seconds (later chunks carry 4-16 frames, 186-744
-ms of audio at S2-Pro's 21.5 frames/s: the player has that slack). It waits on its condition variable
-with that timeout; new work wakes it to decide again. A queued reference encode runs while pieces
-gather (it never waits longer than without gathering); `stop` ends the wait at once.
+Gathering (`gather` seconds, `tts serve --codec-gather-ms`; 0, the default: off): a call has a fixed cost
+(S2-Pro's DAC decode in bfloat16, graph replay on an H100, docs/benchmarks.md: about 3 ms plus 0.05 ms a
+frame; 3.5 ms for 1 x 16 frames, 15.6 ms for 16 x 16, 53 ms for 64 x 16), so many small calls back to back
+take the GPU from the frame steps for little audio. With gathering the worker starts the next decode call
+only when the queued work is worth a call (`gather_wait`): a stream's first piece is queued (the time to
+first audio is never delayed), or the queued pieces hold `gather_frames` frames (256 by default, 16 rows
+of 16 frames: there the fixed part is down to a fifth of the call) or a row for each of `max_rows`
+streams, or the oldest has waited `gather` seconds (later chunks carry 4-16 frames, 186-744 ms of audio at
+S2-Pro's 21.5 frames/s: the player has that slack). It waits on its condition variable with that timeout;
+new work wakes it to decide again. A queued reference encode runs while pieces gather (it never waits
+longer than without gathering); `stop` ends the wait at once.
 `stats.gathered_calls` counts the calls gathering delayed.
 
 Results (`results()`) come back per piece, in queue order per stream, as float32 numpy

@@ -460,6 +460,7 @@ class JobPipeline:
             if self.before_engine_step is not None:
                 self.before_engine_step()
             t0 = time.perf_counter()
+            frames = self.engine.frames_generated
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - fail the jobs, keep serving
@@ -479,6 +480,9 @@ class JobPipeline:
                 self.consecutive_step_failures = 0
             t1 = time.perf_counter()
             self.frame_step_seconds += t1 - t0
+            # A frame step that computed frames progressed even with no output: a refused end token's
+            # frame is taken back, and the next step samples again (the loop must not sleep on it).
+            progressed = progressed or self.engine.frames_generated != frames
             for out in outputs:
                 progressed = True
                 try:
