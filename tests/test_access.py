@@ -129,8 +129,8 @@ def test_grpc_calls_need_the_key_health_and_reflection_do_not(keyed):
                 list(stub.Synthesize(pb.SynthesizeRequest(text="Hello."), metadata=metadata))
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert stub.GetInfo(pb.GetInfoRequest(), metadata=(("authorization", f"Bearer {KEY}"),)).model
-        # (a fixed seed: a random one could draw the end token at once, no audio: FAILED_PRECONDITION)
-        request = build_request("Hello.", seed=1, max_new_frames=3)
+        # (3 frames at least: the end token drawn at once would give no audio: FAILED_PRECONDITION)
+        request = build_request("Hello.", seed=1, min_new_frames=3, max_new_frames=3)
         chunks = list(stub.Synthesize(request, metadata=(("authorization", f"Bearer {OTHER_KEY}"),)))
         assert chunks[-1].end.frames > 0
         health = health_pb2_grpc.HealthStub(channel)

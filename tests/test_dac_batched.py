@@ -123,7 +123,7 @@ def test_dilated_convs_by_phases_equal_the_dilated_conv():
     from tts.codec.dac.batched import _conv_by_phases
 
     torch.manual_seed(0)
-    for dilation, length in ((3, 18 + 40), (9, 54 + 64), (9, 54 + 5), (2, 12 + 1)):
+    for dilation, length in ((3, 18 + 40), (9, 54 + 64), (9, 54 + 5), (2, 12 + 1), (3, 18 + 42), (3, 18 + 3)):
         x, w, b = torch.randn(3, 5, length), torch.randn(4, 5, 7), torch.randn(4)
         expected = torch.nn.functional.conv1d(x, w, b, dilation=dilation)
         got = _conv_by_phases(x, w, b, dilation)

@@ -233,10 +233,10 @@ def add_parser(subparsers) -> None:
         type=float,
         default=0.0,
         help="how long a later audio chunk may wait in the codec stage for others to share its decode "
-        "call (a call's cost is mostly fixed); a job's first chunk never waits, nor does a call of 256 "
-        "frames or more (default 0 = no waiting: each call takes what is queued). It frees GPU time for "
-        "clients that buffer; players that start on the first chunk get more late chunks (60 ms: twice "
-        "as many at 64 streams on an H100, docs/benchmarks.md)",
+        "call (a call has a fixed part, about 3 ms on an H100); a job's first chunk never waits, nor "
+        "does a call of 256 frames or more (default 0 = no waiting: each call takes what is queued). It "
+        "frees GPU time for clients that buffer; players that start on the first chunk get more late "
+        "chunks (60 ms: twice as many at 64 streams on an H100, docs/benchmarks.md)",
     )
     add_access_args(p)
     p.set_defaults(func=cmd_serve)
@@ -274,7 +274,10 @@ def add_parser(subparsers) -> None:
         help="wire (and WAV / PCM file) sample format",
     )
     p.add_argument(
-        "--first-chunk-frames", type=int, default=0, help="frames in the first chunk (0 = server default)"
+        "--first-chunk-frames",
+        type=int,
+        default=0,
+        help="frames in the first two chunks (0 = server default)",
     )
     p.add_argument(
         "--chunk-frames",

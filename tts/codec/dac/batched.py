@@ -310,7 +310,13 @@ class BatchedDACDecoder(BatchedStreamDecoder):
             state.index_copy_(0, rows.slots, _window(x, rows.ends(), module.padding, dim=2))
         c = module.conv
         dilation = c.dilation[0]
-        if self.dilated_by_phases and dilation > 1 and c.padding == (0,) and c.groups == 1:
+        if (
+            self.dilated_by_phases
+            and dilation > 1
+            and c.stride == (1,)
+            and c.padding == (0,)
+            and c.groups == 1
+        ):
             return _conv_by_phases(x, c.weight, c.bias if bias else None, dilation)
         if bias:
             return c(x)
@@ -360,7 +366,7 @@ def _conv_by_phases(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: in
     y = F.conv1d(phases, weight, bias)  # [B * d, O, q]
     out = y.shape[1]
     y = y.view(B, dilation, out, q).permute(0, 2, 3, 1).reshape(B, out, q * dilation)
-    return y if q * dilation == n else y[..., :n].contiguous()
+    return y[..., :n].contiguous()  # (copies only where the slice is not contiguous already)
 
 
 def _first_snake(module: nn.Module | None) -> Snake1d | None:
