@@ -132,6 +132,10 @@ def test_dilated_convs_by_phases_equal_the_dilated_conv():
         torch.testing.assert_close(
             _conv_by_phases(x, w, None, dilation), expected - b.view(4, 1), rtol=1e-5, atol=1e-5
         )
+        w2 = torch.randn(4, 5, 7)  # grouped (the ConvNeXt depthwise convs' form): in 10 = 2 groups of 5
+        x2 = torch.randn(3, 10, length)
+        expected = torch.nn.functional.conv1d(x2, w2, b, dilation=dilation, groups=2)
+        torch.testing.assert_close(_conv_by_phases(x2, w2, b, dilation, 2), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_dilated_convs_by_phases_decode_the_same_audio(codec):

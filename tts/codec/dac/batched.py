@@ -309,15 +309,8 @@ class BatchedDACDecoder(BatchedStreamDecoder):
             x = torch.cat([state.index_select(0, rows.slots), x], dim=-1)
             state.index_copy_(0, rows.slots, _window(x, rows.ends(), module.padding, dim=2))
         c = module.conv
-        dilation = c.dilation[0]
-        if (
-            self.dilated_by_phases
-            and dilation > 1
-            and c.stride == (1,)
-            and c.padding == (0,)
-            and c.groups == 1
-        ):
-            return _conv_by_phases(x, c.weight, c.bias if bias else None, dilation)
+        if self.dilated_by_phases and c.dilation[0] > 1:  # (stride 1: checked at init; it pads nothing)
+            return _conv_by_phases(x, c.weight, c.bias if bias else None, c.dilation[0], c.groups)
         if bias:
             return c(x)
         return F.conv1d(x, c.weight, None, c.stride, c.padding, c.dilation, c.groups)
@@ -350,20 +343,21 @@ class BatchedDACDecoder(BatchedStreamDecoder):
         return y
 
 
-def _conv_by_phases(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int) -> Tensor:
-    """`F.conv1d(x, weight, bias, dilation=dilation)` (stride 1, no padding) computed as an undilated
-    conv over the `dilation` phases of x: output sample `q * d + r` only reads input samples `(q + j) *
-    d + r`, so phase r (every d-th sample from r) convolved with the kernel undilated gives every d-th
-    output from r. x: `[B, C, L]`; weight: `[O, C, k]`; returns `[B, O, L - (k - 1) * d]` in x's dtype,
-    the same sums in another order (equal up to float rounding). The phases are a reshape of x padded
-    on the right to a multiple of d (the pad's outputs are dropped); shapes only, no host sync."""
+def _conv_by_phases(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, groups: int = 1) -> Tensor:
+    """`F.conv1d(x, weight, bias, dilation=dilation, groups=groups)` (stride 1, no padding) computed as an
+    undilated conv over the `dilation` phases of x: output sample `q * d + r` only reads input samples
+    `(q + j) * d + r`, so phase r (every d-th sample from r) convolved with the kernel undilated gives
+    every d-th output from r. x: `[B, C, L]`; weight: `[O, C / groups, k]`; returns
+    `[B, O, L - (k - 1) * d]` in x's dtype, the same sums in another order (equal up to float
+    rounding). The phases are a reshape of x padded on the right to a multiple of d (the pad's outputs
+    are dropped); shapes only, no host sync."""
     B, C, L = x.shape
     k = weight.shape[-1]
     n = L - (k - 1) * dilation  # outputs
     q = -(-n // dilation)  # outputs per phase
     x = F.pad(x, (0, (q + k - 1) * dilation - L))
     phases = x.view(B, C, q + k - 1, dilation).permute(0, 3, 1, 2).reshape(B * dilation, C, q + k - 1)
-    y = F.conv1d(phases, weight, bias)  # [B * d, O, q]
+    y = F.conv1d(phases, weight, bias, groups=groups)  # [B * d, O, q]
     out = y.shape[1]
     y = y.view(B, dilation, out, q).permute(0, 2, 3, 1).reshape(B, out, q * dilation)
     return y[..., :n].contiguous()  # (copies only where the slice is not contiguous already)
