@@ -84,6 +84,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
+def call_ms(fn, cuda: bool) -> float:
+    """One call of fn() in ms: between CUDA events, synchronized, on a GPU; by the wall clock on a CPU."""
+    if not cuda:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def capture_decode(dec, slots, codes, lengths) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, float]:
+    """A CUDA graph of `dec.decode(slots, codes, lengths)` on these static inputs, after three calls on a
+    side stream (cuDNN plans, the allocator) as torch documents: (graph, its output, capture seconds)."""
+    device = slots.device
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            dec.decode(slots, codes, lengths)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    t = time.perf_counter()
+    with torch.cuda.graph(graph):
+        out = dec.decode(slots, codes, lengths)
+    return graph, out, time.perf_counter() - t
+
+
 class Bench:
     """Runs the variants, collects results and errors, and writes the JSON after each one."""
 
@@ -166,20 +197,7 @@ class Bench:
         self.sync()
         per_call = (time.perf_counter() - t0) / max(1, a.warmup)
         iters = max(3, min(a.iters, int(a.variant_seconds / max(per_call, 1e-6))))
-        ms = []
-        for _ in range(iters):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                ms.append(start.elapsed_time(end))
-            else:
-                t = time.perf_counter()
-                fn()
-                ms.append((time.perf_counter() - t) * 1e3)
-        ms.sort()
+        ms = sorted(call_ms(fn, self.cuda) for _ in range(iters))
         return {
             "ms_median": statistics.median(ms),
             "ms_p10": ms[int(0.1 * (len(ms) - 1))],
@@ -231,17 +249,7 @@ def run_graph(bench: Bench, codec: DACCodec, dec, dtype: str, cudnn_bm: bool, B:
     static_lengths = torch.full((B,), T, dtype=torch.int64, device=device)
     dec.reset(static_slots)
     bench.reset_peak()
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # warm-up (cuDNN autotuning, allocator) off the capture stream
-        for _ in range(3):
-            dec.decode(static_slots, static_codes, static_lengths)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    t = time.perf_counter()
-    with torch.cuda.graph(graph):
-        static_out = dec.decode(static_slots, static_codes, static_lengths)
-    capture_s = time.perf_counter() - t
+    graph, static_out, capture_s = capture_decode(dec, static_slots, static_codes, static_lengths)
     # Replay vs eager from the same (fresh) state: the graph must compute what eager computes.
     dec.reset(static_slots)
     graph.replay()

@@ -11,7 +11,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, "tests")
+sys.path[:0] = ["tests", "tools/microbench"]
+from dac_batched import capture_decode  # noqa: E402
 from test_dac_batched import _codec, run_schedule  # noqa: E402
 
 
@@ -35,15 +36,7 @@ def run_variant(name: str) -> None:
         s_slots = torch.full((B,), dec.scratch_slot, dtype=torch.int64, device="cuda")
         s_codes = torch.zeros(B, 10, T, dtype=torch.int64, device="cuda")
         s_len = torch.zeros(B, dtype=torch.int64, device="cuda")
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                dec.decode(s_slots, s_codes, s_len)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            s_out = dec.decode(s_slots, s_codes, s_len)
+        g, s_out, _ = capture_decode(dec, s_slots, s_codes, s_len)
         log = []
 
         def replay(slots, codes, lengths):

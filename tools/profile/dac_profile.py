@@ -16,31 +16,28 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from functools import partial
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+# this checkout's code, and the DAC microbenchmark's helpers
+sys.path[:0] = [
+    str(Path(__file__).resolve().parents[2]),
+    str(Path(__file__).resolve().parents[1] / "microbench"),
+]
+
+from dac_batched import call_ms, capture_decode, codes_for  # noqa: E402
 
 from tts.codec.dac.codec import DACCodec  # noqa: E402
 from tts.codec.dac.net import DACConfig  # noqa: E402
 from tts.codec.dac.random_init import random_codec_state, tiny_dac_config  # noqa: E402
 from tts.model.kernels import fused_kernels_enabled  # noqa: E402
-from tts.model.randinit import hashed_randint  # noqa: E402
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
     return [(int(b), int(t)) for b, t in (s.split("x") for s in text.split(",") if s)]
-
-
-def _codes(codec: DACCodec, B: int, T: int) -> torch.Tensor:
-    c = codec.cfg
-    semantic = hashed_randint((B, 1, T), 1, "semantic", c.semantic_codebook_size)
-    residual = hashed_randint((B, c.n_codebooks, T), 1, "residual", c.codebook_size)
-    return torch.cat([semantic, residual], dim=1)
 
 
 CUDA = False  # main() sets it from --device: CUDA events time the calls, else the wall clock
@@ -49,23 +46,7 @@ CUDA = False  # main() sets it from --device: CUDA events time the calls, else t
 def _median_ms(fn, iters: int) -> float:
     for _ in range(3):
         fn()
-    if not CUDA:  # a CPU run (--device cpu)
-        ms = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            fn()
-            ms.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(ms)
-    torch.cuda.synchronize()
-    ms = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ms.append(a.elapsed_time(b))
-    return statistics.median(ms)
+    return statistics.median(call_ms(fn, CUDA) for _ in range(iters))
 
 
 def stages(dec, slots, codes, lengths, iters: int) -> dict[str, float]:
@@ -129,7 +110,6 @@ def kernels(fn, top: int) -> list[dict]:
     return [{"total_us": total}] + out
 
 
-@torch.inference_mode()
 def record_convs(call) -> list[tuple]:
     """The convolutions one decode call makes, in order: (kind, input shape, weight, bias, stride,
     padding, dilation, groups, output_padding)."""
@@ -186,19 +166,10 @@ def conv_variants(convs: list[tuple], iters: int) -> dict:
     return {"total_ms": total, "convs": rows}
 
 
+@torch.inference_mode()
 def graph_ms(dec, slots, codes, lengths, iters: int) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            dec.decode(slots, codes, lengths)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        dec.decode(slots, codes, lengths)
-    ms = _median_ms(g.replay, iters)
-    del g
-    return ms
+    graph, _, _ = capture_decode(dec, slots, codes, lengths)
+    return _median_ms(graph.replay, iters)
 
 
 def main() -> None:
@@ -231,7 +202,7 @@ def main() -> None:
                 dec = codec.batched_stream(max(B, 1))
                 dec.dilated_by_phases = phases == "on"
                 slots = torch.arange(B, device=a.device)
-                codes = _codes(codec, B, T).to(a.device)
+                codes = codes_for(codec, B, T, seed=1).to(a.device)
                 lengths = torch.full((B,), T, dtype=torch.int64, device=a.device)
                 call = torch.inference_mode()(partial(dec.decode, slots, codes, lengths))
                 print(f"== cudnn.benchmark {bm}, dilated convs by phases {phases}, B={B} T={T}")
