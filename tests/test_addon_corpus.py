@@ -81,6 +81,22 @@ def test_everyday_sentences_end_variously(texts):
     assert corpus.everyday_texts(50, 11) == corpus.everyday_texts(50, 11)  # seeded
 
 
+def test_weak_words_inside_longer_sentences():
+    """`--weak`: "and an" + a vowel-initial noun and /θ/ after a weak word ("of three", "the third"),
+    each with words after it; never a held-out text."""
+    weak = corpus.weak_texts(1500, 12)
+    assert len(weak) == len(set(weak)) == 1500
+    norms = [normalize_text(t) for t in weak]
+    held = {_words(t) for t in HELDOUT}
+    assert not held & {_words(n) for n in norms}
+    assert all(6 <= len(n.split()) <= 25 and len(n.encode()) <= 200 for n in norms)
+    mid_an = re.compile(r"\b(and|with|for|sent|as|is there) an [aeiou]\w* \w")
+    assert sum(bool(mid_an.search(n.lower())) for n in norms) > 500
+    th_after_weak = re.compile(r"\b(of|the|for|set of|box of) th(ree|irt|ird)\w* \w")
+    assert sum(bool(th_after_weak.search(n.lower())) for n in norms) > 250
+    assert corpus.weak_texts(40, 12) == weak[:40]  # seeded
+
+
 def test_addon_rows(tmp_path):
     """The add-on text list: heldout.txt as the held-out split, the new texts with the runtime's
     phonemes and the base's teacher, a replay of base rows as they were, minus any held-out text."""
@@ -95,7 +111,7 @@ def test_addon_rows(tmp_path):
         row.update(id=i, raw=row["text"], phonemes="x.", speaker=1, teacher="flite", voice="rms")
         row.update(stretch=1.0, f0=0)
     (base / "sentences.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    corpus.build_addon(tmp_path / "ft", base, 40, 30, 7, 2, seed=0)
+    corpus.build_addon(tmp_path / "ft", base, 40, 30, 7, 2, seed=0, n_weak=20)
     out = corpus.read_utterances(tmp_path / "ft")
     held = [u for u in out if u["split"] == "heldout"]
     assert [u["text"] for u in held] == [normalize_text(t) for t in _eval_lines("heldout.txt")]
@@ -103,6 +119,7 @@ def test_addon_rows(tmp_path):
     train = [u for u in out if u["split"] == "train"]
     assert sum(u["source"] == "short" for u in train) == 40
     assert sum(u["source"] == "everyday" for u in train) == 30
+    assert sum(u["source"] == "weak" for u in train) == 20
     replay = [u for u in train if "base_id" in u]
     assert sum(u["source"] == "paragraph" for u in replay) == 2
     assert held_text not in {u["text"] for u in train}

@@ -580,6 +580,164 @@ def everyday_texts(n: int, seed: int, max_bytes: int = 200) -> list[str]:
     return list(out)
 
 
+_TH_NUMBERS = [3, 13, 30, 33, 3000, 300, 23, 31, 36]  # (three, thirteen, thirty, ...: /θ/ after a weak word)
+_TH_WORDS = [
+    "thanks", "things", "thoughts", "thunder", "theater", "therapy", "theory", "thumb", "thread", "throat",
+    "thistle", "thermos", "thimble", "thicket", "thousand", "thriller", "throne", "theme", "thief", "thorn",
+]  # fmt: skip
+_AN_PEOPLE = [
+    "agent", "officer", "engineer", "assistant", "operator", "usher", "editor", "advisor", "analyst",
+    "architect", "artist", "actor", "attendant", "inspector", "intern", "expert", "organizer", "umpire",
+    "electrician", "employee", "instructor", "auditor", "official", "announcer", "escort", "agent",
+]  # fmt: skip
+
+
+def weak_texts(n: int, seed: int, max_bytes: int = 200) -> list[str]:
+    """`n` distinct sentences of 8 to 25 words whose weak words carry the meaning: "and an" / "with an"
+    / "for an" before a vowel-initial noun in the middle of a longer sentence ("... and an officer will
+    ..."), and /θ/ after an unstressed word ("of three", "of thirty", "the third", "some thread"), each
+    followed by more words. Seeded; held-out texts are never among them."""
+    from tts.text.normalize import TextError, normalize_text
+
+    r = random.Random(seed)
+    keys = heldout_keys()
+    ch = r.choice
+
+    def num() -> str:
+        k = ch(_TH_NUMBERS) if r.random() < 0.8 else r.randint(2, 40)
+        return str(k) if r.random() < 0.5 else _NUMBER_WORDS.get(k, str(k))
+
+    def an() -> str:
+        return f"an {ch(_AN_PEOPLE + _AN_NOUNS)}"
+
+    def an_person() -> str:
+        return f"an {ch(_AN_PEOPLE)}"
+
+    def lead() -> str:  # a clause before the weak phrase, so that it is not at the start
+        return ch(
+            [
+                f"Thank you for {ch(['waiting', 'calling', 'your patience', 'holding'])}",
+                f"Please {ch(['hold', 'stay on the line', 'wait here', 'take a seat', 'sign in'])}",
+                f"Your {ch(['call', 'visit', 'request', 'order', 'ticket'])} matters to us",
+                f"We are {ch(['sorry for the delay', 'open late today', 'almost there', 'right here'])}",
+                f"{ch(_NAMES)} called {ch(['this morning', 'again', 'twice', 'from the office'])}",
+                "The line is busy",
+                "The office is closed",
+                f"It is {ch(['raining', 'late', 'early', 'quiet'])} {ch(['today', 'tonight', 'now'])}",
+            ]
+        )
+
+    def will() -> str:
+        return ch(
+            [
+                "will be with you shortly",
+                "will call you back",
+                "will help you soon",
+                "will take your call",
+                "will meet you there",
+                "will answer in a moment",
+                "will be right with you",
+                "will check on it",
+                "is on the way",
+                "is waiting downstairs",
+                "can see you now",
+                "has your file",
+            ]
+        )
+
+    def end() -> str:
+        return ch(["", f" {ch(['today', 'tomorrow', 'tonight', 'this week', 'on ' + ch(_WEEKDAYS)])}"])
+
+    templates = [
+        lambda: f"{lead()}, and {an_person()} {will()}.",
+        lambda: f"{lead()} and {an_person()} {will()}{end()}.",
+        lambda: (
+            f"{lead()}, {ch(['please', 'then', 'so'])} {ch(['wait', 'hold', 'stay'])} and "
+            f"{an_person()} {will()}."
+        ),
+        lambda: (
+            f"We will send {an_person()} and {ch(['a driver', 'a nurse', 'a manager'])} "
+            f"{end().strip() or 'soon'}."
+        ),
+        lambda: f"She came with {an()} and left with {an()}{end()}.",
+        lambda: (
+            f"I asked for {an()}, and they sent {an_person()} {ch(['instead', 'as well', 'right away'])}."
+        ),
+        lambda: f"There was {an()} and {an()} at the {ch(_PLACES)}{end()}.",
+        lambda: f"He works as {an_person()} for {ch(_COMPANIES)} in {ch(_CITIES)}.",
+        lambda: (
+            f"Is there {an_person()} {ch(['here', 'nearby', 'on duty', 'we can ask'])} "
+            f"{ch(['today', 'now', 'tonight'])}?"
+        ),
+        lambda: f"It took {ch(['about', 'almost', 'more than', 'less than'])} an hour and {an()} to fix it.",
+        lambda: (
+            f"Your order of {num()} {ch(_THINGS)} "
+            f"{ch(['is ready', 'has shipped', 'was delayed', 'is on hold'])}{end()}."
+        ),
+        lambda: (
+            f"A box of {num()} {ch(_THINGS)} costs {ch(['$', '$', '€'])}{r.randint(2, 99)}."
+            f"{r.randint(0, 99):02d} {ch(['today', 'online', 'at the store', 'with tax'])}."
+        ),
+        lambda: (
+            f"One of {num()} {ch(_THINGS)} {ch(['was broken', 'is missing', 'came late', 'looks wrong'])}, "
+            f"so we {ch(['sent another', 'called them', 'gave a refund'])}."
+        ),
+        lambda: (
+            f"We have a set of {num()} {ch(_THINGS)} and {num()} {ch(_THINGS)} "
+            f"{ch(['left', 'in stock', 'for you'])}."
+        ),
+        lambda: (
+            f"{ch(['Take', 'Bring', 'Buy', 'Order'])} {num()} {ch(_THINGS)} and {num()} {ch(_THINGS)} "
+            f"{ch(['for the party', 'for the trip', 'by Friday', 'on the way home'])}."
+        ),
+        lambda: (
+            f"The {ch(['meeting', 'class', 'party', 'visit'])} is on the third of {ch(_MONTHS)} at "
+            f"{r.randint(1, 12)} {ch(['a.m.', 'p.m.', 'sharp'])}."
+        ),
+        lambda: (
+            f"{ch(['Turn', 'Go', 'Walk'])} {ch(['left', 'right'])} at the third "
+            f"{ch(['light', 'corner', 'stop sign', 'door'])} and "
+            f"{ch(['wait there', 'keep going', 'call me'])}."
+        ),
+        lambda: (
+            f"{ch(['Thanks', 'Thank you'])} for the {ch(_TH_WORDS)}, it "
+            f"{ch(['helped a lot', 'was lovely', 'came just in time'])}."
+        ),
+        lambda: (
+            f"I think the {ch(_TH_WORDS)} {ch(['is', 'was'])} "
+            f"{ch(['in the car', 'on the table', 'at home', 'gone'])}, "
+            f"{ch(['but check again', 'so look there', 'I think'])}."
+        ),
+        lambda: (
+            f"We drove through {ch(_CITIES)} on {ch(_WEEKDAYS)} and "
+            f"{ch(['stopped for lunch', 'saw the lake', 'met a friend'])}."
+        ),
+        lambda: (
+            f"{ch(['Three', 'Thirty', 'Thirteen'])} {ch(_THINGS)} "
+            f"{ch(['arrived', 'are waiting', 'were sold'])} "
+            f"{ch(['this morning', 'on Thursday', 'last night', 'in an hour'])}."
+        ),
+        lambda: f"Please bring {num()} {ch(_THINGS)} and {an()} to the {ch(_PLACES)} on Thursday.",
+        lambda: (
+            f"The {ch(['bill', 'total', 'ticket', 'fee'])} for {num()} {ch(_THINGS)} is {ch(['$', '£'])}"
+            f"{r.randint(3, 90)}.{r.randint(0, 99):02d}, and it "
+            f"{ch(['includes tax', 'is due Thursday', 'ships free'])}."
+        ),
+    ]
+    out: dict[str, None] = {}
+    for _ in range(50 * n):
+        if len(out) >= n:
+            break
+        text = ch(templates)()
+        try:
+            norm = normalize_text(text)
+        except TextError:
+            continue
+        if 6 <= len(norm.split()) <= 25 and len(norm.encode()) <= max_bytes and _words_key(norm) not in keys:
+            out[text] = None
+    return list(out)
+
+
 _NUMBER_WORDS = dict(
     enumerate(
         "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
@@ -602,7 +760,14 @@ _MENU = [
 
 
 def build_addon(
-    work: Path, base: Path, n_short: int, n_everyday: int, n_replay: int, n_paragraphs: int, seed: int
+    work: Path,
+    base: Path,
+    n_short: int,
+    n_everyday: int,
+    n_replay: int,
+    n_paragraphs: int,
+    seed: int,
+    n_weak: int = 0,
 ) -> None:
     """The add-on corpus in work/sentences.jsonl (then `synth` and `encode` as for any corpus): the
     sentences of samples/eval/heldout.txt (split "heldout": train.py's held-out loss), `n_short` short
@@ -636,6 +801,7 @@ def build_addon(
     ]
     new = [("short", t) for t in short_texts(n_short, seed + 10)]
     new += [("everyday", t) for t in everyday_texts(n_everyday, seed + 11)]
+    new += [("weak", t) for t in weak_texts(n_weak, seed + 12)]
     norms = [normalize_text(t) for _, t in new]
     phonemes = frontend.sentences(norms)  # (the runtime's frontend: a full stop where none is)
     # The held-out rows are samples/eval/heldout.txt itself, spoken as build_text speaks its held-out
@@ -674,10 +840,11 @@ def build_addon(
     with open(work / "sentences.jsonl", "w") as f:
         for u in utts:
             f.write(json.dumps(u) + "\n")
-    counts = {k: sum(u["source"] == k for u in train) for k in ("short", "everyday", "paragraph")}
+    counts = {k: sum(u["source"] == k for u in train) for k in ("short", "everyday", "weak", "paragraph")}
     log(
         f"wrote {len(utts)} utterances to {work / 'sentences.jsonl'}: {len(held_text)} held out, "
-        f"{counts['short']} short, {counts['everyday']} everyday, {len(replay)} replayed "
+        f"{counts['short']} short, {counts['everyday']} everyday, {counts['weak']} weak, "
+        f"{len(replay)} replayed "
         f"({counts['paragraph']} paragraphs)"
     )
 
@@ -981,6 +1148,13 @@ def main() -> None:
     )
     p.add_argument("--short", type=int, default=4500, help="addon: short utterances (1-4 words)")
     p.add_argument("--everyday", type=int, default=4500, help="addon: everyday sentences")
+    p.add_argument(
+        "--weak",
+        type=int,
+        default=0,
+        help='addon: sentences with weak words before vowels and /θ/ ("and an officer", "of three"; '
+        "default 0, the v4 corpus; v5: 4000)",
+    )
     p.add_argument("--replay", type=int, default=5500, help="addon: base training utterances replayed")
     p.add_argument("--replay-paragraphs", type=int, default=1500, help="addon: of them, paragraphs")
     p.add_argument("--num-codebooks", type=int, default=4)
@@ -1010,7 +1184,7 @@ def main() -> None:
         if (a.work / "sentences.jsonl").exists():
             log(f"{a.work / 'sentences.jsonl'} exists, kept (delete it to build the text again)")
         else:
-            build_addon(a.work, a.base, a.short, a.everyday, a.replay, a.replay_paragraphs, a.seed)
+            build_addon(a.work, a.base, a.short, a.everyday, a.replay, a.replay_paragraphs, a.seed, a.weak)
     if a.stage in ("synth", "all"):
         synth(a.work, a.jobs, a.max_utterances)
     if a.stage in ("codec", "all"):
