@@ -34,6 +34,7 @@ every iteration by the engine thread); per-request figures are observed by the g
 | `tts_codec_decode_padded_frames_total` | counter | frames the decode calls computed, padding included (rows bucket x frames bucket of each call; frames / padded frames = the calls' fill) |
 | `tts_codec_gather_seconds` | gauge | `--codec-gather-ms` in seconds: how long a later audio chunk may wait in the codec stage for others to share its decode call (0: off) |
 | `tts_codec_gathered_calls_total` | counter | codec decode calls that waited for more work before they started (gathering; calls / this = how many waited) |
+| `tts_codec_slack_calls_total` | counter | codec decode calls that gathering started before `--codec-gather-ms` because a playing stream's player would otherwise have run dry (its slack, less the call's margin, was used up) |
 | `tts_first_audio_seconds_total{phase}`, `tts_first_audio_jobs_total` | counter | the time to first audio of the requests that had audio, split by phase and summed (/ jobs = the mean): `encode` (the reference clip), `first_frame` (waiting for a row, prefill, the first frame step), `frames` (the rest of the first chunk's frames), `codec` (its decode, waiting included) |
 | `tts_reference_cache_hits_total`, `tts_reference_cache_misses_total` | counter | reference clips found encoded / encoded anew |
 | `tts_voice_files_refused_total` | counter | files in the voices directory refused when read (codes of the wrong shape or range, another codec's, unreadable; each file version once; the log names the file and why) |
@@ -140,6 +141,10 @@ class _EngineCollector:
             "tts_codec_gathered_calls": (
                 "Codec decode calls that waited for more work (--codec-gather-ms)",
                 s.codec_gathered_calls,
+            ),
+            "tts_codec_slack_calls": (
+                "Codec decode calls that gathering started early: a player would have run dry",
+                s.codec_slack_calls,
             ),
             "tts_first_audio_jobs": (
                 "Requests whose first audio is in tts_first_audio_seconds",

@@ -77,7 +77,8 @@ class TTSServer:
 
     metrics_port: None = no metrics endpoint, 0 = a free port (see `metrics_port` after start).
     codec_graphs: let the codec stage capture CUDA graphs of its decode. codec_gather: seconds a later
-    audio chunk may wait in the codec stage for more work to share its decode call (0: none).
+    audio chunk may wait in the codec stage for more work to share its decode call (0: none; less where
+    its player would run dry first).
     http_port: None = no HTTP front, 0 = a free port (see `http_port` after start); the HTTP front
     (service/http.py: OpenAI-style /v1/audio/speech, /health, /load, /metrics, the playground) listens on
     the gRPC host and submits to the same engine loop.

@@ -1,10 +1,11 @@
 """The codec stage (tts/runtime/codec_stage.py): batching of queued pieces, order per stream, start-up
 capture (stand-in graphs on the CPU), the per-stream frame limit, gathering (a later piece waits for
-more work to share its call)."""
+more work to share its call, no longer than its stream's player can spare)."""
 
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from concurrent.futures import Future
 
@@ -13,7 +14,15 @@ import pytest
 import torch
 
 from tts.checkpoints.load import load_bundle
-from tts.runtime.codec_stage import CodecStage, _Piece, gather_wait
+from tts.runtime.codec_stage import (
+    CALL_EMA,
+    GATHER_MARGIN_CALLS,
+    GATHER_MARGIN_SECONDS,
+    CodecStage,
+    _Piece,
+    gather_bounds,
+    gather_wait,
+)
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +176,10 @@ def test_a_full_piece_and_a_tail_queued_together_both_decode(codec, graphs):
 # ---- gathering (`gather`: a later piece may wait for more work to share its call) -----------------------
 
 
-def piece(slot: int, frames: int, queued_at: float, first: bool = False) -> _Piece:
-    return _Piece(slot, None, torch.zeros(1, frames, dtype=torch.int64), first, queued_at)
+def piece(
+    slot: int, frames: int, queued_at: float, first: bool = False, deadline: float | None = None
+) -> _Piece:
+    return _Piece(slot, None, torch.zeros(1, frames, dtype=torch.int64), first, queued_at, deadline)
 
 
 def test_gather_wait_decides_when_the_next_call_starts():
@@ -183,6 +194,31 @@ def test_gather_wait_decides_when_the_next_call_starts():
     assert wait([*later, piece(2, 1, 1.25), piece(3, 1, 1.25)], 1.25) == 0.0  # a row for every stream
     assert wait([], 1.25) == 0.0  # nothing to gather (resets only)
     assert gather_wait(later, 1.25, gather=0.0, target_frames=32, max_rows=4) == 0.0  # gathering off
+
+
+def test_a_players_deadline_bounds_the_wait_below_the_cap():
+    """A piece's deadline (when its player runs dry) less the margin ends the wait when it comes before
+    the cap; pieces without one keep the cap; a deadline within the margin or past means now; a first
+    piece, the size target and gathering off mean now whatever the deadlines."""
+    wait = functools.partial(gather_wait, gather=0.5, target_frames=32, max_rows=4, margin=0.0625)
+    # The cap: queued at 1.0, until 1.5 (0.25 s at 1.25). A deadline at 1.375, less the margin: 1.3125.
+    assert wait([piece(0, 8, 1.0), piece(1, 8, 1.125, deadline=1.375)], 1.25) == 0.0625
+    assert wait([piece(0, 8, 1.0), piece(1, 8, 1.125, deadline=2.0)], 1.25) == 0.25  # the cap first
+    assert wait([piece(0, 8, 1.0), piece(1, 8, 1.125)], 1.25) == 0.25  # no deadline: the cap
+    # The earliest deadline of the queued pieces counts, whichever stream and place in the queue.
+    several = [piece(0, 8, 1.0, deadline=1.5), piece(1, 4, 1.1, deadline=1.4375), piece(0, 4, 1.2)]
+    assert wait(several, 1.25) == 0.125
+    assert wait([piece(0, 8, 1.0, deadline=1.3125)], 1.25) == 0.0  # within the margin: now
+    assert wait([piece(0, 8, 1.0, deadline=1.0)], 1.25) == 0.0  # past (the player ran dry): now
+    assert wait([piece(0, 8, 1.0, deadline=9.0), piece(1, 4, 1.25, first=True)], 1.25) == 0.0
+    assert wait([piece(0, 16, 1.0, deadline=9.0), piece(1, 16, 1.1, deadline=9.0)], 1.25) == 0.0
+    assert gather_wait([piece(0, 8, 1.0, deadline=9.0)], 1.25, gather=0.0, target_frames=32, max_rows=4) == 0
+    # The two bounds apart (the worker counts a call that the deadline started: the cap still waited).
+    bounds = functools.partial(gather_bounds, gather=0.5, target_frames=32, max_rows=4, margin=0.0625)
+    assert bounds([piece(0, 8, 1.0, deadline=1.375)], 1.25) == (0.25, 0.0625)
+    assert bounds([piece(0, 8, 1.0, deadline=1.25)], 1.25) == (0.25, 0.0)
+    assert bounds([piece(0, 8, 1.0)], 1.25) == (0.25, math.inf)
+    assert bounds([piece(0, 8, 1.0, deadline=1.375), piece(1, 4, 1.2, first=True)], 1.25)[0] == 0.0
 
 
 class Clock:
@@ -262,6 +298,72 @@ def test_later_pieces_go_when_the_oldest_has_waited_the_bound(codec):
         results = collect(stage, done, 2)
         assert sorted(r.tag for r in results) == [(a, 1), (b, 1)]
         assert stage.stats.decode_calls == calls + 1 and stage.stats.gathered_calls == 1
+    finally:
+        stage.stop()
+
+
+def test_a_later_piece_goes_when_its_player_needs_it_not_at_the_cap(codec):
+    """With an hour's cap, a later piece whose player runs dry 0.5 s after it was queued waits until
+    its deadline less the margin (the calls' moving average on the stage's clock, 0 on a clock that
+    stands still during the calls, so GATHER_MARGIN_SECONDS), then goes: a gathered call that the
+    deadline started. A piece queued with its deadline within the margin goes at once (no wait)."""
+    done, clock = threading.Event(), Clock()
+    stage = gathering_stage(codec, done, clock)
+    try:
+        a, b = stage.open(), stage.open()
+        stage.decode(a, (a, 0), codes_for(1, 4, codec))
+        stage.decode(b, (b, 0), codes_for(2, 4, codec))
+        collect(stage, done, 2)
+        assert stage.call_seconds == 0.0 and stage.gather_margin() == GATHER_MARGIN_SECONDS
+        calls = stage.stats.decode_calls
+        clock.read.clear()
+        stage.decode(a, (a, 1), codes_for(3, 8, codec), deadline=clock.now + 0.5)
+        assert clock.read.wait(30), "the worker did not look at the queue"
+        clock.read.clear()
+        clock.now += 0.5 - 2 * GATHER_MARGIN_SECONDS  # the deadline less the margin is still ahead
+        with stage._cv:
+            stage._cv.notify()
+        assert clock.read.wait(30), "the worker did not look at the queue again"
+        assert stage.stats.decode_calls == calls and stage.stats.slack_calls == 0
+        clock.now += 2 * GATHER_MARGIN_SECONDS  # the deadline: within the margin
+        with stage._cv:
+            stage._cv.notify()
+        assert [r.tag for r in collect(stage, done, 1)] == [(a, 1)]
+        assert stage.stats.decode_calls == calls + 1
+        assert stage.stats.gathered_calls == 1 and stage.stats.slack_calls == 1
+        stage.decode(b, (b, 1), codes_for(4, 8, codec), deadline=clock.now + GATHER_MARGIN_SECONDS / 2)
+        assert [r.tag for r in collect(stage, done, 1)] == [(b, 1)]
+        assert stage.stats.decode_calls == calls + 2
+        assert stage.stats.gathered_calls == 1 and stage.stats.slack_calls == 2
+    finally:
+        stage.stop()
+
+
+def test_the_margin_follows_the_measured_call_seconds(codec, monkeypatch):
+    """`call_seconds` is a moving average of the decode calls' seconds on the stage's clock (a decoder
+    that takes 0.25 s, then 0.5 s, of a test clock), and the margin is GATHER_MARGIN_CALLS of it plus
+    GATHER_MARGIN_SECONDS."""
+    done, clock = threading.Event(), Clock()
+    stage = gathering_stage(codec, done, clock)
+    took = [0.25, 0.5]
+    decode = stage.decoder.decode
+
+    def slow_decode(*args):
+        clock.now += took.pop(0)
+        return decode(*args)
+
+    monkeypatch.setattr(stage.decoder, "decode", slow_decode)
+    try:
+        assert stage.call_seconds is None and stage.gather_margin() == GATHER_MARGIN_SECONDS
+        a = stage.open()
+        stage.decode(a, (a, 0), codes_for(1, 4, codec))
+        collect(stage, done, 1)
+        assert stage.call_seconds == 0.25
+        stage.decode(a, (a, 1), codes_for(2, 4, codec), first=True)
+        collect(stage, done, 1)
+        average = 0.25 + CALL_EMA * (0.5 - 0.25)
+        assert stage.call_seconds == average
+        assert stage.gather_margin() == GATHER_MARGIN_CALLS * average + GATHER_MARGIN_SECONDS
     finally:
         stage.stop()
 

@@ -5,7 +5,9 @@ The engine's clock is a test clock that only the frame step and the prefill move
 a device of known speed), so every admission happens at an iteration these tests count exactly.
 """
 
+import dataclasses
 import math
+import time
 
 import pytest
 import torch
@@ -13,7 +15,9 @@ from helpers import params, random_prompt, run_to_completion
 
 from tts.engine import Engine, EngineConfig
 from tts.engine.realtime import STEP_STALE, Playback, StepTimes
-from tts.params import chunk_size
+from tts.params import FrameConvention, chunk_size
+from tts.runtime.jobs import Finished, JobPipeline, ListSink, _Job
+from tts.runtime.planner import Planner
 
 STEP = 0.04  # seconds per frame step, whatever the batch
 PREFILL = 0.05  # seconds per iteration that prefills
@@ -289,6 +293,123 @@ def test_the_engine_sees_the_chunks_the_job_runner_releases(tiny_bundle, monkeyp
     ends = [c.frame_end for c in chunks]
     assert ends == expected + ([total] if end < total else [])
     assert (clock.frames, clock.released, clock.chunks) == (total, end, len(expected))
+
+
+class PacedEngine(Engine):
+    """An engine whose clock moves only by `prefill` seconds per prefill and `step` per frame step."""
+
+    def __init__(self, *args, step: float, prefill: float, **kw):
+        super().__init__(*args, **kw)
+        self.step_seconds, self.prefill_seconds = step, prefill
+
+    def _start(self, admitted, outputs):
+        if admitted:
+            self.clock.now += self.prefill_seconds
+        super()._start(admitted, outputs)
+
+    def _frame_step(self, n):
+        self.clock.now += self.step_seconds
+        return super()._frame_step(n)
+
+
+# One job of 24 frames (chunks of 2, 2, 4, 8, 8 frames) on the tiny model (25 frames/s: a frame plays
+# 0.04 s), its frame j out at 0.05 + 0.025 j s (prefill 0.05 s, 0.025 s a frame step). Per audio chunk the
+# seconds from its queueing (engine clock) to its deadline: when the audio before it has played.
+#
+# Every frame audio: the playback clock releases each chunk in the step of its last frame, as the runner
+# queues it. Chunk 0 at 0.1 s: the player starts (its deadline is its queueing). Chunk 1 at 0.15 s: the 2
+# frames before it play until 0.18 s. Chunk 2 at 0.25 s: 4 frames, until 0.26 s. Chunk 3 at 0.45 s: the 8
+# frames before it ran out at 0.42 s, so the player waited 0.03 s and plays on from 0.45 s (the deadline is
+# now). Chunk 4 at 0.65 s: 16 frames from a start moved to 0.13 s, until 0.77 s.
+EVERY_FRAME = [0.0, 0.03, 0.01, 0.0, 0.12]
+# The first frame of the text chunk not audio (fish-speech 1.5): the clock counts it, so it releases its
+# chunks (of frames generated) one step before the runner queues the same audio (one frame later), and
+# the tail at the end (7 frames) with the 24th frame. The deadline counts the audio the runner sent, 2,
+# 4, 8, 16 frames before chunks 1-4, from the clock's start (0.1 s, moved to 0.13 s by its gap at 0.45 s):
+# 0.18 s for chunk 1 queued at 0.175 s, and so on; the clock's own dry time would be a frame later.
+FIRST_DROPPED = [-0.025, 0.005, -0.015, -0.025, 0.12]
+
+
+@pytest.mark.parametrize(
+    ("realtime", "frames", "slack"),
+    [
+        (True, FrameConvention(), EVERY_FRAME),
+        (True, FrameConvention(drop_first=True), FIRST_DROPPED),
+        (False, FrameConvention(), [None] * 5),
+    ],
+    ids=["every-frame", "first-dropped", "no-realtime"],
+)
+def test_the_runner_gives_each_audio_chunk_its_players_dry_time(
+    tiny_bundle, monkeypatch, realtime, frames, slack
+):
+    """The deadline the job runner passes with each audio chunk to the codec stage is the time, on the
+    stage's clock, when the audio released before the chunk has played (the tables above, by hand);
+    None without real-time admission (no playback clock is kept)."""
+    bundle = dataclasses.replace(tiny_bundle, frames=frames)
+    config = EngineConfig(max_batch=2, graphs="off", realtime_admission=realtime)
+    engine = PacedEngine(bundle.model, config, clock=Clock(), step=0.025, prefill=0.05)
+    planner = Planner(bundle, engine.max_context, engine.check)
+    pipeline = JobPipeline(engine, planner, max_streams=2)
+    pipeline.stage.clock = lambda: 1000.0  # the stage's clock: a second clock, far from the engine's
+    queued = []
+    decode = pipeline.stage.decode
+
+    def recording_decode(slot, tag, codes, *, first=False, deadline=None):
+        queued.append((tag[1], codes.shape[1], first, deadline, engine.clock()))
+        decode(slot, tag, codes, first=first, deadline=deadline)
+
+    monkeypatch.setattr(pipeline.stage, "decode", recording_decode)
+    try:
+        spec = planner.job(
+            "A few words.",
+            seed=1,
+            max_new_frames=24,
+            min_new_frames=24,
+            first_chunk_frames=2,
+            chunk_frames=8,
+        )
+        sink = ListSink()
+        pipeline.submit(spec, sink)
+        limit = time.monotonic() + 60  # a safety bound: the audio comes from the codec worker
+        while not any(isinstance(e, Finished) for e in sink.events):
+            assert time.monotonic() < limit, "the job did not finish"
+            if not pipeline.step():
+                time.sleep(0.001)
+    finally:
+        pipeline.stage.stop()
+    sizes = [2, 2, 4, 8, 8] if not frames.drop_first else [2, 2, 4, 8, 7]
+    assert [(seq, n, first) for seq, n, first, _, _ in queued] == [
+        (k, n, k == 0) for k, n in enumerate(sizes)
+    ]
+    if not realtime:
+        assert [deadline for _, _, _, deadline, _ in queued] == slack
+        return
+    assert [at for *_, at in queued] == pytest.approx(
+        [0.1, 0.15, 0.25, 0.45, 0.65] if not frames.drop_first else [0.125, 0.175, 0.275, 0.475, 0.65]
+    )
+    assert [deadline - 1000.0 for _, _, _, deadline, _ in queued] == pytest.approx(slack, abs=1e-9)
+
+
+def test_a_deadline_counts_the_audio_before_the_chunk_and_never_more_than_the_clock_released(tiny_bundle):
+    """`_deadline` alone: the audio before the chunk is what the job sent, on top of where the job began
+    on the playback clock (a session's earlier jobs' frames); where the clock released fewer frames (it
+    counts only what the engine saw), its own dry time, the earlier one."""
+    config = EngineConfig(max_batch=2, graphs="off", realtime_admission=True)
+    engine = PacedEngine(tiny_bundle.model, config, clock=Clock(), step=0.025, prefill=0.05)
+    pipeline = JobPipeline(engine, Planner(tiny_bundle, engine.max_context, engine.check), max_streams=2)
+    try:
+        pipeline.stage.clock = lambda: 1000.0
+        engine.clock.now = 2.0
+        clock = Playback(25.0, first=2, later=8)
+        job = _Job("j", None, ListSink(), 0.0, playback=clock)  # (no spec: `_deadline` reads none)
+        assert pipeline._deadline(job) is None  # the player has not started
+        clock.advance(12, now=1.0)  # started at 1.0 s; 12 frames released (0.48 s of audio)
+        job.playback_start, job.frames_queued = 4, 6  # 4 frames of an earlier job, 6 of this one
+        assert pipeline._deadline(job) == pytest.approx(1000.0 + (1.0 + 10 / 25 - 2.0))
+        job.frames_queued = 10  # more than the clock saw: its dry time
+        assert pipeline._deadline(job) == pytest.approx(1000.0 + (1.0 + 12 / 25 - 2.0))
+    finally:
+        pipeline.stage.stop()
 
 
 def test_the_server_reports_the_policy(tiny_bundle):

@@ -663,7 +663,8 @@ def test_a_codec_stage_that_cannot_recover_turns_health_not_serving(bundle):
 def test_codec_gather_reaches_the_stage_keeps_the_audio_and_is_reported(bundle):
     """TTSServer(codec_gather=S) is the codec stage's gathering bound (what `tts serve
     --codec-gather-ms` sets): a stream's later chunks may wait for others, its audio is still the
-    offline decode of its codes, and /metrics reports the setting and the calls it delayed."""
+    offline decode of its codes, and /metrics reports the setting, the calls it delayed and those a
+    player's deadline started early."""
     srv = ServerThread(bundle, EngineConfig(max_batch=2), metrics_port=0, codec_gather=0.05)
     try:
         assert srv.loop.runner.stage.gather == 0.05
@@ -678,6 +679,8 @@ def test_codec_gather_reaches_the_stage_keeps_the_audio_and_is_reported(bundle):
         assert registry.get_sample_value("tts_codec_gather_seconds") == 0.05
         gathered = registry.get_sample_value("tts_codec_gathered_calls_total")
         assert gathered == srv.loop.runner.stage.stats.gathered_calls
+        slack = registry.get_sample_value("tts_codec_slack_calls_total")
+        assert slack == srv.loop.runner.stage.stats.slack_calls
     finally:
         srv.stop()
 

@@ -232,11 +232,14 @@ def add_parser(subparsers) -> None:
         "--codec-gather-ms",
         type=float,
         default=0.0,
-        help="how long a later audio chunk may wait in the codec stage for others to share its decode "
-        "call (a call has a fixed part, about 3 ms on an H100); a job's first chunk never waits, nor "
-        "does a call of 256 frames or more (default 0 = no waiting: each call takes what is queued). It "
-        "frees GPU time for clients that buffer; players that start on the first chunk get more late "
-        "chunks (60 ms: twice as many at 64 streams on an H100, docs/benchmarks.md)",
+        help="how long a later audio chunk may wait at most in the codec stage for others to share its "
+        "decode call (a call has a fixed part, about 3 ms on an H100); a job's first chunk never waits, "
+        "nor does a call of 256 frames or more, and with real-time admission on (the default on CUDA) "
+        "no chunk waits longer than its stream's player can spare: the call starts before the audio "
+        "already sent has played, less twice the recent calls' time and 10 ms (default 0 = no waiting: "
+        "each call takes what is queued). It frees GPU time for the frame steps; with real-time "
+        "admission off a later chunk may wait the whole time (a fixed 60 ms made twice as many chunks "
+        "late at 64 streams on an H100, docs/benchmarks.md)",
     )
     add_access_args(p)
     p.set_defaults(func=cmd_serve)

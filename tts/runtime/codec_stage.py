@@ -12,14 +12,23 @@ Gathering (`gather` seconds, `tts serve --codec-gather-ms`; 0, the default: off)
 (S2-Pro's DAC decode in bfloat16, graph replay on an H100, docs/benchmarks.md: about 3 ms plus 0.05 ms a
 frame; 3.5 ms for 1 x 16 frames, 15.6 ms for 16 x 16, 53 ms for 64 x 16), so many small calls back to back
 take the GPU from the frame steps for little audio. With gathering the worker starts the next decode call
-only when the queued work is worth a call (`gather_wait`): a stream's first piece is queued (the time to
-first audio is never delayed), or the queued pieces hold `gather_frames` frames (256 by default, 16 rows
+only when the queued work is worth a call, or when waiting longer would make a player run dry
+(`gather_wait`). It starts the call at once when a stream's first piece is queued (the time to first
+audio is never delayed), or when the queued pieces hold `gather_frames` frames (256 by default, 16 rows
 of 16 frames: there the fixed part is down to a fifth of the call) or a row for each of `max_rows`
-streams, or the oldest has waited `gather` seconds (later chunks carry 4-16 frames, 186-744 ms of audio at
-S2-Pro's 21.5 frames/s: the player has that slack). It waits on its condition variable with that timeout;
-new work wakes it to decide again. A queued reference encode runs while pieces gather (it never waits
-longer than without gathering); `stop` ends the wait at once.
-`stats.gathered_calls` counts the calls gathering delayed.
+streams. Otherwise it waits until the oldest piece has waited `gather` seconds (the cap), or until the
+earliest DEADLINE of the queued pieces less a margin, whichever comes first. A piece's deadline is when
+its stream's player runs dry without it: the time (the stage's clock) when the audio released before it
+will have played (the job runner computes it from the stream's playback clock, which real-time
+admission keeps: tts.runtime.jobs); the margin (`gather_margin`) covers the call itself and the
+delivery of its audio: twice the moving average of the recent calls' seconds plus GATHER_MARGIN_SECONDS.
+A deadline that close already, or past, starts the call at once. So a stream's second chunk (4 frames
+after a first chunk of 4: 186 ms of audio at S2-Pro's 21.5 frames/s, less the frame steps that made it)
+waits only as long as its player can spare; a piece without a deadline (its playback clock unknown)
+waits for the cap. The worker waits on its condition variable with that timeout; new work wakes it to
+decide again. A queued reference encode runs while pieces gather (it never waits longer than without
+gathering); `stop` ends the wait at once. `stats.gathered_calls` counts the calls gathering delayed,
+`stats.slack_calls` those that a deadline started while the cap would have waited on.
 
 Results (`results()`) come back per piece, in queue order per stream, as float32 numpy
 samples; `notify()` wakes the runner's thread when they are ready.
@@ -77,6 +86,18 @@ assert MAX_PIECE_FRAMES <= FRAME_BUCKETS[-1]
 
 # Gathering's size target (frames queued): see the module docstring.
 GATHER_FRAMES = 256
+# Gathering's safety margin before a queued piece's deadline (`gather_margin`): a call started then must
+# still decode, and its audio reach the player, before the player runs dry. The call's own time is
+# measured (a moving average of the recent decode calls' seconds on the stage's clock, wall time:
+# staging, the decode behind the frame steps that take the GPU first, the copy out), times
+# GATHER_MARGIN_CALLS because the call that gathering starts is bigger than the average one (that is
+# what it waited for: 16 rows cost 4x one row on an H100) and a call may meet a busier GPU; plus
+# GATHER_MARGIN_SECONDS for what follows the call: the runner takes the audio between its iterations
+# and the front hands it to the client.
+GATHER_MARGIN_CALLS = 2.0
+GATHER_MARGIN_SECONDS = 0.010
+# Weight of a new decode call's seconds in that moving average (about the last 4-8 calls count).
+CALL_EMA = 0.25
 
 
 def _bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -102,34 +123,67 @@ class _Piece:
     codes: Tensor  # [N, t] int64 on the CPU
     first: bool = False  # a stream's (a job's) first piece: its decode is never delayed by gathering
     queued_at: float = 0.0  # the stage's clock (seconds) when it was queued
+    # When the stream's player runs dry without this piece (the stage's clock; None: not known)
+    deadline: float | None = None
 
     @property
     def frames(self) -> int:
         return self.codes.shape[1]
 
 
-def gather_wait(
-    pieces: Iterable[_Piece], now: float, *, gather: float, target_frames: int, max_rows: int
-) -> float:
-    """Seconds the codec worker should still wait before it starts a decode call of the queued `pieces`
-    (in queue order; `now` on the clock of their `queued_at`); 0.0: start it now. Now when gathering is
-    off (`gather <= 0`) or nothing is queued, when a piece is a stream's first, when the pieces hold
-    `target_frames` frames or more or rows of `max_rows` streams or more; else when the oldest has
-    waited `gather` seconds."""
+def gather_bounds(
+    pieces: Iterable[_Piece],
+    now: float,
+    *,
+    gather: float,
+    target_frames: int,
+    max_rows: int,
+    margin: float = 0.0,
+) -> tuple[float, float]:
+    """The two bounds on how long the codec worker may still wait before it starts a decode call of the
+    queued `pieces` (in queue order; `now` on the clock of their `queued_at` and `deadline`), seconds >= 0:
+    (cap, slack). cap, gathering's own rule: 0.0 when gathering is off (`gather <= 0`) or nothing is
+    queued, when a piece is a stream's first, when the pieces hold `target_frames` frames or more or rows
+    of `max_rows` streams or more; else until the oldest has waited `gather` seconds. slack: until the
+    earliest `deadline` of the pieces less `margin` seconds (0.0 once that has passed; inf when no piece
+    has a deadline). The worker waits for the smaller (`gather_wait`)."""
     if gather <= 0:
-        return 0.0
+        return 0.0, 0.0
     frames = 0
     slots: set[int] = set()
     oldest = None
+    earliest = math.inf
     for p in pieces:
         if p.first:
-            return 0.0
+            return 0.0, math.inf
         frames += p.frames
         slots.add(p.slot)
         oldest = p.queued_at if oldest is None else min(oldest, p.queued_at)
+        if p.deadline is not None:
+            earliest = min(earliest, p.deadline)
     if oldest is None or frames >= target_frames or len(slots) >= max_rows:
-        return 0.0
-    return max(0.0, oldest + gather - now)
+        return 0.0, math.inf
+    return max(0.0, oldest + gather - now), max(0.0, earliest - margin - now)
+
+
+def gather_wait(
+    pieces: Iterable[_Piece],
+    now: float,
+    *,
+    gather: float,
+    target_frames: int,
+    max_rows: int,
+    margin: float = 0.0,
+) -> float:
+    """Seconds the codec worker should still wait before it starts a decode call of the queued `pieces`;
+    0.0: start it now. The smaller of `gather_bounds`: now when gathering is off or nothing is queued,
+    when a piece is a stream's first, when the pieces hold `target_frames` frames or more or rows of
+    `max_rows` streams or more; else when the oldest has waited `gather` seconds or when a piece's
+    `deadline` is `margin` seconds away, whichever comes first."""
+    cap, slack = gather_bounds(
+        pieces, now, gather=gather, target_frames=target_frames, max_rows=max_rows, margin=margin
+    )
+    return min(cap, slack)
 
 
 @dataclass
@@ -146,6 +200,8 @@ class CodecStats:
     encode_seconds: float = 0.0
     failures: int = 0
     gathered_calls: int = 0  # decode calls that gathering delayed (the worker waited for more pieces)
+    # decode calls that a queued piece's deadline started while gathering's cap would still have waited
+    slack_calls: int = 0
 
 
 class CodecStage:
@@ -160,7 +216,7 @@ class CodecStage:
     gather: seconds the oldest queued piece may wait for more work before a decode call (0: none, every
     call takes what is queued when the worker is free); gather_frames: the queued frames that start a
     call at once (see the module docstring, `gather_wait`). clock: seconds, monotonic, that the
-    gathering reads (tests pass their own).
+    gathering reads, and the pieces' deadlines are on (tests pass their own).
 
     Failures: a decode call, a reset or an encode that raises fails the work it held (its pieces'
     results carry the error), is counted (`stats.failures`) and logged once with its traceback. The
@@ -208,7 +264,10 @@ class CodecStage:
         self.gather = gather
         # (a call takes at most max_call_frames: a larger target would wait for the bound every time)
         self.gather_frames = min(gather_frames, self.max_call_frames)
-        self._clock = clock
+        self.clock = clock
+        # Moving average of the decode calls' seconds on `clock` (None before the first): the margin
+        # gathering keeps before a deadline (`gather_margin`).
+        self.call_seconds: float | None = None
         self.stats = CodecStats()
         self._cv = threading.Condition()
         self._queue: deque[tuple] = deque()  # ("reset", slot) | ("decode", _Piece)
@@ -274,10 +333,20 @@ class CodecStage:
         with self._cv:
             self._free.append(slot)
 
-    def decode(self, slot: int, tag: object, codes: Tensor, *, first: bool = False) -> None:
+    def decode(
+        self,
+        slot: int,
+        tag: object,
+        codes: Tensor,
+        *,
+        first: bool = False,
+        deadline: float | None = None,
+    ) -> None:
         """Queue `codes [N, t]` (int64, CPU, 1 <= t <= MAX_PIECE_FRAMES) of stream `slot`; its
         DecodeResult carries `tag`. first: the piece is the first audio of a job (a stream's first
-        piece since `open` always is): gathering never delays its call."""
+        piece since `open` always is): gathering never delays its call. deadline: when the stream's
+        player runs dry without this piece, on `clock` (seconds; None: not known): gathering starts its
+        call before then (`gather_margin`)."""
         if not 1 <= codes.shape[1] <= MAX_PIECE_FRAMES:
             raise ValueError(f"a decode piece holds 1 to {MAX_PIECE_FRAMES} frames, got {codes.shape[1]}")
         limit = self.max_stream_frames
@@ -291,7 +360,7 @@ class CodecStage:
         with self._cv:
             if self.dead is not None:
                 raise self.dead
-            self._queue.append(("decode", _Piece(slot, tag, codes, first, self._clock())))
+            self._queue.append(("decode", _Piece(slot, tag, codes, first, self.clock(), deadline)))
             self._cv.notify()
 
     def frames_left(self, slot: int) -> int | None:
@@ -453,7 +522,7 @@ class CodecStage:
                             continue
                         if self._stopping or self._tasks or self._encodes:
                             break
-                        left = self._gather_wait()
+                        left = min(self._gather_bounds())
                         if left <= 0:
                             break
                         gathered = True
@@ -479,19 +548,9 @@ class CodecStage:
                         with self._cv:
                             self._busy = False
                     continue
-                encode: tuple[Tensor, Future] | None
-                resets: list[int]
-                pieces: list[list[_Piece]]
                 with self._cv:
-                    if self._encodes and self._gather_wait() > 0:
-                        # The pieces gather: the queued encode goes now, in time the worker would wait.
-                        resets, pieces, encode = [], [], self._encodes.popleft()
-                    else:
-                        resets, pieces = self._take_batch()
-                        encode = self._encodes.popleft() if self._encodes and not pieces else None
-                    if pieces and gathered:
-                        self.stats.gathered_calls += 1
-                        gathered = False
+                    resets, pieces, encode = self._next_turn(gathered)
+                    gathered = gathered and not pieces
                     self._busy = True
                 try:
                     alive = self._run_batch(resets, pieces, encode)
@@ -503,6 +562,25 @@ class CodecStage:
                     return
         for _, future in encodes:
             future.set_exception(RuntimeError("the codec stage stopped"))
+
+    def _next_turn(
+        self, gathered: bool
+    ) -> tuple[list[int], list[list[_Piece]], tuple[Tensor, Future] | None]:
+        """(cv held) The next turn's work, taken off the queues: the resets and rows of a decode call
+        (`_take_batch`) and an encode, or only an encode while the pieces gather (it goes in time the
+        worker would wait). A decode call is counted as gathered where the worker waited for more pieces
+        since its last one (`gathered`), and as started by a deadline where gathering's cap alone would
+        still wait."""
+        cap, slack = self._gather_bounds()
+        if self._encodes and min(cap, slack) > 0:
+            return [], [], self._encodes.popleft()
+        resets, pieces = self._take_batch()
+        encode = self._encodes.popleft() if self._encodes and not pieces else None
+        if pieces and gathered:
+            self.stats.gathered_calls += 1
+        if pieces and cap > 0:  # (so slack == 0: the worker stopped waiting for a deadline)
+            self.stats.slack_calls += 1
+        return resets, pieces, encode
 
     def _run_batch(
         self, resets: list[int], rows: list[list[_Piece]], encode: tuple[Tensor, Future] | None
@@ -543,16 +621,24 @@ class CodecStage:
                 return False
         return True
 
-    def _gather_wait(self) -> float:
-        """(cv held) Seconds the next decode call should still wait for more pieces (`gather_wait`)."""
+    def gather_margin(self) -> float:
+        """Seconds before a queued piece's deadline at which gathering starts its call: GATHER_MARGIN_CALLS
+        times the recent decode calls' average seconds (`call_seconds`; none before the first call)
+        plus GATHER_MARGIN_SECONDS (see their comment)."""
+        return GATHER_MARGIN_CALLS * (self.call_seconds or 0.0) + GATHER_MARGIN_SECONDS
+
+    def _gather_bounds(self) -> tuple[float, float]:
+        """(cv held) The seconds the next decode call may still wait for more pieces: gathering's cap and
+        the queued pieces' slack (`gather_bounds`)."""
         if self.gather <= 0:
-            return 0.0
-        return gather_wait(
+            return 0.0, 0.0
+        return gather_bounds(
             (item for kind, item in self._queue if kind == "decode"),
-            self._clock(),
+            self.clock(),
             gather=self.gather,
             target_frames=self.gather_frames,
             max_rows=self.max_rows,
+            margin=self.gather_margin(),
         )
 
     def _take_batch(self) -> tuple[list[int], list[list[_Piece]]]:
@@ -592,6 +678,7 @@ class CodecStage:
     def _run_decode(self, rows: list[list[_Piece]]) -> None:
         """(worker) One decode call of `rows` (one per slot, at most `max_frames` frames each); raises
         whatever the staging or the decoder raises (`_run_batch` fails the call's pieces)."""
+        began = self.clock()  # (the call's time for gathering's margin: staging and copy-out included)
         L = self.codec.frame_length
         lengths = [sum(p.codes.shape[1] for p in row) for row in rows]
         n = len(rows)
@@ -644,6 +731,9 @@ class CodecStage:
                 samples = out[i, offset * L : (offset + t) * L].numpy().copy()
                 results.append(DecodeResult(p.tag, p.slot, t, samples))
                 offset += t
+        took = self.clock() - began
+        c = self.call_seconds
+        self.call_seconds = took if c is None else c + CALL_EMA * (took - c)
         with self._cv:
             self._results.extend(results)
 

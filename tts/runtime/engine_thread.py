@@ -461,6 +461,7 @@ class LoopStats:
     codec_decode_frames: int = 0
     codec_decode_padded_frames: int = 0  # rows x frames the padded calls computed
     codec_gathered_calls: int = 0  # decode calls the codec stage's gathering delayed
+    codec_slack_calls: int = 0  # decode calls a player's deadline started before gathering's cap
     # The time to first audio split by phase (`JobPipeline.first_audio_seconds`), summed over the jobs
     # that had audio (`first_audio_jobs`).
     first_audio_seconds: dict = field(default_factory=dict)
@@ -489,8 +490,8 @@ class EngineThread:
     forever). voices_dir: where registered voices are kept (None: in memory only).
     reference_cache_bytes: capacity of the encoded-reference cache (0: off). codec_graphs: let the
     codec stage capture CUDA graphs. codec_gather: seconds a later audio chunk may wait in the codec
-    stage for more work to share its decode call (0: none; `CodecStage`'s gather). warmup: run one
-    short synthesis before `wait_ready` returns.
+    stage for more work to share its decode call (0: none; `CodecStage`'s gather; less where its
+    player would run dry first). warmup: run one short synthesis before `wait_ready` returns.
     max_sessions: sessions open at most (`open_session` raises SessionLimit beyond). session_options:
     the sessions' default bounds and chunking. session_clock: seconds, monotonic, that the sessions' hold
     and idle timeouts read (tests pass their own, then call `wake()` after moving it).
@@ -1179,7 +1180,7 @@ class EngineThread:
         s.codec_decode_seconds, s.codec_encode_seconds = cs.decode_seconds, cs.encode_seconds
         s.codec_decode_calls, s.codec_decode_frames = cs.decode_calls, cs.decode_frames
         s.codec_decode_padded_frames = cs.decode_padded_frames
-        s.codec_gathered_calls = cs.gathered_calls
+        s.codec_gathered_calls, s.codec_slack_calls = cs.gathered_calls, cs.slack_calls
         s.first_audio_seconds, s.first_audio_jobs = dict(r.first_audio_seconds), r.first_audio_jobs
         s.cache_hits, s.cache_misses = self.reference_cache.hits, self.reference_cache.misses
         s.sessions = self.sessions_open

@@ -209,6 +209,9 @@ class _Job:
     # Its audio's playback clock, which the engine keeps for real-time admission (tts.engine.realtime):
     # one for all its text chunks, so that a later chunk's request knows how far ahead the job is.
     playback: Playback | None = None
+    # The playback clock's frames released before this job (a session's earlier jobs on the same clock):
+    # where the job's audio starts on it (`_deadline`).
+    playback_start: int = 0
     prefill_tokens: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
     # (sequence, frame_start, codes) being decoded
@@ -243,7 +246,9 @@ class JobPipeline:
     job may hold its row while others wait (None: forever). notify: called from the codec stage's
     thread when results are ready (wakes the driving thread). reference_cache: encoded clips by content
     (None: no cache). codec_graphs: let the codec stage capture CUDA graphs. codec_gather: seconds a
-    later audio chunk may wait in the codec stage for more work to share its decode call (0: none).
+    later audio chunk may wait in the codec stage for more work to share its decode call (0: none); less
+    where its player would run dry first (the runner passes each chunk's deadline, `_deadline`, where
+    real-time admission keeps the job's playback clock).
     """
 
     def __init__(
@@ -334,6 +339,7 @@ class JobPipeline:
         elif self.engine.realtime is not None:
             playback = Playback(self.planner.frame_rate, spec.first_chunk_frames, spec.chunk_frames)
         job.playback = playback
+        job.playback_start = playback.released if playback is not None else 0
         self.jobs[job.job_id] = job
         if slot is not None:
             job.slot, job.own_slot = slot, False
@@ -691,12 +697,44 @@ class JobPipeline:
             job.pending = job.pending[n:]
             job.inflight.append((job.sequence, job.frames_queued, codes))
             # (a job's first chunk is its time to first audio: the codec stage decodes it at once)
-            self.stage.decode(job.slot, (job.job_id, job.sequence), codes, first=job.first_chunk_at is None)
+            self.stage.decode(
+                job.slot,
+                (job.job_id, job.sequence),
+                codes,
+                first=job.first_chunk_at is None,
+                deadline=self._deadline(job),
+            )
             if job.first_chunk_at is None:
                 job.first_chunk_at = time.monotonic()
             job.sequence += 1
             job.frames_queued += codes.shape[1]
         self._pause_if_full(job)
+
+    def _deadline(self, job: _Job) -> float | None:
+        """When the job's player runs dry without the piece about to be queued (when the audio before
+        it has played), on the codec stage's clock; None where the job's playback clock is not kept
+        (real-time admission off) or has not started.
+
+        On the playback clock (tts.engine.realtime.Playback, the engine's clock) the player started at
+        `started`, moved on by the gaps where it ran dry, and plays `rate` frames a second: the audio
+        before the piece has played at `started + before / rate`, `before` being the clock's frames
+        before the piece. Which of the clock's frames those are: it releases a chunk in the frame step
+        that completes it, before the runner routes that step's frame, so its `released` holds this
+        piece already (and for a family that drops each text chunk's first frame it released it a step
+        earlier); it counts frames that are no audio (a dropped first frame, an end-token frame), so
+        it runs ahead of the audio, never behind; the loop guard's held frames it leaves out, as the
+        runner does. So `before` is at least this job's audio sent before the piece (`frames_queued`)
+        on top of where the job began on the clock (`playback_start`: a session's earlier jobs), and
+        that is used: a deadline a few frames early at worst, never late. The clock's `released` bounds
+        it too (the clock's own dry time, should it ever have seen less than the job sent). A gap after
+        the piece's start moved `started` on, but then the time computed is past already (the frames
+        after the gap play from its release on, and a past deadline starts the call at once)."""
+        playback = job.playback
+        if self.engine.realtime is None or playback is None or playback.started is None:
+            return None
+        before = min(playback.released, job.playback_start + job.frames_queued)
+        dry = playback.started + before / playback.rate
+        return self.stage.clock() + (dry - self.engine.clock())
 
     def _audio(self, result: DecodeResult) -> None:
         job_id, sequence = cast("tuple[str, int]", result.tag)  # the tag _audio_frame queued
