@@ -390,6 +390,43 @@ def test_an_encode_runs_while_pieces_gather_and_stop_ends_the_wait(codec):
     assert not stage._thread.is_alive()
 
 
+def test_an_encode_does_not_make_a_gathering_piece_miss_its_deadline(codec, monkeypatch):
+    """While a later piece gathers toward its player's deadline, a reference encode queued then must not
+    run first when it outlasts the piece's slack: here the encode takes 0.5 s of the stage's clock and
+    the piece has 0.2 s left; its decode call must start before the deadline less the margin."""
+    done, clock = threading.Event(), Clock()
+    stage = gathering_stage(codec, done, clock)
+    encode_audio = codec.encode_audio
+
+    def slow_encode(samples):
+        clock.now += 0.5
+        return encode_audio(samples)
+
+    monkeypatch.setattr(stage.codec, "encode_audio", slow_encode)
+    starts = []
+    decode = stage.decoder.decode
+
+    def timed_decode(*args):
+        starts.append(clock.now)
+        return decode(*args)
+
+    monkeypatch.setattr(stage.decoder, "decode", timed_decode)
+    try:
+        a = stage.open()
+        stage.decode(a, (a, 0), codes_for(1, 4, codec))
+        collect(stage, done, 1)
+        clock.read.clear()
+        deadline = clock.now + 0.2 + GATHER_MARGIN_SECONDS
+        stage.decode(a, (a, 1), codes_for(2, 8, codec), deadline=deadline)
+        assert clock.read.wait(30), "the worker did not look at the queue"
+        samples = torch.sin(torch.arange(codec.sample_rate // 2) * 0.05).float()
+        stage.encode(samples).result(60)
+        collect(stage, done, 1)
+        assert starts[-1] <= deadline - GATHER_MARGIN_SECONDS
+    finally:
+        stage.stop(timeout=60)
+
+
 def test_gathering_changes_no_sample(codec):
     """The same pieces in the same calls give identical PCM with gathering on and off: three streams'
     first pieces in one call, then their later pieces in one call (held back by a busy worker without

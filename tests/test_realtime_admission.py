@@ -470,3 +470,66 @@ def test_a_sessions_chunks_of_one_turn_are_one_stream(tiny_bundle, monkeypatch):
         assert (turn.frames, turn.released) == (18, 16)
     finally:
         tts.close()
+
+
+def test_a_sessions_next_job_gets_no_deadline_after_its_players_dry_time(tiny_bundle, monkeypatch):
+    """A session's chunks are jobs on ONE playback clock (`submit(playback=...)`, `next_job`). The clock
+    counts frames that are no audio (here each text chunk's dropped first frame; with S2 the end-token
+    frame), so where the next job begins on it is past the audio its player got: the deadlines of that
+    job's chunks must still be no later than when a player fed each chunk at its queueing runs dry."""
+    bundle = dataclasses.replace(tiny_bundle, frames=FrameConvention(drop_first=True))
+    config = EngineConfig(max_batch=2, graphs="off", realtime_admission=True)
+    engine = PacedEngine(bundle.model, config, clock=Clock(), step=0.025, prefill=0.05)
+    planner = Planner(bundle, engine.max_context, engine.check)
+    pipeline = JobPipeline(engine, planner, max_streams=2)
+    pipeline.stage.clock = lambda: 1000.0
+    queued = []  # (job, frames, first, deadline on the engine's clock, queued at on the engine's clock)
+    decode = pipeline.stage.decode
+
+    def recording_decode(slot, tag, codes, *, first=False, deadline=None):
+        at = engine.clock()
+        queued.append(
+            (tag[0], codes.shape[1], first, None if deadline is None else deadline - 1000.0 + at, at)
+        )
+        decode(slot, tag, codes, first=first, deadline=deadline)
+
+    monkeypatch.setattr(pipeline.stage, "decode", recording_decode)
+
+    def run(seed: int, playback: Playback | None) -> Playback:
+        spec = planner.job(
+            "A few words.",
+            seed=seed,
+            max_new_frames=24,
+            min_new_frames=24,
+            first_chunk_frames=2,
+            chunk_frames=8,
+        )
+        sink = ListSink()
+        job_id = pipeline.submit(spec, sink, playback=playback)
+        clock = pipeline.jobs[job_id].playback
+        limit = time.monotonic() + 60  # a safety bound: the audio comes from the codec worker
+        while not any(isinstance(e, Finished) for e in sink.events):
+            assert time.monotonic() < limit, "the job did not finish"
+            if not pipeline.step():
+                time.sleep(0.001)
+        assert clock is not None
+        return clock
+
+    try:
+        clock = run(1, None)
+        for seed in (2, 3):  # the session's next chunks, on the same clock, each right after the one before
+            run(seed, clock)
+    finally:
+        pipeline.stage.stop()
+    # A player fed each chunk when it was queued (no decode, no delivery: the latest it can run dry; one
+    # that ran dry plays a late chunk from its queueing on).
+    dry = None
+    late = []
+    for job, frames, first, deadline, at in queued:
+        # (a deadline already past when the chunk is queued starts its call at once, whatever it says)
+        if deadline is not None and not first and deadline > max(dry, at) + 1e-9:
+            late.append((job, round(deadline - dry, 6)))
+        dry = (
+            at + frames / planner.frame_rate if dry is None or dry < at else dry + frames / planner.frame_rate
+        )
+    assert late == [], "\n".join(map(str, [late, *queued]))

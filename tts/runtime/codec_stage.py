@@ -27,7 +27,8 @@ after a first chunk of 4: 186 ms of audio at S2-Pro's 21.5 frames/s, less the fr
 waits only as long as its player can spare; a piece without a deadline (its playback clock unknown)
 waits for the cap. The worker waits on its condition variable with that timeout; new work wakes it to
 decide again. A queued reference encode runs while pieces gather (it never waits longer than without
-gathering); `stop` ends the wait at once. `stats.gathered_calls` counts the calls gathering delayed,
+gathering) where its recent seconds fit in their slack, else after their call; `stop` ends the wait at
+once. `stats.gathered_calls` counts the calls gathering delayed,
 `stats.slack_calls` those that a deadline started while the cap would have waited on.
 
 Results (`results()`) come back per piece, in queue order per stream, as float32 numpy
@@ -268,6 +269,9 @@ class CodecStage:
         # Moving average of the decode calls' seconds on `clock` (None before the first): the margin
         # gathering keeps before a deadline (`gather_margin`).
         self.call_seconds: float | None = None
+        # Moving average of the reference encodes' seconds on `clock` (None before the first): an encode
+        # runs ahead of gathering pieces only where it fits in their slack (`_next_turn`).
+        self.encode_call_seconds: float | None = None
         self.stats = CodecStats()
         self._cv = threading.Condition()
         self._queue: deque[tuple] = deque()  # ("reset", slot) | ("decode", _Piece)
@@ -568,17 +572,21 @@ class CodecStage:
     ) -> tuple[list[int], list[list[_Piece]], tuple[Tensor, Future] | None]:
         """(cv held) The next turn's work, taken off the queues: the resets and rows of a decode call
         (`_take_batch`) and an encode, or only an encode while the pieces gather (it goes in time the
-        worker would wait). A decode call is counted as gathered where the worker waited for more pieces
-        since its last one (`gathered`), and as started by a deadline where gathering's cap alone would
-        still wait."""
+        worker would wait, where its recent seconds fit in the pieces' slack before a deadline). A
+        decode call is counted as gathered where the worker waited for more pieces since its last one
+        (`gathered`), and as started by a deadline where gathering's cap alone would still wait."""
         cap, slack = self._gather_bounds()
-        if self._encodes and min(cap, slack) > 0:
+        # (an encode that may outlast a piece's slack goes after the call: not measured yet, it may)
+        fits = slack == math.inf or (
+            self.encode_call_seconds is not None and self.encode_call_seconds < slack
+        )
+        if self._encodes and cap > 0 and slack > 0 and fits:
             return [], [], self._encodes.popleft()
         resets, pieces = self._take_batch()
         encode = self._encodes.popleft() if self._encodes and not pieces else None
         if pieces and gathered:
             self.stats.gathered_calls += 1
-        if pieces and cap > 0:  # (so slack == 0: the worker stopped waiting for a deadline)
+        if pieces and cap > 0:  # (slack is 0, or an encode would outlast it: a deadline started it)
             self.stats.slack_calls += 1
         return resets, pieces, encode
 
@@ -744,7 +752,7 @@ class CodecStage:
         self._out[: y.numel()].view(y.shape).copy_(y)
 
     def _run_encode(self, samples: Tensor, future: Future) -> None:
-        t0 = time.perf_counter()
+        t0, began = time.perf_counter(), self.clock()
         try:
             codes = self.codec.encode_audio(samples)
             if self.is_cuda:
@@ -759,6 +767,8 @@ class CodecStage:
         finally:
             self.stats.encode_calls += 1
             self.stats.encode_seconds += time.perf_counter() - t0
+            took, c = self.clock() - began, self.encode_call_seconds
+            self.encode_call_seconds = took if c is None else c + CALL_EMA * (took - c)
         future.set_result(codes.cpu())
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -209,8 +210,9 @@ class _Job:
     # Its audio's playback clock, which the engine keeps for real-time admission (tts.engine.realtime):
     # one for all its text chunks, so that a later chunk's request knows how far ahead the job is.
     playback: Playback | None = None
-    # The playback clock's frames released before this job (a session's earlier jobs on the same clock):
-    # where the job's audio starts on it (`_deadline`).
+    # The audio frames sent on the playback clock before this job (a session's earlier jobs on the same
+    # clock; not the clock's `released`, which also counts their frames that are no audio): where the
+    # job's audio starts on it (`_deadline`).
     playback_start: int = 0
     prefill_tokens: list[int] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
@@ -307,6 +309,9 @@ class JobPipeline:
         # its audio back from the codec stage).
         self.first_audio_seconds = dict.fromkeys(FIRST_AUDIO_PHASES, 0.0)
         self.first_audio_jobs = 0
+        # Audio frames the jobs sent to the codec stage per playback clock (a session's turn: its chunks'
+        # jobs share one): where the next job's audio starts on it (`_Job.playback_start`).
+        self._sent: weakref.WeakKeyDictionary[Playback, int] = weakref.WeakKeyDictionary()
 
     # ---- commands (the driving thread) -------------------------------------------------------------
 
@@ -339,7 +344,7 @@ class JobPipeline:
         elif self.engine.realtime is not None:
             playback = Playback(self.planner.frame_rate, spec.first_chunk_frames, spec.chunk_frames)
         job.playback = playback
-        job.playback_start = playback.released if playback is not None else 0
+        job.playback_start = self._sent.get(playback, 0) if playback is not None else 0
         self.jobs[job.job_id] = job
         if slot is not None:
             job.slot, job.own_slot = slot, False
@@ -708,6 +713,8 @@ class JobPipeline:
                 job.first_chunk_at = time.monotonic()
             job.sequence += 1
             job.frames_queued += codes.shape[1]
+            if job.playback is not None:
+                self._sent[job.playback] = job.playback_start + job.frames_queued
         self._pause_if_full(job)
 
     def _deadline(self, job: _Job) -> float | None:
@@ -724,7 +731,8 @@ class JobPipeline:
         earlier); it counts frames that are no audio (a dropped first frame, an end-token frame), so
         it runs ahead of the audio, never behind; the loop guard's held frames it leaves out, as the
         runner does. So `before` is at least this job's audio sent before the piece (`frames_queued`)
-        on top of where the job began on the clock (`playback_start`: a session's earlier jobs), and
+        on top of the audio sent on the clock before the job (`playback_start`: a session's earlier
+        jobs' audio, never the clock's frames, which run ahead by a frame or so per text chunk), and
         that is used: a deadline a few frames early at worst, never late. The clock's `released` bounds
         it too (the clock's own dry time, should it ever have seen less than the job sent). A gap after
         the piece's start moved `started` on, but then the time computed is past already (the frames
