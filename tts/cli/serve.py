@@ -235,11 +235,11 @@ def add_parser(subparsers) -> None:
         help="how long a later audio chunk may wait at most in the codec stage for others to share its "
         "decode call (a call has a fixed part, about 3 ms on an H100); a job's first chunk never waits, "
         "nor does a call of 256 frames or more, and with real-time admission on (the default on CUDA) "
-        "no chunk waits longer than its stream's player can spare: the call starts before the audio "
-        "already sent has played, less twice the recent calls' time and 10 ms (default 0 = no waiting: "
-        "each call takes what is queued). It frees GPU time for the frame steps; with real-time "
-        "admission off a later chunk may wait the whole time (a fixed 60 ms made twice as many chunks "
-        "late at 64 streams on an H100, docs/benchmarks.md)",
+        "a call starts before the audio already sent to a queued chunk's player has played, less twice "
+        "the recent calls' time and 10 ms (default 0 = no waiting: each call takes what is queued). "
+        "Measured at 64 streams on an H100 with 200: the codec's GPU time halved, the frame steps were "
+        "no faster, and a few chunks were still late (docs/benchmarks.md): a setting for clients that "
+        "buffer",
     )
     add_access_args(p)
     p.set_defaults(func=cmd_serve)
