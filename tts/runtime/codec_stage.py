@@ -62,6 +62,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -99,6 +100,11 @@ GATHER_MARGIN_CALLS = 2.0
 GATHER_MARGIN_SECONDS = 0.010
 # Weight of a new decode call's seconds in that moving average (about the last 4-8 calls count).
 CALL_EMA = 0.25
+
+
+def _ema(average: float | None, sample: float) -> float:
+    """A moving average (weight CALL_EMA) with `sample` added; the sample itself when there is none."""
+    return sample if average is None else average + CALL_EMA * (sample - average)
 
 
 def _bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -167,24 +173,13 @@ def gather_bounds(
     return max(0.0, oldest + gather - now), max(0.0, earliest - margin - now)
 
 
-def gather_wait(
-    pieces: Iterable[_Piece],
-    now: float,
-    *,
-    gather: float,
-    target_frames: int,
-    max_rows: int,
-    margin: float = 0.0,
-) -> float:
+def gather_wait(pieces: Iterable[_Piece], now: float, **bounds: Any) -> float:
     """Seconds the codec worker should still wait before it starts a decode call of the queued `pieces`;
-    0.0: start it now. The smaller of `gather_bounds`: now when gathering is off or nothing is queued,
-    when a piece is a stream's first, when the pieces hold `target_frames` frames or more or rows of
-    `max_rows` streams or more; else when the oldest has waited `gather` seconds or when a piece's
-    `deadline` is `margin` seconds away, whichever comes first."""
-    cap, slack = gather_bounds(
-        pieces, now, gather=gather, target_frames=target_frames, max_rows=max_rows, margin=margin
-    )
-    return min(cap, slack)
+    0.0: start it now. The smaller of `gather_bounds` (same arguments): now when gathering is off or
+    nothing is queued, when a piece is a stream's first, when the pieces hold `target_frames` frames or
+    more or rows of `max_rows` streams or more; else when the oldest has waited `gather` seconds or when
+    a piece's `deadline` is `margin` seconds away, whichever comes first."""
+    return min(gather_bounds(pieces, now, **bounds))
 
 
 @dataclass
@@ -631,7 +626,7 @@ class CodecStage:
 
     def gather_margin(self) -> float:
         """Seconds before a queued piece's deadline at which gathering starts its call: GATHER_MARGIN_CALLS
-        times the recent decode calls' average seconds (`call_seconds`; none before the first call)
+        times the decode calls' moving-average seconds (`call_seconds`; 0 until one has been timed)
         plus GATHER_MARGIN_SECONDS (see their comment)."""
         return GATHER_MARGIN_CALLS * (self.call_seconds or 0.0) + GATHER_MARGIN_SECONDS
 
@@ -739,9 +734,7 @@ class CodecStage:
                 samples = out[i, offset * L : (offset + t) * L].numpy().copy()
                 results.append(DecodeResult(p.tag, p.slot, t, samples))
                 offset += t
-        took = self.clock() - began
-        c = self.call_seconds
-        self.call_seconds = took if c is None else c + CALL_EMA * (took - c)
+        self.call_seconds = _ema(self.call_seconds, self.clock() - began)
         with self._cv:
             self._results.extend(results)
 
@@ -767,8 +760,7 @@ class CodecStage:
         finally:
             self.stats.encode_calls += 1
             self.stats.encode_seconds += time.perf_counter() - t0
-            took, c = self.clock() - began, self.encode_call_seconds
-            self.encode_call_seconds = took if c is None else c + CALL_EMA * (took - c)
+            self.encode_call_seconds = _ema(self.encode_call_seconds, self.clock() - began)
         future.set_result(codes.cpu())
 
 
