@@ -234,6 +234,16 @@ class Clock:
         return self.now
 
 
+def past_first_pieces(stage: CodecStage, done: threading.Event, codec, n: int) -> list[int]:
+    """Open `n` streams and decode each one's first piece (4 frames; first pieces never gather): the
+    slots, with their results collected, so that what the test queues next are later pieces."""
+    slots = [stage.open() for _ in range(n)]
+    for k, slot in enumerate(slots):
+        stage.decode(slot, (slot, 0), codes_for(k + 1, 4, codec))
+    collect(stage, done, n)
+    return slots
+
+
 def gathering_stage(codec, done: threading.Event, clock: Clock, **options) -> CodecStage:
     # (an hour's bound on a clock that stands still: only the size, a first piece or the test's clock
     # moving starts a call)
@@ -282,10 +292,7 @@ def test_later_pieces_go_when_the_oldest_has_waited_the_bound(codec):
     done, clock = threading.Event(), Clock()
     stage = gathering_stage(codec, done, clock)
     try:
-        a, b = stage.open(), stage.open()
-        stage.decode(a, (a, 0), codes_for(1, 4, codec))
-        stage.decode(b, (b, 0), codes_for(2, 4, codec))
-        collect(stage, done, 2)
+        a, b = past_first_pieces(stage, done, codec, 2)
         calls = stage.stats.decode_calls
         clock.read.clear()
         stage.decode(a, (a, 1), codes_for(3, 8, codec))
@@ -310,10 +317,7 @@ def test_a_later_piece_goes_when_its_player_needs_it_not_at_the_cap(codec):
     done, clock = threading.Event(), Clock()
     stage = gathering_stage(codec, done, clock)
     try:
-        a, b = stage.open(), stage.open()
-        stage.decode(a, (a, 0), codes_for(1, 4, codec))
-        stage.decode(b, (b, 0), codes_for(2, 4, codec))
-        collect(stage, done, 2)
+        a, b = past_first_pieces(stage, done, codec, 2)
         assert stage.call_seconds == 0.0 and stage.gather_margin() == GATHER_MARGIN_SECONDS
         calls = stage.stats.decode_calls
         clock.read.clear()
@@ -374,9 +378,7 @@ def test_an_encode_runs_while_pieces_gather_and_stop_ends_the_wait(codec):
     done, clock = threading.Event(), Clock()
     stage = gathering_stage(codec, done, clock)
     try:
-        a = stage.open()
-        stage.decode(a, (a, 0), codes_for(1, 4, codec))
-        collect(stage, done, 1)
+        (a,) = past_first_pieces(stage, done, codec, 1)
         calls = stage.stats.decode_calls
         clock.read.clear()
         stage.decode(a, (a, 1), codes_for(2, 8, codec))
@@ -412,9 +414,7 @@ def test_an_encode_does_not_make_a_gathering_piece_miss_its_deadline(codec, monk
 
     monkeypatch.setattr(stage.decoder, "decode", timed_decode)
     try:
-        a = stage.open()
-        stage.decode(a, (a, 0), codes_for(1, 4, codec))
-        collect(stage, done, 1)
+        (a,) = past_first_pieces(stage, done, codec, 1)
         clock.read.clear()
         deadline = clock.now + 0.2 + GATHER_MARGIN_SECONDS
         stage.decode(a, (a, 1), codes_for(2, 8, codec), deadline=deadline)
