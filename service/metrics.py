@@ -29,6 +29,7 @@ every iteration by the engine thread); per-request figures are observed by the g
 | `tts_end_refusals_total` | counter | end tokens refused because the text was not said yet (models with aligner heads: the step is sampled again without it; a text chunk that still ends early ends `short`) |
 | `tts_prefill_replays_total` | counter | prefill passes replayed from a CUDA graph (/ passes = the prefill's replay share) |
 | `tts_engine_seconds_total{phase}` | counter | the engine thread's wall time by phase: `prefill`, `replay`, `rows` (the three parts of an engine step), `audio` (delivering decoded chunks), `route` (handling the step's outputs), `commands` (submissions, cancels), `idle` (waiting for work), `handover` (events to the asyncio loops) |
+| `tts_engine_device_seconds_total{phase}` | counter | on CUDA, the device time of the engine steps' `prefill` (with the new rows' loads and block-table writes) and `replay` phases, from events on the engine's stream; the wall time of those phases less this is time the GPU's engine stream waited for the host |
 | `tts_codec_decode_seconds_total`, `tts_codec_encode_seconds_total` | counter | codec stage time (device time on CUDA, events around each call; wall time on a CPU) |
 | `tts_codec_decode_calls_total`, `tts_codec_decode_frames_total` | counter | batched decode calls and the frames they decoded (frames / calls = batch) |
 | `tts_codec_decode_padded_frames_total` | counter | frames the decode calls computed, padding included (rows bucket x frames bucket of each call; frames / padded frames = the calls' fill) |
@@ -171,6 +172,15 @@ class _EngineCollector:
         for phase, value in s.phase_seconds.items():
             phases.add_metric([phase], value)
         yield phases
+        if s.device_seconds:
+            device = CounterMetricFamily(
+                "tts_engine_device_seconds",
+                "Device time of the engine steps' prefill and replay phases (seconds, CUDA)",
+                labels=["phase"],
+            )
+            for phase, value in s.device_seconds.items():
+                device.add_metric([phase], value)
+            yield device
         deferred = CounterMetricFamily(
             "tts_realtime_deferred",
             "Requests whose admission real-time admission deferred, by the first reason",

@@ -535,3 +535,20 @@ def test_text_positions_and_rewinds_under_replay_equal_eager(model, monkeypatch)
         )
     engine.step()
     step_without_host_sync(engine, 4)
+
+
+def test_the_engine_reports_the_device_time_of_its_prefills_and_frame_steps(model):
+    engine = make_engine(model, graphs="startup", prefill_graphs="startup")
+    params = SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_frames=12)
+    engine.submit(prompt(model, 40, 1), SamplingParams(**{**params.__dict__, "seed": 1}), "a")
+    engine.submit(prompt(model, 24, 2), SamplingParams(**{**params.__dict__, "seed": 2}), "b")
+    frames = {"a": 0, "b": 0}
+    while engine.has_work():  # a packed prefill (replayed), then 12 frame steps
+        for out in engine.step():
+            frames[out.request_id] += out.codes.shape[0]
+    assert frames == {"a": 12, "b": 12} and engine.frame_steps == 12
+    assert engine.runner.prefill_graphs.graphs.stats.replays == 1
+    # events on the engine's stream: the step's device time lies inside its wall time (the host waits
+    # for the frame), and the prefill's was measured
+    assert engine.device_seconds["prefill"] > 0
+    assert 0 < engine.device_seconds["replay"] <= engine.phase_seconds["replay"]

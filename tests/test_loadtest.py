@@ -105,6 +105,13 @@ def test_engine_phases_per_level_from_the_labelled_counter():
     split = server_time_split(before, after)
     assert split["engine_prefill_s"] == 3.5 and split["engine_idle_s"] == 0.0
     assert split["engine_replay_s"] is None  # a server without the phase
+    assert split["engine_device_replay_s"] is None  # (a CPU server: no device time)
+
+
+def test_engine_device_time_per_level():
+    before = parse_metrics('tts_engine_device_seconds_total{phase="replay"} 1.25\n')
+    after = parse_metrics('tts_engine_device_seconds_total{phase="replay"} 4.0\n')
+    assert server_time_split(before, after)["engine_device_replay_s"] == 2.75
 
 
 def test_codec_share_and_cache_counts_per_level():

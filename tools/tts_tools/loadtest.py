@@ -154,6 +154,10 @@ SERVER_COUNTERS = (
         for phase in ("prefill", "replay", "rows", "audio", "route", "commands", "idle", "handover")
     }
     | {
+        f"engine_device_{phase}_s": f'tts_engine_device_seconds_total{{phase="{phase}"}}'
+        for phase in ("prefill", "replay")
+    }
+    | {
         f"first_audio_{phase}_s": f'tts_first_audio_seconds_total{{phase="{phase}"}}'
         for phase in FIRST_AUDIO_PHASES
     }

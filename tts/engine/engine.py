@@ -301,6 +301,13 @@ class Engine:
         # Seconds spent per phase of `step` (host wall time; on CUDA "replay" lasts until the frame is on
         # the host): admitting and prefilling new requests, the frame step itself, the per-row outputs.
         self.phase_seconds = {"prefill": 0.0, "replay": 0.0, "rows": 0.0}
+        # On CUDA, the device time of the same two parts, from events on the engine's stream read after
+        # the frame's sync (no sync of their own): the prefill (with the rows' loads and block-table
+        # writes) and the frame step. Wall time less these is the time the device waited for the host.
+        self.device_seconds = {"prefill": 0.0, "replay": 0.0}
+        self._events = (
+            [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.device.type == "cuda" else None
+        )
         prefill_graphs = cfg.prefill_graphs
         if prefill_graphs is None:
             prefill_graphs = cfg.graphs if self.device.type == "cuda" else "off"
@@ -643,7 +650,10 @@ class Engine:
         """One iteration (see the module docstring), its outputs appended to `outputs`."""
         admitted = self._apply_pending(outputs)
         firsts = self._graph_firsts() if self.realtime is not None else 0
+        events = self._events
         phases, t0 = self.phase_seconds, self.clock()
+        if events is not None:
+            events[0].record()
         self._start(admitted, outputs)
         self._grow(outputs)
         n = self.scheduler.num_running
@@ -651,9 +661,14 @@ class Engine:
         phases["prefill"] += t1 - t0
         if n == 0:
             return outputs
+        if events is not None:
+            events[1].record()
         out = self._frame_step(n)
         t2 = self.clock()
         phases["replay"] += t2 - t1
+        if events is not None:  # (complete: the frame's sync waited for events[2])
+            self.device_seconds["prefill"] += events[0].elapsed_time(events[1]) / 1e3
+            self.device_seconds["replay"] += events[1].elapsed_time(events[2]) / 1e3
         self._row_outputs(out, outputs)
         phases["rows"] += self.clock() - t2
         if self.realtime is not None:
@@ -733,6 +748,8 @@ class Engine:
         """One frame step for the `n` running rows (graph replay or eager); returns its `out[:n]` on the
         host."""
         self.graphs.run(n, self._sampler_variant())
+        if self._events is not None:  # (the step's end, for device_seconds)
+            self._events[2].record()
         self.frame_steps += 1
         self.step_rows += n
         return self._frame_to_host(n)

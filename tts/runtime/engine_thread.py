@@ -455,6 +455,8 @@ class LoopStats:
     # (the job runner), commands (submissions, cancels), idle (waiting for work), handover (events to
     # asyncio consumers).
     phase_seconds: dict = field(default_factory=dict)
+    # On CUDA, the device time of the engine steps' prefill and replay phases (`Engine.device_seconds`).
+    device_seconds: dict = field(default_factory=dict)
     codec_decode_seconds: float = 0.0  # device time of codec decode calls (wall time on a CPU)
     codec_encode_seconds: float = 0.0
     codec_decode_calls: int = 0
@@ -1173,6 +1175,7 @@ class EngineThread:
             "idle": self._idle_seconds,
             "handover": self._handover_seconds,
         }
+        s.device_seconds = dict(e.device_seconds) if e.device.type == "cuda" else {}
         s.step_failures = r.step_failures
         s.codec_failures = r.stage.stats.failures
         s.failed = self.failure is not None
