@@ -16,6 +16,7 @@ every iteration by the engine thread); per-request figures are observed by the g
 | `tts_kv_stalls_total`, `tts_kv_preemptions_total` | counter | times a stream waited for a KV block (the pool was full), and streams ended to free blocks (RESOURCE_EXHAUSTED) |
 | `tts_realtime_deferred_total{reason}` | counter | requests whose admission real-time admission deferred at least once (`--realtime-admission`), by the first reason: `slack` (a playing stream would have fallen within `--realtime-margin` of its player), `speed` (the frame step at the larger batch is too slow for a new stream's chunks) |
 | `tts_realtime_forced_total` | counter | requests admitted after `--realtime-max-wait` although a playing stream lacked the margin |
+| `tts_realtime_rode_along_total` | counter | requests admitted into a prefill pass that ran anyway (another request's) although a playing stream lacked the margin: the pass held at most 256 prompt tokens, where one more prompt costs the streams little |
 | `tts_realtime_min_slack_seconds` | gauge | at the last admission decision while streams played: the least audio one had ahead of its player, counting the frames its next chunk still needed (absent before, or with the policy off) |
 | `tts_frame_step_estimate_seconds` | gauge | the frame step's moving average at the running batch, which real-time admission predicts from (absent until measured, or with the policy off) |
 | `tts_graph_replay_share` | gauge | share of decode steps replayed from a CUDA graph |
@@ -162,6 +163,10 @@ class _EngineCollector:
             "tts_realtime_forced": (
                 "Requests admitted after --realtime-max-wait although a stream lacked the margin",
                 s.realtime_forced,
+            ),
+            "tts_realtime_rode_along": (
+                "Requests admitted into another's prefill pass although a stream lacked the margin",
+                s.realtime_rode_along,
             ),
         }
         for name, (doc, value) in counters.items():

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import params, random_prompt, run_to_completion
 
-from tts.engine import Engine, EngineConfig
+from tts.engine import Engine, EngineConfig, realtime
 from tts.engine.realtime import STEP_STALE, Playback, StepTimes
 from tts.params import FrameConvention, chunk_size
 from tts.runtime.jobs import Finished, JobPipeline, ListSink, _Job
@@ -200,6 +200,32 @@ def test_a_request_that_waited_its_budget_is_admitted(tiny_model):
     assert steps_until_running(engine, b) == 4
     assert engine.realtime.forced == 1 and engine.realtime.deferred["slack"] == 1
     assert a.num_generated == 6  # B joined before the step of A's sixth frame (in its third chunk)
+
+
+@pytest.mark.parametrize("ride_tokens, rides", [(256, True), (17, False)])
+def test_a_waiting_request_rides_along_with_a_forced_prefill(tiny_model, monkeypatch, ride_tokens, rides):
+    """As above, B is forced at 0.25 s. C came at 0.17 s and has waited only 0.08 s, and A still
+    lacks slack; but B's prefill runs anyway and the pass holds 9 + 9 prompt tokens: C joins it (one
+    packed pass), unless the pass may hold fewer tokens than that."""
+    monkeypatch.setattr(realtime, "RIDE_ALONG_TOKENS", ride_tokens)
+    engine = timed_engine(tiny_model, realtime_max_wait=0.1, realtime_margin=0.15, packed_prefill=True)
+    a = stream(engine, tiny_model, "a", 1)
+    engine.step()
+    engine.step()
+    b = stream(engine, tiny_model, "b", 2)
+    engine.step()  # B deferred
+    c = stream(engine, tiny_model, "c", 3)
+    passes = engine.runner.prefill_passes
+    assert steps_until_running(engine, b) == 3  # (0.17, 0.21 deferred; forced at 0.25)
+    assert engine.is_running("c") == rides
+    assert engine.runner.prefill_passes == passes + 1
+    assert engine.realtime.forced == 1 and engine.realtime.rode_along == (1 if rides else 0)
+    # (C behind the deferred B was not asked until B was forced; without riding it is deferred then)
+    assert engine.realtime.deferred["slack"] == (1 if rides else 2)
+    assert a.num_generated == 6
+    if not rides:
+        steps_until_running(engine, c)  # (in a pass of its own)
+        assert engine.runner.prefill_passes == passes + 2
 
 
 def test_nothing_running_admits_at_once(tiny_model):
@@ -433,7 +459,7 @@ def test_the_server_reports_the_policy(tiny_bundle):
         srv.stop()
     assert values['tts_realtime_deferred_total{reason="slack"}'] == 0
     assert values['tts_realtime_deferred_total{reason="speed"}'] == 0
-    assert values["tts_realtime_forced_total"] == 0
+    assert values["tts_realtime_forced_total"] == 0 and values["tts_realtime_rode_along_total"] == 0
     assert values["tts_frame_step_estimate_seconds"] > 0
     assert "tts_realtime_min_slack_seconds" not in values  # (no stream plays now)
 

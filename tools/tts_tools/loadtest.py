@@ -148,6 +148,7 @@ SERVER_COUNTERS = (
         "realtime_deferred_speed": 'tts_realtime_deferred_total{reason="speed"}',
         "realtime_deferred_slack": 'tts_realtime_deferred_total{reason="slack"}',
         "realtime_forced": "tts_realtime_forced_total",
+        "realtime_rode_along": "tts_realtime_rode_along_total",
     }
     | {
         f"engine_{phase}_s": f'tts_engine_seconds_total{{phase="{phase}"}}'

@@ -18,8 +18,16 @@ slower (`s'`, the batch grows). The head of the queue is admitted in an iteratio
    audio before it has played (`Playback.ramp_slack(s') >= 0`; the default ramp needs 1.75x real
    time, at its fourth chunk: a step of at most 4/7 of the frame period);
 2. (slack) every playing stream keeps `slack(s') - p >= margin` -- unless the request has waited
-   `max_wait` seconds (the time-to-first-audio budget) or continues a stream whose player already
-   runs (a job's next text chunk).
+   `max_wait` seconds (the time-to-first-audio budget), continues a stream whose player already
+   runs (a job's next text chunk), or rides along: an earlier request is prefilled in this iteration
+   anyway and the pass stays within RIDE_ALONG_TOKENS prompt tokens.
+
+Riding along is what keeps an overloaded engine from paying one prefill pass per request: a pass
+stops every stream for about the same time whether it carries one short prompt or four, while the
+codec's convolutions share the GPU (S2-Pro on an H100, a graphed pass: 6.0 ms for one prompt of 60
+tokens and 8.2 ms for four, alone; 43.6 and 45.7 ms beside a 48-stream codec call, whose kernels
+hold the SMs that each of the pass's hundreds of kernels waits for). A request deferred now would
+be forced within `max_wait` anyway, and then in a pass of its own.
 
 With nothing running a request is always admitted (nothing to protect; its steps are measured). A
 deferred request waits while the frame steps go on and the streams build slack (a stream at 2.7x real
@@ -45,6 +53,10 @@ from tts.params import DEFAULT_CHUNK_FRAMES, DEFAULT_FIRST_CHUNK_FRAMES, MAX_CHU
 STEP_EMA = 0.1
 PREFILL_EMA = 0.25
 DEFERRAL_REASONS = ("slack", "speed")
+# Prompt tokens of a prefill pass up to which a waiting request joins a pass that runs anyway (rule 2):
+# up to about here a pass costs little more than its first prompt (the module docstring; four prompts
+# of 100 tokens cost 1.4x one beside the codec, eight 2x).
+RIDE_ALONG_TOKENS = 256
 # Seconds after which a step time not measured again gives way to a fresher one: a batch size whose only
 # sample was slow (another load on the GPU at that moment) would otherwise never be reached again to be
 # measured anew, since the speed rule keeps the batch below it.
@@ -198,14 +210,17 @@ class StepTimes:
 class RealtimeAdmission:
     """The admission rules of the module docstring. margin, max_wait: seconds. Counters: `deferred`,
     requests deferred at least once, by the first reason (`DEFERRAL_REASONS`); `forced`, requests
-    admitted on `max_wait` while a stream lacked slack; `min_slack`, the least slack of the playing
-    streams (before a prefill) at the last admission decision while any played (None: none yet)."""
+    admitted on `max_wait` while a stream lacked slack; `rode_along`, requests admitted into a pass
+    that ran anyway while a stream lacked slack (RIDE_ALONG_TOKENS); `min_slack`, the least slack of
+    the playing streams (before a prefill) at the last admission decision while any played (None:
+    none yet)."""
 
     margin: float
     max_wait: float
     times: StepTimes = field(default_factory=StepTimes)
     deferred: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DEFERRAL_REASONS, 0))
     forced: int = 0
+    rode_along: int = 0
     min_slack: float | None = None
 
     def admits(
@@ -236,6 +251,9 @@ class RealtimeAdmission:
             return True
         if now - request.arrival_time >= self.max_wait:
             self.forced += 1
+            return True
+        if admitted and tokens <= RIDE_ALONG_TOKENS:
+            self.rode_along += 1
             return True
         return self._defer(request, "slack")
 

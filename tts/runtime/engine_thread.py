@@ -477,6 +477,7 @@ class LoopStats:
     # none plays) and the frame step's moving average at the running batch (seconds; None: unmeasured).
     realtime_deferred: dict = field(default_factory=dict)
     realtime_forced: int = 0
+    realtime_rode_along: int = 0
     realtime_min_slack: float | None = None
     step_estimate: float | None = None
     barge_in_freed_steps: int = 0  # frame steps between those cancels and their rows freed, summed
@@ -1189,6 +1190,7 @@ class EngineThread:
         s.sessions = self.sessions_open
         if e.realtime is not None:
             s.realtime_deferred, s.realtime_forced = dict(e.realtime.deferred), e.realtime.forced
+            s.realtime_rode_along = e.realtime.rode_along
             s.realtime_min_slack = e.realtime.min_slack
             s.step_estimate = e.realtime.times.step_seconds(e.rows_for(max(e.num_running, 1)))
         with self._fps_lock:
