@@ -40,10 +40,12 @@ def chunk_size(first: int, later: int, sequence: int) -> int:
 
 # Admission (tts.engine.scheduler, tts.engine.realtime; `tts serve`'s defaults): prompt tokens prefilled per
 # engine iteration at most; the seconds of audio a playing stream keeps ahead of its player when a request
-# is admitted, and the longest a request waits for that before it is admitted anyway.
+# is admitted, and the longest a request waits for that before it is admitted anyway; the prompt tokens of a
+# prefill pass up to which a waiting request rides along with a pass that runs anyway (tts.engine.realtime).
 DEFAULT_MAX_PREFILL_TOKENS = 2048
 DEFAULT_REALTIME_MARGIN = 0.05
 DEFAULT_REALTIME_MAX_WAIT = 0.15
+RIDE_ALONG_TOKENS = 256
 
 # The KV block pool on CUDA: this share of the free device memory at start-up (`--kv-memory-fraction`); and
 # `--max-batch auto` sizes the batch for streams of AUTO_STREAM_TOKENS context tokens each.

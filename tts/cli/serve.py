@@ -301,7 +301,12 @@ def add_parser(subparsers) -> None:
 
 
 def add_admission_args(p: argparse.ArgumentParser) -> None:
-    from tts.params import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_REALTIME_MARGIN, DEFAULT_REALTIME_MAX_WAIT
+    from tts.params import (
+        DEFAULT_MAX_PREFILL_TOKENS,
+        DEFAULT_REALTIME_MARGIN,
+        DEFAULT_REALTIME_MAX_WAIT,
+        RIDE_ALONG_TOKENS,
+    )
 
     g = p.add_argument_group("admission (when a waiting request joins the batch)")
     g.add_argument(
@@ -328,8 +333,9 @@ def add_admission_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         default=DEFAULT_REALTIME_MAX_WAIT,
         help="seconds a request waits for the streams' margin at most: then it is admitted anyway (its time "
-        "to first audio is at stake too). A batch too slow for one more stream still takes none until one "
-        f"ends (default {DEFAULT_REALTIME_MAX_WAIT:g})",
+        "to first audio is at stake too), and requests waiting behind it join its prefill pass while the "
+        f"pass holds at most {RIDE_ALONG_TOKENS} prompt tokens. A batch too slow for one more stream "
+        f"still takes none until one ends (default {DEFAULT_REALTIME_MAX_WAIT:g})",
     )
     g.add_argument(
         "--max-prefill-tokens",

@@ -20,7 +20,9 @@ slower (`s'`, the batch grows). The head of the queue is admitted in an iteratio
 2. (slack) every playing stream keeps `slack(s') - p >= margin` -- unless the request has waited
    `max_wait` seconds (the time-to-first-audio budget), continues a stream whose player already
    runs (a job's next text chunk), or rides along: an earlier request is prefilled in this iteration
-   anyway and the pass stays within RIDE_ALONG_TOKENS prompt tokens.
+   anyway and the pass stays within RIDE_ALONG_TOKENS prompt tokens (`tts.params`: up to about there
+   a pass costs little more than its first prompt; four prompts of 100 tokens cost 1.4x one beside the
+   codec, eight 2x).
 
 Riding along is what keeps an overloaded engine from paying one prefill pass per request: a pass
 stops every stream for about the same time whether it carries one short prompt or four, while the
@@ -47,16 +49,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tts.engine.request import Request
-from tts.params import DEFAULT_CHUNK_FRAMES, DEFAULT_FIRST_CHUNK_FRAMES, MAX_CHUNK_FRAMES, chunk_size
+from tts.params import (
+    DEFAULT_CHUNK_FRAMES,
+    DEFAULT_FIRST_CHUNK_FRAMES,
+    MAX_CHUNK_FRAMES,
+    RIDE_ALONG_TOKENS,
+    chunk_size,
+)
 
 # Weight of a new measurement in the moving averages (about the last 10 frame steps count).
 STEP_EMA = 0.1
 PREFILL_EMA = 0.25
 DEFERRAL_REASONS = ("slack", "speed")
-# Prompt tokens of a prefill pass up to which a waiting request joins a pass that runs anyway (rule 2):
-# up to about here a pass costs little more than its first prompt (the module docstring; four prompts
-# of 100 tokens cost 1.4x one beside the codec, eight 2x).
-RIDE_ALONG_TOKENS = 256
 # Seconds after which a step time not measured again gives way to a fresher one: a batch size whose only
 # sample was slow (another load on the GPU at that moment) would otherwise never be reached again to be
 # measured anew, since the speed rule keeps the batch below it.
