@@ -30,7 +30,7 @@ every iteration by the engine thread); per-request figures are observed by the g
 | `tts_end_refusals_total` | counter | end tokens refused because the text was not said yet (models with aligner heads: the step is sampled again without it; a text chunk that still ends early ends `short`) |
 | `tts_prefill_replays_total` | counter | prefill passes replayed from a CUDA graph (/ passes = the prefill's replay share) |
 | `tts_engine_seconds_total{phase}` | counter | the engine thread's wall time by phase: `prefill`, `replay`, `rows` (the three parts of an engine step), `audio` (delivering decoded chunks), `route` (handling the step's outputs), `commands` (submissions, cancels), `idle` (waiting for work), `handover` (events to the asyncio loops) |
-| `tts_engine_device_seconds_total{phase}` | counter | on CUDA, the device time of the engine steps' `prefill` (with the new rows' loads and block-table writes) and `replay` phases, from events on the engine's stream; the wall time of those phases less this is time the GPU's engine stream waited for the host |
+| `tts_engine_device_seconds_total{phase}` | counter | on CUDA, from events on the engine's stream: `prefill`, the device's timeline from the first prefill pass's start to the last one's end in each iteration that prefilled; `replay`, the frame step's (launch to end); iterations that warm up or capture a graph are left out. Beside `tts_engine_seconds_total`: the replay phase's wall time less this is mostly the host's (launch, the wait for the frame) |
 | `tts_codec_decode_seconds_total`, `tts_codec_encode_seconds_total` | counter | codec stage time (device time on CUDA, events around each call; wall time on a CPU) |
 | `tts_codec_decode_calls_total`, `tts_codec_decode_frames_total` | counter | batched decode calls and the frames they decoded (frames / calls = batch) |
 | `tts_codec_decode_padded_frames_total` | counter | frames the decode calls computed, padding included (rows bucket x frames bucket of each call; frames / padded frames = the calls' fill) |
@@ -180,7 +180,7 @@ class _EngineCollector:
         if s.device_seconds:
             device = CounterMetricFamily(
                 "tts_engine_device_seconds",
-                "Device time of the engine steps' prefill and replay phases (seconds, CUDA)",
+                "Device timeline of the engine's prefill passes and frame steps (seconds, CUDA)",
                 labels=["phase"],
             )
             for phase, value in s.device_seconds.items():

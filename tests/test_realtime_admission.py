@@ -14,7 +14,7 @@ import torch
 from helpers import params, random_prompt, run_to_completion
 
 from tts.engine import Engine, EngineConfig, realtime
-from tts.engine.realtime import STEP_STALE, Playback, StepTimes
+from tts.engine.realtime import STEP_STALE, Playback, RealtimeAdmission, StepTimes
 from tts.params import FrameConvention, chunk_size
 from tts.runtime.jobs import Finished, JobPipeline, ListSink, _Job
 from tts.runtime.planner import Planner
@@ -226,6 +226,38 @@ def test_a_waiting_request_rides_along_with_a_forced_prefill(tiny_model, monkeyp
     if not rides:
         steps_until_running(engine, c)  # (in a pass of its own)
         assert engine.runner.prefill_passes == passes + 2
+
+
+def test_riding_along_needs_a_pass_of_the_riders_kind_that_the_engine_packs():
+    """A stream plays with 0.08 s of slack, below the margin: a new request rides along with a fresh
+    prompt admitted before it (one packed pass), but not with a session's continuation (an extension
+    pass apart from fresh prompts), and not where the engine prefills each prompt alone."""
+    from types import SimpleNamespace
+
+    def admission(packs=True):
+        a = RealtimeAdmission(margin=0.15, max_wait=10.0, packs=packs)
+        a.times.observe_step(2, STEP)
+        a.times.observe_prefill(9, PREFILL)
+        return a
+
+    playing = Playback(RATE, first=2, later=4)
+    playing.advance(2, 0.0)  # its first chunk out at 0 s: 0.2 s of audio, the next 2 frames due
+    running = [SimpleNamespace(playback=playing, paused=False, stalled=False)]
+
+    def request(cached=0):
+        return SimpleNamespace(
+            playback=Playback(RATE, first=2, later=4), prompt_len=9 + cached, cached=cached,
+            arrival_time=0.0, deferred=False,
+        )  # fmt: skip
+
+    fresh, continuation = request(), request(cached=40)
+    assert admission().admits(fresh, [request()], running, 2, now=0.04)
+    assert not admission().admits(fresh, [continuation], running, 2, now=0.04)
+    assert not admission(packs=False).admits(fresh, [request()], running, 2, now=0.04)
+    assert admission().admits(request(cached=30), [continuation], running, 2, now=0.04)  # (its kind)
+    a = admission()
+    assert not a.admits(request(), [], running, 2, now=0.04)  # (nothing to ride with: deferred)
+    assert a.deferred["slack"] == 1 and a.rode_along == 0
 
 
 def test_nothing_running_admits_at_once(tiny_model):

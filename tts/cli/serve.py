@@ -333,8 +333,9 @@ def add_admission_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         default=DEFAULT_REALTIME_MAX_WAIT,
         help="seconds a request waits for the streams' margin at most: then it is admitted anyway (its time "
-        "to first audio is at stake too), and requests waiting behind it join its prefill pass while the "
-        f"pass holds at most {RIDE_ALONG_TOKENS} prompt tokens. A batch too slow for one more stream "
+        "to first audio is at stake too). A request also joins, margin or not, a prefill pass that runs "
+        f"anyway in its iteration (another's, of its kind) while the pass holds at most {RIDE_ALONG_TOKENS} "
+        "prompt tokens. A batch too slow for one more stream "
         f"still takes none until one ends (default {DEFAULT_REALTIME_MAX_WAIT:g})",
     )
     g.add_argument(

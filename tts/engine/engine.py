@@ -227,6 +227,8 @@ class Engine:
         self.device = model.embeddings.weight.device
         packed = cfg.packed_prefill
         self.packed_prefill = self.device.type == "cuda" if packed is None else packed
+        if self.realtime is not None:
+            self.realtime.packs = self.packed_prefill
         self.max_context = min(cfg.max_context or mc.max_seq_len, mc.max_seq_len)
         max_blocks_per_seq = blocks_needed(self.max_context, cfg.block_size)
         dtype = model.embeddings.weight.dtype
@@ -301,13 +303,16 @@ class Engine:
         # Seconds spent per phase of `step` (host wall time; on CUDA "replay" lasts until the frame is on
         # the host): admitting and prefilling new requests, the frame step itself, the per-row outputs.
         self.phase_seconds = {"prefill": 0.0, "replay": 0.0, "rows": 0.0}
-        # On CUDA, the device time of the same two parts, from events on the engine's stream read after
-        # the frame's sync (no sync of their own): the prefill (with the rows' loads and block-table
-        # writes) and the frame step. Wall time less these is the time the device waited for the host.
+        # On CUDA, the time on the device's timeline of the prefill passes (from the first one's start to
+        # the last one's end: an eager pass's launch gaps count) and of the frame step, from events on
+        # the engine's stream read after the frame's sync (no sync of their own); iterations that warm up
+        # or capture a graph are left out. Beside other work on the GPU (the codec stage's) a pass lasts
+        # longer than alone.
         self.device_seconds = {"prefill": 0.0, "replay": 0.0}
         self._events = (
-            [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.device.type == "cuda" else None
+            [torch.cuda.Event(enable_timing=True) for _ in range(4)] if self.device.type == "cuda" else None
         )
+        self._prefill_timed = False  # (events[0..1] recorded in this iteration)
         prefill_graphs = cfg.prefill_graphs
         if prefill_graphs is None:
             prefill_graphs = cfg.graphs if self.device.type == "cuda" else "off"
@@ -649,11 +654,9 @@ class Engine:
     def _step(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """One iteration (see the module docstring), its outputs appended to `outputs`."""
         admitted = self._apply_pending(outputs)
-        firsts = self._graph_firsts() if self.realtime is not None else 0
-        events = self._events
+        firsts = self._graph_firsts()
+        events, self._prefill_timed = self._events, False
         phases, t0 = self.phase_seconds, self.clock()
-        if events is not None:
-            events[0].record()
         self._start(admitted, outputs)
         self._grow(outputs)
         n = self.scheduler.num_running
@@ -662,17 +665,18 @@ class Engine:
         if n == 0:
             return outputs
         if events is not None:
-            events[1].record()
+            events[2].record()
         out = self._frame_step(n)
         t2 = self.clock()
         phases["replay"] += t2 - t1
-        if events is not None:  # (complete: the frame's sync waited for events[2])
-            self.device_seconds["prefill"] += events[0].elapsed_time(events[1]) / 1e3
-            self.device_seconds["replay"] += events[1].elapsed_time(events[2]) / 1e3
+        captured = self._graph_firsts() != firsts
+        if events is not None and not captured:  # (complete: the frame's sync waited for events[3])
+            if self._prefill_timed:
+                self.device_seconds["prefill"] += events[0].elapsed_time(events[1]) / 1e3
+            self.device_seconds["replay"] += events[2].elapsed_time(events[3]) / 1e3
         self._row_outputs(out, outputs)
         phases["rows"] += self.clock() - t2
         if self.realtime is not None:
-            captured = self._graph_firsts() != firsts
             self._time_iteration(admitted, n, t1 - t0, t2 - t1, captured, t2)
         return outputs
 
@@ -749,7 +753,7 @@ class Engine:
         host."""
         self.graphs.run(n, self._sampler_variant())
         if self._events is not None:  # (the step's end, for device_seconds)
-            self._events[2].record()
+            self._events[3].record()
         self.frame_steps += 1
         self.step_rows += n
         return self._frame_to_host(n)
@@ -1035,23 +1039,40 @@ class Engine:
         """Prefill the newly admitted requests and load their rows. A request whose prefill fails ends
         with an error; it is finished only after the others are loaded, because finishing compacts
         the rows (the last running row moves into the freed one)."""
-        failed = []
-        prefilled = False
         self.prefill_requests += len(admitted)
         for _, request in admitted:
             request.prefill_tokens = max(request.prompt_len - 1 - request.cached, 0)
             self.prefill_tokens += request.prefill_tokens
             self.reused_tokens += request.cached
+        events = self._events if admitted else None
+        if events is not None:
+            events[0].record()
+        failed = self._prefill([r for _, r in admitted])
+        if events is not None:  # (before the rows' loads: the passes alone)
+            events[1].record()
+            self._prefill_timed = True
+        for _, request in admitted:
+            if not any(request is r for r, _ in failed):
+                self._load_row(request)
+        with self._lock:
+            for request, error in failed:
+                outputs.append(self._finish(request, FinishReason.ERROR, error))
+
+    def _prefill(self, requests: list[Request]) -> list[tuple[Request, str]]:
+        """Prefill `requests` (packed where the engine packs); returns those whose prefill failed, each
+        with its error."""
+        failed = []
+        prefilled = False
         # Requests that continue a kept sequence prefill only their new positions, packed apart from the
         # fresh ones (their columns also attend to a cached prefix).
-        fresh = [r for _, r in admitted if not r.cached]
+        fresh = [r for r in requests if not r.cached]
         if self.packed_prefill and len(fresh) > 1:
             try:
                 self.runner.prefill_packed([r.prompt for r in fresh], [r.blocks for r in fresh])
                 prefilled = True
             except Exception:  # one at a time below, so that only a bad prompt's request fails
                 log.exception("packed prefill of %d requests failed; prefilling one by one", len(fresh))
-        kept = [r for _, r in admitted if r.cached]
+        kept = [r for r in requests if r.cached]
         extended = False
         if self.packed_prefill and len(kept) > 1:
             try:
@@ -1062,7 +1083,7 @@ class Engine:
                 log.exception(
                     "packed extension prefill of %d requests failed; prefilling one by one", len(kept)
                 )
-        for _, request in admitted:
+        for request in requests:
             try:
                 if request.cached:
                     if not extended:
@@ -1073,29 +1094,29 @@ class Engine:
             except Exception as exc:  # a bad prompt must not take the batch down
                 log.exception("prefill failed for %s", request.request_id)
                 failed.append((request, f"prefill failed: {exc}"))
-                continue
-            p = request.params
-            self.runner.load_row(
-                self.scheduler.running.index(request),
-                RowInit(
-                    last_column=request.prompt[-1],
-                    position=request.prompt_len - 1,
-                    block_table=request.blocks,
-                    temperature=p.temperature,
-                    top_p=p.top_p,
-                    top_k=p.top_k,
-                    seed=request.seed,
-                    budget=p.max_new_frames,
-                    ras_len=p.ras_window,
-                    paused=request.paused,
-                    min_frames=p.min_new_frames,
-                    repetition_penalty=p.repetition_penalty,
-                    align_span=request.text_span,
-                ),
-            )
-        with self._lock:
-            for request, error in failed:
-                outputs.append(self._finish(request, FinishReason.ERROR, error))
+        return failed
+
+    def _load_row(self, request: Request) -> None:
+        """Write a prefilled request's first input and parameters into its row's buffers."""
+        p = request.params
+        self.runner.load_row(
+            self.scheduler.running.index(request),
+            RowInit(
+                last_column=request.prompt[-1],
+                position=request.prompt_len - 1,
+                block_table=request.blocks,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k,
+                seed=request.seed,
+                budget=p.max_new_frames,
+                ras_len=p.ras_window,
+                paused=request.paused,
+                min_frames=p.min_new_frames,
+                repetition_penalty=p.repetition_penalty,
+                align_span=request.text_span,
+            ),
+        )
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> StepOutput:
         """(lock held) End a request, free its blocks, keep the running rows contiguous. A session's

@@ -19,15 +19,17 @@ slower (`s'`, the batch grows). The head of the queue is admitted in an iteratio
    time, at its fourth chunk: a step of at most 4/7 of the frame period);
 2. (slack) every playing stream keeps `slack(s') - p >= margin` -- unless the request has waited
    `max_wait` seconds (the time-to-first-audio budget), continues a stream whose player already
-   runs (a job's next text chunk), or rides along: an earlier request is prefilled in this iteration
-   anyway and the pass stays within RIDE_ALONG_TOKENS prompt tokens (`tts.params`: up to about there
-   a pass costs little more than its first prompt; four prompts of 100 tokens cost 1.4x one beside the
-   codec, eight 2x).
+   runs (a job's next text chunk), or rides along: an earlier request of its kind (fresh, or
+   continuing a session's kept sequence: the two go in separate passes) is prefilled in this iteration
+   anyway, the engine packs them into one pass, and the pass stays within RIDE_ALONG_TOKENS prompt
+   tokens (`tts.params`: up to about there a pass costs little more than its first prompt; four
+   prompts of 100 tokens cost 1.4x one beside the codec, eight 2x). A rider skips the slack check
+   (its prefill and the larger batch's step), not the speed rule.
 
 Riding along is what keeps an overloaded engine from paying one prefill pass per request: a pass
 stops every stream for about the same time whether it carries one short prompt or four, while the
-codec's convolutions share the GPU (S2-Pro on an H100, a graphed pass: 6.0 ms for one prompt of 60
-tokens and 8.2 ms for four, alone; 43.6 and 45.7 ms beside a 48-stream codec call, whose kernels
+codec's convolutions share the GPU (S2-Pro on an H100, a graphed pass: 5.9 ms for one prompt of 60
+tokens and 8.2 ms for four, alone; 43.4 and 45.5 ms beside a 48-stream codec call, whose kernels
 hold the SMs that each of the pass's hundreds of kernels waits for). A request deferred now would
 be forced within `max_wait` anyway, and then in a pass of its own.
 
@@ -215,7 +217,8 @@ class RealtimeAdmission:
     """The admission rules of the module docstring. margin, max_wait: seconds. Counters: `deferred`,
     requests deferred at least once, by the first reason (`DEFERRAL_REASONS`); `forced`, requests
     admitted on `max_wait` while a stream lacked slack; `rode_along`, requests admitted into a pass
-    that ran anyway while a stream lacked slack (RIDE_ALONG_TOKENS); `min_slack`, the least slack of
+    that ran anyway while a stream lacked slack (RIDE_ALONG_TOKENS; only where the engine packs the
+    prompts admitted together into one pass, `packs`); `min_slack`, the least slack of
     the playing streams (before a prefill) at the last admission decision while any played (None:
     none yet)."""
 
@@ -225,6 +228,7 @@ class RealtimeAdmission:
     deferred: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DEFERRAL_REASONS, 0))
     forced: int = 0
     rode_along: int = 0
+    packs: bool = True
     min_slack: float | None = None
 
     def admits(
@@ -256,7 +260,9 @@ class RealtimeAdmission:
         if now - request.arrival_time >= self.max_wait:
             self.forced += 1
             return True
-        if admitted and tokens <= RIDE_ALONG_TOKENS:
+        # (a session's continuation and a fresh prompt go in separate passes: ride with one's own kind)
+        same = [r.prompt_len - r.cached for r in admitted if bool(r.cached) == bool(request.cached)]
+        if self.packs and same and sum(same) + request.prompt_len - request.cached <= RIDE_ALONG_TOKENS:
             self.rode_along += 1
             return True
         return self._defer(request, "slack")
