@@ -28,7 +28,9 @@
 #               pool stopped the ramp first (ramp.json: `ramp.real_time_streams`, `ramp.stopped_by`)
 #   refs        the reference-clip modes (repeated, distinct, registered) at 16 clients, S2-Pro, float32 codec
 #   dac         the batched DAC decode timed (graph replay) and its bfloat16 accuracy
-#   prefill     the S2-Pro prefill, alone and packed, timed cold and warm (tools/profile/profile_prefill.py)
+#   prefill     the S2-Pro prefill, alone and packed, timed cold and warm (tools/profile/profile_prefill.py),
+#               and its graphed passes by prompts packed, alone and beside the codec's decode calls
+#               (tools/profile/prefill_beside_codec.py)
 #   loop_guard  the default voice's frame step with and without its aligner, and the held-out passages
 #               read with the guard on and off (scored where the tools extra is installed)
 #   synth       `tts synthesize --device cuda` with each --graphs mode, each in a fresh process, timed
@@ -170,7 +172,8 @@ print('free GiB', round(torch.cuda.mem_get_info()[0] / 2**30, 1), 'KV bytes/toke
       python3 tools/microbench/dac_batched.py --device cuda --accuracy-only --out "$OUT/dac_accuracy.json" 2>&1 | tail -4 ;;
     prefill)
       python3 tools/profile/profile_prefill.py --model s2-pro-shape --device cuda --tokens 64,128,256 --packed 16 \
-        --out "$OUT/prefill.txt" 2>&1 | tail -12 ;;
+        --out "$OUT/prefill.txt" 2>&1 | tail -12
+      python3 tools/profile/prefill_beside_codec.py --out "$OUT/prefill_beside_codec.json" 2>&1 | tail -18 ;;
     loop_guard)
       python3 tools/gpu/loop_guard_gpu.py bench --device cuda --out "$OUT/loop_guard_step.json" | tail -8
       for g in on off; do
