@@ -65,6 +65,14 @@ TTFA_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0
 RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 
 
+def _labelled(name: str, doc: str, label: str, values: dict) -> CounterMetricFamily:
+    """A counter family with one sample per `values` item, labelled `label`=key."""
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, value in values.items():
+        family.add_metric([key], value)
+    return family
+
+
 class _EngineCollector:
     """Reads the engine loop's snapshot at scrape time."""
 
@@ -171,37 +179,28 @@ class _EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
-        phases = CounterMetricFamily(
-            "tts_engine_seconds", "Engine thread wall time by phase (seconds)", labels=["phase"]
+        yield _labelled(
+            "tts_engine_seconds", "Engine thread wall time by phase (seconds)", "phase", s.phase_seconds
         )
-        for phase, value in s.phase_seconds.items():
-            phases.add_metric([phase], value)
-        yield phases
         if s.device_seconds:
-            device = CounterMetricFamily(
+            yield _labelled(
                 "tts_engine_device_seconds",
                 "Device timeline of the engine's prefill passes and frame steps (seconds, CUDA)",
-                labels=["phase"],
+                "phase",
+                s.device_seconds,
             )
-            for phase, value in s.device_seconds.items():
-                device.add_metric([phase], value)
-            yield device
-        deferred = CounterMetricFamily(
+        yield _labelled(
             "tts_realtime_deferred",
             "Requests whose admission real-time admission deferred, by the first reason",
-            labels=["reason"],
+            "reason",
+            {reason: s.realtime_deferred.get(reason, 0) for reason in DEFERRAL_REASONS},
         )
-        for reason in DEFERRAL_REASONS:
-            deferred.add_metric([reason], s.realtime_deferred.get(reason, 0))
-        yield deferred
-        first = CounterMetricFamily(
+        yield _labelled(
             "tts_first_audio_seconds",
             "Time to first audio by phase, summed over requests (seconds; see tts_first_audio_jobs)",
-            labels=["phase"],
+            "phase",
+            s.first_audio_seconds,
         )
-        for phase, value in s.first_audio_seconds.items():
-            first.add_metric([phase], value)
-        yield first
 
 
 class ServiceMetrics:
