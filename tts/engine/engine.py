@@ -219,16 +219,16 @@ class Engine:
         self.config = cfg = config or EngineConfig()
         cfg.validate()
         self.clock = clock
-        self.realtime = (
-            RealtimeAdmission(cfg.realtime_margin, cfg.realtime_max_wait) if cfg.realtime_admission else None
-        )
         self.model = model.eval()
         mc = model.config
         self.device = model.embeddings.weight.device
         packed = cfg.packed_prefill
         self.packed_prefill = self.device.type == "cuda" if packed is None else packed
-        if self.realtime is not None:
-            self.realtime.packs = self.packed_prefill
+        self.realtime = (
+            RealtimeAdmission(cfg.realtime_margin, cfg.realtime_max_wait, packs=self.packed_prefill)
+            if cfg.realtime_admission
+            else None
+        )
         self.max_context = min(cfg.max_context or mc.max_seq_len, mc.max_seq_len)
         max_blocks_per_seq = blocks_needed(self.max_context, cfg.block_size)
         dtype = model.embeddings.weight.dtype
@@ -308,10 +308,9 @@ class Engine:
         # the engine's stream read after the frame's sync (no sync of their own); iterations that warm up
         # or capture a graph are left out. Beside other work on the GPU (the codec stage's) a pass lasts
         # longer than alone.
-        self.device_seconds = {"prefill": 0.0, "replay": 0.0}
-        self._events = (
-            [torch.cuda.Event(enable_timing=True) for _ in range(4)] if self.device.type == "cuda" else None
-        )
+        cuda = self.device.type == "cuda"
+        self.device_seconds = {"prefill": 0.0, "replay": 0.0} if cuda else {}
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else None
         self._prefill_timed = False  # (events[0..1] recorded in this iteration)
         prefill_graphs = cfg.prefill_graphs
         if prefill_graphs is None:
@@ -654,8 +653,9 @@ class Engine:
     def _step(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """One iteration (see the module docstring), its outputs appended to `outputs`."""
         admitted = self._apply_pending(outputs)
-        firsts = self._graph_firsts()
         events, self._prefill_timed = self._events, False
+        timed = self.realtime is not None or events is not None  # (whose samples a capture spoils)
+        firsts = self._graph_firsts() if timed else 0
         phases, t0 = self.phase_seconds, self.clock()
         self._start(admitted, outputs)
         self._grow(outputs)
@@ -669,7 +669,7 @@ class Engine:
         out = self._frame_step(n)
         t2 = self.clock()
         phases["replay"] += t2 - t1
-        captured = self._graph_firsts() != firsts
+        captured = timed and self._graph_firsts() != firsts
         if events is not None and not captured:  # (complete: the frame's sync waited for events[3])
             if self._prefill_timed:
                 self.device_seconds["prefill"] += events[0].elapsed_time(events[1]) / 1e3

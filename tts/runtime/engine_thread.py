@@ -1176,7 +1176,7 @@ class EngineThread:
             "idle": self._idle_seconds,
             "handover": self._handover_seconds,
         }
-        s.device_seconds = dict(e.device_seconds) if e.device.type == "cuda" else {}
+        s.device_seconds = dict(e.device_seconds)
         s.step_failures = r.step_failures
         s.codec_failures = r.stage.stats.failures
         s.failed = self.failure is not None
