@@ -291,6 +291,7 @@ def test_the_conclusion_names_what_stopped_the_ramp(stopped_by, words):
         (["--ramp", "--requests", "4"], "--ramp takes no --requests"),
         (["--ramp", "--sessions", "4"], "--ramp takes no --sessions"),
         (["--ramp", "--soak"], "--ramp takes no --soak"),
+        (["--ramp-pacing", "none"], "--ramp-pacing needs --ramp"),
     ],
 )
 def test_bad_ramp_options_exit_2_with_one_line(extra, message, tmp_path, capsys):
@@ -313,7 +314,10 @@ def test_a_start_above_the_default_maximum_raises_the_maximum():
     args = p.parse_args(["--server", "h:1", "--ramp", "--ramp-start", "1024"])
     settings = ramp_settings(args)
     assert settings is not None and (settings.start, settings.stop) == (1024, 1024)
+    assert settings.paced  # streams paced by their playback unless asked otherwise
     assert ramp_settings(p.parse_args(["--server", "h:1"])) is None
+    closed = ramp_settings(p.parse_args(["--server", "h:1", "--ramp", "--ramp-pacing", "none"]))
+    assert closed is not None and not closed.paced
 
 
 # ---- end to end ---------------------------------------------------------------------------------------
@@ -358,6 +362,7 @@ def test_bench_server_ramp_end_to_end_report_shape(server, tmp_path, capsys):
         300.0,
     )
     assert (ramp["server_rows"], ramp["max_waiting"]) == (2, report["info"]["max_waiting"])
+    assert (ramp["arrivals"], ramp["pacing"]) == ("spread", "playback")
     visited = [lv["concurrency"] for lv in levels]
     assert ramp["visited"] == visited and visited in ([1], [1, 2], [1, 2, 4])
     for lv in levels:
@@ -433,3 +438,66 @@ def test_spread_arrivals_need_a_known_request_length():
     assert ramp_arrivals(RampSettings(), None, 21.5) == (RampSettings(spread=False), 0.0)
     assert ramp_arrivals(RampSettings(spread=False), 128, 21.5) == (RampSettings(spread=False), 0.0)
     assert ramp_arrivals(None, 128, 21.5) == (None, 0.0)
+
+
+def test_playback_end_counts_a_late_chunk_from_its_arrival():
+    """A player started by the first chunk with audio: on time, it ends at that arrival plus all the audio;
+    a chunk that arrives after the player ran dry plays from its arrival; chunks without audio do not
+    start it."""
+    from tts_tools.loadtest import playback_end
+
+    rate = 100
+    # audio-less header chunk at 0.1, then 0.5 s at 0.2, 0.5 s at 0.3: 0.2 + 1.0
+    assert playback_end([0.1, 0.2, 0.3], [0, 50, 50], rate) == pytest.approx(1.2)
+    # the second chunk comes at 0.9, 0.2 s after the first's 0.5 s ran out at 0.7: 0.9 + 0.5
+    assert playback_end([0.2, 0.9], [50, 50], rate) == pytest.approx(1.4)
+    assert playback_end([0.1], [0], rate) == 0.0
+    with pytest.raises(ValueError):
+        playback_end([0.1], [1, 2], rate)
+
+
+def test_paced_streams_send_the_next_request_when_the_last_ones_audio_has_played(monkeypatch):
+    """--ramp-pacing playback: a worker's next request waits until its last one's audio has played
+    (send time + playback_end), counted on an injected clock through the sleeps asked for; unpaced, it
+    asks for none."""
+    import tts_tools.loadtest as lt
+
+    import service.client
+
+    now = [10.0]
+
+    class Reply:
+        def __init__(self):
+            self.header = type("H", (), {"replica": ""})()
+            self.end = type("E", (), {"frames": 4})()
+            self.audio_seconds, self.ttfa, self.rtf, self.max_gap = 2.0, 0.01, 0.1, 0.0
+            # two chunks of 1 s each, arriving 0.25 s and 0.5 s after the send: played 2.25 s after it
+            self.stream_frames_per_s, self.arrivals, self.chunk_samples, self.sample_rate = (
+                None,
+                [0.25, 0.5],
+                [8, 8],
+                8,
+            )
+
+    async def fake_stream(stub, request, timeout=None):
+        now[0] += 0.5  # the stream takes 0.5 s
+        return Reply()
+
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recording_sleep(delay, *args):
+        slept.append(delay)
+        now[0] += delay
+        await real_sleep(0)
+
+    monkeypatch.setattr(service.client, "synthesize_stream", fake_stream)
+    monkeypatch.setattr(lt.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(lt.asyncio, "sleep", recording_sleep)
+    for paced, expected in ((True, [1.75, 1.75]), (False, [])):
+        slept.clear()
+        level = asyncio.run(lt._run_level([None], 1, 3, iter(range(100)), lambda i: i, None, 0.0, paced))
+        assert slept == pytest.approx(
+            expected
+        )  # 2.25 s of playback less the 0.5 s stream, before requests 2 and 3
+        assert level.ok == 3

@@ -23,8 +23,9 @@
 #               codec, a server of --max-batch 256 --max-waiting 512; levels of 4 x C requests of 128 frames
 #               from RAMP_START (default 64) doubling to RAMP_MAX (default 512), then bisected to RAMP_STEP
 #               (default 16) streams; a level is real time with no playback underrun, TTFA p95 <= 300 ms and
-#               no error (RAMP_BENCH: more `tts bench-server` options, e.g. "--chunk-frames 4" for chunks
-#               of 4, 4, 4, ... frames). Reports the most real-time streams, or that the server's max batch, queue or KV
+#               no error; a stream sends its next request when its last one's audio has played (RAMP_BENCH:
+#               more `tts bench-server` options, e.g. "--ramp-pacing none" for the closed loop, or
+#               "--chunk-frames 4" for chunks of 4, 4, 4, ... frames). Reports the most real-time streams, or that the server's max batch, queue or KV
 #               pool stopped the ramp first (ramp.json: `ramp.real_time_streams`, `ramp.stopped_by`)
 #   refs        the reference-clip modes (repeated, distinct, registered) at 16 clients, S2-Pro, float32 codec
 #   dac         the batched DAC decode timed (graph replay) and its bfloat16 accuracy

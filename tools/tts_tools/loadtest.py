@@ -121,6 +121,20 @@ def playback_underruns(arrivals: list[float], samples: list[int], sample_rate: i
     return count, worst
 
 
+def playback_end(arrivals: list[float], samples: list[int], sample_rate: int) -> float:
+    """When a player that starts with the first chunk holding audio has played all of it (seconds, the
+    origin of `arrivals`): each chunk plays from its arrival or the end of the one before, whichever is
+    later (a late chunk re-starts the player). 0.0 when no chunk holds audio. Same arguments as
+    `playback_underruns`."""
+    if len(arrivals) != len(samples):
+        raise ValueError("arrivals and samples must have one entry per chunk")
+    end = 0.0
+    for arrival, n in zip(arrivals, samples, strict=True):
+        if n > 0:
+            end = max(end, arrival) + n / sample_rate
+    return end
+
+
 # ---- the server's Prometheus metrics --------------------------------------------------------------------
 
 # Counters the benchmark reads before and after each level (key in the report: metric sample name).
@@ -432,11 +446,21 @@ class LevelResult:
 
 
 async def _run_level(
-    stubs, concurrency: int, total: int, counter, make_request, timeout: float | None, spread_s: float = 0.0
+    stubs,
+    concurrency: int,
+    total: int,
+    counter,
+    make_request,
+    timeout: float | None,
+    spread_s: float = 0.0,
+    paced: bool = False,
 ):
     """One level: `concurrency` closed-loop workers issue `total` requests in all. spread_s > 0: worker k
     sends its first request k x spread_s / concurrency seconds after the start, so the streams arrive
-    spread over that time (as independent callers do) instead of all at once."""
+    spread over that time (as independent callers do) instead of all at once. paced: a worker sends its
+    next request when the audio of its last one has played (`playback_end`), so each worker is one
+    real-time audio stream; unpaced, it sends it as soon as the last one's stream ended, asking for
+    audio faster than real time whenever the server is faster."""
     import grpc
 
     from service.client import synthesize_stream
@@ -455,14 +479,21 @@ async def _run_level(
         nonlocal frames
         if spread_s > 0 and k:
             await asyncio.sleep(k * spread_s / concurrency)
+        played_at = None  # paced: when the last request's audio will have played (perf_counter)
         while next(issued) < total:
+            if played_at is not None:
+                await asyncio.sleep(max(0.0, played_at - time.perf_counter()))
+                played_at = None
             i = next(counter)
+            sent = time.perf_counter()
             try:
                 r = await synthesize_stream(stubs[i % len(stubs)], make_request(i), timeout=timeout)
             except grpc.aio.AioRpcError as exc:
                 name = exc.code().name
                 result.errors[name] = result.errors.get(name, 0) + 1
                 continue
+            if paced:
+                played_at = sent + playback_end(r.arrivals, r.chunk_samples, r.sample_rate)
             result.ok += 1
             replica = r.header.replica or "-"
             result.replicas[replica] = result.replicas.get(replica, 0) + 1
@@ -591,7 +622,8 @@ async def run_loadtest(
             async def run_level(c: int, n: int) -> LevelResult:
                 register_s = await register() if reference == "registered" else None
                 before = await _scrape(metrics_url)
-                level = await _run_level(stubs, c, n, counter, make_request, timeout, spread_s)
+                paced = ramp is not None and ramp.paced
+                level = await _run_level(stubs, c, n, counter, make_request, timeout, spread_s, paced)
                 level.server = server_time_split(before, await _scrape(metrics_url))
                 level.register_s = register_s
                 return level
@@ -607,9 +639,10 @@ async def run_loadtest(
                 from tts_tools.ramp import ramp_search
 
                 rounds = ramp.rounds
-                outcome = await ramp_search(
-                    lambda c: run_level(c, rounds * c), ramp, server_rows(infos), progress
-                )
+                # Paced, a stream holds no row while its audio plays: C streams may need fewer rows
+                # than C, so the rows bound neither the search nor a level's label.
+                rows = None if ramp.paced else server_rows(infos)
+                outcome = await ramp_search(lambda c: run_level(c, rounds * c), ramp, rows, progress)
                 levels = outcome.levels
             info_after = await stubs[0].GetInfo(pb.GetInfoRequest(), timeout=30)
         finally:
@@ -881,9 +914,26 @@ def add_ramp_arguments(p) -> None:
         "(--max-new-frames / the frame rate), as independent callers arrive; burst: all at once (TTFA then "
         "measures C simultaneous prefills, the worst case)",
     )
+    p.add_argument(
+        "--ramp-pacing",
+        choices=("playback", "none"),
+        default=None,
+        help="--ramp: playback (default): a stream sends its next request when the audio of its last one "
+        "has played, so C streams are C real-time audio streams; none: as soon as the last one's audio "
+        "arrived (closed loop: each stream asks for audio as fast as the server makes it, a heavier load "
+        "than C real-time streams)",
+    )
 
 
-RAMP_OPTIONS = ("ramp_start", "ramp_max", "ramp_step", "ramp_rounds", "ramp_ttfa_p95", "ramp_arrivals")
+RAMP_OPTIONS = (
+    "ramp_start",
+    "ramp_max",
+    "ramp_step",
+    "ramp_rounds",
+    "ramp_ttfa_p95",
+    "ramp_arrivals",
+    "ramp_pacing",
+)
 
 
 def ramp_settings(args: argparse.Namespace) -> RampSettings | None:
@@ -913,6 +963,7 @@ def ramp_settings(args: argparse.Namespace) -> RampSettings | None:
         rounds=args.ramp_rounds if args.ramp_rounds is not None else defaults.rounds,
         ttfa_p95_ms=args.ramp_ttfa_p95 if args.ramp_ttfa_p95 is not None else defaults.ttfa_p95_ms,
         spread=args.ramp_arrivals != "burst",
+        paced=args.ramp_pacing != "none",
     )
     if args.ramp_start is not None and args.ramp_max is None:
         settings.stop = max(settings.stop, settings.start)

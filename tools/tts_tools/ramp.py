@@ -1,8 +1,11 @@
 """The real-time ramp of the load benchmark: `tts bench-server --ramp`.
 
-How many concurrent streams can a server keep in real time? The ramp runs closed-loop levels of the load
-benchmark (`loadtest._run_level`: C streams in flight, each worker sending `--ramp-rounds` requests back
-to back, so a level is rounds x C requests) at growing concurrency C, and judges each level:
+How many concurrent streams can a server keep in real time? The ramp runs levels of the load benchmark
+(`loadtest._run_level`: C streams, each sending `--ramp-rounds` requests one after another, so a level is
+rounds x C requests) at growing concurrency C, and judges each level. By default (`--ramp-pacing
+playback`) a stream sends its next request when its last one's audio has played, so a level is C
+real-time audio streams; `--ramp-pacing none` sends it as soon as the audio arrived (a closed loop, which
+asks for audio faster than real time whenever the server is faster). A level is
 
 * real time: no playback underrun (`loadtest.playback_underruns`, all OK requests together), TTFA p95
   at most `--ramp-ttfa-p95` ms (default 300), and no error of any kind;
@@ -12,7 +15,9 @@ to back, so a level is rounds x C requests) at growing concurrency C, and judges
   slow for one more stream (`tts_realtime_deferred_total{reason="speed"}`): that is `real_time`;
   `kv_cache`: the same, or waits for KV blocks, with the server's counters showing the paged KV pool ran
   out (needs `--metrics-url`); `max_batch`: C above the rows the server decodes at once (the
-  sum of GetInfo.max_batch over the listed servers), so streams waited in its queue; `errors`: any
+  sum of GetInfo.max_batch over the listed servers), so streams waited in its queue (unpaced only:
+  paced, a stream holds no row while its audio plays, and levels above the rows are judged and
+  searched like any other); `errors`: any
   other error; `real_time`: none of those, the streams fell below real time.
   The first three are limits of the server's settings, a different finding than "fell below real time".
 
@@ -41,6 +46,12 @@ if TYPE_CHECKING:
 SERVER_LIMITS = ("queue", "kv_cache", "max_batch")
 LIMITS = (*SERVER_LIMITS, "errors", "real_time")
 
+# How the report's criteria line names a ramp's pacing.
+PACING_WORDS = {
+    "playback": "a stream's next request when its last one's audio has played",
+    "none": "a stream's next request as soon as its last one's audio arrived",
+}
+
 DEFAULT_START = 16
 DEFAULT_MAX = 512
 DEFAULT_STEP = 16
@@ -61,6 +72,9 @@ class RampSettings:
     # Streams' first requests spread over one request's playback time (independent callers) rather than
     # all sent at once (a burst of C prefills, the worst case).
     spread: bool = True
+    # Each stream sends its next request when the last one's audio has played (C real-time audio
+    # streams) rather than as soon as it arrived (a closed loop asking for audio faster than real time).
+    paced: bool = True
 
     def check(self) -> None:
         """Raise ValueError (naming the option) unless 1 <= start <= stop, step >= 1, rounds >= 1 and
@@ -196,6 +210,7 @@ def ramp_report(settings: RampSettings, outcome: RampOutcome, rows: int | None, 
         "rounds": settings.rounds,
         "ttfa_p95_ms": settings.ttfa_p95_ms,
         "arrivals": "spread" if settings.spread else "burst",
+        "pacing": "playback" if settings.paced else "none",
         "server_rows": rows,
         "max_waiting": max_waiting,
         "visited": [lv.concurrency for lv in outcome.levels],
@@ -263,7 +278,8 @@ def format_ramp(report: dict) -> str:
         )
     lines.append(
         f"criteria: 0 underruns, TTFA p95 <= {ramp['ttfa_p95_ms']:g} ms, no errors; levels of "
-        f"{ramp['rounds']} x C requests; resolution {ramp['step']}; "
+        f"{ramp['rounds']} x C requests, {PACING_WORDS[ramp.get('pacing', 'none')]}; "
+        f"resolution {ramp['step']}; "
         f"server rows {ramp.get('server_rows') or '?'}"
     )
     lines.append(ramp_conclusion(ramp))
