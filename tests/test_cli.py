@@ -611,20 +611,38 @@ def test_serve_admission_options_reach_the_engine(monkeypatch, capsys):
 
     async def fake_serve(args, bundle, engine_config, limits, access):
         c = engine_config
-        seen.append((c.realtime_admission, c.realtime_margin, c.realtime_max_wait, c.max_prefill_tokens))
+        seen.append(
+            (
+                c.realtime_admission,
+                c.realtime_margin,
+                c.realtime_max_wait,
+                c.max_prefill_tokens,
+                c.prefill_gather,
+            )
+        )
         return 0
 
     monkeypatch.setattr(service_cli, "_serve", fake_serve)
     base = ["serve", "--model", "tiny", "--port", "0", "--http-port", "-1", "--metrics-port", "-1"]
     assert main(base) == 0
     on = ["--realtime-admission", "on", "--realtime-margin", "0.02", "--realtime-max-wait", "0.3"]
-    assert main([*base, *on, "--max-prefill-tokens", "512"]) == 0
-    assert seen == [(False, 0.05, 0.15, 2048), (True, 0.02, 0.3, 512)]
+    assert main([*base, *on, "--max-prefill-tokens", "512", "--prefill-gather-ms", "40"]) == 0
+    assert seen == [(False, 0.05, 0.15, 2048, 0.0), (True, 0.02, 0.3, 512, 0.04)]
     assert service_cli.realtime_admission(argparse.Namespace(realtime_admission="auto"), "cuda")
     capsys.readouterr()
     assert main([*base, "--realtime-margin", "-1"]) == 2
     error = "tts: error: --realtime-margin must be a number of seconds >= 0, got -1\n"
     assert capsys.readouterr().err == error
+    for bad in ("-1", "1001", "nan"):
+        assert main([*base, *on, "--prefill-gather-ms", bad]) == 2
+        assert capsys.readouterr().err == f"tts: error: --prefill-gather-ms must be in 0..1000, got {bad}\n"
+    # (auto: off on a CPU, where prefills are not packed and gathering has nothing to share)
+    assert main([*base, "--prefill-gather-ms", "40"]) == 2
+    assert capsys.readouterr().err == (
+        "tts: error: --prefill-gather-ms needs real-time admission (--realtime-admission on; auto is on on "
+        "CUDA only)\n"
+    )
+    assert len(seen) == 2
 
 
 def test_serve_codec_gather_ms_reaches_the_server(monkeypatch, capsys):

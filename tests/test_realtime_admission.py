@@ -174,7 +174,7 @@ def test_a_request_waits_until_the_playing_stream_built_slack(tiny_model):
     b = stream(engine, tiny_model, "b", 2)
     assert steps_until_running(engine, b) == 3  # two deferred, admitted on the third
     assert a.num_generated == 5  # frames 3-4 ran while B waited; the fifth with B
-    assert engine.realtime.deferred == {"slack": 1, "speed": 0} and engine.realtime.forced == 0
+    assert engine.realtime.deferred == {"slack": 1, "speed": 0, "gather": 0} and engine.realtime.forced == 0
     assert b.deferred
 
 
@@ -266,7 +266,7 @@ def test_nothing_running_admits_at_once(tiny_model):
     engine.realtime.times.observe_step(1, 10.0)  # (a step slower than real time)
     a = stream(engine, tiny_model, "a", 1)
     assert steps_until_running(engine, a) == 1
-    assert engine.realtime.deferred == {"slack": 0, "speed": 0}
+    assert engine.realtime.deferred == {"slack": 0, "speed": 0, "gather": 0}
 
 
 def test_a_batch_too_slow_for_a_new_stream_takes_none_until_one_ends(tiny_model):
@@ -285,7 +285,7 @@ def test_a_batch_too_slow_for_a_new_stream_takes_none_until_one_ends(tiny_model)
     finally:
         STEP = old
     assert a.num_generated == 6 and iterations == 5  # A's 4 more frames, then B with nothing running
-    assert engine.realtime.deferred == {"slack": 0, "speed": 1} and engine.realtime.forced == 0
+    assert engine.realtime.deferred == {"slack": 0, "speed": 1, "gather": 0} and engine.realtime.forced == 0
 
 
 def test_the_policy_changes_no_codes(tiny_model):
@@ -310,11 +310,76 @@ def test_the_policy_changes_no_codes(tiny_model):
     assert all(torch.equal(off[k], on[k]) for k in off)
 
 
+@pytest.mark.parametrize("gather, b_iterations, passes", [(0.0, 1, 2), (0.1, 4, 1)])
+def test_a_new_pass_waits_the_gathering_time_for_others_to_share_it(tiny_model, gather, b_iterations, passes):
+    """A plays with slack to spare (margin 0). B arrives at 0.13 s, C at 0.17 s. Without gathering B
+    joins at once and C later, in a pass of its own: two passes. With 0.1 s of gathering B would open
+    a pass while A plays: it waits (deferred at 0.13, 0.17, 0.21 s) until it has waited 0.1 s (0.25 s),
+    and C, which came meanwhile, shares its pass."""
+    engine = timed_engine(
+        tiny_model, realtime_max_wait=10.0, realtime_margin=0.0, packed_prefill=True, prefill_gather=gather
+    )
+    a = stream(engine, tiny_model, "a", 1)
+    engine.step()
+    engine.step()
+    assert a.playback.started is not None
+    b = stream(engine, tiny_model, "b", 2)
+    passes0 = engine.runner.prefill_passes
+    engine.step()
+    c = stream(engine, tiny_model, "c", 3)
+    if gather:
+        assert steps_until_running(engine, b) == b_iterations - 1
+    else:
+        assert engine.is_running("b")
+        steps_until_running(engine, c)
+    assert engine.is_running("c") and not c.deferred
+    assert engine.runner.prefill_passes == passes0 + passes
+    assert engine.realtime.deferred == {"slack": 0, "speed": 0, "gather": 1 if gather else 0}
+    assert engine.realtime.forced == 0
+
+
+def test_gathering_waits_only_to_open_a_fresh_pass_while_streams_play():
+    """The gathering wait applies to a fresh prompt that would open a pass while a stream plays; not
+    with a pass of its kind admitted already, not to a session's continuation, not where the engine
+    prefills each prompt alone, not with no stream playing, and not once it has waited the time."""
+    from types import SimpleNamespace
+
+    def admission(packs=True):
+        a = RealtimeAdmission(margin=0.0, max_wait=10.0, packs=packs, gather=0.1)
+        a.times.observe_step(2, STEP)
+        a.times.observe_prefill(9, PREFILL)
+        return a
+
+    playing = Playback(RATE, first=2, later=4)
+    playing.advance(2, 0.0)  # its first chunk out at 0 s: slack enough for any one newcomer
+    running = [SimpleNamespace(playback=playing, paused=False, stalled=False)]
+    silent = [SimpleNamespace(playback=Playback(RATE, first=2, later=4), paused=False, stalled=False)]
+
+    def request(cached=0, arrival=0.0):
+        return SimpleNamespace(
+            playback=Playback(RATE, first=2, later=4), prompt_len=9 + cached, cached=cached,
+            arrival_time=arrival, deferred=False,
+        )  # fmt: skip
+
+    a = admission()
+    assert not a.admits(request(), [], running, 2, now=0.04)
+    assert a.deferred["gather"] == 1
+    assert admission().admits(request(arrival=-0.06), [], running, 2, now=0.04)  # (waited the time)
+    assert admission().admits(request(), [request()], running, 2, now=0.04)  # (a pass opened already)
+    assert admission().admits(request(cached=30), [], running, 2, now=0.04)
+    assert admission(packs=False).admits(request(), [], running, 2, now=0.04)
+    assert admission().admits(request(), [], silent, 2, now=0.04)  # (no player runs yet)
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="realtime_margin"):
         EngineConfig(realtime_margin=-0.1).validate()
     with pytest.raises(ValueError, match="realtime_max_wait"):
         EngineConfig(realtime_max_wait=float("nan")).validate()
+    with pytest.raises(ValueError, match="prefill_gather must be"):
+        EngineConfig(realtime_admission=True, prefill_gather=-0.1).validate()
+    with pytest.raises(ValueError, match="prefill_gather needs realtime_admission"):
+        EngineConfig(prefill_gather=0.05).validate()
 
 
 def test_the_engine_sees_the_chunks_the_job_runner_releases(tiny_bundle, monkeypatch):

@@ -161,6 +161,7 @@ SERVER_COUNTERS = (
         "kv_preemptions": "tts_kv_preemptions_total",
         "realtime_deferred_speed": 'tts_realtime_deferred_total{reason="speed"}',
         "realtime_deferred_slack": 'tts_realtime_deferred_total{reason="slack"}',
+        "realtime_deferred_gather": 'tts_realtime_deferred_total{reason="gather"}',
         "realtime_forced": "tts_realtime_forced_total",
         "realtime_rode_along": "tts_realtime_rode_along_total",
     }

@@ -339,6 +339,16 @@ def add_admission_args(p: argparse.ArgumentParser) -> None:
         f"still takes none until one ends (default {DEFAULT_REALTIME_MAX_WAIT:g})",
     )
     g.add_argument(
+        "--prefill-gather-ms",
+        type=float,
+        metavar="MS",
+        default=0.0,
+        help="with real-time admission: a new request that would open a prefill pass of its own while "
+        "streams play waits up to this long for later ones to share the pass (a pass stops every stream "
+        "for about as long with one short prompt as with four); costs the first of them that much time "
+        "to first audio (default 0: off)",
+    )
+    g.add_argument(
         "--max-prefill-tokens",
         type=int,
         metavar="N",
@@ -364,6 +374,7 @@ def engine_admission_kwargs(args: argparse.Namespace, device_type: str) -> dict:
         "realtime_admission": realtime_admission(args, device_type),
         "realtime_margin": args.realtime_margin,
         "realtime_max_wait": args.realtime_max_wait,
+        "prefill_gather": getattr(args, "prefill_gather_ms", 0.0) / 1000.0,
         "max_prefill_tokens": args.max_prefill_tokens,
     }
 
@@ -375,6 +386,7 @@ MAX_REFERENCE_MB = 2046
 # A later chunk carries 186-744 ms of audio (4-16 frames at 21.5 frames/s): a gathering bound of more
 # than a second would starve the players it is meant to serve.
 MAX_CODEC_GATHER_MS = 1000
+MAX_PREFILL_GATHER_MS = 1000
 
 
 def check_seconds(option: str, value: float | None, *, zero_ok: bool) -> None:
@@ -489,6 +501,14 @@ def check_serve_options(args: argparse.Namespace) -> None:
     check_seconds("--realtime-margin", args.realtime_margin, zero_ok=True)
     check_seconds("--realtime-max-wait", args.realtime_max_wait, zero_ok=True)
     require(args.max_prefill_tokens >= 1, f"--max-prefill-tokens must be >= 1, got {args.max_prefill_tokens}")
+    require(
+        math.isfinite(args.prefill_gather_ms) and 0 <= args.prefill_gather_ms <= MAX_PREFILL_GATHER_MS,
+        f"--prefill-gather-ms must be in 0..{MAX_PREFILL_GATHER_MS}, got {args.prefill_gather_ms:g}",
+    )
+    require(
+        not args.prefill_gather_ms or realtime_admission(args, "cuda" if "cuda" in args.device else "cpu"),
+        "--prefill-gather-ms needs real-time admission (--realtime-admission on; auto is on on CUDA only)",
+    )
     check_seconds("--grace", args.grace, zero_ok=True)
     require(
         math.isfinite(args.max_reference_mb) and 0 < args.max_reference_mb <= MAX_REFERENCE_MB,

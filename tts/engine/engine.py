@@ -99,6 +99,8 @@ class EngineConfig:
     slower step, and only if the step stays fast enough for it to keep real time itself; a request
     that waited `realtime_max_wait` seconds is admitted whatever the slack (tts.engine.realtime).
     Off by default here (admission by rows and blocks only); `tts serve` turns it on on CUDA.
+    prefill_gather: with real-time admission and packed prefills, seconds a fresh request that would
+    open a prefill pass of its own while streams play waits for later ones to share the pass (0: none).
     repetition: how the frame step applies requests' repetition penalty ("fish-1.5", "s1"; see
     tts.engine.model_runner), None: not at all. The model family decides it (`ModelBundle.repetition`);
     the Python API and the service fill it in from the bundle.
@@ -121,6 +123,7 @@ class EngineConfig:
     realtime_admission: bool = False
     realtime_margin: float = DEFAULT_REALTIME_MARGIN
     realtime_max_wait: float = DEFAULT_REALTIME_MAX_WAIT
+    prefill_gather: float = 0.0
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     repetition: str | None = None
     aligner: AlignerSpec | None = None
@@ -140,10 +143,12 @@ class EngineConfig:
         if self.prefill_graphs is not None and self.prefill_graphs not in GRAPH_SETTINGS:
             choices = ", ".join(GRAPH_SETTINGS)
             raise ValueError(f"prefill_graphs must be one of {choices} or None, got {self.prefill_graphs!r}")
-        for name in ("realtime_margin", "realtime_max_wait"):
+        for name in ("realtime_margin", "realtime_max_wait", "prefill_gather"):
             value = getattr(self, name)
             if not (value >= 0 and value != float("inf")):  # (False for nan)
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
+        if self.prefill_gather and not self.realtime_admission:
+            raise ValueError("prefill_gather needs realtime_admission")
 
 
 def kv_bytes_per_token(model: DualARTransformer) -> int:
@@ -225,7 +230,12 @@ class Engine:
         packed = cfg.packed_prefill
         self.packed_prefill = self.device.type == "cuda" if packed is None else packed
         self.realtime = (
-            RealtimeAdmission(cfg.realtime_margin, cfg.realtime_max_wait, packs=self.packed_prefill)
+            RealtimeAdmission(
+                cfg.realtime_margin,
+                cfg.realtime_max_wait,
+                packs=self.packed_prefill,
+                gather=cfg.prefill_gather,
+            )
             if cfg.realtime_admission
             else None
         )

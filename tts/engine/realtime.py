@@ -24,7 +24,10 @@ slower (`s'`, the batch grows). The head of the queue is admitted in an iteratio
    anyway, the engine packs them into one pass, and the pass stays within RIDE_ALONG_TOKENS prompt
    tokens (`tts.params`: up to about there a pass costs little more than its first prompt; four
    prompts of 100 tokens cost 1.4x one beside the codec, eight 2x). A rider skips the slack check
-   (its prefill and the larger batch's step), not the speed rule.
+   (its prefill and the larger batch's step), not the speed rule;
+3. (gathering, `gather` seconds, off by default) a fresh request that would open a prefill pass of its
+   own (no request of its kind admitted in this iteration) while streams play waits until it has
+   waited `gather`, so that requests arriving meanwhile share its pass (they ride along).
 
 Riding along is what keeps an overloaded engine from paying one prefill pass per request: a pass
 stops every stream for about the same time whether it carries one short prompt or four, while the
@@ -62,7 +65,7 @@ from tts.params import (
 # Weight of a new measurement in the moving averages (about the last 10 frame steps count).
 STEP_EMA = 0.1
 PREFILL_EMA = 0.25
-DEFERRAL_REASONS = ("slack", "speed")
+DEFERRAL_REASONS = ("slack", "speed", "gather")
 # Seconds after which a step time not measured again gives way to a fresher one: a batch size whose only
 # sample was slow (another load on the GPU at that moment) would otherwise never be reached again to be
 # measured anew, since the speed rule keeps the batch below it.
@@ -220,7 +223,8 @@ class RealtimeAdmission:
     that ran anyway while a stream lacked slack (RIDE_ALONG_TOKENS; only where the engine packs the
     prompts admitted together into one pass, `packs`); `min_slack`, the least slack of
     the playing streams (before a prefill) at the last admission decision while any played (None:
-    none yet)."""
+    none yet). gather: seconds a fresh request that would open a pass waits for others to share it
+    (rule 3; 0: never; only where the engine packs prompts)."""
 
     margin: float
     max_wait: float
@@ -230,6 +234,7 @@ class RealtimeAdmission:
     rode_along: int = 0
     packs: bool = True
     min_slack: float | None = None
+    gather: float = 0.0
 
     def admits(
         self,
@@ -252,16 +257,20 @@ class RealtimeAdmission:
             return self._defer(request, "speed")
         if playback is not None and playback.started is not None:
             return True  # its player runs: waiting only makes it later
-        tokens = sum(r.prompt_len - r.cached for r in admitted) + request.prompt_len - request.cached
-        cost = self.times.prefill(tokens)
-        self.min_slack = min((p.slack(now, step) for p in self._playing(running)), default=None)
-        if self.min_slack is None or self.min_slack - cost >= self.margin:
-            return True
-        if now - request.arrival_time >= self.max_wait:
-            self.forced += 1
-            return True
         # (a session's continuation and a fresh prompt go in separate passes: ride with one's own kind)
         same = [r.prompt_len - r.cached for r in admitted if bool(r.cached) == bool(request.cached)]
+        waited = now - request.arrival_time
+        playing = self._playing(running)
+        if self.packs and not same and not request.cached and playing and waited < self.gather:
+            return self._defer(request, "gather")
+        tokens = sum(r.prompt_len - r.cached for r in admitted) + request.prompt_len - request.cached
+        cost = self.times.prefill(tokens)
+        self.min_slack = min((p.slack(now, step) for p in playing), default=None)
+        if self.min_slack is None or self.min_slack - cost >= self.margin:
+            return True
+        if waited >= self.max_wait:
+            self.forced += 1
+            return True
         if self.packs and same and sum(same) + request.prompt_len - request.cached <= RIDE_ALONG_TOKENS:
             self.rode_along += 1
             return True
