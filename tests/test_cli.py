@@ -626,8 +626,11 @@ def test_serve_admission_options_reach_the_engine(monkeypatch, capsys):
     base = ["serve", "--model", "tiny", "--port", "0", "--http-port", "-1", "--metrics-port", "-1"]
     assert main(base) == 0
     on = ["--realtime-admission", "on", "--realtime-margin", "0.02", "--realtime-max-wait", "0.3"]
-    assert main([*base, *on, "--max-prefill-tokens", "512", "--prefill-gather-ms", "40"]) == 0
-    assert seen == [(False, 0.05, 0.15, 2048, 0.0), (True, 0.02, 0.3, 512, 0.04)]
+    assert main([*base, *on, "--max-prefill-tokens", "512"]) == 0
+    assert seen == [(False, 0.05, 0.15, 2048, 0.0), (True, 0.02, 0.3, 512, 0.0)]
+    # (the option's value on CUDA, where the devices are checked before any model loads)
+    args = service_cli._SERVE_PARSER.parse_args([*base[1:], "--prefill-gather-ms", "40"])
+    assert service_cli.engine_admission_kwargs(args, "cuda")["prefill_gather"] == 0.04
     assert service_cli.realtime_admission(argparse.Namespace(realtime_admission="auto"), "cuda")
     capsys.readouterr()
     assert main([*base, "--realtime-margin", "-1"]) == 2
@@ -636,11 +639,17 @@ def test_serve_admission_options_reach_the_engine(monkeypatch, capsys):
     for bad in ("-1", "1001", "nan"):
         assert main([*base, *on, "--prefill-gather-ms", bad]) == 2
         assert capsys.readouterr().err == f"tts: error: --prefill-gather-ms must be in 0..1000, got {bad}\n"
-    # (auto: off on a CPU, where prefills are not packed and gathering has nothing to share)
-    assert main([*base, "--prefill-gather-ms", "40"]) == 2
+    # (a CPU prefills each prompt alone: nothing to share, whether admission is on or auto)
+    needs = (
+        "tts: error: --prefill-gather-ms needs CUDA (where prompts share a prefill pass) and real-time "
+        "admission (--realtime-admission auto or on)\n"
+    )
+    for extra in ([], on, ["--devices", "cpu,cpu"], ["--device", "cuda", "--realtime-admission", "off"]):
+        assert main([*base, *extra, "--prefill-gather-ms", "40"]) == 2
+        assert capsys.readouterr().err == needs
+    assert main([*base, "--device", "cuda", "--prefill-gather-ms", "150"]) == 2
     assert capsys.readouterr().err == (
-        "tts: error: --prefill-gather-ms needs real-time admission (--realtime-admission on; auto is on on "
-        "CUDA only)\n"
+        "tts: error: --prefill-gather-ms must be below --realtime-max-wait (150 ms), got 150\n"
     )
     assert len(seen) == 2
 

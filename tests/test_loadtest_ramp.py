@@ -48,7 +48,12 @@ def search(rule, rows=None, **settings):
     run, calls = fake_runner(rule)
     seen: list[int] = []
     outcome = asyncio.run(
-        ramp_search(run, RampSettings(**settings), rows, progress=lambda lv: seen.append(lv.concurrency))
+        ramp_search(
+            run,
+            RampSettings(**{"paced": False, **settings}),  # (the rows' rules of the closed loop unless asked)
+            rows,
+            progress=lambda lv: seen.append(lv.concurrency),
+        )
     )
     assert [lv.concurrency for lv in outcome.levels] == calls == seen  # each level run once, reported
     return outcome, calls
@@ -97,6 +102,24 @@ def server_rule(rows: int, real_time_up_to: int):
     return rule
 
 
+@pytest.mark.parametrize("mean_batch, limited_by", [(200.0, "real_time"), (240.0, "max_batch")])
+def test_paced_levels_above_the_rows_are_searched_and_judged_by_the_mean_batch(mean_batch, limited_by):
+    """Paced, a stream holds no row while its audio plays: 256 rows may carry more than 256 streams.
+    Levels above the rows are bisected like any other, and a failed one is the server's max batch
+    only when its steps averaged 90% of the rows or more (240 of 256 here), else real time."""
+
+    def rule(c: int) -> LevelResult:
+        return level(c, underruns=0 if c <= 320 else 3, server={"mean_batch": mean_batch})
+
+    outcome, calls = search(rule, rows=256, start=64, stop=512, step=32, paced=True)
+    assert calls == [64, 128, 256, 512, 384, 320, 352]
+    assert (outcome.real_time_streams, outcome.first_failing) == (320, 352)
+    assert outcome.stopped_by == limited_by
+    assert (
+        judge_level(level(512, underruns=1), 300.0, 256, paced=True).limited_by == "real_time"
+    )  # (no counters)
+
+
 def test_a_level_above_the_max_batch_is_the_server_limit_and_not_bisected():
     """Real time at every level up to the server's rows, the next level above them: the ramp stops at the
     rows and says the server's max batch stopped it (no level between the rows and that one is run)."""
@@ -119,7 +142,7 @@ def test_the_rows_are_probed_before_bisecting_below_them():
 def test_real_time_above_the_rows_is_kept_and_said():
     """Streams that take turns for a row can still be real time for their clients (a server far faster
     than real time): such a level passes, and the conclusion says the answer is above the rows."""
-    settings = RampSettings(start=64, stop=512, step=16)
+    settings = RampSettings(start=64, stop=512, step=16, paced=False)
     run, calls = fake_runner(lambda c: c <= 300)
     outcome = asyncio.run(ramp_search(run, settings, 200))
     assert calls == [64, 128, 256, 512]  # 512 fails above the rows, with 256 above them passed: no bisection
@@ -238,7 +261,7 @@ def test_a_level_is_real_time_without_underruns_errors_or_a_late_first_audio(
 def test_report_section_and_table_say_the_server_stopped_the_ramp():
     from dataclasses import asdict
 
-    settings = RampSettings(start=64, stop=512, step=16)
+    settings = RampSettings(start=64, stop=512, step=16, paced=False)
     run, _ = fake_runner(server_rule(256, 10_000))
     outcome = asyncio.run(ramp_search(run, settings, 256))
     ramp = ramp_report(settings, outcome, 256, 512)

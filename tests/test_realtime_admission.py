@@ -338,6 +338,26 @@ def test_a_new_pass_waits_the_gathering_time_for_others_to_share_it(tiny_model, 
     assert engine.realtime.forced == 0
 
 
+def test_a_gathering_head_does_not_hold_up_a_stream_whose_player_runs(tiny_model):
+    """B (fresh) would gather for 0.1 s, but D, queued behind it, is A's next text chunk (A's player
+    runs): waiting would only make D later, so B does not gather and both join at once."""
+    engine = timed_engine(
+        tiny_model, realtime_max_wait=10.0, realtime_margin=0.0, packed_prefill=True, prefill_gather=0.1
+    )
+    a = stream(engine, tiny_model, "a", 1)
+    engine.step()
+    engine.step()
+    assert a.playback.started is not None
+    stream(engine, tiny_model, "b", 2)
+    d = engine.submit(
+        random_prompt(tiny_model, 9, 4), params(max_new_frames=8, seed=4), "d", playback=a.playback
+    )
+    assert RealtimeAdmission.must_not_wait(d)
+    engine.step()
+    assert engine.is_running("b") and engine.is_running("d")
+    assert engine.realtime.deferred["gather"] == 0
+
+
 def test_gathering_waits_only_to_open_a_fresh_pass_while_streams_play():
     """The gathering wait applies to a fresh prompt that would open a pass while a stream plays; not
     with a pass of its kind admitted already, not to a session's continuation, not where the engine
@@ -364,7 +384,8 @@ def test_gathering_waits_only_to_open_a_fresh_pass_while_streams_play():
     a = admission()
     assert not a.admits(request(), [], running, 2, now=0.04)
     assert a.deferred["gather"] == 1
-    assert admission().admits(request(arrival=-0.06), [], running, 2, now=0.04)  # (waited the time)
+    assert admission().admits(request(arrival=-0.07), [], running, 2, now=0.04)  # (waited the time)
+    assert admission().admits(request(), [], running, 2, now=0.04, gather=False)  # (one behind must not wait)
     assert admission().admits(request(), [request()], running, 2, now=0.04)  # (a pass opened already)
     assert admission().admits(request(cached=30), [], running, 2, now=0.04)
     assert admission(packs=False).admits(request(), [], running, 2, now=0.04)
@@ -380,6 +401,8 @@ def test_bad_settings_are_refused():
         EngineConfig(realtime_admission=True, prefill_gather=-0.1).validate()
     with pytest.raises(ValueError, match="prefill_gather needs realtime_admission"):
         EngineConfig(prefill_gather=0.05).validate()
+    with pytest.raises(ValueError, match="prefill_gather must be below realtime_max_wait"):
+        EngineConfig(realtime_admission=True, prefill_gather=0.15, realtime_max_wait=0.15).validate()
 
 
 def test_the_engine_sees_the_chunks_the_job_runner_releases(tiny_bundle, monkeypatch):

@@ -486,9 +486,10 @@ async def _run_level(
                 await asyncio.sleep(max(0.0, played_at - time.perf_counter()))
                 played_at = None
             i = next(counter)
+            request = make_request(i)
             sent = time.perf_counter()
             try:
-                r = await synthesize_stream(stubs[i % len(stubs)], make_request(i), timeout=timeout)
+                r = await synthesize_stream(stubs[i % len(stubs)], request, timeout=timeout)
             except grpc.aio.AioRpcError as exc:
                 name = exc.code().name
                 result.errors[name] = result.errors.get(name, 0) + 1
@@ -640,10 +641,9 @@ async def run_loadtest(
                 from tts_tools.ramp import ramp_search
 
                 rounds = ramp.rounds
-                # Paced, a stream holds no row while its audio plays: C streams may need fewer rows
-                # than C, so the rows bound neither the search nor a level's label.
-                rows = None if ramp.paced else server_rows(infos)
-                outcome = await ramp_search(lambda c: run_level(c, rounds * c), ramp, rows, progress)
+                outcome = await ramp_search(
+                    lambda c: run_level(c, rounds * c), ramp, server_rows(infos), progress
+                )
                 levels = outcome.levels
             info_after = await stubs[0].GetInfo(pb.GetInfoRequest(), timeout=30)
         finally:

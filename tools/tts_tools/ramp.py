@@ -15,9 +15,10 @@ asks for audio faster than real time whenever the server is faster). A level is
   slow for one more stream (`tts_realtime_deferred_total{reason="speed"}`): that is `real_time`;
   `kv_cache`: the same, or waits for KV blocks, with the server's counters showing the paged KV pool ran
   out (needs `--metrics-url`); `max_batch`: C above the rows the server decodes at once (the
-  sum of GetInfo.max_batch over the listed servers), so streams waited in its queue (unpaced only:
-  paced, a stream holds no row while its audio plays, and levels above the rows are judged and
-  searched like any other); `errors`: any
+  sum of GetInfo.max_batch over the listed servers), so streams waited in its queue (paced, a stream
+  holds no row while its audio plays, so C may pass the rows: there a failed level is `max_batch`
+  when the server's mean batch over the level reached FULL_ROWS of its rows, and levels above the
+  rows are searched like any other); `errors`: any
   other error; `real_time`: none of those, the streams fell below real time.
   The first three are limits of the server's settings, a different finding than "fell below real time".
 
@@ -51,6 +52,10 @@ PACING_WORDS = {
     "playback": "a stream's next request when its last one's audio has played",
     "none": "a stream's next request as soon as its last one's audio arrived",
 }
+
+# Paced, a failed level whose frame steps averaged this share of the server's rows or more was held
+# back by them (the streams waited for a row), not by the GPU's speed.
+FULL_ROWS = 0.9
 
 DEFAULT_START = 16
 DEFAULT_MAX = 512
@@ -101,9 +106,10 @@ class Verdict:
     limited_by: str | None = None
 
 
-def judge_level(level: LevelResult, ttfa_p95_ms: float, rows: int | None) -> Verdict:
+def judge_level(level: LevelResult, ttfa_p95_ms: float, rows: int | None, paced: bool = False) -> Verdict:
     """Judge one level (see the module docstring for the criteria and the order of `limited_by`).
-    `rows`: the batch rows of the server(s) (the sum of GetInfo.max_batch; None or 0: unknown).
+    `rows`: the batch rows of the server(s) (the sum of GetInfo.max_batch; None or 0: unknown); paced:
+    the level's streams were paced by their playback (`max_batch` then reads the server's mean batch).
     The KV-pool and real-time labels read the level's server counters (`level.server["kv_stalls"]`,
     `["kv_preemptions"]`, `["realtime_deferred_speed"]`), absent without --metrics-url."""
     failures = []
@@ -127,7 +133,11 @@ def judge_level(level: LevelResult, ttfa_p95_ms: float, rows: int | None) -> Ver
             limited = "real_time"  # (admission held newcomers: the step was too slow for one more stream)
         else:
             limited = "queue"
-    elif rows and level.concurrency > rows:
+    elif (
+        rows
+        and level.concurrency > rows
+        and (not paced or (server.get("mean_batch") or 0) >= FULL_ROWS * rows)
+    ):
         limited = "max_batch"
     elif kv:
         limited = "kv_cache"
@@ -164,7 +174,7 @@ async def ramp_search(
 
     async def probe(c: int) -> Verdict:
         level = await run_level(c)
-        level.verdict = verdict = judge_level(level, settings.ttfa_p95_ms, rows)
+        level.verdict = verdict = judge_level(level, settings.ttfa_p95_ms, rows, settings.paced)
         levels.append(level)
         if progress is not None:
             progress(level)
@@ -182,7 +192,7 @@ async def ramp_search(
             break
         c = min(2 * c, settings.stop)
     while hi is not None and hi - lo > settings.step:
-        if rows and hi > rows:  # only the server's limit can be learned above its rows
+        if rows and hi > rows and not settings.paced:  # only the server's limit can be learned above them
             if lo >= rows:
                 break
             mid = rows

@@ -505,10 +505,19 @@ def check_serve_options(args: argparse.Namespace) -> None:
         math.isfinite(args.prefill_gather_ms) and 0 <= args.prefill_gather_ms <= MAX_PREFILL_GATHER_MS,
         f"--prefill-gather-ms must be in 0..{MAX_PREFILL_GATHER_MS}, got {args.prefill_gather_ms:g}",
     )
-    require(
-        not args.prefill_gather_ms or realtime_admission(args, "cuda" if "cuda" in args.device else "cpu"),
-        "--prefill-gather-ms needs real-time admission (--realtime-admission on; auto is on on CUDA only)",
-    )
+    if args.prefill_gather_ms:
+        # (the replicas' devices with --devices; a CPU prefills each prompt alone: nothing to share)
+        devices = [d.strip() for d in args.devices.split(",")] if args.devices else [args.device]
+        require(
+            all(d.startswith("cuda") for d in devices) and realtime_admission(args, "cuda"),
+            "--prefill-gather-ms needs CUDA (where prompts share a prefill pass) and real-time admission "
+            "(--realtime-admission auto or on)",
+        )
+        require(
+            args.prefill_gather_ms < 1000 * args.realtime_max_wait,
+            f"--prefill-gather-ms must be below --realtime-max-wait ({1000 * args.realtime_max_wait:g} ms), "
+            f"got {args.prefill_gather_ms:g}",
+        )
     check_seconds("--grace", args.grace, zero_ok=True)
     require(
         math.isfinite(args.max_reference_mb) and 0 < args.max_reference_mb <= MAX_REFERENCE_MB,

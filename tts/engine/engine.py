@@ -149,6 +149,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
         if self.prefill_gather and not self.realtime_admission:
             raise ValueError("prefill_gather needs realtime_admission")
+        if self.prefill_gather and self.prefill_gather >= self.realtime_max_wait:
+            raise ValueError("prefill_gather must be below realtime_max_wait")
 
 
 def kv_bytes_per_token(model: DualARTransformer) -> int:
@@ -752,9 +754,12 @@ class Engine:
         if realtime is None or not self.scheduler.waiting:
             return None
         now, running = self.clock(), self.scheduler.running
+        # (a gathering head holds up the whole queue: not while a request that must not wait is in it)
+        gather = realtime.gather > 0 and not any(map(realtime.must_not_wait, self.scheduler.waiting))
 
         def gate(request: Request, admitted: list[Request]) -> bool:
-            return realtime.admits(request, admitted, running, self.rows_for(len(running) + 1), now)
+            rows = self.rows_for(len(running) + 1)
+            return realtime.admits(request, admitted, running, rows, now, gather=gather)
 
         return gate
 

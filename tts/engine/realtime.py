@@ -25,9 +25,12 @@ slower (`s'`, the batch grows). The head of the queue is admitted in an iteratio
    tokens (`tts.params`: up to about there a pass costs little more than its first prompt; four
    prompts of 100 tokens cost 1.4x one beside the codec, eight 2x). A rider skips the slack check
    (its prefill and the larger batch's step), not the speed rule;
-3. (gathering, `gather` seconds, off by default) a fresh request that would open a prefill pass of its
-   own (no request of its kind admitted in this iteration) while streams play waits until it has
-   waited `gather`, so that requests arriving meanwhile share its pass (they ride along).
+3. (gathering, `gather` seconds, off by default; below `max_wait`) a fresh request that would open a
+   packed prefill pass of its own (no request of its kind admitted in this iteration) while streams
+   play waits until it has waited `gather`, so that requests arriving meanwhile may share its pass
+   (as slack permits, or riding along). The head of the queue waiting holds up the requests behind
+   it, so it gathers only while none of them must not wait (`must_not_wait`: a stream whose player
+   runs, a session's continuation). A request is counted once, by the first reason it waited.
 
 Riding along is what keeps an overloaded engine from paying one prefill pass per request: a pass
 stops every stream for about the same time whether it carries one short prompt or four, while the
@@ -243,10 +246,12 @@ class RealtimeAdmission:
         running: Sequence[Request],
         rows: int,
         now: float,
+        gather: bool = True,
     ) -> bool:
         """Whether `request` (the head of the queue) may join `running` now (`admitted`: those of
         `running` admitted in this iteration, not prefilled yet; `rows`: the rows the step then
-        computes). A deferral is counted once per request."""
+        computes; `gather`: rule 3 may hold it, False while a request that must not wait is queued).
+        A deferral is counted once per request."""
         if not running:
             return True
         step = self.times.step_seconds(rows, now)
@@ -261,11 +266,11 @@ class RealtimeAdmission:
         same = [r.prompt_len - r.cached for r in admitted if bool(r.cached) == bool(request.cached)]
         waited = now - request.arrival_time
         playing = self._playing(running)
-        if self.packs and not same and not request.cached and playing and waited < self.gather:
+        self.min_slack = min((p.slack(now, step) for p in playing), default=None)
+        if gather and self.packs and not same and not request.cached and playing and waited < self.gather:
             return self._defer(request, "gather")
         tokens = sum(r.prompt_len - r.cached for r in admitted) + request.prompt_len - request.cached
         cost = self.times.prefill(tokens)
-        self.min_slack = min((p.slack(now, step) for p in playing), default=None)
         if self.min_slack is None or self.min_slack - cost >= self.margin:
             return True
         if waited >= self.max_wait:
@@ -281,6 +286,13 @@ class RealtimeAdmission:
         for r in running:
             if r.playback is not None:
                 r.playback.advance(r.released if r.guard is not None else r.num_generated, now)
+
+    @staticmethod
+    def must_not_wait(request: Request) -> bool:
+        """Whether a waiting request is one that waiting only makes later: its stream's player runs
+        (a job's next text chunk), or it continues a session's kept sequence."""
+        playback = request.playback
+        return bool(request.cached) or (playback is not None and playback.started is not None)
 
     @staticmethod
     def _playing(running: Sequence[Request]) -> list[Playback]:
