@@ -200,29 +200,6 @@ class CodecStats:
     slack_calls: int = 0
 
 
-def codec_stream(device: torch.device, sms: int = 0) -> tuple[torch.cuda.Stream, object]:
-    """The codec worker's CUDA stream and what keeps it valid: with `sms` 0 an ordinary stream of the
-    lowest priority (the engine's kernels go first where both wait); with `sms` > 0 a stream of a green
-    context holding that many of the device's SMs, so that the codec's convolutions never occupy the
-    whole GPU and the engine's short kernels always find SMs free (its other SMs stay the engine's
-    alone). Raises ValueError for an `sms` the device does not have, RuntimeError where torch or the
-    driver has no green contexts."""
-    if not sms:
-        return torch.cuda.Stream(device, priority=0), None
-    count = torch.cuda.get_device_properties(device).multi_processor_count
-    if not 0 < sms < count:
-        raise ValueError(f"codec SMs must be in 1..{count - 1} on this device ({count} SMs), got {sms}")
-    try:
-        from torch.cuda.green_contexts import GreenContext
-
-        context = GreenContext.create(num_sms=sms, device_id=device.index)
-        return context.Stream(), context
-    except (ImportError, AttributeError, RuntimeError) as exc:
-        raise RuntimeError(
-            f"codec SMs need CUDA green contexts, which this torch or driver lacks: {exc}"
-        ) from exc
-
-
 class CodecStage:
     """See the module docstring.
 
@@ -262,7 +239,6 @@ class CodecStage:
         gather: float = 0.0,
         gather_frames: int = GATHER_FRAMES,
         clock: Callable[[], float] = time.monotonic,
-        sms: int = 0,
     ):
         if not (math.isfinite(gather) and gather >= 0):
             raise ValueError(f"gather must be a number of seconds >= 0, got {gather}")
@@ -322,12 +298,7 @@ class CodecStage:
         self._out: Tensor | None = None
         self._h_out: Tensor | None = None
         # The lowest priority (0): the engine thread's frame steps go first (EngineThread._use_step_stream).
-        self.stream: torch.cuda.Stream | None = None
-        self._green: object = (
-            None  # (the green context of an SM-limited stream: kept while the stream is used)
-        )
-        if self.is_cuda:
-            self.stream, self._green = codec_stream(self.device, sms)
+        self.stream = torch.cuda.Stream(self.device, priority=0) if self.is_cuda else None
         use_graphs = graphs and self.is_cuda and getattr(self.decoder, "graph_safe", False)
         self.graphs = GraphRunner(
             self._decode_step,
