@@ -524,3 +524,33 @@ def test_paced_streams_send_the_next_request_when_the_last_ones_audio_has_played
             expected
         )  # 2.25 s of playback less the 0.5 s stream, before requests 2 and 3
         assert level.ok == 3
+
+
+def test_a_stream_that_breaks_the_protocol_is_a_level_error_not_a_crash(monkeypatch):
+    """A server whose stream breaks the protocol (`StreamError`: a chunk out of order, no end) fails that
+    request as an error of the level (`PROTOCOL`), and the level goes on to its other requests."""
+    import tts_tools.loadtest as lt
+
+    import service.client
+    from service.client import StreamError
+
+    class Reply:
+        def __init__(self):
+            self.header = type("H", (), {"replica": ""})()
+            self.end = type("E", (), {"frames": 4})()
+            self.audio_seconds, self.ttfa, self.rtf, self.max_gap = 0.2, 0.01, 0.1, 0.0
+            self.stream_frames_per_s, self.arrivals, self.chunk_samples, self.sample_rate = (
+                None,
+                [0.1],
+                [8],
+                8,
+            )
+
+    async def fake_stream(stub, request, timeout=None):
+        if request == 1:
+            raise StreamError("sequence gap: expected 1, got 2")
+        return Reply()
+
+    monkeypatch.setattr(service.client, "synthesize_stream", fake_stream)
+    level = asyncio.run(lt._run_level([None], 2, 4, iter(range(100)), lambda i: i, None))
+    assert (level.ok, level.errors) == (3, {"PROTOCOL": 1})

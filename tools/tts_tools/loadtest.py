@@ -464,7 +464,7 @@ async def _run_level(
     audio faster than real time whenever the server is faster."""
     import grpc
 
-    from service.client import synthesize_stream
+    from service.client import StreamError, synthesize_stream
 
     result = LevelResult(concurrency=concurrency, requests=total)
     ttfa: list[float] = []
@@ -490,8 +490,9 @@ async def _run_level(
             sent = time.perf_counter()
             try:
                 r = await synthesize_stream(stubs[i % len(stubs)], request, timeout=timeout)
-            except grpc.aio.AioRpcError as exc:
-                name = exc.code().name
+            except (grpc.aio.AioRpcError, StreamError) as exc:
+                # (StreamError: the server broke the stream's protocol, an error of the level's like a status)
+                name = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "PROTOCOL"
                 result.errors[name] = result.errors.get(name, 0) + 1
                 continue
             if paced:
