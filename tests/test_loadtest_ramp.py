@@ -416,19 +416,24 @@ def test_bench_server_ramp_end_to_end_report_shape(server, tmp_path, capsys):
     wait_idle(server.loop)
 
 
+class Reply:
+    """What `_run_level` reads of a `service.client.StreamResult`: 4 frames; chunks' arrivals (seconds
+    from the send) and samples at `sample_rate`."""
+
+    def __init__(self, arrivals=(), chunk_samples=(), sample_rate=1):
+        self.header = type("H", (), {"replica": ""})()
+        self.end = type("E", (), {"frames": 4})()
+        self.audio_seconds, self.ttfa, self.rtf, self.max_gap = 0.2, 0.01, 0.1, 0.0
+        self.stream_frames_per_s = None
+        self.arrivals, self.chunk_samples, self.sample_rate = list(arrivals), list(chunk_samples), sample_rate
+
+
 def test_spread_arrivals_delay_worker_k_by_k_over_c_of_the_spread(monkeypatch):
     """--ramp-arrivals spread: worker k's first request waits k x spread / C (counted through the sleeps
     asked for, not timed); burst (spread 0) asks for none."""
     import tts_tools.loadtest as lt
 
     import service.client
-
-    class Reply:
-        def __init__(self):
-            self.header = type("H", (), {"replica": ""})()
-            self.end = type("E", (), {"frames": 4})()
-            self.audio_seconds, self.ttfa, self.rtf, self.max_gap = 0.2, 0.01, 0.1, 0.0
-            self.stream_frames_per_s, self.arrivals, self.chunk_samples, self.sample_rate = None, [], [], 1
 
     async def fake_stream(stub, request, timeout=None):
         return Reply()
@@ -489,22 +494,10 @@ def test_paced_streams_send_the_next_request_when_the_last_ones_audio_has_played
 
     now = [10.0]
 
-    class Reply:
-        def __init__(self):
-            self.header = type("H", (), {"replica": ""})()
-            self.end = type("E", (), {"frames": 4})()
-            self.audio_seconds, self.ttfa, self.rtf, self.max_gap = 2.0, 0.01, 0.1, 0.0
-            # two chunks of 1 s each, arriving 0.25 s and 0.5 s after the send: played 2.25 s after it
-            self.stream_frames_per_s, self.arrivals, self.chunk_samples, self.sample_rate = (
-                None,
-                [0.25, 0.5],
-                [8, 8],
-                8,
-            )
-
     async def fake_stream(stub, request, timeout=None):
         now[0] += 0.5  # the stream takes 0.5 s
-        return Reply()
+        # two chunks of 1 s each, arriving 0.25 s and 0.5 s after the send: played 2.25 s after it
+        return Reply(arrivals=[0.25, 0.5], chunk_samples=[8, 8], sample_rate=8)
 
     slept: list[float] = []
     real_sleep = asyncio.sleep
@@ -520,9 +513,8 @@ def test_paced_streams_send_the_next_request_when_the_last_ones_audio_has_played
     for paced, expected in ((True, [1.75, 1.75]), (False, [])):
         slept.clear()
         level = asyncio.run(lt._run_level([None], 1, 3, iter(range(100)), lambda i: i, None, 0.0, paced))
-        assert slept == pytest.approx(
-            expected
-        )  # 2.25 s of playback less the 0.5 s stream, before requests 2 and 3
+        # (2.25 s of playback less the 0.5 s stream, before requests 2 and 3)
+        assert slept == pytest.approx(expected)
         assert level.ok == 3
 
 
@@ -534,22 +526,10 @@ def test_a_stream_that_breaks_the_protocol_is_a_level_error_not_a_crash(monkeypa
     import service.client
     from service.client import StreamError
 
-    class Reply:
-        def __init__(self):
-            self.header = type("H", (), {"replica": ""})()
-            self.end = type("E", (), {"frames": 4})()
-            self.audio_seconds, self.ttfa, self.rtf, self.max_gap = 0.2, 0.01, 0.1, 0.0
-            self.stream_frames_per_s, self.arrivals, self.chunk_samples, self.sample_rate = (
-                None,
-                [0.1],
-                [8],
-                8,
-            )
-
     async def fake_stream(stub, request, timeout=None):
         if request == 1:
             raise StreamError("sequence gap: expected 1, got 2")
-        return Reply()
+        return Reply(arrivals=[0.1], chunk_samples=[8], sample_rate=8)
 
     monkeypatch.setattr(service.client, "synthesize_stream", fake_stream)
     level = asyncio.run(lt._run_level([None], 2, 4, iter(range(100)), lambda i: i, None))
