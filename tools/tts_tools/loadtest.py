@@ -456,7 +456,7 @@ async def _run_level(
     spread_s: float = 0.0,
     paced: bool = False,
 ):
-    """One level: `concurrency` closed-loop workers issue `total` requests in all. spread_s > 0: worker k
+    """One level: `concurrency` workers (streams) issue `total` requests in all. spread_s > 0: worker k
     sends its first request k x spread_s / concurrency seconds after the start, so the streams arrive
     spread over that time (as independent callers do) instead of all at once. paced: a worker sends its
     next request when the audio of its last one has played (`playback_end`), so each worker is one

@@ -343,10 +343,10 @@ def add_admission_args(p: argparse.ArgumentParser) -> None:
         type=float,
         metavar="MS",
         default=0.0,
-        help="with real-time admission: a new request that would open a prefill pass of its own while "
-        "streams play waits up to this long for later ones to share the pass (a pass stops every stream "
-        "for about as long with one short prompt as with four); costs the first of them that much time "
-        "to first audio (default 0: off)",
+        help="CUDA, with real-time admission: a new request that would open a prefill pass of its own "
+        "while streams play waits up to this long (below --realtime-max-wait) for later ones to share the "
+        "pass (a pass stops every stream for about as long with one short prompt as with four); costs the "
+        "first of them that much time to first audio (default 0: off)",
     )
     g.add_argument(
         "--max-prefill-tokens",
