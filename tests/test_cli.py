@@ -640,13 +640,21 @@ def test_serve_admission_options_reach_the_engine(monkeypatch, capsys):
         assert main([*base, *on, "--prefill-gather-ms", bad]) == 2
         assert capsys.readouterr().err == f"tts: error: --prefill-gather-ms must be in 0..1000, got {bad}\n"
     # (a CPU prefills each prompt alone: nothing to share, whether admission is on or auto)
-    needs = (
-        "tts: error: --prefill-gather-ms needs CUDA (where prompts share a prefill pass) and real-time "
-        "admission (--realtime-admission auto or on)\n"
+    cuda = (
+        "tts: error: --prefill-gather-ms needs CUDA (where prompts share a prefill pass; a CPU prefills each "
+        "alone)\n"
     )
-    for extra in ([], on, ["--devices", "cpu,cpu"], ["--device", "cuda", "--realtime-admission", "off"]):
+    admission = (
+        "tts: error: --prefill-gather-ms needs real-time admission (--realtime-admission auto or on)\n"
+    )
+    for extra, error in (
+        ([], cuda),
+        (on, cuda),
+        (["--devices", "cpu,cpu"], cuda),
+        (["--device", "cuda", "--realtime-admission", "off"], admission),
+    ):
         assert main([*base, *extra, "--prefill-gather-ms", "40"]) == 2
-        assert capsys.readouterr().err == needs
+        assert capsys.readouterr().err == error
     assert main([*base, "--device", "cuda", "--prefill-gather-ms", "150"]) == 2
     assert capsys.readouterr().err == (
         "tts: error: --prefill-gather-ms must be below --realtime-max-wait (150 ms), got 150\n"

@@ -534,3 +534,31 @@ def test_a_stream_that_breaks_the_protocol_is_a_level_error_not_a_crash(monkeypa
     monkeypatch.setattr(service.client, "synthesize_stream", fake_stream)
     level = asyncio.run(lt._run_level([None], 2, 4, iter(range(100)), lambda i: i, None))
     assert (level.ok, level.errors) == (3, {"PROTOCOL": 1})
+
+
+@pytest.mark.parametrize("paced", [False, True])
+def test_every_stream_of_a_level_sends_its_share_of_the_requests(monkeypatch, paced):
+    """C streams, spread arrivals, C x rounds requests: each stream sends `rounds` of them, also where
+    the first streams finish before the last ones start (one round: each stream exactly one request)."""
+    import tts_tools.loadtest as lt
+
+    import service.client
+
+    senders: list[int] = []
+
+    async def fake_stream(stub, request, timeout=None):
+        senders.append(id(asyncio.current_task()))
+        return Reply(arrivals=[0.0], chunk_samples=[1], sample_rate=1000)
+
+    real_sleep = asyncio.sleep
+
+    async def no_sleep(delay, *args):
+        await real_sleep(0)
+
+    monkeypatch.setattr(service.client, "synthesize_stream", fake_stream)
+    monkeypatch.setattr(lt.asyncio, "sleep", no_sleep)
+    for total, shares in ((4, [1, 1, 1, 1]), (8, [2, 2, 2, 2]), (6, [2, 2, 1, 1])):
+        senders.clear()
+        level = asyncio.run(lt._run_level([None], 4, total, iter(range(100)), lambda i: i, None, 2.0, paced))
+        assert level.ok == total
+        assert sorted((senders.count(t) for t in set(senders)), reverse=True) == shares

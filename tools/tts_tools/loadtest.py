@@ -456,7 +456,9 @@ async def _run_level(
     spread_s: float = 0.0,
     paced: bool = False,
 ):
-    """One level: `concurrency` workers (streams) issue `total` requests in all. spread_s > 0: worker k
+    """One level: `concurrency` workers (streams) issue `total` requests in all, each its share
+    (total // concurrency, one more for the first total % concurrency): every stream runs for the whole
+    level, the first ones do not take the requests of those that start later. spread_s > 0: worker k
     sends its first request k x spread_s / concurrency seconds after the start, so the streams arrive
     spread over that time (as independent callers do) instead of all at once. paced: a worker sends its
     next request when the audio of its last one has played (`playback_end`), so each worker is one
@@ -474,14 +476,13 @@ async def _run_level(
     audio_s: list[float] = []
     late: list[tuple[int, float]] = []
     frames = 0
-    issued = itertools.count()
 
     async def worker(k: int):
         nonlocal frames
         if spread_s > 0 and k:
             await asyncio.sleep(k * spread_s / concurrency)
         played_at = None  # paced: when the last request's audio will have played (perf_counter)
-        while next(issued) < total:
+        for _ in range(total // concurrency + (k < total % concurrency)):
             if played_at is not None:
                 await asyncio.sleep(max(0.0, played_at - time.perf_counter()))
                 played_at = None

@@ -280,7 +280,9 @@ def format_ramp(report: dict) -> str:
         t, v = lv["ttfa_ms"], lv["verdict"]
         p50 = "-" if t["p50"] is None else f"{t['p50']:.0f}ms"
         p95 = "-" if t["p95"] is None else f"{t['p95']:.0f}ms"
-        verdict = "real time" if v["passed"] else f"{v['limited_by']}: {'; '.join(v['failures'])}"
+        verdict = (
+            "real time" if v["passed"] else f"not real time ({v['limited_by']}: {'; '.join(v['failures'])})"
+        )
         errors = sum(lv["errors"].values())
         lines.append(
             f"{lv['concurrency']:>5} {lv['requests']:>5} {p50:>9} {p95:>8} {lv['underruns']:>9} "

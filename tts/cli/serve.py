@@ -509,9 +509,12 @@ def check_serve_options(args: argparse.Namespace) -> None:
         # (the replicas' devices with --devices; a CPU prefills each prompt alone: nothing to share)
         devices = [d.strip() for d in args.devices.split(",")] if args.devices else [args.device]
         require(
-            all(d.startswith("cuda") for d in devices) and realtime_admission(args, "cuda"),
-            "--prefill-gather-ms needs CUDA (where prompts share a prefill pass) and real-time admission "
-            "(--realtime-admission auto or on)",
+            all(d.startswith("cuda") for d in devices),
+            "--prefill-gather-ms needs CUDA (where prompts share a prefill pass; a CPU prefills each alone)",
+        )
+        require(
+            realtime_admission(args, "cuda"),
+            "--prefill-gather-ms needs real-time admission (--realtime-admission auto or on)",
         )
         require(
             args.prefill_gather_ms < 1000 * args.realtime_max_wait,
