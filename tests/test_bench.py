@@ -89,6 +89,27 @@ def test_bench_rejects_bad_modes(capsys):
     assert "--threads" in capsys.readouterr().err
 
 
+def test_service_benchmark_options_need_a_server(tmp_path, capsys, monkeypatch):
+    """`tts bench` without --server is the engine benchmark: the service benchmark's modes (--ramp and its
+    options, --soak, --sessions) are refused in one line rather than ignored."""
+    import tts_tools.bench
+
+    def never(*args, **kwargs):
+        raise AssertionError("the engine benchmark ran")
+
+    monkeypatch.setattr(tts_tools.bench, "load_bench_model", never)
+    monkeypatch.chdir(tmp_path)
+    for extra, named in (
+        (["--ramp"], "--ramp needs"),
+        (["--ramp-pacing", "none", "--ramp-max", "64"], "--ramp-max, --ramp-pacing need"),
+        (["--soak"], "--soak needs"),
+        (["--sessions", "4"], "--sessions needs"),
+    ):
+        assert main(["bench", "--model", "tiny", *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"tts: error: {named} --server"), err
+
+
 def test_bench_checks_its_options_before_loading_a_model(tmp_path, capsys, monkeypatch):
     """Bad options are one line before any model loads, and leave no results folder behind."""
 

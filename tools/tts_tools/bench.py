@@ -319,6 +319,21 @@ def plot(results: list[dict], path: Path, env: dict) -> None:
     fig.savefig(path, dpi=120)
 
 
+def check_service_options_absent(args: argparse.Namespace) -> None:
+    """Without --server `tts bench` is the engine benchmark: raise UserError naming the service
+    benchmark's mode options that were given anyway (--ramp and its options, --soak, --sessions), which
+    it would otherwise ignore."""
+    try:
+        from tts_tools.loadtest import RAMP_OPTIONS
+    except ImportError:  # (no service package: those options do not exist)
+        return
+    flags = [name for name in ("ramp", "soak") if getattr(args, name, False)]
+    flags += [name for name in (*sorted(RAMP_OPTIONS), "sessions") if getattr(args, name, None) is not None]
+    if flags:
+        given = ", ".join(f"--{name.replace('_', '-')}" for name in flags)
+        raise UserError(f"{given} {'needs' if len(flags) == 1 else 'need'} --server (the service benchmark)")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from tts.cli.main import check_device, set_cpu_threads, torch_dtype
 
@@ -326,6 +341,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from tts_tools.loadtest import run_from_args
 
         return run_from_args(args)
+    check_service_options_absent(args)
     check_device(args.device)
     cuda = args.device.startswith("cuda")
     modes = [m.strip() for m in (args.modes or ("eager,graph" if cuda else "eager")).split(",")]
