@@ -324,14 +324,13 @@ def check_service_options_absent(args: argparse.Namespace) -> None:
     benchmark's mode options that were given anyway (--ramp and its options, --soak, --sessions), which
     it would otherwise ignore."""
     try:
-        from tts_tools.loadtest import RAMP_OPTIONS
+        from tts_tools.loadtest import RAMP_OPTIONS, options_need
     except ImportError:  # (no service package: those options do not exist)
         return
     flags = [name for name in ("ramp", "soak") if getattr(args, name, False)]
     flags += [name for name in (*sorted(RAMP_OPTIONS), "sessions") if getattr(args, name, None) is not None]
     if flags:
-        given = ", ".join(f"--{name.replace('_', '-')}" for name in flags)
-        raise UserError(f"{given} {'needs' if len(flags) == 1 else 'need'} --server (the service benchmark)")
+        raise UserError(options_need(flags, "--server (the service benchmark)"))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

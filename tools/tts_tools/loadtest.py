@@ -939,16 +939,22 @@ RAMP_OPTIONS = (
 )
 
 
+def options_need(names: list[str], what: str) -> str:
+    """The one-line error for options (argparse dest names) given without `what`: "--a, --b need X"."""
+    given = ", ".join(f"--{name.replace('_', '-')}" for name in names)
+    return f"{given} {'needs' if len(names) == 1 else 'need'} {what}"
+
+
 def ramp_settings(args: argparse.Namespace) -> RampSettings | None:
     """The RampSettings of parsed `add_arguments` options (None without --ramp). Raises BenchError with a
     one-line reason for ramp options without --ramp, options the ramp replaces (--concurrency,
     --requests, --soak, --sessions) and values out of range."""
     from tts_tools.ramp import RampSettings
 
-    given = [f"--{name.replace('_', '-')}" for name in RAMP_OPTIONS if getattr(args, name, None) is not None]
+    given = [name for name in RAMP_OPTIONS if getattr(args, name, None) is not None]
     if not getattr(args, "ramp", False):
         if given:
-            raise BenchError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --ramp")
+            raise BenchError(options_need(given, "--ramp"))
         return None
     for option, replaced in (
         ("concurrency", "the ramp chooses the levels"),

@@ -506,8 +506,10 @@ def check_serve_options(args: argparse.Namespace) -> None:
         f"--prefill-gather-ms must be in 0..{MAX_PREFILL_GATHER_MS}, got {args.prefill_gather_ms:g}",
     )
     if args.prefill_gather_ms:
+        from service.cluster import parse_devices
+
         # (the replicas' devices with --devices; a CPU prefills each prompt alone: nothing to share)
-        devices = [d.strip() for d in args.devices.split(",")] if args.devices else [args.device]
+        devices = parse_devices(args.devices) if args.devices else [args.device]
         require(
             all(d.startswith("cuda") for d in devices),
             "--prefill-gather-ms needs CUDA (where prompts share a prefill pass; a CPU prefills each alone)",
