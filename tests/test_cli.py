@@ -591,7 +591,7 @@ def test_serve_passes_max_prepare_seconds_to_the_server(monkeypatch):
 
     seen = []
 
-    async def fake_serve(args, bundle, engine_config, limits, access):
+    async def fake_serve(args, bundle, engine_config, limits, access, started=None):
         seen.append(limits.max_prepare_seconds)
         return 0
 
@@ -609,7 +609,7 @@ def test_serve_admission_options_reach_the_engine(monkeypatch, capsys):
 
     seen = []
 
-    async def fake_serve(args, bundle, engine_config, limits, access):
+    async def fake_serve(args, bundle, engine_config, limits, access, started=None):
         c = engine_config
         seen.append(
             (

@@ -93,6 +93,14 @@ def test_serve_client_bench_and_sigterm(tmp_path, capsys):
         address, metrics_url = server.wait_serving()
         # The HTTP front of the same process: health, and one OpenAI-style request.
         line = next(x for x in server.lines if x.startswith("serving "))
+        # start-up says what it cost: the engine's build (graphs, KV pool), then the whole time to ready
+        assert re.search(r"max batch 4, graphs off, ready in \d+\.\d s\)", line), line
+        assert any(
+            re.search(
+                r"engine: 0 frame-step graphs captured, KV pool \d+ MiB \(\d+ blocks of \d+ tokens\), in ", x
+            )
+            for x in server.lines
+        )
         http_url = re.search(r"HTTP on (http://\S+/)", line).group(1)
         assert json.loads(urllib.request.urlopen(http_url + "health", timeout=10).read()) == {
             "status": "serving"

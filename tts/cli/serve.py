@@ -629,10 +629,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # the asyncio thread of the fronts. A thread waiting for the GIL gets it within the switch interval;
     # 1 ms instead of Python's 5 keeps a frame step from waiting several ms behind the others' Python.
     sys.setswitchinterval(0.001)
-    return asyncio.run(_serve(args, bundle, engine_config, limits, access))
+    return asyncio.run(_serve(args, bundle, engine_config, limits, access, started=t0))
 
 
-async def _serve(args, bundle, engine_config, limits, access) -> int:
+async def _serve(args, bundle, engine_config, limits, access, started: float | None = None) -> int:
     from service.server import SERVICE_NAME, TTSServer
 
     metrics_port = None if args.metrics_port < 0 else args.metrics_port
@@ -695,9 +695,11 @@ async def _serve(args, bundle, engine_config, limits, access) -> int:
         http = f"; HTTP on {scheme}://{args.host}:{server.http_port}/" if http_port is not None else ""
         if wyoming_port is not None:
             http += f"; Wyoming on tcp://{args.host}:{server.wyoming_port}"
+        # (from the model's load to the first request it can take: what a restart costs)
+        ready_in = f", ready in {time.perf_counter() - started:.1f} s" if started is not None else ""
         print(
             f"serving {SERVICE_NAME} on {args.host}:{port} (replica {server.replica}, max batch "
-            f"{engine_config.max_batch}, graphs {'on' if graphs else 'off'}){http}{metrics}",
+            f"{engine_config.max_batch}, graphs {'on' if graphs else 'off'}{ready_in}){http}{metrics}",
             file=sys.stderr,
             flush=True,
         )

@@ -897,7 +897,17 @@ class EngineThread:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
                 self._use_step_stream(device)
+            t0 = time.perf_counter()
             self._engine = Engine(self.bundle.model, for_bundle(self.engine_config, self.bundle))
+            kv = self._engine.kv_info()
+            log.info(
+                "engine: %d frame-step graphs captured, KV pool %d MiB (%d blocks of %d tokens), in %.2f s",
+                len(self._engine.graphs.graphs),
+                kv["bytes"] // 2**20,
+                kv["blocks"],
+                kv["block_size"],
+                time.perf_counter() - t0,
+            )
             self._planner = Planner(self.bundle, self._engine.max_context, self._engine.check, self.voices)
             self._runner = JobPipeline(
                 self._engine,
