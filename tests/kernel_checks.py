@@ -170,6 +170,12 @@ def check_quant_linear():
             for bias in (None, torch.randn(N)):
                 ref = reference_linear(x, q, scale, bias)
                 torch.testing.assert_close(quant_linear(x, q, scale, bias), ref, rtol=1e-5, atol=1e-4)
+        # the small-M kernel with its K loop not software-pipelined (a tuning choice: the same sums)
+        q, scale = quantize_weight(torch.randn(12, 96), fmt)
+        x = torch.randn(2, 96)
+        for bk in (32, 64):  # K a multiple of the block and not
+            out = quant_linear(x, q, scale, config=(2, 4, bk, 4, 1))
+            torch.testing.assert_close(out, reference_linear(x, q, scale), rtol=1e-5, atol=1e-4)
         # leading dimensions and 16-bit activations: one rounding (the kernel's) against two (the
         # reference's product, then its scaled value): within 2 bf16 ulps. The tensor-core path in
         # fp16 only: this interpreter's tl.dot of bf16 operands returns garbage (a plain bf16 dot

@@ -1,6 +1,7 @@
 """Profile one frame step of a model on CUDA: kernel count and time by kernel, eager and replayed.
 
     python tools/profile/profile_step.py --model s2-pro-shape --batch 1 --out profile.txt
+    python tools/profile/profile_step.py --batch 64 --weights fp8 --graph-only --out fp8_64.txt
 
 Writes a table of the top kernels by total CUDA time for one eager step and for one graph replay
 (averaged over --steps), with the kernel count per frame.
@@ -18,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tts_tools.bench import _prompt, load_bench_model  # noqa: E402
 
 from tts.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from tts.model.quant import quantize_model  # noqa: E402
 
 
 def profile_engine(engine, steps, label, out):
@@ -59,11 +61,17 @@ def main():
         default=None,
         help="engine context in tokens (default: the model's, as served)",
     )
+    ap.add_argument("--graph-only", action="store_true", help="skip the eager step's profile")
+    ap.add_argument(
+        "--weights", choices=["bf16", "fp8", "int8"], default="bf16", help="the linear layers' weights"
+    )
     ap.add_argument("--out", default="profile.txt")
     args = ap.parse_args()
     model = load_bench_model(args.model, "cuda", torch.bfloat16)
+    if args.weights != "bf16":
+        quantize_model(model, args.weights)
     with open(args.out, "w") as out:
-        for mode in ("graph", "eager"):
+        for mode in ("graph",) if args.graph_only else ("graph", "eager"):
             engine = Engine(
                 model,
                 EngineConfig(

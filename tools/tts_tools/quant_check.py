@@ -156,12 +156,19 @@ def _median_ms(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
 # Tile choices the sweep tries beside the default (tts.model.kernels.wquant's gemv_config / gemm_config
 # tuples): the small-M kernel at 1 row, the tensor-core kernel at 8.
 GEMV_SWEEP = [
-    (1, 4, 1024, 4),
-    (1, 8, 512, 4),
-    (1, 2, 2048, 4),
-    (1, 4, 2048, 8),
-    (1, 8, 1024, 8),
-    (1, 16, 256, 4),
+    (1, 4, 1024, 4, 3),
+    (1, 8, 512, 4, 3),
+    (1, 2, 2048, 4, 3),
+    (1, 4, 2048, 8, 3),
+    (1, 8, 1024, 8, 3),
+    (1, 16, 256, 4, 3),
+    (1, 16, 1024, 8, 3),
+    (1, 32, 512, 8, 3),
+    (1, 4, 1024, 4, 1),
+    (1, 8, 512, 4, 5),
+    (1, 8, 1024, 8, 5),
+    (1, 16, 512, 8, 4),
+    (1, 16, 256, 4, 6),
 ]
 GEMM_SWEEP = [
     (16, 16, 256, 4, 4),

@@ -106,8 +106,9 @@ def _pow2_divisor(k: int, limit: int) -> int:
     return d
 
 
-def gemv_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the small-M kernel: rows padded to a power of two,
+def gemv_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the small-M kernel (num_stages: Triton's
+    software pipelining of the K loop's loads, 3 its default): rows padded to a power of two,
     few channels per program so that even a 2,560-channel layer spreads over several programs per
     multiprocessor, up to 1 KiB of each weight row per step (16-byte loads), a step that divides K
     where one of at least 256 does (no masks in the loop)."""
@@ -117,7 +118,7 @@ def gemv_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     block_k = _pow2_divisor(K, limit)
     if block_k < min(256, limit):
         block_k = min(limit, triton.next_power_of_2(K))
-    return block_m, block_n, max(block_k, 16), 4
+    return block_m, block_n, max(block_k, 16), 4, 3
 
 
 def gemm_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
@@ -151,10 +152,11 @@ def quant_linear(
     has_bias = bias is not None
     b = bias if has_bias else scale
     if M <= GEMV_MAX_ROWS:
-        bm, bn, bk, warps = config or gemv_config(M, N, K)
+        bm, bn, bk, warps, stages = config or gemv_config(M, N, K)
         _wq_gemv_kernel[(triton.cdiv(N, bn),)](
             x2, qweight, scale, b, out, M, N, K, x2.stride(0), qweight.stride(0), out.stride(0),
             HAS_BIAS=has_bias, EVEN_K=K % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+            num_stages=stages,
         )  # fmt: skip
     else:
         bm, bn, bk, warps, stages = config or gemm_config(M, N, K)
