@@ -137,16 +137,23 @@ def voice_frames(bundle, names: tuple[str, ...] | None = None) -> Tensor:
 
 
 def _median_ms(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
-    """Median milliseconds of one call of `fn` (CUDA events around `inner` calls, `repeats` times,
-    after 3 untimed calls)."""
+    """Median milliseconds of one call of `fn`, replayed from a CUDA graph (CUDA events around `inner`
+    replays, `repeats` times, after 3 untimed eager calls that compile and warm up): device time,
+    without Python's launch overhead of each kernel (tens of microseconds for a Triton kernel, more
+    than a small layer's whole GEMV)."""
     for _ in range(3):
         fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
     samples = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(inner):
-            fn()
+            graph.replay()
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) / inner)
@@ -169,6 +176,16 @@ GEMV_SWEEP = [
     (1, 8, 1024, 8, 5),
     (1, 16, 512, 8, 4),
     (1, 16, 256, 4, 6),
+]
+GEMM_SWEEP_64 = [
+    (64, 16, 128, 4, 4),
+    (64, 32, 128, 4, 4),
+    (64, 64, 64, 4, 4),
+    (64, 64, 128, 4, 3),
+    (64, 128, 64, 8, 3),
+    (32, 64, 128, 4, 4),
+    (16, 32, 128, 4, 4),
+    (64, 32, 256, 8, 3),
 ]
 GEMM_SWEEP = [
     (16, 16, 256, 4, 4),
@@ -205,7 +222,7 @@ def kernel_bench(model, repeats: int = 10, sweep: bool = False) -> list[dict[str
     for (n, k), layers in shapes.items():
         w16 = [layer.dequantized(torch.bfloat16) for layer in layers]
         quant = [(layer.qweight, layer.scale) for layer in layers]
-        for m in (1, 8):
+        for m in (1, 8, 64):
             x = torch.randn(m, k, device=layers[0].qweight.device, dtype=torch.bfloat16)
             quant_ms = _median_ms(functools.partial(quant_all, x, quant), repeats) / len(layers)
             bf16_ms = _median_ms(functools.partial(bf16_all, x, w16), repeats) / len(layers)
@@ -220,7 +237,7 @@ def kernel_bench(model, repeats: int = 10, sweep: bool = False) -> list[dict[str
                 "bf16_GBps": n * k * 2 / bf16_ms / 1e6,
             }
             if sweep:
-                configs = GEMV_SWEEP if m <= GEMV_MAX_ROWS else GEMM_SWEEP
+                configs = GEMV_SWEEP if m <= GEMV_MAX_ROWS else GEMM_SWEEP if m <= 16 else GEMM_SWEEP_64
                 timed = [
                     (_median_ms(functools.partial(quant_all, x, quant, c), repeats) / len(layers), c)
                     for c in configs
