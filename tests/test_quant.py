@@ -215,7 +215,7 @@ def test_info_and_synthesize_take_weights(capsys, tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("rows", [1, 3, 16, 200])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 40, 64, 200])
 def test_fp8_kernel_against_bf16_on_the_gpu(rows):
     """The kernel (small-M and tensor-core paths) against the bf16 product of the dequantized weights:
     within 2 bf16 ulps plus 1e-2; against the unquantized layer within fp8's 4% (relative norm)."""
