@@ -97,7 +97,9 @@ def test_serve_client_bench_and_sigterm(tmp_path, capsys):
         assert re.search(r"max batch 4, graphs off, ready in \d+\.\d s\)", line), line
         assert any(
             re.search(
-                r"engine: 0 frame-step graphs captured, KV pool \d+ MiB \(\d+ blocks of \d+ tokens\), in ", x
+                r"engine built in \d+\.\d\d s: 0 frame-step and 0 prefill graphs captured, KV pool \d+ MiB "
+                r"\(\d+ blocks of \d+ tokens\)",
+                x,
             )
             for x in server.lines
         )

@@ -13,9 +13,9 @@ after quantizing it in place, with dense causal attention (no cache, no sampling
 * the fast AR's codebook logits (codebooks 1..N-1 of the next frame, teacher-forced): relative error
   and top-1 agreement.
 
-Speed (`kernel_bench`, CUDA only): the weight-only kernel at M = 1 on each distinct linear shape of the
-model against torch's bf16 `F.linear` of the same layer, in GB/s of weights read (CUDA events,
-median of repeated launches).
+Speed (`kernel_bench`, CUDA only): the weight-only kernels at 1, 8 and 64 rows on each distinct linear
+shape of the model against torch's bf16 `F.linear` of the same layers, in GB/s of weights read (CUDA
+events around CUDA graph replays: device time; `--sweep` also times other tile choices).
 
 Random weights give flatter logits than a trained model (smaller margins between the best two
 tokens), so their top-1 agreement is a pessimistic stand-in for a real checkpoint's.
@@ -141,8 +141,12 @@ def _median_ms(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
     replays, `repeats` times, after 3 untimed eager calls that compile and warm up): device time,
     without Python's launch overhead of each kernel (tens of microseconds for a Triton kernel, more
     than a small layer's whole GEMV)."""
-    for _ in range(3):
-        fn()
+    side = torch.cuda.Stream()  # (warm up off the default stream before a capture, as torch documents)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -161,7 +165,7 @@ def _median_ms(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
 
 
 # Tile choices the sweep tries beside the default (tts.model.kernels.wquant's gemv_config / gemm_config
-# tuples): the small-M kernel at 1 row, the tensor-core kernel at 8.
+# tuples): the small-M kernel at 1 row, the tensor-core kernel at 8 rows and at 64.
 GEMV_SWEEP = [
     (1, 4, 1024, 4, 3),
     (1, 8, 512, 4, 3),
@@ -177,7 +181,7 @@ GEMV_SWEEP = [
     (1, 16, 512, 8, 4),
     (1, 16, 256, 4, 6),
 ]
-GEMM_SWEEP_64 = [
+GEMM_SWEEP_MANY = [
     (64, 16, 128, 4, 4),
     (64, 32, 128, 4, 4),
     (64, 64, 64, 4, 4),
@@ -187,7 +191,7 @@ GEMM_SWEEP_64 = [
     (16, 32, 128, 4, 4),
     (64, 32, 256, 8, 3),
 ]
-GEMM_SWEEP = [
+GEMM_SWEEP_FEW = [
     (16, 16, 256, 4, 4),
     (16, 32, 128, 4, 4),
     (16, 16, 512, 4, 3),
@@ -197,7 +201,7 @@ GEMM_SWEEP = [
 
 
 def kernel_bench(model, repeats: int = 10, sweep: bool = False) -> list[dict[str, Any]]:
-    """Per distinct (out, in) shape of the model's quantized layers, at 1 row (batch 1) and 8 rows: the
+    """Per distinct (out, in) shape of the model's quantized layers, at 1 row (batch 1), 8 and 64: the
     kernel's and bf16 `F.linear`'s median time per layer and the GB/s of weights each reads; with
     `sweep`, also the fastest of the tile choices above (`best_config`, `best_us`). Each timed call
     runs every layer of that shape in turn (36 slow, or 4 fast, ...), so that the weights come from
@@ -237,7 +241,7 @@ def kernel_bench(model, repeats: int = 10, sweep: bool = False) -> list[dict[str
                 "bf16_GBps": n * k * 2 / bf16_ms / 1e6,
             }
             if sweep:
-                configs = GEMV_SWEEP if m <= GEMV_MAX_ROWS else GEMM_SWEEP if m <= 16 else GEMM_SWEEP_64
+                configs = GEMV_SWEEP if m <= GEMV_MAX_ROWS else GEMM_SWEEP_FEW if m <= 16 else GEMM_SWEEP_MANY
                 timed = [
                     (_median_ms(functools.partial(quant_all, x, quant, c), repeats) / len(layers), c)
                     for c in configs

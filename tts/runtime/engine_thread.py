@@ -900,13 +900,16 @@ class EngineThread:
             t0 = time.perf_counter()
             self._engine = Engine(self.bundle.model, for_bundle(self.engine_config, self.bundle))
             kv = self._engine.kv_info()
+            prefill = self._engine.runner.prefill_graphs
             log.info(
-                "engine: %d frame-step graphs captured, KV pool %d MiB (%d blocks of %d tokens), in %.2f s",
+                "engine built in %.2f s: %d frame-step and %d prefill graphs captured, KV pool %d MiB "
+                "(%d blocks of %d tokens)",
+                time.perf_counter() - t0,
                 len(self._engine.graphs.graphs),
+                len(prefill.graphs.graphs) if prefill is not None else 0,
                 kv["bytes"] // 2**20,
                 kv["blocks"],
                 kv["block_size"],
-                time.perf_counter() - t0,
             )
             self._planner = Planner(self.bundle, self._engine.max_context, self._engine.check, self.voices)
             self._runner = JobPipeline(

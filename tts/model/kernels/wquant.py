@@ -123,14 +123,12 @@ def gemv_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
 
 def gemm_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the tensor-core kernel. Up to 64 rows (a
-    batched decode step, still bound by the weights' bandwidth) tiles of 32 output channels, so that a
-    2,560-channel layer still spreads over 80 programs per row tile (the fastest of the tile sweep,
-    `python -m tts_tools.quant_check --kernel-bench --sweep`, at 8 and 64 rows on an H100 for most of
-    S2-Pro's layer shapes); beyond (a prefill) square-ish tiles."""
-    if M <= 16:
-        return 16, 32, 128, 4, 4
+    batched decode step, still bound by the weights' bandwidth) the rows padded to a power of two and
+    tiles of 32 output channels by 128 of K (in the sweep of `python -m tts_tools.quant_check
+    --kernel-bench --sweep` on an H100, at 8 and 64 rows, faster than 16 channels by 256 on three of
+    S2-Pro's four slow-layer shapes); beyond (a prefill) square-ish tiles."""
     if M <= 64:
-        return 64, 32, 128, 4, 4
+        return max(16, triton.next_power_of_2(M)), 32, 128, 4, 4
     return 64, 128, 64, 4, 3
 
 
