@@ -10,6 +10,11 @@ DAC's batched decode (--codec-rows streams x 16 frames, graph, dilated convs by 
 a low-priority stream, as the codec stage's worker does under load. A pass that costs about the same
 for one prompt as for four is bound by its kernels' count, not their work; one that grows beside the
 codec waits for the SMs its kernels hold.
+
+`--step-batch B` also times a frame step of B running rows, alone and beside the codec. `--codec-sms N`
+runs the codec on a stream of a CUDA green context of N SMs (torch's `GreenContext`; needs the
+cuda-bindings package and a driver with green contexts), `--codec-eager` launches its decode kernel by
+kernel instead of replaying its graph: whether the engine's work then finds SMs free.
 """
 
 from __future__ import annotations
@@ -33,15 +38,17 @@ sys.path[:0] = [
 from dac_batched import capture_decode, codes_for  # noqa: E402
 from tts_tools.bench import _prompt, load_bench_model  # noqa: E402
 
+from graphs.runner import DEFAULT_BUCKETS  # noqa: E402
 from tts.codec.dac.codec import DACCodec  # noqa: E402
 from tts.codec.dac.net import DACConfig  # noqa: E402
 from tts.codec.dac.random_init import random_codec_state  # noqa: E402
-from tts.engine import Engine, EngineConfig  # noqa: E402
+from tts.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tts.model.kv_cache import blocks_needed  # noqa: E402
 
 
-def codec_graph(rows: int, stream: torch.cuda.Stream):
-    """A captured batched decode of `rows` streams x 16 frames (random S2-Pro DAC weights)."""
+def codec_call(rows: int, stream: torch.cuda.Stream, eager: bool = False):
+    """A batched decode of `rows` streams x 16 frames (random S2-Pro DAC weights) as a callable: its
+    captured graph's replay, or with `eager` the decode launched kernel by kernel."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "codec.pth"
         torch.save(random_codec_state(DACConfig(), seed=0), path)
@@ -53,7 +60,65 @@ def codec_graph(rows: int, stream: torch.cuda.Stream):
         codes = codes_for(codec, rows, 16, seed=1).to("cuda")
         lengths = torch.full((rows,), 16, dtype=torch.int64, device="cuda")
         graph, _, _ = capture_decode(dec, slots, codes, lengths)
-    return graph
+    if not eager:
+        return graph.replay
+
+    def decode() -> None:
+        with torch.inference_mode():
+            dec.decode(slots, codes, lengths)
+
+    return decode
+
+
+def codec_stream(sms: int) -> torch.cuda.Stream:
+    """The codec's stream: the lowest priority, or a green context's stream of `sms` SMs (the context
+    lives as long as the process: torch keeps it alive through its streams' pool)."""
+    if not sms:
+        return torch.cuda.Stream(priority=0)
+    from torch.cuda.green_contexts import GreenContext
+
+    context = GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
+    codec_stream.contexts.append(context)  # type: ignore[attr-defined]
+    return context.Stream()
+
+
+codec_stream.contexts = []  # type: ignore[attr-defined]
+
+
+def build_engine(model, rows: int, step_batch: int, stream: torch.cuda.Stream) -> Engine:
+    """An engine of `rows` rows with its prefill graphs captured at start-up; with `step_batch`, its
+    frame step's graph for that bucket too and `step_batch` requests running (prefilled, never ending)."""
+    with torch.cuda.stream(stream):
+        config = EngineConfig(
+            max_batch=rows,
+            max_waiting=rows,
+            graphs="startup" if step_batch else "lazy",
+            buckets=[step_batch] if step_batch else DEFAULT_BUCKETS,
+            prefill_graphs="startup",
+            max_context=4096,
+            ignore_eos=True,
+        )
+        engine = Engine(model, config)
+        if step_batch:
+            params = SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_new_frames=3000, seed=0)
+            for i in range(step_batch):
+                engine.submit(_prompt(model, 60, seed=i), params)
+            while engine.num_running < step_batch:
+                engine.step()
+    return engine
+
+
+def step_ms(engine: Engine, stream: torch.cuda.Stream, reps: int) -> float:
+    """Median wall milliseconds of the engine's iteration (a frame step of its running rows, ending
+    with the frame's copy to the host: a synchronization), after two untimed ones."""
+    walls = []
+    with torch.cuda.stream(stream):
+        for i in range(reps + 2):
+            t = time.perf_counter()
+            engine.step()
+            if i >= 2:
+                walls.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(walls)
 
 
 def main() -> None:
@@ -61,27 +126,33 @@ def main() -> None:
     p.add_argument("--tokens", default="60,100", help="prompt lengths (comma list)")
     p.add_argument("--packed", default="1,2,4,8", help="prompts per pass (comma list)")
     p.add_argument("--codec-rows", type=int, default=48)
+    p.add_argument("--codec-sms", type=int, default=0, help="the codec on a green context of N SMs (0: all)")
+    p.add_argument("--codec-eager", action="store_true", help="launch the codec's kernels, no graph")
+    p.add_argument("--step-batch", type=int, default=0, help="also time a frame step of B rows (0: none)")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--out", default="prefill_beside_codec.json")
     a = p.parse_args()
     packed = [int(k) for k in a.packed.split(",")]
     model = load_bench_model("s2-pro-shape", "cuda", torch.bfloat16)
     high = torch.cuda.Stream(priority=min(torch.cuda.Stream.priority_range()))  # type: ignore[call-arg]
-    low = torch.cuda.Stream(priority=0)
-    with torch.cuda.stream(high):
-        config = EngineConfig(
-            max_batch=max(packed), graphs="lazy", prefill_graphs="startup", max_context=4096
-        )
-        engine = Engine(model, config)
+    low = codec_stream(a.codec_sms)
+    engine = build_engine(model, max(max(packed), a.step_batch), a.step_batch, high)
     runner, allocator, bs = engine.runner, engine.scheduler.allocator, engine.config.block_size
-    graph = codec_graph(a.codec_rows, low)
+    decode = codec_call(a.codec_rows, low, eager=a.codec_eager)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(low):
+        decode()
         start.record()
-        graph.replay()
+        decode()
         end.record()
     torch.cuda.synchronize()
-    report: dict = {"gpu": torch.cuda.get_device_name(), "codec_call_ms": start.elapsed_time(end), "runs": []}
+    report: dict = {
+        "gpu": torch.cuda.get_device_name(),
+        "codec_sms": a.codec_sms or None,
+        "codec_eager": a.codec_eager,
+        "codec_call_ms": start.elapsed_time(end),
+        "runs": [],
+    }
     print(f"{report['gpu']}: codec call {a.codec_rows} x 16 frames {report['codec_call_ms']:.2f} ms alone")
 
     def measure(k: int, T: int) -> tuple[float, float]:
@@ -110,7 +181,7 @@ def main() -> None:
     def codec_load() -> None:
         with torch.cuda.stream(low):
             while not stop.is_set():
-                graph.replay()
+                decode()
                 low.synchronize()
 
     for beside in (False, True):
@@ -118,13 +189,17 @@ def main() -> None:
         if beside:
             worker.start()
             time.sleep(0.2)
+        where = "beside the codec" if beside else "alone"
+        if a.step_batch:
+            wall = step_ms(engine, high, a.reps)
+            report["runs"].append({"beside_codec": beside, "step_rows": a.step_batch, "wall_ms": wall})
+            print(f"{where}: frame step of {a.step_batch} rows: wall {wall:.2f} ms", flush=True)
         for T in (int(t) for t in a.tokens.split(",")):
             for k in packed:
                 wall, device = measure(k, T)
                 report["runs"].append(
                     {"beside_codec": beside, "prompts": k, "tokens": T, "wall_ms": wall, "device_ms": device}
                 )
-                where = "beside the codec" if beside else "alone"
                 print(f"{where}: {k} x {T} tokens: device {device:.2f} ms, wall {wall:.2f} ms", flush=True)
         if beside:
             stop.set()
