@@ -124,9 +124,9 @@ def gemv_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
 def gemm_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the tensor-core kernel. Up to 64 rows (a
     batched decode step, still bound by the weights' bandwidth) the rows padded to a power of two and
-    tiles of 32 output channels by 128 of K (in the sweep of `python -m tts_tools.quant_check
-    --kernel-bench --sweep` on an H100, at 8 and 64 rows, faster than 16 channels by 256 on three of
-    S2-Pro's four slow-layer shapes); beyond (a prefill) square-ish tiles."""
+    tiles of 32 output channels by 128 of K (on an H100, `python -m tts_tools.quant_check --kernel-bench
+    --sweep`, at 8 and 64 rows: 2-26% less time than the narrower tiles before them on three of S2-Pro's
+    four slow-layer shapes, the same on the fourth); beyond (a prefill) square-ish tiles."""
     if M <= 64:
         return max(16, triton.next_power_of_2(M)), 32, 128, 4, 4
     return 64, 128, 64, 4, 3
