@@ -267,7 +267,14 @@ class RealtimeAdmission:
         waited = now - request.arrival_time
         playing = self._playing(running)
         self.min_slack = min((p.slack(now, step) for p in playing), default=None)
-        if gather and self.packs and not same and not request.cached and playing and waited < self.gather:
+        if (
+            gather
+            and self.packs
+            and not same
+            and not self.must_not_wait(request)
+            and playing
+            and waited < self.gather
+        ):
             return self._defer(request, "gather")
         tokens = sum(r.prompt_len - r.cached for r in admitted) + request.prompt_len - request.cached
         cost = self.times.prefill(tokens)
