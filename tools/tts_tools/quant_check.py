@@ -194,7 +194,7 @@ def _sweep(rows: int) -> list[tuple[str, str, tuple[int, ...]]]:
     would pick it, the tensor-core kernel always, each fp8 decoding (int8 ignores it)."""
     from tts.model.kernels.wquant import GEMV_MAX_ROWS
 
-    out = []
+    out: list[tuple[str, str, tuple[int, ...]]] = []
     if rows <= GEMV_MAX_ROWS:
         out += [("gemv", d, c) for d in ("cvt", "bits") for c in GEMV_SWEEP]
     tiles = GEMM_SWEEP_FEW if rows <= 16 else GEMM_SWEEP_MANY
