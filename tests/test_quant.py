@@ -254,6 +254,25 @@ def test_fp8_kernel_against_bf16_on_the_gpu(rows, decode):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 8, 64, 256])
+def test_fp8_scaled_mm_against_bf16_on_the_gpu(rows):
+    """W8A8 (activations rounded to fp8 per row too): within 6% (relative norm) of the bf16 product of
+    the dequantized weights, with its bias."""
+    from tts.model.kernels.wquant import quant_linear
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores")
+    torch.manual_seed(7)
+    q, scale = quantize_weight(torch.randn(2560, 4096, device="cuda") * 0.02, "fp8")
+    bias = torch.randn(2560, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    out = quant_linear(x, q, scale, bias, kernel="scaled_mm")
+    ref = F.linear(x.float(), dequantize_weight(q, scale), bias.float())
+    assert out.shape == (rows, 2560) and out.dtype == torch.bfloat16
+    assert (out.float() - ref).norm() / ref.norm() < 0.06
+
+
+@pytest.mark.cuda
 def test_fp8_frame_step_replays_identically_to_eager():
     from tts.engine import SamplingParams
     from tts.model.shapes import build_random_model, shape_config

@@ -191,19 +191,23 @@ BENCH_ROWS = (1, 8, 64, 256)
 
 def _sweep(rows: int) -> list[tuple[str, str, tuple[int, ...]]]:
     """(kernel, decode, tiles) the sweep times at this many rows: the small-M kernel where the default
-    would pick it, the tensor-core kernel always, each fp8 decoding (int8 ignores it)."""
+    would pick it, the tensor-core kernel always, each fp8 decoding (int8 ignores it); and cuBLAS's
+    fp8 product of fp8 activations (W8A8, fp8 weights only)."""
     from tts.model.kernels.wquant import GEMV_MAX_ROWS
 
     out: list[tuple[str, str, tuple[int, ...]]] = []
     if rows <= GEMV_MAX_ROWS:
         out += [("gemv", d, c) for d in ("cvt", "bits") for c in GEMV_SWEEP]
     tiles = GEMM_SWEEP_FEW if rows <= 16 else GEMM_SWEEP_MANY
-    return out + [("dot", d, c) for d in ("cvt", "bits", "asm") for c in tiles]
+    out += [("dot", d, c) for d in ("cvt", "bits", "asm") for c in tiles]
+    return out + [("scaled_mm", "-", ())]
 
 
-def kernel_bench(model, repeats: int = 10, sweep: bool = False) -> list[dict[str, Any]]:
-    """Per distinct (out, in) shape of the model's quantized layers, at `BENCH_ROWS` rows (batch 1 and
-    larger decode batches): the kernel's and bf16 `F.linear`'s median time per layer and the GB/s of
+def kernel_bench(
+    model, repeats: int = 10, sweep: bool = False, rows: tuple[int, ...] = BENCH_ROWS
+) -> list[dict[str, Any]]:
+    """Per distinct (out, in) shape of the model's quantized layers, at each count of `rows` (batch 1
+    and larger decode batches): the kernel's and bf16 `F.linear`'s median time per layer and the GB/s of
     weights each reads; with `sweep`, also the fastest tile choice of each kernel and decoding
     (`variants`: "kernel/decode" -> [us, tiles]) and the fastest of all (`best_us`, `best_variant`).
     Each timed call runs every layer of that shape in turn (36 slow, or 4 fast, ...), so that the
@@ -225,11 +229,11 @@ def kernel_bench(model, repeats: int = 10, sweep: bool = False) -> list[dict[str
         for w in weights:
             F.linear(x, w)
 
-    rows = []
+    results = []
     for (n, k), layers in shapes.items():
         w16 = [layer.dequantized(torch.bfloat16) for layer in layers]
         quant = [(layer.qweight, layer.scale) for layer in layers]
-        for m in BENCH_ROWS:
+        for m in rows:
             x = torch.randn(m, k, device=layers[0].qweight.device, dtype=torch.bfloat16)
             quant_ms = _median_ms(functools.partial(quant_all, x, quant), repeats) / len(layers)
             bf16_ms = _median_ms(functools.partial(bf16_all, x, w16), repeats) / len(layers)
@@ -246,17 +250,24 @@ def kernel_bench(model, repeats: int = 10, sweep: bool = False) -> list[dict[str
             if sweep:
                 variants: dict[str, list] = {}
                 for kernel, decode, tiles in _sweep(m):
-                    fn = functools.partial(quant_all, x, quant, config=tiles, kernel=kernel, decode=decode)
-                    us = _median_ms(fn, repeats) / len(layers) * 1e3
-                    name = f"{kernel}/{decode}"
+                    if kernel == "scaled_mm" and quant[0][0].dtype != torch.float8_e4m3fn:
+                        continue
+                    kw = {"kernel": kernel} if kernel == "scaled_mm" else {"kernel": kernel, "decode": decode}
+                    fn = functools.partial(quant_all, x, quant, config=tiles or None, **kw)
+                    name = kernel if kernel == "scaled_mm" else f"{kernel}/{decode}"
+                    try:
+                        us = _median_ms(fn, repeats) / len(layers) * 1e3
+                    except Exception as e:  # (a variant this GPU or build cannot run: noted, the rest go on)
+                        row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:200]}"
+                        continue
                     if name not in variants or us < variants[name][0]:
                         variants[name] = [us, list(tiles)]
                 row["variants"] = variants
                 row["best_variant"] = min(variants, key=lambda v: variants[v][0])
                 row["best_us"] = variants[row["best_variant"]][0]
-            rows.append(row)
+            results.append(row)
         del w16
-    return rows
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
         "--sweep",
         action="store_true",
         help="with --kernel-bench: also try each kernel, fp8 decoding and tile choice",
+    )
+    p.add_argument(
+        "--bench-rows",
+        default=",".join(map(str, BENCH_ROWS)),
+        help="with --kernel-bench: the activation rows to time, comma-separated (default %(default)s)",
     )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -342,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{result['device_memory_allocated'] / 2**30:.2f} GiB"
         )
         if args.kernel_bench:
-            result["kernel_bench"] = kernel_bench(model, sweep=args.sweep)
+            bench_rows = tuple(int(r) for r in args.bench_rows.split(","))
+            result["kernel_bench"] = kernel_bench(model, sweep=args.sweep, rows=bench_rows)
             for r in result["kernel_bench"]:
                 best = ""
                 if "variants" in r:
@@ -352,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['quant_us']:7.1f} us {r['quant_GBps']:7.0f} GB/s | bf16 {r['bf16_us']:7.1f} us "
                     f"{r['bf16_GBps']:7.0f} GB/s{best}"
                 )
+                if "errors" in r:
+                    print(f"    failed: {r['errors']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -224,6 +224,20 @@ def _decode(qweight: Tensor, x_dtype: torch.dtype, decode: str | None, dot: bool
     return _DECODE_ID[decode], _UNSHIFT_BF16
 
 
+def scaled_mm_linear(x2: Tensor, qweight: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+    """W8A8: each row of `x2 [M, K]` (bf16) quantized to E4M3 with its own scale (max |x| / 448), then
+    cuBLAS's fp8 tensor-core product with the fp8 codes `qweight [N, K]` and their channel scales, in
+    bf16 `[M, N]`. Twice the tensor cores' bf16 rate where many rows make the product compute bound,
+    at the cost of rounding the activations to 3 mantissa bits too. CUDA with fp8 tensor cores
+    (compute capability 8.9+), K and N multiples of 16."""
+    amax = x2.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-30)
+    x_scale = amax / 448.0
+    xq = (x2.float() / x_scale).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(
+        xq, qweight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), bias=bias, out_dtype=x2.dtype
+    )
+
+
 def quant_linear(
     x: Tensor,
     qweight: Tensor,
@@ -238,10 +252,10 @@ def quant_linear(
     x: `[..., K]` float (bf16 / fp16 / fp32; its last dimension contiguous), qweight: `[N, K]`
     float8_e4m3fn or int8 with contiguous rows, scale: `[N]` float32, bias: `[N]` or None.
     Returns `[..., N]` in x's dtype (a new tensor: the only allocation). For tuning sweeps
-    (tts_tools.quant_check): `kernel` "gemv" or "dot" overrides the choice by M (up to
-    `GEMV_MAX_ROWS` rows the small-M kernel), `config` the tiles (`gemv_config` / `gemm_config`'s
-    tuple for that kernel), `decode` (one of `DECODES`) `FP8_DECODE`. Raises ValueError for an
-    unknown kernel or decode.
+    (tts_tools.quant_check): `kernel` overrides the choice by M ("gemv", the small-M kernel, up to
+    `GEMV_MAX_ROWS` rows, else "dot"; or "scaled_mm", `scaled_mm_linear`: fp8 codes and bf16 x only),
+    `config` the tiles (`gemv_config` / `gemm_config`'s tuple for that kernel), `decode` (one of
+    `DECODES`) `FP8_DECODE`. Raises ValueError for an unknown kernel or decode.
     """
     K = x.shape[-1]
     N = qweight.shape[0]
@@ -249,12 +263,14 @@ def quant_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
+    kernel = kernel or ("gemv" if M <= GEMV_MAX_ROWS else "dot")
+    if kernel not in ("gemv", "dot", "scaled_mm"):
+        raise ValueError(f"kernel must be 'gemv', 'dot' or 'scaled_mm', got {kernel!r}")
+    if kernel == "scaled_mm":
+        return scaled_mm_linear(x2, qweight, scale, bias).view(*x.shape[:-1], N)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     has_bias = bias is not None
     b = bias if has_bias else scale
-    kernel = kernel or ("gemv" if M <= GEMV_MAX_ROWS else "dot")
-    if kernel not in ("gemv", "dot"):
-        raise ValueError(f"kernel must be 'gemv' or 'dot', got {kernel!r}")
     dec, unshift = _decode(qweight, x.dtype, decode, dot=kernel == "dot")
     w = qweight.view(torch.uint8) if dec else qweight
     if kernel == "gemv":
