@@ -197,7 +197,7 @@ def _sweep(rows: int) -> list[tuple[str, str, tuple[int, ...]]]:
 
     out: list[tuple[str, str, tuple[int, ...]]] = []
     if rows <= GEMV_MAX_ROWS:
-        out += [("gemv", d, c) for d in ("cvt", "bits") for c in GEMV_SWEEP]
+        out += [("gemv", d, c) for d in ("cvt", "bits", "asm") for c in GEMV_SWEEP]
     tiles = GEMM_SWEEP_FEW if rows <= 16 else GEMM_SWEEP_MANY
     out += [("dot", d, c) for d in ("cvt", "bits", "asm") for c in tiles]
     return out + [("scaled_mm", "-", ())]

@@ -22,9 +22,9 @@ moved into a bf16 / fp16 / fp32 bit pattern whose value is the code times a fixe
 for bf16 and fp32, whose exponent bias is 127 against E4M3's 7; 2^-8 for fp16), exact for every code,
 subnormals included; the power of two goes back with the channel's scale. For bf16 and fp32 the
 activations are multiplied by 2^64 first (exact) so that no product falls below the normal range.
-`decode="asm"` does the same for bf16 in inline PTX, four codes per 32-bit register (two byte permutes,
-shifts and masks: about two instructions a code); `decode="cvt"` is the conversion path. int8 codes
-always convert.
+`decode="asm"` does the same in inline PTX, four codes per 32-bit register (byte permutes, shifts and
+masks: about two instructions a code to bf16, three to fp32); `decode="cvt"` is the conversion path.
+int8 codes always convert.
 
 Neither allocates anything but the output, and neither synchronizes with the host: both can be
 captured in a CUDA graph.
@@ -64,12 +64,44 @@ and.b32 m, m, 0x07F007F0;
 or.b32 $1, s, m;
 }"""
 
+# The same to four float32 values of code * 2^-120 ($0-$3): each byte moved to the top of its own
+# register, its sign kept at bit 31, its exponent and mantissa shifted down to bits 20-26.
+_FP8_TO_F32_ASM = """{
+.reg .b32 z, t, s;
+mov.b32 z, 0;
+prmt.b32 t, $4, z, 0x0444;
+shr.u32 s, t, 4;
+and.b32 s, s, 0x07F00000;
+and.b32 t, t, 0x80000000;
+or.b32 $0, t, s;
+prmt.b32 t, $4, z, 0x1444;
+shr.u32 s, t, 4;
+and.b32 s, s, 0x07F00000;
+and.b32 t, t, 0x80000000;
+or.b32 $1, t, s;
+prmt.b32 t, $4, z, 0x2444;
+shr.u32 s, t, 4;
+and.b32 s, s, 0x07F00000;
+and.b32 t, t, 0x80000000;
+or.b32 $2, t, s;
+prmt.b32 t, $4, z, 0x3444;
+shr.u32 s, t, 4;
+and.b32 s, s, 0x07F00000;
+and.b32 t, t, 0x80000000;
+or.b32 $3, t, s;
+}"""
+
 
 @triton.jit
 def _decode_fp8(w, DECODE: tl.constexpr, OUT: tl.constexpr):
     """E4M3 codes loaded as uint8 -> OUT (tl.bfloat16 / tl.float16 / tl.float32) holding code * 2^-120
-    (bf16, fp32) or code * 2^-8 (fp16), exactly. DECODE 1: integer arithmetic; 2: inline PTX (bf16)."""
-    if DECODE == 2:
+    (bf16, fp32) or code * 2^-8 (fp16), exactly. DECODE 1: integer arithmetic; 2: inline PTX (bf16,
+    fp32)."""
+    if DECODE == 2 and OUT == tl.float32:
+        return tl.inline_asm_elementwise(
+            _FP8_TO_F32_ASM, "=r,=r,=r,=r,r", [w], dtype=tl.float32, is_pure=True, pack=4
+        )
+    elif DECODE == 2:
         return tl.inline_asm_elementwise(
             _FP8_TO_BF16_ASM, "=r,=r,r", [w], dtype=tl.bfloat16, is_pure=True, pack=4
         )
@@ -121,7 +153,7 @@ def _wq_gemv_kernel(
             x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & (kk[None, :] < K), other=0.0)
             x = x.to(tl.float32)
         if DECODE > 0:
-            w = _decode_fp8(w, 1, tl.float32)
+            w = _decode_fp8(w, DECODE, tl.float32)
             x = x * 18446744073709551616.0  # 2^64, exact (module docstring)
         else:
             w = w.to(tl.float32)
@@ -217,8 +249,8 @@ def _decode(qweight: Tensor, x_dtype: torch.dtype, decode: str | None, dot: bool
         raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
     if qweight.dtype != torch.float8_e4m3fn or decode == "cvt":
         return 0, 1.0
-    if decode == "asm" and not (dot and x_dtype == torch.bfloat16):
-        decode = "bits"  # (the PTX writes bf16 only)
+    if decode == "asm" and dot and x_dtype == torch.float16:
+        decode = "bits"  # (the PTX writes bf16 and fp32)
     if dot and x_dtype == torch.float16:
         return _DECODE_ID[decode], _UNSHIFT_FP16
     return _DECODE_ID[decode], _UNSHIFT_BF16
