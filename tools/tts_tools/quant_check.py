@@ -204,7 +204,11 @@ def _sweep(rows: int) -> list[tuple[str, str, tuple[int, ...]]]:
 
 
 def kernel_bench(
-    model, repeats: int = 10, sweep: bool = False, rows: tuple[int, ...] = BENCH_ROWS
+    model,
+    repeats: int = 10,
+    sweep: bool = False,
+    rows: tuple[int, ...] = BENCH_ROWS,
+    on_row: Callable[[dict[str, Any]], object] | None = None,
 ) -> list[dict[str, Any]]:
     """Per distinct (out, in) shape of the model's quantized layers, at each count of `rows` (batch 1
     and larger decode batches): the kernel's and bf16 `F.linear`'s median time per layer and the GB/s of
@@ -212,7 +216,7 @@ def kernel_bench(
     (`variants`: "kernel/decode" -> [us, tiles]) and the fastest of all (`best_us`, `best_variant`).
     Each timed call runs every layer of that shape in turn (36 slow, or 4 fast, ...), so that the
     weights come from device memory, not from the L2 cache (a single layer of S2-Pro fits in it).
-    CUDA only."""
+    `on_row` sees each result as it is done (the sweep takes minutes). CUDA only."""
     from tts.model.kernels.wquant import quant_linear
     from tts.model.quant import QuantLinear
 
@@ -266,6 +270,8 @@ def kernel_bench(
                 row["best_variant"] = min(variants, key=lambda v: variants[v][0])
                 row["best_us"] = variants[row["best_variant"]][0]
             results.append(row)
+            if on_row is not None:
+                on_row(row)
         del w16
     return results
 
@@ -359,18 +365,21 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.kernel_bench:
             bench_rows = tuple(int(r) for r in args.bench_rows.split(","))
-            result["kernel_bench"] = kernel_bench(model, sweep=args.sweep, rows=bench_rows)
-            for r in result["kernel_bench"]:
+
+            def show(r: dict[str, Any]) -> None:
                 best = ""
                 if "variants" in r:
                     best = " | " + " ".join(f"{v} {us:.1f}" for v, (us, _) in r["variants"].items())
                 print(
                     f"  [{r['out']:>6} x {r['in']:>6}] x{r['layers']:<3} M={r['rows']}: {result['weights']} "
                     f"{r['quant_us']:7.1f} us {r['quant_GBps']:7.0f} GB/s | bf16 {r['bf16_us']:7.1f} us "
-                    f"{r['bf16_GBps']:7.0f} GB/s{best}"
+                    f"{r['bf16_GBps']:7.0f} GB/s{best}",
+                    flush=True,
                 )
                 if "errors" in r:
-                    print(f"    failed: {r['errors']}")
+                    print(f"    failed: {r['errors']}", flush=True)
+
+            result["kernel_bench"] = kernel_bench(model, sweep=args.sweep, rows=bench_rows, on_row=show)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
