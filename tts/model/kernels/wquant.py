@@ -264,7 +264,7 @@ def scaled_mm_linear(x2: Tensor, qweight: Tensor, scale: Tensor, bias: Tensor | 
     (compute capability 8.9+), K and N multiples of 16."""
     amax = x2.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-30)
     x_scale = amax / 448.0
-    xq = (x2.float() / x_scale).to(torch.float8_e4m3fn)
+    xq = (x2.float() / x_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)  # (the cast does not saturate)
     return torch._scaled_mm(
         xq, qweight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), bias=bias, out_dtype=x2.dtype
     )
