@@ -155,34 +155,13 @@ def check_snake():
             torch.testing.assert_close(fused[row, :n], plain[row, :n], rtol=0, atol=2e-5)
 
 
-def every_fp8_code() -> tuple[torch.Tensor, torch.Tensor]:
-    """`(q [254, 32] float8_e4m3fn, values [254] float32)`: row i holds the i-th finite E4M3 code (both
-    signs, zeros and subnormals included) in column 0 and zeros elsewhere, so that the product with a
-    one-hot activation at column 0 is each code's value."""
-    codes = torch.arange(256, dtype=torch.uint8)
-    codes = codes[(codes & 0x7F) != 0x7F]  # (0x7F, 0xFF: E4M3's NaNs)
-    q = torch.zeros(codes.numel(), 32, dtype=torch.uint8)
-    q[:, 0] = codes
-    q = q.view(torch.float8_e4m3fn)
-    return q, q[:, 0].float()
-
-
 def check_quant_linear():
     """The weight-only fp8 / int8 kernels (both: small M and tensor-core tiles; K a multiple of the
-    block and not; with and without bias; fp8 codes widened by conversion and by bit arithmetic)
-    against `reference_linear` (fp32 activations: the two differ only in summation order); every fp8
-    code decodes to its exact value."""
+    block and not; with and without bias) against `reference_linear` (fp32 activations: the two differ
+    only in summation order)."""
     from tts.model.kernels.wquant import GEMV_MAX_ROWS, quant_linear
     from tts.model.quant import quantize_weight, reference_linear
 
-    q, values = every_fp8_code()
-    dtypes = (torch.float32, torch.float16)
-    cases = [(k, d, t) for k in ("gemv", "dot") for d in ("cvt", "bits") for t in dtypes]
-    for kernel, decode, dtype in (*cases, ("gemv", "bits", torch.bfloat16)):
-        x = torch.zeros(1, 32, dtype=dtype)
-        x[0, 0] = 1
-        out = quant_linear(x, q, torch.ones(len(values)), kernel=kernel, decode=decode)
-        assert torch.equal(out[0].float(), values), (kernel, decode, dtype)
     torch.manual_seed(3)
     for fmt in ("fp8", "int8"):
         for M, N, Kd in ((1, 10, 64), (3, 37, 80), (GEMV_MAX_ROWS + 1, 70, 96), (20, 40, 130), (33, 130, 64)):
@@ -190,13 +169,7 @@ def check_quant_linear():
             x = torch.randn(M, Kd)
             for bias in (None, torch.randn(N)):
                 ref = reference_linear(x, q, scale, bias)
-                for decode in ("cvt", "bits"):
-                    out = quant_linear(x, q, scale, bias, decode=decode)
-                    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
-            # small activations: no product of a 2^-120 code falls out of the normal range
-            x = x * 1e-4
-            out = quant_linear(x, q, scale, kernel="dot" if M <= GEMV_MAX_ROWS else "gemv", decode="bits")
-            torch.testing.assert_close(out, reference_linear(x, q, scale), rtol=1e-5, atol=1e-9)
+                torch.testing.assert_close(quant_linear(x, q, scale, bias), ref, rtol=1e-5, atol=1e-4)
         # a config's num_stages (the interpreter ignores it: this checks that the 5-tuple reaches the
         # kernel; tests/test_quant.py runs the kernel on the GPU)
         q, scale = quantize_weight(torch.randn(12, 96), fmt)

@@ -215,61 +215,21 @@ def test_info_and_synthesize_take_weights(capsys, tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("decode", ["cvt", "bits", "asm"])
-@pytest.mark.parametrize("kernel", ["gemv", "dot"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_every_fp8_code_decodes_exactly_on_the_gpu(dtype, kernel, decode):
-    """Each finite E4M3 code (subnormals and both zeros included) times a one-hot activation comes out
-    as its exact value, by every kernel and decoding."""
-    import kernel_checks
-
-    from tts.model.kernels.wquant import quant_linear
-
-    q, values = kernel_checks.every_fp8_code()
-    x = torch.zeros(1, q.shape[1], device="cuda", dtype=dtype)
-    x[0, 0] = 1
-    scale = torch.ones(len(values), device="cuda")
-    out = quant_linear(x, q.cuda(), scale, kernel=kernel, decode=decode)
-    assert torch.equal(out[0].float().cpu(), values)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("decode", ["cvt", "bits", "asm"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 40, 64, 200])
-def test_fp8_kernel_against_bf16_on_the_gpu(rows, decode):
-    """The kernel (small-M and tensor-core paths, each decoding) against the bf16 product of the
-    dequantized weights: within 2 bf16 ulps plus 1e-2; against the unquantized layer within fp8's 4%
-    (relative norm)."""
+def test_fp8_kernel_against_bf16_on_the_gpu(rows):
+    """The kernel (small-M and tensor-core paths) against the bf16 product of the dequantized weights:
+    within 2 bf16 ulps plus 1e-2; against the unquantized layer within fp8's 4% (relative norm)."""
     from tts.model.kernels.wquant import quant_linear
 
     torch.manual_seed(6)
     w = torch.randn(2560, 4096, device="cuda") * 0.02
     q, scale = quantize_weight(w, "fp8")
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
-    out = quant_linear(x, q, scale, decode=decode)
+    out = quant_linear(x, q, scale)
     deq = F.linear(x.float(), dequantize_weight(q, scale)).to(torch.bfloat16)
     torch.testing.assert_close(out, deq, rtol=2 * 2**-8, atol=1e-2)
     ref = F.linear(x, w.to(torch.bfloat16)).float()
     assert (out.float() - ref).norm() / ref.norm() < 0.04
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("rows", [1, 8, 64, 256])
-def test_fp8_scaled_mm_against_bf16_on_the_gpu(rows):
-    """W8A8 (activations rounded to fp8 per row too): within 6% (relative norm) of the bf16 product of
-    the dequantized weights, with its bias."""
-    from tts.model.kernels.wquant import quant_linear
-
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("fp8 tensor cores")
-    torch.manual_seed(7)
-    q, scale = quantize_weight(torch.randn(2560, 4096, device="cuda") * 0.02, "fp8")
-    bias = torch.randn(2560, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
-    out = quant_linear(x, q, scale, bias, kernel="scaled_mm")
-    ref = F.linear(x.float(), dequantize_weight(q, scale), bias.float())
-    assert out.shape == (rows, 2560) and out.dtype == torch.bfloat16
-    assert (out.float() - ref).norm() / ref.norm() < 0.06
 
 
 @pytest.mark.cuda

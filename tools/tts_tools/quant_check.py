@@ -165,42 +165,49 @@ def _median_ms(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
 
 
 # Tile choices the sweep tries beside the default (tts.model.kernels.wquant's gemv_config / gemm_config
-# tuples): the small-M kernel at 1 row, the tensor-core kernel at 1 and 8 rows and at 64 or more.
+# tuples): the small-M kernel at 1 row, the tensor-core kernel at 8 rows and at 64 or more.
 GEMV_SWEEP = [
     (1, 4, 1024, 4, 3),
     (1, 8, 512, 4, 3),
+    (1, 2, 2048, 4, 3),
     (1, 4, 2048, 8, 3),
+    (1, 8, 1024, 8, 3),
+    (1, 16, 256, 4, 3),
+    (1, 16, 1024, 8, 3),
+    (1, 32, 512, 8, 3),
+    (1, 4, 1024, 4, 1),
+    (1, 8, 512, 4, 5),
+    (1, 8, 1024, 8, 5),
     (1, 16, 512, 8, 4),
+    (1, 16, 256, 4, 6),
 ]
 GEMM_SWEEP_MANY = [
+    (64, 16, 128, 4, 4),
     (64, 32, 128, 4, 4),
     (64, 64, 64, 4, 4),
     (64, 64, 128, 4, 3),
     (64, 128, 64, 8, 3),
-    (128, 128, 64, 8, 3),
+    (32, 64, 128, 4, 4),
+    (16, 32, 128, 4, 4),
+    (64, 32, 256, 8, 3),
 ]
 GEMM_SWEEP_FEW = [
     (16, 16, 256, 4, 4),
     (16, 32, 128, 4, 4),
     (16, 16, 512, 4, 3),
     (16, 64, 128, 4, 4),
-    (16, 64, 256, 8, 3),
+    (16, 32, 256, 8, 3),
 ]
 BENCH_ROWS = (1, 8, 64, 256)
 
 
-def _sweep(rows: int) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(kernel, decode, tiles) the sweep times at this many rows: the small-M kernel where the default
-    would pick it, the tensor-core kernel always, each fp8 decoding (int8 ignores it); and cuBLAS's
-    fp8 product of fp8 activations (W8A8, fp8 weights only)."""
+def _sweep(rows: int) -> list[tuple[int, int, int, int, int]]:
+    """The tile choices the sweep times at this many rows (for the kernel the default picks)."""
     from tts.model.kernels.wquant import GEMV_MAX_ROWS
 
-    out: list[tuple[str, str, tuple[int, ...]]] = []
     if rows <= GEMV_MAX_ROWS:
-        out += [("gemv", d, c) for d in ("cvt", "bits", "asm") for c in GEMV_SWEEP]
-    tiles = GEMM_SWEEP_FEW if rows <= 16 else GEMM_SWEEP_MANY
-    out += [("dot", d, c) for d in ("cvt", "bits", "asm") for c in tiles]
-    return out + [("scaled_mm", "-", ())]
+        return GEMV_SWEEP
+    return GEMM_SWEEP_FEW if rows <= 16 else GEMM_SWEEP_MANY
 
 
 def kernel_bench(
@@ -212,9 +219,8 @@ def kernel_bench(
 ) -> list[dict[str, Any]]:
     """Per distinct (out, in) shape of the model's quantized layers, at each count of `rows` (batch 1
     and larger decode batches): the kernel's and bf16 `F.linear`'s median time per layer and the GB/s of
-    weights each reads; with `sweep`, also the fastest tile choice of each kernel and decoding
-    (`variants`: "kernel/decode" -> [us, tiles]) and the fastest of all (`best_us`, `best_variant`).
-    Each timed call runs every layer of that shape in turn (36 slow, or 4 fast, ...), so that the
+    weights each reads; with `sweep`, also the fastest of the tile choices above (`best_config`,
+    `best_us`). Each timed call runs every layer of that shape in turn (36 slow, or 4 fast, ...), so that the
     weights come from device memory, not from the L2 cache (a single layer of S2-Pro fits in it).
     `on_row` sees each result as it is done (the sweep takes minutes). CUDA only."""
     from tts.model.kernels.wquant import quant_linear
@@ -225,9 +231,9 @@ def kernel_bench(
         if isinstance(m, QuantLinear):
             shapes.setdefault((m.out_features, m.in_features), []).append(m)
 
-    def quant_all(x, quant, **kw):
+    def quant_all(x, quant, config=None):
         for q, scale in quant:
-            quant_linear(x, q, scale, **kw)
+            quant_linear(x, q, scale, config=config)
 
     def bf16_all(x, weights):
         for w in weights:
@@ -252,23 +258,12 @@ def kernel_bench(
                 "bf16_GBps": n * k * 2 / bf16_ms / 1e6,
             }
             if sweep:
-                variants: dict[str, list] = {}
-                for kernel, decode, tiles in _sweep(m):
-                    if kernel == "scaled_mm" and quant[0][0].dtype != torch.float8_e4m3fn:
-                        continue
-                    kw = {"kernel": kernel} if kernel == "scaled_mm" else {"kernel": kernel, "decode": decode}
-                    fn = functools.partial(quant_all, x, quant, config=tiles or None, **kw)
-                    name = kernel if kernel == "scaled_mm" else f"{kernel}/{decode}"
-                    try:
-                        us = _median_ms(fn, repeats) / len(layers) * 1e3
-                    except Exception as e:  # (a variant this GPU or build cannot run: noted, the rest go on)
-                        row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:200]}"
-                        continue
-                    if name not in variants or us < variants[name][0]:
-                        variants[name] = [us, list(tiles)]
-                row["variants"] = variants
-                row["best_variant"] = min(variants, key=lambda v: variants[v][0])
-                row["best_us"] = variants[row["best_variant"]][0]
+                timed = [
+                    (_median_ms(functools.partial(quant_all, x, quant, config=c), repeats) / len(layers), c)
+                    for c in _sweep(m)
+                ]
+                best_ms, best = min(timed)
+                row["best_us"], row["best_config"] = best_ms * 1e3, list(best)
             results.append(row)
             if on_row is not None:
                 on_row(row)
@@ -305,11 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         help="first measure bf16 against float32 the same way (loads the model in float32 too)",
     )
     p.add_argument("--kernel-bench", action="store_true", help="also time the kernel per layer shape (CUDA)")
-    p.add_argument(
-        "--sweep",
-        action="store_true",
-        help="with --kernel-bench: also try each kernel, fp8 decoding and tile choice",
-    )
+    p.add_argument("--sweep", action="store_true", help="with --kernel-bench: also try other tile choices")
     p.add_argument(
         "--bench-rows",
         default=",".join(map(str, BENCH_ROWS)),
@@ -367,17 +358,13 @@ def main(argv: list[str] | None = None) -> int:
             bench_rows = tuple(int(r) for r in args.bench_rows.split(","))
 
             def show(r: dict[str, Any]) -> None:
-                best = ""
-                if "variants" in r:
-                    best = " | " + " ".join(f"{v} {us:.1f}" for v, (us, _) in r["variants"].items())
+                best = f" | best {r['best_us']:7.1f} us {r['best_config']}" if "best_us" in r else ""
                 print(
                     f"  [{r['out']:>6} x {r['in']:>6}] x{r['layers']:<3} M={r['rows']}: {result['weights']} "
                     f"{r['quant_us']:7.1f} us {r['quant_GBps']:7.0f} GB/s | bf16 {r['bf16_us']:7.1f} us "
                     f"{r['bf16_GBps']:7.0f} GB/s{best}",
                     flush=True,
                 )
-                if "errors" in r:
-                    print(f"    failed: {r['errors']}", flush=True)
 
             result["kernel_bench"] = kernel_bench(model, sweep=args.sweep, rows=bench_rows, on_row=show)
     if args.json:
