@@ -78,7 +78,7 @@ class TTSServer:
     metrics_port: None = no metrics endpoint, 0 = a free port (see `metrics_port` after start).
     codec_graphs: let the codec stage capture CUDA graphs of its decode. codec_gather: seconds a later
     audio chunk may wait in the codec stage for more work to share its decode call (0: none; less where
-    its player would run dry first).
+    its player would run dry first). codec_sms: SMs the codec's kernels may use (CUDA; 0: all).
     http_port: None = no HTTP front, 0 = a free port (see `http_port` after start); the HTTP front
     (service/http.py: OpenAI-style /v1/audio/speech, /health, /load, /metrics, the playground) listens on
     the gRPC host and submits to the same engine loop.
@@ -101,6 +101,7 @@ class TTSServer:
         metrics_port: int | None = None,
         codec_graphs: bool = True,
         codec_gather: float = 0.0,
+        codec_sms: int = 0,
         http_port: int | None = None,
         replica: str | None = None,
         wyoming_port: int | None = None,
@@ -123,6 +124,7 @@ class TTSServer:
             reference_cache_bytes=limits.reference_cache_bytes,
             codec_graphs=codec_graphs,
             codec_gather=codec_gather,
+            codec_sms=codec_sms,
             max_sessions=limits.max_sessions,
         )
         self.metrics = ServiceMetrics(self.loop)

@@ -693,6 +693,19 @@ def test_serve_codec_gather_ms_reaches_the_server(monkeypatch, capsys):
         assert capsys.readouterr().err == (f"tts: error: --codec-gather-ms must be in 0..1000, got {bad}\n")
 
 
+def test_serve_codec_sms_needs_cuda_and_a_count(capsys):
+    """`tts serve --codec-sms N` limits the codec stage to N SMs on CUDA; on a CPU, or negative, it exits 2
+    in one line before any model loads."""
+    base = ["serve", "--model", "tiny", "--port", "0", "--http-port", "-1", "--metrics-port", "-1"]
+    for extra, error in (
+        (["--codec-sms", "40"], "--codec-sms needs CUDA"),
+        (["--devices", "cpu,cpu", "--codec-sms", "40"], "--codec-sms needs CUDA"),
+        (["--device", "cuda", "--codec-sms", "-1"], "--codec-sms must be >= 0, got -1"),
+    ):
+        assert main([*base, *extra]) == 2
+        assert capsys.readouterr().err == f"tts: error: {error}\n"
+
+
 def test_replicas_get_the_resolved_graphs_option(monkeypatch, capsys):
     """`tts serve --devices` forwards `--graphs lazy`, not the deprecated spelling it was given."""
     import service.cluster

@@ -478,3 +478,28 @@ def test_gathering_changes_no_sample(codec):
 def test_gather_must_be_seconds_at_least_zero(codec):
     with pytest.raises(ValueError, match="gather must be a number of seconds >= 0, got -1"):
         CodecStage(codec, max_streams=2, gather=-1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_codec_stage_on_part_of_the_sms_decodes_the_same_audio():
+    """`--codec-sms`: the stage's decodes (launched kernel by kernel on a green context's stream of a
+    third of the SMs) give the audio of a stage on all SMs (graphs)."""
+    from tts.runtime.codec_stage import codec_stream
+
+    codec = load_bundle("default", device="cuda").codec
+    sms = torch.cuda.get_device_properties(0).multi_processor_count // 3
+    with pytest.raises(ValueError, match="codec SMs must be in"):
+        codec_stream(torch.device("cuda", 0), 100_000)
+    audio = []
+    for n in (0, sms):
+        done = threading.Event()
+        stage = CodecStage(codec, max_streams=2, notify=done.set, sms=n)
+        assert stage.graphs.enabled == (n == 0)
+        try:
+            slot = stage.open()
+            stage.decode(slot, "a", codes_for(3, 16, codec))
+            audio.append(collect(stage, done, 1)[0].samples)
+        finally:
+            stage.stop()
+    np.testing.assert_allclose(audio[1], audio[0], rtol=0, atol=1e-5)

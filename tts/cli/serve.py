@@ -241,6 +241,15 @@ def add_parser(subparsers) -> None:
         "no faster, and a few chunks were still late (docs/benchmarks.md): a setting for clients that "
         "buffer",
     )
+    p.add_argument(
+        "--codec-sms",
+        type=int,
+        default=0,
+        metavar="N",
+        help="CUDA: run the codec stage's decode on N of the GPU's SMs (a green context; its kernels "
+        "launched one by one, no codec graphs), so that its convolutions never hold the whole GPU while "
+        "the engine's frame steps and prefills wait for SMs (default 0: all SMs, shared)",
+    )
     add_access_args(p)
     p.set_defaults(func=cmd_serve)
     global _SERVE_PARSER
@@ -505,6 +514,10 @@ def check_serve_options(args: argparse.Namespace) -> None:
         math.isfinite(args.prefill_gather_ms) and 0 <= args.prefill_gather_ms <= MAX_PREFILL_GATHER_MS,
         f"--prefill-gather-ms must be in 0..{MAX_PREFILL_GATHER_MS}, got {args.prefill_gather_ms:g}",
     )
+    require(args.codec_sms >= 0, f"--codec-sms must be >= 0, got {args.codec_sms}")
+    if args.codec_sms:
+        devices = [d.strip() for d in args.devices.split(",")] if args.devices else [args.device]
+        require(all(d.startswith("cuda") for d in devices), "--codec-sms needs CUDA")
     if args.prefill_gather_ms:
         from service.cluster import parse_devices
 
@@ -647,6 +660,7 @@ async def _serve(args, bundle, engine_config, limits, access, started: float | N
         http_port=http_port,
         codec_graphs=args.codec_graphs == "on",
         codec_gather=args.codec_gather_ms / 1000.0,
+        codec_sms=args.codec_sms,
         replica=args.replica_name,
         wyoming_port=wyoming_port,
         access=access,

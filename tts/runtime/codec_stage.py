@@ -200,6 +200,29 @@ class CodecStats:
     slack_calls: int = 0
 
 
+def codec_stream(device: torch.device, sms: int = 0) -> tuple[torch.cuda.Stream, object]:
+    """The codec worker's CUDA stream and what keeps it valid: with `sms` 0 an ordinary stream of the
+    lowest priority (the engine's kernels go first where both wait); with `sms` > 0 a stream of a green
+    context holding that many of the device's SMs, so that the codec's launched kernels never occupy
+    the whole GPU and the engine's short kernels always find SMs free (its other SMs stay the engine's
+    alone; CUDA graphs replayed on it ignore the limit). Raises ValueError for an `sms` the device
+    does not have, RuntimeError where torch or the driver has no green contexts."""
+    if not sms:
+        return torch.cuda.Stream(device, priority=0), None
+    count = torch.cuda.get_device_properties(device).multi_processor_count
+    if not 0 < sms < count:
+        raise ValueError(f"codec SMs must be in 1..{count - 1} on this device ({count} SMs), got {sms}")
+    try:
+        from torch.cuda.green_contexts import GreenContext
+
+        context = GreenContext.create(num_sms=sms, device_id=device.index)
+        return context.Stream(), context
+    except (ImportError, AttributeError, RuntimeError) as exc:
+        raise RuntimeError(
+            f"codec SMs need CUDA green contexts, which this torch or driver lacks: {exc}"
+        ) from exc
+
+
 class CodecStage:
     """See the module docstring.
 
@@ -212,7 +235,9 @@ class CodecStage:
     gather: seconds the oldest queued piece may wait for more work before a decode call (0: none, every
     call takes what is queued when the worker is free); gather_frames: the queued frames that start a
     call at once (see the module docstring, `gather_wait`). clock: seconds, monotonic, that the
-    gathering reads, and the pieces' deadlines are on (tests pass their own).
+    gathering reads, and the pieces' deadlines are on (tests pass their own). sms: CUDA SMs the
+    decodes and encodes may use (0: all; `codec_stream`); with a limit the decode is launched kernel by
+    kernel, never from a graph (a graph replayed on a green context's stream runs on every SM).
 
     Failures: a decode call, a reset or an encode that raises fails the work it held (its pieces'
     results carry the error), is counted (`stats.failures`) and logged once with its traceback. The
@@ -239,6 +264,7 @@ class CodecStage:
         gather: float = 0.0,
         gather_frames: int = GATHER_FRAMES,
         clock: Callable[[], float] = time.monotonic,
+        sms: int = 0,
     ):
         if not (math.isfinite(gather) and gather >= 0):
             raise ValueError(f"gather must be a number of seconds >= 0, got {gather}")
@@ -298,8 +324,15 @@ class CodecStage:
         self._out: Tensor | None = None
         self._h_out: Tensor | None = None
         # The lowest priority (0): the engine thread's frame steps go first (EngineThread._use_step_stream).
-        self.stream = torch.cuda.Stream(self.device, priority=0) if self.is_cuda else None
-        use_graphs = graphs and self.is_cuda and getattr(self.decoder, "graph_safe", False)
+        self.stream: torch.cuda.Stream | None = None
+        self._green: object = (
+            None  # (the green context of an SM-limited stream: kept while the stream is used)
+        )
+        if self.is_cuda:
+            self.stream, self._green = codec_stream(self.device, sms)
+        # (an SM limit holds for launched kernels only: an H100 replayed a decode graph on a green
+        # context's stream at full-GPU speed, and the engine beside it slowed as much as without one)
+        use_graphs = graphs and not sms and self.is_cuda and getattr(self.decoder, "graph_safe", False)
         self.graphs = GraphRunner(
             self._decode_step,
             max_batch=max_rows,

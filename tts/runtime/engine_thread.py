@@ -494,7 +494,8 @@ class EngineThread:
     reference_cache_bytes: capacity of the encoded-reference cache (0: off). codec_graphs: let the
     codec stage capture CUDA graphs. codec_gather: seconds a later audio chunk may wait in the codec
     stage for more work to share its decode call (0: none; `CodecStage`'s gather; less where its
-    player would run dry first). warmup: run one short synthesis before `wait_ready` returns.
+    player would run dry first). codec_sms: SMs the codec's kernels may use (CUDA; 0: all). warmup: run
+    one short synthesis before `wait_ready` returns.
     max_sessions: sessions open at most (`open_session` raises SessionLimit beyond). session_options:
     the sessions' default bounds and chunking. session_clock: seconds, monotonic, that the sessions' hold
     and idle timeouts read (tests pass their own, then call `wake()` after moving it).
@@ -512,6 +513,7 @@ class EngineThread:
         reference_cache_bytes: int = DEFAULT_REFERENCE_CACHE_BYTES,
         codec_graphs: bool = True,
         codec_gather: float = 0.0,
+        codec_sms: int = 0,
         warmup: bool = True,
         name: str = "tts-engine",
         max_sessions: int = DEFAULT_MAX_SESSIONS,
@@ -546,6 +548,7 @@ class EngineThread:
         self.reference_cache = ReferenceCache(reference_cache_bytes)
         self._codec_graphs = codec_graphs
         self.codec_gather = codec_gather
+        self.codec_sms = codec_sms
         self._warmup = warmup
         # Built on the engine thread at start-up (`engine`, `planner`, `runner` read them).
         self._engine: Engine | None = None
@@ -922,6 +925,7 @@ class EngineThread:
                 reference_cache=self.reference_cache,
                 codec_graphs=self._codec_graphs,
                 codec_gather=self.codec_gather,
+                codec_sms=self.codec_sms,
             )
             self.runner.on_end = self._job_ended
             self.runner.on_failure = self._failed

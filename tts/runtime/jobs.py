@@ -250,7 +250,8 @@ class JobPipeline:
     (None: no cache). codec_graphs: let the codec stage capture CUDA graphs. codec_gather: seconds a
     later audio chunk may wait in the codec stage for more work to share its decode call (0: none); less
     where its player would run dry first (the runner passes each chunk's deadline, `_deadline`, where
-    real-time admission keeps the job's playback clock).
+    real-time admission keeps the job's playback clock). codec_sms: SMs the codec's kernels may use
+    (CUDA; 0: all, `codec_stage.codec_stream`).
     """
 
     def __init__(
@@ -265,6 +266,7 @@ class JobPipeline:
         reference_cache: ReferenceCache | None = None,
         codec_graphs: bool = True,
         codec_gather: float = 0.0,
+        codec_sms: int = 0,
     ):
         if max_queued_chunks < 1:
             raise ValueError("max_queued_chunks must be >= 1")
@@ -287,6 +289,7 @@ class JobPipeline:
             graphs=codec_graphs,
             on_dead=self._stage_dead,
             gather=codec_gather,
+            sms=codec_sms,
         )
         self.jobs: dict[str, _Job] = {}
         self._by_engine_id: dict[str, _Job] = {}
