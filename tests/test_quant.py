@@ -214,15 +214,26 @@ def test_info_and_synthesize_take_weights(capsys, tmp_path):
 # ---- GPU -------------------------------------------------------------------------------------------
 
 
+def test_the_small_m_kernel_takes_few_rows_of_narrow_layers():
+    """Up to 4 rows and 8,192 output channels the small-M kernel; more rows, or a wider layer (S2-Pro's
+    19,456-channel w13), the tensor-core kernel."""
+    from tts.model.kernels.wquant import uses_small_m_kernel
+
+    assert uses_small_m_kernel(1, 2560) and uses_small_m_kernel(4, 8192)
+    assert not uses_small_m_kernel(5, 2560)
+    assert not uses_small_m_kernel(1, 8193) and not uses_small_m_kernel(1, 19456)
+
+
 @pytest.mark.cuda
+@pytest.mark.parametrize("out_features", [2560, 19456])
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 40, 64, 200])
-def test_fp8_kernel_against_bf16_on_the_gpu(rows):
+def test_fp8_kernel_against_bf16_on_the_gpu(rows, out_features):
     """The kernel (small-M and tensor-core paths) against the bf16 product of the dequantized weights:
     within 2 bf16 ulps plus 1e-2; against the unquantized layer within fp8's 4% (relative norm)."""
     from tts.model.kernels.wquant import quant_linear
 
     torch.manual_seed(6)
-    w = torch.randn(2560, 4096, device="cuda") * 0.02
+    w = torch.randn(out_features, 4096, device="cuda") * 0.02
     q, scale = quantize_weight(w, "fp8")
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     out = quant_linear(x, q, scale)

@@ -201,11 +201,12 @@ GEMM_SWEEP_FEW = [
 BENCH_ROWS = (1, 8, 64, 256)
 
 
-def _sweep(rows: int) -> list[tuple[int, int, int, int, int]]:
-    """The tile choices the sweep times at this many rows (for the kernel the default picks)."""
-    from tts.model.kernels.wquant import GEMV_MAX_ROWS
+def _sweep(rows: int, channels: int) -> list[tuple[int, int, int, int, int]]:
+    """The tile choices the sweep times at this many rows and output channels (for the kernel that
+    `quant_linear` picks)."""
+    from tts.model.kernels.wquant import uses_small_m_kernel
 
-    if rows <= GEMV_MAX_ROWS:
+    if uses_small_m_kernel(rows, channels):
         return GEMV_SWEEP
     return GEMM_SWEEP_FEW if rows <= 16 else GEMM_SWEEP_MANY
 
@@ -260,7 +261,7 @@ def kernel_bench(
             if sweep:
                 timed = [
                     (_median_ms(functools.partial(quant_all, x, quant, config=c), repeats) / len(layers), c)
-                    for c in _sweep(m)
+                    for c in _sweep(m, n)
                 ]
                 best_ms, best = min(timed)
                 row["best_us"], row["best_config"] = best_ms * 1e3, list(best)

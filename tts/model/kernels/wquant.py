@@ -6,13 +6,16 @@ byte is read once and widened in registers; the product accumulates in fp32, the
 the bias) applies to the accumulator, and the result is rounded once to x's dtype. The torch
 counterpart (and test reference) is `tts.model.quant.reference_linear`.
 
-Two kernels, chosen by M (rows = batch rows x positions):
+Two kernels, chosen by M (rows = batch rows x positions) and N:
 
-* M <= `GEMV_MAX_ROWS` (the decode step of small batches, bandwidth bound): a program owns a few output
-  channels and walks K in wide chunks, multiply-adds in fp32 registers, and reduces once at the end;
-  no tensor cores, no split-K (so no atomics: results are deterministic and replay bit-identically);
-* larger M (batched decode, prefill): tiles through `tl.dot`, the weight tile widened to x's dtype in
-  registers first.
+* M <= `GEMV_MAX_ROWS` and N <= `GEMV_MAX_CHANNELS` (the decode step of small batches, bandwidth
+  bound): a program owns a few output channels and walks K in wide chunks, multiply-adds in fp32
+  registers, and reduces once at the end; no tensor cores, no split-K (so no atomics: results are
+  deterministic and replay bit-identically);
+* larger M (batched decode, prefill), or a wide layer: tiles through `tl.dot`, the weight tile widened
+  to x's dtype in registers first. (On an H100 S2-Pro's fused 19,456-channel `w13` took 21.0 us a
+  layer this way at one row against the small-M kernel's 26.9; the narrower layers were faster with the
+  small-M kernel: docs/benchmarks.md.)
 
 Neither allocates anything but the output, and neither synchronizes with the host: both can be
 captured in a CUDA graph.
@@ -26,6 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 GEMV_MAX_ROWS = 4
+GEMV_MAX_CHANNELS = 8192
 
 
 @triton.jit
@@ -132,6 +136,12 @@ def gemm_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     return 64, 128, 64, 4, 3
 
 
+def uses_small_m_kernel(M: int, N: int) -> bool:
+    """Whether `quant_linear` of M rows and N output channels runs the small-M kernel (else the
+    tensor-core one): M <= `GEMV_MAX_ROWS` and N <= `GEMV_MAX_CHANNELS`."""
+    return M <= GEMV_MAX_ROWS and N <= GEMV_MAX_CHANNELS
+
+
 def quant_linear(
     x: Tensor, qweight: Tensor, scale: Tensor, bias: Tensor | None = None, config: tuple | None = None
 ) -> Tensor:
@@ -140,8 +150,8 @@ def quant_linear(
     x: `[..., K]` float (bf16 / fp16 / fp32; its last dimension contiguous), qweight: `[N, K]`
     float8_e4m3fn or int8 with contiguous rows, scale: `[N]` float32, bias: `[N]` or None.
     Returns `[..., N]` in x's dtype (a new tensor: the only allocation). `config` overrides the
-    kernel's tile choice (`gemv_config` / `gemm_config`'s tuple, for whichever kernel M selects):
-    for tuning sweeps (tts_tools.quant_check).
+    kernel's tile choice (`gemv_config` / `gemm_config`'s tuple, for whichever kernel
+    `uses_small_m_kernel` selects): for tuning sweeps (tts_tools.quant_check).
     """
     K = x.shape[-1]
     N = qweight.shape[0]
@@ -152,7 +162,7 @@ def quant_linear(
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     has_bias = bias is not None
     b = bias if has_bias else scale
-    if M <= GEMV_MAX_ROWS:
+    if uses_small_m_kernel(M, N):
         bm, bn, bk, warps, stages = config or gemv_config(M, N, K)
         _wq_gemv_kernel[(triton.cdiv(N, bn),)](
             x2, qweight, scale, b, out, M, N, K, x2.stride(0), qweight.stride(0), out.stride(0),
