@@ -219,7 +219,8 @@ def codec_stream(device: torch.device, sms: int = 0) -> tuple[torch.cuda.Stream,
         return context.Stream(), context
     except (ImportError, AttributeError, RuntimeError) as exc:
         raise RuntimeError(
-            f"codec SMs need CUDA green contexts, which this torch or driver lacks: {exc}"
+            "codec SMs need CUDA green contexts (torch with torch.cuda.green_contexts, the cuda-bindings "
+            f"package, a driver that has them): {exc}"
         ) from exc
 
 
