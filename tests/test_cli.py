@@ -706,6 +706,31 @@ def test_serve_codec_sms_needs_cuda_and_a_count(capsys):
         assert capsys.readouterr().err == f"tts: error: {error}\n"
 
 
+def test_serve_codec_sms_the_gpu_cannot_give_exits_2_before_the_model_loads(monkeypatch, capsys):
+    """Where the device has no green contexts (or not that many SMs), `tts serve --codec-sms N` says so
+    in one line naming the option, before any model loads."""
+    import tts.checkpoints.load
+    import tts.cli.serve
+    import tts.runtime.codec_stage
+
+    asked = []
+
+    def no_green_context(device, sms):
+        asked.append((str(device), sms))
+        raise RuntimeError("no green contexts on cuda:1")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(tts.cli.serve, "check_device", lambda device: None)
+    monkeypatch.setattr(tts.runtime.codec_stage, "codec_stream", no_green_context)
+    monkeypatch.setattr(tts.checkpoints.load, "load_bundle", no_load)
+    base = ["serve", "--model", "tiny", "--port", "0", "--http-port", "-1", "--metrics-port", "-1"]
+    assert main([*base, "--device", "cuda:1", "--codec-sms", "40"]) == 2
+    assert asked == [("cuda:1", 40)]
+    assert capsys.readouterr().err == "tts: error: --codec-sms 40: no green contexts on cuda:1\n"
+
+
 def test_replicas_get_the_resolved_graphs_option(monkeypatch, capsys):
     """`tts serve --devices` forwards `--graphs lazy`, not the deprecated spelling it was given."""
     import service.cluster

@@ -480,6 +480,11 @@ def test_gather_must_be_seconds_at_least_zero(codec):
         CodecStage(codec, max_streams=2, gather=-1)
 
 
+def test_sms_must_be_at_least_zero_on_any_device(codec):
+    with pytest.raises(ValueError, match=r"sms must be >= 0 \(0: all\), got -1"):
+        CodecStage(codec, max_streams=2, sms=-1)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_codec_stage_on_part_of_the_sms_decodes_the_same_audio():

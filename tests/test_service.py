@@ -687,6 +687,16 @@ def test_codec_gather_reaches_the_stage_keeps_the_audio_and_is_reported(bundle):
         srv.stop()
 
 
+def test_codec_sms_reaches_the_stage(bundle):
+    """TTSServer(codec_sms=N) (what `tts serve --codec-sms` sets) is the codec stage's SM limit (a CPU
+    stage keeps it and has no green context to make)."""
+    srv = ServerThread(bundle, EngineConfig(max_batch=2), codec_sms=12)
+    try:
+        assert srv.loop.runner.stage.sms == 12
+    finally:
+        srv.stop()
+
+
 def test_reflection_lists_the_service(server):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 

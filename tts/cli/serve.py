@@ -514,13 +514,13 @@ def check_serve_options(args: argparse.Namespace) -> None:
         math.isfinite(args.prefill_gather_ms) and 0 <= args.prefill_gather_ms <= MAX_PREFILL_GATHER_MS,
         f"--prefill-gather-ms must be in 0..{MAX_PREFILL_GATHER_MS}, got {args.prefill_gather_ms:g}",
     )
+    from service.cluster import parse_devices
+
     require(args.codec_sms >= 0, f"--codec-sms must be >= 0, got {args.codec_sms}")
     if args.codec_sms:
-        devices = [d.strip() for d in args.devices.split(",")] if args.devices else [args.device]
+        devices = parse_devices(args.devices) if args.devices else [args.device]
         require(all(d.startswith("cuda") for d in devices), "--codec-sms needs CUDA")
     if args.prefill_gather_ms:
-        from service.cluster import parse_devices
-
         # (the replicas' devices with --devices; a CPU prefills each prompt alone: nothing to share)
         devices = parse_devices(args.devices) if args.devices else [args.device]
         require(
@@ -575,6 +575,21 @@ def check_serve_options(args: argparse.Namespace) -> None:
         )
 
 
+def check_codec_sms(device: str, sms: int) -> None:
+    """`--codec-sms N` can be had on `device` (a green context of N SMs made and let go), before the
+    model loads. Raises UserError naming the option."""
+    if not sms:
+        return
+    import torch
+
+    from tts.runtime.codec_stage import codec_stream
+
+    try:
+        codec_stream(torch.device(device), sms)
+    except (ValueError, RuntimeError) as exc:
+        raise UserError(f"--codec-sms {sms}: {exc}") from exc
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from service.server import MiB, ServiceLimits
     from tts.checkpoints.load import load_bundle
@@ -598,6 +613,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(warning, file=sys.stderr, flush=True)
         return run_cluster(args, _SERVE_PARSER, devices)
     check_device(args.device)
+    check_codec_sms(args.device, args.codec_sms)
     check_serve_ports(args)  # before the model loads: a busy port is found in a moment
     t0 = time.perf_counter()
     bundle = load_bundle(

@@ -203,10 +203,12 @@ class CodecStats:
 def codec_stream(device: torch.device, sms: int = 0) -> tuple[torch.cuda.Stream, object]:
     """The codec worker's CUDA stream and what keeps it valid: with `sms` 0 an ordinary stream of the
     lowest priority (the engine's kernels go first where both wait); with `sms` > 0 a stream of a green
-    context holding that many of the device's SMs, so that the codec's launched kernels never occupy
-    the whole GPU and the engine's short kernels always find SMs free (its other SMs stay the engine's
-    alone; CUDA graphs replayed on it ignore the limit). Raises ValueError for an `sms` the device
-    does not have, RuntimeError where torch or the driver has no green contexts."""
+    context of at least that many of the device's SMs (the driver rounds the count up to its SM-group
+    granularity), so that the codec's launched kernels never occupy the whole GPU and the engine's
+    short kernels always find SMs free (its other SMs stay the engine's alone; CUDA graphs replayed on
+    it ignore the limit). Raises ValueError for an `sms` the device does not have, RuntimeError where
+    torch, the cuda-bindings package or the driver has no green contexts, or the driver refuses that
+    split."""
     if not sms:
         return torch.cuda.Stream(device, priority=0), None
     count = torch.cuda.get_device_properties(device).multi_processor_count
@@ -214,13 +216,17 @@ def codec_stream(device: torch.device, sms: int = 0) -> tuple[torch.cuda.Stream,
         raise ValueError(f"codec SMs must be in 1..{count - 1} on this device ({count} SMs), got {sms}")
     try:
         from torch.cuda.green_contexts import GreenContext
-
-        context = GreenContext.create(num_sms=sms, device_id=device.index)
+    except ImportError as exc:
+        raise RuntimeError(
+            f"codec SMs need torch.cuda.green_contexts, which this torch lacks: {exc}"
+        ) from exc
+    try:
+        context = GreenContext.create(num_sms=sms, device_id=device.index or 0)
         return context.Stream(), context
     except (ImportError, AttributeError, RuntimeError) as exc:
         raise RuntimeError(
-            "codec SMs need CUDA green contexts (torch with torch.cuda.green_contexts, the cuda-bindings "
-            f"package, a driver that has them): {exc}"
+            f"a green context of {sms} SMs could not be made on {device} (it needs the cuda-bindings "
+            f"package and a driver with green contexts): {exc}"
         ) from exc
 
 
@@ -269,6 +275,9 @@ class CodecStage:
     ):
         if not (math.isfinite(gather) and gather >= 0):
             raise ValueError(f"gather must be a number of seconds >= 0, got {gather}")
+        if sms < 0:
+            raise ValueError(f"sms must be >= 0 (0: all), got {sms}")
+        self.sms = sms
         if gather_frames < 1:
             raise ValueError(f"gather_frames must be >= 1, got {gather_frames}")
         self.codec = codec

@@ -944,6 +944,12 @@ class EngineThread:
                 log.info(
                     "codec stage: %d decode graphs captured in %.2f s", captured, time.perf_counter() - t0
                 )
+            if self.codec_sms:
+                log.info(
+                    "codec stage: on a green context of %d SMs, its decode launched kernel by kernel "
+                    "(no decode graphs)",
+                    self.codec_sms,
+                )
             if self._warmup:
                 self._run_warmup()
         except BaseException as exc:  # noqa: BLE001 - reported by wait_ready

@@ -13,9 +13,10 @@ Two kernels, chosen by M (rows = batch rows x positions) and N:
   registers, and reduces once at the end; no tensor cores, no split-K (so no atomics: results are
   deterministic and replay bit-identically);
 * larger M (batched decode, prefill), or a wide layer: tiles through `tl.dot`, the weight tile widened
-  to x's dtype in registers first. (On an H100 S2-Pro's fused 19,456-channel `w13` took 21.0 us a
-  layer this way at one row against the small-M kernel's 26.9; the narrower layers were faster with the
-  small-M kernel: docs/benchmarks.md.)
+  to x's dtype in registers first. (At one row on an H100, S2-Pro's fused 19,456-channel `w13` took
+  21.0 us a layer this way, with the default tiles, against the small-M kernel's 26.9 with its best;
+  the 6,144-channel `wqkv` was within 7% either way and the 2,560-channel layers 50% slower:
+  docs/benchmarks.md.)
 
 Neither allocates anything but the output, and neither synchronizes with the host: both can be
 captured in a CUDA graph.
@@ -117,7 +118,7 @@ def gemv_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     multiprocessor, up to 1 KiB of each weight row per step (16-byte loads), a step that divides K
     where one of at least 256 does (no masks in the loop)."""
     block_m = triton.next_power_of_2(max(M, 1))
-    block_n = 4 if N <= 8192 else 8
+    block_n = 4  # (wider layers take the tensor-core kernel: uses_small_m_kernel)
     limit = 1024 // block_m
     block_k = _pow2_divisor(K, limit)
     if block_k < min(256, limit):
