@@ -333,15 +333,13 @@ class CodecStage:
         # Output: rows x frames x frame_length float32 of the largest call, viewed as [rows, frames * L].
         self._out: Tensor | None = None
         self._h_out: Tensor | None = None
-        # The lowest priority (0): the engine thread's frame steps go first (EngineThread._use_step_stream).
+        # The lowest priority (0): the engine thread's frame steps go first (EngineThread._use_step_stream);
+        # or a green context's stream (`_green` keeps the context alive while the stream is used).
         self.stream: torch.cuda.Stream | None = None
-        self._green: object = (
-            None  # (the green context of an SM-limited stream: kept while the stream is used)
-        )
+        self._green: object = None
         if self.is_cuda:
             self.stream, self._green = codec_stream(self.device, sms)
-        # (an SM limit holds for launched kernels only: an H100 replayed a decode graph on a green
-        # context's stream at full-GPU speed, and the engine beside it slowed as much as without one)
+        # (a graph replayed on a green context's stream runs on every SM: the limit needs launched kernels)
         use_graphs = graphs and not sms and self.is_cuda and getattr(self.decoder, "graph_safe", False)
         self.graphs = GraphRunner(
             self._decode_step,
