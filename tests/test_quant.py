@@ -211,9 +211,6 @@ def test_info_and_synthesize_take_weights(capsys, tmp_path):
     assert exc.value.code == 2 and "--weights" in capsys.readouterr().err
 
 
-# ---- GPU -------------------------------------------------------------------------------------------
-
-
 def test_the_small_m_kernel_takes_few_rows_of_narrow_layers():
     """Up to 4 rows and 8,192 output channels the small-M kernel; more rows, or a wider layer (S2-Pro's
     19,456-channel w13), the tensor-core kernel."""
@@ -222,6 +219,9 @@ def test_the_small_m_kernel_takes_few_rows_of_narrow_layers():
     assert uses_small_m_kernel(1, 2560) and uses_small_m_kernel(4, 8192)
     assert not uses_small_m_kernel(5, 2560)
     assert not uses_small_m_kernel(1, 8193) and not uses_small_m_kernel(1, 19456)
+
+
+# ---- GPU -------------------------------------------------------------------------------------------
 
 
 @pytest.mark.cuda

@@ -272,6 +272,17 @@ def kernel_bench(
     return results
 
 
+def _row_counts(text: str) -> tuple[int, ...]:
+    """`--bench-rows`: comma-separated row counts, each >= 1 (argparse reports a bad one)."""
+    try:
+        rows = tuple(int(r) for r in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated row counts, got {text!r}") from None
+    if not rows or min(rows) < 1:
+        raise argparse.ArgumentTypeError(f"row counts must be >= 1, got {text!r}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tts_tools.quant_check", description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -304,8 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true", help="with --kernel-bench: also try other tile choices")
     p.add_argument(
         "--bench-rows",
-        default=",".join(map(str, BENCH_ROWS)),
-        help="with --kernel-bench: the activation rows to time, comma-separated (default %(default)s)",
+        type=_row_counts,
+        default=BENCH_ROWS,
+        help="with --kernel-bench: the activation rows to time, comma-separated (default "
+        + ",".join(map(str, BENCH_ROWS))
+        + ")",
     )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -356,7 +370,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{result['device_memory_allocated'] / 2**30:.2f} GiB"
         )
         if args.kernel_bench:
-            bench_rows = tuple(int(r) for r in args.bench_rows.split(","))
 
             def show(r: dict[str, Any]) -> None:
                 best = f" | best {r['best_us']:7.1f} us {r['best_config']}" if "best_us" in r else ""
@@ -367,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
 
-            result["kernel_bench"] = kernel_bench(model, sweep=args.sweep, rows=bench_rows, on_row=show)
+            result["kernel_bench"] = kernel_bench(model, sweep=args.sweep, rows=args.bench_rows, on_row=show)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
