@@ -211,6 +211,16 @@ def test_info_and_synthesize_take_weights(capsys, tmp_path):
     assert exc.value.code == 2 and "--weights" in capsys.readouterr().err
 
 
+def test_quant_check_bench_rows_are_counts(capsys):
+    """`quant_check --bench-rows` takes comma-separated counts >= 1; anything else exits 2 naming it."""
+    from tts_tools.quant_check import main as quant_check
+
+    for bad in ("1,x", "0", ""):
+        with pytest.raises(SystemExit) as exc:
+            quant_check(["--bench-rows", bad])
+        assert exc.value.code == 2 and "--bench-rows" in capsys.readouterr().err
+
+
 def test_the_small_m_kernel_takes_few_rows_of_narrow_layers():
     """Up to 4 rows and 8,192 output channels the small-M kernel; more rows, or a wider layer (S2-Pro's
     19,456-channel w13), the tensor-core kernel."""
