@@ -44,6 +44,7 @@ from tts.codec.dac.net import DACConfig  # noqa: E402
 from tts.codec.dac.random_init import random_codec_state  # noqa: E402
 from tts.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tts.model.kv_cache import blocks_needed  # noqa: E402
+from tts.runtime.codec_stage import codec_stream  # noqa: E402
 
 
 def codec_call(rows: int, stream: torch.cuda.Stream, eager: bool = False):
@@ -68,21 +69,6 @@ def codec_call(rows: int, stream: torch.cuda.Stream, eager: bool = False):
             dec.decode(slots, codes, lengths)
 
     return decode
-
-
-def codec_stream(sms: int) -> torch.cuda.Stream:
-    """The codec's stream: the lowest priority, or a green context's stream of `sms` SMs (the context
-    lives as long as the process: torch keeps it alive through its streams' pool)."""
-    if not sms:
-        return torch.cuda.Stream(priority=0)
-    from torch.cuda.green_contexts import GreenContext
-
-    context = GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
-    codec_stream.contexts.append(context)  # type: ignore[attr-defined]
-    return context.Stream()
-
-
-codec_stream.contexts = []  # type: ignore[attr-defined]
 
 
 def build_engine(model, rows: int, step_batch: int, stream: torch.cuda.Stream) -> Engine:
@@ -135,7 +121,8 @@ def main() -> None:
     packed = [int(k) for k in a.packed.split(",")]
     model = load_bench_model("s2-pro-shape", "cuda", torch.bfloat16)
     high = torch.cuda.Stream(priority=min(torch.cuda.Stream.priority_range()))  # type: ignore[call-arg]
-    low = codec_stream(a.codec_sms)
+    # (the green context, if any, stays referenced while its stream is used)
+    low, _green = codec_stream(torch.device("cuda", torch.cuda.current_device()), a.codec_sms)
     engine = build_engine(model, max(max(packed), a.step_batch), a.step_batch, high)
     runner, allocator, bs = engine.runner, engine.scheduler.allocator, engine.config.block_size
     decode = codec_call(a.codec_rows, low, eager=a.codec_eager)
