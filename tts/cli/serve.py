@@ -516,15 +516,15 @@ def check_serve_options(args: argparse.Namespace) -> None:
     )
     from service.cluster import parse_devices
 
+    # (the replicas' devices with --devices)
+    on_cuda = all(
+        d.startswith("cuda") for d in (parse_devices(args.devices) if args.devices else [args.device])
+    )
     require(args.codec_sms >= 0, f"--codec-sms must be >= 0, got {args.codec_sms}")
-    if args.codec_sms:
-        devices = parse_devices(args.devices) if args.devices else [args.device]
-        require(all(d.startswith("cuda") for d in devices), "--codec-sms needs CUDA")
+    require(not args.codec_sms or on_cuda, "--codec-sms needs CUDA")
     if args.prefill_gather_ms:
-        # (the replicas' devices with --devices; a CPU prefills each prompt alone: nothing to share)
-        devices = parse_devices(args.devices) if args.devices else [args.device]
         require(
-            all(d.startswith("cuda") for d in devices),
+            on_cuda,
             "--prefill-gather-ms needs CUDA (where prompts share a prefill pass; a CPU prefills each alone)",
         )
         require(
