@@ -701,6 +701,10 @@ def test_serve_codec_sms_needs_cuda_and_a_count(capsys):
         (["--codec-sms", "40"], "--codec-sms needs CUDA"),
         (["--devices", "cpu,cpu", "--codec-sms", "40"], "--codec-sms needs CUDA"),
         (["--device", "cuda", "--codec-sms", "-1"], "--codec-sms must be >= 0, got -1"),
+        (
+            ["--device", "cuda", "--codec-sms", "40", "--codec-graphs", "on"],
+            "--codec-sms launches the codec's kernels one by one: it cannot be had with --codec-graphs on",
+        ),
     ):
         assert main([*base, *extra]) == 2
         assert capsys.readouterr().err == f"tts: error: {error}\n"

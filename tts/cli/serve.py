@@ -225,8 +225,9 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--codec-graphs",
         choices=["on", "off"],
-        default="on",
-        help="capture the codec stage's batched decode in CUDA graphs (CUDA only; default on)",
+        default=None,
+        help="capture the codec stage's batched decode in CUDA graphs (CUDA only; default on, off with "
+        "--codec-sms)",
     )
     p.add_argument(
         "--codec-gather-ms",
@@ -522,6 +523,10 @@ def check_serve_options(args: argparse.Namespace) -> None:
     )
     require(args.codec_sms >= 0, f"--codec-sms must be >= 0, got {args.codec_sms}")
     require(not args.codec_sms or on_cuda, "--codec-sms needs CUDA")
+    require(
+        not (args.codec_sms and args.codec_graphs == "on"),
+        "--codec-sms launches the codec's kernels one by one: it cannot be had with --codec-graphs on",
+    )
     if args.prefill_gather_ms:
         require(
             on_cuda,
@@ -674,7 +679,7 @@ async def _serve(args, bundle, engine_config, limits, access, started: float | N
         metrics_host=args.metrics_host,
         metrics_port=metrics_port,
         http_port=http_port,
-        codec_graphs=args.codec_graphs == "on",
+        codec_graphs=args.codec_graphs != "off",
         codec_gather=args.codec_gather_ms / 1000.0,
         codec_sms=args.codec_sms,
         replica=args.replica_name,
