@@ -146,10 +146,14 @@ def test_top1_agreement_of_the_tiny_model_on_fixed_inputs():
 
 
 def test_top1_agreement_of_the_default_voice_on_its_preset_voices():
-    """The trained default voice, teacher-forced on a prompt of its preset voices' real speech codes
-    (bf16 activations), 149 scored positions (one is 0.7%): main-token top-1 agreement with bf16 measured
-    on the shipped v4 95.3% (fp8) and 99.3% (int8), first fast codebook 91.9% and 95.7% (v3: 97.3% and
-    95.3% main), where bf16 itself agreed with float32 on 98.0% (v3)."""
+    """The trained default voice, teacher-forced on a prompt of its preset voices' real speech codes,
+    149 scored positions (one is 0.7%), quantized against its float32 self (float32 activations: a
+    bf16 reference moves with the torch version, bf16 rounding alone flipped 2.0% of the main tokens
+    under torch 2.11 and 0.7% under 2.14, enough to cross a threshold a position wide). Measured on the
+    shipped v4, torch 2.14.1: main-token top-1 agreement 96.0% (fp8) and 99.3% (int8), first fast
+    codebook 92.4% and 98.2%, main logits' relative error 0.036 and 0.010. The top-1 bounds leave three
+    positions of margin; the logits' error, which moves by thousandths between versions, is the finer
+    check."""
     from tts_tools.quant_check import voice_frames
 
     from tts.checkpoints.load import load_bundle
@@ -160,11 +164,13 @@ def test_top1_agreement_of_the_default_voice_on_its_preset_voices():
     frames = voice_frames(bundle)
     results = {}
     for fmt in ("fp8", "int8"):
-        model = load_bundle("default", dtype=torch.bfloat16).model
+        model = load_bundle("default", dtype=torch.float32).model
         results[fmt] = compare(model, fmt, frames)
-    assert results["fp8"]["scored_positions"] == 149
-    assert results["fp8"]["main_top1_agreement"] >= 0.95 and results["int8"]["main_top1_agreement"] >= 0.99
-    assert results["fp8"]["fast_top1_agreement"] >= 0.90 and results["int8"]["fast_top1_agreement"] >= 0.95
+    fp8, int8 = results["fp8"], results["int8"]
+    assert fp8["scored_positions"] == 149
+    assert fp8["main_top1_agreement"] >= 0.94 and int8["main_top1_agreement"] >= 0.97
+    assert fp8["fast_top1_agreement"] >= 0.90 and int8["fast_top1_agreement"] >= 0.96
+    assert fp8["main_logits_rel_error"] < 0.045 and int8["main_logits_rel_error"] < 0.015
 
 
 def test_an_fp8_engine_generates_on_the_cpu():
