@@ -227,6 +227,21 @@ def test_quant_check_bench_rows_are_counts(capsys):
         assert exc.value.code == 2 and "--bench-rows" in capsys.readouterr().err
 
 
+def test_the_kernel_sweep_covers_every_row_it_times():
+    """`quant_check --sweep` at 2-4 rows: each small-M tile choice spans the rows (the kernel computes
+    BLOCK_M rows, so a tile of one row would time a quarter of the work), and keeps the tile's size
+    (rows x K) of the one-row choice; past the small-M kernel, the tensor-core tiles."""
+    from tts_tools.quant_check import GEMM_SWEEP_FEW, GEMV_SWEEP, _sweep
+
+    for rows in (1, 2, 3, 4):
+        configs = _sweep(rows, 2560)
+        assert len(configs) == len(GEMV_SWEEP)
+        for (bm, bn, bk, warps, stages), one in zip(configs, GEMV_SWEEP, strict=True):
+            assert bm >= rows and bm * bk <= max(one[2], 256 * bm)
+            assert (bn, warps, stages) == (one[1], one[3], one[4])
+    assert _sweep(5, 2560) == GEMM_SWEEP_FEW and _sweep(1, 19456) == GEMM_SWEEP_FEW
+
+
 def test_the_small_m_kernel_takes_few_rows_of_narrow_layers():
     """Up to 4 rows and 8,192 output channels the small-M kernel; more rows, or a wider layer (S2-Pro's
     19,456-channel w13), the tensor-core kernel."""

@@ -203,11 +203,15 @@ BENCH_ROWS = (1, 8, 64, 256)
 
 def _sweep(rows: int, channels: int) -> list[tuple[int, int, int, int, int]]:
     """The tile choices the sweep times at this many rows and output channels (for the kernel that
-    `quant_linear` picks)."""
+    `quant_linear` picks). The small-M kernel computes BLOCK_M rows: its one-row choices are widened
+    to span `rows`, their K step shrunk to keep the tile's size (at least 256, as `gemv_config`)."""
+    import triton
+
     from tts.model.kernels.wquant import uses_small_m_kernel
 
     if uses_small_m_kernel(rows, channels):
-        return GEMV_SWEEP
+        bm = triton.next_power_of_2(rows)
+        return [(bm, bn, max(256, bk // bm), warps, stages) for _, bn, bk, warps, stages in GEMV_SWEEP]
     return GEMM_SWEEP_FEW if rows <= 16 else GEMM_SWEEP_MANY
 
 
