@@ -165,7 +165,8 @@ def _median_ms(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
 
 
 # Tile choices the sweep tries beside the default (tts.model.kernels.wquant's gemv_config / gemm_config
-# tuples): the small-M kernel at 1 row, the tensor-core kernel at 8 rows and at 64 or more.
+# tuples): the small-M kernel (one-row tiles; `_sweep` widens them to the rows timed), the tensor-core
+# kernel at 8 rows and at 64 or more.
 GEMV_SWEEP = [
     (1, 4, 1024, 4, 3),
     (1, 8, 512, 4, 3),
