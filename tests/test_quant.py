@@ -130,6 +130,50 @@ def test_quantize_model_replaces_every_linear_layer_and_halves_their_bytes():
         quantize_model(model, "int8")
 
 
+@pytest.mark.parametrize("family", ["s2", "s1"])
+def test_a_checkpoint_quantized_as_it_loads_is_the_model_quantized_after(
+    fish_checkpoints, family, monkeypatch
+):
+    """`load_bundle(weights=)` quantizes each linear layer as its weight arrives (safetensors shards for
+    S2, a memory-mapped model.pth for S1): the same codes and scales as quantizing the loaded model, and
+    at no point of the load does the model hold a 16-bit weight of a layer it quantizes (the device's
+    peak is the quantized model plus one layer)."""
+    import tts.model.quant as quant
+    from tts.checkpoints.load import load_bundle
+
+    after = load_bundle(fish_checkpoints[family]).model
+    tensors = len(after.state_dict())  # what the loader assigns, one at a time
+    quantize_model(after, "fp8")
+    held: list[int] = []
+    real = quant.weight_quantizer
+
+    def watching(model, fmt):
+        take = real(model, fmt)
+
+        def watched(key, value):
+            taken = take(key, value)
+            held.append(
+                sum(
+                    1
+                    for m in model.modules()
+                    if isinstance(m, nn.Linear)
+                    and m is not getattr(model, "output", None)
+                    and not m.weight.is_meta
+                )
+            )
+            return taken
+
+        return watched
+
+    monkeypatch.setattr(quant, "weight_quantizer", watching)
+    during = load_bundle(fish_checkpoints[family], weights="fp8").model
+    assert len(held) == tensors and max(held) == 0
+    a, b = after.state_dict(), during.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key].float(), b[key].float()), key
+
+
 def test_top1_agreement_of_the_tiny_model_on_fixed_inputs():
     """Teacher-forced on a fixed 128-position prompt (tts_tools.quant_check), scored at the 96 positions
     whose next frame is audio: measured 94.8% (fp8) and 97.9% (int8) main-token top-1 agreement with

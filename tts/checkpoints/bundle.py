@@ -233,12 +233,16 @@ def load_weights_into(
     device,
     dtype,
     key_map: Callable[[str], str | None] = lambda k: k,
+    weights: str | None = None,
 ) -> None:
     """Load safetensors shards one at a time straight into `model` (built on the meta device) on
     `device` in `dtype`, never holding two copies. `key_map` renames checkpoint keys (None drops one).
+    `weights` ("fp8", "int8", resolved for the device) quantizes each linear layer's weight as it
+    arrives (`tts.model.quant.weight_quantizer`; the caller then runs `quantize_model`).
 
     Raises CheckpointError naming the first missing or unexpected key, or a shape mismatch.
     """
+    assign = weight_assigner(model, weights)
     expected = dict(model.state_dict())
     seen: set[str] = set()
     for f in files:
@@ -262,7 +266,7 @@ def load_weights_into(
                         f"shape mismatch for {raw_key!r}: checkpoint {tuple(t.shape)}, "
                         f"model {tuple(expected[key].shape)}"
                     )
-                _assign(model, key, t.to(dtype))
+                assign(key, t.to(dtype))
                 seen.add(key)
     missing = sorted(set(expected) - seen)
     if missing:
@@ -273,6 +277,23 @@ def _assign(model: torch.nn.Module, key: str, value: torch.Tensor) -> None:
     module_name, _, param_name = key.rpartition(".")
     module = model.get_submodule(module_name)
     setattr(module, param_name, torch.nn.Parameter(value, requires_grad=False))
+
+
+def weight_assigner(model: DualARTransformer, weights: str | None) -> Callable[[str, torch.Tensor], None]:
+    """`assign(key, tensor)` for a loader filling `model` (built on the meta device): puts the tensor
+    in as the parameter `key` names, or, with `weights` ("fp8", "int8"), a linear layer's weight as a
+    quantized layer (`tts.model.quant.weight_quantizer`)."""
+    if weights is None:
+        return lambda key, value: _assign(model, key, value)
+    from tts.model.quant import weight_quantizer
+
+    take = weight_quantizer(model, weights)
+
+    def assign(key: str, value: torch.Tensor) -> None:
+        if not take(key, value):
+            _assign(model, key, value)
+
+    return assign
 
 
 # ---- voices ------------------------------------------------------------------------------------------
@@ -365,13 +386,13 @@ def _own_text_side(directory: Path, raw: dict) -> tuple[ModelArgs, TextTokenizer
     return args, tokenizer, S2PromptFormat(tokenizer, args.num_codebooks, frontend, text_policy)
 
 
-def _load_own_bundle(directory: Path, raw: dict, device, dtype) -> ModelBundle:
+def _load_own_bundle(directory: Path, raw: dict, device, dtype, weights: str | None = None) -> ModelBundle:
     runtime = raw[RUNTIME_KEY]
     args, tokenizer, prompt_format = _own_text_side(directory, raw)
     args.eos_token_id = tokenizer.eos_id
     with torch.device("meta"):
         model = DualARTransformer(args)
-    load_weights_into(model, weight_files(directory), device, dtype)
+    load_weights_into(model, weight_files(directory), device, dtype, weights=weights)
     model.init_buffers(device)
     sampling_cfg = dict(runtime.get("sampling", {}))
     if "max_new_tokens" in sampling_cfg:  # the key's name before 2026-12

@@ -41,20 +41,26 @@ def load_bundle(
 
     dtype defaults to float32 on CPU and bfloat16 on CUDA. The codec runs on `device` too (its decode
     path in `codec_dtype` where the codec supports another than float32: the modded DAC's bfloat16).
-    `weights` ("fp8", "int8"; None: as loaded) quantizes the transformer's linear layers once loaded
-    (`tts.model.quant.quantize_model`: fp8 becomes int8 on a GPU without FP8).
-    Raises CheckpointError / ConfigError with a one-line reason for anything that cannot be loaded.
+    `weights` ("fp8", "int8"; None: as loaded) quantizes the transformer's linear layers
+    (`tts.model.quant`: fp8 becomes int8 on a GPU without FP8), each as its weight is read from a
+    checkpoint, so the device's peak is the quantized model plus one layer, not the 16-bit model.
+    Raises CheckpointError / ConfigError with a one-line reason for anything that cannot be loaded,
+    ValueError for an unknown `weights`.
     """
-    bundle = _load_bundle(spec, device, dtype, codec_dtype)
+    device = torch.device(device)
     if weights is not None:
-        from tts.model.quant import quantize_model
+        from tts.model.quant import quantize_model, resolve_weight_format
 
-        quantize_model(bundle.model, weights)
+        weights = resolve_weight_format(weights, device)
+    bundle = _load_bundle(spec, device, dtype, codec_dtype, weights)
+    if weights is not None:
+        quantize_model(bundle.model, weights)  # (what the load left: w1 and w3 fused; a preset whole)
     return bundle
 
 
-def _load_bundle(spec: str | Path, device: str | torch.device, dtype, codec_dtype) -> ModelBundle:
-    device = torch.device(device)
+def _load_bundle(
+    spec: str | Path, device: torch.device, dtype, codec_dtype, weights: str | None
+) -> ModelBundle:
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if str(spec) == "tiny":
         return build_tiny_bundle(device=device, dtype=dtype)
@@ -65,8 +71,8 @@ def _load_bundle(spec: str | Path, device: str | torch.device, dtype, codec_dtyp
         spec = DEFAULT_MODEL_DIR
     directory, raw = read_config(spec)
     if RUNTIME_KEY not in raw:
-        return load_fish_bundle(directory, raw, device, dtype, codec_dtype=codec_dtype)
-    return _load_own_bundle(directory, raw, device, dtype)
+        return load_fish_bundle(directory, raw, device, dtype, codec_dtype=codec_dtype, weights=weights)
+    return _load_own_bundle(directory, raw, device, dtype, weights)
 
 
 def load_text_model(spec: str | Path = "default") -> TextModel:

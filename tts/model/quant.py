@@ -25,6 +25,7 @@ dtype, multiply, then scale the output channels (the CPU path and the kernels' t
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -139,40 +140,89 @@ def resolve_weight_format(fmt: str, device: torch.device) -> str:
     return fmt
 
 
-def _quantize_child(parent: nn.Module, name: str, fmt: str) -> None:
-    child = getattr(parent, name)
-    if isinstance(child, nn.Linear):
-        setattr(parent, name, QuantLinear.from_linear(child, fmt))
+def _quantized_layers(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute) of every linear layer `quantize_model` quantizes, w1 and w3 apart."""
+    from tts.model.transformer import DualARTransformer, TransformerBlock
+
+    if not isinstance(model, DualARTransformer):
+        raise ValueError(f"expected a DualARTransformer, got {type(model).__name__}")
+    pairs: list[tuple[nn.Module, str]] = []
+    for block in cast("list[TransformerBlock]", [*model.layers, *model.fast_layers]):
+        att, ff = block.attention, block.feed_forward
+        pairs += [(att, "wqkv"), (att, "wo"), (ff, "w1"), (ff, "w3"), (ff, "w2")]
+    pairs += [(model, "fast_project_in"), (model, "fast_output")]
+    return [(parent, name) for parent, name in pairs if isinstance(getattr(parent, name, None), nn.Linear)]
+
+
+def weight_quantizer(model: nn.Module, fmt: str) -> Callable[[str, Tensor], bool]:
+    """For a loader filling `model` (built on the meta device) one tensor at a time: returns
+    `take(key, value) -> bool`, which, for the weight of a layer `quantize_model` quantizes (a
+    state-dict key such as "layers.3.attention.wqkv.weight"), puts a `QuantLinear` of `value` (any float
+    dtype, on the model's target device) in the layer's place and returns True; for any other key it
+    does nothing and returns False (the loader assigns the tensor). So a device never holds the
+    model's 16-bit weights whole: the load's peak is the quantized model plus one layer's weight. A bias
+    loaded later lands on the `QuantLinear`. Call `quantize_model(model, fmt)` once every tensor is in:
+    it fuses w1 and w3. `fmt` must already be resolved for the device (`resolve_weight_format`)."""
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
+    names = {id(m): name for name, m in model.named_modules()}
+    targets = {
+        f"{names[id(getattr(parent, attr))]}.weight": (parent, attr)
+        for parent, attr in _quantized_layers(model)
+    }
+
+    def take(key: str, value: Tensor) -> bool:
+        target = targets.pop(key, None)
+        if target is None:
+            return False
+        parent, attr = target
+        linear = getattr(parent, attr)
+        q, scale = quantize_weight(value, fmt)
+        bias = linear.bias if linear.bias is not None and not linear.bias.is_meta else None
+        layer = QuantLinear(q, scale, bias, fmt)
+        if linear.bias is not None and bias is None:
+            layer.bias = linear.bias  # (meta) replaced when the loader assigns the checkpoint's bias
+        setattr(parent, attr, layer)
+        return True
+
+    return take
 
 
 def quantize_model(model: nn.Module, fmt: str) -> str:
     """Quantize a `DualARTransformer`'s linear layers in place (the list in this module's docstring);
     returns the format used (see `resolve_weight_format`). One layer at a time, so the device never
-    holds more than one layer's weights twice. w1 and w3 become one `FeedForward.w13_quant` (the
-    fused GEMM of the serving path); `fuse_weights` is then a no-op. Raises ValueError for an unknown
-    format or a model already quantized. The device's peak is the unquantized model plus one layer (it
-    is quantized after loading)."""
+    holds more than one layer's weights twice; layers a loader already quantized in this format
+    (`weight_quantizer`) are kept. w1 and w3 become one `FeedForward.w13_quant` (the fused GEMM of the
+    serving path); `fuse_weights` is then a no-op. Raises ValueError for an unknown format, a model
+    already quantized, or layers quantized in another format. Quantizing after an ordinary load, the
+    device's peak is the unquantized model plus one layer; quantizing as it loads (`load_bundle(...,
+    weights=)`), the quantized model plus one layer."""
     from tts.model.transformer import DualARTransformer, TransformerBlock
 
-    if not isinstance(model, DualARTransformer):
-        raise ValueError(f"expected a DualARTransformer, got {type(model).__name__}")
-    if is_quantized(model):
+    layers = _quantized_layers(model)  # (raises for a model that is not a DualARTransformer)
+    model = cast(DualARTransformer, model)
+    blocks = cast("list[TransformerBlock]", [*model.layers, *model.fast_layers])
+    if any(hasattr(b.feed_forward, "w13_quant") for b in blocks):
         raise ValueError("the model's weights are already quantized")
     fmt = resolve_weight_format(fmt, model.embeddings.weight.device)
+    other = quantized_format(model)
+    if other not in (None, fmt):
+        raise ValueError(f"the model's layers are already quantized as {other}, not {fmt}")
     with torch.no_grad():
-        for block in cast("list[TransformerBlock]", [*model.layers, *model.fast_layers]):
-            att, ff = block.attention, block.feed_forward
-            _quantize_child(att, "wqkv", fmt)
-            _quantize_child(att, "wo", fmt)
-            _quantize_child(ff, "w2", fmt)
-            q1, s1 = quantize_weight(ff.w1.weight, fmt)
-            q3, s3 = quantize_weight(ff.w3.weight, fmt)
-            ff.w13_quant = QuantLinear(torch.cat([q1, q3]), torch.cat([s1, s3]), None, fmt)
-            del q1, q3
+        for parent, name in layers:
+            if name not in ("w1", "w3"):
+                setattr(parent, name, QuantLinear.from_linear(getattr(parent, name), fmt))
+        for block in blocks:
+            ff = block.feed_forward
+            w1, w3 = (
+                m if isinstance(m, QuantLinear) else QuantLinear.from_linear(m, fmt) for m in (ff.w1, ff.w3)
+            )
+            ff.w13_quant = QuantLinear(
+                torch.cat([w1.qweight, w3.qweight]), torch.cat([w1.scale, w3.scale]), None, fmt
+            )
+            del w1, w3
             del ff.w1, ff.w3  # their storage (or the fused w13's) is freed with them
             ff.__dict__.pop("w13", None)
-        _quantize_child(model, "fast_project_in", fmt)
-        _quantize_child(model, "fast_output", fmt)
     device = model.embeddings.weight.device
     if device.type == "cuda":
         # Hand the freed 16-bit weights back to the driver: the engine sizes its KV pool from the

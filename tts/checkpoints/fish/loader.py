@@ -34,9 +34,9 @@ from torch import Tensor
 from tts.checkpoints.bundle import (
     CheckpointError,
     ModelBundle,
-    _assign,
     load_voices,
     load_weights_into,
+    weight_assigner,
     weight_files,
 )
 from tts.checkpoints.fish.prompts import Fish15PromptFormat, S1PromptFormat, S2PromptFormat
@@ -203,10 +203,17 @@ def normalize_pth_state(state: Mapping[str, Any]) -> dict[str, Tensor]:
 
 
 def load_state_into(
-    model: DualARTransformer, state: Mapping[str, Tensor], device, dtype, source: str
+    model: DualARTransformer,
+    state: Mapping[str, Tensor],
+    device,
+    dtype,
+    source: str,
+    weights: str | None = None,
 ) -> None:
     """Move each tensor of `state` to `device`/`dtype` into `model` (built on the meta device), one at a
-    time. Raises CheckpointError naming the first unexpected key, shape mismatch or missing key."""
+    time (`weights`: quantized as they arrive, as in `load_weights_into`). Raises CheckpointError naming
+    the first unexpected key, shape mismatch or missing key."""
+    assign = weight_assigner(model, weights)
     expected = dict(model.state_dict())
     for key, t in state.items():
         if key not in expected:
@@ -217,7 +224,7 @@ def load_state_into(
             raise CheckpointError(
                 f"shape mismatch for {key!r}: checkpoint {tuple(t.shape)}, model {tuple(expected[key].shape)}"
             )
-        _assign(model, key, t.to(device=device, dtype=dtype))
+        assign(key, t.to(device=device, dtype=dtype))
     missing = sorted(set(expected) - set(state))
     if missing:
         raise CheckpointError(f"missing key {missing[0]!r} in {source} ({len(missing)} missing in all)")
@@ -234,13 +241,16 @@ def read_model_pth(path: Path) -> dict[str, Tensor]:
     return normalize_pth_state(state)
 
 
-def load_fish_weights(model: DualARTransformer, directory: Path, device, dtype) -> None:
+def load_fish_weights(
+    model: DualARTransformer, directory: Path, device, dtype, weights: str | None = None
+) -> None:
     """Load weights in fish-speech's order of preference: sharded safetensors (index), a single
-    `model.safetensors`, then `model.pth`."""
+    `model.safetensors`, then `model.pth` (`weights`: quantized as they arrive, see `load_weights_into`)."""
     if (directory / "model.safetensors.index.json").is_file() or (directory / "model.safetensors").is_file():
-        load_weights_into(model, weight_files(directory), device, dtype, key_map=s2_key_map)
+        load_weights_into(model, weight_files(directory), device, dtype, key_map=s2_key_map, weights=weights)
     elif (directory / "model.pth").is_file():
-        load_state_into(model, read_model_pth(directory / "model.pth"), device, dtype, "model.pth")
+        state = read_model_pth(directory / "model.pth")
+        load_state_into(model, state, device, dtype, "model.pth", weights=weights)
     else:
         raise CheckpointError(f"{directory} has no model.safetensors(.index.json) or model.pth")
 
@@ -259,10 +269,12 @@ def read_config(directory: Path) -> dict:
     return raw
 
 
-def _build_model(directory: Path, args: ModelArgs, device, dtype) -> DualARTransformer:
+def _build_model(
+    directory: Path, args: ModelArgs, device, dtype, weights: str | None = None
+) -> DualARTransformer:
     with torch.device("meta"):
         model = DualARTransformer(args)
-    load_fish_weights(model, directory, torch.device(device), dtype)
+    load_fish_weights(model, directory, torch.device(device), dtype, weights)
     model.init_buffers(device)
     return model.eval()
 
@@ -331,10 +343,13 @@ def _load_firefly(directory: Path, args: ModelArgs, device, dtype) -> FireflyCod
     return codec
 
 
-def load_fish_bundle(directory: str | Path, raw: Mapping, device, dtype, codec_dtype=None) -> ModelBundle:
-    """A servable bundle for a Fish checkpoint directory (called by `tts.checkpoints.bundle.load_bundle`
-    for any directory whose config.json has no "tts_runtime" key). Raises CheckpointError / ConfigError /
-    TokenizerError with a one-line reason."""
+def load_fish_bundle(
+    directory: str | Path, raw: Mapping, device, dtype, codec_dtype=None, weights: str | None = None
+) -> ModelBundle:
+    """A servable bundle for a Fish checkpoint directory (called by `tts.checkpoints.load.load_bundle`
+    for any directory whose config.json has no "tts_runtime" key; `weights`: the linear layers quantized
+    as they load, see `load_weights_into`). Raises CheckpointError / ConfigError / TokenizerError with a
+    one-line reason."""
     directory = Path(directory)
     family = detect_family(raw)
     spec = FAMILIES[family]
@@ -342,7 +357,7 @@ def load_fish_bundle(directory: str | Path, raw: Mapping, device, dtype, codec_d
     args = fish_model_args(raw, family, tokenizer)
     # Check the codec first: it is cheaper than the weights and a mismatch makes the model useless.
     codec = load_fish_codec(directory, args, family, device, codec_dtype)
-    model = _build_model(directory, args, device, dtype)
+    model = _build_model(directory, args, device, dtype, weights)
     # The family's frame budget, at most a quarter of the context: a small checkpoint (the tiny shapes'
     # 1024 tokens) keeps room for its prompt (S1 puts the whole text into one); the released models'
     # contexts (8192, 32768) are far larger than 4x their budget of 1024.
