@@ -174,6 +174,18 @@ def test_a_checkpoint_quantized_as_it_loads_is_the_model_quantized_after(
         assert a[key].dtype == b[key].dtype and torch.equal(a[key].float(), b[key].float()), key
 
 
+def test_a_model_partly_quantized_in_another_format_is_refused():
+    from tts.model.quant import weight_quantizer
+
+    model = build_tiny_bundle().model
+    wqkv = model.layers[0].attention.wqkv.weight
+    assert weight_quantizer(model, "int8")("layers.0.attention.wqkv.weight", wqkv)
+    assert not weight_quantizer(model, "int8")("layers.0.attention_norm.weight", wqkv)  # not a layer it takes
+    with pytest.raises(ValueError, match="already quantized as int8, not fp8"):
+        quantize_model(model, "fp8")
+    assert quantize_model(model, "int8") == "int8"  # the same format: the loader's layer is kept
+
+
 def test_top1_agreement_of_the_tiny_model_on_fixed_inputs():
     """Teacher-forced on a fixed 128-position prompt (tts_tools.quant_check), scored at the 96 positions
     whose next frame is audio: measured 94.8% (fp8) and 97.9% (int8) main-token top-1 agreement with
