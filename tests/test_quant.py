@@ -130,7 +130,7 @@ def test_quantize_model_replaces_every_linear_layer_and_halves_their_bytes():
         quantize_model(model, "int8")
 
 
-@pytest.mark.parametrize("family", ["s2", "s1"])
+@pytest.mark.parametrize("family", ["s2", "s1", "fish-1.5"])
 def test_a_checkpoint_quantized_as_it_loads_is_the_model_quantized_after(
     fish_checkpoints, family, monkeypatch
 ):
@@ -172,6 +172,41 @@ def test_a_checkpoint_quantized_as_it_loads_is_the_model_quantized_after(
     assert a.keys() == b.keys()
     for key in a:
         assert a[key].dtype == b[key].dtype and torch.equal(a[key].float(), b[key].float()), key
+
+
+@pytest.mark.parametrize("bias_first", [False, True])
+def test_a_layer_with_a_bias_quantized_as_it_loads(bias_first):
+    """A biased layer's bias may reach the loader before or after its weight: either way the layer
+    quantized as it loads computes what the loaded model quantized after computes."""
+    import dataclasses
+
+    from tts.checkpoints.fish.loader import load_state_into
+    from tts.model.transformer import DualARTransformer
+
+    args = dataclasses.replace(
+        build_tiny_bundle().model.config, attention_qkv_bias=True, attention_o_bias=True
+    )
+    torch.manual_seed(3)
+    source = DualARTransformer(args).eval()
+    for block in source.layers:
+        nn.init.normal_(block.attention.wqkv.bias)
+    state = source.state_dict()
+    if bias_first:
+        state = dict(sorted(state.items(), key=lambda kv: not kv[0].endswith(".bias")))
+    with torch.device("meta"):
+        during = DualARTransformer(args)
+    load_state_into(during, state, "cpu", torch.float32, "test", weights="int8")
+    during.init_buffers("cpu")
+    quantize_model(during, "int8")
+    quantize_model(source, "int8")
+    x = torch.randn(2, args.dim)
+    for a, b in zip(source.layers, during.layers, strict=True):
+        assert isinstance(b.attention.wqkv, QuantLinear) and not b.attention.wqkv.bias.is_meta
+        assert torch.equal(a.attention.wqkv(x), b.attention.wqkv(x))
+        assert torch.equal(
+            a.attention.wo(x[:, : a.attention.wo.in_features]),
+            b.attention.wo(x[:, : b.attention.wo.in_features]),
+        )
 
 
 def test_a_model_partly_quantized_in_another_format_is_refused():
