@@ -441,3 +441,16 @@ def test_client_prints_the_servers_text_warning_once_before_wrote_and_sends_no_n
         assert len(normalized) != len(audio) or not np.allclose(normalized, audio)
     finally:
         srv.stop()
+
+
+def test_the_serving_line_says_the_device_memory_on_cuda_only(monkeypatch):
+    """On CUDA the serving line adds what torch's allocator holds on the device and its peak (an
+    operator sizing a smaller card reads it there); on a CPU nothing (the CPU run's line above)."""
+    import torch
+
+    from tts.cli.serve import device_memory_note
+
+    assert device_memory_note(torch.device("cpu")) == ""
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 7.94 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 17 * 2**29)
+    assert device_memory_note(torch.device("cuda", 0)) == ", device memory 7.9 GiB (peak 8.5 GiB)"

@@ -595,6 +595,19 @@ def check_codec_sms(device: str, sms: int) -> None:
         raise UserError(f"--codec-sms {sms}: {exc}") from exc
 
 
+def device_memory_note(device) -> str:
+    """The serving line's `, device memory 7.9 GiB (peak 8.2 GiB)` for a CUDA `device` (torch.device):
+    what torch's allocator holds there now and at most so far (weights, KV pool, graph pools; the CUDA
+    context's few hundred MiB come on top), what an operator sizing a smaller card needs; "" for any
+    other device."""
+    if device.type != "cuda":
+        return ""
+    import torch
+
+    held, peak = torch.cuda.memory_reserved(device), torch.cuda.max_memory_reserved(device)
+    return f", device memory {held / 2**30:.1f} GiB (peak {peak / 2**30:.1f} GiB)"
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from service.server import MiB, ServiceLimits
     from tts.checkpoints.load import load_bundle
@@ -734,7 +747,8 @@ async def _serve(args, bundle, engine_config, limits, access, started: float | N
         ready_in = f", ready in {time.perf_counter() - started:.1f} s" if started is not None else ""
         print(
             f"serving {SERVICE_NAME} on {args.host}:{port} (replica {server.replica}, max batch "
-            f"{engine_config.max_batch}, graphs {'on' if graphs else 'off'}{ready_in}){http}{metrics}",
+            f"{engine_config.max_batch}, graphs {'on' if graphs else 'off'}{ready_in}"
+            f"{device_memory_note(bundle.device)}){http}{metrics}",
             file=sys.stderr,
             flush=True,
         )
