@@ -358,8 +358,8 @@ def test_a_synthesis_keeps_exactly_the_frames_left_after_each_take_back(tiny_bun
     kept: list[torch.Tensor] = []
     original = tts.engine.step
 
-    def step():
-        outs = original()
+    def step(*args):
+        outs = original(*args)
         for o in outs:
             if o.retract:
                 del kept[-o.retract :]

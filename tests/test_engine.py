@@ -544,3 +544,34 @@ def test_prefill_warmup_skips_what_does_not_fit_the_pool(tiny_model):
     engine = make_engine(tiny_model, packed_prefill=True, num_blocks=4)  # 3 usable blocks of 8 tokens
     engine.warmup_prefill()
     assert engine.scheduler.allocator.num_free == 3
+
+
+def test_work_beside_the_step_runs_between_its_launch_and_its_read_back(tiny_model):
+    """`step(while_stepping)` runs the caller's work once per iteration that steps, after the frame step
+    is launched and before its frame is read back; a request it submits joins at the next iteration; an
+    iteration with nothing running does not call it; its seconds are not the step's."""
+    engine = make_engine(tiny_model)
+    order: list[str] = []
+    run, to_host = engine.graphs.run, engine._frame_to_host
+    engine.graphs.run = lambda *a: (order.append("launch"), run(*a))[1]
+    engine._frame_to_host = lambda n: (order.append("read back"), to_host(n))[1]
+    calls = []
+
+    def beside():
+        order.append("beside")
+        calls.append(engine.num_running)
+        if len(calls) == 1:
+            engine.submit(random_prompt(tiny_model, 5, 2), params(max_new_frames=3, seed=2), "b")
+
+    assert engine.step(beside) == [] and calls == []  # nothing running, nothing submitted
+    engine.submit(random_prompt(tiny_model, 5, 1), params(max_new_frames=3, seed=1), "a")
+    engine.step(beside)
+    assert order == ["launch", "beside", "read back"] and calls == [1]
+    assert engine.num_waiting == 1 and engine.num_running == 1  # "b" waits for the next iteration
+    engine.step(beside)
+    assert calls == [1, 2]  # "b" joined
+    replay = engine.phase_seconds["replay"]
+    clock = engine.clock
+    engine.clock = lambda: clock() + 1000.0 * len(calls)  # the work beside "takes" 1,000 s a call
+    engine.step(beside)
+    assert engine.phase_seconds["replay"] - replay < 100.0

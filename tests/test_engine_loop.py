@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import threading
 import time
 from dataclasses import replace
 
@@ -336,7 +337,7 @@ def test_step_failure_fails_every_job_and_the_loop_keeps_serving(make_loop, monk
         assert isinstance(s.get(timeout=60), Started)
     real_step = loop.engine.step
 
-    def broken_step():
+    def broken_step(*args):
         monkeypatch.setattr(loop.engine, "step", real_step)
         raise RuntimeError("device lost")
 
@@ -348,6 +349,40 @@ def test_step_failure_fails_every_job_and_the_loop_keeps_serving(make_loop, monk
     wait_until(lambda: idle(loop), what="idle")
     assert loop.stats.step_failures == 1
     assert isinstance(drain(loop.submit(job(loop, "Still here.", 4)))[-1], Finished)
+
+
+def test_a_request_sent_while_a_frame_step_computes_is_taken_in_during_that_step(make_loop, monkeypatch):
+    """The commands that reach the engine thread while a frame step computes are applied before the
+    step's frame is read back (on CUDA the GPU computes meanwhile), so the new request joins at the
+    next iteration, as it would have had it waited for the loop. Held on events, no timing."""
+    loop = make_loop()
+    first = loop.submit(job(loop, LONG_TEXT, 200, seed=1, hold=True))
+    assert isinstance(first.get(timeout=60), Started)
+    engine = loop.engine
+    launched, sent = threading.Event(), threading.Event()
+    seen: list[bool] = []
+    run, to_host = engine.graphs.run, engine._frame_to_host
+
+    def run_and_wait(*args):
+        result = run(*args)
+        if not launched.is_set():
+            launched.set()
+            assert sent.wait(60)  # the test's submit is in the inbox before the step ends
+        return result
+
+    def read_back(n):
+        if launched.is_set() and not seen:
+            seen.append(any(j.spec.params.seed == 2 for j in loop.runner.jobs.values()))
+        return to_host(n)
+
+    monkeypatch.setattr(engine.graphs, "run", run_and_wait)
+    monkeypatch.setattr(engine, "_frame_to_host", read_back)
+    assert launched.wait(60)
+    second = loop.submit(job(loop, "Sent mid-step.", 4, seed=2))
+    sent.set()
+    assert isinstance(drain(second)[-1], Finished)
+    assert seen == [True]
+    first.cancel()
 
 
 def test_a_codec_failure_fails_only_the_jobs_of_that_call(make_loop, monkeypatch):
@@ -548,7 +583,7 @@ def test_engine_steps_failing_in_a_row_take_the_replica_out(make_loop, monkeypat
 
     loop = make_loop()
 
-    def broken_step():
+    def broken_step(*args):
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(loop.engine, "step", broken_step)

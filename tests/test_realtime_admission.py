@@ -41,9 +41,9 @@ class TimedEngine(Engine):
             self.clock.now += PREFILL
         super()._start(admitted, outputs)
 
-    def _frame_step(self, n):
+    def _frame_step(self, n, while_stepping=None):
         self.clock.now += STEP
-        return super()._frame_step(n)
+        return super()._frame_step(n, while_stepping)
 
 
 def timed_engine(model, **kw) -> TimedEngine:
@@ -453,9 +453,9 @@ class PacedEngine(Engine):
             self.clock.now += self.prefill_seconds
         super()._start(admitted, outputs)
 
-    def _frame_step(self, n):
+    def _frame_step(self, n, while_stepping=None):
         self.clock.now += self.step_seconds
-        return super()._frame_step(n)
+        return super()._frame_step(n, while_stepping)
 
 
 # One job of 24 frames (chunks of 2, 2, 4, 8, 8 frames) on the tiny model (25 frames/s: a frame plays

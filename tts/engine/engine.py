@@ -653,16 +653,23 @@ class Engine:
     # ---- one iteration (engine thread only) ----------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self) -> list[StepOutput]:
+    def step(self, while_stepping: Callable[[], object] | None = None) -> list[StepOutput]:
+        """One iteration (see the module docstring); returns its outputs. `while_stepping`: the caller's
+        own host work, run once the frame step is launched and before its frame is read back, so that
+        on CUDA it costs the step nothing (the GPU computes meanwhile); not run in an iteration with no
+        running row. It may call `submit`, `cancel` and `set_paused` (applied at the next iteration, as
+        from another thread) and must not raise: an exception fails the step."""
         # Outputs of an iteration that raised (cancels already applied) come out first: never lost.
         outputs, self._carried = self._carried, []
         try:
-            return self._step(outputs)
+            return self._step(outputs, while_stepping)
         except BaseException:
             self._carried = outputs
             raise
 
-    def _step(self, outputs: list[StepOutput]) -> list[StepOutput]:
+    def _step(
+        self, outputs: list[StepOutput], while_stepping: Callable[[], object] | None
+    ) -> list[StepOutput]:
         """One iteration (see the module docstring), its outputs appended to `outputs`."""
         admitted = self._apply_pending(outputs)
         events, self._prefill_timed = self._events, False
@@ -678,9 +685,9 @@ class Engine:
             return outputs
         if events is not None:
             events[2].record()
-        out = self._frame_step(n)
+        out, beside = self._frame_step(n, while_stepping)
         t2 = self.clock()
-        phases["replay"] += t2 - t1
+        phases["replay"] += t2 - t1 - beside  # (the caller's work beside the step is the caller's time)
         captured = timed and self._graph_firsts() != firsts
         if events is not None and not captured:  # (complete: the frame's sync waited for events[3])
             if self._prefill_timed:
@@ -689,7 +696,10 @@ class Engine:
         self._row_outputs(out, outputs)
         phases["rows"] += self.clock() - t2
         if self.realtime is not None:
-            self._time_iteration(admitted, n, t1 - t0, t2 - t1, captured, t2)
+            # On CUDA the caller's work ran while the device computed: the step took t2 - t1 unless that
+            # work outlasted it. On a CPU it ran after the step's compute.
+            step = t2 - t1 if self.device.type == "cuda" else t2 - t1 - beside
+            self._time_iteration(admitted, n, t1 - t0, step, captured, t2)
         return outputs
 
     def _graph_firsts(self) -> int:
@@ -763,15 +773,22 @@ class Engine:
 
         return gate
 
-    def _frame_step(self, n: int) -> torch.Tensor:
-        """One frame step for the `n` running rows (graph replay or eager); returns its `out[:n]` on the
-        host."""
+    def _frame_step(
+        self, n: int, while_stepping: Callable[[], object] | None = None
+    ) -> tuple[torch.Tensor, float]:
+        """One frame step for the `n` running rows (graph replay or eager), `while_stepping` run once it
+        is launched; returns its `out[:n]` on the host and the seconds `while_stepping` took."""
         self.graphs.run(n, self._sampler_variant())
         if self._events is not None:  # (the step's end, for device_seconds)
             self._events[3].record()
         self.frame_steps += 1
         self.step_rows += n
-        return self._frame_to_host(n)
+        beside = 0.0
+        if while_stepping is not None:
+            t0 = self.clock()
+            while_stepping()
+            beside = self.clock() - t0
+        return self._frame_to_host(n), beside
 
     def _row_outputs(self, out: torch.Tensor, outputs: list[StepOutput]) -> None:
         """Hand each running request its row of the step's `out` (`_row_output`), appended to `outputs`.

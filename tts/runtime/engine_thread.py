@@ -1021,18 +1021,14 @@ class EngineThread:
             commands, self._inbox = self._inbox, []
             self._woken = False
             closing = self._closing
-        t0 = time.perf_counter()
-        for command in commands:
-            try:
-                self._apply(command)
-            except Exception:  # noqa: BLE001 - a bug in one job must not stop the engine thread
-                log.exception("engine loop: %s command failed", command[0])
-        self._commands_seconds += time.perf_counter() - t0
+        self._apply_commands(commands)
         if closing:
             self._flush()
             return False
         try:
-            progressed = runner.step()
+            # The commands that come while a frame step computes are applied then (on CUDA the step
+            # waits for none of them); they take effect at the next iteration either way.
+            progressed = runner.step(beside_step=self._apply_new_commands)
             progressed = self._tick_sessions() or progressed
         finally:
             self._flush()
@@ -1043,6 +1039,23 @@ class EngineThread:
             self._stalled = not progressed and not self._inbox and not self._woken
         self._refresh_stats()
         return True
+
+    def _apply_commands(self, commands: list[tuple]) -> None:
+        t0 = time.perf_counter()
+        for command in commands:
+            try:
+                self._apply(command)
+            except Exception:  # noqa: BLE001 - a bug in one job must not stop the engine thread
+                log.exception("engine loop: %s command failed", command[0])
+        self._commands_seconds += time.perf_counter() - t0
+
+    def _apply_new_commands(self) -> bool:
+        """Apply the commands queued since the iteration began (not a close: the next iteration sees
+        it); returns whether there were any."""
+        with self._cv:
+            commands, self._inbox = self._inbox, []
+        self._apply_commands(commands)
+        return bool(commands)
 
     def _apply(self, command: tuple) -> None:
         kind, arg = command

@@ -453,30 +453,39 @@ class JobPipeline:
     # ---- one iteration -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self) -> bool:
+    def step(self, beside_step: Callable[[], bool] | None = None) -> bool:
         """One pass: finished encodes start their jobs, decoded audio is delivered, paused jobs past
-        their timeout are preempted, then one engine step if there is work. Returns whether anything
-        happened (False: everything running is paused or waiting on the codec stage)."""
+        their timeout are preempted, then one engine step if there is work. While the step computes
+        (`Engine.step`'s while_stepping) the encodes and audio that finished meanwhile are taken too,
+        and `beside_step` runs (the caller's work, e.g. its queued commands; returns whether it did
+        any). Returns whether anything happened (False: everything running is paused or waiting on
+        the codec stage)."""
         progressed = False
         if self.failure is not None and self.jobs:
             progressed = True
             self.fail_all(EngineFailed(f"this replica is out of service: {self.failure}"))
-        for job in [j for j in self.jobs.values() if j.encoding is not None and j.encoding.done()]:
-            progressed = True
-            self._encoded(job)
-        t0 = time.perf_counter()
-        for result in self.stage.results():
-            progressed = True
-            self._audio(result)
-        self.phase_seconds["audio"] += time.perf_counter() - t0
+        progressed = self._take_finished_work() or progressed
         self._preempt_paused()
         if self.engine.has_work():
             if self.before_engine_step is not None:
                 self.before_engine_step()
+            did: list[bool] = []
+            beside = [0.0]
+
+            def while_stepping() -> None:
+                t = time.perf_counter()
+                try:
+                    did.append(self._take_finished_work())
+                    if beside_step is not None:
+                        did.append(beside_step())
+                except Exception:  # noqa: BLE001 - the step's own rows must not fail for it
+                    log.exception("the work beside a frame step failed")
+                beside[0] += time.perf_counter() - t
+
             t0 = time.perf_counter()
             frames = self.engine.frames_generated
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step(while_stepping)
             except Exception as exc:  # noqa: BLE001 - fail the jobs, keep serving
                 log.exception("engine step failed; failing every request in flight")
                 self.step_failures += 1
@@ -492,8 +501,9 @@ class JobPipeline:
                     )
             else:
                 self.consecutive_step_failures = 0
+            progressed = progressed or any(did)
             t1 = time.perf_counter()
-            self.frame_step_seconds += t1 - t0
+            self.frame_step_seconds += t1 - t0 - beside[0]  # (that work is counted as its own)
             # A frame step that computed frames progressed even with no output: a refused end token's
             # frame is taken back, and the next step samples again (the loop must not sleep on it).
             progressed = progressed or self.engine.frames_generated != frames
@@ -510,6 +520,20 @@ class JobPipeline:
         return progressed
 
     # ---- internals -------------------------------------------------------------------------------------
+
+    def _take_finished_work(self) -> bool:
+        """Start the jobs whose reference encodes finished and deliver the decoded audio that is ready;
+        returns whether there was any."""
+        progressed = False
+        for job in [j for j in self.jobs.values() if j.encoding is not None and j.encoding.done()]:
+            progressed = True
+            self._encoded(job)
+        t0 = time.perf_counter()
+        for result in self.stage.results():
+            progressed = True
+            self._audio(result)
+        self.phase_seconds["audio"] += time.perf_counter() - t0
+        return progressed
 
     def _encoded(self, job: _Job) -> None:
         future, job.encoding = job.encoding, None
