@@ -575,3 +575,14 @@ def test_work_beside_the_step_runs_between_its_launch_and_its_read_back(tiny_mod
     engine.clock = lambda: clock() + 1000.0 * len(calls)  # the work beside "takes" 1,000 s a call
     engine.step(beside)
     assert engine.phase_seconds["replay"] - replay < 100.0
+
+
+def test_a_step_sample_leaves_out_the_work_beside_it_only_where_it_held_the_frame_back():
+    """Real-time admission's sample of a step's seconds: on a CPU the work beside the step ran after its
+    compute (all of it comes off); on CUDA it ran while the device computed, so only what it outlasted
+    the device by comes off (a burst of commands is not a slow step)."""
+    from tts.engine.engine import step_sample
+
+    assert step_sample(0.015, 0.005, None) == pytest.approx(0.010)  # CPU
+    assert step_sample(0.0131, 0.0005, 0.0130) == pytest.approx(0.0131)  # CUDA: hidden by the step
+    assert step_sample(0.0512, 0.0500, 0.0130) == pytest.approx(0.0142)  # CUDA: a 50 ms burst

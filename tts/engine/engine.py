@@ -70,6 +70,17 @@ CPU_KV_BYTES = 2 << 30
 # (`max_batch_for_memory`): a voice-conditioned prompt and about a minute of audio (21.5 frames/s).
 
 
+def step_sample(wall: float, beside: float, device: float | None) -> float:
+    """The seconds a frame step took, for real-time admission's averages: `wall` from its launch to its
+    frame on the host, less the caller's work beside it (`beside` seconds, `Engine.step`'s
+    while_stepping) where that work, not the step, held the frame back. `device`: the step's device
+    time (CUDA events; None on a CPU, where the work ran after the step's compute). On CUDA the work
+    ran while the device computed: it lengthened the wall time only by what it outlasted the device."""
+    if device is None:
+        return wall - beside
+    return wall - max(0.0, beside - device)
+
+
 @dataclass
 class EngineConfig:
     """Engine sizing and graph settings.
@@ -689,17 +700,18 @@ class Engine:
         t2 = self.clock()
         phases["replay"] += t2 - t1 - beside  # (the caller's work beside the step is the caller's time)
         captured = timed and self._graph_firsts() != firsts
+        device_step = None
         if events is not None and not captured:  # (complete: the frame's sync waited for events[3])
             if self._prefill_timed:
                 self.device_seconds["prefill"] += events[0].elapsed_time(events[1]) / 1e3
-            self.device_seconds["replay"] += events[2].elapsed_time(events[3]) / 1e3
+            device_step = events[2].elapsed_time(events[3]) / 1e3
+            self.device_seconds["replay"] += device_step
         self._row_outputs(out, outputs)
         phases["rows"] += self.clock() - t2
         if self.realtime is not None:
-            # On CUDA the caller's work ran while the device computed: the step took t2 - t1 unless that
-            # work outlasted it. On a CPU it ran after the step's compute.
-            step = t2 - t1 if self.device.type == "cuda" else t2 - t1 - beside
-            self._time_iteration(admitted, n, t1 - t0, step, captured, t2)
+            self._time_iteration(
+                admitted, n, t1 - t0, step_sample(t2 - t1, beside, device_step), captured, t2
+            )
         return outputs
 
     def _graph_firsts(self) -> int:
