@@ -23,13 +23,13 @@ every iteration by the engine thread); per-request figures are observed by the g
 | `tts_engine_step_failures_total` | counter | engine steps that raised |
 | `tts_codec_failures_total` | counter | codec stage calls (decode, stream reset, reference encode) that raised |
 | `tts_replica_failed` | gauge | 1 once a part failed and could not recover (health NOT_SERVING; the log and /health say why) |
-| `tts_frame_step_seconds_total` | counter | time in engine steps (on CUDA: until the frame is on the host) |
+| `tts_frame_step_seconds_total` | counter | time in engine steps (on CUDA: until the frame is on the host), less the engine thread's own work done while a step computed (commands, audio: counted in their phases) |
 | `tts_frame_steps_total`, `tts_frame_step_rows_total` | counter | frame steps run, and their running rows summed (rows / steps = the mean batch, the occupancy) |
 | `tts_prefill_passes_total`, `tts_prefill_requests_total` | counter | prefill forward passes, and the requests they prefilled (requests / passes = how many a packed prefill took) |
 | `tts_loop_repeats_total` | counter | repeats the loop guard found (models with aligner heads: each one taken back, ending its text chunk, or left in one that ends `loop`; see docs/models.md, the default voice) |
 | `tts_end_refusals_total` | counter | end tokens refused because the text was not said yet (models with aligner heads: the step is sampled again without it; a text chunk that still ends early ends `short`) |
 | `tts_prefill_replays_total` | counter | prefill passes replayed from a CUDA graph (/ passes = the prefill's replay share) |
-| `tts_engine_seconds_total{phase}` | counter | the engine thread's wall time by phase: `prefill`, `replay`, `rows` (the three parts of an engine step), `audio` (delivering decoded chunks), `route` (handling the step's outputs), `commands` (submissions, cancels), `idle` (waiting for work), `handover` (events to the asyncio loops) |
+| `tts_engine_seconds_total{phase}` | counter | the engine thread's wall time by phase: `prefill`, `replay`, `rows` (the three parts of an engine step; `replay` less the work done while the step computed), `audio` (delivering decoded chunks), `route` (handling the step's outputs), `commands` (submissions, cancels), `idle` (waiting for work), `handover` (events to the asyncio loops) |
 | `tts_engine_device_seconds_total{phase}` | counter | on CUDA, from events on the engine's stream: `prefill`, the device's timeline from the first prefill pass's start to the last one's end in each iteration that prefilled; `replay`, the frame step's (launch to end); iterations that warm up or capture a graph are left out. Beside `tts_engine_seconds_total`: the replay phase's wall time less this is mostly the host's (launch, the wait for the frame) |
 | `tts_codec_decode_seconds_total`, `tts_codec_encode_seconds_total` | counter | codec stage time (device time on CUDA, events around each call; wall time on a CPU) |
 | `tts_codec_decode_calls_total`, `tts_codec_decode_frames_total` | counter | batched decode calls and the frames they decoded (frames / calls = batch) |

@@ -303,6 +303,9 @@ class JobPipeline:
         self.before_engine_step: Callable[[], None] | None = None
         self.frame_step_seconds = 0.0
         self.step_failures = 0
+        # Decode results taken while a frame step computed but handled before the next one: from the
+        # first failed one on (`_take_finished_work`).
+        self._held_results: list[DecodeResult] = []
         # Host seconds spent handing decoded audio to the consumers and routing the engine's outputs.
         self.phase_seconds = {"audio": 0.0, "route": 0.0}
         # The time to first audio of the jobs that had audio, split and summed (seconds; / jobs: the
@@ -444,6 +447,7 @@ class JobPipeline:
             and not self.engine.has_work()
             and self.stage.idle
             and self.stage.free_slots == self.stage.max_streams
+            and not self._held_results
         )
 
     @property
@@ -471,15 +475,16 @@ class JobPipeline:
                 self.before_engine_step()
             did: list[bool] = []
             beside = [0.0]
+            raised: list[Exception] = []
 
             def while_stepping() -> None:
                 t = time.perf_counter()
                 try:
-                    did.append(self._take_finished_work())
+                    did.append(self._take_finished_work(beside_step=True))
                     if beside_step is not None:
                         did.append(beside_step())
-                except Exception:  # noqa: BLE001 - the step's own rows must not fail for it
-                    log.exception("the work beside a frame step failed")
+                except Exception as exc:  # noqa: BLE001 - raised again once the step's outputs are routed
+                    raised.append(exc)
                 beside[0] += time.perf_counter() - t
 
             t0 = time.perf_counter()
@@ -487,18 +492,7 @@ class JobPipeline:
             try:
                 outputs = self.engine.step(while_stepping)
             except Exception as exc:  # noqa: BLE001 - fail the jobs, keep serving
-                log.exception("engine step failed; failing every request in flight")
-                self.step_failures += 1
-                self.consecutive_step_failures += 1
-                outputs = self.engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
-                for job in list(self.jobs.values()):
-                    if job.engine_id is None:
-                        self._end(job, Failed(EngineFailed(f"engine step failed: {exc}")))
-                if self.consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
-                    self.out_of_service(
-                        f"{self.consecutive_step_failures} engine steps in a row failed, the last with "
-                        f"{type(exc).__name__}: {exc}"
-                    )
+                outputs = self._step_failed(exc)
             else:
                 self.consecutive_step_failures = 0
             progressed = progressed or any(did)
@@ -517,20 +511,47 @@ class JobPipeline:
                     if owner is not None:
                         self._end(owner, Failed(EngineFailed(f"{type(exc).__name__}: {exc}")))
             self.phase_seconds["route"] += time.perf_counter() - t1
+            if raised:  # (as it would have raised before the step: the engine loop's failure path)
+                raise raised[0]
         return progressed
 
     # ---- internals -------------------------------------------------------------------------------------
 
-    def _take_finished_work(self) -> bool:
+    def _step_failed(self, exc: Exception) -> list[StepOutput]:
+        """The engine step raised: every request in flight fails (the outputs that say so are returned),
+        and the replica goes out of service after MAX_CONSECUTIVE_STEP_FAILURES in a row."""
+        log.exception("engine step failed; failing every request in flight")
+        self.step_failures += 1
+        self.consecutive_step_failures += 1
+        outputs = self.engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+        for job in list(self.jobs.values()):
+            if job.engine_id is None:
+                self._end(job, Failed(EngineFailed(f"engine step failed: {exc}")))
+        if self.consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            self.out_of_service(
+                f"{self.consecutive_step_failures} engine steps in a row failed, the last with "
+                f"{type(exc).__name__}: {exc}"
+            )
+        return outputs
+
+    def _take_finished_work(self, beside_step: bool = False) -> bool:
         """Start the jobs whose reference encodes finished and deliver the decoded audio that is ready;
-        returns whether there was any."""
+        returns whether there was any. `beside_step` (while a frame step computes): from the first failed
+        decode on, the results are held for the next call before a step. A failed decode ends its job,
+        which queues the cancel of its engine request for the next iteration; handled before a step,
+        that cancel is applied (and a session's kept sequence returned) before anything can start the
+        session's next chunk, as when every result was handled before the step."""
         progressed = False
         for job in [j for j in self.jobs.values() if j.encoding is not None and j.encoding.done()]:
             progressed = True
             self._encoded(job)
         t0 = time.perf_counter()
-        for result in self.stage.results():
+        results, self._held_results = self._held_results + self.stage.results(), []
+        for i, result in enumerate(results):
             progressed = True
+            if beside_step and result.error is not None:
+                self._held_results = results[i:]  # (in order: a job's results are handled in sequence)
+                break
             self._audio(result)
         self.phase_seconds["audio"] += time.perf_counter() - t0
         return progressed
