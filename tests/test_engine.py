@@ -584,5 +584,8 @@ def test_a_step_sample_leaves_out_the_work_beside_it_only_where_it_held_the_fram
     from tts.engine.engine import step_sample
 
     assert step_sample(0.015, 0.005, None) == pytest.approx(0.010)  # CPU
-    assert step_sample(0.0131, 0.0005, 0.0130) == pytest.approx(0.0131)  # CUDA: hidden by the step
-    assert step_sample(0.0512, 0.0500, 0.0130) == pytest.approx(0.0142)  # CUDA: a 50 ms burst
+    # CUDA, a graph replay (launched in 0.1 ms): work hidden by the step, then a 50 ms burst
+    assert step_sample(0.0131, 0.0005, 0.0130, 0.0001) == pytest.approx(0.0131)
+    assert step_sample(0.0512, 0.0500, 0.0130, 0.0001) == pytest.approx(0.0141)
+    # CUDA, an eager step (20 ms launching, the device done 0.5 ms later): the work ran after it
+    assert step_sample(0.0355, 0.0150, 0.0205, 0.0200) == pytest.approx(0.0210)

@@ -70,15 +70,17 @@ CPU_KV_BYTES = 2 << 30
 # (`max_batch_for_memory`): a voice-conditioned prompt and about a minute of audio (21.5 frames/s).
 
 
-def step_sample(wall: float, beside: float, device: float | None) -> float:
+def step_sample(wall: float, beside: float, device: float | None, launch: float = 0.0) -> float:
     """The seconds a frame step took, for real-time admission's averages: `wall` from its launch to its
     frame on the host, less the caller's work beside it (`beside` seconds, `Engine.step`'s
     while_stepping) where that work, not the step, held the frame back. `device`: the step's device
-    time (CUDA events; None on a CPU, where the work ran after the step's compute). On CUDA the work
-    ran while the device computed: it lengthened the wall time only by what it outlasted the device."""
+    time from before its launch (CUDA events; None on a CPU, where the work ran after the step's
+    compute); `launch`: the host's seconds launching it (a graph replay's few microseconds; an eager
+    step's whole host side). On CUDA the work ran while the device finished what was launched: it
+    lengthened the wall time only by what it outlasted the device's time left after the launch."""
     if device is None:
         return wall - beside
-    return wall - max(0.0, beside - device)
+    return wall - max(0.0, beside - max(0.0, device - launch))
 
 
 @dataclass
@@ -696,7 +698,7 @@ class Engine:
             return outputs
         if events is not None:
             events[2].record()
-        out, beside = self._frame_step(n, while_stepping)
+        out, launch, beside = self._frame_step(n, while_stepping)
         t2 = self.clock()
         phases["replay"] += t2 - t1 - beside  # (the caller's work beside the step is the caller's time)
         captured = timed and self._graph_firsts() != firsts
@@ -710,7 +712,7 @@ class Engine:
         phases["rows"] += self.clock() - t2
         if self.realtime is not None:
             self._time_iteration(
-                admitted, n, t1 - t0, step_sample(t2 - t1, beside, device_step), captured, t2
+                admitted, n, t1 - t0, step_sample(t2 - t1, beside, device_step, launch), captured, t2
             )
         return outputs
 
@@ -787,20 +789,21 @@ class Engine:
 
     def _frame_step(
         self, n: int, while_stepping: Callable[[], object] | None = None
-    ) -> tuple[torch.Tensor, float]:
+    ) -> tuple[torch.Tensor, float, float]:
         """One frame step for the `n` running rows (graph replay or eager), `while_stepping` run once it
-        is launched; returns its `out[:n]` on the host and the seconds `while_stepping` took."""
+        is launched; returns its `out[:n]` on the host, the seconds its launch took on the host and the
+        seconds `while_stepping` took."""
+        t0 = self.clock()
         self.graphs.run(n, self._sampler_variant())
         if self._events is not None:  # (the step's end, for device_seconds)
             self._events[3].record()
         self.frame_steps += 1
         self.step_rows += n
-        beside = 0.0
+        t1 = self.clock()
         if while_stepping is not None:
-            t0 = self.clock()
             while_stepping()
-            beside = self.clock() - t0
-        return self._frame_to_host(n), beside
+        t2 = self.clock()
+        return self._frame_to_host(n), t1 - t0, t2 - t1
 
     def _row_outputs(self, out: torch.Tensor, outputs: list[StepOutput]) -> None:
         """Hand each running request its row of the step's `out` (`_row_output`), appended to `outputs`.
