@@ -176,13 +176,8 @@ def weight_quantizer(model: nn.Module, fmt: str) -> Callable[[str, Tensor], bool
         if target is None:
             return False
         parent, attr = target
-        linear = getattr(parent, attr)
-        q, scale = quantize_weight(value, fmt)
-        bias = linear.bias if linear.bias is not None and not linear.bias.is_meta else None
-        layer = QuantLinear(q, scale, bias, fmt)
-        if linear.bias is not None and bias is None:
-            layer.bias = linear.bias  # (meta) replaced when the loader assigns the checkpoint's bias
-        setattr(parent, attr, layer)
+        # (a bias not loaded yet is still on the meta device: the loader's assignment replaces it)
+        setattr(parent, attr, QuantLinear(*quantize_weight(value, fmt), getattr(parent, attr).bias, fmt))
         return True
 
     return take
