@@ -513,11 +513,10 @@ def test_a_session_chunk_gets_the_budget_a_one_shot_request_of_its_text_gets(ali
     assert all_freed(aligned_tts)
 
 
-def test_a_decode_that_fails_while_a_frame_step_computes_does_not_fail_the_next_chunk(tiny_bundle):
-    """A failed decode taken in while a frame step computes ends its chunk, whose engine request is
-    cancelled at the next iteration; the session's next chunk must not start before that cancel has
-    given the kept sequence back (it would be refused: the sequence in use). The failure is injected
-    into the codec stage's results of the call made beside the step."""
+def test_a_decode_that_fails_while_text_is_queued_does_not_fail_the_next_chunk(tiny_bundle):
+    """A failed decode ends its chunk, whose engine request is cancelled at the next engine step; the
+    session's next chunk must not start before that cancel has given the kept sequence back (it would
+    be refused: the sequence in use). The failure is injected into the codec stage's results."""
     from tts.runtime.codec_stage import DecodeResult
 
     tts = TTS(tiny_bundle, EngineConfig(max_batch=2, ignore_eos=True, block_size=8))
@@ -534,17 +533,13 @@ def test_a_decode_that_fails_while_a_frame_step_computes_does_not_fail_the_next_
 
         def results():
             calls.append(1)
-            out = real_results()
-            if len(calls) == 2:  # the call beside the step (the first is before it)
-                out.append(
-                    DecodeResult(tag=(job.job_id, 0), slot=job.slot, frames=1, error=RuntimeError("died"))
-                )
-            return out
+            failed = DecodeResult(tag=(job.job_id, 0), slot=job.slot, frames=1, error=RuntimeError("died"))
+            return real_results() + [failed]
 
         runner.stage.results = results
         runner.step()
         runner.stage.results = real_results
-        assert len(calls) == 2
+        assert len(calls) == 1
         s.close()
         ended = of(list(s), ChunkEnded)
         assert [(e.chunk, e.reason) for e in ended] == [(0, "error"), (1, "length")], [e.error for e in ended]
@@ -554,10 +549,9 @@ def test_a_decode_that_fails_while_a_frame_step_computes_does_not_fail_the_next_
 
 
 def test_an_error_in_the_work_beside_a_frame_step_is_raised_after_the_step_not_swallowed(tiny_bundle):
-    """A bug while handling decoded audio beside a frame step surfaces as it did before the step (the
-    engine thread's failure path), once the step's outputs are handled: never logged and dropped."""
-    from tts.runtime.codec_stage import DecodeResult
-
+    """A bug in the caller's work beside a frame step (the engine thread's commands) surfaces as it
+    would have before the step (the engine thread's failure path), once the step's outputs are handled:
+    never logged and dropped."""
     tts = TTS(tiny_bundle, EngineConfig(max_batch=2, ignore_eos=True, block_size=8))
     try:
         s = tts.session(max_new_frames=60, min_new_frames=60, seed=4)
@@ -567,22 +561,15 @@ def test_an_error_in_the_work_beside_a_frame_step_is_raised_after_the_step_not_s
         while tts.engine.num_running == 0:
             runner.step()
             tts.sessions.tick()
-        real_results, real_audio, calls = runner.stage.results, runner._audio, []
-        bad = DecodeResult(tag=("nobody", 0), slot=0, frames=1)
+        calls = []
 
-        def results():
+        def commands():
             calls.append(1)
-            return real_results() + ([bad] if len(calls) == 2 else [])
+            raise RuntimeError("a bug in delivery")
 
-        def audio(result):
-            if result is bad:
-                raise RuntimeError("a bug in delivery")
-            real_audio(result)
-
-        runner.stage.results, runner._audio = results, audio
         frames = tts.engine.frames_generated
         with pytest.raises(RuntimeError, match="a bug in delivery"):
-            runner.step()
-        assert len(calls) == 2 and tts.engine.frames_generated == frames + 1  # the step itself ran
+            runner.step(beside_step=commands)
+        assert len(calls) == 1 and tts.engine.frames_generated == frames + 1  # the step itself ran
     finally:
         tts.close()

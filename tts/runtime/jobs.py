@@ -303,9 +303,6 @@ class JobPipeline:
         self.before_engine_step: Callable[[], None] | None = None
         self.frame_step_seconds = 0.0
         self.step_failures = 0
-        # Decode results taken while a frame step computed but handled before the next one: from the
-        # first failed one on (`_take_finished_work`).
-        self._held_results: list[DecodeResult] = []
         # Host seconds spent handing decoded audio to the consumers and routing the engine's outputs.
         self.phase_seconds = {"audio": 0.0, "route": 0.0}
         # The time to first audio of the jobs that had audio, split and summed (seconds; / jobs: the
@@ -447,7 +444,6 @@ class JobPipeline:
             and not self.engine.has_work()
             and self.stage.idle
             and self.stage.free_slots == self.stage.max_streams
-            and not self._held_results
         )
 
     @property
@@ -459,45 +455,40 @@ class JobPipeline:
     @torch.inference_mode()
     def step(self, beside_step: Callable[[], bool] | None = None) -> bool:
         """One pass: finished encodes start their jobs, decoded audio is delivered, paused jobs past
-        their timeout are preempted, then one engine step if there is work. While the step computes
-        (`Engine.step`'s while_stepping) the encodes and audio that finished meanwhile are taken too,
-        and `beside_step` runs (the caller's work, e.g. its queued commands; returns whether it did
-        any). Returns whether anything happened (False: everything running is paused or waiting on
-        the codec stage)."""
+        their timeout are preempted, then one engine step if there is work, `beside_step` run while it
+        computes (`Engine.step`'s while_stepping: the caller's work, its queued commands; returns
+        whether it did any). Returns whether anything happened (False: everything running is paused
+        or waiting on the codec stage)."""
         progressed = False
         if self.failure is not None and self.jobs:
             progressed = True
             self.fail_all(EngineFailed(f"this replica is out of service: {self.failure}"))
-        progressed = self._take_finished_work() or progressed
+        for job in [j for j in self.jobs.values() if j.encoding is not None and j.encoding.done()]:
+            progressed = True
+            self._encoded(job)
+        t0 = time.perf_counter()
+        for result in self.stage.results():
+            progressed = True
+            self._audio(result)
+        self.phase_seconds["audio"] += time.perf_counter() - t0
         self._preempt_paused()
         if self.engine.has_work():
             if self.before_engine_step is not None:
                 self.before_engine_step()
-            did: list[bool] = []
-            beside = [0.0]
-            raised: list[Exception] = []
-
-            def while_stepping() -> None:
-                t = time.perf_counter()
-                try:
-                    did.append(self._take_finished_work(beside_step=True))
-                    if beside_step is not None:
-                        did.append(beside_step())
-                except Exception as exc:  # noqa: BLE001 - raised again once the step's outputs are routed
-                    raised.append(exc)
-                beside[0] += time.perf_counter() - t
-
+            beside = _BesideStep(beside_step) if beside_step is not None else None
             t0 = time.perf_counter()
             frames = self.engine.frames_generated
             try:
-                outputs = self.engine.step(while_stepping)
+                outputs = self.engine.step(beside)
             except Exception as exc:  # noqa: BLE001 - fail the jobs, keep serving
                 outputs = self._step_failed(exc)
             else:
                 self.consecutive_step_failures = 0
-            progressed = progressed or any(did)
             t1 = time.perf_counter()
-            self.frame_step_seconds += t1 - t0 - beside[0]  # (that work is counted as its own)
+            if beside is not None:
+                progressed = progressed or beside.did
+                t0 += beside.seconds  # (that work is counted as its own)
+            self.frame_step_seconds += t1 - t0
             # A frame step that computed frames progressed even with no output: a refused end token's
             # frame is taken back, and the next step samples again (the loop must not sleep on it).
             progressed = progressed or self.engine.frames_generated != frames
@@ -511,8 +502,8 @@ class JobPipeline:
                     if owner is not None:
                         self._end(owner, Failed(EngineFailed(f"{type(exc).__name__}: {exc}")))
             self.phase_seconds["route"] += time.perf_counter() - t1
-            if raised:  # (as it would have raised before the step: the engine loop's failure path)
-                raise raised[0]
+            if beside is not None and beside.error is not None:
+                raise beside.error  # (as it would have before the step: the engine loop's failure path)
         return progressed
 
     # ---- internals -------------------------------------------------------------------------------------
@@ -533,28 +524,6 @@ class JobPipeline:
                 f"{type(exc).__name__}: {exc}"
             )
         return outputs
-
-    def _take_finished_work(self, beside_step: bool = False) -> bool:
-        """Start the jobs whose reference encodes finished and deliver the decoded audio that is ready;
-        returns whether there was any. `beside_step` (while a frame step computes): from the first failed
-        decode on, the results are held for the next call before a step. A failed decode ends its job,
-        which queues the cancel of its engine request for the next iteration; handled before a step,
-        that cancel is applied (and a session's kept sequence returned) before anything can start the
-        session's next chunk, as when every result was handled before the step."""
-        progressed = False
-        for job in [j for j in self.jobs.values() if j.encoding is not None and j.encoding.done()]:
-            progressed = True
-            self._encoded(job)
-        t0 = time.perf_counter()
-        results, self._held_results = self._held_results + self.stage.results(), []
-        for i, result in enumerate(results):
-            progressed = True
-            if beside_step and result.error is not None:
-                self._held_results = results[i:]  # (in order: a job's results are handled in sequence)
-                break
-            self._audio(result)
-        self.phase_seconds["audio"] += time.perf_counter() - t0
-        return progressed
 
     def _encoded(self, job: _Job) -> None:
         future, job.encoding = job.encoding, None
@@ -922,6 +891,24 @@ class JobPipeline:
             self.on_end(job.job_id, event)
         if event is not None:
             job.sink.deliver(event)
+
+
+class _BesideStep:
+    """The caller's work run while a frame step computes (`Engine.step`'s while_stepping), which must
+    not raise there: whether it did anything, its seconds, and the exception it raised (raised again
+    once the step's outputs are handled)."""
+
+    def __init__(self, work: Callable[[], bool]):
+        self.work, self.did, self.seconds = work, False, 0.0
+        self.error: Exception | None = None
+
+    def __call__(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.did = bool(self.work())
+        except Exception as exc:  # noqa: BLE001 - raised again after the step (JobPipeline.step)
+            self.error = exc
+        self.seconds += time.perf_counter() - t0
 
 
 def _seed(spec: SynthesisJob) -> int:
