@@ -716,3 +716,13 @@ def test_every_allowed_chunk_size_streams_a_text_chunks_tail_after_a_full_piece(
     np.testing.assert_allclose(pcm, loop.bundle.codec.decode(codes).numpy(), atol=1e-5, rtol=0)
     assert stage.stats.failures == 0 and loop.failure is None
     wait_until(lambda: idle(loop), what="idle")
+
+
+def test_a_decode_call_holds_at_most_two_rows_per_engine_row(make_loop):
+    """The frames a decode call takes come from the engine's rows (its max batch) and the last pieces of
+    streams that just ended: a server of max batch 2 with many stream slots sizes its codec calls, and
+    the graphs and buffers captured for them, to 4 rows, not to every slot."""
+    loop = make_loop(max_batch=2, max_waiting=8, max_sessions=8)
+    stage = loop.runner.stage
+    assert stage.max_streams == 2 + 8 + 8 + 1
+    assert stage.max_rows == 4 and max(stage.graphs.buckets) == 4

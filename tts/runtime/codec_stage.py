@@ -84,6 +84,7 @@ ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 FRAME_BUCKETS = (4, 16, 32, 64, 128, 256)
 MAX_PIECE_FRAMES = MAX_CHUNK_FRAMES  # the longest piece `decode` takes (an audio chunk's frames)
 assert MAX_PIECE_FRAMES <= FRAME_BUCKETS[-1]
+MAX_ROWS = 64  # the most rows (streams) one decode call holds, by default
 
 
 # Gathering's size target (frames queued): see the module docstring.
@@ -264,7 +265,7 @@ class CodecStage:
         notify: Callable[[], None] = lambda: None,
         *,
         graphs: bool = True,
-        max_rows: int = 64,
+        max_rows: int = MAX_ROWS,
         max_call_frames: int = 1024,
         name: str = "tts-codec",
         on_dead: Callable[[Exception], None] | None = None,

@@ -57,6 +57,7 @@ from tts.engine.realtime import Playback
 from tts.engine.request import FinishReason, InvalidRequest, Request, StepOutput
 from tts.params import FrameConvention, chunk_size
 from tts.runtime.codec_stage import MAX_PIECE_FRAMES, CodecStage, DecodeResult
+from tts.runtime.codec_stage import MAX_ROWS as CODEC_MAX_ROWS
 from tts.runtime.planner import Planner, PreparedReference, SynthesisJob
 from tts.runtime.voices import ReferenceCache
 from tts.text.prompt import Turn, VoiceReference
@@ -286,6 +287,10 @@ class JobPipeline:
             self.bundle.codec,
             max_streams,
             notify,
+            # A call's rows are the engine's rows plus the last pieces of streams that just ended (a
+            # batch turning over): more rows would only cost graphs and memory never used, which at a
+            # small max batch is most of the codec's memory (1024-frame calls: ~5 GB for S2-Pro's).
+            max_rows=min(CODEC_MAX_ROWS, 2 * engine.config.max_batch),
             graphs=codec_graphs,
             on_dead=self._stage_dead,
             gather=codec_gather,
