@@ -1,5 +1,3 @@
-import sys
+from tts.cli.main import console_main
 
-from tts.cli.main import main
-
-sys.exit(main())
+console_main()
