@@ -509,7 +509,7 @@ def test_the_optional_extras_the_cli_tolerates_are_the_tools_extra_of_pyproject(
 
 
 GRAPH_OPTIONS = [
-    ([], None, None),  # the command's default: synthesize lazy (one synthesis), serve startup (as benchmarked)
+    ([], None, None),  # the default: synthesize lazy (one synthesis), serve startup (as benchmarked)
     (["--graphs", "off"], "off", None),
     (["--graphs", "lazy"], "lazy", None),
     (["--graphs", "startup"], "startup", None),
