@@ -729,6 +729,12 @@ def test_shutdown_drains_within_grace(bundle):
         build_request(HOLD_TEXT, temperature=0.0, max_new_frames=5, min_new_frames=5)
     )
     assert next(short_call).WhichOneof("message") == "header"  # queued: both rows are held
+    # (the stats are a snapshot the engine thread takes after it has delivered an iteration's events:
+    # the header can arrive before the snapshot that counts its row)
+    deadline = time.monotonic() + 60
+    while srv.loop.stats.running != 2:
+        assert time.monotonic() < deadline, "the two held streams' rows were never counted"
+        time.sleep(0.01)
     assert srv.loop.stats.running == 2 and srv.loop.in_flight == 3
     # (B can never end by itself, so stop returning at all shows the grace cut it off; the margin is
     # for the work after the grace, generous for a loaded machine)
