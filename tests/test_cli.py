@@ -1047,3 +1047,16 @@ def test_the_installed_tts_command_and_python_m_tts_cli_use_the_console_entry():
         timeout=120,
     )
     assert out.returncode == 2 and out.stderr.startswith("tts: error:")
+
+
+@pytest.mark.parametrize("closed", [">&-", "2>&-"])
+def test_a_command_with_a_closed_standard_stream_still_succeeds(tmp_path, closed):
+    """A shell that closes stdout or stderr (`>&-`) leaves Python's `sys.stdout` / `sys.stderr` None:
+    the command still writes its file and exits 0."""
+    out = tmp_path / "x.wav"
+    r = subprocess.run(
+        f"{sys.executable} -m tts.cli synthesize 'Hi.' --model tiny --max-new-frames 4 -q -o {out} {closed}",
+        shell=True, capture_output=closed == ">&-", cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert sf.info(str(out)).frames > 0

@@ -1089,6 +1089,8 @@ def console_main() -> None:
     code = main()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # (started with that descriptor closed: `>&-`)
+            continue
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
