@@ -718,11 +718,13 @@ def test_every_allowed_chunk_size_streams_a_text_chunks_tail_after_a_full_piece(
     wait_until(lambda: idle(loop), what="idle")
 
 
-def test_a_decode_call_holds_at_most_two_rows_per_engine_row(make_loop):
+def test_a_decode_call_holds_at_most_two_rows_per_engine_row_and_at_least_16(make_loop):
     """The frames a decode call takes come from the engine's rows (its max batch) and the last pieces of
-    streams that just ended: a server of max batch 2 with many stream slots sizes its codec calls, and
-    the graphs and buffers captured for them, to 4 rows, not to every slot."""
-    loop = make_loop(max_batch=2, max_waiting=8, max_sessions=8)
-    stage = loop.runner.stage
-    assert stage.max_streams == 2 + 8 + 8 + 1
-    assert stage.max_rows == 4 and max(stage.graphs.buckets) == 4
+    streams that just ended: a server with many stream slots sizes its codec calls, and the graphs and
+    buffers captured for them, to twice its max batch, not to every slot; at least 16 rows, so that a
+    small batch's codec that fell behind drains the pieces of streams that ended meanwhile in few calls."""
+    small = make_loop(max_batch=2, max_waiting=40, max_sessions=8).runner.stage
+    assert small.max_streams == 2 + 40 + 8 + 1
+    assert small.max_rows == 16 and max(small.graphs.buckets) == 16
+    large = make_loop(max_batch=12, max_waiting=40, max_sessions=8).runner.stage
+    assert large.max_rows == 24 and max(large.graphs.buckets) == 24

@@ -85,6 +85,7 @@ FRAME_BUCKETS = (4, 16, 32, 64, 128, 256)
 MAX_PIECE_FRAMES = MAX_CHUNK_FRAMES  # the longest piece `decode` takes (an audio chunk's frames)
 assert MAX_PIECE_FRAMES <= FRAME_BUCKETS[-1]
 MAX_ROWS = 64  # the most rows (streams) one decode call holds, by default
+MIN_ROWS = 16  # the fewest rows the job pipeline sizes a decode call for (whatever its max batch)
 
 
 # Gathering's size target (frames queued): see the module docstring.

@@ -58,6 +58,7 @@ from tts.engine.request import FinishReason, InvalidRequest, Request, StepOutput
 from tts.params import FrameConvention, chunk_size
 from tts.runtime.codec_stage import MAX_PIECE_FRAMES, CodecStage, DecodeResult
 from tts.runtime.codec_stage import MAX_ROWS as CODEC_MAX_ROWS
+from tts.runtime.codec_stage import MIN_ROWS as CODEC_MIN_ROWS
 from tts.runtime.planner import Planner, PreparedReference, SynthesisJob
 from tts.runtime.voices import ReferenceCache
 from tts.text.prompt import Turn, VoiceReference
@@ -289,8 +290,10 @@ class JobPipeline:
             notify,
             # A call's rows are the engine's rows plus the last pieces of streams that just ended (a
             # batch turning over): more rows would only cost graphs and memory never used, which at a
-            # small max batch is most of the codec's memory (1024-frame calls: ~5 GB for S2-Pro's).
-            max_rows=min(CODEC_MAX_ROWS, 2 * engine.config.max_batch),
+            # small max batch is most of the codec's memory (1024-frame calls: ~5 GB for S2-Pro's). At
+            # least CODEC_MIN_ROWS, so that a codec that fell behind (a slow call, a long encode)
+            # drains the streams that ended meanwhile in few calls.
+            max_rows=min(CODEC_MAX_ROWS, max(CODEC_MIN_ROWS, 2 * engine.config.max_batch)),
             graphs=codec_graphs,
             on_dead=self._stage_dead,
             gather=codec_gather,
