@@ -1060,3 +1060,26 @@ def test_a_command_with_a_closed_standard_stream_still_succeeds(tmp_path, closed
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert sf.info(str(out)).frames > 0
+
+
+def test_audio_to_a_closed_stdout_is_refused_before_the_model_loads(tmp_path):
+    """`-o -` with stdout closed (`>&-`): one line and exit 2, not an AttributeError after the work."""
+    r = subprocess.run(
+        f"{sys.executable} -m tts.cli synthesize 'Hi.' --model tiny -o - >&-",
+        shell=True, capture_output=False, stderr=subprocess.PIPE, cwd=ROOT, timeout=300, text=True,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr.strip() == "tts: error: standard output is closed: give -o a file path"
+
+
+def test_messages_for_a_closed_stderr_stay_out_of_the_audio_on_stdout():
+    """With stderr closed (`2>&-`) Python's `print(file=sys.stderr)` would write to stdout: the model
+    line and warnings would go into the audio of `-o -`. Stdout holds exactly the WAV."""
+    r = subprocess.run(
+        f"{sys.executable} -m tts.cli synthesize 'Hi.' --model tiny --max-new-frames 4 --seed 1 -o - 2>&-",
+        shell=True, stdout=subprocess.PIPE, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0
+    assert r.stdout[:4] == b"RIFF"
+    audio, rate = sf.read(io.BytesIO(r.stdout))
+    assert len(audio) > 0 and rate > 0

@@ -458,6 +458,8 @@ def check_output_path(path: str) -> Path:
     synthesis), that is not a directory and, when it exists, is not immutable or append-only (the final
     rename over it would fail too), or `-` (stdout); raises UserError naming the path and the reason."""
     if path == "-":
+        if sys.stdout is None:  # (started with it closed: `>&-`)
+            raise UserError("standard output is closed: give -o a file path")
         return Path("-")
     out = Path(path)
     directory = out.parent if str(out.parent) else Path(".")
@@ -1043,6 +1045,8 @@ def _drop_synthesis_warnings(record: logging.LogRecord) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if sys.stderr is None:  # started with it closed (`2>&-`): print(file=None) would write to stdout,
+        sys.stderr = open(os.devnull, "w")  # into the audio of `-o -`; what is said to it goes nowhere
     try:
         parser = build_parser()
     except SubcommandImportError as exc:  # a bug or a broken install: one line; -v adds the traceback
