@@ -319,3 +319,32 @@ def test_synthesize_many_raises_the_first_error_not_a_cleanup_one(tiny_bundle, m
     monkeypatch.setattr(tts, "_run_until_ended", cleanup_fails)
     with pytest.raises(RuntimeError, match="the step failed"):
         tts.synthesize_many(jobs)
+
+
+@pytest.fixture(scope="module")
+def default_tts():
+    from tts.checkpoints.load import load_bundle
+    from tts.engine import EngineConfig
+
+    return TTS(load_bundle("default"), EngineConfig(max_batch=1))
+
+
+def test_a_text_chunk_the_model_reads_as_nothing_is_left_out_with_a_warning(default_tts):
+    """A text whose later chunk the model's frontend reads as nothing ("- - - ...": no phonemes) gets
+    that chunk left out with a warning, as a session leaves such text out; it failed mid-stream, after
+    audio had gone out, with an internal error (an empty text span)."""
+    text = "Hello there. " + "- " * 300
+    job = default_tts.planner.job(text, seed=1)
+    assert job.chunks == ["Hello there."]
+    assert len(job.budgets) == 1
+    assert any(w.startswith("nothing to speak in '- - -") and w.endswith(": left out") for w in job.warnings)
+    result = default_tts.synthesize(text, seed=1, max_new_frames=8)
+    assert result.frames > 0 and any(w.startswith("nothing to speak in") for w in result.warnings)
+
+
+def test_a_text_the_model_reads_as_nothing_at_all_is_refused_before_any_work(default_tts):
+    from tts.runtime.request_errors import field_of
+
+    with pytest.raises(TextError, match="nothing to speak") as exc:
+        default_tts.planner.job("\u0301" * 50 + ". " + "- " * 300, seed=1)
+    assert field_of(exc.value) == "text"

@@ -34,7 +34,7 @@ from tts.runtime.request_errors import InvalidField, field_of, with_field
 from tts.runtime.voices import VoiceNotFound, VoiceRegistry, codec_fingerprint
 from tts.text.budget import charge
 from tts.text.normalize import TextError
-from tts.text.policy import TextPlan, get_text_policy, plan_text
+from tts.text.policy import NOTHING_TO_SPEAK, TextPlan, get_text_policy, plan_text
 from tts.text.prompt import Turn, VoiceReference
 
 log = logging.getLogger(__name__)
@@ -363,10 +363,6 @@ class Planner:
                 "repetition penalty (as its reference code does)"
             )
         seed = params.seed if params.seed is not None else secrets.randbits(62)
-        try:
-            self.check_chunk_seeds(seed, len(chunks))
-        except InvalidRequest as exc:
-            raise with_field(exc, "sampling.seed") from exc
         params = replace(params, seed=seed)
         budgets = [min(params.max_new_frames, self.guard_frames(c)) for c in chunks]
         # Every chunk's prompt + budget must fit before any work. A clip not encoded yet has a known
@@ -376,16 +372,15 @@ class Planner:
             codec = self.bundle.codec
             frames = max(1, math.ceil(reference.samples.numel() / codec.frame_length))
             check_refs.append(VoiceReference(_zero_codes(codec.num_codebooks, frames), reference.text))
-        fmt = self.bundle.prompt_format
-        for i, (chunk_text, budget) in enumerate(zip(chunks, budgets, strict=True)):
-            charge(len(chunk_text))  # (and the deadline is checked before each chunk's prompt)
-            with_span = getattr(fmt, "build_with_span", None)  # (formats that say where the text is)
-            if self.paced() and with_span is not None:
-                prompt, (start, end) = with_span(chunk_text, check_refs, [])
-                paced = max(self.paced_budget(end - start), params.min_new_frames)  # (as many as asked)
-                budgets[i] = budget = min(budget, paced)
-            else:
-                prompt = fmt.build(chunk_text, check_refs, [])
+        kept = self._chunk_prompts(chunks, budgets, check_refs, params.min_new_frames, warnings)
+        if not kept:
+            raise with_field(TextError(NOTHING_TO_SPEAK), "text")
+        chunks, budgets = [c for c, _, _ in kept], [b for _, b, _ in kept]
+        try:
+            self.check_chunk_seeds(seed, len(chunks))
+        except InvalidRequest as exc:
+            raise with_field(exc, "sampling.seed") from exc
+        for i, (_, budget, prompt) in enumerate(kept):
             try:
                 self.check(prompt, replace(params, seed=seed + i, max_new_frames=budget, min_new_frames=0))
             except InvalidRequest as exc:
@@ -409,6 +404,37 @@ class Planner:
             len(text.encode("utf-8", "replace")),
             warnings,
         )
+
+    def _chunk_prompts(
+        self, chunks: list[str], budgets: list[int], references, min_new_frames: int, warnings: list[str]
+    ) -> list[tuple[str, int, Tensor]]:
+        """Each chunk's prompt for the fit check, with its budget (a paced model's cut to its text's
+        tokens, never below `min_new_frames`): `(chunk, budget, prompt)`. A chunk the model reads as
+        nothing (its frontend's output is empty, e.g. "- - -" has no phonemes) is left out, with a
+        warning appended to `warnings`, as a session leaves such text out."""
+        fmt = self.bundle.prompt_format
+        with_span = getattr(fmt, "build_with_span", None)  # (formats that say where the text is)
+        kept: list[tuple[str, int, Tensor]] = []
+        for chunk_text, budget in zip(chunks, budgets, strict=True):
+            charge(len(chunk_text))  # (and the deadline is checked before each chunk's prompt)
+            if with_span is not None:
+                prompt, (start, end) = with_span(chunk_text, references, [])
+                if end <= start:
+                    warnings.append(left_out(chunk_text))
+                    continue
+                if self.paced():
+                    budget = min(budget, max(self.paced_budget(end - start), min_new_frames))
+            else:
+                prompt = fmt.build(chunk_text, references, [])
+            kept.append((chunk_text, budget, prompt))
+        return kept
+
+
+def left_out(text: str) -> str:
+    """The warning for text the model reads as nothing (a request's chunk, a session's piece), which is
+    left out rather than spoken: the text shown up to 60 characters."""
+    shown = text if len(text) <= 60 else text[:57] + "..."
+    return f"nothing to speak in {shown!r}: left out"
 
 
 def _zero_codes(n: int, frames: int) -> Tensor:

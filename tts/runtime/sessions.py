@@ -72,7 +72,7 @@ from tts.engine.aligner import ALIGN_MAX_TOKENS
 from tts.engine.realtime import Playback
 from tts.params import DEFAULT_CHUNK_FRAMES, DEFAULT_FIRST_CHUNK_FRAMES, InvalidRequest, SamplingParams
 from tts.runtime.jobs import Audio, Cancelled, Event, Failed, Finished, JobPipeline, Preempted, Started
-from tts.runtime.planner import PreparedReference, SynthesisJob
+from tts.runtime.planner import PreparedReference, SynthesisJob, left_out
 from tts.runtime.request import check_voice_source
 from tts.runtime.timings import ChunkTimer, WordTiming, word_first_tokens, word_weights
 from tts.text.normalize import TextError
@@ -472,7 +472,7 @@ class Session:
             try:
                 plan = planner.text_plan(piece, self.max_chunk_bytes, self.normalize)
             except TextError:
-                self.events.append(SessionWarning(self.id, f"nothing to speak in {piece!r}: left out"))
+                self.events.append(SessionWarning(self.id, left_out(piece)))
                 continue
             except InvalidRequest as exc:
                 self._chunk_error(piece, f"text: {exc}")
