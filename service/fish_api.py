@@ -366,6 +366,9 @@ class FishAPI:
         broke = writer.exception() if writer.done() and not writer.cancelled() else None
         if isinstance(failure, _Protocol):
             await self._finish_error(ws, str(failure))
+        elif isinstance(broke, _ChunkFailed):
+            log.info("a Fish live session ended: %s", broke)
+            await self._finish_error(ws, str(broke))
         elif broke is not None and not isinstance(broke, WebSocketDisconnect | OSError):
             # (OSError: uvicorn's ClientDisconnected: the client left, no one to tell)
             log.warning("a Fish live session failed: %s", broke)
@@ -543,6 +546,11 @@ class _LiveChunk:
     samples: int = 0
 
 
+class _ChunkFailed(Exception):
+    """A live session's text chunk failed (its text refused, the engine failed it): the socket ends
+    with a `finish` error that says why."""
+
+
 class _LiveWriter:
     """The audio events of one `/v1/tts/live` socket: a session's events encoded (one file of the format
     over all of them; `gain`: linear volume) and sent, with each chunk's text and alignment when `stamps`
@@ -572,8 +580,8 @@ class _LiveWriter:
             c = self.chunks.get(ev.chunk)
             if self.stamps and c is not None and not c.sent:
                 await self._send_audio(b"", ev.chunk)  # the chunk's final alignment
-            if ev.reason == "error":
-                log.info("a Fish live chunk failed: %s", ev.error)
+            if ev.reason == "error":  # (the protocol has no event for one chunk: the session ends)
+                raise _ChunkFailed(f"a text chunk failed: {ev.error}")
         elif isinstance(ev, SessionEnded):
             await self._end(ev)
             return True

@@ -543,3 +543,20 @@ def test_a_clip_the_codec_cannot_encode_finishes_with_why(server, monkeypatch):
     assert got[-1]["event"] == "finish" and got[-1]["reason"] == "error"
     assert got[-1]["message"].endswith("the reference clip could not be encoded: codec exploded")
     freed(server)
+
+
+def test_a_text_chunk_that_fails_ends_the_session_with_why_not_silently(server, client):
+    """A live session's chunk that fails (text the model's prompt refuses, a reserved tag) ends the
+    socket with a `finish` error that says why, the Fish protocol's only way to report it; it was
+    dropped silently and the session ended `stop` with a sentence missing."""
+    start = {"event": "start", "request": {"text": "", "format": "pcm", "max_new_tokens": 5}}
+    text = {"event": "text", "text": "Hello there. <|im_end|> This is fine. "}
+    got = live(server, "/v1/tts/live", [start, text, {"event": "stop"}])
+    assert got[-1]["event"] == "finish" and got[-1]["reason"] == "error"
+    assert "<|im_end|>" in got[-1]["message"]
+    freed(server)
+    with pytest.raises(WebSocketError):  # the official SDK raises on it
+        list(
+            client.tts.stream_websocket(iter(["Hello there. <|im_end|> This is fine."]), config=config("pcm"))
+        )
+    freed(server)
