@@ -66,6 +66,8 @@ class ServiceLimits:
     (HTTP 504).
     max_sessions: streaming sessions (gRPC SynthesizeSession, Wyoming's streamed synthesis) open at most;
     beyond, opening one is refused with RESOURCE_EXHAUSTED.
+    max_http_connections: HTTP connections (WebSockets included) open at once on the HTTP port; a
+    connection that reaches it is answered 503, so idle clients cannot use up the process's files.
     """
 
     max_waiting: int = 16
@@ -86,6 +88,7 @@ class ServiceLimits:
     http_read_timeout: float = 30.0
     max_prepare_seconds: float = 10.0
     max_sessions: int = DEFAULT_MAX_SESSIONS
+    max_http_connections: int = 4096
 
     @property
     def receive_bytes(self) -> int:

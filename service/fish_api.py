@@ -318,7 +318,11 @@ class FishAPI:
     async def _start(self, ws: WebSocket) -> tuple[Any, AudioEncoder, float]:
         """Read the start event and open its session: (session, encoder, linear gain). Raises _Protocol,
         a request error (naming the Fish field) or the server's refusal."""
-        start = await self._receive(ws, self.front.max_body)  # (as large as a /v1/tts body)
+        wait = self.front.limits.http_read_timeout  # (a socket without its start only holds a connection)
+        try:
+            start = await asyncio.wait_for(self._receive(ws, self.front.max_body), wait)  # (a /v1/tts body)
+        except TimeoutError:
+            raise _Protocol(f"no start event within {wait:g} s") from None
         if start.get("event") != "start":
             raise _Protocol(f"the first event must be start, got {start.get('event')!r}")
         r = parse_request(start.get("request"))

@@ -832,6 +832,7 @@ class HTTPFront:
             ws_max_size=max(16 * 1024 * KiB, self.max_body + 64 * KiB),
             timeout_graceful_shutdown=5,
             timeout_keep_alive=5,
+            limit_concurrency=self.limits.max_http_connections,
             http=_timed_protocol(self.limits.http_read_timeout),
             ssl_certfile=self.access.tls_cert,
             ssl_keyfile=self.access.tls_key,

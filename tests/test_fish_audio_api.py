@@ -6,6 +6,7 @@ assertion depends on what random weights generate or on timing (waits are on sta
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import io
 import json
@@ -517,7 +518,7 @@ def test_a_client_gone_before_its_start_is_no_server_error(caplog):
         async def receive(self):
             return {"type": "websocket.disconnect", "code": 1001}
 
-    api = FishAPI(SimpleNamespace(bundle=None, max_body=1 << 20))
+    api = FishAPI(SimpleNamespace(bundle=None, max_body=1 << 20, limits=ServiceLimits()))
     with caplog.at_level(logging.INFO, logger="service.fish_api"):
         with pytest.raises(WebSocketDisconnect):
             asyncio.run(api._open(GoneSocket()))
@@ -560,3 +561,40 @@ def test_a_text_chunk_that_fails_ends_the_session_with_why_not_silently(server, 
             client.tts.stream_websocket(iter(["Hello there. <|im_end|> This is fine."]), config=config("pcm"))
         )
     freed(server)
+
+
+def test_connections_past_the_cap_get_503():
+    """Idle connections cannot use up the server's file descriptors: past `max_http_connections` a new
+    connection is answered 503 at once; once they close, requests are served again."""
+    import httpx
+
+    limits = ServiceLimits(max_http_connections=3, http_read_timeout=600.0)  # (no socket times out here)
+    srv = ServerThread(load_bundle("tiny"), EngineConfig(max_batch=1), limits, http_port=0)
+    try:
+        base = f"http://127.0.0.1:{srv.port}"
+        assert httpx.get(f"{base}/health").status_code == 200
+        with httpx.Client(base_url=base) as http_client, contextlib.ExitStack() as stack:
+            for _ in range(2):
+                stack.enter_context(
+                    connect_ws("/v1/tts/live", client=http_client, headers={"Authorization": "Bearer x"})
+                )
+            # (uvicorn counts the new connection too: with 2 open, a third reaches the cap of 3)
+            assert httpx.get(f"{base}/health").status_code == 503
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{base}/health").status_code != 200:
+            assert time.monotonic() < deadline, "the closed sockets were never let go"
+            time.sleep(0.05)
+    finally:
+        srv.stop()
+
+
+def test_a_live_socket_without_its_start_event_is_told_why_and_closed():
+    """A socket that never sends `start` holds a connection: after `http_read_timeout` it gets a finish
+    error saying so, and the server closes it."""
+    limits = ServiceLimits(http_read_timeout=0.5)
+    srv = ServerThread(load_bundle("tiny"), EngineConfig(max_batch=1), limits, http_port=0)
+    try:
+        got = live(srv, "/v1/tts/live", [])
+        assert got == [{"event": "finish", "reason": "error", "message": "no start event within 0.5 s"}]
+    finally:
+        srv.stop()

@@ -266,6 +266,7 @@ BAD_OPTIONS = [
     (["serve", "--grace", "-1"], "--grace must be a number of seconds >= 0, got -1"),
     (["serve", "--grace", "nan"], "--grace must be a number of seconds >= 0, got nan"),
     (["serve", "--http-read-timeout", "0"], "--http-read-timeout must be a number of seconds > 0, got 0"),
+    (["serve", "--max-http-connections", "1"], "--max-http-connections must be >= 2, got 1"),
     (["serve", "--max-prepare-seconds", "0"], "--max-prepare-seconds must be a number of seconds > 0, got 0"),
     (["serve", "--max-reference-mb", "0"], "--max-reference-mb must be in (0, 2046], got 0"),
     (["serve", "--max-reference-mb", "inf"], "--max-reference-mb must be in (0, 2046], got inf"),

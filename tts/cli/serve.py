@@ -191,6 +191,13 @@ def add_parser(subparsers) -> None:
         "byte, before its connection is closed (default 30)",
     )
     p.add_argument(
+        "--max-http-connections",
+        type=int,
+        default=4096,
+        help="HTTP connections (WebSockets included) open at once on the HTTP port; the one that reaches "
+        "it is answered 503, so idle clients cannot use up the process's open files (default 4096)",
+    )
+    p.add_argument(
         "--max-prepare-seconds",
         type=float,
         default=10.0,
@@ -549,6 +556,8 @@ def check_serve_options(args: argparse.Namespace) -> None:
     check_threads(args)
     check_seconds("--pause-timeout", args.pause_timeout, zero_ok=True)
     check_seconds("--http-read-timeout", args.http_read_timeout, zero_ok=False)
+    n = args.max_http_connections
+    require(n >= 2, f"--max-http-connections must be >= 2, got {n}")
     check_seconds("--max-prepare-seconds", args.max_prepare_seconds, zero_ok=False)
     check_seconds("--max-audio-seconds", args.max_audio_seconds, zero_ok=True)
     require(
@@ -669,6 +678,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_connection_age=args.max_connection_age or None,
         max_connection_age_grace=args.max_connection_age_grace,
         http_read_timeout=args.http_read_timeout,
+        max_http_connections=args.max_http_connections,
         max_prepare_seconds=args.max_prepare_seconds,
         max_sessions=args.max_sessions,
     )
