@@ -72,7 +72,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    TypeAdapter,
+    ValidationError,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -270,7 +279,8 @@ class VoiceId(BaseModel):
 
 
 class SpeechRequest(BaseModel):
-    """The body of `POST /v1/audio/speech`. Unknown fields are refused (400), not ignored."""
+    """The body of `POST /v1/audio/speech`. Unknown fields are refused (400), not ignored; so is a value
+    of the wrong JSON type (strict types: `true` is no speed, `"1"` no seed; an integer is a number)."""
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = Field(None, description="the served model's name (GET /v1/models) or tts-1 / ...")
@@ -280,26 +290,26 @@ class SpeechRequest(BaseModel):
     )
     instructions: str | None = Field(None, description="not supported: must be empty")
     response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
-    speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED, description="tempo, pitch unchanged")
+    speed: StrictFloat = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED, description="tempo, pitch unchanged")
     stream_format: Literal["audio", "sse"] = "audio"
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = Field(None, ge=-(2**31), le=2**31 - 1)
-    max_new_frames: int | None = Field(
+    seed: StrictInt | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = Field(None, ge=-(2**31), le=2**31 - 1)
+    max_new_frames: StrictInt | None = Field(
         None, ge=-(2**31), le=2**31 - 1, description="frame budget per text chunk"
     )
-    min_new_frames: int | None = Field(
+    min_new_frames: StrictInt | None = Field(
         None, ge=-(2**31), le=2**31 - 1, description="frames per text chunk before the end token may come"
     )
-    repetition_penalty: float | None = Field(
+    repetition_penalty: StrictFloat | None = Field(
         None, description="(0, 2), 1 = off: fish-speech 1.5's and S1's penalty on the last 16 frames"
     )
     reference_audio: str | None = Field(
         None, description="base64 WAV, FLAC, MP3 or Ogg clip of a voice to clone"
     )
     reference_text: str | None = Field(None, description="the transcript of reference_audio")
-    normalize: bool = Field(
+    normalize: StrictBool = Field(
         True,
         description="read Markdown as rendered and normalize the text as the model's text policy says; "
         "false: read the text as given",

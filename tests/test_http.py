@@ -408,6 +408,14 @@ def test_bad_input_gets_openai_style_errors_before_any_work(server):
     assert status == 400 and "exceeds the context size 1024" in err["message"]
     status, err = speech_error({"input": "Hi.", "speed": 4.5})
     assert (status, err["param"]) == (400, "speed")
+    # A value of the wrong JSON type is refused, never coerced (true is not a speed, "1" not a seed).
+    JSON = {"Content-Type": "application/json"}
+    wrong = [("speed", True), ("seed", "1"), ("seed", True), ("temperature", True), ("top_p", "0.5"),
+             ("top_k", "5"), ("max_new_frames", True), ("repetition_penalty", "1.1"), ("normalize", "yes"),
+             ("normalize", 1)]  # fmt: skip
+    for field, value in wrong:
+        status, err = speech_error({"input": "Hi.", field: value})
+        assert (status, err["param"]) == (400, field), (field, value, err)
     status, err = speech_error({"input": "Hi.", "response_format": "ogg"})
     assert (status, err["param"]) == (400, "response_format")
     status, err = speech_error({"input": "Hi.", "temprature": 0.5})  # a typo is refused, not ignored
@@ -444,6 +452,9 @@ def test_bad_input_gets_openai_style_errors_before_any_work(server):
     assert (status, err["param"], err["code"]) == (404, "model", "model_not_found")
     assert error_of(*server.request("GET", "/v1/nothing"))[0] == 404
     assert engine_work(server.loop) == work  # nothing reached the engine
+    body = {"input": "Hi.", "speed": 2, "temperature": 1, "response_format": "pcm"}  # (integers are numbers)
+    status, _, _ = server.request("POST", "/v1/audio/speech", json.dumps(body).encode(), JSON)
+    assert status == 200
     wait_idle(server.loop)
 
 
