@@ -338,8 +338,8 @@ def test_a_text_chunk_the_model_reads_as_nothing_is_left_out_with_a_warning(defa
     assert job.chunks == ["Hello there."]
     assert len(job.budgets) == 1
     assert any(w.startswith("nothing to speak in '- - -") and w.endswith(": left out") for w in job.warnings)
-    result = default_tts.synthesize(text, seed=1, max_new_frames=8)
-    assert result.frames > 0 and any(w.startswith("nothing to speak in") for w in result.warnings)
+    result = default_tts.synthesize(text, seed=1, max_new_frames=8, min_new_frames=8)  # (8 frames, held)
+    assert result.frames == 8 and any(w.startswith("nothing to speak in") for w in result.warnings)
 
 
 def test_a_text_the_model_reads_as_nothing_at_all_is_refused_before_any_work(default_tts):

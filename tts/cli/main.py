@@ -959,10 +959,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     add_codec_dtype_arg(p)
     # lazy: one command is one synthesis, so a start-up capture's warm-up synthesis and its graphs of
-    # shapes this text never uses are start-up for nothing (0.2 s of a 3 s command on an H100); a shape
-    # is captured at its second use. The prefill stays eager: it runs once per text chunk, and capturing
-    # its graphs costs more start-up than it saves (their packed attention's first call imports torch's
-    # compiler).
+    # shapes this text never uses would only delay it; a shape is captured at its second use. The
+    # prefill stays eager: it runs once per text chunk, too few times to repay a capture.
     add_engine_args(p, graphs="lazy", prefill_graphs="off")
     add_sampling_args(p)
     p.set_defaults(func=cmd_synthesize)
@@ -1086,10 +1084,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def console_main() -> NoReturn:
     """The `tts` command (and `python -m tts.cli`): `main`, then exit with its code without the
-    interpreter's teardown, which only frees what the operating system frees anyway and took 0.4 s of
-    a 2.6 s `tts synthesize` on a 2-core CPU (torch's modules; on a GPU the CUDA context too: 0.3-0.5
-    s on an H100). A command's work is done when `main` returns: its output file is closed and renamed
-    into place; the logs and the standard streams are flushed here first. Never returns."""
+    interpreter's teardown, which only frees what the operating system frees anyway (torch's modules,
+    on a GPU the CUDA context) and is a noticeable part of a one-sentence command. A command's work is
+    done when `main` returns: its output file is closed and renamed into place; the logs and the
+    standard streams are flushed here first. Never returns."""
     code = main()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

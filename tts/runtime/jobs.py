@@ -290,7 +290,7 @@ class JobPipeline:
             notify,
             # A call's rows are the engine's rows plus the last pieces of streams that just ended (a
             # batch turning over): more rows would only cost graphs and memory never used, which at a
-            # small max batch is most of the codec's memory (1024-frame calls: ~5 GB for S2-Pro's). At
+            # small max batch is most of the codec's memory (a decode graph's size grows with rows). At
             # least CODEC_MIN_ROWS, so that a codec that fell behind (a slow call, a long encode)
             # drains the streams that ended meanwhile in few calls.
             max_rows=min(CODEC_MAX_ROWS, max(CODEC_MIN_ROWS, 2 * engine.config.max_batch)),
