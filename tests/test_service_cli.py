@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class ServeProcess:
-    def __init__(self, *args: str, data_home: Path | None = None):
+    def __init__(self, *args: str, data_home: Path | None = None, preexec_fn=None):
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         if data_home is not None:  # registered voices go under $XDG_DATA_HOME, not the user's home
             env["XDG_DATA_HOME"] = str(data_home)
@@ -49,6 +50,7 @@ class ServeProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=preexec_fn,
         )
         self.lines: list[str] = []
         self.serving = threading.Event()
@@ -455,3 +457,92 @@ def test_the_serving_line_says_the_device_memory_on_cuda_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 7.94 * 2**30)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 17 * 2**29)
     assert device_memory_note(torch.device("cuda", 0)) == ", device memory 7.9 GiB (peak 8.5 GiB)"
+
+
+def test_the_open_file_limit_is_raised_to_hold_the_http_connections(monkeypatch):
+    """`tts serve` raises a soft open-file limit below --max-http-connections + the reserve, up to the
+    hard limit, and keeps the cap it was given."""
+    import resource
+
+    from tts.cli import serve
+
+    calls = []
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 65536))
+    monkeypatch.setattr(resource, "setrlimit", lambda which, limits: calls.append(limits))
+    assert serve.fit_open_files(4096) == (4096, None)
+    assert calls == [(4096 + serve.OPEN_FILES_RESERVE, 65536)]
+    calls.clear()
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (8192, 8192))
+    assert serve.fit_open_files(4096) == (4096, None)  # (room enough: left alone)
+    assert calls == []
+
+
+def test_a_hard_open_file_limit_lowers_the_http_cap_with_a_warning(monkeypatch):
+    """Where the hard limit cannot hold the connections asked for, the soft limit goes up to it and
+    the cap comes down to what fits beside the reserve; a limit the system refuses to raise is read as
+    it is."""
+    import resource
+
+    from tts.cli import serve
+
+    calls = []
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 2048))
+    monkeypatch.setattr(resource, "setrlimit", lambda which, limits: calls.append(limits))
+    cap, warning = serve.fit_open_files(4096)
+    assert calls == [(2048, 2048)]
+    assert cap == 2048 - serve.OPEN_FILES_RESERVE
+    want = 4096 + serve.OPEN_FILES_RESERVE
+    assert warning == (
+        f"warning: the open-file limit (2048) holds {cap} HTTP connections, not --max-http-connections "
+        f"4096: the HTTP port answers 503 past {cap} (raise the limit: ulimit -n {want})"
+    )
+
+    def refuse(which, limits):
+        raise ValueError("not allowed")
+
+    monkeypatch.setattr(resource, "setrlimit", refuse)
+    assert serve.fit_open_files(4096)[0] == 1024 - serve.OPEN_FILES_RESERVE
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (100, 100))
+    assert serve.fit_open_files(4096)[0] == 2  # (the smallest cap the option takes)
+
+
+def test_serve_under_a_low_open_file_limit_caps_its_http_connections():
+    """A real `tts serve` whose hard open-file limit is 300: it says so at start-up and answers 503 to
+    the HTTP connection past 44 (300 less the reserve) instead of running out of files."""
+    import resource
+
+    from tts.cli.serve import OPEN_FILES_RESERVE
+
+    limit = 300
+    cap = limit - OPEN_FILES_RESERVE
+    server = ServeProcess(
+        "--model", "tiny", "--port", "0", "--metrics-port", "0", "--http-port", "0", "--wyoming-port", "-1",
+        "--max-batch", "1", "--grace", "0", "--http-read-timeout", "600",
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)),
+    )  # fmt: skip
+    try:
+        server.wait_serving()
+        assert any(
+            f"holds {cap} HTTP connections, not --max-http-connections 4096" in x for x in server.lines
+        )
+        line = next(x for x in server.lines if x.startswith("serving "))
+        host, port = re.search(r"HTTP on http://([^/:]+):(\d+)/", line).groups()
+        health = f"http://{host}:{port}/health"
+        assert urllib.request.urlopen(health, timeout=10).status == 200
+        with contextlib.ExitStack() as stack:
+            for _ in range(cap - 1):  # idle connections (uvicorn counts the next one too)
+                stack.enter_context(socket.create_connection((host, int(port)), timeout=10))
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(health, timeout=10)
+            assert err.value.code == 503
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if urllib.request.urlopen(health, timeout=10).status == 200:
+                    break
+            except urllib.error.HTTPError:
+                assert time.monotonic() < deadline, "the closed connections were never let go"
+                time.sleep(0.05)
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(timeout=60)

@@ -195,7 +195,9 @@ def add_parser(subparsers) -> None:
         type=int,
         default=4096,
         help="HTTP connections (WebSockets included) open at once on the HTTP port; the one that reaches "
-        "it is answered 503, so idle clients cannot use up the process's open files (default 4096)",
+        "it is answered 503, so idle clients cannot use up the process's open files (default 4096). The "
+        "open-file limit is raised to hold them and 256 more files; where its hard limit is lower, the cap "
+        "is lowered to fit, with a warning",
     )
     p.add_argument(
         "--max-prepare-seconds",
@@ -589,6 +591,42 @@ def check_serve_options(args: argparse.Namespace) -> None:
         )
 
 
+# Files a server holds beside its HTTP connections: the model's and the voices' files, CUDA's device
+# files, the gRPC, Wyoming and metrics sockets and their clients' connections (an idle server on a CPU
+# holds 17).
+OPEN_FILES_RESERVE = 256
+
+
+def fit_open_files(max_http_connections: int) -> tuple[int, str | None]:
+    """Make room in the process's open-file limit (RLIMIT_NOFILE) for `max_http_connections` HTTP
+    connections and OPEN_FILES_RESERVE more: a soft limit below that is raised, up to the hard limit.
+    Returns the HTTP connection cap that fits (the one asked for, or the soft limit less the reserve,
+    at least 2) and, where the cap had to be lowered, the warning line to print (else None). Without
+    the limit (`resource` is POSIX-only), the cap as asked."""
+    try:
+        import resource
+    except ImportError:
+        return max_http_connections, None
+    unlimited = resource.RLIM_INFINITY
+    want = max_http_connections + OPEN_FILES_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != unlimited and soft < want:
+        target = want if hard == unlimited else min(want, hard)
+        if target > soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                soft = target
+            except (ValueError, OSError):  # (a container may refuse even what the hard limit allows)
+                pass
+    if soft == unlimited or soft >= want:
+        return max_http_connections, None
+    cap = max(2, soft - OPEN_FILES_RESERVE)
+    return cap, (
+        f"warning: the open-file limit ({soft}) holds {cap} HTTP connections, not --max-http-connections "
+        f"{max_http_connections}: the HTTP port answers 503 past {cap} (raise the limit: ulimit -n {want})"
+    )
+
+
 def check_codec_sms(device: str, sms: int) -> None:
     """`--codec-sms N` can be had on `device` (a green context of N SMs made and let go), before the
     model loads. Raises UserError naming the option."""
@@ -642,6 +680,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_device(args.device)
     check_codec_sms(args.device, args.codec_sms)
     check_serve_ports(args)  # before the model loads: a busy port is found in a moment
+    if args.http_port != -1:
+        args.max_http_connections, files_warning = fit_open_files(args.max_http_connections)
+        if files_warning is not None:
+            print(files_warning, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     bundle = load_bundle(
         args.model,
