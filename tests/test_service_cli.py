@@ -494,7 +494,7 @@ def test_a_hard_open_file_limit_lowers_the_http_cap_with_a_warning(monkeypatch):
     want = 4096 + serve.OPEN_FILES_RESERVE
     assert warning == (
         f"warning: the open-file limit (2048) holds {cap} HTTP connections, not --max-http-connections "
-        f"4096: the HTTP port answers 503 past {cap} (raise the limit: ulimit -n {want})"
+        f"4096: the HTTP port takes {cap} at once (raise the limit: ulimit -n {want})"
     )
 
     def refuse(which, limits):
@@ -507,8 +507,9 @@ def test_a_hard_open_file_limit_lowers_the_http_cap_with_a_warning(monkeypatch):
 
 
 def test_serve_under_a_low_open_file_limit_caps_its_http_connections():
-    """A real `tts serve` whose hard open-file limit is 300: it says so at start-up and answers 503 to
-    the HTTP connection past 44 (300 less the reserve) instead of running out of files."""
+    """A real `tts serve` whose hard open-file limit is 300: it says so at start-up, and its HTTP cap is
+    44 (300 less the reserve): the 44th connection open at once is answered 503, as the option's own
+    cap does, instead of the process running out of files."""
     import resource
 
     from tts.cli.serve import OPEN_FILES_RESERVE

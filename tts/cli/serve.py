@@ -623,7 +623,7 @@ def fit_open_files(max_http_connections: int) -> tuple[int, str | None]:
     cap = max(2, soft - OPEN_FILES_RESERVE)
     return cap, (
         f"warning: the open-file limit ({soft}) holds {cap} HTTP connections, not --max-http-connections "
-        f"{max_http_connections}: the HTTP port answers 503 past {cap} (raise the limit: ulimit -n {want})"
+        f"{max_http_connections}: the HTTP port takes {cap} at once (raise the limit: ulimit -n {want})"
     )
 
 
