@@ -244,6 +244,14 @@ class Planner:
         """A paced model's runaway budget for a chunk of `text_tokens` tokens, in frames."""
         return math.floor(PACE_BUDGET * self.expected_frames(text_tokens))  # (never over PACE_BUDGET x)
 
+    def chunk_budget(self, budget: int, text_tokens: int | None, min_new_frames: int) -> int:
+        """A chunk's frame budget: `budget` (the request's and the runaway guard's), for a paced model
+        cut to `paced_budget` of its `text_tokens` (None: not known), never below `min_new_frames` (as
+        many as the request asked for)."""
+        if text_tokens is None or not self.paced():
+            return budget
+        return min(budget, max(self.paced_budget(text_tokens), min_new_frames))
+
     def end_floor(self, span: tuple[int, int] | None) -> int:
         """Frames before which a paced model's end token is refused for a chunk whose text is the
         prompt's `span` (0: no floor)."""
@@ -422,8 +430,7 @@ class Planner:
                 if end <= start:
                     warnings.append(left_out(chunk_text))
                     continue
-                if self.paced():
-                    budget = min(budget, max(self.paced_budget(end - start), min_new_frames))
+                budget = self.chunk_budget(budget, end - start, min_new_frames)
             else:
                 prompt = fmt.build(chunk_text, references, [])
             kept.append((chunk_text, budget, prompt))

@@ -542,8 +542,7 @@ class Session:
             except Exception:  # noqa: BLE001 - the job reports bad text itself
                 text_tokens = None
         budget = min(self.params.max_new_frames, planner.guard_frames(text))
-        if text_tokens is not None and planner.paced():  # (as `Planner.job` budgets a request's chunk)
-            budget = min(budget, max(planner.paced_budget(text_tokens), self.params.min_new_frames))
+        budget = planner.chunk_budget(budget, text_tokens, self.params.min_new_frames)
         params = replace(self.params, seed=self._seed(index))
         spec = SynthesisJob(
             [text],
