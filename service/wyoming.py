@@ -35,7 +35,9 @@ draining, a job that fails) gets one `error {text, code}` event, where `code` is
 `deadline_exceeded`, `no_audio`, `error`); then the server closes the connection, having cancelled its
 job (a client reading for `audio-stop` or `synthesize-stopped` would otherwise wait forever). A client
 that disconnects (end of its stream) cancels its job: the engine frees its row and KV blocks at the next
-step. A client that stops reading pauses its job (back-pressure, as on the other fronts).
+step. A client that stops reading pauses its job (back-pressure, as on the other fronts). At most
+`ServiceLimits.max_wyoming_connections` are open (the next one gets `resource_exhausted` and is closed);
+one with no synthesis in progress and no complete event for `wyoming_idle_timeout` seconds is closed.
 
 Each synthesis (one-shot or stream) and each refused event is one request in `tts_requests_total{outcome}`
 and one log line (`rpc=wyoming` / `rpc=wyoming-stream`).
@@ -424,11 +426,15 @@ class _Connection:
         self.call: CallLog | None = None
         self.speaker: asyncio.Task | None = None
         self.ended = False  # an error was answered: the connection closes
+        self.idle_since = time.monotonic()  # the last event, or the end of the last synthesis
 
     async def run(self) -> None:
+        idle = self.front.limits.wyoming_idle_timeout
+        watch = asyncio.ensure_future(self._close_when_idle(idle)) if idle else None
         try:
             while not self.ended:
                 kind, data = await read_event(self.reader, self.front.max_event_bytes)
+                self.idle_since = time.monotonic()
                 await self._handle(kind, data)
         except (ClientGone, ConnectionError):
             pass
@@ -438,6 +444,8 @@ class _Connection:
             log.exception("wyoming: handling an event from %s failed", self.peer)
             await self._fail(exc)
         finally:
+            if watch is not None:
+                watch.cancel()
             self._end_synthesis("cancelled")  # (the client left mid-synthesis; else a no-op)
             if self.speaker is not None:
                 self.speaker.cancel()
@@ -490,6 +498,20 @@ class _Connection:
                 "synthesize-chunk, synthesize-stop, ping, select-program)"
             )
 
+    async def _close_when_idle(self, seconds: float) -> None:
+        """Close the connection once it has had no synthesis in progress and no complete event for
+        `seconds` (a client that connects and sends nothing, or half an event, holds a file otherwise)."""
+        while not self.ended:
+            if self.jobs is not None:
+                wait = seconds  # (the clock starts when the synthesis ends)
+            else:
+                wait = self.idle_since + seconds - time.monotonic()
+                if wait <= 0:
+                    log.debug("wyoming: closing %s, idle for %g s", self.peer, seconds)
+                    self.writer.transport.abort()  # (the reader sees the end and the connection ends)
+                    return
+            await asyncio.sleep(wait)
+
     def _check_idle(self, kind: str) -> None:
         if self.jobs is not None:
             raise InvalidRequest(f"{kind} while a synthesis is still speaking: one at a time per connection")
@@ -539,6 +561,7 @@ class _Connection:
         unless it ended; the connection is ready for the next request."""
         jobs, call = self.jobs, self.call
         self.jobs, self.call, self.streaming = None, None, False
+        self.idle_since = time.monotonic()
         if jobs is not None:
             jobs.abort()
         if call is None or call.logged:
@@ -704,9 +727,14 @@ class WyomingFront:
         writer.transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
         task = asyncio.current_task()
         assert task is not None
+        connection = _Connection(self, reader, writer)
+        if len(self._connections) >= self.limits.max_wyoming_connections:
+            n = self.limits.max_wyoming_connections
+            await connection._fail(Overloaded(f"{n} Wyoming connections are open; try again later"))
+            return
         self._connections.add(task)
         try:
-            await _Connection(self, reader, writer).run()
+            await connection.run()
         finally:
             self._connections.discard(task)
 

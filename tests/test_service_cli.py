@@ -269,6 +269,11 @@ BAD_OPTIONS = [
     (["serve", "--grace", "nan"], "--grace must be a number of seconds >= 0, got nan"),
     (["serve", "--http-read-timeout", "0"], "--http-read-timeout must be a number of seconds > 0, got 0"),
     (["serve", "--max-http-connections", "1"], "--max-http-connections must be >= 2, got 1"),
+    (["serve", "--max-wyoming-connections", "0"], "--max-wyoming-connections must be >= 1, got 0"),
+    (
+        ["serve", "--wyoming-idle-timeout", "-1"],
+        "--wyoming-idle-timeout must be a number of seconds >= 0, got -1",
+    ),
     (["serve", "--max-prepare-seconds", "0"], "--max-prepare-seconds must be a number of seconds > 0, got 0"),
     (["serve", "--max-reference-mb", "0"], "--max-reference-mb must be in (0, 2046], got 0"),
     (["serve", "--max-reference-mb", "inf"], "--max-reference-mb must be in (0, 2046], got inf"),
@@ -504,6 +509,9 @@ def test_a_hard_open_file_limit_lowers_the_http_cap_with_a_warning(monkeypatch):
     assert serve.fit_open_files(4096)[0] == 1024 - serve.OPEN_FILES_RESERVE
     monkeypatch.setattr(resource, "getrlimit", lambda which: (100, 100))
     assert serve.fit_open_files(4096)[0] == 2  # (the smallest cap the option takes)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (2048, 2048))
+    cap, warning = serve.fit_open_files(4096, 512)  # (the Wyoming port's connections come first)
+    assert cap == 2048 - 512 - serve.OPEN_FILES_RESERVE and "ulimit -n 4864" in warning
 
 
 def test_serve_under_a_low_open_file_limit_caps_its_http_connections():

@@ -464,3 +464,88 @@ def test_shutdown_ends_an_open_stream_with_an_error_and_closes(bundle):
         srv.stop()
     error = Error.from_event(events[-1])
     assert error.code == "unavailable" and "shut down" in error.text, error.text
+
+
+# ---- connections: the cap and the idle timeout -------------------------------------------------------
+
+
+def test_the_connection_past_the_cap_gets_an_error_and_the_next_one_is_served(bundle):
+    """Two connections at most: the third is answered `resource_exhausted` and closed, while the two
+    open ones keep working; once one closes, a new one is served."""
+    limits = ServiceLimits(max_wyoming_connections=2, wyoming_idle_timeout=None)
+    srv = ServerThread(bundle, EngineConfig(max_batch=1), limits, wyoming_port=0)
+    port = srv.server.wyoming_port
+
+    async def describe(client: AsyncTcpClient) -> str:
+        await client.write_event(Describe().event())
+        return (await read_until(client, "info", "error"))[-1].type
+
+    async def scenario():
+        async with AsyncTcpClient("127.0.0.1", port) as a, AsyncTcpClient("127.0.0.1", port) as b:
+            assert [await describe(a), await describe(b)] == ["info", "info"]  # (both accepted)
+            async with AsyncTcpClient("127.0.0.1", port) as c:
+                refused = await read_until(c, "error")
+                assert await c.read_event() is None  # (closed)
+            assert await describe(a) == "info"
+        async with AsyncTcpClient("127.0.0.1", port) as d:
+            assert await describe(d) == "info"
+        return refused
+
+    try:
+        before = count(srv, "resource_exhausted")
+        refused = run(scenario())
+        assert [e.type for e in refused] == ["error"]
+        error = Error.from_event(refused[0])
+        assert error.code == "resource_exhausted" and "2 Wyoming connections are open" in error.text
+        assert count(srv, "resource_exhausted") == before + 1
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def brief():
+    """Idle connections close after 0.2 s; one row, one session, every job HOLD_FRAMES frames."""
+    limits = ServiceLimits(max_waiting=0, max_queued_chunks=2, max_sessions=1, wyoming_idle_timeout=0.2)
+    srv = ServerThread(
+        fixed_frames(load_bundle("tiny"), HOLD_FRAMES), EngineConfig(max_batch=1), limits, wyoming_port=0
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("sent", [b"", b'{"type": "synthesize", "data_length": 40}\n{"text": '])
+def test_an_idle_connection_is_closed(brief, sent):
+    """A client that sends nothing, or half an event, is disconnected after the idle timeout."""
+
+    async def scenario():
+        reader, writer = await raw_connection(brief.server.wyoming_port)
+        writer.write(sent)
+        await writer.drain()
+        rest = await reader.read()  # (the end of the stream: the server closed it)
+        writer.close()
+        return rest
+
+    assert run(scenario()) == b""
+
+
+def test_the_idle_timeout_waits_for_the_synthesis_and_counts_from_its_end(brief):
+    """A synthesis in progress keeps its connection however long it takes (here a held stream, paused
+    by a client that does not read, for five times the timeout); once a synthesis has ended, the
+    connection closes after the timeout with nothing more sent."""
+
+    async def scenario():
+        reader, writer = await held_stream(brief)()
+        await asyncio.to_thread(wait_for, lambda: brief.loop.stats.paused == 1, "the held job to pause")
+        await asyncio.sleep(1.0)
+        held = brief.loop.sessions_open == 1 and not writer.transport.is_closing()
+        writer.transport.abort()
+        await asyncio.to_thread(wait_idle, brief.loop)
+        async with AsyncTcpClient("127.0.0.1", brief.server.wyoming_port) as client:
+            await client.write_event(Synthesize(text="Short.").event())
+            spoken = await read_until(client, "audio-stop", "error")
+            after = await client.read_event()  # (nothing more: the connection closes)
+        return held, spoken, after
+
+    held, spoken, after = run(scenario())
+    assert held
+    assert spoken[-1].type == "audio-stop" and after is None

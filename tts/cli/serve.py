@@ -200,6 +200,21 @@ def add_parser(subparsers) -> None:
         "is lowered to fit, with a warning",
     )
     p.add_argument(
+        "--max-wyoming-connections",
+        type=int,
+        default=256,
+        help="Wyoming connections open at once; the one that reaches it gets an error event "
+        "(resource_exhausted) and is closed (default 256; with --http-port on, the open-file limit is "
+        "raised to hold them too)",
+    )
+    p.add_argument(
+        "--wyoming-idle-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a Wyoming connection may stay open with no synthesis in progress and no complete "
+        "event before the server closes it (default 60; 0 = never)",
+    )
+    p.add_argument(
         "--max-prepare-seconds",
         type=float,
         default=10.0,
@@ -560,6 +575,9 @@ def check_serve_options(args: argparse.Namespace) -> None:
     check_seconds("--http-read-timeout", args.http_read_timeout, zero_ok=False)
     n = args.max_http_connections
     require(n >= 2, f"--max-http-connections must be >= 2, got {n}")
+    n = args.max_wyoming_connections
+    require(n >= 1, f"--max-wyoming-connections must be >= 1, got {n}")
+    check_seconds("--wyoming-idle-timeout", args.wyoming_idle_timeout, zero_ok=True)
     check_seconds("--max-prepare-seconds", args.max_prepare_seconds, zero_ok=False)
     check_seconds("--max-audio-seconds", args.max_audio_seconds, zero_ok=True)
     require(
@@ -597,18 +615,19 @@ def check_serve_options(args: argparse.Namespace) -> None:
 OPEN_FILES_RESERVE = 256
 
 
-def fit_open_files(max_http_connections: int) -> tuple[int, str | None]:
+def fit_open_files(max_http_connections: int, other_connections: int = 0) -> tuple[int, str | None]:
     """Make room in the process's open-file limit (RLIMIT_NOFILE) for `max_http_connections` HTTP
-    connections and OPEN_FILES_RESERVE more: a soft limit below that is raised, up to the hard limit.
-    Returns the HTTP connection cap that fits (the one asked for, or the soft limit less the reserve,
-    at least 2) and, where the cap had to be lowered, the warning line to print (else None). Without
-    the limit (`resource` is POSIX-only), the cap as asked."""
+    connections, `other_connections` more (the Wyoming port's cap) and OPEN_FILES_RESERVE files: a soft
+    limit below that is raised, up to the hard limit. Returns the HTTP connection cap that fits (the one
+    asked for, or the soft limit less the others and the reserve, at least 2) and, where the cap had to
+    be lowered, the warning line to print (else None). Without the limit (`resource` is POSIX-only), the
+    cap as asked."""
     try:
         import resource
     except ImportError:
         return max_http_connections, None
     unlimited = resource.RLIM_INFINITY
-    want = max_http_connections + OPEN_FILES_RESERVE
+    want = max_http_connections + other_connections + OPEN_FILES_RESERVE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != unlimited and soft < want:
         target = want if hard == unlimited else min(want, hard)
@@ -620,7 +639,7 @@ def fit_open_files(max_http_connections: int) -> tuple[int, str | None]:
                 pass
     if soft == unlimited or soft >= want:
         return max_http_connections, None
-    cap = max(2, soft - OPEN_FILES_RESERVE)
+    cap = max(2, soft - other_connections - OPEN_FILES_RESERVE)
     return cap, (
         f"warning: the open-file limit ({soft}) holds {cap} HTTP connections, not --max-http-connections "
         f"{max_http_connections}: the HTTP port takes {cap} at once (raise the limit: ulimit -n {want})"
@@ -681,7 +700,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_codec_sms(args.device, args.codec_sms)
     check_serve_ports(args)  # before the model loads: a busy port is found in a moment
     if args.http_port != -1:
-        args.max_http_connections, files_warning = fit_open_files(args.max_http_connections)
+        wyoming = args.max_wyoming_connections if args.wyoming_port != -1 else 0
+        args.max_http_connections, files_warning = fit_open_files(args.max_http_connections, wyoming)
         if files_warning is not None:
             print(files_warning, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
@@ -721,6 +741,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_connection_age_grace=args.max_connection_age_grace,
         http_read_timeout=args.http_read_timeout,
         max_http_connections=args.max_http_connections,
+        max_wyoming_connections=args.max_wyoming_connections,
+        wyoming_idle_timeout=args.wyoming_idle_timeout or None,
         max_prepare_seconds=args.max_prepare_seconds,
         max_sessions=args.max_sessions,
     )
