@@ -68,6 +68,10 @@ class ServiceLimits:
     beyond, opening one is refused with RESOURCE_EXHAUSTED.
     max_http_connections: HTTP connections (WebSockets included) open at once on the HTTP port; a
     connection that reaches it is answered 503, so idle clients cannot use up the process's files.
+    max_grpc_connections: gRPC client connections open at once; one past it is closed before its first
+    call, which fails UNAVAILABLE (the client retries). max_connection_idle: seconds a gRPC connection
+    with no call open may stay before the server asks it to go away (GOAWAY; a client reconnects for its
+    next call), None: never.
     max_wyoming_connections: Wyoming connections open at once; the one that reaches it gets an error event
     (`resource_exhausted`) and is closed. wyoming_idle_timeout: seconds a Wyoming connection may stay
     with no synthesis in progress and no complete event before the server closes it (None: never).
@@ -92,6 +96,8 @@ class ServiceLimits:
     max_prepare_seconds: float = 10.0
     max_sessions: int = DEFAULT_MAX_SESSIONS
     max_http_connections: int = 4096
+    max_grpc_connections: int = 1024
+    max_connection_idle: float | None = 300.0
     max_wyoming_connections: int = 256
     wyoming_idle_timeout: float | None = 60.0
 

@@ -125,12 +125,17 @@ except ImportError:  # pragma: no cover - another grpc build: its public base cl
 
 
 def grpc_options(limits: ServiceLimits) -> list[tuple[str, int]]:
-    """The gRPC server's channel arguments for `limits` (message sizes, connection age)."""
+    """The gRPC server's channel arguments for `limits` (message sizes, connections, their age and idle
+    time)."""
     options = [
         ("grpc.max_receive_message_length", limits.receive_bytes),
         ("grpc.max_send_message_length", limits.max_send_bytes),
         ("grpc.so_reuseport", 0),  # a busy port is an error, not a silently shared one
+        # (gRPC core's connection quota: idle clients cannot use up the process's open files)
+        ("grpc.max_allowed_incoming_connections", limits.max_grpc_connections),
     ]
+    if limits.max_connection_idle:
+        options.append(("grpc.max_connection_idle_ms", max(1, round(limits.max_connection_idle * 1000))))
     if limits.max_connection_age:
         options.append(("grpc.max_connection_age_ms", max(1, round(limits.max_connection_age * 1000))))
         if limits.max_connection_age_grace is not None:

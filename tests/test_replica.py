@@ -161,3 +161,41 @@ def test_grpc_options_carry_the_connection_age():
     )
     options = dict(grpc_options(ServiceLimits()))
     assert "grpc.max_connection_age_ms" not in options and "grpc.max_connection_age_grace_ms" not in options
+    assert options["grpc.max_allowed_incoming_connections"] == 1024
+    assert options["grpc.max_connection_idle_ms"] == 300_000
+    assert "grpc.max_connection_idle_ms" not in dict(grpc_options(ServiceLimits(max_connection_idle=None)))
+
+
+def test_a_connection_past_the_grpc_cap_is_refused_and_the_next_one_served(bundle):
+    """Two gRPC connections at most: a third client's call fails UNAVAILABLE while the two are open, and
+    succeeds once one of them has closed (each channel its own connection: no shared subchannel)."""
+    srv = ServerThread(bundle, EngineConfig(max_batch=1), ServiceLimits(max_grpc_connections=2))
+
+    def channel():
+        return srv.channel(**{"grpc.use_local_subchannel_pool": 1})
+
+    def check(ch) -> int:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30).status
+
+    a, b, c = channel(), channel(), channel()
+    try:
+        assert [check(a), check(b)] == [SERVING, SERVING]
+        with pytest.raises(grpc.RpcError) as refused:
+            check(c)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        a.close()
+        deadline = time.monotonic() + 60  # (the server frees the slot when it sees the close)
+        while True:
+            d = channel()
+            try:
+                assert check(d) == SERVING
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, "the freed connection was never taken"
+            finally:
+                d.close()
+        assert check(b) == SERVING
+    finally:
+        for ch in (a, b, c):
+            ch.close()
+        srv.stop()

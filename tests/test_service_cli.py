@@ -270,6 +270,11 @@ BAD_OPTIONS = [
     (["serve", "--http-read-timeout", "0"], "--http-read-timeout must be a number of seconds > 0, got 0"),
     (["serve", "--max-http-connections", "1"], "--max-http-connections must be >= 2, got 1"),
     (["serve", "--max-wyoming-connections", "0"], "--max-wyoming-connections must be >= 1, got 0"),
+    (["serve", "--max-grpc-connections", "0"], "--max-grpc-connections must be >= 1, got 0"),
+    (
+        ["serve", "--max-connection-idle", "-1"],
+        "--max-connection-idle must be a number of seconds >= 0, got -1",
+    ),
     (
         ["serve", "--wyoming-idle-timeout", "-1"],
         "--wyoming-idle-timeout must be a number of seconds >= 0, got -1",
@@ -516,17 +521,17 @@ def test_a_hard_open_file_limit_lowers_the_http_cap_with_a_warning(monkeypatch):
 
 def test_serve_under_a_low_open_file_limit_caps_its_http_connections():
     """A real `tts serve` whose hard open-file limit is 300: it says so at start-up, and its HTTP cap is
-    44 (300 less the reserve): the 44th connection open at once is answered 503, as the option's own
-    cap does, instead of the process running out of files."""
+    36 (300 less gRPC's 8 and the reserve): the 36th connection open at once is answered 503, as the
+    option's own cap does, instead of the process running out of files."""
     import resource
 
     from tts.cli.serve import OPEN_FILES_RESERVE
 
-    limit = 300
-    cap = limit - OPEN_FILES_RESERVE
+    limit, grpc = 300, 8
+    cap = limit - grpc - OPEN_FILES_RESERVE
     server = ServeProcess(
         "--model", "tiny", "--port", "0", "--metrics-port", "0", "--http-port", "0", "--wyoming-port", "-1",
-        "--max-batch", "1", "--grace", "0", "--http-read-timeout", "600",
+        "--max-batch", "1", "--grace", "0", "--http-read-timeout", "600", "--max-grpc-connections", str(grpc),
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)),
     )  # fmt: skip
     try:

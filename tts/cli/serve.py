@@ -141,6 +141,20 @@ def add_parser(subparsers) -> None:
         "(default: as long as they need)",
     )
     p.add_argument(
+        "--max-connection-idle",
+        type=float,
+        default=300.0,
+        help="seconds a gRPC connection with no call open may stay before it is asked to go away (HTTP/2 "
+        "GOAWAY; the client reconnects for its next call) (default 300; 0 = never)",
+    )
+    p.add_argument(
+        "--max-grpc-connections",
+        type=int,
+        default=1024,
+        help="gRPC client connections open at once; one past it is closed before its first call, which "
+        "fails UNAVAILABLE (default 1024; the open-file limit is raised to hold them)",
+    )
+    p.add_argument(
         "--replica-name",
         default=None,
         help="this process's name in stream headers, GetInfo, the X-Replica header and /load (default "
@@ -600,6 +614,9 @@ def check_serve_options(args: argparse.Namespace) -> None:
     check_seconds("--drain-delay", args.drain_delay, zero_ok=True)
     check_seconds("--max-connection-age", args.max_connection_age, zero_ok=True)
     check_seconds("--max-connection-age-grace", args.max_connection_age_grace, zero_ok=True)
+    check_seconds("--max-connection-idle", args.max_connection_idle, zero_ok=True)
+    n = args.max_grpc_connections
+    require(n >= 1, f"--max-grpc-connections must be >= 1, got {n}")
     if args.max_connection_age_grace is not None and not args.max_connection_age:
         raise UserError("--max-connection-age-grace needs --max-connection-age")
     if args.replica_name is not None and not REPLICA_NAME.fullmatch(args.replica_name):
@@ -609,19 +626,19 @@ def check_serve_options(args: argparse.Namespace) -> None:
         )
 
 
-# Files a server holds beside its HTTP connections: the model's and the voices' files, CUDA's device
-# files, the gRPC, Wyoming and metrics sockets and their clients' connections (an idle server on a CPU
-# holds 17).
+# Files a server holds beside its clients' gRPC, HTTP and Wyoming connections: the model's and the
+# voices' files, CUDA's device files, the listening sockets, the metrics port's clients (an idle server on
+# a CPU holds 17).
 OPEN_FILES_RESERVE = 256
 
 
 def fit_open_files(max_http_connections: int, other_connections: int = 0) -> tuple[int, str | None]:
     """Make room in the process's open-file limit (RLIMIT_NOFILE) for `max_http_connections` HTTP
-    connections, `other_connections` more (the Wyoming port's cap) and OPEN_FILES_RESERVE files: a soft
-    limit below that is raised, up to the hard limit. Returns the HTTP connection cap that fits (the one
-    asked for, or the soft limit less the others and the reserve, at least 2) and, where the cap had to
-    be lowered, the warning line to print (else None). Without the limit (`resource` is POSIX-only), the
-    cap as asked."""
+    connections, `other_connections` more (the gRPC and Wyoming ports' caps) and OPEN_FILES_RESERVE
+    files: a soft limit below that is raised, up to the hard limit. Returns the HTTP connection cap that
+    fits (the one asked for, or the soft limit less the others and the reserve, at least 2) and, where
+    the cap had to be lowered, the warning line to print (else None). Without the limit (`resource` is
+    POSIX-only), the cap as asked."""
     try:
         import resource
     except ImportError:
@@ -699,9 +716,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_device(args.device)
     check_codec_sms(args.device, args.codec_sms)
     check_serve_ports(args)  # before the model loads: a busy port is found in a moment
-    if args.http_port != -1:
-        wyoming = args.max_wyoming_connections if args.wyoming_port != -1 else 0
-        args.max_http_connections, files_warning = fit_open_files(args.max_http_connections, wyoming)
+    http = args.max_http_connections if args.http_port != -1 else 0
+    others = args.max_grpc_connections + (args.max_wyoming_connections if args.wyoming_port != -1 else 0)
+    cap, files_warning = fit_open_files(http, others)
+    if http:  # (only the HTTP cap comes down to fit: gRPC's and Wyoming's are taken as asked)
+        args.max_http_connections = cap
         if files_warning is not None:
             print(files_warning, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
@@ -738,6 +757,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         reference_cache_bytes=int(args.reference_cache_mb * MiB),
         voices_dir=voices_dir,
         max_connection_age=args.max_connection_age or None,
+        max_connection_idle=args.max_connection_idle or None,
+        max_grpc_connections=args.max_grpc_connections,
         max_connection_age_grace=args.max_connection_age_grace,
         http_read_timeout=args.http_read_timeout,
         max_http_connections=args.max_http_connections,
