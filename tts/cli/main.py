@@ -601,6 +601,16 @@ def request_rule(rule, *values) -> None:
         raise UserError(error_line(exc)) from exc
 
 
+def prepare_kernels(device: str) -> Callable[[], None]:
+    """On CUDA, start preparing the Triton kernels' first launch in the background (see
+    `tts.model.kernels.prepare_triton_in_background`); returns the function that waits for it."""
+    if not device.startswith("cuda"):
+        return lambda: None
+    from tts.model.kernels import prepare_triton_in_background
+
+    return prepare_triton_in_background()
+
+
 def cmd_synthesize(args: argparse.Namespace) -> int:
     from tts.api import TTS
     from tts.checkpoints.load import load_bundle
@@ -623,6 +633,7 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     SamplingParams(**{k: v for k, v in sampling_kwargs(args).items() if v is not None}).validate()
 
     t_load = time.perf_counter()
+    kernels_ready = prepare_kernels(args.device)  # (overlaps the load; waited for before synthesis)
     bundle = load_bundle(
         args.model,
         device=args.device,
@@ -659,6 +670,7 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
         elif plain_progress is not None:
             plain_progress(frames, chunk, n_chunks)
 
+    kernels_ready()
     result = tts.synthesize(plan, progress=progress)
     if progress_bar is not None:
         progress_bar.n = len(plan.chunks)

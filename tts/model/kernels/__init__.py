@@ -3,6 +3,9 @@ CPU path and its test reference. `TTS_FUSED_KERNELS=0` turns them off (plain tor
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import torch
 
 from tts.environment import FUSED_KERNELS
@@ -54,3 +57,25 @@ def snake_ops():
     from tts.model.kernels import snake
 
     return snake
+
+
+def prepare_triton_in_background() -> Callable[[], None]:
+    """Start, in a daemon thread, what the first Triton launch of a process does before anything else:
+    import Triton and compute its cache key (a hash of Triton's own sources and library, ~0.35 s on a
+    Hopper host), so that a one-shot command does it while its model loads. Returns the function that
+    waits for it: call it before the first launch (a launch that comes first computes the key again
+    itself: correct, only slower). Where Triton is absent or the kernels are off, nothing starts and the
+    function returns at once."""
+    if not (_ENABLED and triton_available()):
+        return lambda: None
+
+    def prepare() -> None:
+        try:
+            from triton.runtime.cache import triton_key  # (Triton's own memoized key of itself)
+        except ImportError:
+            return
+        triton_key()
+
+    thread = threading.Thread(target=prepare, name="triton-key", daemon=True)
+    thread.start()
+    return thread.join
