@@ -311,6 +311,15 @@ def test_export_averages_several_runs_weights_and_names_the_teacher(tmp_path):
         assert export.VOICE_TEACHERS[key][0] == name  # (the family string's name)
 
 
+def test_export_writes_a_trial_models_samples_beside_it_not_over_the_shipped_ones(tmp_path):
+    import export
+
+    assert export.samples_dir(tmp_path / "trial", None) == tmp_path / "trial" / "samples"
+    shipped = ROOT / "tts" / "assets" / "default"
+    assert export.samples_dir(shipped, None) == ROOT / "samples" / "voices"
+    assert export.samples_dir(tmp_path / "trial", tmp_path / "s") == tmp_path / "s"
+
+
 def test_export_parses_the_aligner_heads_of_the_model():
     import export
 

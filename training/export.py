@@ -15,7 +15,8 @@ prompt format, sampling defaults, and with `--aligner` the heads the loop guard 
 safetensors shards under 15 MB (the runtime casts them to its dtype), tokenizer.json, codec.json +
 codec.safetensors, and one preset voice per corpus speaker in voices/ (a 2.5-4.5 s training clip of that
 speaker: its codes and its normalized transcript; with `--voices-from BUNDLE`, that bundle's voices),
-plus the clips' WAVs decoded by the codec in samples/voices/ (`--samples`).
+plus the clips' WAVs decoded by the codec in samples/voices/ (`--samples`; DEST/samples for another
+--dest).
 """
 
 from __future__ import annotations
@@ -113,6 +114,15 @@ def parse_aligner(text: str, args: ModelArgs) -> AlignerSpec:
     return spec
 
 
+def samples_dir(dest: Path, samples: Path | None) -> Path:
+    """Where the preset voices' WAVs go: `samples` if given, else the repository's samples/voices/ when
+    `dest` is the shipped bundle, else DEST/samples."""
+    if samples is not None:
+        return samples
+    shipped = dest.resolve() == (ROOT / "tts" / "assets" / "default").resolve()
+    return ROOT / "samples" / "voices" if shipped else dest / "samples"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -156,8 +166,15 @@ def main() -> None:
         help="the synthesizer that spoke the corpus (default: WORK/sentences.jsonl's)",
     )
     p.add_argument("--dest", type=Path, default=ROOT / "tts" / "assets" / "default")
-    p.add_argument("--samples", type=Path, default=ROOT / "samples" / "voices")
+    p.add_argument(
+        "--samples",
+        type=Path,
+        default=None,
+        help="where the preset voices' decoded WAVs go (default: the repository's samples/voices/ for "
+        "the shipped --dest, else DEST/samples: exporting a trial model leaves the shipped samples alone)",
+    )
     a = p.parse_args()
+    a.samples = samples_dir(a.dest, a.samples)
     last = a.trained[-1]  # (the run's final output: its config and step describe the bundle)
     raw = json.loads((last / "config.json").read_text())
     for t in a.trained[:-1]:
