@@ -69,10 +69,10 @@ class ServiceLimits:
     max_http_connections: HTTP connections (WebSockets included) open at once on the HTTP port; a
     connection that reaches it is answered 503, so idle clients cannot use up the process's files.
     max_grpc_connections: gRPC client connections open at once; one past it is closed before its first
-    call, which fails UNAVAILABLE (the client retries). max_connection_idle: seconds a gRPC connection
+    call, which fails UNAVAILABLE. max_connection_idle: seconds a gRPC connection
     with no call open may stay before the server asks it to go away (GOAWAY; a client reconnects for its
     next call), None: never.
-    max_wyoming_connections: Wyoming connections open at once; the one that reaches it gets an error event
+    max_wyoming_connections: Wyoming connections open at once; one more gets an error event
     (`resource_exhausted`) and is closed. wyoming_idle_timeout: seconds a Wyoming connection may stay
     with no synthesis in progress and no complete event before the server closes it (None: never).
     """

@@ -469,9 +469,12 @@ def test_the_serving_line_says_the_device_memory_on_cuda_only(monkeypatch):
     assert device_memory_note(torch.device("cuda", 0)) == ", device memory 7.9 GiB (peak 8.5 GiB)"
 
 
-def test_the_open_file_limit_is_raised_to_hold_the_http_connections(monkeypatch):
-    """`tts serve` raises a soft open-file limit below --max-http-connections + the reserve, up to the
-    hard limit, and keeps the cap it was given."""
+HTTP, GRPC = "--max-http-connections", "--max-grpc-connections"
+
+
+def test_the_open_file_limit_is_raised_to_hold_the_connection_caps(monkeypatch):
+    """`tts serve` raises a soft open-file limit below its connection caps + the reserve, up to the
+    hard limit, and keeps the caps it was given."""
     import resource
 
     from tts.cli import serve
@@ -479,18 +482,19 @@ def test_the_open_file_limit_is_raised_to_hold_the_http_connections(monkeypatch)
     calls = []
     monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 65536))
     monkeypatch.setattr(resource, "setrlimit", lambda which, limits: calls.append(limits))
-    assert serve.fit_open_files(4096) == (4096, None)
-    assert calls == [(4096 + serve.OPEN_FILES_RESERVE, 65536)]
+    caps = {HTTP: (4096, 2), GRPC: (1024, 1)}
+    assert serve.fit_open_files(caps) == ({HTTP: 4096, GRPC: 1024}, None)
+    assert calls == [(4096 + 1024 + serve.OPEN_FILES_RESERVE, 65536)]
     calls.clear()
     monkeypatch.setattr(resource, "getrlimit", lambda which: (8192, 8192))
-    assert serve.fit_open_files(4096) == (4096, None)  # (room enough: left alone)
+    assert serve.fit_open_files(caps) == ({HTTP: 4096, GRPC: 1024}, None)  # (room enough: left alone)
     assert calls == []
 
 
-def test_a_hard_open_file_limit_lowers_the_http_cap_with_a_warning(monkeypatch):
+def test_a_hard_open_file_limit_lowers_every_cap_in_proportion_with_a_warning(monkeypatch):
     """Where the hard limit cannot hold the connections asked for, the soft limit goes up to it and
-    the cap comes down to what fits beside the reserve; a limit the system refuses to raise is read as
-    it is."""
+    every cap comes down in proportion to what fits beside the reserve, not below its smallest; a limit
+    the system refuses to raise is read as it is."""
     import resource
 
     from tts.cli import serve
@@ -498,37 +502,36 @@ def test_a_hard_open_file_limit_lowers_the_http_cap_with_a_warning(monkeypatch):
     calls = []
     monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 2048))
     monkeypatch.setattr(resource, "setrlimit", lambda which, limits: calls.append(limits))
-    cap, warning = serve.fit_open_files(4096)
+    caps = {HTTP: (3072, 2), GRPC: (1024, 1)}
+    fitted, warning = serve.fit_open_files(caps)
     assert calls == [(2048, 2048)]
-    assert cap == 2048 - serve.OPEN_FILES_RESERVE
-    want = 4096 + serve.OPEN_FILES_RESERVE
+    room = 2048 - serve.OPEN_FILES_RESERVE  # 1792 of 4096 asked: each cap times 1792 / 4096
+    assert fitted == {HTTP: 1344, GRPC: 448} and sum(fitted.values()) == room
     assert warning == (
-        f"warning: the open-file limit (2048) holds {cap} HTTP connections, not --max-http-connections "
-        f"4096: the HTTP port takes {cap} at once (raise the limit: ulimit -n {want})"
+        f"warning: the open-file limit (2048) holds {room} connections beside the server's own files, not "
+        f"4096: --max-http-connections 1344, --max-grpc-connections 448 (raise the limit: ulimit -n "
+        f"{4096 + serve.OPEN_FILES_RESERVE})"
     )
 
     def refuse(which, limits):
         raise ValueError("not allowed")
 
     monkeypatch.setattr(resource, "setrlimit", refuse)
-    assert serve.fit_open_files(4096)[0] == 1024 - serve.OPEN_FILES_RESERVE
+    assert serve.fit_open_files(caps)[0] == {HTTP: 576, GRPC: 192}  # (1024 less the reserve: 768)
     monkeypatch.setattr(resource, "getrlimit", lambda which: (100, 100))
-    assert serve.fit_open_files(4096)[0] == 2  # (the smallest cap the option takes)
-    monkeypatch.setattr(resource, "getrlimit", lambda which: (2048, 2048))
-    cap, warning = serve.fit_open_files(4096, 512)  # (the Wyoming port's connections come first)
-    assert cap == 2048 - 512 - serve.OPEN_FILES_RESERVE and "ulimit -n 4864" in warning
+    assert serve.fit_open_files(caps)[0] == {HTTP: 2, GRPC: 1}  # (the smallest caps the options take)
 
 
 def test_serve_under_a_low_open_file_limit_caps_its_http_connections():
     """A real `tts serve` whose hard open-file limit is 300: it says so at start-up, and its HTTP cap is
-    36 (300 less gRPC's 8 and the reserve): the 36th connection open at once is answered 503, as the
-    option's own cap does, instead of the process running out of files."""
+    43 (its share of the 44 connections that fit beside the reserve): the 43rd connection open at once is
+    answered 503, as the option's own cap does, instead of the process running out of files."""
     import resource
 
     from tts.cli.serve import OPEN_FILES_RESERVE
 
     limit, grpc = 300, 8
-    cap = limit - grpc - OPEN_FILES_RESERVE
+    cap = 4096 * (limit - OPEN_FILES_RESERVE) // (4096 + grpc)  # (both caps scaled to the room: 43)
     server = ServeProcess(
         "--model", "tiny", "--port", "0", "--metrics-port", "0", "--http-port", "0", "--wyoming-port", "-1",
         "--max-batch", "1", "--grace", "0", "--http-read-timeout", "600", "--max-grpc-connections", str(grpc),
@@ -537,7 +540,9 @@ def test_serve_under_a_low_open_file_limit_caps_its_http_connections():
     try:
         server.wait_serving()
         assert any(
-            f"holds {cap} HTTP connections, not --max-http-connections 4096" in x for x in server.lines
+            x.startswith("warning: the open-file limit (300) holds 44 connections")
+            and f"--max-http-connections {cap}, --max-grpc-connections 1 " in x
+            for x in server.lines
         )
         line = next(x for x in server.lines if x.startswith("serving "))
         host, port = re.search(r"HTTP on http://([^/:]+):(\d+)/", line).groups()

@@ -210,16 +210,15 @@ def add_parser(subparsers) -> None:
         default=4096,
         help="HTTP connections (WebSockets included) open at once on the HTTP port; the one that reaches "
         "it is answered 503, so idle clients cannot use up the process's open files (default 4096). The "
-        "open-file limit is raised to hold them and 256 more files; where its hard limit is lower, the cap "
-        "is lowered to fit, with a warning",
+        "open-file limit is raised to hold this cap, gRPC's, Wyoming's and 256 more files; where its hard "
+        "limit is lower, the caps come down in proportion, with a warning",
     )
     p.add_argument(
         "--max-wyoming-connections",
         type=int,
         default=256,
-        help="Wyoming connections open at once; the one that reaches it gets an error event "
-        "(resource_exhausted) and is closed (default 256; with --http-port on, the open-file limit is "
-        "raised to hold them too)",
+        help="Wyoming connections open at once; one more gets an error event (resource_exhausted) and is "
+        "closed (default 256; the open-file limit is raised to hold them)",
     )
     p.add_argument(
         "--wyoming-idle-timeout",
@@ -632,19 +631,21 @@ def check_serve_options(args: argparse.Namespace) -> None:
 OPEN_FILES_RESERVE = 256
 
 
-def fit_open_files(max_http_connections: int, other_connections: int = 0) -> tuple[int, str | None]:
-    """Make room in the process's open-file limit (RLIMIT_NOFILE) for `max_http_connections` HTTP
-    connections, `other_connections` more (the gRPC and Wyoming ports' caps) and OPEN_FILES_RESERVE
-    files: a soft limit below that is raised, up to the hard limit. Returns the HTTP connection cap that
-    fits (the one asked for, or the soft limit less the others and the reserve, at least 2) and, where
-    the cap had to be lowered, the warning line to print (else None). Without the limit (`resource` is
-    POSIX-only), the cap as asked."""
+def fit_open_files(caps: dict[str, tuple[int, int]]) -> tuple[dict[str, int], str | None]:
+    """Make room in the process's open-file limit (RLIMIT_NOFILE) for the connection caps `caps` (option
+    name -> (cap, smallest cap it takes), e.g. `{"--max-http-connections": (4096, 2)}`) and
+    OPEN_FILES_RESERVE more files: a soft limit below that is raised, up to the hard limit. Returns the
+    caps that fit (as asked, or where the limit is lower, each scaled down in proportion, not below its
+    smallest) and, where they had to come down, the warning line to print (else None). Without the limit
+    (`resource` is POSIX-only), the caps as asked."""
+    asked = {name: cap for name, (cap, _) in caps.items()}
     try:
         import resource
     except ImportError:
-        return max_http_connections, None
+        return asked, None
     unlimited = resource.RLIM_INFINITY
-    want = max_http_connections + other_connections + OPEN_FILES_RESERVE
+    total = sum(asked.values())
+    want = total + OPEN_FILES_RESERVE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != unlimited and soft < want:
         target = want if hard == unlimited else min(want, hard)
@@ -655,12 +656,30 @@ def fit_open_files(max_http_connections: int, other_connections: int = 0) -> tup
             except (ValueError, OSError):  # (a container may refuse even what the hard limit allows)
                 pass
     if soft == unlimited or soft >= want:
-        return max_http_connections, None
-    cap = max(2, soft - other_connections - OPEN_FILES_RESERVE)
-    return cap, (
-        f"warning: the open-file limit ({soft}) holds {cap} HTTP connections, not --max-http-connections "
-        f"{max_http_connections}: the HTTP port takes {cap} at once (raise the limit: ulimit -n {want})"
+        return asked, None
+    room = max(0, soft - OPEN_FILES_RESERVE)
+    fitted = {name: max(least, cap * room // total) for name, (cap, least) in caps.items()}
+    return fitted, (
+        f"warning: the open-file limit ({soft}) holds {room} connections beside the server's own files, not "
+        f"{total}: {', '.join(f'{name} {cap}' for name, cap in fitted.items())} "
+        f"(raise the limit: ulimit -n {want})"
     )
+
+
+def fit_connection_caps(args: argparse.Namespace) -> None:
+    """The connection caps of the ports that are on, fitted to the open-file limit (`fit_open_files`):
+    lowered in `args` where it cannot hold them, with the warning printed."""
+    caps = {}
+    if args.http_port != -1:
+        caps["--max-http-connections"] = (args.max_http_connections, 2)
+    caps["--max-grpc-connections"] = (args.max_grpc_connections, 1)
+    if args.wyoming_port != -1:
+        caps["--max-wyoming-connections"] = (args.max_wyoming_connections, 1)
+    fitted, warning = fit_open_files(caps)
+    for option, cap in fitted.items():
+        setattr(args, option[2:].replace("-", "_"), cap)
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
 
 
 def check_codec_sms(device: str, sms: int) -> None:
@@ -716,13 +735,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_device(args.device)
     check_codec_sms(args.device, args.codec_sms)
     check_serve_ports(args)  # before the model loads: a busy port is found in a moment
-    http = args.max_http_connections if args.http_port != -1 else 0
-    others = args.max_grpc_connections + (args.max_wyoming_connections if args.wyoming_port != -1 else 0)
-    cap, files_warning = fit_open_files(http, others)
-    if http:  # (only the HTTP cap comes down to fit: gRPC's and Wyoming's are taken as asked)
-        args.max_http_connections = cap
-        if files_warning is not None:
-            print(files_warning, file=sys.stderr, flush=True)
+    fit_connection_caps(args)
     t0 = time.perf_counter()
     bundle = load_bundle(
         args.model,
