@@ -508,7 +508,10 @@ class _Connection:
                 wait = self.idle_since + seconds - time.monotonic()
                 if wait <= 0:
                     log.debug("wyoming: closing %s, idle for %g s", self.peer, seconds)
-                    self.writer.transport.abort()  # (the reader sees the end and the connection ends)
+                    # (what is still buffered, the end of the last audio, goes out first; the reader
+                    # then sees the end and the connection ends)
+                    self.writer.close()
+                    asyncio.get_running_loop().call_later(ERROR_SEND_SECONDS, self.writer.transport.abort)
                     return
             await asyncio.sleep(wait)
 

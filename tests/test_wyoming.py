@@ -487,6 +487,8 @@ def test_the_connection_past_the_cap_gets_an_error_and_the_next_one_is_served(bu
                 refused = await read_until(c, "error")
                 assert await c.read_event() is None  # (closed)
             assert await describe(a) == "info"
+        # (once the server has seen both leave)
+        await asyncio.to_thread(wait_for, lambda: not srv.server._wyoming._connections, "a and b to close")
         async with AsyncTcpClient("127.0.0.1", port) as d:
             assert await describe(d) == "info"
         return refused
@@ -502,10 +504,15 @@ def test_the_connection_past_the_cap_gets_an_error_and_the_next_one_is_served(bu
         srv.stop()
 
 
+# Long enough that a client, however slow its machine, speaks again before it (the ping below); the
+# tests that wait for the close take as long.
+IDLE = 2.0
+
+
 @pytest.fixture(scope="module")
 def brief():
-    """Idle connections close after 0.2 s; one row, one session, every job HOLD_FRAMES frames."""
-    limits = ServiceLimits(max_waiting=0, max_queued_chunks=2, max_sessions=1, wyoming_idle_timeout=0.2)
+    """Idle connections close after IDLE seconds; one row, one session, every job HOLD_FRAMES frames."""
+    limits = ServiceLimits(max_waiting=0, max_queued_chunks=2, max_sessions=1, wyoming_idle_timeout=IDLE)
     srv = ServerThread(
         fixed_frames(load_bundle("tiny"), HOLD_FRAMES), EngineConfig(max_batch=1), limits, wyoming_port=0
     )
@@ -530,22 +537,26 @@ def test_an_idle_connection_is_closed(brief, sent):
 
 def test_the_idle_timeout_waits_for_the_synthesis_and_counts_from_its_end(brief):
     """A synthesis in progress keeps its connection however long it takes (here a held stream, paused
-    by a client that does not read, for five times the timeout); once a synthesis has ended, the
+    by a client that does not read, for longer than the timeout, its last event sent before); a
+    synthesis that has ended does not close it at once (a ping right after is answered), and then the
     connection closes after the timeout with nothing more sent."""
 
     async def scenario():
         reader, writer = await held_stream(brief)()
         await asyncio.to_thread(wait_for, lambda: brief.loop.stats.paused == 1, "the held job to pause")
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.5 * IDLE)
         held = brief.loop.sessions_open == 1 and not writer.transport.is_closing()
         writer.transport.abort()
         await asyncio.to_thread(wait_idle, brief.loop)
         async with AsyncTcpClient("127.0.0.1", brief.server.wyoming_port) as client:
             await client.write_event(Synthesize(text="Short.").event())
             spoken = await read_until(client, "audio-stop", "error")
+            await client.write_event(Ping(text="still there?").event())
+            pong = await client.read_event()
             after = await client.read_event()  # (nothing more: the connection closes)
-        return held, spoken, after
+        return held, spoken, pong, after
 
-    held, spoken, after = run(scenario())
+    held, spoken, pong, after = run(scenario())
     assert held
-    assert spoken[-1].type == "audio-stop" and after is None
+    assert spoken[-1].type == "audio-stop"
+    assert Pong.is_type(pong.type) and Pong.from_event(pong).text == "still there?" and after is None
