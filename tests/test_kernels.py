@@ -18,16 +18,16 @@ def test_triton_kernels_match_torch_references_in_the_interpreter():
     assert "kernel checks passed" in r.stdout
 
 
-def test_preparing_triton_computes_its_cache_key_once_in_a_background_thread():
+def test_preparing_triton_computes_its_cache_key_once_in_a_background_thread(monkeypatch):
     """What a one-shot command overlaps with its model's load: Triton's own cache key, computed once in
     the background, then a hit for the first launch."""
     from triton.runtime.cache import triton_key
 
-    from tts.model.kernels import prepare_triton_in_background, set_fused_kernels
+    from tts.model import kernels
 
-    set_fused_kernels(True)
+    monkeypatch.setattr(kernels, "_ENABLED", True)
     triton_key.cache_clear()
-    wait = prepare_triton_in_background()
+    wait = kernels.prepare_triton_in_background()
     wait()
     assert triton_key.cache_info().misses == 1 and triton_key.cache_info().currsize == 1
     triton_key()

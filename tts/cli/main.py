@@ -601,10 +601,13 @@ def request_rule(rule, *values) -> None:
         raise UserError(error_line(exc)) from exc
 
 
-def prepare_kernels(device: str) -> Callable[[], None]:
+def prepare_kernels(args: argparse.Namespace) -> Callable[[], None]:
     """On CUDA, start preparing the Triton kernels' first launch in the background (see
-    `tts.model.kernels.prepare_triton_in_background`); returns the function that waits for it."""
-    if not device.startswith("cuda"):
+    `tts.model.kernels.prepare_triton_in_background`); returns the function that waits for it, called
+    before the synthesis. Not where a kernel runs before that (the warm-up of `--graphs startup`, the
+    codec's encoding of `--reference-audio`): the two would compute the key at once."""
+    before_synthesis = args.graphs == "startup" or args.reference_audio is not None
+    if not args.device.startswith("cuda") or before_synthesis:
         return lambda: None
     from tts.model.kernels import prepare_triton_in_background
 
@@ -633,7 +636,7 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     SamplingParams(**{k: v for k, v in sampling_kwargs(args).items() if v is not None}).validate()
 
     t_load = time.perf_counter()
-    kernels_ready = prepare_kernels(args.device)  # (overlaps the load; waited for before synthesis)
+    kernels_ready = prepare_kernels(args)  # (overlaps the load; waited for before synthesis)
     bundle = load_bundle(
         args.model,
         device=args.device,

@@ -3,12 +3,15 @@ CPU path and its test reference. `TTS_FUSED_KERNELS=0` turns them off (plain tor
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
 import torch
 
 from tts.environment import FUSED_KERNELS
+
+log = logging.getLogger(__name__)
 
 _ENABLED = FUSED_KERNELS != "0"
 # Tests only: run the kernels on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1).
@@ -61,20 +64,21 @@ def snake_ops():
 
 def prepare_triton_in_background() -> Callable[[], None]:
     """Start, in a daemon thread, what the first Triton launch of a process does before anything else:
-    import Triton and compute its cache key (a hash of Triton's own sources and library, ~0.35 s on a
-    Hopper host), so that a one-shot command does it while its model loads. Returns the function that
+    compute Triton's cache key (a hash of Triton's own sources and library, ~0.35 s on a Hopper host),
+    so that a one-shot command does it while its model loads. Returns the function that
     waits for it: call it before the first launch (a launch that comes first computes the key again
     itself: correct, only slower). Where Triton is absent or the kernels are off, nothing starts and the
     function returns at once."""
-    if not (_ENABLED and triton_available()):
+    if not (_ENABLED and triton_available()):  # (Triton is imported here, as measured, not in the thread)
         return lambda: None
 
     def prepare() -> None:
         try:
             from triton.runtime.cache import triton_key  # (Triton's own memoized key of itself)
-        except ImportError:
-            return
-        triton_key()
+
+            triton_key()
+        except Exception:  # noqa: BLE001 - another Triton: its first launch does what it does
+            log.debug("Triton's cache key was not prepared", exc_info=True)
 
     thread = threading.Thread(target=prepare, name="triton-key", daemon=True)
     thread.start()
