@@ -504,9 +504,18 @@ def test_the_connection_past_the_cap_gets_an_error_and_the_next_one_is_served(bu
         srv.stop()
 
 
-# Long enough that a client, however slow its machine, speaks again before it (the ping below); the
-# tests that wait for the close take as long.
-IDLE = 2.0
+IDLE = 0.5  # (the tests that wait for a close take as long)
+
+
+class FrozenClock:
+    """The Wyoming front's clock, stopped at `now` until the test moves it (its watcher sleeps on the
+    real one): what happens before the timeout is then not a race with it."""
+
+    def __init__(self):
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
 
 
 @pytest.fixture(scope="module")
@@ -535,11 +544,12 @@ def test_an_idle_connection_is_closed(brief, sent):
     assert run(scenario()) == b""
 
 
-def test_the_idle_timeout_waits_for_the_synthesis_and_counts_from_its_end(brief):
+def test_the_idle_timeout_waits_for_the_synthesis_and_counts_from_its_end(brief, monkeypatch):
     """A synthesis in progress keeps its connection however long it takes (here a held stream, paused
     by a client that does not read, for longer than the timeout, its last event sent before); a
-    synthesis that has ended does not close it at once (a ping right after is answered), and then the
-    connection closes after the timeout with nothing more sent."""
+    synthesis that has ended does not close it at once (a ping after it is answered while the clock
+    stands), and once the clock has passed the timeout the connection closes with nothing more sent."""
+    clock = FrozenClock()
 
     async def scenario():
         reader, writer = await held_stream(brief)()
@@ -548,11 +558,13 @@ def test_the_idle_timeout_waits_for_the_synthesis_and_counts_from_its_end(brief)
         held = brief.loop.sessions_open == 1 and not writer.transport.is_closing()
         writer.transport.abort()
         await asyncio.to_thread(wait_idle, brief.loop)
+        monkeypatch.setattr(front, "time", clock)
         async with AsyncTcpClient("127.0.0.1", brief.server.wyoming_port) as client:
             await client.write_event(Synthesize(text="Short.").event())
             spoken = await read_until(client, "audio-stop", "error")
             await client.write_event(Ping(text="still there?").event())
             pong = await client.read_event()
+            clock.now += IDLE
             after = await client.read_event()  # (nothing more: the connection closes)
         return held, spoken, pong, after
 
