@@ -97,6 +97,96 @@ def test_weak_words_inside_longer_sentences():
     assert corpus.weak_texts(40, 12) == weak[:40]  # seeded
 
 
+def test_glue_words_between_content_words():
+    """`--glue`: short unstressed words between content words in many constructions (articles after
+    "and" / "or" / prepositions, numbers and pronouns after "and"), in sentences of 6-25 words with
+    words after them; never a held-out text; grammatical articles ("an" before a vowel sound)."""
+    glue = corpus.glue_texts(3000, 13)
+    assert len(glue) == len(set(glue)) == 3000
+    norms = [normalize_text(t).lower() for t in glue]
+    held = {_words(t) for t in HELDOUT}
+    assert not held & {_words(n) for n in norms}
+    assert all(6 <= len(n.split()) <= 25 and len(n.encode()) <= 200 for n in norms)
+    constructions = {
+        "and an": r"\band an \w+ \w",
+        "and a": r"\band a \w+ \w",
+        "or an": r"\bor an \w",
+        "in/at/near an": r"\b(in|at|near|from|for) an \w",
+        "of the": r"\bof the \w",
+        "and + number": r"\band (two|three|four|five|six|seven|eight|nine|ten|eleven|twelve) \w",
+        "and + pronoun": r"\band (i|it|he|she|we) \w",
+    }
+    for name, pattern in constructions.items():
+        assert sum(bool(re.search(pattern, n)) for n in norms) > 30, name
+    assert not any(re.search(r"\ban [bcdfgjklmnpqrstvwxyz]", n) for n in norms)  # "an" + consonant
+    assert not any(re.search(r"\ba (a|e|i|o|u)", n) for n in norms)  # "a" + vowel
+    assert not any(
+        re.search(r"\b(a|an|the) (is|will|should|helps|and)\b", n) for n in norms
+    )  # no bare article
+    assert corpus.glue_texts(40, 13) == glue[:40]  # seeded
+
+
+def test_merge_codes_folders(tmp_path):
+    """`corpus.py merge`: every folder's utterances once (a replayed one is dropped), only the first
+    folder's held-out rows, no training row with a held-out or everyday text's phonemes, new shards of
+    SHARD_SIZE; different tokenizers are refused."""
+    import torch
+
+    from tts.text.tokenizer import build_byte_tokenizer
+
+    tokenizer = build_byte_tokenizer(1024)
+    frontend = PhonemeFrontend()
+    held_ph = frontend.sentences([HELDOUT[0]])[0]  # "Hello there, this is a test of the default voice."
+
+    def item(uid: int, phonemes: str, split: str = "train", first: int = 0) -> dict:
+        return {
+            "id": uid,
+            "speaker": 0,
+            "split": split,
+            "seconds": 0.25,
+            "tokens": torch.tensor(tokenizer.encode(phonemes), dtype=torch.int16),
+            "codes": torch.full((4, 5), first, dtype=torch.int16),
+        }
+
+    def folder(name: str, shards: list[list[dict]]) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        tokenizer.save(d / "tokenizer.json")
+        for k, items in enumerate(shards):
+            torch.save(items, d / f"codes-{k:04d}.pt")
+        return d
+
+    a = folder("a", [[item(0, "hˈɛloʊ.", "heldout"), item(1, "wˈʌn."), item(2, "tˈuː.")]])
+    b = folder(
+        "b",
+        [
+            [item(0, "ʌðɚ hˈɛld.", "heldout"), item(1, "wˈʌn."), item(2, "wˈʌn.", first=7)],
+            [item(3, held_ph.replace("ˈ", "")), item(4, "θɹˈiː.")],
+        ],
+    )
+    monkey_size = corpus.SHARD_SIZE
+    corpus.SHARD_SIZE = 2
+    try:
+        corpus.merge([a, b], tmp_path / "out")
+    finally:
+        corpus.SHARD_SIZE = monkey_size
+    shards = sorted((tmp_path / "out").glob("codes-*.pt"))
+    assert [p.name for p in shards] == ["codes-0000.pt", "codes-0001.pt", "codes-0002.pt"]
+    items = [u for p in shards for u in torch.load(p)]
+    got = [(tokenizer.decode(u["tokens"].long().tolist()), u["split"], int(u["codes"][0, 0])) for u in items]
+    assert got == [
+        ("hˈɛloʊ.", "heldout", 0),  # the first folder's held-out row
+        ("wˈʌn.", "train", 0),
+        ("tˈuː.", "train", 0),
+        ("wˈʌn.", "train", 7),  # the same text spoken otherwise stays; b's replay of a's row does not
+        ("θɹˈiː.", "train", 0),
+    ]
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (a / "tokenizer.json").read_bytes()
+    (b / "tokenizer.json").write_text("{}")
+    with pytest.raises(SystemExit, match="different tokenizers"):
+        corpus.merge([a, b], tmp_path / "out2")
+
+
 def test_addon_rows(tmp_path):
     """The add-on text list: heldout.txt as the held-out split, the new texts with the runtime's
     phonemes and the base's teacher, a replay of base rows as they were, minus any held-out text."""

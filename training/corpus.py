@@ -738,6 +738,186 @@ def weak_texts(n: int, seed: int, max_bytes: int = 200) -> list[str]:
     return list(out)
 
 
+_GLUE_SUBJECTS = [
+    "my sister", "the driver", "our neighbor", "the kids", "a friend of mine", "the manager", "she", "he",
+    "we", "they", "my uncle", "the nurse", "the new intern", "our teacher", "the old man", "her brother",
+]  # fmt: skip
+_GLUE_VERBS = [
+    ("bought", "buy"), ("brought", "bring"), ("found", "find"), ("packed", "pack"), ("ordered", "order"),
+    ("carried", "carry"), ("lost", "lose"), ("picked up", "pick up"), ("sent", "send"), ("left", "leave"),
+    ("fixed", "fix"), ("cleaned", "clean"), ("needed", "need"), ("asked for", "ask for"), ("sold", "sell"),
+    ("borrowed", "borrow"), ("wrapped", "wrap"), ("moved", "move"), ("painted", "paint"), ("hid", "hide"),
+]  # fmt: skip
+_GLUE_NOUNS = [
+    "lamp", "chair", "coat", "bag", "book", "cake", "map", "key", "box", "cup", "plate", "ticket", "shirt",
+    "pen", "desk", "bike", "rug", "jar", "card", "phone", "radio", "clock", "hat", "sandwich", "candle",
+]  # fmt: skip
+_GLUE_AN = [
+    "apple", "orange", "egg", "envelope", "umbrella", "onion", "oven", "ax", "iron", "eraser", "igloo",
+    "inch", "owl", "ostrich", "easel", "outfit", "album", "anchor", "engine", "atlas", "ice cube", "hour",
+    "old coat", "empty jar", "extra key", "open box", "odd sock", "ugly lamp", "early train", "icy road",
+]  # fmt: skip
+_GLUE_PLACES = [
+    "kitchen", "garage", "car", "office", "hallway", "closet", "garden", "basement", "attic", "drawer",
+    "shed", "lobby", "train", "bus", "shop", "park",
+]  # fmt: skip
+_GLUE_AN_PLACES = ["office", "attic", "airport", "inn", "empty room", "old barn", "open field", "elevator"]
+_GLUE_DRINKS = ["tea", "coffee", "milk", "water", "juice", "soup", "cocoa"]
+
+
+def glue_texts(n: int, seed: int, max_bytes: int = 200) -> list[str]:
+    """`n` distinct sentences of 6 to 25 words in which short unstressed words sit between content
+    words in many constructions: articles after conjunctions and prepositions ("and an egg", "or a
+    map", "in an old barn", "of the keys"), numbers after "and" ("and two cups"), pronouns and "it"
+    after "and" ("and I", "and it"), in lists, pairs, prepositional phrases and questions, each with
+    words after it. Seeded; held-out texts are never among them."""
+    from tts.text.normalize import TextError, normalize_text
+
+    r = random.Random(seed)
+    keys = heldout_keys()
+    ch = r.choice
+
+    def num() -> str:
+        k = r.randint(2, 12) if r.random() < 0.7 else ch(_TH_NUMBERS + [20, 40, 50, 100])
+        return str(k) if r.random() < 0.4 else _NUMBER_WORDS.get(k, str(k))
+
+    def a() -> str:  # a noun phrase with a short determiner
+        return ch(
+            [
+                f"a {ch(_GLUE_NOUNS)}",
+                f"an {ch(_GLUE_AN)}",
+                f"an {ch(_GLUE_AN)}",
+                f"the {ch(_GLUE_NOUNS + _GLUE_AN)}",
+                f"{num()} {plural(ch(_GLUE_NOUNS))}",
+                f"{num()} {ch(_UNITS)} of {ch(_GROCERIES)}",
+                f"a cup of {ch(_GLUE_DRINKS)}",
+                f"a bag of {ch(_GROCERIES)}",
+                f"one of the {plural(ch(_GLUE_NOUNS))}",
+                f"two of the {plural(ch(_GLUE_NOUNS))}",
+                f"some {ch(_GROCERIES)}",
+                f"his {ch(_GLUE_NOUNS)}",
+                f"her {ch(_GLUE_AN)}",
+                f"an {ch(_AN_NOUNS)}",
+            ]
+        )
+
+    def pp() -> str:  # a short preposition and article before a place
+        return ch(
+            [
+                f"in the {ch(_GLUE_PLACES)}",
+                f"in {art(ch(_GLUE_PLACES))}",
+                f"in an {ch(_GLUE_AN_PLACES)}",
+                f"at an {ch(_GLUE_AN_PLACES)}",
+                f"at the {ch(_GLUE_PLACES + _PLACES)}",
+                f"on a {ch(['shelf', 'table', 'bench', 'chair', 'tray'])}",
+                f"to the {ch(_PLACES)}",
+                f"from an {ch(_GLUE_AN_PLACES)}",
+                f"by a {ch(['window', 'door', 'tree', 'wall'])}",
+                f"near an {ch(_GLUE_AN_PLACES)}",
+                f"for an {ch(['hour', 'aunt', 'uncle', 'artist', 'old friend', 'event'])}",
+                f"for a {ch(['friend', 'week', 'party', 'neighbor', 'trip'])}",
+            ]
+        )
+
+    def tail() -> str:
+        return ch(
+            [
+                "",
+                " today",
+                " this morning",
+                f" on {ch(_WEEKDAYS)}",
+                " before lunch",
+                " after work",
+                " last night",
+                " in a hurry",
+                " for the trip",
+                f" at {r.randint(1, 12)} {ch(['a.m.', 'p.m.', 'o clock'])}".replace(" o clock", " o'clock"),
+            ]
+        )
+
+    def subj() -> str:
+        s = ch(_GLUE_SUBJECTS + _NAMES)
+        return s[0].upper() + s[1:]
+
+    def conj() -> str:
+        return ch(["and", "and", "and", "or", "with", "but not", "as well as", "and then"])
+
+    def art(noun: str) -> str:  # the noun with its indefinite article
+        return f"{'an' if noun[0] in 'aeiou' or noun.startswith('hour') else 'a'} {noun}"
+
+    def plural(noun: str) -> str:
+        return noun + ("es" if noun.endswith(("x", "ch", "sh", "s")) else "s")
+
+    def verb() -> tuple[str, str]:
+        return ch(_GLUE_VERBS)
+
+    templates = [
+        lambda: f"{subj()} {verb()[0]} {a()} {conj()} {a()} {pp()}{tail()}.",
+        lambda: f"{subj()} {verb()[0]} {a()}, {a()} and {a()} {pp()}.",
+        lambda: f"{subj()} {verb()[0]} {a()} {pp()} and {verb()[0]} {a()}{tail()}.",
+        lambda: f"There is {a()} and {a()} {pp()}{tail()}.",
+        lambda: f"There was {a()} {pp()} and {a()} {pp()}.",
+        lambda: f"Can you {verb()[1]} {a()} and {a()} {pp()}{tail()}?",
+        lambda: f"Did you {verb()[1]} {a()} or {a()}{tail()}?",
+        lambda: f"Please {verb()[1]} {a()} {conj()} {a()}{tail()}.",
+        lambda: f"I need {a()} and {a()} for {a()}{tail()}.",
+        lambda: f"{subj()} gave {a()} to {ch(_NAMES)} and {a()} to {ch(_NAMES)}{tail()}.",
+        lambda: (
+            f"It was {ch(['an old', 'an odd', 'an easy', 'a long', 'a cold', 'an early'])} "
+            f"{ch(['day', 'trip', 'night', 'week', 'game'])} and "
+            f"{ch(['an awful', 'an endless', 'an odd', 'a short', 'a quiet', 'an honest'])} "
+            f"{ch(['ride', 'talk', 'end', 'wait'])}."
+        ),
+        lambda: (
+            f"{subj()} {ch(['works as', 'worked as', 'met', 'called'])} "
+            f"{art(ch(_AN_PEOPLE + ['nurse', 'driver', 'teacher']))} and "
+            f"{art(ch(_AN_PEOPLE + ['cook', 'singer', 'pilot']))}{tail()}."
+        ),
+        lambda: f"We waited for an hour and {num()} minutes {pp()}{tail()}.",
+        lambda: (
+            f"{subj()} put {a()} in the {ch(_GLUE_PLACES)} and {a()} on the "
+            f"{ch(['table', 'shelf', 'floor', 'bed'])}."
+        ),
+        lambda: (
+            f"Add {num()} {ch(_UNITS)} of {ch(_GROCERIES)} and {num()} {ch(_UNITS)} of "
+            f"{ch(_GROCERIES)} to the {ch(['list', 'cart', 'order', 'soup'])}{tail()}."
+        ),
+        lambda: (
+            f"{subj()} called, and {ch(['I', 'it', 'he', 'she', 'we', 'an agent', 'an officer'])} "
+            f"{ch(['said', 'will call', 'went', 'came'])} {ch(['back', 'over', 'home', 'in'])}{tail()}."
+        ),
+        lambda: (
+            f"Open {a()} and {ch(['it', 'that', 'one more'])} "
+            f"{ch(['will help', 'should do', 'is enough', 'helps a lot'])}{tail()}."
+        ),
+        lambda: (
+            f"{subj()} {verb()[0]} it and "
+            f"{ch([art(ch(_GLUE_NOUNS + _GLUE_AN)), 'the ' + ch(_GLUE_NOUNS + _GLUE_AN)])} "
+            f"{ch(['as well', 'too', 'for me', 'in a box'])}."
+        ),
+        lambda: (
+            f"Between {r.randint(1, 11)} and {r.randint(2, 12)} {ch(['a.m.', 'p.m.'])} "
+            f"{ch(['the shop is open', 'we are out', 'the line is busy', 'I am at an event'])}."
+        ),
+        lambda: (
+            f"{subj()} took {ch(['one', 'two', 'a few', 'all'])} of {ch(['the', 'her', 'his', 'our'])} "
+            f"{plural(ch(_GLUE_NOUNS))} and {ch(['left', 'ran', 'smiled', 'sat down'])}{tail()}."
+        ),
+    ]
+    out: dict[str, None] = {}
+    for _ in range(50 * n):
+        if len(out) >= n:
+            break
+        text = ch(templates)()
+        try:
+            norm = normalize_text(text)
+        except TextError:
+            continue
+        if 6 <= len(norm.split()) <= 25 and len(norm.encode()) <= max_bytes and _words_key(norm) not in keys:
+            out[text] = None
+    return list(out)
+
+
 _NUMBER_WORDS = dict(
     enumerate(
         "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
@@ -768,6 +948,7 @@ def build_addon(
     n_paragraphs: int,
     seed: int,
     n_weak: int = 0,
+    n_glue: int = 0,
 ) -> None:
     """The add-on corpus in work/sentences.jsonl (then `synth` and `encode` as for any corpus): the
     sentences of samples/eval/heldout.txt (split "heldout": train.py's held-out loss), `n_short` short
@@ -802,6 +983,7 @@ def build_addon(
     new = [("short", t) for t in short_texts(n_short, seed + 10)]
     new += [("everyday", t) for t in everyday_texts(n_everyday, seed + 11)]
     new += [("weak", t) for t in weak_texts(n_weak, seed + 12)]
+    new += [("glue", t) for t in glue_texts(n_glue, seed + 13)]
     norms = [normalize_text(t) for _, t in new]
     phonemes = frontend.sentences(norms)  # (the runtime's frontend: a full stop where none is)
     # The held-out rows are samples/eval/heldout.txt itself, spoken as build_text speaks its held-out
@@ -840,10 +1022,13 @@ def build_addon(
     with open(work / "sentences.jsonl", "w") as f:
         for u in utts:
             f.write(json.dumps(u) + "\n")
-    counts = {k: sum(u["source"] == k for u in train) for k in ("short", "everyday", "weak", "paragraph")}
+    counts = {
+        k: sum(u["source"] == k for u in train) for k in ("short", "everyday", "weak", "glue", "paragraph")
+    }
     log(
         f"wrote {len(utts)} utterances to {work / 'sentences.jsonl'}: {len(held_text)} held out, "
         f"{counts['short']} short, {counts['everyday']} everyday, {counts['weak']} weak, "
+        f"{counts['glue']} glue, "
         f"{len(replay)} replayed "
         f"({counts['paragraph']} paragraphs)"
     )
@@ -1123,9 +1308,66 @@ def encode(
     log(f"encoded {total / 3600:.2f} h")
 
 
+def merge(sources: list[Path], out: Path) -> None:
+    """One codes folder (`encode`'s layout) from several: the utterances of every folder in `sources`,
+    in order, in new shards of SHARD_SIZE. Kept once: an utterance found twice (the same phonemes and
+    codes, as an add-on corpus's replay of its base). Held out: only the first folder's held-out
+    utterances (each corpus holds out its own sentences; train.py's held-out loss stays the first's).
+    Left out: training utterances whose phonemes are those of a held-out or everyday text (a base built
+    with another normalizer can hold them). Raises SystemExit when the folders' tokenizers differ."""
+    import hashlib
+
+    import torch
+
+    from tts.text.phonemes import PhonemeFrontend
+    from tts.text.tokenizer import TextTokenizer
+
+    tokenizers = {(d / "tokenizer.json").read_bytes() for d in sources}
+    if len(tokenizers) != 1:
+        raise SystemExit(f"the codes folders {[str(d) for d in sources]} have different tokenizers")
+    tokenizer = TextTokenizer.from_file(sources[0] / "tokenizer.json")
+    held_phonemes = {_phoneme_key(p) for p in PhonemeFrontend().sentences(_heldout_norms())}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_bytes(tokenizers.pop())
+    seen: set[bytes] = set()
+    kept: list[dict] = []
+    counts = {"twice": 0, "held-out text": 0, "other held-out": 0}
+    shard = 0
+
+    def flush(final: bool) -> None:
+        nonlocal shard, kept
+        while len(kept) >= SHARD_SIZE or (final and kept):
+            torch.save(kept[:SHARD_SIZE], out / f"codes-{shard:04d}.pt")
+            kept, shard = kept[SHARD_SIZE:], shard + 1
+
+    for k, d in enumerate(sources):
+        for path in sorted(d.glob("codes-*.pt")):
+            for u in torch.load(path):
+                key = hashlib.sha1(u["tokens"].numpy().tobytes() + u["codes"].numpy().tobytes()).digest()
+                if key in seen:
+                    counts["twice"] += 1
+                    continue
+                seen.add(key)
+                if u["split"] != "train":
+                    if k:
+                        counts["other held-out"] += 1
+                        continue
+                elif _phoneme_key(tokenizer.decode(u["tokens"].long().tolist())) in held_phonemes:
+                    counts["held-out text"] += 1
+                    continue
+                kept.append(u)
+            flush(False)
+    flush(True)
+    log(
+        f"merged into {shard} shards in {out}; left out: {counts['twice']} found twice, "
+        f"{counts['held-out text']} with a held-out or everyday text, {counts['other held-out']} held out "
+        "by a later folder"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["text", "addon", "synth", "codec", "encode", "all"])
+    p.add_argument("stage", choices=["text", "addon", "synth", "codec", "encode", "merge", "all"])
     p.add_argument("--work", type=Path, default=ROOT / "training" / "work")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--templates", type=int, default=6000, help="number of templated sentences")
@@ -1155,6 +1397,13 @@ def main() -> None:
         help='addon: sentences with weak words before vowels and /θ/ ("and an officer", "of three"; '
         "default 0, the v4 corpus; v5: 4000)",
     )
+    p.add_argument(
+        "--glue",
+        type=int,
+        default=0,
+        help="addon: sentences with short unstressed words between content words in many constructions "
+        '("and an egg", "or a map", "in an old barn", "and two cups"; default 0)',
+    )
     p.add_argument("--replay", type=int, default=5500, help="addon: base training utterances replayed")
     p.add_argument("--replay-paragraphs", type=int, default=1500, help="addon: of them, paragraphs")
     p.add_argument("--num-codebooks", type=int, default=4)
@@ -1164,6 +1413,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--codec-dir", type=Path, default=None, help="codec to encode with (default: WORK/codec)")
     p.add_argument("--codes-dir", type=Path, default=None, help="where encode writes (default: WORK/codes)")
+    p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="merge: the codes folders to merge into --codes-dir (the first one's held-out rows are kept)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads of the codec and encode stages")
     p.add_argument("--device", default="cpu", help="torch device of the codec and encode stages")
     p.add_argument(
@@ -1184,7 +1440,13 @@ def main() -> None:
         if (a.work / "sentences.jsonl").exists():
             log(f"{a.work / 'sentences.jsonl'} exists, kept (delete it to build the text again)")
         else:
-            build_addon(a.work, a.base, a.short, a.everyday, a.replay, a.replay_paragraphs, a.seed, a.weak)
+            build_addon(
+                a.work, a.base, a.short, a.everyday, a.replay, a.replay_paragraphs, a.seed, a.weak, a.glue
+            )
+    if a.stage == "merge":
+        if not a.merge or a.codes_dir is None:
+            p.error("merge needs --merge DIR [DIR ...] and --codes-dir OUT")
+        merge(a.merge, a.codes_dir)
     if a.stage in ("synth", "all"):
         synth(a.work, a.jobs, a.max_utterances)
     if a.stage in ("codec", "all"):
