@@ -586,10 +586,9 @@ def check_serve_options(args: argparse.Namespace) -> None:
     check_threads(args)
     check_seconds("--pause-timeout", args.pause_timeout, zero_ok=True)
     check_seconds("--http-read-timeout", args.http_read_timeout, zero_ok=False)
-    n = args.max_http_connections
-    require(n >= 2, f"--max-http-connections must be >= 2, got {n}")
-    n = args.max_wyoming_connections
-    require(n >= 1, f"--max-wyoming-connections must be >= 1, got {n}")
+    for option, least in CONNECTION_CAP_LEAST.items():
+        n = getattr(args, option[2:].replace("-", "_"))
+        require(n >= least, f"{option} must be >= {least}, got {n}")
     check_seconds("--wyoming-idle-timeout", args.wyoming_idle_timeout, zero_ok=True)
     check_seconds("--max-prepare-seconds", args.max_prepare_seconds, zero_ok=False)
     check_seconds("--max-audio-seconds", args.max_audio_seconds, zero_ok=True)
@@ -614,8 +613,6 @@ def check_serve_options(args: argparse.Namespace) -> None:
     check_seconds("--max-connection-age", args.max_connection_age, zero_ok=True)
     check_seconds("--max-connection-age-grace", args.max_connection_age_grace, zero_ok=True)
     check_seconds("--max-connection-idle", args.max_connection_idle, zero_ok=True)
-    n = args.max_grpc_connections
-    require(n >= 1, f"--max-grpc-connections must be >= 1, got {n}")
     if args.max_connection_age_grace is not None and not args.max_connection_age:
         raise UserError("--max-connection-age-grace needs --max-connection-age")
     if args.replica_name is not None and not REPLICA_NAME.fullmatch(args.replica_name):
@@ -624,6 +621,13 @@ def check_serve_options(args: argparse.Namespace) -> None:
             f"or digit), got {args.replica_name!r}"
         )
 
+
+# Each connection cap's smallest value (HTTP's cap counts the connection it answers 503, so 2 serves one).
+CONNECTION_CAP_LEAST = {
+    "--max-http-connections": 2,
+    "--max-grpc-connections": 1,
+    "--max-wyoming-connections": 1,
+}
 
 # Files a server holds beside its clients' gRPC, HTTP and Wyoming connections: the model's and the
 # voices' files, CUDA's device files, the listening sockets, the metrics port's clients (an idle server on
@@ -669,12 +673,15 @@ def fit_open_files(caps: dict[str, tuple[int, int]]) -> tuple[dict[str, int], st
 def fit_connection_caps(args: argparse.Namespace) -> None:
     """The connection caps of the ports that are on, fitted to the open-file limit (`fit_open_files`):
     lowered in `args` where it cannot hold them, with the warning printed."""
-    caps = {}
-    if args.http_port != -1:
-        caps["--max-http-connections"] = (args.max_http_connections, 2)
-    caps["--max-grpc-connections"] = (args.max_grpc_connections, 1)
-    if args.wyoming_port != -1:
-        caps["--max-wyoming-connections"] = (args.max_wyoming_connections, 1)
+    off = {
+        "--max-http-connections": args.http_port == -1,
+        "--max-wyoming-connections": args.wyoming_port == -1,
+    }
+    caps = {
+        option: (getattr(args, option[2:].replace("-", "_")), least)
+        for option, least in CONNECTION_CAP_LEAST.items()
+        if not off.get(option, False)
+    }
     fitted, warning = fit_open_files(caps)
     for option, cap in fitted.items():
         setattr(args, option[2:].replace("-", "_"), cap)
