@@ -592,12 +592,31 @@ _AN_PEOPLE = [
 ]  # fmt: skip
 
 
+def _sentences(templates: list, n: int, r: random.Random, max_bytes: int, keys: set[str]) -> list[str]:
+    """`n` distinct texts drawn from `templates` (callables) with `r`: each of 6 to 25 words and at most
+    `max_bytes` once normalized, none whose words are a held-out text's (`keys`); fewer where 50 x `n`
+    draws do not find them."""
+    from tts.text.normalize import TextError, normalize_text
+
+    out: dict[str, None] = {}
+    for _ in range(50 * n):
+        if len(out) >= n:
+            break
+        text = r.choice(templates)()
+        try:
+            norm = normalize_text(text)
+        except TextError:
+            continue
+        if 6 <= len(norm.split()) <= 25 and len(norm.encode()) <= max_bytes and _words_key(norm) not in keys:
+            out[text] = None
+    return list(out)
+
+
 def weak_texts(n: int, seed: int, max_bytes: int = 200) -> list[str]:
     """`n` distinct sentences of 8 to 25 words whose weak words carry the meaning: "and an" / "with an"
     / "for an" before a vowel-initial noun in the middle of a longer sentence ("... and an officer will
     ..."), and /θ/ after an unstressed word ("of three", "of thirty", "the third", "some thread"), each
     followed by more words. Seeded; held-out texts are never among them."""
-    from tts.text.normalize import TextError, normalize_text
 
     r = random.Random(seed)
     keys = heldout_keys()
@@ -724,18 +743,7 @@ def weak_texts(n: int, seed: int, max_bytes: int = 200) -> list[str]:
             f"{ch(['includes tax', 'is due Thursday', 'ships free'])}."
         ),
     ]
-    out: dict[str, None] = {}
-    for _ in range(50 * n):
-        if len(out) >= n:
-            break
-        text = ch(templates)()
-        try:
-            norm = normalize_text(text)
-        except TextError:
-            continue
-        if 6 <= len(norm.split()) <= 25 and len(norm.encode()) <= max_bytes and _words_key(norm) not in keys:
-            out[text] = None
-    return list(out)
+    return _sentences(templates, n, r, max_bytes, keys)
 
 
 _GLUE_SUBJECTS = [
@@ -771,7 +779,6 @@ def glue_texts(n: int, seed: int, max_bytes: int = 200) -> list[str]:
     map", "in an old barn", "of the keys"), numbers after "and" ("and two cups"), pronouns and "it"
     after "and" ("and I", "and it"), in lists, pairs, prepositional phrases and questions, each with
     words after it. Seeded; held-out texts are never among them."""
-    from tts.text.normalize import TextError, normalize_text
 
     r = random.Random(seed)
     keys = heldout_keys()
@@ -904,18 +911,7 @@ def glue_texts(n: int, seed: int, max_bytes: int = 200) -> list[str]:
             f"{plural(ch(_GLUE_NOUNS))} and {ch(['left', 'ran', 'smiled', 'sat down'])}{tail()}."
         ),
     ]
-    out: dict[str, None] = {}
-    for _ in range(50 * n):
-        if len(out) >= n:
-            break
-        text = ch(templates)()
-        try:
-            norm = normalize_text(text)
-        except TextError:
-            continue
-        if 6 <= len(norm.split()) <= 25 and len(norm.encode()) <= max_bytes and _words_key(norm) not in keys:
-            out[text] = None
-    return list(out)
+    return _sentences(templates, n, r, max_bytes, keys)
 
 
 _NUMBER_WORDS = dict(
