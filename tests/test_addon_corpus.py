@@ -113,7 +113,7 @@ def test_glue_words_between_content_words():
         "or an": r"\bor an \w",
         "in/at/near an": r"\b(in|at|near|from|for) an \w",
         "of the": r"\bof the \w",
-        "and + number": r"\band (two|three|four|five|six|seven|eight|nine|ten|eleven|twelve) \w",
+        "and + number": r"\band (two|three|four|five|six|seven|eight|nine|ten|eleven|twelve) [a-z]+s\b",
         "and + pronoun": r"\band (i|it|he|she|we) \w",
     }
     for name, pattern in constructions.items():
@@ -126,7 +126,7 @@ def test_glue_words_between_content_words():
     assert corpus.glue_texts(40, 13) == glue[:40]  # seeded
 
 
-def test_merge_codes_folders(tmp_path):
+def test_merge_codes_folders(tmp_path, monkeypatch):
     """`corpus.py merge`: every folder's utterances once (a replayed one is dropped), only the first
     folder's held-out rows, no training row with a held-out or everyday text's phonemes, new shards of
     SHARD_SIZE; different tokenizers are refused."""
@@ -164,15 +164,13 @@ def test_merge_codes_folders(tmp_path):
             [item(3, held_ph.replace("ˈ", "")), item(4, "θɹˈiː.")],
         ],
     )
-    monkey_size = corpus.SHARD_SIZE
-    corpus.SHARD_SIZE = 2
-    try:
-        corpus.merge([a, b], tmp_path / "out")
-    finally:
-        corpus.SHARD_SIZE = monkey_size
+    monkeypatch.setattr(corpus, "SHARD_SIZE", 2)
+    corpus.merge([a, b], tmp_path / "out")
     shards = sorted((tmp_path / "out").glob("codes-*.pt"))
     assert [p.name for p in shards] == ["codes-0000.pt", "codes-0001.pt", "codes-0002.pt"]
+    assert [len(torch.load(p)) for p in shards] == [2, 2, 1]  # (full shards across the folders' seam)
     items = [u for p in shards for u in torch.load(p)]
+    assert [u["id"] for u in items] == [0, 1, 2, 3, 4]
     got = [(tokenizer.decode(u["tokens"].long().tolist()), u["split"], int(u["codes"][0, 0])) for u in items]
     assert got == [
         ("hˈɛloʊ.", "heldout", 0),  # the first folder's held-out row
@@ -182,6 +180,10 @@ def test_merge_codes_folders(tmp_path):
         ("θɹˈiː.", "train", 0),
     ]
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (a / "tokenizer.json").read_bytes()
+    with pytest.raises(SystemExit, match="already holds codes shards"):
+        corpus.merge([a, b], tmp_path / "out")  # (a second merge would leave the first's extra shards)
+    with pytest.raises(SystemExit, match="is a source"):
+        corpus.merge([a, b], b)
     (b / "tokenizer.json").write_text("{}")
     with pytest.raises(SystemExit, match="different tokenizers"):
         corpus.merge([a, b], tmp_path / "out2")

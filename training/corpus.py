@@ -1306,11 +1306,13 @@ def encode(
 
 def merge(sources: list[Path], out: Path) -> None:
     """One codes folder (`encode`'s layout) from several: the utterances of every folder in `sources`,
-    in order, in new shards of SHARD_SIZE. Kept once: an utterance found twice (the same phonemes and
-    codes, as an add-on corpus's replay of its base). Held out: only the first folder's held-out
-    utterances (each corpus holds out its own sentences; train.py's held-out loss stays the first's).
-    Left out: training utterances whose phonemes are those of a held-out or everyday text (a base built
-    with another normalizer can hold them). Raises SystemExit when the folders' tokenizers differ."""
+    in order, in new shards of SHARD_SIZE, numbered again from 0 (their `id`s no longer point into one
+    sentences.jsonl, so `export.py` needs `--voices-from`). Kept once: an utterance found twice (the same
+    phonemes and codes, as an add-on corpus's replay of base rows: the first folder's copy stays). Held
+    out: only the first folder's held-out utterances (later folders' are dropped, so train.py's held-out
+    loss is the first's). Left out: training utterances whose phonemes are those of a held-out or
+    everyday text (a base built with another normalizer can hold them). Raises SystemExit when the
+    folders' tokenizers differ, or `out` is one of them or already holds shards."""
     import hashlib
 
     import torch
@@ -1318,6 +1320,8 @@ def merge(sources: list[Path], out: Path) -> None:
     from tts.text.phonemes import PhonemeFrontend
     from tts.text.tokenizer import TextTokenizer
 
+    if any(out.resolve() == d.resolve() for d in sources) or any(out.glob("codes-*.pt")):
+        raise SystemExit(f"{out} is a source or already holds codes shards: merge into a new folder")
     tokenizers = {(d / "tokenizer.json").read_bytes() for d in sources}
     if len(tokenizers) != 1:
         raise SystemExit(f"the codes folders {[str(d) for d in sources]} have different tokenizers")
@@ -1328,7 +1332,7 @@ def merge(sources: list[Path], out: Path) -> None:
     seen: set[bytes] = set()
     kept: list[dict] = []
     counts = {"twice": 0, "held-out text": 0, "other held-out": 0}
-    shard = 0
+    shard = n_kept = 0
 
     def flush(final: bool) -> None:
         nonlocal shard, kept
@@ -1339,7 +1343,10 @@ def merge(sources: list[Path], out: Path) -> None:
     for k, d in enumerate(sources):
         for path in sorted(d.glob("codes-*.pt")):
             for u in torch.load(path):
-                key = hashlib.sha1(u["tokens"].numpy().tobytes() + u["codes"].numpy().tobytes()).digest()
+                shape = f"{len(u['tokens'])} {tuple(u['codes'].shape)}".encode()
+                key = hashlib.sha1(
+                    shape + u["tokens"].numpy().tobytes() + u["codes"].numpy().tobytes()
+                ).digest()
                 if key in seen:
                     counts["twice"] += 1
                     continue
@@ -1351,7 +1358,8 @@ def merge(sources: list[Path], out: Path) -> None:
                 elif _phoneme_key(tokenizer.decode(u["tokens"].long().tolist())) in held_phonemes:
                     counts["held-out text"] += 1
                     continue
-                kept.append(u)
+                kept.append({**u, "id": n_kept})
+                n_kept += 1
             flush(False)
     flush(True)
     log(
