@@ -617,7 +617,6 @@ def weak_texts(n: int, seed: int, max_bytes: int = 200) -> list[str]:
     / "for an" before a vowel-initial noun in the middle of a longer sentence ("... and an officer will
     ..."), and /θ/ after an unstressed word ("of three", "of thirty", "the third", "some thread"), each
     followed by more words. Seeded; held-out texts are never among them."""
-
     r = random.Random(seed)
     keys = heldout_keys()
     ch = r.choice
@@ -771,6 +770,7 @@ _GLUE_PLACES = [
 ]  # fmt: skip
 _GLUE_AN_PLACES = ["office", "attic", "airport", "inn", "empty room", "old barn", "open field", "elevator"]
 _GLUE_DRINKS = ["tea", "coffee", "milk", "water", "juice", "soup", "cocoa"]
+_GLUE_CLOCK = ["a.m.", "p.m.", "o'clock"]
 
 
 def glue_texts(n: int, seed: int, max_bytes: int = 200) -> list[str]:
@@ -779,7 +779,6 @@ def glue_texts(n: int, seed: int, max_bytes: int = 200) -> list[str]:
     map", "in an old barn", "of the keys"), numbers after "and" ("and two cups"), pronouns and "it"
     after "and" ("and I", "and it"), in lists, pairs, prepositional phrases and questions, each with
     words after it. Seeded; held-out texts are never among them."""
-
     r = random.Random(seed)
     keys = heldout_keys()
     ch = r.choice
@@ -838,7 +837,7 @@ def glue_texts(n: int, seed: int, max_bytes: int = 200) -> list[str]:
                 " last night",
                 " in a hurry",
                 " for the trip",
-                f" at {r.randint(1, 12)} {ch(['a.m.', 'p.m.', 'o clock'])}".replace(" o clock", " o'clock"),
+                f" at {r.randint(1, 12)} {ch(_GLUE_CLOCK)}",
             ]
         )
 
