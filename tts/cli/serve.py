@@ -587,7 +587,7 @@ def check_serve_options(args: argparse.Namespace) -> None:
     check_seconds("--pause-timeout", args.pause_timeout, zero_ok=True)
     check_seconds("--http-read-timeout", args.http_read_timeout, zero_ok=False)
     for option, least in CONNECTION_CAP_LEAST.items():
-        n = getattr(args, option[2:].replace("-", "_"))
+        n = getattr(args, _dest(option))
         require(n >= least, f"{option} must be >= {least}, got {n}")
     check_seconds("--wyoming-idle-timeout", args.wyoming_idle_timeout, zero_ok=True)
     check_seconds("--max-prepare-seconds", args.max_prepare_seconds, zero_ok=False)
@@ -628,6 +628,12 @@ CONNECTION_CAP_LEAST = {
     "--max-grpc-connections": 1,
     "--max-wyoming-connections": 1,
 }
+
+
+def _dest(option: str) -> str:
+    """The argparse attribute of a long option: `--max-http-connections` -> `max_http_connections`."""
+    return option[2:].replace("-", "_")
+
 
 # Files a server holds beside its clients' gRPC, HTTP and Wyoming connections: the model's and the
 # voices' files, CUDA's device files, the listening sockets, the metrics port's clients (an idle server on
@@ -678,13 +684,13 @@ def fit_connection_caps(args: argparse.Namespace) -> None:
         "--max-wyoming-connections": args.wyoming_port == -1,
     }
     caps = {
-        option: (getattr(args, option[2:].replace("-", "_")), least)
+        option: (getattr(args, _dest(option)), least)
         for option, least in CONNECTION_CAP_LEAST.items()
         if not off.get(option, False)
     }
     fitted, warning = fit_open_files(caps)
     for option, cap in fitted.items():
-        setattr(args, option[2:].replace("-", "_"), cap)
+        setattr(args, _dest(option), cap)
     if warning is not None:
         print(warning, file=sys.stderr, flush=True)
 
@@ -995,7 +1001,7 @@ def check_chunk_options(args: argparse.Namespace) -> None:
     from tts.runtime.request import check_chunk_frames
 
     for option in ("--first-chunk-frames", "--chunk-frames"):
-        value = getattr(args, option[2:].replace("-", "_"))
+        value = getattr(args, _dest(option))
         require(value >= 0, f"{option} must be >= 0 (0 = server default), got {value}")
     request_rule(check_chunk_frames, args.first_chunk_frames or 1, args.chunk_frames or 1)
 
