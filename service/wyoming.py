@@ -83,7 +83,7 @@ from tts.runtime.request import SpeechRequest, plan_job
 from tts.runtime.voices import VoiceNotFound
 from tts.text.budget import PreparationTimeout
 from tts.text.normalize import _SENTENCE_END as SENTENCE_END  # the planner's sentence ends
-from tts.text.normalize import TextError
+from tts.text.normalize import TextError, speakable
 
 if TYPE_CHECKING:
     from service.server import TTSServer
@@ -214,10 +214,6 @@ def sentence_cut(text: str) -> int:
     return cut
 
 
-def _speakable(text: str) -> bool:
-    return any(ch.isalnum() for ch in text)
-
-
 class SentenceJobs:
     """Streamed text in, audio out: each complete sentence (`sentence_cut`), and what is left at `close`,
     is planned and run as its own synthesis job through the engine thread, one job at a time, in order;
@@ -288,7 +284,7 @@ class SentenceJobs:
             try:
                 job = await prepare_off_loop(self._plan, piece, timeout=self.front.limits.max_prepare_seconds)
             except TextError:
-                if not self.streamed or _speakable(piece):
+                if not self.streamed or speakable(piece):
                     raise
                 log.debug("wyoming: skipped a piece with nothing to speak: %r", piece[:40])
                 continue

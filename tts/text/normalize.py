@@ -25,6 +25,14 @@ class TextError(ValueError):
     """Text with nothing to speak (empty, whitespace or punctuation only)."""
 
 
+NOTHING_TO_SPEAK = "text has nothing to speak (empty, whitespace or punctuation only)"
+
+
+def speakable(text: str) -> bool:
+    """Whether `text` holds anything to speak: a letter or a digit of any script."""
+    return any(ch.isalnum() for ch in text)
+
+
 _MONTHS = [
     "January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
     "November", "December",
@@ -537,8 +545,8 @@ def normalize_text(text: str) -> str:
     out = pieces[0]
     for tag, piece in zip(tags, pieces[1:], strict=True):
         out = f"{out} {tag}{piece}" if out else f"{tag}{piece}"
-    if not any(ch.isalnum() for p in pieces for ch in p):
-        raise TextError("text has nothing to speak (empty, whitespace or punctuation only)")
+    if not any(speakable(p) for p in pieces):
+        raise TextError(NOTHING_TO_SPEAK)
     return out
 
 
@@ -598,8 +606,8 @@ def _normalize_plain(text: str, allow_empty: bool = False) -> str:
         text = text.replace(sym, word)
     text = _sub(_SPACES, " ", text).strip()
     text = _sub(_SPACE_BEFORE_PUNCTUATION, r"\1", text)
-    if not allow_empty and not any(ch.isalnum() for ch in text):
-        raise TextError("text has nothing to speak (empty, whitespace or punctuation only)")
+    if not allow_empty and not speakable(text):
+        raise TextError(NOTHING_TO_SPEAK)
     return text
 
 

@@ -36,17 +36,17 @@ import regex
 from tts.text.budget import charge
 from tts.text.markup import render_markup
 from tts.text.normalize import (
+    NOTHING_TO_SPEAK,
     TAG,
     TextError,
     check_user_tags,
     has_speaker_tags,
     normalize_text,
     remove_control_characters,
+    speakable,
     split_speaker_turns,
     split_text,
 )
-
-NOTHING_TO_SPEAK = "text has nothing to speak (empty, whitespace or punctuation only)"
 
 
 @dataclass
@@ -67,7 +67,7 @@ class TextPlan:
 
 def _check_speakable(text: str) -> None:
     charge(len(text))
-    if not any(ch.isalnum() for ch in TAG.sub("", text)):
+    if not speakable(TAG.sub("", text)):
         raise TextError(NOTHING_TO_SPEAK)
 
 
