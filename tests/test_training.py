@@ -183,7 +183,17 @@ def test_train_script_writes_a_loadable_model(tmp_path):
     resume[resume.index("--out") + 1] = str(out2)
     resume[resume.index("--steps") + 1] = "5"
     subprocess.run(
-        [*resume, "--resume", str(out), "--schedule-seconds", "1000"],
+        [
+            *resume,
+            "--resume",
+            str(out),
+            "--schedule-seconds",
+            "1000",
+            "--end-weight",
+            "4",
+            "--tail-frames",
+            "3",
+        ],
         check=True,
         capture_output=True,
         text=True,
@@ -192,6 +202,9 @@ def test_train_script_writes_a_loadable_model(tmp_path):
     state2 = json.loads((out2 / "train_state.json").read_text())
     assert state2["step"] == 5 and [rec["step"] for rec in state2["history"]] == [1, 2, 3, 4, 5]
     assert state2["train_seconds"] > state["train_seconds"] and state2["schedule_seconds"] == 1000
+    assert (state2["end_weight"], state2["tail_frames"], state2["tail_weight"]) == (4.0, 3, 1.0)
+    bad = subprocess.run([*cmd, "--end-weight", "0"], capture_output=True, text=True, timeout=180)
+    assert bad.returncode == 2 and "--end-weight and --tail-weight must be above 0" in bad.stderr
 
 
 def test_one_schedule_spans_resumed_runs_given_schedule_seconds():
@@ -378,3 +391,31 @@ def test_reference_clips_have_a_floor(tmp_path, monkeypatch):
     assert min(ref.codes.shape[1] for refs, _ in seen for ref in refs) == 5  # (the default: no floor)
     with pytest.raises(ValueError, match=r"speakers \[0, 1\] have no reference clip of 80-110 frames"):
         train.Corpus(data, 4, ref_min_frames=80)
+
+
+def test_end_weights_fall_on_each_rows_end_token_and_its_last_frames():
+    """Two rows of different lengths: the end token (each row's last target) gets the end weight, the
+    tail_frames targets before it the tail weight, everything else 1; the order is that of m's targets."""
+    m = torch.tensor([[0, 1, 1, 1, 1, 1, 0], [0, 0, 0, 1, 1, 0, 0]], dtype=torch.bool)
+    is_end = torch.tensor([False, False, False, False, True, False, True])
+    w = train.target_weights(m, is_end, train.EndWeights(end=5.0, tail=2.0, tail_frames=2))
+    assert w.tolist() == [1.0, 1.0, 2.0, 2.0, 5.0, 2.0, 5.0]
+    assert train.target_weights(m, is_end, train.EndWeights()).tolist() == [1.0] * 7
+    assert not train.EndWeights().active() and not train.EndWeights(tail=3.0).active()
+
+
+def test_end_weights_change_the_objective_but_not_the_reported_slow_loss(tmp_path):
+    corpus = train.Corpus(_codes_dir(tmp_path), 4)
+    args = train.model_config(corpus.tokenizer, 4, 64, "test")
+    torch.manual_seed(0)
+    model = train.DualARTransformer(args).eval()
+    b = corpus.batch(random.Random(0), 2048, "cpu")
+    with torch.no_grad():
+        plain, info = train.compute_loss(model, b["frames"], b["mask"])
+        weighted, winfo = train.compute_loss(
+            model, b["frames"], b["mask"], train.EndWeights(end=10.0, tail=3.0, tail_frames=4)
+        )
+        same, _ = train.compute_loss(model, b["frames"], b["mask"], train.EndWeights())
+    assert float(winfo["slow"]) == float(info["slow"])
+    assert float(same) == float(plain)
+    assert abs(float(weighted) - float(plain)) > 1e-4

@@ -20,7 +20,9 @@ layout, docs/fish_dual_ar.md §3.2) followed by the target frames and `<|im_end|
   --history-frames 320`.
 Loss: cross-entropy of the slow head over [semantic tokens + <|im_end|>] (what the runtime samples
 from) at every target position, plus the fast head's cross-entropy over codebooks 1..N-1 at every
-target frame (codebook 0 is derived from the main token, docs/fish_dual_ar.md §1.4).
+target frame (codebook 0 is derived from the main token, docs/fish_dual_ar.md §1.4). With
+`--end-weight` / `--tail-frames` and `--tail-weight` the slow loss weighs each utterance's end token and
+its last frames more (end-of-speech modelling; `val_slow` stays the unweighted loss).
 
 Resumable: `--resume DIR` starts from a weights directory written by an earlier run (model shards +
 `train_state.json`: step and schedule; the optimizer moments restart, with a short warm-up) or from
@@ -43,6 +45,7 @@ import math
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -234,13 +237,45 @@ class Corpus:
 # ---- loss ------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class EndWeights:
+    """How much the slow head's loss counts at the end of each utterance (1 everywhere by default):
+    `end` at the `<|im_end|>` target (where the model learns to stop), `tail` at the last `tail_frames`
+    audio frames before it (the last syllables, which a model that ends early or trails off gets
+    wrong). The slow loss is then the weighted mean over targets; the held-out loss stays unweighted."""
+
+    end: float = 1.0
+    tail: float = 1.0
+    tail_frames: int = 0
+
+    def active(self) -> bool:
+        return self.end != 1.0 or (self.tail != 1.0 and self.tail_frames > 0)
+
+
+def target_weights(m: torch.Tensor, is_end: torch.Tensor, weights: EndWeights) -> torch.Tensor:
+    """Per-target weights of the slow loss, `[M]` float32 in the order of `m`'s True entries.
+
+    m `[B, T]` bool: the target positions of each row (one utterance a row: its frames, then its end
+    token); is_end `[M]` bool: which of those targets is `<|im_end|>`. A target's distance from its
+    row's last target (0 at the end token) is counted along the row, so the `tail_frames` targets before
+    the end token get `tail` and the end token `end`."""
+    after = m.flip(1).cumsum(1).flip(1) - 1  # [B, T]: targets after this one in its row
+    distance = after[m]
+    w = torch.ones(distance.shape, dtype=torch.float32, device=m.device)
+    if weights.tail_frames > 0:
+        w = torch.where((distance >= 1) & (distance <= weights.tail_frames), weights.tail, w)
+    return torch.where(is_end, weights.end, w)
+
+
 def compute_loss(
-    model: DualARTransformer, frames: torch.Tensor, mask: torch.Tensor
+    model: DualARTransformer, frames: torch.Tensor, mask: torch.Tensor, weights: EndWeights | None = None
 ) -> tuple[torch.Tensor, dict]:
     """Teacher-forced loss of the slow and fast heads (same math as `DualARTransformer.forward`, but the
     slow head restricted to [semantic ids + <|im_end|>] and the fast AR run only where a frame follows).
 
-    frames `[B, T, 1 + N]`, mask `[B, T]` (True where position t's next column is a target).
+    frames `[B, T, 1 + N]`, mask `[B, T]` (True where position t's next column is a target). weights:
+    the slow loss's weights at each utterance's end (`EndWeights`; None: every target counts once).
+    The returned `slow` is always the unweighted mean, comparable across runs.
     """
     c = model.config
     B, T, _ = frames.shape
@@ -257,6 +292,10 @@ def compute_loss(
     tgt = torch.where(tok == c.eos_token_id, n_sem, tok - c.semantic_begin_id)
     logits = F.linear(h_post[:, :-1][m], sem_head).float()
     slow_loss = F.cross_entropy(logits, tgt)
+    slow_objective = slow_loss
+    if weights is not None and weights.active():
+        w = target_weights(m, tok == c.eos_token_id, weights)
+        slow_objective = (F.cross_entropy(logits, tgt, reduction="none") * w).sum() / w.sum()
     # Fast AR on positions whose next column is an audio frame.
     audio = m & (nxt[..., 0] != c.eos_token_id)
     codes = nxt[..., 1:][audio]  # [M, N]
@@ -268,7 +307,7 @@ def compute_loss(
     fast_loss = F.cross_entropy(fast_logits.reshape(-1, fast_logits.shape[-1]), codes[:, 1:].reshape(-1))
     with torch.no_grad():
         acc0 = (logits.argmax(-1) == tgt).float().mean()
-    loss = slow_loss + fast_loss
+    loss = slow_objective + fast_loss
     # Detached tensors: reading them (a GPU sync) is left to the logging steps.
     return loss, {"slow": slow_loss.detach(), "fast": fast_loss.detach(), "acc0": acc0, "frames": audio.sum()}
 
@@ -452,6 +491,21 @@ def main() -> None:
         help="residual dropout rate in every transformer block while training (default 0: none; the "
         "flite model's slow head overfit without it, training/RESULTS.md)",
     )
+    p.add_argument(
+        "--end-weight",
+        type=float,
+        default=1.0,
+        help="weight of the slow loss at each utterance's end token, where the model learns to stop "
+        "(default 1: as every other target)",
+    )
+    p.add_argument(
+        "--tail-frames",
+        type=int,
+        default=0,
+        help="the last this many frames before each end token weigh --tail-weight in the slow loss "
+        "(default 0: none)",
+    )
+    p.add_argument("--tail-weight", type=float, default=1.0, help="see --tail-frames (default 1)")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--val-every", type=int, default=500, help="held-out loss every this many steps")
     p.add_argument("--seed", type=int, default=0)
@@ -465,6 +519,8 @@ def main() -> None:
     a = p.parse_args()
     if not 0.0 <= a.dropout < 1.0:
         p.error(f"--dropout must be in [0, 1), got {a.dropout}")
+    if not (a.end_weight > 0 and a.tail_weight > 0 and a.tail_frames >= 0):
+        p.error("--end-weight and --tail-weight must be above 0 and --tail-frames at least 0")
     t_start = time.time()
     torch.manual_seed(a.seed)
     codec_cfg = json.loads((a.codec / "codec.json").read_text())
@@ -523,6 +579,7 @@ def main() -> None:
     model.train()
     use_amp = device.type == "cuda"
     loss_fn = compute_loss
+    weights = EndWeights(a.end_weight, a.tail_weight, a.tail_frames)
     if device.type == "cuda":
         # cuDNN attention builds a plan per (batch, length) shape, and every batch here has a new one:
         # with it, steps ran 6x slower from the loader than on one repeated batch (profile_train.py).
@@ -549,7 +606,7 @@ def main() -> None:
             g["lr"] = lr
         b = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-            loss, info = loss_fn(model, b["frames"], b["mask"])
+            loss, info = loss_fn(model, b["frames"], b["mask"], weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -594,6 +651,9 @@ def main() -> None:
                 "ref_min_frames": a.ref_min_frames,
                 "init_from": str(a.init_from) if a.init_from else None,
                 "dropout": a.dropout,
+                "end_weight": a.end_weight,
+                "tail_frames": a.tail_frames,
+                "tail_weight": a.tail_weight,
                 "hours": corpus.seconds / 3600,
                 "history": history,
             },
