@@ -419,3 +419,22 @@ def test_end_weights_change_the_objective_but_not_the_reported_slow_loss(tmp_pat
     assert float(winfo["slow"]) == float(info["slow"])
     assert float(same) == float(plain)
     assert abs(float(weighted) - float(plain)) > 1e-4
+
+
+def test_aligner_probe_ends_asks_what_the_runtimes_end_rule_asks():
+    """`ends`: the loop guard, fed a reading's positions, trusts one of the text's last END_TOKENS
+    tokens. A steady climb to the end does; one that rests three tokens short does not, however close its
+    reach; nor does a one-frame glance at the end (a glance is never trusted)."""
+    import aligner_probe
+
+    from tts.engine.aligner import END_TOKENS
+
+    n = 20
+    climb = torch.tensor([0, 0, 1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 19, 19, 19])
+    assert aligner_probe.ends_at_text_end(climb, n)
+    short = torch.tensor([0, 0, 1, 2, 4, 6, 8, 10, 12, 14, 16, 16, 16, 16])
+    assert 19 - 16 > END_TOKENS - 1 and not aligner_probe.ends_at_text_end(short, n)
+    glance = torch.tensor([0, 0, 1, 2, 4, 6, 8, 10, 12, 14, 19, 14, 14, 14])
+    assert not aligner_probe.ends_at_text_end(glance, n)
+    mass, backward, reach, ends = aligner_probe.reading_statistics(0.9, climb, n)
+    assert (mass, reach, ends) == (0.9, 1.0, 1.0) and backward == 0.0
