@@ -4,7 +4,8 @@
     python tools/profile/profile_step.py --batch 64 --weights fp8 --graph-only --out fp8_64.txt
 
 Writes a table of the top kernels by total CUDA time for one eager step and for one graph replay
-(averaged over --steps), with the kernel count per frame.
+(averaged over --steps), headed by the device ops and the device time per frame beside the weight floor
+at batch 1 of the GPU it ran on (`tts_tools.bench.profile_line`).
 """
 
 import argparse
@@ -16,10 +17,11 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tts_tools.bench import _prompt, load_bench_model  # noqa: E402
+from tts_tools.bench import _prompt, load_bench_model, profile_line  # noqa: E402
 
 from tts.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tts.model.quant import quantize_model  # noqa: E402
+from tts.model.shapes import weight_bytes_per_frame  # noqa: E402
 
 
 def profile_engine(engine, batch, steps, label, out):
@@ -39,9 +41,15 @@ def profile_engine(engine, batch, steps, label, out):
     ]
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     total_us = sum(e.self_device_time_total for e in events)
+    model = engine.model
     lines = [
-        f"== {label}: {len(kernels) / steps:.0f} device ops per frame, {total_us / steps / 1e3:.3f} ms "
-        "device time per frame"
+        profile_line(
+            label,
+            len(kernels) / steps,
+            total_us / steps / 1e3,
+            weight_bytes_per_frame(model),
+            torch.cuda.get_device_name(),
+        )
     ]
     table = prof.key_averages().table(
         sort_by="self_device_time_total", row_limit=40, max_name_column_width=90

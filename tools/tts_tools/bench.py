@@ -263,6 +263,22 @@ def floor_line(env: dict) -> str:
     )
 
 
+def profile_line(label: str, ops: float, device_ms: float, weight_bytes: int, device_name: str) -> str:
+    """A frame-step profile's header: device ops and device time per frame (ms), beside the weight floor
+    at batch 1 of the GPU it ran on (`device_name` as `torch.cuda.get_device_name` says; weight_bytes: a
+    frame's weight reads, `tts.model.shapes.weight_bytes_per_frame`). No floor for a GPU GPU_BANDWIDTH
+    does not list."""
+    head = f"== {label}: {ops:.0f} device ops per frame, {device_ms:.3f} ms device time per frame"
+    known = gpu_bandwidth(device_name)
+    if known is None:
+        return f"{head}; no weight floor for {device_name}"
+    floor = weight_bytes / known[0] * 1e3
+    return (
+        f"{head}; weight floor {floor:.2f} ms ({weight_bytes / 1e9:.2f} GB at {known[0] / 1e12:.2f} TB/s, "
+        f"{known[1]}): {device_ms / floor:.2f}x the floor"
+    )
+
+
 def x_floor(result: dict, floor: float | None) -> str:
     """A point's decode step over the floor ("-" without a floor)."""
     return f"{result['step_ms_p50'] / floor:.2f}" if floor else "-"
