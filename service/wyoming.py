@@ -36,7 +36,8 @@ draining, a job that fails) gets one `error {text, code}` event, where `code` is
 job (a client reading for `audio-stop` or `synthesize-stopped` would otherwise wait forever). A client
 that disconnects (end of its stream) cancels its job: the engine frees its row and KV blocks at the next
 step. A client that stops reading pauses its job (back-pressure, as on the other fronts). At most
-`ServiceLimits.max_wyoming_connections` are open (the next one gets `resource_exhausted` and is closed);
+`ServiceLimits.max_wyoming_connections` are open (the next one gets `resource_exhausted` and is closed;
+a client that has closed its side holds none, even before the server has finished closing it);
 one with no synthesis in progress and no complete event for `wyoming_idle_timeout` seconds is closed.
 
 Each synthesis (one-shot or stream) and each refused event is one request in `tts_requests_total{outcome}`
@@ -101,6 +102,9 @@ SAMPLE_WIDTH = 2  # PCM16
 # stops reading fills them and then its job pauses, instead of generating into megabytes of buffers.
 SEND_BUFFER_BYTES = 128 * KiB
 WRITE_BUFFER_BYTES = 64 * KiB
+# Passes of the event loop a connection arriving at the cap waits for the ends of clients that already
+# left to be read (`WyomingFront._slot_free`): one registers a new connection's reader, the next polls it.
+SLOT_PASSES = 3
 # An error event is sent within this many seconds, or the connection is cut without it.
 ERROR_SEND_SECONDS = 5.0
 # Languages a model's text policy speaks (Wyoming lists them per voice; Home Assistant offers a voice for
@@ -424,6 +428,11 @@ class _Connection:
         self.ended = False  # an error was answered: the connection closes
         self.idle_since = time.monotonic()  # the last event, or the end of the last synthesis
 
+    def client_left(self) -> bool:
+        """Whether the client has closed its side or reset the connection (seen by the event loop; this
+        connection's task may not have run since)."""
+        return self.reader.at_eof() or self.reader.exception() is not None
+
     async def run(self) -> None:
         idle = self.front.limits.wyoming_idle_timeout
         watch = asyncio.ensure_future(self._close_when_idle(idle)) if idle else None
@@ -676,7 +685,7 @@ class WyomingFront:
         self.languages = POLICY_LANGUAGES.get(policy, FISH_LANGUAGES)
         self.port: int | None = None
         self._server: asyncio.Server | None = None
-        self._connections: set[asyncio.Task] = set()
+        self._connections: dict[asyncio.Task, _Connection] = {}
 
     def info(self) -> dict:
         """The `info` event's data: one TTS program with the model's voices (presets and registered)."""
@@ -727,15 +736,28 @@ class WyomingFront:
         task = asyncio.current_task()
         assert task is not None
         connection = _Connection(self, reader, writer)
-        if len(self._connections) >= self.limits.max_wyoming_connections:
+        if not await self._slot_free():
             n = self.limits.max_wyoming_connections
             await connection._fail(Overloaded(f"{n} Wyoming connections are open; try again later"))
             return
-        self._connections.add(task)
+        self._connections[task] = connection
         try:
             await connection.run()
         finally:
-            self._connections.discard(task)
+            del self._connections[task]
+
+    async def _slot_free(self) -> bool:
+        """Whether a new connection may open: fewer than the cap held by clients still there. A client
+        that has left holds no slot, even before its connection's task has run to its close: else a burst
+        of connect-and-close (port checks) refuses the clients that come next. Connections accepted
+        together in one pass of the event loop have not had their ends read yet, so at the cap this
+        lets the loop run a few passes (its poll reads those ends; no timer) before it counts again."""
+        cap = self.limits.max_wyoming_connections
+        for _ in range(SLOT_PASSES):
+            if sum(not c.client_left() for c in self._connections.values()) < cap:
+                return True
+            await asyncio.sleep(0)
+        return sum(not c.client_left() for c in self._connections.values()) < cap
 
     async def stop(self) -> None:
         """Stop listening and close every connection (their jobs cancelled). Call it once the engine loop

@@ -504,6 +504,34 @@ def test_the_connection_past_the_cap_gets_an_error_and_the_next_one_is_served(bu
         srv.stop()
 
 
+def test_clients_that_connect_and_leave_one_after_another_are_never_refused(bundle):
+    """One connection at most, and clients that each connect, ask, read the answer and close, one after
+    another (as Home Assistant asks a server's info): a client that has left does not hold the slot
+    while its end is still unread, so none of them is refused."""
+    limits = ServiceLimits(max_wyoming_connections=1, wyoming_idle_timeout=None)
+    srv = ServerThread(bundle, EngineConfig(max_batch=1), limits, wyoming_port=0)
+    port = srv.server.wyoming_port
+
+    async def scenario() -> list[str]:
+        answers = []
+        for _ in range(20):
+            for _ in range(5):  # connect and leave at once (a port check)
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                await writer.wait_closed()
+            async with AsyncTcpClient("127.0.0.1", port) as client:
+                await client.write_event(Describe().event())
+                answers.append((await read_until(client, "info", "error"))[-1].type)
+        return answers
+
+    try:
+        before = count(srv, "resource_exhausted")
+        assert run(scenario()) == ["info"] * 20
+        assert count(srv, "resource_exhausted") == before
+    finally:
+        srv.stop()
+
+
 IDLE = 0.5  # (the tests that wait for a close take as long)
 
 
