@@ -317,6 +317,15 @@ def test_export_averages_several_runs_weights_and_names_the_teacher(tmp_path):
     with pytest.raises(SystemExit, match="other weights"):
         export.average_weights([tmp_path / "a", tmp_path / "c"], tmp_path)
 
+    # A fine-tune may be averaged with the exported bundle it started from: the same model fields, the
+    # bundle's runtime settings aside; another model is refused.
+    fields = {"dim": 64, "n_layer": 2}
+    (tmp_path / "a" / "config.json").write_text(json.dumps(fields | {"tts_runtime": {"name": "default"}}))
+    (tmp_path / "b" / "config.json").write_text(json.dumps(fields))
+    assert export.model_fields(tmp_path / "a") == export.model_fields(tmp_path / "b") == fields
+    (tmp_path / "c" / "config.json").write_text(json.dumps(fields | {"n_layer": 3}))
+    assert export.model_fields(tmp_path / "c") != fields
+
     for teacher, key, name in ((None, "espeak", "espeak-ng"), ("flite", "flite", "flite")):
         row = {"id": 0, "text": "Hi."} | ({"teacher": teacher} if teacher else {})
         (tmp_path / "sentences.jsonl").write_text(json.dumps(row) + "\n")

@@ -3,12 +3,16 @@
     python training/export.py --trained OUT --work training/work --codec training/work/codec_vq3 \
         --vocoder training/work/vocoder --codes training/work/codes_all --dest tts/assets/default
 
-`--trained` may name several outputs of one training run (e.g. the weights after each of its calls):
-the bundle then holds their element-wise mean, computed in float32 from the bf16 shards and rounded
-back to bf16 (checkpoint averaging: Vaswani et al., "Attention Is All You Need", 2017, section 6.1,
-averaged the last checkpoints of a run; Izmailov et al., "Averaging Weights Leads to Wider Optima and
-Better Generalization", 2018). train_state.json is the last output's, with the averaged steps added,
-and with `teacher`: the corpus's (`tts eval --voices` speaks its same-text references with it).
+`--trained` may name several outputs of one training run (e.g. the weights after each of its calls), or
+a model and a fine-tune of it (an exported bundle, such as the shipped `tts/assets/default`, counts as
+an output: its config's `tts_runtime` is left out of the comparison): the bundle then holds their
+element-wise mean, computed in float32 from the bf16 shards and rounded back to bf16 (checkpoint
+averaging: Vaswani et al., "Attention Is All You Need", 2017, section 6.1, averaged the last checkpoints
+of a run; Izmailov et al., "Averaging Weights Leads to Wider Optima and Better Generalization", 2018; a
+model averaged with its fine-tune keeps more of what the fine-tune did not train: Wortsman et al.,
+"Robust fine-tuning of zero-shot models", 2022). train_state.json is the last output's, with the
+averaged steps added, and with `teacher`: the corpus's (`tts eval --voices` speaks its same-text
+references with it).
 
 Writes config.json (the model's `dual_ar` fields + `tts_runtime`: name, frontend "espeak-ipa:en-us",
 prompt format, sampling defaults, and with `--aligner` the heads the loop guard follows), the weights as bf16
@@ -76,6 +80,14 @@ def average_weights(folders: list[Path], tmp: Path) -> Path:
     out = tmp / "averaged.safetensors"
     save_file({k: (v / len(folders)).to(torch.bfloat16) for k, v in total.items()}, str(out))
     return out
+
+
+def model_fields(folder: Path) -> dict:
+    """The model fields of a train.py output's or an exported bundle's config.json (a bundle's
+    `tts_runtime` left out: the runtime settings, not the model)."""
+    raw = json.loads((folder / "config.json").read_text())
+    raw.pop("tts_runtime", None)
+    return raw
 
 
 def corpus_teacher(work: Path) -> str:
@@ -176,12 +188,10 @@ def main() -> None:
     a = p.parse_args()
     a.samples = samples_dir(a.dest, a.samples)
     last = a.trained[-1]  # (the run's final output: its config and step describe the bundle)
-    raw = json.loads((last / "config.json").read_text())
+    raw = model_fields(last)
     for t in a.trained[:-1]:
-        if json.loads((t / "config.json").read_text()) != raw:
-            raise SystemExit(
-                f"--trained: {t}/config.json differs from {last}/config.json: not one run's outputs"
-            )
+        if model_fields(t) != raw:
+            raise SystemExit(f"--trained: {t}/config.json describes another model than {last}/config.json")
     args = ModelArgs.from_dict(raw)
     try:
         aligner = parse_aligner(a.aligner, args) if a.aligner is not None else None
