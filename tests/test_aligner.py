@@ -121,7 +121,7 @@ def test_a_repeat_mid_text_is_found_where_it_began():
     """ "...where he where he was": the position falls back to "where" and reads it again."""
     before = reading(150, 212) + [212, 212]
     again = [204, 205, 207, 209, 211, 212, 213]
-    found = feed(LoopGuard(214), before + again)
+    found = feed(LoopGuard(216), before + again)
     # reported once the climb is sure: three small steps forward, three tokens above the fall
     assert found == [(len(before) + 3, Repeat(first=len(before), at_end=False))]
 

@@ -268,3 +268,19 @@ def test_a_pass_whose_step_refused_an_end_token_made_progress(tiny_bundle, scrip
         assert finished.finish_reasons == [FinishReason.STOP] and engine.end_refusals == 1
     finally:
         pipeline.stage.stop()
+
+
+def test_a_reading_whose_heads_hold_on_the_last_phoneme_has_said_its_text():
+    """The default voice's text tokens are the bytes of its IPA: "things." ends in ŋ (two bytes), z, ".".
+    Its aligner heads hold on ŋ and pass "z." within a frame or two before the end token, so the
+    furthest trusted position is the text's third token from the end; that reading is complete (the
+    shipped model's "Please call Stella and ask her to bring these things." at 4 of 12 seeds: refused
+    there, it ended `short` or babbled on). Three tokens short is still short."""
+    guard = LoopGuard(20)
+    for position in [0, 2, 4, 6, 8, 10, 12, 14, 16, 17, 17, 17, 18, 19, 15]:
+        guard.push(position)
+    assert guard.reached() == 17 and guard.said_all()
+    early = LoopGuard(20)
+    for position in [0, 2, 4, 6, 8, 10, 12, 14, 16, 16, 16, 18, 19, 15]:
+        early.push(position)
+    assert early.reached() == 16 and not early.said_all()
