@@ -241,8 +241,9 @@ def test_top1_agreement_of_the_default_voice_on_its_preset_voices():
     149 scored positions (one is 0.7%), quantized against its float32 self (float32 activations: a
     bf16 reference moves with the torch version: bf16 rounding alone flipped 2.0% of v3's main tokens
     on an earlier torch and 0.7% of v4's under 2.14, enough to cross a threshold a position wide). On the
-    shipped v4, torch 2.14.1: main-token top-1 agreement 96.0% (fp8) and 99.3% (int8), first fast
-    codebook 92.4% and 98.2%, main logits' relative error 0.036 and 0.010. The top-1 bounds leave three
+    shipped v8, torch 2.14.1: main-token top-1 agreement 96.6% (fp8) and 98.7% (int8), first fast
+    codebook 89.3% and 98.0%, main logits' relative error 0.035 and 0.010 (v4: 96.0% / 99.3%, 92.4% /
+    98.2%, 0.036 / 0.010: the errors the same, the near-ties elsewhere). The top-1 bounds leave three
     positions of margin; the logits' error (0.037 and 0.013 against a bf16 reference: it moves by
     thousandths where top-1 moves by whole positions) is the finer check."""
     from tts_tools.quant_check import voice_frames
@@ -259,8 +260,8 @@ def test_top1_agreement_of_the_default_voice_on_its_preset_voices():
         results[fmt] = compare(model, fmt, frames)
     fp8, int8 = results["fp8"], results["int8"]
     assert fp8["scored_positions"] == 149
-    assert fp8["main_top1_agreement"] >= 0.94 and int8["main_top1_agreement"] >= 0.97
-    assert fp8["fast_top1_agreement"] >= 0.90 and int8["fast_top1_agreement"] >= 0.96
+    assert fp8["main_top1_agreement"] >= 0.94 and int8["main_top1_agreement"] >= 0.96
+    assert fp8["fast_top1_agreement"] >= 0.87 and int8["fast_top1_agreement"] >= 0.955
     assert fp8["main_logits_rel_error"] < 0.045 and int8["main_logits_rel_error"] < 0.015
 
 
