@@ -753,11 +753,14 @@ class WyomingFront:
         together in one pass of the event loop have not had their ends read yet, so at the cap this
         lets the loop run a few passes (its poll reads those ends; no timer) before it counts again."""
         cap = self.limits.max_wyoming_connections
-        for _ in range(SLOT_PASSES):
-            if sum(not c.client_left() for c in self._connections.values()) < cap:
+        for _ in range(SLOT_PASSES + 1):
+            left = [c for c in self._connections.values() if c.client_left()]
+            for c in left:  # a client that closed its side is gone (its job is cancelled): close ours too,
+                c.writer.transport.abort()  # so a task stuck writing to it cannot hold the slot unseen
+            if len(self._connections) - len(left) < cap:
                 return True
             await asyncio.sleep(0)
-        return sum(not c.client_left() for c in self._connections.values()) < cap
+        return False
 
     async def stop(self) -> None:
         """Stop listening and close every connection (their jobs cancelled). Call it once the engine loop

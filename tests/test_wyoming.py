@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import json
 import socket
 import time
 
@@ -529,6 +530,41 @@ def test_clients_that_connect_and_leave_one_after_another_are_never_refused(bund
         assert run(scenario()) == ["info"] * 20
         assert count(srv, "resource_exhausted") == before
     finally:
+        srv.stop()
+
+
+def test_a_half_closed_client_that_never_reads_gives_its_slot_up(bundle):
+    """A client that sends pings whose pongs overfill the socket, closes its sending side and never reads
+    leaves the server's task stuck writing to it. It has ended its stream, so it is gone (as any client
+    whose stream ends): the next client at the cap closes that connection and takes the slot, and the
+    cap never holds more live connections than it allows."""
+    limits = ServiceLimits(max_wyoming_connections=1, wyoming_idle_timeout=None)
+    srv = ServerThread(bundle, EngineConfig(max_batch=1), limits, wyoming_port=0)
+    port = srv.server.wyoming_port
+    connections = srv.server._wyoming._connections
+    data = json.dumps({"text": "x" * 180_000}).encode()
+    ping = json.dumps({"type": "ping", "data_length": len(data)}).encode() + b"\n" + data
+    stuck = socket.socket()
+    try:
+        stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stuck.connect(("127.0.0.1", port))
+        stuck.sendall(ping * 2)
+        stuck.shutdown(socket.SHUT_WR)
+        wait_for(lambda: any(c.client_left() for c in list(connections.values())), "the end to be read")
+
+        async def describe() -> str:
+            async with AsyncTcpClient("127.0.0.1", port) as client:
+                await client.write_event(Describe().event())
+                answer = (await read_until(client, "info", "error"))[-1].type
+                while len(connections) > 1:  # the stuck one closes (its task ends once its write fails)
+                    await asyncio.sleep(0.01)
+                return answer
+
+        before = count(srv, "resource_exhausted")
+        assert run(describe()) == "info"
+        assert count(srv, "resource_exhausted") == before
+    finally:
+        stuck.close()
         srv.stop()
 
 
