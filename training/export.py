@@ -10,7 +10,9 @@ element-wise mean, computed in float32 from the bf16 shards and rounded back to 
 averaging: Vaswani et al., "Attention Is All You Need", 2017, section 6.1, averaged the last checkpoints
 of a run; Izmailov et al., "Averaging Weights Leads to Wider Optima and Better Generalization", 2018; a
 model averaged with its fine-tune keeps more of what the fine-tune did not train: Wortsman et al.,
-"Robust fine-tuning of zero-shot models", 2022). train_state.json is the last output's, with the
+"Robust fine-tuning of zero-shot models", 2022). Only the model fields and the weights' names and
+shapes are compared: two models of the same shape trained apart average to noise, and this cannot tell
+them from a model and its fine-tune. train_state.json is the last output's, with the
 averaged steps added, and with `teacher`: the corpus's (`tts eval --voices` speaks its same-text
 references with it).
 
@@ -191,7 +193,7 @@ def main() -> None:
     raw = model_fields(last)
     for t in a.trained[:-1]:
         if model_fields(t) != raw:
-            raise SystemExit(f"--trained: {t}/config.json describes another model than {last}/config.json")
+            raise SystemExit(f"--trained: {t}/config.json has other model fields than {last}/config.json")
     args = ModelArgs.from_dict(raw)
     try:
         aligner = parse_aligner(a.aligner, args) if a.aligner is not None else None
