@@ -204,7 +204,7 @@ def test_train_script_writes_a_loadable_model(tmp_path):
     assert state2["train_seconds"] > state["train_seconds"] and state2["schedule_seconds"] == 1000
     assert (state2["end_weight"], state2["tail_frames"], state2["tail_weight"]) == (4.0, 3, 1.0)
     bad = subprocess.run([*cmd, "--end-weight", "0"], capture_output=True, text=True, timeout=180)
-    assert bad.returncode == 2 and "--end-weight and --tail-weight must be above 0" in bad.stderr
+    assert bad.returncode == 2 and "--end-weight and --tail-weight must be finite and above 0" in bad.stderr
 
 
 def test_one_schedule_spans_resumed_runs_given_schedule_seconds():

@@ -520,7 +520,7 @@ def main() -> None:
     if not 0.0 <= a.dropout < 1.0:
         p.error(f"--dropout must be in [0, 1), got {a.dropout}")
     if not (0 < a.end_weight < math.inf and 0 < a.tail_weight < math.inf and a.tail_frames >= 0):
-        p.error("--end-weight and --tail-weight must be above 0 and --tail-frames at least 0")
+        p.error("--end-weight and --tail-weight must be finite and above 0, --tail-frames at least 0")
     t_start = time.time()
     torch.manual_seed(a.seed)
     codec_cfg = json.loads((a.codec / "codec.json").read_text())
