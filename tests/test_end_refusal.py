@@ -273,9 +273,8 @@ def test_a_pass_whose_step_refused_an_end_token_made_progress(tiny_bundle, scrip
 def test_a_reading_whose_heads_hold_on_the_last_phoneme_has_said_its_text():
     """The default voice's text tokens are the bytes of its IPA: "things." ends in ŋ (two bytes), z, ".".
     Its aligner heads hold on ŋ and pass "z." within a frame or two before the end token, so the
-    furthest trusted position is the text's third token from the end; that reading is complete (the
-    shipped model's "Please call Stella and ask her to bring these things." at 4 of 12 seeds; refused
-    there, 3 of the 12 ended `short`, one babbling on). Four tokens short is still short."""
+    furthest trusted position is the text's third token from the end, and that reading is complete
+    (refused there, it ended `short` or babbled on). Four tokens short is still short."""
     guard = LoopGuard(20)
     for position in [0, 2, 4, 6, 8, 10, 12, 14, 16, 17, 17, 17, 18, 19, 15]:
         guard.push(position)

@@ -63,14 +63,12 @@ RETRACT_MAX_FRAMES = 16
 REWIND_EXTRA_FRAMES = 3
 START_FRAME = 2  # no position is trusted before this frame (the heads settle on the text)
 # A repeat is after the text's end, and an end token is not early, when a trusted position had reached
-# one of the text's last END_TOKENS tokens. The default voice's tokens are the bytes of its IPA: a final
-# "things." is ŋ (two bytes), z and "."; the heads hold on ŋ and pass "z." within a frame or two before
-# the end token, so the furthest trusted position is often the third token from the end (with 2, the
-# heads of 4 of 12 complete readings of "Please call Stella and ask her to bring these things." stopped
-# there, and 3 of the 12 ended `short`, one of them babbling on; the held-out readings of seeds 0 and 1
-# all reach the third). A whole word is at least
-# four tokens with its punctuation ("it." is ɪ, two bytes, t and "."). Trusted, not any: a glance to the
-# end followed by a repeat mid-text would otherwise end the request with its last words unsaid.
+# one of the text's last END_TOKENS tokens. The default voice's tokens are the bytes of its IPA, and its
+# heads hold on a final two-byte phoneme and pass what follows within a frame ("things." is ŋ, two bytes,
+# then z and "."), so the furthest trusted position of a complete reading is often the third token from
+# the end. A whole final word is at least four tokens with its punctuation ("it." is ɪ, two bytes, t and
+# "."), so three still refuses an end that leaves a word unsaid. Trusted, not any: a glance to the end
+# followed by a repeat mid-text would otherwise end the request with its last words unsaid.
 END_TOKENS = 3
 assert HOLD_FRAMES == 3  # (LoopGuard.push compares the last three steps directly)
 # The end token sampled while the furthest trusted position is short of the text's end (its last
