@@ -37,7 +37,7 @@ job (a client reading for `audio-stop` or `synthesize-stopped` would otherwise w
 that disconnects (end of its stream) cancels its job: the engine frees its row and KV blocks at the next
 step. A client that stops reading pauses its job (back-pressure, as on the other fronts). At most
 `ServiceLimits.max_wyoming_connections` are open (the next one gets `resource_exhausted` and is closed;
-a client that has closed its side holds none, even before the server has finished closing it);
+a client that has closed its side holds none: the next connection closes it);
 one with no synthesis in progress and no complete event for `wyoming_idle_timeout` seconds is closed.
 
 Each synthesis (one-shot or stream) and each refused event is one request in `tts_requests_total{outcome}`
@@ -748,15 +748,17 @@ class WyomingFront:
 
     async def _slot_free(self) -> bool:
         """Whether a new connection may open: fewer than the cap held by clients still there. A client
-        that has left holds no slot, even before its connection's task has run to its close: else a burst
-        of connect-and-close (port checks) refuses the clients that come next. Connections accepted
-        together in one pass of the event loop have not had their ends read yet, so at the cap this
-        lets the loop run a few passes (its poll reads those ends; no timer) before it counts again."""
+        that has closed its side has left (its job is cancelled, as for any client whose stream ended):
+        its connection is aborted here, so that its task ends even if it was stuck writing to it, and it
+        holds no slot meanwhile; else a burst of connect-and-close (port checks) refuses the clients that
+        come next. Connections accepted together in one pass of the event loop have not had their ends
+        read yet, so at the cap this lets the loop run a few passes (its poll reads those ends; no timer)
+        before it counts again."""
         cap = self.limits.max_wyoming_connections
         for _ in range(SLOT_PASSES + 1):
             left = [c for c in self._connections.values() if c.client_left()]
-            for c in left:  # a client that closed its side is gone (its job is cancelled): close ours too,
-                c.writer.transport.abort()  # so a task stuck writing to it cannot hold the slot unseen
+            for c in left:
+                c.writer.transport.abort()
             if len(self._connections) - len(left) < cap:
                 return True
             await asyncio.sleep(0)
