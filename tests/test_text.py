@@ -256,6 +256,13 @@ def test_heldout_sentences_normalize_byte_identically():
         ("Open 9am to 5pm daily.", "Open nine a m to five p m daily."),
         ("It ends at 3:30 p.m. Then we eat.", "It ends at three thirty p m. Then we eat."),
         ("Call at 4:15 amid the noise.", "Call at four fifteen amid the noise."),
+        # a dot between hour and minutes, or none, when a.m./p.m. says it is a time
+        ("Meet at 3.30pm.", "Meet at three thirty p m."),
+        ("Lunch at 12.05 p.m. sharp", "Lunch at twelve oh five p m sharp"),
+        ("Open 1030am to 930pm", "Open ten thirty a m to nine thirty p m"),
+        ("It weighs 3.30 kg.", "It weighs three point three zero kilograms."),
+        ("Room 1030 at 9", "Room one thousand and thirty at nine"),
+        ("13.30pm or 3.75pm", "thirteen point three zero pm or three point seven five pm"),
         # time ranges keep their words apart
         ("10:30-11:30 tomorrow", "ten thirty to eleven thirty tomorrow"),
         ("Meet at 9:00 tomorrow.", "Meet at nine o'clock tomorrow."),

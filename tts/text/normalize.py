@@ -229,6 +229,16 @@ def _time(m: re.Match) -> str:
     return f"{num2words(h)} {minutes}{suffix}"
 
 
+def _time_without_colon(m: re.Match) -> str:
+    """A time whose a.m./p.m. says it is one, written with a dot or nothing between hour and minutes:
+    "3.30pm", "1030 a.m." (as speech recognizers and British usage write them); anything else that is
+    not an hour of 1 to 12 and minutes below 60 is left to the number rules."""
+    h, mi = int(m.group(1)), int(m.group(2))
+    if not (1 <= h <= 12 and mi < 60):
+        return m.group(0)
+    return _time(m)
+
+
 def _hour(m: re.Match) -> str:
     """An hour before a.m./p.m. without minutes: "10 a.m." -> "ten a m" (as the time rule reads it)."""
     h = int(m.group(1))
@@ -383,6 +393,7 @@ _RULES: list[tuple[re.Pattern, object]] = [
         lambda m: f"{m.group(1)} to ",
     ),
     (re.compile(r"\b(\d{1,2}):(\d{2})(?:\s*([AaPp]\.?[Mm]\.?)(?![A-Za-z]))?"), _time),
+    (re.compile(r"(?<![\w.,:$£€])(\d{1,2})\.?(\d{2})\s*([AaPp]\.?[Mm]\.?)(?![A-Za-z])"), _time_without_colon),
     (re.compile(r"(?<![\w.,:])(\d{1,2})\s*([AaPp]\.?[Mm]\.?)(?![A-Za-z])"), _hour),
     # currency before a scale ($5.3 billion) and currency ranges ($5-10)
     (
