@@ -85,11 +85,12 @@ def test_an_unknown_gpu_has_no_floor():
 def test_a_step_profile_reports_ops_and_time_beside_the_floor_of_its_gpu():
     line = profile_line("graph batch 1", 985.2, 7.77, 15_550_000_000, "NVIDIA H100 80GB HBM3")
     assert line == (
-        "== graph batch 1: 985 device ops per frame, 7.770 ms device time per frame; weight floor 4.64 ms "
-        "(15.55 GB at 3.35 TB/s, H100 SXM): 1.67x the floor"
+        "== graph batch 1: 985 device ops per frame, 7.770 ms device time per frame; weight floor 4.64 "
+        "ms/frame at batch 1 (15.55 GB at 3.35 TB/s, datasheet HBM bandwidth of the H100 SXM): 1.67x the "
+        "floor"
     )
     h200 = profile_line("graph batch 1", 985, 6.2, 15_550_000_000, "NVIDIA H200")
-    assert "weight floor 3.24 ms (15.55 GB at 4.80 TB/s, H200): 1.91x the floor" in h200
+    assert "(15.55 GB at 4.80 TB/s, datasheet HBM bandwidth of the H200): 1.91x the floor" in h200
     assert profile_line("g", 1, 1.0, 1, "Future GPU").endswith("; no weight floor for Future GPU")
 
 

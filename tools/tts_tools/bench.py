@@ -230,16 +230,9 @@ def environment(model, args) -> dict:
     }
     # The floor's bandwidth: --bandwidth, else the datasheet rate of this GPU (none on a CPU or an unknown
     # GPU: no floor).
-    known = gpu_bandwidth(env["device"]) if device.type == "cuda" else None
-    if args.bandwidth is not None:
-        env["bandwidth_bytes_per_s"], env["bandwidth_source"] = args.bandwidth, "--bandwidth"
-    elif known is not None:
-        env["bandwidth_bytes_per_s"], env["bandwidth_source"] = (
-            known[0],
-            f"datasheet HBM bandwidth of the {known[1]}",
-        )
-    else:
-        env["bandwidth_bytes_per_s"], env["bandwidth_source"] = None, None
+    env["bandwidth_bytes_per_s"], env["bandwidth_source"] = floor_bandwidth(
+        env["device"] if device.type == "cuda" else None, args.bandwidth
+    )
     try:
         import triton
 
@@ -251,15 +244,31 @@ def environment(model, args) -> dict:
     return env
 
 
+def floor_bandwidth(device_name: str | None, given: float | None = None) -> tuple[float | None, str | None]:
+    """(bytes/s, where the rate came from) for the weight floor: `given` (--bandwidth) if set, else the
+    datasheet rate of the GPU named `device_name` (None for a CPU); (None, None) for a GPU GPU_BANDWIDTH
+    does not list."""
+    if given is not None:
+        return given, "--bandwidth"
+    known = gpu_bandwidth(device_name) if device_name is not None else None
+    if known is None:
+        return None, None
+    return known[0], f"datasheet HBM bandwidth of the {known[1]}"
+
+
+def _floor_words(floor_ms: float, weight_bytes: int, bandwidth: float, source: str) -> str:
+    gb, tbs = weight_bytes / 1e9, bandwidth / 1e12
+    return f"weight floor {floor_ms:.2f} ms/frame at batch 1 ({gb:.2f} GB at {tbs:.2f} TB/s, {source})"
+
+
 def floor_line(env: dict) -> str:
     """The header's words on the weight-bandwidth floor: its time and where its bandwidth came from."""
     floor = env["floor_ms_per_frame_batch1"]
     if floor is None:
         what = "unknown GPU" if env.get("on_gpu", True) else "a CPU"
         return f"no weight floor ({what}: give --bandwidth BYTES_PER_S for one)"
-    return (
-        f"weight floor {floor:.2f} ms/frame at batch 1 ({env['weight_bytes_per_frame'] / 1e9:.2f} GB at "
-        f"{env['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, {env['bandwidth_source']})"
+    return _floor_words(
+        floor, env["weight_bytes_per_frame"], env["bandwidth_bytes_per_s"], env["bandwidth_source"]
     )
 
 
@@ -269,13 +278,12 @@ def profile_line(label: str, ops: float, device_ms: float, weight_bytes: int, de
     frame's weight reads, `tts.model.shapes.weight_bytes_per_frame`). No floor for a GPU GPU_BANDWIDTH
     does not list."""
     head = f"== {label}: {ops:.0f} device ops per frame, {device_ms:.3f} ms device time per frame"
-    known = gpu_bandwidth(device_name)
-    if known is None:
+    bandwidth, source = floor_bandwidth(device_name)
+    if bandwidth is None or source is None:
         return f"{head}; no weight floor for {device_name}"
-    floor = weight_bytes / known[0] * 1e3
+    floor = weight_bytes / bandwidth * 1e3
     return (
-        f"{head}; weight floor {floor:.2f} ms ({weight_bytes / 1e9:.2f} GB at {known[0] / 1e12:.2f} TB/s, "
-        f"{known[1]}): {device_ms / floor:.2f}x the floor"
+        f"{head}; {_floor_words(floor, weight_bytes, bandwidth, source)}: {device_ms / floor:.2f}x the floor"
     )
 
 
