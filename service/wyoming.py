@@ -740,6 +740,9 @@ class WyomingFront:
             n = self.limits.max_wyoming_connections
             await connection._fail(Overloaded(f"{n} Wyoming connections are open; try again later"))
             return
+        if self._server is None or not self._server.is_serving():  # stop() began while it waited
+            await connection._fail(LoopClosed("the server is shutting down; not accepting requests"))
+            return
         self._connections[task] = connection
         try:
             await connection.run()

@@ -11,6 +11,7 @@ import dataclasses
 import io
 import json
 import socket
+import threading
 import time
 
 import numpy as np
@@ -566,6 +567,44 @@ def test_a_half_closed_client_that_never_reads_gives_its_slot_up(bundle):
     finally:
         stuck.close()
         srv.stop()
+
+
+def test_a_connection_waiting_for_a_slot_when_the_server_stops_is_refused_not_served(bundle, monkeypatch):
+    """A connection accepted at the cap waits a few loop passes for a slot; if the server stops meanwhile,
+    it is answered with an error and closed, never registered after stop() has closed the others."""
+    limits = ServiceLimits(max_wyoming_connections=1, wyoming_idle_timeout=None)
+    srv = ServerThread(bundle, EngineConfig(max_batch=1), limits, wyoming_port=0)
+    wy = srv.server._wyoming
+    waiting, served = threading.Event(), []
+
+    async def slot_free_once_the_stop_began() -> bool:
+        waiting.set()
+        while wy._server is not None and wy._server.is_serving():
+            await asyncio.sleep(0)
+        return True
+
+    monkeypatch.setattr(wy, "_slot_free", slot_free_once_the_stop_began)
+    run_connection = front._Connection.run
+
+    async def recorded_run(connection):
+        served.append(connection)
+        await run_connection(connection)
+
+    monkeypatch.setattr(front._Connection, "run", recorded_run)
+    sock = socket.create_connection(("127.0.0.1", srv.server.wyoming_port))
+    try:
+        write_event(Describe().event(), sock.makefile("wb"))
+        assert waiting.wait(60)
+        srv.stop()
+        sock.settimeout(60)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+        assert served == []
+        assert b'"type": "error"' in received or b'"type":"error"' in received
+        assert b"info" not in received
+    finally:
+        sock.close()
 
 
 IDLE = 0.5  # (the tests that wait for a close take as long)
