@@ -291,6 +291,27 @@ def test_flite_speaks_at_the_codec_rate_and_its_stretch_slows_it():
     assert 1.15 < len(slow) / len(audio) < 1.35
 
 
+def test_export_refuses_to_average_models_trained_apart(tmp_path):
+    """Two models of one shape trained from different starts average to noise: their weight matrices
+    point apart (cosine near 0), where a fine-tune stays near its start (above 0.99 for the shipped
+    voice's). The export refuses them, naming the matrix; a fine-tune of the first is averaged."""
+    import export
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    start = {"w": torch.randn(64, 64, generator=g), "norm": torch.ones(64)}
+    tuned = {"w": start["w"] + 0.05 * torch.randn(64, 64, generator=g), "norm": torch.ones(64) * 1.01}
+    apart = {"w": torch.randn(64, 64, generator=g), "norm": torch.ones(64)}
+    for name, state in (("start", start), ("tuned", tuned), ("apart", apart)):
+        (tmp_path / name).mkdir()
+        save_file(
+            {k: v.to(torch.bfloat16) for k, v in state.items()}, str(tmp_path / name / "model.safetensors")
+        )
+    export.average_weights([tmp_path / "start", tmp_path / "tuned"], tmp_path)
+    with pytest.raises(SystemExit, match=r"apart .*not a checkpoint or fine-tune of .*start.*'w'"):
+        export.average_weights([tmp_path / "start", tmp_path / "apart"], tmp_path)
+
+
 def test_export_averages_several_runs_weights_and_names_the_teacher(tmp_path):
     import export
     from safetensors.torch import load_file, save_file

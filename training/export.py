@@ -10,11 +10,11 @@ element-wise mean, computed in float32 from the bf16 shards and rounded back to 
 averaging: Vaswani et al., "Attention Is All You Need", 2017, section 6.1, averaged the last checkpoints
 of a run; Izmailov et al., "Averaging Weights Leads to Wider Optima and Better Generalization", 2018; a
 model averaged with its fine-tune keeps more of what the fine-tune did not train: Wortsman et al.,
-"Robust fine-tuning of zero-shot models", 2022). Only the model fields and the weights' names and
-shapes are compared: two models of the same shape trained apart average to noise, and this cannot tell
-them from a model and its fine-tune. train_state.json is the last output's, with the
-averaged steps added, and with `teacher`: the corpus's (`tts eval --voices` speaks its same-text
-references with it).
+"Robust fine-tuning of zero-shot models", 2022). The model fields and the weights' names and
+shapes must match, and every weight matrix must point the way the first model's does (cosine
+similarity at least `MIN_COSINE`): two models of the same shape trained apart average to noise, and
+are refused. train_state.json is the last output's, with the averaged steps added, and with `teacher`:
+the corpus's (`tts eval --voices` speaks its same-text references with it).
 
 Writes config.json (the model's `dual_ar` fields + `tts_runtime`: name, frontend "espeak-ipa:en-us",
 prompt format, sampling defaults, and with `--aligner` the heads the loop guard follows), the weights as bf16
@@ -65,18 +65,40 @@ SAMPLING = SamplingParams(temperature=0.1, top_p=0.5, top_k=10, max_new_frames=6
 GL_CONTEXT, GL_ITERS = 2, 16  # k-means codec's decoder settings (no effect on the codes): see RESULTS.md
 
 
+# The least cosine similarity between a weight matrix of an averaged model and the first model's: a
+# fine-tune or a later checkpoint of one run stays close to it (the shipped voice's fine-tunes: 0.998 and
+# more), a model trained from another start does not (0.02 for the same shape: the mean is noise).
+MIN_COSINE = 0.5
+
+
 def average_weights(folders: list[Path], tmp: Path) -> Path:
     """The element-wise mean of the weights of several train.py outputs (same model shape), written as
-    one bf16 safetensors file in `tmp`. Raises SystemExit when their keys or shapes differ."""
+    one bf16 safetensors file in `tmp`. Raises SystemExit when their keys or shapes differ, or when a
+    weight matrix of one has a cosine similarity below MIN_COSINE with the first's (trained apart)."""
     from safetensors.torch import load_file, save_file
 
     total: dict[str, torch.Tensor] = {}
+    first: dict[str, torch.Tensor] = {}
     for i, folder in enumerate(folders):
         state: dict[str, torch.Tensor] = {}
         for f in weight_files(folder):
             state.update(load_file(str(f)))
         if i and (state.keys() != total.keys() or any(v.shape != total[k].shape for k, v in state.items())):
             raise SystemExit(f"--trained: {folder} holds other weights than {folders[0]}")
+        if not i:
+            first = state
+        for k, v in state.items() if i else ():
+            if v.dim() < 2:  # (norm gains start at 1 in every model: they tell nothing)
+                continue
+            cos = torch.nn.functional.cosine_similarity(
+                v.float().flatten(), first[k].float().flatten(), dim=0
+            )
+            if cos < MIN_COSINE:
+                raise SystemExit(
+                    f"--trained: {folder} is not a checkpoint or fine-tune of {folders[0]}: its {k!r} has a "
+                    f"cosine similarity of {cos:.2f} with it (below {MIN_COSINE}); models trained apart "
+                    "average to noise"
+                )
         for k, v in state.items():
             total[k] = total[k] + v.float() if i else v.float()
     out = tmp / "averaged.safetensors"
