@@ -83,27 +83,34 @@ def average_weights(folders: list[Path], tmp: Path) -> Path:
         state: dict[str, torch.Tensor] = {}
         for f in weight_files(folder):
             state.update(load_file(str(f)))
-        if i and (state.keys() != total.keys() or any(v.shape != total[k].shape for k, v in state.items())):
-            raise SystemExit(f"--trained: {folder} holds other weights than {folders[0]}")
         if not i:
             first = state
-        for k, v in state.items() if i else ():
-            if v.dim() < 2:  # (norm gains start at 1 in every model: they tell nothing)
-                continue
-            cos = torch.nn.functional.cosine_similarity(
-                v.float().flatten(), first[k].float().flatten(), dim=0
+        elif state.keys() != first.keys() or any(v.shape != first[k].shape for k, v in state.items()):
+            raise SystemExit(f"--trained: {folder} holds other weights than {folders[0]}")
+        elif apart := _least_cosine(state, first):
+            raise SystemExit(
+                f"--trained: {folder} is not a checkpoint or fine-tune of {folders[0]}: its {apart[0]!r} has "
+                f"a cosine similarity of {apart[1]:.2f} with it (below {MIN_COSINE}); models trained apart "
+                "average to noise"
             )
-            if cos < MIN_COSINE:
-                raise SystemExit(
-                    f"--trained: {folder} is not a checkpoint or fine-tune of {folders[0]}: its {k!r} has a "
-                    f"cosine similarity of {cos:.2f} with it (below {MIN_COSINE}); models trained apart "
-                    "average to noise"
-                )
         for k, v in state.items():
             total[k] = total[k] + v.float() if i else v.float()
     out = tmp / "averaged.safetensors"
     save_file({k: (v / len(folders)).to(torch.bfloat16) for k, v in total.items()}, str(out))
     return out
+
+
+def _least_cosine(state: dict[str, torch.Tensor], first: dict[str, torch.Tensor]) -> tuple[str, float] | None:
+    """(name, cosine similarity) of the first weight matrix of `state` below MIN_COSINE against the same
+    matrix of `first`, or None. Vectors are skipped: norm gains start at 1 in every model."""
+    for k, v in state.items():
+        if v.dim() >= 2:
+            cos = float(
+                torch.nn.functional.cosine_similarity(v.float().flatten(), first[k].float().flatten(), dim=0)
+            )
+            if cos < MIN_COSINE:
+                return k, cos
+    return None
 
 
 def model_fields(folder: Path) -> dict:
